@@ -1,0 +1,210 @@
+"""OffloadConfig: every knob of the offload engine in one typed, validated place.
+
+Follows megatron-core's config-dataclass style: plain fields with defaults, checked in
+``__post_init__`` so that a bad value fails when the config is built, not deep inside a step.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+HOST_TIER = "host"
+GiB = 1024**3
+MiB = 1024**2
+
+
+class OffloadConfigError(ValueError):
+    """A configuration value is unknown, missing or contradictory. The message names the option."""
+
+
+@dataclass
+class TierBandwidth:
+    """Measured (or user-given) bandwidth of one file tier, in bytes per second."""
+
+    read_bps: float
+    write_bps: float
+
+    def __post_init__(self):
+        if not (self.read_bps > 0 and self.write_bps > 0):
+            raise OffloadConfigError(
+                f"tier bandwidths must be positive, got read={self.read_bps} write={self.write_bps}"
+            )
+
+
+@dataclass
+class OffloadConfig:
+    """Where one rank's optimizer state lives and how it moves.
+
+    ``tiers`` is an ordered list: ``"host"`` (pinned host memory, a capacity-bounded cache) and
+    any number of named file tiers, each with a directory in ``paths``. Order breaks ties in
+    placement (earlier tiers are preferred when the model predicts equal times).
+    """
+
+    tiers: List[str] = field(default_factory=lambda: [HOST_TIER])
+    """Tier names in preference order, e.g. ``["host", "nvme", "pfs"]``."""
+
+    paths: Dict[str, str] = field(default_factory=dict)
+    """Directory for each file tier, e.g. ``{"nvme": "/local/ssd", "pfs": "/lustre/me"}``."""
+
+    host_budget_bytes: Optional[int] = None
+    """Host memory for optimizer state: host-resident subgroups plus pipeline/cache buffers.
+    ``None`` means: everything in host memory when ``tiers == ["host"]``; just the minimum
+    pipeline buffers when ``"host"`` is not listed. Required when host and file tiers are mixed."""
+
+    subgroup_size: int = 100_000_000
+    """Elements per subgroup (the last one is shorter)."""
+
+    prefetch_depth: int = 2
+    """Subgroup reads kept in flight ahead of the update, per file tier."""
+
+    tokens_per_tier: int = 1
+    """Node-wide I/O tokens per tier path: how many processes of a node may do I/O on it at once."""
+
+    io_block_bytes: int = 8 * MiB
+    """Size of one read/write syscall; a multiple of the O_DIRECT alignment."""
+
+    io_threads: int = 4
+    """Worker threads per file tier (their syscalls run without the GIL)."""
+
+    use_odirect: bool = True
+    """Bypass the page cache where the file system allows it; logged where it does not."""
+
+    verify_checksums: bool = True
+    """CRC32 per I/O block, computed on write and verified on read."""
+
+    cache_alternating: bool = True
+    """Alternate the update order each step and keep the tail of one step in spare host
+    buffers, so the next (reversed) step skips their write and read."""
+
+    bandwidths: Dict[str, TierBandwidth] = field(default_factory=dict)
+    """Per file tier: measured bandwidths to use instead of probing."""
+
+    adam_elems_per_s: Optional[float] = None
+    """CPU Adam rate to use instead of measuring it."""
+
+    probe_bytes: int = 256 * MiB
+    """Size of the bandwidth probe file; results are cached per path."""
+
+    pin_memory: Optional[bool] = None
+    """Pin host buffers (for async copies to/from the GPU). ``None``: pin when CUDA is available."""
+
+    adam_kernel: str = "fused"
+    """``"fused"`` (torch's fused CPU AdamW, fastest) or ``"foreach"``/``"single"`` to match an
+    unfused ``torch.optim.AdamW`` bit for bit."""
+
+    run_id: Optional[str] = None
+    """Namespace of this run's files; default from SLURM/torchrun variables or a fresh one."""
+
+    rank: int = 0
+    """Rank whose shard this engine holds; files are namespaced by it."""
+
+    ranks_sharing_node: Optional[int] = None
+    """Processes of this node that place state on the same paths (for the free-space check).
+    ``None``: ``LOCAL_WORLD_SIZE`` from the environment, else 1."""
+
+    def __post_init__(self):
+        if isinstance(self.tiers, str):
+            self.tiers = [t.strip() for t in self.tiers.split(",") if t.strip()]
+        if not self.tiers:
+            raise OffloadConfigError("offload tiers: the list is empty; name at least one tier, e.g. 'host'")
+        if len(set(self.tiers)) != len(self.tiers):
+            raise OffloadConfigError(f"offload tiers: {self.tiers} names a tier twice")
+        for name in self.tiers:
+            if not name.replace("_", "").isalnum():
+                raise OffloadConfigError(f"offload tiers: tier name {name!r} must be alphanumeric")
+        for name in self.file_tiers:
+            if name not in self.paths or not self.paths[name]:
+                raise OffloadConfigError(
+                    f"offload tier {name!r} has no directory: give its path "
+                    f"(--offload-{name}-path DIR)"
+                )
+        extra = set(self.paths) - set(self.file_tiers)
+        if extra:
+            raise OffloadConfigError(
+                f"paths given for {sorted(extra)}, which are not in the offload tiers {self.tiers}"
+            )
+        if self.has_host and self.file_tiers and self.host_budget_bytes is None:
+            raise OffloadConfigError(
+                "offload tiers mix host memory with file tiers but no host budget is set: "
+                "give --offload-host-cache-gb (the host memory this rank may use for optimizer state)"
+            )
+        if not self.file_tiers and self.host_budget_bytes is not None and self.host_budget_bytes <= 0:
+            raise OffloadConfigError("host-only offload needs a positive host budget (or none at all)")
+        if self.host_budget_bytes is not None and self.host_budget_bytes < 0:
+            raise OffloadConfigError(f"host budget must be >= 0 bytes, got {self.host_budget_bytes}")
+        _positive("subgroup size", self.subgroup_size)
+        _positive("prefetch depth", self.prefetch_depth)
+        _positive("tokens per tier", self.tokens_per_tier)
+        _positive("I/O threads", self.io_threads)
+        _positive("probe bytes", self.probe_bytes)
+        if self.io_block_bytes <= 0 or self.io_block_bytes % 4096:
+            raise OffloadConfigError(
+                f"I/O block size must be a positive multiple of 4096 bytes, got {self.io_block_bytes}"
+            )
+        if self.adam_kernel not in ("fused", "foreach", "single"):
+            raise OffloadConfigError(
+                f"adam kernel must be 'fused', 'foreach' or 'single', got {self.adam_kernel!r}"
+            )
+        for name, bw in list(self.bandwidths.items()):
+            if name not in self.file_tiers:
+                raise OffloadConfigError(f"bandwidth given for {name!r}, which is not a file tier")
+            if isinstance(bw, (tuple, list)):
+                self.bandwidths[name] = TierBandwidth(*bw)
+        if self.adam_elems_per_s is not None and self.adam_elems_per_s <= 0:
+            raise OffloadConfigError("Adam rate must be positive")
+
+    @property
+    def has_host(self) -> bool:
+        return HOST_TIER in self.tiers
+
+    @property
+    def file_tiers(self) -> List[str]:
+        return [t for t in self.tiers if t != HOST_TIER]
+
+    def resolved_run_id(self) -> str:
+        if self.run_id:
+            return self.run_id
+        for var in ("MLP_OFFLOAD_RUN_ID", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"):
+            value = os.environ.get(var)
+            if value and value != "none":
+                return _safe_name(value)
+        # Per-process fallback: unique, and files of a dead run are never mistaken for ours.
+        self.run_id = f"pid{os.getpid()}"
+        return self.run_id
+
+    def resolved_ranks_sharing_node(self) -> int:
+        if self.ranks_sharing_node is not None:
+            return self.ranks_sharing_node
+        return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def parse_bandwidths(spec: str) -> Dict[str, TierBandwidth]:
+    """Parse ``"nvme=3.0:2.8,pfs=1.0:0.8"`` (read:write GB/s per tier) into TierBandwidths."""
+    result: Dict[str, TierBandwidth] = {}
+    if not spec:
+        return result
+    for item in spec.split(","):
+        try:
+            name, rates = item.split("=")
+            read_gbps, write_gbps = (float(x) for x in rates.split(":"))
+        except ValueError:
+            raise OffloadConfigError(
+                f"bandwidth {item!r}: expected TIER=READ_GBPS:WRITE_GBPS, e.g. nvme=3.0:2.8"
+            ) from None
+        result[name.strip()] = TierBandwidth(read_gbps * 1e9, write_gbps * 1e9)
+    return result
+
+
+def _positive(what: str, value: int) -> None:
+    if not isinstance(value, int) or value <= 0:
+        raise OffloadConfigError(f"{what} must be a positive integer, got {value!r}")
+
+
+def _safe_name(value: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in value)
+
+
+def split_tier_list(text: str) -> Tuple[str, ...]:
+    return tuple(t.strip() for t in text.split(",") if t.strip())

@@ -1,0 +1,540 @@
+"""OffloadedAdamW: one rank's AdamW state held in host memory and file tiers, updated subgroup by
+subgroup with reads prefetched ahead and writes behind.
+
+Data flow: plan (perf_model) -> tiers (host memory, files) -> this engine. The caller (the
+Megatron adapter, a test, a benchmark) copies low-precision gradients into ``grad_buffer`` and
+calls ``step()``; each updated subgroup's fp32 parameters are handed to ``on_params_updated``.
+
+Host buffers for streamed subgroups ("slots") move through these states:
+  EMPTY/CLEAN -> READING (read in flight) -> READY (reserved for this step) -> updated ->
+  WRITING (write in flight; reusable, a later read waits for it) or DIRTY (kept as cache for the
+  reversed next step, whose first subgroups they are).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+from .config import HOST_TIER, OffloadConfig, TierBandwidth
+from .perf_model import Placement, Prediction, measure_adam_rate, plan_placement, predict_update, probe_tier
+from .schedule import StepSchedule, step_schedule
+from .subgroups import FP32_BYTES, Subgroup, partition
+from .telemetry import StepRecord, TrafficCounters
+from .tiers.files import FileTier, TierIOError
+from .tiers.host import HostMemory
+from .tiers.tokens import TierTokens
+from .update import AdamKernel, convert_grads
+
+log = logging.getLogger("mlp_offload")
+GiB = 1024**3
+
+EMPTY, READING, READY, DIRTY, WRITING = "empty", "reading", "ready", "dirty", "writing"
+_GRAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+# (start, end) element range of the shard that belongs to one hyperparameter group
+Range = Tuple[int, int]
+
+
+class OffloadStateError(RuntimeError):
+    """The engine cannot continue: an earlier I/O failed. The message says what was kept."""
+
+
+@dataclass
+class _StateViews:
+    buf: torch.Tensor  # aligned uint8 buffer holding the three regions
+    param: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    fence: object = None  # returned by on_params_updated; synchronized before overwriting
+
+    @classmethod
+    def over(cls, buf: torch.Tensor, numel: int, region_bytes: int) -> "_StateViews":
+        views = [buf[k * region_bytes: k * region_bytes + numel * FP32_BYTES].view(torch.float32) for k in range(3)]
+        return cls(buf, *views)
+
+    def extents(self, sg: Subgroup) -> List[Tuple[int, torch.Tensor]]:
+        """Its three regions as (file offset, host bytes) pairs in the subgroup's own file layout."""
+        region = self.buf.numel() // 3  # this buffer's region stride (its allocating size)
+        return [(k * sg.region_bytes, self.buf[k * region: k * region + sg.region_bytes]) for k in range(3)]
+
+    def sync_fence(self) -> None:
+        if self.fence is not None:
+            self.fence.synchronize()
+            self.fence = None
+
+    def narrow(self, numel: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.param[:numel], self.exp_avg[:numel], self.exp_avg_sq[:numel]
+
+
+class _Slot:
+    def __init__(self, index: int, views: _StateViews):
+        self.index = index
+        self.views = views
+        self.holder: Optional[int] = None  # subgroup whose state is (or is arriving) here
+        self.state = EMPTY
+        self.future: Optional[Future] = None
+        self.age = 0  # when it last became reusable, for LRU eviction
+
+
+class OffloadedAdamW:
+    """AdamW over a flat fp32 shard whose state lives in host memory and file tiers.
+
+    torch.optim-shaped: ``param_groups`` (dicts with lr, betas, eps, weight_decay; a scheduler may
+    change them between steps), ``step()``, ``state_dict``-style streaming via
+    ``iter_state()``/``load_state()``. ``params`` is the initial value of the shard (any dtype or
+    device); it is read once per subgroup, lazily, and not kept after the first step.
+    """
+
+    def __init__(
+        self,
+        params: torch.Tensor,
+        config: OffloadConfig,
+        *,
+        lr: float = 1e-3,
+        betas: Tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        decoupled_weight_decay: bool = True,
+        groups: Optional[Sequence[Tuple[Sequence[Range], dict]]] = None,
+        grad_dtype: torch.dtype = torch.bfloat16,
+        on_params_updated: Optional[Callable[[int, int, torch.Tensor], object]] = None,
+    ):
+        if params.dim() != 1:
+            raise ValueError(f"params must be a flat 1-D shard, got shape {tuple(params.shape)}")
+        if grad_dtype not in _GRAD_DTYPES:
+            raise ValueError(f"gradient dtype must be one of {_GRAD_DTYPES}, got {grad_dtype}")
+        self.config = config
+        self.numel = params.numel()
+        self.on_params_updated = on_params_updated
+        self.adam = AdamKernel(config.adam_kernel, decoupled_weight_decay)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        self.param_groups = self._build_groups(groups, defaults)
+        self.subgroups = partition(self.numel, config.subgroup_size)
+        self._segments = [self._segments_of(sg) for sg in self.subgroups]
+        self.steps_done = 0  # AdamW's step count (skipped steps do not count)
+        self.closed = False
+        self._tiers: Dict[str, FileTier] = {}
+        self._counters = TrafficCounters(config.file_tiers)
+        try:
+            self._setup(params, grad_dtype)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- setup ---------------------------------------------------------------------------------
+    def _setup(self, params: torch.Tensor, grad_dtype: torch.dtype) -> None:
+        cfg = self.config
+        self.host = HostMemory(cfg.host_budget_bytes, cfg.pin_memory)
+        run_id = cfg.resolved_run_id()
+        for name in cfg.file_tiers:
+            tokens = TierTokens(cfg.paths[name], cfg.tokens_per_tier)
+            self._tiers[name] = FileTier(
+                name, cfg.paths[name], run_id, cfg.rank, cfg.io_block_bytes, cfg.io_threads,
+                op_threads=cfg.prefetch_depth + 2, use_odirect=cfg.use_odirect,
+                verify_checksums=cfg.verify_checksums, tokens=tokens)
+        self.rates = self._measure_rates()
+        free = {name: tier.free_bytes() for name, tier in self._tiers.items()}
+        self.placement: Placement = plan_placement(self.subgroups, cfg, self.rates, free)
+        self.prediction: Prediction = predict_update(
+            self.subgroups, self.placement, self.rates, self.adam_rate, self.convert_rate)
+
+        # Buffers: gradients (outside the state budget: the caller's gradient staging), one fp32
+        # scratch for converted gradients, resident subgroups, and slots for streamed ones.
+        self.grad_buffer = self.host.allocate(self.numel * grad_dtype.itemsize, "gradient buffer",
+                                              counted=False).view(grad_dtype)
+        largest = max(sg.numel for sg in self.subgroups)
+        self._grad_scratch = torch.empty(largest, dtype=torch.float32)
+        self._resident: Dict[int, _StateViews] = {}
+        for i, tier in enumerate(self.placement.tier_of):
+            if tier == HOST_TIER:
+                sg = self.subgroups[i]
+                views = _StateViews.over(self.host.allocate(sg.state_bytes, f"subgroup {i}"), sg.numel, sg.region_bytes)
+                views.param.copy_(params[sg.start:sg.end])
+                views.exp_avg.zero_()
+                views.exp_avg_sq.zero_()
+                self._resident[i] = views
+        slot_sg = max(self.subgroups, key=lambda sg: sg.numel)
+        self._slots = [
+            _Slot(k, _StateViews.over(self.host.allocate(slot_sg.state_bytes, f"pipeline buffer {k}"),
+                                      slot_sg.numel, slot_sg.region_bytes))
+            for k in range(self.placement.slots)
+        ]
+        self._slot_of: Dict[int, _Slot] = {}
+        # Streamed subgroups start "fresh": their first read copies from ``params`` and zeroes m, v.
+        self._fresh = {i for i, t in enumerate(self.placement.tier_of) if t != HOST_TIER}
+        self._source = params if self._fresh else None
+        self._age = 0
+        self._schedule = self._schedule_for(0)
+        self._cursor = 0
+        self._inflight = {name: 0 for name in self._tiers}
+        self._failure: Optional[BaseException] = None
+        self.log_placement()
+        self.prefetch()
+
+    def _measure_rates(self) -> Dict[str, TierBandwidth]:
+        cfg = self.config
+        rates: Dict[str, TierBandwidth] = {}
+        for name, tier in self._tiers.items():
+            if name in cfg.bandwidths:
+                rates[name] = cfg.bandwidths[name]
+            else:
+                probe_buf = self.host.allocate(cfg.probe_bytes, "bandwidth probe", counted=False)
+                rates[name] = probe_tier(tier, probe_buf)
+                del probe_buf
+        self.adam_rate = cfg.adam_elems_per_s or measure_adam_rate(
+            lambda p, g, m, v, step: self.adam(p, g, m, v, step=step))
+        self.convert_rate = _measure_convert_rate()
+        return rates
+
+    def _build_groups(self, groups, defaults) -> List[dict]:
+        if groups is None:
+            return [dict(defaults, ranges=[(0, self.numel)])]
+        result = []
+        covered = []
+        for ranges, options in groups:
+            unknown = set(options) - set(defaults) - {"ranges"}
+            if unknown:
+                raise ValueError(f"unknown param-group options {sorted(unknown)}")
+            ranges = [(int(a), int(b)) for a, b in ranges]
+            for a, b in ranges:
+                if not 0 <= a < b <= self.numel:
+                    raise ValueError(f"param-group range ({a}, {b}) is outside the shard of {self.numel}")
+            covered.extend(ranges)
+            result.append(dict(defaults, **options, ranges=ranges))
+        covered.sort()
+        for (a0, b0), (a1, b1) in zip(covered, covered[1:]):
+            if a1 < b0:
+                raise ValueError(f"param-group ranges overlap: ({a0}, {b0}) and ({a1}, {b1})")
+        return result
+
+    def _segments_of(self, sg: Subgroup) -> List[Tuple[int, int, int]]:
+        """Its pieces as (local start, local end, group index), in order."""
+        segs = []
+        for g, group in enumerate(self.param_groups):
+            for a, b in group["ranges"]:
+                lo, hi = max(a, sg.start), min(b, sg.end)
+                if lo < hi:
+                    segs.append((lo - sg.start, hi - sg.start, g))
+        return sorted(segs)
+
+    def _schedule_for(self, step_index: int) -> StepSchedule:
+        return step_schedule(step_index, self.placement.tier_of, self.placement.cache_slots,
+                             self.config.cache_alternating)
+
+    def log_placement(self) -> None:
+        p, cfg = self.placement, self.config
+        counts = {t: len(p.subgroups_on(t)) for t in [HOST_TIER] + cfg.file_tiers}
+        rates = ", ".join(
+            f"{t} r {r.read_bps / 1e9:.2f} w {r.write_bps / 1e9:.2f} GB/s"
+            + ("" if self._tiers[t].odirect else " (buffered)") for t, r in self.rates.items())
+        log.info(
+            "offload rank %d: %d params in %d subgroups; placement %s; %d host buffers (%d cache); "
+            "host state %.2f GiB; adam %.2f Gelem/s%s; %s",
+            cfg.rank, self.numel, len(self.subgroups), counts, p.slots, p.cache_slots,
+            p.host_state_bytes / GiB, self.adam_rate / 1e9, "; " + rates if rates else "",
+            self.prediction.describe())
+
+    # -- the update ----------------------------------------------------------------------------
+    def step(self, *, unscale: Optional[float] = None, clip_coef: Optional[float] = None,
+             skip: bool = False) -> StepRecord:
+        """One AdamW step over the whole shard from the gradients in ``grad_buffer``.
+
+        ``unscale`` (1/loss-scale) and ``clip_coef`` multiply the fp32 gradients in that order;
+        ``skip`` (found inf/nan) leaves all state untouched.
+        """
+        self._check_usable()
+        if skip:
+            return StepRecord(step=self.steps_done, skipped=True, tiers=self._counters.take())
+        t_start = time.perf_counter()
+        sched = self._schedule
+        step = self.steps_done + 1
+        rec = StepRecord(step=step, streamed=len(sched.streamed), resident=len(self._resident),
+                         predicted_update_s=self.prediction.update_s)
+        try:
+            for i in sched.order:
+                sg = self.subgroups[i]
+                if i in self._resident:
+                    views = self._resident[i]
+                    views.sync_fence()
+                else:
+                    views, hit = self._await_state(i, rec)
+                    rec.cache_hits += hit
+                t0 = time.perf_counter()
+                grad = self._grad_scratch[: sg.numel]
+                convert_grads(self.grad_buffer[sg.start:sg.end], grad, unscale, clip_coef)
+                t1 = time.perf_counter()
+                self._adam_subgroup(i, views, grad, step)
+                t2 = time.perf_counter()
+                if self.on_params_updated is not None:
+                    views.fence = self.on_params_updated(sg.start, sg.end, views.param[: sg.numel])
+                t3 = time.perf_counter()
+                rec.convert_s += t1 - t0
+                rec.adam_s += t2 - t1
+                rec.callback_s += t3 - t2
+                if i not in self._resident:
+                    self._release_after_update(i, keep=i in sched.keep)
+        except BaseException as err:
+            self._failure = err
+            raise
+        self.steps_done = step
+        self._schedule = self._schedule_for(self.steps_done)
+        self._cursor = 0
+        self._issue_reads()  # the next step's first reads run under the caller's forward/backward
+        rec.update_s = time.perf_counter() - t_start
+        rec.tiers = self._counters.take()
+        return rec
+
+    def _adam_subgroup(self, i: int, views: _StateViews, grad: torch.Tensor, step: int) -> None:
+        param, exp_avg, exp_avg_sq = views.narrow(self.subgroups[i].numel)
+        for lo, hi, g in self._segments[i]:
+            group = self.param_groups[g]
+            beta1, beta2 = group["betas"]
+            self.adam(param[lo:hi], grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], step=step,
+                      lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                      weight_decay=group["weight_decay"])
+
+    def prefetch(self) -> None:
+        """Start reading the next step's first subgroups now (e.g. as forward begins)."""
+        self._check_usable()
+        self._issue_reads()
+
+    def flush(self) -> None:
+        """Wait until every write issued so far is on its tier (cached dirty ones stay in memory)."""
+        for slot in self._slots:
+            if slot.state == WRITING:
+                self._wait_write(slot)
+
+    # -- slots -----------------------------------------------------------------------------------
+    def _issue_reads(self) -> None:
+        """Issue reads in update order, up to ``prefetch_depth`` per tier, while buffers allow."""
+        streamed = self._schedule.streamed
+        while self._cursor < len(streamed):
+            i = streamed[self._cursor]
+            slot = self._slot_of.get(i)
+            if slot is not None and slot.state in (READING, READY):
+                self._cursor += 1  # already issued
+                continue
+            if slot is not None and slot.state in (DIRTY, WRITING, EMPTY):
+                # Still in host memory from earlier (kept, or written but not yet reused): a hit.
+                if slot.state == WRITING:
+                    self._wait_write(slot)
+                slot.state = READY
+                slot.future = None
+                self._cursor += 1
+                continue
+            tier = self.placement.tier_of[i]
+            if self._inflight[tier] >= self.config.prefetch_depth:
+                return
+            slot = self._reusable_slot()
+            if slot is None:
+                return
+            self._start_read(i, slot)
+            self._cursor += 1
+
+    def _reusable_slot(self) -> Optional[_Slot]:
+        candidates = [s for s in self._slots if s.state in (EMPTY, WRITING)]
+        if not candidates:
+            return None
+        # Prefer buffers that are already free, then the longest-reusable (its write is oldest).
+        return min(candidates, key=lambda s: (s.state != EMPTY or s.holder is not None, s.age))
+
+    def _start_read(self, i: int, slot: _Slot) -> None:
+        previous_write, previous_views = slot.future if slot.state == WRITING else None, slot.views
+        if slot.holder is not None:
+            self._slot_of.pop(slot.holder, None)
+        sg = self.subgroups[i]
+        tier = self._tiers[self.placement.tier_of[i]]
+
+        def buffer_free():
+            if previous_write is not None:
+                previous_write.result()  # raises if that write failed: its data is still here
+            previous_views.sync_fence()
+
+        if i in self._fresh:
+            future = tier.submit(self._materialize, i, slot.views, buffer_free)
+        else:
+            future = tier.submit_read(_file_key(i), slot.views.extents(sg), before=buffer_free)
+            future.add_done_callback(self._counted(tier.name, "read"))
+        slot.holder, slot.state, slot.future = i, READING, future
+        self._slot_of[i] = slot
+        self._inflight[tier.name] += 1
+
+    def _materialize(self, i: int, views: _StateViews, buffer_free: Callable):
+        buffer_free()
+        sg = self.subgroups[i]
+        param, exp_avg, exp_avg_sq = views.narrow(sg.numel)
+        param.copy_(self._source[sg.start:sg.end])
+        exp_avg.zero_()
+        exp_avg_sq.zero_()
+        return None
+
+    def _await_state(self, i: int, rec: StepRecord) -> Tuple[_StateViews, bool]:
+        slot = self._slot_of.get(i)
+        if slot is None or slot.state not in (READING, READY):
+            self._issue_reads()
+            slot = self._slot_of.get(i)
+            if slot is None or slot.state not in (READING, READY):
+                raise RuntimeError(f"internal: no buffer could be assigned to subgroup {i}")
+        hit = slot.state == READY and slot.future is None
+        if slot.state == READING:
+            t0 = time.perf_counter()
+            try:
+                slot.future.result()
+            except BaseException as err:
+                raise self._read_failed(i, err) from err
+            rec.read_wait_s += time.perf_counter() - t0
+            self._inflight[self.placement.tier_of[i]] -= 1
+            self._fresh.discard(i)
+            if not self._fresh:
+                self._source = None  # every subgroup is materialized: drop the caller's tensor
+        slot.state, slot.future = READY, None
+        self._issue_reads()
+        return slot.views, hit
+
+    def _release_after_update(self, i: int, keep: bool) -> None:
+        slot = self._slot_of[i]
+        self._age += 1
+        slot.age = self._age
+        if keep:
+            slot.state = DIRTY
+            return
+        tier = self._tiers[self.placement.tier_of[i]]
+        slot.future = tier.submit_write(_file_key(i), slot.views.extents(self.subgroups[i]))
+        slot.future.add_done_callback(self._counted(tier.name, "write"))
+        slot.state = WRITING
+        self._issue_reads()
+
+    def _wait_write(self, slot: _Slot) -> None:
+        try:
+            slot.future.result()
+        except BaseException as err:
+            self._failure = err
+            raise OffloadStateError(
+                f"writing subgroup {slot.holder} failed: {err}. Its state is still in host memory; "
+                f"save a checkpoint to another path before stopping") from err
+        slot.state, slot.future = EMPTY, None
+
+    def _counted(self, tier: str, kind: str):
+        def on_done(future: Future):
+            if future.exception() is None:
+                self._counters.add(tier, kind, future.result())
+        return on_done
+
+    def _read_failed(self, i: int, err: BaseException) -> BaseException:
+        self._failure = err
+        if isinstance(err, (TierIOError, OffloadStateError)):
+            return OffloadStateError(f"subgroup {i}: {err}")
+        return OffloadStateError(f"reading subgroup {i} from tier {self.placement.tier_of[i]} failed: {err}")
+
+    def _check_usable(self) -> None:
+        if self.closed:
+            raise OffloadStateError("the offload engine is closed")
+        if self._failure is not None:
+            raise OffloadStateError(f"the offload engine stopped after an earlier error: {self._failure}")
+
+    # -- whole-state access (checkpoints, tests) ------------------------------------------------
+    def iter_state(self) -> Iterator[Tuple[Subgroup, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Each subgroup's (param, exp_avg, exp_avg_sq), streamed one at a time from its tier.
+
+        The tensors are valid until the next item is requested; nothing gathers the whole state.
+        """
+        self._check_usable()
+        self.flush()
+        scratch = None
+        for i, sg in enumerate(self.subgroups):
+            views = self._current_views(i)
+            if views is None:
+                if scratch is None:
+                    scratch = self._scratch_views()
+                views = scratch
+                self._fill_from_tier(i, views)
+            yield (sg, *views.narrow(sg.numel))
+
+    def load_state(self, fill: Callable[[Subgroup, torch.Tensor, torch.Tensor, torch.Tensor], None],
+                   steps_done: int) -> None:
+        """Replace the whole state: ``fill`` writes each subgroup's three fp32 tensors in place."""
+        self._check_usable()
+        self.flush()
+        for slot in self._slots:  # the in-memory copies are about to be stale
+            if slot.state == READING:
+                slot.future.result()
+            slot.state, slot.future, slot.holder = EMPTY, None, None
+        self._slot_of.clear()
+        self._inflight = {name: 0 for name in self._tiers}
+        scratch = None
+        for i, sg in enumerate(self.subgroups):
+            if i in self._resident:
+                views = self._resident[i]
+                fill(sg, *views.narrow(sg.numel))
+                continue
+            if scratch is None:
+                scratch = self._scratch_views()
+            fill(sg, *scratch.narrow(sg.numel))
+            tier = self._tiers[self.placement.tier_of[i]]
+            tier.submit_write(_file_key(i), scratch.extents(sg)).result()
+        self._fresh.clear()
+        self._source = None
+        self.steps_done = steps_done
+        self._schedule = self._schedule_for(steps_done)
+        self._cursor = 0
+        self._issue_reads()
+
+    def _current_views(self, i: int) -> Optional[_StateViews]:
+        if i in self._resident:
+            return self._resident[i]
+        slot = self._slot_of.get(i)
+        if slot is not None and slot.state in (READING, READY, DIRTY):
+            if slot.state == READING:
+                slot.future.result()
+                self._inflight[self.placement.tier_of[i]] -= 1
+                self._fresh.discard(i)
+                slot.state, slot.future = READY, None
+            return slot.views
+        return None
+
+    def _fill_from_tier(self, i: int, views: _StateViews) -> None:
+        if i in self._fresh:
+            self._materialize(i, views, lambda: None)
+        else:
+            tier = self._tiers[self.placement.tier_of[i]]
+            tier.submit_read(_file_key(i), views.extents(self.subgroups[i])).result()
+
+    def _scratch_views(self) -> _StateViews:
+        # Outside the budget on purpose: used only while saving or loading a checkpoint.
+        sg = max(self.subgroups, key=lambda s: s.numel)
+        return _StateViews.over(self.host.allocate(sg.state_bytes, "checkpoint buffer", counted=False),
+                                sg.numel, sg.region_bytes)
+
+    # -- teardown --------------------------------------------------------------------------------
+    def close(self, remove_files: bool = True) -> None:
+        """Finish in-flight I/O and remove this rank's files (on clean exit and handled errors)."""
+        if self.closed:
+            return
+        self.closed = True
+        for tier in self._tiers.values():
+            tier.close(remove_files=remove_files)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _file_key(i: int) -> str:
+    return f"sg{i:06d}.state"
+
+
+def _measure_convert_rate(numel: int = 1 << 22) -> float:
+    src = torch.randn(numel).to(torch.bfloat16)
+    dst = torch.empty(numel)
+    dst.copy_(src)
+    start = time.perf_counter()
+    dst.copy_(src)
+    return numel / max(time.perf_counter() - start, 1e-9)

@@ -1,0 +1,242 @@
+"""I/O performance model: measured rates in, placement and a predicted update time out.
+
+Rates: each file tier's read/write bandwidth (a short probe through the tier's own I/O path,
+cached per path) and the CPU Adam rate. Placement: how many subgroups stay resident in the host
+budget, how many spare host buffers serve as pipeline and cache, and which file tier holds each
+of the rest, chosen so that all file tiers finish their share at about the same time.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from .config import HOST_TIER, OffloadConfig, TierBandwidth
+from .subgroups import Subgroup
+from .tiers.files import FileTier, TierIOError
+
+log = logging.getLogger("mlp_offload")
+GiB = 1024**3
+PROBE_CACHE = ".mlp_offload_probe.json"
+PROBE_CACHE_MAX_AGE_S = 7 * 24 * 3600
+
+
+class PlacementError(RuntimeError):
+    """The state does not fit the given host budget and tier capacities."""
+
+
+# -- rates -----------------------------------------------------------------------------------
+def probe_tier(tier: FileTier, host_buffer: torch.Tensor) -> TierBandwidth:
+    """Write then read ``host_buffer`` through ``tier``; cached in the tier directory.
+
+    A file lock serializes probes of one path, so ranks starting together neither disturb each
+    other's measurement nor probe the same path more than once.
+    """
+    cache_path = os.path.join(tier.root, PROBE_CACHE)
+    signature = {
+        "bytes": host_buffer.numel(),
+        "block_bytes": tier.block_bytes,
+        "odirect": tier.odirect,
+        "threads": tier._blocks._max_workers,
+    }
+    with open(cache_path + ".lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        cached = _read_probe_cache(cache_path, signature)
+        if cached is not None:
+            return cached
+        key = f".probe.{os.getpid()}"
+        extents = [(0, host_buffer)]
+        start = time.perf_counter()
+        tier.submit_write(key, extents).result()
+        _fsync_path(tier.path_of(key))
+        write_s = time.perf_counter() - start
+        start = time.perf_counter()
+        tier.submit_read(key, extents).result()
+        read_s = time.perf_counter() - start
+        os.unlink(tier.path_of(key))
+        nbytes = host_buffer.numel()
+        result = TierBandwidth(read_bps=nbytes / read_s, write_bps=nbytes / write_s)
+        try:
+            with open(cache_path, "w") as f:
+                json.dump({**signature, "read_bps": result.read_bps, "write_bps": result.write_bps,
+                           "measured_at": time.time()}, f)
+        except OSError as err:
+            log.warning("tier %s: could not cache the bandwidth probe in %s: %s", tier.name, cache_path, err)
+        return result
+
+
+def _read_probe_cache(path: str, signature: dict) -> Optional[TierBandwidth]:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        if any(data.get(k) != v for k, v in signature.items()):
+            return None
+        if time.time() - data["measured_at"] > PROBE_CACHE_MAX_AGE_S:
+            return None
+        return TierBandwidth(data["read_bps"], data["write_bps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # absent or unreadable cache: measure again
+
+
+def _fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def measure_adam_rate(adam_step, numel: int = 1 << 22, repeats: int = 3) -> float:
+    """Elements per second of the engine's Adam kernel on this CPU (best of ``repeats``)."""
+    tensors = [torch.randn(numel) for _ in range(4)]
+    tensors[3].abs_()
+    best = float("inf")
+    for i in range(repeats + 1):
+        start = time.perf_counter()
+        adam_step(tensors[0], tensors[1], tensors[2], tensors[3], step=i + 1)
+        if i:  # the first call warms up threads and caches
+            best = min(best, time.perf_counter() - start)
+    return numel / best
+
+
+# -- placement -------------------------------------------------------------------------------
+@dataclass
+class Placement:
+    tier_of: List[str]  # per subgroup: "host" (resident) or a file tier name
+    slots: int  # host buffers for streamed subgroups (pipeline + cache)
+    cache_slots: int  # of those, kept across steps for the reversed order
+    host_state_bytes: int  # resident state + slots, counted against the host budget
+
+    def subgroups_on(self, tier: str) -> List[int]:
+        return [i for i, t in enumerate(self.tier_of) if t == tier]
+
+
+@dataclass
+class Prediction:
+    update_s: float
+    adam_s: float
+    tier_s: Dict[str, float] = field(default_factory=dict)
+    read_bytes: Dict[str, int] = field(default_factory=dict)
+    write_bytes: Dict[str, int] = field(default_factory=dict)
+    cache_hits: int = 0
+
+    def describe(self) -> str:
+        tiers = " ".join(
+            f"{t}:{self.read_bytes[t] / 1e9:.2f}GBr/{self.write_bytes[t] / 1e9:.2f}GBw/{s:.2f}s"
+            for t, s in self.tier_s.items()
+        )
+        return f"predicted update {self.update_s:.3f}s (adam {self.adam_s:.3f}s{', ' + tiers if tiers else ''})"
+
+
+def plan_placement(
+    subgroups: Sequence[Subgroup],
+    config: OffloadConfig,
+    rates: Dict[str, TierBandwidth],
+    free_bytes: Dict[str, int],
+) -> Placement:
+    """Decide residency, slots and each streamed subgroup's file tier."""
+    n = len(subgroups)
+    slot_bytes = max(sg.state_bytes for sg in subgroups)
+    file_tiers = config.file_tiers
+    budget = config.host_budget_bytes
+    total_state = sum(sg.state_bytes for sg in subgroups)
+
+    if not file_tiers:
+        if budget is not None and budget < total_state:
+            raise PlacementError(
+                f"host-only offload: the optimizer state needs {total_state / GiB:.3f} GiB but the "
+                f"host budget is {budget / GiB:.3f} GiB; raise --offload-host-cache-gb or add a file tier"
+            )
+        return Placement([HOST_TIER] * n, 0, 0, total_state)
+
+    wanted_slots = config.prefetch_depth * len(file_tiers) + 1
+    min_slots = 2  # one subgroup in the update while the next one is read
+    if budget is None:
+        budget = wanted_slots * slot_bytes  # no "host" tier: just the pipeline's buffers
+    if budget < min_slots * slot_bytes:
+        raise PlacementError(
+            f"host budget {budget / GiB:.3f} GiB is below the pipeline's minimum of {min_slots} "
+            f"subgroup buffers ({min_slots * slot_bytes / GiB:.3f} GiB at subgroup size "
+            f"{config.subgroup_size}); raise --offload-host-cache-gb or lower --offload-subgroup-size"
+        )
+    pipeline_slots = min(wanted_slots, budget // slot_bytes)
+    if pipeline_slots < wanted_slots:
+        log.warning(
+            "host budget allows %d subgroup buffers, fewer than prefetch depth %d x %d tiers + 1; "
+            "prefetch will be shallower", pipeline_slots, config.prefetch_depth, len(file_tiers))
+
+    # Residents: as many as fit beside the pipeline, spread evenly over the order so the update
+    # always has CPU work while file reads are in flight.
+    residents = 0
+    if config.has_host:
+        # Counted at the largest subgroup's size, so residents plus slots never exceed the budget.
+        residents = min(n, (budget - pipeline_slots * slot_bytes) // slot_bytes)
+    if residents >= n:
+        return Placement([HOST_TIER] * n, 0, 0, total_state)
+    resident_set = {(i * n) // residents for i in range(residents)} if residents else set()
+    resident_bytes = sum(subgroups[i].state_bytes for i in resident_set)
+    streamed = [i for i in range(n) if i not in resident_set]
+
+    # Spare budget becomes extra slots: each one caches a subgroup across the step boundary.
+    slots = min((budget - resident_bytes) // slot_bytes, len(streamed) + pipeline_slots)
+    cache_slots = max(0, min(slots - 1, len(streamed))) if config.cache_alternating else 0
+
+    # Streamed subgroups go, in order, to the tier that would finish its share soonest:
+    # greedy list scheduling, which also interleaves tiers so their reads overlap.
+    sharing = config.resolved_ranks_sharing_node()
+    finish = {t: 0.0 for t in file_tiers}
+    used = {t: 0 for t in file_tiers}
+    tier_of = [HOST_TIER] * n
+    for i in streamed:
+        sg = subgroups[i]
+        candidates = [t for t in file_tiers if (used[t] + sg.state_bytes) * sharing <= free_bytes[t]]
+        if not candidates:
+            need = sum(subgroups[j].state_bytes for j in streamed) * sharing
+            have = ", ".join(f"{t} {free_bytes[t] / GiB:.2f} GiB free" for t in file_tiers)
+            raise PlacementError(
+                f"not enough disk space for the offloaded state: {need / GiB:.2f} GiB needed on file "
+                f"tiers ({sharing} rank(s) of this node), {have}; free space, add a tier path, or "
+                f"raise --offload-host-cache-gb"
+            )
+        cost = {t: sg.state_bytes * (1 / rates[t].read_bps + 1 / rates[t].write_bps) for t in candidates}
+        best = min(candidates, key=lambda t: (finish[t] + cost[t], file_tiers.index(t)))
+        finish[best] += cost[best]
+        used[best] += sg.state_bytes
+        tier_of[i] = best
+    return Placement(tier_of, slots, cache_slots, resident_bytes + slots * slot_bytes)
+
+
+def predict_update(
+    subgroups: Sequence[Subgroup],
+    placement: Placement,
+    rates: Dict[str, TierBandwidth],
+    adam_elems_per_s: float,
+    convert_elems_per_s: float,
+) -> Prediction:
+    """Predicted steady-state update time: compute and each tier's I/O overlap, the slowest wins.
+
+    With the alternating order, the cache slots hold the previous step's tail, so those subgroups
+    are neither written nor read; the first streamed read after the hits is not hidden.
+    """
+    numel = sum(sg.numel for sg in subgroups)
+    adam_s = numel / adam_elems_per_s + numel / convert_elems_per_s
+    streamed = [i for i, t in enumerate(placement.tier_of) if t != HOST_TIER]
+    hits = set(streamed[-placement.cache_slots:]) if placement.cache_slots else set()
+    pred = Prediction(update_s=adam_s, adam_s=adam_s, cache_hits=len(hits))
+    for tier in dict.fromkeys(t for t in placement.tier_of if t != HOST_TIER):
+        moved = sum(subgroups[i].state_bytes for i in streamed if placement.tier_of[i] == tier and i not in hits)
+        pred.read_bytes[tier] = moved
+        pred.write_bytes[tier] = moved
+        pred.tier_s[tier] = moved / rates[tier].read_bps + moved / rates[tier].write_bps
+    if pred.tier_s:
+        first = next((i for i in streamed if i not in hits), None)
+        fill = subgroups[first].state_bytes / rates[placement.tier_of[first]].read_bps if first is not None else 0.0
+        pred.update_s = max(adam_s, max(pred.tier_s.values()) + fill)
+    return pred

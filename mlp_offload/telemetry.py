@@ -1,0 +1,88 @@
+"""Per-step telemetry: where the update's time went, what each tier moved, and the prediction."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Dict, List, Tuple
+
+from .tiers.files import OpResult
+
+
+@dataclass
+class TierTraffic:
+    read_bytes: int = 0
+    write_bytes: int = 0
+    read_busy_s: float = 0.0
+    write_busy_s: float = 0.0
+    token_wait_s: float = 0.0
+
+    @property
+    def read_gbps(self) -> float:
+        return self.read_bytes / self.read_busy_s / 1e9 if self.read_busy_s else 0.0
+
+    @property
+    def write_gbps(self) -> float:
+        return self.write_bytes / self.write_busy_s / 1e9 if self.write_busy_s else 0.0
+
+
+class TrafficCounters:
+    """Thread-safe running totals, fed by I/O completions; ``take()`` returns and resets them."""
+
+    def __init__(self, tiers: List[str]):
+        self._lock = threading.Lock()
+        self._tiers = list(tiers)
+        self._current = {t: TierTraffic() for t in tiers}
+
+    def add(self, tier: str, kind: str, result: OpResult) -> None:
+        with self._lock:
+            c = self._current[tier]
+            c.token_wait_s += result.token_wait_s
+            if kind == "read":
+                c.read_bytes += result.nbytes
+                c.read_busy_s += result.busy_s
+            else:
+                c.write_bytes += result.nbytes
+                c.write_busy_s += result.busy_s
+
+    def take(self) -> Dict[str, TierTraffic]:
+        with self._lock:
+            taken = self._current
+            self._current = {t: TierTraffic() for t in self._tiers}
+            return taken
+
+
+@dataclass
+class StepRecord:
+    """One optimizer step. I/O totals cover what completed since the previous record, so reads
+    prefetched during forward/backward and writes finished behind the caller are counted too."""
+
+    step: int
+    skipped: bool = False
+    update_s: float = 0.0
+    read_wait_s: float = 0.0  # update blocked waiting for state to arrive
+    slot_wait_s: float = 0.0  # update blocked waiting for a buffer to be written out
+    convert_s: float = 0.0
+    adam_s: float = 0.0
+    callback_s: float = 0.0
+    cache_hits: int = 0
+    streamed: int = 0
+    resident: int = 0
+    predicted_update_s: float = 0.0
+    tiers: Dict[str, TierTraffic] = field(default_factory=dict)
+    events: List[Tuple[str, int, float, float]] = field(default_factory=list)  # (what, subgroup, t0, t1)
+
+    def line(self) -> str:
+        """One log fragment: measured vs predicted update, phases, per-tier bandwidth, cache."""
+        parts = [
+            f"update {self.update_s:.3f}s (pred {self.predicted_update_s:.3f}s)",
+            f"adam {self.adam_s:.3f}s conv {self.convert_s:.3f}s wait {self.read_wait_s + self.slot_wait_s:.3f}s",
+        ]
+        for name, t in self.tiers.items():
+            parts.append(
+                f"{name} r {t.read_bytes / 1e9:.2f}GB@{t.read_gbps:.2f}GB/s "
+                f"w {t.write_bytes / 1e9:.2f}GB@{t.write_gbps:.2f}GB/s"
+            )
+        if self.streamed:
+            parts.append(f"cache hits {self.cache_hits}/{self.streamed}")
+        return " | ".join(parts)

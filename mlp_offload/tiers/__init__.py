@@ -1,0 +1,1 @@
+"""Storage tiers for optimizer state: host memory and any number of file paths."""

@@ -1,0 +1,285 @@
+"""One file tier: a directory holding subgroup state files, with its own asynchronous I/O pipeline.
+
+Each read or write of a subgroup is one *operation*, run on the tier's small operation pool: it
+takes the node-wide token, then splits its byte ranges into blocks that the block pool's threads
+move with ``os.pwrite``/``os.preadv`` (these release the GIL, so the threads really run in
+parallel). Files are opened with O_DIRECT where the file system allows it, from ALIGN-aligned
+host buffers. Each block carries a CRC32, checked when it is read back.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import shutil
+import socket
+import time
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..subgroups import ALIGN
+from .tokens import TierTokens
+
+log = logging.getLogger("mlp_offload")
+GiB = 1024**3
+
+# One contiguous piece of a transfer: (offset in the file, aligned uint8 host tensor).
+Extent = Tuple[int, torch.Tensor]
+
+
+class TierPathError(RuntimeError):
+    """A tier directory is missing, not a directory, or not writable."""
+
+
+class TierIOError(RuntimeError):
+    """A read or write on a tier failed (disk full, path gone, read-only, ...)."""
+
+
+class TierDataError(RuntimeError):
+    """Data read back from a tier is truncated or does not match its checksum."""
+
+
+@dataclass
+class OpResult:
+    nbytes: int
+    busy_s: float  # time moving data, token wait excluded
+    token_wait_s: float
+
+
+def check_tier_dir(name: str, path: str) -> str:
+    """Resolve and validate a tier directory; errors name the flag that set it."""
+    flag = f"--offload-{name}-path"
+    if not os.path.exists(path):
+        raise TierPathError(f"{flag} {path}: the directory does not exist")
+    if not os.path.isdir(path):
+        raise TierPathError(f"{flag} {path}: not a directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise TierPathError(f"{flag} {path}: not writable by this process (uid {os.getuid()})")
+    return os.path.realpath(path)
+
+
+class FileTier:
+    """Subgroup files of one rank under ``<root>/mlp_offload/<run_id>/rank<r>/``."""
+
+    def __init__(
+        self,
+        name: str,
+        root: str,
+        run_id: str,
+        rank: int,
+        block_bytes: int,
+        io_threads: int,
+        op_threads: int,
+        use_odirect: bool = True,
+        verify_checksums: bool = True,
+        tokens: Optional[TierTokens] = None,
+    ):
+        self.name = name
+        self.root = check_tier_dir(name, root)
+        self.dir = os.path.join(self.root, "mlp_offload", run_id, f"rank{rank:05d}")
+        try:
+            os.makedirs(self.dir, exist_ok=True)
+            self._write_owner_file()
+        except OSError as err:
+            raise TierPathError(f"--offload-{name}-path {root}: cannot create {self.dir}: {err}") from err
+        self.block_bytes = block_bytes
+        self.verify_checksums = verify_checksums
+        self.tokens = tokens
+        self.odirect = use_odirect and self._odirect_supported()
+        if use_odirect and not self.odirect:
+            log.warning(
+                "tier %s (%s): the file system does not support O_DIRECT (tmpfs?); "
+                "using buffered I/O, so bandwidths include the page cache",
+                name,
+                self.root,
+            )
+        self._blocks = ThreadPoolExecutor(io_threads, thread_name_prefix=f"mlp-io-{name}")
+        self._ops = ThreadPoolExecutor(op_threads, thread_name_prefix=f"mlp-op-{name}")
+        self._crcs: Dict[str, List[int]] = {}
+        self._sizes: Dict[str, int] = {}
+        self.closed = False
+
+    # -- public API ------------------------------------------------------------------------
+    def path_of(self, key: str) -> str:
+        return os.path.join(self.dir, key)
+
+    def submit_write(self, key: str, extents: Sequence[Extent], before: Optional[Callable] = None) -> Future:
+        """Write ``extents`` to file ``key``; ``before`` runs first in the operation's thread."""
+        return self._ops.submit(self._run_op, "write", key, list(extents), before)
+
+    def submit_read(self, key: str, extents: Sequence[Extent], before: Optional[Callable] = None) -> Future:
+        """Read file ``key`` into ``extents``; ``before`` runs first (e.g. wait for the buffer)."""
+        return self._ops.submit(self._run_op, "read", key, list(extents), before)
+
+    def submit(self, fn: Callable, *args) -> Future:
+        """Run ``fn`` on the operation pool (for work ordered with this tier's I/O)."""
+        return self._ops.submit(fn, *args)
+
+    def free_bytes(self) -> int:
+        st = os.statvfs(self.root)
+        return st.f_bavail * st.f_frsize
+
+    def has(self, key: str) -> bool:
+        return key in self._sizes
+
+    def close(self, remove_files: bool = True) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._ops.shutdown(wait=True)
+        self._blocks.shutdown(wait=True)
+        if remove_files:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            _remove_if_empty(os.path.dirname(self.dir))
+            _remove_if_empty(os.path.dirname(os.path.dirname(self.dir)))
+
+    # -- operations ------------------------------------------------------------------------
+    def _run_op(self, kind: str, key: str, extents: List[Extent], before: Optional[Callable]) -> OpResult:
+        if before is not None:
+            before()
+        token_wait = self.tokens.acquire() if self.tokens else 0.0
+        try:
+            start = time.perf_counter()
+            if kind == "write":
+                nbytes = self._write(key, extents)
+            else:
+                nbytes = self._read(key, extents)
+            return OpResult(nbytes, time.perf_counter() - start, token_wait)
+        finally:
+            if self.tokens:
+                self.tokens.release()
+
+    def _blocks_of(self, extents: List[Extent]):
+        for file_off, buf in extents:
+            n = buf.numel()
+            mv = memoryview(buf.numpy())
+            for pos in range(0, n, self.block_bytes):
+                yield file_off + pos, mv[pos : min(pos + self.block_bytes, n)]
+
+    def _open(self, path: str, flags: int) -> int:
+        if self.odirect:
+            flags |= os.O_DIRECT
+        return os.open(path, flags, 0o600)
+
+    def _write(self, key: str, extents: List[Extent]) -> int:
+        path = self.path_of(key)
+        try:
+            fd = self._open(path, os.O_WRONLY | os.O_CREAT)
+        except OSError as err:
+            raise self._io_error("open for writing", path, err) from err
+        try:
+            blocks = list(self._blocks_of(extents))
+            futures = [self._blocks.submit(_pwrite_block, fd, off, mv, self.verify_checksums) for off, mv in blocks]
+            crcs = self._collect(futures, "write", path)
+        finally:
+            os.close(fd)
+        self._crcs[key] = crcs
+        self._sizes[key] = sum(len(mv) for _, mv in blocks)
+        return self._sizes[key]
+
+    def _read(self, key: str, extents: List[Extent]) -> int:
+        path = self.path_of(key)
+        if key not in self._sizes:
+            raise TierDataError(f"tier {self.name}: {path} was never written by this run")
+        try:
+            fd = self._open(path, os.O_RDONLY)
+        except OSError as err:
+            raise self._io_error("open for reading", path, err) from err
+        try:
+            blocks = list(self._blocks_of(extents))
+            futures = [self._blocks.submit(_pread_block, fd, off, mv, self.verify_checksums) for off, mv in blocks]
+            crcs = self._collect(futures, "read", path)
+        finally:
+            os.close(fd)
+        if self.verify_checksums:
+            expected = self._crcs[key]
+            for i, (got, want) in enumerate(zip(crcs, expected)):
+                if got != want:
+                    off = blocks[i][0]
+                    raise TierDataError(
+                        f"tier {self.name}: {path} is corrupt: checksum mismatch in the block at "
+                        f"byte {off} ({len(blocks[i][1])} bytes); the data was not used"
+                    )
+        return sum(len(mv) for _, mv in blocks)
+
+    def _collect(self, futures: List[Future], what: str, path: str) -> List[int]:
+        wait(futures)
+        results = []
+        for f in futures:
+            err = f.exception()
+            if err is None:
+                results.append(f.result())
+            elif isinstance(err, TierDataError):
+                raise TierDataError(f"tier {self.name}: {path}: {err}") from err
+            elif isinstance(err, OSError):
+                raise self._io_error(what, path, err) from err
+            else:
+                raise err
+        return results
+
+    def _io_error(self, what: str, path: str, err: OSError) -> TierIOError:
+        hint = {
+            errno.ENOSPC: f"the file system is full ({self.free_bytes() / GiB:.2f} GiB free); "
+            f"free space, use another --offload-{self.name}-path, or raise --offload-host-cache-gb",
+            errno.EDQUOT: "the disk quota is exhausted; free space or use another path",
+            errno.EROFS: "the file system is read-only; use a writable --offload-" + self.name + "-path",
+            errno.EACCES: "permission denied; use a writable --offload-" + self.name + "-path",
+            errno.ENOENT: "the tier directory disappeared during the run",
+        }.get(err.errno, "")
+        return TierIOError(f"tier {self.name}: {what} {path} failed: {err.strerror or err}" + (f" ({hint})" if hint else ""))
+
+    # -- setup helpers -----------------------------------------------------------------------
+    def _odirect_supported(self) -> bool:
+        probe = os.path.join(self.dir, ".odirect_probe")
+        buf = torch.zeros(2 * ALIGN, dtype=torch.uint8)
+        shift = (-buf.data_ptr()) % ALIGN
+        try:
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
+        except OSError:
+            return False
+        try:
+            os.pwrite(fd, memoryview(buf[shift : shift + ALIGN].numpy()), 0)
+            return True
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+            os.unlink(probe)
+
+    def _write_owner_file(self) -> None:
+        # Lets a later run recognise files left behind by a dead one (never reused silently).
+        owner = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
+        with open(os.path.join(self.dir, "OWNER.json"), "w") as f:
+            json.dump(owner, f)
+
+
+def _pwrite_block(fd: int, off: int, mv: memoryview, checksum: bool) -> int:
+    done = 0
+    while done < len(mv):
+        done += os.pwrite(fd, mv[done:], off + done)
+    return zlib.crc32(mv) if checksum else 0
+
+
+def _pread_block(fd: int, off: int, mv: memoryview, checksum: bool) -> int:
+    done = 0
+    while done < len(mv):
+        n = os.preadv(fd, [mv[done:]], off + done)
+        if n == 0:
+            raise TierDataError(
+                f"truncated: expected {len(mv)} bytes at offset {off}, the file ends after {done}"
+            )
+        done += n
+    return zlib.crc32(mv) if checksum else 0
+
+
+def _remove_if_empty(path: str) -> None:
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass

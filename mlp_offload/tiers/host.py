@@ -1,0 +1,58 @@
+"""Host memory for optimizer state: aligned (and, with CUDA, pinned) buffers under a byte budget."""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from ..subgroups import ALIGN
+
+log = logging.getLogger("mlp_offload")
+GiB = 1024**3
+
+
+class HostMemoryError(RuntimeError):
+    """Host memory could not be had: over the budget, or the OS refused to pin it."""
+
+
+def pinning_available() -> bool:
+    return torch.cuda.is_available()
+
+
+class HostMemory:
+    """Hands out aligned uint8 buffers and counts them against a budget.
+
+    Pinned buffers let the GPU copy to and from them asynchronously; without CUDA they are plain
+    memory. Alignment to ALIGN lets file tiers do O_DIRECT I/O straight from these buffers.
+    """
+
+    def __init__(self, budget_bytes: Optional[int], pin: Optional[bool] = None):
+        self.budget_bytes = budget_bytes
+        self.pin = pinning_available() if pin is None else pin
+        if self.pin and not pinning_available():
+            raise HostMemoryError("pinned host memory was requested but CUDA is not available")
+        self.used_bytes = 0
+
+    def allocate(self, nbytes: int, what: str, counted: bool = True) -> torch.Tensor:
+        """An ALIGN-aligned uint8 buffer of ``nbytes``; ``counted`` ones count against the budget."""
+        if counted and self.budget_bytes is not None and self.used_bytes + nbytes > self.budget_bytes:
+            raise HostMemoryError(
+                f"host budget exceeded allocating {what}: {nbytes / GiB:.3f} GiB needed, "
+                f"{(self.budget_bytes - self.used_bytes) / GiB:.3f} GiB of "
+                f"{self.budget_bytes / GiB:.3f} GiB left (raise --offload-host-cache-gb)"
+            )
+        try:
+            raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=self.pin)
+        except RuntimeError as err:
+            kind = "pinned " if self.pin else ""
+            raise HostMemoryError(
+                f"could not allocate {nbytes / GiB:.3f} GiB of {kind}host memory for {what} "
+                f"({self.used_bytes / GiB:.3f} GiB already held): {err}. Lower "
+                f"--offload-host-cache-gb, or raise the locked-memory limit (ulimit -l)"
+            ) from err
+        shift = (-raw.data_ptr()) % ALIGN
+        if counted:
+            self.used_bytes += nbytes
+        return raw[shift : shift + nbytes]

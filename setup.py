@@ -1,0 +1,17 @@
+from setuptools import find_namespace_packages, setup
+
+# megatron/ is a namespace-package portion beside megatron-core's megatron.core: it has no
+# __init__.py, so find_namespace_packages picks up megatron.training without shadowing megatron.
+setup(
+    name="mlp-offload",
+    version="0.1.0",
+    description="Megatron-style training with multi-level, multi-path optimizer-state offload",
+    packages=find_namespace_packages(include=["megatron.training*", "mlp_offload*"]),
+    python_requires=">=3.10",
+    install_requires=["torch", "numpy"],
+    extras_require={
+        # psutil: megatron-core's dist_checkpointing needs it but does not declare it.
+        "megatron": ["megatron-core==0.16.1", "psutil"],
+        "test": ["pytest", "megatron-core==0.16.1", "psutil"],
+    },
+)
