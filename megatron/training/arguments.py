@@ -1,0 +1,263 @@
+"""Command-line arguments in Megatron-LM flag style.
+
+``parse_args(argv)`` returns an ``argparse.Namespace``. Syntax and cross-flag consistency are
+checked here, and every error goes through ``parser.error`` (a message naming the flag, exit
+status 2, no traceback). The offload group is parsed but its semantics are checked by
+``mlp_offload.config.OffloadConfig`` when the offload optimizer is built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from typing import List, Optional
+
+_PATH_FLAG = re.compile(r"^--offload-([A-Za-z0-9_]+)-path(?:=(.*))?$")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _tier_list(text: str) -> List[str]:
+    tiers = [t.strip() for t in text.split(",") if t.strip()]
+    if not tiers:
+        raise argparse.ArgumentTypeError("expected a comma-separated list of tier names, e.g. host,nvme")
+    for name in tiers:
+        if not re.fullmatch(r"[A-Za-z0-9_]+", name):
+            raise argparse.ArgumentTypeError(f"tier name {name!r} must be alphanumeric")
+    if len(set(tiers)) != len(tiers):
+        raise argparse.ArgumentTypeError(f"{text!r} names a tier twice")
+    return tiers
+
+
+def _bandwidths(text: str) -> str:
+    for item in text.split(","):
+        if not re.fullmatch(r"\s*[A-Za-z0-9_]+\s*=\s*[0-9.eE+-]+\s*:\s*[0-9.eE+-]+\s*", item):
+            raise argparse.ArgumentTypeError(
+                f"{item!r}: expected TIER=READ_GBPS:WRITE_GBPS, e.g. nvme=3.0:2.8")
+    return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="Megatron-style GPT pretraining on megatron-core",
+                                allow_abbrev=False)
+
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=_positive_int, required=True)
+    g.add_argument("--hidden-size", type=_positive_int, required=True)
+    g.add_argument("--ffn-hidden-size", type=_positive_int, default=None,
+                   help="default 4*hidden (or 8/3*hidden rounded to 64 with --swiglu)")
+    g.add_argument("--num-attention-heads", type=_positive_int, required=True)
+    g.add_argument("--num-query-groups", type=_positive_int, default=None, help="GQA KV heads")
+    g.add_argument("--seq-length", type=_positive_int, required=True)
+    g.add_argument("--max-position-embeddings", type=_positive_int, default=None)
+    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
+    g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"],
+                   default="learned_absolute")
+    g.add_argument("--rotary-base", type=int, default=10000)
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--disable-bias-linear", action="store_true")
+    g.add_argument("--hidden-dropout", type=_non_negative_float, default=0.1)
+    g.add_argument("--attention-dropout", type=_non_negative_float, default=0.1)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
+    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
+    g.add_argument("--recompute-num-layers", type=_positive_int, default=None)
+
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=_positive_int, required=True)
+    g.add_argument("--global-batch-size", type=_positive_int, default=None)
+    g.add_argument("--train-iters", type=_positive_int, required=True)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--loss-scale", type=float, default=None, help="fp16 static loss scale")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
+    g.add_argument("--tensor-model-parallel-size", type=_positive_int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=_positive_int, default=1)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--use-distributed-optimizer", dest="use_distributed_optimizer",
+                   action="store_true", default=True)
+    g.add_argument("--no-use-distributed-optimizer", dest="use_distributed_optimizer",
+                   action="store_false")
+    g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--overlap-param-gather", action="store_true")
+    g.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
+
+    g = p.add_argument_group("optimizer")
+    g.add_argument("--lr", type=_non_negative_float, required=True)
+    g.add_argument("--min-lr", type=_non_negative_float, default=0.0)
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="linear")
+    g.add_argument("--lr-decay-iters", type=_positive_int, default=None)
+    g.add_argument("--lr-warmup-iters", type=_non_negative_int, default=0)
+    g.add_argument("--weight-decay", type=_non_negative_float, default=0.01)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--clip-grad", type=_non_negative_float, default=1.0)
+
+    g = p.add_argument_group("logging, evaluation, checkpoints")
+    g.add_argument("--log-interval", type=_positive_int, default=1)
+    g.add_argument("--eval-interval", type=_positive_int, default=None)
+    g.add_argument("--eval-iters", type=_non_negative_int, default=2)
+    g.add_argument("--save", type=str, default=None)
+    g.add_argument("--load", type=str, default=None)
+    g.add_argument("--save-interval", type=_positive_int, default=None)
+    g.add_argument("--loss-log", type=str, default=None,
+                   help="JSONL file: one {iteration, loss, lr, grad_norm} line per iteration")
+
+    g = p.add_argument_group("data")
+    g.add_argument("--mock-data", action="store_true")
+    g.add_argument("--data-path", nargs="+", default=None,
+                   help="prefixes of .bin/.idx files, optionally weighted: [W1] P1 [W2] P2 ...")
+    g.add_argument("--split", type=str, default="969,30,1")
+    g.add_argument("--tokenizer-type", choices=["ByteLevelTokenizer"], default="ByteLevelTokenizer")
+    g.add_argument("--vocab-size", type=_positive_int, default=None,
+                   help="padded vocab size; default: tokenizer's size rounded up to 128*TP")
+    g.add_argument("--num-workers", type=_non_negative_int, default=0)
+    g.add_argument("--data-cache-path", type=str, default=None)
+
+    g = p.add_argument_group("optimizer offload (see mlp_offload.config.OffloadConfig)")
+    g.add_argument("--offload-tiers", type=_tier_list, default=None,
+                   help="comma list, e.g. host,nvme,pfs; default: no offload. "
+                        "Each file tier XXX needs --offload-XXX-path DIR")
+    g.add_argument("--offload-host-cache-gb", type=_non_negative_float, default=None)
+    g.add_argument("--offload-subgroup-size", type=_positive_int, default=100_000_000)
+    g.add_argument("--offload-prefetch-depth", type=_positive_int, default=2)
+    g.add_argument("--offload-tokens-per-tier", type=_positive_int, default=1)
+    g.add_argument("--offload-io-block-mb", type=_positive_int, default=8)
+    g.add_argument("--offload-io-threads", type=_positive_int, default=4)
+    g.add_argument("--offload-bandwidths", type=_bandwidths, default=None)
+    g.add_argument("--offload-adam-kernel", choices=["fused", "foreach", "single"], default="fused")
+    g.add_argument("--offload-no-cache", action="store_true")
+    g.add_argument("--offload-no-odirect", action="store_true")
+    g.add_argument("--offload-no-checksums", action="store_true")
+    g.add_argument("--offload-cpu-threads", type=_positive_int, default=None)
+    return p
+
+
+def _parse_offload_paths(parser, rest: List[str]) -> dict:
+    """Take ``--offload-XXX-path DIR`` (or ``=DIR``) pairs out of the unknown arguments."""
+    paths = {}
+    leftover = []
+    i = 0
+    while i < len(rest):
+        match = _PATH_FLAG.match(rest[i])
+        if not match:
+            leftover.append(rest[i])
+            i += 1
+            continue
+        flag = f"--offload-{match.group(1)}-path"
+        value = match.group(2)
+        if value is None:
+            if i + 1 >= len(rest) or rest[i + 1].startswith("--"):
+                parser.error(f"argument {flag}: expected one argument (a directory)")
+            value = rest[i + 1]
+            i += 2
+        else:
+            i += 1
+        if not value:
+            parser.error(f"argument {flag}: the directory must not be empty")
+        if match.group(1) in paths:
+            parser.error(f"argument {flag}: given twice")
+        paths[match.group(1)] = value
+    if leftover:
+        parser.error(f"unrecognized arguments: {' '.join(leftover)}")
+    return paths
+
+
+def _validate(parser, args) -> None:
+    if args.bf16 and args.fp16:
+        parser.error("argument --fp16: not allowed with --bf16")
+    if args.hidden_size % args.num_attention_heads:
+        parser.error("argument --num-attention-heads: must divide --hidden-size "
+                     f"({args.hidden_size} % {args.num_attention_heads} != 0)")
+    if args.num_query_groups is not None and args.num_attention_heads % args.num_query_groups:
+        parser.error("argument --num-query-groups: must divide --num-attention-heads")
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if args.num_attention_heads % tp:
+        parser.error("argument --tensor-model-parallel-size: must divide --num-attention-heads")
+    if args.num_query_groups is not None and args.num_query_groups % tp:
+        parser.error("argument --tensor-model-parallel-size: must divide --num-query-groups")
+    if args.num_layers % pp:
+        parser.error("argument --pipeline-model-parallel-size: must divide --num-layers")
+    if args.sequence_parallel and tp == 1:
+        args.sequence_parallel = False  # meaningless without TP, as in Megatron-LM
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.seq_length > args.max_position_embeddings:
+        parser.error("argument --seq-length: exceeds --max-position-embeddings")
+    if args.min_lr > args.lr:
+        parser.error("argument --min-lr: must be <= --lr")
+    if args.mock_data == bool(args.data_path):
+        parser.error("argument --data-path: give exactly one of --mock-data or --data-path")
+    if (args.save_interval is not None) and not args.save:
+        parser.error("argument --save-interval: requires --save DIR")
+    if args.recompute_method is not None and args.recompute_granularity != "full":
+        parser.error("argument --recompute-method: requires --recompute-granularity full")
+    if args.recompute_granularity == "full" and args.recompute_method is None:
+        args.recompute_method = "uniform"
+    if args.recompute_granularity == "full" and args.recompute_num_layers is None:
+        args.recompute_num_layers = 1
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    try:
+        split = [float(s) for s in re.split(r"[,/]", args.split)]
+        assert len(split) <= 3 and sum(split) > 0 and min(split) >= 0
+    except (ValueError, AssertionError):
+        parser.error(f"argument --split: expected up to 3 non-negative weights like 969,30,1, got {args.split!r}")
+
+
+def _validate_offload(parser, args) -> None:
+    tiers = args.offload_tiers
+    file_tiers = [t for t in (tiers or []) if t != "host"]
+    for name in args.offload_paths:
+        if name == "host":
+            parser.error("argument --offload-host-path: the host tier lives in memory and takes no path")
+        if name not in file_tiers:
+            parser.error(f"argument --offload-{name}-path: tier {name!r} is not in --offload-tiers "
+                         f"({','.join(tiers) if tiers else 'not given'})")
+    for name in file_tiers:
+        if name not in args.offload_paths:
+            parser.error(f"argument --offload-{name}-path: required because --offload-tiers names "
+                         f"the file tier {name!r}")
+    if tiers is None:
+        others = [flag for flag, value, default in (
+            ("--offload-host-cache-gb", args.offload_host_cache_gb, None),
+            ("--offload-bandwidths", args.offload_bandwidths, None),
+        ) if value != default]
+        if others:
+            parser.error(f"argument {others[0]}: requires --offload-tiers")
+    if args.offload_bandwidths:
+        for item in args.offload_bandwidths.split(","):
+            name = item.split("=")[0].strip()
+            if name not in file_tiers:
+                parser.error(f"argument --offload-bandwidths: {name!r} is not a file tier in --offload-tiers")
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    args.offload_paths = _parse_offload_paths(parser, rest)
+    _validate(parser, args)
+    _validate_offload(parser, args)
+    return args

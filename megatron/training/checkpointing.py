@@ -1,0 +1,132 @@
+"""Checkpoint save/load through megatron-core ``dist_checkpointing``.
+
+Layout (as Megatron-LM): ``SAVE/iter_0000005/`` (a dist_checkpointing directory) and
+``SAVE/latest_checkpointed_iteration.txt``. One checkpoint holds the model's sharded state, the
+optimizer's ``dp_reshardable`` sharded state, the LR scheduler, iteration, consumed samples and
+every rank's RNG states, so a resumed run continues bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Optional
+
+import numpy as np
+import torch
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+TRACKER = "latest_checkpointed_iteration.txt"
+OPTIMIZER_SHARDING = "dp_reshardable"
+
+
+def _unwrap(chunk):
+    """DDP -> Float16Module/GPTModel: DDP itself has no sharded_state_dict."""
+    return chunk.module if hasattr(chunk, "module") else chunk
+
+
+def _model_sharded_state_dict(model):
+    if len(model) == 1:
+        return _unwrap(model[0]).sharded_state_dict()
+    return {f"model{i}": _unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(model)}
+
+
+def _rng_state():
+    state = {
+        "random": random.getstate(),
+        "np_random": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state) -> None:
+    random.setstate(state["random"])
+    np.random.set_state(state["np_random"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _rng_sharded_object(state):
+    """Every rank's RNG state, keyed by its (pp, tp, dp) coordinates."""
+    ps = parallel_state
+    shape = (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size(),
+             ps.get_data_parallel_world_size())
+    offset = (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(),
+              ps.get_data_parallel_rank())
+    return ShardedObject("rng_state", state, shape, offset, replica_id=0)
+
+
+def _state_dict(model, optimizer, scheduler, iteration, consumed_samples, is_loading):
+    model_sd = _model_sharded_state_dict(model)
+    return {
+        "model": model_sd,
+        "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
+                                                  sharding_type=OPTIMIZER_SHARDING),
+        "opt_param_scheduler": scheduler.state_dict(),
+        "iteration": iteration,
+        "consumed_train_samples": consumed_samples,
+        "rng_state": _rng_sharded_object(_rng_state()),
+    }
+
+
+def checkpoint_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, consumed_samples: int) -> str:
+    path = checkpoint_dir(root, iteration)
+    rank = torch.distributed.get_rank()
+    if rank == 0:
+        os.makedirs(path, exist_ok=True)
+    torch.distributed.barrier()
+    state = _state_dict(model, optimizer, scheduler, iteration, consumed_samples, is_loading=False)
+    dist_checkpointing.save(state, path)
+    torch.distributed.barrier()
+    if rank == 0:  # written last: a crash mid-save leaves the previous checkpoint as the latest
+        tmp = os.path.join(root, TRACKER + ".tmp")
+        with open(tmp, "w") as f:
+            f.write(str(iteration))
+        os.replace(tmp, os.path.join(root, TRACKER))
+    torch.distributed.barrier()
+    return path
+
+
+def latest_iteration(root: str) -> Optional[int]:
+    tracker = os.path.join(root, TRACKER)
+    if not os.path.exists(tracker):
+        return None
+    with open(tracker) as f:
+        text = f.read().strip()
+    try:
+        return int(text)
+    except ValueError:
+        raise SystemExit(f"error: argument --load: {tracker} holds {text!r}, not an iteration number")
+
+
+def load_checkpoint(root: str, model, optimizer, scheduler):
+    """Restore everything; returns (iteration, consumed_samples), or (0, 0) when nothing is saved."""
+    if not os.path.isdir(root):
+        raise SystemExit(f"error: argument --load: {root} is not a directory")
+    iteration = latest_iteration(root)
+    if iteration is None:
+        return 0, 0
+    path = checkpoint_dir(root, iteration)
+    template = _state_dict(model, optimizer, scheduler, 0, 0, is_loading=True)
+    state = dist_checkpointing.load(template, path)
+    if len(model) == 1:
+        _unwrap(model[0]).load_state_dict(state["model"])
+    else:
+        for i, chunk in enumerate(model):
+            _unwrap(chunk).load_state_dict(state[f"model{i}"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["opt_param_scheduler"])
+    _set_rng_state(state["rng_state"])
+    torch.distributed.barrier()
+    return state["iteration"], state["consumed_train_samples"]

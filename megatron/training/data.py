@@ -1,0 +1,180 @@
+"""Tokenizer, datasets and the resumable micro-batch iterator.
+
+- ``ByteLevelTokenizer``: UTF-8 bytes are tokens 0..255, plus EOD and PAD. Nothing to download.
+- ``MockGPTData``: deterministic, learnable sequences derived from (seed, sample index) only.
+- ``build_gpt_datasets``: real data through megatron-core's indexed datasets and
+  ``BlendedMegatronDatasetBuilder`` / ``GPTDataset``.
+- ``MicroBatchIterator``: Megatron's pretraining sampler order, restartable from consumed samples.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict, List, Optional
+
+import numpy as np
+import torch
+from megatron.core.tokenizers import MegatronTokenizerBase
+
+
+class ByteLevelTokenizer(MegatronTokenizerBase):
+    """Bytes 0..255, then special tokens EOD=256 and PAD=257."""
+
+    NUM_BYTES = 256
+
+    def __init__(self):
+        super().__init__(path="byte-level", config={})
+        self._eod = self.NUM_BYTES
+        self._pad = self.NUM_BYTES + 1
+
+    def tokenize(self, text: str) -> List[int]:
+        return list(text.encode("utf-8"))
+
+    def detokenize(self, ids) -> str:
+        return bytes(int(i) for i in ids if 0 <= int(i) < self.NUM_BYTES).decode("utf-8", errors="replace")
+
+    @property
+    def vocab(self) -> Dict[str, int]:
+        vocab = {chr(i) if 32 <= i < 127 else f"<0x{i:02X}>": i for i in range(self.NUM_BYTES)}
+        vocab.update({"<eod>": self._eod, "<pad>": self._pad})
+        return vocab
+
+    @property
+    def inv_vocab(self) -> Dict[int, str]:
+        return {v: k for k, v in self.vocab.items()}
+
+    @property
+    def vocab_size(self) -> int:
+        return self.NUM_BYTES + 2
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+    @property
+    def eos(self) -> int:
+        return self._eod
+
+    @property
+    def pad(self) -> int:
+        return self._pad
+
+    def apply_chat_template(self, *args, **kwargs):
+        raise NotImplementedError("the byte-level tokenizer has no chat template")
+
+    def __repr__(self) -> str:  # part of megatron-core's dataset cache key: keep it stable
+        return "ByteLevelTokenizer(vocab_size=258)"
+
+
+def build_tokenizer(args) -> ByteLevelTokenizer:
+    if args.tokenizer_type != "ByteLevelTokenizer":
+        raise SystemExit(f"error: argument --tokenizer-type: unsupported {args.tokenizer_type!r}")
+    return ByteLevelTokenizer()
+
+
+def padded_vocab_size(args, tokenizer) -> int:
+    """--vocab-size if given (must hold the tokenizer), else rounded up to 128 x TP as in Megatron-LM."""
+    if args.vocab_size is not None:
+        if args.vocab_size < tokenizer.vocab_size:
+            raise SystemExit(f"error: argument --vocab-size: {args.vocab_size} is smaller than the "
+                             f"tokenizer's {tokenizer.vocab_size} tokens")
+        if args.vocab_size % args.tensor_model_parallel_size:
+            raise SystemExit("error: argument --vocab-size: must be divisible by --tensor-model-parallel-size")
+        return args.vocab_size
+    multiple = 128 * args.tensor_model_parallel_size
+    return -(-tokenizer.vocab_size // multiple) * multiple
+
+
+class MockGPTData(torch.utils.data.Dataset):
+    """Arithmetic byte sequences (random start and stride per sample): learnable, so loss falls fast.
+
+    Sample ``i`` depends only on (seed, i), so every rank and every restart sees the same data.
+    """
+
+    def __init__(self, seq_length: int, seed: int, num_samples: int = 1 << 30):
+        self.seq_length = seq_length
+        self.seed = seed
+        self.num_samples = num_samples
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, idx: int) -> Dict[str, torch.Tensor]:
+        rng = np.random.default_rng([self.seed, idx])
+        start = int(rng.integers(0, 256))
+        stride = int(rng.integers(1, 8))
+        text = torch.from_numpy((start + stride * np.arange(self.seq_length + 1)) % 256).long()
+        return {
+            "tokens": text[:-1].contiguous(),
+            "labels": text[1:].contiguous(),
+            "loss_mask": torch.ones(self.seq_length, dtype=torch.float),
+            "position_ids": torch.arange(self.seq_length, dtype=torch.long),
+        }
+
+
+def _split_string(split: str) -> str:
+    return split.replace("/", ",")
+
+
+def build_gpt_datasets(args, tokenizer, train_samples: int, eval_samples: int):
+    """(train, valid) datasets: mock, or megatron-core GPTDatasets over --data-path."""
+    if args.mock_data:
+        return (MockGPTData(args.seq_length, args.seed),
+                MockGPTData(args.seq_length, args.seed + 1))
+
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    from megatron.core.datasets.utils import get_blend_from_list
+
+    for prefix in args.data_path:
+        if prefix.replace(".", "", 1).isdigit():
+            continue  # a weight
+        for ext in (".bin", ".idx"):
+            if not os.path.exists(prefix + ext):
+                raise SystemExit(f"error: argument --data-path: {prefix + ext} does not exist "
+                                 "(make it with tools/preprocess_data.py)")
+    config = GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=get_blend_from_list(args.data_path),
+        split=_split_string(args.split),
+        path_to_cache=args.data_cache_path,
+        tokenizer=tokenizer,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,
+        mmap_bin_files=True,
+    )
+    train, valid, _test = BlendedMegatronDatasetBuilder(
+        GPTDataset, [train_samples, eval_samples, 0], lambda: True, config).build()
+    if train is None:
+        raise SystemExit("error: argument --split: gives the training split no documents")
+    return train, valid
+
+
+class MicroBatchIterator:
+    """Yields this data-parallel rank's micro-batches in Megatron's sampler order.
+
+    Global step g covers samples [g*gbs, (g+1)*gbs); within it, micro-batch m of DP rank r is
+    ``mbs`` consecutive samples starting at g*gbs + m*mbs*dp + r*mbs. Restart by passing the
+    consumed-sample count. Datasets shorter than the run wrap around.
+    """
+
+    def __init__(self, dataset, consumed_samples: int, micro_batch_size: int,
+                 dp_rank: int, dp_size: int):
+        self.dataset = dataset
+        self.next_sample = consumed_samples
+        self.mbs = micro_batch_size
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Dict[str, torch.Tensor]:
+        first = self.next_sample + self.dp_rank * self.mbs
+        self.next_sample += self.mbs * self.dp_size
+        n = len(self.dataset)
+        samples = [self.dataset[(first + k) % n] for k in range(self.mbs)]
+        return torch.utils.data.default_collate(samples)

@@ -1,0 +1,80 @@
+"""Process-group, model-parallel and RNG initialization."""
+
+from __future__ import annotations
+
+import os
+import random
+from datetime import timedelta
+
+import numpy as np
+import torch
+
+
+def select_device(requested: str) -> torch.device:
+    if requested == "auto":
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("error: argument --device: cuda requested but no CUDA device is available")
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def _init_process_group(device: torch.device) -> None:
+    if torch.distributed.is_initialized():
+        return
+    # Single-process runs without torchrun still need a (size-1) group for megatron-core.
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    torch.distributed.init_process_group(backend=backend, timeout=timedelta(minutes=10))
+
+
+def set_seeds(seed: int, device: torch.device) -> None:
+    """Seed python/numpy/torch per pipeline stage and megatron-core's TP RNG tracker."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    # Different pipeline stages hold different layers; give each its own stream, as Megatron-LM does.
+    seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    # On CPU this seeds the CPU generator through cpu_compat's redirection.
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def initialize(args) -> torch.device:
+    """Set up everything before the model is built; returns the compute device."""
+    device = select_device(args.device)
+    args.device_resolved = device.type
+    if device.type == "cpu":
+        from megatron.training import cpu_compat
+
+        cpu_compat.apply()
+    _init_process_group(device)
+
+    from megatron.core import parallel_state
+
+    world = torch.distributed.get_world_size()
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if world % (tp * pp):
+        raise SystemExit(f"error: argument --tensor-model-parallel-size/--pipeline-model-parallel-size: "
+                         f"TP*PP={tp * pp} does not divide the world size {world}")
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
+                                             pipeline_model_parallel_size=pp)
+    args.rank = torch.distributed.get_rank()
+    args.world_size = world
+    args.data_parallel_size = world // (tp * pp)
+    per_step = args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size is None:
+        args.global_batch_size = per_step
+    if args.global_batch_size % per_step:
+        raise SystemExit(f"error: argument --global-batch-size: {args.global_batch_size} is not a multiple "
+                         f"of micro-batch-size x data-parallel-size = {per_step}")
+    args.num_microbatches = args.global_batch_size // per_step
+    set_seeds(args.seed, device)
+    return device

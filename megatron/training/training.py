@@ -1,0 +1,380 @@
+"""The pretraining loop: model, optimizer, schedule, logging, evaluation, checkpoints.
+
+Built from megatron-core pieces: GPTModel (via the caller's model provider), its
+DistributedDataParallel, ``get_megatron_optimizer`` (or the offload optimizer, see
+``build_optimizer``), ``OptimizerParamScheduler`` and ``get_forward_backward_func``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from typing import Callable, List, Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.module import Float16Module
+
+from megatron.training import checkpointing
+from megatron.training.arguments import parse_args
+from megatron.training.data import (MicroBatchIterator, build_tokenizer, padded_vocab_size)
+from megatron.training.initialize import initialize
+
+
+# ----------------------------------------------------------------------------- configuration
+
+def _params_dtype(args):
+    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+
+
+def transformer_config(args) -> TransformerConfig:
+    """TransformerConfig from Megatron-LM style flags; fusions needing apex/TE stay off."""
+    ffn = args.ffn_hidden_size
+    if ffn is None:
+        # SwiGLU keeps the MLP's parameter count at ~8h^2 (as Megatron-LM's default), rounded to 64.
+        ffn = (int(8 * args.hidden_size / 3 + 63) // 64) * 64 if args.swiglu else 4 * args.hidden_size
+    dtype = _params_dtype(args)
+    return TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=ffn,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std,
+        normalization=args.normalization,
+        gated_linear_unit=args.swiglu,
+        activation_func=F.silu if args.swiglu else F.gelu,
+        add_bias_linear=not args.disable_bias_linear,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        bf16=args.bf16,
+        fp16=args.fp16,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method if args.recompute_granularity == "full" else None,
+        recompute_num_layers=args.recompute_num_layers if args.recompute_granularity == "full" else None,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        use_cpu_initialization=False,
+        deallocate_pipeline_outputs=True,
+    )
+
+
+def optimizer_config(args) -> OptimizerConfig:
+    return OptimizerConfig(
+        optimizer="adam",
+        lr=args.lr,
+        min_lr=args.min_lr,
+        weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps,
+        clip_grad=args.clip_grad,
+        bf16=args.bf16,
+        fp16=args.fp16,
+        params_dtype=_params_dtype(args),
+        loss_scale=args.loss_scale,
+        initial_loss_scale=args.initial_loss_scale,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+    )
+
+
+# ----------------------------------------------------------------------------- model and optimizer
+
+def build_model(args, config, model_provider: Callable, device) -> List[torch.nn.Module]:
+    """One model chunk per rank (no virtual pipeline), cast to 16 bit and wrapped in DDP."""
+    pre = parallel_state.is_pipeline_first_stage()
+    post = parallel_state.is_pipeline_last_stage()
+    model = model_provider(args, config, pre_process=pre, post_process=post)
+    model.to(device)
+    if args.bf16 or args.fp16:
+        model = Float16Module(config, model)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=args.bf16,  # as Megatron-LM: bf16 grads are accumulated/reduced in fp32
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        check_for_nan_in_grad=True,
+        bucket_size=None if not args.overlap_grad_reduce else 40_000_000,
+    )
+    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    model.broadcast_params()  # identical replicas across DP ranks from the start
+    return [model]
+
+
+def build_optimizer(args, model_chunks):
+    """THE offload hook: megatron-core's optimizer, or the offload engine when tiers are given."""
+    config = optimizer_config(args)
+    if args.offload_tiers is None:
+        return get_megatron_optimizer(config, model_chunks)
+    from megatron.training.offload_optimizer import get_offload_optimizer
+
+    return get_offload_optimizer(args, model_chunks, config)
+
+
+def build_scheduler(args, optimizer) -> OptimizerParamScheduler:
+    # Steps are counted in samples, as Megatron-LM does.
+    gbs = args.global_batch_size
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if args.lr_warmup_iters else args.lr,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters * gbs,
+        lr_decay_steps=args.lr_decay_iters * gbs,
+        lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay,
+        end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters * gbs,
+        wd_incr_style="constant",
+    )
+
+
+def _wire_model_hooks(config, model, optimizer, args) -> None:
+    """What Megatron-LM's train() sets on the config so schedules can sync grads and scale loss."""
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss if hasattr(optimizer, "scale_loss") else None
+    config.no_sync_func = model[0].no_sync
+    if args.overlap_grad_reduce:
+        config.grad_sync_func = model[0].start_grad_sync
+    if args.overlap_param_gather:
+        config.param_sync_func = model[0].start_param_sync
+    config.timers = None
+
+
+# ----------------------------------------------------------------------------- timers and logging
+
+class Timers:
+    """Wall-clock timers (CUDA-synchronized when on GPU), reset when read."""
+
+    def __init__(self, device):
+        self.device = device
+        self.elapsed = {}
+        self._start = {}
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def start(self, name):
+        self._sync()
+        self._start[name] = time.perf_counter()
+
+    def stop(self, name):
+        self._sync()
+        self.elapsed[name] = self.elapsed.get(name, 0.0) + time.perf_counter() - self._start.pop(name)
+
+    def pop(self, name) -> float:
+        return self.elapsed.pop(name, 0.0)
+
+
+def _is_logging_rank() -> bool:
+    """The last pipeline stage's first rank (TP 0, DP 0) has the loss."""
+    return (parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
+            and parallel_state.get_data_parallel_rank() == 0)
+
+
+def _average_loss(losses_reduced) -> Optional[torch.Tensor]:
+    """Mean 'lm loss' over this rank's micro-batches, then over data-parallel ranks."""
+    if not parallel_state.is_pipeline_last_stage():
+        return None
+    values = [d["lm loss"] for d in losses_reduced]
+    loss = torch.stack(values).float().mean().reshape(1)
+    torch.distributed.all_reduce(loss, group=parallel_state.get_data_parallel_group())
+    return loss / parallel_state.get_data_parallel_world_size()
+
+
+def _print_rank0(msg: str) -> None:
+    if torch.distributed.get_rank() == 0:
+        print(msg, flush=True)
+
+
+def _print_logging_rank(msg: str) -> None:
+    if _is_logging_rank():
+        print(msg, flush=True)
+
+
+# ----------------------------------------------------------------------------- train / evaluate
+
+def train_step(args, forward_step_func, data_iterator, model, optimizer, scheduler, timers):
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    timers.start("forward-backward")
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step_func,
+        data_iterator=data_iterator,
+        model=model,
+        num_microbatches=args.num_microbatches,
+        seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size,
+        forward_only=False,
+    )
+    timers.stop("forward-backward")
+    lr = optimizer.param_groups[0]["lr"]
+    timers.start("optimizer")
+    update_successful, grad_norm, _num_zeros = optimizer.step()
+    timers.stop("optimizer")
+    if update_successful:
+        scheduler.step(increment=args.global_batch_size)
+    return _average_loss(losses), lr, grad_norm, update_successful
+
+
+def evaluate(args, forward_step_func, data_iterator, model) -> Optional[float]:
+    for chunk in model:
+        chunk.eval()
+    total, count = None, 0
+    with torch.no_grad():
+        for _ in range(args.eval_iters):
+            losses = get_forward_backward_func()(
+                forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+                num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+                micro_batch_size=args.micro_batch_size, forward_only=True)
+            loss = _average_loss(losses)
+            if loss is not None:
+                total = loss if total is None else total + loss
+                count += 1
+    for chunk in model:
+        chunk.train()
+    return None if total is None else (total / count).item()
+
+
+class LossLog:
+    """JSONL, one line per iteration; floats via repr() so runs can be compared bit for bit."""
+
+    def __init__(self, path: Optional[str], resume_iteration: int):
+        self.file = None
+        if path and _is_logging_rank():
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self.file = open(path, "a" if resume_iteration else "w")
+
+    def write(self, iteration, loss, lr, grad_norm):
+        if self.file is None:
+            return
+        fields = [("iteration", str(iteration)), ("loss", repr(float(loss))), ("lr", repr(float(lr))),
+                  ("grad_norm", repr(float(grad_norm)) if grad_norm is not None else "null")]
+        self.file.write("{" + ", ".join(f'"{k}": {v}' for k, v in fields) + "}\n")
+        self.file.flush()
+
+    def close(self):
+        if self.file is not None:
+            self.file.close()
+
+
+def _log_line(args, iteration, loss, lr, grad_norm, elapsed_s, fb_s, opt_s, optimizer) -> str:
+    tokens_per_s = args.global_batch_size * args.seq_length / max(elapsed_s, 1e-9)
+    parts = [
+        f"iteration {iteration:8d}/{args.train_iters:8d}",
+        f"consumed samples: {iteration * args.global_batch_size:10d}",
+        f"elapsed time per iteration (ms): {elapsed_s * 1000:.1f}",
+        f"forward-backward (ms): {fb_s * 1000:.1f}",
+        f"optimizer (ms): {opt_s * 1000:.1f}",
+        f"tokens/s: {tokens_per_s:.1f}",
+        f"learning rate: {lr:.6E}",
+        f"lm loss: {loss:.6E}",
+        f"grad norm: {grad_norm:.4f}" if grad_norm is not None else "grad norm: n/a",
+    ]
+    if hasattr(optimizer, "log_line"):
+        extra = optimizer.log_line()
+        if extra:
+            parts.append(str(extra))
+    return " | ".join(parts) + " |"
+
+
+def _num_params(model) -> int:
+    count = torch.tensor([sum(p.numel() for chunk in model for p in chunk.parameters())], dtype=torch.long)
+    groups = parallel_state.get_model_parallel_group()
+    torch.distributed.all_reduce(count, group=groups)
+    return int(count.item())
+
+
+def pretrain(model_provider: Callable, datasets_provider: Callable, forward_step_func: Callable,
+             argv: Optional[List[str]] = None) -> None:
+    """Parse args, initialize, build everything, train, evaluate, save."""
+    args = parse_args(argv)
+    device = initialize(args)
+    args.device_obj = device
+    tokenizer = build_tokenizer(args)
+    args.padded_vocab_size = padded_vocab_size(args, tokenizer)
+
+    config = transformer_config(args)
+    model = build_model(args, config, model_provider, device)
+    optimizer = build_optimizer(args, model)
+    scheduler = build_scheduler(args, optimizer)
+    _wire_model_hooks(config, model, optimizer, args)
+    _print_rank0(f"> model parameters (all stages, one replica): {_num_params(model)} | "
+                 f"TP={args.tensor_model_parallel_size} PP={args.pipeline_model_parallel_size} "
+                 f"DP={args.data_parallel_size} | micro-batches per step: {args.num_microbatches} | "
+                 f"device: {device}")
+
+    iteration, consumed = 0, 0
+    if args.load:
+        iteration, consumed = checkpointing.load_checkpoint(args.load, model, optimizer, scheduler)
+        _print_rank0(f"> loaded checkpoint from {args.load} at iteration {iteration}")
+
+    eval_runs = 0 if not args.eval_interval else (args.train_iters // args.eval_interval + 1)
+    train_ds, valid_ds = datasets_provider(
+        args, tokenizer, train_samples=args.train_iters * args.global_batch_size,
+        eval_samples=eval_runs * args.eval_iters * args.global_batch_size)
+    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    train_iter = MicroBatchIterator(train_ds, consumed, args.micro_batch_size, dp_rank, dp_size)
+
+    loss_log = LossLog(args.loss_log, iteration)
+    timers = Timers(device)
+    try:
+        while iteration < args.train_iters:
+            start = time.perf_counter()
+            loss, lr, grad_norm, ok = train_step(args, forward_step_func, train_iter, model,
+                                                 optimizer, scheduler, timers)
+            iteration += 1
+            consumed += args.global_batch_size
+            elapsed = time.perf_counter() - start
+            fb, opt = timers.pop("forward-backward"), timers.pop("optimizer")
+            if loss is not None:
+                if not math.isfinite(loss.item()):
+                    raise RuntimeError(f"loss is {loss.item()} at iteration {iteration}")
+                loss_log.write(iteration, loss.item(), lr, grad_norm)
+                if iteration % args.log_interval == 0:
+                    _print_logging_rank(_log_line(args, iteration, loss.item(), lr, grad_norm,
+                                                  elapsed, fb, opt, optimizer))
+            if args.eval_interval and valid_ds is not None and iteration % args.eval_interval == 0:
+                _run_eval(args, forward_step_func, model, valid_ds, iteration, dp_rank, dp_size)
+            if args.save and args.save_interval and iteration % args.save_interval == 0:
+                checkpointing.save_checkpoint(args.save, iteration, model, optimizer, scheduler, consumed)
+                _print_rank0(f"> saved checkpoint at iteration {iteration} to {args.save}")
+        if args.save and not (args.save_interval and iteration % args.save_interval == 0):
+            checkpointing.save_checkpoint(args.save, iteration, model, optimizer, scheduler, consumed)
+            _print_rank0(f"> saved checkpoint at iteration {iteration} to {args.save}")
+    finally:
+        loss_log.close()
+        if hasattr(optimizer, "close"):
+            optimizer.close()
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def _run_eval(args, forward_step_func, model, valid_ds, iteration, dp_rank, dp_size):
+    # Each evaluation reads its own slice of the validation set, so results are reproducible on resume.
+    first = (iteration // args.eval_interval) * args.eval_iters * args.global_batch_size
+    it = MicroBatchIterator(valid_ds, first, args.micro_batch_size, dp_rank, dp_size)
+    loss = evaluate(args, forward_step_func, it, model)
+    if loss is not None:
+        _print_logging_rank(f"validation at iteration {iteration} | lm loss: {loss:.6E} | "
+                            f"lm loss PPL: {math.exp(min(loss, 20)):.4E}")

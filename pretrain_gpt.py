@@ -1,0 +1,71 @@
+"""Pretrain a GPT model with megatron-core (our own training layer, Megatron-LM flag style).
+
+    torchrun --nproc_per_node 2 pretrain_gpt.py --tensor-model-parallel-size 2 \
+        --num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 64 \
+        --micro-batch-size 2 --global-batch-size 8 --train-iters 10 --lr 1e-3 --bf16 \
+        --mock-data --device cpu
+"""
+
+from functools import partial
+
+import torch
+
+
+def _layer_spec(args, config):
+    """Transformer-Engine layers when TE imports and we are on CUDA; megatron-core's local ones otherwise."""
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
+
+    if args.device_resolved == "cuda":
+        try:
+            import transformer_engine  # noqa: F401
+
+            return get_gpt_layer_with_transformer_engine_spec()
+        except Exception:  # missing or broken TE build: fall back to local layers
+            pass
+    return get_gpt_layer_local_spec(normalization=args.normalization)
+
+
+def model_provider(args, config, pre_process=True, post_process=True):
+    from megatron.core.models.gpt import GPTModel
+
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=_layer_spec(args, config),
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_base=args.rotary_base,
+    )
+
+
+def datasets_provider(args, tokenizer, train_samples, eval_samples):
+    from megatron.training.data import build_gpt_datasets
+
+    return build_gpt_datasets(args, tokenizer, train_samples, eval_samples)
+
+
+def loss_func(loss_mask, output_tensor):
+    """Mean token loss over the micro-batch (schedules divide by the number of micro-batches)."""
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask) / mask.sum().clamp(min=1)
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    device = next(model.parameters()).device
+    tokens = batch["tokens"].to(device)
+    labels = batch["labels"].to(device)
+    output = model(tokens, batch["position_ids"].to(device), None, labels=labels)
+    return output, partial(loss_func, batch["loss_mask"].to(device))
+
+
+if __name__ == "__main__":  # required: dist_checkpointing's writer starts child processes
+    from megatron.training.training import pretrain
+
+    pretrain(model_provider, datasets_provider, forward_step)
