@@ -1,0 +1,33 @@
+"""Shared set-up for engine tests: small, fast configurations and whole-state readout."""
+
+import os
+
+import torch
+
+from mlp_offload import OffloadConfig
+
+
+def fast_config(tmp_path, tiers, **overrides) -> OffloadConfig:
+    """A config whose file tiers live under ``tmp_path``, with rates given so nothing is probed."""
+    paths = {}
+    for name in tiers:
+        if name != "host":
+            paths[name] = str(tmp_path / name)
+            os.makedirs(paths[name], exist_ok=True)
+    options = dict(
+        tiers=list(tiers), paths=paths, subgroup_size=10_000, io_block_bytes=64 * 1024, io_threads=2,
+        bandwidths={t: (2e9, 1e9) for t in paths}, adam_elems_per_s=1e9, run_id="test",
+    )
+    if "host" in tiers and paths:
+        options["host_budget_bytes"] = 64 * 1024 * 1024
+    options.update(overrides)
+    return OffloadConfig(**options)
+
+
+def engine_state(engine):
+    """The engine's whole (param, exp_avg, exp_avg_sq), gathered for comparison."""
+    parts = [[], [], []]
+    for _, *tensors in engine.iter_state():
+        for acc, t in zip(parts, tensors):
+            acc.append(t.clone())
+    return tuple(torch.cat(p) for p in parts)

@@ -1,0 +1,78 @@
+"""Node-wide I/O tokens: exclusion between processes, no deadlock when a holder dies."""
+
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import pytest
+
+from mlp_offload.tiers.tokens import TierTokens
+
+from . import proc_workers
+
+ctx = mp.get_context("spawn")
+
+
+def test_other_process_waits_for_the_token(tmp_path):
+    ready = ctx.Event()
+    holder = ctx.Process(target=proc_workers.hold_token, args=(str(tmp_path), str(tmp_path / "locks"), ready, 1.0))
+    holder.start()
+    try:
+        assert ready.wait(60)
+        tokens = TierTokens(str(tmp_path), 1, lock_root=str(tmp_path / "locks"))
+        waited = tokens.acquire()
+        tokens.release()
+        assert waited > 0.3  # the holder kept it about a second after signalling
+    finally:
+        holder.join(60)
+
+
+def test_killed_holder_does_not_block_others(tmp_path):
+    ready = ctx.Event()
+    holder = ctx.Process(target=proc_workers.hold_token, args=(str(tmp_path), str(tmp_path / "locks"), ready, 600))
+    holder.start()
+    assert ready.wait(60)
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.join(60)
+    tokens = TierTokens(str(tmp_path), 1, lock_root=str(tmp_path / "locks"))
+    start = time.perf_counter()
+    tokens.acquire()
+    tokens.release()
+    assert time.perf_counter() - start < 5
+
+
+def test_two_tokens_admit_two_holders(tmp_path):
+    a = TierTokens(str(tmp_path), 2, lock_root=str(tmp_path / "locks"))
+    b = TierTokens(str(tmp_path), 2, lock_root=str(tmp_path / "locks"))  # a second "process"
+    assert a.acquire() < 0.5
+    start = time.perf_counter()
+    b.acquire()
+    assert time.perf_counter() - start < 0.5
+    a.release()
+    b.release()
+
+
+def test_threads_of_one_process_share_its_token(tmp_path):
+    tokens = TierTokens(str(tmp_path), 1, lock_root=str(tmp_path / "locks"))
+    tokens.acquire()
+    assert tokens.acquire() == 0.0  # nested: no self-deadlock
+    tokens.release()
+    tokens.release()
+    with pytest.raises(RuntimeError, match="released more often"):
+        tokens.release()
+
+
+def test_ranks_sharing_one_path_stay_correct(tmp_path):
+    """Three 'ranks' of one node update their shards on one path under one token."""
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=proc_workers.engine_matches_adamw,
+                         args=(str(tmp_path), str(tmp_path / "locks"), rank, 4, queue)) for rank in range(3)]
+    for p in procs:
+        p.start()
+    results = sorted(queue.get(timeout=240) for _ in procs)
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert [r[:2] for r in results] == [(0, True), (1, True), (2, True)]
+    assert not (tmp_path / "mlp_offload").exists()  # every rank removed its files
