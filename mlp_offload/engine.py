@@ -185,7 +185,7 @@ class OffloadedAdamW:
                 rates[name] = cfg.bandwidths[name]
             else:
                 probe_buf = self.host.allocate(cfg.probe_bytes, "bandwidth probe", counted=False)
-                rates[name] = probe_tier(tier, probe_buf)
+                rates[name] = probe_tier(tier, probe_buf, concurrency=cfg.prefetch_depth)
                 del probe_buf
         self.adam_rate = cfg.adam_elems_per_s or measure_adam_rate(
             lambda p, g, m, v, step: self.adam(p, g, m, v, step=step))

@@ -33,35 +33,43 @@ class PlacementError(RuntimeError):
 
 
 # -- rates -----------------------------------------------------------------------------------
-def probe_tier(tier: FileTier, host_buffer: torch.Tensor) -> TierBandwidth:
+def probe_tier(tier: FileTier, host_buffer: torch.Tensor, concurrency: int = 2) -> TierBandwidth:
     """Write then read ``host_buffer`` through ``tier``; cached in the tier directory.
 
-    A file lock serializes probes of one path, so ranks starting together neither disturb each
-    other's measurement nor probe the same path more than once.
+    The buffer moves as ``concurrency`` files at once, as the engine keeps that many subgroup
+    operations in flight, so the probe sees the bandwidth the pipeline can really get. A file
+    lock serializes probes of one path, so ranks starting together neither disturb each other's
+    measurement nor probe the same path more than once.
     """
     cache_path = os.path.join(tier.root, PROBE_CACHE)
     signature = {
         "bytes": host_buffer.numel(),
         "block_bytes": tier.block_bytes,
         "odirect": tier.odirect,
-        "threads": tier._blocks._max_workers,
+        "threads": tier.io_threads,
+        "concurrency": concurrency,
     }
     with open(cache_path + ".lock", "a+") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         cached = _read_probe_cache(cache_path, signature)
         if cached is not None:
             return cached
-        key = f".probe.{os.getpid()}"
-        extents = [(0, host_buffer)]
+        piece = host_buffer.numel() // concurrency // 4096 * 4096
+        parts = [(f".probe.{os.getpid()}.{k}", [(0, host_buffer[k * piece:(k + 1) * piece])])
+                 for k in range(concurrency)]
         start = time.perf_counter()
-        tier.submit_write(key, extents).result()
-        _fsync_path(tier.path_of(key))
+        for f in [tier.submit_write(key, ext) for key, ext in parts]:
+            f.result()
+        for key, _ in parts:
+            _fsync_path(tier.path_of(key))
         write_s = time.perf_counter() - start
         start = time.perf_counter()
-        tier.submit_read(key, extents).result()
+        for f in [tier.submit_read(key, ext) for key, ext in parts]:
+            f.result()
         read_s = time.perf_counter() - start
-        os.unlink(tier.path_of(key))
-        nbytes = host_buffer.numel()
+        for key, _ in parts:
+            tier.forget(key)
+        nbytes = piece * concurrency
         result = TierBandwidth(read_bps=nbytes / read_s, write_bps=nbytes / write_s)
         try:
             with open(cache_path, "w") as f:

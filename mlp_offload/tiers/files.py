@@ -89,6 +89,7 @@ class FileTier:
         except OSError as err:
             raise TierPathError(f"--offload-{name}-path {root}: cannot create {self.dir}: {err}") from err
         self.block_bytes = block_bytes
+        self.io_threads = io_threads
         self.verify_checksums = verify_checksums
         self.tokens = tokens
         self.odirect = use_odirect and self._odirect_supported()
@@ -127,6 +128,15 @@ class FileTier:
 
     def has(self, key: str) -> bool:
         return key in self._sizes
+
+    def forget(self, key: str) -> None:
+        """Delete file ``key`` and what this tier knows of it."""
+        self._sizes.pop(key, None)
+        self._crcs.pop(key, None)
+        try:
+            os.unlink(self.path_of(key))
+        except FileNotFoundError:
+            pass
 
     def close(self, remove_files: bool = True) -> None:
         if self.closed:
