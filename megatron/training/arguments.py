@@ -122,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save", type=str, default=None)
     g.add_argument("--load", type=str, default=None)
     g.add_argument("--save-interval", type=_positive_int, default=None)
+    g.add_argument("--exit-interval", type=_positive_int, default=None,
+                   help="stop (after saving, with --save) when the iteration is a multiple of this")
     g.add_argument("--loss-log", type=str, default=None,
                    help="JSONL file: one {iteration, loss, lr, grad_norm} line per iteration")
 

@@ -63,6 +63,48 @@ def _rng_sharded_object(state):
     return ShardedObject("rng_state", state, shape, offset, replica_id=0)
 
 
+def _prepare_fresh_optimizer_for_load(optimizer) -> None:
+    """Give a never-stepped torch Adam(W) the 'step' entries its state_dict() asserts on.
+
+    Without apex/transformer-engine, megatron-core's init_state_fn creates exp_avg/exp_avg_sq but
+    no 'step', and DistributedOptimizer.state_dict() then fails while building the load template.
+    The placeholder value is overwritten by load_state_dict from the checkpoint.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        init_state_fn = getattr(opt, "init_state_fn", None)
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)) or init_state_fn is None:
+            continue
+        init_state_fn(inner, getattr(opt, "config", None))
+        for state in inner.state.values():
+            state.setdefault("step", torch.tensor(0.0))
+
+
+def _restore_adam_steps(optimizer, loaded) -> None:
+    """Put the checkpoint's Adam step back, one tensor per param, after a load.
+
+    Without apex/TE two things go wrong in DistributedOptimizer's load path: the dp_reshardable
+    param state carries 'step' as a LocalNonpersistentObject, so load copies the *template's*
+    placeholder step over the restored one; and load_state_dict puts ONE step tensor in every
+    param's state, which torch keeps aliased, so each step would bump it once per param.
+    The true step is in the loaded param_groups.
+    """
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    states = [loaded] if len(chained) == 1 else [loaded[k] for k in sorted(loaded)]
+    for opt, opt_state in zip(chained, states):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        groups = opt_state.get("optimizer", {}).get("param_groups", []) if isinstance(opt_state, dict) else []
+        steps = {g["step"] for g in groups if "step" in g}
+        if len(steps) != 1:
+            continue
+        step = float(steps.pop())
+        for state in inner.state.values():
+            if "step" in state:
+                state["step"] = torch.tensor(step, dtype=torch.float32)
+
+
 def _state_dict(model, optimizer, scheduler, iteration, consumed_samples, is_loading):
     model_sd = _model_sharded_state_dict(model)
     return {
@@ -118,6 +160,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler):
     if iteration is None:
         return 0, 0
     path = checkpoint_dir(root, iteration)
+    _prepare_fresh_optimizer_for_load(optimizer)
     template = _state_dict(model, optimizer, scheduler, 0, 0, is_loading=True)
     state = dist_checkpointing.load(template, path)
     if len(model) == 1:
@@ -126,6 +169,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler):
         for i, chunk in enumerate(model):
             _unwrap(chunk).load_state_dict(state[f"model{i}"])
     optimizer.load_state_dict(state["optimizer"])
+    _restore_adam_steps(optimizer, state["optimizer"])
     scheduler.load_state_dict(state["opt_param_scheduler"])
     _set_rng_state(state["rng_state"])
     torch.distributed.barrier()

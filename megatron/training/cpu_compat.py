@@ -11,7 +11,8 @@ keeps its RNG tracker in CUDA generator state, and checks ``Tensor.type()`` agai
    into ``device='cpu'``. Other modules, and torch itself, are untouched.
 2. The tensor-parallel RNG tracker keeps CPU generator states (``random._get/_set_cuda_rng_state``).
 3. The few constructors/functions that test ``Tensor.type()`` strings run with CPU tensors
-   reporting their CUDA type names, so fp16/bf16/fp32 parameters are classified as on a GPU.
+   reporting their CUDA type names, so fp16/bf16/fp32 parameters are classified as on a GPU;
+   the one that calls ``Tensor.cuda()`` (embedding tying for PP) runs with it as a no-op.
 
 Nothing here changes numerics: the same ops run, only on the CPU.
 """
@@ -59,6 +60,8 @@ _MODULES = {
     "megatron.core.parallel_state": "barrier device_ids/synchronize",
     "megatron.core.dist_checkpointing.exchange_utils": "shard exchange buffers on current_device()",
     "megatron.core.dist_checkpointing.strategies.state_dict_saver": "save-metadata tensors on current_device()",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async": "writer's preload calls torch.cuda.synchronize()",
+    "megatron.core.dist_checkpointing.tensor_aware_state_dict": "calls torch.cuda.synchronize()",
 }
 
 
@@ -171,14 +174,30 @@ def _cpu_tensors_report_cuda_types():
         torch.Tensor.type = real
 
 
-def _with_cuda_type_names(fn):
+@contextlib.contextmanager
+def _tensor_cuda_is_noop():
+    real = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = real
+
+
+def _within(context, fn):
+    """fn, run inside a fresh ``context()`` on every call."""
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        with _cpu_tensors_report_cuda_types():
+        with context():
             return fn(*args, **kwargs)
 
     wrapper.__cpu_compat__ = True
     return wrapper
+
+
+def _with_cuda_type_names(fn):
+    return _within(_cpu_tensors_report_cuda_types, fn)
 
 
 class _DropCpuRngWarning(logging.Filter):
@@ -217,6 +236,12 @@ def apply() -> None:
     clipped = _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
     clip_grads.clip_grad_by_total_norm_fp32 = clipped
     optimizer.clip_grad_by_total_norm_fp32 = clipped
+
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    # PP>1 ties the first/last stage embeddings via weight.data.cuda() + all-reduce.
+    LanguageModule.setup_embeddings_and_output_layer = _within(
+        _tensor_cuda_is_noop, LanguageModule.setup_embeddings_and_output_layer)
     _APPLIED = True
 
 

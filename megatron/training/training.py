@@ -359,6 +359,9 @@ def pretrain(model_provider: Callable, datasets_provider: Callable, forward_step
             if args.save and args.save_interval and iteration % args.save_interval == 0:
                 checkpointing.save_checkpoint(args.save, iteration, model, optimizer, scheduler, consumed)
                 _print_rank0(f"> saved checkpoint at iteration {iteration} to {args.save}")
+            if args.exit_interval and iteration % args.exit_interval == 0:
+                _print_rank0(f"> exiting at iteration {iteration} (--exit-interval)")
+                break
         if args.save and not (args.save_interval and iteration % args.save_interval == 0):
             checkpointing.save_checkpoint(args.save, iteration, model, optimizer, scheduler, consumed)
             _print_rank0(f"> saved checkpoint at iteration {iteration} to {args.save}")
