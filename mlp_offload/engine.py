@@ -88,7 +88,9 @@ class OffloadedAdamW:
     torch.optim-shaped: ``param_groups`` (dicts with lr, betas, eps, weight_decay; a scheduler may
     change them between steps), ``step()``, ``state_dict``-style streaming via
     ``iter_state()``/``load_state()``. ``params`` is the initial value of the shard (any dtype or
-    device); it is read once per subgroup, lazily, and not kept after the first step.
+    device), or a function ``fill(start, end, out_fp32)`` with ``numel`` given; it is read once
+    per subgroup, lazily, and not kept after the first step. ``grads_ready(start, end)`` is called
+    before a subgroup's gradients are read from ``grad_buffer`` (e.g. to wait for their copy).
     """
 
     def __init__(
@@ -104,14 +106,22 @@ class OffloadedAdamW:
         groups: Optional[Sequence[Tuple[Sequence[Range], dict]]] = None,
         grad_dtype: torch.dtype = torch.bfloat16,
         on_params_updated: Optional[Callable[[int, int, torch.Tensor], object]] = None,
+        grads_ready: Optional[Callable[[int, int], None]] = None,
+        numel: Optional[int] = None,
     ):
-        if params.dim() != 1:
+        if callable(params):
+            if numel is None:
+                raise ValueError("numel is required when params is a fill function")
+            self.numel = numel
+        elif params.dim() != 1:
             raise ValueError(f"params must be a flat 1-D shard, got shape {tuple(params.shape)}")
+        else:
+            self.numel = params.numel()
         if grad_dtype not in _GRAD_DTYPES:
             raise ValueError(f"gradient dtype must be one of {_GRAD_DTYPES}, got {grad_dtype}")
         self.config = config
-        self.numel = params.numel()
         self.on_params_updated = on_params_updated
+        self.grads_ready = grads_ready
         self.adam = AdamKernel(config.adam_kernel, decoupled_weight_decay)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         self.param_groups = self._build_groups(groups, defaults)
@@ -155,7 +165,7 @@ class OffloadedAdamW:
             if tier == HOST_TIER:
                 sg = self.subgroups[i]
                 views = _StateViews.over(self.host.allocate(sg.state_bytes, f"subgroup {i}"), sg.numel, sg.region_bytes)
-                views.param.copy_(params[sg.start:sg.end])
+                self._fill_params(params, sg, views.param[: sg.numel])
                 views.exp_avg.zero_()
                 views.exp_avg_sq.zero_()
                 self._resident[i] = views
@@ -198,9 +208,6 @@ class OffloadedAdamW:
         result = []
         covered = []
         for ranges, options in groups:
-            unknown = set(options) - set(defaults) - {"ranges"}
-            if unknown:
-                raise ValueError(f"unknown param-group options {sorted(unknown)}")
             ranges = [(int(a), int(b)) for a, b in ranges]
             for a, b in ranges:
                 if not 0 <= a < b <= self.numel:
@@ -265,6 +272,8 @@ class OffloadedAdamW:
                 else:
                     views, hit = self._await_state(i, rec)
                     rec.cache_hits += hit
+                if self.grads_ready is not None:
+                    self.grads_ready(sg.start, sg.end)
                 t0 = time.perf_counter()
                 grad = self._grad_scratch[: sg.numel]
                 convert_grads(self.grad_buffer[sg.start:sg.end], grad, unscale, clip_coef)
@@ -365,11 +374,22 @@ class OffloadedAdamW:
         self._slot_of[i] = slot
         self._inflight[tier.name] += 1
 
+    @staticmethod
+    def _fill_params(source, sg: Subgroup, out: torch.Tensor) -> None:
+        if callable(source):
+            source(sg.start, sg.end, out)
+        else:
+            out.copy_(source[sg.start:sg.end])
+
+    def upcoming_order(self) -> List[int]:
+        """Subgroup indices in the order the next ``step()`` will update them."""
+        return list(self._schedule.order)
+
     def _materialize(self, i: int, views: _StateViews, buffer_free: Callable):
         buffer_free()
         sg = self.subgroups[i]
         param, exp_avg, exp_avg_sq = views.narrow(sg.numel)
-        param.copy_(self._source[sg.start:sg.end])
+        self._fill_params(self._source, sg, param)
         exp_avg.zero_()
         exp_avg_sq.zero_()
         return None
@@ -485,6 +505,28 @@ class OffloadedAdamW:
         self._cursor = 0
         self._issue_reads()
 
+    def modify_state(self, edit: Callable[[Subgroup, torch.Tensor, torch.Tensor, torch.Tensor], None]) -> None:
+        """Stream each subgroup's (param, exp_avg, exp_avg_sq) through ``edit``, which changes
+        them in place; the result goes back where the subgroup lives."""
+        self._check_usable()
+        self.flush()
+        scratch = None
+        for i, sg in enumerate(self.subgroups):
+            views = self._current_views(i)
+            if views is not None:
+                edit(sg, *views.narrow(sg.numel))  # host-resident or in a buffer: written later
+                continue
+            if scratch is None:
+                scratch = self._scratch_views()
+            self._fill_from_tier(i, scratch)
+            edit(sg, *scratch.narrow(sg.numel))
+            tier = self._tiers[self.placement.tier_of[i]]
+            tier.submit_write(_file_key(i), scratch.extents(sg)).result()
+            self._fresh.discard(i)
+            stale = self._slot_of.pop(i, None)  # a clean copy left in a buffer is now out of date
+            if stale is not None:
+                stale.holder = None
+
     def _current_views(self, i: int) -> Optional[_StateViews]:
         if i in self._resident:
             return self._resident[i]
@@ -532,7 +574,7 @@ def _file_key(i: int) -> str:
 
 
 def _measure_convert_rate(numel: int = 1 << 22) -> float:
-    src = torch.randn(numel).to(torch.bfloat16)
+    src = torch.randn(numel, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     dst = torch.empty(numel)
     dst.copy_(src)
     start = time.perf_counter()

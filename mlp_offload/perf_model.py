@@ -103,7 +103,8 @@ def _fsync_path(path: str) -> None:
 
 def measure_adam_rate(adam_step, numel: int = 1 << 22, repeats: int = 3) -> float:
     """Elements per second of the engine's Adam kernel on this CPU (best of ``repeats``)."""
-    tensors = [torch.randn(numel) for _ in range(4)]
+    gen = torch.Generator().manual_seed(0)  # never touch the caller's global RNG
+    tensors = [torch.randn(numel, generator=gen) for _ in range(4)]
     tensors[3].abs_()
     best = float("inf")
     for i in range(repeats + 1):

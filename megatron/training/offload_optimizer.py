@@ -1,0 +1,321 @@
+"""megatron-core's distributed optimizer with the mlp_offload engine as its backend.
+
+What stays as megatron-core does it: DDP's param-and-grad buffers (bf16 params and grads on the
+device), the reduce-scatter of grads and all-gather of params, param groups and their shard
+ranges (its DistributedOptimizer's own range builders), the LR scheduler's view of
+``param_groups``, grad-norm clipping and fp16 loss scaling. What changes: the fp32 master shard
+and Adam state live in the engine (host memory and file tiers), never on the device.
+
+Per step: grads of this rank's shard are copied device->host per subgroup, in the engine's update
+order, on a side stream; the grad norm (and, for fp16, the inf/nan check) is computed on the
+device; the engine updates subgroup by subgroup, each updated subgroup's params are copied back
+into the device param buffer; then megatron-core's param all-gather runs as usual.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.optimizer import _get_param_groups_and_buffers
+from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from megatron.core.optimizer.optimizer_config import OptimizerConfig
+from megatron.core.transformer.module import param_is_not_shared
+
+from mlp_offload import OffloadConfig, OffloadedAdamW, parse_bandwidths
+
+log = logging.getLogger("mlp_offload")
+GiB = 1024**3
+
+
+def offload_config_from_args(args) -> OffloadConfig:
+    """The engine's config from the ``--offload-*`` flags."""
+    budget = None if args.offload_host_cache_gb is None else int(args.offload_host_cache_gb * GiB)
+    return OffloadConfig(
+        tiers=list(args.offload_tiers),
+        paths=dict(args.offload_paths),
+        host_budget_bytes=budget,
+        subgroup_size=args.offload_subgroup_size,
+        prefetch_depth=args.offload_prefetch_depth,
+        tokens_per_tier=args.offload_tokens_per_tier,
+        io_block_bytes=args.offload_io_block_mb << 20,
+        io_threads=args.offload_io_threads,
+        use_odirect=not args.offload_no_odirect,
+        verify_checksums=not args.offload_no_checksums,
+        cache_alternating=not args.offload_no_cache,
+        bandwidths=parse_bandwidths(args.offload_bandwidths or ""),
+        adam_kernel=args.offload_adam_kernel,
+        rank=torch.distributed.get_rank() if torch.distributed.is_initialized() else 0,
+    )
+
+
+def get_offload_optimizer(args, model_chunks, config: OptimizerConfig) -> "OffloadDistributedOptimizer":
+    if not config.use_distributed_optimizer:
+        raise SystemExit("--offload-tiers requires the distributed optimizer (--use-distributed-optimizer)")
+    _set_cpu_threads(args, model_chunks)
+    param_groups, buffers = _get_param_groups_and_buffers(
+        model_chunks, model_chunk_offset=0, config=config, config_overrides=None,
+        filter_fn=lambda g: not g["is_expert_parallel"], buffer_name="buffers")
+    return OffloadDistributedOptimizer(config, offload_config_from_args(args), model_chunks, param_groups, buffers)
+
+
+def _set_cpu_threads(args, model_chunks) -> None:
+    # torchrun sets OMP_NUM_THREADS=1, which would starve the CPU Adam; on a GPU node give each
+    # local rank its share of the cores unless told otherwise.
+    threads = args.offload_cpu_threads
+    if threads is None and next(model_chunks[0].parameters()).is_cuda:
+        threads = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    if threads:
+        torch.set_num_threads(threads)
+
+
+@dataclass
+class _Piece:
+    """This rank's shard of one DDP bucket: a contiguous range of one buffer."""
+
+    buffer: object  # megatron-core _ParamAndGradBuffer
+    buffer_start: int
+    flat_start: int  # where it begins in the engine's flat index space
+    numel: int
+
+
+class ShardLayout:
+    """The engine's flat index space laid over this rank's bucket shards, in buffer order."""
+
+    def __init__(self, per_model_buffers: Dict[int, list], dp_rank: int, dp_size: int):
+        self.pieces: List[_Piece] = []
+        self.gbuf_ranges = []  # megatron-core's own range maps, same order as its optimizer
+        self.param_flat_range: Dict[torch.nn.Parameter, Tuple[int, int]] = {}
+        flat = 0
+        for buffers in per_model_buffers.values():
+            for buffer in buffers:
+                range_map = DistributedOptimizer._build_gbuf_range_map(buffer)
+                self.gbuf_ranges.append(range_map)
+                (bucket_maps,) = range_map.values()
+                for bucket, bucket_map in zip(buffer.buckets, bucket_maps):
+                    shard = bucket.grad_data.numel() // dp_size
+                    piece = _Piece(buffer, bucket.offset + dp_rank * shard, flat, shard)
+                    self.pieces.append(piece)
+                    for param, ranges in bucket_map["param_map"].items():
+                        world = ranges["gbuf_world"]
+                        start = flat + world.start - piece.buffer_start
+                        self.param_flat_range[param] = (start, start + world.size)
+                    flat += shard
+        self.numel = flat
+
+    def views(self, start: int, end: int, kind: str):
+        """(flat_start, flat_end, device view) for the pieces overlapping [start, end)."""
+        for p in self.pieces:
+            lo, hi = max(start, p.flat_start), min(end, p.flat_start + p.numel)
+            if lo < hi:
+                data = p.buffer.param_data if kind == "param" else p.buffer.grad_data
+                offset = p.buffer_start + lo - p.flat_start
+                yield lo, hi, data[offset: offset + hi - lo]
+
+
+class _EventFence:
+    """What the engine waits on before reusing a host buffer that a copy still reads."""
+
+    def __init__(self, event):
+        self.event = event
+
+    def synchronize(self):
+        self.event.synchronize()
+
+
+class OffloadDistributedOptimizer:
+    """The MegatronOptimizer interface the training loop uses, over an OffloadedAdamW engine."""
+
+    def __init__(self, config: OptimizerConfig, offload_config: OffloadConfig, model_chunks,
+                 param_groups: List[dict], per_model_buffers: Dict[int, list]):
+        self.config = config
+        self.model_chunks = model_chunks
+        self.ddp_config = model_chunks[0].ddp_config
+        self.dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        # The group megatron-core reduces grad statistics over for its distributed optimizer.
+        self.grad_stats_parallel_group = parallel_state.get_intra_distributed_optimizer_instance_group()
+        self.layout = ShardLayout(per_model_buffers, self.dp_group.rank(), self.dp_group.size())
+        first_buffer = self.layout.pieces[0].buffer
+        self.device = first_buffer.param_data.device
+        self.grad_scaler = self._grad_scaler(config)
+        self._norm_params, engine_groups = self._ordered_groups(param_groups)
+        self._cuda = self.device.type == "cuda"
+        self._copy_stream = torch.cuda.Stream() if self._cuda else None
+        self._grad_events: Dict[int, object] = {}
+        largest = min(offload_config.subgroup_size, self.layout.numel)
+        self._staging = torch.empty(largest, dtype=torch.float32, device=self.device) if self._cuda else None
+        self.engine = OffloadedAdamW(
+            self._fill_initial_params, offload_config, numel=self.layout.numel,
+            lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
+            weight_decay=config.weight_decay, groups=engine_groups,
+            grad_dtype=first_buffer.grad_dtype, on_params_updated=self._copy_params_to_device,
+            grads_ready=self._wait_for_grads)
+        self.last_record = None
+        self.is_stub_optimizer = False
+
+    # -- set-up helpers ----------------------------------------------------------------------
+    @staticmethod
+    def _grad_scaler(config: OptimizerConfig):
+        if config.loss_scale:
+            return ConstantGradScaler(config.loss_scale)
+        if config.fp16:
+            return DynamicGradScaler(initial_scale=config.initial_loss_scale, min_scale=config.min_loss_scale,
+                                     growth_factor=2.0, backoff_factor=0.5,
+                                     growth_interval=config.loss_scale_window, hysteresis=config.hysteresis)
+        return None
+
+    def _ordered_groups(self, param_groups: List[dict]):
+        """Engine groups (flat ranges + hyperparameters) and the params in megatron-core's order.
+
+        The order is the one its DistributedOptimizer gives its inner optimizer (fp32 params of a
+        group first, then the 16-bit ones), so the grad norm sums in the same order.
+        """
+        _, group_ranges = DistributedOptimizer._build_optimizer_group_ranges(param_groups, self.layout.gbuf_ranges)
+        ordered, engine_groups = [], []
+        for group, group_range in zip(param_groups, group_ranges):
+            params = group_range["params"]
+            params = [p for p in params if p.dtype == torch.float32] + [p for p in params if p.dtype != torch.float32]
+            ordered.extend(params)
+            ranges = _merge([self.layout.param_flat_range[p] for p in params])
+            options = {k: v for k, v in group.items() if k != "params"}
+            options.setdefault("lr", self.config.lr)
+            options.setdefault("weight_decay", self.config.weight_decay)
+            if ranges:
+                engine_groups.append((ranges, options))
+        return ordered, engine_groups
+
+    def _fill_initial_params(self, start: int, end: int, out: torch.Tensor) -> None:
+        # The fp32 master copy starts as the model's (bf16) params, as in megatron-core.
+        for lo, hi, view in self.layout.views(start, end, "param"):
+            out[lo - start: hi - start].copy_(view)
+
+    # -- the step ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self):
+        inv_scale = None
+        if self.grad_scaler is not None:
+            inv_scale = float(self.grad_scaler.inv_scale.item())
+        self._start_grad_copies()
+        norms, found_inf = self._grad_norms(inv_scale)
+        if self.grad_scaler is not None:
+            found = torch.tensor([float(found_inf)], device=self.device)
+            torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX,
+                                         group=self.grad_stats_parallel_group)
+            found_inf = bool(found.item())
+            self.grad_scaler.update(found_inf)
+            if found_inf:
+                self._drain_grad_copies()
+                self.last_record = self.engine.step(skip=True)
+                return False, None, None
+        grad_norm, clip_coef = 0.0, None
+        if self.config.clip_grad > 0.0:
+            grad_norm = get_grad_norm_fp32(norms, grad_stats_parallel_group=self.grad_stats_parallel_group)
+            coef = self.config.clip_grad / (grad_norm + 1.0e-6)
+            clip_coef = coef if coef < 1.0 else None
+        self.last_record = self.engine.step(unscale=inv_scale, clip_coef=clip_coef)
+        if self._cuda:
+            torch.cuda.current_stream().wait_stream(self._copy_stream)
+        if not self.ddp_config.overlap_param_gather:
+            for chunk in self.model_chunks:
+                chunk.start_param_sync()
+        return True, grad_norm, 0
+
+    def _grad_norms(self, inv_scale: Optional[float]):
+        """Per-param fp32 grad norms in megatron-core's order; any inf/nan (for fp16)."""
+        norms, found_inf = [], False
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+        for param in self._norm_params:
+            start, end = self.layout.param_flat_range[param]
+            pieces = [view.float() for _, _, view in self.layout.views(start, end, "grad")]
+            grad = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+            if inv_scale is not None:
+                grad.mul_(inv_scale)
+                found_inf = found_inf or not bool(torch.isfinite(grad).all())
+            if param_is_not_shared(param) and tensor_parallel.param_is_not_tensor_parallel_duplicate(param, tp_group):
+                norms.append(torch.norm(grad).reshape(1))
+        return norms, found_inf
+
+    def _start_grad_copies(self) -> None:
+        """Grad shard -> the engine's host buffer, one subgroup at a time in update order."""
+        host = self.engine.grad_buffer
+        if not self._cuda:
+            for lo, hi, view in self.layout.views(0, self.layout.numel, "grad"):
+                host[lo:hi].copy_(view)
+            return
+        self._copy_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._copy_stream):
+            for i in self.engine.upcoming_order():
+                sg = self.engine.subgroups[i]
+                for lo, hi, view in self.layout.views(sg.start, sg.end, "grad"):
+                    host[lo:hi].copy_(view, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self._copy_stream)
+                self._grad_events[sg.start] = event
+
+    def _wait_for_grads(self, start: int, end: int) -> None:
+        event = self._grad_events.pop(start, None)
+        if event is not None:
+            event.synchronize()
+
+    def _drain_grad_copies(self) -> None:
+        for event in self._grad_events.values():
+            event.synchronize()
+        self._grad_events.clear()
+
+    def _copy_params_to_device(self, start: int, end: int, params: torch.Tensor):
+        if not self._cuda:
+            for lo, hi, view in self.layout.views(start, end, "param"):
+                view.copy_(params[lo - start: hi - start])
+            return None
+        with torch.cuda.stream(self._copy_stream):
+            staging = self._staging[: end - start]
+            staging.copy_(params, non_blocking=True)  # fp32 over PCIe, cast on the GPU
+            for lo, hi, view in self.layout.views(start, end, "param"):
+                view.copy_(staging[lo - start: hi - start])
+            event = torch.cuda.Event()
+            event.record(self._copy_stream)
+        return _EventFence(event)
+
+    # -- the rest of the MegatronOptimizer interface ------------------------------------------
+    @property
+    def param_groups(self):
+        return self.engine.param_groups
+
+    def zero_grad(self, set_to_none: bool = True):
+        pass  # grads live in DDP's buffer, zeroed by the training loop
+
+    def get_loss_scale(self):
+        if self.grad_scaler is None:
+            return torch.tensor([1.0], dtype=torch.float32, device=self.device)
+        return self.grad_scaler.scale
+
+    def scale_loss(self, loss):
+        return self.get_loss_scale() * loss
+
+    def reload_model_params(self, state_dict=None):
+        def from_model(sg, param, exp_avg, exp_avg_sq):
+            self._fill_initial_params(sg.start, sg.end, param)
+
+        self.engine.modify_state(from_model)
+
+    def log_line(self) -> str:
+        return self.last_record.line() if self.last_record is not None else ""
+
+    def close(self):
+        self.engine.close()
+
+
+def _merge(ranges: List[Tuple[int, int]]) -> List[Tuple[int, int]]:
+    merged: List[Tuple[int, int]] = []
+    for a, b in sorted(ranges):
+        if merged and merged[-1][1] == a:
+            merged[-1] = (merged[-1][0], b)
+        else:
+            merged.append((a, b))
+    return merged
