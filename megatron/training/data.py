@@ -26,6 +26,8 @@ class ByteLevelTokenizer(MegatronTokenizerBase):
         super().__init__(path="byte-level", config={})
         self._eod = self.NUM_BYTES
         self._pad = self.NUM_BYTES + 1
+        # megatron-core serializes this into its dataset cache key: keep it stable.
+        self.unique_identifiers = {"class": type(self).__name__, "vocab_size": self.vocab_size}
 
     def tokenize(self, text: str) -> List[int]:
         return list(text.encode("utf-8"))
@@ -62,8 +64,8 @@ class ByteLevelTokenizer(MegatronTokenizerBase):
     def apply_chat_template(self, *args, **kwargs):
         raise NotImplementedError("the byte-level tokenizer has no chat template")
 
-    def __repr__(self) -> str:  # part of megatron-core's dataset cache key: keep it stable
-        return "ByteLevelTokenizer(vocab_size=258)"
+    def __repr__(self) -> str:
+        return f"ByteLevelTokenizer(vocab_size={self.vocab_size})"
 
 
 def build_tokenizer(args) -> ByteLevelTokenizer:
@@ -146,11 +148,35 @@ def build_gpt_datasets(args, tokenizer, train_samples: int, eval_samples: int):
         create_attention_mask=False,
         mmap_bin_files=True,
     )
+    _drop_unused_or_empty_splits(config, eval_samples)
     train, valid, _test = BlendedMegatronDatasetBuilder(
         GPTDataset, [train_samples, eval_samples, 0], lambda: True, config).build()
-    if train is None:
-        raise SystemExit("error: argument --split: gives the training split no documents")
     return train, valid
+
+
+def _drop_unused_or_empty_splits(config, eval_samples: int) -> None:
+    """Build only the splits we read, and none that holds no documents.
+
+    megatron-core 0.16.1 loops forever in GPTDataset._get_num_epochs when a split with a non-zero
+    weight gets no documents (a small corpus with the default 969,30,1 split). Setting a split's
+    range to None skips it and keeps the others' document boundaries unchanged.
+    """
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    matrix = config.split_matrix
+    num_docs = [IndexedDataset(prefix, mmap=True).document_indices.shape[0] - 1
+                for prefix in config.blend[0]]
+
+    def empty(i):
+        beg, end = matrix[i]
+        return any(int(round(end * n)) <= int(round(beg * n)) for n in num_docs)
+
+    if matrix[0] is None or empty(0):
+        raise SystemExit(f"error: argument --split: {config.split!r} leaves the training split with "
+                         f"no documents (the corpus has {min(num_docs)})")
+    if matrix[1] is not None and (eval_samples == 0 or empty(1)):
+        matrix[1] = None
+    matrix[2] = None  # the test split is never read
 
 
 class MicroBatchIterator:
