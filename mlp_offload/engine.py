@@ -150,9 +150,10 @@ class OffloadedAdamW:
                 verify_checksums=cfg.verify_checksums, tokens=tokens)
         self.rates = self._measure_rates()
         free = {name: tier.free_bytes() for name, tier in self._tiers.items()}
-        self.placement: Placement = plan_placement(self.subgroups, cfg, self.rates, free)
+        self.devices = {name: tier.device for name, tier in self._tiers.items()}
+        self.placement: Placement = plan_placement(self.subgroups, cfg, self.rates, free, self.devices)
         self.prediction: Prediction = predict_update(
-            self.subgroups, self.placement, self.rates, self.adam_rate, self.convert_rate)
+            self.subgroups, self.placement, self.rates, self.adam_rate, self.convert_rate, self.devices)
 
         # Buffers: gradients (outside the state budget: the caller's gradient staging), one fp32
         # scratch for converted gradients, resident subgroups, and slots for streamed ones.
@@ -573,8 +574,8 @@ def _file_key(i: int) -> str:
     return f"sg{i:06d}.state"
 
 
-def _measure_convert_rate(numel: int = 1 << 22) -> float:
-    src = torch.randn(numel, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+def _measure_convert_rate(numel: int = 1 << 24) -> float:
+    src = torch.rand(numel, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     dst = torch.empty(numel)
     dst.copy_(src)
     start = time.perf_counter()

@@ -101,10 +101,14 @@ def _fsync_path(path: str) -> None:
         os.close(fd)
 
 
-def measure_adam_rate(adam_step, numel: int = 1 << 22, repeats: int = 3) -> float:
-    """Elements per second of the engine's Adam kernel on this CPU (best of ``repeats``)."""
+def measure_adam_rate(adam_step, numel: int = 1 << 24, repeats: int = 3) -> float:
+    """Elements per second of the engine's Adam kernel on this CPU (best of ``repeats``).
+
+    The tensors are larger than CPU caches, as subgroups are, so the rate is memory-bound like
+    the real update.
+    """
     gen = torch.Generator().manual_seed(0)  # never touch the caller's global RNG
-    tensors = [torch.randn(numel, generator=gen) for _ in range(4)]
+    tensors = [torch.rand(numel, generator=gen) for _ in range(4)]
     tensors[3].abs_()
     best = float("inf")
     for i in range(repeats + 1):
@@ -149,8 +153,13 @@ def plan_placement(
     config: OffloadConfig,
     rates: Dict[str, TierBandwidth],
     free_bytes: Dict[str, int],
+    devices: Optional[Dict[str, object]] = None,
 ) -> Placement:
-    """Decide residency, slots and each streamed subgroup's file tier."""
+    """Decide residency, slots and each streamed subgroup's file tier.
+
+    ``devices`` maps each file tier to its storage device (e.g. ``st_dev``): tiers on one device
+    share its bandwidth and its free space.
+    """
     n = len(subgroups)
     slot_bytes = max(sg.state_bytes for sg in subgroups)
     file_tiers = config.file_tiers
@@ -200,12 +209,15 @@ def plan_placement(
     # Streamed subgroups go, in order, to the tier that would finish its share soonest:
     # greedy list scheduling, which also interleaves tiers so their reads overlap.
     sharing = config.resolved_ranks_sharing_node()
-    finish = {t: 0.0 for t in file_tiers}
+    device = devices or {t: t for t in file_tiers}
+    finish = {device[t]: 0.0 for t in file_tiers}  # predicted busy time of each device
+    used_dev = {device[t]: 0 for t in file_tiers}  # bytes placed on each device
     used = {t: 0 for t in file_tiers}
     tier_of = [HOST_TIER] * n
     for i in streamed:
         sg = subgroups[i]
-        candidates = [t for t in file_tiers if (used[t] + sg.state_bytes) * sharing <= free_bytes[t]]
+        candidates = [t for t in file_tiers
+                      if (used_dev[device[t]] + sg.state_bytes) * sharing <= free_bytes[t]]
         if not candidates:
             need = sum(subgroups[j].state_bytes for j in streamed) * sharing
             have = ", ".join(f"{t} {free_bytes[t] / GiB:.2f} GiB free" for t in file_tiers)
@@ -215,8 +227,10 @@ def plan_placement(
                 f"raise --offload-host-cache-gb"
             )
         cost = {t: sg.state_bytes * (1 / rates[t].read_bps + 1 / rates[t].write_bps) for t in candidates}
-        best = min(candidates, key=lambda t: (finish[t] + cost[t], file_tiers.index(t)))
-        finish[best] += cost[best]
+        # Ties (e.g. two paths on one device) go to the emptier tier, then the earlier one.
+        best = min(candidates, key=lambda t: (finish[device[t]] + cost[t], used[t], file_tiers.index(t)))
+        finish[device[best]] += cost[best]
+        used_dev[device[best]] += sg.state_bytes
         used[best] += sg.state_bytes
         tier_of[i] = best
     return Placement(tier_of, slots, cache_slots, resident_bytes + slots * slot_bytes)
@@ -228,8 +242,12 @@ def predict_update(
     rates: Dict[str, TierBandwidth],
     adam_elems_per_s: float,
     convert_elems_per_s: float,
+    devices: Optional[Dict[str, object]] = None,
 ) -> Prediction:
-    """Predicted steady-state update time: compute and each tier's I/O overlap, the slowest wins.
+    """Predicted steady-state update time: compute and each device's I/O overlap, the slowest wins.
+
+    Tiers on one device add up (they share it); reads and writes of a device are counted one
+    after the other, which matched a single disk within 10% (docs/benchmarks.md).
 
     With the alternating order, the cache slots hold the previous step's tail, so those subgroups
     are neither written nor read; the first streamed read after the hits is not hidden.
@@ -247,5 +265,14 @@ def predict_update(
     if pred.tier_s:
         first = next((i for i in streamed if i not in hits), None)
         fill = subgroups[first].state_bytes / rates[placement.tier_of[first]].read_bps if first is not None else 0.0
-        pred.update_s = max(adam_s, max(pred.tier_s.values()) + fill)
+        pred.update_s = max(adam_s, max(device_seconds(pred.tier_s, devices).values()) + fill)
     return pred
+
+
+def device_seconds(tier_seconds: Dict[str, float], devices: Optional[Dict[str, object]]) -> Dict[object, float]:
+    """Busy time per storage device: the tiers that share one add up."""
+    total: Dict[object, float] = {}
+    for tier, seconds in tier_seconds.items():
+        key = devices[tier] if devices else tier
+        total[key] = total.get(key, 0.0) + seconds
+    return total

@@ -88,6 +88,7 @@ class FileTier:
             self._write_owner_file()
         except OSError as err:
             raise TierPathError(f"--offload-{name}-path {root}: cannot create {self.dir}: {err}") from err
+        self.device = os.stat(self.root).st_dev  # tiers on one device share its bandwidth
         self.block_bytes = block_bytes
         self.io_threads = io_threads
         self.verify_checksums = verify_checksums
