@@ -1,0 +1,6 @@
+"""Make ``from launch import run_pretrain`` work however pytest is invoked."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -1,0 +1,75 @@
+"""Launch pretrain_gpt.py under torchrun on CPU and read back its --loss-log.
+
+Reused by the offload tests: ``run_pretrain(tmp_path, extra_args)`` -> list of loss records.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+REPO = Path(__file__).resolve().parents[2]
+PRETRAIN = REPO / "pretrain_gpt.py"
+
+# A tiny model every TP/PP test can split: 4 layers, 4 heads, 8 micro-batches per step at DP=1.
+TINY_MODEL = [
+    "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "8",
+    "--lr", "1e-3", "--bf16", "--device", "cpu", "--seed", "1234",
+]
+
+
+class PretrainFailed(AssertionError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def read_loss_log(path: os.PathLike) -> List[Dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def run_pretrain(tmp_path: os.PathLike, extra_args: Sequence[str], nproc: int = 2, *,
+                 train_iters: int = 10, loss_log: Optional[os.PathLike] = None,
+                 model_args: Sequence[str] = TINY_MODEL, mock_data: bool = True,
+                 timeout: float = 240, env: Optional[Dict[str, str]] = None,
+                 expect_success: bool = True) -> List[Dict]:
+    """Run ``pretrain_gpt.py`` with ``nproc`` CPU processes; return the loss-log records.
+
+    ``loss_log`` defaults to a fresh file under ``tmp_path``; pass the same path to a resumed
+    run to get the whole history in one file. On failure the combined output is in the message.
+    """
+    tmp_path = Path(tmp_path)
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    if loss_log is None:
+        loss_log = tmp_path / f"loss-{len(list(tmp_path.glob('loss-*.jsonl')))}.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(PRETRAIN),
+           *model_args, "--train-iters", str(train_iters), "--loss-log", str(loss_log),
+           *(["--mock-data"] if mock_data else []), *extra_args]
+    run_env = dict(os.environ)
+    run_env.update({"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+                    "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), run_env.get("PYTHONPATH")]))})
+    run_env.update(env or {})
+    proc = subprocess.run(cmd, cwd=REPO, env=run_env, capture_output=True, text=True, timeout=timeout)
+    output = proc.stdout + proc.stderr
+    (tmp_path / f"{Path(loss_log).stem}.out").write_text(output)
+    if expect_success and proc.returncode != 0:
+        raise PretrainFailed(f"exit {proc.returncode}: {' '.join(cmd)}\n{output[-6000:]}")
+    if not expect_success:
+        return [{"returncode": proc.returncode, "output": output}]
+    return read_loss_log(loss_log)
+
+
+def losses(records: List[Dict]) -> List[float]:
+    return [r["loss"] for r in records]

@@ -1,0 +1,60 @@
+"""Flag parsing: offload group (generic per-tier paths) and clear errors naming the flag."""
+
+import subprocess
+import sys
+
+import pytest
+
+from launch import REPO
+from megatron.training.arguments import parse_args
+
+BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-3", "--mock-data"]
+
+
+def test_defaults():
+    args = parse_args(BASE)
+    assert args.offload_tiers is None and args.offload_paths == {}
+    assert args.use_distributed_optimizer and args.offload_adam_kernel == "fused"
+    assert args.offload_subgroup_size == 100_000_000 and args.offload_prefetch_depth == 2
+    assert args.max_position_embeddings == 32 and args.lr_decay_iters == 1
+
+
+def test_offload_paths_for_any_tier_name():
+    args = parse_args(BASE + ["--offload-tiers", "host,nvme,scratch2", "--offload-nvme-path", "/a",
+                              "--offload-scratch2-path=/b", "--offload-host-cache-gb", "1.5",
+                              "--offload-bandwidths", "nvme=3.0:2.8,scratch2=1:0.8",
+                              "--offload-adam-kernel", "foreach", "--offload-no-cache",
+                              "--offload-cpu-threads", "4"])
+    assert args.offload_tiers == ["host", "nvme", "scratch2"]
+    assert args.offload_paths == {"nvme": "/a", "scratch2": "/b"}
+    assert args.offload_host_cache_gb == 1.5 and args.offload_no_cache and args.offload_cpu_threads == 4
+
+
+@pytest.mark.parametrize("extra, flag", [
+    (["--offload-tiers", "host,nvme"], "--offload-nvme-path"),
+    (["--offload-tiers", "host", "--offload-pfs-path", "/x"], "--offload-pfs-path"),
+    (["--offload-nvme-path", "/x"], "--offload-nvme-path"),
+    (["--offload-tiers", "nvme", "--offload-nvme-path"], "--offload-nvme-path"),
+    (["--offload-tiers", "host,,host"], "--offload-tiers"),
+    (["--offload-tiers", "nvme", "--offload-nvme-path", "/x", "--offload-bandwidths", "nvme=fast"],
+     "--offload-bandwidths"),
+    (["--offload-adam-kernel", "turbo"], "--offload-adam-kernel"),
+    (["--offload-io-threads", "0"], "--offload-io-threads"),
+    (["--pipeline-model-parallel-size", "3"], "--pipeline-model-parallel-size"),
+    (["--bf16", "--fp16"], "--fp16"),
+    (["--no-such-flag"], "--no-such-flag"),
+])
+def test_bad_flags_name_the_flag(extra, flag, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(BASE + extra)
+    assert exc.value.code == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_cli_error_has_no_traceback():
+    done = subprocess.run([sys.executable, str(REPO / "pretrain_gpt.py"), *BASE,
+                           "--offload-tiers", "host,nvme"], capture_output=True, text=True, cwd=REPO,
+                          timeout=120)
+    assert done.returncode == 2
+    assert "--offload-nvme-path" in done.stderr and "Traceback" not in done.stderr
