@@ -177,6 +177,9 @@ class OffloadedAdamW:
             for k in range(self.placement.slots)
         ]
         self._slot_of: Dict[int, _Slot] = {}
+        # Last write of each subgroup not yet known to be done: its next read must wait for it,
+        # even when its buffer has since been reused for another subgroup.
+        self._writes: Dict[int, Future] = {}
         # Streamed subgroups start "fresh": their first read copies from ``params`` and zeroes m, v.
         self._fresh = {i for i, t in enumerate(self.placement.tier_of) if t != HOST_TIER}
         self._source = params if self._fresh else None
@@ -319,6 +322,9 @@ class OffloadedAdamW:
         for slot in self._slots:
             if slot.state == WRITING:
                 self._wait_write(slot)
+        for i, future in list(self._writes.items()):
+            self._wait_future(i, future)
+        self._writes.clear()
 
     # -- slots -----------------------------------------------------------------------------------
     def _issue_reads(self) -> None:
@@ -361,9 +367,13 @@ class OffloadedAdamW:
         sg = self.subgroups[i]
         tier = self._tiers[self.placement.tier_of[i]]
 
+        own_write = self._writes.pop(i, None)
+
         def buffer_free():
             if previous_write is not None:
                 previous_write.result()  # raises if that write failed: its data is still here
+            if own_write is not None:
+                own_write.result()  # the file must hold this subgroup's latest state
             previous_views.sync_fence()
 
         if i in self._fresh:
@@ -429,17 +439,21 @@ class OffloadedAdamW:
         slot.future = tier.submit_write(_file_key(i), slot.views.extents(self.subgroups[i]))
         slot.future.add_done_callback(self._counted(tier.name, "write"))
         slot.state = WRITING
+        self._writes[i] = slot.future
         self._issue_reads()
 
     def _wait_write(self, slot: _Slot) -> None:
+        self._wait_future(slot.holder, slot.future)
+        slot.state, slot.future = EMPTY, None
+
+    def _wait_future(self, i: int, future: Future) -> None:
         try:
-            slot.future.result()
+            future.result()
         except BaseException as err:
             self._failure = err
             raise OffloadStateError(
-                f"writing subgroup {slot.holder} failed: {err}. Its state is still in host memory; "
+                f"writing subgroup {i} failed: {err}. Its state is still in host memory; "
                 f"save a checkpoint to another path before stopping") from err
-        slot.state, slot.future = EMPTY, None
 
     def _counted(self, tier: str, kind: str):
         def on_done(future: Future):

@@ -130,6 +130,8 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, cons
     torch.distributed.barrier()
     state = _state_dict(model, optimizer, scheduler, iteration, consumed_samples, is_loading=False)
     dist_checkpointing.save(state, path)
+    if hasattr(optimizer, "save_offloaded_state"):  # offloaded state streams beside it, per rank
+        optimizer.save_offloaded_state(path)
     torch.distributed.barrier()
     if rank == 0:  # written last: a crash mid-save leaves the previous checkpoint as the latest
         tmp = os.path.join(root, TRACKER + ".tmp")
@@ -169,6 +171,8 @@ def load_checkpoint(root: str, model, optimizer, scheduler):
         for i, chunk in enumerate(model):
             _unwrap(chunk).load_state_dict(state[f"model{i}"])
     optimizer.load_state_dict(state["optimizer"])
+    if hasattr(optimizer, "load_offloaded_state"):
+        optimizer.load_offloaded_state(path)
     _restore_adam_steps(optimizer, state["optimizer"])
     scheduler.load_state_dict(state["opt_param_scheduler"])
     _set_rng_state(state["rng_state"])

@@ -25,10 +25,12 @@ from megatron.core.optimizer import _get_param_groups_and_buffers
 from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.transformer.module import param_is_not_shared
 
 from mlp_offload import OffloadConfig, OffloadedAdamW, parse_bandwidths
+from mlp_offload.checkpoint import load_engine_state, save_engine_state
 
 log = logging.getLogger("mlp_offload")
 GiB = 1024**3
@@ -304,11 +306,56 @@ class OffloadDistributedOptimizer:
 
         self.engine.modify_state(from_model)
 
+    # -- checkpoints: metadata through dist_checkpointing, the state streamed beside it ----------
+    def sharded_state_dict(self, model_sharded_state_dict=None, is_loading: bool = False, **unused):
+        meta = {"steps_done": self.engine.steps_done,
+                "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler else None}
+        shape, offset = _rank_coordinates()
+        return {"offload_meta": ShardedObject("optimizer.offload_meta", meta, shape, offset, replica_id=0)}
+
+    def load_state_dict(self, state_dict):
+        meta = state_dict["offload_meta"]
+        if self.grad_scaler is not None and meta.get("grad_scaler"):
+            self.grad_scaler.load_state_dict(meta["grad_scaler"])
+        self._expected_steps = meta["steps_done"]
+
+    def state_dict(self):
+        raise NotImplementedError("the offloaded optimizer saves through sharded_state_dict() and save_offloaded_state()")
+
+    def save_offloaded_state(self, checkpoint_dir: str) -> str:
+        """Stream this rank's state into ``checkpoint_dir/offload/`` (a file per rank)."""
+        path = self._state_path(checkpoint_dir)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        save_engine_state(self.engine, path, metadata={"layout_numel": self.layout.numel})
+        return path
+
+    def load_offloaded_state(self, checkpoint_dir: str) -> None:
+        load_engine_state(self.engine, self._state_path(checkpoint_dir))
+        expected = getattr(self, "_expected_steps", None)
+        if expected is not None and expected != self.engine.steps_done:
+            raise RuntimeError(f"offloaded state in {checkpoint_dir} is at step {self.engine.steps_done}, "
+                               f"the checkpoint's metadata says {expected}")
+
+    @staticmethod
+    def _state_path(checkpoint_dir: str) -> str:
+        (pp, tp, dp), (p, t, d) = _rank_coordinates()
+        return os.path.join(checkpoint_dir, "offload", f"pp{p:03d}_tp{t:03d}_dp{d:03d}.offload")
+
     def log_line(self) -> str:
         return self.last_record.line() if self.last_record is not None else ""
 
     def close(self):
         self.engine.close()
+
+
+def _rank_coordinates():
+    """(pp, tp, dp) sizes and this rank's (pp, tp, dp) position."""
+    ps = parallel_state
+    shape = (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size(),
+             ps.get_data_parallel_world_size())
+    offset = (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(),
+              ps.get_data_parallel_rank())
+    return shape, offset
 
 
 def _merge(ranges: List[Tuple[int, int]]) -> List[Tuple[int, int]]:

@@ -299,7 +299,10 @@ def _log_line(args, iteration, loss, lr, grad_norm, elapsed_s, fb_s, opt_s, opti
 
 
 def _num_params(model) -> int:
-    count = torch.tensor([sum(p.numel() for chunk in model for p in chunk.parameters())], dtype=torch.long)
+    first = next(model[0].parameters())
+    # On the parameters' device: NCCL has no CPU backend.
+    count = torch.tensor([sum(p.numel() for chunk in model for p in chunk.parameters())], dtype=torch.long,
+                         device=first.device)
     groups = parallel_state.get_model_parallel_group()
     torch.distributed.all_reduce(count, group=groups)
     return int(count.item())
