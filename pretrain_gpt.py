@@ -23,6 +23,9 @@ def _layer_spec(args, config):
             return get_gpt_layer_with_transformer_engine_spec()
         except Exception:  # missing or broken TE build: fall back to local layers
             pass
+    if args.sequence_parallel:
+        raise SystemExit("error: argument --sequence-parallel: needs transformer-engine layers; "
+                         "megatron-core's local layer spec uses torch norms that do not support it")
     return get_gpt_layer_local_spec(normalization=args.normalization)
 
 

@@ -111,7 +111,8 @@ def build_model(args, config, model_provider: Callable, device) -> List[torch.nn
         overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer,
-        check_for_nan_in_grad=True,
+        # fp16 overflow (inf/NaN grads) is the grad scaler's job: it skips the step and backs off.
+        check_for_nan_in_grad=not args.fp16,
         bucket_size=None if not args.overlap_grad_reduce else 40_000_000,
     )
     model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
@@ -278,7 +279,7 @@ class LossLog:
             self.file.close()
 
 
-def _log_line(args, iteration, loss, lr, grad_norm, elapsed_s, fb_s, opt_s, optimizer) -> str:
+def _log_line(args, iteration, loss, lr, grad_norm, elapsed_s, fb_s, opt_s, optimizer, ok=True) -> str:
     tokens_per_s = args.global_batch_size * args.seq_length / max(elapsed_s, 1e-9)
     parts = [
         f"iteration {iteration:8d}/{args.train_iters:8d}",
@@ -291,6 +292,10 @@ def _log_line(args, iteration, loss, lr, grad_norm, elapsed_s, fb_s, opt_s, opti
         f"lm loss: {loss:.6E}",
         f"grad norm: {grad_norm:.4f}" if grad_norm is not None else "grad norm: n/a",
     ]
+    if args.fp16 and hasattr(optimizer, "get_loss_scale"):
+        parts.append(f"loss scale: {float(optimizer.get_loss_scale()):.1f}")
+    if not ok:
+        parts.append("skipped iteration (inf/nan grads)")
     if hasattr(optimizer, "log_line"):
         extra = optimizer.log_line()
         if extra:
@@ -356,7 +361,7 @@ def pretrain(model_provider: Callable, datasets_provider: Callable, forward_step
                 loss_log.write(iteration, loss.item(), lr, grad_norm)
                 if iteration % args.log_interval == 0:
                     _print_logging_rank(_log_line(args, iteration, loss.item(), lr, grad_norm,
-                                                  elapsed, fb, opt, optimizer))
+                                                  elapsed, fb, opt, optimizer, ok))
             if args.eval_interval and valid_ds is not None and iteration % args.eval_interval == 0:
                 _run_eval(args, forward_step_func, model, valid_ds, iteration, dp_rank, dp_size)
             if args.save and args.save_interval and iteration % args.save_interval == 0:
