@@ -14,9 +14,10 @@ into the device param buffer; then megatron-core's param all-gather runs as usua
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -64,7 +65,18 @@ def get_offload_optimizer(args, model_chunks, config: OptimizerConfig) -> "Offlo
     param_groups, buffers = _get_param_groups_and_buffers(
         model_chunks, model_chunk_offset=0, config=config, config_overrides=None,
         filter_fn=lambda g: not g["is_expert_parallel"], buffer_name="buffers")
-    return OffloadDistributedOptimizer(config, offload_config_from_args(args), model_chunks, param_groups, buffers)
+    optimizer = OffloadDistributedOptimizer(config, offload_config_from_args(args), model_chunks, param_groups, buffers)
+    optimizer.telemetry_path = _telemetry_path(args.offload_telemetry_log)
+    return optimizer
+
+
+def _telemetry_path(template: Optional[str]) -> Optional[str]:
+    if not template:
+        return None
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    if "{rank}" in template:
+        return template.replace("{rank}", str(rank))
+    return template if rank == 0 else None
 
 
 def _set_cpu_threads(args, model_chunks) -> None:
@@ -159,6 +171,7 @@ class OffloadDistributedOptimizer:
             grad_dtype=first_buffer.grad_dtype, on_params_updated=self._copy_params_to_device,
             grads_ready=self._wait_for_grads)
         self.last_record = None
+        self.telemetry_path: Optional[str] = None
         self.is_stub_optimizer = False
 
     # -- set-up helpers ----------------------------------------------------------------------
@@ -221,12 +234,20 @@ class OffloadDistributedOptimizer:
             coef = self.config.clip_grad / (grad_norm + 1.0e-6)
             clip_coef = coef if coef < 1.0 else None
         self.last_record = self.engine.step(unscale=inv_scale, clip_coef=clip_coef)
+        self._write_telemetry()
         if self._cuda:
             torch.cuda.current_stream().wait_stream(self._copy_stream)
         if not self.ddp_config.overlap_param_gather:
             for chunk in self.model_chunks:
                 chunk.start_param_sync()
         return True, grad_norm, 0
+
+    def _write_telemetry(self) -> None:
+        if self.telemetry_path:
+            record = asdict(self.last_record)
+            record.pop("events", None)
+            with open(self.telemetry_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
 
     def _grad_norms(self, inv_scale: Optional[float]):
         """Per-param fp32 grad norms in megatron-core's order; any inf/nan (for fp16)."""
