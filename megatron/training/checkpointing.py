@@ -109,8 +109,9 @@ def _state_dict(model, optimizer, scheduler, iteration, consumed_samples, is_loa
     model_sd = _model_sharded_state_dict(model)
     return {
         "model": model_sd,
-        "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
-                                                  sharding_type=OPTIMIZER_SHARDING),
+        # metadata is megatron-core's current spelling of sharding_type='dp_reshardable'.
+        "optimizer": optimizer.sharded_state_dict(
+            model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": OPTIMIZER_SHARDING}),
         "opt_param_scheduler": scheduler.state_dict(),
         "iteration": iteration,
         "consumed_train_samples": consumed_samples,
