@@ -80,9 +80,16 @@ class StepRecord:
         ]
         for name, t in self.tiers.items():
             parts.append(
-                f"{name} r {t.read_bytes / 1e9:.2f}GB@{t.read_gbps:.2f}GB/s "
-                f"w {t.write_bytes / 1e9:.2f}GB@{t.write_gbps:.2f}GB/s"
+                f"{name} r {_size(t.read_bytes)}@{t.read_gbps:.2f}GB/s "
+                f"w {_size(t.write_bytes)}@{t.write_gbps:.2f}GB/s"
             )
         if self.streamed:
             parts.append(f"cache hits {self.cache_hits}/{self.streamed}")
         return " | ".join(parts)
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f}{unit}"
+    return f"{nbytes / 1e3:.1f}KB"

@@ -54,6 +54,7 @@ def offload_config_from_args(args) -> OffloadConfig:
         cache_alternating=not args.offload_no_cache,
         bandwidths=parse_bandwidths(args.offload_bandwidths or ""),
         adam_kernel=args.offload_adam_kernel,
+        probe_bytes=args.offload_probe_mb << 20,
         rank=torch.distributed.get_rank() if torch.distributed.is_initialized() else 0,
     )
 

@@ -333,7 +333,10 @@ def pretrain(model_provider: Callable, datasets_provider: Callable, forward_step
                  f"device: {device}")
 
     iteration, consumed = 0, 0
-    if args.load:
+    fresh_auto_resume = args.load and args.load == args.save and not os.path.isdir(args.load)
+    if fresh_auto_resume:  # --save X --load X in a batch script: the first job starts fresh
+        _print_rank0(f"> no checkpoint in {args.load} yet: starting from scratch")
+    elif args.load:
         iteration, consumed = checkpointing.load_checkpoint(args.load, model, optimizer, scheduler)
         _print_rank0(f"> loaded checkpoint from {args.load} at iteration {iteration}")
 
