@@ -20,10 +20,20 @@ OFFLOAD="--offload-tiers host,nvme,pfs --offload-nvme-path $DISK/nvme --offload-
 set -o pipefail
 torchrun --nproc_per_node 1 pretrain_gpt.py $MODEL --loss-log $OUT/base.jsonl 2>&1 | grep -v Warning | tee $OUT/base.log | tail -8
 torchrun --nproc_per_node 1 pretrain_gpt.py $MODEL $OFFLOAD --loss-log $OUT/offload.jsonl 2>&1 | grep -v Warning | tee $OUT/offload.log | tail -16
+# Save at the half-way point and stop; resume in a new process with the disk tier only.
+HALF=$(( ${ITERS:-12} / 2 ))
+rm -rf $DISK/ckpt
+torchrun --nproc_per_node 1 pretrain_gpt.py $MODEL $OFFLOAD --loss-log $OUT/resumed.jsonl --save $DISK/ckpt \
+  --save-interval $HALF --exit-interval $HALF 2>&1 | grep -v Warning | grep -E "saved|error|Error" | tail -3
+torchrun --nproc_per_node 1 pretrain_gpt.py $MODEL --offload-tiers nvme --offload-nvme-path $DISK/nvme \
+  --offload-subgroup-size 30000000 --loss-log $OUT/resumed.jsonl --load $DISK/ckpt 2>&1 | grep -v Warning \
+  | grep -E "loaded|iteration +$((HALF + 1))/|error|Error" | tail -3
+du -sh $DISK/ckpt/iter_*/offload | cat
 python3 - "$OUT" <<'PY'
 import json, sys
 out = sys.argv[1]
 load = lambda n: [json.loads(l) for l in open(f"{out}/{n}.jsonl")]
-for b, o in zip(load("base"), load("offload")):
-    print(f"iter {b['iteration']:3d} loss base {b['loss']:.6f} offload {o['loss']:.6f} diff {o['loss'] - b['loss']:+.2e}")
+for b, o, r in zip(load("base"), load("offload"), load("resumed")):
+    print(f"iter {b['iteration']:3d} loss base {b['loss']:.6f} offload {o['loss']:.6f} diff {o['loss'] - b['loss']:+.2e}"
+          f" | resumed {r['loss']:.6f} {'==' if r == o else '!='} offload")
 PY

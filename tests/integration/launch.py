@@ -53,16 +53,20 @@ def run_pretrain(tmp_path: os.PathLike, extra_args: Sequence[str], nproc: int = 
     tmp_path.mkdir(parents=True, exist_ok=True)
     if loss_log is None:
         loss_log = tmp_path / f"loss-{len(list(tmp_path.glob('loss-*.jsonl')))}.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(PRETRAIN),
-           *model_args, "--train-iters", str(train_iters), "--loss-log", str(loss_log),
-           *(["--mock-data"] if mock_data else []), *extra_args]
     run_env = dict(os.environ)
     run_env.update({"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
                     "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), run_env.get("PYTHONPATH")]))})
     run_env.update(env or {})
-    proc = subprocess.run(cmd, cwd=REPO, env=run_env, capture_output=True, text=True, timeout=timeout)
-    output = proc.stdout + proc.stderr
+    for _attempt in range(3):
+        # free_port() can lose a race with another process before torchrun binds it: retry then.
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+               "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(PRETRAIN),
+               *model_args, "--train-iters", str(train_iters), "--loss-log", str(loss_log),
+               *(["--mock-data"] if mock_data else []), *extra_args]
+        proc = subprocess.run(cmd, cwd=REPO, env=run_env, capture_output=True, text=True, timeout=timeout)
+        output = proc.stdout + proc.stderr
+        if not (proc.returncode != 0 and "EADDRINUSE" in output and "server socket has failed" in output):
+            break
     (tmp_path / f"{Path(loss_log).stem}.out").write_text(output)
     if expect_success and proc.returncode != 0:
         raise PretrainFailed(f"exit {proc.returncode}: {' '.join(cmd)}\n{output[-6000:]}")
