@@ -20,6 +20,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from .engine import OffloadedAdamW
+from .tiers.files import fsync_path
 
 MAGIC = b"MLPOFFv1"
 TRAILER = struct.Struct("<8sQ")
@@ -52,7 +53,7 @@ def save_engine_state(engine: OffloadedAdamW, path: str, metadata: Optional[dict
         os.fsync(f.fileno())
         size = f.tell()
     os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+    fsync_path(os.path.dirname(os.path.abspath(path)))
     return size
 
 
@@ -141,11 +142,3 @@ class _RangeReader:
 
     def close(self) -> None:
         self.f.close()
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

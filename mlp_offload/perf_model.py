@@ -20,7 +20,7 @@ import torch
 
 from .config import HOST_TIER, OffloadConfig, TierBandwidth
 from .subgroups import Subgroup
-from .tiers.files import FileTier, TierIOError
+from .tiers.files import FileTier, fsync_path
 
 log = logging.getLogger("mlp_offload")
 GiB = 1024**3
@@ -61,7 +61,7 @@ def probe_tier(tier: FileTier, host_buffer: torch.Tensor, concurrency: int = 2) 
         for f in [tier.submit_write(key, ext) for key, ext in parts]:
             f.result()
         for key, _ in parts:
-            _fsync_path(tier.path_of(key))
+            fsync_path(tier.path_of(key))
         write_s = time.perf_counter() - start
         start = time.perf_counter()
         for f in [tier.submit_read(key, ext) for key, ext in parts]:
@@ -91,14 +91,6 @@ def _read_probe_cache(path: str, signature: dict) -> Optional[TierBandwidth]:
         return TierBandwidth(data["read_bps"], data["write_bps"])
     except (OSError, ValueError, KeyError, TypeError):
         return None  # absent or unreadable cache: measure again
-
-
-def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def measure_adam_rate(adam_step, numel: int = 1 << 24, repeats: int = 3) -> float:

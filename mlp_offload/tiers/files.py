@@ -289,6 +289,15 @@ def _pread_block(fd: int, off: int, mv: memoryview, checksum: bool) -> int:
     return zlib.crc32(mv) if checksum else 0
 
 
+def fsync_path(path: str) -> None:
+    """fsync a file or a directory by name (a directory, to make a rename in it durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _remove_if_empty(path: str) -> None:
     try:
         os.rmdir(path)
