@@ -36,6 +36,13 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return value
+
+
 def _tier_list(text: str) -> List[str]:
     tiers = [t.strip() for t in text.split(",") if t.strip()]
     if not tiers:
@@ -126,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop (after saving, with --save) when the iteration is a multiple of this")
     g.add_argument("--loss-log", type=str, default=None,
                    help="JSONL file: one {iteration, loss, lr, grad_norm} line per iteration")
+    g.add_argument("--timing-log", type=str, default=None, metavar="FILE",
+                   help="JSONL file: one {iteration, elapsed_s, forward_backward_s, optimizer_s} line per "
+                        "iteration (kept apart from --loss-log, whose records must repeat bit for bit)")
 
     g = p.add_argument_group("data")
     g.add_argument("--mock-data", action="store_true")
@@ -159,6 +169,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--offload-telemetry-log", default=None, metavar="FILE",
                    help="per-step engine telemetry as JSON lines; '{rank}' in FILE is replaced by "
                         "the global rank, otherwise only rank 0 writes")
+
+    # megatron-core's own CPU offload (HybridDeviceOptimizer), passed through as a peer to compare with.
+    g = p.add_argument_group("megatron-core CPU optimizer offload (OptimizerConfig pass-through)")
+    g.add_argument("--optimizer-cpu-offload", action="store_true",
+                   help="megatron-core's HybridDeviceOptimizer: Adam state and step on the CPU (CUDA only)")
+    g.add_argument("--optimizer-offload-fraction", type=_fraction, default=1.0,
+                   help="fraction of the optimizer state megatron-core keeps on the CPU (default 1.0)")
+    g.add_argument("--overlap-cpu-optimizer-d2h-h2d", action="store_true",
+                   help="overlap megatron-core's CPU Adam with its grad D2H / param H2D copies")
     return p
 
 
@@ -261,10 +280,36 @@ def _validate_offload(parser, args) -> None:
                 parser.error(f"argument --offload-bandwidths: {name!r} is not a file tier in --offload-tiers")
 
 
+def _validate_mcore_offload(parser, args) -> None:
+    """megatron-core's CPU offload is a separate optimizer: exclusive with ours, and CUDA-only."""
+    if not args.optimizer_cpu_offload:
+        for flag, given in (("--optimizer-offload-fraction", args.optimizer_offload_fraction != 1.0),
+                            ("--overlap-cpu-optimizer-d2h-h2d", args.overlap_cpu_optimizer_d2h_h2d)):
+            if given:
+                parser.error(f"argument {flag}: requires --optimizer-cpu-offload")
+        return
+    if args.offload_tiers is not None:
+        parser.error("argument --optimizer-cpu-offload: not allowed with --offload-tiers (two different "
+                     "optimizer offloads: megatron-core's HybridDeviceOptimizer or this repo's engine)")
+    if not args.use_distributed_optimizer:
+        parser.error("argument --optimizer-cpu-offload: requires the distributed optimizer "
+                     "(drop --no-use-distributed-optimizer)")
+    if args.device == "cpu" or args.device == "auto" and not _cuda_available():
+        parser.error("argument --optimizer-cpu-offload: needs a CUDA device (megatron-core's "
+                     "HybridDeviceOptimizer cannot run with --device cpu); use --offload-tiers host instead")
+
+
+def _cuda_available() -> bool:
+    import torch  # only when the flag is given: parsing stays light otherwise
+
+    return torch.cuda.is_available()
+
+
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     args.offload_paths = _parse_offload_paths(parser, rest)
     _validate(parser, args)
     _validate_offload(parser, args)
+    _validate_mcore_offload(parser, args)
     return args

@@ -93,6 +93,10 @@ def optimizer_config(args) -> OptimizerConfig:
         loss_scale=args.loss_scale,
         initial_loss_scale=args.initial_loss_scale,
         use_distributed_optimizer=args.use_distributed_optimizer,
+        # megatron-core's own CPU offload (a peer to compare with); off unless asked for.
+        optimizer_cpu_offload=getattr(args, "optimizer_cpu_offload", False),
+        optimizer_offload_fraction=getattr(args, "optimizer_offload_fraction", 1.0),
+        overlap_cpu_optimizer_d2h_h2d=getattr(args, "overlap_cpu_optimizer_d2h_h2d", False),
     )
 
 
@@ -279,6 +283,26 @@ class LossLog:
             self.file.close()
 
 
+class TimingLog:
+    """JSONL of per-iteration wall-clock phases (CUDA-synchronized), for benchmarks."""
+
+    def __init__(self, path: Optional[str], resume_iteration: int):
+        self.file = None
+        if path and _is_logging_rank():
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self.file = open(path, "a" if resume_iteration else "w")
+
+    def write(self, iteration, elapsed_s, fb_s, opt_s):
+        if self.file is not None:
+            self.file.write(json.dumps({"iteration": iteration, "elapsed_s": elapsed_s,
+                                        "forward_backward_s": fb_s, "optimizer_s": opt_s}) + "\n")
+            self.file.flush()
+
+    def close(self):
+        if self.file is not None:
+            self.file.close()
+
+
 def _log_line(args, iteration, loss, lr, grad_norm, elapsed_s, fb_s, opt_s, optimizer, ok=True) -> str:
     tokens_per_s = args.global_batch_size * args.seq_length / max(elapsed_s, 1e-9)
     parts = [
@@ -348,6 +372,7 @@ def pretrain(model_provider: Callable, datasets_provider: Callable, forward_step
     train_iter = MicroBatchIterator(train_ds, consumed, args.micro_batch_size, dp_rank, dp_size)
 
     loss_log = LossLog(args.loss_log, iteration)
+    timing_log = TimingLog(getattr(args, "timing_log", None), iteration)
     timers = Timers(device)
     try:
         while iteration < args.train_iters:
@@ -362,6 +387,7 @@ def pretrain(model_provider: Callable, datasets_provider: Callable, forward_step
                 if not math.isfinite(loss.item()):
                     raise RuntimeError(f"loss is {loss.item()} at iteration {iteration}")
                 loss_log.write(iteration, loss.item(), lr, grad_norm)
+                timing_log.write(iteration, elapsed, fb, opt)
                 if iteration % args.log_interval == 0:
                     _print_logging_rank(_log_line(args, iteration, loss.item(), lr, grad_norm,
                                                   elapsed, fb, opt, optimizer, ok))
@@ -378,6 +404,7 @@ def pretrain(model_provider: Callable, datasets_provider: Callable, forward_step
             _print_rank0(f"> saved checkpoint at iteration {iteration} to {args.save}")
     finally:
         loss_log.close()
+        timing_log.close()
         if hasattr(optimizer, "close"):
             optimizer.close()
     torch.distributed.barrier()

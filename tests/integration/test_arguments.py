@@ -58,3 +58,31 @@ def test_cli_error_has_no_traceback():
                           timeout=120)
     assert done.returncode == 2
     assert "--offload-nvme-path" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_mcore_cpu_offload_pass_through():
+    args = parse_args(BASE + ["--device", "cuda", "--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5",
+                              "--overlap-cpu-optimizer-d2h-h2d", "--timing-log", "/tmp/t.jsonl"])
+    assert args.optimizer_cpu_offload and args.optimizer_offload_fraction == 0.5
+    assert args.overlap_cpu_optimizer_d2h_h2d and args.timing_log == "/tmp/t.jsonl"
+    from megatron.training.training import optimizer_config
+
+    config = optimizer_config(args)
+    assert config.optimizer_cpu_offload and config.optimizer_offload_fraction == 0.5
+    assert config.overlap_cpu_optimizer_d2h_h2d
+    assert not optimizer_config(parse_args(BASE)).optimizer_cpu_offload
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--device", "cuda", "--optimizer-cpu-offload", "--offload-tiers", "host"], "not allowed with --offload-tiers"),
+    (["--device", "cpu", "--optimizer-cpu-offload"], "needs a CUDA device"),
+    (["--device", "cuda", "--optimizer-cpu-offload", "--optimizer-offload-fraction", "1.5"],
+     "--optimizer-offload-fraction"),
+    (["--overlap-cpu-optimizer-d2h-h2d"], "requires --optimizer-cpu-offload"),
+])
+def test_mcore_cpu_offload_errors(extra, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(BASE + extra)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "--optimizer" in err
