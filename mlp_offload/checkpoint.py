@@ -20,6 +20,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from .engine import OffloadedAdamW
+from .faults import fault_point
 from .tiers.files import fsync_path
 
 MAGIC = b"MLPOFFv1"
@@ -43,6 +44,7 @@ def save_engine_state(engine: OffloadedAdamW, path: str, metadata: Optional[dict
                 f.write(view)
                 entry["crc"].append(zlib.crc32(view))
             entries.append(entry)
+            fault_point("save-offload")
         footer = json.dumps({
             "numel": engine.numel, "steps_done": engine.steps_done, "subgroups": entries,
             "metadata": metadata or {},

@@ -13,8 +13,10 @@ Host buffers for streamed subgroups ("slots") move through these states:
 
 from __future__ import annotations
 
+import atexit
 import logging
 import time
+import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -22,6 +24,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from .config import HOST_TIER, OffloadConfig, TierBandwidth
+from .faults import fault_point
 from .perf_model import Placement, Prediction, measure_adam_rate, plan_placement, predict_update, probe_tier
 from .schedule import StepSchedule, step_schedule
 from .subgroups import FP32_BYTES, Subgroup, partition
@@ -136,6 +139,8 @@ class OffloadedAdamW:
         except BaseException:
             self.close()
             raise
+        # Swap files go with the process even if the caller never closes the engine.
+        atexit.register(_close_if_alive, weakref.ref(self))
 
     # -- setup ---------------------------------------------------------------------------------
     def _setup(self, params: torch.Tensor, grad_dtype: torch.dtype) -> None:
@@ -268,8 +273,11 @@ class OffloadedAdamW:
         step = self.steps_done + 1
         rec = StepRecord(step=step, streamed=len(sched.streamed), resident=len(self._resident),
                          predicted_update_s=self.prediction.update_s)
+        halfway = sched.order[len(sched.order) // 2]
         try:
             for i in sched.order:
+                if i == halfway:
+                    fault_point("update")
                 sg = self.subgroups[i]
                 if i in self._resident:
                     views = self._resident[i]
@@ -583,6 +591,12 @@ class OffloadedAdamW:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _close_if_alive(ref) -> None:
+    engine = ref()
+    if engine is not None:
+        engine.close()
 
 
 def _file_key(i: int) -> str:

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 from typing import Optional
 
 import numpy as np
 import torch
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+from mlp_offload.faults import fault_point
 
 TRACKER = "latest_checkpointed_iteration.txt"
 OPTIMIZER_SHARDING = "dp_reshardable"
@@ -126,7 +129,12 @@ def checkpoint_dir(root: str, iteration: int) -> str:
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, consumed_samples: int) -> str:
     path = checkpoint_dir(root, iteration)
     rank = torch.distributed.get_rank()
+    if os.path.isdir(root) and latest_iteration(root) == iteration:
+        return path  # already complete: never rewrite the latest good checkpoint in place
     if rank == 0:
+        if os.path.isdir(path):  # not the tracked one: left by a save that was interrupted
+            print(f"> removing incomplete checkpoint {path} (an interrupted save)", flush=True)
+            shutil.rmtree(path)
         os.makedirs(path, exist_ok=True)
     torch.distributed.barrier()
     state = _state_dict(model, optimizer, scheduler, iteration, consumed_samples, is_loading=False)
@@ -134,6 +142,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, cons
     if hasattr(optimizer, "save_offloaded_state"):  # offloaded state streams beside it, per rank
         optimizer.save_offloaded_state(path)
     torch.distributed.barrier()
+    fault_point("save-tracker")
     if rank == 0:  # written last: a crash mid-save leaves the previous checkpoint as the latest
         tmp = os.path.join(root, TRACKER + ".tmp")
         with open(tmp, "w") as f:

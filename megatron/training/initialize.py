@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 from datetime import timedelta
 
 import numpy as np
@@ -47,10 +48,20 @@ def set_seeds(seed: int, device: torch.device) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
+def _exit_cleanly_on_sigterm() -> None:
+    """SIGTERM (torchrun stopping the other ranks, SLURM's time limit) becomes SystemExit, so the
+    training loop's cleanup runs: the optimizer closes and its swap files are removed."""
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 def initialize(args) -> torch.device:
     """Set up everything before the model is built; returns the compute device."""
     device = select_device(args.device)
     args.device_resolved = device.type
+    _exit_cleanly_on_sigterm()
     if device.type == "cpu":
         from megatron.training import cpu_compat
 

@@ -28,6 +28,7 @@ from megatron.training import checkpointing
 from megatron.training.arguments import parse_args
 from megatron.training.data import (MicroBatchIterator, build_tokenizer, padded_vocab_size)
 from megatron.training.initialize import initialize
+from mlp_offload.faults import fault_point
 
 
 # ----------------------------------------------------------------------------- configuration
@@ -218,13 +219,29 @@ def _print_logging_rank(msg: str) -> None:
 
 # ----------------------------------------------------------------------------- train / evaluate
 
+def _with_fault_points(forward_step_func):
+    """Crash-test hooks (mlp_offload.faults): 'forward' as a micro-batch starts, 'backward' when its
+    gradient arrives. Only when MLP_OFFLOAD_FAULT is set."""
+    if not os.environ.get("MLP_OFFLOAD_FAULT"):
+        return forward_step_func
+
+    def forward_step(data_iterator, model):
+        fault_point("forward")
+        output, loss_func = forward_step_func(data_iterator, model)
+        if output.requires_grad:
+            output.register_hook(lambda grad: fault_point("backward"))
+        return output, loss_func
+
+    return forward_step
+
+
 def train_step(args, forward_step_func, data_iterator, model, optimizer, scheduler, timers):
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     timers.start("forward-backward")
     losses = get_forward_backward_func()(
-        forward_step_func=forward_step_func,
+        forward_step_func=_with_fault_points(forward_step_func),
         data_iterator=data_iterator,
         model=model,
         num_microbatches=args.num_microbatches,

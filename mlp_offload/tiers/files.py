@@ -10,11 +10,9 @@ host buffers. Each block carries a CRC32, checked when it is read back.
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import shutil
-import socket
 import time
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -24,6 +22,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..subgroups import ALIGN
+from .housekeeping import claim
 from .tokens import TierTokens
 
 log = logging.getLogger("mlp_offload")
@@ -82,12 +81,10 @@ class FileTier:
     ):
         self.name = name
         self.root = check_tier_dir(name, root)
-        self.dir = os.path.join(self.root, "mlp_offload", run_id, f"rank{rank:05d}")
         try:
-            os.makedirs(self.dir, exist_ok=True)
-            self._write_owner_file()
+            self.dir = claim(self.root, run_id, rank, flag=f"--offload-{name}-path")
         except OSError as err:
-            raise TierPathError(f"--offload-{name}-path {root}: cannot create {self.dir}: {err}") from err
+            raise TierPathError(f"--offload-{name}-path {root}: cannot create this rank's directory: {err}") from err
         self.device = os.stat(self.root).st_dev  # tiers on one device share its bandwidth
         self.block_bytes = block_bytes
         self.io_threads = io_threads
@@ -262,12 +259,6 @@ class FileTier:
         finally:
             os.close(fd)
             os.unlink(probe)
-
-    def _write_owner_file(self) -> None:
-        # Lets a later run recognise files left behind by a dead one (never reused silently).
-        owner = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
-        with open(os.path.join(self.dir, "OWNER.json"), "w") as f:
-            json.dump(owner, f)
 
 
 def _pwrite_block(fd: int, off: int, mv: memoryview, checksum: bool) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -63,16 +64,37 @@ def run_pretrain(tmp_path: os.PathLike, extra_args: Sequence[str], nproc: int = 
                "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(PRETRAIN),
                *model_args, "--train-iters", str(train_iters), "--loss-log", str(loss_log),
                *(["--mock-data"] if mock_data else []), *extra_args]
-        proc = subprocess.run(cmd, cwd=REPO, env=run_env, capture_output=True, text=True, timeout=timeout)
-        output = proc.stdout + proc.stderr
-        if not (proc.returncode != 0 and "EADDRINUSE" in output and "server socket has failed" in output):
+        returncode, output = _run_in_own_session(cmd, run_env, timeout, tmp_path / f"{Path(loss_log).stem}.out")
+        if not (returncode != 0 and "EADDRINUSE" in output and "server socket has failed" in output):
             break
-    (tmp_path / f"{Path(loss_log).stem}.out").write_text(output)
-    if expect_success and proc.returncode != 0:
-        raise PretrainFailed(f"exit {proc.returncode}: {' '.join(cmd)}\n{output[-6000:]}")
+    if expect_success and returncode != 0:
+        raise PretrainFailed(f"exit {returncode}: {' '.join(cmd)}\n{output[-6000:]}")
     if not expect_success:
-        return [{"returncode": proc.returncode, "output": output}]
+        return [{"returncode": returncode, "output": output}]
     return read_loss_log(loss_log)
+
+
+def _run_in_own_session(cmd, env, timeout: float, out_path: Path):
+    """Run ``cmd`` in a new session with its output in a file; afterwards kill what is left of the
+    session. A rank killed by a fault test orphans helper processes (megatron-core's checkpoint
+    writer starts a multiprocessing Manager): they must neither outlive the test nor hold a pipe."""
+    with open(out_path, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            returncode = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            returncode = None
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    output = out_path.read_text()
+    if returncode is None:
+        raise PretrainFailed(f"timed out after {timeout} s: {' '.join(cmd)}\n{output[-6000:]}")
+    return returncode, output
 
 
 def losses(records: List[Dict]) -> List[float]:

@@ -1,0 +1,140 @@
+"""Swap-file namespaces: ``<tier path>/mlp_offload/<run id>/rank<r>/``, each with an OWNER.json.
+
+A rank claims its namespace at start-up. Files left by a dead process are recognised (the owner's
+pid is gone, or now belongs to a process that started later) and are reported, never reused:
+our own namespace is cleared before use, others are listed so the user can delete them
+(``python tools/offload_clean.py PATH``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import socket
+import time
+from dataclasses import dataclass
+from typing import List, Optional
+
+log = logging.getLogger("mlp_offload")
+GiB = 1024**3
+NAMESPACE_DIR = "mlp_offload"
+OWNER_FILE = "OWNER.json"
+
+
+class NamespaceInUseError(RuntimeError):
+    """Another live process owns the namespace this rank would use."""
+
+
+@dataclass
+class Namespace:
+    path: str
+    run_id: str
+    rank_dir: str
+    owner: Optional[dict]
+    alive: Optional[bool]  # None: owned by another host, liveness unknown
+    nbytes: int
+
+    def describe(self) -> str:
+        who = "unknown owner" if not self.owner else (
+            f"pid {self.owner.get('pid')} on {self.owner.get('host')}, started "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(self.owner.get('started', 0)))}")
+        return f"{self.path} ({self.nbytes / GiB:.2f} GiB, {who})"
+
+
+def _proc_start_ticks(pid: int) -> Optional[int]:
+    """The process's start time in clock ticks since boot (Linux), to tell a recycled pid apart."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def owner_record() -> dict:
+    pid = os.getpid()
+    return {"host": socket.gethostname(), "pid": pid, "start_ticks": _proc_start_ticks(pid), "started": time.time()}
+
+
+def owner_alive(owner: Optional[dict]) -> Optional[bool]:
+    if not owner or "pid" not in owner:
+        return False
+    if owner.get("host") != socket.gethostname():
+        return None
+    pid = int(owner["pid"])
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # exists, owned by someone else
+    recorded, now = owner.get("start_ticks"), _proc_start_ticks(pid)
+    return recorded is None or now is None or recorded == now
+
+
+def read_owner(rank_dir: str) -> Optional[dict]:
+    try:
+        with open(os.path.join(rank_dir, OWNER_FILE)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def scan(root: str) -> List[Namespace]:
+    """Every rank namespace under ``root/mlp_offload``, with its owner's status and size."""
+    base = os.path.join(root, NAMESPACE_DIR)
+    found = []
+    for run_id in sorted(_listdir(base)):
+        for rank_dir in sorted(_listdir(os.path.join(base, run_id))):
+            path = os.path.join(base, run_id, rank_dir)
+            if os.path.isdir(path):
+                owner = read_owner(path)
+                found.append(Namespace(path, run_id, rank_dir, owner, owner_alive(owner), _tree_bytes(path)))
+    return found
+
+
+def claim(root: str, run_id: str, rank: int, flag: str) -> str:
+    """Create and own this rank's namespace; clear a dead owner's files; report other stale ones."""
+    path = os.path.join(root, NAMESPACE_DIR, run_id, f"rank{rank:05d}")
+    if os.path.isdir(path):
+        owner = read_owner(path)
+        ours = owner and owner.get("pid") == os.getpid() and owner.get("host") == socket.gethostname()
+        if not ours:
+            alive = owner_alive(owner)
+            ns = Namespace(path, run_id, os.path.basename(path), owner, alive, _tree_bytes(path))
+            if alive is not False:
+                raise NamespaceInUseError(
+                    f"{flag} {root}: {ns.describe()} is in use by another process with the same run id "
+                    f"{run_id!r} and rank {rank}; give each job its own MLP_OFFLOAD_RUN_ID")
+            log.warning("removing stale offload files of a dead run before use (never reused): %s", ns.describe())
+            shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, OWNER_FILE), "w") as f:
+        json.dump(owner_record(), f)
+    stale = [ns for ns in scan(root) if ns.path != path and ns.alive is False]
+    if stale:
+        log.warning(
+            "%s %s holds %d stale offload namespace(s) of dead runs (%.2f GiB); they are not used. "
+            "Delete them with: python tools/offload_clean.py --delete %s\n  %s",
+            flag, root, len(stale), sum(ns.nbytes for ns in stale) / GiB, root,
+            "\n  ".join(ns.describe() for ns in stale))
+    return path
+
+
+def _listdir(path: str) -> List[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def _tree_bytes(path: str) -> int:
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(dirpath, name))
+            except OSError:
+                pass
+    return total

@@ -1,0 +1,53 @@
+"""Crash consistency with offload (2 CPU processes): a rank SIGKILLs itself at an injected point
+(mlp_offload.faults), then the same command is run again. It must resume from the last complete
+checkpoint and continue exactly as a run that never stopped; the dead run's swap files are
+reported, never reused, and tools/offload_clean.py removes them."""
+
+import subprocess
+import sys
+
+import pytest
+
+from launch import REPO, run_pretrain
+from test_offload_cpu import offload_args
+
+ITERS = 8
+# point -> the iteration the restart must resume after (checkpoints every 2 iterations).
+CASES = {
+    "forward@1#7": 2,       # 2 micro-batches per iteration and rank: dies starting iteration 4
+    "backward@0#6": 2,      # dies in the backward of iteration 3
+    "update@1#3": 2,        # dies half-way through the update of iteration 3
+    "save-offload@0#2": 0,  # dies while streaming its state into the first checkpoint
+    "save-tracker@0#1": 0,  # first checkpoint written but not yet recorded as the latest
+    "save-tracker@1#1": 2,  # rank 0 still records it: the checkpoint is complete
+}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("full")
+    return run_pretrain(tmp, offload_args(tmp), train_iters=ITERS)
+
+
+@pytest.mark.parametrize("fault", sorted(CASES))
+def test_kill_and_restart_resumes_exactly(tmp_path, uninterrupted, fault):
+    args = [*offload_args(tmp_path), "--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt"),
+            "--save-interval", "2"]
+    crashed = run_pretrain(tmp_path, args, train_iters=ITERS, env={"MLP_OFFLOAD_FAULT": fault},
+                           loss_log=tmp_path / "crashed.jsonl", expect_success=False)
+    assert crashed[0]["returncode"] != 0, "the injected fault did not stop the run"
+    resumed = run_pretrain(tmp_path, args, train_iters=ITERS, loss_log=tmp_path / "resumed.jsonl")
+    start = CASES[fault]
+    assert [r["iteration"] for r in resumed] == list(range(start + 1, ITERS + 1))
+    assert resumed == uninterrupted[start:]
+    output = (tmp_path / "resumed.out").read_text()
+    assert "stale offload namespace(s) of dead runs" in output
+    if fault.startswith("save-offload"):
+        assert "removing incomplete checkpoint" in output
+    # The killed rank's files are left behind (SIGKILL): the cleaner finds and removes them.
+    cleaner = [sys.executable, str(REPO / "tools" / "offload_clean.py"), str(tmp_path / "nvme"), str(tmp_path / "pfs")]
+    listing = subprocess.run(cleaner, capture_output=True, text=True, check=True).stdout
+    assert "dead" in listing
+    subprocess.run([*cleaner, "--delete"], capture_output=True, text=True, check=True)
+    leftovers = [p for d in ("nvme", "pfs") for p in (tmp_path / d).rglob("*.state")]
+    assert leftovers == []
