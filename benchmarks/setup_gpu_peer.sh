@@ -1,0 +1,20 @@
+# Source this on the GPU machine, from the repo root: carried wheels into /tmp/site, libaio from
+# carried Debian .debs (unpacked, not installed: the image has no libaio), and the variables that
+# let DeepSpeed's JIT build of its async_io op find them.
+#   source benchmarks/setup_gpu_peer.sh     (needs .whl and .deb in the device tool's carry list)
+_repo=$(pwd)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    "$_repo"/.whl/*.whl || return 1
+mkdir -p /tmp/libaio
+for deb in "$_repo"/.deb/*.deb; do dpkg -x "$deb" /tmp/libaio || return 1; done
+_aio_lib=$(dirname "$(find /tmp/libaio -name 'libaio.so*' | head -1)")
+# libaio-dev's libaio.so link may point at an absolute /lib path: link to the unpacked runtime.
+if [ ! -e "$_aio_lib/libaio.so" ]; then
+    ln -sf "$(ls "$_aio_lib"/libaio.so.1* | head -1)" "$_aio_lib/libaio.so"
+fi
+export CPATH=/tmp/libaio/usr/include${CPATH:+:$CPATH}
+export LIBRARY_PATH=$_aio_lib${LIBRARY_PATH:+:$LIBRARY_PATH}
+export LD_LIBRARY_PATH=$_aio_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+export PYTHONPATH=/tmp/site:$_repo${PYTHONPATH:+:$PYTHONPATH}
+export TORCH_CUDA_ARCH_LIST=9.0 DS_BUILD_OPS=0 PYTHONUNBUFFERED=1
+echo "setup_gpu_peer: wheels in /tmp/site, libaio in $_aio_lib ($(ls "$_aio_lib" | tr '\n' ' '))"
