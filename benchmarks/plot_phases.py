@@ -1,0 +1,67 @@
+"""Stacked bars from compare_offload.json: forward+backward and update seconds per system.
+
+  python3 benchmarks/plot_phases.py $OUT/compare_offload.json $OUT/phases.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import matplotlib
+
+matplotlib.use("Agg")  # headless
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("json_path")
+    p.add_argument("png_path")
+    p.add_argument("--log-scale", action="store_true", help="log y axis (DeepSpeed NVMe dwarfs the rest)")
+    args = p.parse_args(argv)
+    with open(args.json_path) as f:
+        data = json.load(f)
+
+    names, fb, upd, floors, skipped = [], [], [], [], []
+    for s in data["order"]:
+        r = data["systems"].get(s)
+        if r is None:
+            continue
+        m = r.get("median")
+        if not m:
+            skipped.append(f"{s}: {r.get('skipped', 'no data')}")
+            continue
+        names.append(f"{s}\n{r['label'].replace(' (', chr(10) + '(')}")
+        fb.append(m["fb_s"])
+        # The rest of the iteration (data, logging) is folded into the update bar so bars = iteration time.
+        upd.append(m["iteration_s"] - m["fb_s"])
+        floors.append(r.get("floor", {}).get("update_floor_s"))
+
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(names) + 2), 5))
+    x = range(len(names))
+    ax.bar(x, fb, label="forward + backward", color="#4c72b0")
+    ax.bar(x, upd, bottom=fb, label="update (optimizer step)", color="#dd8452")
+    for i, (f, u, fl) in enumerate(zip(fb, upd, floors)):
+        ax.text(i, f + u, f"{f + u:.2f}s", ha="center", va="bottom", fontsize=8)
+        if fl:
+            ax.plot([i - 0.4, i + 0.4], [f + fl] * 2, color="black", linestyle="--", linewidth=1)
+    ax.plot([], [], color="black", linestyle="--", linewidth=1, label="fwd+bwd + update floor")
+    ax.set_xticks(list(x))
+    ax.set_xticklabels(names, fontsize=7)
+    ax.set_ylabel("seconds per iteration (median after warm-up)")
+    shape = data["shape"]
+    ax.set_title(f"{shape['params'] / 1e9:.2f} G params, {shape['layers']}x{shape['hidden']}, seq {shape['seq']}, "
+                 f"global batch {data['global_batch']}", fontsize=9)
+    if args.log_scale:
+        ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    if skipped:
+        fig.text(0.01, 0.01, "skipped: " + "; ".join(skipped), fontsize=6, wrap=True)
+    fig.tight_layout(rect=(0, 0.04 if skipped else 0, 1, 1))
+    fig.savefig(args.png_path, dpi=120)
+    print(f"wrote {args.png_path}")
+
+
+if __name__ == "__main__":
+    main()
