@@ -19,6 +19,6 @@ BUDGET=$(( LIMIT_S - (SECONDS - T0) - 15 ))
 set -o pipefail
 python3 benchmarks/compare_offload.py --disk-dir "$DISK" --shm-dir /dev/shm/offload_cmp --out "$OUT" \
     --budget-s $BUDGET "$@" 2>&1 | tee "$OUT/compare.log"
-python3 benchmarks/plot_phases.py "$OUT/compare_offload.json" "$OUT/phases.png" --log-scale
+python3 benchmarks/plot_phases.py "$OUT/compare_offload.json" "$OUT/phases.png"
 rm -rf "$DISK" /dev/shm/offload_cmp
 echo "gpu_compare.sh: $(( SECONDS - T0 )) s"
