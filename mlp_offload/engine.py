@@ -371,6 +371,7 @@ class OffloadedAdamW:
 
     def _start_read(self, i: int, slot: _Slot) -> None:
         previous_write, previous_views = slot.future if slot.state == WRITING else None, slot.views
+        previous_holder = slot.holder
         if slot.holder is not None:
             self._slot_of.pop(slot.holder, None)
         sg = self.subgroups[i]
@@ -379,10 +380,16 @@ class OffloadedAdamW:
         own_write = self._writes.pop(i, None)
 
         def buffer_free():
-            if previous_write is not None:
-                previous_write.result()  # raises if that write failed: its data is still here
-            if own_write is not None:
-                own_write.result()  # the file must hold this subgroup's latest state
+            # The buffer's last write must be done (if it failed, its data is still here and must
+            # stay), and so must this subgroup's own last write (the file must be up to date).
+            for j, write in ((previous_holder, previous_write), (i, own_write)):
+                if write is not None:
+                    try:
+                        write.result()
+                    except BaseException as err:
+                        raise OffloadStateError(
+                            f"writing subgroup {j} failed: {err}. Its state is still in host memory; "
+                            f"the last checkpoint is intact") from err
             previous_views.sync_fence()
 
         if i in self._fresh:
@@ -462,7 +469,7 @@ class OffloadedAdamW:
             self._failure = err
             raise OffloadStateError(
                 f"writing subgroup {i} failed: {err}. Its state is still in host memory; "
-                f"save a checkpoint to another path before stopping") from err
+                f"the last checkpoint is intact") from err
 
     def _counted(self, tier: str, kind: str):
         def on_done(future: Future):
@@ -472,7 +479,9 @@ class OffloadedAdamW:
 
     def _read_failed(self, i: int, err: BaseException) -> BaseException:
         self._failure = err
-        if isinstance(err, (TierIOError, OffloadStateError)):
+        if isinstance(err, OffloadStateError):
+            return err
+        if isinstance(err, TierIOError):
             return OffloadStateError(f"subgroup {i}: {err}")
         return OffloadStateError(f"reading subgroup {i} from tier {self.placement.tier_of[i]} failed: {err}")
 

@@ -16,14 +16,26 @@ def hold_token(tier_path, lock_root, ready, hold_s):
     tokens.release()
 
 
-def engine_matches_adamw(tier_path, lock_root, rank, steps, result_queue):
-    """One 'rank' of a node: its own shard on the shared path, checked against torch AdamW."""
+def hold_tokens_then_block(paths, lock_root, ready):
+    """A rank that takes the tokens of every path and then hangs there until it is killed."""
+    from mlp_offload.tiers.tokens import TierTokens
+
+    held = [TierTokens(p, 1, lock_root=lock_root) for p in paths]
+    for tokens in held:
+        tokens.acquire()
+    ready.set()
+    time.sleep(600)
+
+
+def engine_matches_adamw(tier_path, lock_root, rank, steps, result_queue, second_path=None, started=None):
+    """One 'rank' of a node: its own shard on the shared path(s), checked against torch AdamW."""
     os.environ["MLP_OFFLOAD_LOCK_DIR"] = lock_root
     torch.set_num_threads(1)
     from mlp_offload import OffloadConfig, OffloadedAdamW
 
-    cfg = OffloadConfig(tiers=["nvme"], paths={"nvme": tier_path}, subgroup_size=20_000,
-                        io_block_bytes=64 * 1024, io_threads=2, bandwidths={"nvme": (1e9, 1e9)},
+    paths = {"nvme": tier_path, **({"pfs": second_path} if second_path else {})}
+    cfg = OffloadConfig(tiers=list(paths), paths=paths, subgroup_size=20_000,
+                        io_block_bytes=64 * 1024, io_threads=2, bandwidths={t: (1e9, 1e9) for t in paths},
                         adam_elems_per_s=1e9, run_id="shared", rank=rank, cache_alternating=False)
     gen = torch.Generator().manual_seed(rank)
     init = torch.randn(100_000, generator=gen)
@@ -31,11 +43,13 @@ def engine_matches_adamw(tier_path, lock_root, rank, steps, result_queue):
     opt = torch.optim.AdamW([ref], lr=1e-3, fused=True)
     token_wait = 0.0
     with OffloadedAdamW(init.clone(), cfg, lr=1e-3) as eng:
+        if started is not None:
+            started.put(rank)
         for _ in range(steps):
             grad = torch.randn(100_000, generator=gen).to(torch.bfloat16)
             eng.grad_buffer.copy_(grad)
             rec = eng.step()
-            token_wait += rec.tiers["nvme"].token_wait_s
+            token_wait += sum(t.token_wait_s for t in rec.tiers.values())
             ref.grad = grad.float()
             opt.step()
         params = torch.cat([p.clone() for _, p, _, _ in eng.iter_state()])

@@ -76,3 +76,33 @@ def test_ranks_sharing_one_path_stay_correct(tmp_path):
         assert p.exitcode == 0
     assert [r[:2] for r in results] == [(0, True), (1, True), (2, True)]
     assert not (tmp_path / "mlp_offload").exists()  # every rank removed its files
+
+
+def test_eight_ranks_two_paths_with_a_killed_token_holder(tmp_path):
+    """Seven ranks stream state through two shared paths while an eighth holds both tokens and
+    is SIGKILLed: all seven finish, each bit-identical to torch AdamW; nobody deadlocks."""
+    nvme, pfs, locks = str(tmp_path / "nvme"), str(tmp_path / "pfs"), str(tmp_path / "locks")
+    os.makedirs(nvme)
+    os.makedirs(pfs)
+    ready = ctx.Event()
+    hog = ctx.Process(target=proc_workers.hold_tokens_then_block, args=([nvme, pfs], locks, ready))
+    hog.start()
+    assert ready.wait(60)
+    queue, started = ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=proc_workers.engine_matches_adamw,
+                         args=(nvme, locks, rank, 5, queue, pfs, started)) for rank in range(7)]
+    for p in procs:
+        p.start()
+    for _ in procs:
+        started.get(timeout=120)
+    time.sleep(1.0)  # every rank is now stepping, its first writes queued behind the hog's tokens
+    os.kill(hog.pid, signal.SIGKILL)
+    hog.join(60)
+    results = sorted(queue.get(timeout=300) for _ in procs)
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert [r[:2] for r in results] == [(rank, True) for rank in range(7)]
+    assert max(r[2] for r in results) > 0.5  # someone really waited for the hog's tokens
+    for path in (nvme, pfs):
+        assert not os.path.exists(os.path.join(path, "mlp_offload", "shared"))
