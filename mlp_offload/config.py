@@ -84,7 +84,7 @@ class OffloadConfig:
     adam_elems_per_s: Optional[float] = None
     """CPU Adam rate to use instead of measuring it."""
 
-    probe_bytes: int = 256 * MiB
+    probe_bytes: int = 1024 * MiB
     """Size of the bandwidth probe file; results are cached per path."""
 
     pin_memory: Optional[bool] = None

@@ -19,7 +19,7 @@ import time
 import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
@@ -42,6 +42,17 @@ _GRAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # (start, end) element range of the shard that belongs to one hyperparameter group
 Range = Tuple[int, int]
+
+
+class GradientSource(Protocol):
+    """Delivers a subgroup's fp32 gradients, already unscaled and clipped, into ``out``."""
+
+    def start(self, start: int, end: int, out: torch.Tensor, unscale: Optional[float],
+              clip_coef: Optional[float]) -> None:
+        """Begin filling ``out`` with the gradients of elements [start, end)."""
+
+    def wait(self, start: int) -> None:
+        """Return once the gradients started for ``start`` are in ``out``."""
 
 
 class OffloadStateError(RuntimeError):
@@ -92,8 +103,11 @@ class OffloadedAdamW:
     change them between steps), ``step()``, ``state_dict``-style streaming via
     ``iter_state()``/``load_state()``. ``params`` is the initial value of the shard (any dtype or
     device), or a function ``fill(start, end, out_fp32)`` with ``numel`` given; it is read once
-    per subgroup, lazily, and not kept after the first step. ``grads_ready(start, end)`` is called
-    before a subgroup's gradients are read from ``grad_buffer`` (e.g. to wait for their copy).
+    per subgroup, lazily, and not kept after the first step.
+
+    Gradients come from ``grad_buffer`` (low precision, filled by the caller, converted here), or,
+    with ``grad_source``, as fp32 straight into one of two scratch buffers (e.g. cast on the GPU and
+    copied while the previous subgroup's Adam runs); then there is no ``grad_buffer``.
     """
 
     def __init__(
@@ -109,7 +123,7 @@ class OffloadedAdamW:
         groups: Optional[Sequence[Tuple[Sequence[Range], dict]]] = None,
         grad_dtype: torch.dtype = torch.bfloat16,
         on_params_updated: Optional[Callable[[int, int, torch.Tensor], object]] = None,
-        grads_ready: Optional[Callable[[int, int], None]] = None,
+        grad_source: Optional[GradientSource] = None,
         numel: Optional[int] = None,
     ):
         if callable(params):
@@ -124,7 +138,7 @@ class OffloadedAdamW:
             raise ValueError(f"gradient dtype must be one of {_GRAD_DTYPES}, got {grad_dtype}")
         self.config = config
         self.on_params_updated = on_params_updated
-        self.grads_ready = grads_ready
+        self.grad_source = grad_source
         self.adam = AdamKernel(config.adam_kernel, decoupled_weight_decay)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         self.param_groups = self._build_groups(groups, defaults)
@@ -162,10 +176,15 @@ class OffloadedAdamW:
 
         # Buffers: gradients (outside the state budget: the caller's gradient staging), one fp32
         # scratch for converted gradients, resident subgroups, and slots for streamed ones.
-        self.grad_buffer = self.host.allocate(self.numel * grad_dtype.itemsize, "gradient buffer",
-                                              counted=False).view(grad_dtype)
         largest = max(sg.numel for sg in self.subgroups)
-        self._grad_scratch = torch.empty(largest, dtype=torch.float32)
+        if self.grad_source is None:
+            self.grad_buffer = self.host.allocate(self.numel * grad_dtype.itemsize, "gradient buffer",
+                                                  counted=False).view(grad_dtype)
+            self._grad_scratch = [torch.empty(largest, dtype=torch.float32)]
+        else:
+            self.grad_buffer = None  # two pinned fp32 buffers: one filling while the other is used
+            self._grad_scratch = [self.host.allocate(largest * FP32_BYTES, "gradient scratch", counted=False)
+                                  .view(torch.float32) for _ in range(2)]
         self._resident: Dict[int, _StateViews] = {}
         for i, tier in enumerate(self.placement.tier_of):
             if tier == HOST_TIER:
@@ -274,8 +293,12 @@ class OffloadedAdamW:
         rec = StepRecord(step=step, streamed=len(sched.streamed), resident=len(self._resident),
                          predicted_update_s=self.prediction.update_s)
         halfway = sched.order[len(sched.order) // 2]
+        source = self.grad_source
+        if source is not None:
+            first = self.subgroups[sched.order[0]]
+            source.start(first.start, first.end, self._grad_scratch[0][: first.numel], unscale, clip_coef)
         try:
-            for i in sched.order:
+            for k, i in enumerate(sched.order):
                 if i == halfway:
                     fault_point("update")
                 sg = self.subgroups[i]
@@ -285,11 +308,17 @@ class OffloadedAdamW:
                 else:
                     views, hit = self._await_state(i, rec)
                     rec.cache_hits += hit
-                if self.grads_ready is not None:
-                    self.grads_ready(sg.start, sg.end)
                 t0 = time.perf_counter()
-                grad = self._grad_scratch[: sg.numel]
-                convert_grads(self.grad_buffer[sg.start:sg.end], grad, unscale, clip_coef)
+                if source is None:
+                    grad = self._grad_scratch[0][: sg.numel]
+                    convert_grads(self.grad_buffer[sg.start:sg.end], grad, unscale, clip_coef)
+                else:
+                    if k + 1 < len(sched.order):  # the next subgroup's grads arrive during this Adam
+                        nxt = self.subgroups[sched.order[k + 1]]
+                        source.start(nxt.start, nxt.end, self._grad_scratch[(k + 1) % 2][: nxt.numel],
+                                     unscale, clip_coef)
+                    source.wait(sg.start)
+                    grad = self._grad_scratch[k % 2][: sg.numel]
                 t1 = time.perf_counter()
                 self._adam_subgroup(i, views, grad, step)
                 t2 = time.perf_counter()

@@ -164,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--offload-no-odirect", action="store_true")
     g.add_argument("--offload-no-checksums", action="store_true")
     g.add_argument("--offload-cpu-threads", type=_positive_int, default=None)
-    g.add_argument("--offload-probe-mb", type=_positive_int, default=256,
+    g.add_argument("--offload-probe-mb", type=_positive_int, default=1024,
                    help="size of the bandwidth probe per file tier (cached per path)")
     g.add_argument("--offload-telemetry-log", default=None, metavar="FILE",
                    help="per-step engine telemetry as JSON lines; '{rank}' in FILE is replaced by "

@@ -134,6 +134,37 @@ class ShardLayout:
                 yield lo, hi, data[offset: offset + hi - lo]
 
 
+class DeviceGradients:
+    """The engine's gradient source on a GPU: per subgroup, cast the bf16/fp16 grad shard to fp32
+    on the device (with the loss unscale and clip factors: fp32 multiplies round the same on GPU
+    and CPU), then copy it into the engine's pinned scratch, on a side stream, so the copy of the
+    next subgroup runs while the CPU does Adam on this one. The CPU does no conversion."""
+
+    def __init__(self, layout: ShardLayout, stream, largest: int):
+        self.layout = layout
+        self.stream = stream
+        self.staging = [torch.empty(largest, dtype=torch.float32, device=stream.device) for _ in range(2)]
+        self.events: Dict[int, object] = {}
+        self._turn = 0
+
+    def start(self, start: int, end: int, out: torch.Tensor, unscale, clip_coef) -> None:
+        buf = self.staging[self._turn % 2][: end - start]
+        self._turn += 1
+        with torch.cuda.stream(self.stream):
+            for lo, hi, view in self.layout.views(start, end, "grad"):
+                buf[lo - start: hi - start].copy_(view)
+            for factor in (unscale, clip_coef):
+                if factor is not None and factor != 1.0:
+                    buf.mul_(factor)
+            out.copy_(buf, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        self.events[start] = event
+
+    def wait(self, start: int) -> None:
+        self.events.pop(start).synchronize()
+
+
 class _EventFence:
     """What the engine waits on before reusing a host buffer that a copy still reads."""
 
@@ -162,15 +193,17 @@ class OffloadDistributedOptimizer:
         self._norm_params, engine_groups = self._ordered_groups(param_groups)
         self._cuda = self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream() if self._cuda else None
-        self._grad_events: Dict[int, object] = {}
         largest = min(offload_config.subgroup_size, self.layout.numel)
         self._staging = torch.empty(largest, dtype=torch.float32, device=self.device) if self._cuda else None
+        # On a GPU, grads are cast to fp32 there and copied per subgroup as the update needs them;
+        # on CPU they go through the engine's low-precision host buffer (the CPU twin of that path).
+        self._device_grads = DeviceGradients(self.layout, self._copy_stream, largest) if self._cuda else None
         self.engine = OffloadedAdamW(
             self._fill_initial_params, offload_config, numel=self.layout.numel,
             lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
             weight_decay=config.weight_decay, groups=engine_groups,
             grad_dtype=first_buffer.grad_dtype, on_params_updated=self._copy_params_to_device,
-            grads_ready=self._wait_for_grads)
+            grad_source=self._device_grads)
         self.last_record = None
         self.telemetry_path: Optional[str] = None
         self.is_stub_optimizer = False
@@ -217,7 +250,7 @@ class OffloadDistributedOptimizer:
         inv_scale = None
         if self.grad_scaler is not None:
             inv_scale = float(self.grad_scaler.inv_scale.item())
-        self._start_grad_copies()
+        self._grads_to_host()
         norms, found_inf = self._grad_norms(inv_scale)
         if self.grad_scaler is not None:
             found = torch.tensor([float(found_inf)], device=self.device)
@@ -226,7 +259,6 @@ class OffloadDistributedOptimizer:
             found_inf = bool(found.item())
             self.grad_scaler.update(found_inf)
             if found_inf:
-                self._drain_grad_copies()
                 self.last_record = self.engine.step(skip=True)
                 return False, None, None
         grad_norm, clip_coef = 0.0, None
@@ -265,32 +297,14 @@ class OffloadDistributedOptimizer:
                 norms.append(torch.norm(grad).reshape(1))
         return norms, found_inf
 
-    def _start_grad_copies(self) -> None:
-        """Grad shard -> the engine's host buffer, one subgroup at a time in update order."""
-        host = self.engine.grad_buffer
-        if not self._cuda:
-            for lo, hi, view in self.layout.views(0, self.layout.numel, "grad"):
-                host[lo:hi].copy_(view)
+    def _grads_to_host(self) -> None:
+        if self._cuda:
+            # The engine pulls each subgroup's grads itself (DeviceGradients), after backward's work.
+            self._copy_stream.wait_stream(torch.cuda.current_stream())
             return
-        self._copy_stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._copy_stream):
-            for i in self.engine.upcoming_order():
-                sg = self.engine.subgroups[i]
-                for lo, hi, view in self.layout.views(sg.start, sg.end, "grad"):
-                    host[lo:hi].copy_(view, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self._copy_stream)
-                self._grad_events[sg.start] = event
-
-    def _wait_for_grads(self, start: int, end: int) -> None:
-        event = self._grad_events.pop(start, None)
-        if event is not None:
-            event.synchronize()
-
-    def _drain_grad_copies(self) -> None:
-        for event in self._grad_events.values():
-            event.synchronize()
-        self._grad_events.clear()
+        host = self.engine.grad_buffer
+        for lo, hi, view in self.layout.views(0, self.layout.numel, "grad"):
+            host[lo:hi].copy_(view)
 
     def _copy_params_to_device(self, start: int, end: int, params: torch.Tensor):
         if not self._cuda:

@@ -162,3 +162,41 @@ def test_prefetch_and_flush_hooks(tmp_path):
         eng.grad_buffer.normal_()
         rec = eng.step()
         assert rec.tiers["nvme"].read_bytes > 0 and rec.tiers["nvme"].write_bytes > 0
+
+
+class _InFlightGradients:
+    """A gradient source that behaves like an asynchronous copy: ``out`` holds garbage (NaN) from
+    start() until wait(). If the engine used a buffer whose next copy had begun, Adam would see NaN."""
+
+    def __init__(self):
+        self.grads = None
+        self.pending = {}
+
+    def start(self, start, end, out, unscale, clip_coef):
+        out.fill_(float("nan"))
+        self.pending[start] = (end, out, unscale, clip_coef)
+
+    def wait(self, start):
+        end, out, unscale, clip_coef = self.pending.pop(start)
+        from mlp_offload.update import convert_grads
+        convert_grads(self.grads[start:end], out, unscale, clip_coef)
+
+
+@pytest.mark.parametrize("tiers", [["host"], ["nvme", "pfs"]])
+def test_gradient_source_double_buffering(tmp_path, tiers):
+    numel = 45_678
+    source = _InFlightGradients()
+    init = torch.randn(numel)
+    ref = torch.nn.Parameter(init.clone())
+    opt = torch.optim.AdamW([ref], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True)
+    cfg = fast_config(tmp_path, tiers=tiers, subgroup_size=7_000)
+    with OffloadedAdamW(init.clone(), cfg, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, grad_source=source) as eng:
+        assert eng.grad_buffer is None
+        for _ in range(4):
+            source.grads = (torch.randn(numel) * 3).to(torch.bfloat16)
+            eng.step(unscale=0.5, clip_coef=0.9)
+            ref.grad = source.grads.float().mul_(0.5).mul_(0.9)
+            opt.step()
+        assert not source.pending
+        params, _, _ = engine_state(eng)
+    assert torch.equal(params, ref.detach())
