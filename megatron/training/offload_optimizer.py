@@ -59,7 +59,19 @@ def offload_config_from_args(args) -> OffloadConfig:
     )
 
 
+def _show_engine_log() -> None:
+    """The engine reports placement, rates and prediction at INFO: show them, tagged by rank."""
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        handler.setFormatter(logging.Formatter(f"[offload rank {rank}] %(levelname)s %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+
+
 def get_offload_optimizer(args, model_chunks, config: OptimizerConfig) -> "OffloadDistributedOptimizer":
+    _show_engine_log()
     if not config.use_distributed_optimizer:
         raise SystemExit("--offload-tiers requires the distributed optimizer (--use-distributed-optimizer)")
     _set_cpu_threads(args, model_chunks)

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One device call: the largest Llama shape we train on one H200 machine (128 GiB RAM, ~64 GiB disk):
+# 8.8 B params, 106 GB of fp32 optimizer state: 70 GB in pinned host memory, the rest on the disk.
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/megatron_core*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+DISK=/var/tmp/offload_big; mkdir -p $DISK
+free -g | head -2; df -h $DISK | cat
+timeout ${LIMIT_S:-420} torchrun --nproc_per_node 1 pretrain_gpt.py \
+  --num-layers 48 --hidden-size 4096 --ffn-hidden-size 11008 --num-attention-heads 32 --num-query-groups 8 \
+  --swiglu --normalization RMSNorm --position-embedding-type rope --untie-embeddings-and-output-weights \
+  --disable-bias-linear --hidden-dropout 0 --attention-dropout 0 --vocab-size 32000 \
+  --seq-length 2048 --max-position-embeddings 2048 --micro-batch-size 1 --global-batch-size 1 \
+  --train-iters ${ITERS:-3} --lr 3e-4 --adam-beta2 0.95 --weight-decay 0.1 --clip-grad 1.0 --bf16 --mock-data \
+  --recompute-granularity full --recompute-method uniform --recompute-num-layers 1 --device cuda --log-interval 1 \
+  --offload-tiers host,nvme --offload-nvme-path $DISK --offload-host-cache-gb 70 --offload-subgroup-size 100000000 \
+  --offload-io-threads 8 --offload-telemetry-log $OUT/telemetry.jsonl --timing-log $OUT/timing.jsonl 2>&1 \
+  | grep -v -i warn | tee $OUT/biggest.log | grep -E "model parameters|offload rank|iteration|rror|Killed" | cut -c1-700
+echo "exit ${PIPESTATUS[0]}"; free -g | head -2; du -sh $DISK | cat; rm -rf $DISK
