@@ -7,6 +7,17 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 DISK=/var/tmp/offload_big; mkdir -p $DISK
 free -g | head -2; df -h $DISK | cat
+python3 - <<'PY'
+import time, torch
+from mlp_offload.tiers.host import HostMemory
+host = HostMemory(None, pin=True)
+buf = host.allocate(2 << 30, "check")
+dev = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+dev.copy_(buf, non_blocking=True); torch.cuda.synchronize()
+t = time.perf_counter(); dev.copy_(buf, non_blocking=True); torch.cuda.synchronize()
+print(f"registered host memory: pinned={buf.is_pinned()}, H2D {2 / (time.perf_counter() - t):.1f} GiB/s")
+host.close()
+PY
 timeout ${LIMIT_S:-420} torchrun --nproc_per_node 1 pretrain_gpt.py \
   --num-layers 48 --hidden-size 4096 --ffn-hidden-size 11008 --num-attention-heads 32 --num-query-groups 8 \
   --swiglu --normalization RMSNorm --position-embedding-type rope --untie-embeddings-and-output-weights \

@@ -623,6 +623,10 @@ class OffloadedAdamW:
         self.closed = True
         for tier in self._tiers.values():
             tier.close(remove_files=remove_files)
+        if getattr(self, "host", None) is not None:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # no copy may still read a buffer we unpin
+            self.host.close()
 
     def __enter__(self):
         return self

@@ -34,6 +34,7 @@ class HostMemory:
         if self.pin and not pinning_available():
             raise HostMemoryError("pinned host memory was requested but CUDA is not available")
         self.used_bytes = 0
+        self._registered = []  # tensors whose memory is registered with CUDA (pinned)
 
     def allocate(self, nbytes: int, what: str, counted: bool = True) -> torch.Tensor:
         """An ALIGN-aligned uint8 buffer of ``nbytes``; ``counted`` ones count against the budget."""
@@ -44,7 +45,11 @@ class HostMemory:
                 f"{self.budget_bytes / GiB:.3f} GiB left (raise --offload-host-cache-gb)"
             )
         try:
-            raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=self.pin)
+            # Pinned by registering exactly-sized pageable memory: torch's pinned allocator rounds
+            # each block up to a power of two, which nearly doubled a large budget's footprint.
+            raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+            if self.pin:
+                self._register(raw)
         except RuntimeError as err:
             kind = "pinned " if self.pin else ""
             raise HostMemoryError(
@@ -56,3 +61,14 @@ class HostMemory:
         if counted:
             self.used_bytes += nbytes
         return raw[shift : shift + nbytes]
+
+    def _register(self, raw: torch.Tensor) -> None:
+        code = int(torch.cuda.cudart().cudaHostRegister(raw.data_ptr(), raw.numel(), 0))
+        if code != 0:
+            raise RuntimeError(f"cudaHostRegister failed with CUDA error {code}")
+        self._registered.append(raw)
+
+    def close(self) -> None:
+        """Unpin what was pinned; the buffers must no longer be in use by copies."""
+        while self._registered:
+            torch.cuda.cudart().cudaHostUnregister(self._registered.pop().data_ptr())

@@ -81,15 +81,11 @@ def test_tier_turns_read_only(tmp_path):
 
 
 def test_pinned_memory_refused(tmp_path, monkeypatch):
-    real_empty = torch.empty
-
-    def refuse_pinned(*args, pin_memory=False, **kwargs):
-        if pin_memory:
-            raise RuntimeError("CUDA error: out of memory (cudaHostAlloc)")
-        return real_empty(*args, **kwargs)
+    def refuse_pinning(self, raw):
+        raise RuntimeError("cudaHostRegister failed with CUDA error 2")  # cudaErrorMemoryAllocation
 
     monkeypatch.setattr(host_module, "pinning_available", lambda: True)
-    monkeypatch.setattr(torch, "empty", refuse_pinned)
+    monkeypatch.setattr(host_module.HostMemory, "_register", refuse_pinning)
     cfg = fast_config(tmp_path, tiers=["host", "nvme"], subgroup_size=20_000, pin_memory=True,
                       host_budget_bytes=1 << 24)
     with pytest.raises(HostMemoryError, match=r"could not allocate .* GiB of pinned host memory .*"
