@@ -191,6 +191,55 @@ class Timers:
         return self.elapsed.pop(name, 0.0)
 
 
+class ComputeTimers:
+    """megatron-core's schedule-timer interface (``config.timers(name).start()/.stop()``): sums each
+    name's intervals per iteration, e.g. 'forward-compute' and 'backward-compute' per micro-batch.
+    On a GPU the intervals are CUDA events, read once per iteration, so timing adds no syncs."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self._open = {}
+        self._closed = {}
+
+    def __call__(self, name, log_level=0):
+        return _TimerHandle(self, name)
+
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def start(self, name):
+        self._open[name] = self._now()
+
+    def stop(self, name):
+        self._closed.setdefault(name, []).append((self._open.pop(name), self._now()))
+
+    def clear(self) -> None:
+        self._closed.clear()
+
+    def pop(self, name) -> float:
+        spans = self._closed.pop(name, [])
+        if self.cuda:
+            if spans:
+                spans[-1][1].synchronize()
+            return sum(a.elapsed_time(b) for a, b in spans) / 1000.0
+        return sum(b - a for a, b in spans)
+
+
+class _TimerHandle:
+    def __init__(self, timers: ComputeTimers, name: str):
+        self.timers, self.name = timers, name
+
+    def start(self, barrier=False):
+        self.timers.start(self.name)
+
+    def stop(self, barrier=False):
+        self.timers.stop(self.name)
+
+
 def _is_logging_rank() -> bool:
     """The last pipeline stage's first rank (TP 0, DP 0) has the loss."""
     return (parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
@@ -320,13 +369,15 @@ class TimingLog:
             self.file.close()
 
 
-def _log_line(args, iteration, loss, lr, grad_norm, elapsed_s, fb_s, opt_s, optimizer, ok=True) -> str:
+def _log_line(args, iteration, loss, lr, grad_norm, elapsed_s, fb_s, opt_s, optimizer, ok=True,
+              fwd_s=None, bwd_s=None) -> str:
     tokens_per_s = args.global_batch_size * args.seq_length / max(elapsed_s, 1e-9)
     parts = [
         f"iteration {iteration:8d}/{args.train_iters:8d}",
         f"consumed samples: {iteration * args.global_batch_size:10d}",
         f"elapsed time per iteration (ms): {elapsed_s * 1000:.1f}",
         f"forward-backward (ms): {fb_s * 1000:.1f}",
+        *([f"forward (ms): {fwd_s * 1000:.1f}", f"backward (ms): {bwd_s * 1000:.1f}"] if fwd_s is not None else []),
         f"optimizer (ms): {opt_s * 1000:.1f}",
         f"tokens/s: {tokens_per_s:.1f}",
         f"learning rate: {lr:.6E}",
@@ -391,6 +442,7 @@ def pretrain(model_provider: Callable, datasets_provider: Callable, forward_step
     loss_log = LossLog(args.loss_log, iteration)
     timing_log = TimingLog(getattr(args, "timing_log", None), iteration)
     timers = Timers(device)
+    compute_timers = config.timers = ComputeTimers(device)  # the schedules time forward/backward
     try:
         while iteration < args.train_iters:
             start = time.perf_counter()
@@ -400,6 +452,8 @@ def pretrain(model_provider: Callable, datasets_provider: Callable, forward_step
             consumed += args.global_batch_size
             elapsed = time.perf_counter() - start
             fb, opt = timers.pop("forward-backward"), timers.pop("optimizer")
+            fwd, bwd = compute_timers.pop("forward-compute"), compute_timers.pop("backward-compute")
+            compute_timers.clear()
             if loss is not None:
                 if not math.isfinite(loss.item()):
                     raise RuntimeError(f"loss is {loss.item()} at iteration {iteration}")
@@ -407,9 +461,10 @@ def pretrain(model_provider: Callable, datasets_provider: Callable, forward_step
                 timing_log.write(iteration, elapsed, fb, opt)
                 if iteration % args.log_interval == 0:
                     _print_logging_rank(_log_line(args, iteration, loss.item(), lr, grad_norm,
-                                                  elapsed, fb, opt, optimizer, ok))
+                                                  elapsed, fb, opt, optimizer, ok, fwd, bwd))
             if args.eval_interval and valid_ds is not None and iteration % args.eval_interval == 0:
                 _run_eval(args, forward_step_func, model, valid_ds, iteration, dp_rank, dp_size)
+                compute_timers.clear()  # evaluation's forwards are not the next iteration's
             if args.save and args.save_interval and iteration % args.save_interval == 0:
                 checkpointing.save_checkpoint(args.save, iteration, model, optimizer, scheduler, consumed)
                 _print_rank0(f"> saved checkpoint at iteration {iteration} to {args.save}")
