@@ -89,7 +89,7 @@ def load_engine_state(engine: OffloadedAdamW, path: str) -> dict:
         raise CheckpointDataError(
             f"{path}: holds {footer['numel']} elements but this rank's shard has {engine.numel} "
             f"(different model or parallel layout)")
-    reader = _RangeReader(path, footer["subgroups"])
+    reader = RangeReader(path, footer["subgroups"])
     try:
         def fill(sg, param, exp_avg, exp_avg_sq):
             for k, out in enumerate((param, exp_avg, exp_avg_sq)):
@@ -101,7 +101,7 @@ def load_engine_state(engine: OffloadedAdamW, path: str) -> dict:
     return footer["metadata"]
 
 
-class _RangeReader:
+class RangeReader:
     """Reads element ranges of one state tensor across the stored subgroups, each stored
     subgroup read and CRC-checked once (ranges are asked for in ascending order)."""
 

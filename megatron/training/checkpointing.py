@@ -56,6 +56,12 @@ def _set_rng_state(state) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
+def _parallel_layout():
+    ps = parallel_state
+    return {"tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
+            "dp": ps.get_data_parallel_world_size()}
+
+
 def _rng_sharded_object(state):
     """Every rank's RNG state, keyed by its (pp, tp, dp) coordinates."""
     ps = parallel_state
@@ -119,6 +125,7 @@ def _state_dict(model, optimizer, scheduler, iteration, consumed_samples, is_loa
         "iteration": iteration,
         "consumed_train_samples": consumed_samples,
         "rng_state": _rng_sharded_object(_rng_state()),
+        "parallel_layout": _parallel_layout(),
     }
 
 
@@ -174,6 +181,15 @@ def load_checkpoint(root: str, model, optimizer, scheduler):
     path = checkpoint_dir(root, iteration)
     _prepare_fresh_optimizer_for_load(optimizer)
     template = _state_dict(model, optimizer, scheduler, 0, 0, is_loading=True)
+    saved_layout = dist_checkpointing.load_common_state_dict(path).get("parallel_layout")
+    same_layout = saved_layout is None or saved_layout == template["parallel_layout"]
+    if not same_layout:
+        # Per-rank RNG states are keyed by (pp, tp, dp) position: another layout has other ranks.
+        # Model, optimizer, scheduler and data position still load (resharded by megatron-core).
+        del template["rng_state"]
+        if torch.distributed.get_rank() == 0:
+            print(f"> checkpoint layout {saved_layout} differs from this run's {template['parallel_layout']}: "
+                  f"resharding; RNG states start from --seed", flush=True)
     state = dist_checkpointing.load(template, path)
     if len(model) == 1:
         _unwrap(model[0]).load_state_dict(state["model"])
@@ -185,6 +201,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler):
         optimizer.load_offloaded_state(path)
     _restore_adam_steps(optimizer, state["optimizer"])
     scheduler.load_state_dict(state["opt_param_scheduler"])
-    _set_rng_state(state["rng_state"])
+    if same_layout:
+        _set_rng_state(state["rng_state"])
     torch.distributed.barrier()
     return state["iteration"], state["consumed_train_samples"]

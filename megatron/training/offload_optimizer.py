@@ -14,6 +14,7 @@ into the device param buffer; then megatron-core's param all-gather runs as usua
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import os
@@ -26,12 +27,11 @@ from megatron.core.optimizer import _get_param_groups_and_buffers
 from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
-from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.transformer.module import param_is_not_shared
 
 from mlp_offload import OffloadConfig, OffloadedAdamW, parse_bandwidths
-from mlp_offload.checkpoint import load_engine_state, save_engine_state
+from mlp_offload.checkpoint import CheckpointDataError, RangeReader, load_engine_state, read_footer, save_engine_state
 
 log = logging.getLogger("mlp_offload")
 GiB = 1024**3
@@ -119,6 +119,7 @@ class ShardLayout:
         self.pieces: List[_Piece] = []
         self.gbuf_ranges = []  # megatron-core's own range maps, same order as its optimizer
         self.param_flat_range: Dict[torch.nn.Parameter, Tuple[int, int]] = {}
+        self.param_slice: Dict[torch.nn.Parameter, int] = {}  # where this rank's piece starts in the param
         flat = 0
         for buffers in per_model_buffers.values():
             for buffer in buffers:
@@ -133,6 +134,7 @@ class ShardLayout:
                         world = ranges["gbuf_world"]
                         start = flat + world.start - piece.buffer_start
                         self.param_flat_range[param] = (start, start + world.size)
+                        self.param_slice[param] = ranges["param"].start
                     flat += shard
         self.numel = flat
 
@@ -199,6 +201,9 @@ class OffloadDistributedOptimizer:
         # The group megatron-core reduces grad statistics over for its distributed optimizer.
         self.grad_stats_parallel_group = parallel_state.get_intra_distributed_optimizer_instance_group()
         self.layout = ShardLayout(per_model_buffers, self.dp_group.rank(), self.dp_group.size())
+        # Stable names, so a checkpoint can be resharded onto another data-parallel size.
+        self.param_names = {param: f"{i}.{name}" for i, chunk in enumerate(model_chunks)
+                            for name, param in chunk.named_parameters()}
         first_buffer = self.layout.pieces[0].buffer
         self.device = first_buffer.param_data.device
         self.grad_scaler = self._grad_scaler(config)
@@ -356,10 +361,9 @@ class OffloadDistributedOptimizer:
 
     # -- checkpoints: metadata through dist_checkpointing, the state streamed beside it ----------
     def sharded_state_dict(self, model_sharded_state_dict=None, is_loading: bool = False, **unused):
-        meta = {"steps_done": self.engine.steps_done,
-                "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler else None}
-        shape, offset = _rank_coordinates()
-        return {"offload_meta": ShardedObject("optimizer.offload_meta", meta, shape, offset, replica_id=0)}
+        # The same on every rank: common (non-sharded) state, so it loads under any layout.
+        return {"offload_meta": {"steps_done": self.engine.steps_done,
+                                 "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler else None}}
 
     def load_state_dict(self, state_dict):
         meta = state_dict["offload_meta"]
@@ -374,15 +378,73 @@ class OffloadDistributedOptimizer:
         """Stream this rank's state into ``checkpoint_dir/offload/`` (a file per rank)."""
         path = self._state_path(checkpoint_dir)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        save_engine_state(self.engine, path, metadata={"layout_numel": self.layout.numel})
+        pieces = [[self.param_names[p], self.layout.param_slice[p], b - a, a]
+                  for p, (a, b) in self.layout.param_flat_range.items()]
+        save_engine_state(self.engine, path, metadata={"dp_size": self.dp_group.size(), "params": pieces})
         return path
 
     def load_offloaded_state(self, checkpoint_dir: str) -> None:
-        load_engine_state(self.engine, self._state_path(checkpoint_dir))
+        path = self._state_path(checkpoint_dir)
+        same_dp = os.path.exists(path) and read_footer(path)["metadata"].get("dp_size") == self.dp_group.size()
+        if same_dp:
+            load_engine_state(self.engine, path)
+        else:
+            self._load_resharded(checkpoint_dir)
         expected = getattr(self, "_expected_steps", None)
         if expected is not None and expected != self.engine.steps_done:
             raise RuntimeError(f"offloaded state in {checkpoint_dir} is at step {self.engine.steps_done}, "
                                f"the checkpoint's metadata says {expected}")
+
+    def _load_resharded(self, checkpoint_dir: str) -> None:
+        """Fill this rank's shard from the files of another data-parallel size (same TP and PP):
+        each parameter slice is read from whichever old ranks held it."""
+        _, (p, t, _) = _rank_coordinates()
+        pattern = os.path.join(checkpoint_dir, "offload", f"pp{p:03d}_tp{t:03d}_dp*.offload")
+        files = sorted(glob.glob(pattern))
+        if not files:
+            raise CheckpointDataError(f"{checkpoint_dir}: no offloaded optimizer state for pp={p} tp={t} ({pattern})")
+        footers = [read_footer(f) for f in files]
+        old_dp = footers[0]["metadata"].get("dp_size")
+        if old_dp != len(files) or any(f["metadata"].get("dp_size") != old_dp for f in footers):
+            raise CheckpointDataError(f"{checkpoint_dir}: found {len(files)} offload files for pp={p} tp={t}, "
+                                      f"their data-parallel size says {old_dp}: the checkpoint is incomplete")
+        steps = {f["steps_done"] for f in footers}
+        if len(steps) != 1:
+            raise CheckpointDataError(f"{checkpoint_dir}: offload files disagree on the step count {sorted(steps)}")
+        readers = [RangeReader(f, footer["subgroups"]) for f, footer in zip(files, footers)]
+        held = {}  # param name -> [(param offset, length, file flat offset, reader)]
+        for reader, footer in zip(readers, footers):
+            for name, offset, length, flat in footer["metadata"]["params"]:
+                held.setdefault(name, []).append((offset, length, flat, reader))
+        mine = sorted((a, b, self.layout.param_slice[param], self.param_names[param])
+                      for param, (a, b) in self.layout.param_flat_range.items())
+
+        def fill(sg, *outs):
+            for out in outs:
+                out.zero_()  # bucket padding holds no parameter
+            for a, b, offset, name in mine:
+                lo, hi = max(a, sg.start), min(b, sg.end)
+                if lo >= hi:
+                    continue
+                want, want_end, filled = offset + lo - a, offset + hi - a, 0
+                for old_offset, length, flat, reader in held.get(name, []):
+                    x, y = max(want, old_offset), min(want_end, old_offset + length)
+                    if x < y:
+                        dst = lo - sg.start + (x - want)
+                        for k, out in enumerate(outs):
+                            reader.read(k, flat + x - old_offset, flat + y - old_offset, out[dst: dst + y - x])
+                        filled += y - x
+                if filled != want_end - want:
+                    raise CheckpointDataError(f"{checkpoint_dir}: elements {want}..{want_end} of {name} are "
+                                              f"in no offload file (another model or TP/PP layout?)")
+
+        try:
+            self.engine.load_state(fill, steps_done=steps.pop())
+        finally:
+            for reader in readers:
+                reader.close()
+        if torch.distributed.get_rank() == 0:
+            log.info("offloaded state resharded from data-parallel size %d to %d", old_dp, self.dp_group.size())
 
     @staticmethod
     def _state_path(checkpoint_dir: str) -> str:

@@ -83,3 +83,21 @@ def test_swap_files_removed_on_exit(tmp_path):
     for tier in ("nvme", "pfs"):
         leftovers = [p for p in (tmp_path / tier).rglob("*") if p.is_file() and not p.name.startswith(".mlp_offload_probe")]
         assert leftovers == [], leftovers
+
+
+@pytest.mark.parametrize("saved_dp,resumed_dp", [(2, 1), (1, 2)])
+def test_resume_with_another_data_parallel_size(tmp_path, saved_dp, resumed_dp):
+    """Offloaded state saved at one DP size, resumed at another: the same losses as megatron-core's
+    own optimizer resharded the same way (its dp_reshardable checkpoint)."""
+    def save_then_resume(name, extra):
+        ckpt = tmp_path / name / "ckpt"
+        run_pretrain(tmp_path / name, [*extra, "--save", str(ckpt), "--save-interval", "3", "--exit-interval", "3"],
+                     nproc=saved_dp, train_iters=6)
+        return run_pretrain(tmp_path / name, [*extra, "--load", str(ckpt)], nproc=resumed_dp, train_iters=6,
+                            loss_log=tmp_path / name / "resumed.jsonl")
+
+    baseline = save_then_resume("base", [])
+    offload = save_then_resume("off", offload_args(tmp_path / "off", tiers=("host", "nvme")))
+    assert [r["iteration"] for r in offload] == [4, 5, 6]
+    assert offload == baseline
+    assert "offloaded state resharded from data-parallel size" in (tmp_path / "off" / "resumed.out").read_text()
