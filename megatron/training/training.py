@@ -327,8 +327,8 @@ def evaluate(args, forward_step_func, data_iterator, model) -> Optional[float]:
     return None if total is None else (total / count).item()
 
 
-class LossLog:
-    """JSONL, one line per iteration; floats via repr() so runs can be compared bit for bit."""
+class _JsonLines:
+    """An append-only JSONL file written by the logging rank (appended to on resume)."""
 
     def __init__(self, path: Optional[str], resume_iteration: int):
         self.file = None
@@ -336,37 +336,31 @@ class LossLog:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             self.file = open(path, "a" if resume_iteration else "w")
 
-    def write(self, iteration, loss, lr, grad_norm):
-        if self.file is None:
-            return
-        fields = [("iteration", str(iteration)), ("loss", repr(float(loss))), ("lr", repr(float(lr))),
-                  ("grad_norm", repr(float(grad_norm)) if grad_norm is not None else "null")]
-        self.file.write("{" + ", ".join(f'"{k}": {v}' for k, v in fields) + "}\n")
-        self.file.flush()
-
-    def close(self):
+    def _line(self, text: str) -> None:
         if self.file is not None:
-            self.file.close()
-
-
-class TimingLog:
-    """JSONL of per-iteration wall-clock phases (CUDA-synchronized), for benchmarks."""
-
-    def __init__(self, path: Optional[str], resume_iteration: int):
-        self.file = None
-        if path and _is_logging_rank():
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            self.file = open(path, "a" if resume_iteration else "w")
-
-    def write(self, iteration, elapsed_s, fb_s, opt_s):
-        if self.file is not None:
-            self.file.write(json.dumps({"iteration": iteration, "elapsed_s": elapsed_s,
-                                        "forward_backward_s": fb_s, "optimizer_s": opt_s}) + "\n")
+            self.file.write(text + "\n")
             self.file.flush()
 
     def close(self):
         if self.file is not None:
             self.file.close()
+
+
+class LossLog(_JsonLines):
+    """One line per iteration; floats via repr() so runs can be compared bit for bit."""
+
+    def write(self, iteration, loss, lr, grad_norm):
+        fields = [("iteration", str(iteration)), ("loss", repr(float(loss))), ("lr", repr(float(lr))),
+                  ("grad_norm", repr(float(grad_norm)) if grad_norm is not None else "null")]
+        self._line("{" + ", ".join(f'"{k}": {v}' for k, v in fields) + "}")
+
+
+class TimingLog(_JsonLines):
+    """Per-iteration wall-clock phases (CUDA-synchronized), for benchmarks."""
+
+    def write(self, iteration, elapsed_s, fb_s, opt_s):
+        self._line(json.dumps({"iteration": iteration, "elapsed_s": elapsed_s,
+                               "forward_backward_s": fb_s, "optimizer_s": opt_s}))
 
 
 def _log_line(args, iteration, loss, lr, grad_norm, elapsed_s, fb_s, opt_s, optimizer, ok=True,
