@@ -122,7 +122,7 @@ def run_config(name: str, args, numel: int) -> dict:
                 cache_slots=cache_slots, cache_hits=timed[-1].cache_hits, tiers=per_tier,
                 adam_s=statistics.median(r.adam_s for r in timed),
                 convert_s=statistics.median(r.convert_s for r in timed),
-                wait_s=statistics.median(r.read_wait_s + r.slot_wait_s for r in timed),
+                wait_s=statistics.median(r.read_wait_s for r in timed),
                 line=timed[-1].line())
 
 

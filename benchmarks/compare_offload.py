@@ -277,7 +277,7 @@ def parse_ours(args, logs: dict, log_path: str) -> dict:
             tel = telemetry[i]
             rec.update(engine_update_s=tel["update_s"], predicted_update_s=tel["predicted_update_s"],
                        adam_s=tel["adam_s"], convert_s=tel["convert_s"],
-                       wait_s=tel["read_wait_s"] + tel["slot_wait_s"], cache_hits=tel["cache_hits"],
+                       wait_s=tel["read_wait_s"], cache_hits=tel["cache_hits"],
                        streamed=tel["streamed"],
                        traffic={k: (v["read_bytes"], v["write_bytes"]) for k, v in tel["tiers"].items()})
         iterations.append(rec)

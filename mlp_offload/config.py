@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 HOST_TIER = "host"
 GiB = 1024**3
@@ -204,7 +204,3 @@ def _positive(what: str, value: int) -> None:
 
 def _safe_name(value: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in value)
-
-
-def split_tier_list(text: str) -> Tuple[str, ...]:
-    return tuple(t.strip() for t in text.split(",") if t.strip())

@@ -437,10 +437,6 @@ class OffloadedAdamW:
         else:
             out.copy_(source[sg.start:sg.end])
 
-    def upcoming_order(self) -> List[int]:
-        """Subgroup indices in the order the next ``step()`` will update them."""
-        return list(self._schedule.order)
-
     def _materialize(self, i: int, views: _StateViews, buffer_free: Callable):
         buffer_free()
         sg = self.subgroups[i]

@@ -38,11 +38,6 @@ class Subgroup:
         """Bytes its whole state occupies in a file or a host buffer (three padded regions)."""
         return len(STATE_TENSORS) * self.region_bytes
 
-    @property
-    def payload_bytes(self) -> int:
-        """Bytes of real data in its state (without padding)."""
-        return len(STATE_TENSORS) * self.numel * FP32_BYTES
-
 
 def partition(numel: int, subgroup_size: int) -> List[Subgroup]:
     """Split ``numel`` elements into subgroups of ``subgroup_size`` (the last one shorter)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Dict, List, Tuple
+from typing import Dict, List
 
 from .tiers.files import OpResult
 
@@ -61,7 +61,6 @@ class StepRecord:
     skipped: bool = False
     update_s: float = 0.0
     read_wait_s: float = 0.0  # update blocked waiting for state to arrive
-    slot_wait_s: float = 0.0  # update blocked waiting for a buffer to be written out
     convert_s: float = 0.0
     adam_s: float = 0.0
     callback_s: float = 0.0
@@ -70,13 +69,12 @@ class StepRecord:
     resident: int = 0
     predicted_update_s: float = 0.0
     tiers: Dict[str, TierTraffic] = field(default_factory=dict)
-    events: List[Tuple[str, int, float, float]] = field(default_factory=list)  # (what, subgroup, t0, t1)
 
     def line(self) -> str:
         """One log fragment: measured vs predicted update, phases, per-tier bandwidth, cache."""
         parts = [
             f"update {self.update_s:.3f}s (pred {self.predicted_update_s:.3f}s)",
-            f"adam {self.adam_s:.3f}s conv {self.convert_s:.3f}s wait {self.read_wait_s + self.slot_wait_s:.3f}s",
+            f"adam {self.adam_s:.3f}s conv {self.convert_s:.3f}s wait {self.read_wait_s:.3f}s",
         ]
         for name, t in self.tiers.items():
             parts.append(

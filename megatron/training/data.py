@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import os
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import numpy as np
 import torch

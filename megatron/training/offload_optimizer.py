@@ -295,7 +295,6 @@ class OffloadDistributedOptimizer:
     def _write_telemetry(self) -> None:
         if self.telemetry_path:
             record = asdict(self.last_record)
-            record.pop("events", None)
             with open(self.telemetry_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
 

@@ -124,9 +124,6 @@ class FileTier:
         st = os.statvfs(self.root)
         return st.f_bavail * st.f_frsize
 
-    def has(self, key: str) -> bool:
-        return key in self._sizes
-
     def forget(self, key: str) -> None:
         """Delete file ``key`` and what this tier knows of it."""
         self._sizes.pop(key, None)
