@@ -30,7 +30,7 @@ from .schedule import StepSchedule, step_schedule
 from .subgroups import FP32_BYTES, Subgroup, partition
 from .telemetry import StepRecord, TrafficCounters
 from .tiers.files import FileTier, TierIOError
-from .tiers.host import HostMemory
+from .tiers.host import HostMemory, check_host_memory
 from .tiers.tokens import TierTokens
 from .update import AdamKernel, convert_grads
 
@@ -177,6 +177,9 @@ class OffloadedAdamW:
         # Buffers: gradients (outside the state budget: the caller's gradient staging), one fp32
         # scratch for converted gradients, resident subgroups, and slots for streamed ones.
         largest = max(sg.numel for sg in self.subgroups)
+        grad_bytes = (2 * largest * FP32_BYTES if self.grad_source is not None
+                      else self.numel * grad_dtype.itemsize + largest * FP32_BYTES)
+        check_host_memory(self.placement.host_state_bytes + grad_bytes, cfg.resolved_ranks_sharing_node())
         if self.grad_source is None:
             self.grad_buffer = self.host.allocate(self.numel * grad_dtype.itemsize, "gradient buffer",
                                                   counted=False).view(grad_dtype)

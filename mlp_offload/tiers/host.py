@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Optional
 
 import torch
@@ -72,3 +73,44 @@ class HostMemory:
         """Unpin what was pinned; the buffers must no longer be in use by copies."""
         while self._registered:
             torch.cuda.cudart().cudaHostUnregister(self._registered.pop().data_ptr())
+
+
+def _meminfo_bytes(field: str) -> Optional[int]:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _cgroup_limit_bytes() -> Optional[int]:
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < (1 << 60):
+            return int(text)
+    return None
+
+
+def check_host_memory(per_rank_bytes: int, ranks: int) -> None:
+    """Before allocating: the node's ranks together must fit a hard memory limit (an error, naming
+    the numbers); beyond what the OS reports available is only a warning, because some machines
+    grow their memory on demand and report too little at start-up."""
+    need = per_rank_bytes * ranks
+    limit = _cgroup_limit_bytes()
+    if limit is not None and need > limit:
+        raise HostMemoryError(
+            f"host memory: {ranks} rank(s) x {per_rank_bytes / GiB:.2f} GiB = {need / GiB:.2f} GiB of "
+            f"optimizer buffers exceed this job's memory limit of {limit / GiB:.2f} GiB; lower "
+            f"--offload-host-cache-gb (or --offload-subgroup-size) or add file tiers")
+    available = _meminfo_bytes("MemAvailable")
+    if available is not None and need > available:
+        log.warning("host memory: %d rank(s) x %.2f GiB = %.2f GiB of optimizer buffers, but the OS reports "
+                    "only %.2f GiB available; lower --offload-host-cache-gb if the job gets OOM-killed",
+                    ranks, per_rank_bytes / GiB, need / GiB, available / GiB)

@@ -104,3 +104,11 @@ def test_error_hints_name_the_cause():
                        (errno.ENOENT, "disappeared")]:
         err = tier._io_error("write", "/x", OSError(code, os.strerror(code)))
         assert hint in str(err)
+
+
+def test_host_memory_checked_before_allocating(tmp_path, monkeypatch):
+    monkeypatch.setattr(host_module, "_cgroup_limit_bytes", lambda: 64 << 20)
+    cfg = fast_config(tmp_path, tiers=["host"], ranks_sharing_node=8)
+    with pytest.raises(HostMemoryError, match=r"8 rank\(s\) x 0.01 GiB = 0.11 GiB of optimizer buffers exceed "
+                                              r"this job's memory limit of 0.06 GiB"):
+        OffloadedAdamW(torch.randn(1_000_000), cfg)
