@@ -1,5 +1,8 @@
 """Update-phase microbenchmark of the offload engine against its physical floor.
 
+The floor's I/O part uses the probed rates: reads and writes one after the other, or, where the
+probe saw the device overlap them, the measured mixed rate (TierBandwidth.seconds).
+
 For each tier configuration it builds an engine over ``--numel`` fp32 parameters, runs a few
 steps on bf16 gradients, and prints the steady-state update time beside:
   - the floor: max(Adam time, per-tier bytes moved / that tier's measured bandwidth), using the
@@ -110,7 +113,7 @@ def run_config(name: str, args, numel: int) -> dict:
     for t in cfg.file_tiers:
         rb = statistics.median(r.tiers[t].read_bytes for r in timed)
         wb = statistics.median(r.tiers[t].write_bytes for r in timed)
-        floor_t = rb / rates[t].read_bps + wb / rates[t].write_bps
+        floor_t = rates[t].seconds(rb, wb)  # the probe's fastest way to move that on this tier
         per_tier[t] = dict(read_gb=rb / 1e9, write_gb=wb / 1e9, read_gbps=rates[t].read_bps / 1e9,
                            write_gbps=rates[t].write_bps / 1e9, floor_s=floor_t,
                            measured_read_gbps=statistics.median(r.tiers[t].read_gbps for r in timed),

@@ -25,12 +25,22 @@ class TierBandwidth:
 
     read_bps: float
     write_bps: float
+    mixed_bps: Optional[float] = None
+    """Bytes/s read plus written while reads and writes run at once, as in the update (probed)."""
 
     def __post_init__(self):
-        if not (self.read_bps > 0 and self.write_bps > 0):
+        if not (self.read_bps > 0 and self.write_bps > 0) or (self.mixed_bps is not None and self.mixed_bps <= 0):
             raise OffloadConfigError(
                 f"tier bandwidths must be positive, got read={self.read_bps} write={self.write_bps}"
             )
+
+    def seconds(self, read_bytes: float, write_bytes: float) -> float:
+        """Time to read and write that much on this tier alone. Reads and writes one after the
+        other, unless the probe saw the device overlap them (mixed), which it then uses."""
+        serial = read_bytes / self.read_bps + write_bytes / self.write_bps
+        if self.mixed_bps is None:
+            return serial
+        return min(serial, (read_bytes + write_bytes) / self.mixed_bps)
 
 
 @dataclass

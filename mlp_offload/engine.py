@@ -270,7 +270,8 @@ class OffloadedAdamW:
         p, cfg = self.placement, self.config
         counts = {t: len(p.subgroups_on(t)) for t in [HOST_TIER] + cfg.file_tiers}
         rates = ", ".join(
-            f"{t} r {r.read_bps / 1e9:.2f} w {r.write_bps / 1e9:.2f} GB/s"
+            f"{t} r {r.read_bps / 1e9:.2f} w {r.write_bps / 1e9:.2f}"
+            + (f" r+w {r.mixed_bps / 1e9:.2f}" if r.mixed_bps else "") + " GB/s"
             + ("" if self._tiers[t].odirect else " (buffered)") for t, r in self.rates.items())
         log.info(
             "offload rank %d: %d params in %d subgroups; placement %s; %d host buffers (%d cache); "

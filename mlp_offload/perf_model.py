@@ -48,6 +48,7 @@ def probe_tier(tier: FileTier, host_buffer: torch.Tensor, concurrency: int = 2) 
         "odirect": tier.odirect,
         "threads": tier.io_threads,
         "concurrency": concurrency,
+        "phases": "write,read,mixed",
     }
     with open(cache_path + ".lock", "a+") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -67,14 +68,27 @@ def probe_tier(tier: FileTier, host_buffer: torch.Tensor, concurrency: int = 2) 
         for f in [tier.submit_read(key, ext) for key, ext in parts]:
             f.result()
         read_s = time.perf_counter() - start
-        for key, _ in parts:
+        # Mixed: read the files back while writing new ones, as the update's read-ahead and
+        # write-behind do (many devices overlap the two; the model should know how much).
+        half = [(f"{key}.mixed", [(0, ext[0][1][: piece // 2 // 4096 * 4096])]) for key, ext in parts]
+        start = time.perf_counter()
+        futures = [tier.submit_write(key, ext) for key, ext in half]
+        futures += [tier.submit_read(key, [(0, ext[0][1][piece // 2 // 4096 * 4096:][: piece // 2 // 4096 * 4096])])
+                    for key, ext in parts]
+        for f in futures:
+            f.result()
+        for key, _ in half:
+            fsync_path(tier.path_of(key))
+        mixed_s = time.perf_counter() - start
+        mixed_bytes = 2 * concurrency * (piece // 2 // 4096 * 4096)
+        for key, _ in parts + half:
             tier.forget(key)
         nbytes = piece * concurrency
-        result = TierBandwidth(read_bps=nbytes / read_s, write_bps=nbytes / write_s)
+        result = TierBandwidth(read_bps=nbytes / read_s, write_bps=nbytes / write_s, mixed_bps=mixed_bytes / mixed_s)
         try:
             with open(cache_path, "w") as f:
                 json.dump({**signature, "read_bps": result.read_bps, "write_bps": result.write_bps,
-                           "measured_at": time.time()}, f)
+                           "mixed_bps": result.mixed_bps, "measured_at": time.time()}, f)
         except OSError as err:
             log.warning("tier %s: could not cache the bandwidth probe in %s: %s", tier.name, cache_path, err)
         return result
@@ -88,7 +102,7 @@ def _read_probe_cache(path: str, signature: dict) -> Optional[TierBandwidth]:
             return None
         if time.time() - data["measured_at"] > PROBE_CACHE_MAX_AGE_S:
             return None
-        return TierBandwidth(data["read_bps"], data["write_bps"])
+        return TierBandwidth(data["read_bps"], data["write_bps"], data.get("mixed_bps"))
     except (OSError, ValueError, KeyError, TypeError):
         return None  # absent or unreadable cache: measure again
 
@@ -216,7 +230,7 @@ def plan_placement(
                 f"tiers ({sharing} rank(s) of this node), {have}; free space, add a tier path, or "
                 f"raise --offload-host-cache-gb"
             )
-        cost = {t: sg.state_bytes * (1 / rates[t].read_bps + 1 / rates[t].write_bps) for t in candidates}
+        cost = {t: rates[t].seconds(sg.state_bytes, sg.state_bytes) for t in candidates}
         # Ties (e.g. two paths on one device) go to the emptier tier, then the earlier one.
         best = min(candidates, key=lambda t: (finish[device[t]] + cost[t], used[t], file_tiers.index(t)))
         finish[device[best]] += cost[best]
@@ -251,7 +265,7 @@ def predict_update(
         moved = sum(subgroups[i].state_bytes for i in streamed if placement.tier_of[i] == tier and i not in hits)
         pred.read_bytes[tier] = moved
         pred.write_bytes[tier] = moved
-        pred.tier_s[tier] = moved / rates[tier].read_bps + moved / rates[tier].write_bps
+        pred.tier_s[tier] = rates[tier].seconds(moved, moved)
     if pred.tier_s:
         first = next((i for i in streamed if i not in hits), None)
         fill = subgroups[first].state_bytes / rates[placement.tier_of[first]].read_bps if first is not None else 0.0

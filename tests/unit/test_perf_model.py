@@ -1,0 +1,56 @@
+"""Performance model: per-tier time, devices shared by tiers, the cached probe."""
+
+import json
+import os
+
+from mlp_offload.config import OffloadConfig, TierBandwidth
+from mlp_offload.perf_model import PROBE_CACHE, plan_placement, predict_update, probe_tier
+from mlp_offload.subgroups import partition
+from mlp_offload.tiers.files import FileTier
+from mlp_offload.tiers.host import HostMemory
+
+
+def test_mixed_rate_used_only_when_it_beats_reads_then_writes():
+    serial_only = TierBandwidth(2e9, 1e9)
+    assert serial_only.seconds(2e9, 1e9) == 2.0
+    overlapping = TierBandwidth(2e9, 1e9, mixed_bps=3e9)
+    assert overlapping.seconds(2e9, 1e9) == 1.0
+    slow_mixed = TierBandwidth(2e9, 1e9, mixed_bps=0.5e9)
+    assert slow_mixed.seconds(2e9, 1e9) == 2.0
+
+
+def _config(tmp_path):
+    return OffloadConfig(tiers=["a", "b"], paths={"a": str(tmp_path), "b": str(tmp_path)}, subgroup_size=1000)
+
+
+def test_tiers_on_one_device_share_its_time(tmp_path):
+    subgroups = partition(20_000, 1000)
+    rates = {"a": TierBandwidth(1e9, 1e9), "b": TierBandwidth(1e9, 1e9)}
+    free = {"a": 1 << 40, "b": 1 << 40}
+    apart = plan_placement(subgroups, _config(tmp_path), rates, free, {"a": 1, "b": 2})
+    shared = plan_placement(subgroups, _config(tmp_path), rates, free, {"a": 1, "b": 1})
+    t_apart = predict_update(subgroups, apart, rates, 1e12, 1e12, {"a": 1, "b": 2}).update_s
+    t_shared = predict_update(subgroups, shared, rates, 1e12, 1e12, {"a": 1, "b": 1}).update_s
+    assert t_shared > 1.8 * t_apart  # one device moves both tiers' bytes
+    assert apart.tier_of.count("a") == apart.tier_of.count("b")
+
+
+def test_faster_tier_gets_more_subgroups(tmp_path):
+    subgroups = partition(30_000, 1000)
+    rates = {"a": TierBandwidth(3e9, 3e9), "b": TierBandwidth(1e9, 1e9)}
+    plan = plan_placement(subgroups, _config(tmp_path), rates, {"a": 1 << 40, "b": 1 << 40}, {"a": 1, "b": 2})
+    assert plan.tier_of.count("a") > 2 * plan.tier_of.count("b")
+
+
+def test_probe_measures_three_phases_and_is_cached(tmp_path):
+    tier = FileTier("nvme", str(tmp_path), "probe", 0, 64 * 1024, 2, op_threads=4)
+    try:
+        buf = HostMemory(None, pin=False).allocate(8 << 20, "probe")  # aligned, for O_DIRECT
+        first = probe_tier(tier, buf)
+        assert first.read_bps > 0 and first.write_bps > 0 and first.mixed_bps > 0
+        with open(os.path.join(tier.root, PROBE_CACHE)) as f:
+            assert json.load(f)["mixed_bps"] == first.mixed_bps
+        assert probe_tier(tier, buf) == first  # served from the cache
+        assert not [p for p in os.listdir(tier.dir) if p.startswith(".probe")]
+    finally:
+        tier.close()
