@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # The main job: train a small Llama-style GPT on the shipped corpus with the optimizer state
-# offloaded to host memory + two file tiers (local directories standing in for NVMe and a PFS).
+# offloaded to host memory + two file tiers (a local directory for "nvme", /dev/shm for "pfs").
 # Uses every GPU there is, or 2 CPU processes (gloo) when there is none.
 set -euo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$REPO"
 source tools/setup_env.sh
 RUN="${RUN_DIR:-$REPO/runs/quickstart}"
-mkdir -p "$RUN/data" "$RUN/nvme" "$RUN/pfs"
+# Stand-ins for node-local NVMe and a parallel file system. On one disk the planner would rightly
+# put everything on one of them (they share its bandwidth); /dev/shm is another device.
+PFS="${PFS_DIR:-$RUN/pfs}"
+if [ -z "${PFS_DIR:-}" ] && [ -w /dev/shm ]; then PFS=/dev/shm/mlp-offload-quickstart-$(id -u); fi
+mkdir -p "$RUN/data" "$RUN/nvme" "$PFS"
 [ -f "$RUN/data/corpus_text_document.bin" ] || \
     python tools/preprocess_data.py --input examples/data/corpus.jsonl --output-prefix "$RUN/data/corpus"
 if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
@@ -24,5 +28,5 @@ python -m torch.distributed.run --standalone --nproc_per_node "$NPROC" pretrain_
     --adam-beta2 0.95 --clip-grad 1.0 --bf16 --device "$DEVICE" \
     --data-path "$RUN/data/corpus_text_document" --split 95,5,0 --eval-interval 20 --eval-iters 2 \
     --log-interval 5 --save "$RUN/ckpt" --save-interval 30 --load "$RUN/ckpt" \
-    --offload-tiers host,nvme,pfs --offload-nvme-path "$RUN/nvme" --offload-pfs-path "$RUN/pfs" \
-    --offload-host-cache-gb 0.006 --offload-subgroup-size 50000 --offload-probe-mb 64 "$@"
+    --offload-tiers host,nvme,pfs --offload-nvme-path "$RUN/nvme" --offload-pfs-path "$PFS" \
+    --offload-host-cache-gb 0.004 --offload-subgroup-size 50000 --offload-probe-mb 64 "$@"

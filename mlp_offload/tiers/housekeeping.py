@@ -88,7 +88,7 @@ def scan(root: str) -> List[Namespace]:
     for run_id in sorted(_listdir(base)):
         for rank_dir in sorted(_listdir(os.path.join(base, run_id))):
             path = os.path.join(base, run_id, rank_dir)
-            if os.path.isdir(path):
+            if os.path.isdir(path) and ".tmp-" not in rank_dir:
                 owner = read_owner(path)
                 found.append(Namespace(path, run_id, rank_dir, owner, owner_alive(owner), _tree_bytes(path)))
     return found
@@ -109,9 +109,17 @@ def claim(root: str, run_id: str, rank: int, flag: str) -> str:
                     f"{run_id!r} and rank {rank}; give each job its own MLP_OFFLOAD_RUN_ID")
             log.warning("removing stale offload files of a dead run before use (never reused): %s", ns.describe())
             shutil.rmtree(path, ignore_errors=True)
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, OWNER_FILE), "w") as f:
-        json.dump(owner_record(), f)
+    if not os.path.isdir(path):
+        # Built under a temporary name and renamed into place, so a namespace is never seen
+        # without its owner record (another rank scanning meanwhile would call it dead).
+        tmp = f"{path}.tmp-{os.getpid()}"
+        os.makedirs(tmp, exist_ok=True)
+        with open(os.path.join(tmp, OWNER_FILE), "w") as f:
+            json.dump(owner_record(), f)
+        os.rename(tmp, path)
+    else:
+        with open(os.path.join(path, OWNER_FILE), "w") as f:
+            json.dump(owner_record(), f)
     stale = [ns for ns in scan(root) if ns.path != path and ns.alive is False]
     if stale:
         log.warning(
