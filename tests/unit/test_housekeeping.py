@@ -1,0 +1,64 @@
+"""Swap-file namespaces: claimed with an owner record, dead owners recognised, live ones respected."""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mlp_offload.tiers.housekeeping import NamespaceInUseError, claim, owner_alive, owner_record, scan
+
+
+def _fake_namespace(root, run_id, rank, owner):
+    path = root / "mlp_offload" / run_id / f"rank{rank:05d}"
+    path.mkdir(parents=True)
+    (path / "sg000000.state").write_bytes(b"x" * 4096)
+    if owner is not None:
+        (path / "OWNER.json").write_text(json.dumps(owner))
+    return path
+
+
+def test_claim_writes_an_owner_record(tmp_path):
+    path = claim(str(tmp_path), "run", 3, "--offload-nvme-path")
+    owner = json.loads(open(os.path.join(path, "OWNER.json")).read())
+    assert owner["pid"] == os.getpid() and owner_alive(owner) is True
+    assert claim(str(tmp_path), "run", 3, "--offload-nvme-path") == path  # our own: fine
+
+
+def test_live_owner_is_never_displaced(tmp_path):
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        record = owner_record()
+        record.update(pid=other.pid, start_ticks=None)
+        _fake_namespace(tmp_path, "run", 0, record)
+        with pytest.raises(NamespaceInUseError, match="in use by another process with the same run id"):
+            claim(str(tmp_path), "run", 0, "--offload-nvme-path")
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_dead_owner_is_cleared_and_others_reported(tmp_path, caplog):
+    record = owner_record()
+    record.update(pid=2**22 + 12345)  # no such process
+    ours = _fake_namespace(tmp_path, "run", 0, record)
+    _fake_namespace(tmp_path, "old-run", 1, record)
+    with caplog.at_level(logging.WARNING, logger="mlp_offload"):
+        path = claim(str(tmp_path), "run", 0, "--offload-nvme-path")
+    assert path == str(ours) and not (ours / "sg000000.state").exists()  # never reused
+    text = caplog.text
+    assert "removing stale offload files of a dead run" in text
+    assert "1 stale offload namespace(s) of dead runs" in text and "old-run" in text
+
+
+def test_half_built_namespace_is_not_counted(tmp_path):
+    (tmp_path / "mlp_offload" / "run" / "rank00001.tmp-999").mkdir(parents=True)
+    assert scan(str(tmp_path)) == []
+
+
+def test_recycled_pid_is_dead(tmp_path):
+    record = owner_record()
+    record["start_ticks"] = (record["start_ticks"] or 0) + 1  # our pid, but another process's start
+    assert owner_alive(record) is False
