@@ -8,6 +8,12 @@ Systems (each a subprocess with its own timeout, in this order unless --systems 
   f  megatron-core optimizer_cpu_offload (fraction 1.0, D2H/H2D overlap) through our training layer
   g  no offload (megatron-core DistributedOptimizer on the GPU), when it fits
   c  ours, host + disk + /dev/shm as a second path: EMULATED (tmpfs is memory, not a device)
+  t  ours, host + disk as b, but --offload-tokens-per-tier 4: with up to 4 ranks no node-wide I/O
+     concurrency control (b uses the default, 1 token: the node's ranks take turns on the disk)
+
+--nproc N runs every system as N data-parallel ranks of one node (torchrun, one GPU each) sharing
+the one disk: ours with DP=N and --offload-host-cache-gb per rank, DeepSpeed ZeRO-3 partitioned
+over the N ranks with its swap files under one shared directory. Times are rank 0's.
 
 Before them it measures the floor (disk and tmpfs bandwidth, CPU fused AdamW rate, pinned copies)
 and, for the disk configurations, prints the update-phase lower bound max(Adam, bytes / bandwidth)
@@ -44,23 +50,30 @@ LABELS = {
     "e": "DeepSpeed ZeRO-3 cpu",
     "f": "megatron-core cpu offload",
     "g": "no offload (GPU)",
+    "t": "ours host+disk, 4 I/O tokens per tier",
 }
-PEERS = {"a": ["e", "f"], "b": ["d"], "c": ["d"]}
+OURS = "abcfgt"
+PEERS = {"a": ["e", "f"], "b": ["d"], "c": ["d"], "t": ["d", "b"]}
 # Seconds a system needs beyond its iterations (imports, model build, DeepSpeed's op JIT builds).
-STARTUP_S = {"a": 40, "b": 45, "c": 45, "d": 120, "e": 90, "f": 45, "g": 35}
+STARTUP_S = {"a": 40, "b": 45, "c": 45, "d": 120, "e": 90, "f": 45, "g": 35, "t": 45}
+TOKENS_T = 4
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_shape_flags(p, DEFAULT_SHAPE)
     p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--global-batch", type=int, default=4)
+    p.add_argument("--global-batch", type=int, default=None, help="default: --nproc x --micro-batch")
+    p.add_argument("--nproc", type=int, default=1, help="ranks (GPUs) of one node, data-parallel, one shared disk")
     p.add_argument("--iters", type=int, default=3, help="iterations per system; the first is warm-up")
     p.add_argument("--systems", default="abdefgc", help="letters, run in this order")
     p.add_argument("--budget-s", type=float, default=480, help="wall clock for floor + all systems")
     p.add_argument("--disk-dir", default="/var/tmp/offload_cmp")
     p.add_argument("--shm-dir", default="/dev/shm/offload_cmp")
-    p.add_argument("--host-budget-gb", type=float, default=4.0, help="ours (b, c): host memory, < the state")
+    p.add_argument("--host-budget-gb", type=float, default=4.0,
+                   help="ours (b, c, t): host memory PER RANK (--offload-host-cache-gb), x nproc < the state")
+    p.add_argument("--host-gb", type=float, default=None,
+                   help="host memory to treat as available in the fit checks (default: MemAvailable now)")
     p.add_argument("--subgroup-size", type=float, default=1e8)
     p.add_argument("--io-threads", type=int, default=8)
     p.add_argument("--floor-mb", type=int, default=2048, help="disk probe size")
@@ -71,6 +84,11 @@ def parse_args(argv=None):
     p.add_argument("--work-dir", default=None, help="per-system logs (default: DISK_DIR/logs)")
     args = p.parse_args(argv)
     args.shape = shape_from_args(args)
+    if args.nproc < 1:
+        p.error("--nproc must be >= 1")
+    args.global_batch = args.global_batch or args.nproc * args.micro_batch
+    if args.global_batch % (args.nproc * args.micro_batch):
+        p.error("--global-batch must be a multiple of --nproc x --micro-batch")
     args.work_dir = args.work_dir or os.path.join(args.disk_dir, "logs")
     unknown = set(args.systems) - set(LABELS)
     if unknown:
@@ -87,7 +105,7 @@ def _free_port() -> int:
 
 
 def ours_command(args, system: str, logs: dict) -> list:
-    cmd = ["torchrun", "--nproc_per_node", "1", "--master-port", str(_free_port()),
+    cmd = ["torchrun", "--nproc_per_node", str(args.nproc), "--master-port", str(_free_port()),
            os.path.join(REPO, "pretrain_gpt.py"), *args.shape.megatron_flags(),
            "--micro-batch-size", str(args.micro_batch), "--global-batch-size", str(args.global_batch),
            "--train-iters", str(args.iters), "--lr", "3e-4", "--lr-decay-style", "constant",
@@ -103,6 +121,9 @@ def ours_command(args, system: str, logs: dict) -> list:
     elif system == "b":
         cmd += ["--offload-tiers", "host,nvme", "--offload-nvme-path", disk,
                 "--offload-host-cache-gb", str(args.host_budget_gb), *engine]
+    elif system == "t":
+        cmd += ["--offload-tiers", "host,nvme", "--offload-nvme-path", disk, "--offload-host-cache-gb",
+                str(args.host_budget_gb), "--offload-tokens-per-tier", str(TOKENS_T), *engine]
     elif system == "c":
         cmd += ["--offload-tiers", "host,nvme,shm", "--offload-nvme-path", disk,
                 "--offload-shm-path", args.shm_dir, "--offload-host-cache-gb", str(args.host_budget_gb), *engine]
@@ -112,7 +133,11 @@ def ours_command(args, system: str, logs: dict) -> list:
 
 
 def peer_command(args, system: str, logs: dict) -> list:
-    return [sys.executable, os.path.join(HERE, "deepspeed_peer.py"), *args.shape.peer_flags(),
+    launch = [sys.executable]
+    if args.nproc > 1:  # deepspeed.init_distributed() reads torchrun's RANK / WORLD_SIZE / MASTER_*
+        launch += ["-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc),
+                   "--master-port", str(_free_port())]
+    return [*launch, os.path.join(HERE, "deepspeed_peer.py"), *args.shape.peer_flags(),
             "--micro-batch", str(args.micro_batch), "--global-batch", str(args.global_batch),
             "--iters", str(args.iters), "--lr", "3e-4", "--weight-decay", "0.1", "--seed", "1234",
             "--sub-group-size", str(args.subgroup_size), "--offload", "nvme" if system == "d" else "cpu",
@@ -126,26 +151,44 @@ def _resources(args) -> dict:
 
     res = {"host_available_gb": psutil.virtual_memory().available / 1e9,
            "disk_free_gb": shutil.disk_usage(args.disk_dir).free / 1e9}
+    if args.host_gb is not None:  # e.g. a machine whose memory grows on demand: MemAvailable reads low
+        res["host_given_gb"] = args.host_gb
     try:
         import torch
 
         if args.device == "cuda" and torch.cuda.is_available():
-            res["gpu_gb"] = torch.cuda.get_device_properties(0).total_memory / 1e9
+            res["gpu_gb"] = min(torch.cuda.get_device_properties(i).total_memory
+                                for i in range(max(1, args.nproc))
+                                if i < torch.cuda.device_count()) / 1e9
+            if args.nproc > 1:
+                res["gpus"] = torch.cuda.device_count()
     except Exception:  # noqa: BLE001  (no GPU: nothing to check)
         pass
     return res
 
 
 def does_not_fit(args, system: str, res: dict):
-    """A reason to skip, or None. Byte counts per parameter are the systems' own state layouts."""
+    """A reason to skip, or None. Byte counts per parameter are the systems' own state layouts.
+
+    With N ranks: state and disk are sharded (totals unchanged); host budgets, buffers and process
+    overheads are per rank; GPU memory is per GPU (ours replicates bf16 params and grads, ZeRO-3
+    and the distributed optimizer shard the rest)."""
     n = args.shape.num_params() / 1e9  # G params -> GB per byte/param
-    host, disk, gpu = res["host_available_gb"] * 0.85, res["disk_free_gb"] * 0.9, res.get("gpu_gb")
+    N = args.nproc
+    host = res.get("host_given_gb", res["host_available_gb"]) * 0.85
+    disk, gpu = res["disk_free_gb"] * 0.9, res.get("gpu_gb")
     if args.device == "cpu" and system in "def":
         return "needs a CUDA device"
+    if "gpus" in res and res["gpus"] < N:
+        return f"needs {N} GPUs, {res['gpus']} visible"
+    extra = 3 * (N - 1)  # host GB per further process (CUDA context, torch, model build)
     need = {  # (host GB, disk GB, GPU GB) -- GPU: bf16 params+grads, fp32 grad buffer, activations
-        "a": (14 * n, 0, 8 * n), "b": (args.host_budget_gb + 2 * n, 12 * n, 8 * n),
-        "c": (args.host_budget_gb + 2 * n, 12 * n, 8 * n),
-        "d": (4 * n, 16 * n, 4 * n), "e": (18 * n, 0, 4 * n), "f": (23 * n, 0, 8 * n), "g": (0, 0, 20 * n),
+        "a": (14 * n + extra, 0, 8 * n), "b": (N * args.host_budget_gb + 2 * n + extra, 12 * n, 8 * n),
+        "c": (N * args.host_budget_gb + 2 * n + extra, 12 * n, 8 * n),
+        "t": (N * args.host_budget_gb + 2 * n + extra, 12 * n, 8 * n),
+        # DeepSpeed's NVMe swapper pins buffer_count (16) sub-groups of 1e8 fp32 per rank: ~6.4 GB
+        "d": (4 * n + (extra + 7 * (N - 1)), 16 * n, 4 * n / N), "e": (18 * n + extra, 0, 4 * n / N),
+        "f": (23 * n + extra, 0, 8 * n), "g": (0, 0, 6 * n + 14 * n / N),
     }[system]
     if system == "c":  # the shm share is host memory too
         need = (need[0] + 12 * n, need[1], need[2])
@@ -161,20 +204,24 @@ def does_not_fit(args, system: str, res: dict):
 # ----------------------------------------------------------------------------- running
 
 def run_system(args, system: str, deadline: float) -> dict:
-    name = f"{system}_{'ours' if system in 'abcfg' else 'deepspeed'}"
+    name = f"{system}_{'ours' if system in OURS else 'deepspeed'}"
     logs = {k: os.path.join(args.work_dir, f"{name}.{k}.jsonl") for k in ("loss", "timing", "telemetry", "peer")}
+    if args.nproc > 1:  # one telemetry file per rank: the shared disk's traffic is the ranks' sum
+        logs["telemetry"] = os.path.join(args.work_dir, f"{name}.telemetry.rank{{rank}}.jsonl")
     for path in logs.values():
-        if os.path.exists(path):
-            os.remove(path)
-    cmd = ours_command(args, system, logs) if system in "abcfg" else peer_command(args, system, logs)
-    wanted = STARTUP_S[system] + args.iters * _iter_guess_s(args, system)
+        for r in range(args.nproc):
+            if os.path.exists(path.replace("{rank}", str(r))):
+                os.remove(path.replace("{rank}", str(r)))
+    cmd = ours_command(args, system, logs) if system in OURS else peer_command(args, system, logs)
+    wanted = STARTUP_S[system] + 10 * (args.nproc - 1) + args.iters * _iter_guess_s(args, system)
     left = deadline - time.time()
     result = {"system": system, "label": LABELS[system], "command": " ".join(cmd)}
     if left < min(wanted, 60):
         return {**result, "skipped": f"time budget: {left:.0f} s left, ~{wanted:.0f} s needed"}
     # Generous against the estimate (DeepSpeed's JIT builds vary), but a hung run cannot eat everything.
     timeout = min(left, max(3 * wanted, wanted + 120))
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(os.cpu_count() or 1),
+    threads = max(1, (os.cpu_count() or 1) // args.nproc)  # the node's cores, shared by its ranks
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads),
                PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
     print(f"\n=== {system}: {LABELS[system]} (timeout {timeout:.0f} s, expected ~{wanted:.0f} s)", flush=True)
     log_path = os.path.join(args.work_dir, f"{name}.log")
@@ -193,7 +240,7 @@ def run_system(args, system: str, deadline: float) -> dict:
     result["log"] = os.path.basename(log_path)
     _cleanup(args, system)
     tail = _tail(log_path)
-    parsed = parse_ours(args, logs, log_path) if system in "abcfg" else parse_peer(logs)
+    parsed = parse_ours(args, logs, log_path) if system in OURS else parse_peer(logs)
     result.update(parsed)
     summarize(result)
     if rc != 0:
@@ -208,8 +255,9 @@ def run_system(args, system: str, deadline: float) -> dict:
 
 def _iter_guess_s(args, system: str) -> float:
     n = args.shape.num_params() / 1e9
+    # Disk-bound systems share one disk however many ranks there are: same guess per iteration.
     return {"a": 1.0 + n, "b": 1.0 + 8 * n, "c": 1.0 + 3 * n, "d": 2 + 14 * n,
-            "e": 1 + 2 * n, "f": 1 + n, "g": 1.0}[system]
+            "e": 1 + 2 * n, "f": 1 + n, "g": 1.0, "t": 1.0 + 8 * n}[system]
 
 
 def _stop(proc) -> None:
@@ -266,9 +314,11 @@ def _read_jsonl(path: str) -> list:
 
 
 def parse_ours(args, logs: dict, log_path: str) -> dict:
-    timing = {r["iteration"]: r for r in _read_jsonl(logs["timing"])}
+    timing = {r["iteration"]: r for r in _read_jsonl(logs["timing"])}  # rank 0's (the logging rank)
     losses = {r["iteration"]: r["loss"] for r in _read_jsonl(logs["loss"])}
-    telemetry = [r for r in _read_jsonl(logs["telemetry"]) if not r.get("skipped")]
+    ranks = [[r for r in _read_jsonl(logs["telemetry"].replace("{rank}", str(k))) if not r.get("skipped")]
+             for k in range(args.nproc)]
+    telemetry = ranks[0]
     iterations = []
     for i, (it, t) in enumerate(sorted(timing.items())):
         rec = {"iteration": it, "iteration_s": t["elapsed_s"], "fb_s": t["forward_backward_s"],
@@ -280,6 +330,13 @@ def parse_ours(args, logs: dict, log_path: str) -> dict:
                        wait_s=tel["read_wait_s"], cache_hits=tel["cache_hits"],
                        streamed=tel["streamed"],
                        traffic={k: (v["read_bytes"], v["write_bytes"]) for k, v in tel["tiers"].items()})
+            if args.nproc > 1:  # what all ranks moved on each tier this step (one shared disk)
+                others = [rk[i] for rk in ranks if i < len(rk)]
+                rec["ranks_reporting"] = len(others)
+                rec["traffic"] = {k: (sum(o["tiers"][k]["read_bytes"] for o in others),
+                                      sum(o["tiers"][k]["write_bytes"] for o in others)) for k in tel["tiers"]}
+                rec["token_wait_s"] = [sum(v.get("token_wait_s", 0.0) for v in o["tiers"].values()) for o in others]
+                rec["engine_update_s_ranks"] = [o["update_s"] for o in others]
         iterations.append(rec)
     params = None
     with open(log_path, errors="replace") as f:
@@ -319,6 +376,9 @@ def summarize(result: dict) -> None:
     for key in ("engine_update_s", "predicted_update_s", "adam_s"):
         if all(key in r for r in steady):
             result["median"][key] = med(key)
+    if all("token_wait_s" in r for r in steady):  # --nproc > 1: waiting for another rank's I/O token
+        result["median"]["token_wait_s_mean_rank"] = statistics.median(
+            sum(r["token_wait_s"]) / len(r["token_wait_s"]) for r in steady)
 
 
 def add_floors(args, results: dict, fl: dict) -> None:
@@ -326,7 +386,7 @@ def add_floors(args, results: dict, fl: dict) -> None:
     n = args.shape.num_params()
     adam_s = n / fl["adam"]["params_per_s"]
     bw = {"nvme": fl["disk"], "shm": fl.get("shm")}
-    for system in ("b", "c"):
+    for system in ("b", "c", "t"):
         r = results.get(system)
         if not r or "median" not in r:
             continue
@@ -337,7 +397,7 @@ def add_floors(args, results: dict, fl: dict) -> None:
         traffic = [{k: v for k, v in t.items() if bw.get(k)} for t in traffic]  # file tiers only
         io = statistics.median(floor.io_seconds(t, bw) for t in traffic)
         r["floor"] = {"adam_s": adam_s, "io_s": io, "update_floor_s": max(adam_s, io),
-                      "basis": "bytes our engine moved per step / probed bandwidth"}
+                      "basis": "bytes our engine moved per step (all ranks) / probed bandwidth"}
     r = results.get("d")
     if r and "median" in r:
         # DeepSpeed's step reads fp32 params, m, v and grads (16 B/param) and writes params, m, v (12 B).
@@ -357,8 +417,8 @@ def _summary_text(r: dict) -> str:
     return f"iteration {m['iteration_s']:.2f} s, fwd+bwd {m['fb_s']:.2f} s, update {m['update_s']:.2f} s"
 
 
-def print_table(results: dict, order: str) -> str:
-    rows = []
+def print_table(results: dict, order: str, title: str = "") -> str:
+    rows = [title] if title else []
     head = (f"{'':2} {'system':40} {'iter s':>8} {'fwd+bwd s':>9} {'update s':>9} {'floor s':>8} "
             f"{'pred s':>7}  {'vs peer (peer iter / this iter)':32} {'vs no-offload':>13}")
     rows += [head, "-" * len(head)]
@@ -424,8 +484,10 @@ def main(argv=None) -> None:
     shape = args.shape
     n = shape.num_params()
     print(f"model {shape.as_dict()}: {n / 1e9:.3f} G params | fp32 state: ours {12 * n / 1e9:.1f} GB "
-          f"(param, m, v), DeepSpeed {16 * n / 1e9:.1f} GB (+ fp32 grads) | host budget (b, c) "
-          f"{args.host_budget_gb} GB | micro-batch {args.micro_batch}, global batch {args.global_batch}, "
+          f"(param, m, v), DeepSpeed {16 * n / 1e9:.1f} GB (+ fp32 grads) | host budget (b, c, t) "
+          f"{args.host_budget_gb} GB"
+          + (f" PER RANK x {args.nproc} ranks = {args.nproc * args.host_budget_gb:g} GB" if args.nproc > 1 else "")
+          + f" | micro-batch {args.micro_batch}, global batch {args.global_batch}, "
           f"{args.iters} iterations per system, budget {args.budget_s:.0f} s", flush=True)
     res = _resources(args)
     print("resources: " + ", ".join(f"{k} {v:.1f}" for k, v in res.items()), flush=True)
@@ -442,7 +504,7 @@ def main(argv=None) -> None:
     counts = {s: r.get("parameters") for s, r in results.items() if r.get("parameters")}
     print(f"\nparameter counts: analytic {n}; " + ", ".join(f"{s} {c}" for s, c in counts.items())
           + ("" if all(c == n for c in counts.values()) else "  <-- MISMATCH"), flush=True)
-    for s in "bcd":
+    for s in "bctd":
         r = results.get(s, {})
         if "floor" in r:
             f, m = r["floor"], r["median"]
@@ -450,9 +512,19 @@ def main(argv=None) -> None:
                   + (f" (engine {m['engine_update_s']:.2f} s, predicted {m['predicted_update_s']:.2f} s)"
                      if "engine_update_s" in m else "")
                   + f" | floor max(Adam {f['adam_s']:.2f} s, I/O {f['io_s']:.2f} s) = {f['update_floor_s']:.2f} s"
-                  + f" | measured / floor {m['update_s'] / f['update_floor_s']:.2f}", flush=True)
-    table = print_table(results, args.systems)
+                  + f" | measured / floor {m['update_s'] / f['update_floor_s']:.2f}"
+                  + (f" | I/O token wait {m['token_wait_s_mean_rank']:.2f} s per rank"
+                     if "token_wait_s_mean_rank" in m else ""), flush=True)
+    title = ""
+    if args.nproc > 1:
+        each = "one GPU each" if args.device == "cuda" else "CPU processes"
+        title = (f"{args.nproc} ranks of one node (DP={args.nproc}, {each}), one shared disk | ours: host "
+                 f"budget {args.host_budget_gb:g} GB PER RANK ({args.nproc * args.host_budget_gb:g} GB in all), "
+                 f"b: 1 I/O token per tier (default), t: {TOKENS_T} | micro-batch {args.micro_batch} per rank, "
+                 f"global batch {args.global_batch} | seconds are rank 0's")
+    table = print_table(results, args.systems, title)
     out = {"shape": shape.as_dict(), "micro_batch": args.micro_batch, "global_batch": args.global_batch,
+           "nproc": args.nproc, "tokens_t": TOKENS_T,
            "iters": args.iters, "host_budget_gb": args.host_budget_gb, "resources": res, "floor": fl,
            "systems": results, "order": args.systems, "table": table, "wall_s": time.time() - start}
     path = os.path.join(args.out, "compare_offload.json")

@@ -1,11 +1,15 @@
 """DeepSpeed ZeRO-3 optimizer offload (NVMe or CPU) on a Hugging Face Llama: the peer we compare with.
 
-One process, one GPU. Random tokens (fixed seed), bf16, gradient checkpointing, AdamW.
-Per iteration one JSON line: iteration, loss, total_s, forward_s, backward_s, step_s (each phase
-between torch.cuda.synchronize() calls); at the end the exact DeepSpeed config as JSON.
+One process per GPU: a plain `python3` run is one rank; under torchrun ZeRO-3 partitions the model
+and optimizer state over all ranks (data parallel), and DeepSpeed puts each rank's swap files in
+its own NVMESWAP/optimizer/rank<r>/ below the one --nvme-path. Random tokens (fixed seed + rank),
+bf16, gradient checkpointing, AdamW. Per iteration rank 0 writes one JSON line: iteration, loss
+(rank 0's micro-batches), total_s, forward_s, backward_s, step_s (each phase between
+torch.cuda.synchronize() calls); at the end the exact DeepSpeed config as JSON.
 
   source benchmarks/setup_gpu_peer.sh   # libaio + wheels
   python3 benchmarks/deepspeed_peer.py --offload nvme --nvme-path /var/tmp/ds --iters 3
+  torchrun --nproc_per_node 4 benchmarks/deepspeed_peer.py --offload nvme --nvme-path /var/tmp/ds
 
 --dry-run (no GPU needed) validates the config with DeepSpeed's own parser and builds the model
 on the CPU at the given size, then exits.
@@ -35,7 +39,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_shape_flags(p, DEFAULT_SHAPE)
     p.add_argument("--micro-batch", type=int, default=1)
-    p.add_argument("--global-batch", type=int, default=None, help="default: --micro-batch (no accumulation)")
+    p.add_argument("--global-batch", type=int, default=None,
+                   help="default: --micro-batch x world size (no accumulation)")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--weight-decay", type=float, default=0.1)
@@ -49,9 +54,11 @@ def parse_args(argv=None):
     p.add_argument("--log", default=None, help="also write the JSON lines (and the config) here")
     p.add_argument("--dry-run", action="store_true", help="validate config + build the model on CPU, no training")
     args = p.parse_args(argv)
-    args.global_batch = args.global_batch or args.micro_batch
-    if args.global_batch % args.micro_batch:
-        p.error("--global-batch must be a multiple of --micro-batch")
+    args.world_size = int(os.environ["WORLD_SIZE"])
+    args.rank = int(os.environ["RANK"])
+    args.global_batch = args.global_batch or args.micro_batch * args.world_size
+    if args.global_batch % (args.micro_batch * args.world_size):
+        p.error(f"--global-batch must be a multiple of --micro-batch x world size ({args.world_size})")
     return args
 
 
@@ -65,7 +72,7 @@ def ds_config(args) -> dict:
     config = {
         "train_batch_size": args.global_batch,
         "train_micro_batch_size_per_gpu": args.micro_batch,
-        "gradient_accumulation_steps": args.global_batch // args.micro_batch,
+        "gradient_accumulation_steps": args.global_batch // (args.micro_batch * args.world_size),
         "gradient_clipping": args.clip_grad,
         "bf16": {"enabled": True},
         "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "betas": [0.9, 0.95], "eps": 1e-8,
@@ -105,6 +112,8 @@ def count_params(model) -> int:
 
 
 def emit(record: dict, log) -> None:
+    if int(os.environ["RANK"]) != 0:
+        return  # rank 0 speaks for the job
     line = json.dumps(record)
     print(line, flush=True)
     if log:
@@ -145,8 +154,8 @@ def train(args, shape, config, log) -> None:
     from transformers.integrations import HfDeepSpeedConfig
 
     torch.manual_seed(args.seed)
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # before NCCL starts: one GPU per rank
     deepspeed.init_distributed(dist_backend="nccl")
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     if args.offload == "nvme":
         os.makedirs(args.nvme_path, exist_ok=True)
 
@@ -162,8 +171,8 @@ def train(args, shape, config, log) -> None:
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     emit({"initialize_s": time.perf_counter() - t0}, log)
 
-    accum = args.global_batch // args.micro_batch
-    gen = torch.Generator().manual_seed(args.seed)
+    accum = args.global_batch // (args.micro_batch * args.world_size)
+    gen = torch.Generator().manual_seed(args.seed + args.rank)  # each data-parallel rank its own tokens
     device = torch.device("cuda", torch.cuda.current_device())
     for iteration in range(1, args.iters + 1):
         fwd = bwd = step = 0.0
@@ -196,8 +205,10 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     shape = shape_from_args(args)
     config = ds_config(args)
-    log = open(args.log, "w") if args.log else None
-    print(f"model {shape.as_dict()} | offload_optimizer {args.offload}", flush=True)
+    log = open(args.log, "w") if args.log and args.rank == 0 else None
+    if args.rank == 0:
+        print(f"model {shape.as_dict()} | offload_optimizer {args.offload} | world size {args.world_size}",
+              flush=True)
     if args.dry_run:
         dry_run(args, shape, config)
     else:
