@@ -93,6 +93,7 @@ class _Slot:
         self.holder: Optional[int] = None  # subgroup whose state is (or is arriving) here
         self.state = EMPTY
         self.future: Optional[Future] = None
+        self.pending_write: Optional[Future] = None  # a hit's own write, to finish before its update
         self.age = 0  # when it last became reusable, for LRU eviction
 
 
@@ -380,8 +381,9 @@ class OffloadedAdamW:
                 continue
             if slot is not None and slot.state in (DIRTY, WRITING, EMPTY):
                 # Still in host memory from earlier (kept, or written but not yet reused): a hit.
-                if slot.state == WRITING:
-                    self._wait_write(slot)
+                # A write still running must end before Adam changes the buffer, not now: waiting
+                # here would put the last write-behind back into the update's critical path.
+                slot.pending_write = slot.future if slot.state == WRITING else None
                 slot.state = READY
                 slot.future = None
                 self._cursor += 1
@@ -458,6 +460,11 @@ class OffloadedAdamW:
             if slot is None or slot.state not in (READING, READY):
                 raise RuntimeError(f"internal: no buffer could be assigned to subgroup {i}")
         hit = slot.state == READY and slot.future is None
+        if slot.pending_write is not None:
+            t0 = time.perf_counter()
+            self._wait_future(i, slot.pending_write)
+            slot.pending_write = None
+            rec.read_wait_s += time.perf_counter() - t0
         if slot.state == READING:
             t0 = time.perf_counter()
             try:
@@ -546,7 +553,7 @@ class OffloadedAdamW:
         for slot in self._slots:  # the in-memory copies are about to be stale
             if slot.state == READING:
                 slot.future.result()
-            slot.state, slot.future, slot.holder = EMPTY, None, None
+            slot.state, slot.future, slot.holder, slot.pending_write = EMPTY, None, None, None
         self._slot_of.clear()
         self._inflight = {name: 0 for name in self._tiers}
         scratch = None

@@ -91,10 +91,17 @@ def test_unfused_kernel_matches_unfused_adamw(tmp_path):
     run_pair(cfg, 25_000, torch.bfloat16, kernel_fused=False)
 
 
-def test_param_groups_and_lr_changes(tmp_path):
-    """Groups with their own lr/weight decay, changed between steps as a scheduler would."""
+@pytest.mark.parametrize("kernel", ["single", "fused"])
+def test_param_groups_and_lr_changes(tmp_path, kernel):
+    """Groups with their own lr/weight decay, changed between steps as a scheduler would.
+
+    The group ranges start at odd offsets (12345), so subgroup boundaries cut them at points that
+    are not multiples of the CPU's vector width. The unfused kernel is then still bit-identical; the
+    fused one computes each tensor's last (length % vector width) elements with scalar code, so at
+    such cuts a few elements may differ by one ulp (bit-identical where cuts are aligned: the
+    other tests in this file)."""
     numel, sub = 50_000, 8_000
-    cfg = fast_config(tmp_path, tiers=["nvme", "pfs"], subgroup_size=sub)
+    cfg = fast_config(tmp_path, tiers=["nvme", "pfs"], subgroup_size=sub, adam_kernel=kernel)
     init = torch.randn(numel)
     ranges_a, ranges_b = [(0, 12_345), (30_000, 50_000)], [(12_345, 30_000)]
     eng = OffloadedAdamW(init.clone(), cfg, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
@@ -102,7 +109,8 @@ def test_param_groups_and_lr_changes(tmp_path):
     pieces = [torch.nn.Parameter(init[a:b].clone()) for a, b in ranges_a + ranges_b]
     opt = torch.optim.AdamW(
         [{"params": pieces[:2]}, {"params": pieces[2:], "weight_decay": 0.0, "lr": 1e-2}],
-        lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True)
+        lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+        fused=kernel == "fused", foreach=False if kernel == "single" else None)
     try:
         for step in range(4):
             grad = torch.randn(numel).to(torch.bfloat16)
@@ -117,7 +125,12 @@ def test_param_groups_and_lr_changes(tmp_path):
     finally:
         eng.close()
     for p, (a, b) in zip(pieces, ranges_a + ranges_b):
-        assert torch.equal(params[a:b], p.detach())
+        if kernel == "single":
+            assert torch.equal(params[a:b], p.detach())
+        else:
+            ulp = torch.finfo(torch.float32).eps * p.detach().abs().clamp_min(1e-30)
+            differ = params[a:b] != p.detach()
+            assert differ.sum() <= 64 and bool(((params[a:b] - p.detach()).abs() <= 2 * ulp)[differ].all())
 
 
 def test_skip_leaves_state_untouched(tmp_path):
