@@ -102,8 +102,9 @@ def load_engine_state(engine: OffloadedAdamW, path: str) -> dict:
 
 
 class RangeReader:
-    """Reads element ranges of one state tensor across the stored subgroups, each stored
-    subgroup read and CRC-checked once (ranges are asked for in ascending order)."""
+    """Reads element ranges of one state tensor across the stored subgroups of one file. Each
+    stored tensor is CRC-checked as it is read; the two most recent stored subgroups stay cached,
+    so ascending requests (a plain resume) read each once, other orders (resharding) may re-read."""
 
     def __init__(self, path: str, entries):
         self.path = path
