@@ -141,7 +141,7 @@ def peer_command(args, system: str, logs: dict) -> list:
             "--micro-batch", str(args.micro_batch), "--global-batch", str(args.global_batch),
             "--iters", str(args.iters), "--lr", "3e-4", "--weight-decay", "0.1", "--seed", "1234",
             "--sub-group-size", str(args.subgroup_size), "--offload", "nvme" if system == "d" else "cpu",
-            "--nvme-path", os.path.join(args.disk_dir, "deepspeed"), "--log", logs["peer"]]
+            "--nvme-path", os.path.join(args.disk_dir, "deepspeed"), "--log-file", logs["peer"]]
 
 
 # ----------------------------------------------------------------------------- fit checks

@@ -51,7 +51,8 @@ def parse_args(argv=None):
     p.add_argument("--buffer-count", type=int, default=16, help="4 trips an assertion with pipelining")
     p.add_argument("--sub-group-size", type=float, default=1e8)
     p.add_argument("--no-grad-ckpt", action="store_true")
-    p.add_argument("--log", default=None, help="also write the JSON lines (and the config) here")
+    p.add_argument("--log-file", default=None,
+                   help="also write the JSON lines (and the config) here; not --log: torchrun calls that ambiguous")
     p.add_argument("--dry-run", action="store_true", help="validate config + build the model on CPU, no training")
     args = p.parse_args(argv)
     args.world_size = int(os.environ["WORLD_SIZE"])
@@ -205,7 +206,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     shape = shape_from_args(args)
     config = ds_config(args)
-    log = open(args.log, "w") if args.log and args.rank == 0 else None
+    log = open(args.log_file, "w") if args.log_file and args.rank == 0 else None
     if args.rank == 0:
         print(f"model {shape.as_dict()} | offload_optimizer {args.offload} | world size {args.world_size}",
               flush=True)

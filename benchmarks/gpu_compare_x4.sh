@@ -23,7 +23,7 @@ python3 -c "import deepspeed, transformers, megatron.core; print('deepspeed', de
 BUDGET=$(( LIMIT_S - (SECONDS - T0) - 15 ))
 # --host-gb: this machine's memory grows on demand, so MemAvailable reads low at start; 400 of its 512 GiB.
 set -o pipefail
-python3 benchmarks/compare_offload.py --nproc 4 --systems btdag \
+python3 benchmarks/compare_offload.py --nproc 4 --systems bdtag \
     --layers 28 --hidden 2560 --ffn 6912 --heads 20 --kv-heads 4 --vocab 32000 --seq 2048 \
     --micro-batch 4 --host-budget-gb 4 --host-gb 400 --iters 3 \
     --disk-dir "$DISK" --out "$OUT" --budget-s $BUDGET "$@" 2>&1 | tee "$OUT/compare.log"

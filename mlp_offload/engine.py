@@ -173,7 +173,8 @@ class OffloadedAdamW:
         self.devices = {name: tier.device for name, tier in self._tiers.items()}
         self.placement: Placement = plan_placement(self.subgroups, cfg, self.rates, free, self.devices)
         self.prediction: Prediction = predict_update(
-            self.subgroups, self.placement, self.rates, self.adam_rate, self.convert_rate, self.devices)
+            self.subgroups, self.placement, self.rates, self.adam_rate, self.convert_rate, self.devices,
+            ranks_sharing=cfg.resolved_ranks_sharing_node())
 
         # Buffers: gradients (outside the state budget: the caller's gradient staging), one fp32
         # scratch for converted gradients, resident subgroups, and slots for streamed ones.

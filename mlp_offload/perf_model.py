@@ -143,13 +143,16 @@ class Prediction:
     read_bytes: Dict[str, int] = field(default_factory=dict)
     write_bytes: Dict[str, int] = field(default_factory=dict)
     cache_hits: int = 0
+    ranks_sharing: int = 1  # ranks of this node whose I/O goes to the same devices
 
     def describe(self) -> str:
         tiers = " ".join(
             f"{t}:{self.read_bytes[t] / 1e9:.2f}GBr/{self.write_bytes[t] / 1e9:.2f}GBw/{s:.2f}s"
             for t, s in self.tier_s.items()
         )
-        return f"predicted update {self.update_s:.3f}s (adam {self.adam_s:.3f}s{', ' + tiers if tiers else ''})"
+        shared = f", x{self.ranks_sharing} ranks on the same devices" if self.ranks_sharing > 1 else ""
+        return (f"predicted update {self.update_s:.3f}s "
+                f"(adam {self.adam_s:.3f}s{', ' + tiers if tiers else ''}{shared})")
 
 
 def plan_placement(
@@ -247,11 +250,15 @@ def predict_update(
     adam_elems_per_s: float,
     convert_elems_per_s: float,
     devices: Optional[Dict[str, object]] = None,
+    ranks_sharing: int = 1,
 ) -> Prediction:
     """Predicted steady-state update time: compute and each device's I/O overlap, the slowest wins.
 
     Tiers on one device add up (they share it); reads and writes of a device are counted one
-    after the other, which matched a single disk within 10% (docs/benchmarks.md).
+    after the other, which matched a single disk within 10% (docs/benchmarks.md). The node's
+    ``ranks_sharing`` ranks move equal shards through the same paths in the same phase, and the
+    rates were probed by one rank alone, so each device's time is multiplied by that count:
+    data parallelism makes every rank wait for the node's slowest, whichever rank goes first.
 
     With the alternating order, the cache slots hold the previous step's tail, so those subgroups
     are neither written nor read; the first streamed read after the hits is not hidden.
@@ -269,7 +276,9 @@ def predict_update(
     if pred.tier_s:
         first = next((i for i in streamed if i not in hits), None)
         fill = subgroups[first].state_bytes / rates[placement.tier_of[first]].read_bps if first is not None else 0.0
-        pred.update_s = max(adam_s, max(device_seconds(pred.tier_s, devices).values()) + fill)
+        busiest = max(device_seconds(pred.tier_s, devices).values())
+        pred.update_s = max(adam_s, ranks_sharing * busiest + fill)
+        pred.ranks_sharing = ranks_sharing
     return pred
 
 

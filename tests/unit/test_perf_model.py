@@ -3,6 +3,8 @@
 import json
 import os
 
+import pytest
+
 from mlp_offload.config import OffloadConfig, TierBandwidth
 from mlp_offload.perf_model import PROBE_CACHE, plan_placement, predict_update, probe_tier
 from mlp_offload.subgroups import partition
@@ -33,6 +35,23 @@ def test_tiers_on_one_device_share_its_time(tmp_path):
     t_shared = predict_update(subgroups, shared, rates, 1e12, 1e12, {"a": 1, "b": 1}).update_s
     assert t_shared > 1.8 * t_apart  # one device moves both tiers' bytes
     assert apart.tier_of.count("a") == apart.tier_of.count("b")
+
+
+def test_ranks_sharing_a_device_multiply_its_time(tmp_path):
+    # Each rank moves its own shard through the node's one device; the probe saw the device alone.
+    subgroups = partition(20_000, 1000)
+    rates = {"a": TierBandwidth(1e9, 1e9), "b": TierBandwidth(1e9, 1e9)}
+    plan = plan_placement(subgroups, _config(tmp_path), rates, {"a": 1 << 40, "b": 1 << 40}, {"a": 1, "b": 1})
+    alone = predict_update(subgroups, plan, rates, 1e12, 1e12, {"a": 1, "b": 1})
+    four = predict_update(subgroups, plan, rates, 1e12, 1e12, {"a": 1, "b": 1}, ranks_sharing=4)
+    moved = sum(alone.read_bytes.values()) + sum(alone.write_bytes.values())
+    fill = alone.update_s - moved / 1e9  # the first read, not hidden; the same for one rank or four
+    assert fill >= 0
+    assert four.update_s == pytest.approx(4 * moved / 1e9 + fill)
+    assert "x4 ranks" in four.describe()
+    # Compute-bound: the shared disk is not the limit, so sharing changes nothing.
+    slow_adam = predict_update(subgroups, plan, rates, 1e3, 1e12, {"a": 1, "b": 1}, ranks_sharing=4)
+    assert slow_adam.update_s == pytest.approx(slow_adam.adam_s)
 
 
 def test_faster_tier_gets_more_subgroups(tmp_path):
