@@ -260,19 +260,22 @@ def predict_update(
     rates were probed by one rank alone, so each device's time is multiplied by that count:
     data parallelism makes every rank wait for the node's slowest, whichever rank goes first.
 
-    With the alternating order, the cache slots hold the previous step's tail, so those subgroups
-    are neither written nor read; the first streamed read after the hits is not hidden.
+    With the alternating order, the previous step's tail is still in host buffers when the next
+    step starts with it: the cache slots' subgroups (kept dirty) skip their write and their read,
+    and every other slot's last occupant (already written) skips its read. The first streamed
+    read after the hits is not hidden.
     """
     numel = sum(sg.numel for sg in subgroups)
     adam_s = numel / adam_elems_per_s + numel / convert_elems_per_s
     streamed = [i for i, t in enumerate(placement.tier_of) if t != HOST_TIER]
-    hits = set(streamed[-placement.cache_slots:]) if placement.cache_slots else set()
+    kept = set(streamed[len(streamed) - placement.cache_slots:]) if placement.cache_slots else set()
+    hits = set(streamed[max(0, len(streamed) - placement.slots):]) if placement.cache_slots else set()
     pred = Prediction(update_s=adam_s, adam_s=adam_s, cache_hits=len(hits))
     for tier in dict.fromkeys(t for t in placement.tier_of if t != HOST_TIER):
-        moved = sum(subgroups[i].state_bytes for i in streamed if placement.tier_of[i] == tier and i not in hits)
-        pred.read_bytes[tier] = moved
-        pred.write_bytes[tier] = moved
-        pred.tier_s[tier] = rates[tier].seconds(moved, moved)
+        on_tier = [i for i in streamed if placement.tier_of[i] == tier]
+        pred.read_bytes[tier] = sum(subgroups[i].state_bytes for i in on_tier if i not in hits)
+        pred.write_bytes[tier] = sum(subgroups[i].state_bytes for i in on_tier if i not in kept)
+        pred.tier_s[tier] = rates[tier].seconds(pred.read_bytes[tier], pred.write_bytes[tier])
     if pred.tier_s:
         first = next((i for i in streamed if i not in hits), None)
         fill = subgroups[first].state_bytes / rates[placement.tier_of[first]].read_bps if first is not None else 0.0

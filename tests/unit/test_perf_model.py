@@ -5,11 +5,16 @@ import os
 
 import pytest
 
+import torch
+
+from mlp_offload import OffloadedAdamW
 from mlp_offload.config import OffloadConfig, TierBandwidth
 from mlp_offload.perf_model import PROBE_CACHE, plan_placement, predict_update, probe_tier
 from mlp_offload.subgroups import partition
 from mlp_offload.tiers.files import FileTier
 from mlp_offload.tiers.host import HostMemory
+
+from .helpers import fast_config
 
 
 def test_mixed_rate_used_only_when_it_beats_reads_then_writes():
@@ -73,3 +78,29 @@ def test_probe_measures_three_phases_and_is_cached(tmp_path):
         assert not [p for p in os.listdir(tier.dir) if p.startswith(".probe")]
     finally:
         tier.close()
+
+
+@pytest.mark.parametrize("tiers,budget_slots", [(["nvme"], None), (["host", "nvme"], 5), (["host", "nvme"], 3)])
+def test_predicted_bytes_match_what_the_engine_moves(tmp_path, tiers, budget_slots):
+    # The model's bytes per step, against the engine's own traffic counters in steady state.
+    sub, n_sub = 4096, 8  # page-aligned subgroups of equal size: bytes are exact
+    slot = 3 * sub * 4
+    cfg = fast_config(tmp_path, tiers=tiers, subgroup_size=sub,
+                      **({"host_budget_bytes": budget_slots * slot} if budget_slots else {}))
+    eng = OffloadedAdamW(torch.zeros(sub * n_sub), cfg, lr=1e-3)
+    try:
+        records = []
+        for _ in range(8):
+            eng.grad_buffer.normal_()
+            records.append(eng.step())
+        eng.flush()
+        pred = eng.prediction
+    finally:
+        eng.close()
+    steady = records[2:]  # an even number: both directions of the alternating order
+    read = sum(r.tiers["nvme"].read_bytes for r in steady) / len(steady)
+    written = sum(r.tiers["nvme"].write_bytes for r in steady) / len(steady)
+    assert 0 < pred.read_bytes["nvme"] < 3 * slot * n_sub
+    assert read == pytest.approx(pred.read_bytes["nvme"], rel=0.15)
+    assert written == pytest.approx(pred.write_bytes["nvme"], rel=0.15)
+    assert records[-1].cache_hits == pred.cache_hits
