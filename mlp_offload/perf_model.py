@@ -262,22 +262,28 @@ def predict_update(
 
     With the alternating order, the previous step's tail is still in host buffers when the next
     step starts with it: the cache slots' subgroups (kept dirty) skip their write and their read,
-    and every other slot's last occupant (already written) skips its read. The first streamed
-    read after the hits is not hidden.
+    and every other slot's last occupant (already written) skips its read. Steps alternate
+    between the streamed list's tail and head being cached, so bytes are the two cases' mean.
+    The first streamed read after the hits is not hidden.
     """
     numel = sum(sg.numel for sg in subgroups)
     adam_s = numel / adam_elems_per_s + numel / convert_elems_per_s
     streamed = [i for i, t in enumerate(placement.tier_of) if t != HOST_TIER]
-    kept = set(streamed[len(streamed) - placement.cache_slots:]) if placement.cache_slots else set()
-    hits = set(streamed[max(0, len(streamed) - placement.slots):]) if placement.cache_slots else set()
-    pred = Prediction(update_s=adam_s, adam_s=adam_s, cache_hits=len(hits))
+    n_kept = min(placement.cache_slots, len(streamed))
+    n_hits = min(placement.slots, len(streamed)) if placement.cache_slots else 0
+    ends = (streamed, streamed[::-1])  # cached at the end of an ascending step, then a descending one
+    kept = [set(order[len(order) - n_kept:]) if n_kept else set() for order in ends]
+    hits = [set(order[len(order) - n_hits:]) if n_hits else set() for order in ends]
+    pred = Prediction(update_s=adam_s, adam_s=adam_s, cache_hits=n_hits)
     for tier in dict.fromkeys(t for t in placement.tier_of if t != HOST_TIER):
         on_tier = [i for i in streamed if placement.tier_of[i] == tier]
-        pred.read_bytes[tier] = sum(subgroups[i].state_bytes for i in on_tier if i not in hits)
-        pred.write_bytes[tier] = sum(subgroups[i].state_bytes for i in on_tier if i not in kept)
+        pred.read_bytes[tier] = sum(sum(subgroups[i].state_bytes for i in on_tier if i not in h)
+                                    for h in hits) // 2
+        pred.write_bytes[tier] = sum(sum(subgroups[i].state_bytes for i in on_tier if i not in k)
+                                     for k in kept) // 2
         pred.tier_s[tier] = rates[tier].seconds(pred.read_bytes[tier], pred.write_bytes[tier])
     if pred.tier_s:
-        first = next((i for i in streamed if i not in hits), None)
+        first = next((i for i in streamed if i not in hits[0]), None)
         fill = subgroups[first].state_bytes / rates[placement.tier_of[first]].read_bps if first is not None else 0.0
         busiest = max(device_seconds(pred.tier_s, devices).values())
         pred.update_s = max(adam_s, ranks_sharing * busiest + fill)

@@ -83,24 +83,26 @@ def test_probe_measures_three_phases_and_is_cached(tmp_path):
 @pytest.mark.parametrize("tiers,budget_slots", [(["nvme"], None), (["host", "nvme"], 5), (["host", "nvme"], 3)])
 def test_predicted_bytes_match_what_the_engine_moves(tmp_path, tiers, budget_slots):
     # The model's bytes per step, against the engine's own traffic counters in steady state.
-    sub, n_sub = 4096, 8  # page-aligned subgroups of equal size: bytes are exact
+    sub, n_sub = 4096, 8  # page-aligned subgroups, the last one short: its turn in the cache alternates
     slot = 3 * sub * 4
     cfg = fast_config(tmp_path, tiers=tiers, subgroup_size=sub,
                       **({"host_budget_bytes": budget_slots * slot} if budget_slots else {}))
-    eng = OffloadedAdamW(torch.zeros(sub * n_sub), cfg, lr=1e-3)
+    eng = OffloadedAdamW(torch.zeros(sub * (n_sub - 1) + 1024), cfg, lr=1e-3)
     try:
         records = []
-        for _ in range(8):
+        for _ in range(22):
             eng.grad_buffer.normal_()
             records.append(eng.step())
         eng.flush()
         pred = eng.prediction
     finally:
         eng.close()
-    steady = records[2:]  # an even number: both directions of the alternating order
+    # An even number of steps (both directions of the order); writes are counted as they complete,
+    # so one may land in the next step's record: a long window keeps that within the tolerance.
+    steady = records[2:]
     read = sum(r.tiers["nvme"].read_bytes for r in steady) / len(steady)
     written = sum(r.tiers["nvme"].write_bytes for r in steady) / len(steady)
     assert 0 < pred.read_bytes["nvme"] < 3 * slot * n_sub
-    assert read == pytest.approx(pred.read_bytes["nvme"], rel=0.15)
-    assert written == pytest.approx(pred.write_bytes["nvme"], rel=0.15)
+    assert read == pytest.approx(pred.read_bytes["nvme"], rel=0.04)
+    assert written == pytest.approx(pred.write_bytes["nvme"], rel=0.04)
     assert records[-1].cache_hits == pred.cache_hits
