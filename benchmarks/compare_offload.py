@@ -9,7 +9,9 @@ Systems (each a subprocess with its own timeout, in this order unless --systems 
   g  no offload (megatron-core DistributedOptimizer on the GPU), when it fits
   c  ours, host + disk + /dev/shm as a second path: EMULATED (tmpfs is memory, not a device)
   t  ours, host + disk as b, but --offload-tokens-per-tier 4: with up to 4 ranks no node-wide I/O
-     concurrency control (b uses the default, 1 token: the node's ranks take turns on the disk)
+     concurrency control
+  s  ours, host + disk as b, but --offload-tokens-per-tier 1: the node's ranks take turns on the
+     disk (b uses the default: tokens decided by the engine's probe)
 
 --nproc N runs every system as N data-parallel ranks of one node (torchrun, one GPU each) sharing
 the one disk: ours with DP=N and --offload-host-cache-gb per rank, DeepSpeed ZeRO-3 partitioned
@@ -51,11 +53,12 @@ LABELS = {
     "f": "megatron-core cpu offload",
     "g": "no offload (GPU)",
     "t": "ours host+disk, 4 I/O tokens per tier",
+    "s": "ours host+disk, 1 I/O token per tier",
 }
-OURS = "abcfgt"
-PEERS = {"a": ["e", "f"], "b": ["d"], "c": ["d"], "t": ["d", "b"]}
+OURS = "abcfgst"
+PEERS = {"a": ["e", "f"], "b": ["d"], "c": ["d"], "t": ["d", "b"], "s": ["d", "b"]}
 # Seconds a system needs beyond its iterations (imports, model build, DeepSpeed's op JIT builds).
-STARTUP_S = {"a": 40, "b": 45, "c": 45, "d": 120, "e": 90, "f": 45, "g": 35, "t": 45}
+STARTUP_S = {"a": 40, "b": 45, "c": 45, "d": 120, "e": 90, "f": 45, "g": 35, "t": 45, "s": 45}
 TOKENS_T = 4
 
 
@@ -121,9 +124,10 @@ def ours_command(args, system: str, logs: dict) -> list:
     elif system == "b":
         cmd += ["--offload-tiers", "host,nvme", "--offload-nvme-path", disk,
                 "--offload-host-cache-gb", str(args.host_budget_gb), *engine]
-    elif system == "t":
+    elif system in "ts":
         cmd += ["--offload-tiers", "host,nvme", "--offload-nvme-path", disk, "--offload-host-cache-gb",
-                str(args.host_budget_gb), "--offload-tokens-per-tier", str(TOKENS_T), *engine]
+                str(args.host_budget_gb), "--offload-tokens-per-tier", str(TOKENS_T if system == "t" else 1),
+                *engine]
     elif system == "c":
         cmd += ["--offload-tiers", "host,nvme,shm", "--offload-nvme-path", disk,
                 "--offload-shm-path", args.shm_dir, "--offload-host-cache-gb", str(args.host_budget_gb), *engine]
@@ -186,6 +190,7 @@ def does_not_fit(args, system: str, res: dict):
         "a": (14 * n + extra, 0, 8 * n), "b": (N * args.host_budget_gb + 2 * n + extra, 12 * n, 8 * n),
         "c": (N * args.host_budget_gb + 2 * n + extra, 12 * n, 8 * n),
         "t": (N * args.host_budget_gb + 2 * n + extra, 12 * n, 8 * n),
+        "s": (N * args.host_budget_gb + 2 * n + extra, 12 * n, 8 * n),
         # DeepSpeed's NVMe swapper pins buffer_count (16) sub-groups of 1e8 fp32 per rank: ~6.4 GB
         "d": (4 * n + (extra + 7 * (N - 1)), 16 * n, 4 * n / N), "e": (18 * n + extra, 0, 4 * n / N),
         "f": (23 * n + extra, 0, 8 * n), "g": (0, 0, 6 * n + 14 * n / N),
@@ -257,7 +262,7 @@ def _iter_guess_s(args, system: str) -> float:
     n = args.shape.num_params() / 1e9
     # Disk-bound systems share one disk however many ranks there are: same guess per iteration.
     return {"a": 1.0 + n, "b": 1.0 + 8 * n, "c": 1.0 + 3 * n, "d": 2 + 14 * n,
-            "e": 1 + 2 * n, "f": 1 + n, "g": 1.0, "t": 1.0 + 8 * n}[system]
+            "e": 1 + 2 * n, "f": 1 + n, "g": 1.0, "t": 1.0 + 8 * n, "s": 1.0 + 8 * n}[system]
 
 
 def _stop(proc) -> None:
@@ -386,7 +391,7 @@ def add_floors(args, results: dict, fl: dict) -> None:
     n = args.shape.num_params()
     adam_s = n / fl["adam"]["params_per_s"]
     bw = {"nvme": fl["disk"], "shm": fl.get("shm")}
-    for system in ("b", "c", "t"):
+    for system in ("b", "c", "t", "s"):
         r = results.get(system)
         if not r or "median" not in r:
             continue
@@ -504,7 +509,7 @@ def main(argv=None) -> None:
     counts = {s: r.get("parameters") for s, r in results.items() if r.get("parameters")}
     print(f"\nparameter counts: analytic {n}; " + ", ".join(f"{s} {c}" for s, c in counts.items())
           + ("" if all(c == n for c in counts.values()) else "  <-- MISMATCH"), flush=True)
-    for s in "bctd":
+    for s in "bctsd":
         r = results.get(s, {})
         if "floor" in r:
             f, m = r["floor"], r["median"]
@@ -520,7 +525,7 @@ def main(argv=None) -> None:
         each = "one GPU each" if args.device == "cuda" else "CPU processes"
         title = (f"{args.nproc} ranks of one node (DP={args.nproc}, {each}), one shared disk | ours: host "
                  f"budget {args.host_budget_gb:g} GB PER RANK ({args.nproc * args.host_budget_gb:g} GB in all), "
-                 f"b: 1 I/O token per tier (default), t: {TOKENS_T} | micro-batch {args.micro_batch} per rank, "
+                 f"I/O tokens per tier b: the engine's choice (default), s: 1, t: {TOKENS_T} | micro-batch {args.micro_batch} per rank, "
                  f"global batch {args.global_batch} | seconds are rank 0's")
     table = print_table(results, args.systems, title)
     out = {"shape": shape.as_dict(), "micro_batch": args.micro_batch, "global_batch": args.global_batch,

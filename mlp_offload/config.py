@@ -27,9 +27,12 @@ class TierBandwidth:
     write_bps: float
     mixed_bps: Optional[float] = None
     """Bytes/s read plus written while reads and writes run at once, as in the update (probed)."""
+    shared_mixed_bps: Optional[float] = None
+    """The same with as many streams as all the node's ranks issue at once (probed if they share)."""
 
     def __post_init__(self):
-        if not (self.read_bps > 0 and self.write_bps > 0) or (self.mixed_bps is not None and self.mixed_bps <= 0):
+        if not (self.read_bps > 0 and self.write_bps > 0) or any(
+                r is not None and r <= 0 for r in (self.mixed_bps, self.shared_mixed_bps)):
             raise OffloadConfigError(
                 f"tier bandwidths must be positive, got read={self.read_bps} write={self.write_bps}"
             )
@@ -69,8 +72,9 @@ class OffloadConfig:
     prefetch_depth: int = 2
     """Subgroup reads kept in flight ahead of the update, per file tier."""
 
-    tokens_per_tier: int = 1
-    """Node-wide I/O tokens per tier path: how many processes of a node may do I/O on it at once."""
+    tokens_per_tier: Optional[int] = None
+    """Node-wide I/O tokens per tier path: how many processes of a node may do I/O on it at once.
+    None: decided per tier from the probe (see ``perf_model.tokens_for``)."""
 
     io_block_bytes: int = 8 * MiB
     """Size of one read/write syscall; a multiple of the O_DIRECT alignment."""
@@ -146,7 +150,8 @@ class OffloadConfig:
             raise OffloadConfigError(f"host budget must be >= 0 bytes, got {self.host_budget_bytes}")
         _positive("subgroup size", self.subgroup_size)
         _positive("prefetch depth", self.prefetch_depth)
-        _positive("tokens per tier", self.tokens_per_tier)
+        if self.tokens_per_tier is not None:
+            _positive("tokens per tier", self.tokens_per_tier)
         _positive("I/O threads", self.io_threads)
         _positive("probe bytes", self.probe_bytes)
         if self.io_block_bytes <= 0 or self.io_block_bytes % 4096:

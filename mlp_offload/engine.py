@@ -25,7 +25,8 @@ import torch
 
 from .config import HOST_TIER, OffloadConfig, TierBandwidth
 from .faults import fault_point
-from .perf_model import Placement, Prediction, measure_adam_rate, plan_placement, predict_update, probe_tier
+from .perf_model import (Placement, Prediction, measure_adam_rate, plan_placement, predict_update, probe_tier,
+                         tokens_for)
 from .schedule import StepSchedule, step_schedule
 from .subgroups import FP32_BYTES, Subgroup, partition
 from .telemetry import StepRecord, TrafficCounters
@@ -163,18 +164,23 @@ class OffloadedAdamW:
         self.host = HostMemory(cfg.host_budget_bytes, cfg.pin_memory)
         run_id = cfg.resolved_run_id()
         for name in cfg.file_tiers:
-            tokens = TierTokens(cfg.paths[name], cfg.tokens_per_tier)
             self._tiers[name] = FileTier(
                 name, cfg.paths[name], run_id, cfg.rank, cfg.io_block_bytes, cfg.io_threads,
                 op_threads=cfg.prefetch_depth + 2, use_odirect=cfg.use_odirect,
-                verify_checksums=cfg.verify_checksums, tokens=tokens)
+                verify_checksums=cfg.verify_checksums)
         self.rates = self._measure_rates()
+        # Tokens after the probe: unless given, whether ranks take turns depends on what it saw.
+        sharing = cfg.resolved_ranks_sharing_node()
+        self.tokens_per_tier = {name: cfg.tokens_per_tier or tokens_for(self.rates[name], sharing)
+                                for name in cfg.file_tiers}
+        for name, tier in self._tiers.items():
+            tier.tokens = TierTokens(cfg.paths[name], self.tokens_per_tier[name])
         free = {name: tier.free_bytes() for name, tier in self._tiers.items()}
         self.devices = {name: tier.device for name, tier in self._tiers.items()}
         self.placement: Placement = plan_placement(self.subgroups, cfg, self.rates, free, self.devices)
         self.prediction: Prediction = predict_update(
             self.subgroups, self.placement, self.rates, self.adam_rate, self.convert_rate, self.devices,
-            ranks_sharing=cfg.resolved_ranks_sharing_node())
+            ranks_sharing=sharing, tokens=self.tokens_per_tier)
 
         # Buffers: gradients (outside the state budget: the caller's gradient staging), one fp32
         # scratch for converted gradients, resident subgroups, and slots for streamed ones.
@@ -228,7 +234,8 @@ class OffloadedAdamW:
                 rates[name] = cfg.bandwidths[name]
             else:
                 probe_buf = self.host.allocate(cfg.probe_bytes, "bandwidth probe", counted=False)
-                rates[name] = probe_tier(tier, probe_buf, concurrency=cfg.prefetch_depth)
+                rates[name] = probe_tier(tier, probe_buf, concurrency=cfg.prefetch_depth,
+                                         ranks_sharing=cfg.resolved_ranks_sharing_node())
                 del probe_buf
         size = min(max(sg.numel for sg in self.subgroups), 1 << 26)
         self.adam_rate = cfg.adam_elems_per_s or measure_adam_rate(
@@ -273,8 +280,10 @@ class OffloadedAdamW:
         counts = {t: len(p.subgroups_on(t)) for t in [HOST_TIER] + cfg.file_tiers}
         rates = ", ".join(
             f"{t} r {r.read_bps / 1e9:.2f} w {r.write_bps / 1e9:.2f}"
-            + (f" r+w {r.mixed_bps / 1e9:.2f}" if r.mixed_bps else "") + " GB/s"
-            + ("" if self._tiers[t].odirect else " (buffered)") for t, r in self.rates.items())
+            + (f" r+w {r.mixed_bps / 1e9:.2f}" if r.mixed_bps else "")
+            + (f" r+w with all ranks' streams {r.shared_mixed_bps / 1e9:.2f}" if r.shared_mixed_bps else "")
+            + " GB/s" + ("" if self._tiers[t].odirect else " (buffered)")
+            + f", {self.tokens_per_tier[t]} I/O token(s)" for t, r in self.rates.items())
         log.info(
             "offload rank %d: %d params in %d subgroups; placement %s; %d host buffers (%d cache); "
             "host state %.2f GiB; adam %.2f Gelem/s%s; %s",

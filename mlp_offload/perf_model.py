@@ -33,11 +33,14 @@ class PlacementError(RuntimeError):
 
 
 # -- rates -----------------------------------------------------------------------------------
-def probe_tier(tier: FileTier, host_buffer: torch.Tensor, concurrency: int = 2) -> TierBandwidth:
-    """Write then read ``host_buffer`` through ``tier``; cached in the tier directory.
+def probe_tier(tier: FileTier, host_buffer: torch.Tensor, concurrency: int = 2,
+               ranks_sharing: int = 1) -> TierBandwidth:
+    """Write then read ``host_buffer`` through ``tier``, then both at once; cached in the tier directory.
 
     The buffer moves as ``concurrency`` files at once, as the engine keeps that many subgroup
-    operations in flight, so the probe sees the bandwidth the pipeline can really get. A file
+    operations in flight, so the probe sees the bandwidth the pipeline can really get. Where
+    ``ranks_sharing`` ranks of the node use the path, the mixed phase runs once more with that
+    many times the streams and threads, as all of them would issue without turn-taking. A file
     lock serializes probes of one path, so ranks starting together neither disturb each other's
     measurement nor probe the same path more than once.
     """
@@ -48,7 +51,8 @@ def probe_tier(tier: FileTier, host_buffer: torch.Tensor, concurrency: int = 2) 
         "odirect": tier.odirect,
         "threads": tier.io_threads,
         "concurrency": concurrency,
-        "phases": "write,read,mixed",
+        "ranks_sharing": ranks_sharing,
+        "phases": "write,read,mixed" + (",shared" if ranks_sharing > 1 else ""),
     }
     with open(cache_path + ".lock", "a+") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -68,30 +72,59 @@ def probe_tier(tier: FileTier, host_buffer: torch.Tensor, concurrency: int = 2) 
         for f in [tier.submit_read(key, ext) for key, ext in parts]:
             f.result()
         read_s = time.perf_counter() - start
-        # Mixed: read the files back while writing new ones, as the update's read-ahead and
-        # write-behind do (many devices overlap the two; the model should know how much).
-        half = [(f"{key}.mixed", [(0, ext[0][1][: piece // 2 // 4096 * 4096])]) for key, ext in parts]
-        start = time.perf_counter()
-        futures = [tier.submit_write(key, ext) for key, ext in half]
-        futures += [tier.submit_read(key, [(0, ext[0][1][piece // 2 // 4096 * 4096:][: piece // 2 // 4096 * 4096])])
-                    for key, ext in parts]
-        for f in futures:
-            f.result()
-        for key, _ in half:
-            fsync_path(tier.path_of(key))
-        mixed_s = time.perf_counter() - start
-        mixed_bytes = 2 * concurrency * (piece // 2 // 4096 * 4096)
-        for key, _ in parts + half:
+        mixed_bps = _mixed_rate(tier, parts, piece, 1)
+        shared_bps = None
+        if ranks_sharing > 1:
+            with tier.widened(ranks_sharing):
+                shared_bps = _mixed_rate(tier, parts, piece, ranks_sharing)
+        for key, _ in parts:
             tier.forget(key)
         nbytes = piece * concurrency
-        result = TierBandwidth(read_bps=nbytes / read_s, write_bps=nbytes / write_s, mixed_bps=mixed_bytes / mixed_s)
+        result = TierBandwidth(read_bps=nbytes / read_s, write_bps=nbytes / write_s, mixed_bps=mixed_bps,
+                               shared_mixed_bps=shared_bps)
         try:
             with open(cache_path, "w") as f:
                 json.dump({**signature, "read_bps": result.read_bps, "write_bps": result.write_bps,
-                           "mixed_bps": result.mixed_bps, "measured_at": time.time()}, f)
+                           "mixed_bps": result.mixed_bps, "shared_mixed_bps": shared_bps,
+                           "measured_at": time.time()}, f)
         except OSError as err:
             log.warning("tier %s: could not cache the bandwidth probe in %s: %s", tier.name, cache_path, err)
         return result
+
+
+def _mixed_rate(tier: FileTier, parts, piece: int, streams_each: int) -> float:
+    """Bytes/s while files are read back and new ones written at once, as the update's read-ahead
+    and write-behind do (many devices overlap the two). Each probe file's memory serves
+    ``streams_each`` reads and as many writes; reads start at a file's first byte, where the
+    tier's per-block checksums line up."""
+    half = piece // 2 // 4096 * 4096
+    sub = half // streams_each // 4096 * 4096
+    writes, reads, sources = [], [], []
+    for key, ext in parts:
+        region = ext[0][1]
+        for j in range(streams_each):
+            writes.append((f"{key}.mixed{j}", [(0, region[j * sub:(j + 1) * sub])]))
+            target = [(0, region[half + j * sub:half + (j + 1) * sub])]
+            if streams_each == 1:
+                reads.append((key, target))  # the probe file's prefix
+            else:
+                sources.append((f"{key}.source{j}", target))
+                reads.append(sources[-1])
+    for f in [tier.submit_write(key, ext) for key, ext in sources]:  # not timed
+        f.result()
+    for key, _ in sources:
+        fsync_path(tier.path_of(key))
+    start = time.perf_counter()
+    futures = [tier.submit_write(key, ext) for key, ext in writes]
+    futures += [tier.submit_read(key, ext) for key, ext in reads]
+    for f in futures:
+        f.result()
+    for key, _ in writes:
+        fsync_path(tier.path_of(key))
+    seconds = time.perf_counter() - start
+    for key, _ in writes + sources:
+        tier.forget(key)
+    return 2 * len(writes) * sub / seconds
 
 
 def _read_probe_cache(path: str, signature: dict) -> Optional[TierBandwidth]:
@@ -102,7 +135,8 @@ def _read_probe_cache(path: str, signature: dict) -> Optional[TierBandwidth]:
             return None
         if time.time() - data["measured_at"] > PROBE_CACHE_MAX_AGE_S:
             return None
-        return TierBandwidth(data["read_bps"], data["write_bps"], data.get("mixed_bps"))
+        return TierBandwidth(data["read_bps"], data["write_bps"], data.get("mixed_bps"),
+                             data.get("shared_mixed_bps"))
     except (OSError, ValueError, KeyError, TypeError):
         return None  # absent or unreadable cache: measure again
 
@@ -121,6 +155,25 @@ def measure_adam_rate(adam_step, numel: int = 1 << 24, repeats: int = 3) -> floa
         if i:  # the first call warms up threads and pages
             best = min(best, time.perf_counter() - start)
     return numel / best
+
+
+# Below this fraction of one rank's mixed rate, the node's ranks streaming at once are taken to
+# thrash the device, and they take turns instead.
+THRASH_RATIO = 0.9
+
+
+def tokens_for(rate: TierBandwidth, ranks_sharing: int) -> int:
+    """I/O tokens for a tier path that ``ranks_sharing`` ranks of the node use.
+
+    One token (ranks take turns) where the probe saw the device lose aggregate bandwidth when all
+    of them stream at once, as spinning disks and busy shared file systems do; otherwise one per
+    rank, since turn-taking then only leaves the device idle between turns (measured on a shared
+    NVMe-class disk: docs/benchmarks.md). Without a shared-streams probe (rates given by the
+    user), one token.
+    """
+    if ranks_sharing <= 1 or rate.shared_mixed_bps is None or rate.mixed_bps is None:
+        return 1
+    return ranks_sharing if rate.shared_mixed_bps >= THRASH_RATIO * rate.mixed_bps else 1
 
 
 # -- placement -------------------------------------------------------------------------------
@@ -251,14 +304,16 @@ def predict_update(
     convert_elems_per_s: float,
     devices: Optional[Dict[str, object]] = None,
     ranks_sharing: int = 1,
+    tokens: Optional[Dict[str, int]] = None,
 ) -> Prediction:
     """Predicted steady-state update time: compute and each device's I/O overlap, the slowest wins.
 
     Tiers on one device add up (they share it); reads and writes of a device are counted one
     after the other, which matched a single disk within 10% (docs/benchmarks.md). The node's
-    ``ranks_sharing`` ranks move equal shards through the same paths in the same phase, and the
-    rates were probed by one rank alone, so each device's time is multiplied by that count:
-    data parallelism makes every rank wait for the node's slowest, whichever rank goes first.
+    ``ranks_sharing`` ranks move equal shards through the same paths in the same phase, so each
+    device's time is multiplied by that count (data parallelism makes every rank wait for the
+    node's slowest): at one rank's rate where they take turns (fewer ``tokens`` than ranks), at
+    the probed all-ranks rate where they stream at once.
 
     With the alternating order, the previous step's tail is still in host buffers when the next
     step starts with it: the cache slots' subgroups (kept dirty) skip their write and their read,
@@ -281,7 +336,12 @@ def predict_update(
                                     for h in hits) // 2
         pred.write_bytes[tier] = sum(sum(subgroups[i].state_bytes for i in on_tier if i not in k)
                                      for k in kept) // 2
-        pred.tier_s[tier] = rates[tier].seconds(pred.read_bytes[tier], pred.write_bytes[tier])
+        rate = rates[tier]
+        at_once = ranks_sharing > 1 and (tokens or {}).get(tier, 1) >= ranks_sharing
+        if at_once and rate.shared_mixed_bps is not None:  # the node's bytes at the all-ranks rate
+            pred.tier_s[tier] = (pred.read_bytes[tier] + pred.write_bytes[tier]) / rate.shared_mixed_bps
+        else:
+            pred.tier_s[tier] = rate.seconds(pred.read_bytes[tier], pred.write_bytes[tier])
     if pred.tier_s:
         first = next((i for i in streamed if i not in hits[0]), None)
         fill = subgroups[first].state_bytes / rates[placement.tier_of[first]].read_bps if first is not None else 0.0

@@ -155,7 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--offload-host-cache-gb", type=_non_negative_float, default=None)
     g.add_argument("--offload-subgroup-size", type=_positive_int, default=100_000_000)
     g.add_argument("--offload-prefetch-depth", type=_positive_int, default=2)
-    g.add_argument("--offload-tokens-per-tier", type=_positive_int, default=1)
+    g.add_argument("--offload-tokens-per-tier", type=_positive_int, default=None,
+                   help="ranks of one node allowed to do I/O on a tier path at once; default: 1 where "
+                        "the probe sees the device lose bandwidth with all ranks streaming, else all")
     g.add_argument("--offload-io-block-mb", type=_positive_int, default=8)
     g.add_argument("--offload-io-threads", type=_positive_int, default=4)
     g.add_argument("--offload-bandwidths", type=_bandwidths, default=None)

@@ -16,6 +16,7 @@ import shutil
 import time
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -100,6 +101,7 @@ class FileTier:
             )
         self._blocks = ThreadPoolExecutor(io_threads, thread_name_prefix=f"mlp-io-{name}")
         self._ops = ThreadPoolExecutor(op_threads, thread_name_prefix=f"mlp-op-{name}")
+        self._op_threads = op_threads
         self._crcs: Dict[str, List[int]] = {}
         self._sizes: Dict[str, int] = {}
         self.closed = False
@@ -119,6 +121,19 @@ class FileTier:
     def submit(self, fn: Callable, *args) -> Future:
         """Run ``fn`` on the operation pool (for work ordered with this tier's I/O)."""
         return self._ops.submit(fn, *args)
+
+    @contextmanager
+    def widened(self, factor: int):
+        """Run with ``factor`` times the threads, as ``factor`` ranks of one node would (probing)."""
+        narrow = self._blocks, self._ops
+        self._blocks = ThreadPoolExecutor(self.io_threads * factor, thread_name_prefix=f"mlp-io-{self.name}")
+        self._ops = ThreadPoolExecutor(self._op_threads * factor, thread_name_prefix=f"mlp-op-{self.name}")
+        try:
+            yield self
+        finally:
+            self._ops.shutdown(wait=True)
+            self._blocks.shutdown(wait=True)
+            self._blocks, self._ops = narrow
 
     def free_bytes(self) -> int:
         st = os.statvfs(self.root)

@@ -9,7 +9,7 @@ import torch
 
 from mlp_offload import OffloadedAdamW
 from mlp_offload.config import OffloadConfig, TierBandwidth
-from mlp_offload.perf_model import PROBE_CACHE, plan_placement, predict_update, probe_tier
+from mlp_offload.perf_model import PROBE_CACHE, plan_placement, predict_update, probe_tier, tokens_for
 from mlp_offload.subgroups import partition
 from mlp_offload.tiers.files import FileTier
 from mlp_offload.tiers.host import HostMemory
@@ -106,3 +106,51 @@ def test_predicted_bytes_match_what_the_engine_moves(tmp_path, tiers, budget_slo
     assert read == pytest.approx(pred.read_bytes["nvme"], rel=0.04)
     assert written == pytest.approx(pred.write_bytes["nvme"], rel=0.04)
     assert records[-1].cache_hits == pred.cache_hits
+
+
+def test_tokens_follow_what_the_probe_saw_with_all_ranks_streaming():
+    alone = dict(read_bps=2e9, write_bps=2e9, mixed_bps=2e9)
+    assert tokens_for(TierBandwidth(**alone, shared_mixed_bps=2.7e9), 4) == 4  # scales: no turns
+    assert tokens_for(TierBandwidth(**alone, shared_mixed_bps=1.9e9), 4) == 4  # flat: no turns
+    assert tokens_for(TierBandwidth(**alone, shared_mixed_bps=1.0e9), 4) == 1  # thrashes: turns
+    assert tokens_for(TierBandwidth(**alone), 4) == 1  # not probed (rates given): the design's default
+    assert tokens_for(TierBandwidth(**alone, shared_mixed_bps=2.7e9), 1) == 1
+
+
+def test_probe_with_ranks_sharing_measures_their_streams_too(tmp_path):
+    tier = FileTier("t", str(tmp_path), "probe", 0, 64 * 1024, 2, op_threads=4)
+    buf = HostMemory(None, pin=False).allocate(8 << 20, "probe", counted=False)
+    try:
+        alone = probe_tier(tier, buf, concurrency=2)
+        shared = probe_tier(tier, buf, concurrency=2, ranks_sharing=3)
+        cached = probe_tier(tier, buf, concurrency=2, ranks_sharing=3)
+        assert [f for f in os.listdir(tier.dir) if f != "OWNER.json"] == []  # the probe's files are gone
+    finally:
+        tier.close()
+    assert alone.shared_mixed_bps is None
+    assert shared.shared_mixed_bps > 0 and shared.mixed_bps > 0
+    assert cached == shared  # the second call read the cache of the first
+
+
+@pytest.mark.parametrize("shared_bps,tokens", [(3e9, 2), (0.5e9, 1)])
+def test_engine_takes_its_tokens_from_the_rates(tmp_path, shared_bps, tokens):
+    rate = TierBandwidth(2e9, 2e9, 2e9, shared_mixed_bps=shared_bps)
+    cfg = fast_config(tmp_path, tiers=["nvme"], bandwidths={"nvme": rate}, ranks_sharing_node=2)
+    eng = OffloadedAdamW(torch.zeros(50_000), cfg, lr=1e-3)
+    try:
+        assert eng.tokens_per_tier == {"nvme": tokens}
+        assert len(eng._tiers["nvme"].tokens._fds) == tokens  # the lock files ranks contend for
+        # The node's I/O time: both ranks' bytes at the all-ranks rate, or one rank's time twice over.
+        moved = eng.prediction.read_bytes["nvme"] + eng.prediction.write_bytes["nvme"]
+        at_once = 2 * moved / shared_bps
+        one_at_a_time = 2 * rate.seconds(eng.prediction.read_bytes["nvme"], eng.prediction.write_bytes["nvme"])
+        assert eng.prediction.tier_s["nvme"] * 2 == pytest.approx(at_once if tokens == 2 else one_at_a_time)
+    finally:
+        eng.close()
+    forced = fast_config(tmp_path, tiers=["nvme"], bandwidths={"nvme": rate}, ranks_sharing_node=2,
+                         tokens_per_tier=3)
+    eng = OffloadedAdamW(torch.zeros(50_000), forced, lr=1e-3)
+    try:
+        assert eng.tokens_per_tier == {"nvme": 3}
+    finally:
+        eng.close()
