@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the 4-GPU machine (kind nvidia-h200-x4): 4 data-parallel ranks share ONE disk.
-# Ours host+disk with the default 1 I/O token per tier (b) and with 4 tokens, i.e. no node-wide
-# concurrency control (t); DeepSpeed ZeRO-3 offload_optimizer nvme over the same 4 ranks and disk (d);
+# Ours host+disk with the default I/O tokens per tier (b: the engine's probe decides), with 1 token,
+# i.e. ranks take turns (s), and with 4 tokens, i.e. no node-wide concurrency control (t); DeepSpeed ZeRO-3 offload_optimizer nvme over the same 4 ranks and disk (d);
 # ours host only (a); no offload (g). Same Llama shape for all: 2.09 G params, 25 GB of fp32 state
 # (ours) against 4 x 4 GB of host budget, so most of it lives on the disk; DeepSpeed needs 33 GB there.
 # Needs `.whl` (megatron-core, deepspeed + deps) and `.deb` (libaio) in the device tool's carry list.
@@ -23,7 +23,7 @@ python3 -c "import deepspeed, transformers, megatron.core; print('deepspeed', de
 BUDGET=$(( LIMIT_S - (SECONDS - T0) - 15 ))
 # --host-gb: this machine's memory grows on demand, so MemAvailable reads low at start; 400 of its 512 GiB.
 set -o pipefail
-python3 benchmarks/compare_offload.py --nproc 4 --systems bdtag \
+python3 benchmarks/compare_offload.py --nproc 4 --systems bdstag \
     --layers 28 --hidden 2560 --ffn 6912 --heads 20 --kv-heads 4 --vocab 32000 --seq 2048 \
     --micro-batch 4 --host-budget-gb 4 --host-gb 400 --iters 3 \
     --disk-dir "$DISK" --out "$OUT" --budget-s $BUDGET "$@" 2>&1 | tee "$OUT/compare.log"

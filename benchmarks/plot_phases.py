@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import textwrap
 
 import matplotlib
 
@@ -32,7 +33,7 @@ def main(argv=None) -> None:
         if not m:
             skipped.append(f"{s}: {r.get('skipped', 'no data')}")
             continue
-        names.append(f"{s}\n{r['label'].replace(' (', chr(10) + '(')}")
+        names.append(f"{s}\n" + "\n".join(textwrap.wrap(r["label"], 18)))
         fb.append(m["fb_s"])
         # The rest of the iteration (data, logging) is folded into the update bar so bars = iteration time.
         upd.append(m["iteration_s"] - m["fb_s"])
@@ -63,7 +64,8 @@ def main(argv=None) -> None:
     ax = axes[0][0]
     shape = data["shape"]
     ax.set_title(f"{shape['params'] / 1e9:.2f} G params, {shape['layers']}x{shape['hidden']}, seq {shape['seq']}, "
-                 f"global batch {data['global_batch']}", fontsize=9)
+                 f"global batch {data['global_batch']}"
+                 + (f", {data['nproc']} ranks sharing one disk" if data.get("nproc", 1) > 1 else ""), fontsize=9)
     ax.legend(fontsize=8)
     if skipped:
         fig.text(0.01, 0.01, "skipped: " + "; ".join(skipped), fontsize=6, wrap=True)
