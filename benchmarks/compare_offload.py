@@ -328,6 +328,8 @@ def parse_ours(args, logs: dict, log_path: str) -> dict:
     for i, (it, t) in enumerate(sorted(timing.items())):
         rec = {"iteration": it, "iteration_s": t["elapsed_s"], "fb_s": t["forward_backward_s"],
                "update_s": t["optimizer_s"], "loss": losses.get(it)}
+        if t.get("forward_s") is not None:  # the schedule's compute timers (older logs lack them)
+            rec.update(forward_s=t["forward_s"], backward_s=t["backward_s"])
         if i < len(telemetry):
             tel = telemetry[i]
             rec.update(engine_update_s=tel["update_s"], predicted_update_s=tel["predicted_update_s"],
@@ -378,7 +380,7 @@ def summarize(result: dict) -> None:
         return
     med = lambda key: statistics.median(r[key] for r in steady)  # noqa: E731
     result["median"] = {k: med(k) for k in ("iteration_s", "fb_s", "update_s")}
-    for key in ("engine_update_s", "predicted_update_s", "adam_s"):
+    for key in ("forward_s", "backward_s", "engine_update_s", "predicted_update_s", "adam_s"):
         if all(key in r for r in steady):
             result["median"][key] = med(key)
     if all("token_wait_s" in r for r in steady):  # --nproc > 1: waiting for another rank's I/O token
@@ -424,7 +426,7 @@ def _summary_text(r: dict) -> str:
 
 def print_table(results: dict, order: str, title: str = "") -> str:
     rows = [title] if title else []
-    head = (f"{'':2} {'system':40} {'iter s':>8} {'fwd+bwd s':>9} {'update s':>9} {'floor s':>8} "
+    head = (f"{'':2} {'system':40} {'iter s':>8} {'fwd s':>6} {'bwd s':>6} {'fwd+bwd s':>9} {'update s':>9} {'floor s':>8} "
             f"{'pred s':>7}  {'vs peer (peer iter / this iter)':32} {'vs no-offload':>13}")
     rows += [head, "-" * len(head)]
     base = results.get("g", {}).get("median")
@@ -443,7 +445,8 @@ def print_table(results: dict, order: str, title: str = "") -> str:
         fl = r.get("floor", {}).get("update_floor_s")
         pred = m.get("predicted_update_s")
         vs_g = f"{m['iteration_s'] / base['iteration_s']:.2f}x" if base else "n/a"
-        rows.append(f"{s:2} {r['label']:40} {m['iteration_s']:8.2f} {m['fb_s']:9.2f} {m['update_s']:9.2f} "
+        fwd, bwd = m.get("forward_s", float("nan")), m.get("backward_s", float("nan"))
+        rows.append(f"{s:2} {r['label']:40} {m['iteration_s']:8.2f} {fwd:6.2f} {bwd:6.2f} {m['fb_s']:9.2f} {m['update_s']:9.2f} "
                     f"{fl if fl is not None else float('nan'):8.2f} {pred if pred is not None else float('nan'):7.2f}"
                     f"  {', '.join(peers):32} {vs_g:>13}" + ("  (partial: " + r["skipped"] + ")" if "skipped" in r else ""))
     text = "\n".join(rows)

@@ -358,9 +358,12 @@ class LossLog(_JsonLines):
 class TimingLog(_JsonLines):
     """Per-iteration wall-clock phases (CUDA-synchronized), for benchmarks."""
 
-    def write(self, iteration, elapsed_s, fb_s, opt_s):
+    def write(self, iteration, elapsed_s, fb_s, opt_s, fwd_s=None, bwd_s=None):
+        # forward / backward: the pipeline schedule's compute timers, summed over micro-batches
+        # (backward includes activation recompute).
         self._line(json.dumps({"iteration": iteration, "elapsed_s": elapsed_s,
-                               "forward_backward_s": fb_s, "optimizer_s": opt_s}))
+                               "forward_backward_s": fb_s, "optimizer_s": opt_s,
+                               "forward_s": fwd_s, "backward_s": bwd_s}))
 
 
 def _log_line(args, iteration, loss, lr, grad_norm, elapsed_s, fb_s, opt_s, optimizer, ok=True,
@@ -452,7 +455,7 @@ def pretrain(model_provider: Callable, datasets_provider: Callable, forward_step
                 if not math.isfinite(loss.item()):
                     raise RuntimeError(f"loss is {loss.item()} at iteration {iteration}")
                 loss_log.write(iteration, loss.item(), lr, grad_norm)
-                timing_log.write(iteration, elapsed, fb, opt)
+                timing_log.write(iteration, elapsed, fb, opt, fwd, bwd)
                 if iteration % args.log_interval == 0:
                     _print_logging_rank(_log_line(args, iteration, loss.item(), lr, grad_norm,
                                                   elapsed, fb, opt, optimizer, ok, fwd, bwd))
