@@ -203,7 +203,7 @@ class Prediction:
             f"{t}:{self.read_bytes[t] / 1e9:.2f}GBr/{self.write_bytes[t] / 1e9:.2f}GBw/{s:.2f}s"
             for t, s in self.tier_s.items()
         )
-        shared = f", x{self.ranks_sharing} ranks on the same devices" if self.ranks_sharing > 1 else ""
+        shared = f", each device shared by {self.ranks_sharing} ranks" if self.ranks_sharing > 1 else ""
         return (f"predicted update {self.update_s:.3f}s "
                 f"(adam {self.adam_s:.3f}s{', ' + tiers if tiers else ''}{shared})")
 

@@ -53,7 +53,7 @@ def test_ranks_sharing_a_device_multiply_its_time(tmp_path):
     fill = alone.update_s - moved / 1e9  # the first read, not hidden; the same for one rank or four
     assert fill >= 0
     assert four.update_s == pytest.approx(4 * moved / 1e9 + fill)
-    assert "x4 ranks" in four.describe()
+    assert "shared by 4 ranks" in four.describe()
     # Compute-bound: the shared disk is not the limit, so sharing changes nothing.
     slow_adam = predict_update(subgroups, plan, rates, 1e3, 1e12, {"a": 1, "b": 1}, ranks_sharing=4)
     assert slow_adam.update_s == pytest.approx(slow_adam.adam_s)
