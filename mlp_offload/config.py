@@ -153,7 +153,8 @@ class OffloadConfig:
         if self.tokens_per_tier is not None:
             _positive("tokens per tier", self.tokens_per_tier)
         _positive("I/O threads", self.io_threads)
-        _positive("probe bytes", self.probe_bytes)
+        if self.probe_bytes < MiB:
+            raise OffloadConfigError(f"the bandwidth probe needs at least 1 MiB, got {self.probe_bytes} bytes")
         if self.io_block_bytes <= 0 or self.io_block_bytes % 4096:
             raise OffloadConfigError(
                 f"I/O block size must be a positive multiple of 4096 bytes, got {self.io_block_bytes}"

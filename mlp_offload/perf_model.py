@@ -98,6 +98,7 @@ def _mixed_rate(tier: FileTier, parts, piece: int, streams_each: int) -> float:
     ``streams_each`` reads and as many writes; reads start at a file's first byte, where the
     tier's per-block checksums line up."""
     half = piece // 2 // 4096 * 4096
+    streams_each = max(1, min(streams_each, half // 4096))  # a tiny probe: fewer, page-sized streams
     sub = half // streams_each // 4096 * 4096
     writes, reads, sources = [], [], []
     for key, ext in parts:

@@ -37,6 +37,8 @@ def test_mixed_tiers_need_a_host_budget(tmp_path):
     ("adam_kernel", "turbo", "adam kernel"),
     ("tiers", ["host", "host"], "twice"),
     ("tiers", [], "empty"),
+    ("tokens_per_tier", 0, "tokens per tier"),
+    ("probe_bytes", 4096, "at least 1 MiB"),
 ])
 def test_invalid_values(field, value, match):
     with pytest.raises(OffloadConfigError, match=match):

@@ -154,3 +154,13 @@ def test_engine_takes_its_tokens_from_the_rates(tmp_path, shared_bps, tokens):
         assert eng.tokens_per_tier == {"nvme": 3}
     finally:
         eng.close()
+
+
+def test_a_tiny_probe_with_many_ranks_still_measures(tmp_path):
+    tier = FileTier("t", str(tmp_path), "probe", 0, 64 * 1024, 2, op_threads=4)
+    buf = HostMemory(None, pin=False).allocate(1 << 20, "probe", counted=False)
+    try:
+        rate = probe_tier(tier, buf, concurrency=2, ranks_sharing=512)  # more ranks than pages
+    finally:
+        tier.close()
+    assert rate.shared_mixed_bps > 0
