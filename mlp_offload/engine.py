@@ -33,7 +33,7 @@ from .telemetry import StepRecord, TrafficCounters
 from .tiers.files import FileTier, TierIOError
 from .tiers.host import HostMemory, check_host_memory
 from .tiers.tokens import TierTokens
-from .update import AdamKernel, convert_grads
+from .update import AdamKernel, fused_vector_width, convert_grads
 
 log = logging.getLogger("mlp_offload")
 GiB = 1024**3
@@ -146,6 +146,9 @@ class OffloadedAdamW:
         self.param_groups = self._build_groups(groups, defaults)
         self.subgroups = partition(self.numel, config.subgroup_size)
         self._segments = [self._segments_of(sg) for sg in self.subgroups]
+        if config.adam_kernel == "fused" and any(span != (0, hi - lo) for segs in self._segments
+                                                 for lo, hi, _, span in segs):
+            fused_vector_width()  # measured now, with the other rates, not inside the first step
         self.steps_done = 0  # AdamW's step count (skipped steps do not count)
         self.closed = False
         self._tiers: Dict[str, FileTier] = {}
@@ -261,14 +264,15 @@ class OffloadedAdamW:
                 raise ValueError(f"param-group ranges overlap: ({a0}, {b0}) and ({a1}, {b1})")
         return result
 
-    def _segments_of(self, sg: Subgroup) -> List[Tuple[int, int, int]]:
-        """Its pieces as (local start, local end, group index), in order."""
+    def _segments_of(self, sg: Subgroup) -> List[Tuple[int, int, int, Tuple[int, int]]]:
+        """Its pieces as (local start, local end, group index, (offset in its range, range length)),
+        in order; the span lets the fused kernel treat a cut range as one tensor."""
         segs = []
         for g, group in enumerate(self.param_groups):
             for a, b in group["ranges"]:
                 lo, hi = max(a, sg.start), min(b, sg.end)
                 if lo < hi:
-                    segs.append((lo - sg.start, hi - sg.start, g))
+                    segs.append((lo - sg.start, hi - sg.start, g, (lo - a, b - a)))
         return sorted(segs)
 
     def _schedule_for(self, step_index: int) -> StepSchedule:
@@ -358,12 +362,12 @@ class OffloadedAdamW:
 
     def _adam_subgroup(self, i: int, views: _StateViews, grad: torch.Tensor, step: int) -> None:
         param, exp_avg, exp_avg_sq = views.narrow(self.subgroups[i].numel)
-        for lo, hi, g in self._segments[i]:
+        for lo, hi, g, span in self._segments[i]:
             group = self.param_groups[g]
             beta1, beta2 = group["betas"]
             self.adam(param[lo:hi], grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], step=step,
                       lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                      weight_decay=group["weight_decay"])
+                      weight_decay=group["weight_decay"], span=span)
 
     def prefetch(self) -> None:
         """Start reading the next step's first subgroups now (e.g. as forward begins)."""
