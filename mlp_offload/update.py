@@ -48,7 +48,8 @@ class AdamKernel:
                  beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0,
                  span: Optional[Tuple[int, int]] = None):
         hyper = dict(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
-        width = fused_vector_width() if self.kind == "fused" and span is not None else 1
+        whole = span is None or span == (0, param.numel())  # one call is then exactly torch's
+        width = 1 if whole or self.kind != "fused" else fused_vector_width()
         if width <= 1:
             self._call(param, grad, exp_avg, exp_avg_sq, **hyper)
             return
