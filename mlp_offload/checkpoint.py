@@ -2,8 +2,10 @@
 
 Layout: the fp32 (param, exp_avg, exp_avg_sq) of each subgroup, one after the other, then a JSON
 footer (element ranges, byte offsets, CRC32 of every tensor, the step count, caller metadata), then
-a 16-byte trailer (magic + footer length). The file is written as ``<path>.tmp``, fsynced and
-renamed, so a crash leaves either the old file or no file, never a torn one.
+a 24-byte trailer (magic, footer length, CRC32 of the footer). The file is written as
+``<path>.tmp``, fsynced and renamed, so a crash leaves either the old file or no file, never a
+torn one. Nothing read from the file is used unchecked: the footer's CRC and structure are
+verified before any offset in it is followed, and every tensor's CRC before its data is used.
 
 Loading is by element range, independent of how the saving engine was split into subgroups or
 where its state lived: a run may resume with other tier paths, host budget or subgroup size.
@@ -11,7 +13,9 @@ where its state lived: a run may resume with other tier paths, host budget or su
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 import struct
 import zlib
@@ -23,18 +27,48 @@ from .engine import OffloadedAdamW
 from .faults import fault_point
 from .tiers.files import fsync_path
 
-MAGIC = b"MLPOFFv1"
-TRAILER = struct.Struct("<8sQ")
+log = logging.getLogger("mlp_offload")
+MAGIC = b"MLPOFFv2"
+TRAILER = struct.Struct("<8sQI")  # magic, footer length, CRC32 of the footer
+LEGACY_MAGIC = b"MLPOFFv1"  # footer without a checksum (files written before 2026-11-22)
+LEGACY_TRAILER = struct.Struct("<8sQ")
 NAMES = ("param", "exp_avg", "exp_avg_sq")
+FP32 = 4
 
 
 class CheckpointDataError(RuntimeError):
     """A checkpoint file is missing, truncated, corrupt or does not fit this engine."""
 
 
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint file could not be written (e.g. the file system is full); nothing partial is left."""
+
+
+def state_file_bytes(numel: int) -> int:
+    """Bytes of the tensors a state file holds (the footer, a few KB, comes on top)."""
+    return len(NAMES) * FP32 * numel
+
+
 def save_engine_state(engine: OffloadedAdamW, path: str, metadata: Optional[dict] = None) -> int:
-    """Stream the engine's state into ``path``; returns bytes written."""
+    """Stream the engine's state into ``path``; returns bytes written. On failure the partial
+    ``.tmp`` file is removed and a file already at ``path`` is left as it was."""
     tmp = path + ".tmp"
+    try:
+        size = _write_state(engine, tmp, metadata)
+        os.replace(tmp, path)
+        fsync_path(os.path.dirname(os.path.abspath(path)))
+    except BaseException as err:
+        _remove(tmp)
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise CheckpointSaveError(
+                f"{path}: {err.strerror or err} while saving the offloaded optimizer state: "
+                f"{human_bytes(state_file_bytes(engine.numel))} needed for this file, "
+                f"{human_bytes(_free_bytes(path))} free; the partial file was removed") from err
+        raise
+    return size
+
+
+def _write_state(engine: OffloadedAdamW, tmp: str, metadata: Optional[dict]) -> int:
     entries = []
     with open(tmp, "wb") as f:
         for sg, *tensors in engine.iter_state():
@@ -50,36 +84,86 @@ def save_engine_state(engine: OffloadedAdamW, path: str, metadata: Optional[dict
             "metadata": metadata or {},
         }).encode()
         f.write(footer)
-        f.write(TRAILER.pack(MAGIC, len(footer)))
+        f.write(TRAILER.pack(MAGIC, len(footer), zlib.crc32(footer)))
         f.flush()
         os.fsync(f.fileno())
-        size = f.tell()
-    os.replace(tmp, path)
-    fsync_path(os.path.dirname(os.path.abspath(path)))
-    return size
+        return f.tell()
 
 
 def read_footer(path: str) -> dict:
+    """The file's footer, after checking its checksum and that its ranges and offsets are sound."""
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
-            if size < TRAILER.size:
-                raise CheckpointDataError(f"{path}: truncated ({size} bytes, no trailer)")
-            f.seek(size - TRAILER.size)
-            magic, footer_len = TRAILER.unpack(f.read(TRAILER.size))
-            if magic != MAGIC or footer_len > size - TRAILER.size:
-                raise CheckpointDataError(f"{path}: not a complete offload checkpoint (bad trailer; truncated?)")
-            f.seek(size - TRAILER.size - footer_len)
-            footer = json.loads(f.read(footer_len))
+            trailer_size, raw = _read_trailer_and_footer(path, f, size)
     except FileNotFoundError:
         raise CheckpointDataError(f"{path}: the offloaded optimizer state is missing") from None
+    try:
+        footer = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as err:
         raise CheckpointDataError(f"{path}: unreadable footer: {err}") from err
-    data_end = size - TRAILER.size - footer_len
-    for e in footer["subgroups"]:
-        if e["offset"] + 3 * 4 * (e["end"] - e["start"]) > data_end:
-            raise CheckpointDataError(f"{path}: truncated: subgroup data at byte {e['offset']} runs past the data")
+    _check_footer(path, footer, data_end=size - trailer_size - len(raw))
     return footer
+
+
+def _read_trailer_and_footer(path: str, f, size: int) -> Tuple[int, bytes]:
+    """(trailer size, footer bytes); the footer's checksum verified where the format has one."""
+    if size >= TRAILER.size:
+        f.seek(size - TRAILER.size)
+        magic, footer_len, footer_crc = TRAILER.unpack(f.read(TRAILER.size))
+        if magic == MAGIC:
+            if footer_len > size - TRAILER.size:
+                raise CheckpointDataError(f"{path}: not a complete offload checkpoint (bad trailer; truncated?)")
+            f.seek(size - TRAILER.size - footer_len)
+            raw = f.read(footer_len)
+            if zlib.crc32(raw) != footer_crc:
+                raise CheckpointDataError(
+                    f"{path}: checksum mismatch in the footer (its ranges and offsets); the file is corrupt "
+                    f"or was edited, and was not used")
+            return TRAILER.size, raw
+    if size >= LEGACY_TRAILER.size:
+        f.seek(size - LEGACY_TRAILER.size)
+        magic, footer_len = LEGACY_TRAILER.unpack(f.read(LEGACY_TRAILER.size))
+        if magic == LEGACY_MAGIC and footer_len <= size - LEGACY_TRAILER.size:
+            log.warning("%s: written by an older version whose footer has no checksum (its structure is checked, "
+                        "its tensors' checksums verified); a new save protects it", path)
+            f.seek(size - LEGACY_TRAILER.size - footer_len)
+            return LEGACY_TRAILER.size, f.read(footer_len)
+    raise CheckpointDataError(f"{path}: not a complete offload checkpoint (bad trailer; truncated?)")
+
+
+def _check_footer(path: str, footer, data_end: int) -> None:
+    """The stored subgroups must tile [0, numel) in order, back to back from byte 0 up to the footer,
+    each with three CRCs: a footer that passes its checksum yet says otherwise is not followed."""
+    def bad(why: str) -> CheckpointDataError:
+        return CheckpointDataError(f"{path}: the footer is inconsistent ({why}); the file was not used")
+
+    if not isinstance(footer, dict) or not all(k in footer for k in ("numel", "steps_done", "subgroups")):
+        raise bad("missing numel, steps_done or subgroups")
+    numel, steps = footer["numel"], footer["steps_done"]
+    if not _is_count(numel) or not _is_count(steps):
+        raise bad(f"numel {numel!r}, steps_done {steps!r}")
+    expected_start, expected_offset = 0, 0
+    for e in footer["subgroups"]:
+        if not (isinstance(e, dict) and all(_is_count(e.get(k)) for k in ("start", "end", "offset"))
+                and isinstance(e.get("crc"), list) and len(e["crc"]) == len(NAMES)
+                and all(_is_count(c) for c in e["crc"])):
+            raise bad(f"malformed subgroup entry {str(e)[:80]}")
+        if e["start"] != expected_start or e["end"] <= e["start"] or e["offset"] != expected_offset:
+            raise bad(f"subgroup {e['start']}..{e['end']} at byte {e['offset']}, expected to start at element "
+                      f"{expected_start} and byte {expected_offset}")
+        expected_start = e["end"]
+        expected_offset += state_file_bytes(e["end"] - e["start"])
+    if expected_start != numel:
+        raise bad(f"subgroups cover {expected_start} of {numel} elements")
+    if expected_offset != data_end:
+        raise bad(f"the tensors end at byte {expected_offset} but the footer starts at byte {data_end}; truncated?")
+    if not isinstance(footer.get("metadata", {}), dict):
+        raise bad("metadata is not a mapping")
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def load_engine_state(engine: OffloadedAdamW, path: str) -> dict:
@@ -98,7 +182,7 @@ def load_engine_state(engine: OffloadedAdamW, path: str) -> dict:
         engine.load_state(fill, steps_done=footer["steps_done"])
     finally:
         reader.close()
-    return footer["metadata"]
+    return footer.get("metadata", {})
 
 
 class RangeReader:
@@ -132,8 +216,8 @@ class RangeReader:
             if e["start"] not in starts and len(starts) >= 2:
                 self._cached = {kk: v for kk, v in self._cached.items() if kk[0] != starts[0]}
             n = e["end"] - e["start"]
-            buf = bytearray(4 * n)
-            self.f.seek(e["offset"] + k * 4 * n)
+            buf = bytearray(FP32 * n)
+            self.f.seek(e["offset"] + k * FP32 * n)
             if self.f.readinto(buf) != len(buf):
                 raise CheckpointDataError(f"{self.path}: truncated in {NAMES[k]} of elements {e['start']}..{e['end']}")
             if zlib.crc32(buf) != e["crc"][k]:
@@ -145,3 +229,19 @@ class RangeReader:
 
     def close(self) -> None:
         self.f.close()
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def human_bytes(n: float) -> str:
+    return f"{n / 1e9:,.2f} GB" if n >= 1e8 else f"{n / 1e6:,.2f} MB"
+
+
+def _free_bytes(path: str) -> int:
+    st = os.statvfs(os.path.dirname(os.path.abspath(path)))
+    return st.f_bavail * st.f_frsize

@@ -31,7 +31,7 @@ from .schedule import StepSchedule, step_schedule
 from .subgroups import FP32_BYTES, Subgroup, partition
 from .telemetry import StepRecord, TrafficCounters
 from .tiers.files import FileTier, TierIOError
-from .tiers.host import HostMemory, check_host_memory
+from .tiers.host import HostMemory, check_budget_exists, check_host_memory
 from .tiers.tokens import TierTokens
 from .update import AdamKernel, fused_vector_width, convert_grads
 
@@ -164,6 +164,7 @@ class OffloadedAdamW:
     # -- setup ---------------------------------------------------------------------------------
     def _setup(self, params: torch.Tensor, grad_dtype: torch.dtype) -> None:
         cfg = self.config
+        check_budget_exists(cfg.host_budget_bytes, cfg.resolved_ranks_sharing_node())
         self.host = HostMemory(cfg.host_budget_bytes, cfg.pin_memory)
         run_id = cfg.resolved_run_id()
         for name in cfg.file_tiers:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import shutil
 import time
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -23,7 +22,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..subgroups import ALIGN
-from .housekeeping import claim
+from .housekeeping import claim, release
 from .tokens import TierTokens
 
 log = logging.getLogger("mlp_offload")
@@ -155,9 +154,7 @@ class FileTier:
         self._ops.shutdown(wait=True)
         self._blocks.shutdown(wait=True)
         if remove_files:
-            shutil.rmtree(self.dir, ignore_errors=True)
-            _remove_if_empty(os.path.dirname(self.dir))
-            _remove_if_empty(os.path.dirname(os.path.dirname(self.dir)))
+            release(self.dir)
 
     # -- operations ------------------------------------------------------------------------
     def _run_op(self, kind: str, key: str, extents: List[Extent], before: Optional[Callable]) -> OpResult:
@@ -300,9 +297,3 @@ def fsync_path(path: str) -> None:
     finally:
         os.close(fd)
 
-
-def _remove_if_empty(path: str) -> None:
-    try:
-        os.rmdir(path)
-    except OSError:
-        pass

@@ -97,6 +97,31 @@ def _cgroup_limit_bytes() -> Optional[int]:
     return None
 
 
+# Some machines grow their memory on demand and report a fraction of it at start-up (8x seen):
+# beyond this multiple of MemTotal a budget is a typo on any machine.
+IMPLAUSIBLE_OVER_MEMTOTAL = 64
+
+
+def check_budget_exists(budget_bytes: Optional[int], ranks: int) -> None:
+    """A host budget the node cannot have is a typo, not a plan: refuse it before planning. The job's
+    memory limit is exact; MemTotal can under-report, so beyond it is only a warning unless absurd."""
+    if budget_bytes is None:
+        return
+    need = budget_bytes * ranks
+    limit, total = _cgroup_limit_bytes(), _meminfo_bytes("MemTotal")
+    what = (f"--offload-host-cache-gb {budget_bytes / GiB:g}: {ranks} rank(s) of this node x "
+            f"{budget_bytes / GiB:g} GiB = {need / GiB:.1f} GiB")
+    if limit is not None and need > limit:
+        raise HostMemoryError(f"{what}, more than this job's memory limit of {limit / GiB:.1f} GiB; give at most "
+                              f"{limit / ranks / GiB:.1f} per rank")
+    if total is not None and need > IMPLAUSIBLE_OVER_MEMTOTAL * total:
+        raise HostMemoryError(f"{what}, more than {IMPLAUSIBLE_OVER_MEMTOTAL}x this node's {total / GiB:.1f} GiB of "
+                              f"memory; give at most {total / ranks / GiB:.1f} per rank")
+    if total is not None and need > total:
+        log.warning("%s exceeds the %.1f GiB of memory this node reports now; fine only where memory grows on "
+                    "demand", what, total / GiB)
+
+
 def check_host_memory(per_rank_bytes: int, ranks: int) -> None:
     """Before allocating: the node's ranks together must fit a hard memory limit (an error, naming
     the numbers); beyond what the OS reports available is only a warning, because some machines

@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from typing import List, Optional
@@ -21,6 +22,10 @@ log = logging.getLogger("mlp_offload")
 GiB = 1024**3
 NAMESPACE_DIR = "mlp_offload"
 OWNER_FILE = "OWNER.json"
+
+
+_owned = set()  # namespaces this process claimed and has not released
+_owned_lock = threading.Lock()
 
 
 class NamespaceInUseError(RuntimeError):
@@ -113,21 +118,65 @@ def claim(root: str, run_id: str, rank: int, flag: str) -> str:
         # Built under a temporary name and renamed into place, so a namespace is never seen
         # without its owner record (another rank scanning meanwhile would call it dead).
         tmp = f"{path}.tmp-{os.getpid()}"
+        with _owned_lock:
+            _owned.add(tmp)  # a SIGTERM right now must not leave it behind either
         os.makedirs(tmp, exist_ok=True)
         with open(os.path.join(tmp, OWNER_FILE), "w") as f:
             json.dump(owner_record(), f)
-        os.rename(tmp, path)
+        with _owned_lock:
+            os.rename(tmp, path)
+            _owned.discard(tmp)
     else:
         with open(os.path.join(path, OWNER_FILE), "w") as f:
             json.dump(owner_record(), f)
+    with _owned_lock:
+        _owned.add(path)
     stale = [ns for ns in scan(root) if ns.path != path and ns.alive is False]
-    if stale:
+    if stale and os.environ.get("LOCAL_RANK", "0") == "0":  # the same list on every rank: once per node
         log.warning(
             "%s %s holds %d stale offload namespace(s) of dead runs (%.2f GiB); they are not used. "
             "Delete them with: python tools/offload_clean.py --delete %s\n  %s",
             flag, root, len(stale), sum(ns.nbytes for ns in stale) / GiB, root,
             "\n  ".join(ns.describe() for ns in stale))
     return path
+
+
+def release(path: str) -> None:
+    """Remove a namespace this process claimed: its files first, its OWNER.json last, so a removal
+    cut short (SIGKILL) still leaves a namespace that start-up recognises as a dead run's."""
+    with _owned_lock:
+        _owned.discard(path)
+        for dirpath, dirs, files in os.walk(path, topdown=False):
+            for name in files:
+                if not (dirpath == path and name == OWNER_FILE):
+                    _unlink(os.path.join(dirpath, name))
+            for name in dirs:
+                _rmdir(os.path.join(dirpath, name))
+        _unlink(os.path.join(path, OWNER_FILE))
+        for directory in (path, os.path.dirname(path), os.path.dirname(os.path.dirname(path))):
+            _rmdir(directory)  # the run's and the base directory go once empty
+
+
+def release_all() -> None:
+    """Remove every namespace this process still owns (on SIGTERM, whatever the engine is doing)."""
+    with _owned_lock:
+        owned = sorted(_owned)
+    for path in owned:
+        release(path)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _rmdir(path: str) -> None:
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass
 
 
 def _listdir(path: str) -> List[str]:

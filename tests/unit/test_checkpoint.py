@@ -1,12 +1,16 @@
 """Streaming engine checkpoints: bit-identical continuation, whatever the new layout; damage detected."""
 
+import json
 import os
+import struct
+import zlib
 
 import pytest
 import torch
 
 from mlp_offload import OffloadedAdamW
-from mlp_offload.checkpoint import CheckpointDataError, load_engine_state, read_footer, save_engine_state
+from mlp_offload.checkpoint import (LEGACY_MAGIC, MAGIC, TRAILER, CheckpointDataError, CheckpointSaveError,
+                                    load_engine_state, read_footer, save_engine_state)
 
 from .helpers import engine_state, fast_config
 
@@ -94,3 +98,72 @@ def test_crash_while_saving_leaves_previous_file(tmp_path, monkeypatch):
         with pytest.raises(OSError, match="disk full"):
             save_engine_state(eng, path)
     assert open(path, "rb").read() == before
+
+
+def _footer_parts(path):
+    data = open(path, "rb").read()
+    magic, length, crc = TRAILER.unpack(data[-TRAILER.size:])
+    assert magic == MAGIC
+    return data[: len(data) - TRAILER.size - length], data[len(data) - TRAILER.size - length: -TRAILER.size]
+
+
+def _with_metadata(tmp_path):
+    with OffloadedAdamW(torch.randn(NUMEL), fast_config(tmp_path, tiers=["nvme"])) as eng:
+        run(eng, grads(0, 1))
+        path = str(tmp_path / "m.ckpt")
+        save_engine_state(eng, path, metadata={"params": [["0.weight", 0, 70_001, 0]]})
+    return path
+
+
+def test_edited_footer_digit_is_refused(tmp_path):
+    """One digit of a per-parameter offset changed, the JSON still valid: the footer's CRC catches it."""
+    path = _with_metadata(tmp_path)
+    body, footer = _footer_parts(path)
+    edited = footer.replace(b'"0.weight", 0, 70001', b'"0.weight", 1, 70001')
+    assert edited != footer and json.loads(edited)
+    with open(path, "wb") as f:
+        f.write(body + edited + TRAILER.pack(MAGIC, len(edited), zlib.crc32(footer)))
+    with pytest.raises(CheckpointDataError, match="checksum mismatch in the footer"):
+        read_footer(path)
+
+
+@pytest.mark.parametrize("edit,why", [
+    (lambda f: f["subgroups"][1].update(offset=f["subgroups"][1]["offset"] + 4), "expected to start at element"),
+    (lambda f: f["subgroups"].pop(), "cover 70000 of 70001 elements"),
+    (lambda f: f.update(numel=70_002), "cover 70001 of 70002 elements"),
+    (lambda f: f["subgroups"][0].update(crc=[1, 2]), "malformed subgroup entry"),
+    (lambda f: f.update(steps_done=-1), "steps_done -1"),
+])
+def test_inconsistent_footer_with_a_valid_checksum_is_refused(tmp_path, edit, why):
+    """A footer re-signed after an edit (or written by a bug) is still checked against the data."""
+    path = _with_metadata(tmp_path)
+    body, footer = _footer_parts(path)
+    parsed = json.loads(footer)
+    edit(parsed)
+    new = json.dumps(parsed).encode()
+    with open(path, "wb") as f:
+        f.write(body + new + TRAILER.pack(MAGIC, len(new), zlib.crc32(new)))
+    with pytest.raises(CheckpointDataError, match=f"footer is inconsistent.*{why}"):
+        read_footer(path)
+
+
+def test_legacy_files_without_footer_checksum_still_load(tmp_path):
+    path = _with_metadata(tmp_path)
+    body, footer = _footer_parts(path)
+    with open(path, "wb") as f:
+        f.write(body + footer + struct.pack("<8sQ", LEGACY_MAGIC, len(footer)))
+    with OffloadedAdamW(torch.zeros(NUMEL), fast_config(tmp_path / "b", tiers=["host"])) as eng:
+        assert load_engine_state(eng, path)["params"] == [["0.weight", 0, 70_001, 0]]
+        assert eng.steps_done == 1
+
+
+def test_disk_full_while_saving_names_the_file_and_removes_it(tmp_path, monkeypatch):
+    path = _saved(tmp_path)
+    before = open(path, "rb").read()
+    monkeypatch.setenv("MLP_OFFLOAD_FAULT", "save-offload#3=ENOSPC")
+    with OffloadedAdamW(torch.randn(NUMEL), fast_config(tmp_path / "b", tiers=["nvme"])) as eng:
+        with pytest.raises(CheckpointSaveError, match=r"x.ckpt: No space left on device.*0.84 MB needed for this "
+                                                      r"file, .* GB free; the partial file was removed"):
+            save_engine_state(eng, path)
+    assert open(path, "rb").read() == before
+    assert not os.path.exists(path + ".tmp")
