@@ -10,6 +10,8 @@ from functools import partial
 
 import torch
 
+from megatron.training.errors import UserError
+
 
 def _layer_spec(args, config):
     """Transformer-Engine layers when TE imports and we are on CUDA; megatron-core's local ones otherwise."""
@@ -24,7 +26,7 @@ def _layer_spec(args, config):
         except Exception:  # missing or broken TE build: fall back to local layers
             pass
     if args.sequence_parallel:
-        raise SystemExit("error: argument --sequence-parallel: needs transformer-engine layers; "
+        raise UserError("--sequence-parallel: needs transformer-engine layers; "
                          "megatron-core's local layer spec uses torch norms that do not support it")
     return get_gpt_layer_local_spec(normalization=args.normalization)
 

@@ -1,18 +1,33 @@
 """Command-line arguments in Megatron-LM flag style.
 
 ``parse_args(argv)`` returns an ``argparse.Namespace``. Syntax and cross-flag consistency are
-checked here, and every error goes through ``parser.error`` (a message naming the flag, exit
-status 2, no traceback). The offload group is parsed but its semantics are checked by
+checked here, and every error goes through ``parser.error``, which raises ``UserError`` (one line
+naming the flag, printed once per job by ``errors.reported_once``, exit status 2). The offload group is parsed but its semantics are checked by
 ``mlp_offload.config.OffloadConfig`` when the offload optimizer is built.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import re
 from typing import List, Optional
 
+from megatron.training.errors import UserError
+
 _PATH_FLAG = re.compile(r"^--offload-([A-Za-z0-9_]+)-path(?:=(.*))?$")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UserError(message)
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
 
 
 def _positive_int(text: str) -> int:
@@ -30,14 +45,14 @@ def _non_negative_int(text: str) -> int:
 
 
 def _non_negative_float(text: str) -> float:
-    value = float(text)
+    value = _finite(text)
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
 
 
 def _fraction(text: str) -> float:
-    value = float(text)
+    value = _finite(text)
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
     return value
@@ -64,8 +79,7 @@ def _bandwidths(text: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Megatron-style GPT pretraining on megatron-core",
-                                allow_abbrev=False)
+    p = _Parser(description="Megatron-style GPT pretraining on megatron-core", allow_abbrev=False)
 
     g = p.add_argument_group("model")
     g.add_argument("--num-layers", type=_positive_int, required=True)
@@ -85,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--disable-bias-linear", action="store_true")
     g.add_argument("--hidden-dropout", type=_non_negative_float, default=0.1)
     g.add_argument("--attention-dropout", type=_non_negative_float, default=0.1)
-    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--init-method-std", type=_finite, default=0.02)
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
     g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
     g.add_argument("--recompute-num-layers", type=_positive_int, default=None)
@@ -97,8 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
-    g.add_argument("--loss-scale", type=float, default=None, help="fp16 static loss scale")
-    g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
+    g.add_argument("--loss-scale", type=_finite, default=None, help="fp16 static loss scale")
+    g.add_argument("--initial-loss-scale", type=_finite, default=2.0**32)
     g.add_argument("--tensor-model-parallel-size", type=_positive_int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=_positive_int, default=1)
     g.add_argument("--sequence-parallel", action="store_true")
@@ -117,9 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lr-decay-iters", type=_positive_int, default=None)
     g.add_argument("--lr-warmup-iters", type=_non_negative_int, default=0)
     g.add_argument("--weight-decay", type=_non_negative_float, default=0.01)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.999)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--adam-beta1", type=_finite, default=0.9)
+    g.add_argument("--adam-beta2", type=_finite, default=0.999)
+    g.add_argument("--adam-eps", type=_finite, default=1e-8)
     g.add_argument("--clip-grad", type=_non_negative_float, default=1.0)
 
     g = p.add_argument_group("logging, evaluation, checkpoints")
@@ -131,6 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save-interval", type=_positive_int, default=None)
     g.add_argument("--exit-interval", type=_positive_int, default=None,
                    help="stop (after saving, with --save) when the iteration is a multiple of this")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM (SLURM's --signal, torchrun stopping), finish the iteration, save a complete "
+                        "checkpoint (offloaded state included) and exit 0, as Megatron-LM does")
+    g.add_argument("--exit-duration-in-mins", type=_non_negative_float, default=None,
+                   help="after this many minutes from the start, save and exit at the end of the iteration")
     g.add_argument("--loss-log", type=str, default=None,
                    help="JSONL file: one {iteration, loss, lr, grad_norm} line per iteration")
     g.add_argument("--timing-log", type=str, default=None, metavar="FILE",
@@ -248,6 +267,19 @@ def _validate(parser, args) -> None:
         args.recompute_num_layers = 1
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
+    if args.lr_warmup_iters >= args.lr_decay_iters:
+        parser.error(f"argument --lr-warmup-iters: {args.lr_warmup_iters} must be below --lr-decay-iters (default "
+                     f"--train-iters), which is {args.lr_decay_iters}")
+    for flag, value in (("--adam-beta1", args.adam_beta1), ("--adam-beta2", args.adam_beta2)):
+        if not 0.0 <= value < 1.0:
+            parser.error(f"argument {flag}: must be in [0, 1), got {value}")
+    for flag, value in (("--adam-eps", args.adam_eps), ("--init-method-std", args.init_method_std),
+                        ("--loss-scale", args.loss_scale), ("--initial-loss-scale", args.initial_loss_scale)):
+        if value is not None and not value > 0:
+            parser.error(f"argument {flag}: must be > 0, got {value}")
+    for flag, value in (("--hidden-dropout", args.hidden_dropout), ("--attention-dropout", args.attention_dropout)):
+        if value > 1.0:
+            parser.error(f"argument {flag}: must be in [0, 1], got {value}")
     try:
         split = [float(s) for s in re.split(r"[,/]", args.split)]
         assert len(split) <= 3 and sum(split) > 0 and min(split) >= 0

@@ -1,7 +1,7 @@
 """Checkpoint save/load through megatron-core ``dist_checkpointing``.
 
 Layout (as Megatron-LM): ``SAVE/iter_0000005/`` (a dist_checkpointing directory) and
-``SAVE/latest_checkpointed_iteration.txt``. One checkpoint holds the model's sharded state, the
+``SAVE/latest_checkpointed_iteration.txt``, plus the completeness proof of checkpoint_integrity. One checkpoint holds the model's sharded state, the
 optimizer's ``dp_reshardable`` sharded state, the LR scheduler, iteration, consumed samples and
 every rank's RNG states, so a resumed run continues bit for bit.
 """
@@ -11,17 +11,31 @@ from __future__ import annotations
 import os
 import random
 import shutil
-from typing import Optional
+import time
+from typing import Optional, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+from megatron.training import checkpoint_integrity as integrity
+from megatron.training.checkpoint_integrity import checkpoint_dir
+from megatron.training.errors import UserError
+from mlp_offload.checkpoint import CheckpointSaveError, human_bytes
 from mlp_offload.faults import fault_point
 
-TRACKER = "latest_checkpointed_iteration.txt"
 OPTIMIZER_SHARDING = "dp_reshardable"
+
+
+@runtime_checkable
+class OffloadedOptimizerCheckpoint(Protocol):
+    """An optimizer whose state lives outside megatron-core's sharded state dict: streamed into
+    ``iter_N/offload/`` beside it."""
+
+    def save_offloaded_state(self, checkpoint_dir: str) -> int: ...
+    def load_offloaded_state(self, checkpoint_dir: str) -> None: ...
+    def offloaded_state_bytes(self) -> int: ...
 
 
 def _unwrap(chunk):
@@ -129,53 +143,121 @@ def _state_dict(model, optimizer, scheduler, iteration, consumed_samples, is_loa
     }
 
 
-def checkpoint_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
-
-
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, consumed_samples: int) -> str:
+    """Save everything into ``root/iter_N`` and record it as the latest; see checkpoint_integrity for
+    the order that makes a crash at any point leave the previous checkpoint as the one to resume."""
     path = checkpoint_dir(root, iteration)
     rank = torch.distributed.get_rank()
-    if os.path.isdir(root) and latest_iteration(root) == iteration:
-        return path  # already complete: never rewrite the latest good checkpoint in place
+    started = time.perf_counter()
+    decision = [None]
     if rank == 0:
-        if os.path.isdir(path):  # not the tracked one: left by a save that was interrupted
-            print(f"> removing incomplete checkpoint {path} (an interrupted save)", flush=True)
-            shutil.rmtree(path)
-        os.makedirs(path, exist_ok=True)
-    torch.distributed.barrier()
+        os.makedirs(root, exist_ok=True)
+        needed, lines = integrity.clear_for_save(root, iteration)
+        for line in lines:
+            print(f"> {line}", flush=True)
+        if needed:
+            integrity.mark_in_progress(path)
+        decision = [needed]
+    torch.distributed.broadcast_object_list(decision, src=0)
+    if not decision[0]:
+        return path
+    _check_free_space(root, path, iteration, model, optimizer)
     state = _state_dict(model, optimizer, scheduler, iteration, consumed_samples, is_loading=False)
-    dist_checkpointing.save(state, path)
-    if hasattr(optimizer, "save_offloaded_state"):  # offloaded state streams beside it, per rank
-        optimizer.save_offloaded_state(path)
-    torch.distributed.barrier()
-    fault_point("save-tracker")
-    if rank == 0:  # written last: a crash mid-save leaves the previous checkpoint as the latest
-        tmp = os.path.join(root, TRACKER + ".tmp")
-        with open(tmp, "w") as f:
-            f.write(str(iteration))
-        os.replace(tmp, os.path.join(root, TRACKER))
-    torch.distributed.barrier()
+    offload_bytes, offload_s, failure = 0, 0.0, None
+    try:
+        dist_checkpointing.save(state, path)
+        if isinstance(optimizer, OffloadedOptimizerCheckpoint):  # streamed beside it, a file per rank
+            t0 = time.perf_counter()
+            offload_bytes = optimizer.save_offloaded_state(path)
+            offload_s = time.perf_counter() - t0
+    except (OSError, CheckpointSaveError) as err:  # disk full, quota, I/O error: the user's to fix
+        failure = f"rank {rank}: {err}"
+    _fail_together(failure, root, path)
+    fault_point("save-complete")
+    total = [None]
+    if rank == 0:  # after every rank's files: the proof, then the tracker
+        total = [integrity.mark_complete(path, iteration)]
+        fault_point("save-tracker")
+        integrity.write_tracker(root, iteration)
+    totals = torch.tensor([offload_bytes, offload_s], dtype=torch.float64, device=_device(model))
+    torch.distributed.all_reduce(totals, op=torch.distributed.ReduceOp.MAX)  # the slowest rank's figures
+    totals = totals.tolist()
+    if rank == 0:
+        seconds = time.perf_counter() - started
+        offload = ""
+        if totals[0] > 0:
+            offload = (f"; offloaded optimizer state {human_bytes(totals[0])} per rank at "
+                       f"{totals[0] / max(totals[1], 1e-9) / 1e9:.2f} GB/s")
+        print(f"> saved checkpoint at iteration {iteration} to {root}: {human_bytes(total[0])} in {seconds:.1f} s"
+              f"{offload}", flush=True)
     return path
 
 
-def latest_iteration(root: str) -> Optional[int]:
-    tracker = os.path.join(root, TRACKER)
-    if not os.path.exists(tracker):
-        return None
-    with open(tracker) as f:
-        text = f.read().strip()
-    try:
-        return int(text)
-    except ValueError:
-        raise SystemExit(f"error: argument --load: {tracker} holds {text!r}, not an iteration number")
+def _check_free_space(root: str, path: str, iteration: int, model, optimizer) -> None:
+    """Refuse before writing anything when the file system cannot hold the checkpoint."""
+    needed = torch.tensor([_bytes_this_rank_saves(model, optimizer)], dtype=torch.float64, device=_device(model))
+    torch.distributed.all_reduce(needed)  # on the model's device: NCCL reduces no CPU tensors
+    verdict = [None]
+    if torch.distributed.get_rank() == 0:
+        st = os.statvfs(root)
+        free = st.f_bavail * st.f_frsize
+        if needed.item() > free:
+            shutil.rmtree(path)  # holds only its in-progress marker
+            verdict = [f"--save {root}: the checkpoint of iteration {iteration} needs about "
+                       f"{human_bytes(needed.item())}, but only {human_bytes(free)} are free there; nothing was "
+                       f"written and the previous checkpoints are untouched: free space or use another --save"]
+    torch.distributed.broadcast_object_list(verdict, src=0)
+    if verdict[0]:
+        raise UserError(verdict[0])
+
+
+def _device(model) -> torch.device:
+    return next(model[0].parameters()).device
+
+
+def _bytes_this_rank_saves(model, optimizer) -> int:
+    """Model weights once per data-parallel replica group; optimizer state once per shard."""
+    numel = sum(p.numel() for chunk in model for p in chunk.parameters())
+    weights = sum(p.numel() * p.element_size() for chunk in model for p in chunk.parameters())
+    first_replica = parallel_state.get_data_parallel_rank() == 0
+    if isinstance(optimizer, OffloadedOptimizerCheckpoint):
+        return weights * first_replica + optimizer.offloaded_state_bytes()
+    # megatron-core's distributed optimizer: fp32 master, exp_avg and exp_avg_sq of this rank's shard
+    return weights * first_replica + 12 * numel // parallel_state.get_data_parallel_world_size()
+
+
+def _fail_together(failure: Optional[str], root: str, path: str) -> None:
+    """Every rank learns whether any rank's part of the save failed; then all stop with its message."""
+    failures = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(failures, failure)
+    first = next((f for f in failures if f), None)
+    if first is None:
+        return
+    if torch.distributed.get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)  # still marked in progress: provably incomplete
+    torch.distributed.barrier()
+    raise UserError(f"--save {root}: {first}; the unfinished {path} was removed and the previous checkpoints are "
+                    f"untouched")
 
 
 def load_checkpoint(root: str, model, optimizer, scheduler):
     """Restore everything; returns (iteration, consumed_samples), or (0, 0) when nothing is saved."""
     if not os.path.isdir(root):
-        raise SystemExit(f"error: argument --load: {root} is not a directory")
-    iteration = latest_iteration(root)
+        raise UserError(f"--load {root}: not a directory")
+    choice = [None]
+    if torch.distributed.get_rank() == 0:
+        try:
+            iteration, notes = integrity.choose_checkpoint(root)
+            choice = [(iteration, notes, None)]
+        except ValueError as err:
+            choice = [(None, [], str(err))]
+    torch.distributed.broadcast_object_list(choice, src=0)
+    iteration, notes, problem = choice[0]
+    if problem:
+        raise UserError(f"--load {root}: {problem}")
+    if torch.distributed.get_rank() == 0:
+        for note in notes:
+            print(f"> {note}", flush=True)
     if iteration is None:
         return 0, 0
     path = checkpoint_dir(root, iteration)
@@ -197,7 +279,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler):
         for i, chunk in enumerate(model):
             _unwrap(chunk).load_state_dict(state[f"model{i}"])
     optimizer.load_state_dict(state["optimizer"])
-    if hasattr(optimizer, "load_offloaded_state"):
+    if isinstance(optimizer, OffloadedOptimizerCheckpoint):
         optimizer.load_offloaded_state(path)
     _restore_adam_steps(optimizer, state["optimizer"])
     scheduler.load_state_dict(state["opt_param_scheduler"])

@@ -14,6 +14,8 @@ from typing import Dict, List
 
 import numpy as np
 import torch
+
+from megatron.training.errors import UserError
 from megatron.core.tokenizers import MegatronTokenizerBase
 
 
@@ -70,7 +72,7 @@ class ByteLevelTokenizer(MegatronTokenizerBase):
 
 def build_tokenizer(args) -> ByteLevelTokenizer:
     if args.tokenizer_type != "ByteLevelTokenizer":
-        raise SystemExit(f"error: argument --tokenizer-type: unsupported {args.tokenizer_type!r}")
+        raise UserError(f"--tokenizer-type: unsupported {args.tokenizer_type!r}")
     return ByteLevelTokenizer()
 
 
@@ -78,10 +80,10 @@ def padded_vocab_size(args, tokenizer) -> int:
     """--vocab-size if given (must hold the tokenizer), else rounded up to 128 x TP as in Megatron-LM."""
     if args.vocab_size is not None:
         if args.vocab_size < tokenizer.vocab_size:
-            raise SystemExit(f"error: argument --vocab-size: {args.vocab_size} is smaller than the "
+            raise UserError(f"--vocab-size: {args.vocab_size} is smaller than the "
                              f"tokenizer's {tokenizer.vocab_size} tokens")
         if args.vocab_size % args.tensor_model_parallel_size:
-            raise SystemExit("error: argument --vocab-size: must be divisible by --tensor-model-parallel-size")
+            raise UserError("--vocab-size: must be divisible by --tensor-model-parallel-size")
         return args.vocab_size
     multiple = 128 * args.tensor_model_parallel_size
     return -(-tokenizer.vocab_size // multiple) * multiple
@@ -133,7 +135,7 @@ def build_gpt_datasets(args, tokenizer, train_samples: int, eval_samples: int):
             continue  # a weight
         for ext in (".bin", ".idx"):
             if not os.path.exists(prefix + ext):
-                raise SystemExit(f"error: argument --data-path: {prefix + ext} does not exist "
+                raise UserError(f"--data-path: {prefix + ext} does not exist "
                                  "(make it with tools/preprocess_data.py)")
     config = GPTDatasetConfig(
         random_seed=args.seed,
@@ -172,7 +174,7 @@ def _drop_unused_or_empty_splits(config, eval_samples: int) -> None:
         return any(int(round(end * n)) <= int(round(beg * n)) for n in num_docs)
 
     if matrix[0] is None or empty(0):
-        raise SystemExit(f"error: argument --split: {config.split!r} leaves the training split with "
+        raise UserError(f"--split: {config.split!r} leaves the training split with "
                          f"no documents (the corpus has {min(num_docs)})")
     if matrix[1] is not None and (eval_samples == 0 or empty(1)):
         matrix[1] = None

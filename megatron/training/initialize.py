@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 import random
-import signal
 from datetime import timedelta
 
 import numpy as np
 import torch
+
+from megatron.training.errors import UserError
+from megatron.training.signals import SigtermWatcher
 
 
 def select_device(requested: str) -> torch.device:
@@ -16,7 +18,7 @@ def select_device(requested: str) -> torch.device:
         requested = "cuda" if torch.cuda.is_available() else "cpu"
     if requested == "cuda":
         if not torch.cuda.is_available():
-            raise SystemExit("error: argument --device: cuda requested but no CUDA device is available")
+            raise UserError("--device: cuda requested but no CUDA device is available")
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
@@ -48,20 +50,11 @@ def set_seeds(seed: int, device: torch.device) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-def _exit_cleanly_on_sigterm() -> None:
-    """SIGTERM (torchrun stopping the other ranks, SLURM's time limit) becomes SystemExit, so the
-    training loop's cleanup runs: the optimizer closes and its swap files are removed."""
-    def stop(signum, frame):
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, stop)
-
-
 def initialize(args) -> torch.device:
     """Set up everything before the model is built; returns the compute device."""
     device = select_device(args.device)
     args.device_resolved = device.type
-    _exit_cleanly_on_sigterm()
+    args.sigterm_watcher = SigtermWatcher(save_on_signal=args.exit_signal_handler)
     if device.type == "cpu":
         from megatron.training import cpu_compat
 
@@ -73,7 +66,7 @@ def initialize(args) -> torch.device:
     world = torch.distributed.get_world_size()
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if world % (tp * pp):
-        raise SystemExit(f"error: argument --tensor-model-parallel-size/--pipeline-model-parallel-size: "
+        raise UserError(f"--tensor-model-parallel-size/--pipeline-model-parallel-size: "
                          f"TP*PP={tp * pp} does not divide the world size {world}")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
                                              pipeline_model_parallel_size=pp)
@@ -84,7 +77,7 @@ def initialize(args) -> torch.device:
     if args.global_batch_size is None:
         args.global_batch_size = per_step
     if args.global_batch_size % per_step:
-        raise SystemExit(f"error: argument --global-batch-size: {args.global_batch_size} is not a multiple "
+        raise UserError(f"--global-batch-size: {args.global_batch_size} is not a multiple "
                          f"of micro-batch-size x data-parallel-size = {per_step}")
     args.num_microbatches = args.global_batch_size // per_step
     set_seeds(args.seed, device)

@@ -31,7 +31,9 @@ from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.transformer.module import param_is_not_shared
 
 from mlp_offload import OffloadConfig, OffloadedAdamW, parse_bandwidths
-from mlp_offload.checkpoint import CheckpointDataError, RangeReader, load_engine_state, read_footer, save_engine_state
+from mlp_offload.checkpoint import (CheckpointDataError, RangeReader, load_engine_state, read_footer, save_engine_state,
+                                    state_file_bytes)
+from megatron.training.errors import UserError
 
 log = logging.getLogger("mlp_offload")
 GiB = 1024**3
@@ -73,7 +75,7 @@ def _show_engine_log() -> None:
 def get_offload_optimizer(args, model_chunks, config: OptimizerConfig) -> "OffloadDistributedOptimizer":
     _show_engine_log()
     if not config.use_distributed_optimizer:
-        raise SystemExit("--offload-tiers requires the distributed optimizer (--use-distributed-optimizer)")
+        raise UserError("--offload-tiers requires the distributed optimizer (--use-distributed-optimizer)")
     _set_cpu_threads(args, model_chunks)
     param_groups, buffers = _get_param_groups_and_buffers(
         model_chunks, model_chunk_offset=0, config=config, config_overrides=None,
@@ -373,14 +375,16 @@ class OffloadDistributedOptimizer:
     def state_dict(self):
         raise NotImplementedError("the offloaded optimizer saves through sharded_state_dict() and save_offloaded_state()")
 
-    def save_offloaded_state(self, checkpoint_dir: str) -> str:
-        """Stream this rank's state into ``checkpoint_dir/offload/`` (a file per rank)."""
+    def save_offloaded_state(self, checkpoint_dir: str) -> int:
+        """Stream this rank's state into ``checkpoint_dir/offload/`` (a file per rank); returns its bytes."""
         path = self._state_path(checkpoint_dir)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         pieces = [[self.param_names[p], self.layout.param_slice[p], b - a, a]
                   for p, (a, b) in self.layout.param_flat_range.items()]
-        save_engine_state(self.engine, path, metadata={"dp_size": self.dp_group.size(), "params": pieces})
-        return path
+        return save_engine_state(self.engine, path, metadata={"dp_size": self.dp_group.size(), "params": pieces})
+
+    def offloaded_state_bytes(self) -> int:
+        return state_file_bytes(self.engine.numel)
 
     def load_offloaded_state(self, checkpoint_dir: str) -> None:
         path = self._state_path(checkpoint_dir)
@@ -391,7 +395,7 @@ class OffloadDistributedOptimizer:
             self._load_resharded(checkpoint_dir)
         expected = getattr(self, "_expected_steps", None)
         if expected is not None and expected != self.engine.steps_done:
-            raise RuntimeError(f"offloaded state in {checkpoint_dir} is at step {self.engine.steps_done}, "
+            raise CheckpointDataError(f"offloaded state in {checkpoint_dir} is at step {self.engine.steps_done}, "
                                f"the checkpoint's metadata says {expected}")
 
     def _load_resharded(self, checkpoint_dir: str) -> None:
@@ -412,8 +416,8 @@ class OffloadDistributedOptimizer:
             raise CheckpointDataError(f"{checkpoint_dir}: offload files disagree on the step count {sorted(steps)}")
         readers = [RangeReader(f, footer["subgroups"]) for f, footer in zip(files, footers)]
         held = {}  # param name -> [(param offset, length, file flat offset, reader)]
-        for reader, footer in zip(readers, footers):
-            for name, offset, length, flat in footer["metadata"]["params"]:
+        for path, reader, footer in zip(files, readers, footers):
+            for name, offset, length, flat in _param_slices(path, footer):
                 held.setdefault(name, []).append((offset, length, flat, reader))
         mine = sorted((a, b, self.layout.param_slice[param], self.param_names[param])
                       for param, (a, b) in self.layout.param_flat_range.items())
@@ -465,6 +469,20 @@ def _rank_coordinates():
     offset = (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(),
               ps.get_data_parallel_rank())
     return shape, offset
+
+
+def _param_slices(path: str, footer: dict):
+    """The footer's per-parameter slices, each checked to lie inside the file's elements."""
+    slices = footer["metadata"].get("params")
+    if not isinstance(slices, list):
+        raise CheckpointDataError(f"{path}: no per-parameter slice table: it cannot be resharded")
+    for entry in slices:
+        ok = (isinstance(entry, list) and len(entry) == 4 and isinstance(entry[0], str)
+              and all(isinstance(v, int) and not isinstance(v, bool) for v in entry[1:]))
+        if not ok or entry[1] < 0 or entry[2] <= 0 or entry[3] < 0 or entry[3] + entry[2] > footer["numel"]:
+            raise CheckpointDataError(f"{path}: slice table entry {str(entry)[:80]} lies outside the file's "
+                                      f"{footer['numel']} elements; the file was not used")
+    return slices
 
 
 def _merge(ranges: List[Tuple[int, int]]) -> List[Tuple[int, int]]:

@@ -27,7 +27,9 @@ from megatron.core.transformer.module import Float16Module
 from megatron.training import checkpointing
 from megatron.training.arguments import parse_args
 from megatron.training.data import (MicroBatchIterator, build_tokenizer, padded_vocab_size)
+from megatron.training.errors import reported_once
 from megatron.training.initialize import initialize
+from megatron.training.signals import StopCheck
 from mlp_offload.faults import fault_point
 
 
@@ -404,7 +406,14 @@ def _num_params(model) -> int:
 
 def pretrain(model_provider: Callable, datasets_provider: Callable, forward_step_func: Callable,
              argv: Optional[List[str]] = None) -> None:
-    """Parse args, initialize, build everything, train, evaluate, save."""
+    """Parse args, initialize, build everything, train, evaluate, save. A user error (flag, path,
+    budget, space, checkpoint) ends the job with one line, printed once, and exit status 2."""
+    with reported_once():
+        _pretrain(model_provider, datasets_provider, forward_step_func, argv)
+
+
+def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> None:
+    started = time.time()  # --exit-duration-in-mins counts from here, as Megatron-LM's start time
     args = parse_args(argv)
     device = initialize(args)
     args.device_obj = device
@@ -427,7 +436,8 @@ def pretrain(model_provider: Callable, datasets_provider: Callable, forward_step
         _print_rank0(f"> no checkpoint in {args.load} yet: starting from scratch")
     elif args.load:
         iteration, consumed = checkpointing.load_checkpoint(args.load, model, optimizer, scheduler)
-        _print_rank0(f"> loaded checkpoint from {args.load} at iteration {iteration}")
+        _print_rank0(f"> loaded checkpoint from {args.load} at iteration {iteration}" if iteration else
+                     f"> no complete checkpoint in {args.load}: starting from scratch")
 
     eval_runs = 0 if not args.eval_interval else (args.train_iters // args.eval_interval + 1)
     train_ds, valid_ds = datasets_provider(
@@ -440,6 +450,7 @@ def pretrain(model_provider: Callable, datasets_provider: Callable, forward_step
     timing_log = TimingLog(getattr(args, "timing_log", None), iteration)
     timers = Timers(device)
     compute_timers = config.timers = ComputeTimers(device)  # the schedules time forward/backward
+    stop = StopCheck(args.sigterm_watcher, args.exit_duration_in_mins, started)
     try:
         while iteration < args.train_iters:
             start = time.perf_counter()
@@ -463,14 +474,17 @@ def pretrain(model_provider: Callable, datasets_provider: Callable, forward_step
                 _run_eval(args, forward_step_func, model, valid_ds, iteration, dp_rank, dp_size)
                 compute_timers.clear()  # evaluation's forwards are not the next iteration's
             if args.save and args.save_interval and iteration % args.save_interval == 0:
-                checkpointing.save_checkpoint(args.save, iteration, model, optimizer, scheduler, consumed)
-                _print_rank0(f"> saved checkpoint at iteration {iteration} to {args.save}")
+                with args.sigterm_watcher.saving_checkpoint():
+                    checkpointing.save_checkpoint(args.save, iteration, model, optimizer, scheduler, consumed)
+            reason = stop.after_iteration(time.perf_counter() - start, device)  # eval and save included
+            if reason:  # the checkpoint is saved below, as at the end of training
+                _print_rank0(f"> exiting at iteration {iteration} after {reason}")
+                break
             if args.exit_interval and iteration % args.exit_interval == 0:
                 _print_rank0(f"> exiting at iteration {iteration} (--exit-interval)")
                 break
         if args.save and not (args.save_interval and iteration % args.save_interval == 0):
             checkpointing.save_checkpoint(args.save, iteration, model, optimizer, scheduler, consumed)
-            _print_rank0(f"> saved checkpoint at iteration {iteration} to {args.save}")
     finally:
         loss_log.close()
         timing_log.close()

@@ -54,16 +54,10 @@ def run_pretrain(tmp_path: os.PathLike, extra_args: Sequence[str], nproc: int = 
     tmp_path.mkdir(parents=True, exist_ok=True)
     if loss_log is None:
         loss_log = tmp_path / f"loss-{len(list(tmp_path.glob('loss-*.jsonl')))}.jsonl"
-    run_env = dict(os.environ)
-    run_env.update({"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-                    "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), run_env.get("PYTHONPATH")]))})
-    run_env.update(env or {})
+    run_env = pretrain_env(env)
     for _attempt in range(3):
         # free_port() can lose a race with another process before torchrun binds it: retry then.
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(PRETRAIN),
-               *model_args, "--train-iters", str(train_iters), "--loss-log", str(loss_log),
-               *(["--mock-data"] if mock_data else []), *extra_args]
+        cmd = pretrain_command(extra_args, nproc, train_iters, loss_log, model_args, mock_data)
         returncode, output = _run_in_own_session(cmd, run_env, timeout, tmp_path / f"{Path(loss_log).stem}.out")
         if not (returncode != 0 and "EADDRINUSE" in output and "server socket has failed" in output):
             break
@@ -72,6 +66,22 @@ def run_pretrain(tmp_path: os.PathLike, extra_args: Sequence[str], nproc: int = 
     if not expect_success:
         return [{"returncode": returncode, "output": output}]
     return read_loss_log(loss_log)
+
+
+def pretrain_env(env: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    run_env = dict(os.environ)
+    run_env.update({"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+                    "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), run_env.get("PYTHONPATH")]))})
+    run_env.update(env or {})
+    return run_env
+
+
+def pretrain_command(extra_args: Sequence[str], nproc: int, train_iters: int, loss_log: os.PathLike,
+                     model_args: Sequence[str] = TINY_MODEL, mock_data: bool = True) -> List[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(PRETRAIN),
+            *model_args, "--train-iters", str(train_iters), "--loss-log", str(loss_log),
+            *(["--mock-data"] if mock_data else []), *extra_args]
 
 
 def _run_in_own_session(cmd, env, timeout: float, out_path: Path):

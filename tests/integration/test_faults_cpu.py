@@ -18,7 +18,8 @@ CASES = {
     "backward@0#6": 2,      # dies in the backward of iteration 3
     "update@1#3": 2,        # dies half-way through the update of iteration 3
     "save-offload@0#2": 0,  # dies while streaming its state into the first checkpoint
-    "save-tracker@0#1": 0,  # first checkpoint written but not yet recorded as the latest
+    "save-complete@0#1": 0,  # every file written, the completeness proof not yet: incomplete
+    "save-tracker@0#1": 2,  # proven complete, the tracker not yet updated: found by its proof
     "save-tracker@1#1": 2,  # rank 0 still records it: the checkpoint is complete
 }
 
@@ -42,8 +43,10 @@ def test_kill_and_restart_resumes_exactly(tmp_path, uninterrupted, fault):
     assert resumed == uninterrupted[start:]
     output = (tmp_path / "resumed.out").read_text()
     assert "stale offload namespace(s) of dead runs" in output
-    if fault.startswith("save-offload"):
-        assert "removing incomplete checkpoint" in output
+    if fault.startswith(("save-offload", "save-complete")):
+        assert f"removed incomplete checkpoint {tmp_path / 'ckpt' / 'iter_0000002'}" in output
+    if fault == "save-tracker@0#1":
+        assert f"resuming from {tmp_path / 'ckpt' / 'iter_0000002'}, the newest complete checkpoint" in output
     # The killed rank's files are left behind (SIGKILL): the cleaner finds and removes them.
     cleaner = [sys.executable, str(REPO / "tools" / "offload_clean.py"), str(tmp_path / "nvme"), str(tmp_path / "pfs")]
     listing = subprocess.run(cleaner, capture_output=True, text=True, check=True).stdout

@@ -1,0 +1,227 @@
+"""Proof that a checkpoint directory is complete, and the choice of the checkpoint to resume from.
+
+A save marks its new ``iter_N/`` with ``SAVE_IN_PROGRESS`` before any data goes in; once every
+rank's files are on disk, rank 0 writes ``COMPLETE.json`` (the size of every file, the CRC32 of
+every small one such as metadata, and a CRC32 of itself) by rename, removes the in-progress marker,
+and only then updates the tracker. A directory is therefore
+
+- complete: ``COMPLETE.json`` is intact and every file it lists is there with its size (and CRC);
+- incomplete: the in-progress marker without ``COMPLETE.json``: a save began and never ended.
+  This is the only kind ever removed, by the save that reuses its name, with a line naming it;
+- damaged: ``COMPLETE.json`` or a listed file fails its check: never used, never removed;
+- unproven: neither marker (an older version's or upstream Megatron-LM's checkpoint): used only
+  where the tracker names it (the tracker was always written last), never removed, set aside
+  (renamed) if a save needs its name.
+
+The tracker is a hint, not the proof: when it is missing, unreadable or older than the newest
+complete checkpoint, the newest complete one is used and the loader says so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+from mlp_offload.tiers.files import fsync_path
+
+TRACKER = "latest_checkpointed_iteration.txt"
+IN_PROGRESS = "SAVE_IN_PROGRESS"
+COMPLETE = "COMPLETE.json"
+CRC_LIMIT_BYTES = 64 << 20  # files up to this size (metadata, common state) get a CRC32 in the proof
+_ITER_DIR = re.compile(r"^iter_(\d{7})$")
+
+COMPLETE_STATE, INCOMPLETE, DAMAGED, UNPROVEN, MISSING = "complete", "incomplete", "damaged", "unproven", "missing"
+
+
+@dataclass
+class DirStatus:
+    state: str
+    detail: str = ""
+
+
+def checkpoint_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def iteration_dirs(root: str) -> Dict[int, str]:
+    found = {}
+    for name in _listdir(root):
+        match = _ITER_DIR.match(name)
+        if match and os.path.isdir(os.path.join(root, name)):
+            found[int(match.group(1))] = os.path.join(root, name)
+    return found
+
+
+# -- writing the proof (rank 0) ------------------------------------------------------------------
+def mark_in_progress(path: str) -> None:
+    os.makedirs(path, exist_ok=True)
+    _write_durably(os.path.join(path, IN_PROGRESS), json.dumps({"started": time.time(), "pid": os.getpid()}))
+
+
+def mark_complete(path: str, iteration: int) -> int:
+    """Write ``COMPLETE.json`` for what ``path`` holds now; returns the checkpoint's bytes."""
+    files = {}
+    for rel, size in _files(path):
+        crc = _crc_file(os.path.join(path, rel)) if size <= CRC_LIMIT_BYTES else None
+        files[rel] = [size, crc]
+    body = {"format": 1, "iteration": iteration, "written": time.time(), "files": files}
+    _write_durably(os.path.join(path, COMPLETE), _signed(body))
+    os.unlink(os.path.join(path, IN_PROGRESS))
+    fsync_path(path)
+    return sum(size for size, _ in files.values())
+
+
+def write_tracker(root: str, iteration: int) -> None:
+    _write_durably(os.path.join(root, TRACKER), str(iteration))
+
+
+# -- reading it ----------------------------------------------------------------------------------
+def status(path: str) -> DirStatus:
+    if not os.path.isdir(path):
+        return DirStatus(MISSING)
+    proof = os.path.join(path, COMPLETE)
+    if not os.path.exists(proof):
+        if os.path.exists(os.path.join(path, IN_PROGRESS)):
+            return DirStatus(INCOMPLETE, "a save began there and did not finish")
+        return DirStatus(UNPROVEN, f"no {COMPLETE} (written by an older version or another program?)")
+    try:
+        with open(proof) as f:
+            body = _verified(f.read())
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return DirStatus(DAMAGED, f"{proof} is unreadable: {err}")
+    for rel, (size, crc) in body["files"].items():
+        file = os.path.join(path, rel)
+        try:
+            actual = os.path.getsize(file)
+        except OSError:
+            return DirStatus(DAMAGED, f"{file} is missing")
+        if actual != size:
+            return DirStatus(DAMAGED, f"{file} has {actual} bytes, {size} when it was saved")
+        if crc is not None and _crc_file(file) != crc:
+            return DirStatus(DAMAGED, f"{file} does not match its checksum")
+    return DirStatus(COMPLETE_STATE)
+
+
+def read_tracker(root: str) -> Tuple[Optional[int], Optional[str]]:
+    """(iteration, None), or (None, why it cannot be used)."""
+    path = os.path.join(root, TRACKER)
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except FileNotFoundError:
+        return None, f"{path} is missing"
+    except OSError as err:
+        return None, f"{path} cannot be read: {err}"
+    if not text.isdigit():
+        return None, f"{path} holds {text[:40]!r}, not an iteration number"
+    return int(text), None
+
+
+def choose_checkpoint(root: str) -> Tuple[Optional[int], List[str]]:
+    """The iteration to resume from (None: start fresh) and what the user should be told.
+
+    Raises ValueError (with the message) where starting fresh would ignore a checkpoint that may
+    be good: a damaged or unproven one with no complete one to use instead.
+    """
+    dirs = iteration_dirs(root)
+    states = {it: status(path) for it, path in dirs.items()}
+    tracked, tracker_problem = read_tracker(root)
+    notes = []
+    usable = {it for it, st in states.items() if st.state == COMPLETE_STATE}
+    if tracked is not None:
+        st = states.get(tracked, DirStatus(MISSING))
+        if st.state == UNPROVEN:
+            usable.add(tracked)  # the tracker, written last by every version, vouches for it
+        elif st.state != COMPLETE_STATE:
+            notes.append(f"the tracker names iteration {tracked}, but {checkpoint_dir(root, tracked)} is "
+                         f"{st.state}{': ' + st.detail if st.detail else ''}; it is not used")
+    for it in sorted(dirs):
+        if states[it].state == DAMAGED:
+            notes.append(f"{dirs[it]} is damaged ({states[it].detail}); it is not used and left in place")
+    if not usable:
+        blocking = [it for it in sorted(dirs) if states[it].state in (DAMAGED, UNPROVEN)]
+        if blocking:
+            it = blocking[-1]
+            remedy = (f"to use it, write {it} into {os.path.join(root, TRACKER)}" if states[it].state == UNPROVEN
+                      else "restore it from a copy")
+            raise ValueError(
+                f"{dirs[it]} is {states[it].state} ({states[it].detail}) and no complete checkpoint is there "
+                f"to resume from; {remedy}, or move it out of {root} to start fresh")
+        return None, notes
+    chosen = max(usable)
+    if tracked != chosen:
+        why = tracker_problem or f"the tracker names iteration {tracked}"
+        notes.append(f"resuming from {dirs[chosen]}, the newest complete checkpoint ({why})")
+    return chosen, notes
+
+
+# -- making room for a save (rank 0) ---------------------------------------------------------------
+def clear_for_save(root: str, iteration: int) -> Tuple[bool, List[str]]:
+    """Make ``iter_N`` ready for a new save. Returns (save needed, lines to print): False where a
+    complete checkpoint of that iteration exists (it is never rewritten in place)."""
+    path = checkpoint_dir(root, iteration)
+    st = status(path)
+    if st.state == COMPLETE_STATE:
+        return False, [f"{path} is already a complete checkpoint: not rewritten"]
+    if st.state == INCOMPLETE:
+        shutil.rmtree(path)
+        return True, [f"removed incomplete checkpoint {path} (an interrupted save: {IN_PROGRESS} without {COMPLETE})"]
+    if st.state in (DAMAGED, UNPROVEN):
+        aside = f"{path}.set-aside-{time.strftime('%Y%m%d-%H%M%S')}"
+        os.rename(path, aside)
+        return True, [f"moved {path} ({st.state}: {st.detail}) to {aside} to save iteration {iteration} there"]
+    return True, []
+
+
+# -- helpers -----------------------------------------------------------------------------------------
+def _files(path: str):
+    for dirpath, _, names in os.walk(path):
+        for name in sorted(names):
+            full = os.path.join(dirpath, name)
+            rel = os.path.relpath(full, path)
+            if rel not in (IN_PROGRESS, COMPLETE):
+                yield rel, os.path.getsize(full)
+
+
+def _crc_file(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _signed(body: dict) -> str:
+    text = json.dumps(body, sort_keys=True)
+    return json.dumps({"body": body, "crc32": zlib.crc32(text.encode())}, sort_keys=True)
+
+
+def _verified(text: str) -> dict:
+    outer = json.loads(text)
+    body = outer["body"]
+    if zlib.crc32(json.dumps(body, sort_keys=True).encode()) != outer["crc32"]:
+        raise ValueError("checksum mismatch: the proof was damaged or edited")
+    return body
+
+
+def _write_durably(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_path(os.path.dirname(os.path.abspath(path)))
+
+
+def _listdir(path: str) -> List[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []

@@ -1,0 +1,117 @@
+"""SIGTERM: torchrun stopping the survivors of a failed rank, or SLURM before a time limit.
+
+Python runs signal handlers in the main thread only, between bytecodes; a rank blocked in a
+collective whose peer has died never gets there, and torchrun SIGKILLs it later with its swap
+files still on disk. So the C-level handler's wake-up byte (``signal.set_wakeup_fd``) wakes a
+watcher thread instead, whatever the main thread is doing.
+
+- Without ``--exit-signal-handler`` the watcher removes this process's offload swap namespaces at
+  once and exits with status 143.
+- With it (Megatron-LM's flag), the watcher raises a flag that the training loop reads after every
+  iteration (``StopCheck``: all ranks agree through one all-reduce), then the loop saves a complete
+  checkpoint and exits 0. If the loop has not reached an iteration boundary in time (a peer died, so
+  the collective never returns; or no iteration ran yet), the watcher cleans up and exits as above.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from typing import Optional
+
+import torch
+
+from mlp_offload.tiers import housekeeping
+
+EXIT_ON_SIGTERM = 128 + signal.SIGTERM
+STUCK_AFTER_MIN_S = 60.0  # the loop must reach an iteration boundary within max(this, 3 x slowest iteration)
+
+
+class SigtermWatcher:
+    def __init__(self, save_on_signal: bool):
+        self.save_on_signal = save_on_signal
+        self.requested = threading.Event()  # a SIGTERM arrived (read by the loop)
+        self.acknowledged = threading.Event()  # every rank agreed to stop: the loop is saving
+        self.saving = threading.Event()  # a checkpoint save is under way: give it the time it takes
+        self.slowest_iteration_s: Optional[float] = None
+        self._reader, writer = socket.socketpair()
+        writer.setblocking(False)
+        self._writer = writer  # kept open: the C handler writes the signal number into it
+        signal.signal(signal.SIGTERM, lambda signum, frame: None)  # the watcher acts, not the main thread
+        signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+        os.register_at_fork(after_in_child=_default_sigterm_in_child)
+        threading.Thread(target=self._watch, name="sigterm-watcher", daemon=True).start()
+
+    @contextlib.contextmanager
+    def saving_checkpoint(self):
+        self.saving.set()
+        try:
+            yield
+        finally:
+            self.saving.clear()
+
+    def iteration_done(self, seconds: float) -> None:
+        self.slowest_iteration_s = max(seconds, self.slowest_iteration_s or 0.0)
+
+    def _watch(self) -> None:
+        while self._reader.recv(1)[0] != signal.SIGTERM:
+            pass
+        if self.save_on_signal and self.slowest_iteration_s is not None:
+            self.requested.set()
+            _say("SIGTERM received: saving a checkpoint after the current iteration (--exit-signal-handler)")
+            patience = max(STUCK_AFTER_MIN_S, 3 * self.slowest_iteration_s)
+            deadline = time.monotonic() + patience
+            while not self.acknowledged.wait(0.5):
+                if self.saving.is_set():  # an interval save in progress: let it end
+                    deadline = time.monotonic() + patience
+                elif time.monotonic() > deadline:
+                    break
+            else:
+                return  # the main thread saves and exits; torchrun or SLURM bound how long that may take
+            _say(f"SIGTERM: no iteration boundary reached in {patience:.0f} s (a rank gone?): not saving")
+        housekeeping.release_all()
+        _say("SIGTERM: removed this rank's offload swap files; exiting")
+        os._exit(EXIT_ON_SIGTERM)
+
+
+def _default_sigterm_in_child() -> None:
+    # A forked helper (e.g. a checkpoint writer) must neither ignore SIGTERM nor wake our watcher.
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _say(message: str) -> None:
+    rank = os.environ.get("RANK", "0")
+    print(f"[rank {rank}] {message}", file=sys.stderr, flush=True)
+
+
+class StopCheck:
+    """Megatron-LM's --exit-signal-handler and --exit-duration-in-mins: after each iteration, one
+    all-reduce tells every rank whether any got SIGTERM or the time is up, so all stop together."""
+
+    def __init__(self, watcher: SigtermWatcher, exit_duration_min: Optional[float], started: float):
+        self.watcher = watcher
+        self.deadline = None if exit_duration_min is None else started + 60.0 * exit_duration_min
+        self.enabled = watcher.save_on_signal or self.deadline is not None
+
+    def after_iteration(self, seconds: float, device) -> Optional[str]:
+        """Why to stop now (the same answer on every rank), or None."""
+        self.watcher.iteration_done(seconds)
+        if not self.enabled:
+            return None
+        flags = torch.tensor([float(self.watcher.requested.is_set()),
+                              float(self.deadline is not None and time.time() > self.deadline)], device=device)
+        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+        signalled, timed_out = (bool(x) for x in flags.tolist())
+        if signalled or timed_out:
+            self.watcher.acknowledged.set()
+        if signalled:
+            return "receiving SIGTERM (--exit-signal-handler)"
+        if timed_out:
+            return "reaching --exit-duration-in-mins"
+        return None

@@ -1,0 +1,232 @@
+"""What a careful user trusts the checkpoints and errors with (2 CPU processes): no complete
+checkpoint is ever deleted or loaded when altered, a full disk stops a save cleanly, a user error is
+one line printed once per job, and SIGTERM (SLURM's time limit) saves before exiting."""
+
+import hashlib
+import os
+import re
+import signal
+import subprocess
+import time
+import zlib
+
+import pytest
+
+from launch import REPO, pretrain_command, pretrain_env, read_loss_log, run_pretrain
+from megatron.training import checkpoint_integrity as integrity
+from test_offload_cpu import offload_args
+
+ITERS = 6
+
+
+def tree_digest(path):
+    """Every file's name and bytes under ``path``: equal digests mean nothing was touched."""
+    digest = hashlib.sha256()
+    for dirpath, dirs, files in sorted(os.walk(path)):
+        dirs.sort()
+        for name in sorted(files):
+            full = os.path.join(dirpath, name)
+            digest.update(os.path.relpath(full, path).encode())
+            digest.update(open(full, "rb").read())
+    return digest.hexdigest()
+
+
+def error_lines(output):
+    """Lines saying 'error: ...' (torchrun may prefix a rank tag), and whether any rank printed a traceback."""
+    lines = [line for line in output.splitlines() if re.match(r"^(\[rank\d+\]:\s*)?error: ", line)]
+    return lines, bool(re.search(r"^\[rank\d+\]:\s*Traceback", output, re.M))
+
+
+def failed_run(tmp_path, args, name, **kw):
+    result = run_pretrain(tmp_path, args, loss_log=tmp_path / f"{name}.jsonl", expect_success=False, **kw)[0]
+    assert result["returncode"] != 0, result["output"][-3000:]
+    lines, traceback = error_lines(result["output"])
+    assert len(lines) == 1 and not traceback, result["output"][-4000:]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("full")
+    return run_pretrain(tmp, offload_args(tmp), train_iters=ITERS)
+
+
+def chain_args(tmp_path, ckpt):
+    return [*offload_args(tmp_path), "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "2"]
+
+
+@pytest.mark.parametrize("tracker", ["deleted", "stale", "garbage"])
+def test_lost_or_stale_tracker_resumes_from_the_newest_complete_checkpoint(tmp_path, uninterrupted, tracker):
+    ckpt = tmp_path / "ckpt"
+    run_pretrain(tmp_path, chain_args(tmp_path, ckpt) + ["--exit-interval", "4"], train_iters=ITERS)
+    kept = tree_digest(ckpt / "iter_0000004")
+    if tracker == "deleted":
+        (ckpt / "latest_checkpointed_iteration.txt").unlink()
+    else:
+        (ckpt / "latest_checkpointed_iteration.txt").write_text("2" if tracker == "stale" else "iter-4?")
+    resumed = run_pretrain(tmp_path, chain_args(tmp_path, ckpt), train_iters=ITERS,
+                           loss_log=tmp_path / "resumed.jsonl")
+    assert resumed == uninterrupted[4:]
+    output = (tmp_path / "resumed.out").read_text()
+    assert f"resuming from {ckpt / 'iter_0000004'}, the newest complete checkpoint" in output
+    assert "removed incomplete checkpoint" not in output
+    assert tree_digest(ckpt / "iter_0000004") == kept  # never rewritten, never deleted
+
+
+def test_an_unproven_checkpoint_is_never_discarded(tmp_path):
+    """A checkpoint directory without the completeness proof (an older version's, a partial copy)
+    and no tracker: the run refuses to start fresh over it, in one line saying what to do."""
+    ckpt = tmp_path / "ckpt"
+    run_pretrain(tmp_path, chain_args(tmp_path, ckpt) + ["--exit-interval", "2"], train_iters=ITERS)
+    (ckpt / "iter_0000002" / "COMPLETE.json").unlink()
+    (ckpt / "latest_checkpointed_iteration.txt").unlink()
+    kept = tree_digest(ckpt)
+    line = failed_run(tmp_path, chain_args(tmp_path, ckpt), "refused", train_iters=ITERS)
+    assert f"--load {ckpt}: {ckpt / 'iter_0000002'} is unproven" in line
+    assert "write 2 into" in line and "or move it out of" in line and "to start fresh" in line
+    assert tree_digest(ckpt) == kept
+
+
+def _edit_one_offset_digit(path):
+    """Change one digit of the first per-parameter offset (still valid JSON, same length)."""
+    data = bytearray(open(path, "rb").read())
+    match = re.search(rb'"params": \[\["[^"]+", (\d)', bytes(data))
+    pos = match.start(1)
+    data[pos] = ord("1") if data[pos] != ord("1") else ord("2")
+    open(path, "wb").write(bytes(data))
+
+
+def test_edited_offload_footer_is_refused_at_another_dp_size(tmp_path):
+    """One digit of a slice offset edited: the directory's proof (CRC of files up to 64 MiB) refuses
+    it; with the proof re-signed after the edit (or a file too large for the proof's CRC), the
+    offload file's own footer checksum does. Either way one line names the file; nothing changes."""
+    ckpt = tmp_path / "ckpt"
+    run_pretrain(tmp_path, chain_args(tmp_path, ckpt) + ["--exit-interval", "2"], train_iters=ITERS)
+    target = ckpt / "iter_0000002"
+    victim = target / "offload" / "pp000_tp000_dp001.offload"
+    _edit_one_offset_digit(victim)
+    kept = tree_digest(ckpt)
+    line = failed_run(tmp_path, chain_args(tmp_path, ckpt), "edited", nproc=1, train_iters=ITERS)
+    assert f"{target} is damaged ({victim} does not match its checksum)" in line and "restore it" in line
+    assert tree_digest(ckpt) == kept
+    (target / integrity.IN_PROGRESS).write_text("{}")
+    integrity.mark_complete(str(target), 2)
+    line = failed_run(tmp_path, chain_args(tmp_path, ckpt), "resigned", nproc=1, train_iters=ITERS)
+    assert f"{victim}: checksum mismatch in the footer" in line
+
+
+def test_disk_full_in_the_middle_of_a_save(tmp_path, uninterrupted):
+    """ENOSPC while rank 1 streams its offloaded state into checkpoint 4: one line naming the file
+    and the bytes, no partial file or directory left, checkpoint 2 untouched and resumable."""
+    ckpt = tmp_path / "ckpt"
+    line = failed_run(tmp_path, chain_args(tmp_path, ckpt), "full", train_iters=ITERS,
+                      env={"MLP_OFFLOAD_FAULT": "save-offload@1#5=ENOSPC"})
+    target = ckpt / "iter_0000004"
+    assert re.search(rf"--save {ckpt}: rank 1: {target}/offload/pp000_tp000_dp001.offload: No space left on device"
+                     r".* MB needed for this file, .* free; the partial file was removed; the unfinished "
+                     rf"{target} was removed", line), line
+    assert not target.exists() and (ckpt / "latest_checkpointed_iteration.txt").read_text() == "2"
+    assert not list(ckpt.rglob("*.tmp"))
+    resumed = run_pretrain(tmp_path, chain_args(tmp_path, ckpt), train_iters=ITERS, loss_log=tmp_path / "r.jsonl")
+    assert resumed == uninterrupted[2:]
+
+
+@pytest.fixture
+def small_file_system(tmp_path):
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=5m", "tmpfs", str(mount)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root); the injected ENOSPC test covers the write path")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_save_refused_up_front_when_the_file_system_is_too_small(tmp_path, small_file_system):
+    """A real 5 MB file system holds one checkpoint (3.4 MB), not two: the second save is refused
+    before any byte is written, naming --save and the numbers; the first stays as it was."""
+    ckpt = small_file_system / "ckpt"
+    line = failed_run(tmp_path, chain_args(tmp_path, ckpt), "small", train_iters=ITERS)
+    assert re.search(rf"--save {ckpt}: the checkpoint of iteration 4 needs about 3\.\d+ MB, but only "
+                     r"[\d.]+ MB are free there; nothing was written", line), line
+    assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+
+
+@pytest.mark.parametrize("flags,expected", [
+    (["--offload-host-cache-gb", "inf"], "argument --offload-host-cache-gb: must be a finite number, got inf"),
+    (["--offload-host-cache-gb", "1e7"], r"--offload-host-cache-gb 1e\+07: 2 rank\(s\) of this node x 1e\+07 GiB = .* more than 64x this node"),
+    (["--lr-warmup-iters", "6"], "argument --lr-warmup-iters: 6 must be below --lr-decay-iters"),
+    (["--offload-prefetch-depth", "0"], "argument --offload-prefetch-depth"),
+])
+def test_user_errors_are_one_line_once_per_job(tmp_path, flags, expected):
+    args = offload_args(tmp_path)
+    for i in range(0, len(flags), 2):  # replace a flag offload_args already gives
+        if flags[i] in args:
+            del args[args.index(flags[i]): args.index(flags[i]) + 2]
+    line = failed_run(tmp_path, args + flags, "bad", train_iters=ITERS)
+    assert re.search(expected, line), line
+
+
+def _dead_namespaces(root):
+    return sorted(p.name for p in root.glob("mlp_offload/*/rank*"))
+
+
+def _start(tmp_path, args, log, env=None):
+    out = open(tmp_path / f"{log.stem}.out", "w")
+    cmd = pretrain_command(args, 2, ITERS, log)
+    return subprocess.Popen(cmd, cwd=REPO, env=pretrain_env(env), stdout=out, stderr=subprocess.STDOUT,
+                            start_new_session=True), out
+
+
+def _wait_for_iterations(proc, log, count, timeout=180):
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if log.exists() and len(read_loss_log(log)) >= count:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"the run did not reach iteration {count}")
+
+
+def test_sigterm_saves_then_exits_and_the_run_continues_exactly(tmp_path, uninterrupted):
+    """SLURM's --signal sends SIGTERM to every process of the step: with --exit-signal-handler the
+    ranks finish the iteration, save a complete checkpoint (offloaded state included), remove their
+    swap files and exit; the next job continues as if nothing had happened."""
+    ckpt = tmp_path / "ckpt"
+    args = [*offload_args(tmp_path), "--save", str(ckpt), "--load", str(ckpt), "--exit-signal-handler"]
+    log = tmp_path / "signalled.jsonl"
+    proc, out = _start(tmp_path, args, log)
+    try:
+        _wait_for_iterations(proc, log, 2)
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=120)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
+        out.close()
+    output = (tmp_path / "signalled.out").read_text()
+    saved = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
+    assert 2 <= saved < ITERS, output[-3000:]
+    assert f"exiting at iteration {saved} after receiving SIGTERM (--exit-signal-handler)" in output
+    assert (ckpt / f"iter_{saved:07d}" / "COMPLETE.json").exists()
+    assert _dead_namespaces(tmp_path / "nvme") == [] and _dead_namespaces(tmp_path / "pfs") == []
+    resumed = run_pretrain(tmp_path, args, train_iters=ITERS, loss_log=tmp_path / "resumed.jsonl")
+    assert read_loss_log(log)[:saved] + resumed == uninterrupted
+
+
+def test_exit_duration_saves_and_exits(tmp_path, uninterrupted):
+    ckpt = tmp_path / "ckpt"
+    args = [*offload_args(tmp_path), "--save", str(ckpt), "--load", str(ckpt)]
+    first = run_pretrain(tmp_path, args + ["--exit-duration-in-mins", "0"], train_iters=ITERS,
+                         loss_log=tmp_path / "first.jsonl")
+    assert [r["iteration"] for r in first] == [1]
+    assert "exiting at iteration 1 after reaching --exit-duration-in-mins" in (tmp_path / "first.out").read_text()
+    assert first + run_pretrain(tmp_path, args, train_iters=ITERS, loss_log=tmp_path / "rest.jsonl") == uninterrupted
+
+
+def test_sigterm_while_a_peer_is_dead_still_removes_swap_files(tmp_path):
+    """Rank 1 is SIGKILLed mid-update; torchrun SIGTERMs rank 0, which may be blocked in a collective
+    that never returns. Its swap namespaces must still go; only the killed rank's remain."""
+    result = run_pretrain(tmp_path, offload_args(tmp_path), train_iters=ITERS, expect_success=False,
+                          env={"MLP_OFFLOAD_FAULT": "update@1#3"})[0]
+    assert result["returncode"] != 0
+    for tier in ("nvme", "pfs"):
+        assert _dead_namespaces(tmp_path / tier) == ["rank00001"], result["output"][-3000:]
