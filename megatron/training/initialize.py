@@ -10,6 +10,8 @@ from datetime import timedelta
 import numpy as np
 import torch
 
+from megatron.training import child_processes
+
 
 def select_device(requested: str) -> torch.device:
     if requested == "auto":
@@ -66,6 +68,7 @@ def initialize(args) -> torch.device:
         from megatron.training import cpu_compat
 
         cpu_compat.apply()
+    child_processes.die_with_rank(start_results_queue=bool(args.save))
     _init_process_group(device)
 
     from megatron.core import parallel_state
