@@ -1,7 +1,9 @@
 """Crash consistency with offload (2 CPU processes): a rank SIGKILLs itself at an injected point
 (mlp_offload.faults), then the same command is run again. It must resume from the last complete
 checkpoint and continue exactly as a run that never stopped; the dead run's swap files are
-reported, never reused, and tools/offload_clean.py removes them."""
+reported, never reused, and tools/offload_clean.py removes them. No process of the dead rank may
+outlive it (run_pretrain fails on survivors): the checkpoint writer's Manager, started before the
+first save, and its forked writers die with it."""
 
 import subprocess
 import sys
