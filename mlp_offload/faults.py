@@ -1,6 +1,6 @@
 """Fault injection for the crash tests: ``MLP_OFFLOAD_FAULT="point[@rank][#n]"`` makes the process
 SIGKILL itself the n-th time (default 1) it passes ``fault_point(point)``, on that global rank only
-(default: any). Points: forward, backward, update, save-offload, save-tracker. Unset: a no-op."""
+(default: any). Points: forward, backward, update, save-offload, save-tracker, fork. Unset: a no-op."""
 
 from __future__ import annotations
 
@@ -22,3 +22,8 @@ def fault_point(name: str) -> None:
     _passes[name] = _passes.get(name, 0) + 1
     if _passes[name] == int(count or 1):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+# "fork": just after the process forked a child. A rank forks only dist_checkpointing's writers,
+# so this kills it mid-save with a writer alive.
+os.register_at_fork(after_in_parent=lambda: fault_point("fork"))

@@ -20,6 +20,7 @@ CASES = {
     "backward@0#6": 2,      # dies in the backward of iteration 3
     "update@1#3": 2,        # dies half-way through the update of iteration 3
     "save-offload@0#2": 0,  # dies while streaming its state into the first checkpoint
+    "fork@1#1": 0,          # dies in the first checkpoint, its writer process just forked
     "save-tracker@0#1": 0,  # first checkpoint written but not yet recorded as the latest
     "save-tracker@1#1": 2,  # rank 0 still records it: the checkpoint is complete
 }
@@ -44,7 +45,7 @@ def test_kill_and_restart_resumes_exactly(tmp_path, uninterrupted, fault):
     assert resumed == uninterrupted[start:]
     output = (tmp_path / "resumed.out").read_text()
     assert "stale offload namespace(s) of dead runs" in output
-    if fault.startswith("save-offload"):
+    if fault.startswith(("save-offload", "fork")):
         assert "removing incomplete checkpoint" in output
     # The killed rank's files are left behind (SIGKILL): the cleaner finds and removes them.
     cleaner = [sys.executable, str(REPO / "tools" / "offload_clean.py"), str(tmp_path / "nvme"), str(tmp_path / "pfs")]
