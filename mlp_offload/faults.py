@@ -1,7 +1,8 @@
 """Fault injection for the crash tests: ``MLP_OFFLOAD_FAULT="point[@rank][#n][=ERRNO]"`` makes the
 process SIGKILL itself the n-th time (default 1) it passes ``fault_point(point)``, on that global
 rank only (default: any); with ``=ENOSPC`` (any errno name) it raises that OSError there instead,
-as a full disk would. Points: forward, backward, update, save-offload, save-complete, save-tracker.
+as a full disk would. Points: forward, backward, update, save-offload, save-complete, save-tracker,
+fork.
 Unset: a no-op."""
 
 from __future__ import annotations
@@ -30,3 +31,8 @@ def fault_point(name: str) -> None:
         code = getattr(errno, error)
         raise OSError(code, f"{os.strerror(code)} (injected at {name})")
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+# "fork": just after the process forked a child. A rank forks only dist_checkpointing's writers,
+# so this kills it mid-save with a writer alive.
+os.register_at_fork(after_in_parent=lambda: fault_point("fork"))

@@ -9,6 +9,7 @@ from datetime import timedelta
 import numpy as np
 import torch
 
+from megatron.training import child_processes
 from megatron.training.errors import UserError
 from megatron.training.signals import SigtermWatcher
 
@@ -59,6 +60,7 @@ def initialize(args) -> torch.device:
         from megatron.training import cpu_compat
 
         cpu_compat.apply()
+    child_processes.die_with_rank(start_results_queue=bool(args.save))
     _init_process_group(device)
 
     from megatron.core import parallel_state

@@ -5,17 +5,22 @@ Reused by the offload tests: ``run_pretrain(tmp_path, extra_args)`` -> list of l
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 REPO = Path(__file__).resolve().parents[2]
 PRETRAIN = REPO / "pretrain_gpt.py"
+LAUNCH_MARKER = "MLP_OFFLOAD_TEST_LAUNCH"  # environment variable: which launch a process belongs to
+SURVIVOR_GRACE_S = 2.0
 
 # A tiny model every TP/PP test can split: 4 layers, 4 heads, 8 micro-batches per step at DP=1.
 TINY_MODEL = [
@@ -58,7 +63,7 @@ def run_pretrain(tmp_path: os.PathLike, extra_args: Sequence[str], nproc: int = 
     for _attempt in range(3):
         # free_port() can lose a race with another process before torchrun binds it: retry then.
         cmd = pretrain_command(extra_args, nproc, train_iters, loss_log, model_args, mock_data)
-        returncode, output = _run_in_own_session(cmd, run_env, timeout, tmp_path / f"{Path(loss_log).stem}.out")
+        returncode, output = run_and_clean_up(cmd, run_env, timeout, tmp_path / f"{Path(loss_log).stem}.out")
         if not (returncode != 0 and "EADDRINUSE" in output and "server socket has failed" in output):
             break
     if expect_success and returncode != 0:
@@ -84,27 +89,62 @@ def pretrain_command(extra_args: Sequence[str], nproc: int, train_iters: int, lo
             *(["--mock-data"] if mock_data else []), *extra_args]
 
 
-def _run_in_own_session(cmd, env, timeout: float, out_path: Path):
-    """Run ``cmd`` in a new session with its output in a file; afterwards kill what is left of the
-    session. A rank killed by a fault test orphans helper processes (megatron-core's checkpoint
-    writer starts a multiprocessing Manager): they must neither outlive the test nor hold a pipe."""
+def run_and_clean_up(cmd, env, timeout: float, out_path: Path):
+    """Run ``cmd`` with its output in a file; afterwards no process it started may be alive.
+
+    Every process of the launch inherits a marker in its environment, so it is found even when
+    orphaned: torchrun puts each rank in a session of its own, and a killed rank's children are
+    reparented to init. Survivors are killed, then reported as a failure."""
+    launch_id = uuid.uuid4().hex
+    env = {**env, LAUNCH_MARKER: launch_id}
     with open(out_path, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+        returncode = None  # stays None on a timeout
         try:
-            returncode = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            returncode = None
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                returncode = proc.wait(timeout=timeout)
         finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            survivors = [] if returncode is None else _survivors(launch_id)
+            for pid, _ in processes_of_launch(launch_id):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             proc.wait()
     output = out_path.read_text()
     if returncode is None:
         raise PretrainFailed(f"timed out after {timeout} s: {' '.join(cmd)}\n{output[-6000:]}")
+    if survivors:
+        listing = "\n".join(f"  pid {pid}: {cmdline}" for pid, cmdline in survivors)
+        raise PretrainFailed(f"{len(survivors)} process(es) outlived the run (exit {returncode}), "
+                             f"killed now:\n{listing}\n{' '.join(cmd)}\n{output[-3000:]}")
     return returncode, output
+
+
+def processes_of_launch(launch_id: str) -> List[Tuple[int, str]]:
+    """(pid, command line) of the live processes whose environment has LAUNCH_MARKER=launch_id."""
+    marker = f"{LAUNCH_MARKER}={launch_id}".encode()
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/environ", "rb") as f:
+                if marker not in f.read().split(b"\0"):  # a zombie's is empty
+                    continue
+            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                cmdline = " ".join(f.read().replace(b"\0", b" ").decode(errors="replace").split())[:300]
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        found.append((int(entry.name), cmdline))
+    return found
+
+
+def _survivors(launch_id: str) -> List[Tuple[int, str]]:
+    """The processes of a finished launch still alive after SURVIVOR_GRACE_S: a killed rank's
+    children need a moment (PDEATHSIG, then the resource tracker sees its pipe close)."""
+    deadline = time.monotonic() + SURVIVOR_GRACE_S
+    while (alive := processes_of_launch(launch_id)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return alive
 
 
 def losses(records: List[Dict]) -> List[float]:

@@ -1,7 +1,9 @@
 """Crash consistency with offload (2 CPU processes): a rank SIGKILLs itself at an injected point
 (mlp_offload.faults), then the same command is run again. It must resume from the last complete
 checkpoint and continue exactly as a run that never stopped; the dead run's swap files are
-reported, never reused, and tools/offload_clean.py removes them."""
+reported, never reused, and tools/offload_clean.py removes them. No process of the dead rank may
+outlive it (run_pretrain fails on survivors): the checkpoint writer's Manager, started before the
+first save, and its forked writers die with it."""
 
 import subprocess
 import sys
@@ -18,6 +20,7 @@ CASES = {
     "backward@0#6": 2,      # dies in the backward of iteration 3
     "update@1#3": 2,        # dies half-way through the update of iteration 3
     "save-offload@0#2": 0,  # dies while streaming its state into the first checkpoint
+    "fork@1#1": 0,          # dies in the first checkpoint, its writer process just forked
     "save-complete@0#1": 0,  # every file written, the completeness proof not yet: incomplete
     "save-tracker@0#1": 2,  # proven complete, the tracker not yet updated: found by its proof
     "save-tracker@1#1": 2,  # rank 0 still records it: the checkpoint is complete
@@ -43,7 +46,7 @@ def test_kill_and_restart_resumes_exactly(tmp_path, uninterrupted, fault):
     assert resumed == uninterrupted[start:]
     output = (tmp_path / "resumed.out").read_text()
     assert "stale offload namespace(s) of dead runs" in output
-    if fault.startswith(("save-offload", "save-complete")):
+    if fault.startswith(("save-offload", "save-complete", "fork")):
         assert f"removed incomplete checkpoint {tmp_path / 'ckpt' / 'iter_0000002'}" in output
     if fault == "save-tracker@0#1":
         assert f"resuming from {tmp_path / 'ckpt' / 'iter_0000002'}, the newest complete checkpoint" in output
