@@ -8,6 +8,7 @@ every rank's RNG states, so a resumed run continues bit for bit.
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import shutil
@@ -26,6 +27,8 @@ from mlp_offload.checkpoint import CheckpointSaveError, human_bytes
 from mlp_offload.faults import fault_point
 
 OPTIMIZER_SHARDING = "dp_reshardable"
+# What a file system says when the user must act (space, quota, permissions, a vanished or failing disk).
+STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.EIO}
 
 
 @runtime_checkable
@@ -170,14 +173,19 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, cons
             t0 = time.perf_counter()
             offload_bytes = optimizer.save_offloaded_state(path)
             offload_s = time.perf_counter() - t0
-    except (OSError, CheckpointSaveError) as err:  # disk full, quota, I/O error: the user's to fix
+    except CheckpointSaveError as err:
         failure = f"rank {rank}: {err}"
+    except OSError as err:
+        if err.errno not in STORAGE_ERRNOS:
+            raise  # not the file system's doing: a bug, with its traceback
+        failure = f"rank {rank}: {path}: {err.strerror or err}"
     _fail_together(failure, root, path)
     fault_point("save-complete")
     total = [None]
     if rank == 0:  # after every rank's files: the proof, then the tracker
         total = [integrity.mark_complete(path, iteration)]
-        fault_point("save-tracker")
+    fault_point("save-tracker")
+    if rank == 0:
         integrity.write_tracker(root, iteration)
     totals = torch.tensor([offload_bytes, offload_s], dtype=torch.float64, device=_device(model))
     torch.distributed.all_reduce(totals, op=torch.distributed.ReduceOp.MAX)  # the slowest rank's figures

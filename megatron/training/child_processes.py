@@ -41,6 +41,10 @@ def _die_with_parent(*_unused) -> None:
     # The parent may have died before prctl ran; then no signal will come.
     if os.getppid() != multiprocessing.parent_process().pid:
         os.kill(os.getpid(), signal.SIGKILL)
+    # torchrun stops a worker by SIGTERM to its whole process group, these children included; with
+    # --exit-signal-handler the rank still saves after that, through them. They end with the rank
+    # (the signal above) or when it stops them, never on their own account.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def die_with_rank(start_results_queue: bool) -> None:

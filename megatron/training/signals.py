@@ -44,7 +44,7 @@ class SigtermWatcher:
         self._writer = writer  # kept open: the C handler writes the signal number into it
         signal.signal(signal.SIGTERM, lambda signum, frame: None)  # the watcher acts, not the main thread
         signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
-        os.register_at_fork(after_in_child=_default_sigterm_in_child)
+        os.register_at_fork(after_in_child=_quiet_in_child)
         threading.Thread(target=self._watch, name="sigterm-watcher", daemon=True).start()
 
     @contextlib.contextmanager
@@ -79,10 +79,10 @@ class SigtermWatcher:
         os._exit(EXIT_ON_SIGTERM)
 
 
-def _default_sigterm_in_child() -> None:
-    # A forked helper (e.g. a checkpoint writer) must neither ignore SIGTERM nor wake our watcher.
+def _quiet_in_child() -> None:
+    # A forked helper (a checkpoint writer) must not wake its parent's watcher through the shared
+    # socket. Its SIGTERM disposition is child_processes' business (it outlives the group's SIGTERM).
     signal.set_wakeup_fd(-1)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _say(message: str) -> None:

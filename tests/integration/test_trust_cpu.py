@@ -119,14 +119,16 @@ def test_disk_full_in_the_middle_of_a_save(tmp_path, uninterrupted):
     """ENOSPC while rank 1 streams its offloaded state into checkpoint 4: one line naming the file
     and the bytes, no partial file or directory left, checkpoint 2 untouched and resumable."""
     ckpt = tmp_path / "ckpt"
+    run_pretrain(tmp_path, chain_args(tmp_path, ckpt) + ["--exit-interval", "2"], train_iters=ITERS)
+    kept = tree_digest(ckpt / "iter_0000002")
     line = failed_run(tmp_path, chain_args(tmp_path, ckpt), "full", train_iters=ITERS,
-                      env={"MLP_OFFLOAD_FAULT": "save-offload@1#5=ENOSPC"})
+                      env={"MLP_OFFLOAD_FAULT": "save-offload@1#2=ENOSPC"})
     target = ckpt / "iter_0000004"
     assert re.search(rf"--save {ckpt}: rank 1: {target}/offload/pp000_tp000_dp001.offload: No space left on device"
                      r".* MB needed for this file, .* free; the partial file was removed; the unfinished "
                      rf"{target} was removed", line), line
     assert not target.exists() and (ckpt / "latest_checkpointed_iteration.txt").read_text() == "2"
-    assert not list(ckpt.rglob("*.tmp"))
+    assert not list(ckpt.rglob("*.tmp")) and tree_digest(ckpt / "iter_0000002") == kept
     resumed = run_pretrain(tmp_path, chain_args(tmp_path, ckpt), train_iters=ITERS, loss_log=tmp_path / "r.jsonl")
     assert resumed == uninterrupted[2:]
 
