@@ -10,6 +10,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
+from .subgroups import ALIGN
+
 HOST_TIER = "host"
 GiB = 1024**3
 MiB = 1024**2
@@ -168,6 +170,8 @@ class OffloadConfig:
                 raise OffloadConfigError(f"bandwidth given for {name!r}, which is not a file tier")
             if isinstance(bw, (tuple, list)):
                 self.bandwidths[name] = TierBandwidth(*bw)
+        if any(name not in self.bandwidths for name in self.file_tiers):
+            probe_piece_bytes(self.probe_bytes, self.prefetch_depth)  # a tier will be probed
         if self.adam_elems_per_s is not None and self.adam_elems_per_s <= 0:
             raise OffloadConfigError("Adam rate must be positive")
 
@@ -211,6 +215,20 @@ def parse_bandwidths(spec: str) -> Dict[str, TierBandwidth]:
             ) from None
         result[name.strip()] = TierBandwidth(read_gbps * 1e9, write_gbps * 1e9)
     return result
+
+
+def probe_piece_bytes(probe_bytes: int, prefetch_depth: int) -> int:
+    """Bytes of each of the bandwidth probe's files: it moves ``probe_bytes`` as ``prefetch_depth``
+    files at once, each whole pages and at least two (its mixed phase writes from one half while
+    reading into the other)."""
+    piece = probe_bytes // prefetch_depth // ALIGN * ALIGN
+    if piece < 2 * ALIGN:
+        raise OffloadConfigError(
+            f"the bandwidth probe cannot split probe_bytes={probe_bytes} into prefetch_depth={prefetch_depth} "
+            f"files of at least {2 * ALIGN} bytes: raise probe_bytes (--offload-probe-mb) to at least "
+            f"{2 * ALIGN * prefetch_depth}, lower prefetch_depth (--offload-prefetch-depth), or give the "
+            f"tier's bandwidths (--offload-bandwidths)")
+    return piece
 
 
 def _positive(what: str, value: int) -> None:

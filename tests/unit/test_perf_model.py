@@ -2,12 +2,13 @@
 
 import json
 import os
+import time
 
 import pytest
 
 import torch
 
-from mlp_offload import OffloadedAdamW
+from mlp_offload import OffloadConfigError, OffloadedAdamW
 from mlp_offload.config import OffloadConfig, TierBandwidth
 from mlp_offload.perf_model import PROBE_CACHE, plan_placement, predict_update, probe_tier, tokens_for
 from mlp_offload.subgroups import partition
@@ -164,3 +165,57 @@ def test_a_tiny_probe_with_many_ranks_still_measures(tmp_path):
     finally:
         tier.close()
     assert rate.shared_mixed_bps > 0
+
+
+@pytest.mark.parametrize("probe_bytes,block,depth,sharing", [
+    (16 << 20, 8 << 20, 3, 1),  # as reported: each file one 8 MiB block, of which half was read
+    (48 << 20, 8 << 20, 2, 1),  # as reported: the read ended inside the block at byte 8388608
+    (48 << 20, 8 << 20, 2, 3),  # the all-ranks phase too
+    ((1 << 20) + 12345, 12288, 5, 4),  # neither size a power of two
+    (1 << 20, 4096, 128, 1),  # the smallest files: two pages each
+])
+def test_probe_reads_back_what_it_wrote_at_any_size(tmp_path, probe_bytes, block, depth, sharing):
+    tier = FileTier("t", str(tmp_path), "probe", 0, block, 2, op_threads=depth + 2)
+    buf = HostMemory(None, pin=False).allocate(probe_bytes, "probe", counted=False)
+    try:
+        rate = probe_tier(tier, buf, concurrency=depth, ranks_sharing=sharing)
+    finally:
+        tier.close()
+    assert rate.read_bps > 0 and rate.write_bps > 0 and rate.mixed_bps > 0
+    assert (rate.shared_mixed_bps is not None) == (sharing > 1)
+
+
+def test_engine_probes_at_start_with_the_reported_settings(tmp_path):
+    cfg = fast_config(tmp_path, tiers=["nvme"], prefetch_depth=3, probe_bytes=16 << 20,
+                      io_block_bytes=8 << 20, bandwidths={})
+    with OffloadedAdamW(torch.zeros(30_000), cfg) as eng:
+        assert eng.rates["nvme"].mixed_bps > 0
+
+
+def test_a_probe_too_small_for_its_files_names_the_settings(tmp_path):
+    paths = {"nvme": str(tmp_path)}
+    with pytest.raises(OffloadConfigError, match=r"probe_bytes=1048576 .*prefetch_depth=129.*1056768"):
+        OffloadConfig(tiers=["nvme"], paths=paths, probe_bytes=1 << 20, prefetch_depth=129)
+    # Nothing is probed where the rates are given.
+    OffloadConfig(tiers=["nvme"], paths=paths, probe_bytes=1 << 20, prefetch_depth=129, bandwidths={"nvme": (1e9, 1e9)})
+    tier = FileTier("t", str(tmp_path), "probe", 0, 4096, 1, op_threads=2)
+    try:
+        with pytest.raises(OffloadConfigError, match="prefetch_depth=129"):
+            probe_tier(tier, HostMemory(None, pin=False).allocate(1 << 20, "probe", counted=False), concurrency=129)
+    finally:
+        tier.close()
+
+
+def test_a_probe_cached_before_the_whole_file_reads_is_measured_again(tmp_path):
+    tier = FileTier("t", str(tmp_path), "probe", 0, 64 * 1024, 2, op_threads=4)
+    buf = HostMemory(None, pin=False).allocate(1 << 20, "probe", counted=False)
+    old = {"bytes": 1 << 20, "block_bytes": 64 * 1024, "odirect": tier.odirect, "threads": 2, "concurrency": 2,
+           "ranks_sharing": 1, "phases": "write,read,mixed,odirect-unflushed", "read_bps": 1.0, "write_bps": 1.0,
+           "mixed_bps": 1.0, "shared_mixed_bps": None, "measured_at": time.time()}
+    with open(os.path.join(tier.root, PROBE_CACHE), "w") as f:
+        json.dump(old, f)
+    try:
+        rate = probe_tier(tier, buf)
+    finally:
+        tier.close()
+    assert rate.read_bps != 1.0
