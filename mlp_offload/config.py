@@ -92,7 +92,8 @@ class OffloadConfig:
 
     cache_alternating: bool = True
     """Alternate the update order each step and keep the tail of one step in spare host
-    buffers, so the next (reversed) step skips their write and read."""
+    buffers, so the next (reversed) step skips their write and read. Off: nothing is reused
+    across steps; every streamed subgroup is written and read back from its tier each step."""
 
     bandwidths: Dict[str, TierBandwidth] = field(default_factory=dict)
     """Per file tier: measured bandwidths to use instead of probing."""
