@@ -235,7 +235,8 @@ def plan_placement(
         if budget is not None and budget < total_state:
             raise PlacementError(
                 f"host-only offload: the optimizer state needs {total_state / GiB:.3f} GiB but the "
-                f"host budget is {budget / GiB:.3f} GiB; raise --offload-host-cache-gb or add a file tier"
+                f"host budget is {budget / GiB:.3f} GiB (host_budget_bytes={budget}); raise "
+                f"--offload-host-cache-gb or add a file tier"
             )
         return Placement([HOST_TIER] * n, 0, 0, total_state)
 
@@ -245,8 +246,8 @@ def plan_placement(
         budget = wanted_slots * slot_bytes  # no "host" tier: just the pipeline's buffers
     if budget < min_slots * slot_bytes:
         raise PlacementError(
-            f"host budget {budget / GiB:.3f} GiB is below the pipeline's minimum of {min_slots} "
-            f"subgroup buffers ({min_slots * slot_bytes / GiB:.3f} GiB at subgroup size "
+            f"host budget {budget / GiB:.3f} GiB (host_budget_bytes={budget}) is below the pipeline's "
+            f"minimum of {min_slots} subgroup buffers ({min_slots * slot_bytes / GiB:.3f} GiB at subgroup size "
             f"{config.subgroup_size}); raise --offload-host-cache-gb or lower --offload-subgroup-size"
         )
     pipeline_slots = min(wanted_slots, budget // slot_bytes)

@@ -9,6 +9,7 @@ status 2, no traceback). The offload group is parsed but its semantics are check
 from __future__ import annotations
 
 import argparse
+import math
 import re
 from typing import List, Optional
 
@@ -31,8 +32,8 @@ def _non_negative_int(text: str) -> int:
 
 def _non_negative_float(text: str) -> float:
     value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    if not (math.isfinite(value) and value >= 0):  # inf: converting it to bytes raised, with a traceback
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return value
 
 

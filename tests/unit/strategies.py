@@ -37,6 +37,14 @@ class Setup:
         return partition(self.numel, self.options["subgroup_size"])[0].state_bytes
 
 
+def fixed_setup(tiers, numel, groups=None, **options) -> Setup:
+    """One set-up for an explicit example: small, fast defaults (rates given), then ``options``."""
+    defaults = dict(subgroup_size=10_000, prefetch_depth=2, io_threads=2, io_block_bytes=64 * 1024,
+                    adam_kernel="fused", adam_elems_per_s=1e9, run_id="prop", pin_memory=False, host_budget_bytes=None,
+                    bandwidths={t: TierBandwidth(2e9, 1e9) for t in tiers if t != "host"})
+    return Setup(numel, list(tiers), {**defaults, **options}, groups)
+
+
 @st.composite
 def setups(draw, tier_mixes=TIER_MIXES, probe: bool = True, max_numel: int = 200_000) -> Setup:
     """A valid set-up: at most 12 subgroups of a shard of at most ``max_numel`` elements; with
@@ -65,10 +73,8 @@ def setups(draw, tier_mixes=TIER_MIXES, probe: bool = True, max_numel: int = 200
     else:
         options["bandwidths"] = {t: TierBandwidth(draw(st.sampled_from([0.5e9, 1e9, 3e9])), 1e9)
                                  for t in file_tiers}
-    setup = Setup(numel, tiers, options)
-    slot = setup.slot_bytes
-    total = sum(sg.state_bytes for sg in partition(numel, subgroup_size))
-    n_sub = len(partition(numel, subgroup_size))
+    subgroups = partition(numel, subgroup_size)
+    slot, total, n_sub = subgroups[0].state_bytes, sum(sg.state_bytes for sg in subgroups), len(subgroups)
     if not file_tiers:  # host only: no budget, or one the whole state fits
         budget = draw(st.one_of(st.none(), st.integers(total, 2 * total)))
     elif "host" in tiers:  # from the pipeline's minimum of two buffers to more than all of it
@@ -76,8 +82,7 @@ def setups(draw, tier_mixes=TIER_MIXES, probe: bool = True, max_numel: int = 200
     else:  # no host tier: the pipeline's buffers only, as many as the budget allows
         budget = draw(st.one_of(st.none(), st.integers(2 * slot, 12 * slot)))
     options["host_budget_bytes"] = budget
-    setup.groups = draw(param_groups(numel))
-    return setup
+    return Setup(numel, tiers, options, draw(param_groups(numel)))
 
 
 @st.composite

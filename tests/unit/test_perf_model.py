@@ -20,7 +20,7 @@ from mlp_offload.tiers.files import FileTier
 from mlp_offload.tiers.host import HostMemory
 
 from .helpers import fast_config
-from .strategies import TIER_MIXES, Setup, setups
+from .strategies import TIER_MIXES, fixed_setup, setups
 
 
 def test_mixed_rate_used_only_when_it_beats_reads_then_writes():
@@ -126,10 +126,8 @@ def _counted(traffic_dicts):
 
 def _original_case(tiers, budget_slots):
     # Page-aligned subgroups, the last one short: its turn in the cache alternates.
-    options = dict(subgroup_size=4096, io_block_bytes=64 * 1024, io_threads=2, adam_elems_per_s=1e9,
-                   run_id="test", bandwidths={"nvme": TierBandwidth(2e9, 1e9)},
-                   host_budget_bytes=budget_slots and budget_slots * 3 * 4096 * 4)
-    return Setup(4096 * 7 + 1024, tiers, options)
+    return fixed_setup(tiers, 4096 * 7 + 1024, subgroup_size=4096,
+                       host_budget_bytes=budget_slots and budget_slots * 3 * 4096 * 4)
 
 
 @settings(max_examples=30, deadline=None, derandomize=True, print_blob=True)
