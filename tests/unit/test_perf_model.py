@@ -130,7 +130,7 @@ def _original_case(tiers, budget_slots):
                        host_budget_bytes=budget_slots and budget_slots * 3 * 4096 * 4)
 
 
-@settings(max_examples=30, deadline=None, derandomize=True, print_blob=True)
+@settings(max_examples=100, deadline=None, derandomize=True, print_blob=True)
 @given(setup=setups(tier_mixes=[m for m in TIER_MIXES if m != ["host"]], probe=False), pairs=st.integers(1, 2))
 @example(setup=_original_case(["nvme"], None), pairs=1)
 @example(setup=_original_case(["host", "nvme"], 5), pairs=1)
