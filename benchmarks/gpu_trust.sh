@@ -25,6 +25,8 @@ grep -E "saved checkpoint|iteration +[0-9]+/|error" "$OUT/U.log" | cut -c1-260
 du -sh "$DISK"/ckptU/iter_*/offload "$DISK"/ckptU/iter_* | cat; rm -rf "$DISK/ckptU"
 echo "U done at $(( SECONDS - T0 )) s"
 CK="--save $DISK/ckpt --load $DISK/ckpt --exit-signal-handler"
+# torchrun SIGKILLs workers this long after forwarding SIGTERM (default 30 s): it must cover the save.
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-300}
 setsid torchrun --nproc_per_node 1 pretrain_gpt.py $MODEL $OFFLOAD $CK --loss-log "$OUT/S.jsonl" > "$OUT/S.log" 2>&1 &
 PID=$!
 for _ in $(seq 600); do [ -f "$OUT/S.jsonl" ] && [ "$(wc -l < "$OUT/S.jsonl")" -ge 2 ] && break; sleep 0.5; done

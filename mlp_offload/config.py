@@ -6,9 +6,12 @@ Follows megatron-core's config-dataclass style: plain fields with defaults, chec
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
+
+from .subgroups import ALIGN
 
 HOST_TIER = "host"
 GiB = 1024**3
@@ -31,11 +34,14 @@ class TierBandwidth:
     """The same with as many streams as all the node's ranks issue at once (probed if they share)."""
 
     def __post_init__(self):
-        if not (self.read_bps > 0 and self.write_bps > 0) or any(
-                r is not None and r <= 0 for r in (self.mixed_bps, self.shared_mixed_bps)):
-            raise OffloadConfigError(
-                f"tier bandwidths must be positive, got read={self.read_bps} write={self.write_bps}"
-            )
+        for name in ("read_bps", "write_bps", "mixed_bps", "shared_mixed_bps"):
+            value = getattr(self, name)
+            if value is None and name in ("mixed_bps", "shared_mixed_bps"):
+                continue
+            # inf would plan I/O as free, nan would make every comparison in placement false
+            if not _positive_finite(value):
+                raise OffloadConfigError(
+                    f"tier bandwidth {name} must be a positive finite number of bytes/s, got {value!r}")
 
     def seconds(self, read_bytes: float, write_bytes: float) -> float:
         """Time to read and write that much on this tier alone. Reads and writes one after the
@@ -90,7 +96,8 @@ class OffloadConfig:
 
     cache_alternating: bool = True
     """Alternate the update order each step and keep the tail of one step in spare host
-    buffers, so the next (reversed) step skips their write and read."""
+    buffers, so the next (reversed) step skips their write and read. Off: nothing is reused
+    across steps; every streamed subgroup is written and read back from its tier each step."""
 
     bandwidths: Dict[str, TierBandwidth] = field(default_factory=dict)
     """Per file tier: measured bandwidths to use instead of probing."""
@@ -144,32 +151,48 @@ class OffloadConfig:
                 "offload tiers mix host memory with file tiers but no host budget is set: "
                 "give --offload-host-cache-gb (the host memory this rank may use for optimizer state)"
             )
-        if not self.file_tiers and self.host_budget_bytes is not None and self.host_budget_bytes <= 0:
-            raise OffloadConfigError("host-only offload needs a positive host budget (or none at all)")
-        if self.host_budget_bytes is not None and self.host_budget_bytes < 0:
-            raise OffloadConfigError(f"host budget must be >= 0 bytes, got {self.host_budget_bytes}")
-        _positive("subgroup size", self.subgroup_size)
-        _positive("prefetch depth", self.prefetch_depth)
-        if self.tokens_per_tier is not None:
-            _positive("tokens per tier", self.tokens_per_tier)
-        _positive("I/O threads", self.io_threads)
-        if self.probe_bytes < MiB:
-            raise OffloadConfigError(f"the bandwidth probe needs at least 1 MiB, got {self.probe_bytes} bytes")
-        if self.io_block_bytes <= 0 or self.io_block_bytes % 4096:
+        budget = self.host_budget_bytes
+        if budget is not None and not _is_int(budget):
             raise OffloadConfigError(
-                f"I/O block size must be a positive multiple of 4096 bytes, got {self.io_block_bytes}"
+                f"host budget (host_budget_bytes, --offload-host-cache-gb) must be a whole number of bytes "
+                f"or None, got {budget!r}")
+        if not self.file_tiers and budget is not None and budget <= 0:
+            raise OffloadConfigError(
+                f"host-only offload needs a positive host budget (host_budget_bytes), or none at all; got {budget}")
+        if budget is not None and budget < 0:
+            raise OffloadConfigError(f"host budget (host_budget_bytes) must be >= 0 bytes, got {budget}")
+        _positive("subgroup_size", self.subgroup_size)
+        _positive("prefetch_depth", self.prefetch_depth)
+        if self.tokens_per_tier is not None:
+            _positive("tokens_per_tier", self.tokens_per_tier)
+        _positive("io_threads", self.io_threads)
+        if self.ranks_sharing_node is not None:
+            _positive("ranks_sharing_node", self.ranks_sharing_node)
+        if not _is_int(self.probe_bytes) or self.probe_bytes < MiB:
+            raise OffloadConfigError(
+                f"the bandwidth probe (probe_bytes) needs a whole number of bytes, at least 1 MiB; got {self.probe_bytes!r}")
+        if not _is_int(self.io_block_bytes) or self.io_block_bytes <= 0 or self.io_block_bytes % ALIGN:
+            raise OffloadConfigError(
+                f"I/O block size (io_block_bytes) must be a positive multiple of {ALIGN} bytes, "
+                f"got {self.io_block_bytes!r}"
             )
         if self.adam_kernel not in ("fused", "foreach", "single"):
             raise OffloadConfigError(
-                f"adam kernel must be 'fused', 'foreach' or 'single', got {self.adam_kernel!r}"
+                f"adam kernel (adam_kernel) must be 'fused', 'foreach' or 'single', got {self.adam_kernel!r}"
             )
         for name, bw in list(self.bandwidths.items()):
             if name not in self.file_tiers:
                 raise OffloadConfigError(f"bandwidth given for {name!r}, which is not a file tier")
             if isinstance(bw, (tuple, list)):
-                self.bandwidths[name] = TierBandwidth(*bw)
-        if self.adam_elems_per_s is not None and self.adam_elems_per_s <= 0:
-            raise OffloadConfigError("Adam rate must be positive")
+                try:
+                    self.bandwidths[name] = TierBandwidth(*bw)
+                except OffloadConfigError as err:
+                    raise OffloadConfigError(f"bandwidths[{name!r}] = {bw!r}: {err}") from None
+        if any(name not in self.bandwidths for name in self.file_tiers):
+            probe_piece_bytes(self.probe_bytes, self.prefetch_depth)  # a tier will be probed
+        rate = self.adam_elems_per_s
+        if rate is not None and not _positive_finite(rate):
+            raise OffloadConfigError(f"Adam rate (adam_elems_per_s) must be a positive finite number, got {rate!r}")
 
     @property
     def has_host(self) -> bool:
@@ -209,13 +232,38 @@ def parse_bandwidths(spec: str) -> Dict[str, TierBandwidth]:
             raise OffloadConfigError(
                 f"bandwidth {item!r}: expected TIER=READ_GBPS:WRITE_GBPS, e.g. nvme=3.0:2.8"
             ) from None
-        result[name.strip()] = TierBandwidth(read_gbps * 1e9, write_gbps * 1e9)
+        try:
+            result[name.strip()] = TierBandwidth(read_gbps * 1e9, write_gbps * 1e9)
+        except OffloadConfigError as err:
+            raise OffloadConfigError(f"bandwidth {item!r} (--offload-bandwidths): {err}") from None
     return result
 
 
-def _positive(what: str, value: int) -> None:
-    if not isinstance(value, int) or value <= 0:
-        raise OffloadConfigError(f"{what} must be a positive integer, got {value!r}")
+def probe_piece_bytes(probe_bytes: int, prefetch_depth: int) -> int:
+    """Bytes of each of the bandwidth probe's files: it moves ``probe_bytes`` as ``prefetch_depth``
+    files at once, each whole pages and at least two (its mixed phase writes from one half while
+    reading into the other)."""
+    piece = probe_bytes // prefetch_depth // ALIGN * ALIGN
+    if piece < 2 * ALIGN:
+        raise OffloadConfigError(
+            f"the bandwidth probe cannot split probe_bytes={probe_bytes} into prefetch_depth={prefetch_depth} "
+            f"files of at least {2 * ALIGN} bytes: raise probe_bytes (--offload-probe-mb) to at least "
+            f"{2 * ALIGN * prefetch_depth}, lower prefetch_depth (--offload-prefetch-depth), or give the "
+            f"tier's bandwidths (--offload-bandwidths)")
+    return piece
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # True would pass as 1
+
+
+def _positive_finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def _positive(field: str, value: int) -> None:
+    if not _is_int(value) or value <= 0:
+        raise OffloadConfigError(f"{field.replace('_', ' ')} ({field}) must be a positive integer, got {value!r}")
 
 
 def _safe_name(value: str) -> str:

@@ -30,7 +30,7 @@ from .perf_model import (Placement, Prediction, measure_adam_rate, plan_placemen
 from .schedule import StepSchedule, step_schedule
 from .subgroups import FP32_BYTES, Subgroup, partition
 from .telemetry import StepRecord, TrafficCounters
-from .tiers.files import FileTier, TierIOError
+from .tiers.files import FileTier, OpResult, TierIOError
 from .tiers.host import HostMemory, check_budget_exists, check_host_memory
 from .tiers.tokens import TierTokens
 from .update import AdamKernel, fused_vector_width, convert_grads
@@ -394,7 +394,7 @@ class OffloadedAdamW:
             if slot is not None and slot.state in (READING, READY):
                 self._cursor += 1  # already issued
                 continue
-            if slot is not None and slot.state in (DIRTY, WRITING, EMPTY):
+            if slot is not None and slot.state in (DIRTY, WRITING, EMPTY) and self.config.cache_alternating:
                 # Still in host memory from earlier (kept, or written but not yet reused): a hit.
                 # A write still running must end before Adam changes the buffer, not now: waiting
                 # here would put the last write-behind back into the update's critical path.
@@ -406,9 +406,12 @@ class OffloadedAdamW:
             tier = self.placement.tier_of[i]
             if self._inflight[tier] >= self.config.prefetch_depth:
                 return
-            slot = self._reusable_slot()
             if slot is None:
-                return
+                slot = self._reusable_slot()
+                if slot is None:
+                    return
+            # else: without the cache nothing is reused across steps (as the model predicts): the
+            # subgroup is read back from its file, into the buffer that holds its written copy.
             self._start_read(i, slot)
             self._cursor += 1
 
@@ -445,8 +448,8 @@ class OffloadedAdamW:
         if i in self._fresh:
             future = tier.submit(self._materialize, i, slot.views, buffer_free)
         else:
-            future = tier.submit_read(_file_key(i), slot.views.extents(sg), before=buffer_free)
-            future.add_done_callback(self._counted(tier.name, "read"))
+            future = tier.submit_read(_file_key(i), slot.views.extents(sg), before=buffer_free,
+                                      after=self._counted(tier.name, "read"))
         slot.holder, slot.state, slot.future = i, READING, future
         self._slot_of[i] = slot
         self._inflight[tier.name] += 1
@@ -503,8 +506,8 @@ class OffloadedAdamW:
             slot.state = DIRTY
             return
         tier = self._tiers[self.placement.tier_of[i]]
-        slot.future = tier.submit_write(_file_key(i), slot.views.extents(self.subgroups[i]))
-        slot.future.add_done_callback(self._counted(tier.name, "write"))
+        slot.future = tier.submit_write(_file_key(i), slot.views.extents(self.subgroups[i]),
+                                        after=self._counted(tier.name, "write"))
         slot.state = WRITING
         self._writes[i] = slot.future
         self._issue_reads()
@@ -522,11 +525,10 @@ class OffloadedAdamW:
                 f"writing subgroup {i} failed: {err}. Its state is still in host memory; "
                 f"the last checkpoint is intact") from err
 
-    def _counted(self, tier: str, kind: str):
-        def on_done(future: Future):
-            if future.exception() is None:
-                self._counters.add(tier, kind, future.result())
-        return on_done
+    def _counted(self, tier: str, kind: str) -> Callable[[OpResult], None]:
+        # Counted before the operation's future completes: once it is waited for (flush, a read
+        # awaited), its bytes are in the counters. A done-callback could still be pending then.
+        return lambda result: self._counters.add(tier, kind, result)
 
     def _read_failed(self, i: int, err: BaseException) -> BaseException:
         self._failure = err
@@ -617,10 +619,9 @@ class OffloadedAdamW:
         slot = self._slot_of.get(i)
         if slot is not None and slot.state in (READING, READY, DIRTY):
             if slot.state == READING:
+                # Left READING: the step that awaits it books the read (READY without a future
+                # would count as a cache hit there).
                 slot.future.result()
-                self._inflight[self.placement.tier_of[i]] -= 1
-                self._fresh.discard(i)
-                slot.state, slot.future = READY, None
             return slot.views
         return None
 

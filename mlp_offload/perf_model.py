@@ -18,8 +18,8 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from .config import HOST_TIER, OffloadConfig, TierBandwidth
-from .subgroups import Subgroup
+from .config import HOST_TIER, OffloadConfig, TierBandwidth, probe_piece_bytes
+from .subgroups import ALIGN, Subgroup
 from .tiers.files import FileTier, fsync_path
 
 log = logging.getLogger("mlp_offload")
@@ -42,7 +42,8 @@ def probe_tier(tier: FileTier, host_buffer: torch.Tensor, concurrency: int = 2,
     ``ranks_sharing`` ranks of the node use the path, the mixed phase runs once more with that
     many times the streams and threads, as all of them would issue without turn-taking. A file
     lock serializes probes of one path, so ranks starting together neither disturb each other's
-    measurement nor probe the same path more than once.
+    measurement nor probe the same path more than once. A buffer too small to give each of the
+    ``concurrency`` files two pages is an ``OffloadConfigError`` (see ``probe_piece_bytes``).
     """
     cache_path = os.path.join(tier.root, PROBE_CACHE)
     signature = {
@@ -52,14 +53,15 @@ def probe_tier(tier: FileTier, host_buffer: torch.Tensor, concurrency: int = 2,
         "threads": tier.io_threads,
         "concurrency": concurrency,
         "ranks_sharing": ranks_sharing,
-        "phases": "write,read,mixed" + (",shared" if ranks_sharing > 1 else "") + ",odirect-unflushed",
+        # Bumped when what a phase measures changes, so older caches are measured again.
+        "phases": "write,read,mixed" + (",shared" if ranks_sharing > 1 else "") + ",odirect-unflushed,whole-file-reads",
     }
     with open(cache_path + ".lock", "a+") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         cached = _read_probe_cache(cache_path, signature)
         if cached is not None:
             return cached
-        piece = host_buffer.numel() // concurrency // 4096 * 4096
+        piece = probe_piece_bytes(host_buffer.numel(), concurrency)
         parts = [(f".probe.{os.getpid()}.{k}", [(0, host_buffer[k * piece:(k + 1) * piece])])
                  for k in range(concurrency)]
         start = time.perf_counter()
@@ -103,28 +105,24 @@ def _settle(tier: FileTier, keys) -> None:
 def _mixed_rate(tier: FileTier, parts, piece: int, streams_each: int) -> float:
     """Bytes/s while files are read back and new ones written at once, as the update's read-ahead
     and write-behind do (many devices overlap the two). Each probe file's memory serves
-    ``streams_each`` reads and as many writes; reads start at a file's first byte, where the
-    tier's per-block checksums line up."""
-    half = piece // 2 // 4096 * 4096
-    streams_each = max(1, min(streams_each, half // 4096))  # a tiny probe: fewer, page-sized streams
-    sub = half // streams_each // 4096 * 4096
-    writes, reads, sources = [], [], []
+    ``streams_each`` writes from its first half and as many reads into its second. Each read is
+    of a whole file, written for it beforehand and not timed: a read of part of a file would end
+    inside one of the tier's checksum blocks, and that block's checksum could not match."""
+    half = piece // 2 // ALIGN * ALIGN
+    streams_each = max(1, min(streams_each, half // ALIGN))  # a tiny probe: fewer, page-sized streams
+    sub = half // streams_each // ALIGN * ALIGN
+    writes, sources = [], []
     for key, ext in parts:
         region = ext[0][1]
         for j in range(streams_each):
             writes.append((f"{key}.mixed{j}", [(0, region[j * sub:(j + 1) * sub])]))
-            target = [(0, region[half + j * sub:half + (j + 1) * sub])]
-            if streams_each == 1:
-                reads.append((key, target))  # the probe file's prefix
-            else:
-                sources.append((f"{key}.source{j}", target))
-                reads.append(sources[-1])
-    for f in [tier.submit_write(key, ext) for key, ext in sources]:  # not timed
+            sources.append((f"{key}.source{j}", [(0, region[half + j * sub:half + (j + 1) * sub])]))
+    for f in [tier.submit_write(key, ext) for key, ext in sources]:
         f.result()
     _settle(tier, [key for key, _ in sources])  # their flush must not land in the timed phase
     start = time.perf_counter()
     futures = [tier.submit_write(key, ext) for key, ext in writes]
-    futures += [tier.submit_read(key, ext) for key, ext in reads]
+    futures += [tier.submit_read(key, ext) for key, ext in sources]
     for f in futures:
         f.result()
     _settle(tier, [key for key, _ in writes])
@@ -237,7 +235,8 @@ def plan_placement(
         if budget is not None and budget < total_state:
             raise PlacementError(
                 f"host-only offload: the optimizer state needs {total_state / GiB:.3f} GiB but the "
-                f"host budget is {budget / GiB:.3f} GiB; raise --offload-host-cache-gb or add a file tier"
+                f"host budget is {budget / GiB:.3f} GiB (host_budget_bytes={budget}); raise "
+                f"--offload-host-cache-gb or add a file tier"
             )
         return Placement([HOST_TIER] * n, 0, 0, total_state)
 
@@ -247,8 +246,8 @@ def plan_placement(
         budget = wanted_slots * slot_bytes  # no "host" tier: just the pipeline's buffers
     if budget < min_slots * slot_bytes:
         raise PlacementError(
-            f"host budget {budget / GiB:.3f} GiB is below the pipeline's minimum of {min_slots} "
-            f"subgroup buffers ({min_slots * slot_bytes / GiB:.3f} GiB at subgroup size "
+            f"host budget {budget / GiB:.3f} GiB (host_budget_bytes={budget}) is below the pipeline's "
+            f"minimum of {min_slots} subgroup buffers ({min_slots * slot_bytes / GiB:.3f} GiB at subgroup size "
             f"{config.subgroup_size}); raise --offload-host-cache-gb or lower --offload-subgroup-size"
         )
     pipeline_slots = min(wanted_slots, budget // slot_bytes)

@@ -12,8 +12,8 @@ source "$VENV/bin/activate"
 need=()
 python -c "import torch" 2>/dev/null || need+=("torch==2.13.0")
 python -c "import megatron.core" 2>/dev/null || need+=("megatron-core==0.16.1")
-for mod in numpy pytest psutil; do
-    python -c "import $mod" 2>/dev/null || need+=("$mod")
+for spec in numpy pytest psutil hypothesis==6.155.2; do  # pip requirements, imported by the name before any ==
+    python -c "import ${spec%%==*}" 2>/dev/null || need+=("$spec")
 done
 if [ ${#need[@]} -gt 0 ]; then
     echo "setup_env: installing ${need[*]}"

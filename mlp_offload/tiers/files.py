@@ -109,13 +109,17 @@ class FileTier:
     def path_of(self, key: str) -> str:
         return os.path.join(self.dir, key)
 
-    def submit_write(self, key: str, extents: Sequence[Extent], before: Optional[Callable] = None) -> Future:
-        """Write ``extents`` to file ``key``; ``before`` runs first in the operation's thread."""
-        return self._ops.submit(self._run_op, "write", key, list(extents), before)
+    def submit_write(self, key: str, extents: Sequence[Extent], before: Optional[Callable] = None,
+                     after: Optional[Callable[[OpResult], None]] = None) -> Future:
+        """Write ``extents`` to file ``key``; ``before`` runs first in the operation's thread,
+        ``after`` gets the result of a successful write before the future completes."""
+        return self._ops.submit(self._run_op, "write", key, list(extents), before, after)
 
-    def submit_read(self, key: str, extents: Sequence[Extent], before: Optional[Callable] = None) -> Future:
-        """Read file ``key`` into ``extents``; ``before`` runs first (e.g. wait for the buffer)."""
-        return self._ops.submit(self._run_op, "read", key, list(extents), before)
+    def submit_read(self, key: str, extents: Sequence[Extent], before: Optional[Callable] = None,
+                    after: Optional[Callable[[OpResult], None]] = None) -> Future:
+        """Read file ``key`` into ``extents``; ``before`` runs first (e.g. wait for the buffer),
+        ``after`` as for writes."""
+        return self._ops.submit(self._run_op, "read", key, list(extents), before, after)
 
     def submit(self, fn: Callable, *args) -> Future:
         """Run ``fn`` on the operation pool (for work ordered with this tier's I/O)."""
@@ -157,7 +161,8 @@ class FileTier:
             release(self.dir)
 
     # -- operations ------------------------------------------------------------------------
-    def _run_op(self, kind: str, key: str, extents: List[Extent], before: Optional[Callable]) -> OpResult:
+    def _run_op(self, kind: str, key: str, extents: List[Extent], before: Optional[Callable],
+                after: Optional[Callable[[OpResult], None]]) -> OpResult:
         if before is not None:
             before()
         token_wait = self.tokens.acquire() if self.tokens else 0.0
@@ -167,10 +172,13 @@ class FileTier:
                 nbytes = self._write(key, extents)
             else:
                 nbytes = self._read(key, extents)
-            return OpResult(nbytes, time.perf_counter() - start, token_wait)
+            result = OpResult(nbytes, time.perf_counter() - start, token_wait)
         finally:
             if self.tokens:
                 self.tokens.release()
+        if after is not None:
+            after(result)
+        return result
 
     def _blocks_of(self, extents: List[Extent]):
         for file_off, buf in extents:

@@ -32,7 +32,7 @@ class HostMemory:
         self.budget_bytes = budget_bytes
         self.pin = pinning_available() if pin is None else pin
         if self.pin and not pinning_available():
-            raise HostMemoryError("pinned host memory was requested but CUDA is not available")
+            raise HostMemoryError("pinned host memory was requested (pin_memory=True) but CUDA is not available")
         self.used_bytes = 0
         self._registered = []  # tensors whose memory is registered with CUDA (pinned)
 

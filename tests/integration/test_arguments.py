@@ -42,6 +42,7 @@ def test_offload_paths_for_any_tier_name():
      "--offload-bandwidths"),
     (["--offload-adam-kernel", "turbo"], "--offload-adam-kernel"),
     (["--offload-io-threads", "0"], "--offload-io-threads"),
+    (["--offload-tiers", "host", "--offload-host-cache-gb", "inf"], "--offload-host-cache-gb"),
     (["--pipeline-model-parallel-size", "3"], "--pipeline-model-parallel-size"),
     (["--bf16", "--fp16"], "--fp16"),
     (["--no-such-flag"], "--no-such-flag"),

@@ -2,19 +2,25 @@
 
 import json
 import os
+import tempfile
+import time
+from collections import Counter
 
 import pytest
-
 import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
-from mlp_offload import OffloadedAdamW
+from mlp_offload import OffloadConfigError, OffloadedAdamW
 from mlp_offload.config import OffloadConfig, TierBandwidth
 from mlp_offload.perf_model import PROBE_CACHE, plan_placement, predict_update, probe_tier, tokens_for
+from mlp_offload.schedule import step_schedule
 from mlp_offload.subgroups import partition
 from mlp_offload.tiers.files import FileTier
 from mlp_offload.tiers.host import HostMemory
 
 from .helpers import fast_config
+from .strategies import TIER_MIXES, fixed_setup, setups
 
 
 def test_mixed_rate_used_only_when_it_beats_reads_then_writes():
@@ -80,32 +86,85 @@ def test_probe_measures_three_phases_and_is_cached(tmp_path):
         tier.close()
 
 
-@pytest.mark.parametrize("tiers,budget_slots", [(["nvme"], None), (["host", "nvme"], 5), (["host", "nvme"], 3)])
-def test_predicted_bytes_match_what_the_engine_moves(tmp_path, tiers, budget_slots):
-    # The model's bytes per step, against the engine's own traffic counters in steady state.
-    sub, n_sub = 4096, 8  # page-aligned subgroups, the last one short: its turn in the cache alternates
-    slot = 3 * sub * 4
-    cfg = fast_config(tmp_path, tiers=tiers, subgroup_size=sub,
-                      **({"host_budget_bytes": budget_slots * slot} if budget_slots else {}))
-    eng = OffloadedAdamW(torch.zeros(sub * (n_sub - 1) + 1024), cfg, lr=1e-3)
-    try:
-        records = []
-        for _ in range(22):
-            eng.grad_buffer.normal_()
-            records.append(eng.step())
-        eng.flush()
-        pred = eng.prediction
-    finally:
-        eng.close()
-    # An even number of steps (both directions of the order); writes are counted as they complete,
-    # so one may land in the next step's record: a long window keeps that within the tolerance.
-    steady = records[2:]
-    read = sum(r.tiers["nvme"].read_bytes for r in steady) / len(steady)
-    written = sum(r.tiers["nvme"].write_bytes for r in steady) / len(steady)
-    assert 0 < pred.read_bytes["nvme"] < 3 * slot * n_sub
-    assert read == pytest.approx(pred.read_bytes["nvme"], rel=0.04)
-    assert written == pytest.approx(pred.write_bytes["nvme"], rel=0.04)
-    assert records[-1].cache_hits == pred.cache_hits
+def _settled_counts(eng):
+    """Bytes each tier moved since the last record, once all of the engine's I/O is done: writes
+    flushed, reads in flight awaited (iter_state waits for them; its own reads are not counted)."""
+    for _ in eng.iter_state():
+        pass
+    return eng.step(skip=True).tiers
+
+
+def _implied_bytes(records, first_step, eng):
+    """Per tier, what the steps' cache hits and the placement imply: a step reads its streamed
+    subgroups but its hits (the first ones in its order: the previous step's tail, reversed), none
+    in the first step (fresh state comes from the caller's tensor), and writes them but those it
+    keeps in a buffer."""
+    reads, writes = Counter(), Counter()
+    tier_of = eng.placement.tier_of
+    for step, rec in enumerate(records, first_step):
+        sched = _schedule(eng, step)
+        for i in sched.streamed[rec.cache_hits:] if step else []:
+            reads[tier_of[i]] += eng.subgroups[i].state_bytes
+        for i in sched.streamed:
+            if i not in sched.keep:
+                writes[tier_of[i]] += eng.subgroups[i].state_bytes
+    return reads, writes
+
+
+def _schedule(eng, step):
+    return step_schedule(step, eng.placement.tier_of, eng.placement.cache_slots, eng.config.cache_alternating)
+
+
+def _counted(traffic_dicts):
+    reads, writes = Counter(), Counter()
+    for tiers in traffic_dicts:
+        for name, t in tiers.items():
+            reads[name] += t.read_bytes
+            writes[name] += t.write_bytes
+    return reads, writes
+
+
+def _original_case(tiers, budget_slots):
+    # Page-aligned subgroups, the last one short: its turn in the cache alternates.
+    return fixed_setup(tiers, 4096 * 7 + 1024, subgroup_size=4096,
+                       host_budget_bytes=budget_slots and budget_slots * 3 * 4096 * 4)
+
+
+@settings(max_examples=100, deadline=None, derandomize=True, print_blob=True)
+@given(setup=setups(tier_mixes=[m for m in TIER_MIXES if m != ["host"]], probe=False), pairs=st.integers(1, 2))
+@example(setup=_original_case(["nvme"], None), pairs=1)
+@example(setup=_original_case(["host", "nvme"], 5), pairs=1)
+@example(setup=_original_case(["host", "nvme"], 3), pairs=1)
+def test_engine_moves_the_bytes_its_hits_placement_and_prediction_imply(setup, pairs):
+    """The engine's own traffic counters against its cache hits and placement (exactly), and
+    against the model's bytes per step (each pair of steps runs both directions of the order)."""
+    with tempfile.TemporaryDirectory() as root:
+        eng = OffloadedAdamW(torch.zeros(setup.numel), setup.config(root), lr=1e-3)
+        try:
+            first = [eng.step() for _ in range(2)]
+            first_tail = _settled_counts(eng)
+            window = [eng.step() for _ in range(2 * pairs)]
+            window_tail = _settled_counts(eng)
+            pred = eng.prediction
+            # The first two steps: every write; every read of step 1, and then those started
+            # ahead for step 2 (a prefix of its non-hits on each tier, at most prefetch_depth).
+            read, written = _counted([r.tiers for r in first] + [first_tail])
+            want_read, want_written = _implied_bytes(first, 0, eng)
+            assert written == want_written
+            for tier in eng.config.file_tiers:
+                ahead = [eng.subgroups[i].state_bytes for i in _schedule(eng, 2).streamed[window[0].cache_hits:]
+                         if eng.placement.tier_of[i] == tier][:eng.config.prefetch_depth]
+                assert read[tier] - want_read[tier] in {sum(ahead[:k]) for k in range(len(ahead) + 1)}, tier
+            # From there on the read-ahead at both ends is the same (same direction, same state).
+            read, written = _counted([r.tiers for r in window] + [window_tail])
+            want_read, want_written = _implied_bytes(window, 2, eng)
+            assert (read, written) == (want_read, want_written)
+            for tier in eng.config.file_tiers:
+                assert read[tier] == 2 * pairs * pred.read_bytes.get(tier, 0), tier
+                assert written[tier] == 2 * pairs * pred.write_bytes.get(tier, 0), tier
+            assert [r.cache_hits for r in first[1:] + window] == [pred.cache_hits] * (2 * pairs + 1)
+        finally:
+            eng.close()
 
 
 def test_tokens_follow_what_the_probe_saw_with_all_ranks_streaming():
@@ -164,3 +223,57 @@ def test_a_tiny_probe_with_many_ranks_still_measures(tmp_path):
     finally:
         tier.close()
     assert rate.shared_mixed_bps > 0
+
+
+@pytest.mark.parametrize("probe_bytes,block,depth,sharing", [
+    (16 << 20, 8 << 20, 3, 1),  # as reported: each file one 8 MiB block, of which half was read
+    (48 << 20, 8 << 20, 2, 1),  # as reported: the read ended inside the block at byte 8388608
+    (48 << 20, 8 << 20, 2, 3),  # the all-ranks phase too
+    ((1 << 20) + 12345, 12288, 5, 4),  # neither size a power of two
+    (1 << 20, 4096, 128, 1),  # the smallest files: two pages each
+])
+def test_probe_reads_back_what_it_wrote_at_any_size(tmp_path, probe_bytes, block, depth, sharing):
+    tier = FileTier("t", str(tmp_path), "probe", 0, block, 2, op_threads=depth + 2)
+    buf = HostMemory(None, pin=False).allocate(probe_bytes, "probe", counted=False)
+    try:
+        rate = probe_tier(tier, buf, concurrency=depth, ranks_sharing=sharing)
+    finally:
+        tier.close()
+    assert rate.read_bps > 0 and rate.write_bps > 0 and rate.mixed_bps > 0
+    assert (rate.shared_mixed_bps is not None) == (sharing > 1)
+
+
+def test_engine_probes_at_start_with_the_reported_settings(tmp_path):
+    cfg = fast_config(tmp_path, tiers=["nvme"], prefetch_depth=3, probe_bytes=16 << 20,
+                      io_block_bytes=8 << 20, bandwidths={})
+    with OffloadedAdamW(torch.zeros(30_000), cfg) as eng:
+        assert eng.rates["nvme"].mixed_bps > 0
+
+
+def test_a_probe_too_small_for_its_files_names_the_settings(tmp_path):
+    paths = {"nvme": str(tmp_path)}
+    with pytest.raises(OffloadConfigError, match=r"probe_bytes=1048576 .*prefetch_depth=129.*1056768"):
+        OffloadConfig(tiers=["nvme"], paths=paths, probe_bytes=1 << 20, prefetch_depth=129)
+    # Nothing is probed where the rates are given.
+    OffloadConfig(tiers=["nvme"], paths=paths, probe_bytes=1 << 20, prefetch_depth=129, bandwidths={"nvme": (1e9, 1e9)})
+    tier = FileTier("t", str(tmp_path), "probe", 0, 4096, 1, op_threads=2)
+    try:
+        with pytest.raises(OffloadConfigError, match="prefetch_depth=129"):
+            probe_tier(tier, HostMemory(None, pin=False).allocate(1 << 20, "probe", counted=False), concurrency=129)
+    finally:
+        tier.close()
+
+
+def test_a_probe_cached_before_the_whole_file_reads_is_measured_again(tmp_path):
+    tier = FileTier("t", str(tmp_path), "probe", 0, 64 * 1024, 2, op_threads=4)
+    buf = HostMemory(None, pin=False).allocate(1 << 20, "probe", counted=False)
+    old = {"bytes": 1 << 20, "block_bytes": 64 * 1024, "odirect": tier.odirect, "threads": 2, "concurrency": 2,
+           "ranks_sharing": 1, "phases": "write,read,mixed,odirect-unflushed", "read_bps": 1.0, "write_bps": 1.0,
+           "mixed_bps": 1.0, "shared_mixed_bps": None, "measured_at": time.time()}
+    with open(os.path.join(tier.root, PROBE_CACHE), "w") as f:
+        json.dump(old, f)
+    try:
+        rate = probe_tier(tier, buf)
+    finally:
+        tier.close()
+    assert rate.read_bps != 1.0
