@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call: the trust features on a GPU. 1.03 B Llama shape, host (4 GB) + disk tiers.
 #  U: 6 iterations uninterrupted, saving at 3 and 6: save time and rate of the offloaded state.
-#  S: the same with --exit-signal-handler; SIGTERM to every process (as SLURM's --signal) after
-#     iteration 2: it must finish the iteration, save a complete checkpoint and exit.
+#  S: the same with --exit-signal-handler --exit-signal SIGUSR1; SIGUSR1 to the ranks after
+#     iteration 2: they must finish the iteration, save a complete checkpoint and exit 0.
 #  R: the same command again: resumes from S's checkpoint; S's and R's losses must equal U's.
 # Needs megatron-core (and psutil) wheels in .whl/: device tool carry [".whl"].
 set -u
@@ -24,15 +24,15 @@ run --loss-log "$OUT/U.jsonl" --save "$DISK/ckptU" --save-interval 3 2>&1 | grep
 grep -E "saved checkpoint|iteration +[0-9]+/|error" "$OUT/U.log" | cut -c1-260
 du -sh "$DISK"/ckptU/iter_*/offload "$DISK"/ckptU/iter_* | cat; rm -rf "$DISK/ckptU"
 echo "U done at $(( SECONDS - T0 )) s"
-CK="--save $DISK/ckpt --load $DISK/ckpt --exit-signal-handler"
-# torchrun SIGKILLs workers this long after forwarding SIGTERM (default 30 s): it must cover the save.
-export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-300}
+CK="--save $DISK/ckpt --load $DISK/ckpt --exit-signal-handler --exit-signal SIGUSR1"
+# SIGUSR1 to the ranks alone (as a batch script's trap would forward SLURM's warning): torchrun
+# (< 2.12) would SIGKILL its workers 30 s after a SIGTERM, too early for a 12 GB save on this disk.
 setsid torchrun --nproc_per_node 1 pretrain_gpt.py $MODEL $OFFLOAD $CK --loss-log "$OUT/S.jsonl" > "$OUT/S.log" 2>&1 &
 PID=$!
 for _ in $(seq 600); do [ -f "$OUT/S.jsonl" ] && [ "$(wc -l < "$OUT/S.jsonl")" -ge 2 ] && break; sleep 0.5; done
-echo "SIGTERM to the process group after $(wc -l < "$OUT/S.jsonl") iterations at $(( SECONDS - T0 )) s"
-kill -TERM -- -$PID; wait $PID; echo "torchrun exit status $?"
-grep -v Warn "$OUT/S.log" | grep -E "SIGTERM|exiting|saved checkpoint|error|rank 0\]" | cut -c1-260
+echo "SIGUSR1 to the ranks after $(wc -l < "$OUT/S.jsonl") iterations at $(( SECONDS - T0 )) s"
+pkill -USR1 -P $PID; wait $PID; echo "torchrun exit status $?"
+grep -v Warn "$OUT/S.log" | grep -E "SIGUSR1|SIGTERM|exiting|saved checkpoint|error|rank 0\]" | cut -c1-260
 ls "$DISK"/ckpt "$DISK"/ckpt/iter_* | cat; cat "$DISK/ckpt/latest_checkpointed_iteration.txt"; echo
 echo "nvme namespaces left: $(find "$DISK/nvme" -name 'rank*' | wc -l)"
 run $CK --loss-log "$OUT/R.jsonl" 2>&1 | grep -v Warn > "$OUT/R.log"

@@ -148,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="on SIGTERM (SLURM's --signal, torchrun stopping), finish the iteration, save a complete "
                         "checkpoint (offloaded state included) and exit 0, as Megatron-LM does")
+    g.add_argument("--exit-signal", choices=["SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"], default="SIGTERM",
+                   help="the signal --exit-signal-handler saves on; another than SIGTERM lets SLURM warn the ranks "
+                        "without torchrun, which stops its workers 30 s after a SIGTERM (torch < 2.12)")
     g.add_argument("--exit-duration-in-mins", type=_non_negative_float, default=None,
                    help="after this many minutes from the start, save and exit at the end of the iteration")
     g.add_argument("--loss-log", type=str, default=None,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 from datetime import timedelta
 
 import numpy as np
@@ -55,7 +56,7 @@ def initialize(args) -> torch.device:
     """Set up everything before the model is built; returns the compute device."""
     device = select_device(args.device)
     args.device_resolved = device.type
-    args.sigterm_watcher = SigtermWatcher(save_on_signal=args.exit_signal_handler)
+    args.sigterm_watcher = SigtermWatcher(save_on=signal.Signals[args.exit_signal] if args.exit_signal_handler else None)
     if device.type == "cpu":
         from megatron.training import cpu_compat
 

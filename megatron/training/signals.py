@@ -1,16 +1,19 @@
-"""SIGTERM: torchrun stopping the survivors of a failed rank, or SLURM before a time limit.
+"""SIGTERM (torchrun stopping the survivors of a failed rank, SLURM at a time limit) and the
+signal that asks for a save before exiting (``--exit-signal-handler``, ``--exit-signal``).
 
 Python runs signal handlers in the main thread only, between bytecodes; a rank blocked in a
 collective whose peer has died never gets there, and torchrun SIGKILLs it later with its swap
 files still on disk. So the C-level handler's wake-up byte (``signal.set_wakeup_fd``) wakes a
 watcher thread instead, whatever the main thread is doing.
 
-- Without ``--exit-signal-handler`` the watcher removes this process's offload swap namespaces at
-  once and exits with status 143.
-- With it (Megatron-LM's flag), the watcher raises a flag that the training loop reads after every
-  iteration (``StopCheck``: all ranks agree through one all-reduce), then the loop saves a complete
-  checkpoint and exits 0. If the loop has not reached an iteration boundary in time (a peer died, so
-  the collective never returns; or no iteration ran yet), the watcher cleans up and exits as above.
+- SIGTERM without ``--exit-signal-handler`` (or with another ``--exit-signal``): the watcher
+  removes this process's offload swap namespaces at once and exits with status 143.
+- The save signal (SIGTERM by default, as Megatron-LM): the watcher raises a flag that the training
+  loop reads after every iteration (``StopCheck``: all ranks agree through one all-reduce); the loop
+  saves a complete checkpoint and exits 0. If the loop has not reached an iteration boundary in time
+  (a peer died, so the collective never returns; or no iteration ran yet), the watcher cleans up and
+  exits as above. torchrun before 2.12 SIGKILLs its workers 30 s after forwarding a SIGTERM, so a
+  longer save needs ``--exit-signal SIGUSR1`` sent to the ranks alone (see examples/slurm).
 """
 
 from __future__ import annotations
@@ -33,8 +36,9 @@ STUCK_AFTER_MIN_S = 60.0  # the loop must reach an iteration boundary within max
 
 
 class SigtermWatcher:
-    def __init__(self, save_on_signal: bool):
-        self.save_on_signal = save_on_signal
+    def __init__(self, save_on: Optional[signal.Signals]):
+        self.save_on = save_on  # the signal that asks for a save, or None
+        self.save_on_signal = save_on is not None
         self.requested = threading.Event()  # a SIGTERM arrived (read by the loop)
         self.acknowledged = threading.Event()  # every rank agreed to stop: the loop is saving
         self.saving = threading.Event()  # a checkpoint save is under way: give it the time it takes
@@ -42,7 +46,8 @@ class SigtermWatcher:
         self._reader, writer = socket.socketpair()
         writer.setblocking(False)
         self._writer = writer  # kept open: the C handler writes the signal number into it
-        signal.signal(signal.SIGTERM, lambda signum, frame: None)  # the watcher acts, not the main thread
+        for signum in {signal.SIGTERM, save_on or signal.SIGTERM}:
+            signal.signal(signum, lambda signum, frame: None)  # the watcher acts, not the main thread
         signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
         os.register_at_fork(after_in_child=_quiet_in_child)
         threading.Thread(target=self._watch, name="sigterm-watcher", daemon=True).start()
@@ -59,11 +64,12 @@ class SigtermWatcher:
         self.slowest_iteration_s = max(seconds, self.slowest_iteration_s or 0.0)
 
     def _watch(self) -> None:
-        while self._reader.recv(1)[0] != signal.SIGTERM:
+        while (signum := self._reader.recv(1)[0]) not in (signal.SIGTERM, self.save_on):
             pass
-        if self.save_on_signal and self.slowest_iteration_s is not None:
+        name = signal.Signals(signum).name
+        if signum == self.save_on and self.slowest_iteration_s is not None:
             self.requested.set()
-            _say("SIGTERM received: saving a checkpoint after the current iteration (--exit-signal-handler)")
+            _say(f"{name} received: saving a checkpoint after the current iteration (--exit-signal-handler)")
             patience = max(STUCK_AFTER_MIN_S, 3 * self.slowest_iteration_s)
             deadline = time.monotonic() + patience
             while not self.acknowledged.wait(0.5):
@@ -73,9 +79,9 @@ class SigtermWatcher:
                     break
             else:
                 return  # the main thread saves and exits; torchrun or SLURM bound how long that may take
-            _say(f"SIGTERM: no iteration boundary reached in {patience:.0f} s (a rank gone?): not saving")
+            _say(f"{name}: no iteration boundary reached in {patience:.0f} s (a rank gone?): not saving")
         housekeeping.release_all()
-        _say("SIGTERM: removed this rank's offload swap files; exiting")
+        _say(f"{name}: removed this rank's offload swap files; exiting")
         os._exit(EXIT_ON_SIGTERM)
 
 
@@ -111,7 +117,7 @@ class StopCheck:
         if signalled or timed_out:
             self.watcher.acknowledged.set()
         if signalled:
-            return "receiving SIGTERM (--exit-signal-handler)"
+            return f"receiving {self.watcher.save_on.name} (--exit-signal-handler)"
         if timed_out:
             return "reaching --exit-duration-in-mins"
         return None

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import time
 import zlib
+from pathlib import Path
 
 import pytest
 
@@ -189,17 +190,36 @@ def _wait_for_iterations(proc, log, count, timeout=180):
     raise AssertionError(f"the run did not reach iteration {count}")
 
 
-def test_sigterm_saves_then_exits_and_the_run_continues_exactly(tmp_path, uninterrupted):
-    """SLURM's --signal sends SIGTERM to every process of the step: with --exit-signal-handler the
-    ranks finish the iteration, save a complete checkpoint (offloaded state included), remove their
-    swap files and exit; the next job continues as if nothing had happened."""
+def _children(pid):
+    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(p) == pid]
+
+
+def _parent(proc_dir):
+    try:
+        return int((proc_dir / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGUSR1"])
+def test_signal_saves_then_exits_and_the_run_continues_exactly(tmp_path, uninterrupted, how):
+    """SIGTERM as SLURM's --signal sends it, to every process of the step (torchrun forwards it
+    too); or --exit-signal SIGUSR1 sent to the ranks alone, as a batch script's trap would (torchrun
+    < 2.12 SIGKILLs its workers 30 s after a SIGTERM). With --exit-signal-handler the ranks finish
+    the iteration, save a complete checkpoint (offloaded state included), remove their swap files
+    and exit; the next job continues as if nothing had happened."""
     ckpt = tmp_path / "ckpt"
-    args = [*offload_args(tmp_path), "--save", str(ckpt), "--load", str(ckpt), "--exit-signal-handler"]
+    args = [*offload_args(tmp_path), "--save", str(ckpt), "--load", str(ckpt), "--exit-signal-handler",
+            "--exit-signal", how]
     log = tmp_path / "signalled.jsonl"
     proc, out = _start(tmp_path, args, log)
     try:
         _wait_for_iterations(proc, log, 2)
-        os.killpg(proc.pid, signal.SIGTERM)
+        if how == "SIGTERM":
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            for rank in _children(proc.pid):
+                os.kill(rank, signal.SIGUSR1)
         proc.wait(timeout=120)
     finally:
         os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
@@ -207,7 +227,9 @@ def test_sigterm_saves_then_exits_and_the_run_continues_exactly(tmp_path, uninte
     output = (tmp_path / "signalled.out").read_text()
     saved = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
     assert 2 <= saved < ITERS, output[-3000:]
-    assert f"exiting at iteration {saved} after receiving SIGTERM (--exit-signal-handler)" in output
+    assert f"exiting at iteration {saved} after receiving {how} (--exit-signal-handler)" in output
+    if how == "SIGUSR1":
+        assert proc.returncode == 0  # torchrun saw its workers finish
     assert (ckpt / f"iter_{saved:07d}" / "COMPLETE.json").exists()
     assert _dead_namespaces(tmp_path / "nvme") == [] and _dead_namespaces(tmp_path / "pfs") == []
     resumed = run_pretrain(tmp_path, args, train_iters=ITERS, loss_log=tmp_path / "resumed.jsonl")
