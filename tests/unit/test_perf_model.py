@@ -112,7 +112,8 @@ def _implied_bytes(records, first_step, eng):
 
 
 def _schedule(eng, step):
-    return step_schedule(step, eng.placement.tier_of, eng.placement.cache_slots, eng.config.cache_alternating)
+    return step_schedule(step, eng.placement.tier_of, eng.placement.slots, eng.placement.cache_slots,
+                         eng.config.cache_alternating)
 
 
 def _counted(traffic_dicts):

@@ -1,0 +1,54 @@
+"""Where the update's fp32 gradients come from: one interface, two sources.
+
+``HostGradients`` (the CPU path, and the CPU twin of the GPU one): the caller copies low-precision
+gradients into a host buffer; each subgroup's are converted to fp32 (unscaled, clipped) when the
+update asks for them. On a GPU the Megatron adapter's source casts them on the device and copies
+each subgroup over PCIe while the previous subgroup's Adam runs.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Protocol, Tuple
+
+import torch
+
+from .update import convert_grads
+
+
+class GradientSource(Protocol):
+    """Delivers a subgroup's fp32 gradients, already unscaled and clipped, into ``out``."""
+
+    def start(self, start: int, end: int, out: torch.Tensor, unscale: Optional[float],
+              clip_coef: Optional[float]) -> None:
+        """Begin filling ``out`` with the gradients of elements [start, end)."""
+
+    def wait(self, start: int) -> None:
+        """Return once the gradients started for ``start`` are in ``out``."""
+
+
+class HostGradients:
+    """``buffer``: the shard's gradients in their training dtype, filled by the caller; converted
+    into ``out`` when waited for (so one fp32 scratch serves every subgroup)."""
+
+    def __init__(self, buffer: torch.Tensor):
+        self.buffer = buffer
+        self._pending = {}
+
+    def start(self, start: int, end: int, out: torch.Tensor, unscale: Optional[float],
+              clip_coef: Optional[float]) -> None:
+        self._pending[start] = (end, out, unscale, clip_coef)
+
+    def wait(self, start: int) -> None:
+        end, out, unscale, clip_coef = self._pending.pop(start)
+        convert_grads(self.buffer[start:end], out, unscale, clip_coef)
+
+
+def scratch_buffers(source_owned: bool, largest: int, allocate) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Two fp32 buffers the update alternates between: pinned and distinct when another source
+    fills one while the update reads the other; one plain buffer twice for ``HostGradients``,
+    which fills it only when waited for."""
+    if source_owned:
+        return tuple(allocate(largest * 4, "gradient scratch", counted=False).view(torch.float32)
+                     for _ in range(2))
+    one = torch.empty(largest, dtype=torch.float32)
+    return one, one
