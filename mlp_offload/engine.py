@@ -126,7 +126,7 @@ class OffloadedAdamW:
         self.placement: Placement = plan_placement(self.subgroups, cfg, self.rates, free, self.devices)
         self.prediction: Prediction = predict_update(
             self.subgroups, self.placement, self.rates, self.adam_rate, self.convert_rate, self.devices,
-            ranks_sharing=sharing, tokens=self.tokens_per_tier)
+            ranks_sharing=sharing, tokens=self.tokens_per_tier, cache_alternating=cfg.cache_alternating)
 
         # Buffers: gradients (outside the state budget: the caller's gradient staging), fp32 scratch
         # for converted gradients, resident subgroups, and slots for streamed ones.

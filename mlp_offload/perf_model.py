@@ -19,6 +19,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from .config import HOST_TIER, OffloadConfig, TierBandwidth, probe_piece_bytes
+from .schedule import step_schedule
 from .subgroups import ALIGN, Subgroup
 from .tiers.files import FileTier, fsync_path
 
@@ -311,6 +312,7 @@ def predict_update(
     devices: Optional[Dict[str, object]] = None,
     ranks_sharing: int = 1,
     tokens: Optional[Dict[str, int]] = None,
+    cache_alternating: bool = True,
 ) -> Prediction:
     """Predicted steady-state update time: compute and each device's I/O overlap, the slowest wins.
 
@@ -321,27 +323,21 @@ def predict_update(
     node's slowest): at one rank's rate where they take turns (fewer ``tokens`` than ranks), at
     the probed all-ranks rate where they stream at once.
 
-    With the alternating order, the previous step's tail is still in host buffers when the next
-    step starts with it: the cache slots' subgroups (kept dirty) skip their write and their read,
-    and every other slot's last occupant (already written) skips its read. Steps alternate
-    between the streamed list's tail and head being cached, so bytes are the two cases' mean.
-    The first streamed read after the hits is not hidden.
+    Bytes come from ``schedule.step_schedule``, the traffic model the engine executes: hits skip
+    their read, kept subgroups their write; the two order directions are averaged. The first
+    streamed read after the hits is not hidden.
     """
     numel = sum(sg.numel for sg in subgroups)
     adam_s = numel / adam_elems_per_s + numel / convert_elems_per_s
-    streamed = [i for i, t in enumerate(placement.tier_of) if t != HOST_TIER]
-    n_kept = min(placement.cache_slots, len(streamed))
-    n_hits = min(placement.slots, len(streamed)) if placement.cache_slots else 0
-    ends = (streamed, streamed[::-1])  # cached at the end of an ascending step, then a descending one
-    kept = [set(order[len(order) - n_kept:]) if n_kept else set() for order in ends]
-    hits = [set(order[len(order) - n_hits:]) if n_hits else set() for order in ends]
-    pred = Prediction(update_s=adam_s, adam_s=adam_s, cache_hits=n_hits)
+    # The engine's own schedule of the two order directions (steady state), averaged.
+    both = [step_schedule(k, placement.tier_of, placement.slots, placement.cache_slots, cache_alternating)
+            for k in (0, 1)]
+    pred = Prediction(update_s=adam_s, adam_s=adam_s, cache_hits=len(both[0].hits))
     for tier in dict.fromkeys(t for t in placement.tier_of if t != HOST_TIER):
-        on_tier = [i for i in streamed if placement.tier_of[i] == tier]
-        pred.read_bytes[tier] = sum(sum(subgroups[i].state_bytes for i in on_tier if i not in h)
-                                    for h in hits) // 2
-        pred.write_bytes[tier] = sum(sum(subgroups[i].state_bytes for i in on_tier if i not in k)
-                                     for k in kept) // 2
+        pred.read_bytes[tier] = sum(subgroups[i].state_bytes for sched in both for i in sched.reads()
+                                    if placement.tier_of[i] == tier) // 2
+        pred.write_bytes[tier] = sum(subgroups[i].state_bytes for sched in both for i in sched.writes()
+                                     if placement.tier_of[i] == tier) // 2
         rate = rates[tier]
         at_once = ranks_sharing > 1 and (tokens or {}).get(tier, 1) >= ranks_sharing
         if at_once and rate.shared_mixed_bps is not None:  # the node's bytes at the all-ranks rate
@@ -349,7 +345,8 @@ def predict_update(
         else:
             pred.tier_s[tier] = rate.seconds(pred.read_bytes[tier], pred.write_bytes[tier])
     if pred.tier_s:
-        first = next((i for i in streamed if i not in hits[0]), None)
+        # The first read after the hits is not hidden (as first computed: ascending, the descending step's hits).
+        first = next((i for i in sorted(both[1].streamed) if i not in both[1].hits), None)
         fill = subgroups[first].state_bytes / rates[placement.tier_of[first]].read_bps if first is not None else 0.0
         busiest = max(device_seconds(pred.tier_s, devices).values())
         pred.update_s = max(adam_s, ranks_sharing * busiest + fill)

@@ -39,6 +39,6 @@ def step_schedule(step_index: int, tier_of: List[str], slots: int, cache_slots: 
     streamed = [i for i in order if tier_of[i] != resident]
     if not (alternate and cache_slots):
         return StepSchedule(order, streamed, frozenset(), frozenset())
-    keep = frozenset(streamed[len(streamed) - cache_slots:])
+    keep = frozenset(streamed[max(0, len(streamed) - cache_slots):])
     hits = frozenset(streamed[: min(slots, len(streamed))])  # the previous step's tail, reversed
     return StepSchedule(order, streamed, keep, hits)
