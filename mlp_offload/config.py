@@ -11,9 +11,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-from .subgroups import ALIGN
+from .tiers.align import ALIGN, align_down
 
 HOST_TIER = "host"
+# Tier names that are memory (tiers.base.ResidentTier kinds); every other name is a file path.
+RESIDENT_TIERS = (HOST_TIER,)
 GiB = 1024**3
 MiB = 1024**2
 
@@ -200,7 +202,7 @@ class OffloadConfig:
 
     @property
     def file_tiers(self) -> List[str]:
-        return [t for t in self.tiers if t != HOST_TIER]
+        return [t for t in self.tiers if t not in RESIDENT_TIERS]
 
     def resolved_run_id(self) -> str:
         if self.run_id:
@@ -243,7 +245,7 @@ def probe_piece_bytes(probe_bytes: int, prefetch_depth: int) -> int:
     """Bytes of each of the bandwidth probe's files: it moves ``probe_bytes`` as ``prefetch_depth``
     files at once, each whole pages and at least two (its mixed phase writes from one half while
     reading into the other)."""
-    piece = probe_bytes // prefetch_depth // ALIGN * ALIGN
+    piece = align_down(probe_bytes // prefetch_depth)
     if piece < 2 * ALIGN:
         raise OffloadConfigError(
             f"the bandwidth probe cannot split probe_bytes={probe_bytes} into prefetch_depth={prefetch_depth} "

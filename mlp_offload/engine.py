@@ -108,19 +108,13 @@ class OffloadedAdamW:
         cfg = self.config
         check_budget_exists(cfg.host_budget_bytes, cfg.resolved_ranks_sharing_node())
         self.host = HostMemory(cfg.host_budget_bytes, cfg.pin_memory)
-        run_id = cfg.resolved_run_id()
-        for name in cfg.file_tiers:
-            self._tiers[name] = FileTier(
-                name, cfg.paths[name], run_id, cfg.rank, cfg.io_block_bytes, cfg.io_threads,
-                op_threads=cfg.prefetch_depth + 2, use_odirect=cfg.use_odirect,
-                verify_checksums=cfg.verify_checksums)
         self.rates = self._measure_rates()
         # Tokens after the probe: unless given, whether ranks take turns depends on what it saw.
         sharing = cfg.resolved_ranks_sharing_node()
         self.tokens_per_tier = {name: cfg.tokens_per_tier or tokens_for(self.rates[name], sharing)
                                 for name in cfg.file_tiers}
-        for name, tier in self._tiers.items():
-            tier.tokens = TierTokens(cfg.paths[name], self.tokens_per_tier[name])
+        for name in cfg.file_tiers:
+            self._tiers[name] = self._file_tier(name, TierTokens(cfg.paths[name], self.tokens_per_tier[name]))
         free = {name: tier.free_bytes() for name, tier in self._tiers.items()}
         self.devices = {name: tier.device for name, tier in self._tiers.items()}
         self.placement: Placement = plan_placement(self.subgroups, cfg, self.rates, free, self.devices)
@@ -159,17 +153,35 @@ class OffloadedAdamW:
         self.log_placement()
         self._pipeline.begin(self._schedule_for(0))
 
+    def _file_tier(self, name: str, tokens: Optional[TierTokens]) -> FileTier:
+        cfg = self.config
+        try:
+            return FileTier(name, cfg.paths[name], cfg.resolved_run_id(), cfg.rank, cfg.io_block_bytes,
+                            cfg.io_threads, op_threads=cfg.prefetch_depth + 2, use_odirect=cfg.use_odirect,
+                            verify_checksums=cfg.verify_checksums, tokens=tokens)
+        except BaseException:
+            if tokens is not None:
+                tokens.close()
+            raise
+
     def _measure_rates(self) -> Dict[str, TierBandwidth]:
+        """Each file tier's bandwidth (given, cached, or probed through a short-lived tier of its
+        own: the training tier is built after, with the turns the probe implies), and the rates of
+        the CPU Adam kernel and of gradient conversion."""
         cfg = self.config
         rates: Dict[str, TierBandwidth] = {}
-        for name, tier in self._tiers.items():
+        for name in cfg.file_tiers:
             if name in cfg.bandwidths:
                 rates[name] = cfg.bandwidths[name]
-            else:
+                continue
+            probe = self._file_tier(name, tokens=None)
+            try:
                 probe_buf = self.host.allocate(cfg.probe_bytes, "bandwidth probe", counted=False)
-                rates[name] = probe_tier(tier, probe_buf, concurrency=cfg.prefetch_depth,
+                rates[name] = probe_tier(probe, probe_buf, concurrency=cfg.prefetch_depth,
                                          ranks_sharing=cfg.resolved_ranks_sharing_node())
                 del probe_buf
+            finally:
+                probe.close()
         size = min(max(sg.numel for sg in self.subgroups), 1 << 26)
         self.adam_rate = cfg.adam_elems_per_s or measure_adam_rate(
             lambda p, g, m, v, step: self.adam(p, g, m, v, step=step), numel=size)

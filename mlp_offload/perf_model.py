@@ -20,7 +20,8 @@ import torch
 
 from .config import HOST_TIER, OffloadConfig, TierBandwidth, probe_piece_bytes
 from .schedule import step_schedule
-from .subgroups import ALIGN, Subgroup
+from .subgroups import Subgroup
+from .tiers.align import ALIGN, align_down
 from .tiers.files import FileTier, fsync_path
 
 log = logging.getLogger("mlp_offload")
@@ -109,9 +110,9 @@ def _mixed_rate(tier: FileTier, parts, piece: int, streams_each: int) -> float:
     ``streams_each`` writes from its first half and as many reads into its second. Each read is
     of a whole file, written for it beforehand and not timed: a read of part of a file would end
     inside one of the tier's checksum blocks, and that block's checksum could not match."""
-    half = piece // 2 // ALIGN * ALIGN
+    half = align_down(piece // 2)
     streams_each = max(1, min(streams_each, half // ALIGN))  # a tiny probe: fewer, page-sized streams
-    sub = half // streams_each // ALIGN * ALIGN
+    sub = align_down(half // streams_each)
     writes, sources = [], []
     for key, ext in parts:
         region = ext[0][1]

@@ -9,13 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List
 
-ALIGN = 4096  # O_DIRECT needs offsets, lengths and addresses aligned to the logical block size
+from .tiers.align import ALIGN, align_up
+
 STATE_TENSORS = ("param", "exp_avg", "exp_avg_sq")
 FP32_BYTES = 4
-
-
-def align_up(nbytes: int, align: int = ALIGN) -> int:
-    return (nbytes + align - 1) // align * align
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..subgroups import ALIGN
+from .align import ALIGN
 from .housekeeping import claim, release
 from .tokens import TierTokens
 
@@ -64,7 +64,11 @@ def check_tier_dir(name: str, path: str) -> str:
 
 
 class FileTier:
-    """Subgroup files of one rank under ``<root>/mlp_offload/<run_id>/rank<r>/``."""
+    """Subgroup files of one rank under ``<root>/mlp_offload/<run_id>/rank<r>/`` (a
+    ``tiers.base.StreamedTier``). ``tokens`` are the node-wide turns on this path; None only for
+    the bandwidth probe, which holds the path's probe lock instead."""
+
+    kind = "streamed"
 
     def __init__(
         self,
@@ -157,6 +161,8 @@ class FileTier:
         self.closed = True
         self._ops.shutdown(wait=True)
         self._blocks.shutdown(wait=True)
+        if self.tokens is not None:
+            self.tokens.close()
         if remove_files:
             release(self.dir)
 

@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from ..subgroups import ALIGN
+from .align import ALIGN
 
 log = logging.getLogger("mlp_offload")
 GiB = 1024**3
@@ -27,6 +27,9 @@ class HostMemory:
     Pinned buffers let the GPU copy to and from them asynchronously; without CUDA they are plain
     memory. Alignment to ALIGN lets file tiers do O_DIRECT I/O straight from these buffers.
     """
+
+    kind = "resident"  # tiers.base.ResidentTier
+    name = "host"
 
     def __init__(self, budget_bytes: Optional[int], pin: Optional[bool] = None):
         self.budget_bytes = budget_bytes

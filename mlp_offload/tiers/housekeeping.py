@@ -26,6 +26,7 @@ OWNER_FILE = "OWNER.json"
 
 _owned = set()  # namespaces this process claimed and has not released
 _owned_lock = threading.Lock()
+_reported_roots = set()  # tier roots whose stale namespaces this process has listed
 
 
 class NamespaceInUseError(RuntimeError):
@@ -132,7 +133,10 @@ def claim(root: str, run_id: str, rank: int, flag: str) -> str:
     with _owned_lock:
         _owned.add(path)
     stale = [ns for ns in scan(root) if ns.path != path and ns.alive is False]
-    if stale and os.environ.get("LOCAL_RANK", "0") == "0":  # the same list on every rank: once per node
+    # The same list on every rank and for every claim of this root (the probe's, then training's):
+    # once per node and root.
+    if stale and os.environ.get("LOCAL_RANK", "0") == "0" and root not in _reported_roots:
+        _reported_roots.add(root)
         log.warning(
             "%s %s holds %d stale offload namespace(s) of dead runs (%.2f GiB); they are not used. "
             "Delete them with: python tools/offload_clean.py --delete %s\n  %s",

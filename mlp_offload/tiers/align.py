@@ -1,0 +1,12 @@
+"""Storage alignment: O_DIRECT needs offsets, lengths and buffer addresses aligned to the logical
+block size. 4096 covers the devices in use (NVMe, SATA, virtio; Lustre and GPFS clients)."""
+
+ALIGN = 4096
+
+
+def align_up(nbytes: int, align: int = ALIGN) -> int:
+    return (nbytes + align - 1) // align * align
+
+
+def align_down(nbytes: int, align: int = ALIGN) -> int:
+    return nbytes // align * align

@@ -1,0 +1,48 @@
+"""The two kinds of tier. A new kind of memory is one class of either kind plus its name in
+``config.RESIDENT_TIERS`` (resident kinds) or a path in ``OffloadConfig.paths`` (streamed kinds).
+
+- resident: a subgroup's state lives in the tier's memory between steps and is updated there
+  (``tiers.host.HostMemory``: pinned host memory; GPU memory is next).
+- streamed: a subgroup's state lives in a file and passes through a host buffer for each update
+  (``tiers.files.FileTier``: node-local NVMe, a parallel file system, any directory).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Callable, ClassVar, Optional, Protocol, Sequence, Tuple
+
+import torch
+
+Extent = Tuple[int, torch.Tensor]  # (offset in the file, aligned uint8 host tensor)
+
+
+class ResidentTier(Protocol):
+    kind: ClassVar[str]  # "resident"
+    name: str
+
+    def allocate(self, nbytes: int, what: str, counted: bool = True) -> torch.Tensor:
+        """An aligned buffer of ``nbytes``; ``counted`` ones count against the tier's budget."""
+
+    def close(self) -> None:
+        """Release what the tier holds; no copy may still use its buffers."""
+
+
+class StreamedTier(Protocol):
+    kind: ClassVar[str]  # "streamed"
+    name: str
+    device: object  # tiers on one storage device share its bandwidth and free space
+
+    def submit_read(self, key: str, extents: Sequence[Extent], before: Optional[Callable] = None,
+                    after: Optional[Callable] = None) -> Future: ...
+
+    def submit_write(self, key: str, extents: Sequence[Extent], before: Optional[Callable] = None,
+                     after: Optional[Callable] = None) -> Future: ...
+
+    def submit(self, fn: Callable, *args) -> Future:
+        """Run ``fn`` in the tier's operation order (e.g. materialising a subgroup's first state)."""
+
+    def free_bytes(self) -> int: ...
+
+    def close(self, remove_files: bool = True) -> None:
+        """Finish its I/O, release its tokens, remove its files unless told not to."""
