@@ -141,22 +141,23 @@ class OffloadConfig:
             if name not in self.paths or not self.paths[name]:
                 raise OffloadConfigError(
                     f"offload tier {name!r} has no directory: give its path "
-                    f"(--offload-{name}-path DIR)"
+                    f"(paths[{name!r}])"
                 )
         extra = set(self.paths) - set(self.file_tiers)
         if extra:
+            name = sorted(extra)[0]
             raise OffloadConfigError(
-                f"paths given for {sorted(extra)}, which are not in the offload tiers {self.tiers}"
+                f"paths[{name!r}] is given, but {name!r} is not a file tier of the offload tiers {self.tiers}"
             )
         if self.has_host and self.file_tiers and self.host_budget_bytes is None:
             raise OffloadConfigError(
                 "offload tiers mix host memory with file tiers but no host budget is set: "
-                "give --offload-host-cache-gb (the host memory this rank may use for optimizer state)"
+                "give host_budget_bytes (the host memory this rank may use for optimizer state)"
             )
         budget = self.host_budget_bytes
         if budget is not None and not _is_int(budget):
             raise OffloadConfigError(
-                f"host budget (host_budget_bytes, --offload-host-cache-gb) must be a whole number of bytes "
+                f"host budget (host_budget_bytes) must be a whole number of bytes "
                 f"or None, got {budget!r}")
         if not self.file_tiers and budget is not None and budget <= 0:
             raise OffloadConfigError(
@@ -184,7 +185,7 @@ class OffloadConfig:
             )
         for name, bw in list(self.bandwidths.items()):
             if name not in self.file_tiers:
-                raise OffloadConfigError(f"bandwidth given for {name!r}, which is not a file tier")
+                raise OffloadConfigError(f"bandwidths: {name!r} is not a file tier of the offload tiers {self.tiers}")
             if isinstance(bw, (tuple, list)):
                 try:
                     self.bandwidths[name] = TierBandwidth(*bw)
@@ -237,7 +238,7 @@ def parse_bandwidths(spec: str) -> Dict[str, TierBandwidth]:
         try:
             result[name.strip()] = TierBandwidth(read_gbps * 1e9, write_gbps * 1e9)
         except OffloadConfigError as err:
-            raise OffloadConfigError(f"bandwidth {item!r} (--offload-bandwidths): {err}") from None
+            raise OffloadConfigError(f"bandwidths {item!r}: {err}") from None
     return result
 
 
@@ -249,9 +250,9 @@ def probe_piece_bytes(probe_bytes: int, prefetch_depth: int) -> int:
     if piece < 2 * ALIGN:
         raise OffloadConfigError(
             f"the bandwidth probe cannot split probe_bytes={probe_bytes} into prefetch_depth={prefetch_depth} "
-            f"files of at least {2 * ALIGN} bytes: raise probe_bytes (--offload-probe-mb) to at least "
-            f"{2 * ALIGN * prefetch_depth}, lower prefetch_depth (--offload-prefetch-depth), or give the "
-            f"tier's bandwidths (--offload-bandwidths)")
+            f"files of at least {2 * ALIGN} bytes: raise probe_bytes to at least "
+            f"{2 * ALIGN * prefetch_depth}, lower prefetch_depth, or give the "
+            f"tier's bandwidths")
     return piece
 
 

@@ -238,7 +238,7 @@ def plan_placement(
             raise PlacementError(
                 f"host-only offload: the optimizer state needs {total_state / GiB:.3f} GiB but the "
                 f"host budget is {budget / GiB:.3f} GiB (host_budget_bytes={budget}); raise "
-                f"--offload-host-cache-gb or add a file tier"
+                f"host_budget_bytes or add a file tier"
             )
         return Placement([HOST_TIER] * n, 0, 0, total_state)
 
@@ -250,7 +250,7 @@ def plan_placement(
         raise PlacementError(
             f"host budget {budget / GiB:.3f} GiB (host_budget_bytes={budget}) is below the pipeline's "
             f"minimum of {min_slots} subgroup buffers ({min_slots * slot_bytes / GiB:.3f} GiB at subgroup size "
-            f"{config.subgroup_size}); raise --offload-host-cache-gb or lower --offload-subgroup-size"
+            f"{config.subgroup_size}); raise host_budget_bytes or lower subgroup_size"
         )
     pipeline_slots = min(wanted_slots, budget // slot_bytes)
     if pipeline_slots < wanted_slots:
@@ -292,7 +292,7 @@ def plan_placement(
             raise PlacementError(
                 f"not enough disk space for the offloaded state: {need / GiB:.2f} GiB needed on file "
                 f"tiers ({sharing} rank(s) of this node), {have}; free space, add a tier path, or "
-                f"raise --offload-host-cache-gb"
+                f"raise host_budget_bytes"
             )
         cost = {t: rates[t].seconds(sg.state_bytes, sg.state_bytes) for t in candidates}
         # Ties (e.g. two paths on one device) go to the emptier tier, then the earlier one.

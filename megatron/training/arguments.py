@@ -291,30 +291,22 @@ def _validate(parser, args) -> None:
 
 
 def _validate_offload(parser, args) -> None:
-    tiers = args.offload_tiers
-    file_tiers = [t for t in (tiers or []) if t != "host"]
-    for name in args.offload_paths:
-        if name == "host":
-            parser.error("argument --offload-host-path: the host tier lives in memory and takes no path")
-        if name not in file_tiers:
-            parser.error(f"argument --offload-{name}-path: tier {name!r} is not in --offload-tiers "
-                         f"({','.join(tiers) if tiers else 'not given'})")
-    for name in file_tiers:
-        if name not in args.offload_paths:
-            parser.error(f"argument --offload-{name}-path: required because --offload-tiers names "
-                         f"the file tier {name!r}")
-    if tiers is None:
-        others = [flag for flag, value, default in (
-            ("--offload-host-cache-gb", args.offload_host_cache_gb, None),
-            ("--offload-bandwidths", args.offload_bandwidths, None),
-        ) if value != default]
-        if others:
-            parser.error(f"argument {others[0]}: requires --offload-tiers")
-    if args.offload_bandwidths:
-        for item in args.offload_bandwidths.split(","):
-            name = item.split("=")[0].strip()
-            if name not in file_tiers:
-                parser.error(f"argument --offload-bandwidths: {name!r} is not a file tier in --offload-tiers")
+    """Offload flags need --offload-tiers; what they say is checked by the engine's own config,
+    built here once so that a bad value fails before any work, named by its flag."""
+    if args.offload_tiers is None:
+        given = [f"--offload-{name}-path" for name in args.offload_paths]
+        given += [flag for flag, value in (("--offload-host-cache-gb", args.offload_host_cache_gb),
+                                           ("--offload-bandwidths", args.offload_bandwidths)) if value is not None]
+        if given:
+            parser.error(f"argument {given[0]}: requires --offload-tiers")
+        return
+    from mlp_offload import OffloadConfigError
+    from megatron.training.offload_flags import config_from_args, in_flags
+
+    try:
+        config_from_args(args, rank=0)
+    except OffloadConfigError as err:
+        parser.error(in_flags(str(err)))
 
 
 def _validate_mcore_offload(parser, args) -> None:

@@ -34,6 +34,7 @@ from mlp_offload import OffloadConfig, OffloadedAdamW, parse_bandwidths
 from mlp_offload.checkpoint import (CheckpointDataError, RangeReader, load_engine_state, read_footer, save_engine_state,
                                     state_file_bytes)
 from megatron.training.errors import UserError
+from megatron.training.offload_flags import config_from_args
 
 log = logging.getLogger("mlp_offload")
 GiB = 1024**3
@@ -41,24 +42,7 @@ GiB = 1024**3
 
 def offload_config_from_args(args) -> OffloadConfig:
     """The engine's config from the ``--offload-*`` flags."""
-    budget = None if args.offload_host_cache_gb is None else int(args.offload_host_cache_gb * GiB)
-    return OffloadConfig(
-        tiers=list(args.offload_tiers),
-        paths=dict(args.offload_paths),
-        host_budget_bytes=budget,
-        subgroup_size=args.offload_subgroup_size,
-        prefetch_depth=args.offload_prefetch_depth,
-        tokens_per_tier=args.offload_tokens_per_tier,
-        io_block_bytes=args.offload_io_block_mb << 20,
-        io_threads=args.offload_io_threads,
-        use_odirect=not args.offload_no_odirect,
-        verify_checksums=not args.offload_no_checksums,
-        cache_alternating=not args.offload_no_cache,
-        bandwidths=parse_bandwidths(args.offload_bandwidths or ""),
-        adam_kernel=args.offload_adam_kernel,
-        probe_bytes=args.offload_probe_mb << 20,
-        rank=torch.distributed.get_rank() if torch.distributed.is_initialized() else 0,
-    )
+    return config_from_args(args, rank=torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
 
 
 def _show_engine_log() -> None:

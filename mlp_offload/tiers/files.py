@@ -53,7 +53,7 @@ class OpResult:
 
 def check_tier_dir(name: str, path: str) -> str:
     """Resolve and validate a tier directory; errors name the flag that set it."""
-    flag = f"--offload-{name}-path"
+    flag = f"paths[{name!r}]"
     if not os.path.exists(path):
         raise TierPathError(f"{flag} {path}: the directory does not exist")
     if not os.path.isdir(path):
@@ -86,9 +86,9 @@ class FileTier:
         self.name = name
         self.root = check_tier_dir(name, root)
         try:
-            self.dir = claim(self.root, run_id, rank, flag=f"--offload-{name}-path")
+            self.dir = claim(self.root, run_id, rank, field=f"paths[{name!r}]")
         except OSError as err:
-            raise TierPathError(f"--offload-{name}-path {root}: cannot create this rank's directory: {err}") from err
+            raise TierPathError(f"paths[{name!r}] {root}: cannot create this rank's directory: {err}") from err
         self.device = os.stat(self.root).st_dev  # tiers on one device share its bandwidth
         self.block_bytes = block_bytes
         self.io_threads = io_threads
@@ -257,10 +257,10 @@ class FileTier:
     def _io_error(self, what: str, path: str, err: OSError) -> TierIOError:
         hint = {
             errno.ENOSPC: f"the file system is full ({self.free_bytes() / GiB:.2f} GiB free); "
-            f"free space, use another --offload-{self.name}-path, or raise --offload-host-cache-gb",
+            f"free space, use another paths[{self.name!r}], or raise host_budget_bytes",
             errno.EDQUOT: "the disk quota is exhausted; free space or use another path",
-            errno.EROFS: "the file system is read-only; use a writable --offload-" + self.name + "-path",
-            errno.EACCES: "permission denied; use a writable --offload-" + self.name + "-path",
+            errno.EROFS: f"the file system is read-only; use a writable paths[{self.name!r}]",
+            errno.EACCES: f"permission denied; use a writable paths[{self.name!r}]",
             errno.ENOENT: "the tier directory disappeared during the run",
         }.get(err.errno, "")
         return TierIOError(f"tier {self.name}: {what} {path} failed: {err.strerror or err}" + (f" ({hint})" if hint else ""))

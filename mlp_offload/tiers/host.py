@@ -45,7 +45,7 @@ class HostMemory:
             raise HostMemoryError(
                 f"host budget exceeded allocating {what}: {nbytes / GiB:.3f} GiB needed, "
                 f"{(self.budget_bytes - self.used_bytes) / GiB:.3f} GiB of "
-                f"{self.budget_bytes / GiB:.3f} GiB left (raise --offload-host-cache-gb)"
+                f"{self.budget_bytes / GiB:.3f} GiB left (raise host_budget_bytes)"
             )
         try:
             # Pinned by registering exactly-sized pageable memory: torch's pinned allocator rounds
@@ -58,7 +58,7 @@ class HostMemory:
             raise HostMemoryError(
                 f"could not allocate {nbytes / GiB:.3f} GiB of {kind}host memory for {what} "
                 f"({self.used_bytes / GiB:.3f} GiB already held): {err}. Lower "
-                f"--offload-host-cache-gb, or raise the locked-memory limit (ulimit -l)"
+                f"host_budget_bytes, or raise the locked-memory limit (ulimit -l)"
             ) from err
         shift = (-raw.data_ptr()) % ALIGN
         if counted:
@@ -112,7 +112,7 @@ def check_budget_exists(budget_bytes: Optional[int], ranks: int) -> None:
         return
     need = budget_bytes * ranks
     limit, total = _cgroup_limit_bytes(), _meminfo_bytes("MemTotal")
-    what = (f"--offload-host-cache-gb {budget_bytes / GiB:g}: {ranks} rank(s) of this node x "
+    what = (f"host_budget_bytes ({budget_bytes / GiB:g} GiB per rank): {ranks} rank(s) of this node x "
             f"{budget_bytes / GiB:g} GiB = {need / GiB:.1f} GiB")
     if limit is not None and need > limit:
         raise HostMemoryError(f"{what}, more than this job's memory limit of {limit / GiB:.1f} GiB; give at most "
@@ -135,9 +135,9 @@ def check_host_memory(per_rank_bytes: int, ranks: int) -> None:
         raise HostMemoryError(
             f"host memory: {ranks} rank(s) x {per_rank_bytes / GiB:.2f} GiB = {need / GiB:.2f} GiB of "
             f"optimizer buffers exceed this job's memory limit of {limit / GiB:.2f} GiB; lower "
-            f"--offload-host-cache-gb (or --offload-subgroup-size) or add file tiers")
+            f"host_budget_bytes (or subgroup_size) or add file tiers")
     available = _meminfo_bytes("MemAvailable")
     if available is not None and need > available:
         log.warning("host memory: %d rank(s) x %.2f GiB = %.2f GiB of optimizer buffers, but the OS reports "
-                    "only %.2f GiB available; lower --offload-host-cache-gb if the job gets OOM-killed",
+                    "only %.2f GiB available; lower host_budget_bytes if the job gets OOM-killed",
                     ranks, per_rank_bytes / GiB, need / GiB, available / GiB)

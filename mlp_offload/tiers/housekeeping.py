@@ -100,7 +100,7 @@ def scan(root: str) -> List[Namespace]:
     return found
 
 
-def claim(root: str, run_id: str, rank: int, flag: str) -> str:
+def claim(root: str, run_id: str, rank: int, field: str) -> str:
     """Create and own this rank's namespace; clear a dead owner's files; report other stale ones."""
     path = os.path.join(root, NAMESPACE_DIR, run_id, f"rank{rank:05d}")
     if os.path.isdir(path):
@@ -111,7 +111,7 @@ def claim(root: str, run_id: str, rank: int, flag: str) -> str:
             ns = Namespace(path, run_id, os.path.basename(path), owner, alive, _tree_bytes(path))
             if alive is not False:
                 raise NamespaceInUseError(
-                    f"{flag} {root}: {ns.describe()} is in use by another process with the same run id "
+                    f"{field} {root}: {ns.describe()} is in use by another process with the same run id "
                     f"{run_id!r} and rank {rank}; give each job its own MLP_OFFLOAD_RUN_ID")
             log.warning("removing stale offload files of a dead run before use (never reused): %s", ns.describe())
             shutil.rmtree(path, ignore_errors=True)
@@ -140,7 +140,7 @@ def claim(root: str, run_id: str, rank: int, flag: str) -> str:
         log.warning(
             "%s %s holds %d stale offload namespace(s) of dead runs (%.2f GiB); they are not used. "
             "Delete them with: python tools/offload_clean.py --delete %s\n  %s",
-            flag, root, len(stale), sum(ns.nbytes for ns in stale) / GiB, root,
+            field, root, len(stale), sum(ns.nbytes for ns in stale) / GiB, root,
             "\n  ".join(ns.describe() for ns in stale))
     return path
 

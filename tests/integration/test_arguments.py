@@ -84,3 +84,28 @@ def test_mcore_cpu_offload_errors(extra, message):
     with pytest.raises(UserError) as exc:
         parse_args(BASE + extra)
     assert message in str(exc.value) and "--optimizer" in str(exc.value)
+
+
+@pytest.mark.parametrize("engine_says, user_reads", [
+    ("host budget 0.004 GiB (host_budget_bytes=4194304) is below the pipeline's minimum; raise host_budget_bytes "
+     "or lower subgroup_size",
+     "host budget 0.004 GiB (--offload-host-cache-gb 0.00390625) is below the pipeline's minimum; raise "
+     "--offload-host-cache-gb or lower --offload-subgroup-size"),
+    ("paths['nvme'] /x: the directory does not exist", "--offload-nvme-path /x: the directory does not exist"),
+    ("bandwidths 'nvme=x': expected TIER=READ_GBPS:WRITE_GBPS", "--offload-bandwidths 'nvme=x': expected "
+                                                                "TIER=READ_GBPS:WRITE_GBPS"),
+    ("cannot split probe_bytes=1048576 into prefetch_depth=129 files",
+     "cannot split --offload-probe-mb 1 into --offload-prefetch-depth 129 files"),
+    ("the offload tiers and their file tiers", "the offload tiers and their file tiers"),  # prose stays
+])
+def test_engine_fields_read_as_flags(engine_says, user_reads):
+    from megatron.training.offload_flags import in_flags
+
+    assert in_flags(engine_says) == user_reads
+
+
+def test_no_flag_strings_in_the_engine():
+    """The engine names config fields; only the Megatron layer speaks the command line."""
+    offenders = [f"{p.relative_to(REPO)}:{n}" for p in (REPO / "mlp_offload").rglob("*.py")
+                 for n, line in enumerate(p.read_text().splitlines(), 1) if "--offload" in line]
+    assert offenders == []

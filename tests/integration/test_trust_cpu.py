@@ -157,7 +157,8 @@ def test_save_refused_up_front_when_the_file_system_is_too_small(tmp_path, small
 
 @pytest.mark.parametrize("flags,expected", [
     (["--offload-host-cache-gb", "inf"], "argument --offload-host-cache-gb: must be a finite number, got inf"),
-    (["--offload-host-cache-gb", "1e7"], r"--offload-host-cache-gb 1e\+07: 2 rank\(s\) of this node x 1e\+07 GiB = .* more than 64x this node"),
+    (["--offload-host-cache-gb", "1e7"],
+     r"--offload-host-cache-gb \(1e\+07 GiB per rank\): 2 rank\(s\) of this node x 1e\+07 GiB = .* more than 64x"),
     (["--lr-warmup-iters", "6"], "argument --lr-warmup-iters: 6 must be below --lr-decay-iters"),
     (["--offload-prefetch-depth", "0"], "argument --offload-prefetch-depth"),
 ])

@@ -16,17 +16,17 @@ from .helpers import fast_config
 
 
 def test_file_tier_without_path():
-    with pytest.raises(OffloadConfigError, match="--offload-nvme-path"):
+    with pytest.raises(OffloadConfigError, match=r"paths\['nvme'\]"):
         OffloadConfig(tiers=["host", "nvme"], host_budget_bytes=1 << 20)
 
 
 def test_path_for_unlisted_tier(tmp_path):
-    with pytest.raises(OffloadConfigError, match="'pfs'.*not in the offload tiers"):
+    with pytest.raises(OffloadConfigError, match=r"paths\['pfs'\] is given, but 'pfs' is not a file tier"):
         OffloadConfig(tiers=["nvme"], paths={"nvme": str(tmp_path), "pfs": str(tmp_path)})
 
 
 def test_mixed_tiers_need_a_host_budget(tmp_path):
-    with pytest.raises(OffloadConfigError, match="--offload-host-cache-gb"):
+    with pytest.raises(OffloadConfigError, match="host_budget_bytes"):
         OffloadConfig(tiers=["host", "nvme"], paths={"nvme": str(tmp_path)})
 
 
@@ -54,7 +54,7 @@ def test_bandwidth_syntax():
 def test_missing_path(tmp_path):
     cfg = fast_config(tmp_path, tiers=["nvme"])
     cfg.paths["nvme"] = str(tmp_path / "nope")
-    with pytest.raises(TierPathError, match=r"--offload-nvme-path .*nope: the directory does not exist"):
+    with pytest.raises(TierPathError, match=r"paths\['nvme'\] .*nope: the directory does not exist"):
         OffloadedAdamW(torch.zeros(100), cfg)
 
 

@@ -108,7 +108,7 @@ def _bad_block(draw, setup):
 def _bad_bandwidth_flag(draw, setup):
     tier = setup.tiers[-1]
     spec = f"{tier}=" + draw(st.sampled_from(["inf:1", "1:nan", "0:1", "1:1e999", "-1:1"]))
-    return Invalid(setup, OffloadConfigError, ["--offload-bandwidths", repr(spec)], bandwidth_spec=spec)
+    return Invalid(setup, OffloadConfigError, ["bandwidths", repr(spec)], bandwidth_spec=spec)
 
 
 def _bad_bandwidth(draw, setup):
@@ -126,7 +126,7 @@ def _probe_too_small(draw, setup):
 
 def _missing_path(draw, setup):
     tier = setup.tiers[-1]
-    return Invalid(setup, TierPathError, [f"--offload-{tier}-path", "no-such-dir"], missing_path=tier)
+    return Invalid(setup, TierPathError, [f"paths[{tier!r}]", "no-such-dir"], missing_path=tier)
 
 
 def _host_only_budget_below_state(draw, setup):
@@ -135,13 +135,13 @@ def _host_only_budget_below_state(draw, setup):
     if budget == 0:
         return _changed(setup, host_budget_bytes=0)
     return _changed(setup, host_budget_bytes=budget, error=PlacementError,
-                    says=[f"host_budget_bytes={budget}", "--offload-host-cache-gb"])
+                    says=[f"host_budget_bytes={budget}"])
 
 
 def _budget_below_pipeline(draw, setup):
     budget = draw(st.integers(0, 2 * setup.slot_bytes - 1))
     return _changed(setup, host_budget_bytes=budget, error=PlacementError,
-                    says=[f"host_budget_bytes={budget}", "--offload-host-cache-gb"])
+                    says=[f"host_budget_bytes={budget}"])
 
 
 WITH_FILES = [m for m in TIER_MIXES if m != ["host"]]
@@ -168,7 +168,7 @@ INVALID = {
     "host-only budget": ([["host"]], _host_only_budget_below_state),
     "budget below the pipeline": (HOST_AND_FILES, _budget_below_pipeline),
     "no budget": (HOST_AND_FILES, lambda draw, setup: _changed(
-        setup, host_budget_bytes=None, says=["no host budget", "--offload-host-cache-gb"])),
+        setup, host_budget_bytes=None, says=["no host budget", "host_budget_bytes"])),
 }
 
 

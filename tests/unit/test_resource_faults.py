@@ -56,7 +56,7 @@ def test_disk_full_during_flush(tmp_path):
                 eng.flush()
             msg = str(info.value)
             assert "No space left on device" in msg and "the file system is full" in msg
-            assert "--offload-nvme-path" in msg  # what to change
+            assert "paths['nvme']" in msg  # what to change
             with pytest.raises(OffloadStateError, match="stopped after an earlier error"):
                 eng.step()
         finally:
@@ -72,7 +72,7 @@ def test_tier_turns_read_only(tmp_path):
             eng.flush()
             subprocess.run(["mount", "-o", "remount,ro", str(nvme)], check=True)
             eng.grad_buffer.normal_()
-            with pytest.raises(OffloadStateError, match="Read-only file system.*use a writable --offload-nvme-path"):
+            with pytest.raises(OffloadStateError, match=r"Read-only file system.*use a writable paths\['nvme'\]"):
                 eng.step()
                 eng.flush()
         finally:
@@ -89,7 +89,7 @@ def test_pinned_memory_refused(tmp_path, monkeypatch):
     cfg = fast_config(tmp_path, tiers=["host", "nvme"], subgroup_size=20_000, pin_memory=True,
                       host_budget_bytes=1 << 24)
     with pytest.raises(HostMemoryError, match=r"could not allocate .* GiB of pinned host memory .*"
-                                              r"Lower --offload-host-cache-gb, or raise the locked-memory limit"):
+                                              r"Lower host_budget_bytes, or raise the locked-memory limit"):
         OffloadedAdamW(torch.randn(100_000), cfg)
     # The failed start removed its directory.
     assert not (tmp_path / "nvme" / "mlp_offload").exists()
@@ -100,7 +100,7 @@ def test_error_hints_name_the_cause():
 
     tier = FileTier.__new__(FileTier)
     tier.name, tier.root = "pfs", "/"
-    for code, hint in [(errno.EDQUOT, "quota"), (errno.EACCES, "writable --offload-pfs-path"),
+    for code, hint in [(errno.EDQUOT, "quota"), (errno.EACCES, "writable paths['pfs']"),
                        (errno.ENOENT, "disappeared")]:
         err = tier._io_error("write", "/x", OSError(code, os.strerror(code)))
         assert hint in str(err)
