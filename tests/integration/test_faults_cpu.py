@@ -40,6 +40,12 @@ def test_kill_and_restart_resumes_exactly(tmp_path, uninterrupted, fault):
     crashed = run_pretrain(tmp_path, args, train_iters=ITERS, env={"MLP_OFFLOAD_FAULT": fault},
                            loss_log=tmp_path / "crashed.jsonl", expect_success=False)
     assert crashed[0]["returncode"] != 0, "the injected fault did not stop the run"
+    # The survivor, stopped by torchrun's SIGTERM wherever it was (a collective, mid-I/O), removed
+    # its swap files; only the SIGKILLed rank's are left.
+    killed = fault.split("@")[1].split("#")[0]
+    for tier in ("nvme", "pfs"):
+        left = sorted(p.name for p in (tmp_path / tier).glob("mlp_offload/*/rank*"))
+        assert left == [f"rank{int(killed):05d}"], (tier, left, crashed[0]["output"][-2000:])
     resumed = run_pretrain(tmp_path, args, train_iters=ITERS, loss_log=tmp_path / "resumed.jsonl")
     start = CASES[fault]
     assert [r["iteration"] for r in resumed] == list(range(start + 1, ITERS + 1))
