@@ -109,7 +109,8 @@ class OffloadConfig:
     unfused ``torch.optim.AdamW`` bit for bit."""
 
     run_id: Optional[str] = None
-    """Namespace of this run's files; default from SLURM/torchrun variables or a fresh one."""
+    """Namespace of this run's files; default: MLP_OFFLOAD_RUN_ID, else SLURM's job and step id
+    (``<job>.<step>``, ``<job>.batch`` in the batch script), else torchrun's run id, else per process."""
 
     rank: int = 0
     """Rank whose shard this engine holds; files are namespaced by it."""
@@ -185,6 +186,8 @@ class OffloadConfig:
         for var in ("MLP_OFFLOAD_RUN_ID", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"):
             value = os.environ.get(var)
             if value and value != "none":
+                if var == "SLURM_JOB_ID":  # two steps of one allocation must not share a namespace
+                    value += "." + os.environ.get("SLURM_STEP_ID", "batch")
                 return _safe_name(value)
         # Per-process fallback: unique, and files of a dead run are never mistaken for ours.
         self.run_id = f"pid{os.getpid()}"
