@@ -76,6 +76,12 @@ class OffloadConfig:
     """Node-wide I/O tokens per tier path: how many processes of a node may do I/O on it at once.
     None: decided per tier from the probe (see ``perf_model.tokens_for``)."""
 
+    token_scope: Dict[str, str] = field(default_factory=dict)
+    """Per file tier, who takes turns on its path: ``"node"`` (the default: the node's ranks, each
+    node on its own, through node-local locks) or ``"job"`` (the job's ranks on every node, through
+    the job's key-value store, which the engine then needs as ``token_store``). Job scope is for a
+    path all nodes share whose total bandwidth does not grow with the nodes using it."""
+
     io_block_bytes: int = 8 * MiB
     """Size of one read/write syscall; a multiple of the O_DIRECT alignment."""
 
@@ -171,6 +177,7 @@ class OffloadConfig:
                 self.bandwidths[name] = TierBandwidth(*bw)
         if self.adam_elems_per_s is not None and self.adam_elems_per_s <= 0:
             raise OffloadConfigError("Adam rate must be positive")
+        _check_token_scope(self.token_scope, self.file_tiers)
 
     @property
     def has_host(self) -> bool:
@@ -214,6 +221,17 @@ def parse_bandwidths(spec: str) -> Dict[str, TierBandwidth]:
             ) from None
         result[name.strip()] = TierBandwidth(read_gbps * 1e9, write_gbps * 1e9)
     return result
+
+
+TOKEN_SCOPES = ("node", "job")
+
+
+def _check_token_scope(scope: Dict[str, str], file_tiers: List[str]) -> None:
+    for name, value in scope.items():
+        if name not in file_tiers:
+            raise OffloadConfigError(f"token scope given for {name!r}, which is not a file tier")
+        if value not in TOKEN_SCOPES:
+            raise OffloadConfigError(f"token scope of tier {name!r} must be 'node' or 'job', got {value!r}")
 
 
 def _positive(what: str, value: int) -> None:

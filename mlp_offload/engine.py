@@ -23,7 +23,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Protocol, Sequence,
 
 import torch
 
-from .config import HOST_TIER, OffloadConfig, TierBandwidth
+from .config import HOST_TIER, OffloadConfig, OffloadConfigError, TierBandwidth
 from .faults import fault_point
 from .perf_model import (Placement, Prediction, measure_adam_rate, plan_placement, predict_update, probe_tier,
                          tokens_for)
@@ -32,7 +32,7 @@ from .subgroups import FP32_BYTES, Subgroup, partition
 from .telemetry import StepRecord, TrafficCounters
 from .tiers.files import FileTier, TierIOError
 from .tiers.host import HostMemory, check_budget_exists, check_host_memory
-from .tiers.tokens import TierTokens
+from .tiers.tokens import JobTokens, TierTokens
 from .update import AdamKernel, fused_vector_width, convert_grads
 
 log = logging.getLogger("mlp_offload")
@@ -110,6 +110,9 @@ class OffloadedAdamW:
     Gradients come from ``grad_buffer`` (low precision, filled by the caller, converted here), or,
     with ``grad_source``, as fp32 straight into one of two scratch buffers (e.g. cast on the GPU and
     copied while the previous subgroup's Adam runs); then there is no ``grad_buffer``.
+
+    ``token_store`` is the job's key-value store (a ``torch.distributed.Store``): needed where
+    ``config.token_scope`` makes a tier's ranks take turns across the whole job.
     """
 
     def __init__(
@@ -127,6 +130,7 @@ class OffloadedAdamW:
         on_params_updated: Optional[Callable[[int, int, torch.Tensor], object]] = None,
         grad_source: Optional[GradientSource] = None,
         numel: Optional[int] = None,
+        token_store=None,
     ):
         if callable(params):
             if numel is None:
@@ -139,6 +143,11 @@ class OffloadedAdamW:
         if grad_dtype not in _GRAD_DTYPES:
             raise ValueError(f"gradient dtype must be one of {_GRAD_DTYPES}, got {grad_dtype}")
         self.config = config
+        job_scoped = [t for t, scope in config.token_scope.items() if scope == "job"]
+        if job_scoped and token_store is None:
+            raise OffloadConfigError(f"token scope 'job' for {job_scoped} needs the job's key-value store "
+                                     f"(token_store, e.g. torch.distributed's)")
+        self.token_store = token_store
         self.on_params_updated = on_params_updated
         self.grad_source = grad_source
         self.adam = AdamKernel(config.adam_kernel, decoupled_weight_decay)
@@ -178,7 +187,9 @@ class OffloadedAdamW:
         self.tokens_per_tier = {name: cfg.tokens_per_tier or tokens_for(self.rates[name], sharing)
                                 for name in cfg.file_tiers}
         for name, tier in self._tiers.items():
-            tier.tokens = TierTokens(cfg.paths[name], self.tokens_per_tier[name])
+            count = self.tokens_per_tier[name]
+            tier.tokens = (JobTokens(cfg.paths[name], count, self.token_store) if self.token_scope(name) == "job"
+                           else TierTokens(cfg.paths[name], count))
         free = {name: tier.free_bytes() for name, tier in self._tiers.items()}
         self.devices = {name: tier.device for name, tier in self._tiers.items()}
         self.placement: Placement = plan_placement(self.subgroups, cfg, self.rates, free, self.devices)
@@ -288,13 +299,16 @@ class OffloadedAdamW:
             + (f" r+w {r.mixed_bps / 1e9:.2f}" if r.mixed_bps else "")
             + (f" r+w with all ranks' streams {r.shared_mixed_bps / 1e9:.2f}" if r.shared_mixed_bps else "")
             + " GB/s" + ("" if self._tiers[t].odirect else " (buffered)")
-            + f", {self.tokens_per_tier[t]} I/O token(s)" for t, r in self.rates.items())
+            + f", {self.tokens_per_tier[t]} I/O token(s) per {self.token_scope(t)}" for t, r in self.rates.items())
         log.info(
             "offload rank %d: %d params in %d subgroups; placement %s; %d host buffers (%d cache); "
             "host state %.2f GiB; adam %.2f Gelem/s%s; %s",
             cfg.rank, self.numel, len(self.subgroups), counts, p.slots, p.cache_slots,
             p.host_state_bytes / GiB, self.adam_rate / 1e9, "; " + rates if rates else "",
             self.prediction.describe())
+
+    def token_scope(self, tier: str) -> str:
+        return self.config.token_scope.get(tier, "node")
 
     # -- the update ----------------------------------------------------------------------------
     def step(self, *, unscale: Optional[float] = None, clip_coef: Optional[float] = None,
@@ -645,6 +659,8 @@ class OffloadedAdamW:
         self.closed = True
         for tier in self._tiers.values():
             tier.close(remove_files=remove_files)
+            if tier.tokens is not None:
+                tier.tokens.close()  # the last process of the node to leave removes the lock files
         if getattr(self, "host", None) is not None:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()  # no copy may still read a buffer we unpin

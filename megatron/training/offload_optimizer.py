@@ -49,6 +49,7 @@ def offload_config_from_args(args) -> OffloadConfig:
         subgroup_size=args.offload_subgroup_size,
         prefetch_depth=args.offload_prefetch_depth,
         tokens_per_tier=args.offload_tokens_per_tier,
+        token_scope=dict(args.offload_token_scope),
         io_block_bytes=args.offload_io_block_mb << 20,
         io_threads=args.offload_io_threads,
         use_odirect=not args.offload_no_odirect,
@@ -59,6 +60,15 @@ def offload_config_from_args(args) -> OffloadConfig:
         probe_bytes=args.offload_probe_mb << 20,
         rank=torch.distributed.get_rank() if torch.distributed.is_initialized() else 0,
     )
+
+
+def _job_store(config: OffloadConfig):
+    """The job's key-value store, for I/O tokens taken across nodes (--offload-token-scope T=job)."""
+    if "job" not in config.token_scope.values():
+        return None
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
 
 
 def _show_engine_log() -> None:
@@ -222,7 +232,7 @@ class OffloadDistributedOptimizer:
             lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
             weight_decay=config.weight_decay, groups=engine_groups,
             grad_dtype=first_buffer.grad_dtype, on_params_updated=self._copy_params_to_device,
-            grad_source=self._device_grads)
+            grad_source=self._device_grads, token_store=_job_store(offload_config))
         self.last_record = None
         self.telemetry_path: Optional[str] = None
         self.is_stub_optimizer = False

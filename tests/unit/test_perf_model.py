@@ -9,7 +9,8 @@ import torch
 
 from mlp_offload import OffloadedAdamW
 from mlp_offload.config import OffloadConfig, TierBandwidth
-from mlp_offload.perf_model import PROBE_CACHE, plan_placement, predict_update, probe_tier, tokens_for
+from mlp_offload import probe_cache
+from mlp_offload.perf_model import plan_placement, predict_update, probe_tier, tokens_for
 from mlp_offload.subgroups import partition
 from mlp_offload.tiers.files import FileTier
 from mlp_offload.tiers.host import HostMemory
@@ -72,7 +73,7 @@ def test_probe_measures_three_phases_and_is_cached(tmp_path):
         buf = HostMemory(None, pin=False).allocate(8 << 20, "probe")  # aligned, for O_DIRECT
         first = probe_tier(tier, buf)
         assert first.read_bps > 0 and first.write_bps > 0 and first.mixed_bps > 0
-        with open(os.path.join(tier.root, PROBE_CACHE)) as f:
+        with open(probe_cache.path_for(tier.root)) as f:
             assert json.load(f)["mixed_bps"] == first.mixed_bps
         assert probe_tier(tier, buf) == first  # served from the cache
         assert not [p for p in os.listdir(tier.dir) if p.startswith(".probe")]
