@@ -36,6 +36,7 @@ from .tiers.tokens import JobTokens, TierTokens
 from .update import AdamKernel, fused_vector_width, convert_grads
 
 log = logging.getLogger("mlp_offload")
+PER_NODE = "mlp_offload_per_node"  # set on log records that say the same on every rank of a node
 GiB = 1024**3
 
 EMPTY, READING, READY, DIRTY, WRITING = "empty", "reading", "ready", "dirty", "writing"
@@ -291,21 +292,26 @@ class OffloadedAdamW:
         return step_schedule(step_index, self.placement.tier_of, self.placement.cache_slots,
                              self.config.cache_alternating)
 
-    def log_placement(self) -> None:
-        p, cfg = self.placement, self.config
-        counts = {t: len(p.subgroups_on(t)) for t in [HOST_TIER] + cfg.file_tiers}
-        rates = ", ".join(
+    def describe_tiers(self) -> str:
+        """The file tiers' rates and tokens: the same for every rank of a node (the probe is per
+        host and path), so a job's launcher may print it once per node."""
+        return ", ".join(
             f"{t} r {r.read_bps / 1e9:.2f} w {r.write_bps / 1e9:.2f}"
             + (f" r+w {r.mixed_bps / 1e9:.2f}" if r.mixed_bps else "")
             + (f" r+w with all ranks' streams {r.shared_mixed_bps / 1e9:.2f}" if r.shared_mixed_bps else "")
             + " GB/s" + ("" if self._tiers[t].odirect else " (buffered)")
             + f", {self.tokens_per_tier[t]} I/O token(s) per {self.token_scope(t)}" for t, r in self.rates.items())
+
+    def log_placement(self) -> None:
+        p, cfg = self.placement, self.config
+        counts = {t: len(p.subgroups_on(t)) for t in [HOST_TIER] + cfg.file_tiers}
+        if self.rates:
+            log.info("offload tiers of this node: %s", self.describe_tiers(), extra={PER_NODE: True})
         log.info(
             "offload rank %d: %d params in %d subgroups; placement %s; %d host buffers (%d cache); "
-            "host state %.2f GiB; adam %.2f Gelem/s%s; %s",
+            "host state %.2f GiB; adam %.2f Gelem/s; %s",
             cfg.rank, self.numel, len(self.subgroups), counts, p.slots, p.cache_slots,
-            p.host_state_bytes / GiB, self.adam_rate / 1e9, "; " + rates if rates else "",
-            self.prediction.describe())
+            p.host_state_bytes / GiB, self.adam_rate / 1e9, self.prediction.describe())
 
     def token_scope(self, tier: str) -> str:
         return self.config.token_scope.get(tier, "node")

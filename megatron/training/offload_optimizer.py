@@ -34,6 +34,7 @@ from mlp_offload import OffloadConfig, OffloadedAdamW, parse_bandwidths
 from mlp_offload.checkpoint import (CheckpointDataError, RangeReader, load_engine_state, read_footer, save_engine_state,
                                     state_file_bytes)
 from megatron.training.errors import UserError
+from megatron.training.job_facts import PerNodeByRank0
 
 log = logging.getLogger("mlp_offload")
 GiB = 1024**3
@@ -77,6 +78,7 @@ def _show_engine_log() -> None:
         handler = logging.StreamHandler()
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         handler.setFormatter(logging.Formatter(f"[offload rank {rank}] %(levelname)s %(message)s"))
+        handler.addFilter(PerNodeByRank0())  # rank 0 prints every node's once (job_facts.report)
         log.addHandler(handler)
         log.setLevel(logging.INFO)
         log.propagate = False
