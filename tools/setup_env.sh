@@ -5,7 +5,8 @@
 # environment, a module's PYTHONPATH, the system. Only a machine with no torch at all gets one: the
 # pinned CPU build (an unpinned torch pulls GBs of CUDA wheels). pip is never allowed to replace it.
 # Nodes without internet: MLP_OFFLOAD_WHEELHOUSE=DIR installs from a directory of wheels only
-# (fill it elsewhere: pip download -d DIR megatron-core==0.16.1 numpy pytest psutil).
+# (fill it elsewhere: pip download --no-deps -d DIR megatron-core==0.16.1 numpy packaging pytest
+# iniconfig pluggy psutil; --no-deps, or it downloads a torch too).
 # MLP_OFFLOAD_PYTHON picks the interpreter (default python3), MLP_OFFLOAD_VENV the venv's place.
 set -e
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
