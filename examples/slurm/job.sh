@@ -32,7 +32,10 @@ run_job() {
         return 2
     fi
     # Rendezvous: the first node of the allocation hosts it, on a port of this job's own.
-    MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
+    # (No pipe into head: under pipefail, scontrol's SIGPIPE on a long node list would end the job.)
+    local hosts
+    hosts="$(scontrol show hostnames "$SLURM_JOB_NODELIST")"
+    MASTER_ADDR="${hosts%%$'\n'*}"
     MASTER_PORT="${MASTER_PORT:-$(python -c "from megatron.training.slurm_env import job_port; print(job_port($SLURM_JOB_ID, 15))")}"
     export MASTER_ADDR MASTER_PORT
     # torchrun SIGKILLs its workers this long after passing SLURM's SIGTERM on: longer than the lead

@@ -10,10 +10,10 @@ import re
 import sys
 from pathlib import Path
 
-from launch import REPO, TINY_MODEL, free_port, losses, pretrain_env, read_loss_log, run_group, run_pretrain
+from conftest import BASELINE_ITERS
+from launch import REPO, TINY_MODEL, free_port, losses, pretrain_env, read_loss_log, run_group
 from megatron.training.arguments import parse_args
 from megatron.training.slurm_env import job_port
-from test_offload_cpu import offload_args
 
 SCRIPTS = REPO / "examples" / "slurm"
 
@@ -170,12 +170,9 @@ def test_a_failed_rank_error_reaches_the_job_output(tmp_path):
     assert not (tmp_path / "nodes" / "node0" / "mlp_offload.4242").exists()
 
 
-def test_two_nodes_train_like_one_launch(tmp_path):
+def test_two_nodes_train_like_one_launch(tmp_path, offload_baseline):
     """Two torchrun launches as two nodes (node ranks 0 and 1, a node-local directory each, one
     shared PFS path), started by the multi-node script, against one launch of the same 2 ranks."""
-    iters = 3
-    shared = offload_args(tmp_path / "one")
-    expected = run_pretrain(tmp_path / "one", [*shared, "--exit-signal-handler"], nproc=2, train_iters=iters)
 
     pfs = tmp_path / "pfs"
     pfs.mkdir()
@@ -188,10 +185,10 @@ def test_two_nodes_train_like_one_launch(tmp_path):
     env = _job_env(tmp_path, with_torchrun=False, SLURM_JOB_NODELIST="localhost", GPUS_PER_NODE="1",
                    MASTER_PORT=str(free_port()), MODEL_ARGS=" ".join(TINY_MODEL + ["--mock-data"]),
                    OFFLOAD_ARGS=" ".join(offload))
-    code, output = run_group([(["bash", str(SCRIPTS / "multi_node.sbatch"), "--train-iters", str(iters),
+    code, output = run_group([(["bash", str(SCRIPTS / "multi_node.sbatch"), "--train-iters", str(BASELINE_ITERS),
                                 "--loss-log", str(loss_log)], env)], 300, tmp_path / "job.out")
     assert code == 0, output[-5000:]
-    assert losses(read_loss_log(loss_log)) == losses(expected)
+    assert losses(read_loss_log(loss_log)) == offload_baseline
     # Rank 0 alone speaks for the job and both nodes; rank 1's own lines are in its per-rank log.
     assert output.count("> job: 2 ranks on 2 node(s) | offload swap namespace: mlp_offload/4242.0/") == 1
     assert "> node 0 " in output and "> node 1 " in output and "I/O token(s) per job" in output

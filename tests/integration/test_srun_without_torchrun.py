@@ -7,9 +7,11 @@ import sys
 
 import pytest
 
-from launch import PRETRAIN, TINY_MODEL, losses, pretrain_env, read_loss_log, run_group, run_pretrain
+from conftest import BASELINE_ITERS
+from launch import PRETRAIN, TINY_MODEL, losses, pretrain_env, read_loss_log, run_group
 from megatron.training import slurm_env
 from megatron.training.errors import UserError
+from test_offload_cpu import offload_args
 
 SRUN_TASK = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "3", "SLURM_NTASKS": "2", "SLURM_PROCID": "1",
              "SLURM_LOCALID": "1", "SLURM_NODEID": "0", "SLURM_NODELIST": "gpu[007-008,012]",
@@ -70,9 +72,7 @@ def _job_id_with_free_port() -> int:
     raise AssertionError("no free port in the job-port range")
 
 
-def test_two_srun_tasks_train_like_torchrun(tmp_path):
-    iters = 4
-    expected = run_pretrain(tmp_path / "torchrun", [], nproc=2, train_iters=iters)
+def test_two_srun_tasks_train_like_torchrun(tmp_path, offload_baseline):
     loss_log = tmp_path / "srun-loss.jsonl"
     job = _job_id_with_free_port()
     base = pretrain_env()
@@ -83,9 +83,9 @@ def test_two_srun_tasks_train_like_torchrun(tmp_path):
         env = {**base, "SLURM_JOB_ID": str(job), "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2",
                "SLURM_PROCID": str(procid), "SLURM_LOCALID": str(procid), "SLURM_NODEID": "0",
                "SLURM_NODELIST": "localhost", "SLURM_TASKS_PER_NODE": "2"}
-        tasks.append(([sys.executable, str(PRETRAIN), *TINY_MODEL, "--train-iters", str(iters),
-                       "--loss-log", str(loss_log), "--mock-data"], env))
+        tasks.append(([sys.executable, str(PRETRAIN), *TINY_MODEL, "--train-iters", str(BASELINE_ITERS),
+                       "--loss-log", str(loss_log), "--mock-data", *offload_args(tmp_path)], env))
     code, output = run_group(tasks, 240, tmp_path / "srun.out")
     assert code == 0, output[-4000:]
     assert "DP=2" in output and output.count("torch.distributed from SLURM") == 1, output[-4000:]
-    assert losses(read_loss_log(loss_log)) == losses(expected)
+    assert losses(read_loss_log(loss_log)) == offload_baseline
