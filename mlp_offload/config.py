@@ -84,6 +84,12 @@ class OffloadConfig:
     """Node-wide I/O tokens per tier path: how many processes of a node may do I/O on it at once.
     None: decided per tier from the probe (see ``perf_model.tokens_for``)."""
 
+    token_scope: Dict[str, str] = field(default_factory=dict)
+    """Per file tier, who takes turns on its path: ``"node"`` (the default: the node's ranks, each
+    node on its own, through node-local locks) or ``"job"`` (the job's ranks on every node, through
+    the job's key-value store, which the engine then needs as ``token_store``). Job scope is for a
+    path all nodes share whose total bandwidth does not grow with the nodes using it."""
+
     io_block_bytes: int = 8 * MiB
     """Size of one read/write syscall; a multiple of the O_DIRECT alignment."""
 
@@ -118,7 +124,8 @@ class OffloadConfig:
     unfused ``torch.optim.AdamW`` bit for bit."""
 
     run_id: Optional[str] = None
-    """Namespace of this run's files; default from SLURM/torchrun variables or a fresh one."""
+    """Namespace of this run's files; default: MLP_OFFLOAD_RUN_ID, else SLURM's job and step id
+    (``<job>.<step>``, ``<job>.batch`` in the batch script), else torchrun's run id, else per process."""
 
     rank: int = 0
     """Rank whose shard this engine holds; files are namespaced by it."""
@@ -196,6 +203,7 @@ class OffloadConfig:
         rate = self.adam_elems_per_s
         if rate is not None and not _positive_finite(rate):
             raise OffloadConfigError(f"Adam rate (adam_elems_per_s) must be a positive finite number, got {rate!r}")
+        _check_token_scope(self.token_scope, self.file_tiers)
 
     @property
     def has_host(self) -> bool:
@@ -211,6 +219,8 @@ class OffloadConfig:
         for var in ("MLP_OFFLOAD_RUN_ID", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"):
             value = os.environ.get(var)
             if value and value != "none":
+                if var == "SLURM_JOB_ID":  # two steps of one allocation must not share a namespace
+                    value += "." + os.environ.get("SLURM_STEP_ID", "batch")
                 return _safe_name(value)
         # Per-process fallback: unique, and files of a dead run are never mistaken for ours.
         self.run_id = f"pid{os.getpid()}"
@@ -267,6 +277,17 @@ def _positive_finite(value) -> bool:
 def _positive(field: str, value: int) -> None:
     if not _is_int(value) or value <= 0:
         raise OffloadConfigError(f"{field.replace('_', ' ')} ({field}) must be a positive integer, got {value!r}")
+
+
+TOKEN_SCOPES = ("node", "job")
+
+
+def _check_token_scope(scope: Dict[str, str], file_tiers: List[str]) -> None:
+    for name, value in scope.items():
+        if name not in file_tiers:
+            raise OffloadConfigError(f"token_scope[{name!r}] is given, but {name!r} is not a file tier")
+        if value not in TOKEN_SCOPES:
+            raise OffloadConfigError(f"token_scope[{name!r}] must be 'node' or 'job', got {value!r}")
 
 
 def _safe_name(value: str) -> str:

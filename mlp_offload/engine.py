@@ -19,7 +19,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from .config import HOST_TIER, OffloadConfig, TierBandwidth
+from .config import HOST_TIER, OffloadConfig, OffloadConfigError, TierBandwidth
 from .faults import fault_point
 from .gradients import GradientSource, HostGradients, scratch_buffers
 from .param_groups import Range, build_groups, segments_of
@@ -32,10 +32,11 @@ from .subgroups import FP32_BYTES, Subgroup, partition
 from .telemetry import StepRecord, TrafficCounters
 from .tiers.files import FileTier
 from .tiers.host import HostMemory, check_budget_exists, check_host_memory
-from .tiers.tokens import TierTokens
+from .tiers.tokens import JobTokens, TierTokens
 from .update import AdamKernel, fused_vector_width
 
 log = logging.getLogger("mlp_offload")
+PER_NODE = "mlp_offload_per_node"  # set on log records that say the same on every rank of a node
 GiB = 1024**3
 _GRAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 __all__ = ["OffloadedAdamW", "OffloadStateError", "GradientSource"]
@@ -53,6 +54,9 @@ class OffloadedAdamW:
     Gradients come from ``grad_buffer`` (low precision, filled by the caller, converted here), or,
     with ``grad_source``, as fp32 straight into one of two scratch buffers (e.g. cast on the GPU and
     copied while the previous subgroup's Adam runs); then there is no ``grad_buffer``.
+
+    ``token_store`` is the job's key-value store (a ``torch.distributed.Store``): needed where
+    ``config.token_scope`` makes a tier's ranks take turns across the whole job.
     """
 
     def __init__(
@@ -70,6 +74,7 @@ class OffloadedAdamW:
         on_params_updated: Optional[Callable[[int, int, torch.Tensor], object]] = None,
         grad_source: Optional[GradientSource] = None,
         numel: Optional[int] = None,
+        token_store=None,
     ):
         if callable(params):
             if numel is None:
@@ -82,6 +87,11 @@ class OffloadedAdamW:
         if grad_dtype not in _GRAD_DTYPES:
             raise ValueError(f"gradient dtype must be one of {_GRAD_DTYPES}, got {grad_dtype}")
         self.config = config
+        job_scoped = [t for t, scope in config.token_scope.items() if scope == "job"]
+        if job_scoped and token_store is None:
+            raise OffloadConfigError(f"token scope 'job' for {job_scoped} needs the job's key-value store "
+                                     f"(token_store, e.g. torch.distributed's)")
+        self.token_store = token_store
         self.on_params_updated = on_params_updated
         self.adam = AdamKernel(config.adam_kernel, decoupled_weight_decay)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
@@ -114,7 +124,10 @@ class OffloadedAdamW:
         self.tokens_per_tier = {name: cfg.tokens_per_tier or tokens_for(self.rates[name], sharing)
                                 for name in cfg.file_tiers}
         for name in cfg.file_tiers:
-            self._tiers[name] = self._file_tier(name, TierTokens(cfg.paths[name], self.tokens_per_tier[name]))
+            count = self.tokens_per_tier[name]
+            tokens = (JobTokens(cfg.paths[name], count, self.token_store) if self.token_scope(name) == "job"
+                      else TierTokens(cfg.paths[name], count))
+            self._tiers[name] = self._file_tier(name, tokens)
         free = {name: tier.free_bytes() for name, tier in self._tiers.items()}
         self.devices = {name: tier.device for name, tier in self._tiers.items()}
         self.placement: Placement = plan_placement(self.subgroups, cfg, self.rates, free, self.devices)
@@ -192,21 +205,29 @@ class OffloadedAdamW:
         return step_schedule(step_index, self.placement.tier_of, self.placement.slots, self.placement.cache_slots,
                              self.config.cache_alternating)
 
-    def log_placement(self) -> None:
-        p, cfg = self.placement, self.config
-        counts = {t: len(p.subgroups_on(t)) for t in [HOST_TIER] + cfg.file_tiers}
-        rates = ", ".join(
+    def describe_tiers(self) -> str:
+        """The file tiers' rates and tokens: the same for every rank of a node (the probe is per
+        host and path), so a job's launcher may print it once per node."""
+        return ", ".join(
             f"{t} r {r.read_bps / 1e9:.2f} w {r.write_bps / 1e9:.2f}"
             + (f" r+w {r.mixed_bps / 1e9:.2f}" if r.mixed_bps else "")
             + (f" r+w with all ranks' streams {r.shared_mixed_bps / 1e9:.2f}" if r.shared_mixed_bps else "")
             + " GB/s" + ("" if self._tiers[t].odirect else " (buffered)")
-            + f", {self.tokens_per_tier[t]} I/O token(s)" for t, r in self.rates.items())
+            + f", {self.tokens_per_tier[t]} I/O token(s) per {self.token_scope(t)}" for t, r in self.rates.items())
+
+    def log_placement(self) -> None:
+        p, cfg = self.placement, self.config
+        counts = {t: len(p.subgroups_on(t)) for t in [HOST_TIER] + cfg.file_tiers}
+        if self.rates:
+            log.info("offload tiers of this node: %s", self.describe_tiers(), extra={PER_NODE: True})
         log.info(
             "offload rank %d: %d params in %d subgroups; placement %s; %d host buffers (%d cache); "
-            "host state %.2f GiB; adam %.2f Gelem/s%s; %s",
+            "host state %.2f GiB; adam %.2f Gelem/s; %s",
             cfg.rank, self.numel, len(self.subgroups), counts, p.slots, p.cache_slots,
-            p.host_state_bytes / GiB, self.adam_rate / 1e9, "; " + rates if rates else "",
-            self.prediction.describe())
+            p.host_state_bytes / GiB, self.adam_rate / 1e9, self.prediction.describe())
+
+    def token_scope(self, tier: str) -> str:
+        return self.config.token_scope.get(tier, "node")
 
     # -- the update ----------------------------------------------------------------------------
     def step(self, *, unscale: Optional[float] = None, clip_coef: Optional[float] = None,
@@ -327,6 +348,8 @@ class OffloadedAdamW:
         self.closed = True
         for tier in self._tiers.values():
             tier.close(remove_files=remove_files)
+            if tier.tokens is not None:
+                tier.tokens.close()  # the last process of the node to leave removes the lock files
         if getattr(self, "host", None) is not None:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()  # no copy may still read a buffer we unpin

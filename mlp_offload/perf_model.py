@@ -8,8 +8,6 @@ of the rest, chosen so that all file tiers finish their share at about the same 
 
 from __future__ import annotations
 
-import fcntl
-import json
 import logging
 import os
 import time
@@ -18,6 +16,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from . import probe_cache
 from .config import HOST_TIER, OffloadConfig, TierBandwidth, probe_piece_bytes
 from .schedule import step_schedule
 from .subgroups import Subgroup
@@ -26,8 +25,6 @@ from .tiers.files import FileTier, fsync_path
 
 log = logging.getLogger("mlp_offload")
 GiB = 1024**3
-PROBE_CACHE = ".mlp_offload_probe.json"
-PROBE_CACHE_MAX_AGE_S = 7 * 24 * 3600
 
 
 class PlacementError(RuntimeError):
@@ -47,7 +44,7 @@ def probe_tier(tier: FileTier, host_buffer: torch.Tensor, concurrency: int = 2,
     measurement nor probe the same path more than once. A buffer too small to give each of the
     ``concurrency`` files two pages is an ``OffloadConfigError`` (see ``probe_piece_bytes``).
     """
-    cache_path = os.path.join(tier.root, PROBE_CACHE)
+    cache_path = probe_cache.path_for(tier.root)
     signature = {
         "bytes": host_buffer.numel(),
         "block_bytes": tier.block_bytes,
@@ -58,9 +55,8 @@ def probe_tier(tier: FileTier, host_buffer: torch.Tensor, concurrency: int = 2,
         # Bumped when what a phase measures changes, so older caches are measured again.
         "phases": "write,read,mixed" + (",shared" if ranks_sharing > 1 else "") + ",odirect-unflushed,whole-file-reads",
     }
-    with open(cache_path + ".lock", "a+") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        cached = _read_probe_cache(cache_path, signature)
+    with probe_cache.node_lock(tier.root):  # node-local: no lock on a shared file system
+        cached = probe_cache.read(cache_path, signature)
         if cached is not None:
             return cached
         piece = probe_piece_bytes(host_buffer.numel(), concurrency)
@@ -85,13 +81,7 @@ def probe_tier(tier: FileTier, host_buffer: torch.Tensor, concurrency: int = 2,
         nbytes = piece * concurrency
         result = TierBandwidth(read_bps=nbytes / read_s, write_bps=nbytes / write_s, mixed_bps=mixed_bps,
                                shared_mixed_bps=shared_bps)
-        try:
-            with open(cache_path, "w") as f:
-                json.dump({**signature, "read_bps": result.read_bps, "write_bps": result.write_bps,
-                           "mixed_bps": result.mixed_bps, "shared_mixed_bps": shared_bps,
-                           "measured_at": time.time()}, f)
-        except OSError as err:
-            log.warning("tier %s: could not cache the bandwidth probe in %s: %s", tier.name, cache_path, err)
+        probe_cache.write(cache_path, signature, result, tier.name)
         return result
 
 
@@ -132,20 +122,6 @@ def _mixed_rate(tier: FileTier, parts, piece: int, streams_each: int) -> float:
     for key, _ in writes + sources:
         tier.forget(key)
     return 2 * len(writes) * sub / seconds
-
-
-def _read_probe_cache(path: str, signature: dict) -> Optional[TierBandwidth]:
-    try:
-        with open(path) as f:
-            data = json.load(f)
-        if any(data.get(k) != v for k, v in signature.items()):
-            return None
-        if time.time() - data["measured_at"] > PROBE_CACHE_MAX_AGE_S:
-            return None
-        return TierBandwidth(data["read_bps"], data["write_bps"], data.get("mixed_bps"),
-                             data.get("shared_mixed_bps"))
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # absent or unreadable cache: measure again
 
 
 def measure_adam_rate(adam_step, numel: int = 1 << 24, repeats: int = 3) -> float:

@@ -1,24 +1,53 @@
-# Source me: creates (once) and activates .venv with what the project needs.
-# CPU machines get the pinned CPU build of torch (an unpinned torch pulls GBs of CUDA wheels);
-# machines that already have a torch (e.g. a GPU image) keep theirs through system site-packages.
+# Source me: creates (once) and activates .venv with what the project needs, installing only what is
+# missing.
+# torch: the one importable where you start is used as it is, wherever it lives: a virtual
+# environment (the usual cluster set-up: python3 is itself a venv with a CUDA torch), a conda
+# environment, a module's PYTHONPATH, the system. Only a machine with no torch at all gets one: the
+# pinned CPU build (an unpinned torch pulls GBs of CUDA wheels). pip is never allowed to replace it.
+# Nodes without internet: MLP_OFFLOAD_WHEELHOUSE=DIR installs from a directory of wheels only
+# (fill it elsewhere: pip download --no-deps -d DIR megatron-core==0.16.1 numpy packaging pytest
+# iniconfig pluggy psutil; --no-deps, or it downloads a torch too).
+# MLP_OFFLOAD_PYTHON picks the interpreter (default python3), MLP_OFFLOAD_VENV the venv's place.
 set -e
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${MLP_OFFLOAD_VENV:-$REPO/.venv}"
+BASE_PYTHON="${MLP_OFFLOAD_PYTHON:-python3}"
 if [ ! -x "$VENV/bin/python" ]; then
-    python3 -m venv --system-site-packages "$VENV"
+    "$BASE_PYTHON" -m venv --system-site-packages "$VENV"
+fi
+# A venv made from inside another venv sees the base interpreter's packages, not that venv's: point
+# it at the directories where the starting interpreter finds torch (and the rest of its packages).
+purelib="$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")"
+if ! "$VENV/bin/python" -c "import torch" 2>/dev/null && "$BASE_PYTHON" -c "import torch" 2>/dev/null; then
+    "$BASE_PYTHON" -c "
+import os, site, torch
+dirs = [os.path.dirname(os.path.dirname(torch.__file__))] + site.getsitepackages()
+print('\n'.join(dict.fromkeys(dirs)))" >"$purelib/_mlp_offload_outer_env.pth"
 fi
 # shellcheck disable=SC1091
 source "$VENV/bin/activate"
+pip_args=(-q)
+if [ -n "${MLP_OFFLOAD_WHEELHOUSE:-}" ]; then
+    pip_args+=(--no-index --find-links "$MLP_OFFLOAD_WHEELHOUSE")
+fi
 need=()
-python -c "import torch" 2>/dev/null || need+=("torch==2.13.0")
+if torch_version="$(python -c "import torch; print(torch.__version__)" 2>/dev/null)"; then
+    # megatron-core asks for torch>=2.6: never let pip fetch another torch over the user's.
+    printf 'torch==%s\n' "$torch_version" >"$VENV/torch-constraint.txt"
+    pip_args+=(-c "$VENV/torch-constraint.txt")
+else
+    need+=("torch==2.13.0")
+fi
 python -c "import megatron.core" 2>/dev/null || need+=("megatron-core==0.16.1")
 for spec in numpy pytest psutil hypothesis==6.155.2; do  # pip requirements, imported by the name before any ==
     python -c "import ${spec%%==*}" 2>/dev/null || need+=("$spec")
 done
 if [ ${#need[@]} -gt 0 ]; then
-    echo "setup_env: installing ${need[*]}"
-    python -m pip install -q "${need[@]}"
+    echo "setup_env: installing ${need[*]}${MLP_OFFLOAD_WHEELHOUSE:+ from $MLP_OFFLOAD_WHEELHOUSE}"
+    python -m pip install "${pip_args[@]}" "${need[@]}"
 fi
-python -m pip install -q --no-deps --no-build-isolation -e "$REPO" >/dev/null
+# The repo itself on the venv's path (what an editable install does, without needing a build
+# backend, so offline too).
+echo "$REPO" >"$purelib/_mlp_offload_repo.pth"
 export PYTHONWARNINGS="${PYTHONWARNINGS:-ignore}"
 set +e

@@ -70,6 +70,16 @@ def _tier_list(text: str) -> List[str]:
     return tiers
 
 
+def _token_scopes(text: str) -> dict:
+    scopes = {}
+    for item in text.split(","):
+        match = re.fullmatch(r"\s*([A-Za-z0-9_]+)\s*=\s*(node|job)\s*", item)
+        if not match:
+            raise argparse.ArgumentTypeError(f"{item!r}: expected TIER=node or TIER=job, e.g. pfs=job")
+        scopes[match.group(1)] = match.group(2)
+    return scopes
+
+
 def _bandwidths(text: str) -> str:
     for item in text.split(","):
         if not re.fullmatch(r"\s*[A-Za-z0-9_]+\s*=\s*[0-9.eE+-]+\s*:\s*[0-9.eE+-]+\s*", item):
@@ -180,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--offload-tokens-per-tier", type=_positive_int, default=None,
                    help="ranks of one node allowed to do I/O on a tier path at once; default: 1 where "
                         "the probe sees the device lose bandwidth with all ranks streaming, else all")
+    g.add_argument("--offload-token-scope", type=_token_scopes, default={}, metavar="TIER=node|job,...",
+                   help="who takes turns on a tier path: the ranks of each node (node, the default) or "
+                        "all ranks of the job (job: for a shared file system that does not scale with nodes)")
     g.add_argument("--offload-io-block-mb", type=_positive_int, default=8)
     g.add_argument("--offload-io-threads", type=_positive_int, default=4)
     g.add_argument("--offload-bandwidths", type=_bandwidths, default=None)
@@ -296,7 +309,9 @@ def _validate_offload(parser, args) -> None:
     if args.offload_tiers is None:
         given = [f"--offload-{name}-path" for name in args.offload_paths]
         given += [flag for flag, value in (("--offload-host-cache-gb", args.offload_host_cache_gb),
-                                           ("--offload-bandwidths", args.offload_bandwidths)) if value is not None]
+                                           ("--offload-bandwidths", args.offload_bandwidths),
+                                           ("--offload-token-scope", args.offload_token_scope or None))
+                  if value is not None]
         if given:
             parser.error(f"argument {given[0]}: requires --offload-tiers")
         return

@@ -34,8 +34,9 @@ def _first_to_report() -> bool:
     import torch
 
     if not torch.distributed.is_initialized():
-        # Before the process group exists every rank runs the same checks on the same flags.
-        return os.environ.get("RANK", "0") == "0"
+        # Before the process group exists every rank runs the same checks on the same flags
+        # (srun's tasks may not have a RANK yet: an error in deriving it from SLURM's variables).
+        return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
     try:
         from torch.distributed.distributed_c10d import _get_default_store
 

@@ -10,7 +10,7 @@ from datetime import timedelta
 import numpy as np
 import torch
 
-from megatron.training import child_processes
+from megatron.training import child_processes, slurm_env
 from megatron.training.errors import UserError
 from megatron.training.signals import SigtermWatcher
 
@@ -21,7 +21,12 @@ def select_device(requested: str) -> torch.device:
     if requested == "cuda":
         if not torch.cuda.is_available():
             raise UserError("--device: cuda requested but no CUDA device is available")
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        local_rank, visible = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+        if local_rank >= visible:
+            if visible != 1:
+                raise UserError(f"--device cuda: LOCAL_RANK={local_rank} but this process sees {visible} GPUs "
+                                 f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
+            local_rank = 0  # SLURM bound this task to its own GPU (--gpus-per-task), the only one it sees
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
@@ -30,11 +35,6 @@ def select_device(requested: str) -> torch.device:
 def _init_process_group(device: torch.device) -> None:
     if torch.distributed.is_initialized():
         return
-    # Single-process runs without torchrun still need a (size-1) group for megatron-core.
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29500")
     backend = "nccl" if device.type == "cuda" else "gloo"
     torch.distributed.init_process_group(backend=backend, timeout=timedelta(minutes=10))
 
@@ -54,6 +54,9 @@ def set_seeds(seed: int, device: torch.device) -> None:
 
 def initialize(args) -> torch.device:
     """Set up everything before the model is built; returns the compute device."""
+    # Before the device: srun's tasks learn their LOCAL_RANK here. A process without torchrun or
+    # srun still needs a (size-1) group for megatron-core.
+    from_slurm = slurm_env.apply()
     device = select_device(args.device)
     args.device_resolved = device.type
     args.sigterm_watcher = SigtermWatcher(save_on=signal.Signals[args.exit_signal] if args.exit_signal_handler else None)
@@ -74,6 +77,8 @@ def initialize(args) -> torch.device:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
                                              pipeline_model_parallel_size=pp)
     args.rank = torch.distributed.get_rank()
+    if from_slurm and args.rank == 0:
+        print(from_slurm, flush=True)
     args.world_size = world
     args.data_parallel_size = world // (tp * pp)
     per_step = args.micro_batch_size * args.data_parallel_size

@@ -28,6 +28,7 @@ FLAG_OF_FIELD = {
 _FIELD = re.compile(r"\b(" + "|".join(FLAG_OF_FIELD) + r")\b(?:=(-?[0-9][0-9.e+]*))?")
 _PATH = re.compile(r"paths\[['\"]([A-Za-z0-9_]+)['\"]\]")
 _BANDWIDTHS = re.compile(r"\bbandwidths(?= '|:)")
+_TOKEN_SCOPE = re.compile(r"token_scope\[['\"]([A-Za-z0-9_]+)['\"]\]")
 GiB = 1 << 30
 
 
@@ -41,6 +42,7 @@ def in_flags(message: str) -> str:
 
     message = _PATH.sub(r"--offload-\1-path", message)
     message = _BANDWIDTHS.sub("--offload-bandwidths", message)
+    message = _TOKEN_SCOPE.sub(r"--offload-token-scope \1", message)
     return _FIELD.sub(field, message)
 
 
@@ -54,6 +56,7 @@ def config_from_args(args, rank: int) -> OffloadConfig:
         subgroup_size=args.offload_subgroup_size,
         prefetch_depth=args.offload_prefetch_depth,
         tokens_per_tier=args.offload_tokens_per_tier,
+        token_scope=dict(args.offload_token_scope),
         io_block_bytes=args.offload_io_block_mb << 20,
         io_threads=args.offload_io_threads,
         use_odirect=not args.offload_no_odirect,

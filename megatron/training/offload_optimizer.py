@@ -35,6 +35,7 @@ from mlp_offload.checkpoint import (CheckpointDataError, RangeReader, load_engin
                                     state_file_bytes)
 from megatron.training.errors import UserError
 from megatron.training.offload_flags import config_from_args
+from megatron.training.job_facts import PerNodeByRank0
 
 log = logging.getLogger("mlp_offload")
 GiB = 1024**3
@@ -45,12 +46,22 @@ def offload_config_from_args(args) -> OffloadConfig:
     return config_from_args(args, rank=torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
 
 
+def _job_store(config: OffloadConfig):
+    """The job's key-value store, for I/O tokens taken across nodes (--offload-token-scope T=job)."""
+    if "job" not in config.token_scope.values():
+        return None
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
 def _show_engine_log() -> None:
     """The engine reports placement, rates and prediction at INFO: show them, tagged by rank."""
     if not log.handlers:
         handler = logging.StreamHandler()
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         handler.setFormatter(logging.Formatter(f"[offload rank {rank}] %(levelname)s %(message)s"))
+        handler.addFilter(PerNodeByRank0())  # rank 0 prints every node's once (job_facts.report)
         log.addHandler(handler)
         log.setLevel(logging.INFO)
         log.propagate = False
@@ -206,7 +217,7 @@ class OffloadDistributedOptimizer:
             lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
             weight_decay=config.weight_decay, groups=engine_groups,
             grad_dtype=first_buffer.grad_dtype, on_params_updated=self._copy_params_to_device,
-            grad_source=self._device_grads)
+            grad_source=self._device_grads, token_store=_job_store(offload_config))
         self.last_record = None
         self.telemetry_path: Optional[str] = None
         self.is_stub_optimizer = False

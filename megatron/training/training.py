@@ -24,7 +24,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
 
-from megatron.training import checkpointing
+from megatron.training import checkpointing, job_facts
 from megatron.training.arguments import parse_args
 from megatron.training.data import (MicroBatchIterator, build_tokenizer, padded_vocab_size)
 from megatron.training.errors import reported_once
@@ -423,6 +423,7 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
     config = transformer_config(args)
     model = build_model(args, config, model_provider, device)
     optimizer = build_optimizer(args, model)
+    job_facts.report(optimizer)
     scheduler = build_scheduler(args, optimizer)
     _wire_model_hooks(config, model, optimizer, args)
     _print_rank0(f"> model parameters (all stages, one replica): {_num_params(model)} | "

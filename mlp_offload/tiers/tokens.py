@@ -1,8 +1,12 @@
-"""Node-wide I/O tokens per tier path, so ranks of one node take turns on a shared device.
+"""I/O tokens per tier path, so ranks take turns on a shared device.
 
-A token is an advisory ``flock`` on a small file in a node-local directory. The kernel drops a
-flock when its holder dies, so a rank killed while holding a token never blocks the others.
-Within one process all threads share the process's token (a reference count), as in the design.
+Node scope (the default): a token is an advisory ``flock`` on a small file in a node-local
+directory (``LockDir``). The kernel drops a flock when its holder dies, so a rank killed while
+holding a token never blocks the others. Job scope (``JobTokens``): a counter in the job's
+key-value store (torch.distributed's), for a path that all nodes share and that should see only
+so many ranks of the whole job at once; it needs nothing from the file system, whose locks may
+not reach across nodes. Within one process all threads share the process's token (a reference
+count), as in the design.
 """
 
 from __future__ import annotations
@@ -13,7 +17,10 @@ import os
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from typing import List, Optional
+
+USERS = "users.lock"
 
 
 def default_lock_root() -> str:
@@ -24,26 +31,96 @@ def default_lock_root() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
 
-class TierTokens:
-    """``count`` tokens shared by every process of this node that does I/O on ``tier_path``."""
+def path_key(tier_path: str) -> str:
+    return hashlib.sha1(os.path.realpath(tier_path).encode()).hexdigest()[:16]
+
+
+class LockDir:
+    """This node's lock files for one tier path, shared by the processes that use the path.
+
+    Each user holds a shared flock on the directory's USERS file; the last one to leave (the one
+    that can turn it into an exclusive lock) removes the directory, USERS file last. A process
+    that opened USERS meanwhile finds, once it has its lock, that the file is no longer the one
+    at that name, and starts again, so no two processes ever lock different files of one name.
+    Per user (uid): another user's directory would not be writable.
+    """
+
+    def __init__(self, tier_path: str, lock_root: Optional[str] = None):
+        self.base = os.path.join(lock_root or default_lock_root(), f"mlp_offload_locks-{os.getuid()}")
+        self.path = os.path.join(self.base, path_key(tier_path))
+        self._users: Optional[int] = self._join()
+
+    def _join(self) -> int:
+        while True:
+            os.makedirs(self.path, exist_ok=True)
+            users = os.path.join(self.path, USERS)
+            try:
+                fd = os.open(users, os.O_RDWR | os.O_CREAT, 0o600)
+            except FileNotFoundError:
+                continue  # the last user removed the directory between the two calls
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            try:
+                if os.path.samestat(os.fstat(fd), os.stat(users)):
+                    return fd
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+
+    def open(self, name: str) -> int:
+        return os.open(os.path.join(self.path, name), os.O_RDWR | os.O_CREAT, 0o600)
+
+    @contextmanager
+    def exclusive(self, name: str):
+        """Hold ``name``'s lock (blocking): one process of the node at a time."""
+        fd = self.open(name)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        fd, self._users = self._users, None
+        if fd is None:
+            return
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return  # others still use it: the last of them removes it
+            for name in os.listdir(self.path):
+                if name != USERS:
+                    _unlink(os.path.join(self.path, name))
+            _unlink(os.path.join(self.path, USERS))
+            for directory in (self.path, self.base):
+                try:
+                    os.rmdir(directory)
+                except OSError:
+                    pass
+        finally:
+            os.close(fd)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class _ProcessTokens:
+    """One token per process, shared by its threads; subclasses take and give back the real one."""
 
     POLL_START_S = 0.0005
     POLL_MAX_S = 0.01
 
-    def __init__(self, tier_path: str, count: int, lock_root: Optional[str] = None):
+    def __init__(self, count: int):
         if count < 1:
             raise ValueError(f"tokens per tier must be >= 1, got {count}")
-        key = hashlib.sha1(os.path.realpath(tier_path).encode()).hexdigest()[:16]
-        self.lock_dir = os.path.join(lock_root or default_lock_root(), "mlp_offload_tokens", key)
-        os.makedirs(self.lock_dir, exist_ok=True)
-        self._fds: List[int] = [
-            os.open(os.path.join(self.lock_dir, f"token{i}.lock"), os.O_RDWR | os.O_CREAT, 0o666)
-            for i in range(count)
-        ]
+        self.count = count
         self._cv = threading.Condition()
         self._holders = 0  # threads of this process currently inside acquire()/release()
         self._acquiring = False
-        self._held_fd: Optional[int] = None
+        self._held = None
         self.wait_s = 0.0  # total time this process waited for another process's token
 
     def acquire(self) -> float:
@@ -57,7 +134,7 @@ class TierTokens:
             self._acquiring = True
         start = time.perf_counter()
         try:
-            fd = self._take_any()
+            held = self._take()
         except BaseException:
             with self._cv:
                 self._acquiring = False
@@ -65,7 +142,7 @@ class TierTokens:
             raise
         waited = time.perf_counter() - start
         with self._cv:
-            self._held_fd = fd
+            self._held = held
             self._holders = 1
             self._acquiring = False
             self.wait_s += waited
@@ -78,8 +155,8 @@ class TierTokens:
                 raise RuntimeError("I/O token released more often than acquired")
             self._holders -= 1
             if self._holders == 0:
-                fcntl.flock(self._held_fd, fcntl.LOCK_UN)
-                self._held_fd = None
+                self._give(self._held)
+                self._held = None
 
     def __enter__(self):
         self.acquire()
@@ -88,7 +165,23 @@ class TierTokens:
     def __exit__(self, *exc):
         self.release()
 
-    def _take_any(self) -> int:
+    def _take(self):
+        raise NotImplementedError
+
+    def _give(self, held) -> None:
+        raise NotImplementedError
+
+
+class TierTokens(_ProcessTokens):
+    """``count`` tokens shared by every process of this node that does I/O on ``tier_path``."""
+
+    def __init__(self, tier_path: str, count: int, lock_root: Optional[str] = None):
+        super().__init__(count)
+        self._dir = LockDir(tier_path, lock_root)
+        self.lock_dir = self._dir.path
+        self._fds: List[int] = [self._dir.open(f"token{i}.lock") for i in range(count)]
+
+    def _take(self) -> int:
         # Non-blocking tries over all tokens with a short back-off: a blocking flock on one file
         # would miss another token that frees up first.
         pause = self.POLL_START_S
@@ -104,7 +197,64 @@ class TierTokens:
             time.sleep(pause)
             pause = min(pause * 2, self.POLL_MAX_S)
 
+    def _give(self, fd: int) -> None:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+
     def close(self) -> None:
         for fd in self._fds:
             os.close(fd)
         self._fds = []
+        self._dir.close()
+
+
+class JobTokensStalled(RuntimeError):
+    """No rank of the job gave a token back for too long (a holder died without releasing)."""
+
+
+class JobTokens(_ProcessTokens):
+    """``count`` tokens shared by every process of the job that does I/O on ``tier_path``.
+
+    ``store`` is a key-value store reachable from every node with an atomic ``add(key, n)`` (a
+    ``torch.distributed.Store``). The counter holds the tokens in use; every give-back also bumps
+    a release count, so a rank that sees neither change for ``stall_s`` stops with an error
+    instead of waiting for a holder that is gone (its job is then failing anyway).
+    """
+
+    def __init__(self, tier_path: str, count: int, store, stall_s: float = 600.0):
+        super().__init__(count)
+        self._store = store
+        self._key = f"mlp_offload/tokens/{path_key(tier_path)}"
+        self.tier_path = tier_path
+        self.stall_s = stall_s
+
+    def _take(self) -> None:
+        pause = self.POLL_START_S
+        released = self._store.add(self._key + "/released", 0)
+        progress = time.monotonic()
+        while True:
+            if self._store.add(self._key, 1) <= self.count:
+                return None
+            self._store.add(self._key, -1)
+            now_released = self._store.add(self._key + "/released", 0)
+            if now_released != released:
+                released, progress = now_released, time.monotonic()
+            elif time.monotonic() - progress > self.stall_s:
+                raise JobTokensStalled(
+                    f"{self.tier_path}: no rank of the job released an I/O token of this path for "
+                    f"{self.stall_s:.0f} s (a rank holding one died?)")
+            time.sleep(pause)
+            pause = min(pause * 2, self.POLL_MAX_S * 10)  # every poll is a round trip to the store
+
+    def _give(self, held) -> None:
+        self._store.add(self._key, -1)
+        self._store.add(self._key + "/released", 1)
+
+    def close(self) -> None:
+        pass  # the store goes with the job
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

@@ -90,32 +90,43 @@ def pretrain_command(extra_args: Sequence[str], nproc: int, train_iters: int, lo
 
 
 def run_and_clean_up(cmd, env, timeout: float, out_path: Path):
-    """Run ``cmd`` with its output in a file; afterwards no process it started may be alive.
+    """Run ``cmd`` with its output in a file; afterwards no process it started may be alive."""
+    return run_group([(cmd, env)], timeout, out_path)
+
+
+def run_group(commands: Sequence[Tuple[Sequence[str], Dict[str, str]]], timeout: float, out_path: Path):
+    """Run (command, environment) pairs at once, as the nodes or srun tasks of one job, their output
+    in one file; returns the first non-zero exit status (else 0) and the output. Afterwards no
+    process any of them started may be alive.
 
     Every process of the launch inherits a marker in its environment, so it is found even when
     orphaned: torchrun puts each rank in a session of its own, and a killed rank's children are
     reparented to init. Survivors are killed, then reported as a failure."""
     launch_id = uuid.uuid4().hex
-    env = {**env, LAUNCH_MARKER: launch_id}
+    shown = "\n".join(" ".join(map(str, cmd)) for cmd, _ in commands)
     with open(out_path, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-        returncode = None  # stays None on a timeout
+        procs = [subprocess.Popen(list(cmd), cwd=REPO, env={**env, LAUNCH_MARKER: launch_id}, stdout=out,
+                                  stderr=subprocess.STDOUT) for cmd, env in commands]
+        returncodes = None  # stays None on a timeout
+        deadline = time.monotonic() + timeout
         try:
             with contextlib.suppress(subprocess.TimeoutExpired):
-                returncode = proc.wait(timeout=timeout)
+                returncodes = [proc.wait(timeout=max(0.0, deadline - time.monotonic())) for proc in procs]
         finally:
-            survivors = [] if returncode is None else _survivors(launch_id)
+            survivors = [] if returncodes is None else _survivors(launch_id)
             for pid, _ in processes_of_launch(launch_id):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-            proc.wait()
+            for proc in procs:
+                proc.wait()
     output = out_path.read_text()
-    if returncode is None:
-        raise PretrainFailed(f"timed out after {timeout} s: {' '.join(cmd)}\n{output[-6000:]}")
+    if returncodes is None:
+        raise PretrainFailed(f"timed out after {timeout} s: {shown}\n{output[-6000:]}")
+    returncode = next((code for code in returncodes if code), 0)
     if survivors:
         listing = "\n".join(f"  pid {pid}: {cmdline}" for pid, cmdline in survivors)
         raise PretrainFailed(f"{len(survivors)} process(es) outlived the run (exit {returncode}), "
-                             f"killed now:\n{listing}\n{' '.join(cmd)}\n{output[-3000:]}")
+                             f"killed now:\n{listing}\n{shown}\n{output[-3000:]}")
     return returncode, output
 
 

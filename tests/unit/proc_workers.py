@@ -54,3 +54,24 @@ def engine_matches_adamw(tier_path, lock_root, rank, steps, result_queue, second
             opt.step()
         params = torch.cat([p.clone() for _, p, _, _ in eng.iter_state()])
     result_queue.put((rank, torch.equal(params, ref.detach()), token_wait))
+
+
+def take_turns(tier_path, lock_root, store_port, rounds, marker_dir, errors):
+    """A 'rank' that joins the path's tokens afresh each round, holds its single token briefly and
+    leaves (the last one out removes the lock directory): nobody may ever be inside with it.
+    With ``store_port``, the tokens are the job's (a TCPStore) instead of the node's."""
+    from mlp_offload.tiers.tokens import JobTokens, TierTokens
+
+    marker = os.path.join(marker_dir, "inside")
+    store = None if store_port is None else torch.distributed.TCPStore("127.0.0.1", store_port, is_master=False)
+    for _ in range(rounds):
+        tokens = TierTokens(tier_path, 1, lock_root=lock_root) if store is None else JobTokens(tier_path, 1, store)
+        with tokens:
+            try:
+                os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                errors.put("two holders of one token")
+                return
+            time.sleep(0.001)
+            os.unlink(marker)
+        tokens.close()

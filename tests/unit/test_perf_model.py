@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from mlp_offload import OffloadConfigError, OffloadedAdamW
 from mlp_offload.config import OffloadConfig, TierBandwidth
-from mlp_offload.perf_model import PROBE_CACHE, plan_placement, predict_update, probe_tier, tokens_for
+from mlp_offload import probe_cache
+from mlp_offload.perf_model import plan_placement, predict_update, probe_tier, tokens_for
 from mlp_offload.schedule import step_schedule
 from mlp_offload.subgroups import partition
 from mlp_offload.tiers.files import FileTier
@@ -78,7 +79,7 @@ def test_probe_measures_three_phases_and_is_cached(tmp_path):
         buf = HostMemory(None, pin=False).allocate(8 << 20, "probe")  # aligned, for O_DIRECT
         first = probe_tier(tier, buf)
         assert first.read_bps > 0 and first.write_bps > 0 and first.mixed_bps > 0
-        with open(os.path.join(tier.root, PROBE_CACHE)) as f:
+        with open(probe_cache.path_for(tier.root)) as f:
             assert json.load(f)["mixed_bps"] == first.mixed_bps
         assert probe_tier(tier, buf) == first  # served from the cache
         assert not [p for p in os.listdir(tier.dir) if p.startswith(".probe")]
@@ -271,7 +272,7 @@ def test_a_probe_cached_before_the_whole_file_reads_is_measured_again(tmp_path):
     old = {"bytes": 1 << 20, "block_bytes": 64 * 1024, "odirect": tier.odirect, "threads": 2, "concurrency": 2,
            "ranks_sharing": 1, "phases": "write,read,mixed,odirect-unflushed", "read_bps": 1.0, "write_bps": 1.0,
            "mixed_bps": 1.0, "shared_mixed_bps": None, "measured_at": time.time()}
-    with open(os.path.join(tier.root, PROBE_CACHE), "w") as f:
+    with open(probe_cache.path_for(tier.root), "w") as f:
         json.dump(old, f)
     try:
         rate = probe_tier(tier, buf)

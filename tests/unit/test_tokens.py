@@ -76,6 +76,7 @@ def test_ranks_sharing_one_path_stay_correct(tmp_path):
         assert p.exitcode == 0
     assert [r[:2] for r in results] == [(0, True), (1, True), (2, True)]
     assert not (tmp_path / "mlp_offload").exists()  # every rank removed its files
+    assert os.listdir(tmp_path / "locks") == []  # and the last one the node's lock files
 
 
 def test_eight_ranks_two_paths_with_a_killed_token_holder(tmp_path):
@@ -106,3 +107,4 @@ def test_eight_ranks_two_paths_with_a_killed_token_holder(tmp_path):
     assert max(r[2] for r in results) > 0.5  # someone really waited for the hog's tokens
     for path in (nvme, pfs):
         assert not os.path.exists(os.path.join(path, "mlp_offload", "shared"))
+    assert os.listdir(locks) == []  # the killed hog's lock files too, by the last rank to leave

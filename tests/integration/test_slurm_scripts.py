@@ -1,0 +1,201 @@
+"""examples/slurm without SLURM: the batch scripts run with SLURM's variables set as sbatch sets them
+and stand-ins for srun (one copy of the command per node, each with its own SLURM_PROCID and
+node-local TMPDIR), scontrol and squeue. Checked: the srun and torchrun commands and environment
+they produce, the node-local files' removal, errors surfacing from per-rank logs, and two "nodes"
+on this machine training bit-identically to one torchrun launch with the same ranks."""
+
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+from conftest import BASELINE_ITERS
+from launch import REPO, TINY_MODEL, free_port, losses, pretrain_env, read_loss_log, run_group
+from megatron.training.arguments import parse_args
+from megatron.training.slurm_env import job_port
+
+SCRIPTS = REPO / "examples" / "slurm"
+
+FAKE_SRUN = r'''
+import json, os, subprocess, sys
+args = sys.argv[1:]
+options = []
+while args[0].startswith("-"):
+    options.append(args.pop(0))
+log = os.environ["FAKE_SLURM_LOG"]
+with open(os.path.join(log, "srun.json"), "w") as f:
+    json.dump({"options": options, "command": args, "env": dict(os.environ)}, f)
+nodes = int(dict(o.split("=", 1) for o in options)["--nodes"])
+procs = []
+for n in range(nodes):
+    tmp = os.path.join(os.environ["FAKE_NODE_ROOT"], f"node{n}")
+    os.makedirs(tmp, exist_ok=True)
+    env = dict(os.environ, SLURM_PROCID=str(n), SLURM_NODEID=str(n), SLURM_LOCALID="0", SLURM_NTASKS=str(nodes),
+               SLURM_STEP_ID="0", TMPDIR=tmp)
+    procs.append(subprocess.Popen(args, env=env))
+codes = [p.wait() for p in procs]
+sys.exit(next((c for c in codes if c), 0))
+'''
+
+FAKE_SCONTROL = r'''
+import re, sys
+assert sys.argv[1:3] == ["show", "hostnames"], sys.argv
+for item in re.findall(r"[^,\[]+(?:\[[^\]]*\])?", sys.argv[3]):
+    m = re.fullmatch(r"(.+)\[(\d+)-(\d+)\]", item)
+    if m:
+        for i in range(int(m.group(2)), int(m.group(3)) + 1):
+            print(m.group(1) + str(i).zfill(len(m.group(2))))
+    else:
+        print(item)
+'''
+
+FAKE_SQUEUE = r'''
+import os
+print(os.environ.get("FAKE_RUNNING_JOBS", "").replace(",", "\n"))
+'''
+
+FAKE_TORCHRUN = r'''
+import json, os, sys
+node = os.environ["SLURM_PROCID"]
+local = sys.argv[sys.argv.index("--offload-nvme-path") + 1]
+with open(os.path.join(os.environ["FAKE_SLURM_LOG"], f"torchrun-node{node}.json"), "w") as f:
+    json.dump({"argv": sys.argv[1:], "env": dict(os.environ), "local_dir_existed": os.path.isdir(local)}, f)
+code = int(os.environ.get("FAKE_TORCHRUN_EXIT", "0"))
+if code:  # as a rank's one-line error lands in its own log under torchrun --log-dir
+    log_dir = sys.argv[sys.argv.index("--log-dir") + 1]
+    os.makedirs(os.path.join(log_dir, "run_x", "attempt_0", "0"), exist_ok=True)
+    with open(os.path.join(log_dir, "run_x", "attempt_0", "0", "stderr.log"), "w") as f:
+        f.write(f"error: --offload-host-cache-gb: node {node} has too little memory\n")
+sys.exit(code)
+'''
+
+
+def _fake_bin(tmp_path, with_torchrun):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fakes = {"srun": FAKE_SRUN, "scontrol": FAKE_SCONTROL, "squeue": FAKE_SQUEUE}
+    if with_torchrun:
+        fakes["torchrun"] = FAKE_TORCHRUN
+    for name, body in fakes.items():
+        path = bin_dir / name
+        path.write_text(f"#!{sys.executable}\n{body}")
+        path.chmod(0o755)
+    return bin_dir
+
+
+def _job_env(tmp_path, with_torchrun, nodes=2, **extra):
+    (tmp_path / "log").mkdir()
+    env = pretrain_env()
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_STEP_ID"):
+        env.pop(var, None)
+    path = os.pathsep.join([str(_fake_bin(tmp_path, with_torchrun)), os.path.dirname(sys.executable),
+                            env.get("PATH", "")])
+    env.update({"PATH": path, "MLP_OFFLOAD_NO_SETUP": "1", "MLP_OFFLOAD_REPO": str(REPO),
+                "SLURM_SUBMIT_DIR": str(tmp_path / "submit"), "SLURM_JOB_ID": "4242",
+                "SLURM_JOB_NAME": "gpt-offload", "SLURM_JOB_NUM_NODES": str(nodes), "SLURM_NNODES": str(nodes),
+                "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_GPUS_ON_NODE": "8", "SLURM_CPUS_PER_TASK": "32",
+                "PFS_ROOT": str(tmp_path / "pfs"), "DATA_PATH": "/data/corpus_text_document",
+                "FAKE_SLURM_LOG": str(tmp_path / "log"), "FAKE_NODE_ROOT": str(tmp_path / "nodes"),
+                "FAKE_RUNNING_JOBS": "4242,555"})
+    env.update(extra)
+    return env
+
+
+def _namespace(pfs, run_id, host):
+    path = pfs / "mlp_offload" / run_id / "rank00000"
+    path.mkdir(parents=True)
+    (path / "OWNER.json").write_text(json.dumps({"host": host, "pid": 1, "started": 0}))
+    (path / "sg000000.state").write_bytes(b"x" * 4096)
+    return path
+
+
+def _sbatch_lead_time(script: Path) -> int:
+    return int(re.search(r"^#SBATCH --signal=TERM@(\d+)$", script.read_text(), re.M).group(1))
+
+
+def test_sbatch_headers_chain_and_signal():
+    for name in ("single_node.sbatch", "multi_node.sbatch"):
+        text = (SCRIPTS / name).read_text()
+        for header in ("--dependency=singleton", "--ntasks-per-node=1", "--gpus-per-node="):
+            assert f"#SBATCH {header}" in text, (name, header)
+        assert re.search(r'SIGNAL_LEAD_S:-(\d+)', text).group(1) == str(_sbatch_lead_time(SCRIPTS / name))
+
+
+def test_multi_node_script_commands_and_environment(tmp_path):
+    pfs = tmp_path / "pfs"
+    crashed = _namespace(pfs, "999.0", "othernode")  # a job of the chain that died: squeue lists it no more
+    running = _namespace(pfs, "555.0", "othernode")  # another job still running
+    env = _job_env(tmp_path, with_torchrun=True)
+    code, output = run_group([(["bash", str(SCRIPTS / "multi_node.sbatch"), "--train-iters", "700"], env)], 120,
+                             tmp_path / "job.out")
+    assert code == 0, output
+    assert not crashed.exists() and running.exists()
+
+    srun = json.loads((tmp_path / "log" / "srun.json").read_text())
+    assert {"--nodes=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1"} <= set(srun["options"])
+    assert srun["command"][:2] == ["bash", "examples/slurm/node.sh"]
+    assert srun["env"]["SRUN_CPUS_PER_TASK"] == "32"  # srun does not inherit --cpus-per-task
+    assert int(srun["env"]["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]) > _sbatch_lead_time(SCRIPTS / "multi_node.sbatch")
+
+    ckpt = str(pfs / "ckpt" / "gpt-offload")
+    local_dirs = []
+    for node in (0, 1):
+        run = json.loads((tmp_path / "log" / f"torchrun-node{node}.json").read_text())
+        argv = run["argv"]
+        script = argv.index("pretrain_gpt.py")
+        launcher = dict(zip(argv[:script:2], argv[1:script:2]))
+        assert launcher == {"--nnodes": "2", "--node_rank": str(node), "--nproc_per_node": "8",
+                            "--master_addr": "gpu07", "--master_port": str(job_port(4242, 15)),
+                            "--log-dir": str(tmp_path / "submit" / "logs" / "4242" / f"node{node}"),
+                            "--tee": "3", "--local-ranks-filter": "0" if node == 0 else "8"}
+        args = parse_args(argv[script + 1:])  # pretrain_gpt.py accepts what the script passes
+        assert args.save == args.load == ckpt and args.exit_signal_handler and args.train_iters == 700
+        assert args.offload_tiers == ["host", "nvme", "pfs"] and args.offload_paths["pfs"] == str(pfs)
+        assert args.offload_token_scope == {"pfs": "node"}
+        local = args.offload_paths["nvme"]
+        assert local == str(tmp_path / "nodes" / f"node{node}" / "mlp_offload.4242")  # the node's scratch
+        assert run["local_dir_existed"] and not os.path.exists(local)  # made before, removed after
+        assert run["env"]["SLURM_JOB_ID"] == "4242" and run["env"]["SLURM_STEP_ID"] == "0"
+        local_dirs.append(local)
+    assert len(set(local_dirs)) == 2
+
+
+def test_a_failed_rank_error_reaches_the_job_output(tmp_path):
+    env = _job_env(tmp_path, with_torchrun=True, FAKE_TORCHRUN_EXIT="2", SLURM_JOB_NUM_NODES="1")
+    code, output = run_group([(["bash", str(SCRIPTS / "single_node.sbatch")], env)], 120, tmp_path / "job.out")
+    assert code == 2
+    assert "error: --offload-host-cache-gb: node 0 has too little memory" in output
+    assert "tools/offload_clean.py --slurm --delete" in output
+    assert not (tmp_path / "nodes" / "node0" / "mlp_offload.4242").exists()
+
+
+def test_two_nodes_train_like_one_launch(tmp_path, offload_baseline):
+    """Two torchrun launches as two nodes (node ranks 0 and 1, a node-local directory each, one
+    shared PFS path), started by the multi-node script, against one launch of the same 2 ranks."""
+
+    pfs = tmp_path / "pfs"
+    pfs.mkdir()
+    # As offload_args, but the nvme path is each node's own (node.sh adds it); job-wide PFS tokens.
+    offload = ["--offload-tiers", "host,nvme,pfs", "--offload-host-cache-gb", "0.0005", "--offload-subgroup-size",
+               "6000", "--offload-adam-kernel", "single", "--offload-io-block-mb", "1", "--offload-io-threads", "2",
+               "--offload-bandwidths", "nvme=2:1,pfs=2:1", "--offload-pfs-path", str(pfs),
+               "--offload-token-scope", "pfs=job"]
+    loss_log = tmp_path / "two-loss.jsonl"
+    env = _job_env(tmp_path, with_torchrun=False, SLURM_JOB_NODELIST="localhost", GPUS_PER_NODE="1",
+                   MASTER_PORT=str(free_port()), MODEL_ARGS=" ".join(TINY_MODEL + ["--mock-data"]),
+                   OFFLOAD_ARGS=" ".join(offload))
+    code, output = run_group([(["bash", str(SCRIPTS / "multi_node.sbatch"), "--train-iters", str(BASELINE_ITERS),
+                                "--loss-log", str(loss_log)], env)], 300, tmp_path / "job.out")
+    assert code == 0, output[-5000:]
+    assert losses(read_loss_log(loss_log)) == offload_baseline
+    # Rank 0 alone speaks for the job and both nodes; rank 1's own lines are in its per-rank log.
+    assert output.count("> job: 2 ranks on 2 node(s) | offload swap namespace: mlp_offload/4242.0/") == 1
+    assert "> node 0 " in output and "> node 1 " in output and "I/O token(s) per job" in output
+    assert "[offload rank 1]" not in output
+    rank1_logs = list((tmp_path / "submit" / "logs" / "4242" / "node1").rglob("stderr.log"))
+    assert any("[offload rank 1]" in p.read_text() for p in rank1_logs)
+    # Both nodes' scratch directories went with their torchrun; the PFS namespace with the ranks.
+    assert not any((tmp_path / "nodes").rglob("mlp_offload.4242"))
+    assert not (pfs / "mlp_offload").exists()
+    assert (pfs / "ckpt" / "gpt-offload" / "latest_checkpointed_iteration.txt").exists()
