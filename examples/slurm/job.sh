@@ -39,7 +39,9 @@ run_job() {
     MASTER_PORT="${MASTER_PORT:-$(python -c "from megatron.training.slurm_env import job_port; print(job_port($SLURM_JOB_ID, 15))")}"
     export MASTER_ADDR MASTER_PORT
     # torchrun SIGKILLs its workers this long after passing SLURM's SIGTERM on: longer than the lead
-    # time, so the checkpoint save that SIGTERM starts (--exit-signal-handler) can finish.
+    # time, so the checkpoint save that SIGTERM starts (--exit-signal-handler) can finish. torch < 2.12
+    # ignores this and allows 30 s (measured on torch 2.11: docs/benchmarks.md); there, signal the ranks
+    # alone with another signal and --exit-signal SIGUSR1 (README, "Time limits and preemption").
     local lead="${SIGNAL_LEAD_S:-600}"
     export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-$((lead + 60))}"
     # srun does not inherit sbatch's --cpus-per-task (SLURM >= 22.05): pass it on.
