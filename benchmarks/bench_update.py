@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mlp_offload import OffloadConfig, OffloadedAdamW  # noqa: E402
-from mlp_offload.perf_model import device_seconds  # noqa: E402
+from mlp_offload.prediction import device_seconds  # noqa: E402
 from mlp_offload.update import AdamKernel  # noqa: E402
 
 

@@ -2,7 +2,7 @@
 
 from .config import OffloadConfig, OffloadConfigError, TierBandwidth, parse_bandwidths
 from .engine import OffloadedAdamW, OffloadStateError
-from .perf_model import PlacementError
+from .placement import PlacementError
 from .telemetry import StepRecord
 from .tiers.files import TierDataError, TierIOError, TierPathError
 from .tiers.host import HostMemoryError

@@ -82,7 +82,7 @@ class OffloadConfig:
 
     tokens_per_tier: Optional[int] = None
     """Node-wide I/O tokens per tier path: how many processes of a node may do I/O on it at once.
-    None: decided per tier from the probe (see ``perf_model.tokens_for``)."""
+    None: decided per tier from the probe (see ``placement.tokens_for``)."""
 
     token_scope: Dict[str, str] = field(default_factory=dict)
     """Per file tier, who takes turns on its path: ``"node"`` (the default: the node's ranks, each

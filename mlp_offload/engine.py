@@ -1,7 +1,7 @@
 """OffloadedAdamW: one rank's AdamW state held in host memory and file tiers, updated subgroup by
 subgroup with reads prefetched ahead and writes behind.
 
-Data flow: plan (perf_model) -> tiers (host memory, files) -> this engine. The caller (the
+Data flow: plan (rates -> placement -> prediction) -> tiers (host memory, files) -> this engine. The caller (the
 Megatron adapter, a test, a benchmark) copies low-precision gradients into ``grad_buffer`` (or
 gives a ``GradientSource``) and calls ``step()``; each updated subgroup's fp32 parameters are
 handed to ``on_params_updated``. The engine wires the pieces: ``pipeline`` (slots streaming the
@@ -15,7 +15,7 @@ import atexit
 import logging
 import time
 import weakref
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 
@@ -23,8 +23,9 @@ from .config import HOST_TIER, OffloadConfig, OffloadConfigError, TierBandwidth
 from .faults import fault_point
 from .gradients import GradientSource, HostGradients, scratch_buffers
 from .param_groups import Range, build_groups, segments_of
-from .perf_model import (Placement, Prediction, measure_adam_rate, plan_placement, predict_update, probe_tier,
-                         tokens_for)
+from .placement import Placement, plan_placement, tokens_for
+from .prediction import Prediction, predict_update
+from .rates import measure_adam_rate, measure_convert_rate, probe_tier
 from .pipeline import OffloadStateError, SlotPipeline, StateViews, fill_params
 from .schedule import StepSchedule, step_schedule
 from .state_access import StateAccess
@@ -198,7 +199,7 @@ class OffloadedAdamW:
         size = min(max(sg.numel for sg in self.subgroups), 1 << 26)
         self.adam_rate = cfg.adam_elems_per_s or measure_adam_rate(
             lambda p, g, m, v, step: self.adam(p, g, m, v, step=step), numel=size)
-        self.convert_rate = _measure_convert_rate(size)
+        self.convert_rate = measure_convert_rate(size)
         return rates
 
     def _schedule_for(self, step_index: int) -> StepSchedule:
@@ -366,16 +367,3 @@ def _close_if_alive(ref) -> None:
     engine = ref()
     if engine is not None:
         engine.close()
-
-
-def _measure_convert_rate(numel: int) -> float:
-    """bf16 -> fp32 elements per second at the subgroup size (best of 3)."""
-    src = torch.empty(numel, dtype=torch.bfloat16).fill_(0.5)
-    dst = torch.empty(numel)
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - start)
-    return numel / max(best, 1e-9)

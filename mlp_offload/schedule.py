@@ -1,6 +1,6 @@
 """THE per-step traffic model: which subgroups a step updates in which order, which streamed ones it
 finds still in host buffers (hits: no read), and which it leaves there unwritten (kept). The engine
-executes it (``pipeline``) and the prediction prices it (``perf_model.predict_update``), so the two
+executes it (``pipeline``) and the prediction prices it (``prediction.predict_update``), so the two
 cannot drift apart."""
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List
 
-from .tiers.align import ALIGN, align_up
+from .tiers.align import align_up
 
 STATE_TENSORS = ("param", "exp_avg", "exp_avg_sq")
 FP32_BYTES = 4

@@ -30,7 +30,7 @@ from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradS
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.transformer.module import param_is_not_shared
 
-from mlp_offload import OffloadConfig, OffloadedAdamW, parse_bandwidths
+from mlp_offload import OffloadConfig, OffloadedAdamW
 from mlp_offload.checkpoint import (CheckpointDataError, RangeReader, load_engine_state, read_footer, save_engine_state,
                                     state_file_bytes)
 from megatron.training.errors import UserError

@@ -8,7 +8,6 @@ import re
 import signal
 import subprocess
 import time
-import zlib
 from pathlib import Path
 
 import pytest

@@ -13,7 +13,7 @@ import torch
 
 from mlp_offload import probe_cache
 from mlp_offload.config import OffloadConfig
-from mlp_offload.perf_model import probe_tier
+from mlp_offload.rates import probe_tier
 from mlp_offload.tiers.files import FileTier
 from mlp_offload.tiers.host import HostMemory
 from mlp_offload.tiers.tokens import JobTokens, JobTokensStalled, TierTokens, path_key

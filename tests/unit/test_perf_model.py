@@ -14,7 +14,9 @@ from hypothesis import strategies as st
 from mlp_offload import OffloadConfigError, OffloadedAdamW
 from mlp_offload.config import OffloadConfig, TierBandwidth
 from mlp_offload import probe_cache
-from mlp_offload.perf_model import plan_placement, predict_update, probe_tier, tokens_for
+from mlp_offload.placement import plan_placement, tokens_for
+from mlp_offload.prediction import predict_update
+from mlp_offload.rates import probe_tier
 from mlp_offload.schedule import step_schedule
 from mlp_offload.subgroups import partition
 from mlp_offload.tiers.files import FileTier

@@ -1,0 +1,139 @@
+"""Placement policy, a pure function of measured rates, budgets and capacities: how many subgroups
+stay resident in the host budget, how many spare host buffers serve as pipeline and cache, which
+file tier holds each of the rest (so that all tiers finish their share at about the same time), and
+how many I/O tokens a shared path gets."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+from .config import HOST_TIER, OffloadConfig, TierBandwidth
+from .subgroups import Subgroup
+
+log = logging.getLogger("mlp_offload")
+GiB = 1024**3
+
+
+class PlacementError(RuntimeError):
+    """The state does not fit the given host budget and tier capacities."""
+
+
+# Below this fraction of one rank's mixed rate, the node's ranks streaming at once are taken to
+# thrash the device, and they take turns instead.
+THRASH_RATIO = 0.9
+
+
+def tokens_for(rate: TierBandwidth, ranks_sharing: int) -> int:
+    """I/O tokens for a tier path that ``ranks_sharing`` ranks of the node use.
+
+    One token (ranks take turns) where the probe saw the device lose aggregate bandwidth when all
+    of them stream at once, as spinning disks and busy shared file systems do; otherwise one per
+    rank, since turn-taking then only leaves the device idle between turns (measured on a shared
+    NVMe-class disk: docs/benchmarks.md). Without a shared-streams probe (rates given by the
+    user), one token.
+    """
+    if ranks_sharing <= 1 or rate.shared_mixed_bps is None or rate.mixed_bps is None:
+        return 1
+    return ranks_sharing if rate.shared_mixed_bps >= THRASH_RATIO * rate.mixed_bps else 1
+
+
+@dataclass
+class Placement:
+    tier_of: List[str]  # per subgroup: "host" (resident) or a file tier name
+    slots: int  # host buffers for streamed subgroups (pipeline + cache)
+    cache_slots: int  # of those, kept across steps for the reversed order
+    host_state_bytes: int  # resident state + slots, counted against the host budget
+
+    def subgroups_on(self, tier: str) -> List[int]:
+        return [i for i, t in enumerate(self.tier_of) if t == tier]
+
+
+def plan_placement(
+    subgroups: Sequence[Subgroup],
+    config: OffloadConfig,
+    rates: Dict[str, TierBandwidth],
+    free_bytes: Dict[str, int],
+    devices: Optional[Dict[str, object]] = None,
+) -> Placement:
+    """Decide residency, slots and each streamed subgroup's file tier.
+
+    ``devices`` maps each file tier to its storage device (e.g. ``st_dev``): tiers on one device
+    share its bandwidth and its free space.
+    """
+    n = len(subgroups)
+    slot_bytes = max(sg.state_bytes for sg in subgroups)
+    file_tiers = config.file_tiers
+    budget = config.host_budget_bytes
+    total_state = sum(sg.state_bytes for sg in subgroups)
+
+    if not file_tiers:
+        if budget is not None and budget < total_state:
+            raise PlacementError(
+                f"host-only offload: the optimizer state needs {total_state / GiB:.3f} GiB but the "
+                f"host budget is {budget / GiB:.3f} GiB (host_budget_bytes={budget}); raise "
+                f"host_budget_bytes or add a file tier"
+            )
+        return Placement([HOST_TIER] * n, 0, 0, total_state)
+
+    wanted_slots = config.prefetch_depth * len(file_tiers) + 1
+    min_slots = 2  # one subgroup in the update while the next one is read
+    if budget is None:
+        budget = wanted_slots * slot_bytes  # no "host" tier: just the pipeline's buffers
+    if budget < min_slots * slot_bytes:
+        raise PlacementError(
+            f"host budget {budget / GiB:.3f} GiB (host_budget_bytes={budget}) is below the pipeline's "
+            f"minimum of {min_slots} subgroup buffers ({min_slots * slot_bytes / GiB:.3f} GiB at subgroup size "
+            f"{config.subgroup_size}); raise host_budget_bytes or lower subgroup_size"
+        )
+    pipeline_slots = min(wanted_slots, budget // slot_bytes)
+    if pipeline_slots < wanted_slots:
+        log.warning(
+            "host budget allows %d subgroup buffers, fewer than prefetch depth %d x %d tiers + 1; "
+            "prefetch will be shallower", pipeline_slots, config.prefetch_depth, len(file_tiers))
+
+    # Residents: as many as fit beside the pipeline, spread evenly over the order so the update
+    # always has CPU work while file reads are in flight.
+    residents = 0
+    if config.has_host:
+        # Counted at the largest subgroup's size, so residents plus slots never exceed the budget.
+        residents = min(n, (budget - pipeline_slots * slot_bytes) // slot_bytes)
+    if residents >= n:
+        return Placement([HOST_TIER] * n, 0, 0, total_state)
+    resident_set = {(i * n) // residents for i in range(residents)} if residents else set()
+    resident_bytes = sum(subgroups[i].state_bytes for i in resident_set)
+    streamed = [i for i in range(n) if i not in resident_set]
+
+    # Spare budget becomes extra slots: each one caches a subgroup across the step boundary.
+    slots = min((budget - resident_bytes) // slot_bytes, len(streamed) + pipeline_slots)
+    cache_slots = max(0, min(slots - 1, len(streamed))) if config.cache_alternating else 0
+
+    # Streamed subgroups go, in order, to the tier that would finish its share soonest:
+    # greedy list scheduling, which also interleaves tiers so their reads overlap.
+    sharing = config.resolved_ranks_sharing_node()
+    device = devices or {t: t for t in file_tiers}
+    finish = {device[t]: 0.0 for t in file_tiers}  # predicted busy time of each device
+    used_dev = {device[t]: 0 for t in file_tiers}  # bytes placed on each device
+    used = {t: 0 for t in file_tiers}
+    tier_of = [HOST_TIER] * n
+    for i in streamed:
+        sg = subgroups[i]
+        candidates = [t for t in file_tiers
+                      if (used_dev[device[t]] + sg.state_bytes) * sharing <= free_bytes[t]]
+        if not candidates:
+            need = sum(subgroups[j].state_bytes for j in streamed) * sharing
+            have = ", ".join(f"{t} {free_bytes[t] / GiB:.2f} GiB free" for t in file_tiers)
+            raise PlacementError(
+                f"not enough disk space for the offloaded state: {need / GiB:.2f} GiB needed on file "
+                f"tiers ({sharing} rank(s) of this node), {have}; free space, add a tier path, or "
+                f"raise host_budget_bytes"
+            )
+        cost = {t: rates[t].seconds(sg.state_bytes, sg.state_bytes) for t in candidates}
+        # Ties (e.g. two paths on one device) go to the emptier tier, then the earlier one.
+        best = min(candidates, key=lambda t: (finish[device[t]] + cost[t], used[t], file_tiers.index(t)))
+        finish[device[best]] += cost[best]
+        used_dev[device[best]] += sg.state_bytes
+        used[best] += sg.state_bytes
+        tier_of[i] = best
+    return Placement(tier_of, slots, cache_slots, resident_bytes + slots * slot_bytes)

@@ -1,0 +1,92 @@
+"""The predicted update time: the engine's own per-step schedule (``schedule.step_schedule``)
+priced at the measured rates; printed beside every measured update."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Sequence
+
+from .config import HOST_TIER, TierBandwidth
+from .placement import Placement
+from .schedule import step_schedule
+from .subgroups import Subgroup
+
+
+@dataclass
+class Prediction:
+    update_s: float
+    adam_s: float
+    tier_s: Dict[str, float] = field(default_factory=dict)
+    read_bytes: Dict[str, int] = field(default_factory=dict)
+    write_bytes: Dict[str, int] = field(default_factory=dict)
+    cache_hits: int = 0
+    ranks_sharing: int = 1  # ranks of this node whose I/O goes to the same devices
+
+    def describe(self) -> str:
+        tiers = " ".join(
+            f"{t}:{self.read_bytes[t] / 1e9:.2f}GBr/{self.write_bytes[t] / 1e9:.2f}GBw/{s:.2f}s"
+            for t, s in self.tier_s.items()
+        )
+        shared = f", each device shared by {self.ranks_sharing} ranks" if self.ranks_sharing > 1 else ""
+        return (f"predicted update {self.update_s:.3f}s "
+                f"(adam {self.adam_s:.3f}s{', ' + tiers if tiers else ''}{shared})")
+
+
+def predict_update(
+    subgroups: Sequence[Subgroup],
+    placement: Placement,
+    rates: Dict[str, TierBandwidth],
+    adam_elems_per_s: float,
+    convert_elems_per_s: float,
+    devices: Optional[Dict[str, object]] = None,
+    ranks_sharing: int = 1,
+    tokens: Optional[Dict[str, int]] = None,
+    cache_alternating: bool = True,
+) -> Prediction:
+    """Predicted steady-state update time: compute and each device's I/O overlap, the slowest wins.
+
+    Tiers on one device add up (they share it); reads and writes of a device are counted one
+    after the other, which matched a single disk within 10% (docs/benchmarks.md). The node's
+    ``ranks_sharing`` ranks move equal shards through the same paths in the same phase, so each
+    device's time is multiplied by that count (data parallelism makes every rank wait for the
+    node's slowest): at one rank's rate where they take turns (fewer ``tokens`` than ranks), at
+    the probed all-ranks rate where they stream at once.
+
+    Bytes come from ``schedule.step_schedule``, the traffic model the engine executes: hits skip
+    their read, kept subgroups their write; the two order directions are averaged. The first
+    streamed read after the hits is not hidden.
+    """
+    numel = sum(sg.numel for sg in subgroups)
+    adam_s = numel / adam_elems_per_s + numel / convert_elems_per_s
+    # The engine's own schedule of the two order directions (steady state), averaged.
+    both = [step_schedule(k, placement.tier_of, placement.slots, placement.cache_slots, cache_alternating)
+            for k in (0, 1)]
+    pred = Prediction(update_s=adam_s, adam_s=adam_s, cache_hits=len(both[0].hits))
+    for tier in dict.fromkeys(t for t in placement.tier_of if t != HOST_TIER):
+        pred.read_bytes[tier] = sum(subgroups[i].state_bytes for sched in both for i in sched.reads()
+                                    if placement.tier_of[i] == tier) // 2
+        pred.write_bytes[tier] = sum(subgroups[i].state_bytes for sched in both for i in sched.writes()
+                                     if placement.tier_of[i] == tier) // 2
+        rate = rates[tier]
+        at_once = ranks_sharing > 1 and (tokens or {}).get(tier, 1) >= ranks_sharing
+        if at_once and rate.shared_mixed_bps is not None:  # the node's bytes at the all-ranks rate
+            pred.tier_s[tier] = (pred.read_bytes[tier] + pred.write_bytes[tier]) / rate.shared_mixed_bps
+        else:
+            pred.tier_s[tier] = rate.seconds(pred.read_bytes[tier], pred.write_bytes[tier])
+    if pred.tier_s:
+        # The first read after the hits is not hidden (as first computed: ascending, the descending step's hits).
+        first = next((i for i in sorted(both[1].streamed) if i not in both[1].hits), None)
+        fill = subgroups[first].state_bytes / rates[placement.tier_of[first]].read_bps if first is not None else 0.0
+        busiest = max(device_seconds(pred.tier_s, devices).values())
+        pred.update_s = max(adam_s, ranks_sharing * busiest + fill)
+        pred.ranks_sharing = ranks_sharing
+    return pred
+
+
+def device_seconds(tier_seconds: Dict[str, float], devices: Optional[Dict[str, object]]) -> Dict[object, float]:
+    """Busy time per storage device: the tiers that share one add up."""
+    total: Dict[object, float] = {}
+    for tier, seconds in tier_seconds.items():
+        key = devices[tier] if devices else tier
+        total[key] = total.get(key, 0.0) + seconds
+    return total
