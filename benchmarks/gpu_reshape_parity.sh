@@ -18,7 +18,7 @@ ARGS="--num-layers 20 --hidden-size 2048 --ffn-hidden-size 5632 --num-attention-
  --offload-tiers host,nvme --offload-nvme-path $DISK/nvme --offload-host-cache-gb 4 --offload-io-threads 8
  --offload-bandwidths nvme=${BW:-2.0:2.0}"
 T0=$SECONDS
-for round in 1 2; do
+for round in $(seq ${ROUNDS:-2}); do
   for tree in old new; do
     dir=$PWD; [ $tree = old ] && dir=$PWD/.old
     (cd "$dir" && PYTHONPATH=/tmp/site:$dir torchrun --nproc_per_node 1 pretrain_gpt.py $ARGS \
@@ -31,7 +31,7 @@ import re, sys
 out = sys.argv[1]
 updates = {"old": [], "new": []}
 for tree in updates:
-    for r in (1, 2):
+    for r in range(1, int(__import__("os").environ.get("ROUNDS", "2")) + 1):
         for line in open(f"{out}/{tree}{r}.log"):
             m = re.match(r"iteration +(\d+)/.*\| update ([0-9.]+)s \(pred ([0-9.]+)s\)", line)
             if m:
@@ -42,7 +42,8 @@ mean = {t: sum(u) / len(u) for t, u in updates.items() if u}
 print("steady update, mean s:", {t: round(v, 3) for t, v in mean.items()})
 if len(mean) == 2:
     print(f"new / old = {mean['new'] / mean['old']:.3f}")
-same = all(open(f"{out}/old{r}.jsonl").read() == open(f"{out}/new{r}.jsonl").read() for r in (1, 2))
+same = all(open(f"{out}/old{r}.jsonl").read() == open(f"{out}/new{r}.jsonl").read()
+           for r in range(1, int(__import__("os").environ.get("ROUNDS", "2")) + 1))
 print("loss logs identical, old vs new:", same)
 PY
 rm -rf "$DISK"
