@@ -19,21 +19,20 @@ from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 
-from .config import HOST_TIER, OffloadConfig, OffloadConfigError, TierBandwidth
+from .config import HOST_TIER, OffloadConfig, OffloadConfigError
 from .faults import fault_point
 from .gradients import GradientSource, HostGradients, scratch_buffers
 from .param_groups import Range, build_groups, segments_of
-from .placement import Placement, plan_placement, tokens_for
-from .prediction import Prediction, predict_update
-from .rates import measure_adam_rate, measure_convert_rate, probe_tier
+from .placement import Placement
+from .prediction import Prediction
+from .startup import describe_tiers, start_up
 from .pipeline import OffloadStateError, SlotPipeline, StateViews, fill_params
 from .schedule import StepSchedule, step_schedule
 from .state_access import StateAccess
 from .subgroups import FP32_BYTES, Subgroup, partition
 from .telemetry import StepRecord, TrafficCounters
 from .tiers.files import FileTier
-from .tiers.host import HostMemory, check_budget_exists, check_host_memory
-from .tiers.tokens import JobTokens, TierTokens
+from .tiers.host import check_host_memory
 from .update import AdamKernel, fused_vector_width
 
 log = logging.getLogger("mlp_offload")
@@ -117,24 +116,11 @@ class OffloadedAdamW:
     # -- setup ---------------------------------------------------------------------------------
     def _setup(self, params: torch.Tensor, grad_dtype: torch.dtype, grad_source: Optional[GradientSource]) -> None:
         cfg = self.config
-        check_budget_exists(cfg.host_budget_bytes, cfg.resolved_ranks_sharing_node())
-        self.host = HostMemory(cfg.host_budget_bytes, cfg.pin_memory)
-        self.rates = self._measure_rates()
-        # Tokens after the probe: unless given, whether ranks take turns depends on what it saw.
-        sharing = cfg.resolved_ranks_sharing_node()
-        self.tokens_per_tier = {name: cfg.tokens_per_tier or tokens_for(self.rates[name], sharing)
-                                for name in cfg.file_tiers}
-        for name in cfg.file_tiers:
-            count = self.tokens_per_tier[name]
-            tokens = (JobTokens(cfg.paths[name], count, self.token_store) if self.token_scope(name) == "job"
-                      else TierTokens(cfg.paths[name], count))
-            self._tiers[name] = self._file_tier(name, tokens)
-        free = {name: tier.free_bytes() for name, tier in self._tiers.items()}
-        self.devices = {name: tier.device for name, tier in self._tiers.items()}
-        self.placement: Placement = plan_placement(self.subgroups, cfg, self.rates, free, self.devices)
-        self.prediction: Prediction = predict_update(
-            self.subgroups, self.placement, self.rates, self.adam_rate, self.convert_rate, self.devices,
-            ranks_sharing=sharing, tokens=self.tokens_per_tier, cache_alternating=cfg.cache_alternating)
+        plan = start_up(cfg, self.subgroups, self.adam, self._tiers, self.token_store)
+        self.host, self.rates, self.tokens_per_tier = plan.host, plan.rates, plan.tokens_per_tier
+        self.adam_rate, self.convert_rate, self.devices = plan.adam_rate, plan.convert_rate, plan.devices
+        self.placement: Placement = plan.placement
+        self.prediction: Prediction = plan.prediction
 
         # Buffers: gradients (outside the state budget: the caller's gradient staging), fp32 scratch
         # for converted gradients, resident subgroups, and slots for streamed ones.
@@ -167,41 +153,6 @@ class OffloadedAdamW:
         self.log_placement()
         self._pipeline.begin(self._schedule_for(0))
 
-    def _file_tier(self, name: str, tokens: Optional[TierTokens]) -> FileTier:
-        cfg = self.config
-        try:
-            return FileTier(name, cfg.paths[name], cfg.resolved_run_id(), cfg.rank, cfg.io_block_bytes,
-                            cfg.io_threads, op_threads=cfg.prefetch_depth + 2, use_odirect=cfg.use_odirect,
-                            verify_checksums=cfg.verify_checksums, tokens=tokens)
-        except BaseException:
-            if tokens is not None:
-                tokens.close()
-            raise
-
-    def _measure_rates(self) -> Dict[str, TierBandwidth]:
-        """Each file tier's bandwidth (given, cached, or probed through a short-lived tier of its
-        own: the training tier is built after, with the turns the probe implies), and the rates of
-        the CPU Adam kernel and of gradient conversion."""
-        cfg = self.config
-        rates: Dict[str, TierBandwidth] = {}
-        for name in cfg.file_tiers:
-            if name in cfg.bandwidths:
-                rates[name] = cfg.bandwidths[name]
-                continue
-            probe = self._file_tier(name, tokens=None)
-            try:
-                probe_buf = self.host.allocate(cfg.probe_bytes, "bandwidth probe", counted=False)
-                rates[name] = probe_tier(probe, probe_buf, concurrency=cfg.prefetch_depth,
-                                         ranks_sharing=cfg.resolved_ranks_sharing_node())
-                del probe_buf
-            finally:
-                probe.close()
-        size = min(max(sg.numel for sg in self.subgroups), 1 << 26)
-        self.adam_rate = cfg.adam_elems_per_s or measure_adam_rate(
-            lambda p, g, m, v, step: self.adam(p, g, m, v, step=step), numel=size)
-        self.convert_rate = measure_convert_rate(size)
-        return rates
-
     def _schedule_for(self, step_index: int) -> StepSchedule:
         return step_schedule(step_index, self.placement.tier_of, self.placement.slots, self.placement.cache_slots,
                              self.config.cache_alternating)
@@ -209,12 +160,7 @@ class OffloadedAdamW:
     def describe_tiers(self) -> str:
         """The file tiers' rates and tokens: the same for every rank of a node (the probe is per
         host and path), so a job's launcher may print it once per node."""
-        return ", ".join(
-            f"{t} r {r.read_bps / 1e9:.2f} w {r.write_bps / 1e9:.2f}"
-            + (f" r+w {r.mixed_bps / 1e9:.2f}" if r.mixed_bps else "")
-            + (f" r+w with all ranks' streams {r.shared_mixed_bps / 1e9:.2f}" if r.shared_mixed_bps else "")
-            + " GB/s" + ("" if self._tiers[t].odirect else " (buffered)")
-            + f", {self.tokens_per_tier[t]} I/O token(s) per {self.token_scope(t)}" for t, r in self.rates.items())
+        return describe_tiers(self.rates, self._tiers, self.tokens_per_tier, self.config)
 
     def log_placement(self) -> None:
         p, cfg = self.placement, self.config
@@ -226,9 +172,6 @@ class OffloadedAdamW:
             "host state %.2f GiB; adam %.2f Gelem/s; %s",
             cfg.rank, self.numel, len(self.subgroups), counts, p.slots, p.cache_slots,
             p.host_state_bytes / GiB, self.adam_rate / 1e9, self.prediction.describe())
-
-    def token_scope(self, tier: str) -> str:
-        return self.config.token_scope.get(tier, "node")
 
     # -- the update ----------------------------------------------------------------------------
     def step(self, *, unscale: Optional[float] = None, clip_coef: Optional[float] = None,
