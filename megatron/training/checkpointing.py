@@ -73,19 +73,24 @@ def _set_rng_state(state) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def _parallel_layout():
-    ps = parallel_state
-    return {"tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
-            "dp": ps.get_data_parallel_world_size()}
-
-
-def _rng_sharded_object(state):
-    """Every rank's RNG state, keyed by its (pp, tp, dp) coordinates."""
+def rank_coordinates():
+    """(pp, tp, dp) sizes and this rank's (pp, tp, dp) position: what per-rank state is keyed by."""
     ps = parallel_state
     shape = (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size(),
              ps.get_data_parallel_world_size())
     offset = (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(),
               ps.get_data_parallel_rank())
+    return shape, offset
+
+
+def _parallel_layout():
+    (pp, tp, dp), _ = rank_coordinates()
+    return {"tp": tp, "pp": pp, "dp": dp}
+
+
+def _rng_sharded_object(state):
+    """Every rank's RNG state, keyed by its (pp, tp, dp) coordinates."""
+    shape, offset = rank_coordinates()
     return ShardedObject("rng_state", state, shape, offset, replica_id=0)
 
 

@@ -132,7 +132,7 @@ def build_optimizer(args, model_chunks):
     config = optimizer_config(args)
     if args.offload_tiers is None:
         return get_megatron_optimizer(config, model_chunks)
-    from megatron.training.offload_optimizer import get_offload_optimizer
+    from megatron.training.offload_factory import get_offload_optimizer
 
     return get_offload_optimizer(args, model_chunks, config)
 
