@@ -28,11 +28,13 @@ from megatron.core.transformer.module import param_is_not_shared
 
 from megatron.training.device_gradients import DeviceGradients, EventFence
 from megatron.training.offload_checkpoint import OffloadedStateFiles
+from megatron.training.optimizer_interface import (HoldsResources, OffloadedOptimizerCheckpoint, ReportsIteration,
+                                                   TrainingOptimizer)
 from megatron.training.shard_layout import ShardLayout
 from mlp_offload import OffloadConfig, OffloadedAdamW
 
 
-class OffloadDistributedOptimizer:
+class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoint, ReportsIteration, HoldsResources):
     """The MegatronOptimizer interface the training loop uses, over an OffloadedAdamW engine."""
 
     def __init__(self, config: OptimizerConfig, offload_config: OffloadConfig, model_chunks,

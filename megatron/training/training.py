@@ -29,6 +29,7 @@ from megatron.training.arguments import parse_args
 from megatron.training.data import (MicroBatchIterator, build_tokenizer, padded_vocab_size)
 from megatron.training.errors import reported_once
 from megatron.training.initialize import initialize
+from megatron.training.optimizer_interface import HoldsResources, ReportsIteration, TrainingOptimizer
 from megatron.training.signals import StopCheck
 from mlp_offload.faults import fault_point
 
@@ -127,7 +128,7 @@ def build_model(args, config, model_provider: Callable, device) -> List[torch.nn
     return [model]
 
 
-def build_optimizer(args, model_chunks):
+def build_optimizer(args, model_chunks) -> TrainingOptimizer:
     """THE offload hook: megatron-core's optimizer, or the offload engine when tiers are given."""
     config = optimizer_config(args)
     if args.offload_tiers is None:
@@ -158,7 +159,7 @@ def build_scheduler(args, optimizer) -> OptimizerParamScheduler:
 def _wire_model_hooks(config, model, optimizer, args) -> None:
     """What Megatron-LM's train() sets on the config so schedules can sync grads and scale loss."""
     config.finalize_model_grads_func = finalize_model_grads
-    config.grad_scale_func = optimizer.scale_loss if hasattr(optimizer, "scale_loss") else None
+    config.grad_scale_func = optimizer.scale_loss
     config.no_sync_func = model[0].no_sync
     if args.overlap_grad_reduce:
         config.grad_sync_func = model[0].start_grad_sync
@@ -383,11 +384,11 @@ def _log_line(args, iteration, loss, lr, grad_norm, elapsed_s, fb_s, opt_s, opti
         f"lm loss: {loss:.6E}",
         f"grad norm: {grad_norm:.4f}" if grad_norm is not None else "grad norm: n/a",
     ]
-    if args.fp16 and hasattr(optimizer, "get_loss_scale"):
+    if args.fp16:
         parts.append(f"loss scale: {float(optimizer.get_loss_scale()):.1f}")
     if not ok:
         parts.append("skipped iteration (inf/nan grads)")
-    if hasattr(optimizer, "log_line"):
+    if isinstance(optimizer, ReportsIteration):
         extra = optimizer.log_line()
         if extra:
             parts.append(str(extra))
@@ -488,7 +489,7 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
     finally:
         loss_log.close()
         timing_log.close()
-        if hasattr(optimizer, "close"):
+        if isinstance(optimizer, HoldsResources):
             optimizer.close()
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
