@@ -27,9 +27,8 @@ def get_offload_optimizer(args, model_chunks, config: OptimizerConfig) -> Offloa
     param_groups, buffers = _get_param_groups_and_buffers(
         model_chunks, model_chunk_offset=0, config=config, config_overrides=None,
         filter_fn=lambda g: not g["is_expert_parallel"], buffer_name="buffers")
-    optimizer = OffloadDistributedOptimizer(config, offload_config_from_args(args), model_chunks, param_groups, buffers)
-    optimizer.telemetry_path = _telemetry_path(args.offload_telemetry_log)
-    return optimizer
+    return OffloadDistributedOptimizer(config, offload_config_from_args(args), model_chunks, param_groups, buffers,
+                                       telemetry_path=_telemetry_path(args.offload_telemetry_log))
 
 
 def offload_config_from_args(args) -> OffloadConfig:

@@ -14,7 +14,6 @@ into the device param buffer; then megatron-core's param all-gather runs as usua
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict
 from typing import Dict, List, Optional
 
@@ -27,6 +26,7 @@ from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.transformer.module import param_is_not_shared
 
 from megatron.training.device_gradients import DeviceGradients, EventFence
+from megatron.training.metrics import JsonLines
 from megatron.training.offload_checkpoint import OffloadedStateFiles
 from megatron.training.optimizer_interface import (HoldsResources, OffloadedOptimizerCheckpoint, ReportsIteration,
                                                    TrainingOptimizer)
@@ -38,7 +38,7 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
     """The MegatronOptimizer interface the training loop uses, over an OffloadedAdamW engine."""
 
     def __init__(self, config: OptimizerConfig, offload_config: OffloadConfig, model_chunks,
-                 param_groups: List[dict], per_model_buffers: Dict[int, list]):
+                 param_groups: List[dict], per_model_buffers: Dict[int, list], telemetry_path: Optional[str] = None):
         self.config = config
         self.model_chunks = model_chunks
         self.ddp_config = model_chunks[0].ddp_config
@@ -66,7 +66,7 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
         self.state_files = OffloadedStateFiles(self.engine, self.layout, model_chunks, self.dp_group.size())
         self._expected_steps: Optional[int] = None  # the step count of the checkpoint being loaded
         self.last_record = None
-        self.telemetry_path: Optional[str] = None
+        self.telemetry = JsonLines(telemetry_path)  # a record per step
         self.is_stub_optimizer = False
 
     # -- set-up helpers ----------------------------------------------------------------------
@@ -128,19 +128,13 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
             coef = self.config.clip_grad / (grad_norm + 1.0e-6)
             clip_coef = coef if coef < 1.0 else None
         self.last_record = self.engine.step(unscale=inv_scale, clip_coef=clip_coef)
-        self._write_telemetry()
+        self.telemetry.write_record(asdict(self.last_record))
         if self._cuda:
             torch.cuda.current_stream().wait_stream(self._copy_stream)
         if not self.ddp_config.overlap_param_gather:
             for chunk in self.model_chunks:
                 chunk.start_param_sync()
         return True, grad_norm, 0
-
-    def _write_telemetry(self) -> None:
-        if self.telemetry_path:
-            record = asdict(self.last_record)
-            with open(self.telemetry_path, "a") as f:
-                f.write(json.dumps(record) + "\n")
 
     def _grad_norms(self, inv_scale: Optional[float]):
         """Per-param fp32 grad norms in megatron-core's order; any inf/nan (for fp16)."""
@@ -230,5 +224,6 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
         return self.last_record.line() if self.last_record is not None else ""
 
     def close(self):
+        self.telemetry.close()
         self.engine.close()
 
