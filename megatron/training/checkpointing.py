@@ -13,16 +13,19 @@ import os
 import random
 import shutil
 import time
-from typing import Optional, Protocol, runtime_checkable
+from typing import Optional
 
 import numpy as np
 import torch
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.distributed import DistributedDataParallel
+from megatron.core.optimizer import ChainedOptimizer, MegatronOptimizer
 
 from megatron.training import checkpoint_integrity as integrity
 from megatron.training.checkpoint_integrity import checkpoint_dir
 from megatron.training.errors import UserError
+from megatron.training.optimizer_interface import OffloadedOptimizerCheckpoint
 from mlp_offload.checkpoint import CheckpointSaveError, human_bytes
 from mlp_offload.faults import fault_point
 
@@ -31,19 +34,9 @@ OPTIMIZER_SHARDING = "dp_reshardable"
 STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.EIO}
 
 
-@runtime_checkable
-class OffloadedOptimizerCheckpoint(Protocol):
-    """An optimizer whose state lives outside megatron-core's sharded state dict: streamed into
-    ``iter_N/offload/`` beside it."""
-
-    def save_offloaded_state(self, checkpoint_dir: str) -> int: ...
-    def load_offloaded_state(self, checkpoint_dir: str) -> None: ...
-    def offloaded_state_bytes(self) -> int: ...
-
-
 def _unwrap(chunk):
     """DDP -> Float16Module/GPTModel: DDP itself has no sharded_state_dict."""
-    return chunk.module if hasattr(chunk, "module") else chunk
+    return chunk.module if isinstance(chunk, DistributedDataParallel) else chunk
 
 
 def _model_sharded_state_dict(model):
@@ -73,20 +66,33 @@ def _set_rng_state(state) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def _parallel_layout():
-    ps = parallel_state
-    return {"tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
-            "dp": ps.get_data_parallel_world_size()}
-
-
-def _rng_sharded_object(state):
-    """Every rank's RNG state, keyed by its (pp, tp, dp) coordinates."""
+def rank_coordinates():
+    """(pp, tp, dp) sizes and this rank's (pp, tp, dp) position: what per-rank state is keyed by."""
     ps = parallel_state
     shape = (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size(),
              ps.get_data_parallel_world_size())
     offset = (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(),
               ps.get_data_parallel_rank())
+    return shape, offset
+
+
+def _parallel_layout():
+    (pp, tp, dp), _ = rank_coordinates()
+    return {"tp": tp, "pp": pp, "dp": dp}
+
+
+def _rng_sharded_object(state):
+    """Every rank's RNG state, keyed by its (pp, tp, dp) coordinates."""
+    shape, offset = rank_coordinates()
     return ShardedObject("rng_state", state, shape, offset, replica_id=0)
+
+
+def _megatron_optimizers(optimizer) -> list:
+    """megatron-core's optimizers in ``optimizer``: a ChainedOptimizer's parts, or itself; none for
+    the offload facade, whose state is no torch optimizer's."""
+    if isinstance(optimizer, ChainedOptimizer):
+        return optimizer.chained_optimizers
+    return [optimizer] if isinstance(optimizer, MegatronOptimizer) else []
 
 
 def _prepare_fresh_optimizer_for_load(optimizer) -> None:
@@ -96,12 +102,11 @@ def _prepare_fresh_optimizer_for_load(optimizer) -> None:
     no 'step', and DistributedOptimizer.state_dict() then fails while building the load template.
     The placeholder value is overwritten by load_state_dict from the checkpoint.
     """
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(opt, "optimizer", None)
-        init_state_fn = getattr(opt, "init_state_fn", None)
-        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)) or init_state_fn is None:
+    for opt in _megatron_optimizers(optimizer):
+        inner = opt.optimizer
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)) or opt.init_state_fn is None:
             continue
-        init_state_fn(inner, getattr(opt, "config", None))
+        opt.init_state_fn(inner, opt.config)
         for state in inner.state.values():
             state.setdefault("step", torch.tensor(0.0))
 
@@ -115,10 +120,10 @@ def _restore_adam_steps(optimizer, loaded) -> None:
     param's state, which torch keeps aliased, so each step would bump it once per param.
     The true step is in the loaded param_groups.
     """
-    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    chained = _megatron_optimizers(optimizer)
     states = [loaded] if len(chained) == 1 else [loaded[k] for k in sorted(loaded)]
     for opt, opt_state in zip(chained, states):
-        inner = getattr(opt, "optimizer", None)
+        inner = opt.optimizer
         if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
             continue
         groups = opt_state.get("optimizer", {}).get("param_groups", []) if isinstance(opt_state, dict) else []

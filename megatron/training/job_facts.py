@@ -38,7 +38,9 @@ def _ranks(ranks: List[int]) -> str:
 
 def report(optimizer) -> None:
     """Gather every rank's node facts; rank 0 prints the job's and one line per node."""
-    engine = getattr(optimizer, "engine", None)
+    from megatron.training.offload_optimizer import OffloadDistributedOptimizer
+
+    engine = optimizer.engine if isinstance(optimizer, OffloadDistributedOptimizer) else None
     # The launcher's node rank (torchrun's GROUP_RANK, srun's SLURM_NODEID) tells nodes apart even
     # where two of them share a host name (a test's two launches on one machine).
     node = os.environ.get("GROUP_RANK", os.environ.get("SLURM_NODEID", ""))

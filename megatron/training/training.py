@@ -7,7 +7,6 @@ DistributedDataParallel, ``get_megatron_optimizer`` (or the offload optimizer, s
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
@@ -29,7 +28,10 @@ from megatron.training.arguments import parse_args
 from megatron.training.data import (MicroBatchIterator, build_tokenizer, padded_vocab_size)
 from megatron.training.errors import reported_once
 from megatron.training.initialize import initialize
+from megatron.training.metrics import LossLog, TimingLog, is_logging_rank, log_line
+from megatron.training.optimizer_interface import HoldsResources, TrainingOptimizer
 from megatron.training.signals import StopCheck
+from megatron.training.timers import ComputeTimers, Timers
 from mlp_offload.faults import fault_point
 
 
@@ -127,12 +129,12 @@ def build_model(args, config, model_provider: Callable, device) -> List[torch.nn
     return [model]
 
 
-def build_optimizer(args, model_chunks):
+def build_optimizer(args, model_chunks) -> TrainingOptimizer:
     """THE offload hook: megatron-core's optimizer, or the offload engine when tiers are given."""
     config = optimizer_config(args)
     if args.offload_tiers is None:
         return get_megatron_optimizer(config, model_chunks)
-    from megatron.training.offload_optimizer import get_offload_optimizer
+    from megatron.training.offload_factory import get_offload_optimizer
 
     return get_offload_optimizer(args, model_chunks, config)
 
@@ -158,7 +160,7 @@ def build_scheduler(args, optimizer) -> OptimizerParamScheduler:
 def _wire_model_hooks(config, model, optimizer, args) -> None:
     """What Megatron-LM's train() sets on the config so schedules can sync grads and scale loss."""
     config.finalize_model_grads_func = finalize_model_grads
-    config.grad_scale_func = optimizer.scale_loss if hasattr(optimizer, "scale_loss") else None
+    config.grad_scale_func = optimizer.scale_loss
     config.no_sync_func = model[0].no_sync
     if args.overlap_grad_reduce:
         config.grad_sync_func = model[0].start_grad_sync
@@ -167,86 +169,7 @@ def _wire_model_hooks(config, model, optimizer, args) -> None:
     config.timers = None
 
 
-# ----------------------------------------------------------------------------- timers and logging
-
-class Timers:
-    """Wall-clock timers (CUDA-synchronized when on GPU), reset when read."""
-
-    def __init__(self, device):
-        self.device = device
-        self.elapsed = {}
-        self._start = {}
-
-    def _sync(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-
-    def start(self, name):
-        self._sync()
-        self._start[name] = time.perf_counter()
-
-    def stop(self, name):
-        self._sync()
-        self.elapsed[name] = self.elapsed.get(name, 0.0) + time.perf_counter() - self._start.pop(name)
-
-    def pop(self, name) -> float:
-        return self.elapsed.pop(name, 0.0)
-
-
-class ComputeTimers:
-    """megatron-core's schedule-timer interface (``config.timers(name).start()/.stop()``): sums each
-    name's intervals per iteration, e.g. 'forward-compute' and 'backward-compute' per micro-batch.
-    On a GPU the intervals are CUDA events, read once per iteration, so timing adds no syncs."""
-
-    def __init__(self, device):
-        self.cuda = device.type == "cuda"
-        self._open = {}
-        self._closed = {}
-
-    def __call__(self, name, log_level=0):
-        return _TimerHandle(self, name)
-
-    def _now(self):
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def start(self, name):
-        self._open[name] = self._now()
-
-    def stop(self, name):
-        self._closed.setdefault(name, []).append((self._open.pop(name), self._now()))
-
-    def clear(self) -> None:
-        self._closed.clear()
-
-    def pop(self, name) -> float:
-        spans = self._closed.pop(name, [])
-        if self.cuda:
-            if spans:
-                spans[-1][1].synchronize()
-            return sum(a.elapsed_time(b) for a, b in spans) / 1000.0
-        return sum(b - a for a, b in spans)
-
-
-class _TimerHandle:
-    def __init__(self, timers: ComputeTimers, name: str):
-        self.timers, self.name = timers, name
-
-    def start(self, barrier=False):
-        self.timers.start(self.name)
-
-    def stop(self, barrier=False):
-        self.timers.stop(self.name)
-
-
-def _is_logging_rank() -> bool:
-    """The last pipeline stage's first rank (TP 0, DP 0) has the loss."""
-    return (parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
-            and parallel_state.get_data_parallel_rank() == 0)
-
+# ----------------------------------------------------------------------------- logging
 
 def _average_loss(losses_reduced) -> Optional[torch.Tensor]:
     """Mean 'lm loss' over this rank's micro-batches, then over data-parallel ranks."""
@@ -264,7 +187,7 @@ def _print_rank0(msg: str) -> None:
 
 
 def _print_logging_rank(msg: str) -> None:
-    if _is_logging_rank():
+    if is_logging_rank():
         print(msg, flush=True)
 
 
@@ -327,71 +250,6 @@ def evaluate(args, forward_step_func, data_iterator, model) -> Optional[float]:
     for chunk in model:
         chunk.train()
     return None if total is None else (total / count).item()
-
-
-class _JsonLines:
-    """An append-only JSONL file written by the logging rank (appended to on resume)."""
-
-    def __init__(self, path: Optional[str], resume_iteration: int):
-        self.file = None
-        if path and _is_logging_rank():
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            self.file = open(path, "a" if resume_iteration else "w")
-
-    def _line(self, text: str) -> None:
-        if self.file is not None:
-            self.file.write(text + "\n")
-            self.file.flush()
-
-    def close(self):
-        if self.file is not None:
-            self.file.close()
-
-
-class LossLog(_JsonLines):
-    """One line per iteration; floats via repr() so runs can be compared bit for bit."""
-
-    def write(self, iteration, loss, lr, grad_norm):
-        fields = [("iteration", str(iteration)), ("loss", repr(float(loss))), ("lr", repr(float(lr))),
-                  ("grad_norm", repr(float(grad_norm)) if grad_norm is not None else "null")]
-        self._line("{" + ", ".join(f'"{k}": {v}' for k, v in fields) + "}")
-
-
-class TimingLog(_JsonLines):
-    """Per-iteration wall-clock phases (CUDA-synchronized), for benchmarks."""
-
-    def write(self, iteration, elapsed_s, fb_s, opt_s, fwd_s=None, bwd_s=None):
-        # forward / backward: the pipeline schedule's compute timers, summed over micro-batches
-        # (backward includes activation recompute).
-        self._line(json.dumps({"iteration": iteration, "elapsed_s": elapsed_s,
-                               "forward_backward_s": fb_s, "optimizer_s": opt_s,
-                               "forward_s": fwd_s, "backward_s": bwd_s}))
-
-
-def _log_line(args, iteration, loss, lr, grad_norm, elapsed_s, fb_s, opt_s, optimizer, ok=True,
-              fwd_s=None, bwd_s=None) -> str:
-    tokens_per_s = args.global_batch_size * args.seq_length / max(elapsed_s, 1e-9)
-    parts = [
-        f"iteration {iteration:8d}/{args.train_iters:8d}",
-        f"consumed samples: {iteration * args.global_batch_size:10d}",
-        f"elapsed time per iteration (ms): {elapsed_s * 1000:.1f}",
-        f"forward-backward (ms): {fb_s * 1000:.1f}",
-        *([f"forward (ms): {fwd_s * 1000:.1f}", f"backward (ms): {bwd_s * 1000:.1f}"] if fwd_s is not None else []),
-        f"optimizer (ms): {opt_s * 1000:.1f}",
-        f"tokens/s: {tokens_per_s:.1f}",
-        f"learning rate: {lr:.6E}",
-        f"lm loss: {loss:.6E}",
-        f"grad norm: {grad_norm:.4f}" if grad_norm is not None else "grad norm: n/a",
-    ]
-    if args.fp16 and hasattr(optimizer, "get_loss_scale"):
-        parts.append(f"loss scale: {float(optimizer.get_loss_scale()):.1f}")
-    if not ok:
-        parts.append("skipped iteration (inf/nan grads)")
-    if hasattr(optimizer, "log_line"):
-        extra = optimizer.log_line()
-        if extra:
-            parts.append(str(extra))
-    return " | ".join(parts) + " |"
 
 
 def _num_params(model) -> int:
@@ -469,8 +327,8 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
                 loss_log.write(iteration, loss.item(), lr, grad_norm)
                 timing_log.write(iteration, elapsed, fb, opt, fwd, bwd)
                 if iteration % args.log_interval == 0:
-                    _print_logging_rank(_log_line(args, iteration, loss.item(), lr, grad_norm,
-                                                  elapsed, fb, opt, optimizer, ok, fwd, bwd))
+                    _print_logging_rank(log_line(args, iteration, loss.item(), lr, grad_norm,
+                                                 elapsed, fb, opt, optimizer, ok, fwd, bwd))
             if args.eval_interval and valid_ds is not None and iteration % args.eval_interval == 0:
                 _run_eval(args, forward_step_func, model, valid_ds, iteration, dp_rank, dp_size)
                 compute_timers.clear()  # evaluation's forwards are not the next iteration's
@@ -489,7 +347,7 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
     finally:
         loss_log.close()
         timing_log.close()
-        if hasattr(optimizer, "close"):
+        if isinstance(optimizer, HoldsResources):
             optimizer.close()
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()

@@ -1,0 +1,69 @@
+"""This rank's shard of megatron-core's DDP buckets, laid out as the engine's flat index space.
+
+The shard ranges and their order are megatron-core's own (its DistributedOptimizer's range
+builder), so the engine updates exactly the elements megatron-core's optimizer would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Iterable, List, Tuple
+
+import torch
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+
+@dataclass
+class _Piece:
+    """This rank's shard of one DDP bucket: a contiguous range of one buffer."""
+
+    buffer: object  # megatron-core _ParamAndGradBuffer
+    buffer_start: int
+    flat_start: int  # where it begins in the engine's flat index space
+    numel: int
+
+
+class ShardLayout:
+    """The engine's flat index space laid over this rank's bucket shards, in buffer order."""
+
+    def __init__(self, per_model_buffers: Dict[int, list], dp_rank: int, dp_size: int):
+        self.pieces: List[_Piece] = []
+        self.gbuf_ranges = []  # megatron-core's own range maps, same order as its optimizer
+        self.param_flat_range: Dict[torch.nn.Parameter, Tuple[int, int]] = {}
+        self.param_slice: Dict[torch.nn.Parameter, int] = {}  # where this rank's piece starts in the param
+        flat = 0
+        for buffers in per_model_buffers.values():
+            for buffer in buffers:
+                range_map = DistributedOptimizer._build_gbuf_range_map(buffer)
+                self.gbuf_ranges.append(range_map)
+                (bucket_maps,) = range_map.values()
+                for bucket, bucket_map in zip(buffer.buckets, bucket_maps):
+                    shard = bucket.grad_data.numel() // dp_size
+                    piece = _Piece(buffer, bucket.offset + dp_rank * shard, flat, shard)
+                    self.pieces.append(piece)
+                    for param, ranges in bucket_map["param_map"].items():
+                        world = ranges["gbuf_world"]
+                        start = flat + world.start - piece.buffer_start
+                        self.param_flat_range[param] = (start, start + world.size)
+                        self.param_slice[param] = ranges["param"].start
+                    flat += shard
+        self.numel = flat
+
+    def views(self, start: int, end: int, kind: str):
+        """(flat_start, flat_end, device view) for the pieces overlapping [start, end)."""
+        for p in self.pieces:
+            lo, hi = max(start, p.flat_start), min(end, p.flat_start + p.numel)
+            if lo < hi:
+                data = p.buffer.param_data if kind == "param" else p.buffer.grad_data
+                offset = p.buffer_start + lo - p.flat_start
+                yield lo, hi, data[offset: offset + hi - lo]
+
+    def flat_ranges(self, params: Iterable[torch.nn.Parameter]) -> List[Tuple[int, int]]:
+        """The params' flat ranges, sorted, adjacent ones merged."""
+        merged: List[Tuple[int, int]] = []
+        for a, b in sorted(self.param_flat_range[p] for p in params):
+            if merged and merged[-1][1] == a:
+                merged[-1] = (merged[-1][0], b)
+            else:
+                merged.append((a, b))
+        return merged
