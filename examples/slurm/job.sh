@@ -11,6 +11,8 @@
 #   HOST_CACHE_GB     --offload-host-cache-gb per rank (default 24)
 #   PFS_TOKEN_SCOPE   node (default) or job: who takes turns on the PFS (README, "On a SLURM cluster")
 #   SIGNAL_LEAD_S     seconds between #SBATCH --signal=TERM@N and the time limit (default 600; keep equal)
+#   EXIT_SIGNAL       TERM (default) or USR1: with torch < 2.12 use USR1 and #SBATCH --signal=B:USR1@N
+#                     (torchrun < 2.12 SIGKILLs its workers 30 s after a SIGTERM, whatever the save needs)
 #   LOG_DIR           per-rank logs (default: $SLURM_SUBMIT_DIR/logs/<job id>)
 #   MODEL_ARGS, OFFLOAD_ARGS, MASTER_PORT   replace the defaults; MLP_OFFLOAD_NO_SETUP=1 skips tools/setup_env.sh
 
@@ -50,11 +52,24 @@ run_job() {
     # Swap files of this chain's earlier jobs that died (node crash, SIGKILL) are removed first.
     python tools/offload_clean.py --slurm --delete "$PFS_ROOT"
     echo "job $SLURM_JOB_ID: $SLURM_JOB_NUM_NODES node(s) x $GPUS_PER_NODE GPU(s), rendezvous $MASTER_ADDR:$MASTER_PORT, checkpoints $CKPT, per-rank logs $LOG_DIR"
-    local status=0
+    local status=0 signal_args=()
+    if [ "${EXIT_SIGNAL:-TERM}" = USR1 ]; then
+        # torch < 2.12: SLURM warns this shell alone (#SBATCH --signal=B:USR1@N); it passes SIGUSR1 to
+        # the ranks of every node, never to torchrun, which would SIGKILL them 30 s into their save.
+        signal_args=(--exit-signal SIGUSR1)
+        trap 'interrupted=1; srun --overlap --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 bash examples/slurm/node_signal.sh USR1' USR1
+    fi
+    # In the background, waited for: bash runs a trap only between commands, and srun is one long one.
     # shellcheck disable=SC2086
     srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --kill-on-bad-exit=1 \
         bash examples/slurm/node.sh $MODEL_ARGS --save "$CKPT" --load "$CKPT" --exit-signal-handler \
-        $OFFLOAD_ARGS "$@" || status=$?
+        "${signal_args[@]}" $OFFLOAD_ARGS "$@" &
+    local srun_pid=$!
+    while :; do
+        interrupted=0 status=0
+        wait "$srun_pid" || status=$?  # (not a bare wait: errexit would end the script on its status)
+        [ "$interrupted" = 1 ] || break  # else a trapped signal ended the wait, not srun: wait again
+    done
     if [ "$status" -ne 0 ]; then
         # A rank's one-line error sits in its own log; bring the first one here.
         grep -rh -m 1 "^error: " "$LOG_DIR" 2>/dev/null | head -n 1 >&2 || true

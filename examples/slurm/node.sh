@@ -14,16 +14,18 @@ FILTER=0
 if [ "$NODE_RANK" != 0 ]; then FILTER="$GPUS_PER_NODE"; fi
 # SLURM's --signal reaches every process of the step, torchrun and its workers included: this shell
 # only has to outlive them, so it can remove the node's files after the save.
-trap 'echo "node $NODE_RANK ($(hostname)): SIGTERM; the ranks save a checkpoint and exit" >&2' TERM
+trap 'interrupted=1; echo "node $NODE_RANK ($(hostname)): SIGTERM; the ranks save a checkpoint and exit" >&2' TERM
 torchrun --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$GPUS_PER_NODE" \
     --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
     --log-dir "$LOG_DIR/node$NODE_RANK" --tee 3 --local-ranks-filter "$FILTER" \
     pretrain_gpt.py "$@" --offload-nvme-path "$LOCAL_DIR" &
 pid=$!
+# Where node_signal.sh finds this node's torchrun (the ranks are its children).
+mkdir -p "$LOG_DIR/node$NODE_RANK" && echo "$pid" > "$LOG_DIR/node$NODE_RANK/torchrun.pid"
 while :; do
-    wait "$pid"
-    status=$?
-    kill -0 "$pid" 2>/dev/null || break  # a trapped signal ended the wait, not torchrun
+    interrupted=0 status=0
+    wait "$pid" || status=$?
+    [ "$interrupted" = 1 ] || break  # else a trapped signal ended the wait, not torchrun: wait again
 done
 rm -rf "$LOCAL_DIR"
 exit "$status"

@@ -26,7 +26,7 @@ while args[0].startswith("-"):
 log = os.environ["FAKE_SLURM_LOG"]
 with open(os.path.join(log, "srun.json"), "w") as f:
     json.dump({"options": options, "command": args, "env": dict(os.environ)}, f)
-nodes = int(dict(o.split("=", 1) for o in options)["--nodes"])
+nodes = int(dict(o.split("=", 1) for o in options if "=" in o)["--nodes"])
 procs = []
 for n in range(nodes):
     tmp = os.path.join(os.environ["FAKE_NODE_ROOT"], f"node{n}")
@@ -199,3 +199,42 @@ def test_two_nodes_train_like_one_launch(tmp_path, offload_baseline):
     assert not any((tmp_path / "nodes").rglob("mlp_offload.4242"))
     assert not (pfs / "mlp_offload").exists()
     assert (pfs / "ckpt" / "gpt-offload" / "latest_checkpointed_iteration.txt").exists()
+
+
+def test_usr1_from_the_batch_shell_saves_and_exits(tmp_path):
+    """torch < 2.12: SLURM warns the batch shell alone (--signal=B:USR1); job.sh passes SIGUSR1 to
+    the ranks (not torchrun) through node_signal.sh; they save a complete checkpoint and the job ends 0."""
+    import signal
+    import subprocess
+    import time
+
+    pfs = tmp_path / "pfs"
+    pfs.mkdir()
+    offload = ["--offload-tiers", "host,nvme,pfs", "--offload-host-cache-gb", "0.0005", "--offload-subgroup-size",
+               "6000", "--offload-io-block-mb", "1", "--offload-io-threads", "2",
+               "--offload-bandwidths", "nvme=2:1,pfs=2:1", "--offload-pfs-path", str(pfs)]
+    loss_log = tmp_path / "loss.jsonl"
+    env = _job_env(tmp_path, with_torchrun=False, nodes=1, SLURM_JOB_NODELIST="localhost", GPUS_PER_NODE="2",
+                   MASTER_PORT=str(free_port()), MODEL_ARGS=" ".join(TINY_MODEL + ["--mock-data"]),
+                   OFFLOAD_ARGS=" ".join(offload), EXIT_SIGNAL="USR1")
+    with open(tmp_path / "job.out", "w") as out:
+        job = subprocess.Popen(["bash", str(SCRIPTS / "single_node.sbatch"), "--train-iters", "40",
+                                "--loss-log", str(loss_log)], env=env, cwd=REPO, stdout=out,
+                               stderr=subprocess.STDOUT)
+        try:
+            deadline = time.time() + 240
+            while time.time() < deadline and job.poll() is None:
+                if loss_log.exists() and len(read_loss_log(loss_log)) >= 2:
+                    break
+                time.sleep(0.2)
+            job.send_signal(signal.SIGUSR1)  # what #SBATCH --signal=B:USR1@N does
+            code = job.wait(timeout=180)
+        finally:
+            if job.poll() is None:
+                job.kill()
+    output = (tmp_path / "job.out").read_text()
+    assert code == 0, output[-4000:]
+    ckpt = pfs / "ckpt" / "gpt-offload"
+    saved = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
+    assert 2 <= saved < 40 and (ckpt / f"iter_{saved:07d}" / "COMPLETE.json").exists()
+    assert f"exiting at iteration {saved} after receiving SIGUSR1 (--exit-signal-handler)" in output
