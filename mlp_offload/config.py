@@ -134,6 +134,10 @@ class OffloadConfig:
     """Processes of this node that place state on the same paths (for the free-space check).
     ``None``: ``LOCAL_WORLD_SIZE`` from the environment, else 1."""
 
+    trace_path: Optional[str] = None
+    """Write a Chrome-trace JSON of this engine's reads, writes, waits and Adam here when it closes
+    (see ``trace``); None: nothing is timed or recorded beyond the per-step telemetry."""
+
     def __post_init__(self):
         if isinstance(self.tiers, str):
             self.tiers = [t.strip() for t in self.tiers.split(",") if t.strip()]

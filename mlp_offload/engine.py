@@ -33,6 +33,7 @@ from .subgroups import FP32_BYTES, Subgroup, partition
 from .telemetry import StepRecord, TrafficCounters
 from .tiers.files import FileTier
 from .tiers.host import check_host_memory
+from .trace import Trace, open_trace
 from .update import AdamKernel, fused_vector_width
 
 log = logging.getLogger("mlp_offload")
@@ -105,6 +106,7 @@ class OffloadedAdamW:
         self.closed = False
         self._tiers: Dict[str, FileTier] = {}
         self._counters = TrafficCounters(config.file_tiers)
+        self.trace: Optional[Trace] = open_trace(config.trace_path, config.rank)
         try:
             self._setup(params, grad_dtype, grad_source)
         except BaseException:
@@ -148,7 +150,7 @@ class OffloadedAdamW:
         buffers = [StateViews.over(self.host.allocate(slot_sg.state_bytes, f"pipeline buffer {k}"),
                                    slot_sg.numel, slot_sg.region_bytes) for k in range(self.placement.slots)]
         self._pipeline = SlotPipeline(self.subgroups, self.placement.tier_of, self._tiers, buffers,
-                                      cfg.prefetch_depth, self._counters, params)
+                                      cfg.prefetch_depth, self._counters, params, self.trace)
         self._state = StateAccess(self.subgroups, self._resident, self._pipeline, self._scratch_views)
         self.log_placement()
         self._pipeline.begin(self._schedule_for(0))
@@ -216,6 +218,11 @@ class OffloadedAdamW:
                 if self.on_params_updated is not None:
                     views.fence = self.on_params_updated(sg.start, sg.end, views.param[: sg.numel])
                 t3 = time.perf_counter()
+                if self.trace is not None:
+                    self.trace.compute("gradients", t0, t1, subgroup=i, step=step)
+                    self.trace.compute("adam", t1, t2, subgroup=i, step=step, elements=sg.numel)
+                    if self.on_params_updated is not None:
+                        self.trace.compute("params callback", t2, t3, subgroup=i, step=step)
                 rec.convert_s += t1 - t0
                 rec.adam_s += t2 - t1
                 rec.callback_s += t3 - t2
@@ -294,6 +301,8 @@ class OffloadedAdamW:
             tier.close(remove_files=remove_files)
             if tier.tokens is not None:
                 tier.tokens.close()  # the last process of the node to leave removes the lock files
+        if self.trace is not None:
+            self.trace.save()  # after the tiers closed: their last writes are in it
         if getattr(self, "host", None) is not None:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()  # no copy may still read a buffer we unpin

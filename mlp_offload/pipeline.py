@@ -22,6 +22,7 @@ from .schedule import StepSchedule
 from .subgroups import FP32_BYTES, Subgroup
 from .telemetry import StepRecord, TrafficCounters
 from .tiers.files import FileTier, OpResult, TierIOError
+from .trace import Trace
 
 EMPTY, READING, READY, DIRTY, WRITING = "empty", "reading", "ready", "dirty", "writing"
 
@@ -84,12 +85,14 @@ class SlotPipeline:
     """Streams the subgroups placed on file tiers through ``buffers``, one step's schedule at a time."""
 
     def __init__(self, subgroups: List[Subgroup], tier_of: List[str], tiers: Dict[str, FileTier],
-                 buffers: List[StateViews], prefetch_depth: int, counters: TrafficCounters, initial_params):
+                 buffers: List[StateViews], prefetch_depth: int, counters: TrafficCounters, initial_params,
+                 trace: Optional[Trace] = None):
         self.subgroups = subgroups
         self.tier_of = tier_of
         self.tiers = tiers
         self.prefetch_depth = prefetch_depth
         self.counters = counters
+        self.trace = trace
         self.slots = [_Slot(k, views) for k, views in enumerate(buffers)]
         self.slot_of: Dict[int, _Slot] = {}
         # Last write of each subgroup not yet known to be done: its next read must wait for it,
@@ -124,14 +127,20 @@ class SlotPipeline:
             t0 = time.perf_counter()
             self._wait_future(i, slot.pending_write)
             slot.pending_write = None
-            rec.read_wait_s += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            rec.read_wait_s += t1 - t0
+            if self.trace is not None:
+                self.trace.compute("write wait", t0, t1, subgroup=i)
         if slot.state == READING:
             t0 = time.perf_counter()
             try:
                 slot.future.result()
             except BaseException as err:
                 raise self._read_failed(i, err) from err
-            rec.read_wait_s += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            rec.read_wait_s += t1 - t0
+            if self.trace is not None:
+                self.trace.compute("read wait", t0, t1, subgroup=i, tier=self.tier_of[i])
             self._inflight[self.tier_of[i]] -= 1
             self.fresh.discard(i)
             if not self.fresh:
@@ -150,7 +159,7 @@ class SlotPipeline:
             return
         tier = self.tiers[self.tier_of[i]]
         slot.future = tier.submit_write(file_key(i), slot.views.extents(self.subgroups[i]),
-                                        after=self._counted(tier.name, "write"))
+                                        after=self._counted(tier.name, "write", file_key(i)))
         slot.state = WRITING
         self.writes[i] = slot.future
         self.issue_reads()
@@ -272,7 +281,7 @@ class SlotPipeline:
             future = tier.submit(self._materialize, i, slot.views, buffer_free)
         else:
             future = tier.submit_read(file_key(i), slot.views.extents(sg), before=buffer_free,
-                                      after=self._counted(tier.name, "read"))
+                                      after=self._counted(tier.name, "read", file_key(i)))
         slot.holder, slot.state, slot.future = i, READING, future
         self.slot_of[i] = slot
         self._inflight[tier.name] += 1
@@ -295,10 +304,17 @@ class SlotPipeline:
                 f"writing subgroup {i} failed: {err}. Its state is still in host memory; "
                 f"the last checkpoint is intact") from err
 
-    def _counted(self, tier: str, kind: str) -> Callable[[OpResult], None]:
+    def _counted(self, tier: str, kind: str, key: str) -> Callable[[OpResult], None]:
         # Counted before the operation's future completes: once it is waited for (flush, a read
         # awaited), its bytes are in the counters. A done-callback could still be pending then.
-        return lambda result: self.counters.add(tier, kind, result)
+        trace = self.trace
+        if trace is None:
+            return lambda result: self.counters.add(tier, kind, result)
+
+        def count_and_trace(result: OpResult) -> None:
+            self.counters.add(tier, kind, result)
+            trace.io(tier, kind, key, result.start, result.busy_s, result.token_wait_s, result.nbytes)
+        return count_and_trace
 
     def _read_failed(self, i: int, err: BaseException) -> BaseException:
         self.failure = err

@@ -39,7 +39,7 @@ else
     need+=("torch==2.13.0")
 fi
 python -c "import megatron.core" 2>/dev/null || need+=("megatron-core==0.16.1")
-for spec in numpy pytest psutil hypothesis==6.155.2; do  # pip requirements, imported by the name before any ==
+for spec in numpy pytest psutil hypothesis==6.155.2 matplotlib==3.10.3; do  # pip requirements, imported by the name before any ==
     python -c "import ${spec%%==*}" 2>/dev/null || need+=("$spec")
 done
 if [ ${#need[@]} -gt 0 ]; then

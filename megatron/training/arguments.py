@@ -206,6 +206,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--offload-telemetry-log", default=None, metavar="FILE",
                    help="per-step engine telemetry as JSON lines; '{rank}' in FILE is replaced by "
                         "the global rank, otherwise only rank 0 writes")
+    g.add_argument("--offload-trace", default=None, metavar="FILE",
+                   help="Chrome-trace JSON (Perfetto) of the engine's reads and writes per tier, waits, "
+                        "gradients and Adam, written when training ends; '{rank}' in FILE gives one "
+                        "file per rank, otherwise only rank 0 writes. Draw it with tools/plot_timeline.py")
 
     # megatron-core's own CPU offload (HybridDeviceOptimizer), passed through as a peer to compare with.
     g = p.add_argument_group("megatron-core CPU optimizer offload (OptimizerConfig pass-through)")

@@ -14,7 +14,7 @@ from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.training.errors import UserError
 from megatron.training.offload_optimizer import OffloadDistributedOptimizer
 from megatron.training.job_facts import PerNodeByRank0
-from megatron.training.offload_flags import config_from_args, in_flags
+from megatron.training.offload_flags import config_from_args, in_flags, per_rank_path
 from mlp_offload import OffloadConfig
 
 log = logging.getLogger("mlp_offload")
@@ -69,12 +69,7 @@ class _FlagsNotFields(logging.Filter):
 
 
 def _telemetry_path(template: Optional[str]) -> Optional[str]:
-    if not template:
-        return None
-    rank = _rank()
-    if "{rank}" in template:
-        return template.replace("{rank}", str(rank))
-    return template if rank == 0 else None
+    return per_rank_path(template, _rank())
 
 
 def _set_cpu_threads(args, model_chunks) -> None:

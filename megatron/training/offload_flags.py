@@ -66,4 +66,15 @@ def config_from_args(args, rank: int) -> OffloadConfig:
         adam_kernel=args.offload_adam_kernel,
         probe_bytes=args.offload_probe_mb << 20,
         rank=rank,
+        trace_path=per_rank_path(args.offload_trace, rank),
     )
+
+
+def per_rank_path(template, rank: int):
+    """A per-rank output file: '{rank}' in ``template`` is replaced; without it only rank 0 writes
+    (the other ranks would overwrite one file), so the others get None."""
+    if not template:
+        return None
+    if "{rank}" in template:
+        return template.replace("{rank}", str(rank))
+    return template if rank == 0 else None

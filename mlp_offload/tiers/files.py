@@ -49,6 +49,7 @@ class OpResult:
     nbytes: int
     busy_s: float  # time moving data, token wait excluded
     token_wait_s: float
+    start: float = 0.0  # perf_counter when data began to move (for the optional trace)
 
 
 def check_tier_dir(name: str, path: str) -> str:
@@ -178,7 +179,7 @@ class FileTier:
                 nbytes = self._write(key, extents)
             else:
                 nbytes = self._read(key, extents)
-            result = OpResult(nbytes, time.perf_counter() - start, token_wait)
+            result = OpResult(nbytes, time.perf_counter() - start, token_wait, start)
         finally:
             if self.tokens:
                 self.tokens.release()

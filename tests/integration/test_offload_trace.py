@@ -1,0 +1,31 @@
+"""--offload-trace: one Chrome-trace file per rank from a 2-rank CPU run, drawn by tools/plot_timeline.py."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from launch import run_pretrain
+from test_offload_cpu import offload_args
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_trace_per_rank_and_timeline_png(tmp_path):
+    template = tmp_path / "traces" / "trace-{rank}.json"
+    run_pretrain(tmp_path / "run", [*offload_args(tmp_path), "--offload-trace", str(template)], train_iters=2)
+    traces = sorted((tmp_path / "traces").iterdir())
+    assert [p.name for p in traces] == ["trace-0.json", "trace-1.json"]
+    for rank, path in enumerate(traces):
+        spans = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
+        assert {e["pid"] for e in spans} == {rank}
+        names = {(e["name"], e["args"].get("tier")) for e in spans}
+        for tier in ("nvme", "pfs"):
+            assert ("write", tier) in names and ("read", tier) in names, (rank, tier, names)
+        assert ("adam", None) in names
+
+    png = tmp_path / "timeline.png"
+    subprocess.run([sys.executable, str(REPO / "tools" / "plot_timeline.py"), *map(str, traces), str(png)],
+                   check=True, cwd=REPO, timeout=60)
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
