@@ -12,6 +12,6 @@ setup(
     extras_require={
         # psutil: megatron-core's dist_checkpointing needs it but does not declare it.
         "megatron": ["megatron-core==0.16.1", "psutil"],
-        "test": ["pytest", "megatron-core==0.16.1", "psutil", "hypothesis==6.155.2"],
+        "test": ["pytest", "megatron-core==0.16.1", "psutil", "matplotlib==3.10.3", "hypothesis==6.155.2"],
     },
 )
