@@ -298,9 +298,7 @@ class OffloadedAdamW:
             return
         self.closed = True
         for tier in self._tiers.values():
-            tier.close(remove_files=remove_files)
-            if tier.tokens is not None:
-                tier.tokens.close()  # the last process of the node to leave removes the lock files
+            tier.close(remove_files=remove_files)  # its tokens too (the node's last user removes them)
         if self.trace is not None:
             self.trace.save()  # after the tiers closed: their last writes are in it
         if getattr(self, "host", None) is not None:

@@ -12,6 +12,7 @@ from typing import Optional, Protocol, Tuple
 
 import torch
 
+from .subgroups import FP32_BYTES
 from .update import convert_grads
 
 
@@ -48,7 +49,7 @@ def scratch_buffers(source_owned: bool, largest: int, allocate) -> Tuple[torch.T
     fills one while the update reads the other; one plain buffer twice for ``HostGradients``,
     which fills it only when waited for."""
     if source_owned:
-        return tuple(allocate(largest * 4, "gradient scratch", counted=False).view(torch.float32)
+        return tuple(allocate(largest * FP32_BYTES, "gradient scratch", counted=False).view(torch.float32)
                      for _ in range(2))
     one = torch.empty(largest, dtype=torch.float32)
     return one, one

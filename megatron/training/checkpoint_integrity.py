@@ -108,6 +108,13 @@ def status(path: str) -> DirStatus:
     return DirStatus(COMPLETE_STATE)
 
 
+def _markers(path: str) -> DirStatus:
+    """What a directory's markers claim, unverified (COMPLETE_STATE: it has a proof to check)."""
+    if os.path.exists(os.path.join(path, COMPLETE)):
+        return DirStatus(COMPLETE_STATE)
+    return status(path)  # no proof: the markers alone decide, nothing is read
+
+
 def read_tracker(root: str) -> Tuple[Optional[int], Optional[str]]:
     """(iteration, None), or (None, why it cannot be used)."""
     path = os.path.join(root, TRACKER)
@@ -130,8 +137,17 @@ def choose_checkpoint(root: str) -> Tuple[Optional[int], List[str]]:
     be good: a damaged or unproven one with no complete one to use instead.
     """
     dirs = iteration_dirs(root)
-    states = {it: status(path) for it, path in dirs.items()}
+    # Verifying a proof reads its small files: newest first, and only until one holds (older
+    # checkpoints are not read at every start). The others are told apart by their markers alone.
+    states = {it: _markers(path) for it, path in dirs.items()}
+    for it in sorted(dirs, reverse=True):
+        if states[it].state == COMPLETE_STATE:
+            states[it] = status(dirs[it])
+            if states[it].state == COMPLETE_STATE:
+                break
     tracked, tracker_problem = read_tracker(root)
+    if tracked in dirs and states[tracked].state == COMPLETE_STATE:
+        states[tracked] = status(dirs[tracked])  # verified above unless older than the newest good one
     notes = []
     usable = {it for it, st in states.items() if st.state == COMPLETE_STATE}
     if tracked is not None:
