@@ -29,20 +29,43 @@ USER_ERRORS = (UserError, OffloadConfigError, PlacementError, TierPathError, Tie
                HostMemoryError, NamespaceInUseError, CheckpointDataError, CheckpointSaveError, OffloadStateError)
 
 
+REPORTED_KEY = "mlp_offload/user_error_reported"
+
+
+def _agent_store():
+    """torchrun's own store (its agent hosts it before any rank starts), or None outside torchrun.
+
+    Ranks reach it before the process group exists, so a flag error raised on every rank still
+    prints once: without it rank 0 alone would print, and torchrun kills rank 0 as soon as a
+    faster rank exits with the same error, before rank 0's line is out."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    return TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                    timeout=timedelta(seconds=10))
+
+
 def _first_to_report() -> bool:
     """True for exactly one rank of the job: the first to ask (atomic add in the job's store)."""
     import torch
 
-    if not torch.distributed.is_initialized():
-        # Before the process group exists every rank runs the same checks on the same flags
-        # (srun's tasks may not have a RANK yet: an error in deriving it from SLURM's variables).
-        return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
     try:
-        from torch.distributed.distributed_c10d import _get_default_store
+        if torch.distributed.is_initialized():
+            from torch.distributed.distributed_c10d import _get_default_store
 
-        return _get_default_store().add("mlp_offload/user_error_reported", 1) == 1
+            return _get_default_store().add(REPORTED_KEY, 1) == 1
+        store = _agent_store()
+        if store is not None:  # one key per restart: torchrun's store outlives a restarted worker group
+            restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            return store.add(f"{REPORTED_KEY}/{restart}", 1) == 1
     except Exception:  # no reachable store (its host is gone): say it here rather than not at all
         return True
+    # srun's tasks without torchrun, before the process group: every rank runs the same checks on
+    # the same flags and srun does not kill the others at the first exit, so rank 0 speaks for all.
+    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
 
 
 def report(message: str) -> None:

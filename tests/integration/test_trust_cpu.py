@@ -7,12 +7,13 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from launch import REPO, pretrain_command, pretrain_env, read_loss_log, run_pretrain
+from launch import REPO, free_port, pretrain_command, pretrain_env, read_loss_log, run_and_clean_up, run_pretrain
 from megatron.training import checkpoint_integrity as integrity
 from test_offload_cpu import offload_args
 
@@ -168,6 +169,28 @@ def test_user_errors_are_one_line_once_per_job(tmp_path, flags, expected):
             del args[args.index(flags[i]): args.index(flags[i]) + 2]
     line = failed_run(tmp_path, args + flags, "bad", train_iters=ITERS)
     assert re.search(expected, line), line
+
+
+RACING_RANKS = """
+import os, time
+from megatron.training.errors import UserError, reported_once
+with reported_once():
+    if os.environ["RANK"] == "0":
+        time.sleep(4)  # rank 0 is the slow one: torchrun kills it once rank 1 exits
+    raise UserError("--some-flag: bad value 7")
+"""
+
+
+def test_a_flag_error_prints_once_when_rank_0_is_slowest(tmp_path):
+    """Before the process group exists, the first rank to fail claims the job's line in torchrun's
+    own store: the line is out even when rank 0 is killed before it reaches the error."""
+    script = tmp_path / "racing.py"
+    script.write_text(RACING_RANKS)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), str(script)]
+    returncode, output = run_and_clean_up(cmd, pretrain_env(), 120, tmp_path / "racing.out")
+    lines, traceback = error_lines(output)
+    assert returncode != 0 and lines == ["error: --some-flag: bad value 7"] and not traceback, output[-3000:]
 
 
 def _dead_namespaces(root):
