@@ -6,7 +6,7 @@
 # pinned CPU build (an unpinned torch pulls GBs of CUDA wheels). pip is never allowed to replace it.
 # Nodes without internet: MLP_OFFLOAD_WHEELHOUSE=DIR installs from a directory of wheels only
 # (fill it elsewhere: pip download --no-deps -d DIR megatron-core==0.16.1 numpy packaging pytest
-# iniconfig pluggy psutil; --no-deps, or it downloads a torch too).
+# iniconfig pluggy psutil plus the optional ones below with their dependencies).
 # MLP_OFFLOAD_PYTHON picks the interpreter (default python3), MLP_OFFLOAD_VENV the venv's place.
 set -e
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -39,8 +39,12 @@ else
     need+=("torch==2.13.0")
 fi
 python -c "import megatron.core" 2>/dev/null || need+=("megatron-core==0.16.1")
-for spec in numpy pytest psutil hypothesis==6.155.2 matplotlib==3.10.3; do  # pip requirements, imported by the name before any ==
-    python -c "import ${spec%%==*}" 2>/dev/null || need+=("$spec")
+# REQUIREMENT[:IMPORT_NAME]. tensorboard and wandb (offline) receive the metrics; tokenizers,
+# sentencepiece and tiktoken read users' tokenizer files (megatron.core.tokenizers).
+for spec in numpy pytest psutil hypothesis==6.155.2:hypothesis matplotlib==3.10.3:matplotlib \
+            tensorboard==2.21.0:tensorboard wandb==0.31.0:wandb tokenizers==0.23.3:tokenizers \
+            sentencepiece==0.2.3:sentencepiece tiktoken==0.14.0:tiktoken; do
+    python -c "import ${spec#*:}" 2>/dev/null || need+=("${spec%%:*}")
 done
 if [ ${#need[@]} -gt 0 ]; then
     echo "setup_env: installing ${need[*]}${MLP_OFFLOAD_WHEELHOUSE:+ from $MLP_OFFLOAD_WHEELHOUSE}"
