@@ -1,0 +1,50 @@
+"""The engine's plan for a shard it has not built: placement, bytes per tier and the predicted update,
+from rates and capacities alone. Nothing is probed, allocated or written, so a cluster can be planned
+from a laptop; the engine itself runs the same ``plan_placement`` and ``predict_update`` at start-up
+(``startup.start_up``), so what is planned here is what the engine will do with the same numbers."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Dict, List
+
+from .config import HOST_TIER, OffloadConfig, TierBandwidth
+from .placement import Placement, plan_placement, tokens_for
+from .prediction import Prediction, predict_update
+from .subgroups import FP32_BYTES, Subgroup, partition
+
+GRADIENT_SCRATCH_BUFFERS = 2  # fp32 gradients of the subgroup in the update and of the next one
+
+
+@dataclass
+class EnginePlan:
+    subgroups: List[Subgroup]
+    placement: Placement
+    prediction: Prediction
+    tokens_per_tier: Dict[str, int]
+    stored_bytes: Dict[str, int]  # per tier: this rank's state kept there between steps
+    host_bytes: int  # this rank's host memory: resident state, pipeline/cache buffers, gradient scratch
+
+    @property
+    def state_bytes(self) -> int:
+        return sum(sg.state_bytes for sg in self.subgroups)
+
+
+def plan_engine(numel: int, config: OffloadConfig, rates: Dict[str, TierBandwidth],
+                capacity_bytes: Dict[str, int], adam_elems_per_s: float, convert_elems_per_s: float,
+                ranks_per_node: int) -> EnginePlan:
+    """Plan one rank's shard of ``numel`` elements; ``capacity_bytes`` is each file tier's space as
+    the node's ``ranks_per_node`` ranks share it. Raises ``PlacementError`` where it does not fit."""
+    config = dataclasses.replace(config, ranks_sharing_node=ranks_per_node)
+    subgroups = partition(numel, config.subgroup_size)
+    placement = plan_placement(subgroups, config, rates, capacity_bytes)
+    tokens = {t: config.tokens_per_tier or tokens_for(rates[t], ranks_per_node) for t in config.file_tiers}
+    prediction = predict_update(subgroups, placement, rates, adam_elems_per_s, convert_elems_per_s,
+                                ranks_sharing=ranks_per_node, tokens=tokens,
+                                cache_alternating=config.cache_alternating)
+    stored = {t: sum(subgroups[i].state_bytes for i in placement.subgroups_on(t)) for t in config.file_tiers}
+    stored = {HOST_TIER: placement.host_state_bytes, **stored}
+    largest = max(sg.numel for sg in subgroups)
+    host = placement.host_state_bytes + GRADIENT_SCRATCH_BUFFERS * largest * FP32_BYTES
+    return EnginePlan(subgroups, placement, prediction, tokens, stored, host)

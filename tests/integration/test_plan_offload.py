@@ -1,0 +1,100 @@
+"""tools/plan_offload.py: its numbers against a hand calculation and against a real CPU run of the
+same flags (parameters, the engine's placement, the bytes each step moves per tier)."""
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from launch import REPO, TINY_MODEL, pretrain_env, read_loss_log, run_pretrain
+from test_offload_cpu import offload_args
+
+PLANNER = REPO / "tools" / "plan_offload.py"
+ITERS = 5
+
+
+def plan(*flags, expect=0):
+    done = subprocess.run([sys.executable, str(PLANNER), *flags], cwd=REPO, env=pretrain_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == expect, done.stdout + done.stderr
+    return done
+
+
+def plan_json(*flags, expect=0):
+    return json.loads(plan("--json", *flags, expect=expect).stdout)
+
+
+@pytest.fixture(scope="module")
+def real_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("planned")
+    flags = offload_args(tmp, tiers=("host", "nvme")) + ["--tensor-model-parallel-size", "2"]
+    run_pretrain(tmp, flags + ["--offload-telemetry-log", str(tmp / "telemetry.jsonl")], train_iters=ITERS)
+    output = next(tmp.glob("*.out")).read_text()
+    return flags, output, read_loss_log(tmp / "telemetry.jsonl")
+
+
+def test_the_plan_is_what_the_engine_did(real_run):
+    flags, output, steps = real_run
+    got = plan_json("--gpus-per-node", "2", "--host-memory-gb", "8", "--adam-gelems", "0.1", "--convert-gelems", "1",
+                    "--offload-nvme-capacity-gb", "1", *TINY_MODEL, *flags)
+    assert got["fits"] and got["problems"] == []
+    params = int(re.search(r"model parameters \(all stages, one replica\): (\d+)", output).group(1))
+    assert got["params_total"] == params
+    engine = re.search(r"offload rank 0: (\d+) params in (\d+) subgroups; placement (\{[^}]*\})", output)
+    shard = int(engine.group(1))
+    # The engine's shard is megatron-core's bucket, padded for the data-parallel split.
+    assert got["optimizer_state_elements_per_rank"] <= shard < got["optimizer_state_elements_per_rank"] * 1.01 + 256
+    assert got["subgroups"] == int(engine.group(2))
+    assert got["placement"] == json.loads(engine.group(3).replace("'", '"'))
+    # Steady state: the two order directions alternate, so steps 2..5 move two of each. Each step's
+    # record counts what completed since the last one, so one subgroup may land a step late.
+    subgroup_state = 3 * 24576  # three fp32 regions of 6000 elements, 24000 bytes each aligned to 4096
+    for kind in ("read", "write"):
+        moved = sum(s["tiers"]["nvme"][f"{kind}_bytes"] for s in steps[1:])
+        planned = got["io_bytes_per_rank_per_step"]["nvme"][kind] * (ITERS - 1)
+        assert abs(moved - planned) <= subgroup_state, (kind, moved, planned)
+
+
+def test_numbers_against_a_hand_calculation():
+    """No offload, one GPU, a model small enough to count by hand."""
+    flags = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+             "--max-position-embeddings", "32", "--vocab-size", "384", "--micro-batch-size", "2",
+             "--global-batch-size", "4", "--bf16", "--use-distributed-optimizer", "--device", "cpu"]
+    got = plan_json("--gpus-per-node", "1", "--gpu-memory-gb", "1", "--gpu-tflops", "100", *flags, expect=1)
+    h, v, s, layers = 64, 384, 32, 2
+    per_layer = 2 * (2 * h) + (3 * h * h + 3 * h) + (h * h + h) + (4 * h * h + 4 * h) + (4 * h * h + h)
+    params = v * h + s * h + layers * per_layer + 2 * h  # tied output layer, learned positions, final norm
+    assert got["params_total"] == params
+    gpu = got["gpu_bytes_per_rank"]
+    assert gpu["parameters"] == 2 * params and gpu["gradients"] == 4 * params
+    assert gpu["optimizer_state"] == 12 * params  # fp32 master weights and two moments, one rank
+    # FLOPs as Megatron-LM counts them: per token and layer 2*(qkv 3h^2 + scores 2*s*h + proj h^2 + mlp 8h^2),
+    # logits 2*h*v; backward twice the forward; 4 sequences of 32 tokens.
+    forward = layers * 2 * (3 * h * h + 2 * s * h + h * h + 8 * h * h) + 2 * h * v
+    assert got["predicted_compute_s"] == pytest.approx(3 * forward * s * 4 / 100e12, rel=1e-9)
+    assert got["predicted_iteration_s"] == pytest.approx(got["predicted_compute_s"], rel=1e-9)
+    assert got["fits"] is False and "GPU memory" in got["problems"][0]  # the 2 GiB CUDA reserve alone
+
+
+def test_a_disk_too_small_does_not_fit(tmp_path):
+    flags = offload_args(tmp_path, tiers=("host", "nvme"))
+    got = plan_json("--gpus-per-node", "2", "--adam-gelems", "1", "--convert-gelems", "1",
+                    "--offload-nvme-capacity-gb", "0.0001", *TINY_MODEL, *flags, expect=1)
+    assert not got["fits"] and re.search(r"not enough disk space .* --offload-host-cache-gb", got["problems"][0])
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--gpus-per-node", "3", "--tensor-model-parallel-size", "2"],
+     r"^error: --nnodes 1 x --gpus-per-node 3 = 3 GPUs is not a multiple of TP 2 x PP 1$"),
+    (["--offload-tiers", "host,nvme", "--offload-nvme-path", "/nonexistent/nvme", "--offload-host-cache-gb", "1",
+      "--offload-bandwidths", "nvme=2:1"],
+     r"^error: --offload-nvme-capacity-gb: needed to plan tier 'nvme' \(its path /nonexistent/nvme is not here\)$"),
+    (["--offload-tiers", "host", "--offload-pfs-capacity-gb", "3"],
+     r"^error: argument --offload-pfs-capacity-gb: 'pfs' is not one of --offload-tiers host$"),
+])
+def test_bad_input_is_one_line(extra, message):
+    done = plan(*TINY_MODEL, *extra, expect=2)
+    lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and re.match(message, lines[0]) and "Traceback" not in done.stderr, done.stderr

@@ -1,0 +1,273 @@
+"""Will it fit? Plan a pretrain_gpt.py run before submitting it.
+
+  python tools/plan_offload.py --nnodes 4 --gpus-per-node 8 --gpu-memory-gb 80 --host-memory-gb 1024 \\
+      --offload-nvme-capacity-gb 3500 --offload-pfs-capacity-gb 100000 \\
+      --offload-bandwidths nvme=6.0:5.0,pfs=2.0:2.0 --adam-gelems 2.0 \\
+      <pretrain_gpt.py's own model, parallelism and --offload-* flags>
+
+Prints whether the run fits, where every byte goes (GPU memory, host memory, each file tier),
+the predicted iteration time and its bottleneck, tokens/s at several global batch sizes and the
+flags to use; ``--json`` prints the same as one object. With ``--offload-bandwidths`` and a
+capacity per file tier nothing is probed and no path is touched, so a cluster can be planned from
+a laptop; without them the paths given are probed on this node, as the engine does at start-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import sys
+import warnings
+
+warnings.simplefilter("ignore")  # megatron-core warns at import about optional packages
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron.training.errors import UserError, reported_once  # noqa: E402
+
+GiB = 1 << 30
+# Sustained bf16 TFLOP/s per GPU (as Megatron-LM counts FLOPs) our training reached on one H200 with
+# megatron-core's local layers and full recompute: 155 at 1.03 G and 209 at 8.77 G parameters
+# (docs/benchmarks.md, "Will it fit?"): give --gpu-tflops from your own short run's log instead.
+DEFAULT_GPU_TFLOPS = 150.0
+_CAPACITY_FLAG = re.compile(r"^--offload-([A-Za-z0-9_]+)-capacity-gb(?:=(.*))?$")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UserError(message)
+
+
+def machine_parser() -> argparse.ArgumentParser:
+    p = _Parser(description=__doc__.split("\n\n")[0], add_help=True, allow_abbrev=False)
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--gpus-per-node", type=int, default=1, help="ranks per node")
+    p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory of one GPU, GiB")
+    p.add_argument("--host-memory-gb", type=float, default=None, help="memory of one node, GiB (default: this node's)")
+    p.add_argument("--gpu-tflops", type=float, default=DEFAULT_GPU_TFLOPS,
+                   help="sustained TFLOP/s per GPU for this model (from a short run's log)")
+    p.add_argument("--adam-gelems", type=float, default=None,
+                   help="CPU Adam rate of one rank in G elements/s (default: measured on this CPU)")
+    p.add_argument("--convert-gelems", type=float, default=None,
+                   help="gradient conversion rate of one rank in G elements/s (default: measured on this CPU)")
+    p.add_argument("--global-batch-sizes", type=str, default=None,
+                   help="comma list for the tokens/s table (default: the run's, and 2x, 4x, 8x it)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def split_capacities(rest):
+    """Take ``--offload-NAME-capacity-gb GB`` pairs out; the rest are pretrain_gpt.py's flags."""
+    capacities, flags, i = {}, [], 0
+    while i < len(rest):
+        match = _CAPACITY_FLAG.match(rest[i])
+        if not match:
+            flags.append(rest[i])
+            i += 1
+            continue
+        value = match.group(2)
+        if value is None:
+            if i + 1 >= len(rest):
+                raise UserError(f"argument {rest[i]}: expected a number of GB")
+            value, i = rest[i + 1], i + 2
+        else:
+            i += 1
+        try:
+            gb = float(value)
+            assert gb >= 0 and gb != float("inf")
+        except (ValueError, AssertionError):
+            raise UserError(f"argument {rest[i - 1] if match.group(2) else rest[i - 2]}: expected a number of "
+                            f"GB >= 0, got {value!r}") from None
+        capacities[match.group(1)] = int(gb * GiB)
+    return capacities, flags
+
+
+def pretrain_args(flags, machine):
+    """pretrain_gpt.py's own parser; flags that do not change the plan are filled in if missing."""
+    from megatron.training.arguments import parse_args
+
+    flags = list(flags)
+    if "--mock-data" not in flags and "--data-path" not in flags:
+        flags.append("--mock-data")
+    for flag, value in (("--train-iters", "1"), ("--lr", "1e-4")):
+        if flag not in flags:
+            flags += [flag, value]
+    args = parse_args(flags)
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if machine.world % (tp * pp):
+        raise UserError(f"--nnodes {machine.nnodes} x --gpus-per-node {machine.gpus_per_node} = {machine.world} "
+                        f"GPUs is not a multiple of TP {tp} x PP {pp}")
+    dp = machine.world // (tp * pp)
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * dp
+    if args.global_batch_size % (args.micro_batch_size * dp):
+        raise UserError(f"--global-batch-size {args.global_batch_size}: not a multiple of --micro-batch-size "
+                        f"{args.micro_batch_size} x data-parallel size {dp}")
+    return args
+
+
+def _host_memory_bytes(given_gb):
+    if given_gb is not None:
+        return int(given_gb * GiB)
+    from mlp_offload.tiers.host import _meminfo_bytes
+
+    return _meminfo_bytes("MemTotal") or 0
+
+
+def tier_rates_and_capacities(config, capacities, nnodes):
+    """Given rates and capacities, or measured on this node's paths (as the engine would)."""
+    from mlp_offload.startup import _probe
+    from mlp_offload.tiers.host import HostMemory
+
+    rates, space = {}, {}
+    for name in config.file_tiers:
+        rate = config.bandwidths.get(name)
+        if rate is None:
+            if not os.path.isdir(config.paths[name]):
+                raise UserError(f"--offload-{name}-path {config.paths[name]}: not a directory here; give "
+                                f"--offload-bandwidths {name}=READ:WRITE and --offload-{name}-capacity-gb to plan "
+                                "without it")
+            host = HostMemory(None, pin=False)
+            try:
+                rate = _probe(config, name, host)
+            finally:
+                host.close()
+        if name in capacities:
+            space[name] = capacities[name]
+        elif os.path.isdir(config.paths[name]):
+            stat = os.statvfs(config.paths[name])
+            space[name] = stat.f_bavail * stat.f_frsize
+        else:
+            raise UserError(f"--offload-{name}-capacity-gb: needed to plan tier {name!r} (its path "
+                            f"{config.paths[name]} is not here)")
+        if config.token_scope.get(name) == "job":  # one file system for all nodes: each node gets its share
+            from mlp_offload import TierBandwidth
+
+            rate = TierBandwidth(rate.read_bps / nnodes, rate.write_bps / nnodes,
+                                 None if rate.mixed_bps is None else rate.mixed_bps / nnodes)
+            space[name] //= nnodes
+        rates[name] = rate
+    return rates, space
+
+
+def cpu_rates(opts, config):
+    if opts.adam_gelems is not None and opts.convert_gelems is not None:
+        return opts.adam_gelems * 1e9, opts.convert_gelems * 1e9
+    from mlp_offload.rates import measure_adam_rate, measure_convert_rate
+    from mlp_offload.update import AdamKernel
+
+    size = min(config.subgroup_size, 1 << 24)
+    adam = AdamKernel(config.adam_kernel)
+    adam_rate = opts.adam_gelems * 1e9 if opts.adam_gelems else measure_adam_rate(
+        lambda p, g, m, v, step: adam(p, g, m, v, step=step), numel=size)
+    convert_rate = opts.convert_gelems * 1e9 if opts.convert_gelems else measure_convert_rate(size)
+    return adam_rate, convert_rate
+
+
+def build(argv):
+    from megatron.training.capacity_plan import Machine, make_plan, suggested_host_cache_gb
+    from megatron.training.data import build_tokenizer, padded_vocab_size
+    from megatron.training.offload_flags import config_from_args
+    from megatron.training.training import transformer_config
+
+    opts, rest = machine_parser().parse_known_args(argv)
+    for flag, value in (("--nnodes", opts.nnodes), ("--gpus-per-node", opts.gpus_per_node)):
+        if value < 1:
+            raise UserError(f"argument {flag}: must be a positive integer, got {value}")
+    for flag, value in (("--gpu-memory-gb", opts.gpu_memory_gb), ("--gpu-tflops", opts.gpu_tflops),
+                        ("--adam-gelems", opts.adam_gelems), ("--convert-gelems", opts.convert_gelems),
+                        ("--host-memory-gb", opts.host_memory_gb)):
+        if value is not None and not 0 < value < float("inf"):
+            raise UserError(f"argument {flag}: must be a positive number, got {value}")
+    capacities, flags = split_capacities(rest)
+    machine = Machine(opts.nnodes, opts.gpus_per_node, int(opts.gpu_memory_gb * GiB),
+                      _host_memory_bytes(opts.host_memory_gb), opts.gpu_tflops)
+    args = pretrain_args(flags, machine)
+    args.padded_vocab_size = padded_vocab_size(args, build_tokenizer(args))
+    cfg = transformer_config(args)
+    config, rates, space, adam_rate, convert_rate, cache_gb = None, {}, {}, 0.0, 0.0, None
+    if args.offload_tiers:
+        unknown = sorted(set(capacities) - set(args.offload_tiers))
+        if unknown:
+            raise UserError(f"argument --offload-{unknown[0]}-capacity-gb: {unknown[0]!r} is not one of "
+                            f"--offload-tiers {','.join(args.offload_tiers)}")
+        cache_gb = args.offload_host_cache_gb
+        if cache_gb is None and "host" in args.offload_tiers and len(args.offload_tiers) > 1:
+            cache_gb = suggested_host_cache_gb(machine, machine.gpus_per_node, args.offload_subgroup_size)
+            args.offload_host_cache_gb = cache_gb
+        config = config_from_args(args, rank=0)
+        rates, space = tier_rates_and_capacities(config, capacities, machine.nnodes)
+        adam_rate, convert_rate = cpu_rates(opts, config)
+    dp = machine.world // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size)
+    if opts.global_batch_sizes:
+        try:
+            sizes = [int(x) for x in opts.global_batch_sizes.split(",")]
+        except ValueError:
+            raise UserError(f"argument --global-batch-sizes: expected integers, got {opts.global_batch_sizes!r}") from None
+        step = args.micro_batch_size * dp
+        bad = [g for g in sizes if g <= 0 or g % step]
+        if bad:
+            raise UserError(f"argument --global-batch-sizes: {bad[0]} is not a positive multiple of micro-batch "
+                            f"{args.micro_batch_size} x data-parallel size {dp}")
+    else:
+        sizes = [args.global_batch_size * k for k in (1, 2, 4, 8)]
+    plan = make_plan(args, cfg, machine, config, rates, space, adam_rate, convert_rate, sizes)
+    plan.host_cache_gb = cache_gb
+    return plan, args, machine, flags, rates
+
+
+def suggested_flags(plan, args, flags):
+    """The user's flags, with the host budget the plan used where they gave none."""
+    out = list(flags)
+    if plan.host_cache_gb is not None and "--offload-host-cache-gb" not in out:
+        out += ["--offload-host-cache-gb", f"{plan.host_cache_gb:g}"]
+    return out
+
+
+def describe(plan, args, machine, flags, rates) -> str:
+    g = lambda b: f"{b / GiB:.1f} GiB"  # noqa: E731
+    lines = [f"{'FITS' if plan.fits else 'DOES NOT FIT'}: {plan.params_total / 1e9:.3f} G parameters on "
+             f"{machine.nnodes} node(s) x {machine.gpus_per_node} GPU(s) (TP {args.tensor_model_parallel_size}, "
+             f"PP {args.pipeline_model_parallel_size}, DP {machine.world // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size)})"]
+    lines += [f"  problem: {p}" for p in plan.problems]
+    lines.append(f"GPU memory per rank ({g(machine.gpu_memory_bytes)}): "
+                 + ", ".join(f"{k} {g(v)}" for k, v in plan.gpu_bytes.items())
+                 + f" = {g(sum(plan.gpu_bytes.values()))} (activations estimated)")
+    if plan.engine is not None:
+        e = plan.engine
+        counts = {t: len(e.placement.subgroups_on(t)) for t in dict.fromkeys(e.placement.tier_of)}
+        lines.append(f"optimizer state per rank: {plan.shard_numel} elements, {g(e.state_bytes)} in "
+                     f"{len(e.subgroups)} subgroups; placement {counts}")
+        lines.append(f"host memory per node ({g(machine.host_memory_bytes)}): "
+                     + ", ".join(f"{k} {g(v)}" for k, v in plan.host_bytes_per_node.items()))
+        for tier, nbytes in plan.tier_bytes_per_node.items():
+            r = rates[tier]
+            lines.append(f"{tier} per node: {g(nbytes)} stored; per rank and step "
+                         f"{e.prediction.read_bytes.get(tier, 0) / 1e9:.2f} GB read, "
+                         f"{e.prediction.write_bytes.get(tier, 0) / 1e9:.2f} GB written at "
+                         f"r {r.read_bps / 1e9:.2f} w {r.write_bps / 1e9:.2f} GB/s, {e.tokens_per_tier[tier]} "
+                         f"I/O token(s)")
+        lines.append(e.prediction.describe())
+    update = f" + update {plan.update_s:.3f} s" if plan.update_s is not None else ""
+    lines.append(f"predicted iteration {plan.iteration_s:.3f} s = compute {plan.compute_s:.3f} s "
+                 f"(at {machine.gpu_tflops:g} TFLOP/s per GPU){update}; bottleneck: {plan.bottleneck}")
+    lines.append("tokens/s by global batch size: "
+                 + ", ".join(f"{gbs}: {tps:,.0f}" for gbs, tps in plan.tokens_per_s.items()))
+    lines.append("flags: " + shlex.join(suggested_flags(plan, args, flags)))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    with reported_once():
+        plan, args, machine, flags, rates = build(sys.argv[1:] if argv is None else argv)
+        if "--json" in (sys.argv[1:] if argv is None else argv):
+            print(json.dumps({**plan.as_json(), "flags": suggested_flags(plan, args, flags)}, indent=1))
+        else:
+            print(describe(plan, args, machine, flags, rates))
+    return 0 if plan.fits else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
