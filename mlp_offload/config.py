@@ -237,20 +237,23 @@ class OffloadConfig:
 
 
 def parse_bandwidths(spec: str) -> Dict[str, TierBandwidth]:
-    """Parse ``"nvme=3.0:2.8,pfs=1.0:0.8"`` (read:write GB/s per tier) into TierBandwidths."""
+    """Parse ``"nvme=3.0:2.8,pfs=1.0:0.8"`` (read:write GB/s per tier, optionally :mixed, the GB/s
+    read plus written while both run at once, as the probe reports it) into TierBandwidths."""
     result: Dict[str, TierBandwidth] = {}
     if not spec:
         return result
     for item in spec.split(","):
         try:
             name, rates = item.split("=")
-            read_gbps, write_gbps = (float(x) for x in rates.split(":"))
+            values = [float(x) * 1e9 for x in rates.split(":")]
+            if len(values) not in (2, 3):
+                raise ValueError
         except ValueError:
             raise OffloadConfigError(
-                f"bandwidth {item!r}: expected TIER=READ_GBPS:WRITE_GBPS, e.g. nvme=3.0:2.8"
+                f"bandwidth {item!r}: expected TIER=READ_GBPS:WRITE_GBPS[:MIXED_GBPS], e.g. nvme=3.0:2.8"
             ) from None
         try:
-            result[name.strip()] = TierBandwidth(read_gbps * 1e9, write_gbps * 1e9)
+            result[name.strip()] = TierBandwidth(*values)
         except OffloadConfigError as err:
             raise OffloadConfigError(f"bandwidths {item!r}: {err}") from None
     return result

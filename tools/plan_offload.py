@@ -237,9 +237,8 @@ def describe(plan, args, machine, flags, rates) -> str:
                  + f" = {g(sum(plan.gpu_bytes.values()))} (activations estimated)")
     if plan.engine is not None:
         e = plan.engine
-        counts = {t: len(e.placement.subgroups_on(t)) for t in dict.fromkeys(e.placement.tier_of)}
         lines.append(f"optimizer state per rank: {plan.shard_numel} elements, {g(e.state_bytes)} in "
-                     f"{len(e.subgroups)} subgroups; placement {counts}")
+                     f"{len(e.subgroups)} subgroups; placement {plan.placement_counts()}")
         lines.append(f"host memory per node ({g(machine.host_memory_bytes)}): "
                      + ", ".join(f"{k} {g(v)}" for k, v in plan.host_bytes_per_node.items()))
         for tier, nbytes in plan.tier_bytes_per_node.items():

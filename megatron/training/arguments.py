@@ -82,9 +82,9 @@ def _token_scopes(text: str) -> dict:
 
 def _bandwidths(text: str) -> str:
     for item in text.split(","):
-        if not re.fullmatch(r"\s*[A-Za-z0-9_]+\s*=\s*[0-9.eE+-]+\s*:\s*[0-9.eE+-]+\s*", item):
+        if not re.fullmatch(r"\s*[A-Za-z0-9_]+\s*=\s*[0-9.eE+-]+\s*:\s*[0-9.eE+-]+\s*(:\s*[0-9.eE+-]+\s*)?", item):
             raise argparse.ArgumentTypeError(
-                f"{item!r}: expected TIER=READ_GBPS:WRITE_GBPS, e.g. nvme=3.0:2.8")
+                f"{item!r}: expected TIER=READ_GBPS:WRITE_GBPS[:MIXED_GBPS], e.g. nvme=3.0:2.8")
     return text
 
 

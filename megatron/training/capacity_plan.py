@@ -58,6 +58,10 @@ class Plan:
     engine: Optional[EnginePlan] = None
     host_cache_gb: Optional[float] = None  # what --offload-host-cache-gb the plan used (given or chosen)
 
+    def placement_counts(self) -> Dict[str, int]:
+        """Subgroups per tier, as the engine logs them at start-up (host first, then the file tiers)."""
+        return {t: len(self.engine.placement.subgroups_on(t)) for t in ["host", *self.tier_bytes_per_node]}
+
     def as_json(self) -> dict:
         pred = self.engine.prediction if self.engine else None
         return {
@@ -69,8 +73,7 @@ class Plan:
             "predicted_compute_s": self.compute_s, "predicted_update_s": self.update_s,
             "predicted_iteration_s": self.iteration_s, "bottleneck": self.bottleneck,
             "tokens_per_s": {str(k): v for k, v in self.tokens_per_s.items()},
-            "placement": None if not self.engine else {
-                t: len(self.engine.placement.subgroups_on(t)) for t in dict.fromkeys(self.engine.placement.tier_of)},
+            "placement": None if not self.engine else self.placement_counts(),
             "subgroups": None if not self.engine else len(self.engine.subgroups),
             "io_bytes_per_rank_per_step": None if not pred else {
                 t: {"read": pred.read_bytes[t], "write": pred.write_bytes[t]} for t in pred.tier_s},
@@ -145,7 +148,7 @@ def make_plan(args, cfg, machine: Machine, offload_config, rates: Dict[str, Tier
             host_per_node["optimizer_state"] = machine.gpus_per_node * engine.placement.host_state_bytes
             host_per_node["gradient_scratch"] = machine.gpus_per_node * (engine.host_bytes
                                                                          - engine.placement.host_state_bytes)
-            tiers_per_node = {t: machine.gpus_per_node * b for t, b in engine.stored_bytes.items() if t != "host"}
+            tiers_per_node = {t: machine.gpus_per_node * engine.stored_bytes[t] for t in offload_config.file_tiers}
     gpu_total = sum(gpu.values())
     if gpu_total > machine.gpu_memory_bytes:
         problems.append(f"GPU memory: {gpu_total / GiB:.1f} GiB per rank needed "
