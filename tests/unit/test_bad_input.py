@@ -47,8 +47,11 @@ def test_invalid_values(field, value, match):
 
 def test_bandwidth_syntax():
     assert parse_bandwidths("nvme=3:2.5")["nvme"].write_bps == 2.5e9
-    with pytest.raises(OffloadConfigError, match="TIER=READ_GBPS:WRITE_GBPS"):
-        parse_bandwidths("nvme=fast")
+    assert parse_bandwidths("nvme=3:2.5")["nvme"].mixed_bps is None
+    assert parse_bandwidths("nvme=3:2.5:2.75")["nvme"].mixed_bps == 2.75e9  # read+write at once, as probed
+    for bad in ("nvme=fast", "nvme=1:2:3:4", "nvme=1"):
+        with pytest.raises(OffloadConfigError, match="TIER=READ_GBPS:WRITE_GBPS"):
+            parse_bandwidths(bad)
 
 
 def test_missing_path(tmp_path):
