@@ -138,6 +138,11 @@ class OffloadedAdamW:
         self.grad_source = grad_source
         self._grad_scratch = scratch_buffers(not isinstance(grad_source, HostGradients), largest, self.host.allocate)
         self._resident: Dict[int, StateViews] = {}
+        # Pinning tens of GB takes a while: a line before and after, with size and rate.
+        kind = "pinned " if self.host.pin else ""
+        state_gb = self.placement.host_state_bytes / 1e9
+        log.info("allocating %.3f GB of %shost memory for optimizer state ...", state_gb, kind)
+        started = time.perf_counter()
         for i, tier in enumerate(self.placement.tier_of):
             if tier == HOST_TIER:
                 sg = self.subgroups[i]
@@ -149,6 +154,9 @@ class OffloadedAdamW:
         slot_sg = max(self.subgroups, key=lambda sg: sg.numel)
         buffers = [StateViews.over(self.host.allocate(slot_sg.state_bytes, f"pipeline buffer {k}"),
                                    slot_sg.numel, slot_sg.region_bytes) for k in range(self.placement.slots)]
+        seconds = time.perf_counter() - started
+        log.info("allocated %.3f GB of %shost memory for optimizer state in %.1f s (%.2f GB/s)", state_gb, kind,
+                 seconds, state_gb / max(seconds, 1e-9))
         self._pipeline = SlotPipeline(self.subgroups, self.placement.tier_of, self._tiers, buffers,
                                       cfg.prefetch_depth, self._counters, params, self.trace)
         self._state = StateAccess(self.subgroups, self._resident, self._pipeline, self._scratch_views)
@@ -163,6 +171,14 @@ class OffloadedAdamW:
         """The file tiers' rates and tokens: the same for every rank of a node (the probe is per
         host and path), so a job's launcher may print it once per node."""
         return describe_tiers(self.rates, self._tiers, self.tokens_per_tier, self.config)
+
+    def state_bytes_per_tier(self) -> Dict[str, int]:
+        """Bytes of optimizer state each tier holds: host counts its resident subgroups and the
+        streaming buffers (what the host budget is charged), a file tier its subgroups' files."""
+        held = {HOST_TIER: self.placement.host_state_bytes}
+        for tier in self.config.file_tiers:
+            held[tier] = sum(self.subgroups[i].state_bytes for i in self.placement.subgroups_on(tier))
+        return held
 
     def log_placement(self) -> None:
         p, cfg = self.placement, self.config

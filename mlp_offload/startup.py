@@ -4,6 +4,8 @@ predicted update. Data flows one way: rates -> placement -> prediction."""
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -15,6 +17,8 @@ from .subgroups import Subgroup
 from .tiers.files import FileTier
 from .tiers.host import HostMemory, check_budget_exists
 from .tiers.tokens import JobTokens, TierTokens
+
+log = logging.getLogger("mlp_offload")
 
 
 @dataclass
@@ -71,11 +75,18 @@ def _probe(cfg: OffloadConfig, name: str, host: HostMemory) -> TierBandwidth:
     """Through a short-lived tier of its own: the training tier is built after, with the turns the
     probe implies (the probe holds the path's probe lock instead of tokens)."""
     probe = file_tier(cfg, name, tokens=None)
+    # A probe of a slow disk takes minutes: say what it moves, and how fast it went.
+    log.info("bandwidth probe of %s (%s): %.3f GB written, read back, then both at once (or its cached "
+             "figures) ...", name, cfg.paths[name], cfg.probe_bytes / 1e9)
+    started = time.perf_counter()
     try:
         buf = host.allocate(cfg.probe_bytes, "bandwidth probe", counted=False)
-        return probe_tier(probe, buf, concurrency=cfg.prefetch_depth, ranks_sharing=cfg.resolved_ranks_sharing_node())
+        rate = probe_tier(probe, buf, concurrency=cfg.prefetch_depth, ranks_sharing=cfg.resolved_ranks_sharing_node())
     finally:
         probe.close()
+    log.info("bandwidth probe of %s: done in %.1f s, read %.2f GB/s, write %.2f GB/s", name,
+             time.perf_counter() - started, rate.read_bps / 1e9, rate.write_bps / 1e9)
+    return rate
 
 
 def token_scope(cfg: OffloadConfig, tier: str) -> str:

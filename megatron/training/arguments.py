@@ -168,6 +168,33 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--timing-log", type=str, default=None, metavar="FILE",
                    help="JSONL file: one {iteration, elapsed_s, forward_backward_s, optimizer_s} line per "
                         "iteration (kept apart from --loss-log, whose records must repeat bit for bit)")
+    # Megatron-LM's logging flags: the console line, its timers, TensorBoard and W&B.
+    g.add_argument("--log-throughput", action="store_true",
+                   help="print the model's TFLOP/s per GPU on the iteration line (Megatron-LM's FLOPs count)")
+    g.add_argument("--log-params-norm", action="store_true", help="compute and log the parameters' L2 norm")
+    g.add_argument("--log-num-zeros-in-grad", action="store_true",
+                   help="count and log the zeros in the gradients (megatron-core's optimizer only)")
+    g.add_argument("--timing-log-level", type=int, choices=[0, 1, 2], default=0,
+                   help="megatron-core timers printed every --log-interval: 0 none, 1 the step's phases, "
+                        "2 also the schedule's per-micro-batch compute and communication")
+    g.add_argument("--timing-log-option", choices=["max", "minmax", "all"], default="minmax",
+                   help="how the timers are reduced across ranks when printed")
+    g.add_argument("--tensorboard-dir", type=str, default=None, help="write TensorBoard events here (last rank)")
+    g.add_argument("--tensorboard-log-interval", type=_positive_int, default=1)
+    g.add_argument("--tensorboard-queue-size", type=_positive_int, default=1000,
+                   help="events held in memory before TensorBoard's writer flushes them to disk")
+    g.add_argument("--log-timers-to-tensorboard", action="store_true",
+                   help="also write iteration time, throughput and the --timing-log-level timers")
+    g.add_argument("--no-log-loss-scale-to-tensorboard", dest="log_loss_scale_to_tensorboard",
+                   action="store_false", default=True)
+    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
+    g.add_argument("--log-memory-to-tensorboard", action="store_true",
+                   help="device memory (CUDA) and the offload engine's bytes per tier")
+    g.add_argument("--wandb-project", type=str, default=None,
+                   help="log to Weights & Biases (last rank); WANDB_MODE=offline keeps it on disk")
+    g.add_argument("--wandb-exp-name", type=str, default=None)
+    g.add_argument("--wandb-save-dir", type=str, default=None,
+                   help="the W&B run directory's parent; default SAVE/wandb")
 
     g = p.add_argument_group("data")
     g.add_argument("--mock-data", action="store_true")
@@ -277,6 +304,10 @@ def _validate(parser, args) -> None:
         parser.error("argument --min-lr: must be <= --lr")
     if args.mock_data == bool(args.data_path):
         parser.error("argument --data-path: give exactly one of --mock-data or --data-path")
+    if args.wandb_project and not args.wandb_exp_name:
+        parser.error("argument --wandb-project: requires --wandb-exp-name NAME")
+    if args.wandb_project and not (args.wandb_save_dir or args.save):
+        parser.error("argument --wandb-project: requires --wandb-save-dir DIR (or --save DIR, whose wandb/ it uses)")
     if (args.save_interval is not None) and not args.save:
         parser.error("argument --save-interval: requires --save DIR")
     if args.recompute_method is not None and args.recompute_granularity != "full":

@@ -17,7 +17,7 @@ from mlp_offload import PlacementError, TierBandwidth
 from mlp_offload.capacity import EnginePlan, plan_engine
 from mlp_offload.subgroups import STATE_TENSORS, FP32_BYTES
 
-from megatron.training.flops import iteration_flops
+from megatron.training.flops import DenseGptShape, flops_per_iteration
 from megatron.training.model_size import model_params, stage_params
 from megatron.training.offload_flags import in_flags
 
@@ -162,7 +162,7 @@ def make_plan(args, cfg, machine: Machine, offload_config, rates: Dict[str, Tier
     def compute_seconds(global_batch: int) -> float:
         m = global_batch // (args.micro_batch_size * dp)
         bubble = 1 + (pp - 1) / max(m, 1)  # 1F1B: the pipeline fills and drains once per step
-        flops = iteration_flops(cfg, args.padded_vocab_size, args.seq_length, global_batch)
+        flops = flops_per_iteration(DenseGptShape.from_config(cfg, args.seq_length, args.padded_vocab_size), global_batch)
         return flops / machine.world / (machine.gpu_tflops * 1e12) * bubble
 
     compute_s = compute_seconds(args.global_batch_size)

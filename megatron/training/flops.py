@@ -1,28 +1,65 @@
-"""Floating-point operations of one training iteration of a GPT, counted as Megatron-LM counts them
-for its TFLOP/s figure: every matrix multiply at 2 FLOPs per multiply-add, the backward pass at twice
-the forward, attention scores over the whole sequence (causal masking not discounted), the logits
-once per token. Norms, softmax and element-wise work are left out, as there.
+"""Model FLOPs of one training iteration, counted as Megatron-LM counts them for its
+'throughput per GPU (TFLOP/s/GPU)' figure: matrix multiplies only (norms, softmax and
+element-wise ops are left out), three passes per GEMM (forward, weight grad, data grad),
+a causal mask halving the attention scores, and the output layer's logits.
+
+The shape comes from megatron-core's ``TransformerConfig`` as training builds it, so defaults
+(FFN size, KV channels, query groups) are the ones the model really has.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 
-def forward_flops_per_token(cfg, vocab_size: int, seq_length: int) -> float:
-    """One token's forward pass through every layer and the output layer."""
-    h = cfg.hidden_size
-    q = cfg.num_attention_heads * cfg.kv_channels
-    kv = (cfg.num_query_groups or cfg.num_attention_heads) * cfg.kv_channels
-    ffn_width = cfg.ffn_hidden_size * (2 if cfg.gated_linear_unit else 1)
-    per_layer = (
-        2 * h * (q + 2 * kv)  # query, key and value projections
-        + 2 * 2 * seq_length * q  # scores (Q K^T) and their weighting of V, over the whole sequence
-        + 2 * q * h  # output projection
-        + 2 * h * ffn_width + 2 * cfg.ffn_hidden_size * h  # MLP up (gate) and down
-    )
-    return cfg.num_layers * per_layer + 2 * h * vocab_size
+# Each GEMM runs three times per iteration: forward, backward for the input, backward for the weight.
+PASSES_PER_ITERATION = 3
+# An m x n by n x k product is m*n*k multiply-adds, two floating-point operations each.
+FLOPS_PER_MULTIPLY_ADD = 2
 
 
-def iteration_flops(cfg, vocab_size: int, seq_length: int, global_batch_size: int) -> float:
-    """Forward and backward (twice the forward) over the global batch; full activation recompute
-    adds another forward, which Megatron-LM's figure does not count either."""
-    return 3 * forward_flops_per_token(cfg, vocab_size, seq_length) * seq_length * global_batch_size
+@dataclass(frozen=True)
+class DenseGptShape:
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int  # == num_attention_heads without GQA
+    kv_channels: int  # per-head width
+    gated_mlp: bool  # SwiGLU: the first MLP GEMM produces two ffn-wide halves
+    seq_length: int
+    vocab_size: int  # the padded one: the output layer's real width
+
+    @classmethod
+    def from_config(cls, config, seq_length: int, vocab_size: int) -> "DenseGptShape":
+        heads = config.num_attention_heads
+        return cls(num_layers=config.num_layers, hidden_size=config.hidden_size,
+                   ffn_hidden_size=config.ffn_hidden_size, num_attention_heads=heads,
+                   num_query_groups=config.num_query_groups or heads,
+                   kv_channels=config.kv_channels or config.hidden_size // heads,
+                   gated_mlp=bool(config.gated_linear_unit), seq_length=seq_length, vocab_size=vocab_size)
+
+
+def multiply_adds_per_token(shape: DenseGptShape) -> float:
+    """Multiply-adds of one token's forward pass, summed over the layers and the logits."""
+    h, s = shape.hidden_size, shape.seq_length
+    query_width = shape.kv_channels * shape.num_attention_heads
+    key_value_width = shape.kv_channels * shape.num_query_groups  # shared by the heads of a group (GQA)
+    qkv_projection = h * (query_width + 2 * key_value_width)
+    # Scores (Q K^T) and their weighted sum (softmax V): each s wide per token, half under a causal mask.
+    core_attention = 2 * query_width * s / 2
+    output_projection = query_width * h
+    mlp_matrices = 3 if shape.gated_mlp else 2  # gate and up (SwiGLU) or up, then down
+    mlp = h * shape.ffn_hidden_size * mlp_matrices
+    per_layer = qkv_projection + core_attention + output_projection + mlp
+    logits = h * shape.vocab_size
+    return shape.num_layers * per_layer + logits
+
+
+def flops_per_iteration(shape: DenseGptShape, global_batch_size: int) -> float:
+    tokens = global_batch_size * shape.seq_length
+    return PASSES_PER_ITERATION * FLOPS_PER_MULTIPLY_ADD * multiply_adds_per_token(shape) * tokens
+
+
+def tflops_per_gpu(flops: float, seconds_per_iteration: float, world_size: int) -> float:
+    """Megatron-LM's throughput figure: the iteration's model FLOPs over its time, per rank."""
+    return flops / (seconds_per_iteration * 1e12 * world_size)

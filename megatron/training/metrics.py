@@ -1,17 +1,21 @@
-"""One iteration's figures, written out: the console line, the loss log and the timing log.
+"""One metrics record per iteration (and per evaluation), handed to every sink.
 
-The JSON-lines writer here also serves the offload optimizer's per-step telemetry.
+The loop builds an ``IterationRecord`` on every rank and gives it to ``Metrics``, which fans it
+out to the sinks this rank has: the console line (console_log), the --loss-log and --timing-log
+JSON lines (here), TensorBoard, W&B and the engine's telemetry (metrics_sinks). Which rank writes
+what follows Megatron-LM: the console, TensorBoard and W&B on the last rank; the loss and timing
+logs, as before, on the last pipeline stage's first rank.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
 
+import torch
 from megatron.core import parallel_state
-
-from megatron.training.optimizer_interface import ReportsIteration
 
 
 def is_logging_rank() -> bool:
@@ -19,6 +23,91 @@ def is_logging_rank() -> bool:
     return (parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
             and parallel_state.get_data_parallel_rank() == 0)
 
+
+def is_last_rank() -> bool:
+    """Where Megatron-LM prints its iteration line and keeps its TensorBoard and W&B writers."""
+    return torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
+
+
+@dataclass
+class IterationRecord:
+    iteration: int
+    consumed_samples: int
+    global_batch_size: int
+    learning_rate: float
+    loss_scale: float
+    skipped: bool  # the optimizer did not step (fp16 overflow)
+    nan: bool  # skipped with a NaN/inf loss
+    elapsed_s: float  # the whole iteration, wall clock
+    forward_backward_s: float
+    optimizer_s: float
+    forward_s: float  # the schedule's forward compute, summed over micro-batches
+    backward_s: float  # ... and backward (with activation recompute)
+    flops: float  # model FLOPs of the iteration (flops.py)
+    loss: Optional[float] = None  # 'lm loss' on the last pipeline stage, else None
+    grad_norm: Optional[float] = None
+    num_zeros_in_grad: Optional[int] = None
+    params_norm: Optional[float] = None
+    offload: Optional[object] = None  # the engine's StepRecord, with the offload optimizer
+    offload_state_bytes: Dict[str, int] = field(default_factory=dict)
+    first_of_run: bool = False  # Megatron-LM prints the job's first iteration whatever --log-interval
+
+    def is_printed(self, log_interval: int) -> bool:
+        return self.iteration % log_interval == 0 or self.first_of_run
+
+    def ends_interval(self, log_interval: int) -> bool:
+        """A first iteration printed off the interval's boundary stays in the interval it opens
+        (Megatron-LM keeps it even on the boundary, then averages two iterations at --log-interval 1)."""
+        return self.iteration % log_interval == 0
+
+
+@dataclass
+class ValidationRecord:
+    iteration: int
+    consumed_samples: int
+    loss: float  # 'lm loss' over --eval-iters batches
+
+
+class Sink:
+    """Where records go; each sink ignores what it does not show."""
+
+    def iteration(self, record: IterationRecord) -> None:
+        pass
+
+    def validation(self, record: ValidationRecord) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class Metrics:
+    """The sinks of this rank, fed the same records, plus megatron-core's timers (collective:
+    every rank reads them at the same iterations)."""
+
+    def __init__(self, sinks: List[Sink], timers=None, log_interval: int = 1, timer_writers=None):
+        self.sinks = sinks
+        self.timers = timers
+        self.log_interval = log_interval
+        self.timer_writers = timer_writers
+
+    def iteration(self, record: IterationRecord) -> None:
+        for sink in self.sinks:
+            sink.iteration(record)
+        if self.timers is not None and record.is_printed(self.log_interval):
+            self.timers.log_interval(record.iteration, self.log_interval, self.timer_writers,
+                                     reset=record.ends_interval(self.log_interval))
+
+    def validation(self, record: ValidationRecord) -> None:
+        for sink in self.sinks:
+            sink.validation(record)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+
+
+# ----------------------------------------------------------------------------- JSON-lines files
 
 class JsonLines:
     """A JSON-lines file, each line flushed as it is written; with no path it writes nothing."""
@@ -42,7 +131,7 @@ class JsonLines:
             self.file.close()
 
 
-class _RunLog(JsonLines):
+class _RunLog(JsonLines, Sink):
     """Written by the logging rank: a fresh run starts the file anew, a resumed one appends."""
 
     def __init__(self, path: Optional[str], resume_iteration: int):
@@ -50,47 +139,21 @@ class _RunLog(JsonLines):
 
 
 class LossLog(_RunLog):
-    """One line per iteration; floats via repr() so runs can be compared bit for bit."""
+    """One line per iteration; floats via repr() so runs can be compared bit for bit (no timings)."""
 
-    def write(self, iteration, loss, lr, grad_norm):
-        fields = [("iteration", str(iteration)), ("loss", repr(float(loss))), ("lr", repr(float(lr))),
-                  ("grad_norm", repr(float(grad_norm)) if grad_norm is not None else "null")]
+    def iteration(self, record: IterationRecord) -> None:
+        if record.loss is None:
+            return
+        fields = [("iteration", str(record.iteration)), ("loss", repr(float(record.loss))),
+                  ("lr", repr(float(record.learning_rate))),
+                  ("grad_norm", repr(float(record.grad_norm)) if record.grad_norm is not None else "null")]
         self.write_line("{" + ", ".join(f'"{k}": {v}' for k, v in fields) + "}")
 
 
 class TimingLog(_RunLog):
     """Per-iteration wall-clock phases (CUDA-synchronized), for benchmarks."""
 
-    def write(self, iteration, elapsed_s, fb_s, opt_s, fwd_s=None, bwd_s=None):
-        # forward / backward: the pipeline schedule's compute timers, summed over micro-batches
-        # (backward includes activation recompute).
-        self.write_record({"iteration": iteration, "elapsed_s": elapsed_s,
-                           "forward_backward_s": fb_s, "optimizer_s": opt_s,
-                           "forward_s": fwd_s, "backward_s": bwd_s})
-
-
-def log_line(args, iteration, loss, lr, grad_norm, elapsed_s, fb_s, opt_s, optimizer, ok=True,
-             fwd_s=None, bwd_s=None) -> str:
-    """The iteration's console line, in Megatron-LM's format, with the optimizer's own part last."""
-    tokens_per_s = args.global_batch_size * args.seq_length / max(elapsed_s, 1e-9)
-    parts = [
-        f"iteration {iteration:8d}/{args.train_iters:8d}",
-        f"consumed samples: {iteration * args.global_batch_size:10d}",
-        f"elapsed time per iteration (ms): {elapsed_s * 1000:.1f}",
-        f"forward-backward (ms): {fb_s * 1000:.1f}",
-        *([f"forward (ms): {fwd_s * 1000:.1f}", f"backward (ms): {bwd_s * 1000:.1f}"] if fwd_s is not None else []),
-        f"optimizer (ms): {opt_s * 1000:.1f}",
-        f"tokens/s: {tokens_per_s:.1f}",
-        f"learning rate: {lr:.6E}",
-        f"lm loss: {loss:.6E}",
-        f"grad norm: {grad_norm:.4f}" if grad_norm is not None else "grad norm: n/a",
-    ]
-    if args.fp16:
-        parts.append(f"loss scale: {float(optimizer.get_loss_scale()):.1f}")
-    if not ok:
-        parts.append("skipped iteration (inf/nan grads)")
-    if isinstance(optimizer, ReportsIteration):
-        extra = optimizer.log_line()
-        if extra:
-            parts.append(str(extra))
-    return " | ".join(parts) + " |"
+    def iteration(self, record: IterationRecord) -> None:
+        self.write_record({"iteration": record.iteration, "elapsed_s": record.elapsed_s,
+                           "forward_backward_s": record.forward_backward_s, "optimizer_s": record.optimizer_s,
+                           "forward_s": record.forward_s, "backward_s": record.backward_s})

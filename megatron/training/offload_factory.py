@@ -1,12 +1,11 @@
-"""Building the offload optimizer from the ``--offload-*`` flags: the engine's config, its log,
-CPU threads and telemetry file; the flags and environment are read here, not in the engine."""
+"""Building the offload optimizer from the ``--offload-*`` flags: the engine's config, its log and
+CPU threads; the flags and environment are read here, not in the engine. (Its telemetry file is
+one of the metrics sinks: megatron.training.metrics_sinks.)"""
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Optional
-
 import torch
 from megatron.core.optimizer import _get_param_groups_and_buffers
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
@@ -14,7 +13,7 @@ from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.training.errors import UserError
 from megatron.training.offload_optimizer import OffloadDistributedOptimizer
 from megatron.training.job_facts import PerNodeByRank0
-from megatron.training.offload_flags import config_from_args, in_flags, per_rank_path
+from megatron.training.offload_flags import config_from_args, in_flags
 from mlp_offload import OffloadConfig
 
 log = logging.getLogger("mlp_offload")
@@ -30,7 +29,6 @@ def get_offload_optimizer(args, model_chunks, config: OptimizerConfig) -> Offloa
         filter_fn=lambda g: not g["is_expert_parallel"], buffer_name="buffers")
     offload_config = offload_config_from_args(args)
     return OffloadDistributedOptimizer(config, offload_config, model_chunks, param_groups, buffers,
-                                       telemetry_path=_telemetry_path(args.offload_telemetry_log),
                                        token_store=job_store(offload_config))
 
 
@@ -66,10 +64,6 @@ class _FlagsNotFields(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         record.msg, record.args = in_flags(record.getMessage()), None
         return True
-
-
-def _telemetry_path(template: Optional[str]) -> Optional[str]:
-    return per_rank_path(template, _rank())
 
 
 def _set_cpu_threads(args, model_chunks) -> None:

@@ -14,7 +14,6 @@ into the device param buffer; then megatron-core's param all-gather runs as usua
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import Dict, List, Optional
 
 import torch
@@ -26,7 +25,6 @@ from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.transformer.module import param_is_not_shared
 
 from megatron.training.device_gradients import DeviceGradients, EventFence
-from megatron.training.metrics import JsonLines
 from megatron.training.offload_checkpoint import OffloadedStateFiles
 from megatron.training.optimizer_interface import (HoldsResources, OffloadedOptimizerCheckpoint, ReportsIteration,
                                                    TrainingOptimizer)
@@ -38,8 +36,7 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
     """The MegatronOptimizer interface the training loop uses, over an OffloadedAdamW engine."""
 
     def __init__(self, config: OptimizerConfig, offload_config: OffloadConfig, model_chunks,
-                 param_groups: List[dict], per_model_buffers: Dict[int, list], telemetry_path: Optional[str] = None,
-                 token_store=None):
+                 param_groups: List[dict], per_model_buffers: Dict[int, list], token_store=None):
         self.config = config
         self.model_chunks = model_chunks
         self.ddp_config = model_chunks[0].ddp_config
@@ -67,7 +64,6 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
         self.state_files = OffloadedStateFiles(self.engine, self.layout, model_chunks, self.dp_group.size())
         self._expected_steps: Optional[int] = None  # the step count of the checkpoint being loaded
         self.last_record = None
-        self.telemetry = JsonLines(telemetry_path)  # a record per step
         self.is_stub_optimizer = False
 
     # -- set-up helpers ----------------------------------------------------------------------
@@ -129,13 +125,12 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
             coef = self.config.clip_grad / (grad_norm + 1.0e-6)
             clip_coef = coef if coef < 1.0 else None
         self.last_record = self.engine.step(unscale=inv_scale, clip_coef=clip_coef)
-        self.telemetry.write_record(asdict(self.last_record))
         if self._cuda:
             torch.cuda.current_stream().wait_stream(self._copy_stream)
         if not self.ddp_config.overlap_param_gather:
             for chunk in self.model_chunks:
                 chunk.start_param_sync()
-        return True, grad_norm, 0
+        return True, grad_norm, None  # no zeros counted (--log-num-zeros-in-grad is megatron-core's)
 
     def _grad_norms(self, inv_scale: Optional[float]):
         """Per-param fp32 grad norms in megatron-core's order; any inf/nan (for fp16)."""
@@ -221,10 +216,12 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
     def load_offloaded_state(self, checkpoint_dir: str) -> None:
         self.state_files.load(checkpoint_dir, self._expected_steps)
 
-    def log_line(self) -> str:
-        return self.last_record.line() if self.last_record is not None else ""
+    def last_step_record(self):
+        return self.last_record
+
+    def state_bytes_per_tier(self) -> dict:
+        return self.engine.state_bytes_per_tier()
 
     def close(self):
-        self.telemetry.close()
         self.engine.close()
 

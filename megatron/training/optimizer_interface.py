@@ -38,9 +38,11 @@ class OffloadedOptimizerCheckpoint(Protocol):
 
 @runtime_checkable
 class ReportsIteration(Protocol):
-    """An optimizer with its own part of each iteration's console line."""
+    """An optimizer with figures of its own in each iteration's metrics record: the engine's
+    record of the last step (mlp_offload.telemetry.StepRecord), and the state bytes per tier."""
 
-    def log_line(self) -> str: ...
+    def last_step_record(self): ...
+    def state_bytes_per_tier(self) -> dict: ...
 
 
 @runtime_checkable

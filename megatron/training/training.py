@@ -25,13 +25,21 @@ from megatron.core.transformer.module import Float16Module
 
 from megatron.training import checkpointing, job_facts
 from megatron.training.arguments import parse_args
+from megatron.training.checkpoint_integrity import checkpoint_dir
+from megatron.training.console_log import Console
 from megatron.training.data import (MicroBatchIterator, build_tokenizer, padded_vocab_size)
 from megatron.training.errors import reported_once
+from megatron.training.flops import DenseGptShape, flops_per_iteration
 from megatron.training.initialize import initialize
-from megatron.training.metrics import LossLog, TimingLog, is_logging_rank, log_line
-from megatron.training.optimizer_interface import HoldsResources, TrainingOptimizer
+from megatron.training.metrics import (IterationRecord, LossLog, Metrics, TimingLog, ValidationRecord,
+                                       is_last_rank)
+from megatron.training.metrics_sinks import OffloadTelemetry, TensorBoard, WandB
+from megatron.training.model_norms import params_l2_norm
+from megatron.training.offload_flags import per_rank_path
+from megatron.training.optimizer_interface import HoldsResources, ReportsIteration, TrainingOptimizer
+from megatron.training.progress import directory_bytes, reported_step
 from megatron.training.signals import StopCheck
-from megatron.training.timers import ComputeTimers, Timers
+from megatron.training.timers import LoopTimers
 from mlp_offload.faults import fault_point
 
 
@@ -102,6 +110,7 @@ def optimizer_config(args) -> OptimizerConfig:
         optimizer_cpu_offload=getattr(args, "optimizer_cpu_offload", False),
         optimizer_offload_fraction=getattr(args, "optimizer_offload_fraction", 1.0),
         overlap_cpu_optimizer_d2h_h2d=getattr(args, "overlap_cpu_optimizer_d2h_h2d", False),
+        log_num_zeros_in_grad=getattr(args, "log_num_zeros_in_grad", False),
     )
 
 
@@ -166,7 +175,8 @@ def _wire_model_hooks(config, model, optimizer, args) -> None:
         config.grad_sync_func = model[0].start_grad_sync
     if args.overlap_param_gather:
         config.param_sync_func = model[0].start_param_sync
-    config.timers = None
+    config.timers = None  # LoopTimers, set with the metrics
+    config.barrier_with_L1_time = False  # timing adds no barrier between ranks (as before)
 
 
 # ----------------------------------------------------------------------------- logging
@@ -186,9 +196,27 @@ def _print_rank0(msg: str) -> None:
         print(msg, flush=True)
 
 
-def _print_logging_rank(msg: str) -> None:
-    if is_logging_rank():
-        print(msg, flush=True)
+def build_metrics(args, optimizer, timers: LoopTimers, resume_iteration: int) -> Metrics:
+    """This rank's sinks: the run logs everywhere they apply; console, TensorBoard and W&B on the
+    last rank. megatron-core's timers are written to TensorBoard/W&B through the same writers."""
+    world_size = torch.distributed.get_world_size()
+    sinks = [LossLog(args.loss_log, resume_iteration), TimingLog(args.timing_log, resume_iteration)]
+    telemetry_path = per_rank_path(getattr(args, "offload_telemetry_log", None), torch.distributed.get_rank())
+    if telemetry_path and isinstance(optimizer, ReportsIteration):
+        sinks.append(OffloadTelemetry(telemetry_path))
+    tensorboard = wandb = None
+    if is_last_rank():
+        sinks.append(Console(args, world_size))
+        if args.tensorboard_dir:
+            tensorboard = TensorBoard(args, world_size)
+            sinks.append(tensorboard)
+        if args.wandb_project:
+            wandb = WandB(args, world_size)
+            sinks.append(wandb)
+    timer_writers = None
+    if args.log_timers_to_tensorboard:  # one entry per writer on every rank: writing gathers across ranks
+        timer_writers = [tensorboard.writer if tensorboard else None, wandb.wandb if wandb else None]
+    return Metrics(sinks, timers, args.log_interval, timer_writers)
 
 
 # ----------------------------------------------------------------------------- train / evaluate
@@ -213,7 +241,6 @@ def train_step(args, forward_step_func, data_iterator, model, optimizer, schedul
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    timers.start("forward-backward")
     losses = get_forward_backward_func()(
         forward_step_func=_with_fault_points(forward_step_func),
         data_iterator=data_iterator,
@@ -222,15 +249,14 @@ def train_step(args, forward_step_func, data_iterator, model, optimizer, schedul
         seq_length=args.seq_length,
         micro_batch_size=args.micro_batch_size,
         forward_only=False,
-    )
-    timers.stop("forward-backward")
+    )  # the schedule times itself: 'forward-backward' in timers
     lr = optimizer.param_groups[0]["lr"]
-    timers.start("optimizer")
-    update_successful, grad_norm, _num_zeros = optimizer.step()
-    timers.stop("optimizer")
+    timers("optimizer", log_level=1).start()
+    update_successful, grad_norm, num_zeros = optimizer.step()
+    timers("optimizer").stop()
     if update_successful:
         scheduler.step(increment=args.global_batch_size)
-    return _average_loss(losses), lr, grad_norm, update_successful
+    return _average_loss(losses), lr, grad_norm, num_zeros, update_successful
 
 
 def evaluate(args, forward_step_func, data_iterator, model) -> Optional[float]:
@@ -294,7 +320,7 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
     if fresh_auto_resume:  # --save X --load X in a batch script: the first job starts fresh
         _print_rank0(f"> no checkpoint in {args.load} yet: starting from scratch")
     elif args.load:
-        iteration, consumed = checkpointing.load_checkpoint(args.load, model, optimizer, scheduler)
+        iteration, consumed = _load(args, model, optimizer, scheduler)
         _print_rank0(f"> loaded checkpoint from {args.load} at iteration {iteration}" if iteration else
                      f"> no complete checkpoint in {args.load}: starting from scratch")
 
@@ -305,36 +331,42 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     train_iter = MicroBatchIterator(train_ds, consumed, args.micro_batch_size, dp_rank, dp_size)
 
-    loss_log = LossLog(args.loss_log, iteration)
-    timing_log = TimingLog(getattr(args, "timing_log", None), iteration)
-    timers = Timers(device)
-    compute_timers = config.timers = ComputeTimers(device)  # the schedules time forward/backward
+    timers = config.timers = LoopTimers(args.timing_log_level, args.timing_log_option, device)
+    metrics = build_metrics(args, optimizer, timers, iteration)
+    flops = flops_per_iteration(DenseGptShape.from_config(config, args.seq_length, args.padded_vocab_size),
+                                args.global_batch_size)
+    offload_state_bytes = optimizer.state_bytes_per_tier() if isinstance(optimizer, ReportsIteration) else {}
+    first_of_run = True
     stop = StopCheck(args.sigterm_watcher, args.exit_duration_in_mins, started)
     try:
         while iteration < args.train_iters:
             start = time.perf_counter()
-            loss, lr, grad_norm, ok = train_step(args, forward_step_func, train_iter, model,
-                                                 optimizer, scheduler, timers)
+            loss, lr, grad_norm, num_zeros, ok = train_step(args, forward_step_func, train_iter, model,
+                                                            optimizer, scheduler, timers)
+            loss = loss.item() if loss is not None else None
+            elapsed = time.perf_counter() - start
             iteration += 1
             consumed += args.global_batch_size
-            elapsed = time.perf_counter() - start
-            fb, opt = timers.pop("forward-backward"), timers.pop("optimizer")
-            fwd, bwd = compute_timers.pop("forward-compute"), compute_timers.pop("backward-compute")
-            compute_timers.clear()
-            if loss is not None:
-                if not math.isfinite(loss.item()):
-                    raise RuntimeError(f"loss is {loss.item()} at iteration {iteration}")
-                loss_log.write(iteration, loss.item(), lr, grad_norm)
-                timing_log.write(iteration, elapsed, fb, opt, fwd, bwd)
-                if iteration % args.log_interval == 0:
-                    _print_logging_rank(log_line(args, iteration, loss.item(), lr, grad_norm,
-                                                 elapsed, fb, opt, optimizer, ok, fwd, bwd))
+            nan = loss is not None and not math.isfinite(loss)
+            if nan and ok:
+                raise RuntimeError(f"loss is {loss} at iteration {iteration}")
+            times = timers.take_iteration()
+            metrics.iteration(IterationRecord(
+                iteration=iteration, consumed_samples=consumed, global_batch_size=args.global_batch_size,
+                learning_rate=lr, loss_scale=float(optimizer.get_loss_scale().item()), skipped=not ok, nan=nan,
+                elapsed_s=elapsed, forward_backward_s=times["forward-backward"], optimizer_s=times["optimizer"],
+                forward_s=times["forward-compute"], backward_s=times["backward-compute"], flops=flops,
+                loss=loss, grad_norm=grad_norm, num_zeros_in_grad=num_zeros if args.log_num_zeros_in_grad else None,
+                params_norm=params_l2_norm(model) if args.log_params_norm else None,
+                offload=optimizer.last_step_record() if isinstance(optimizer, ReportsIteration) else None,
+                offload_state_bytes=offload_state_bytes, first_of_run=first_of_run))
+            first_of_run = False
             if args.eval_interval and valid_ds is not None and iteration % args.eval_interval == 0:
-                _run_eval(args, forward_step_func, model, valid_ds, iteration, dp_rank, dp_size)
-                compute_timers.clear()  # evaluation's forwards are not the next iteration's
+                _run_eval(args, forward_step_func, model, valid_ds, iteration, consumed, dp_rank, dp_size, metrics)
+                timers.take_iteration()  # evaluation's forwards are not the next iteration's
             if args.save and args.save_interval and iteration % args.save_interval == 0:
                 with args.sigterm_watcher.saving_checkpoint():
-                    checkpointing.save_checkpoint(args.save, iteration, model, optimizer, scheduler, consumed)
+                    _save(args, iteration, model, optimizer, scheduler, consumed)
             reason = stop.after_iteration(time.perf_counter() - start, device)  # eval and save included
             if reason:  # the checkpoint is saved below, as at the end of training
                 _print_rank0(f"> exiting at iteration {iteration} after {reason}")
@@ -343,21 +375,34 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
                 _print_rank0(f"> exiting at iteration {iteration} (--exit-interval)")
                 break
         if args.save and not (args.save_interval and iteration % args.save_interval == 0):
-            checkpointing.save_checkpoint(args.save, iteration, model, optimizer, scheduler, consumed)
+            _save(args, iteration, model, optimizer, scheduler, consumed)
     finally:
-        loss_log.close()
-        timing_log.close()
+        metrics.close()
         if isinstance(optimizer, HoldsResources):
             optimizer.close()
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
-def _run_eval(args, forward_step_func, model, valid_ds, iteration, dp_rank, dp_size):
+def _save(args, iteration, model, optimizer, scheduler, consumed) -> None:
+    with reported_step(f"> saving checkpoint at iteration {iteration} to {args.save}", _print_rank0) as step:
+        path = checkpointing.save_checkpoint(args.save, iteration, model, optimizer, scheduler, consumed)
+        if torch.distributed.get_rank() == 0:
+            step.nbytes = directory_bytes(path)
+
+
+def _load(args, model, optimizer, scheduler):
+    with reported_step(f"> loading checkpoint from {args.load}", _print_rank0) as step:
+        iteration, consumed = checkpointing.load_checkpoint(args.load, model, optimizer, scheduler)
+        if iteration and torch.distributed.get_rank() == 0:
+            step.nbytes = directory_bytes(checkpoint_dir(args.load, iteration))
+    return iteration, consumed
+
+
+def _run_eval(args, forward_step_func, model, valid_ds, iteration, consumed, dp_rank, dp_size, metrics):
     # Each evaluation reads its own slice of the validation set, so results are reproducible on resume.
     first = (iteration // args.eval_interval) * args.eval_iters * args.global_batch_size
     it = MicroBatchIterator(valid_ds, first, args.micro_batch_size, dp_rank, dp_size)
     loss = evaluate(args, forward_step_func, it, model)
     if loss is not None:
-        _print_logging_rank(f"validation at iteration {iteration} | lm loss: {loss:.6E} | "
-                            f"lm loss PPL: {math.exp(min(loss, 20)):.4E}")
+        metrics.validation(ValidationRecord(iteration=iteration, consumed_samples=consumed, loss=loss))

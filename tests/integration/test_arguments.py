@@ -109,3 +109,27 @@ def test_no_flag_strings_in_the_engine():
     offenders = [f"{p.relative_to(REPO)}:{n}" for p in (REPO / "mlp_offload").rglob("*.py")
                  for n, line in enumerate(p.read_text().splitlines(), 1) if "--offload" in line]
     assert offenders == []
+
+
+def test_megatron_logging_flags():
+    args = parse_args(BASE + ["--log-throughput", "--timing-log-level", "2", "--timing-log-option", "all",
+                              "--tensorboard-dir", "/tb", "--tensorboard-log-interval", "5",
+                              "--tensorboard-queue-size", "10", "--log-timers-to-tensorboard",
+                              "--log-validation-ppl-to-tensorboard", "--log-memory-to-tensorboard",
+                              "--log-params-norm", "--log-num-zeros-in-grad", "--no-log-loss-scale-to-tensorboard",
+                              "--wandb-project", "p", "--wandb-exp-name", "e", "--wandb-save-dir", "/w"])
+    assert args.log_throughput and args.timing_log_level == 2 and args.timing_log_option == "all"
+    assert (args.tensorboard_dir, args.tensorboard_log_interval, args.tensorboard_queue_size) == ("/tb", 5, 10)
+    assert args.log_timers_to_tensorboard and args.log_validation_ppl_to_tensorboard and args.log_memory_to_tensorboard
+    assert args.log_params_norm and args.log_num_zeros_in_grad and not args.log_loss_scale_to_tensorboard
+    assert (args.wandb_project, args.wandb_exp_name, args.wandb_save_dir) == ("p", "e", "/w")
+
+
+@pytest.mark.parametrize("extra, flag", [
+    (["--wandb-project", "p", "--wandb-save-dir", "/w"], "--wandb-project"),
+    (["--wandb-project", "p", "--wandb-exp-name", "e"], "--wandb-project"),
+    (["--timing-log-level", "3"], "--timing-log-level"),
+])
+def test_logging_flag_errors_name_the_flag(extra, flag):
+    with pytest.raises(UserError, match=flag):
+        parse_args(BASE + extra)

@@ -70,9 +70,9 @@ def test_numbers_against_a_hand_calculation():
     gpu = got["gpu_bytes_per_rank"]
     assert gpu["parameters"] == 2 * params and gpu["gradients"] == 4 * params
     assert gpu["optimizer_state"] == 12 * params  # fp32 master weights and two moments, one rank
-    # FLOPs as Megatron-LM counts them: per token and layer 2*(qkv 3h^2 + scores 2*s*h + proj h^2 + mlp 8h^2),
-    # logits 2*h*v; backward twice the forward; 4 sequences of 32 tokens.
-    forward = layers * 2 * (3 * h * h + 2 * s * h + h * h + 8 * h * h) + 2 * h * v
+    # FLOPs as Megatron-LM counts them: per token and layer 2*(qkv 3h^2 + scores and weighting 2*s*h halved
+    # by the causal mask + proj h^2 + mlp 8h^2), logits 2*h*v; backward twice the forward; 4 sequences of 32.
+    forward = layers * 2 * (3 * h * h + s * h + h * h + 8 * h * h) + 2 * h * v
     assert got["predicted_compute_s"] == pytest.approx(3 * forward * s * 4 / 100e12, rel=1e-9)
     assert got["predicted_iteration_s"] == pytest.approx(got["predicted_compute_s"], rel=1e-9)
     assert got["fits"] is False and "GPU memory" in got["problems"][0]  # the 2 GiB CUDA reserve alone

@@ -36,4 +36,4 @@ def test_preprocess_and_train(tmp_path):
     assert len(values) == 8 and all(math.isfinite(v) for v in values)
     assert values[-1] < values[0] - 0.3, values
     out = (tmp_path / "run" / "loss-0.out").read_text()
-    assert "validation at iteration 8" in out
+    assert " validation loss at iteration 8 | lm loss value: " in out

@@ -1,0 +1,95 @@
+"""The offload engine's figures in the metrics record: per iteration as named scalars (TensorBoard,
+W&B), and per log interval as ``key: value`` pairs for the console line.
+
+Figures come from the engine's ``StepRecord`` (mlp_offload.telemetry): the update's time and its
+prediction, the read wait, bytes and busy time per file tier, token waits, cache hits; plus the
+state bytes each tier holds.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+from mlp_offload.telemetry import StepRecord, TierTraffic
+
+GB = 1e9
+
+
+def step_scalars(record: StepRecord, state_bytes: Optional[Dict[str, int]] = None) -> Dict[str, float]:
+    """One optimizer step's figures, named for TensorBoard/W&B (seconds, bytes, GB/s)."""
+    scalars = {}
+    if not record.skipped:
+        scalars.update({
+            "offload/update-time": record.update_s,
+            "offload/update-time-predicted": record.predicted_update_s,
+            "offload/adam-time": record.adam_s,
+            "offload/grad-convert-time": record.convert_s,
+            "offload/read-wait-time": record.read_wait_s,
+            "offload/cache-hits": record.cache_hits,
+            "offload/streamed-subgroups": record.streamed,
+        })
+    for tier, traffic in record.tiers.items():
+        scalars.update({
+            f"offload/{tier}-read-bytes": traffic.read_bytes,
+            f"offload/{tier}-read-GBps": traffic.read_gbps,
+            f"offload/{tier}-write-bytes": traffic.write_bytes,
+            f"offload/{tier}-write-GBps": traffic.write_gbps,
+            f"offload/{tier}-token-wait-time": traffic.token_wait_s,
+        })
+    for tier, nbytes in (state_bytes or {}).items():
+        scalars[f"offload/{tier}-state-bytes"] = nbytes
+    return scalars
+
+
+class OffloadInterval:
+    """The steps of one log interval, summed for the console line."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.updates = 0
+        self.update_s = self.predicted_s = self.adam_s = self.read_wait_s = 0.0
+        self.cache_hits = self.streamed = 0
+        self.tiers: Dict[str, TierTraffic] = {}
+
+    def add(self, record: StepRecord) -> None:
+        if not record.skipped:  # a skipped step moved nothing of its own, but I/O it overlapped did
+            self.updates += 1
+            self.update_s += record.update_s
+            self.predicted_s += record.predicted_update_s
+            self.adam_s += record.adam_s
+            self.read_wait_s += record.read_wait_s
+            self.cache_hits += record.cache_hits
+            self.streamed += record.streamed
+        for name, t in record.tiers.items():
+            total = self.tiers.setdefault(name, TierTraffic())
+            total.read_bytes += t.read_bytes
+            total.write_bytes += t.write_bytes
+            total.read_busy_s += t.read_busy_s
+            total.write_busy_s += t.write_busy_s
+            total.token_wait_s += t.token_wait_s
+
+    def console_pairs(self, iterations: int) -> List[Tuple[str, str]]:
+        """Per-iteration averages over the interval; rates from the interval's bytes and busy time."""
+        if not self.updates and not self.tiers:
+            return []
+        per_update = max(self.updates, 1)
+        per_iteration = max(iterations, 1)
+        pairs = [
+            ("offload update time (ms)", f"{self.update_s / per_update * 1000:.1f}"),
+            ("offload predicted update time (ms)", f"{self.predicted_s / per_update * 1000:.1f}"),
+            ("offload adam time (ms)", f"{self.adam_s / per_update * 1000:.1f}"),
+            ("offload read wait (ms)", f"{self.read_wait_s / per_update * 1000:.1f}"),
+        ]
+        for name, t in self.tiers.items():
+            pairs += [
+                (f"offload {name} read (GB)", f"{t.read_bytes / per_iteration / GB:.3f}"),
+                (f"offload {name} read (GB/s)", f"{t.read_gbps:.2f}"),
+                (f"offload {name} write (GB)", f"{t.write_bytes / per_iteration / GB:.3f}"),
+                (f"offload {name} write (GB/s)", f"{t.write_gbps:.2f}"),
+                (f"offload {name} token wait (ms)", f"{t.token_wait_s / per_iteration * 1000:.1f}"),
+            ]
+        if self.streamed:
+            pairs.append(("offload cache hits", f"{self.cache_hits}/{self.streamed}"))
+        return pairs
