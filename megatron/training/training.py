@@ -294,7 +294,7 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
     if fresh_auto_resume:  # --save X --load X in a batch script: the first job starts fresh
         _print_rank0(f"> no checkpoint in {args.load} yet: starting from scratch")
     elif args.load:
-        iteration, consumed = checkpointing.load_checkpoint(args.load, model, optimizer, scheduler)
+        iteration, consumed = checkpointing.load_checkpoint(args.load, model, optimizer, scheduler, args)
         _print_rank0(f"> loaded checkpoint from {args.load} at iteration {iteration}" if iteration else
                      f"> no complete checkpoint in {args.load}: starting from scratch")
 
@@ -334,7 +334,7 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
                 compute_timers.clear()  # evaluation's forwards are not the next iteration's
             if args.save and args.save_interval and iteration % args.save_interval == 0:
                 with args.sigterm_watcher.saving_checkpoint():
-                    checkpointing.save_checkpoint(args.save, iteration, model, optimizer, scheduler, consumed)
+                    checkpointing.save_checkpoint(args.save, iteration, model, optimizer, scheduler, consumed, args)
             reason = stop.after_iteration(time.perf_counter() - start, device)  # eval and save included
             if reason:  # the checkpoint is saved below, as at the end of training
                 _print_rank0(f"> exiting at iteration {iteration} after {reason}")
@@ -343,7 +343,7 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
                 _print_rank0(f"> exiting at iteration {iteration} (--exit-interval)")
                 break
         if args.save and not (args.save_interval and iteration % args.save_interval == 0):
-            checkpointing.save_checkpoint(args.save, iteration, model, optimizer, scheduler, consumed)
+            checkpointing.save_checkpoint(args.save, iteration, model, optimizer, scheduler, consumed, args)
     finally:
         loss_log.close()
         timing_log.close()
