@@ -91,9 +91,10 @@ class DistributedOptimizerTemplate:
                         local = self.tensors[name][piece.flat_start: piece.flat_start + length]
                         self.sharded[f"{key}.{name}"] = _flat_shard(f"{key}.{name}", local, unpadded, global_start)
         self._param_ranges = layout.flat_ranges(layout.param_flat_range)
-        self.sharded["optimizer"] = ShardedObject(f"{prefix}.optimizer", None, (1,), (0,), replica_id=0)
+        replica = (0, 0, dp_rank)  # as megatron-core's: one copy per model-parallel position
+        self.sharded["optimizer"] = ShardedObject(f"{prefix}.optimizer", None, (1,), (0,), replica_id=replica)
         if has_grad_scaler:
-            self.sharded["grad_scaler"] = ShardedObject(f"{prefix}.grad_scaler", None, (1,), (0,), replica_id=0)
+            self.sharded["grad_scaler"] = ShardedObject(f"{prefix}.grad_scaler", None, (1,), (0,), replica_id=replica)
 
     def steps_and_scaler(self, loaded: dict) -> Tuple[int, dict]:
         groups = loaded["optimizer"].get("param_groups", [])
