@@ -1,9 +1,15 @@
-"""Checkpoint save/load through megatron-core ``dist_checkpointing``.
+"""Checkpoint save/load through megatron-core ``dist_checkpointing``, in Megatron-LM's torch_dist layout.
 
-Layout (as Megatron-LM): ``SAVE/iter_0000005/`` (a dist_checkpointing directory) and
-``SAVE/latest_checkpointed_iteration.txt``, plus the completeness proof of checkpoint_integrity. One checkpoint holds the model's sharded state, the
-optimizer's ``dp_reshardable`` sharded state, the LR scheduler, iteration, consumed samples and
-every rank's RNG states, so a resumed run continues bit for bit.
+``SAVE/iter_0000005/`` (a dist_checkpointing directory) and ``SAVE/latest_checkpointed_iteration.txt``,
+plus the completeness proof of checkpoint_integrity. The state dict has Megatron-LM's keys:
+'args' (a Namespace; the data position in its consumed_train_samples), 'checkpoint_version' 3.0,
+'iteration', 'model' ('model0', 'model1', ... with virtual pipeline chunks), 'optimizer'
+(DistributedOptimizer ``dp_reshardable``), 'opt_param_scheduler', 'rng_state' (a ShardedObject
+per (pp, tp) position holding the list of its data-parallel ranks' states, as upstream's
+--data-parallel-random-init) and 'num_floating_point_operations_so_far'. So a Megatron-LM GPT
+checkpoint loads here and a resumed run continues bit for bit. With offload, the optimizer's
+Adam state is streamed beside it into ``iter_N/offload/`` and either form loads into either kind of
+optimizer (optimizer_state_crossing).
 """
 
 from __future__ import annotations
@@ -23,13 +29,18 @@ from megatron.core.distributed import DistributedDataParallel
 from megatron.core.optimizer import ChainedOptimizer, MegatronOptimizer
 
 from megatron.training import checkpoint_integrity as integrity
+from megatron.training.checkpoint_args import args_to_save
+from megatron.training.checkpoint_format import check_format, load_strategies, save_strategies
 from megatron.training.checkpoint_integrity import checkpoint_dir
+from megatron.training.checkpoint_load_plan import FROM_OFFLOADED, SAME_FORM, LoadPlan
 from megatron.training.errors import UserError
+from megatron.training.optimizer_state_crossing import fill_distributed_optimizer, load_into_engine
 from megatron.training.optimizer_interface import OffloadedOptimizerCheckpoint
 from mlp_offload.checkpoint import CheckpointSaveError, human_bytes
 from mlp_offload.faults import fault_point
 
 OPTIMIZER_SHARDING = "dp_reshardable"
+CHECKPOINT_VERSION = 3.0  # Megatron-LM's, for torch_dist checkpoints
 # What a file system says when the user must act (space, quota, permissions, a vanished or failing disk).
 STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.EIO}
 
@@ -39,31 +50,37 @@ def _unwrap(chunk):
     return chunk.module if isinstance(chunk, DistributedDataParallel) else chunk
 
 
-def _model_sharded_state_dict(model):
+def _model_state(model, metadata) -> dict:
+    """'model', or 'model0', 'model1', ... for virtual pipeline chunks (as upstream)."""
     if len(model) == 1:
-        return _unwrap(model[0]).sharded_state_dict()
-    return {f"model{i}": _unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(model)}
+        return {"model": _unwrap(model[0]).sharded_state_dict(metadata=metadata)}
+    return {f"model{i}": _unwrap(chunk).sharded_state_dict(metadata=metadata) for i, chunk in enumerate(model)}
 
 
-def _rng_state():
+def _rng_state() -> dict:
+    """This rank's RNG states under Megatron-LM's names (no CUDA state on a CPU run)."""
     state = {
-        "random": random.getstate(),
-        "np_random": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+        "random_rng_state": random.getstate(),
+        "np_rng_state": np.random.get_state(),
+        "torch_rng_state": torch.get_rng_state(),
+        "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
+        state["cuda_rng_state"] = torch.cuda.get_rng_state()
     return state
 
 
-def _set_rng_state(state) -> None:
-    random.setstate(state["random"])
-    np.random.set_state(state["np_random"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["random_rng_state"])
+    np.random.set_state(state["np_rng_state"])
+    torch.set_rng_state(state["torch_rng_state"])
+    if "cuda_rng_state" in state and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.set_rng_state(state["cuda_rng_state"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
+
+
+_LEGACY_RNG_NAMES = {"random": "random_rng_state", "np_random": "np_rng_state", "torch": "torch_rng_state",
+                     "cuda": "cuda_rng_state", "tracker": "rng_tracker_states"}
 
 
 def rank_coordinates():
@@ -76,15 +93,32 @@ def rank_coordinates():
     return shape, offset
 
 
-def _parallel_layout():
-    (pp, tp, dp), _ = rank_coordinates()
-    return {"tp": tp, "pp": pp, "dp": dp}
+def _rng_sharded_object(states):
+    """Upstream's 'rng_state': per (pp, tp) position, the list of its data-parallel ranks' states,
+    written once (replica_id: the DP rank)."""
+    (pp, tp, _), (p, t, d) = rank_coordinates()
+    return ShardedObject("rng_state", states, (pp, tp), (p, t), replica_id=d)
 
 
-def _rng_sharded_object(state):
-    """Every rank's RNG state, keyed by its (pp, tp, dp) coordinates."""
+def _all_data_parallel_rng_states() -> list:
+    """Every data-parallel rank's states (they differ: dropout), gathered so one rank saves them."""
+    group = parallel_state.get_data_parallel_group()
+    states = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(states, _rng_state(), group=group)
+    return states
+
+
+def _legacy_rng_sharded_object():
+    """This repo's earlier 'rng_state': one object per (pp, tp, dp) rank, older names."""
     shape, offset = rank_coordinates()
-    return ShardedObject("rng_state", state, shape, offset, replica_id=0)
+    return ShardedObject("rng_state", None, shape, offset, replica_id=0)
+
+
+def _sharding_metadata() -> dict:
+    """What Megatron-LM passes to sharded_state_dict; it decides key names and the optimizer form."""
+    return {"distrib_optim_sharding_type": OPTIMIZER_SHARDING, "singleton_local_shards": False,
+            "chained_optim_avoid_prefix": True,
+            "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
 
 
 def _megatron_optimizers(optimizer) -> list:
@@ -136,22 +170,21 @@ def _restore_adam_steps(optimizer, loaded) -> None:
                 state["step"] = torch.tensor(step, dtype=torch.float32)
 
 
-def _state_dict(model, optimizer, scheduler, iteration, consumed_samples, is_loading):
-    model_sd = _model_sharded_state_dict(model)
-    return {
-        "model": model_sd,
-        # metadata is megatron-core's current spelling of sharding_type='dp_reshardable'.
-        "optimizer": optimizer.sharded_state_dict(
-            model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": OPTIMIZER_SHARDING}),
-        "opt_param_scheduler": scheduler.state_dict(),
-        "iteration": iteration,
-        "consumed_train_samples": consumed_samples,
-        "rng_state": _rng_sharded_object(_rng_state()),
-        "parallel_layout": _parallel_layout(),
-    }
+def _state_to_save(args, model, optimizer, scheduler, iteration, consumed_samples) -> dict:
+    metadata = _sharding_metadata()
+    state = {"args": args_to_save(args, consumed_samples), "checkpoint_version": CHECKPOINT_VERSION,
+             "iteration": iteration}
+    state.update(_model_state(model, metadata))
+    if not args.no_save_optim:
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=False, metadata=metadata)
+        state["opt_param_scheduler"] = scheduler.state_dict()
+    if not args.no_save_rng:
+        state["rng_state"] = _rng_sharded_object(_all_data_parallel_rng_states())
+    state["num_floating_point_operations_so_far"] = getattr(args, "num_floating_point_operations_so_far", 0)
+    return state
 
 
-def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, consumed_samples: int) -> str:
+def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, consumed_samples: int, args) -> str:
     """Save everything into ``root/iter_N`` and record it as the latest; see checkpoint_integrity for
     the order that makes a crash at any point leave the previous checkpoint as the one to resume."""
     path = checkpoint_dir(root, iteration)
@@ -169,12 +202,13 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, cons
     torch.distributed.broadcast_object_list(decision, src=0)
     if not decision[0]:
         return path
-    _check_free_space(root, path, iteration, model, optimizer)
-    state = _state_dict(model, optimizer, scheduler, iteration, consumed_samples, is_loading=False)
+    save_optimizer = not args.no_save_optim
+    _check_free_space(root, path, iteration, model, optimizer if save_optimizer else None)
+    state = _state_to_save(args, model, optimizer, scheduler, iteration, consumed_samples)
     offload_bytes, offload_s, failure = 0, 0.0, None
     try:
-        dist_checkpointing.save(state, path)
-        if isinstance(optimizer, OffloadedOptimizerCheckpoint):  # streamed beside it, a file per rank
+        dist_checkpointing.save(state, path, **save_strategies(args))
+        if save_optimizer and isinstance(optimizer, OffloadedOptimizerCheckpoint):  # streamed beside it, a file per rank
             t0 = time.perf_counter()
             offload_bytes = optimizer.save_offloaded_state(path)
             offload_s = time.perf_counter() - t0
@@ -233,6 +267,8 @@ def _bytes_this_rank_saves(model, optimizer) -> int:
     numel = sum(p.numel() for chunk in model for p in chunk.parameters())
     weights = sum(p.numel() * p.element_size() for chunk in model for p in chunk.parameters())
     first_replica = parallel_state.get_data_parallel_rank() == 0
+    if optimizer is None:  # --no-save-optim
+        return weights * first_replica
     if isinstance(optimizer, OffloadedOptimizerCheckpoint):
         return weights * first_replica + optimizer.offloaded_state_bytes()
     # megatron-core's distributed optimizer: fp32 master, exp_avg and exp_avg_sq of this rank's shard
@@ -253,8 +289,9 @@ def _fail_together(failure: Optional[str], root: str, path: str) -> None:
                     f"untouched")
 
 
-def load_checkpoint(root: str, model, optimizer, scheduler):
-    """Restore everything; returns (iteration, consumed_samples), or (0, 0) when nothing is saved."""
+def load_checkpoint(root: str, model, optimizer, scheduler, args):
+    """Restore what the flags ask for; returns (iteration, consumed_samples), or (0, 0) when nothing
+    is saved (and with --finetune, which loads the weights only)."""
     if not os.path.isdir(root):
         raise UserError(f"--load {root}: not a directory")
     choice = [None]
@@ -268,35 +305,75 @@ def load_checkpoint(root: str, model, optimizer, scheduler):
     iteration, notes, problem = choice[0]
     if problem:
         raise UserError(f"--load {root}: {problem}")
-    if torch.distributed.get_rank() == 0:
-        for note in notes:
-            print(f"> {note}", flush=True)
+    for note in notes:
+        _print_rank0(f"> {note}")
     if iteration is None:
         return 0, 0
     path = checkpoint_dir(root, iteration)
-    _prepare_fresh_optimizer_for_load(optimizer)
-    template = _state_dict(model, optimizer, scheduler, 0, 0, is_loading=True)
-    saved_layout = dist_checkpointing.load_common_state_dict(path).get("parallel_layout")
-    same_layout = saved_layout is None or saved_layout == template["parallel_layout"]
-    if not same_layout:
-        # Per-rank RNG states are keyed by (pp, tp, dp) position: another layout has other ranks.
-        # Model, optimizer, scheduler and data position still load (resharded by megatron-core).
-        del template["rng_state"]
-        if torch.distributed.get_rank() == 0:
-            print(f"> checkpoint layout {saved_layout} differs from this run's {template['parallel_layout']}: "
-                  f"resharding; RNG states start from --seed", flush=True)
-    state = dist_checkpointing.load(template, path)
-    if len(model) == 1:
-        _unwrap(model[0]).load_state_dict(state["model"])
-    else:
-        for i, chunk in enumerate(model):
-            _unwrap(chunk).load_state_dict(state[f"model{i}"])
-    optimizer.load_state_dict(state["optimizer"])
-    if isinstance(optimizer, OffloadedOptimizerCheckpoint):
-        optimizer.load_offloaded_state(path)
-    _restore_adam_steps(optimizer, state["optimizer"])
-    scheduler.load_state_dict(state["opt_param_scheduler"])
-    if same_layout:
-        _set_rng_state(state["rng_state"])
+    check_format(path, args)
+    common = dist_checkpointing.load_common_state_dict(path)
+    plan = LoadPlan.make(common, path, optimizer, args)
+    for note in plan.notes:
+        _print_rank0(f"> {note}")
+
+    metadata = _sharding_metadata()
+    template = _model_state(model, metadata)
+    if plan.optimizer == SAME_FORM:
+        if not plan.run_offloaded:
+            _prepare_fresh_optimizer_for_load(optimizer)
+        template["optimizer"] = optimizer.sharded_state_dict(template, is_loading=True, metadata=metadata)
+    if plan.rng == "upstream":
+        template["rng_state"] = _rng_sharded_object(None)
+    elif plan.rng == "legacy":
+        template["rng_state"] = _legacy_rng_sharded_object()
+    state = dist_checkpointing.load(template, path, **load_strategies(args, path))
+
+    for key in _model_state_keys(model):
+        _unwrap(model[int(key[5:] or 0)]).load_state_dict(state[key])
+    _load_optimizer(plan, optimizer, model, state, common, path, args)
+    if plan.scheduler:
+        scheduler.load_state_dict(common["opt_param_scheduler"])
+    if plan.rng:
+        _set_rng_state(_this_rank_rng_state(state["rng_state"], plan.rng))
     torch.distributed.barrier()
-    return state["iteration"], state["consumed_train_samples"]
+    if args.finetune:
+        return 0, 0
+    args.num_floating_point_operations_so_far = common.get("num_floating_point_operations_so_far", 0)
+    return common["iteration"], plan.consumed_samples
+
+
+def _model_state_keys(model):
+    return ["model"] if len(model) == 1 else [f"model{i}" for i in range(len(model))]
+
+
+def _load_optimizer(plan, optimizer, model, state, common, path, args) -> None:
+    if plan.optimizer is None:
+        optimizer.reload_model_params()  # the master copy starts from the loaded weights
+    elif plan.optimizer == SAME_FORM:
+        optimizer.load_state_dict(state["optimizer"])
+        if plan.run_offloaded:
+            optimizer.load_offloaded_state(path)
+        else:
+            _restore_adam_steps(optimizer, state["optimizer"])
+    elif plan.optimizer == FROM_OFFLOADED:
+        _prepare_fresh_optimizer_for_load(optimizer)
+        fill_distributed_optimizer(_megatron_optimizers(optimizer), model, path, common["optimizer"]["offload_meta"])
+        _print_rank0(f"> optimizer state converted from the offloaded form in {path}")
+    else:  # FROM_DISTRIBUTED
+        saved = common.get("args")
+        scaled = bool(getattr(saved, "fp16", False) or getattr(saved, "loss_scale", None))
+        load_into_engine(optimizer, path, has_grad_scaler=scaled and optimizer.grad_scaler is not None)
+        _print_rank0(f"> optimizer state converted from megatron-core's distributed optimizer form in {path}")
+
+
+def _this_rank_rng_state(saved, form: str) -> dict:
+    if form == "legacy":
+        return {_LEGACY_RNG_NAMES[k]: v for k, v in saved.items()}
+    if len(saved) == 1:
+        return saved[0]  # saved without per-DP states (upstream without --data-parallel-random-init)
+    return saved[parallel_state.get_data_parallel_rank()]
+
+
+def _print_rank0(line: str) -> None:
+    if torch.distributed.get_rank() == 0:
+        print(line, flush=True)

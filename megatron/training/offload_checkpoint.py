@@ -7,7 +7,6 @@ run with another data-parallel size (same TP and PP) finds its elements in the o
 
 from __future__ import annotations
 
-import glob
 import logging
 import os
 from typing import Optional
@@ -15,10 +14,10 @@ from typing import Optional
 import torch
 
 from megatron.training.checkpointing import rank_coordinates
+from megatron.training.offload_files import OffloadFileSet, offload_file_path, param_names
 from megatron.training.shard_layout import ShardLayout
 from mlp_offload import OffloadedAdamW
-from mlp_offload.checkpoint import (CheckpointDataError, RangeReader, load_engine_state, read_footer, save_engine_state,
-                                    state_file_bytes)
+from mlp_offload.checkpoint import CheckpointDataError, load_engine_state, read_footer, save_engine_state, state_file_bytes
 
 log = logging.getLogger("mlp_offload")
 
@@ -32,8 +31,7 @@ class OffloadedStateFiles:
         self.layout = layout
         self.dp_size = dp_size
         # Stable names, so a checkpoint can be resharded onto another data-parallel size.
-        self.param_names = {param: f"{i}.{name}" for i, chunk in enumerate(model_chunks)
-                            for name, param in chunk.named_parameters()}
+        self.param_names = param_names(model_chunks)
 
     def save(self, checkpoint_dir: str) -> int:
         """Stream this rank's state into ``checkpoint_dir/offload/`` (a file per rank); returns its bytes."""
@@ -62,68 +60,25 @@ class OffloadedStateFiles:
         """Fill this rank's shard from the files of another data-parallel size (same TP and PP):
         each parameter slice is read from whichever old ranks held it."""
         _, (p, t, _) = rank_coordinates()
-        pattern = os.path.join(checkpoint_dir, "offload", f"pp{p:03d}_tp{t:03d}_dp*.offload")
-        files = sorted(glob.glob(pattern))
-        if not files:
-            raise CheckpointDataError(f"{checkpoint_dir}: no offloaded optimizer state for pp={p} tp={t} ({pattern})")
-        footers = [read_footer(f) for f in files]
-        old_dp = footers[0]["metadata"].get("dp_size")
-        if old_dp != len(files) or any(f["metadata"].get("dp_size") != old_dp for f in footers):
-            raise CheckpointDataError(f"{checkpoint_dir}: found {len(files)} offload files for pp={p} tp={t}, "
-                                      f"their data-parallel size says {old_dp}: the checkpoint is incomplete")
-        steps = {f["steps_done"] for f in footers}
-        if len(steps) != 1:
-            raise CheckpointDataError(f"{checkpoint_dir}: offload files disagree on the step count {sorted(steps)}")
-        readers = [RangeReader(f, footer["subgroups"]) for f, footer in zip(files, footers)]
-        held = {}  # param name -> [(param offset, length, file flat offset, reader)]
-        for path, reader, footer in zip(files, readers, footers):
-            for name, offset, length, flat in _param_slices(path, footer):
-                held.setdefault(name, []).append((offset, length, flat, reader))
         mine = sorted((a, b, self.layout.param_slice[param], self.param_names[param])
                       for param, (a, b) in self.layout.param_flat_range.items())
+        with OffloadFileSet(checkpoint_dir, p, t) as files:
+            def fill(sg, *outs):
+                for out in outs:
+                    out.zero_()  # bucket padding holds no parameter
+                for a, b, offset, name in mine:
+                    lo, hi = max(a, sg.start), min(b, sg.end)
+                    if lo < hi:
+                        files.read(name, offset + lo - a, offset + hi - a,
+                                   [out[lo - sg.start: hi - sg.start] for out in outs])
 
-        def fill(sg, *outs):
-            for out in outs:
-                out.zero_()  # bucket padding holds no parameter
-            for a, b, offset, name in mine:
-                lo, hi = max(a, sg.start), min(b, sg.end)
-                if lo >= hi:
-                    continue
-                want, want_end, filled = offset + lo - a, offset + hi - a, 0
-                for old_offset, length, flat, reader in held.get(name, []):
-                    x, y = max(want, old_offset), min(want_end, old_offset + length)
-                    if x < y:
-                        dst = lo - sg.start + (x - want)
-                        for k, out in enumerate(outs):
-                            reader.read(k, flat + x - old_offset, flat + y - old_offset, out[dst: dst + y - x])
-                        filled += y - x
-                if filled != want_end - want:
-                    raise CheckpointDataError(f"{checkpoint_dir}: elements {want}..{want_end} of {name} are "
-                                              f"in no offload file (another model or TP/PP layout?)")
-
-        try:
-            self.engine.load_state(fill, steps_done=steps.pop())
-        finally:
-            for reader in readers:
-                reader.close()
+            self.engine.load_state(fill, steps_done=files.steps_done)
+            old_dp = files.dp_size
         if torch.distributed.get_rank() == 0:
             log.info("offloaded state resharded from data-parallel size %d to %d", old_dp, self.dp_size)
 
 
 def _state_path(checkpoint_dir: str) -> str:
     _, (p, t, d) = rank_coordinates()
-    return os.path.join(checkpoint_dir, "offload", f"pp{p:03d}_tp{t:03d}_dp{d:03d}.offload")
+    return offload_file_path(checkpoint_dir, p, t, d)
 
-
-def _param_slices(path: str, footer: dict):
-    """The footer's per-parameter slices, each checked to lie inside the file's elements."""
-    slices = footer["metadata"].get("params")
-    if not isinstance(slices, list):
-        raise CheckpointDataError(f"{path}: no per-parameter slice table: it cannot be resharded")
-    for entry in slices:
-        ok = (isinstance(entry, list) and len(entry) == 4 and isinstance(entry[0], str)
-              and all(isinstance(v, int) and not isinstance(v, bool) for v in entry[1:]))
-        if not ok or entry[1] < 0 or entry[2] <= 0 or entry[3] < 0 or entry[3] + entry[2] > footer["numel"]:
-            raise CheckpointDataError(f"{path}: slice table entry {str(entry)[:80]} lies outside the file's "
-                                      f"{footer['numel']} elements; the file was not used")
-    return slices

@@ -317,6 +317,8 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
 
     iteration, consumed = 0, 0
     fresh_auto_resume = args.load and args.load == args.save and not os.path.isdir(args.load)
+    if args.async_save:  # never a silent fallback: the user asked for something we do not do yet
+        _print_rank0("> --async-save: checkpoints are saved synchronously (asynchronous saving is not implemented yet)")
     if fresh_auto_resume:  # --save X --load X in a batch script: the first job starts fresh
         _print_rank0(f"> no checkpoint in {args.load} yet: starting from scratch")
     elif args.load:
@@ -386,14 +388,14 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
 
 def _save(args, iteration, model, optimizer, scheduler, consumed) -> None:
     with reported_step(f"> saving checkpoint at iteration {iteration} to {args.save}", _print_rank0) as step:
-        path = checkpointing.save_checkpoint(args.save, iteration, model, optimizer, scheduler, consumed)
+        path = checkpointing.save_checkpoint(args.save, iteration, model, optimizer, scheduler, consumed, args)
         if torch.distributed.get_rank() == 0:
             step.nbytes = directory_bytes(path)
 
 
 def _load(args, model, optimizer, scheduler):
     with reported_step(f"> loading checkpoint from {args.load}", _print_rank0) as step:
-        iteration, consumed = checkpointing.load_checkpoint(args.load, model, optimizer, scheduler)
+        iteration, consumed = checkpointing.load_checkpoint(args.load, model, optimizer, scheduler, args)
         if iteration and torch.distributed.get_rank() == 0:
             step.nbytes = directory_bytes(checkpoint_dir(args.load, iteration))
     return iteration, consumed

@@ -1,0 +1,98 @@
+"""Read a checkpoint's offloaded optimizer state by parameter name, whatever DP size wrote it.
+
+The files of one (pp, tp) position, ``iter_N/offload/ppPPP_tpTTT_dp*.offload``, together hold each
+parameter's fp32 master copy, exp_avg and exp_avg_sq; their footers say which slice of which
+parameter (named ``<chunk>.<name>`` as ``named_parameters`` gives it) lies where. Used to reshard
+across DP, to fill megatron-core's own optimizer from them, and by the conversion tool.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from typing import Dict, List, Tuple
+
+import torch
+
+from mlp_offload.checkpoint import CheckpointDataError, RangeReader, read_footer
+
+STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")  # the order of the tensors in an offload file
+
+
+def offload_file_path(checkpoint_dir: str, pp: int, tp: int, dp: int) -> str:
+    return os.path.join(checkpoint_dir, "offload", f"pp{pp:03d}_tp{tp:03d}_dp{dp:03d}.offload")
+
+
+def has_offloaded_state(checkpoint_dir: str) -> bool:
+    return bool(glob.glob(os.path.join(checkpoint_dir, "offload", "*.offload")))
+
+
+class OffloadFileSet:
+    """The offload files of one (pp, tp) position, opened for reads by (parameter, element range)."""
+
+    def __init__(self, checkpoint_dir: str, pp: int, tp: int):
+        pattern = offload_file_path(checkpoint_dir, pp, tp, 0).replace("dp000", "dp*")
+        self.files = sorted(glob.glob(pattern))
+        if not self.files:
+            raise CheckpointDataError(f"{checkpoint_dir}: no offloaded optimizer state for pp={pp} tp={tp} ({pattern})")
+        footers = [read_footer(f) for f in self.files]
+        self.dp_size = footers[0]["metadata"].get("dp_size")
+        if self.dp_size != len(self.files) or any(f["metadata"].get("dp_size") != self.dp_size for f in footers):
+            raise CheckpointDataError(f"{checkpoint_dir}: found {len(self.files)} offload files for pp={pp} tp={tp}, "
+                                      f"their data-parallel size says {self.dp_size}: the checkpoint is incomplete")
+        steps = {f["steps_done"] for f in footers}
+        if len(steps) != 1:
+            raise CheckpointDataError(f"{checkpoint_dir}: offload files disagree on the step count {sorted(steps)}")
+        self.steps_done = steps.pop()
+        self.where = checkpoint_dir
+        self._readers = [RangeReader(f, footer["subgroups"]) for f, footer in zip(self.files, footers)]
+        # param name -> [(offset in the param, length, offset in the file, reader)]
+        self._held: Dict[str, List[Tuple[int, int, int, RangeReader]]] = {}
+        for path, reader, footer in zip(self.files, self._readers, footers):
+            for name, offset, length, flat in _param_slices(path, footer):
+                self._held.setdefault(name, []).append((offset, length, flat, reader))
+
+    def param_names(self):
+        return self._held.keys()
+
+    def read(self, name: str, start: int, end: int, outs) -> None:
+        """Elements [start, end) of parameter ``name`` into ``outs`` (one tensor per STATE_KEYS entry)."""
+        filled = 0
+        for old_offset, length, flat, reader in self._held.get(name, []):
+            x, y = max(start, old_offset), min(end, old_offset + length)
+            if x < y:
+                for k, out in enumerate(outs):
+                    reader.read(k, flat + x - old_offset, flat + y - old_offset, out[x - start: y - start])
+                filled += y - x
+        if filled != end - start:
+            raise CheckpointDataError(f"{self.where}: elements {start}..{end} of {name} are in no offload file "
+                                      f"(another model or TP/PP layout?)")
+
+    def close(self) -> None:
+        for reader in self._readers:
+            reader.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _param_slices(path: str, footer: dict):
+    """The footer's per-parameter slices, each checked to lie inside the file's elements."""
+    slices = footer["metadata"].get("params")
+    if not isinstance(slices, list):
+        raise CheckpointDataError(f"{path}: no per-parameter slice table: it cannot be resharded")
+    for entry in slices:
+        ok = (isinstance(entry, list) and len(entry) == 4 and isinstance(entry[0], str)
+              and all(isinstance(v, int) and not isinstance(v, bool) for v in entry[1:]))
+        if not ok or entry[1] < 0 or entry[2] <= 0 or entry[3] < 0 or entry[3] + entry[2] > footer["numel"]:
+            raise CheckpointDataError(f"{path}: slice table entry {str(entry)[:80]} lies outside the file's "
+                                      f"{footer['numel']} elements; the file was not used")
+    return slices
+
+
+def param_names(model_chunks) -> Dict[torch.nn.Parameter, str]:
+    """The names offload files use for the parameters of ``model_chunks`` (the DDP-wrapped list)."""
+    return {param: f"{i}.{name}" for i, chunk in enumerate(model_chunks) for name, param in chunk.named_parameters()}

@@ -1,0 +1,80 @@
+"""Checkpoints across every boundary (2 CPU processes, DP=2, 4 iterations, saves at 2):
+offload on/off between save and resume in both directions, weights-only loads, and a checkpoint
+laid out as Megatron-LM's save_checkpoint writes it. Offload and plain runs are bit-identical on
+CPU (test_offload_cpu), so every resume must repeat the uninterrupted plain run's iterations 3-4."""
+
+import sys
+
+import pytest
+
+from launch import PRETRAIN, REPO, pretrain_command, pretrain_env, run_and_clean_up, run_pretrain
+from test_offload_cpu import offload_args
+
+ITERS, SAVED_AT = 4, 2
+
+
+def saving(ckpt):
+    return ["--save", str(ckpt), "--save-interval", str(SAVED_AT), "--exit-interval", str(SAVED_AT)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("crossing")
+    baseline = run_pretrain(tmp / "base", [], train_iters=ITERS)
+    run_pretrain(tmp / "off", [*offload_args(tmp / "off"), *saving(tmp / "off-ckpt")], train_iters=ITERS)
+    run_pretrain(tmp / "plain", saving(tmp / "plain-ckpt"), train_iters=ITERS)
+    return tmp, baseline
+
+
+def test_offloaded_checkpoint_resumes_without_offload(runs):
+    tmp, baseline = runs
+    resumed = run_pretrain(tmp / "r1", ["--load", str(tmp / "off-ckpt")], train_iters=ITERS)
+    assert resumed == baseline[SAVED_AT:]
+
+
+def test_plain_checkpoint_resumes_with_offload(runs):
+    tmp, baseline = runs
+    resumed = run_pretrain(tmp / "r2", [*offload_args(tmp / "r2"), "--load", str(tmp / "plain-ckpt")],
+                           train_iters=ITERS)
+    assert resumed == baseline[SAVED_AT:]
+
+
+def test_no_load_optim_loads_weights_across_forms(runs):
+    """The weights and data position load (iteration 3's loss is the baseline's); Adam starts fresh."""
+    tmp, baseline = runs
+    resumed = run_pretrain(tmp / "r3", ["--load", str(tmp / "off-ckpt"), "--no-load-optim"], train_iters=ITERS)
+    assert [r["iteration"] for r in resumed] == [3, 4]
+    assert resumed[0]["loss"] == baseline[SAVED_AT]["loss"]
+    assert resumed[1]["loss"] != baseline[SAVED_AT + 1]["loss"]
+
+
+def test_upstream_megatron_layout_loads_and_trains_on(runs):
+    """A checkpoint with Megatron-LM's torch_dist keys (written by upstream_layout_writer.py from the
+    plain checkpoint) resumes bit for bit, without and with offload."""
+    tmp, baseline = runs
+    upstream = tmp / "upstream-ckpt"
+    cmd = pretrain_command(["--load", str(tmp / "plain-ckpt"), "--upstream-out", str(upstream)], 2, ITERS,
+                           tmp / "unused.jsonl")
+    cmd[cmd.index(str(PRETRAIN))] = str(REPO / "tests" / "integration" / "upstream_layout_writer.py")
+    code, output = run_and_clean_up(cmd, pretrain_env(), 240, tmp / "writer.out")
+    assert code == 0, output[-4000:]
+    assert not (upstream / "iter_0000002" / "COMPLETE.json").exists()
+    plain = run_pretrain(tmp / "u1", ["--load", str(upstream)], train_iters=ITERS)
+    assert plain == baseline[SAVED_AT:]
+    offload = run_pretrain(tmp / "u2", [*offload_args(tmp / "u2"), "--load", str(upstream)], train_iters=ITERS)
+    assert offload == baseline[SAVED_AT:]
+
+
+def test_saved_keys_are_megatron_lm_s(runs):
+    from megatron.core import dist_checkpointing
+
+    tmp, _ = runs
+    common = dist_checkpointing.load_common_state_dict(str(tmp / "plain-ckpt" / "iter_0000002"))
+    assert common["checkpoint_version"] == 3.0 and common["iteration"] == SAVED_AT
+    assert common["args"].consumed_train_samples == SAVED_AT * 8
+    assert "opt_param_scheduler" in common and "num_floating_point_operations_so_far" in common
+    assert (tmp / "plain-ckpt" / "latest_checkpointed_iteration.txt").read_text() == str(SAVED_AT)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
