@@ -83,7 +83,7 @@ def _add_kernels(p) -> None:
     g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion", action="store_false")
     g.add_argument("--no-persist-layer-norm", action="store_true")
     g.add_argument("--cross-entropy-loss-fusion", action="store_true",
-                   help="megatron-core's fused vocab-parallel cross entropy")
+                   help="megatron-core's fused vocab-parallel cross entropy (CUDA; off on a CPU run)")
     g.add_argument("--fp8-format", choices=["e4m3", "hybrid"], default=None, help="needs transformer-engine on CUDA")
     g.add_argument("--fp8-recipe", choices=["tensorwise", "delayed", "mxfp8", "blockwise"], default=None)
     g.add_argument("--fp8-margin", type=int, default=0)

@@ -104,9 +104,11 @@ def _resolve_fusions(args, kernels: Kernels) -> None:
     """Megatron-LM's defaults (all on) where the kernel exists; off otherwise."""
     te, cuda = args.transformer_impl == "transformer_engine", kernels.cuda
     bias_act = args.bias_swiglu_fusion if args.swiglu else args.bias_gelu_fusion
-    # megatron-core's jit-fused bias kernels are written for CUDA; without a bias there is nothing to fuse
+    # megatron-core builds its fused bias and cross-entropy kernels with torch.compile (megatron.core.jit):
+    # meant for CUDA; on a CPU run inductor spends most of a minute on them. Without a bias nothing is fused.
     args.bias_activation_fusion = bool(bias_act and cuda and not args.disable_bias_linear)
     args.bias_dropout_fusion = bool(args.bias_dropout_fusion and cuda)
+    args.cross_entropy_loss_fusion = bool(args.cross_entropy_loss_fusion and cuda)
     # the scaled-masked-softmax kernels ship with transformer-engine or apex
     args.masked_softmax_fusion = bool(args.masked_softmax_fusion and cuda and (kernels.transformer_engine or kernels.apex))
     args.apply_rope_fusion = bool(args.apply_rope_fusion and te and args.position_embedding_type == "rope")
