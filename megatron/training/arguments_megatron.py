@@ -167,7 +167,8 @@ def validate_model(parser, args) -> None:
 
 
 def validate(parser, args) -> None:
-    """Everything else: runs after the core checks."""
+    """Everything else: runs after the core checks. What the hardware lacks is named first."""
+    optional_kernels.resolve(args, optional_kernels.Kernels.detect(args.device), parser.error)
     _validate_training_length(parser, args)
     lr_schedule.validate(args, parser.error)
     if args.decoupled_min_lr is not None and args.decoupled_lr is None:
@@ -188,7 +189,6 @@ def validate(parser, args) -> None:
     if args.profile and args.profile_step_end <= args.profile_step_start:
         parser.error(f"argument --profile-step-end: {args.profile_step_end} must be above "
                      f"--profile-step-start {args.profile_step_start}")
-    optional_kernels.resolve(args, optional_kernels.Kernels.detect(args.device), parser.error)
 
 
 def _validate_training_length(parser, args) -> None:
