@@ -100,6 +100,7 @@ def test_cli_prints_one_line_for_the_published_llama_flags():
 
 
 def _run_example(tmp_path: Path, flags, extra=()):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     loss_log = tmp_path / "loss.jsonl"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), str(PRETRAIN), *filled(flags, tmp_path / "ckpt", tmp_path / "cache"),
