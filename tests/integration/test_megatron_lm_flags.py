@@ -322,3 +322,55 @@ def test_rampup_iterations_match_megatron_core(start_units, increment_units, ste
     iterations, samples = _calculator_reference(args.rampup_batch_size, gbs, 1, dp, train_samples)
     assert batch_schedule.iterations_for_samples(args) == iterations
     assert batch_schedule.samples_for_iterations(args, iterations) == samples
+
+
+# ----------------------------------------------------------------------------- random Megatron-LM flag sets
+
+VALUES = st.sampled_from(["0", "1", "2", "3", "4", "8", "16", "24", "64", "-1", "0.5", "0.001", "1.0", "nan"])
+MEGATRON_LM_FLAGS = {
+    "--kv-channels": VALUES, "--num-query-groups": VALUES, "--make-vocab-size-divisible-by": VALUES,
+    "--rotary-percent": VALUES, "--lr-warmup-fraction": VALUES, "--lr-warmup-iters": VALUES,
+    "--lr-warmup-samples": VALUES, "--lr-decay-samples": VALUES, "--lr-decay-iters": VALUES,
+    "--lr-wsd-decay-iters": VALUES, "--lr-wsd-decay-samples": VALUES, "--lr-warmup-init": VALUES,
+    "--train-samples": VALUES, "--hidden-size": VALUES, "--ffn-hidden-size": VALUES,
+    "--start-weight-decay": VALUES, "--end-weight-decay": VALUES, "--decoupled-lr": VALUES,
+    "--lr-decay-style": st.sampled_from(["constant", "linear", "cosine", "inverse-square-root", "WSD"]),
+    "--weight-decay-incr-style": st.sampled_from(["constant", "linear", "cosine"]),
+    "--lr-wsd-decay-style": st.sampled_from(["exponential", "linear", "cosine", "minus_sqrt"]),
+    "--attention-backend": st.sampled_from(["auto", "local", "flash", "fused", "unfused"]),
+}
+SWITCHES = ["--group-query-attention", "--swiglu", "--recompute-activations", "--use-flash-attn",
+            "--apply-layernorm-1p", "--cross-entropy-loss-fusion", "--grad-reduce-in-bf16"]
+
+
+@st.composite
+def megatron_lm_command_lines(draw):
+    argv = ["--num-layers", "2", "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "1",
+            "--lr", "1e-3", "--mock-data", "--bf16", "--device", "cpu"]
+    chosen = draw(st.dictionaries(st.sampled_from(sorted(MEGATRON_LM_FLAGS)), st.none(), max_size=6))
+    values = {"--hidden-size": "64", **{flag: draw(MEGATRON_LM_FLAGS[flag]) for flag in chosen}}
+    if "--train-samples" not in values or draw(st.booleans()):
+        values["--train-iters"] = "10"
+    for flag, value in values.items():
+        argv += [flag, value]
+    return argv + draw(st.lists(st.sampled_from(SWITCHES), unique=True, max_size=3))
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(megatron_lm_command_lines())
+def test_megatron_lm_flags_fail_up_front_or_build_megatron_core_objects(argv):
+    from megatron.training.training import optimizer_config, transformer_config
+
+    try:
+        args = parse_args(argv)
+    except UserError as err:
+        assert "\n" not in str(err) and "--" in str(err), str(err)
+        return
+    args.rank, args.data_parallel_size, args.global_batch_size = 0, 1, 1
+    batch_schedule.init(args)
+    transformer_config(args)
+    optimizer_config(args)
+    scheduler = build_param_scheduler(args, _FakeOptimizer(args.lr, args.weight_decay), args.global_batch_size)
+    for _ in range(min(args.train_iters, 20)):
+        scheduler.step(increment=1)
+        assert math.isfinite(scheduler.get_lr({}))
