@@ -30,7 +30,8 @@ def init(args) -> None:
     args.num_microbatches = calculator.get_num_microbatches()
     if args.train_samples is not None:
         args.train_iters = iterations_for_samples(args)
-    args.train_samples_total = samples_for_iterations(args, args.train_iters)
+    # The training set's size, as Megatron-LM asks its dataset builder for (it decides the epochs and shuffle).
+    args.train_samples_total = args.train_samples or args.train_iters * args.global_batch_size
 
 
 def advance(args, consumed_samples: int) -> int:
@@ -72,13 +73,3 @@ def iterations_for_samples(args) -> int:
     if args.train_samples > consumed:
         iterations += (args.train_samples - consumed) // args.global_batch_size
     return iterations
-
-
-def samples_for_iterations(args, iterations: int) -> int:
-    if args.rampup_batch_size is None:
-        return iterations * args.global_batch_size
-    total = 0
-    for i, size in enumerate(_batch_sizes(args)):
-        if i == iterations:
-            return total
-        total += size

@@ -77,7 +77,8 @@ def build_tokenizer(args) -> ByteLevelTokenizer:
 
 
 def padded_vocab_size(args, tokenizer) -> int:
-    """--vocab-size if given (must hold the tokenizer), else padded as Megatron-LM (--make-vocab-size-divisible-by x TP)."""
+    """--vocab-size if given (must hold the tokenizer), else padded as Megatron-LM does: up to a
+    multiple of --make-vocab-size-divisible-by x TP."""
     if args.vocab_size is not None:
         if args.vocab_size < tokenizer.vocab_size:
             raise UserError(f"--vocab-size: {args.vocab_size} is smaller than the "

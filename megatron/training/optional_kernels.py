@@ -110,7 +110,8 @@ def _resolve_fusions(args, kernels: Kernels) -> None:
     args.bias_dropout_fusion = bool(args.bias_dropout_fusion and cuda)
     args.cross_entropy_loss_fusion = bool(args.cross_entropy_loss_fusion and cuda)
     # the scaled-masked-softmax kernels ship with transformer-engine or apex
-    args.masked_softmax_fusion = bool(args.masked_softmax_fusion and cuda and (kernels.transformer_engine or kernels.apex))
+    args.masked_softmax_fusion = bool(args.masked_softmax_fusion and cuda
+                                      and (kernels.transformer_engine or kernels.apex))
     args.apply_rope_fusion = bool(args.apply_rope_fusion and te and args.position_embedding_type == "rope")
     args.gradient_accumulation_fusion = bool(args.gradient_accumulation_fusion and cuda and kernels.grad_accum_kernel)
     # apex's and TE's layer norms have it; torch's LayerNorm (the local spec without apex) has none

@@ -148,7 +148,8 @@ def megatron_lm_parameter_shapes(h, heads, layers, vocab, seq, *, ffn=None, kv=N
             shapes[f"{layer}.pre_mlp_layernorm.{p}"] = [h]
         qkv_rows = (heads + 2 * groups) * kv
         fc1_rows = 2 * ffn if swiglu else ffn
-        for name, rows, cols in (("self_attention.linear_qkv", qkv_rows, h), ("self_attention.linear_proj", h, heads * kv),
+        for name, rows, cols in (("self_attention.linear_qkv", qkv_rows, h),
+                                 ("self_attention.linear_proj", h, heads * kv),
                                  ("mlp.linear_fc1", fc1_rows, h), ("mlp.linear_fc2", h, ffn)):
             for p in linear:
                 shapes[f"{layer}.{name}.{p}"] = [rows, cols] if p == "weight" else [rows]
@@ -302,13 +303,8 @@ def _calculator_reference(rampup, gbs, mbs, dp, train_samples):
         iterations += 1
     if train_samples > consumed:
         iterations += (train_samples - consumed) // gbs
-    sizes, consumed = [], 0
-    for _ in range(iterations):
-        calc.update_num_microbatches(consumed, consistency_check=False)
-        sizes.append(calc.get_current_global_batch_size())
-        consumed += sizes[-1]
     calc.destroy_num_microbatches_calculator()
-    return iterations, sum(sizes)
+    return iterations
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)
@@ -319,9 +315,8 @@ def test_rampup_iterations_match_megatron_core(start_units, increment_units, ste
     gbs = start + steps * increment
     args = SimpleNamespace(rampup_batch_size=[start, increment, rampup_samples], global_batch_size=gbs,
                            train_samples=train_samples)
-    iterations, samples = _calculator_reference(args.rampup_batch_size, gbs, 1, dp, train_samples)
+    iterations = _calculator_reference(args.rampup_batch_size, gbs, 1, dp, train_samples)
     assert batch_schedule.iterations_for_samples(args) == iterations
-    assert batch_schedule.samples_for_iterations(args, iterations) == samples
 
 
 # ----------------------------------------------------------------------------- random Megatron-LM flag sets
