@@ -14,17 +14,18 @@ from megatron.training.errors import UserError
 
 
 def _layer_spec(args, config):
-    """Transformer-Engine layers when TE imports and we are on CUDA; megatron-core's local ones otherwise."""
+    """Transformer-Engine layers when --transformer-impl resolved to them (TE installed, CUDA, not
+    --attention-backend local); megatron-core's local ones otherwise."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
 
-    if args.device_resolved == "cuda":
+    if args.transformer_impl == "transformer_engine" and args.device_resolved == "cuda":
         try:
             import transformer_engine  # noqa: F401
 
-            return get_gpt_layer_with_transformer_engine_spec()
-        except Exception:  # missing or broken TE build: fall back to local layers
-            pass
+            return get_gpt_layer_with_transformer_engine_spec(fp8=args.fp8_format)
+        except ImportError as err:  # a broken TE build
+            raise UserError(f"--transformer-impl transformer_engine: transformer-engine does not import ({err})")
     if args.sequence_parallel:
         raise UserError("--sequence-parallel: needs transformer-engine layers; "
                          "megatron-core's local layer spec uses torch norms that do not support it")
@@ -44,6 +45,7 @@ def model_provider(args, config, pre_process=True, post_process=True):
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type,
         rotary_base=args.rotary_base,
+        rotary_percent=args.rotary_percent,
     )
 
 

@@ -19,7 +19,7 @@ print(f"registered host memory: pinned={buf.is_pinned()}, H2D {2 / (time.perf_co
 host.close()
 PY
 timeout ${LIMIT_S:-420} torchrun --nproc_per_node 1 pretrain_gpt.py \
-  --num-layers 48 --hidden-size 4096 --ffn-hidden-size 11008 --num-attention-heads 32 --num-query-groups 8 \
+  --num-layers 48 --hidden-size 4096 --ffn-hidden-size 11008 --num-attention-heads 32 --group-query-attention --num-query-groups 8 \
   --swiglu --normalization RMSNorm --position-embedding-type rope --untie-embeddings-and-output-weights \
   --disable-bias-linear --hidden-dropout 0 --attention-dropout 0 --vocab-size 32000 \
   --seq-length 2048 --max-position-embeddings 2048 --micro-batch-size 1 --global-batch-size 1 \

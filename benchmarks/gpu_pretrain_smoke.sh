@@ -9,12 +9,12 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nproc; free -g | head -2
 DISK=${DISK:-/var/tmp/offload}; mkdir -p $DISK/nvme /dev/shm/offload-pfs
 df -h $DISK /dev/shm | cat; findmnt -T $DISK -o SOURCE,FSTYPE | cat
-MODEL="--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --num-query-groups 4 --ffn-hidden-size 4096
+MODEL="--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --group-query-attention --num-query-groups 4 --ffn-hidden-size 4096
  --swiglu --normalization RMSNorm --position-embedding-type rope --untie-embeddings-and-output-weights
  --disable-bias-linear --seq-length 1024 --max-position-embeddings 1024 --vocab-size 32000
  --micro-batch-size 4 --global-batch-size 16 --train-iters ${ITERS:-12} --lr 3e-4 --min-lr 3e-5
  --lr-decay-style cosine --lr-warmup-iters 2 --weight-decay 0.1 --adam-beta2 0.95 --clip-grad 1.0
- --bf16 --mock-data --device cuda --log-interval 1 --seed 1234"
+ --bf16 --mock-data --device cuda --log-interval 1 --seed 1234 --use-distributed-optimizer"
 OFFLOAD="--offload-tiers host,nvme,pfs --offload-nvme-path $DISK/nvme --offload-pfs-path /dev/shm/offload-pfs
  --offload-host-cache-gb 2 --offload-subgroup-size 20000000 --offload-io-threads 8"
 set -o pipefail

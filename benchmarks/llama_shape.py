@@ -38,11 +38,12 @@ class LlamaShape:
     def megatron_flags(self) -> list:
         return ["--num-layers", str(self.layers), "--hidden-size", str(self.hidden),
                 "--ffn-hidden-size", str(self.ffn), "--num-attention-heads", str(self.heads),
-                "--num-query-groups", str(self.kv_heads), "--vocab-size", str(self.vocab),
+                "--group-query-attention", "--num-query-groups", str(self.kv_heads), "--vocab-size", str(self.vocab),
                 "--seq-length", str(self.seq), "--max-position-embeddings", str(self.seq),
                 "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
                 "--untie-embeddings-and-output-weights", "--disable-bias-linear",
-                "--hidden-dropout", "0", "--attention-dropout", "0"]
+                "--hidden-dropout", "0", "--attention-dropout", "0",
+                "--use-distributed-optimizer"]  # the baseline the offload is compared with
 
     def peer_flags(self) -> list:
         return ["--layers", str(self.layers), "--hidden", str(self.hidden), "--ffn", str(self.ffn),

@@ -20,7 +20,7 @@ else
     NPROC=2; DEVICE=cpu
 fi
 python -m torch.distributed.run --standalone --nproc_per_node "$NPROC" pretrain_gpt.py \
-    --num-layers 4 --hidden-size 128 --num-attention-heads 4 --num-query-groups 2 \
+    --num-layers 4 --hidden-size 128 --num-attention-heads 4 --group-query-attention --num-query-groups 2 \
     --swiglu --normalization RMSNorm --position-embedding-type rope --untie-embeddings-and-output-weights \
     --disable-bias-linear --seq-length 128 --max-position-embeddings 128 \
     --micro-batch-size 4 --global-batch-size 16 --train-iters "${TRAIN_ITERS:-60}" \

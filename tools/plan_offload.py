@@ -91,9 +91,10 @@ def pretrain_args(flags, machine):
     flags = list(flags)
     if "--mock-data" not in flags and "--data-path" not in flags:
         flags.append("--mock-data")
-    for flag, value in (("--train-iters", "1"), ("--lr", "1e-4")):
-        if flag not in flags:
-            flags += [flag, value]
+    if "--train-iters" not in flags and "--train-samples" not in flags:
+        flags += ["--train-iters", "1"]
+    if "--lr" not in flags:
+        flags += ["--lr", "1e-4"]
     args = parse_args(flags)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if machine.world % (tp * pp):

@@ -14,6 +14,7 @@ import re
 import sys
 from typing import List, Optional
 
+from megatron.training import arguments_megatron
 from megatron.training.checkpoint_args import (FILLED_IF_MISSING, MODEL_SHAPE_ARGS, apply_model_shape,
                                                 read_saved_args)
 from megatron.training.errors import UserError
@@ -99,9 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-layers", type=_positive_int, required=True)
     g.add_argument("--hidden-size", type=_positive_int, required=True)
     g.add_argument("--ffn-hidden-size", type=_positive_int, default=None,
-                   help="default 4*hidden (or 8/3*hidden rounded to 64 with --swiglu)")
+                   help="default 4*hidden; with --swiglu int(8*hidden/3/64)*64, as Megatron-LM")
     g.add_argument("--num-attention-heads", type=_positive_int, required=True)
-    g.add_argument("--num-query-groups", type=_positive_int, default=None, help="GQA KV heads")
+    g.add_argument("--num-query-groups", type=_positive_int, default=None,
+                   help="KV heads with --group-query-attention (default 1); ignored without it, as Megatron-LM")
     g.add_argument("--seq-length", type=_positive_int, required=True)
     g.add_argument("--max-position-embeddings", type=_positive_int, default=None)
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
@@ -121,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=_positive_int, required=True)
     g.add_argument("--global-batch-size", type=_positive_int, default=None)
-    g.add_argument("--train-iters", type=_positive_int, required=True)
+    g.add_argument("--train-iters", type=_positive_int, default=None, help="or --train-samples")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
@@ -131,7 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pipeline-model-parallel-size", type=_positive_int, default=1)
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", dest="use_distributed_optimizer",
-                   action="store_true", default=True)
+                   action="store_true", default=None,
+                   help="shard the optimizer state over data-parallel ranks; off by default as in Megatron-LM, "
+                        "implied by --offload-tiers and --optimizer-cpu-offload")
     g.add_argument("--no-use-distributed-optimizer", dest="use_distributed_optimizer",
                    action="store_false")
     g.add_argument("--overlap-grad-reduce", action="store_true")
@@ -141,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("optimizer")
     g.add_argument("--lr", type=_non_negative_float, required=True)
     g.add_argument("--min-lr", type=_non_negative_float, default=0.0)
-    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="linear")
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"],
+                   default="linear")
     g.add_argument("--lr-decay-iters", type=_positive_int, default=None)
     g.add_argument("--lr-warmup-iters", type=_non_negative_int, default=0)
     g.add_argument("--weight-decay", type=_non_negative_float, default=0.01)
@@ -151,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--clip-grad", type=_non_negative_float, default=1.0)
 
     g = p.add_argument_group("logging, evaluation, checkpoints")
-    g.add_argument("--log-interval", type=_positive_int, default=1)
+    g.add_argument("--log-interval", type=_positive_int, default=100)
     g.add_argument("--eval-interval", type=_positive_int, default=None)
     g.add_argument("--eval-iters", type=_non_negative_int, default=2)
     g.add_argument("--save", type=str, default=None)
@@ -209,7 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tokenizer-type", choices=["ByteLevelTokenizer"], default="ByteLevelTokenizer")
     g.add_argument("--vocab-size", type=_positive_int, default=None,
                    help="padded vocab size; default: tokenizer's size rounded up to 128*TP")
-    g.add_argument("--num-workers", type=_non_negative_int, default=0)
+    g.add_argument("--num-workers", type=_non_negative_int, default=2,
+                   help="DataLoader worker processes per rank (default 2, as Megatron-LM; 0 loads in the rank)")
     g.add_argument("--data-cache-path", type=str, default=None)
 
     g = p.add_argument_group("optimizer offload (see mlp_offload.config.OffloadConfig)")
@@ -251,6 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fraction of the optimizer state megatron-core keeps on the CPU (default 1.0)")
     g.add_argument("--overlap-cpu-optimizer-d2h-h2d", action="store_true",
                    help="overlap megatron-core's CPU Adam with its grad D2H / param H2D copies")
+    arguments_megatron.add_groups(p)
     return p
 
 
@@ -325,9 +332,7 @@ def _parse_offload_paths(parser, rest: List[str]) -> dict:
 def _validate(parser, args) -> None:
     if args.bf16 and args.fp16:
         parser.error("argument --fp16: not allowed with --bf16")
-    if args.hidden_size % args.num_attention_heads:
-        parser.error("argument --num-attention-heads: must divide --hidden-size "
-                     f"({args.hidden_size} % {args.num_attention_heads} != 0)")
+    arguments_megatron.validate_model(parser, args)
     if args.num_query_groups is not None and args.num_attention_heads % args.num_query_groups:
         parser.error("argument --num-query-groups: must divide --num-attention-heads")
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
@@ -360,11 +365,6 @@ def _validate(parser, args) -> None:
         args.recompute_method = "uniform"
     if args.recompute_granularity == "full" and args.recompute_num_layers is None:
         args.recompute_num_layers = 1
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
-    if args.lr_warmup_iters >= args.lr_decay_iters:
-        parser.error(f"argument --lr-warmup-iters: {args.lr_warmup_iters} must be below --lr-decay-iters (default "
-                     f"--train-iters), which is {args.lr_decay_iters}")
     for flag, value in (("--adam-beta1", args.adam_beta1), ("--adam-beta2", args.adam_beta2)):
         if not 0.0 <= value < 1.0:
             parser.error(f"argument {flag}: must be in [0, 1), got {value}")
@@ -415,11 +415,22 @@ def _validate_mcore_offload(parser, args) -> None:
         parser.error("argument --optimizer-cpu-offload: not allowed with --offload-tiers (two different "
                      "optimizer offloads: megatron-core's HybridDeviceOptimizer or this repo's engine)")
     if not args.use_distributed_optimizer:
-        parser.error("argument --optimizer-cpu-offload: requires the distributed optimizer "
-                     "(drop --no-use-distributed-optimizer)")
+        parser.error("argument --optimizer-cpu-offload: not allowed with --no-use-distributed-optimizer "
+                     "(megatron-core's CPU offload shards the optimizer state)")
     if args.device == "cpu" or args.device == "auto" and not _cuda_available():
         parser.error("argument --optimizer-cpu-offload: needs a CUDA device (megatron-core's "
                      "HybridDeviceOptimizer cannot run with --device cpu); use --offload-tiers host instead")
+
+
+def _default_distributed_optimizer(parser, args) -> None:
+    """Off by default, as in Megatron-LM; an optimizer offload shards the optimizer state, so it
+    implies the distributed optimizer (which a user can only refuse explicitly: an error then)."""
+    offload = args.offload_tiers is not None or args.optimizer_cpu_offload
+    if args.use_distributed_optimizer is None:
+        args.use_distributed_optimizer = offload
+    elif not args.use_distributed_optimizer and args.offload_tiers is not None:
+        parser.error("argument --offload-tiers: not allowed with --no-use-distributed-optimizer "
+                     "(the offload engine holds the distributed optimizer's shards)")
 
 
 def _cuda_available() -> bool:
@@ -451,6 +462,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     if from_checkpoint and args.load:
         _take_model_shape_from_checkpoint(parser, args)
     _validate(parser, args)
+    arguments_megatron.validate(parser, args)
+    _default_distributed_optimizer(parser, args)
     _validate_offload(parser, args)
     _validate_mcore_offload(parser, args)
     return args

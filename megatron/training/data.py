@@ -77,7 +77,8 @@ def build_tokenizer(args) -> ByteLevelTokenizer:
 
 
 def padded_vocab_size(args, tokenizer) -> int:
-    """--vocab-size if given (must hold the tokenizer), else rounded up to 128 x TP as in Megatron-LM."""
+    """--vocab-size if given (must hold the tokenizer), else padded as Megatron-LM does: up to a
+    multiple of --make-vocab-size-divisible-by x TP."""
     if args.vocab_size is not None:
         if args.vocab_size < tokenizer.vocab_size:
             raise UserError(f"--vocab-size: {args.vocab_size} is smaller than the "
@@ -85,8 +86,10 @@ def padded_vocab_size(args, tokenizer) -> int:
         if args.vocab_size % args.tensor_model_parallel_size:
             raise UserError("--vocab-size: must be divisible by --tensor-model-parallel-size")
         return args.vocab_size
-    multiple = 128 * args.tensor_model_parallel_size
-    return -(-tokenizer.vocab_size // multiple) * multiple
+    from megatron.training.model_arithmetic import vocab_size_with_padding
+
+    return vocab_size_with_padding(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
+                                   args.tensor_model_parallel_size)
 
 
 class MockGPTData(torch.utils.data.Dataset):
@@ -146,7 +149,7 @@ def build_gpt_datasets(args, tokenizer, train_samples: int, eval_samples: int):
         tokenizer=tokenizer,
         reset_position_ids=False,
         reset_attention_mask=False,
-        eod_mask_loss=False,
+        eod_mask_loss=args.eod_mask_loss,
         create_attention_mask=False,
         mmap_bin_files=True,
     )

@@ -10,7 +10,7 @@ from datetime import timedelta
 import numpy as np
 import torch
 
-from megatron.training import child_processes, slurm_env
+from megatron.training import batch_schedule, child_processes, slurm_env
 from megatron.training.errors import UserError
 from megatron.training.signals import SigtermWatcher
 
@@ -32,11 +32,11 @@ def select_device(requested: str) -> torch.device:
     return torch.device("cpu")
 
 
-def _init_process_group(device: torch.device) -> None:
+def _init_process_group(device: torch.device, timeout_minutes: int) -> None:
     if torch.distributed.is_initialized():
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
-    torch.distributed.init_process_group(backend=backend, timeout=timedelta(minutes=10))
+    torch.distributed.init_process_group(backend=backend, timeout=timedelta(minutes=timeout_minutes))
 
 
 def set_seeds(seed: int, device: torch.device) -> None:
@@ -65,7 +65,7 @@ def initialize(args) -> torch.device:
 
         cpu_compat.apply()
     child_processes.die_with_rank(start_results_queue=bool(args.save))
-    _init_process_group(device)
+    _init_process_group(device, args.distributed_timeout_minutes)
 
     from megatron.core import parallel_state
 
@@ -87,6 +87,6 @@ def initialize(args) -> torch.device:
     if args.global_batch_size % per_step:
         raise UserError(f"--global-batch-size: {args.global_batch_size} is not a multiple "
                          f"of micro-batch-size x data-parallel-size = {per_step}")
-    args.num_microbatches = args.global_batch_size // per_step
+    batch_schedule.init(args)  # --rampup-batch-size, --train-samples
     set_seeds(args.seed, device)
     return device

@@ -23,13 +23,16 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
 
-from megatron.training import checkpointing, job_facts
+from megatron.training import batch_schedule, checkpointing, job_facts
 from megatron.training.arguments import parse_args
 from megatron.training.checkpoint_integrity import checkpoint_dir
 from megatron.training.console_log import Console
-from megatron.training.data import (MicroBatchIterator, build_tokenizer, padded_vocab_size)
+from megatron.training.data import build_tokenizer, padded_vocab_size
+from megatron.training.data_loader import micro_batches
 from megatron.training.errors import reported_once
 from megatron.training.flops import DenseGptShape, flops_per_iteration
+from megatron.training.iteration_hooks import IterationHooks
+from megatron.training.lr_schedule import build_param_scheduler
 from megatron.training.initialize import initialize
 from megatron.training.metrics import (IterationRecord, LossLog, Metrics, TimingLog, ValidationRecord,
                                        is_last_rank)
@@ -50,18 +53,18 @@ def _params_dtype(args):
 
 
 def transformer_config(args) -> TransformerConfig:
-    """TransformerConfig from Megatron-LM style flags; fusions needing apex/TE stay off."""
-    ffn = args.ffn_hidden_size
-    if ffn is None:
-        # SwiGLU keeps the MLP's parameter count at ~8h^2 (as Megatron-LM's default), rounded to 64.
-        ffn = (int(8 * args.hidden_size / 3 + 63) // 64) * 64 if args.swiglu else 4 * args.hidden_size
+    """TransformerConfig from Megatron-LM style flags. The sizes (FFN, kv-channels, GQA) and the
+    kernel choices (attention backend, fusions, FP8) were derived in parsing (arguments_megatron)."""
+    from megatron.core.transformer.enums import AttnBackend
+
     dtype = _params_dtype(args)
     return TransformerConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
-        ffn_hidden_size=ffn,
+        ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups,
+        kv_channels=args.kv_channels,
+        num_query_groups=args.num_query_groups,  # None unless --group-query-attention, as Megatron-LM
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std,
@@ -79,12 +82,21 @@ def transformer_config(args) -> TransformerConfig:
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method if args.recompute_granularity == "full" else None,
         recompute_num_layers=args.recompute_num_layers if args.recompute_granularity == "full" else None,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
+        attention_backend=AttnBackend[args.attention_backend],
+        bias_activation_fusion=args.bias_activation_fusion,
+        bias_dropout_fusion=args.bias_dropout_fusion,
+        masked_softmax_fusion=args.masked_softmax_fusion,
+        apply_rope_fusion=args.apply_rope_fusion,
+        gradient_accumulation_fusion=args.gradient_accumulation_fusion,
+        persist_layer_norm=args.persist_layer_norm,
+        layernorm_zero_centered_gamma=args.apply_layernorm_1p,
+        cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
+        fp8=args.fp8_format,
+        **({"fp8_recipe": args.fp8_recipe} if args.fp8_recipe else {}),
+        fp8_margin=args.fp8_margin,
+        fp8_amax_history_len=args.fp8_amax_history_len,
+        fp8_amax_compute_algo=args.fp8_amax_compute_algo,
+        fp8_param=args.fp8_param_gather,
         use_cpu_initialization=False,
         deallocate_pipeline_outputs=True,
     )
@@ -106,6 +118,8 @@ def optimizer_config(args) -> OptimizerConfig:
         loss_scale=args.loss_scale,
         initial_loss_scale=args.initial_loss_scale,
         use_distributed_optimizer=args.use_distributed_optimizer,
+        decoupled_lr=args.decoupled_lr,
+        decoupled_min_lr=args.decoupled_min_lr,
         # megatron-core's own CPU offload (a peer to compare with); off unless asked for.
         optimizer_cpu_offload=getattr(args, "optimizer_cpu_offload", False),
         optimizer_offload_fraction=getattr(args, "optimizer_offload_fraction", 1.0),
@@ -125,7 +139,8 @@ def build_model(args, config, model_provider: Callable, device) -> List[torch.nn
     if args.bf16 or args.fp16:
         model = Float16Module(config, model)
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=args.bf16,  # as Megatron-LM: bf16 grads are accumulated/reduced in fp32
+        # as Megatron-LM: bf16 grads are accumulated/reduced in fp32 unless --grad-reduce-in-bf16
+        grad_reduce_in_fp32=args.bf16 and not args.grad_reduce_in_bf16,
         overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer,
@@ -149,21 +164,8 @@ def build_optimizer(args, model_chunks) -> TrainingOptimizer:
 
 
 def build_scheduler(args, optimizer) -> OptimizerParamScheduler:
-    # Steps are counted in samples, as Megatron-LM does.
-    gbs = args.global_batch_size
-    return OptimizerParamScheduler(
-        optimizer,
-        init_lr=0.0 if args.lr_warmup_iters else args.lr,
-        max_lr=args.lr,
-        min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters * gbs,
-        lr_decay_steps=args.lr_decay_iters * gbs,
-        lr_decay_style=args.lr_decay_style,
-        start_wd=args.weight_decay,
-        end_wd=args.weight_decay,
-        wd_incr_steps=args.train_iters * gbs,
-        wd_incr_style="constant",
-    )
+    # Steps are counted in samples, as Megatron-LM does (megatron.training.lr_schedule).
+    return build_param_scheduler(args, optimizer, args.global_batch_size)
 
 
 def _wire_model_hooks(config, model, optimizer, args) -> None:
@@ -237,7 +239,7 @@ def _with_fault_points(forward_step_func):
     return forward_step
 
 
-def train_step(args, forward_step_func, data_iterator, model, optimizer, scheduler, timers):
+def train_step(args, forward_step_func, data_iterator, model, optimizer, scheduler, timers, hooks=None):
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
@@ -250,12 +252,14 @@ def train_step(args, forward_step_func, data_iterator, model, optimizer, schedul
         micro_batch_size=args.micro_batch_size,
         forward_only=False,
     )  # the schedule times itself: 'forward-backward' in timers
+    if hooks is not None:
+        hooks.after_forward_backward()
     lr = optimizer.param_groups[0]["lr"]
     timers("optimizer", log_level=1).start()
     update_successful, grad_norm, num_zeros = optimizer.step()
     timers("optimizer").stop()
     if update_successful:
-        scheduler.step(increment=args.global_batch_size)
+        scheduler.step(increment=args.current_global_batch_size)  # ramps with --rampup-batch-size
     return _average_loss(losses), lr, grad_norm, num_zeros, update_successful
 
 
@@ -328,36 +332,40 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
 
     eval_runs = 0 if not args.eval_interval else (args.train_iters // args.eval_interval + 1)
     train_ds, valid_ds = datasets_provider(
-        args, tokenizer, train_samples=args.train_iters * args.global_batch_size,
+        args, tokenizer, train_samples=args.train_samples_total,
         eval_samples=eval_runs * args.eval_iters * args.global_batch_size)
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
-    train_iter = MicroBatchIterator(train_ds, consumed, args.micro_batch_size, dp_rank, dp_size)
+    train_iter = micro_batches(train_ds, consumed, args.micro_batch_size, dp_rank, dp_size, args.num_workers)
+    hooks = IterationHooks(args, torch.distributed.get_rank(), device)
 
     timers = config.timers = LoopTimers(args.timing_log_level, args.timing_log_option, device)
     metrics = build_metrics(args, optimizer, timers, iteration)
-    flops = flops_per_iteration(DenseGptShape.from_config(config, args.seq_length, args.padded_vocab_size),
-                                args.global_batch_size)
+    shape = DenseGptShape.from_config(config, args.seq_length, args.padded_vocab_size)
     offload_state_bytes = optimizer.state_bytes_per_tier() if isinstance(optimizer, ReportsIteration) else {}
     first_of_run = True
     stop = StopCheck(args.sigterm_watcher, args.exit_duration_in_mins, started)
     try:
         while iteration < args.train_iters:
+            batch_schedule.advance(args, consumed)
+            hooks.before(iteration)
             start = time.perf_counter()
             loss, lr, grad_norm, num_zeros, ok = train_step(args, forward_step_func, train_iter, model,
-                                                            optimizer, scheduler, timers)
+                                                            optimizer, scheduler, timers, hooks)
             loss = loss.item() if loss is not None else None
             elapsed = time.perf_counter() - start
             iteration += 1
-            consumed += args.global_batch_size
+            consumed += args.current_global_batch_size
+            hooks.after(iteration)
             nan = loss is not None and not math.isfinite(loss)
             if nan and ok:
                 raise RuntimeError(f"loss is {loss} at iteration {iteration}")
             times = timers.take_iteration()
             metrics.iteration(IterationRecord(
-                iteration=iteration, consumed_samples=consumed, global_batch_size=args.global_batch_size,
+                iteration=iteration, consumed_samples=consumed, global_batch_size=args.current_global_batch_size,
                 learning_rate=lr, loss_scale=float(optimizer.get_loss_scale().item()), skipped=not ok, nan=nan,
                 elapsed_s=elapsed, forward_backward_s=times["forward-backward"], optimizer_s=times["optimizer"],
-                forward_s=times["forward-compute"], backward_s=times["backward-compute"], flops=flops,
+                forward_s=times["forward-compute"], backward_s=times["backward-compute"],
+                flops=flops_per_iteration(shape, args.current_global_batch_size),
                 loss=loss, grad_norm=grad_norm, num_zeros_in_grad=num_zeros if args.log_num_zeros_in_grad else None,
                 params_norm=params_l2_norm(model) if args.log_params_norm else None,
                 offload=optimizer.last_step_record() if isinstance(optimizer, ReportsIteration) else None,
@@ -379,6 +387,7 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
         if args.save and not (args.save_interval and iteration % args.save_interval == 0):
             _save(args, iteration, model, optimizer, scheduler, consumed)
     finally:
+        hooks.stop()
         metrics.close()
         if isinstance(optimizer, HoldsResources):
             optimizer.close()
@@ -404,7 +413,7 @@ def _load(args, model, optimizer, scheduler):
 def _run_eval(args, forward_step_func, model, valid_ds, iteration, consumed, dp_rank, dp_size, metrics):
     # Each evaluation reads its own slice of the validation set, so results are reproducible on resume.
     first = (iteration // args.eval_interval) * args.eval_iters * args.global_batch_size
-    it = MicroBatchIterator(valid_ds, first, args.micro_batch_size, dp_rank, dp_size)
+    it = micro_batches(valid_ds, first, args.micro_batch_size, dp_rank, dp_size, args.num_workers)
     loss = evaluate(args, forward_step_func, it, model)
     if loss is not None:
         metrics.validation(ValidationRecord(iteration=iteration, consumed_samples=consumed, loss=loss))

@@ -27,6 +27,9 @@ TINY_MODEL = [
     "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
     "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "8",
     "--lr", "1e-3", "--bf16", "--device", "cpu", "--seed", "1234",
+    # Not Megatron-LM's defaults: the offload tests compare against megatron-core's distributed
+    # optimizer, and every iteration's line is printed; loading stays in the rank.
+    "--use-distributed-optimizer", "--log-interval", "1", "--num-workers", "0",
 ]
 
 

@@ -16,7 +16,10 @@ BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
 def test_defaults():
     args = parse_args(BASE)
     assert args.offload_tiers is None and args.offload_paths == {}
-    assert args.use_distributed_optimizer and args.offload_adam_kernel == "fused"
+    assert args.offload_adam_kernel == "fused"
+    # Megatron-LM's defaults; an optimizer offload implies the distributed optimizer
+    assert not args.use_distributed_optimizer and args.log_interval == 100 and args.num_workers == 2
+    assert parse_args(BASE + ["--offload-tiers", "host"]).use_distributed_optimizer
     assert args.offload_subgroup_size == 100_000_000 and args.offload_prefetch_depth == 2
     assert args.max_position_embeddings == 32 and args.lr_decay_iters == 1
 
