@@ -142,8 +142,16 @@ def _readable(kind: str, flag: str, path, build):
     except UserError:
         raise
     except Exception as err:  # the libraries raise anything from AssertionError to Rust panics
-        detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        detail = str(err).strip().splitlines()[0] if str(err).strip() else _failed_check(err)
         raise UserError(f"{flag}: {path} could not be read as a {kind} ({detail})") from err
+
+
+def _failed_check(err: BaseException) -> str:
+    """A bare assertion's own source line: megatron-core's checks carry no message."""
+    import traceback
+
+    frame = traceback.extract_tb(err.__traceback__)[-1]
+    return f"{type(err).__name__} at {os.path.basename(frame.filename)}:{frame.lineno}: {frame.line}"
 
 
 def _positive_int(text: str) -> int:

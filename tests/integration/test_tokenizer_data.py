@@ -168,3 +168,44 @@ def test_append_eod_is_opt_in(tmp_path, corpus_slice, texts):
     assert stored_documents(plain) == [list(t.encode()) for t in texts]
     ended = preprocess(corpus_slice, tmp_path / "ended", [], "--append-eod")
     assert stored_documents(ended) == [list(t.encode()) + [256] for t in texts]
+
+
+def tokenizer_args(*flags):
+    from megatron.training.arguments import parse_args
+
+    return parse_args([*TINY_MODEL, "--mock-data", "--train-iters", "1", *flags])
+
+
+def test_tiktoken_file_matches_tiktoken(tmp_path):
+    """megatron-core's TikTokenizer on a tiny rank file: tiktoken's own ids, shifted past the
+    special tokens; --vocab-size is the tokenizer's size (special tokens + ranks), as in Megatron-LM."""
+    import base64
+
+    import tiktoken
+    from megatron.core.tokenizers.text.libraries.tiktoken_tokenizer import _PATTERN_TIKTOKEN_V2
+    from megatron.training.tokenizers import build_tokenizer, padded_vocab_size
+
+    ranks = [bytes([i]) for i in range(256)] + [b"th", b"the", b" the", b"er", b"in"]
+    path = tmp_path / "ranks.json"
+    path.write_text(json.dumps([{"rank": i, "token_bytes": base64.b64encode(t).decode(),
+                                 "token_str": t.decode("latin-1")} for i, t in enumerate(ranks)]))
+    num_special = 1000
+    args = tokenizer_args("--tokenizer-type", "TikTokenizer", "--tokenizer-model", str(path),
+                          "--tiktoken-pattern", "v2", "--vocab-size", str(num_special + len(ranks)))
+    tokenizer = build_tokenizer(args)
+    reference = tiktoken.Encoding(name="tiny", pat_str=_PATTERN_TIKTOKEN_V2,
+                                  mergeable_ranks={t: i for i, t in enumerate(ranks)}, special_tokens={})
+    text = "in the winter there were other things"
+    assert tokenizer.tokenize(text) == [i + num_special for i in reference.encode(text)]
+    assert padded_vocab_size(args, tokenizer) == 1280  # 1261 rounded up to 128
+
+
+@pytest.mark.parametrize("tp, expected", [(1, 1152), (2, 1280), (4, 1536)])
+def test_null_tokenizer_vocab_is_padded_as_megatron_lm(tp, expected):
+    from megatron.training.tokenizers import build_tokenizer, padded_vocab_size
+
+    args = tokenizer_args("--tokenizer-type", "NullTokenizer", "--vocab-size", "1100")
+    args.tensor_model_parallel_size = tp
+    tokenizer = build_tokenizer(args)
+    assert tokenizer.vocab_size == 1101  # the ids, then EOD
+    assert padded_vocab_size(args, tokenizer) == expected
