@@ -163,11 +163,15 @@ def test_tokenizer_flag_errors_name_the_flag(flags, expected):
 
 
 def test_append_eod_is_opt_in(tmp_path, corpus_slice, texts):
-    """Megatron-LM appends EOD only when asked (--append-eod)."""
-    plain = preprocess(corpus_slice, tmp_path / "plain", [])
-    assert stored_documents(plain) == [list(t.encode()) for t in texts]
-    ended = preprocess(corpus_slice, tmp_path / "ended", [], "--append-eod")
-    assert stored_documents(ended) == [list(t.encode()) + [256] for t in texts]
+    """Megatron-LM appends EOD only when asked (--append-eod). In-process: no interpreter start-up."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("preprocess_data", REPO / "tools" / "preprocess_data.py")
+    tool = sys.modules["preprocess_data"] = importlib.util.module_from_spec(spec)  # the pool pickles by name
+    spec.loader.exec_module(tool)
+    for name, extra, eod in (("plain", [], []), ("ended", ["--append-eod"], [256])):
+        assert tool.main(["--input", str(corpus_slice), "--output-prefix", str(tmp_path / name), *extra]) == 0
+        assert stored_documents(f"{tmp_path / name}_text_document") == [list(t.encode()) + eod for t in texts]
 
 
 def tokenizer_args(*flags):
