@@ -13,7 +13,8 @@ PFS="${PFS_DIR:-$RUN/pfs}"
 if [ -z "${PFS_DIR:-}" ] && [ -w /dev/shm ]; then PFS=/dev/shm/mlp-offload-quickstart-$(id -u); fi
 mkdir -p "$RUN/data" "$RUN/nvme" "$PFS"
 [ -f "$RUN/data/corpus_text_document.bin" ] || \
-    python tools/preprocess_data.py --input examples/data/corpus.jsonl --output-prefix "$RUN/data/corpus"
+    python tools/preprocess_data.py --input examples/data/corpus.jsonl --output-prefix "$RUN/data/corpus" \
+        --tokenizer-type ByteLevelTokenizer --append-eod --workers 2
 if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     NPROC=$(python -c "import torch; print(torch.cuda.device_count())"); DEVICE=cuda
 else
@@ -26,7 +27,7 @@ python -m torch.distributed.run --standalone --nproc_per_node "$NPROC" pretrain_
     --micro-batch-size 4 --global-batch-size 16 --train-iters "${TRAIN_ITERS:-60}" \
     --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 5 --weight-decay 0.1 \
     --adam-beta2 0.95 --clip-grad 1.0 --bf16 --device "$DEVICE" \
-    --data-path "$RUN/data/corpus_text_document" --split 95,5,0 --eval-interval 20 --eval-iters 2 \
+    --tokenizer-type ByteLevelTokenizer --data-path "$RUN/data/corpus_text_document" --split 95,5,0 --eval-interval 20 --eval-iters 2 \
     --log-interval 5 --save "$RUN/ckpt" --save-interval 30 --load "$RUN/ckpt" \
     --offload-tiers host,nvme,pfs --offload-nvme-path "$RUN/nvme" --offload-pfs-path "$PFS" \
     --offload-host-cache-gb 0.004 --offload-subgroup-size 50000 --offload-probe-mb 64 "$@"

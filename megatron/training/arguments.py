@@ -211,9 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--data-path", nargs="+", default=None,
                    help="prefixes of .bin/.idx files, optionally weighted: [W1] P1 [W2] P2 ...")
     g.add_argument("--split", type=str, default="969,30,1")
-    g.add_argument("--tokenizer-type", choices=["ByteLevelTokenizer"], default="ByteLevelTokenizer")
-    g.add_argument("--vocab-size", type=_positive_int, default=None,
-                   help="padded vocab size; default: tokenizer's size rounded up to 128*TP")
+    from megatron.training.tokenizers import add_tokenizer_arguments
+
+    add_tokenizer_arguments(g)  # --tokenizer-type, --vocab-size, --vocab-file, ... as Megatron-LM
     g.add_argument("--num-workers", type=_non_negative_int, default=2,
                    help="DataLoader worker processes per rank (default 2, as Megatron-LM; 0 loads in the rank)")
     g.add_argument("--data-cache-path", type=str, default=None)

@@ -1,6 +1,6 @@
-"""Tokenizer, datasets and the resumable micro-batch iterator.
+"""Datasets and the resumable micro-batch iterator.
 
-- ``ByteLevelTokenizer``: UTF-8 bytes are tokens 0..255, plus EOD and PAD. Nothing to download.
+- Tokenizers live in ``tokenizers`` (re-exported here for older imports).
 - ``MockGPTData``: deterministic, learnable sequences derived from (seed, sample index) only.
 - ``build_gpt_datasets``: real data through megatron-core's indexed datasets and
   ``BlendedMegatronDatasetBuilder`` / ``GPTDataset``.
@@ -10,86 +10,16 @@
 from __future__ import annotations
 
 import os
-from typing import Dict, List
+from typing import Dict
 
 import numpy as np
 import torch
 
+from megatron.training.byte_level_tokenizer import ByteLevelTokenizer  # noqa: F401 (re-export)
 from megatron.training.errors import UserError
-from megatron.core.tokenizers import MegatronTokenizerBase
-
-
-class ByteLevelTokenizer(MegatronTokenizerBase):
-    """Bytes 0..255, then special tokens EOD=256 and PAD=257."""
-
-    NUM_BYTES = 256
-
-    def __init__(self):
-        super().__init__(path="byte-level", config={})
-        self._eod = self.NUM_BYTES
-        self._pad = self.NUM_BYTES + 1
-        # megatron-core serializes this into its dataset cache key: keep it stable.
-        self.unique_identifiers = {"class": type(self).__name__, "vocab_size": self.vocab_size}
-
-    def tokenize(self, text: str) -> List[int]:
-        return list(text.encode("utf-8"))
-
-    def detokenize(self, ids) -> str:
-        return bytes(int(i) for i in ids if 0 <= int(i) < self.NUM_BYTES).decode("utf-8", errors="replace")
-
-    @property
-    def vocab(self) -> Dict[str, int]:
-        vocab = {chr(i) if 32 <= i < 127 else f"<0x{i:02X}>": i for i in range(self.NUM_BYTES)}
-        vocab.update({"<eod>": self._eod, "<pad>": self._pad})
-        return vocab
-
-    @property
-    def inv_vocab(self) -> Dict[int, str]:
-        return {v: k for k, v in self.vocab.items()}
-
-    @property
-    def vocab_size(self) -> int:
-        return self.NUM_BYTES + 2
-
-    @property
-    def eod(self) -> int:
-        return self._eod
-
-    @property
-    def eos(self) -> int:
-        return self._eod
-
-    @property
-    def pad(self) -> int:
-        return self._pad
-
-    def apply_chat_template(self, *args, **kwargs):
-        raise NotImplementedError("the byte-level tokenizer has no chat template")
-
-    def __repr__(self) -> str:
-        return f"ByteLevelTokenizer(vocab_size={self.vocab_size})"
-
-
-def build_tokenizer(args) -> ByteLevelTokenizer:
-    if args.tokenizer_type != "ByteLevelTokenizer":
-        raise UserError(f"--tokenizer-type: unsupported {args.tokenizer_type!r}")
-    return ByteLevelTokenizer()
-
-
-def padded_vocab_size(args, tokenizer) -> int:
-    """--vocab-size if given (must hold the tokenizer), else padded as Megatron-LM does: up to a
-    multiple of --make-vocab-size-divisible-by x TP."""
-    if args.vocab_size is not None:
-        if args.vocab_size < tokenizer.vocab_size:
-            raise UserError(f"--vocab-size: {args.vocab_size} is smaller than the "
-                             f"tokenizer's {tokenizer.vocab_size} tokens")
-        if args.vocab_size % args.tensor_model_parallel_size:
-            raise UserError("--vocab-size: must be divisible by --tensor-model-parallel-size")
-        return args.vocab_size
-    from megatron.training.model_arithmetic import vocab_size_with_padding
-
-    return vocab_size_with_padding(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
-                                   args.tensor_model_parallel_size)
+from megatron.training.token_range import VocabCheckedDataset, check_token_ids
+from megatron.training.tokenizers import (build_tokenizer, padded_vocab_size,  # noqa: F401 (re-export)
+                                          vocab_size_before_padding)
 
 
 class MockGPTData(torch.utils.data.Dataset):
@@ -125,9 +55,11 @@ def _split_string(split: str) -> str:
 
 def build_gpt_datasets(args, tokenizer, train_samples: int, eval_samples: int):
     """(train, valid) datasets: mock, or megatron-core GPTDatasets over --data-path."""
-    if args.mock_data:
-        return (MockGPTData(args.seq_length, args.seed),
-                MockGPTData(args.seq_length, args.seed + 1))
+    vocab_size = vocab_size_before_padding(args, tokenizer)
+    tokenizer_name = args.tokenizer_type or type(tokenizer).__name__
+    if args.mock_data:  # bytes: a vocabulary under 256 (NullTokenizer) gets the one-line error
+        return tuple(VocabCheckedDataset(MockGPTData(args.seq_length, seed), vocab_size, tokenizer_name)
+                     for seed in (args.seed, args.seed + 1))
 
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
@@ -153,10 +85,12 @@ def build_gpt_datasets(args, tokenizer, train_samples: int, eval_samples: int):
         create_attention_mask=False,
         mmap_bin_files=True,
     )
+    check_token_ids(config.blend[0], vocab_size, tokenizer_name)
     _drop_unused_or_empty_splits(config, eval_samples)
     train, valid, _test = BlendedMegatronDatasetBuilder(
         GPTDataset, [train_samples, eval_samples, 0], lambda: True, config).build()
-    return train, valid
+    return tuple(None if ds is None else VocabCheckedDataset(ds, vocab_size, tokenizer_name)
+                 for ds in (train, valid))
 
 
 def _drop_unused_or_empty_splits(config, eval_samples: int) -> None:

@@ -15,7 +15,8 @@ def test_preprocess_and_train(tmp_path):
     sample.write_text("".join(corpus.read_text().splitlines(keepends=True)[:150]))
     prefix = tmp_path / "corpus"
     done = subprocess.run([sys.executable, str(REPO / "tools" / "preprocess_data.py"),
-                           "--input", str(sample), "--output-prefix", str(prefix)],
+                           "--input", str(sample), "--output-prefix", str(prefix),
+                           "--tokenizer-type", "ByteLevelTokenizer", "--append-eod"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     data = f"{prefix}_text_document"
@@ -30,7 +31,7 @@ def test_preprocess_and_train(tmp_path):
     assert bytes(ds[0][:-1].tolist()).decode() == first and ds[0][-1] == 256  # bytes + EOD
 
     records = run_pretrain(tmp_path / "run", [
-        "--data-path", data, "--data-cache-path", str(tmp_path / "cache"), "--lr", "3e-3",
+        "--tokenizer-type", "ByteLevelTokenizer", "--data-path", data, "--data-cache-path", str(tmp_path / "cache"), "--lr", "3e-3",
         "--eval-interval", "4", "--eval-iters", "1"], train_iters=8, mock_data=False)
     values = losses(records)
     assert len(values) == 8 and all(math.isfinite(v) for v in values)
