@@ -227,6 +227,9 @@ class RangeReader:
             self._cached[key] = torch.frombuffer(buf, dtype=torch.float32)
         return self._cached[key]
 
+    def drop_cached(self) -> None:
+        self._cached = {}
+
     def close(self) -> None:
         self.f.close()
 

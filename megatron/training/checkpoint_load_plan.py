@@ -33,8 +33,7 @@ class LoadPlan:
         saved = common.get("args")
         legacy = "parallel_layout" in common  # written before this repo used Megatron-LM's keys
         run_offloaded = isinstance(optimizer, OffloadedOptimizerCheckpoint)
-        saved_optimizer = common.get("optimizer")
-        ckpt_offloaded = isinstance(saved_optimizer, dict) and "offload_meta" in saved_optimizer
+        ckpt_offloaded = saved_in_offloaded_form(common)
         has_optimizer = "opt_param_scheduler" in common  # saved together, as upstream
         wanted = not (args.no_load_optim or args.finetune)
         if wanted and not has_optimizer:
@@ -50,6 +49,12 @@ class LoadPlan:
             notes.append(why_not)
         consumed = common.get("consumed_train_samples", 0) if legacy else getattr(saved, "consumed_train_samples", 0)
         return cls(form, run_offloaded, wanted, rng, consumed or 0, notes)
+
+
+def saved_in_offloaded_form(common: dict) -> bool:
+    """Whether a checkpoint (its common state) holds the optimizer state in offload files."""
+    saved_optimizer = common.get("optimizer")
+    return isinstance(saved_optimizer, dict) and "offload_meta" in saved_optimizer
 
 
 def _layout_now() -> dict:

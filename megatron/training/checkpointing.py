@@ -114,7 +114,7 @@ def _legacy_rng_sharded_object():
     return ShardedObject("rng_state", None, shape, offset, replica_id=0)
 
 
-def _sharding_metadata() -> dict:
+def sharding_metadata() -> dict:
     """What Megatron-LM passes to sharded_state_dict; it decides key names and the optimizer form."""
     return {"distrib_optim_sharding_type": OPTIMIZER_SHARDING, "singleton_local_shards": False,
             "chained_optim_avoid_prefix": True,
@@ -171,7 +171,7 @@ def _restore_adam_steps(optimizer, loaded) -> None:
 
 
 def _state_to_save(args, model, optimizer, scheduler, iteration, consumed_samples) -> dict:
-    metadata = _sharding_metadata()
+    metadata = sharding_metadata()
     state = {"args": args_to_save(args, consumed_samples), "checkpoint_version": CHECKPOINT_VERSION,
              "iteration": iteration}
     state.update(_model_state(model, metadata))
@@ -316,7 +316,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler, args):
     for note in plan.notes:
         _print_rank0(f"> {note}")
 
-    metadata = _sharding_metadata()
+    metadata = sharding_metadata()
     template = _model_state(model, metadata)
     if plan.optimizer == SAME_FORM:
         if not plan.run_offloaded:

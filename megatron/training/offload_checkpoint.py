@@ -1,8 +1,9 @@
 """The offloaded optimizer state in a checkpoint: streamed beside dist_checkpointing's files.
 
 Each rank writes ``iter_N/offload/ppPPP_tpTTT_dpDDD.offload``; its footer holds the data-parallel
-size and per-parameter slices (name, offset in the parameter, length, offset in the file), so a
-run with another data-parallel size (same TP and PP) finds its elements in the old ranks' files.
+size, per-parameter slices (name, offset in the parameter, length, offset in the file) and each
+parameter's place in its global tensor (param_geometry), so a run with another DP, TP or PP size
+finds its elements in the old ranks' files (offload_state_source).
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ from typing import Optional
 
 import torch
 
-from megatron.training.checkpointing import rank_coordinates
-from megatron.training.offload_files import OffloadFileSet, offload_file_path, param_names
+from megatron.training.checkpointing import rank_coordinates, sharding_metadata
+from megatron.training.offload_files import offload_file_path, param_names, saved_model_parallel_sizes
+from megatron.training.offload_state_source import OffloadedStateSource
+from megatron.training.param_geometry import param_geometries
 from megatron.training.shard_layout import ShardLayout
 from mlp_offload import OffloadedAdamW
 from mlp_offload.checkpoint import CheckpointDataError, load_engine_state, read_footer, save_engine_state, state_file_bytes
@@ -30,6 +33,7 @@ class OffloadedStateFiles:
         self.engine = engine
         self.layout = layout
         self.dp_size = dp_size
+        self.model_chunks = model_chunks
         # Stable names, so a checkpoint can be resharded onto another data-parallel size.
         self.param_names = param_names(model_chunks)
 
@@ -39,7 +43,11 @@ class OffloadedStateFiles:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         pieces = [[self.param_names[p], self.layout.param_slice[p], b - a, a]
                   for p, (a, b) in self.layout.param_flat_range.items()]
-        return save_engine_state(self.engine, path, metadata={"dp_size": self.dp_size, "params": pieces})
+        # Where each parameter lies in its global tensor: what a run at other TP/PP sizes needs.
+        geometry = {self.param_names[p]: g.to_json()
+                    for p, g in param_geometries(self.model_chunks, sharding_metadata()).items()}
+        return save_engine_state(self.engine, path,
+                                 metadata={"dp_size": self.dp_size, "params": pieces, "geometry": geometry})
 
     def nbytes(self) -> int:
         return state_file_bytes(self.engine.numel)
@@ -47,8 +55,10 @@ class OffloadedStateFiles:
     def load(self, checkpoint_dir: str, expected_steps: Optional[int]) -> None:
         """Load this rank's state; ``expected_steps`` is the step count in the checkpoint's metadata."""
         path = _state_path(checkpoint_dir)
-        same_dp = os.path.exists(path) and read_footer(path)["metadata"].get("dp_size") == self.dp_size
-        if same_dp:
+        (pp, tp, _), _ = rank_coordinates()
+        same_layout = (saved_model_parallel_sizes(checkpoint_dir) == (pp, tp) and os.path.exists(path)
+                       and read_footer(path)["metadata"].get("dp_size") == self.dp_size)
+        if same_layout:
             load_engine_state(self.engine, path)
         else:
             self._load_resharded(checkpoint_dir)
@@ -57,25 +67,24 @@ class OffloadedStateFiles:
                                       f"the checkpoint's metadata says {expected_steps}")
 
     def _load_resharded(self, checkpoint_dir: str) -> None:
-        """Fill this rank's shard from the files of another data-parallel size (same TP and PP):
-        each parameter slice is read from whichever old ranks held it."""
-        _, (p, t, _) = rank_coordinates()
-        mine = sorted((a, b, self.layout.param_slice[param], self.param_names[param])
+        """Fill this rank's shard from files of another DP, TP or PP size: each parameter slice
+        is read from whichever old ranks held it."""
+        mine = sorted((a, b, self.layout.param_slice[param], param)
                       for param, (a, b) in self.layout.param_flat_range.items())
-        with OffloadFileSet(checkpoint_dir, p, t) as files:
+        with OffloadedStateSource(checkpoint_dir, self.model_chunks) as saved:
             def fill(sg, *outs):
                 for out in outs:
                     out.zero_()  # bucket padding holds no parameter
-                for a, b, offset, name in mine:
+                for a, b, offset, param in mine:
                     lo, hi = max(a, sg.start), min(b, sg.end)
                     if lo < hi:
-                        files.read(name, offset + lo - a, offset + hi - a,
+                        saved.read(param, offset + lo - a, offset + hi - a,
                                    [out[lo - sg.start: hi - sg.start] for out in outs])
 
-            self.engine.load_state(fill, steps_done=files.steps_done)
-            old_dp = files.dp_size
+            self.engine.load_state(fill, steps_done=saved.steps_done)
+            change = saved.describe_change(self.dp_size)
         if torch.distributed.get_rank() == 0:
-            log.info("offloaded state resharded from data-parallel size %d to %d", old_dp, self.dp_size)
+            log.info("offloaded state resharded from %s", change)
 
 
 def _state_path(checkpoint_dir: str) -> str:

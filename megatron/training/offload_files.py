@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 from typing import Dict, List, Tuple
 
 import torch
@@ -25,6 +26,18 @@ def offload_file_path(checkpoint_dir: str, pp: int, tp: int, dp: int) -> str:
 
 def has_offloaded_state(checkpoint_dir: str) -> bool:
     return bool(glob.glob(os.path.join(checkpoint_dir, "offload", "*.offload")))
+
+
+_FILE_NAME = re.compile(r"pp(\d+)_tp(\d+)_dp(\d+)\.offload$")
+
+
+def saved_model_parallel_sizes(checkpoint_dir: str) -> Tuple[int, int]:
+    """(PP, TP) sizes of the run that wrote the offload files, from their names."""
+    found = [_FILE_NAME.search(f) for f in glob.glob(os.path.join(checkpoint_dir, "offload", "*.offload"))]
+    positions = {(int(m.group(1)), int(m.group(2))) for m in found if m}
+    if not positions:
+        raise CheckpointDataError(f"{checkpoint_dir}: no offloaded optimizer state (no offload/*.offload files)")
+    return max(p for p, _ in positions) + 1, max(t for _, t in positions) + 1
 
 
 class OffloadFileSet:
@@ -45,6 +58,8 @@ class OffloadFileSet:
             raise CheckpointDataError(f"{checkpoint_dir}: offload files disagree on the step count {sorted(steps)}")
         self.steps_done = steps.pop()
         self.where = checkpoint_dir
+        # name -> ParamGeometry as JSON (files written before it was recorded have none)
+        self.geometry: Dict[str, list] = footers[0]["metadata"].get("geometry") or {}
         self._readers = [RangeReader(f, footer["subgroups"]) for f, footer in zip(self.files, footers)]
         # param name -> [(offset in the param, length, offset in the file, reader)]
         self._held: Dict[str, List[Tuple[int, int, int, RangeReader]]] = {}
@@ -67,6 +82,11 @@ class OffloadFileSet:
         if filled != end - start:
             raise CheckpointDataError(f"{self.where}: elements {start}..{end} of {name} are in no offload file "
                                       f"(another model or TP/PP layout?)")
+
+    def drop_cached(self) -> None:
+        """Forget the stored subgroups kept for the next read (bounds memory over many file sets)."""
+        for reader in self._readers:
+            reader.drop_cached()
 
     def close(self) -> None:
         for reader in self._readers:

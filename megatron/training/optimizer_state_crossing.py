@@ -19,7 +19,8 @@ import torch
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
-from megatron.training.offload_files import STATE_KEYS, OffloadFileSet, param_names
+from megatron.training.offload_files import STATE_KEYS
+from megatron.training.offload_state_source import OffloadedStateSource
 from mlp_offload.checkpoint import CheckpointDataError
 
 
@@ -34,10 +35,8 @@ def _key_prefix() -> str:
 
 # -- offloaded files -> megatron-core's DistributedOptimizer -------------------------------------
 def fill_distributed_optimizer(dist_optimizers: List, model_chunks, checkpoint_dir: str, offload_meta: dict) -> None:
-    """Put the offloaded state of ``checkpoint_dir`` into megatron-core's optimizer(s)."""
-    _, (pp, tp, _) = _coordinates()
-    names = param_names(model_chunks)
-    with OffloadFileSet(checkpoint_dir, pp, tp) as files:
+    """Put the offloaded state of ``checkpoint_dir`` (saved at any DP, TP and PP) into megatron-core's optimizer(s)."""
+    with OffloadedStateSource(checkpoint_dir, model_chunks) as saved:
         for opt in dist_optimizers:
             for gbuf_range_maps in opt.gbuf_ranges:
                 for bucket_maps in gbuf_range_maps.values():
@@ -45,10 +44,10 @@ def fill_distributed_optimizer(dist_optimizers: List, model_chunks, checkpoint_d
                         for param, ranges in bucket_map["param_map"].items():
                             piece = ranges["param"]
                             outs = [torch.empty(piece.size, dtype=torch.float32) for _ in STATE_KEYS]
-                            files.read(names[param], piece.start, piece.end, outs)
-                            tensors = dict(zip(STATE_KEYS, outs), step=torch.tensor(float(files.steps_done)))
+                            saved.read(param, piece.start, piece.end, outs)
+                            tensors = dict(zip(STATE_KEYS, outs), step=torch.tensor(float(saved.steps_done)))
                             opt._set_main_param_and_optimizer_states(param, tensors)
-            _set_adam_step(opt, files.steps_done)
+            _set_adam_step(opt, saved.steps_done)
             if opt.grad_scaler is not None and offload_meta.get("grad_scaler"):
                 opt.grad_scaler.load_state_dict(offload_meta["grad_scaler"])
 
@@ -56,12 +55,6 @@ def fill_distributed_optimizer(dist_optimizers: List, model_chunks, checkpoint_d
 def _set_adam_step(opt, steps: int) -> None:
     for state in opt.optimizer.state.values():
         state["step"] = torch.tensor(float(steps), dtype=torch.float32)  # one tensor per param, not shared
-
-
-def _coordinates():
-    from megatron.training.checkpointing import rank_coordinates
-
-    return rank_coordinates()
 
 
 # -- megatron-core's dp_reshardable tensors -> the offload engine --------------------------------

@@ -1,13 +1,14 @@
 """Checkpoints across every boundary (2 CPU processes, DP=2, 4 iterations, saves at 2):
 offload on/off between save and resume in both directions, weights-only loads, and a checkpoint
-laid out as Megatron-LM's save_checkpoint writes it. Offload and plain runs are bit-identical on
+laid out as Megatron-LM's save_checkpoint writes it, and the offline conversion tool. Offload and plain runs are bit-identical on
 CPU (test_offload_cpu), so every resume must repeat the uninterrupted plain run's iterations 3-4."""
 
+import importlib.util
 import sys
 
 import pytest
 
-from launch import PRETRAIN, REPO, pretrain_command, pretrain_env, run_and_clean_up, run_pretrain
+from launch import PRETRAIN, REPO, TINY_MODEL, pretrain_command, pretrain_env, run_and_clean_up, run_pretrain
 from test_offload_cpu import offload_args
 
 ITERS, SAVED_AT = 4, 2
@@ -63,6 +64,44 @@ def test_upstream_megatron_layout_loads_and_trains_on(runs):
     assert plain == baseline[SAVED_AT:]
     offload = run_pretrain(tmp / "u2", [*offload_args(tmp / "u2"), "--load", str(upstream)], train_iters=ITERS)
     assert offload == baseline[SAVED_AT:]
+
+
+def convert(tmp, to, source, target, training_flags):
+    """tools/convert_offload_checkpoint.py, with the training flags of the run that saved ``source``."""
+    cmd = [sys.executable, str(REPO / "tools" / "convert_offload_checkpoint.py"), "--to", to, "--load", str(source),
+           "--save", str(target), "--", *TINY_MODEL, "--mock-data", *training_flags]
+    code, output = run_and_clean_up(cmd, pretrain_env(), 240, tmp / f"convert-{to}.out")
+    assert code == 0, output[-4000:]
+    return output
+
+
+def test_conversion_tool_offload_to_plain_and_back(runs):
+    """Converted offline, each form resumes bit for bit as the uninterrupted run: offload -> plain
+    without offload, plain -> offload with offload."""
+    tmp, baseline = runs
+    convert(tmp, "plain", tmp / "off-ckpt", tmp / "to-plain", [])
+    assert not (tmp / "to-plain" / f"iter_{SAVED_AT:07d}" / "offload").exists()
+    assert run_pretrain(tmp / "t1", ["--load", str(tmp / "to-plain")], train_iters=ITERS) == baseline[SAVED_AT:]
+    convert(tmp, "offload", tmp / "plain-ckpt", tmp / "to-off", offload_args(tmp / "t2"))
+    assert (tmp / "to-off" / f"iter_{SAVED_AT:07d}" / "offload" / "pp000_tp000_dp001.offload").exists()
+    resumed = run_pretrain(tmp / "t2", [*offload_args(tmp / "t2"), "--load", str(tmp / "to-off")], train_iters=ITERS)
+    assert resumed == baseline[SAVED_AT:]
+
+
+@pytest.mark.parametrize("to,load,save,why", [
+    ("plain", "missing", "out", "not a directory"),
+    ("offload", "off-ckpt", "out", "already in the offload form"),
+    ("plain", "off-ckpt", "plain-ckpt", "not an empty directory"),
+])
+def test_conversion_tool_refuses_in_one_line(runs, to, load, save, why):
+    tmp, _ = runs
+    spec = importlib.util.spec_from_file_location("convert_tool", REPO / "tools" / "convert_offload_checkpoint.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    with pytest.raises(SystemExit) as refused:
+        tool.main(["--to", to, "--load", str(tmp / load), "--save", str(tmp / save), "--", *TINY_MODEL])
+    line = str(refused.value)
+    assert line.startswith("error: ") and why in line and "\n" not in line
 
 
 def test_saved_keys_are_megatron_lm_s(runs):

@@ -1,0 +1,83 @@
+"""Convert a checkpoint's optimizer state between the offloaded form and megatron-core's own.
+
+    python tools/convert_offload_checkpoint.py --to plain   --load IN --save OUT -- TRAINING_FLAGS...
+    python tools/convert_offload_checkpoint.py --to offload --load IN --save OUT -- TRAINING_FLAGS... --offload-...
+
+TRAINING_FLAGS are the run's own (model, parallel sizes, precision, data): the plain form is keyed
+by megatron-core's DDP buckets, so the model is built as training builds it. The tool launches
+``pretrain_gpt.py`` on this node with ``--load IN --save OUT --train-iters <saved iteration>``: the
+load converts (optimizer_state_crossing, parameter slice by parameter slice from offload files, at
+any DP/TP/PP) and the save writes the other form, with no training step in between.
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from megatron.training import checkpoint_integrity as integrity  # noqa: E402
+from megatron.training.checkpoint_load_plan import saved_in_offloaded_form  # noqa: E402
+
+
+def fail(line: str):
+    raise SystemExit(f"error: {line}")
+
+
+def saved_checkpoint(root: str):
+    """(iteration, iteration dir, offloaded?, processes the saved layout ran) of the one --load resumes."""
+    from megatron.core import dist_checkpointing
+
+    if not os.path.isdir(root):
+        fail(f"--load {root}: not a directory")
+    try:
+        iteration, _ = integrity.choose_checkpoint(root)
+    except ValueError as err:
+        fail(f"--load {root}: {err}")
+    if iteration is None:
+        fail(f"--load {root}: holds no complete checkpoint")
+    path = integrity.checkpoint_dir(root, iteration)
+    common = dist_checkpointing.load_common_state_dict(path)
+    if "opt_param_scheduler" not in common:
+        fail(f"--load {path}: holds no optimizer state (saved with --no-save-optim): nothing to convert")
+    saved = common.get("args")
+    world = getattr(saved, "world_size", None) if saved is not None else None
+    return iteration, path, saved_in_offloaded_form(common), world
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--to", choices=("plain", "offload"), required=True)
+    parser.add_argument("--load", required=True, help="checkpoint root to read (its latest complete iteration)")
+    parser.add_argument("--save", required=True, help="checkpoint root to write (new or empty)")
+    parser.add_argument("--nproc", type=int, help="processes on this node (default: the saved run's world size)")
+    parser.add_argument("training_flags", nargs=argparse.REMAINDER, help="after --: the run's training flags")
+    args = parser.parse_args(argv)
+    flags = args.training_flags[1:] if args.training_flags[:1] == ["--"] else args.training_flags
+    iteration, path, offloaded, world = saved_checkpoint(args.load)
+    if offloaded == (args.to == "offload"):
+        fail(f"--load {path}: its optimizer state is already in the {args.to} form")
+    if os.path.exists(args.save) and (not os.path.isdir(args.save) or os.listdir(args.save)):
+        fail(f"--save {args.save}: exists and is not an empty directory; give a new one")
+    for flag in ("--load", "--save", "--train-iters", "--no-load-optim", "--finetune", "--no-save-optim"):
+        if flag in flags:
+            fail(f"{flag} among the training flags: the tool sets it")
+    has_offload_flags = any(f.startswith("--offload-") for f in flags)
+    if has_offload_flags != (args.to == "offload"):
+        fail("--to offload needs the run's --offload-... flags after --" if args.to == "offload" else
+             "--to plain: drop the --offload-... flags after --")
+    nproc = args.nproc or world
+    if not nproc:
+        fail(f"--load {path}: the saved args give no world size; pass --nproc")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+               os.path.join(REPO, "pretrain_gpt.py"), *flags, "--load", args.load, "--save", args.save,
+               "--train-iters", str(iteration),
+               "--save-interval", str(iteration + 1)]  # the save at the end: not skipped as an interval's
+    print(f"> converting {path} to the {args.to} form into {args.save}: {' '.join(command)}", flush=True)
+    return subprocess.call(command, cwd=REPO)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
