@@ -360,12 +360,15 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
             if nan and ok:
                 raise RuntimeError(f"loss is {loss} at iteration {iteration}")
             times = timers.take_iteration()
+            flops = flops_per_iteration(shape, args.current_global_batch_size)
+            # Saved in checkpoints, as Megatron-LM keeps it, for throughput over a job chain.
+            args.num_floating_point_operations_so_far = getattr(args, "num_floating_point_operations_so_far", 0) + flops
             metrics.iteration(IterationRecord(
                 iteration=iteration, consumed_samples=consumed, global_batch_size=args.current_global_batch_size,
                 learning_rate=lr, loss_scale=float(optimizer.get_loss_scale().item()), skipped=not ok, nan=nan,
                 elapsed_s=elapsed, forward_backward_s=times["forward-backward"], optimizer_s=times["optimizer"],
                 forward_s=times["forward-compute"], backward_s=times["backward-compute"],
-                flops=flops_per_iteration(shape, args.current_global_batch_size),
+                flops=flops,
                 loss=loss, grad_norm=grad_norm, num_zeros_in_grad=num_zeros if args.log_num_zeros_in_grad else None,
                 params_norm=params_l2_norm(model) if args.log_params_norm else None,
                 offload=optimizer.last_step_record() if isinstance(optimizer, ReportsIteration) else None,
