@@ -37,7 +37,7 @@ def plan_engine(numel: int, config: OffloadConfig, rates: Dict[str, TierBandwidt
     """Plan one rank's shard of ``numel`` elements; ``capacity_bytes`` is each file tier's space as
     the node's ``ranks_per_node`` ranks share it. Raises ``PlacementError`` where it does not fit."""
     config = dataclasses.replace(config, ranks_sharing_node=ranks_per_node)
-    subgroups = partition(numel, config.subgroup_size)
+    subgroups = partition(numel, config.subgroup_size, config.state_itemsizes)
     placement = plan_placement(subgroups, config, rates, capacity_bytes)
     tokens = {t: config.tokens_per_tier or tokens_for(rates[t], ranks_per_node) for t in config.file_tiers}
     prediction = predict_update(subgroups, placement, rates, adam_elems_per_s, convert_elems_per_s,

@@ -1,14 +1,16 @@
 """Streaming save/load of one engine's offloaded state to a single checkpoint file.
 
-Layout: the fp32 (param, exp_avg, exp_avg_sq) of each subgroup, one after the other, then a JSON
-footer (element ranges, byte offsets, CRC32 of every tensor, the step count, caller metadata), then
+Layout: the (param, exp_avg, exp_avg_sq) of each subgroup in their stored dtypes, one after the
+other, then a JSON footer (element ranges, byte offsets, CRC32 of every tensor, the dtypes (absent in
+older files: fp32), the step count, caller metadata), then
 a 24-byte trailer (magic, footer length, CRC32 of the footer). The file is written as
 ``<path>.tmp``, fsynced and renamed, so a crash leaves either the old file or no file, never a
 torn one. Nothing read from the file is used unchecked: the footer's CRC and structure are
 verified before any offset in it is followed, and every tensor's CRC before its data is used.
 
 Loading is by element range, independent of how the saving engine was split into subgroups or
-where its state lived: a run may resume with other tier paths, host budget or subgroup size.
+where its state lived: a run may resume with other tier paths, host budget or subgroup size, or
+other state dtypes (each tensor is widened or rounded to the engine's as it is copied in).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 
 from .engine import OffloadedAdamW
 from .faults import fault_point
+from .state_dtypes import FP32_STATE, TORCH_DTYPES, itemsizes, torch_dtypes
 from .tiers.files import fsync_path
 
 log = logging.getLogger("mlp_offload")
@@ -33,7 +36,6 @@ TRAILER = struct.Struct("<8sQI")  # magic, footer length, CRC32 of the footer
 LEGACY_MAGIC = b"MLPOFFv1"  # footer without a checksum (files written before 2026-11-22)
 LEGACY_TRAILER = struct.Struct("<8sQ")
 NAMES = ("param", "exp_avg", "exp_avg_sq")
-FP32 = 4
 
 
 class CheckpointDataError(RuntimeError):
@@ -44,9 +46,14 @@ class CheckpointSaveError(RuntimeError):
     """A checkpoint file could not be written (e.g. the file system is full); nothing partial is left."""
 
 
-def state_file_bytes(numel: int) -> int:
+def state_file_bytes(numel: int, dtypes=FP32_STATE) -> int:
     """Bytes of the tensors a state file holds (the footer, a few KB, comes on top)."""
-    return len(NAMES) * FP32 * numel
+    return sum(itemsizes(dtypes)) * numel
+
+
+def stored_dtypes(footer: dict) -> Tuple[str, ...]:
+    """The dtypes of a file's (param, exp_avg, exp_avg_sq); files from before they were recorded are fp32."""
+    return tuple(footer.get("dtypes", FP32_STATE))
 
 
 def save_engine_state(engine: OffloadedAdamW, path: str, metadata: Optional[dict] = None) -> int:
@@ -62,7 +69,7 @@ def save_engine_state(engine: OffloadedAdamW, path: str, metadata: Optional[dict
         if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
             raise CheckpointSaveError(
                 f"{path}: {err.strerror or err} while saving the offloaded optimizer state: "
-                f"{human_bytes(state_file_bytes(engine.numel))} needed for this file, "
+                f"{human_bytes(state_file_bytes(engine.numel, engine.config.state_dtypes))} needed for this file, "
                 f"{human_bytes(_free_bytes(path))} free; the partial file was removed") from err
         raise
     return size
@@ -74,14 +81,14 @@ def _write_state(engine: OffloadedAdamW, tmp: str, metadata: Optional[dict]) -> 
         for sg, *tensors in engine.iter_state():
             entry = {"start": sg.start, "end": sg.end, "offset": f.tell(), "crc": []}
             for t in tensors:
-                view = memoryview(t.numpy()).cast("B")
+                view = memoryview(t.view(torch.uint8).numpy())  # its stored bytes, whatever the dtype
                 f.write(view)
                 entry["crc"].append(zlib.crc32(view))
             entries.append(entry)
             fault_point("save-offload")
         footer = json.dumps({
             "numel": engine.numel, "steps_done": engine.steps_done, "subgroups": entries,
-            "metadata": metadata or {},
+            "dtypes": list(engine.config.state_dtypes), "metadata": metadata or {},
         }).encode()
         f.write(footer)
         f.write(TRAILER.pack(MAGIC, len(footer), zlib.crc32(footer)))
@@ -143,6 +150,9 @@ def _check_footer(path: str, footer, data_end: int) -> None:
     numel, steps = footer["numel"], footer["steps_done"]
     if not _is_count(numel) or not _is_count(steps):
         raise bad(f"numel {numel!r}, steps_done {steps!r}")
+    dtypes = footer.get("dtypes", list(FP32_STATE))
+    if not (isinstance(dtypes, list) and len(dtypes) == len(NAMES) and all(d in TORCH_DTYPES for d in dtypes)):
+        raise bad(f"state dtypes {str(dtypes)[:80]}")
     expected_start, expected_offset = 0, 0
     for e in footer["subgroups"]:
         if not (isinstance(e, dict) and all(_is_count(e.get(k)) for k in ("start", "end", "offset"))
@@ -153,7 +163,7 @@ def _check_footer(path: str, footer, data_end: int) -> None:
             raise bad(f"subgroup {e['start']}..{e['end']} at byte {e['offset']}, expected to start at element "
                       f"{expected_start} and byte {expected_offset}")
         expected_start = e["end"]
-        expected_offset += state_file_bytes(e["end"] - e["start"])
+        expected_offset += state_file_bytes(e["end"] - e["start"], dtypes)
     if expected_start != numel:
         raise bad(f"subgroups cover {expected_start} of {numel} elements")
     if expected_offset != data_end:
@@ -173,7 +183,7 @@ def load_engine_state(engine: OffloadedAdamW, path: str) -> dict:
         raise CheckpointDataError(
             f"{path}: holds {footer['numel']} elements but this rank's shard has {engine.numel} "
             f"(different model or parallel layout)")
-    reader = RangeReader(path, footer["subgroups"])
+    reader = RangeReader(path, footer["subgroups"], stored_dtypes(footer))
     try:
         def fill(sg, param, exp_avg, exp_avg_sq):
             for k, out in enumerate((param, exp_avg, exp_avg_sq)):
@@ -186,13 +196,15 @@ def load_engine_state(engine: OffloadedAdamW, path: str) -> dict:
 
 
 class RangeReader:
-    """Reads element ranges of one state tensor across the stored subgroups of one file. Each
-    stored tensor is CRC-checked as it is read; the two most recent stored subgroups stay cached,
-    so ascending requests (a plain resume) read each once, other orders (resharding) may re-read."""
+    """Reads element ranges of one state tensor across the stored subgroups of one file, widened or
+    rounded to the dtype of ``out`` as they are copied. Each stored tensor is CRC-checked as it is
+    read; the two most recent stored subgroups stay cached, so ascending requests (a plain resume)
+    read each once, other orders (resharding) may re-read."""
 
-    def __init__(self, path: str, entries):
+    def __init__(self, path: str, entries, dtypes=FP32_STATE):
         self.path = path
         self.entries = sorted(entries, key=lambda e: e["start"])
+        self.dtypes = torch_dtypes(dtypes)
         self.f = open(path, "rb")
         self._cached: Dict[Tuple[int, int], torch.Tensor] = {}
 
@@ -216,15 +228,16 @@ class RangeReader:
             if e["start"] not in starts and len(starts) >= 2:
                 self._cached = {kk: v for kk, v in self._cached.items() if kk[0] != starts[0]}
             n = e["end"] - e["start"]
-            buf = bytearray(FP32 * n)
-            self.f.seek(e["offset"] + k * FP32 * n)
+            dtype = self.dtypes[k]
+            buf = bytearray(dtype.itemsize * n)
+            self.f.seek(e["offset"] + sum(d.itemsize for d in self.dtypes[:k]) * n)
             if self.f.readinto(buf) != len(buf):
                 raise CheckpointDataError(f"{self.path}: truncated in {NAMES[k]} of elements {e['start']}..{e['end']}")
             if zlib.crc32(buf) != e["crc"][k]:
                 raise CheckpointDataError(
                     f"{self.path}: checksum mismatch in {NAMES[k]} of elements {e['start']}..{e['end']}; "
                     f"the checkpoint is corrupt and was not used")
-            self._cached[key] = torch.frombuffer(buf, dtype=torch.float32)
+            self._cached[key] = torch.frombuffer(buf, dtype=dtype)
         return self._cached[key]
 
     def drop_cached(self) -> None:

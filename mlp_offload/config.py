@@ -9,8 +9,9 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence, Tuple
 
+from .state_dtypes import FP32_STATE, STATE_TENSORS, UnsupportedStateDtype, dtype_name, itemsizes
 from .tiers.align import ALIGN, align_down
 
 HOST_TIER = "host"
@@ -138,7 +139,13 @@ class OffloadConfig:
     """Write a Chrome-trace JSON of this engine's reads, writes, waits and Adam here when it closes
     (see ``trace``); None: nothing is timed or recorded beyond the per-step telemetry."""
 
+    state_dtypes: Sequence[str] = FP32_STATE
+    """Stored dtype of (master params, exp_avg, exp_avg_sq): ``"fp32"``, ``"fp16"`` or ``"bf16"``
+    each (torch dtypes are accepted too). Narrower ones are widened to fp32 for the update and
+    rounded back after it; every tier, placement and checkpoint then counts their smaller bytes."""
+
     def __post_init__(self):
+        self.state_dtypes = _state_dtype_names(self.state_dtypes)
         if isinstance(self.tiers, str):
             self.tiers = [t.strip() for t in self.tiers.split(",") if t.strip()]
         if not self.tiers:
@@ -214,6 +221,10 @@ class OffloadConfig:
         return HOST_TIER in self.tiers
 
     @property
+    def state_itemsizes(self) -> Tuple[int, int, int]:
+        return itemsizes(self.state_dtypes)
+
+    @property
     def file_tiers(self) -> List[str]:
         return [t for t in self.tiers if t not in RESIDENT_TIERS]
 
@@ -284,6 +295,20 @@ def _positive_finite(value) -> bool:
 def _positive(field: str, value: int) -> None:
     if not _is_int(value) or value <= 0:
         raise OffloadConfigError(f"{field.replace('_', ' ')} ({field}) must be a positive integer, got {value!r}")
+
+
+def _state_dtype_names(values) -> Tuple[str, str, str]:
+    values = tuple(values)
+    if len(values) != len(STATE_TENSORS):
+        raise OffloadConfigError(f"state dtypes (state_dtypes) needs one dtype for each of {STATE_TENSORS}, "
+                                 f"got {values!r}")
+    names = []
+    for tensor, value in zip(STATE_TENSORS, values):
+        try:
+            names.append(dtype_name(value))
+        except UnsupportedStateDtype as err:
+            raise OffloadConfigError(f"state dtype of {tensor} (state_dtypes): {err}") from None
+    return tuple(names)
 
 
 TOKEN_SCOPES = ("node", "job")

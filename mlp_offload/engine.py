@@ -3,7 +3,7 @@ subgroup with reads prefetched ahead and writes behind.
 
 Data flow: plan (rates -> placement -> prediction) -> tiers (host memory, files) -> this engine. The caller (the
 Megatron adapter, a test, a benchmark) copies low-precision gradients into ``grad_buffer`` (or
-gives a ``GradientSource``) and calls ``step()``; each updated subgroup's fp32 parameters are
+gives a ``GradientSource``) and calls ``step()``; each updated subgroup's master parameters (in their stored dtype) are
 handed to ``on_params_updated``. The engine wires the pieces: ``pipeline`` (slots streaming the
 file-backed subgroups), ``schedule`` (the per-step traffic model), ``state_access`` (checkpoints),
 ``gradients``, ``param_groups`` and ``update`` (the Adam kernels).
@@ -29,12 +29,13 @@ from .startup import describe_tiers, start_up
 from .pipeline import OffloadStateError, SlotPipeline, StateViews, fill_params
 from .schedule import StepSchedule, step_schedule
 from .state_access import StateAccess
+from .state_dtypes import bytes_per_param, torch_dtypes
 from .subgroups import FP32_BYTES, Subgroup, partition
 from .telemetry import StepRecord, TrafficCounters
 from .tiers.files import FileTier
 from .tiers.host import check_host_memory
 from .trace import Trace, open_trace
-from .update import AdamKernel, fused_vector_width
+from .update import AdamKernel, Fp32Working, fused_vector_width
 
 log = logging.getLogger("mlp_offload")
 PER_NODE = "mlp_offload_per_node"  # set on log records that say the same on every rank of a node
@@ -97,7 +98,8 @@ class OffloadedAdamW:
         self.adam = AdamKernel(config.adam_kernel, decoupled_weight_decay)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         self.param_groups = build_groups(groups, defaults, self.numel)
-        self.subgroups = partition(self.numel, config.subgroup_size)
+        self.subgroups = partition(self.numel, config.subgroup_size, config.state_itemsizes)
+        self.state_dtypes = torch_dtypes(config.state_dtypes)
         self._segments = [segments_of(sg, self.param_groups) for sg in self.subgroups]
         if config.adam_kernel == "fused" and any(span != (0, hi - lo) for segs in self._segments
                                                  for lo, hi, _, span in segs):
@@ -129,7 +131,9 @@ class OffloadedAdamW:
         largest = max(sg.numel for sg in self.subgroups)
         grad_bytes = (2 * largest * FP32_BYTES if grad_source is not None
                       else self.numel * grad_dtype.itemsize + largest * FP32_BYTES)
-        check_host_memory(self.placement.host_state_bytes + grad_bytes, cfg.resolved_ranks_sharing_node())
+        self._working = Fp32Working(self.state_dtypes, largest)
+        check_host_memory(self.placement.host_state_bytes + grad_bytes + self._working.nbytes,
+                          cfg.resolved_ranks_sharing_node())
         self.grad_buffer = None  # the caller's low-precision gradients, when the engine converts them
         if grad_source is None:
             self.grad_buffer = self.host.allocate(self.numel * grad_dtype.itemsize, "gradient buffer",
@@ -146,14 +150,14 @@ class OffloadedAdamW:
         for i, tier in enumerate(self.placement.tier_of):
             if tier == HOST_TIER:
                 sg = self.subgroups[i]
-                views = StateViews.over(self.host.allocate(sg.state_bytes, f"subgroup {i}"), sg.numel, sg.region_bytes)
+                views = StateViews.over(self.host.allocate(sg.state_bytes, f"subgroup {i}"), sg, self.state_dtypes)
                 fill_params(params, sg, views.param[: sg.numel])
                 views.exp_avg.zero_()
                 views.exp_avg_sq.zero_()
                 self._resident[i] = views
         slot_sg = max(self.subgroups, key=lambda sg: sg.numel)
         buffers = [StateViews.over(self.host.allocate(slot_sg.state_bytes, f"pipeline buffer {k}"),
-                                   slot_sg.numel, slot_sg.region_bytes) for k in range(self.placement.slots)]
+                                   slot_sg, self.state_dtypes) for k in range(self.placement.slots)]
         seconds = time.perf_counter() - started
         log.info("allocated %.3f GB of %shost memory for optimizer state in %.1f s (%.2f GB/s)", state_gb, kind,
                  seconds, state_gb / max(seconds, 1e-9))
@@ -187,9 +191,10 @@ class OffloadedAdamW:
             log.info("offload tiers of this node: %s", self.describe_tiers(), extra={PER_NODE: True})
         log.info(
             "offload rank %d: %d params in %d subgroups; placement %s; %d host buffers (%d cache); "
-            "host state %.2f GiB; adam %.2f Gelem/s; %s",
+            "host state %.2f GiB; state %.1f B/param (%s); adam %.2f Gelem/s; %s",
             cfg.rank, self.numel, len(self.subgroups), counts, p.slots, p.cache_slots,
-            p.host_state_bytes / GiB, self.adam_rate / 1e9, self.prediction.describe())
+            p.host_state_bytes / GiB, bytes_per_param(cfg.state_dtypes), "/".join(cfg.state_dtypes),
+            self.adam_rate / 1e9, self.prediction.describe())
 
     # -- the update ----------------------------------------------------------------------------
     def step(self, *, unscale: Optional[float] = None, clip_coef: Optional[float] = None,
@@ -254,13 +259,15 @@ class OffloadedAdamW:
         return rec
 
     def _adam_subgroup(self, i: int, views: StateViews, grad: torch.Tensor, step: int) -> None:
-        param, exp_avg, exp_avg_sq = views.narrow(self.subgroups[i].numel)
+        stored = views.narrow(self.subgroups[i].numel)
+        param, exp_avg, exp_avg_sq = wide = self._working.widen(stored)
         for lo, hi, g, span in self._segments[i]:
             group = self.param_groups[g]
             beta1, beta2 = group["betas"]
             self.adam(param[lo:hi], grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], step=step,
                       lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                       weight_decay=group["weight_decay"], span=span)
+        self._working.round_back(stored, wide)
 
     def prefetch(self) -> None:
         """Start reading the next step's first subgroups now (e.g. as forward begins)."""
@@ -305,7 +312,7 @@ class OffloadedAdamW:
         # Outside the budget on purpose: used only while saving or loading a checkpoint.
         sg = max(self.subgroups, key=lambda s: s.numel)
         return StateViews.over(self.host.allocate(sg.state_bytes, "checkpoint buffer", counted=False),
-                               sg.numel, sg.region_bytes)
+                               sg, self.state_dtypes)
 
     # -- teardown --------------------------------------------------------------------------------
     def close(self, remove_files: bool = True) -> None:

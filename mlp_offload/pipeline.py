@@ -14,12 +14,12 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from .schedule import StepSchedule
-from .subgroups import FP32_BYTES, Subgroup
+from .subgroups import STATE_TENSORS, Subgroup
 from .telemetry import StepRecord, TrafficCounters
 from .tiers.files import FileTier, OpResult, TierIOError
 from .trace import Trace
@@ -34,20 +34,24 @@ class OffloadStateError(RuntimeError):
 @dataclass
 class StateViews:
     buf: torch.Tensor  # aligned uint8 buffer holding the three regions
-    param: torch.Tensor
+    layout: Subgroup  # the subgroup it was sized for: where its regions lie in ``buf``
+    param: torch.Tensor  # each in its stored dtype
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     fence: object = None  # returned by on_params_updated; synchronized before overwriting
 
     @classmethod
-    def over(cls, buf: torch.Tensor, numel: int, region_bytes: int) -> "StateViews":
-        views = [buf[k * region_bytes: k * region_bytes + numel * FP32_BYTES].view(torch.float32) for k in range(3)]
-        return cls(buf, *views)
+    def over(cls, buf: torch.Tensor, layout: Subgroup, dtypes: Sequence[torch.dtype]) -> "StateViews":
+        views = []
+        for k, dtype in enumerate(dtypes):
+            offset = layout.region_offset(k)
+            views.append(buf[offset: offset + layout.numel * dtype.itemsize].view(dtype))
+        return cls(buf, layout, *views)
 
     def extents(self, sg: Subgroup) -> List[Tuple[int, torch.Tensor]]:
         """Its three regions as (file offset, host bytes) pairs in the subgroup's own file layout."""
-        region = self.buf.numel() // 3  # this buffer's region stride (its allocating size)
-        return [(k * sg.region_bytes, self.buf[k * region: k * region + sg.region_bytes]) for k in range(3)]
+        return [(sg.region_offset(k), self.buf[self.layout.region_offset(k): self.layout.region_offset(k)
+                                               + sg.region_bytes(k)]) for k in range(len(STATE_TENSORS))]
 
     def sync_fence(self) -> None:
         if self.fence is not None:

@@ -1,18 +1,20 @@
-"""Partition of one rank's flat fp32 shard into subgroups, and the byte layout of their state.
+"""Partition of one rank's flat shard into subgroups, and the byte layout of their state.
 
-A subgroup's state is three fp32 tensors (master params, exp_avg, exp_avg_sq). In host buffers and
-in files they sit in three regions, each padded to ALIGN bytes so O_DIRECT I/O can use them as-is.
+A subgroup's state is three tensors (master params, exp_avg, exp_avg_sq), each stored in its own
+dtype (fp32 by default, see ``state_dtypes``). In host buffers and in files they sit in three
+regions, each padded to ALIGN bytes so O_DIRECT I/O can use them as-is.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List
+from typing import List, Tuple
 
+from .state_dtypes import STATE_TENSORS
 from .tiers.align import align_up
 
-STATE_TENSORS = ("param", "exp_avg", "exp_avg_sq")
 FP32_BYTES = 4
+__all__ = ["STATE_TENSORS", "FP32_BYTES", "Subgroup", "partition"]
 
 
 @dataclass(frozen=True)
@@ -20,29 +22,33 @@ class Subgroup:
     index: int
     start: int  # element offset in the rank's flat shard
     end: int
+    itemsizes: Tuple[int, int, int] = (FP32_BYTES,) * 3  # bytes per element of each stored state tensor
 
     @property
     def numel(self) -> int:
         return self.end - self.start
 
-    @property
-    def region_bytes(self) -> int:
-        """Bytes of one of its three state regions, padded for O_DIRECT."""
-        return align_up(self.numel * FP32_BYTES)
+    def region_bytes(self, k: int) -> int:
+        """Bytes of state region ``k`` (STATE_TENSORS order), padded for O_DIRECT."""
+        return align_up(self.numel * self.itemsizes[k])
+
+    def region_offset(self, k: int) -> int:
+        """Where region ``k`` starts in the subgroup's file or host buffer."""
+        return sum(self.region_bytes(j) for j in range(k))
 
     @property
     def state_bytes(self) -> int:
         """Bytes its whole state occupies in a file or a host buffer (three padded regions)."""
-        return len(STATE_TENSORS) * self.region_bytes
+        return self.region_offset(len(STATE_TENSORS))
 
 
-def partition(numel: int, subgroup_size: int) -> List[Subgroup]:
+def partition(numel: int, subgroup_size: int, itemsizes: Tuple[int, int, int] = (FP32_BYTES,) * 3) -> List[Subgroup]:
     """Split ``numel`` elements into subgroups of ``subgroup_size`` (the last one shorter)."""
     if numel <= 0:
         raise ValueError(f"cannot partition an empty shard (numel={numel})")
     if subgroup_size <= 0:
         raise ValueError(f"subgroup size must be positive, got {subgroup_size}")
     return [
-        Subgroup(i, start, min(start + subgroup_size, numel))
+        Subgroup(i, start, min(start + subgroup_size, numel), tuple(itemsizes))
         for i, start in enumerate(range(0, numel, subgroup_size))
     ]

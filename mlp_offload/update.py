@@ -113,3 +113,24 @@ def fused_vector_width() -> int:
         if torch.equal(run(chunk), whole):
             return chunk
     return 0
+
+
+class Fp32Working:
+    """fp32 working copies of the state tensors stored narrower than fp32: each subgroup's are
+    widened before its Adam and rounded back after it (round-to-nearest-even, ``Tensor.copy_``),
+    so the arithmetic is exactly the fp32 AdamW's. fp32-stored tensors are updated in place."""
+
+    def __init__(self, dtypes, largest: int):
+        self.scratch = [None if d == torch.float32 else torch.empty(largest, dtype=torch.float32) for d in dtypes]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.numel() * 4 for s in self.scratch if s is not None)
+
+    def widen(self, stored):
+        return [t if s is None else s[: t.numel()].copy_(t) for t, s in zip(stored, self.scratch)]
+
+    def round_back(self, stored, wide) -> None:
+        for t, w, s in zip(stored, wide, self.scratch):
+            if s is not None:
+                t.copy_(w)

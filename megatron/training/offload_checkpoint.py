@@ -50,7 +50,7 @@ class OffloadedStateFiles:
                                  metadata={"dp_size": self.dp_size, "params": pieces, "geometry": geometry})
 
     def nbytes(self) -> int:
-        return state_file_bytes(self.engine.numel)
+        return state_file_bytes(self.engine.numel, self.engine.config.state_dtypes)
 
     def load(self, checkpoint_dir: str, expected_steps: Optional[int]) -> None:
         """Load this rank's state; ``expected_steps`` is the step count in the checkpoint's metadata."""

@@ -15,7 +15,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from mlp_offload.checkpoint import CheckpointDataError, RangeReader, read_footer
+from mlp_offload.checkpoint import CheckpointDataError, RangeReader, read_footer, stored_dtypes
 
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")  # the order of the tensors in an offload file
 
@@ -60,7 +60,7 @@ class OffloadFileSet:
         self.where = checkpoint_dir
         # name -> ParamGeometry as JSON (files written before it was recorded have none)
         self.geometry: Dict[str, list] = footers[0]["metadata"].get("geometry") or {}
-        self._readers = [RangeReader(f, footer["subgroups"]) for f, footer in zip(self.files, footers)]
+        self._readers = [RangeReader(f, footer["subgroups"], stored_dtypes(footer)) for f, footer in zip(self.files, footers)]
         # param name -> [(offset in the param, length, offset in the file, reader)]
         self._held: Dict[str, List[Tuple[int, int, int, RangeReader]]] = {}
         for path, reader, footer in zip(self.files, self._readers, footers):
