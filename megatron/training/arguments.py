@@ -14,7 +14,7 @@ import re
 import sys
 from typing import List, Optional
 
-from megatron.training import arguments_megatron
+from megatron.training import arguments_megatron, precision_aware
 from megatron.training.checkpoint_args import (FILLED_IF_MISSING, MODEL_SHAPE_ARGS, apply_model_shape,
                                                 read_saved_args)
 from megatron.training.errors import UserError
@@ -154,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--adam-beta2", type=_finite, default=0.999)
     g.add_argument("--adam-eps", type=_finite, default=1e-8)
     g.add_argument("--clip-grad", type=_non_negative_float, default=1.0)
+    precision_aware.add_flags(g)
 
     g = p.add_argument_group("logging, evaluation, checkpoints")
     g.add_argument("--log-interval", type=_positive_int, default=100)
@@ -464,6 +465,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     _validate(parser, args)
     arguments_megatron.validate(parser, args)
     _default_distributed_optimizer(parser, args)
+    precision_aware.validate(parser, args)
     _validate_offload(parser, args)
     _validate_mcore_offload(parser, args)
     return args

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 
+from megatron.training.precision_aware import state_dtypes
 from mlp_offload import OffloadConfig, parse_bandwidths
 
 # field -> (flag, bytes per flag unit); flags that switch a feature off map to the field they clear
@@ -67,6 +68,7 @@ def config_from_args(args, rank: int) -> OffloadConfig:
         probe_bytes=args.offload_probe_mb << 20,
         rank=rank,
         trace_path=per_rank_path(args.offload_trace, rank),
+        state_dtypes=state_dtypes(args),
     )
 
 

@@ -23,7 +23,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
 
-from megatron.training import batch_schedule, checkpointing, job_facts
+from megatron.training import batch_schedule, checkpointing, job_facts, precision_aware
 from megatron.training.arguments import parse_args
 from megatron.training.checkpoint_integrity import checkpoint_dir
 from megatron.training.console_log import Console
@@ -125,6 +125,7 @@ def optimizer_config(args) -> OptimizerConfig:
         optimizer_offload_fraction=getattr(args, "optimizer_offload_fraction", 1.0),
         overlap_cpu_optimizer_d2h_h2d=getattr(args, "overlap_cpu_optimizer_d2h_h2d", False),
         log_num_zeros_in_grad=getattr(args, "log_num_zeros_in_grad", False),
+        **precision_aware.optimizer_config_fields(args),
     )
 
 
