@@ -30,6 +30,7 @@ from megatron.training.optimizer_interface import (HoldsResources, OffloadedOpti
                                                    TrainingOptimizer)
 from megatron.training.shard_layout import ShardLayout
 from mlp_offload import OffloadConfig, OffloadedAdamW
+from mlp_offload.state_dtypes import torch_dtypes
 
 
 class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoint, ReportsIteration, HoldsResources):
@@ -51,7 +52,9 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
         self._cuda = self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream() if self._cuda else None
         largest = min(offload_config.subgroup_size, self.layout.numel)
-        self._staging = torch.empty(largest, dtype=torch.float32, device=self.device) if self._cuda else None
+        # The master params cross PCIe in their stored dtype (a CPU-side cast would cost the update's time).
+        master_dtype = torch_dtypes(offload_config.state_dtypes)[0]
+        self._staging = torch.empty(largest, dtype=master_dtype, device=self.device) if self._cuda else None
         # On a GPU, grads are cast to fp32 there and copied per subgroup as the update needs them;
         # on CPU they go through the engine's low-precision host buffer (the CPU twin of that path).
         self._device_grads = DeviceGradients(self.layout, self._copy_stream, largest) if self._cuda else None
@@ -163,7 +166,7 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
             return None
         with torch.cuda.stream(self._copy_stream):
             staging = self._staging[: end - start]
-            staging.copy_(params, non_blocking=True)  # fp32 over PCIe, cast on the GPU
+            staging.copy_(params, non_blocking=True)  # the stored dtype over PCIe, cast on the GPU
             for lo, hi, view in self.layout.views(start, end, "param"):
                 view.copy_(staging[lo - start: hi - start])
             event = torch.cuda.Event()
