@@ -136,3 +136,27 @@ def test_megatron_logging_flags():
 def test_logging_flag_errors_name_the_flag(extra, flag):
     with pytest.raises(UserError, match=flag):
         parse_args(BASE + extra)
+
+
+def test_precision_aware_dtypes_go_to_the_offload_engine_not_megatron_core():
+    from megatron.training.offload_flags import config_from_args
+    from megatron.training.training import optimizer_config
+
+    args = parse_args(BASE + ["--offload-tiers", "host", "--use-precision-aware-optimizer",
+                              "--main-params-dtype", "fp16", "--exp-avg-dtype", "bf16"])
+    assert config_from_args(args, rank=0).state_dtypes == ("fp16", "bf16", "fp32")
+    assert not optimizer_config(args).use_precision_aware_optimizer  # megatron-core would demand TE
+    assert config_from_args(parse_args(BASE + ["--offload-tiers", "host"]), rank=0).state_dtypes == ("fp32",) * 3
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--exp-avg-dtype", "bf16"], "argument --exp-avg-dtype: requires --use-precision-aware-optimizer"),
+    (["--use-precision-aware-optimizer", "--offload-tiers", "host", "--exp-avg-sq-dtype", "fp8"],
+     "argument --exp-avg-sq-dtype: fp8 is not supported by the offload engine"),
+    (["--use-precision-aware-optimizer", "--device", "cpu", "--use-distributed-optimizer"],
+     "argument --use-precision-aware-optimizer: megatron-core's optimizer needs transformer-engine's FusedAdam"),
+])
+def test_precision_aware_errors_name_the_flag(extra, message):
+    with pytest.raises(UserError) as exc:
+        parse_args(BASE + extra)
+    assert message in str(exc.value)
