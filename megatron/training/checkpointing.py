@@ -194,6 +194,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, cons
     by a background process and the checkpoint is completed in its finalize step; the offloaded
     optimizer state is still written here, before training goes on, so it cannot change meanwhile."""
     path = checkpoint_dir(root, iteration)
+    held_from = time.perf_counter()  # training waits from here, for the previous background save too
     if background is not None:
         background.finish()  # the previous background save is complete (or has failed) first
     started = time.perf_counter()
@@ -228,7 +229,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, cons
         return path
     background.schedule(request, _completion_in_background(root, path, iteration, started))
     fault_point("save-scheduled")
-    (held_s,) = _slowest_rank([time.perf_counter() - started], model)
+    (held_s,) = _slowest_rank([time.perf_counter() - held_from], model)
     synchronous = f"{offload} written synchronously" if offload else "its common state written synchronously"
     _print_rank0(f"> checkpoint at iteration {iteration}: {synchronous}, training held {held_s:.1f} s; its "
                  f"torch_dist files are being written in the background to {path} (--async-save)")
