@@ -1,8 +1,8 @@
 """Fault injection for the crash tests: ``MLP_OFFLOAD_FAULT="point[@rank][#n][=ERRNO]"`` makes the
 process SIGKILL itself the n-th time (default 1) it passes ``fault_point(point)``, on that global
 rank only (default: any); with ``=ENOSPC`` (any errno name) it raises that OSError there instead,
-as a full disk would. Points: forward, backward, update, save-offload, save-complete, save-tracker,
-fork.
+as a full disk would. Points: forward, backward, update, save-offload, save-scheduled (--async-save:
+the background write just started, not finalized), save-complete, save-tracker, fork.
 Unset: a no-op."""
 
 from __future__ import annotations

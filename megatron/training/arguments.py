@@ -278,8 +278,9 @@ def _add_checkpoint_flags(g) -> None:
     g.add_argument("--use-checkpoint-args", action="store_true",
                    help="take the model's shape (layers, sizes, heads, vocab, ...) from the args saved in --load")
     g.add_argument("--async-save", action="store_true",
-                   help="accepted for Megatron-LM's scripts, but saves stay synchronous here (not implemented "
-                        "yet); the run says so at start")
+                   help="write the torch_dist files in the background; the offloaded optimizer state is "
+                        "still written synchronously; a checkpoint is completed (proof, tracker) once every "
+                        "rank's write has ended")
     g.add_argument("--ckpt-fully-parallel-save", dest="ckpt_fully_parallel_save", action="store_true",
                    default=True, help="spread the writing of replicated shards over data-parallel ranks (default)")
     g.add_argument("--no-ckpt-fully-parallel-save", dest="ckpt_fully_parallel_save", action="store_false")

@@ -36,6 +36,7 @@ from megatron.training.checkpoint_load_plan import FROM_OFFLOADED, SAME_FORM, Lo
 from megatron.training.errors import UserError
 from megatron.training.optimizer_state_crossing import fill_distributed_optimizer, load_into_engine
 from megatron.training.optimizer_interface import OffloadedOptimizerCheckpoint
+from megatron.training.progress import gb_and_rate
 from mlp_offload.checkpoint import CheckpointSaveError, human_bytes
 from mlp_offload.faults import fault_point
 
@@ -184,14 +185,61 @@ def _state_to_save(args, model, optimizer, scheduler, iteration, consumed_sample
     return state
 
 
-def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, consumed_samples: int, args) -> str:
+def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, consumed_samples: int, args,
+                    background=None) -> str:
     """Save everything into ``root/iter_N`` and record it as the latest; see checkpoint_integrity for
-    the order that makes a crash at any point leave the previous checkpoint as the one to resume."""
+    the order that makes a crash at any point leave the previous checkpoint as the one to resume.
+
+    With ``background`` (async_save.BackgroundSaves, --async-save) the torch_dist files are written
+    by a background process and the checkpoint is completed in its finalize step; the offloaded
+    optimizer state is still written here, before training goes on, so it cannot change meanwhile."""
     path = checkpoint_dir(root, iteration)
-    rank = torch.distributed.get_rank()
+    held_from = time.perf_counter()  # training waits from here, for the previous background save too
+    if background is not None:
+        background.finish()  # the previous background save is complete (or has failed) first
     started = time.perf_counter()
+    save_optimizer = not args.no_save_optim
+    if not _begin_save(root, path, iteration, model, optimizer if save_optimizer else None):
+        return path
+    state = _state_to_save(args, model, optimizer, scheduler, iteration, consumed_samples)
+    request, offload_bytes, offload_s, failure = None, 0, 0.0, None
+    try:
+        request = dist_checkpointing.save(state, path, async_sharded_save=background is not None,
+                                          **save_strategies(args))
+        if save_optimizer and isinstance(optimizer, OffloadedOptimizerCheckpoint):  # streamed beside it, a file per rank
+            t0 = time.perf_counter()
+            offload_bytes = optimizer.save_offloaded_state(path)
+            offload_s = time.perf_counter() - t0
+    except CheckpointSaveError as err:
+        failure = f"rank {torch.distributed.get_rank()}: {err}"
+    except OSError as err:
+        if err.errno not in STORAGE_ERRNOS:
+            raise  # not the file system's doing: a bug, with its traceback
+        failure = f"rank {torch.distributed.get_rank()}: {path}: {err.strerror or err}"
+    _fail_together(failure, root, path)  # before any background write starts: nothing to stop
+    offload_bytes, offload_s = _slowest_rank([offload_bytes, offload_s], model)
+    offload = ""
+    if offload_bytes > 0:
+        offload = (f"offloaded optimizer state {human_bytes(offload_bytes)} per rank at "
+                   f"{offload_bytes / max(offload_s, 1e-9) / 1e9:.2f} GB/s")
+    if background is None:
+        total = _complete(root, path, iteration)
+        _print_rank0(f"> saved checkpoint at iteration {iteration} to {root}: {human_bytes(total)} in "
+                     f"{time.perf_counter() - started:.1f} s{'; ' + offload if offload else ''}")
+        return path
+    background.schedule(request, _completion_in_background(root, path, iteration, started))
+    fault_point("save-scheduled")
+    (held_s,) = _slowest_rank([time.perf_counter() - held_from], model)
+    synchronous = f"{offload} written synchronously" if offload else "its common state written synchronously"
+    _print_rank0(f"> checkpoint at iteration {iteration}: {synchronous}, training held {held_s:.1f} s; its "
+                 f"torch_dist files are being written in the background to {path} (--async-save)")
+    return path
+
+
+def _begin_save(root: str, path: str, iteration: int, model, optimizer) -> bool:
+    """Mark ``path`` in progress and check the space; False where a complete one is there already."""
     decision = [None]
-    if rank == 0:
+    if torch.distributed.get_rank() == 0:
         os.makedirs(root, exist_ok=True)
         needed, lines = integrity.clear_for_save(root, iteration)
         for line in lines:
@@ -200,44 +248,40 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, cons
             integrity.mark_in_progress(path)
         decision = [needed]
     torch.distributed.broadcast_object_list(decision, src=0)
-    if not decision[0]:
-        return path
-    save_optimizer = not args.no_save_optim
-    _check_free_space(root, path, iteration, model, optimizer if save_optimizer else None)
-    state = _state_to_save(args, model, optimizer, scheduler, iteration, consumed_samples)
-    offload_bytes, offload_s, failure = 0, 0.0, None
-    try:
-        dist_checkpointing.save(state, path, **save_strategies(args))
-        if save_optimizer and isinstance(optimizer, OffloadedOptimizerCheckpoint):  # streamed beside it, a file per rank
-            t0 = time.perf_counter()
-            offload_bytes = optimizer.save_offloaded_state(path)
-            offload_s = time.perf_counter() - t0
-    except CheckpointSaveError as err:
-        failure = f"rank {rank}: {err}"
-    except OSError as err:
-        if err.errno not in STORAGE_ERRNOS:
-            raise  # not the file system's doing: a bug, with its traceback
-        failure = f"rank {rank}: {path}: {err.strerror or err}"
-    _fail_together(failure, root, path)
+    if decision[0]:
+        _check_free_space(root, path, iteration, model, optimizer)
+    return decision[0]
+
+
+def _complete(root: str, path: str, iteration: int) -> int:
+    """After every rank's files: rank 0 writes the proof, then the tracker. Returns the bytes (rank 0)."""
     fault_point("save-complete")
-    total = [None]
-    if rank == 0:  # after every rank's files: the proof, then the tracker
-        total = [integrity.mark_complete(path, iteration)]
+    total = 0
+    if torch.distributed.get_rank() == 0:
+        total = integrity.mark_complete(path, iteration)
     fault_point("save-tracker")
-    if rank == 0:
+    if torch.distributed.get_rank() == 0:
         integrity.write_tracker(root, iteration)
-    totals = torch.tensor([offload_bytes, offload_s], dtype=torch.float64, device=_device(model))
-    torch.distributed.all_reduce(totals, op=torch.distributed.ReduceOp.MAX)  # the slowest rank's figures
-    totals = totals.tolist()
-    if rank == 0:
+    return total
+
+
+def _completion_in_background(root: str, path: str, iteration: int, started: float):
+    """What the finalize step of a background save does once every rank's writer has ended."""
+
+    def on_written(failure: Optional[str]) -> None:
+        _fail_together(failure, root, path)
+        total = _complete(root, path, iteration)
         seconds = time.perf_counter() - started
-        offload = ""
-        if totals[0] > 0:
-            offload = (f"; offloaded optimizer state {human_bytes(totals[0])} per rank at "
-                       f"{totals[0] / max(totals[1], 1e-9) / 1e9:.2f} GB/s")
-        print(f"> saved checkpoint at iteration {iteration} to {root}: {human_bytes(total[0])} in {seconds:.1f} s"
-              f"{offload}", flush=True)
-    return path
+        _print_rank0(f"> saved checkpoint at iteration {iteration} to {root} (finalized in the background): "
+                     f"{gb_and_rate(total, seconds)} since the save began")
+
+    return on_written
+
+
+def _slowest_rank(figures, model) -> list:
+    figures = torch.tensor(figures, dtype=torch.float64, device=_device(model))
+    torch.distributed.all_reduce(figures, op=torch.distributed.ReduceOp.MAX)
+    return figures.tolist()
 
 
 def _check_free_space(root: str, path: str, iteration: int, model, optimizer) -> None:

@@ -9,8 +9,9 @@ A rank's checkpoint saves start processes (megatron-core 0.16.1, ``dist_checkpoi
   itself once every holder of its pipe (the rank and all its children) is gone;
 - per save, one forked writer per file (``write_preloaded_data_multiproc``, fork context).
 
-(Async saves, which this training layer does not use, would add a forked caller process, covered
-like the writers, or a spawned persistent worker, not covered.)
+- with --async-save, per save, the forked caller process that runs those writers in the background
+  (async_save uses megatron-core's non-persistent caller; its persistent, spawned worker would not
+  be covered).
 
 A rank that exits normally stops them (the Manager at interpreter exit, the writers are joined).
 A SIGKILLed rank runs nothing, so each child must notice on its own: ``die_with_rank`` makes the

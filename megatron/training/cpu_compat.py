@@ -58,6 +58,7 @@ _MODULES = {
     "megatron.core.dist_checkpointing.exchange_utils": "shard exchange buffers on 'cuda'",
     "megatron.core.dist_checkpointing.strategies.state_dict_saver": "save-metadata tensors on current_device()",
     "megatron.core.dist_checkpointing.strategies.filesystem_async": "writer's preload calls torch.cuda.synchronize()",
+    "megatron.core.dist_checkpointing.strategies.async_utils": "--async-save: synchronize, done-flags on current_device()",
     "megatron.core.dist_checkpointing.tensor_aware_state_dict": "calls torch.cuda.synchronize()",
     "megatron.core.timers": "Timer start/stop call torch.cuda.synchronize(); rank gather on current_device()",
 }

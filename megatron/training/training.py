@@ -24,6 +24,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
 
 from megatron.training import batch_schedule, checkpointing, job_facts, precision_aware
+from megatron.training.async_save import BackgroundSaves
 from megatron.training.arguments import parse_args
 from megatron.training.checkpoint_integrity import checkpoint_dir
 from megatron.training.console_log import Console
@@ -322,8 +323,6 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
 
     iteration, consumed = 0, 0
     fresh_auto_resume = args.load and args.load == args.save and not os.path.isdir(args.load)
-    if args.async_save:  # never a silent fallback: the user asked for something we do not do yet
-        _print_rank0("> --async-save: checkpoints are saved synchronously (asynchronous saving is not implemented yet)")
     if fresh_auto_resume:  # --save X --load X in a batch script: the first job starts fresh
         _print_rank0(f"> no checkpoint in {args.load} yet: starting from scratch")
     elif args.load:
@@ -345,6 +344,7 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
     offload_state_bytes = optimizer.state_bytes_per_tier() if isinstance(optimizer, ReportsIteration) else {}
     first_of_run = True
     stop = StopCheck(args.sigterm_watcher, args.exit_duration_in_mins, started)
+    background = BackgroundSaves() if args.async_save else None
     try:
         while iteration < args.train_iters:
             batch_schedule.advance(args, consumed)
@@ -378,9 +378,11 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
             if args.eval_interval and valid_ds is not None and iteration % args.eval_interval == 0:
                 _run_eval(args, forward_step_func, model, valid_ds, iteration, consumed, dp_rank, dp_size, metrics)
                 timers.take_iteration()  # evaluation's forwards are not the next iteration's
+            if background is not None:
+                background.poll()  # completes the last background save once every rank's write has ended
             if args.save and args.save_interval and iteration % args.save_interval == 0:
                 with args.sigterm_watcher.saving_checkpoint():
-                    _save(args, iteration, model, optimizer, scheduler, consumed)
+                    _save(args, iteration, model, optimizer, scheduler, consumed, background)
             reason = stop.after_iteration(time.perf_counter() - start, device)  # eval and save included
             if reason:  # the checkpoint is saved below, as at the end of training
                 _print_rank0(f"> exiting at iteration {iteration} after {reason}")
@@ -389,7 +391,13 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
                 _print_rank0(f"> exiting at iteration {iteration} (--exit-interval)")
                 break
         if args.save and not (args.save_interval and iteration % args.save_interval == 0):
-            _save(args, iteration, model, optimizer, scheduler, consumed)
+            _save(args, iteration, model, optimizer, scheduler, consumed, background)
+        if background is not None:
+            background.finish()  # exit only once the last background write is complete
+    except BaseException:
+        if background is not None:
+            background.abandon()  # its directory stays marked in progress: never resumed from
+        raise
     finally:
         hooks.stop()
         metrics.close()
@@ -399,7 +407,10 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
     torch.distributed.destroy_process_group()
 
 
-def _save(args, iteration, model, optimizer, scheduler, consumed) -> None:
+def _save(args, iteration, model, optimizer, scheduler, consumed, background) -> None:
+    if background is not None:  # save_checkpoint says what it wrote now and, later, when it is complete
+        checkpointing.save_checkpoint(args.save, iteration, model, optimizer, scheduler, consumed, args, background)
+        return
     with reported_step(f"> saving checkpoint at iteration {iteration} to {args.save}", _print_rank0) as step:
         path = checkpointing.save_checkpoint(args.save, iteration, model, optimizer, scheduler, consumed, args)
         if torch.distributed.get_rank() == 0:
