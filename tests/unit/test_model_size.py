@@ -41,9 +41,11 @@ def shapes(draw):
              "--mock-data", "--vocab-size", str(draw(st.sampled_from([128, 256, 384])))]
     if groups != heads:
         flags += ["--group-query-attention", "--num-query-groups", str(groups)]
-    if draw(st.booleans()):
+    swiglu = draw(st.booleans())
+    if swiglu:
         flags += ["--swiglu"]
-    if draw(st.booleans()):
+    # Megatron-LM's default SwiGLU width rounds 8h/3 down to a multiple of 64: zero below h = 24.
+    if draw(st.booleans()) or (swiglu and hidden < 24):
         flags += ["--ffn-hidden-size", str(draw(st.integers(8, 80)))]
     flags += ["--normalization", draw(st.sampled_from(["LayerNorm", "RMSNorm"]))]
     if draw(st.booleans()):
