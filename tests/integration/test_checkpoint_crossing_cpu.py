@@ -33,13 +33,6 @@ def test_offloaded_checkpoint_resumes_without_offload(runs):
     assert resumed == baseline[SAVED_AT:]
 
 
-def test_plain_checkpoint_resumes_with_offload(runs):
-    tmp, baseline = runs
-    resumed = run_pretrain(tmp / "r2", [*offload_args(tmp / "r2"), "--load", str(tmp / "plain-ckpt")],
-                           train_iters=ITERS)
-    assert resumed == baseline[SAVED_AT:]
-
-
 def test_no_load_optim_loads_weights_across_forms(runs):
     """The weights and data position load (iteration 3's loss is the baseline's); Adam starts fresh."""
     tmp, baseline = runs
