@@ -9,7 +9,6 @@ naming the flag, printed once per job by ``errors.reported_once``, exit status 2
 from __future__ import annotations
 
 import argparse
-import math
 import re
 import sys
 from typing import List, Optional
@@ -18,6 +17,7 @@ from megatron.training import arguments_megatron, precision_aware
 from megatron.training.checkpoint_args import (FILLED_IF_MISSING, MODEL_SHAPE_ARGS, apply_model_shape,
                                                 read_saved_args)
 from megatron.training.errors import UserError
+from megatron.training.flag_types import finite, fraction, non_negative_float, non_negative_int, positive_int
 
 CKPT_FORMATS = ("torch_dist", "torch", "torch_dcp", "fsdp_dtensor")
 _PATH_FLAG = re.compile(r"^--offload-([A-Za-z0-9_]+)-path(?:=(.*))?$")
@@ -26,41 +26,6 @@ _PATH_FLAG = re.compile(r"^--offload-([A-Za-z0-9_]+)-path(?:=(.*))?$")
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
         raise UserError(message)
-
-
-def _finite(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = _finite(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    value = _finite(text)
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
-    return value
 
 
 def _tier_list(text: str) -> List[str]:
@@ -97,15 +62,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(description="Megatron-style GPT pretraining on megatron-core", allow_abbrev=False)
 
     g = p.add_argument_group("model")
-    g.add_argument("--num-layers", type=_positive_int, required=True)
-    g.add_argument("--hidden-size", type=_positive_int, required=True)
-    g.add_argument("--ffn-hidden-size", type=_positive_int, default=None,
+    g.add_argument("--num-layers", type=positive_int, required=True)
+    g.add_argument("--hidden-size", type=positive_int, required=True)
+    g.add_argument("--ffn-hidden-size", type=positive_int, default=None,
                    help="default 4*hidden; with --swiglu int(8*hidden/3/64)*64, as Megatron-LM")
-    g.add_argument("--num-attention-heads", type=_positive_int, required=True)
-    g.add_argument("--num-query-groups", type=_positive_int, default=None,
+    g.add_argument("--num-attention-heads", type=positive_int, required=True)
+    g.add_argument("--num-query-groups", type=positive_int, default=None,
                    help="KV heads with --group-query-attention (default 1); ignored without it, as Megatron-LM")
-    g.add_argument("--seq-length", type=_positive_int, required=True)
-    g.add_argument("--max-position-embeddings", type=_positive_int, default=None)
+    g.add_argument("--seq-length", type=positive_int, required=True)
+    g.add_argument("--max-position-embeddings", type=positive_int, default=None)
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
     g.add_argument("--swiglu", action="store_true")
     g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"],
@@ -113,24 +78,24 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rotary-base", type=int, default=10000)
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--disable-bias-linear", action="store_true")
-    g.add_argument("--hidden-dropout", type=_non_negative_float, default=0.1)
-    g.add_argument("--attention-dropout", type=_non_negative_float, default=0.1)
-    g.add_argument("--init-method-std", type=_finite, default=0.02)
+    g.add_argument("--hidden-dropout", type=non_negative_float, default=0.1)
+    g.add_argument("--attention-dropout", type=non_negative_float, default=0.1)
+    g.add_argument("--init-method-std", type=finite, default=0.02)
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
     g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
-    g.add_argument("--recompute-num-layers", type=_positive_int, default=None)
+    g.add_argument("--recompute-num-layers", type=positive_int, default=None)
 
     g = p.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=_positive_int, required=True)
-    g.add_argument("--global-batch-size", type=_positive_int, default=None)
-    g.add_argument("--train-iters", type=_positive_int, default=None, help="or --train-samples")
+    g.add_argument("--micro-batch-size", type=positive_int, required=True)
+    g.add_argument("--global-batch-size", type=positive_int, default=None)
+    g.add_argument("--train-iters", type=positive_int, default=None, help="or --train-samples")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
-    g.add_argument("--loss-scale", type=_finite, default=None, help="fp16 static loss scale")
-    g.add_argument("--initial-loss-scale", type=_finite, default=2.0**32)
-    g.add_argument("--tensor-model-parallel-size", type=_positive_int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=_positive_int, default=1)
+    g.add_argument("--loss-scale", type=finite, default=None, help="fp16 static loss scale")
+    g.add_argument("--initial-loss-scale", type=finite, default=2.0**32)
+    g.add_argument("--tensor-model-parallel-size", type=positive_int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=positive_int, default=1)
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", dest="use_distributed_optimizer",
                    action="store_true", default=None,
@@ -143,27 +108,27 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
 
     g = p.add_argument_group("optimizer")
-    g.add_argument("--lr", type=_non_negative_float, required=True)
-    g.add_argument("--min-lr", type=_non_negative_float, default=0.0)
+    g.add_argument("--lr", type=non_negative_float, required=True)
+    g.add_argument("--min-lr", type=non_negative_float, default=0.0)
     g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"],
                    default="linear")
-    g.add_argument("--lr-decay-iters", type=_positive_int, default=None)
-    g.add_argument("--lr-warmup-iters", type=_non_negative_int, default=0)
-    g.add_argument("--weight-decay", type=_non_negative_float, default=0.01)
-    g.add_argument("--adam-beta1", type=_finite, default=0.9)
-    g.add_argument("--adam-beta2", type=_finite, default=0.999)
-    g.add_argument("--adam-eps", type=_finite, default=1e-8)
-    g.add_argument("--clip-grad", type=_non_negative_float, default=1.0)
+    g.add_argument("--lr-decay-iters", type=positive_int, default=None)
+    g.add_argument("--lr-warmup-iters", type=non_negative_int, default=0)
+    g.add_argument("--weight-decay", type=non_negative_float, default=0.01)
+    g.add_argument("--adam-beta1", type=finite, default=0.9)
+    g.add_argument("--adam-beta2", type=finite, default=0.999)
+    g.add_argument("--adam-eps", type=finite, default=1e-8)
+    g.add_argument("--clip-grad", type=non_negative_float, default=1.0)
     precision_aware.add_flags(g)
 
     g = p.add_argument_group("logging, evaluation, checkpoints")
-    g.add_argument("--log-interval", type=_positive_int, default=100)
-    g.add_argument("--eval-interval", type=_positive_int, default=None)
-    g.add_argument("--eval-iters", type=_non_negative_int, default=2)
+    g.add_argument("--log-interval", type=positive_int, default=100)
+    g.add_argument("--eval-interval", type=positive_int, default=None)
+    g.add_argument("--eval-iters", type=non_negative_int, default=2)
     g.add_argument("--save", type=str, default=None)
     g.add_argument("--load", type=str, default=None)
-    g.add_argument("--save-interval", type=_positive_int, default=None)
-    g.add_argument("--exit-interval", type=_positive_int, default=None,
+    g.add_argument("--save-interval", type=positive_int, default=None)
+    g.add_argument("--exit-interval", type=positive_int, default=None,
                    help="stop (after saving, with --save) when the iteration is a multiple of this")
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="on SIGTERM (SLURM's --signal, torchrun stopping), finish the iteration, save a complete "
@@ -171,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--exit-signal", choices=["SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"], default="SIGTERM",
                    help="the signal --exit-signal-handler saves on; another than SIGTERM lets SLURM warn the ranks "
                         "without torchrun, which stops its workers 30 s after a SIGTERM (torch < 2.12)")
-    g.add_argument("--exit-duration-in-mins", type=_non_negative_float, default=None,
+    g.add_argument("--exit-duration-in-mins", type=non_negative_float, default=None,
                    help="after this many minutes from the start, save and exit at the end of the iteration")
     g.add_argument("--loss-log", type=str, default=None,
                    help="JSONL file: one {iteration, loss, lr, grad_norm} line per iteration")
@@ -190,8 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--timing-log-option", choices=["max", "minmax", "all"], default="minmax",
                    help="how the timers are reduced across ranks when printed")
     g.add_argument("--tensorboard-dir", type=str, default=None, help="write TensorBoard events here (last rank)")
-    g.add_argument("--tensorboard-log-interval", type=_positive_int, default=1)
-    g.add_argument("--tensorboard-queue-size", type=_positive_int, default=1000,
+    g.add_argument("--tensorboard-log-interval", type=positive_int, default=1)
+    g.add_argument("--tensorboard-queue-size", type=positive_int, default=1000,
                    help="events held in memory before TensorBoard's writer flushes them to disk")
     g.add_argument("--log-timers-to-tensorboard", action="store_true",
                    help="also write iteration time, throughput and the --timing-log-level timers")
@@ -215,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     from megatron.training.tokenizers import add_tokenizer_arguments
 
     add_tokenizer_arguments(g)  # --tokenizer-type, --vocab-size, --vocab-file, ... as Megatron-LM
-    g.add_argument("--num-workers", type=_non_negative_int, default=2,
+    g.add_argument("--num-workers", type=non_negative_int, default=2,
                    help="DataLoader worker processes per rank (default 2, as Megatron-LM; 0 loads in the rank)")
     g.add_argument("--data-cache-path", type=str, default=None)
 
@@ -223,24 +188,24 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--offload-tiers", type=_tier_list, default=None,
                    help="comma list, e.g. host,nvme,pfs; default: no offload. "
                         "Each file tier XXX needs --offload-XXX-path DIR")
-    g.add_argument("--offload-host-cache-gb", type=_non_negative_float, default=None)
-    g.add_argument("--offload-subgroup-size", type=_positive_int, default=100_000_000)
-    g.add_argument("--offload-prefetch-depth", type=_positive_int, default=2)
-    g.add_argument("--offload-tokens-per-tier", type=_positive_int, default=None,
+    g.add_argument("--offload-host-cache-gb", type=non_negative_float, default=None)
+    g.add_argument("--offload-subgroup-size", type=positive_int, default=100_000_000)
+    g.add_argument("--offload-prefetch-depth", type=positive_int, default=2)
+    g.add_argument("--offload-tokens-per-tier", type=positive_int, default=None,
                    help="ranks of one node allowed to do I/O on a tier path at once; default: 1 where "
                         "the probe sees the device lose bandwidth with all ranks streaming, else all")
     g.add_argument("--offload-token-scope", type=_token_scopes, default={}, metavar="TIER=node|job,...",
                    help="who takes turns on a tier path: the ranks of each node (node, the default) or "
                         "all ranks of the job (job: for a shared file system that does not scale with nodes)")
-    g.add_argument("--offload-io-block-mb", type=_positive_int, default=8)
-    g.add_argument("--offload-io-threads", type=_positive_int, default=4)
+    g.add_argument("--offload-io-block-mb", type=positive_int, default=8)
+    g.add_argument("--offload-io-threads", type=positive_int, default=4)
     g.add_argument("--offload-bandwidths", type=_bandwidths, default=None)
     g.add_argument("--offload-adam-kernel", choices=["fused", "foreach", "single"], default="fused")
     g.add_argument("--offload-no-cache", action="store_true")
     g.add_argument("--offload-no-odirect", action="store_true")
     g.add_argument("--offload-no-checksums", action="store_true")
-    g.add_argument("--offload-cpu-threads", type=_positive_int, default=None)
-    g.add_argument("--offload-probe-mb", type=_positive_int, default=1024,
+    g.add_argument("--offload-cpu-threads", type=positive_int, default=None)
+    g.add_argument("--offload-probe-mb", type=positive_int, default=1024,
                    help="size of the bandwidth probe per file tier (cached per path)")
     g.add_argument("--offload-telemetry-log", default=None, metavar="FILE",
                    help="per-step engine telemetry as JSON lines; '{rank}' in FILE is replaced by "
@@ -254,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("megatron-core CPU optimizer offload (OptimizerConfig pass-through)")
     g.add_argument("--optimizer-cpu-offload", action="store_true",
                    help="megatron-core's HybridDeviceOptimizer: Adam state and step on the CPU (CUDA only)")
-    g.add_argument("--optimizer-offload-fraction", type=_fraction, default=1.0,
+    g.add_argument("--optimizer-offload-fraction", type=fraction, default=1.0,
                    help="fraction of the optimizer state megatron-core keeps on the CPU (default 1.0)")
     g.add_argument("--overlap-cpu-optimizer-d2h-h2d", action="store_true",
                    help="overlap megatron-core's CPU Adam with its grad D2H / param H2D copies")

@@ -11,35 +11,8 @@ from __future__ import annotations
 import argparse
 
 from megatron.training import lr_schedule, optional_kernels
+from megatron.training.flag_types import fraction, non_negative_float, non_negative_int, positive_int
 from megatron.training.model_arithmetic import default_ffn_hidden_size, default_kv_channels
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not 0.0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    value = float(text)
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
-    return value
 
 
 def add_groups(p: argparse.ArgumentParser) -> None:
@@ -54,11 +27,11 @@ def _add_model(p) -> None:
     g = p.add_argument_group("model (Megatron-LM)")
     g.add_argument("--group-query-attention", action="store_true",
                    help="grouped-query attention with --num-query-groups KV heads (without it, plain multi-head)")
-    g.add_argument("--kv-channels", type=_positive_int, default=None,
+    g.add_argument("--kv-channels", type=positive_int, default=None,
                    help="size of each attention head; default --hidden-size / --num-attention-heads")
-    g.add_argument("--make-vocab-size-divisible-by", type=_positive_int, default=128,
+    g.add_argument("--make-vocab-size-divisible-by", type=positive_int, default=128,
                    help="pad the vocabulary to a multiple of this x TP (default 128)")
-    g.add_argument("--rotary-percent", type=_fraction, default=1.0, help="fraction of each head that RoPE rotates")
+    g.add_argument("--rotary-percent", type=fraction, default=1.0, help="fraction of each head that RoPE rotates")
     g.add_argument("--apply-layernorm-1p", action="store_true",
                    help="zero-centered layer-norm gamma (weight + 1); needs TE or apex norms")
     g.add_argument("--use-mcore-models", action="store_true", help="accepted for Megatron-LM scripts: always the case")
@@ -87,16 +60,16 @@ def _add_kernels(p) -> None:
     g.add_argument("--fp8-format", choices=["e4m3", "hybrid"], default=None, help="needs transformer-engine on CUDA")
     g.add_argument("--fp8-recipe", choices=["tensorwise", "delayed", "mxfp8", "blockwise"], default=None)
     g.add_argument("--fp8-margin", type=int, default=0)
-    g.add_argument("--fp8-amax-history-len", type=_positive_int, default=1)
+    g.add_argument("--fp8-amax-history-len", type=positive_int, default=1)
     g.add_argument("--fp8-amax-compute-algo", choices=["most_recent", "max"], default="most_recent")
     g.add_argument("--fp8-param-gather", action="store_true")
 
 
 def _add_training(p) -> None:
     g = p.add_argument_group("training (Megatron-LM)")
-    g.add_argument("--train-samples", type=_positive_int, default=None,
+    g.add_argument("--train-samples", type=positive_int, default=None,
                    help="train for this many samples instead of --train-iters")
-    g.add_argument("--rampup-batch-size", nargs=3, type=_positive_int, default=None,
+    g.add_argument("--rampup-batch-size", nargs=3, type=positive_int, default=None,
                    metavar=("START", "INCREMENT", "SAMPLES"),
                    help="grow the global batch from START by INCREMENT over SAMPLES samples")
     g.add_argument("--eod-mask-loss", action="store_true", help="no loss on end-of-document tokens")
@@ -104,43 +77,43 @@ def _add_training(p) -> None:
                    help="with --bf16, reduce gradients in bf16 (default: accumulate and reduce in fp32)")
     g.add_argument("--manual-gc", action="store_true",
                    help="disable Python's automatic GC; collect every --manual-gc-interval iterations")
-    g.add_argument("--manual-gc-interval", type=_non_negative_int, default=0)
+    g.add_argument("--manual-gc-interval", type=non_negative_int, default=0)
     g.add_argument("--empty-unused-memory-level", type=int, choices=[0, 1, 2], default=0,
                    help="empty the CUDA cache after the step (1) and after forward-backward too (2)")
-    g.add_argument("--distributed-timeout-minutes", type=_positive_int, default=10,
+    g.add_argument("--distributed-timeout-minutes", type=positive_int, default=10,
                    help="timeout of the process group's collectives")
     g.add_argument("--profile", action="store_true",
                    help="torch.profiler over iterations --profile-step-start..--profile-step-end")
     g.add_argument("--use-pytorch-profiler", action="store_true", help="accepted: --profile uses torch.profiler")
-    g.add_argument("--profile-step-start", type=_non_negative_int, default=10)
-    g.add_argument("--profile-step-end", type=_non_negative_int, default=12)
-    g.add_argument("--profile-ranks", nargs="+", type=_non_negative_int, default=[0])
+    g.add_argument("--profile-step-start", type=non_negative_int, default=10)
+    g.add_argument("--profile-step-end", type=non_negative_int, default=12)
+    g.add_argument("--profile-ranks", nargs="+", type=non_negative_int, default=[0])
 
 
 def _add_scheduler(p) -> None:
     g = p.add_argument_group("learning-rate and weight-decay schedule (Megatron-LM)")
-    g.add_argument("--lr-warmup-fraction", type=_fraction, default=None,
+    g.add_argument("--lr-warmup-fraction", type=fraction, default=None,
                    help="warmup as a fraction of the decay length")
-    g.add_argument("--lr-warmup-samples", type=_non_negative_int, default=0)
-    g.add_argument("--lr-decay-samples", type=_positive_int, default=None)
-    g.add_argument("--lr-warmup-init", type=_non_negative_float, default=0.0)
+    g.add_argument("--lr-warmup-samples", type=non_negative_int, default=0)
+    g.add_argument("--lr-decay-samples", type=positive_int, default=None)
+    g.add_argument("--lr-warmup-init", type=non_negative_float, default=0.0)
     g.add_argument("--lr-wsd-decay-style", choices=["exponential", "linear", "cosine", "minus_sqrt"],
                    default="exponential")
-    g.add_argument("--lr-wsd-decay-iters", type=_positive_int, default=None)
-    g.add_argument("--lr-wsd-decay-samples", type=_positive_int, default=None)
-    g.add_argument("--start-weight-decay", type=_non_negative_float, default=None)
-    g.add_argument("--end-weight-decay", type=_non_negative_float, default=None)
+    g.add_argument("--lr-wsd-decay-iters", type=positive_int, default=None)
+    g.add_argument("--lr-wsd-decay-samples", type=positive_int, default=None)
+    g.add_argument("--start-weight-decay", type=non_negative_float, default=None)
+    g.add_argument("--end-weight-decay", type=non_negative_float, default=None)
     g.add_argument("--weight-decay-incr-style", choices=["constant", "linear", "cosine"], default="constant")
-    g.add_argument("--decoupled-lr", type=_non_negative_float, default=None,
+    g.add_argument("--decoupled-lr", type=non_negative_float, default=None,
                    help="learning rate of the input and output embeddings")
-    g.add_argument("--decoupled-min-lr", type=_non_negative_float, default=None)
+    g.add_argument("--decoupled-min-lr", type=non_negative_float, default=None)
 
 
 def _add_parallelism(p) -> None:
     g = p.add_argument_group("parallelism (Megatron-LM)")
-    g.add_argument("--context-parallel-size", type=_positive_int, default=1)
-    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=_positive_int, default=None)
-    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=_positive_int, default=None)
+    g.add_argument("--context-parallel-size", type=positive_int, default=1)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=positive_int, default=None)
+    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=positive_int, default=None)
 
 
 def validate_model(parser, args) -> None:
