@@ -26,6 +26,9 @@ MODEL_SHAPE_ARGS = (
 FILLED_IF_MISSING = ("seq_length",)
 
 
+PER_RANK_ARGS = ("rank", "local_rank")
+
+
 def _plain(value) -> bool:
     if isinstance(value, (list, tuple)):
         return all(_plain(v) for v in value)
@@ -36,7 +39,9 @@ def _plain(value) -> bool:
 
 def args_to_save(args, consumed_train_samples: int, consumed_valid_samples: int = 0) -> argparse.Namespace:
     """A picklable copy of ``args`` with the data position where Megatron-LM reads it."""
-    saved = argparse.Namespace(**{k: v for k, v in vars(args).items() if _plain(v)})
+    # Without the rank's own values: rank 0 writes the common state, and megatron-core checks that
+    # every rank's copy of it is the same.
+    saved = argparse.Namespace(**{k: v for k, v in vars(args).items() if _plain(v) and k not in PER_RANK_ARGS})
     saved.consumed_train_samples = consumed_train_samples
     saved.consumed_valid_samples = consumed_valid_samples
     saved.add_bias_linear = not getattr(args, "disable_bias_linear", False)  # upstream's name for it

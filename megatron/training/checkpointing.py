@@ -15,6 +15,7 @@ optimizer (optimizer_state_crossing).
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import random
 import shutil
@@ -39,6 +40,19 @@ from megatron.training.optimizer_interface import OffloadedOptimizerCheckpoint
 from megatron.training.progress import gb_and_rate
 from mlp_offload.checkpoint import CheckpointSaveError, human_bytes
 from mlp_offload.faults import fault_point
+
+
+class _OurMarkerIsNotACorruptCheckpoint(logging.Filter):
+    """dist_checkpointing warns "Overwriting old incomplete / corrupted checkpoint" whenever the
+    directory is not empty, which it never is here: SAVE_IN_PROGRESS goes in first (see
+    checkpoint_integrity), and anything else unfinished was removed before the save began."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Overwriting old incomplete / corrupted checkpoint")
+
+
+logging.getLogger("megatron.core.dist_checkpointing.serialization").addFilter(_OurMarkerIsNotACorruptCheckpoint())
+
 
 OPTIMIZER_SHARDING = "dp_reshardable"
 CHECKPOINT_VERSION = 3.0  # Megatron-LM's, for torch_dist checkpoints

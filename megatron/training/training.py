@@ -411,10 +411,9 @@ def _save(args, iteration, model, optimizer, scheduler, consumed, background) ->
     if background is not None:  # save_checkpoint says what it wrote now and, later, when it is complete
         checkpointing.save_checkpoint(args.save, iteration, model, optimizer, scheduler, consumed, args, background)
         return
-    with reported_step(f"> saving checkpoint at iteration {iteration} to {args.save}", _print_rank0) as step:
-        path = checkpointing.save_checkpoint(args.save, iteration, model, optimizer, scheduler, consumed, args)
-        if torch.distributed.get_rank() == 0:
-            step.nbytes = directory_bytes(path)
+    # The start line only: save_checkpoint's own line at the end gives the bytes and rates.
+    _print_rank0(f"> saving checkpoint at iteration {iteration} to {args.save} ...")
+    checkpointing.save_checkpoint(args.save, iteration, model, optimizer, scheduler, consumed, args)
 
 
 def _load(args, model, optimizer, scheduler):
