@@ -18,13 +18,14 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(REPO, "docs", "results")
 
-LLAMA_1B = ("--num-layers 20 --hidden-size 2048 --ffn-hidden-size 5632 --num-attention-heads 16 --num-query-groups 4 "
+LLAMA_1B = ("--num-layers 20 --hidden-size 2048 --ffn-hidden-size 5632 --num-attention-heads 16 --group-query-attention --num-query-groups 4 "
             "--vocab-size 32000 --seq-length 2048 --max-position-embeddings 2048 --swiglu --normalization RMSNorm "
             "--position-embedding-type rope --untie-embeddings-and-output-weights --disable-bias-linear "
             "--hidden-dropout 0 --attention-dropout 0 --micro-batch-size 1 --global-batch-size 4 --bf16 --device cuda "
             "--recompute-granularity full --offload-tiers host,nvme --offload-nvme-path /var/tmp/trust/nvme "
             "--offload-host-cache-gb 4 --offload-io-threads 8")  # benchmarks/gpu_trust.sh
-LLAMA_9B = ("--num-layers 48 --hidden-size 4096 --ffn-hidden-size 11008 --num-attention-heads 32 --num-query-groups 8 "
+LLAMA_9B = ("--num-layers 48 --hidden-size 4096 --ffn-hidden-size 11008 --num-attention-heads 32 --group-query-attention "
+            "--num-query-groups 8 "
             "--swiglu --normalization RMSNorm --position-embedding-type rope --untie-embeddings-and-output-weights "
             "--disable-bias-linear --hidden-dropout 0 --attention-dropout 0 --vocab-size 32000 --seq-length 2048 "
             "--max-position-embeddings 2048 --micro-batch-size 1 --global-batch-size 1 --bf16 --device cuda "
@@ -56,7 +57,9 @@ def recorded(log_path):
     iterations = {}
     for m in ITERATION.finditer(text):  # the first run's iterations (a log may hold several runs)
         iterations.setdefault(int(m.group(1)), tuple(float(x) / 1e3 for x in m.group(2, 3, 4)))
-    return {"numel": numel, "subgroups": int(engine.group(2)), "placement": engine.group(3),
+    counted = re.search(r"model parameters \(all stages, one replica\): (\d+)", text)
+    params = int(counted.group(1)) if counted else None  # not every log kept that line
+    return {"numel": numel, "params": params, "subgroups": int(engine.group(2)), "placement": engine.group(3),
             "adam_gelems": adam_gelems, "convert_gelems": convert_gelems, "nvme": rates,
             "engine_predicted_update_s": float(engine.group(8)),
             "iterations": [iterations[k] for k in sorted(iterations)]}
@@ -76,6 +79,11 @@ def main():
     for name, log, flags, machine, steady in CASES:
         rec = recorded(os.path.join(RESULTS, log))
         plan = planned(flags, machine, rec)
+        # The flags must still build the recorded network (the engine's shard is its DDP bucket, padded).
+        shard = plan["optimizer_state_elements_per_rank"]
+        if rec["params"] not in (None, plan["params_total"]) or not shard <= rec["numel"] < shard * 1.01 + 256:
+            sys.exit(f"{name}: the plan counts {plan['params_total']} parameters ({shard} per rank), the run had "
+                     f"{rec['params']} ({rec['numel']} per rank)")
         its = rec["iterations"][steady]
         mean = [sum(x[k] for x in its) / len(its) for k in range(3)]
         print(f"| {name} | {plan['placement']} / {rec['placement']} | {plan['predicted_update_s']:.2f} / "

@@ -239,7 +239,8 @@ def describe(plan, args, machine, flags, rates) -> str:
     if plan.engine is not None:
         e = plan.engine
         lines.append(f"optimizer state per rank: {plan.shard_numel} elements, {g(e.state_bytes)} in "
-                     f"{len(e.subgroups)} subgroups; placement {plan.placement_counts()}")
+                     f"{len(e.subgroups)} subgroups ({e.state_bytes / plan.shard_numel:.1f} B/param); "
+                     f"placement {plan.placement_counts()}")
         lines.append(f"host memory per node ({g(machine.host_memory_bytes)}): "
                      + ", ".join(f"{k} {g(v)}" for k, v in plan.host_bytes_per_node.items()))
         for tier, nbytes in plan.tier_bytes_per_node.items():

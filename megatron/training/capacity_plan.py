@@ -68,6 +68,7 @@ class Plan:
             "fits": self.fits, "problems": self.problems,
             "params_total": self.params_total, "params_per_rank": self.params_per_rank,
             "optimizer_state_elements_per_rank": self.shard_numel,
+            "optimizer_state_bytes_per_rank": self.engine.state_bytes if self.engine else None,
             "gpu_bytes_per_rank": self.gpu_bytes, "host_bytes_per_node": self.host_bytes_per_node,
             "tier_bytes_per_node": self.tier_bytes_per_node,
             "predicted_compute_s": self.compute_s, "predicted_update_s": self.update_s,

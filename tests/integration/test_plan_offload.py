@@ -78,6 +78,25 @@ def test_numbers_against_a_hand_calculation():
     assert got["fits"] is False and "GPU memory" in got["problems"][0]  # the 2 GiB CUDA reserve alone
 
 
+def test_precision_aware_state_is_planned_smaller(tmp_path):
+    """bf16 moments: 8 bytes per parameter instead of 12 (each region page-aligned), in every tier."""
+    flags = [*TINY_MODEL, *offload_args(tmp_path, tiers=("host", "nvme"))]
+    machine = ["--gpus-per-node", "2", "--adam-gelems", "1", "--convert-gelems", "1", "--offload-nvme-capacity-gb", "1"]
+    fp32 = plan_json(*machine, *flags)
+    bf16 = plan_json(*machine, *flags, "--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16",
+                     "--exp-avg-sq-dtype", "bf16")
+    n = fp32["optimizer_state_elements_per_rank"]
+    sizes = [6000] * (n // 6000) + ([n % 6000] if n % 6000 else [])  # --offload-subgroup-size 6000
+    assert fp32["subgroups"] == len(sizes)
+
+    def region(numel, itemsize):  # each of a subgroup's three regions is padded to a 4096-byte page
+        return -(-numel * itemsize // 4096) * 4096
+
+    assert fp32["optimizer_state_bytes_per_rank"] == sum(3 * region(k, 4) for k in sizes)
+    assert bf16["optimizer_state_bytes_per_rank"] == sum(region(k, 4) + 2 * region(k, 2) for k in sizes)
+    assert sum(bf16["tier_bytes_per_node"].values()) < sum(fp32["tier_bytes_per_node"].values())
+
+
 def test_a_disk_too_small_does_not_fit(tmp_path):
     flags = offload_args(tmp_path, tiers=("host", "nvme"))
     got = plan_json("--gpus-per-node", "2", "--adam-gelems", "1", "--convert-gelems", "1",
