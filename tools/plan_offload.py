@@ -171,7 +171,7 @@ def build(argv):
     from megatron.training.capacity_plan import Machine, make_plan, suggested_host_cache_gb
     from megatron.training.data import build_tokenizer, padded_vocab_size
     from megatron.training.offload_flags import config_from_args
-    from megatron.training.training import transformer_config
+    from megatron.training.model_configs import transformer_config
 
     opts, rest = machine_parser().parse_known_args(argv)
     for flag, value in (("--nnodes", opts.nnodes), ("--gpus-per-node", opts.gpus_per_node)):

@@ -13,13 +13,11 @@ import re
 import sys
 from typing import List, Optional
 
-from megatron.training import arguments_megatron, precision_aware
-from megatron.training.checkpoint_args import (FILLED_IF_MISSING, MODEL_SHAPE_ARGS, apply_model_shape,
-                                                read_saved_args)
+from megatron.training import arguments_checkpoint, arguments_megatron, precision_aware
+from megatron.training.checkpoint_args import FILLED_IF_MISSING, MODEL_SHAPE_ARGS
 from megatron.training.errors import UserError
 from megatron.training.flag_types import finite, fraction, non_negative_float, non_negative_int, positive_int
 
-CKPT_FORMATS = ("torch_dist", "torch", "torch_dcp", "fsdp_dtensor")
 _PATH_FLAG = re.compile(r"^--offload-([A-Za-z0-9_]+)-path(?:=(.*))?$")
 
 
@@ -170,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--wandb-exp-name", type=str, default=None)
     g.add_argument("--wandb-save-dir", type=str, default=None,
                    help="the W&B run directory's parent; default SAVE/wandb")
-    _add_checkpoint_flags(g)
+    arguments_checkpoint.add_flags(g)
 
     g = p.add_argument_group("data")
     g.add_argument("--mock-data", action="store_true")
@@ -225,45 +223,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="overlap megatron-core's CPU Adam with its grad D2H / param H2D copies")
     arguments_megatron.add_groups(p)
     return p
-
-
-def _add_checkpoint_flags(g) -> None:
-    """Megatron-LM's checkpoint flags, same names and meanings (kept together at the group's end)."""
-    g.add_argument("--no-load-optim", action="store_true",
-                   help="load weights (and scheduler, iteration, data position) but not the optimizer state")
-    g.add_argument("--no-load-rng", action="store_true", help="do not restore the saved RNG states")
-    g.add_argument("--finetune", action="store_true",
-                   help="load weights only: iteration, data position, scheduler, optimizer and RNG start fresh")
-    g.add_argument("--no-save-optim", action="store_true", help="save no optimizer state (and no scheduler)")
-    g.add_argument("--no-save-rng", action="store_true", help="save no RNG states")
-    g.add_argument("--ckpt-format", choices=CKPT_FORMATS, default="torch_dist",
-                   help="torch_dist (megatron-core dist_checkpointing) is the one supported here")
-    g.add_argument("--auto-detect-ckpt-format", action="store_true",
-                   help="read the format of the checkpoint in --load from its files instead of --ckpt-format")
-    g.add_argument("--use-checkpoint-args", action="store_true",
-                   help="take the model's shape (layers, sizes, heads, vocab, ...) from the args saved in --load")
-    g.add_argument("--async-save", action="store_true",
-                   help="write the torch_dist files in the background; the offloaded optimizer state is "
-                        "still written synchronously; a checkpoint is completed (proof, tracker) once every "
-                        "rank's write has ended")
-    g.add_argument("--ckpt-fully-parallel-save", dest="ckpt_fully_parallel_save", action="store_true",
-                   default=True, help="spread the writing of replicated shards over data-parallel ranks (default)")
-    g.add_argument("--no-ckpt-fully-parallel-save", dest="ckpt_fully_parallel_save", action="store_false")
-    g.add_argument("--ckpt-fully-parallel-load", action="store_true",
-                   help="each data-parallel rank reads a part of the replicated shards and they exchange them")
-
-
-def _validate_checkpoint_flags(parser, args) -> None:
-    if args.ckpt_format != "torch_dist":
-        parser.error(f"argument --ckpt-format: {args.ckpt_format} is not supported here; use torch_dist "
-                     f"(megatron-core dist_checkpointing, Megatron-LM's default)")
-    for flag, given in (("--use-checkpoint-args", args.use_checkpoint_args), ("--finetune", args.finetune),
-                        ("--auto-detect-ckpt-format", args.auto_detect_ckpt_format),
-                        ("--ckpt-fully-parallel-load", args.ckpt_fully_parallel_load)):
-        if given and not args.load:
-            parser.error(f"argument {flag}: requires --load DIR")
-    if args.async_save and not args.save:
-        parser.error("argument --async-save: requires --save DIR")
 
 
 def _parse_offload_paths(parser, rest: List[str]) -> dict:
@@ -325,7 +284,7 @@ def _validate(parser, args) -> None:
         parser.error("argument --wandb-project: requires --wandb-save-dir DIR (or --save DIR, whose wandb/ it uses)")
     if (args.save_interval is not None) and not args.save:
         parser.error("argument --save-interval: requires --save DIR")
-    _validate_checkpoint_flags(parser, args)
+    arguments_checkpoint.validate(parser, args)
     if args.recompute_method is not None and args.recompute_granularity != "full":
         parser.error("argument --recompute-method: requires --recompute-granularity full")
     if args.recompute_granularity == "full" and args.recompute_method is None:
@@ -406,17 +365,6 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def _take_model_shape_from_checkpoint(parser, args) -> None:
-    changed = apply_model_shape(args, read_saved_args(args.load))
-    missing = [name for name in MODEL_SHAPE_ARGS + FILLED_IF_MISSING
-               if name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
-               and getattr(args, name) is None]
-    if missing:
-        parser.error(f"argument --use-checkpoint-args: the checkpoint in --load {args.load} does not give "
-                     f"--{missing[0].replace('_', '-')}; pass it on the command line")
-    args.model_args_from_checkpoint = changed
-
-
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser = build_parser()
     from_checkpoint = "--use-checkpoint-args" in (argv if argv is not None else sys.argv[1:])
@@ -427,7 +375,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     args, rest = parser.parse_known_args(argv)
     args.offload_paths = _parse_offload_paths(parser, rest)
     if from_checkpoint and args.load:
-        _take_model_shape_from_checkpoint(parser, args)
+        arguments_checkpoint.take_model_shape_from_checkpoint(parser, args)
     _validate(parser, args)
     arguments_megatron.validate(parser, args)
     _default_distributed_optimizer(parser, args)

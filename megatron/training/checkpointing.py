@@ -17,15 +17,12 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import random
 import shutil
 import time
 from typing import Optional
 
-import numpy as np
 import torch
-from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
-from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.optimizer import ChainedOptimizer, MegatronOptimizer
 
@@ -33,6 +30,8 @@ from megatron.training import checkpoint_integrity as integrity
 from megatron.training.checkpoint_args import args_to_save
 from megatron.training.checkpoint_format import check_format, load_strategies, save_strategies
 from megatron.training.checkpoint_integrity import checkpoint_dir
+from megatron.training.checkpoint_rng import (all_data_parallel_rng_states, legacy_rng_sharded_object, rng_sharded_object,
+                                               set_rng_state, this_rank_rng_state)
 from megatron.training.checkpoint_load_plan import FROM_OFFLOADED, SAME_FORM, LoadPlan
 from megatron.training.errors import UserError
 from megatron.training.optimizer_state_crossing import fill_distributed_optimizer, load_into_engine
@@ -70,63 +69,6 @@ def _model_state(model, metadata) -> dict:
     if len(model) == 1:
         return {"model": _unwrap(model[0]).sharded_state_dict(metadata=metadata)}
     return {f"model{i}": _unwrap(chunk).sharded_state_dict(metadata=metadata) for i, chunk in enumerate(model)}
-
-
-def _rng_state() -> dict:
-    """This rank's RNG states under Megatron-LM's names (no CUDA state on a CPU run)."""
-    state = {
-        "random_rng_state": random.getstate(),
-        "np_rng_state": np.random.get_state(),
-        "torch_rng_state": torch.get_rng_state(),
-        "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda_rng_state"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    random.setstate(state["random_rng_state"])
-    np.random.set_state(state["np_rng_state"])
-    torch.set_rng_state(state["torch_rng_state"])
-    if "cuda_rng_state" in state and torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.set_rng_state(state["cuda_rng_state"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
-
-
-_LEGACY_RNG_NAMES = {"random": "random_rng_state", "np_random": "np_rng_state", "torch": "torch_rng_state",
-                     "cuda": "cuda_rng_state", "tracker": "rng_tracker_states"}
-
-
-def rank_coordinates():
-    """(pp, tp, dp) sizes and this rank's (pp, tp, dp) position: what per-rank state is keyed by."""
-    ps = parallel_state
-    shape = (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size(),
-             ps.get_data_parallel_world_size())
-    offset = (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(),
-              ps.get_data_parallel_rank())
-    return shape, offset
-
-
-def _rng_sharded_object(states):
-    """Upstream's 'rng_state': per (pp, tp) position, the list of its data-parallel ranks' states,
-    written once (replica_id: the DP rank)."""
-    (pp, tp, _), (p, t, d) = rank_coordinates()
-    return ShardedObject("rng_state", states, (pp, tp), (p, t), replica_id=d)
-
-
-def _all_data_parallel_rng_states() -> list:
-    """Every data-parallel rank's states (they differ: dropout), gathered so one rank saves them."""
-    group = parallel_state.get_data_parallel_group()
-    states = [None] * torch.distributed.get_world_size(group)
-    torch.distributed.all_gather_object(states, _rng_state(), group=group)
-    return states
-
-
-def _legacy_rng_sharded_object():
-    """This repo's earlier 'rng_state': one object per (pp, tp, dp) rank, older names."""
-    shape, offset = rank_coordinates()
-    return ShardedObject("rng_state", None, shape, offset, replica_id=0)
 
 
 def sharding_metadata() -> dict:
@@ -194,7 +136,7 @@ def _state_to_save(args, model, optimizer, scheduler, iteration, consumed_sample
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=False, metadata=metadata)
         state["opt_param_scheduler"] = scheduler.state_dict()
     if not args.no_save_rng:
-        state["rng_state"] = _rng_sharded_object(_all_data_parallel_rng_states())
+        state["rng_state"] = rng_sharded_object(all_data_parallel_rng_states())
     state["num_floating_point_operations_so_far"] = getattr(args, "num_floating_point_operations_so_far", 0)
     return state
 
@@ -381,9 +323,9 @@ def load_checkpoint(root: str, model, optimizer, scheduler, args):
             _prepare_fresh_optimizer_for_load(optimizer)
         template["optimizer"] = optimizer.sharded_state_dict(template, is_loading=True, metadata=metadata)
     if plan.rng == "upstream":
-        template["rng_state"] = _rng_sharded_object(None)
+        template["rng_state"] = rng_sharded_object(None)
     elif plan.rng == "legacy":
-        template["rng_state"] = _legacy_rng_sharded_object()
+        template["rng_state"] = legacy_rng_sharded_object()
     state = dist_checkpointing.load(template, path, **load_strategies(args, path))
 
     for key in _model_state_keys(model):
@@ -392,7 +334,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler, args):
     if plan.scheduler:
         scheduler.load_state_dict(common["opt_param_scheduler"])
     if plan.rng:
-        _set_rng_state(_this_rank_rng_state(state["rng_state"], plan.rng))
+        set_rng_state(this_rank_rng_state(state["rng_state"], plan.rng))
     torch.distributed.barrier()
     if args.finetune:
         return 0, 0
@@ -422,14 +364,6 @@ def _load_optimizer(plan, optimizer, model, state, common, path, args) -> None:
         scaled = bool(getattr(saved, "fp16", False) or getattr(saved, "loss_scale", None))
         load_into_engine(optimizer, path, has_grad_scaler=scaled and optimizer.grad_scaler is not None)
         _print_rank0(f"> optimizer state converted from megatron-core's distributed optimizer form in {path}")
-
-
-def _this_rank_rng_state(saved, form: str) -> dict:
-    if form == "legacy":
-        return {_LEGACY_RNG_NAMES[k]: v for k, v in saved.items()}
-    if len(saved) == 1:
-        return saved[0]  # saved without per-DP states (upstream without --data-parallel-random-init)
-    return saved[parallel_state.get_data_parallel_rank()]
 
 
 def _print_rank0(line: str) -> None:

@@ -14,7 +14,8 @@ from typing import Optional
 
 import torch
 
-from megatron.training.checkpointing import rank_coordinates, sharding_metadata
+from megatron.training.checkpoint_rng import rank_coordinates
+from megatron.training.checkpointing import sharding_metadata
 from megatron.training.offload_files import offload_file_path, param_names, saved_model_parallel_sizes
 from megatron.training.offload_state_source import OffloadedStateSource
 from megatron.training.param_geometry import param_geometries

@@ -65,7 +65,8 @@ class OffloadedStateSource:
     """Opened for this rank: ``read``, ``steps_done``, ``saved_sizes`` (pp, tp), ``saved_dp_size``."""
 
     def __init__(self, checkpoint_dir: str, model_chunks):
-        from megatron.training.checkpointing import rank_coordinates, sharding_metadata  # it imports us
+        from megatron.training.checkpoint_rng import rank_coordinates
+        from megatron.training.checkpointing import sharding_metadata  # it imports us
 
         (pp, tp, _), (p, t, _) = rank_coordinates()
         self.saved_sizes = saved_model_parallel_sizes(checkpoint_dir)
@@ -85,7 +86,7 @@ class OffloadedStateSource:
         (pp, tp) = self.saved_sizes
         if self.same_model_parallel_layout:
             return f"data-parallel size {self.saved_dp_size} to {dp_size}"
-        from megatron.training.checkpointing import rank_coordinates
+        from megatron.training.checkpoint_rng import rank_coordinates
 
         (pp_now, tp_now, _), _ = rank_coordinates()
         return f"TP={tp} PP={pp} DP={self.saved_dp_size} to TP={tp_now} PP={pp_now} DP={dp_size}"

@@ -13,17 +13,15 @@ import time
 from typing import Callable, List, Optional
 
 import torch
-import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed import finalize_model_grads
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
 
-from megatron.training import batch_schedule, checkpointing, job_facts, precision_aware
+from megatron.training import batch_schedule, checkpointing, job_facts
 from megatron.training.async_save import BackgroundSaves
 from megatron.training.arguments import parse_args
 from megatron.training.checkpoint_integrity import checkpoint_dir
@@ -35,6 +33,7 @@ from megatron.training.flops import DenseGptShape, flops_per_iteration
 from megatron.training.iteration_hooks import IterationHooks
 from megatron.training.lr_schedule import build_param_scheduler
 from megatron.training.initialize import initialize
+from megatron.training.model_configs import optimizer_config, transformer_config
 from megatron.training.metrics import (IterationRecord, LossLog, Metrics, TimingLog, ValidationRecord,
                                        is_last_rank)
 from megatron.training.metrics_sinks import OffloadTelemetry, TensorBoard, WandB
@@ -45,89 +44,6 @@ from megatron.training.progress import directory_bytes, reported_step
 from megatron.training.signals import StopCheck
 from megatron.training.timers import LoopTimers
 from mlp_offload.faults import fault_point
-
-
-# ----------------------------------------------------------------------------- configuration
-
-def _params_dtype(args):
-    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
-
-
-def transformer_config(args) -> TransformerConfig:
-    """TransformerConfig from Megatron-LM style flags. The sizes (FFN, kv-channels, GQA) and the
-    kernel choices (attention backend, fusions, FP8) were derived in parsing (arguments_megatron)."""
-    from megatron.core.transformer.enums import AttnBackend
-
-    dtype = _params_dtype(args)
-    return TransformerConfig(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        kv_channels=args.kv_channels,
-        num_query_groups=args.num_query_groups,  # None unless --group-query-attention, as Megatron-LM
-        hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout,
-        init_method_std=args.init_method_std,
-        normalization=args.normalization,
-        gated_linear_unit=args.swiglu,
-        activation_func=F.silu if args.swiglu else F.gelu,
-        add_bias_linear=not args.disable_bias_linear,
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        sequence_parallel=args.sequence_parallel,
-        bf16=args.bf16,
-        fp16=args.fp16,
-        params_dtype=dtype,
-        pipeline_dtype=dtype,
-        recompute_granularity=args.recompute_granularity,
-        recompute_method=args.recompute_method if args.recompute_granularity == "full" else None,
-        recompute_num_layers=args.recompute_num_layers if args.recompute_granularity == "full" else None,
-        attention_backend=AttnBackend[args.attention_backend],
-        bias_activation_fusion=args.bias_activation_fusion,
-        bias_dropout_fusion=args.bias_dropout_fusion,
-        masked_softmax_fusion=args.masked_softmax_fusion,
-        apply_rope_fusion=args.apply_rope_fusion,
-        gradient_accumulation_fusion=args.gradient_accumulation_fusion,
-        persist_layer_norm=args.persist_layer_norm,
-        layernorm_zero_centered_gamma=args.apply_layernorm_1p,
-        cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
-        fp8=args.fp8_format,
-        **({"fp8_recipe": args.fp8_recipe} if args.fp8_recipe else {}),
-        fp8_margin=args.fp8_margin,
-        fp8_amax_history_len=args.fp8_amax_history_len,
-        fp8_amax_compute_algo=args.fp8_amax_compute_algo,
-        fp8_param=args.fp8_param_gather,
-        use_cpu_initialization=False,
-        deallocate_pipeline_outputs=True,
-    )
-
-
-def optimizer_config(args) -> OptimizerConfig:
-    return OptimizerConfig(
-        optimizer="adam",
-        lr=args.lr,
-        min_lr=args.min_lr,
-        weight_decay=args.weight_decay,
-        adam_beta1=args.adam_beta1,
-        adam_beta2=args.adam_beta2,
-        adam_eps=args.adam_eps,
-        clip_grad=args.clip_grad,
-        bf16=args.bf16,
-        fp16=args.fp16,
-        params_dtype=_params_dtype(args),
-        loss_scale=args.loss_scale,
-        initial_loss_scale=args.initial_loss_scale,
-        use_distributed_optimizer=args.use_distributed_optimizer,
-        decoupled_lr=args.decoupled_lr,
-        decoupled_min_lr=args.decoupled_min_lr,
-        # megatron-core's own CPU offload (a peer to compare with); off unless asked for.
-        optimizer_cpu_offload=getattr(args, "optimizer_cpu_offload", False),
-        optimizer_offload_fraction=getattr(args, "optimizer_offload_fraction", 1.0),
-        overlap_cpu_optimizer_d2h_h2d=getattr(args, "overlap_cpu_optimizer_d2h_h2d", False),
-        log_num_zeros_in_grad=getattr(args, "log_num_zeros_in_grad", False),
-        **precision_aware.optimizer_config_fields(args),
-    )
 
 
 # ----------------------------------------------------------------------------- model and optimizer

@@ -17,7 +17,7 @@ def main():
     from megatron.training.arguments import parse_args
     from megatron.training.data import build_tokenizer, padded_vocab_size
     from megatron.training.initialize import set_seeds
-    from megatron.training.training import transformer_config
+    from megatron.training.model_configs import transformer_config
     from pretrain_gpt import model_provider
 
     cpu_compat.apply()

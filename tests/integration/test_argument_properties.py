@@ -46,7 +46,8 @@ def command_lines(draw):
 def test_flags_fail_up_front_or_build_megatron_core_objects(argv):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from megatron.training.training import build_scheduler, optimizer_config, transformer_config
+    from megatron.training.model_configs import optimizer_config, transformer_config
+    from megatron.training.training import build_scheduler
 
     try:
         args = parse_args(argv)

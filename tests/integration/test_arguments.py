@@ -68,7 +68,7 @@ def test_mcore_cpu_offload_pass_through():
                               "--overlap-cpu-optimizer-d2h-h2d", "--timing-log", "/tmp/t.jsonl"])
     assert args.optimizer_cpu_offload and args.optimizer_offload_fraction == 0.5
     assert args.overlap_cpu_optimizer_d2h_h2d and args.timing_log == "/tmp/t.jsonl"
-    from megatron.training.training import optimizer_config
+    from megatron.training.model_configs import optimizer_config
 
     config = optimizer_config(args)
     assert config.optimizer_cpu_offload and config.optimizer_offload_fraction == 0.5
@@ -140,7 +140,7 @@ def test_logging_flag_errors_name_the_flag(extra, flag):
 
 def test_precision_aware_dtypes_go_to_the_offload_engine_not_megatron_core():
     from megatron.training.offload_flags import config_from_args
-    from megatron.training.training import optimizer_config
+    from megatron.training.model_configs import optimizer_config
 
     args = parse_args(BASE + ["--offload-tiers", "host", "--use-precision-aware-optimizer",
                               "--main-params-dtype", "fp16", "--exp-avg-dtype", "bf16"])

@@ -354,7 +354,7 @@ def megatron_lm_command_lines(draw):
 @settings(max_examples=200, deadline=None, derandomize=True)
 @given(megatron_lm_command_lines())
 def test_megatron_lm_flags_fail_up_front_or_build_megatron_core_objects(argv):
-    from megatron.training.training import optimizer_config, transformer_config
+    from megatron.training.model_configs import optimizer_config, transformer_config
 
     try:
         args = parse_args(argv)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from megatron.training.arguments import parse_args
 from megatron.training.model_size import model_params, stage_params
-from megatron.training.training import transformer_config
+from megatron.training.model_configs import transformer_config
 
 
 @pytest.fixture(scope="module", autouse=True)

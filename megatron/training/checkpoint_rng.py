@@ -1,0 +1,77 @@
+"""RNG states in a checkpoint, as Megatron-LM keeps them: per (pp, tp) position a ShardedObject
+'rng_state' holding every data-parallel rank's states (they differ: dropout); and this repo's
+earlier form, one object per rank under older names, still read."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+
+def rng_state() -> dict:
+    """This rank's RNG states under Megatron-LM's names (no CUDA state on a CPU run)."""
+    state = {
+        "random_rng_state": random.getstate(),
+        "np_rng_state": np.random.get_state(),
+        "torch_rng_state": torch.get_rng_state(),
+        "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda_rng_state"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["random_rng_state"])
+    np.random.set_state(state["np_rng_state"])
+    torch.set_rng_state(state["torch_rng_state"])
+    if "cuda_rng_state" in state and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.set_rng_state(state["cuda_rng_state"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
+
+
+_LEGACY_RNG_NAMES = {"random": "random_rng_state", "np_random": "np_rng_state", "torch": "torch_rng_state",
+                     "cuda": "cuda_rng_state", "tracker": "rng_tracker_states"}
+
+
+def rank_coordinates():
+    """(pp, tp, dp) sizes and this rank's (pp, tp, dp) position: what per-rank state is keyed by."""
+    ps = parallel_state
+    shape = (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size(),
+             ps.get_data_parallel_world_size())
+    offset = (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(),
+              ps.get_data_parallel_rank())
+    return shape, offset
+
+
+def rng_sharded_object(states):
+    """Upstream's 'rng_state': per (pp, tp) position, the list of its data-parallel ranks' states,
+    written once (replica_id: the DP rank)."""
+    (pp, tp, _), (p, t, d) = rank_coordinates()
+    return ShardedObject("rng_state", states, (pp, tp), (p, t), replica_id=d)
+
+
+def all_data_parallel_rng_states() -> list:
+    """Every data-parallel rank's states (they differ: dropout), gathered so one rank saves them."""
+    group = parallel_state.get_data_parallel_group()
+    states = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(states, rng_state(), group=group)
+    return states
+
+
+def legacy_rng_sharded_object():
+    """This repo's earlier 'rng_state': one object per (pp, tp, dp) rank, older names."""
+    shape, offset = rank_coordinates()
+    return ShardedObject("rng_state", None, shape, offset, replica_id=0)
+
+
+def this_rank_rng_state(saved, form: str) -> dict:
+    if form == "legacy":
+        return {_LEGACY_RNG_NAMES[k]: v for k, v in saved.items()}
+    if len(saved) == 1:
+        return saved[0]  # saved without per-DP states (upstream without --data-parallel-random-init)
+    return saved[parallel_state.get_data_parallel_rank()]
