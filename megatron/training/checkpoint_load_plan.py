@@ -43,6 +43,8 @@ class LoadPlan:
         if wanted:
             form = SAME_FORM if ckpt_offloaded == run_offloaded else (
                 FROM_OFFLOADED if ckpt_offloaded else FROM_DISTRIBUTED)
+        if form in (SAME_FORM, FROM_DISTRIBUTED) and not ckpt_offloaded:
+            _check_plain_state_layout(common, saved, path)
         notes = [] if wanted else [f"loading the weights only ({'--finetune' if args.finetune else '--no-load-optim'})"]
         rng, why_not = _rng_plan(common, saved, legacy, args)
         if why_not:
@@ -61,6 +63,24 @@ def _layout_now() -> dict:
     return {"tp": parallel_state.get_tensor_model_parallel_world_size(),
             "pp": parallel_state.get_pipeline_model_parallel_world_size(),
             "dp": parallel_state.get_data_parallel_world_size()}
+
+
+def _check_plain_state_layout(common: dict, saved, path: str) -> None:
+    """megatron-core's dp_reshardable optimizer state (Megatron-LM's default) is keyed by the saved
+    run's DDP buckets: it reloads across DP sizes only. Say so before the load's KeyError."""
+    sharding = (common.get("content_metadata") or {}).get("distrib_optim_sharding_type") or \
+        (common.get("optimizer") or {}).get("param_state_sharding_type")
+    if sharding != "dp_reshardable" or saved is None:
+        return
+    then = (saved.tensor_model_parallel_size, saved.pipeline_model_parallel_size)
+    now = (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size())
+    if then != now:
+        raise UserError(
+            f"--load {path}: its optimizer state is megatron-core's dp_reshardable form, saved at "
+            f"--tensor-model-parallel-size {then[0]} --pipeline-model-parallel-size {then[1]}; it reloads only at "
+            f"those sizes (this run: {now[0]} and {now[1]}). Resume at the saved sizes, convert it there with "
+            f"tools/convert_offload_checkpoint.py --to offload (that form reshards across TP and PP), or pass "
+            f"--no-load-optim to load the weights only")
 
 
 def _rng_plan(common, saved, legacy: bool, args):

@@ -26,12 +26,27 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
+    _check_generators_match(state["rng_tracker_states"])
     random.setstate(state["random_rng_state"])
     np.random.set_state(state["np_rng_state"])
     torch.set_rng_state(state["torch_rng_state"])
     if "cuda_rng_state" in state and torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.set_rng_state(state["cuda_rng_state"])
     tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
+
+
+def _check_generators_match(saved_tracker_states: dict) -> None:
+    """A GPU checkpoint's generator states (16-byte CUDA states) cannot seed a CPU run's generators
+    (5056-byte states), nor the reverse: say so in one line instead of torch's size error."""
+    from megatron.training.errors import UserError
+
+    current = tensor_parallel.get_cuda_rng_tracker().get_states()
+    for name, saved in saved_tracker_states.items():
+        if name in current and saved.numel() != current[name].numel():
+            raise UserError(
+                f"--load: the checkpoint's RNG state '{name}' is a {saved.numel()}-byte generator state, this "
+                f"run's is {current[name].numel()} bytes (saved on another device type, GPU or CPU); add "
+                "--no-load-rng to resume without the saved RNG states")
 
 
 _LEGACY_RNG_NAMES = {"random": "random_rng_state", "np_random": "np_rng_state", "torch": "torch_rng_state",

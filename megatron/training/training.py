@@ -172,12 +172,13 @@ def train_step(args, forward_step_func, data_iterator, model, optimizer, schedul
     )  # the schedule times itself: 'forward-backward' in timers
     if hooks is not None:
         hooks.after_forward_backward()
-    lr = optimizer.param_groups[0]["lr"]
     timers("optimizer", log_level=1).start()
     update_successful, grad_norm, num_zeros = optimizer.step()
     timers("optimizer").stop()
     if update_successful:
         scheduler.step(increment=args.current_global_batch_size)  # ramps with --rampup-batch-size
+    # Logged as Megatron-LM logs it: the rate after the scheduler's step (checked against upstream's log).
+    lr = optimizer.param_groups[0]["lr"]
     return _average_loss(losses), lr, grad_norm, num_zeros, update_successful
 
 

@@ -121,7 +121,7 @@ def claim(root: str, run_id: str, rank: int, field: str) -> str:
         tmp = f"{path}.tmp-{os.getpid()}"
         with _owned_lock:
             _owned.add(tmp)  # a SIGTERM right now must not leave it behind either
-        os.makedirs(tmp, exist_ok=True)
+        _makedirs_beside_releases(tmp)
         with open(os.path.join(tmp, OWNER_FILE), "w") as f:
             json.dump(owner_record(), f)
         with _owned_lock:
@@ -143,6 +143,18 @@ def claim(root: str, run_id: str, rank: int, field: str) -> str:
             field, root, len(stale), sum(ns.nbytes for ns in stale) / GiB, root,
             "\n  ".join(ns.describe() for ns in stale))
     return path
+
+
+def _makedirs_beside_releases(path: str, attempts: int = 5) -> None:
+    """os.makedirs, again if a parent vanished meanwhile: another rank's release() removes the run's
+    and the base directory once they look empty (its probe finishing while this rank claims)."""
+    for attempt in range(attempts):
+        try:
+            os.makedirs(path, exist_ok=True)
+            return
+        except FileNotFoundError:
+            if attempt == attempts - 1:
+                raise
 
 
 def release(path: str) -> None:
