@@ -13,9 +13,9 @@ setup(
         # psutil: megatron-core's dist_checkpointing needs it but does not declare it.
         "megatron": ["megatron-core==0.16.1", "psutil"],
         "logging": ["tensorboard==2.21.0", "wandb==0.31.0"],
-        "tokenizers": ["tokenizers==0.23.3", "sentencepiece==0.2.3", "tiktoken==0.14.0"],
+        "tokenizers": ["tokenizers==0.23.3", "sentencepiece==0.2.3", "tiktoken==0.14.0", "transformers==5.23.0"],
         "test": ["pytest", "megatron-core==0.16.1", "psutil", "matplotlib==3.10.3", "hypothesis==6.155.2",
                  "tensorboard==2.21.0", "wandb==0.31.0", "tokenizers==0.23.3", "sentencepiece==0.2.3",
-                 "tiktoken==0.14.0"],
+                 "tiktoken==0.14.0", "transformers==5.23.0"],
     },
 )

@@ -40,10 +40,12 @@ else
 fi
 python -c "import megatron.core" 2>/dev/null || need+=("megatron-core==0.16.1")
 # REQUIREMENT[:IMPORT_NAME]. tensorboard and wandb (offline) receive the metrics; tokenizers,
-# sentencepiece and tiktoken read users' tokenizer files (megatron.core.tokenizers).
+# sentencepiece, tiktoken and transformers (GPT-2 and HuggingFace files, read offline) are what
+# megatron.core.tokenizers reads users' tokenizer files with. transformers 5.23 goes with tokenizers
+# 0.23 (the 4.x releases want tokenizers<=0.23.0 and huggingface-hub<1) and needs no torch.
 for spec in numpy pytest psutil hypothesis==6.155.2:hypothesis matplotlib==3.10.3:matplotlib \
             tensorboard==2.21.0:tensorboard wandb==0.31.0:wandb tokenizers==0.23.3:tokenizers \
-            sentencepiece==0.2.3:sentencepiece tiktoken==0.14.0:tiktoken; do
+            sentencepiece==0.2.3:sentencepiece tiktoken==0.14.0:tiktoken transformers==5.23.0:transformers; do
     python -c "import ${spec#*:}" 2>/dev/null || need+=("${spec%%:*}")
 done
 if [ ${#need[@]} -gt 0 ]; then

@@ -1,17 +1,27 @@
 """Megatron-LM's tokenizer flags: define them, build the tokenizer they name, pad its vocabulary.
 
-SentencePiece (SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer), TikTokenizer
-and NullTokenizer are megatron-core's own (``megatron.core.tokenizers``), built as Megatron-LM
-builds them. GPT2BPETokenizer and HuggingFaceTokenizer read the same files with the
-``tokenizers`` library (see hf_tokenizers_adapter: megatron-core would need transformers and the
-internet). ByteLevelTokenizer is ours, and the default: the quickstart and the mock data use it.
-Nothing is ever downloaded; a missing file is one line naming its flag.
+Every --tokenizer-type but our ByteLevelTokenizer (the default: the quickstart and the mock data use
+it) is megatron-core's own (``megatron.core.tokenizers``). SentencePiece, TikToken, Null and
+HuggingFaceTokenizer (a local directory, read by transformers' AutoTokenizer) are built by
+megatron-core's builder, as Megatron-LM builds them. GPT2BPETokenizer is megatron-core's
+HuggingFace tokenizer too, but not through that builder's GPT-2 entry (MegatronHFTokenizer): that
+one loads the Hub's "gpt2" files by name (network, or a pre-filled Hub cache) and never reads
+--merge-file (megatron-core 0.16.1 hands the vocabulary file over as the merges file, and transformers
+ignores the misspelt ``merge_files`` it then passes). So --vocab-file and --merge-file are given to
+megatron-core's HuggingFaceTokenizer as a GPT-2 tokenizer directory: links to the two files and a
+tokenizer_config.json naming GPT2Tokenizer, in a temporary directory gone once they are read.
+
+Nothing is ever downloaded: the Hub is put in offline mode (HF_HUB_OFFLINE, TRANSFORMERS_OFFLINE)
+before transformers is imported, and a missing file or directory is one line naming its flag.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
 import os
+import sys
 from types import SimpleNamespace
 
 from megatron.training.errors import UserError
@@ -23,6 +33,13 @@ TOKENIZER_TYPES = (BYTE_LEVEL, "GPT2BPETokenizer", "HuggingFaceTokenizer", *SENT
 # For these --vocab-size is the tokenizer's own size, as in Megatron-LM; for the others it is a
 # floor on the vocabulary before padding (room for tokens the tokenizer does not have yet).
 SIZED_BY_VOCAB_SIZE_FLAG = ("TikTokenizer", "NullTokenizer")
+# The transformers release megatron-core's HuggingFace tokenizer is used with (tools/setup_env.sh).
+TRANSFORMERS_REQUIREMENT = "transformers==5.23.0"
+GPT2_EOD_TOKEN = "<|endoftext|>"
+# A directory holding none of these has no vocabulary for AutoTokenizer to read.
+HF_VOCABULARY_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "tekken.json")
+HF_VOCABULARY_SUFFIXES = (".model", ".tiktoken")
+MCORE_HF_WRAPPER = "Unable to instantiate HuggingFace AutoTokenizer"  # megatron-core's ValueError
 
 
 def add_tokenizer_arguments(group) -> None:
@@ -36,21 +53,22 @@ def add_tokenizer_arguments(group) -> None:
     group.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
     group.add_argument("--tokenizer-model", default=None,
                        help="SentencePiece: the .model file; TikTokenizer: its .json; "
-                            "HuggingFaceTokenizer: a local directory holding tokenizer.json")
+                            "HuggingFaceTokenizer: a local directory written by save_pretrained")
     group.add_argument("--tokenizer-metadata", default=None,
-                       help="megatron-core tokenizer metadata (JSON file) for SentencePiece/TikTokenizer")
+                       help="megatron-core tokenizer metadata (JSON file) for SentencePiece/TikToken/HuggingFace")
     group.add_argument("--tokenizer-special-tokens", nargs="+", default=None,
                        help="TikTokenizer: must include <unk> <s> </s> <mask> <pad> <cls> <sep>; "
-                            "SentencePiece: needs --tokenizer-sentencepiece-legacy")
+                            "SentencePiece: needs --tokenizer-sentencepiece-legacy; "
+                            "GPT2BPE/HuggingFace: added to the vocabulary where missing")
     group.add_argument("--tiktoken-pattern", choices=["v1", "v2"], default=None)
     group.add_argument("--tiktoken-num-special-tokens", type=_positive_int, default=1000)
     group.add_argument("--tokenizer-sentencepiece-legacy", action="store_true")
     group.add_argument("--tokenizer-hf-use-fast", action="store_true",
-                       help="accepted for Megatron-LM command lines: the tokenizers library is the fast one")
+                       help="GPT2BPE/HuggingFace: AutoTokenizer's use_fast (transformers 5 has fast ones only)")
     group.add_argument("--tokenizer-hf-include-special-tokens", action="store_true",
-                       help="HuggingFaceTokenizer: add the tokenizer's special tokens (e.g. BOS) when encoding")
+                       help="GPT2BPE/HuggingFace: add the tokenizer's special tokens (e.g. BOS) when encoding")
     group.add_argument("--trust-remote-code", action="store_true",
-                       help="accepted for Megatron-LM command lines: tokenizer.json runs no code")
+                       help="HuggingFaceTokenizer: let AutoTokenizer run the tokenizer code in the directory")
 
 
 def build_tokenizer(args):
@@ -60,25 +78,32 @@ def build_tokenizer(args):
         from megatron.training.byte_level_tokenizer import ByteLevelTokenizer
 
         return ByteLevelTokenizer()
+    # megatron-core's tokenizer libraries import transformers whichever one is used.
+    _hub_offline()
     if kind == "GPT2BPETokenizer":
-        from megatron.training.hf_tokenizers_adapter import TokenizersLibraryTokenizer
-
         vocab = _existing_file("--vocab-file", args.vocab_file, kind)
         merges = _existing_file("--merge-file", args.merge_file, kind)
-        return _readable(kind, "--vocab-file", vocab,
-                         lambda: TokenizersLibraryTokenizer.from_gpt2_files(vocab, merges))
+        _needs_transformers(kind)
+        _has_gpt2_eod(vocab)
+        return _readable(kind, "--vocab-file/--merge-file", f"{vocab} and {merges}",
+                         lambda: _gpt2_bpe_tokenizer(args, vocab, merges))
+    if args.tokenizer_metadata is not None:
+        _existing_file("--tokenizer-metadata", args.tokenizer_metadata, kind)
     if kind == "HuggingFaceTokenizer":
-        from megatron.training.hf_tokenizers_adapter import TokenizersLibraryTokenizer
-
-        path = _local_pretrained_path(args.tokenizer_model)
-        return _readable(kind, "--tokenizer-model", path, lambda: TokenizersLibraryTokenizer.from_pretrained_dir(
-            path, add_special_tokens=args.tokenizer_hf_include_special_tokens))
+        path = _local_pretrained_dir(args.tokenizer_model)
+        for flag, given in (("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file)):
+            if given is not None:
+                _existing_file(flag, given, kind)
+        _needs_transformers(kind)
+        tokenizer = _readable(kind, "--tokenizer-model", path, lambda: _megatron_core_tokenizer(args))
+        if tokenizer.eod is None:
+            raise UserError(f"--tokenizer-model: {path} names no end-of-document token: set \"eos_token\" "
+                            "in its tokenizer_config.json")
+        return tokenizer
     if kind == "NullTokenizer" and args.vocab_size is None:
         raise UserError("--vocab-size: required with --tokenizer-type NullTokenizer")
     if kind in SENTENCEPIECE_TYPES or kind == "TikTokenizer":
         _existing_file("--tokenizer-model", args.tokenizer_model, kind)
-    if args.tokenizer_metadata is not None:
-        _existing_file("--tokenizer-metadata", args.tokenizer_metadata, kind)
     return _readable(kind, "--tokenizer-model", args.tokenizer_model, lambda: _megatron_core_tokenizer(args))
 
 
@@ -113,7 +138,62 @@ def _megatron_core_tokenizer(args):
         tokenizer_metadata=args.tokenizer_metadata, tokenizer_special_tokens=args.tokenizer_special_tokens,
         tokenizer_sentencepiece_legacy=args.tokenizer_sentencepiece_legacy,
         tiktoken_pattern=args.tiktoken_pattern, tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
-        vocab_size=args.vocab_size))
+        vocab_size=args.vocab_size, vocab_file=args.vocab_file, merge_file=args.merge_file,
+        tokenizer_hf_use_fast=args.tokenizer_hf_use_fast, trust_remote_code=args.trust_remote_code,
+        tokenizer_hf_include_special_tokens=args.tokenizer_hf_include_special_tokens))
+
+
+def _gpt2_bpe_tokenizer(args, vocab: str, merges: str):
+    """megatron-core's HuggingFace tokenizer on a GPT-2 directory made of --vocab-file and --merge-file.
+
+    The keyword arguments are the ones megatron-core's builder gives its GPT-2 tokenizer, in its
+    order, and the path is reset to the name that builder uses: the dataset cache key
+    (``unique_identifiers``) is then Megatron-LM's for the same flags, the same on every rank and
+    run rather than the temporary directory's name.
+    """
+    import tempfile
+
+    from megatron.core.tokenizers import MegatronTokenizer
+
+    with tempfile.TemporaryDirectory(prefix="gpt2-bpe-") as directory:
+        os.symlink(os.path.abspath(vocab), os.path.join(directory, "vocab.json"))
+        os.symlink(os.path.abspath(merges), os.path.join(directory, "merges.txt"))
+        with open(os.path.join(directory, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+            # GPT2Tokenizer's defaults are GPT-2's: no prefix space, <|endoftext|> as BOS, EOS and UNK.
+            json.dump({"tokenizer_class": "GPT2Tokenizer"}, f)
+        tokenizer = MegatronTokenizer.from_pretrained(
+            tokenizer_path=directory, metadata_path={"library": "huggingface"},
+            additional_special_tokens=args.tokenizer_special_tokens or [], vocab_file=vocab, merges_file=merges,
+            use_fast=args.tokenizer_hf_use_fast, trust_remote_code=args.trust_remote_code,
+            include_special_tokens=args.tokenizer_hf_include_special_tokens)
+    tokenizer.path = "GPT2BPETokenizer"
+    return tokenizer
+
+
+def _hub_offline() -> None:
+    """HuggingFace Hub offline mode, for this process and the ones it starts: local files only."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["TRANSFORMERS_OFFLINE"] = "1"
+    constants = sys.modules.get("huggingface_hub.constants")
+    if constants is not None:  # imported before us: it read the variables then
+        constants.HF_HUB_OFFLINE = True
+
+
+def _needs_transformers(kind: str) -> None:
+    if importlib.util.find_spec("transformers") is None:
+        raise UserError(f"--tokenizer-type {kind}: needs the transformers package "
+                        f"(pip install {TRANSFORMERS_REQUIREMENT}, as tools/setup_env.sh does)")
+
+
+def _has_gpt2_eod(vocab: str) -> None:
+    """transformers would add a missing <|endoftext|> as a new token; Megatron-LM's GPT-2 needs it."""
+    try:
+        with open(vocab, encoding="utf-8") as f:
+            tokens = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise UserError(f"--vocab-file: {vocab} could not be read as a GPT-2 vocab.json ({err})") from err
+    if not isinstance(tokens, dict) or GPT2_EOD_TOKEN not in tokens:
+        raise UserError(f"--vocab-file: {vocab} has no {GPT2_EOD_TOKEN} token (GPT-2's end of document)")
 
 
 def _existing_file(flag: str, path, kind: str) -> str:
@@ -124,14 +204,22 @@ def _existing_file(flag: str, path, kind: str) -> str:
     return path
 
 
-def _local_pretrained_path(path) -> str:
+def _local_pretrained_dir(path) -> str:
     if not path:
         raise UserError("--tokenizer-model: required with --tokenizer-type HuggingFaceTokenizer "
-                        "(a local directory holding tokenizer.json)")
-    if not os.path.exists(path):
+                        "(a local directory written by save_pretrained)")
+    if os.path.isfile(path):
+        raise UserError(f"--tokenizer-model: {path} is a file: HuggingFaceTokenizer takes the directory "
+                        "written by save_pretrained")
+    if not os.path.isdir(path):
         raise UserError(f"--tokenizer-model: {path} is not a local directory and nothing is downloaded "
                         "here: save the tokenizer with save_pretrained(DIR) where there is internet, "
                         "then pass DIR")
+    names = os.listdir(path)
+    # Without one of these transformers builds an empty tokenizer, or fails with a long message.
+    if not any(name in HF_VOCABULARY_FILES or name.endswith(HF_VOCABULARY_SUFFIXES) for name in names):
+        raise UserError(f"--tokenizer-model: {path} holds no tokenizer files (tokenizer.json, vocab.json, "
+                        "vocab.txt, *.model): save the tokenizer there with save_pretrained")
     return path
 
 
@@ -142,7 +230,11 @@ def _readable(kind: str, flag: str, path, build):
     except UserError:
         raise
     except Exception as err:  # the libraries raise anything from AssertionError to Rust panics
+        if str(err).startswith(MCORE_HF_WRAPPER) and err.__context__ is not None:
+            err = err.__context__  # transformers' own error, not megatron-core's restatement of it
         detail = str(err).strip().splitlines()[0] if str(err).strip() else _failed_check(err)
+        if isinstance(err, KeyError):  # its message is just the key
+            detail = f"no {detail}"
         raise UserError(f"{flag}: {path} could not be read as a {kind} ({detail})") from err
 
 

@@ -1,10 +1,14 @@
 """Megatron-LM's tokenizer flags end to end: tokenizer files made here from the shipped corpus
 (GPT-2 vocab.json + merges.txt, a HuggingFace tokenizer directory, a SentencePiece model),
-tools/preprocess_data.py with each, the ids checked against the tokenizer library itself, then
-two iterations of pretrain_gpt.py on the result. Also: data beyond the vocabulary, bad flags."""
+tools/preprocess_data.py with each (megatron-core's tokenizer classes), the ids checked against the
+tokenizer library itself reading the same files, then two iterations of pretrain_gpt.py on the
+result. Also: data beyond the vocabulary, bad flags and missing files (one line, no network)."""
 
+import importlib.util
 import json
 import math
+import os
+import socket
 import subprocess
 import sys
 
@@ -16,6 +20,7 @@ from launch import REPO, TINY_MODEL, losses, run_pretrain
 CORPUS = REPO / "examples" / "data" / "corpus.jsonl"
 NUM_DOCS = 40  # a slice: tokenizer training and preprocessing stay within seconds
 GPT2_EOD = "<|endoftext|>"
+HUB_NAME = "mlp-offload-tests/no-such-tokenizer"  # a Hub-style name no local cache holds
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +93,33 @@ def train_two_iterations(run_dir, data_prefix, tokenizer_flags):
     return records
 
 
+def load_preprocess_tool():
+    """tools/preprocess_data.py as a module, in this process."""
+    spec = importlib.util.spec_from_file_location("preprocess_data", REPO / "tools" / "preprocess_data.py")
+    tool = sys.modules["preprocess_data"] = importlib.util.module_from_spec(spec)  # the pool pickles by name
+    spec.loader.exec_module(tool)
+    return tool
+
+
+def preprocess_tokenizer(corpus, flags):
+    """The tokenizer each preprocess_data.py worker builds for these flags."""
+    tool = load_preprocess_tool()
+    _, args = tool.parse_args(["--input", str(corpus), "--output-prefix", "unused", *flags])
+    tool.Encoder(args).initializer()
+    return tool.Encoder.tokenizer
+
+
+def assert_megatron_core_tokenizer(tokenizer, library_class: str):
+    """megatron-core's text tokenizer, around megatron-core's class for that tokenizer library."""
+    from megatron.core.tokenizers.text.text_tokenizer import MegatronTokenizerText
+
+    assert isinstance(tokenizer, MegatronTokenizerText), type(tokenizer)
+    assert type(tokenizer).__module__.startswith("megatron.core.tokenizers."), type(tokenizer)
+    library = type(tokenizer._tokenizer)
+    assert library.__module__.startswith("megatron.core.tokenizers.text.libraries."), library
+    assert library.__name__ == library_class, library
+
+
 def check_ids_and_train(tmp_path, corpus_slice, texts, flags, encode, eod, extra=()):
     data = preprocess(corpus_slice, tmp_path / "corpus", flags, "--append-eod", *extra)
     assert stored_documents(data) == [encode(t) + [eod] for t in texts]
@@ -95,27 +127,42 @@ def check_ids_and_train(tmp_path, corpus_slice, texts, flags, encode, eod, extra
 
 
 def test_gpt2_bpe_files(tmp_path, corpus_slice, texts, byte_bpe):
-    bpe, gpt2_dir, _ = byte_bpe
-    flags = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(gpt2_dir / "vocab.json"),
-             "--merge-file", str(gpt2_dir / "merges.txt")]
+    from tokenizers import ByteLevelBPETokenizer
+
+    _, gpt2_dir, _ = byte_bpe
+    vocab, merges = str(gpt2_dir / "vocab.json"), str(gpt2_dir / "merges.txt")
+    flags = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges]
+    tokenizer = preprocess_tokenizer(corpus_slice, flags)
+    assert_megatron_core_tokenizer(tokenizer, "HuggingFaceTokenizer")
+    # The dataset cache key is Megatron-LM's for these flags, not a temporary directory's.
+    assert tokenizer.unique_identifiers["tokenizer_path"] == "GPT2BPETokenizer"
+    assert tokenizer.unique_identifiers["merges_file"] == merges
+    reference = ByteLevelBPETokenizer.from_file(vocab, merges, add_prefix_space=False)
+    assert tokenizer.vocab_size == reference.get_vocab_size()
     # Two workers, two partitions: the merged files must hold the documents in input order.
-    check_ids_and_train(tmp_path, corpus_slice, texts, flags, lambda t: bpe.encode(t).ids,
-                        bpe.token_to_id(GPT2_EOD),
+    check_ids_and_train(tmp_path, corpus_slice, texts, flags, lambda t: reference.encode(t).ids,
+                        reference.token_to_id(GPT2_EOD),
                         extra=("--workers", "2", "--partitions", "2", "--keep-sequential-samples"))
 
 
 def test_huggingface_directory(tmp_path, corpus_slice, texts, byte_bpe):
-    bpe, _, hf_dir = byte_bpe
-    check_ids_and_train(tmp_path, corpus_slice, texts,
-                        ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(hf_dir)],
-                        lambda t: bpe.encode(t).ids, bpe.token_to_id(GPT2_EOD))
+    from tokenizers import Tokenizer
+
+    _, _, hf_dir = byte_bpe
+    flags = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(hf_dir)]
+    tokenizer = preprocess_tokenizer(corpus_slice, flags)
+    assert_megatron_core_tokenizer(tokenizer, "HuggingFaceTokenizer")
+    reference = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    assert tokenizer.vocab_size == reference.get_vocab_size()
+    check_ids_and_train(tmp_path, corpus_slice, texts, flags, lambda t: reference.encode(t).ids,
+                        reference.token_to_id(GPT2_EOD))
 
 
 def test_sentencepiece_model(tmp_path, corpus_slice, texts, sentencepiece_model):
     sp, model_file = sentencepiece_model
-    check_ids_and_train(tmp_path, corpus_slice, texts,
-                        ["--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", model_file],
-                        lambda t: sp.encode(t), sp.eos_id())
+    flags = ["--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", model_file]
+    assert_megatron_core_tokenizer(preprocess_tokenizer(corpus_slice, flags), "SentencePieceTokenizer")
+    check_ids_and_train(tmp_path, corpus_slice, texts, flags, lambda t: sp.encode(t), sp.eos_id())
 
 
 def test_token_ids_beyond_the_vocabulary_are_one_line(tmp_path):
@@ -162,13 +209,77 @@ def test_tokenizer_flag_errors_name_the_flag(flags, expected):
     assert "\n" not in str(err.value)
 
 
+@pytest.fixture
+def no_network(monkeypatch):
+    """Every name lookup or connection attempt, recorded and refused."""
+    attempts = []
+
+    def refuse(*args, **kwargs):
+        attempts.append(args)
+        raise OSError("network use in a test that must not reach the network")
+
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    return attempts
+
+
+def test_missing_tokenizer_files_are_one_line_without_network(tmp_path, byte_bpe, no_network):
+    from megatron.training.errors import UserError
+    from megatron.training.tokenizers import build_tokenizer
+
+    _, gpt2_dir, hf_dir = byte_bpe
+    vocab, merges = str(gpt2_dir / "vocab.json"), str(gpt2_dir / "merges.txt")
+    no_eod = tmp_path / "no_eod.json"
+    no_eod.write_text(json.dumps({t: i for t, i in json.loads((gpt2_dir / "vocab.json").read_text()).items()
+                                  if t != GPT2_EOD}))
+    config_only = tmp_path / "config_only"
+    config_only.mkdir()
+    (config_only / "tokenizer_config.json").write_text((hf_dir / "tokenizer_config.json").read_text())
+    no_eos = tmp_path / "no_eos"
+    no_eos.mkdir()
+    (no_eos / "tokenizer.json").write_text((hf_dir / "tokenizer.json").read_text())
+    gpt2, hf = ["--tokenizer-type", "GPT2BPETokenizer"], ["--tokenizer-type", "HuggingFaceTokenizer"]
+    cases = [
+        (gpt2 + ["--vocab-file", vocab, "--merge-file", str(tmp_path / "merges.txt")],
+         f"--merge-file: {tmp_path / 'merges.txt'} is not a file"),
+        (gpt2 + ["--vocab-file", str(no_eod), "--merge-file", merges],
+         f"--vocab-file: {no_eod} has no {GPT2_EOD} token"),
+        (gpt2 + ["--vocab-file", merges, "--merge-file", merges],
+         f"--vocab-file: {merges} could not be read as a GPT-2 vocab.json"),
+        (gpt2 + ["--vocab-file", vocab, "--merge-file", vocab],
+         f"--vocab-file/--merge-file: {vocab} and {vocab} could not be read as a GPT2BPETokenizer"),
+        (hf + ["--tokenizer-model", "openai-community/gpt2"],
+         "--tokenizer-model: openai-community/gpt2 is not a local directory and nothing is downloaded"),
+        (hf + ["--tokenizer-model", str(hf_dir / "tokenizer.json")],
+         f"--tokenizer-model: {hf_dir / 'tokenizer.json'} is a file"),
+        (hf + ["--tokenizer-model", str(config_only)], f"--tokenizer-model: {config_only} holds no tokenizer files"),
+        (hf + ["--tokenizer-model", str(no_eos)], f"--tokenizer-model: {no_eos} names no end-of-document token"),
+    ]
+    for flags, expected in cases:
+        with pytest.raises(UserError) as err:
+            build_tokenizer(tokenizer_args(*flags))
+        assert str(err.value).startswith(expected) and "\n" not in str(err.value), (flags, str(err.value))
+    assert no_network == []
+
+
+def test_hub_names_fail_offline_past_our_checks(no_network):
+    """Offline mode holds even where our checks would not stop a Hub name: megatron-core's
+    HuggingFace tokenizer given one reads the local Hub cache only, and no socket is opened."""
+    import huggingface_hub
+
+    from megatron.training import tokenizers
+
+    args = tokenizer_args("--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", HUB_NAME)
+    tokenizers._hub_offline()
+    with pytest.raises(Exception, match=f"Unable to instantiate HuggingFace AutoTokenizer for {HUB_NAME}"):
+        tokenizers._megatron_core_tokenizer(args)
+    assert os.environ["HF_HUB_OFFLINE"] == "1" and huggingface_hub.constants.is_offline_mode()
+    assert no_network == []
+
+
 def test_append_eod_is_opt_in(tmp_path, corpus_slice, texts):
     """Megatron-LM appends EOD only when asked (--append-eod). In-process: no interpreter start-up."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("preprocess_data", REPO / "tools" / "preprocess_data.py")
-    tool = sys.modules["preprocess_data"] = importlib.util.module_from_spec(spec)  # the pool pickles by name
-    spec.loader.exec_module(tool)
+    tool = load_preprocess_tool()
     for name, extra, eod in (("plain", [], []), ("ended", ["--append-eod"], [256])):
         assert tool.main(["--input", str(corpus_slice), "--output-prefix", str(tmp_path / name), *extra]) == 0
         assert stored_documents(f"{tmp_path / name}_text_document") == [list(t.encode()) + eod for t in texts]
