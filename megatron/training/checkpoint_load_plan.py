@@ -43,6 +43,8 @@ class LoadPlan:
         if wanted:
             form = SAME_FORM if ckpt_offloaded == run_offloaded else (
                 FROM_OFFLOADED if ckpt_offloaded else FROM_DISTRIBUTED)
+        if form in (SAME_FORM, FROM_DISTRIBUTED) and not ckpt_offloaded and saved is not None:
+            _plain_form_needs_same_layout(saved, path)
         notes = [] if wanted else [f"loading the weights only ({'--finetune' if args.finetune else '--no-load-optim'})"]
         rng, why_not = _rng_plan(common, saved, legacy, args)
         if why_not:
@@ -55,6 +57,25 @@ def saved_in_offloaded_form(common: dict) -> bool:
     """Whether a checkpoint (its common state) holds the optimizer state in offload files."""
     saved_optimizer = common.get("optimizer")
     return isinstance(saved_optimizer, dict) and "offload_meta" in saved_optimizer
+
+
+def _model_parallel_words(tp, pp, vpp) -> str:
+    return f"TP={tp} PP={pp}" + (f" VPP={vpp}" if vpp else "")
+
+
+def _plain_form_needs_same_layout(saved, path: str) -> None:
+    """megatron-core's dp_reshardable state is one flat tensor per DDP bucket of each model-parallel
+    position: it reshards across DP only (dist_checkpointing would fail on the buckets' shapes)."""
+    then = (saved.tensor_model_parallel_size, saved.pipeline_model_parallel_size,
+            getattr(saved, "virtual_pipeline_model_parallel_size", None))
+    now = (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size(),
+           parallel_state.get_virtual_pipeline_model_parallel_world_size())
+    if then != now:
+        raise UserError(f"--load {path}: its optimizer state is megatron-core's own form, saved at "
+                        f"{_model_parallel_words(*then)}; that form loads only at the same TP, PP and virtual pipeline "
+                        f"sizes, this run is {_model_parallel_words(*now)}: resume at {_model_parallel_words(*then)} "
+                        f"(with --offload-tiers, its next save is in the offloaded form, which reshards), or pass "
+                        f"--no-load-optim")
 
 
 def _layout_now() -> dict:

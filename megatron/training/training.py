@@ -246,6 +246,7 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
     _wire_model_hooks(config, model, optimizer, args)
     _print_rank0(f"> model parameters (all stages, one replica): {_num_params(model)} | "
                  f"TP={args.tensor_model_parallel_size} PP={args.pipeline_model_parallel_size} "
+                 f"{f'VPP={len(model)} ' if len(model) > 1 else ''}"
                  f"DP={args.data_parallel_size} | micro-batches per step: {args.num_microbatches} | "
                  f"device: {device}")
 
