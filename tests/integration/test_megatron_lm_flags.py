@@ -77,7 +77,20 @@ def test_each_flag_a_cpu_run_lacks_names_itself(flag):
     (["--fp8-format", "e4m3"], "--fp8-format e4m3", "transformer-engine"),
     (["--fp8-param-gather"], "--fp8-param-gather", "--fp8-format"),
     (["--context-parallel-size", "2"], "--context-parallel-size 2", "not supported"),
-    (["--num-layers-per-virtual-pipeline-stage", "1"], "--num-layers-per-virtual-pipeline-stage", "interleaved"),
+    (["--num-layers-per-virtual-pipeline-stage", "1"], "--num-layers-per-virtual-pipeline-stage 1",
+     "--pipeline-model-parallel-size above 1, got 1"),
+    (["--num-layers", "8", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"],
+     "--num-layers-per-virtual-pipeline-stage 3", "(--num-layers 8 / --pipeline-model-parallel-size 2 = 4)"),
+    (["--num-layers", "8", "--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "3"],
+     "--num-virtual-stages-per-pipeline-rank 3", "must divide the layers per pipeline stage"),
+    (["--num-virtual-stages-per-pipeline-rank", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
+     "--num-virtual-stages-per-pipeline-rank", "not allowed with --num-layers-per-virtual-pipeline-stage"),
+    (["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
+      "--no-overlap-p2p-communication"], "--num-virtual-stages-per-pipeline-rank 2",
+     "--no-overlap-p2p-communication the interleaved schedule needs --pipeline-model-parallel-size above 2, got 2"),
+    (["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
+      "--microbatch-group-size-per-virtual-pipeline-stage", "1"],
+     "--microbatch-group-size-per-virtual-pipeline-stage 1", "at least --pipeline-model-parallel-size 2"),
     (["--train-iters", "5", "--train-samples", "5"], "--train-samples", "--train-iters"),
     (["--lr-decay-samples", "5"], "--lr-decay-samples", "--train-iters"),
     (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "2"], "--lr-warmup-fraction", "--lr-warmup-iters"),
@@ -88,6 +101,49 @@ def test_each_flag_a_cpu_run_lacks_names_itself(flag):
 def test_absent_features_and_conflicts_fail_in_one_line(extra, flag, missing):
     message = one_line_error(BASE + extra)
     assert flag in message and missing in message, message
+
+
+@pytest.mark.parametrize("extra, size", [
+    (["--num-layers-per-virtual-pipeline-stage", "2"], 3),
+    (["--num-layers-per-virtual-pipeline-stage", "6"], None),  # one chunk per rank: no interleaving, as upstream
+    (["--num-virtual-stages-per-pipeline-rank", "6"], 6),
+    (["--num-virtual-stages-per-pipeline-rank", "1"], None),
+    ([], None),
+])
+def test_virtual_pipeline_size_as_megatron_lm_derives_it(extra, size):
+    args = parse_args([*BASE, "--num-layers", "12", "--pipeline-model-parallel-size", "2", *extra])
+    assert args.virtual_pipeline_model_parallel_size == size
+    assert args.overlap_p2p_comm == (size is not None)  # overlapped sends only in the interleaved schedule
+    from megatron.training.model_configs import transformer_config
+
+    config = transformer_config(args)
+    assert config.virtual_pipeline_model_parallel_size == size and config.batch_p2p_comm == (size is None)
+
+
+@pytest.mark.parametrize("global_batch, dp, group, rampup, problem", [
+    (8, 1, None, None, None),  # 4 micro-batches, PP 2
+    (4, 2, None, None, "1 micro-batches per step are fewer than --pipeline-model-parallel-size 2"),
+    (6, 1, None, None, "3 micro-batches per step are not a multiple of --pipeline-model-parallel-size 2"),
+    (8, 1, 3, None, "4 micro-batches per step leave a last group of 1"),  # fewer than PP 2
+    (10, 1, 3, None, None),  # 5 = 3 + 2: the last group is as large as PP
+    (4, 1, 3, None, "2 micro-batches per step are fewer than --microbatch-group-size-per-virtual-pipeline-stage 3"),
+    (16, 1, None, [4, 2, 32], "3 micro-batches per step are not a multiple"),  # the ramp's 6
+])
+def test_interleaved_schedule_micro_batch_count_checked_at_start(global_batch, dp, group, rampup, problem):
+    argv = [*BASE, "--num-layers", "12", "--pipeline-model-parallel-size", "2", "--micro-batch-size", "2",
+            "--global-batch-size", str(global_batch), "--num-virtual-stages-per-pipeline-rank", "2"]
+    argv += ["--microbatch-group-size-per-virtual-pipeline-stage", str(group)] if group else []
+    argv += ["--rampup-batch-size", *map(str, rampup)] if rampup else []
+    args = parse_args(argv)
+    args.rank, args.data_parallel_size = 0, dp
+    if problem is None:
+        batch_schedule.init(args)
+        return
+    with pytest.raises(UserError) as exc:
+        batch_schedule.init(args)
+    message = str(exc.value)
+    assert message.startswith("--global-batch-size ") and problem in message and "\n" not in message, message
+    assert f"data-parallel-size {dp}" in message
 
 
 def test_cli_prints_one_line_for_the_published_llama_flags():
