@@ -2,7 +2,7 @@
 one per model chunk: rank 0 holds layers 0 and 2, rank 1 layers 1 and 3), evaluated every 2 iterations.
 
 The offloaded run is bit-identical to megatron-core's distributed optimizer with the same flags; a
-checkpoint saved with VPP resumes bit for bit with VPP in either optimizer form; its global weights
+checkpoint saved with VPP in either optimizer form resumes bit for bit with VPP in either; its global weights
 and offloaded optimizer state load unchanged into a run without VPP (PP=2), and that run's checkpoint
 resumes with VPP as if nothing had happened. megatron-core's own optimizer form, keyed by DDP bucket,
 refuses another layout (here one process, no pipeline) in one line.
@@ -72,12 +72,12 @@ def test_offload_matches_megatron_core_bit_for_bit(runs):
     assert "TP=1 PP=2 VPP=2 DP=1 | micro-batches per step: 4" in (tmp / "off" / "loss-0.out").read_text()
 
 
-def test_each_form_resumes_bit_for_bit_with_vpp(runs):
+@pytest.mark.parametrize("saved, resumed", [("off", "off"), ("plain", "plain"), ("off", "plain"), ("plain", "off")])
+def test_checkpoint_resumes_bit_for_bit_with_vpp_in_either_optimizer(runs, saved, resumed):
     tmp, plain, _ = runs
-    for form, extra in (("plain", []), ("off", offload_args(tmp / "resume-off"))):
-        resumed = run_pretrain(tmp / f"resume-{form}", [*VPP2, *extra, "--load", str(at_saved(tmp, form))],
-                               train_iters=ITERS)
-        assert resumed == plain[SAVED_AT:], form
+    run = tmp / f"{saved}-to-{resumed}"
+    extra = offload_args(run) if resumed == "off" else []
+    assert run_pretrain(run, [*VPP2, *extra, "--load", str(at_saved(tmp, saved))], train_iters=ITERS) == plain[SAVED_AT:]
 
 
 def test_vpp_checkpoint_loads_without_vpp_unchanged(pp2_checkpoint):
