@@ -96,9 +96,9 @@ def check_microbatches(args, global_batch_sizes) -> None:
         problem = microbatch_problem(size // (args.micro_batch_size * args.data_parallel_size),
                                      args.pipeline_model_parallel_size, args.microbatch_group_size_per_vp_stage)
         if problem:
-            raise UserError(f"--global-batch-size {size}: the interleaved pipeline schedule cannot run it: {problem} "
-                            f"(micro-batch-size {args.micro_batch_size} x data-parallel-size {args.data_parallel_size} "
-                            f"samples each)")
+            raise UserError(f"--global-batch-size {size}: {problem}, which the interleaved pipeline schedule cannot "
+                            f"run (a micro-batch: --micro-batch-size {args.micro_batch_size} on each of "
+                            f"{args.data_parallel_size} data-parallel ranks)")
 
 
 def chunk_roles(pp_rank: int, pp_size: int, vp_size: Optional[int]) -> List[Tuple[Optional[int], bool, bool]]:

@@ -51,4 +51,4 @@ def test_interleaved_schedule_micro_batch_count_checked_at_start(global_batch, d
         batch_schedule.init(args)
     message = str(exc.value)
     assert message.startswith("--global-batch-size ") and problem in message and "\n" not in message, message
-    assert f"data-parallel-size {dp}" in message
+    assert f"on each of {dp} data-parallel ranks" in message
