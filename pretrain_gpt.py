@@ -32,7 +32,8 @@ def _layer_spec(args, config):
     return get_gpt_layer_local_spec(normalization=args.normalization)
 
 
-def model_provider(args, config, pre_process=True, post_process=True):
+def model_provider(args, config, pre_process=True, post_process=True, vp_stage=None):
+    """``vp_stage``: which model chunk of this pipeline rank, with the interleaved pipeline (its layers)."""
     from megatron.core.models.gpt import GPTModel
 
     return GPTModel(
@@ -46,6 +47,7 @@ def model_provider(args, config, pre_process=True, post_process=True):
         position_embedding_type=args.position_embedding_type,
         rotary_base=args.rotary_base,
         rotary_percent=args.rotary_percent,
+        vp_stage=vp_stage,
     )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron.training import lr_schedule, optional_kernels
+from megatron.training import lr_schedule, optional_kernels, virtual_pipeline
 from megatron.training.flag_types import fraction, non_negative_float, non_negative_int, positive_int
 from megatron.training.model_arithmetic import default_ffn_hidden_size, default_kv_channels
 
@@ -112,8 +112,7 @@ def _add_scheduler(p) -> None:
 def _add_parallelism(p) -> None:
     g = p.add_argument_group("parallelism (Megatron-LM)")
     g.add_argument("--context-parallel-size", type=positive_int, default=1)
-    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=positive_int, default=None)
-    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=positive_int, default=None)
+    virtual_pipeline.add_flags(g)
 
 
 def validate_model(parser, args) -> None:
@@ -152,11 +151,7 @@ def validate(parser, args) -> None:
     if args.context_parallel_size > 1:
         parser.error(f"argument --context-parallel-size {args.context_parallel_size}: not supported by this "
                      "training layer yet (needs transformer-engine attention and context-sharded batches); use 1")
-    for flag, value in (("--num-layers-per-virtual-pipeline-stage", args.num_layers_per_virtual_pipeline_stage),
-                        ("--num-virtual-stages-per-pipeline-rank", args.num_virtual_stages_per_pipeline_rank)):
-        if value is not None:
-            parser.error(f"argument {flag} {value}: the interleaved pipeline schedule is not supported by this "
-                         "training layer yet; drop the flag (one model chunk per pipeline stage)")
+    virtual_pipeline.validate(parser, args)
     if args.grad_reduce_in_bf16 and not args.bf16:
         args.grad_reduce_in_bf16 = False  # only meaningful with bf16, as in Megatron-LM
     if args.profile and args.profile_step_end <= args.profile_step_start:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from megatron.core import num_microbatches_calculator as calculator
 
+from megatron.training import virtual_pipeline
 from megatron.training.errors import UserError
 
 
@@ -24,6 +25,7 @@ def init(args) -> None:
         if (args.global_batch_size - start) % increment:
             raise UserError(f"--rampup-batch-size: --global-batch-size {args.global_batch_size} minus the start "
                             f"{start} is not a multiple of the increment {increment}")
+    virtual_pipeline.check_microbatches(args, _distinct_batch_sizes(args))
     calculator.destroy_num_microbatches_calculator()
     calculator.init_num_microbatches_calculator(
         args.rank, args.rampup_batch_size, args.global_batch_size, args.micro_batch_size, args.data_parallel_size)
@@ -41,6 +43,14 @@ def advance(args, consumed_samples: int) -> int:
     args.num_microbatches = calculator.get_num_microbatches()
     args.current_global_batch_size = calculator.get_current_global_batch_size()
     return args.current_global_batch_size
+
+
+def _distinct_batch_sizes(args):
+    """Every global batch size the run will use: the ramp's steps, then --global-batch-size."""
+    if args.rampup_batch_size is None:
+        return [args.global_batch_size]
+    start, increment, _samples = args.rampup_batch_size
+    return [*range(start, args.global_batch_size, increment), args.global_batch_size]
 
 
 def _batch_sizes(args):

@@ -10,6 +10,7 @@ in Large Transformer Models", 2022); everything else is counted.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -105,6 +106,15 @@ def activation_bytes(args, cfg, microbatches_in_flight: int) -> int:
     return int(total)
 
 
+def microbatches_in_flight(pp: int, vp: Optional[int], microbatches: int) -> int:
+    """Micro-batches whose activations the first pipeline stage holds at once: PP under 1F1B (fewer
+    where the step has fewer); with V chunks per rank the interleaved schedule's longer warm-up
+    holds ceil((1 + (PP-1)/(PP*V)) * PP), as Megatron-LM's memory estimate counts it."""
+    if not vp:
+        return min(pp, microbatches)
+    return math.ceil((1 + (pp - 1) / (pp * vp)) * pp)
+
+
 def suggested_host_cache_gb(machine: Machine, ranks_per_node: int, subgroup_size: int) -> float:
     """The largest per-rank host budget the node holds beside the gradient scratch, in whole GB."""
     scratch = 2 * subgroup_size * FP32_BYTES
@@ -117,6 +127,7 @@ def make_plan(args, cfg, machine: Machine, offload_config, rates: Dict[str, Tier
               batch_sizes: List[int]) -> Plan:
     """The whole plan. ``offload_config`` is None for a run without ``--offload-tiers``."""
     tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
+    vp = cfg.virtual_pipeline_model_parallel_size
     dp = machine.world // (tp * pp)
     stages = stage_params(cfg, args.padded_vocab_size, args.max_position_embeddings,
                           args.position_embedding_type, not args.untie_embeddings_and_output_weights)
@@ -128,7 +139,7 @@ def make_plan(args, cfg, machine: Machine, offload_config, rates: Dict[str, Tier
 
     gpu = {"parameters": per_rank * param_bytes,
            "gradients": per_rank * (2 if args.fp16 else 4),  # bf16 gradients are reduced in fp32
-           "activations": activation_bytes(args, cfg, min(pp, microbatches)),
+           "activations": activation_bytes(args, cfg, microbatches_in_flight(pp, vp, microbatches)),
            "cuda_reserve": CUDA_RESERVE_BYTES}
     engine: Optional[EnginePlan] = None
     tiers_per_node: Dict[str, int] = {}
@@ -162,7 +173,8 @@ def make_plan(args, cfg, machine: Machine, offload_config, rates: Dict[str, Tier
 
     def compute_seconds(global_batch: int) -> float:
         m = global_batch // (args.micro_batch_size * dp)
-        bubble = 1 + (pp - 1) / max(m, 1)  # 1F1B: the pipeline fills and drains once per step
+        # 1F1B: the pipeline fills and drains once per step; V chunks per rank make that V times shorter
+        bubble = 1 + (pp - 1) / (max(m, 1) * (vp or 1))
         flops = flops_per_iteration(DenseGptShape.from_config(cfg, args.seq_length, args.padded_vocab_size), global_batch)
         return flops / machine.world / (machine.gpu_tflops * 1e12) * bubble
 

@@ -59,28 +59,34 @@ def saved_in_offloaded_form(common: dict) -> bool:
     return isinstance(saved_optimizer, dict) and "offload_meta" in saved_optimizer
 
 
+def _model_parallel_words(tp, pp, vpp) -> str:
+    return f"TP={tp} PP={pp}" + (f" VPP={vpp}" if vpp else "")
+
+
+def _check_plain_state_layout(common: dict, saved, path: str) -> None:
+    """megatron-core's dp_reshardable state (Megatron-LM's default) is one flat tensor per DDP bucket
+    of each model-parallel position: it reshards across DP only. Say so before dist_checkpointing's
+    KeyError or shape mismatch."""
+    sharding = (common.get("content_metadata") or {}).get("distrib_optim_sharding_type") or \
+        (common.get("optimizer") or {}).get("param_state_sharding_type")
+    if saved is None or sharding not in (None, "dp_reshardable"):
+        return  # fully_reshardable and the like reshard by themselves
+    then = (saved.tensor_model_parallel_size, saved.pipeline_model_parallel_size,
+            getattr(saved, "virtual_pipeline_model_parallel_size", None))
+    now = (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size(),
+           parallel_state.get_virtual_pipeline_model_parallel_world_size())
+    if then != now:
+        raise UserError(f"--load {path}: its optimizer state is megatron-core's dp_reshardable form, saved at "
+                        f"{_model_parallel_words(*then)}; it loads only at those TP, PP and virtual pipeline sizes, "
+                        f"this run is {_model_parallel_words(*now)}: resume at {_model_parallel_words(*then)}, convert "
+                        f"it there with tools/convert_offload_checkpoint.py --to offload (the offloaded form "
+                        f"reshards), or pass --no-load-optim to load the weights only")
+
+
 def _layout_now() -> dict:
     return {"tp": parallel_state.get_tensor_model_parallel_world_size(),
             "pp": parallel_state.get_pipeline_model_parallel_world_size(),
             "dp": parallel_state.get_data_parallel_world_size()}
-
-
-def _check_plain_state_layout(common: dict, saved, path: str) -> None:
-    """megatron-core's dp_reshardable optimizer state (Megatron-LM's default) is keyed by the saved
-    run's DDP buckets: it reloads across DP sizes only. Say so before the load's KeyError."""
-    sharding = (common.get("content_metadata") or {}).get("distrib_optim_sharding_type") or \
-        (common.get("optimizer") or {}).get("param_state_sharding_type")
-    if sharding != "dp_reshardable" or saved is None:
-        return
-    then = (saved.tensor_model_parallel_size, saved.pipeline_model_parallel_size)
-    now = (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size())
-    if then != now:
-        raise UserError(
-            f"--load {path}: its optimizer state is megatron-core's dp_reshardable form, saved at "
-            f"--tensor-model-parallel-size {then[0]} --pipeline-model-parallel-size {then[1]}; it reloads only at "
-            f"those sizes (this run: {now[0]} and {now[1]}). Resume at the saved sizes, convert it there with "
-            f"tools/convert_offload_checkpoint.py --to offload (that form reshards across TP and PP), or pass "
-            f"--no-load-optim to load the weights only")
 
 
 def _rng_plan(common, saved, legacy: bool, args):

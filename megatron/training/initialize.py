@@ -74,8 +74,9 @@ def initialize(args) -> torch.device:
     if world % (tp * pp):
         raise UserError(f"--tensor-model-parallel-size/--pipeline-model-parallel-size: "
                          f"TP*PP={tp * pp} does not divide the world size {world}")
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
-                                             pipeline_model_parallel_size=pp)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size)
     args.rank = torch.distributed.get_rank()
     if from_slurm and args.rank == 0:
         print(from_slurm, flush=True)

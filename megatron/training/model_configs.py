@@ -15,6 +15,14 @@ def params_dtype(args):
     return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
 
 
+def _sends_run_behind(args) -> bool:
+    """Whether a pipeline send may still be reading its tensor after the schedule moves on: gloo's
+    isend (CPU) with the interleaved schedule's overlapped sends. megatron-core then frees a sent
+    activation's storage (deallocate_pipeline_outputs), safe only where CUDA streams order the two;
+    on gloo the send read freed memory (NaN grads). Keeping the storage changes no numerics."""
+    return args.overlap_p2p_comm and getattr(args, "device_resolved", None) == "cpu"
+
+
 def transformer_config(args) -> TransformerConfig:
     """TransformerConfig from Megatron-LM style flags. The sizes (FFN, kv-channels, GQA) and the
     kernel choices (attention backend, fusions, FP8) were derived in parsing (arguments_megatron)."""
@@ -37,6 +45,11 @@ def transformer_config(args) -> TransformerConfig:
         add_bias_linear=not args.disable_bias_linear,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        # As Megatron-LM: the interleaved schedule overlaps its sends and receives unless told not to.
+        overlap_p2p_comm=args.overlap_p2p_comm,
+        batch_p2p_comm=not args.overlap_p2p_comm,
+        microbatch_group_size_per_vp_stage=args.microbatch_group_size_per_vp_stage,
         sequence_parallel=args.sequence_parallel,
         bf16=args.bf16,
         fp16=args.fp16,
@@ -61,7 +74,7 @@ def transformer_config(args) -> TransformerConfig:
         fp8_amax_compute_algo=args.fp8_amax_compute_algo,
         fp8_param=args.fp8_param_gather,
         use_cpu_initialization=False,
-        deallocate_pipeline_outputs=True,
+        deallocate_pipeline_outputs=not _sends_run_behind(args),
     )
 
 

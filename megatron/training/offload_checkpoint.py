@@ -16,7 +16,7 @@ import torch
 
 from megatron.training.checkpoint_rng import rank_coordinates
 from megatron.training.checkpointing import sharding_metadata
-from megatron.training.offload_files import offload_file_path, param_names, saved_model_parallel_sizes
+from megatron.training.offload_files import offload_file_path, param_names, same_model_parallel_layout
 from megatron.training.offload_state_source import OffloadedStateSource
 from megatron.training.param_geometry import param_geometries
 from megatron.training.shard_layout import ShardLayout
@@ -48,7 +48,8 @@ class OffloadedStateFiles:
         geometry = {self.param_names[p]: g.to_json()
                     for p, g in param_geometries(self.model_chunks, sharding_metadata()).items()}
         return save_engine_state(self.engine, path,
-                                 metadata={"dp_size": self.dp_size, "params": pieces, "geometry": geometry})
+                                 metadata={"dp_size": self.dp_size, "params": pieces, "geometry": geometry,
+                                           "model_chunks": len(self.model_chunks)})
 
     def nbytes(self) -> int:
         return state_file_bytes(self.engine.numel, self.engine.config.state_dtypes)
@@ -57,8 +58,8 @@ class OffloadedStateFiles:
         """Load this rank's state; ``expected_steps`` is the step count in the checkpoint's metadata."""
         path = _state_path(checkpoint_dir)
         (pp, tp, _), _ = rank_coordinates()
-        same_layout = (saved_model_parallel_sizes(checkpoint_dir) == (pp, tp) and os.path.exists(path)
-                       and read_footer(path)["metadata"].get("dp_size") == self.dp_size)
+        same_layout = (same_model_parallel_layout(checkpoint_dir, pp, tp, len(self.model_chunks))
+                       and os.path.exists(path) and read_footer(path)["metadata"].get("dp_size") == self.dp_size)
         if same_layout:
             load_engine_state(self.engine, path)
         else:

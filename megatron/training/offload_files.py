@@ -40,6 +40,20 @@ def saved_model_parallel_sizes(checkpoint_dir: str) -> Tuple[int, int]:
     return max(p for p, _ in positions) + 1, max(t for _, t in positions) + 1
 
 
+def saved_model_chunks(checkpoint_dir: str) -> int:
+    """Model chunks per rank of the run that wrote the offload files: V with the interleaved
+    pipeline, else 1 (files written before it was recorded had one)."""
+    first = sorted(glob.glob(os.path.join(checkpoint_dir, "offload", "*.offload")))[:1]
+    return read_footer(first[0])["metadata"].get("model_chunks", 1) if first else 1
+
+
+def same_model_parallel_layout(checkpoint_dir: str, pp: int, tp: int, chunks: int) -> bool:
+    """Whether the files name this run's parameters (``<chunk>.<name>``) for the same global
+    pieces: the same PP and TP sizes and the same chunks per rank."""
+    return (saved_model_parallel_sizes(checkpoint_dir) == (pp, tp)
+            and saved_model_chunks(checkpoint_dir) == chunks)
+
+
 class OffloadFileSet:
     """The offload files of one (pp, tp) position, opened for reads by (parameter, element range)."""
 

@@ -1,7 +1,7 @@
 """A checkpoint's offloaded optimizer state, read by this run's parameters whatever layout wrote it.
 
-Same TP and PP (any DP size): each parameter is found by name in this (pp, tp) position's files.
-Other TP or PP: by its global region (offload_geometry_reader). Both the offload engine and
+Same TP and PP and chunks per rank (any DP size): each parameter is found by name in this (pp, tp)
+position's files. Other TP, PP or virtual pipeline size: by its global region (offload_geometry_reader). Both the offload engine and
 megatron-core's own optimizer fill themselves through ``read(param, start, end, outs)``.
 """
 
@@ -12,7 +12,8 @@ from typing import Dict
 import torch
 
 from megatron.training.errors import UserError
-from megatron.training.offload_files import OffloadFileSet, param_names, saved_model_parallel_sizes
+from megatron.training.offload_files import (OffloadFileSet, param_names, same_model_parallel_layout,
+                                             saved_model_chunks, saved_model_parallel_sizes)
 from megatron.training.offload_geometry_reader import MissingGeometryError, OffloadedStateByGeometry
 from megatron.training.param_geometry import ParamGeometry, param_geometries
 from mlp_offload.checkpoint import CheckpointDataError
@@ -34,16 +35,15 @@ class _ByName:
 
 
 class _ByGeometry:
-    """Every position's files, saved at another TP or PP size."""
+    """Every position's files, saved at another TP or PP size or another number of chunks per rank."""
 
-    def __init__(self, checkpoint_dir: str, model_chunks, sharding_metadata: dict, saved_sizes, now_sizes):
+    def __init__(self, checkpoint_dir: str, model_chunks, sharding_metadata: dict, saved_layout: str, now_layout: str):
         try:
             self.state = OffloadedStateByGeometry(checkpoint_dir)
         except MissingGeometryError:
-            (pp, tp), (pp_now, tp_now) = saved_sizes, now_sizes
-            raise UserError(f"--load {checkpoint_dir}: its offloaded optimizer state was saved at TP={tp} PP={pp} by "
+            raise UserError(f"--load {checkpoint_dir}: its offloaded optimizer state was saved at {saved_layout} by "
                             f"a version that did not record parameter geometry, so it cannot be resharded to "
-                            f"TP={tp_now} PP={pp_now}: resume at TP={tp} PP={pp} (and save again to reshard later), "
+                            f"{now_layout}: resume at {saved_layout} (and save again to reshard later), "
                             f"or pass --no-load-optim") from None
         self.geometry: Dict[torch.nn.Parameter, ParamGeometry] = param_geometries(model_chunks, sharding_metadata)
         self.names = param_names(model_chunks)
@@ -61,8 +61,13 @@ class _ByGeometry:
         self.state.close()
 
 
+def _layout(pp: int, tp: int, chunks: int) -> str:
+    return f"TP={tp} PP={pp}" + (f" VPP={chunks}" if chunks > 1 else "")
+
+
 class OffloadedStateSource:
-    """Opened for this rank: ``read``, ``steps_done``, ``saved_sizes`` (pp, tp), ``saved_dp_size``."""
+    """Opened for this rank: ``read``, ``steps_done``, ``saved_sizes`` (pp, tp), ``saved_dp_size``,
+    ``saved_layout`` and ``layout`` (TP, PP and VPP as words)."""
 
     def __init__(self, checkpoint_dir: str, model_chunks):
         from megatron.training.checkpoint_rng import rank_coordinates
@@ -70,11 +75,13 @@ class OffloadedStateSource:
 
         (pp, tp, _), (p, t, _) = rank_coordinates()
         self.saved_sizes = saved_model_parallel_sizes(checkpoint_dir)
-        self.same_model_parallel_layout = self.saved_sizes == (pp, tp)
+        self.saved_layout = _layout(*self.saved_sizes, saved_model_chunks(checkpoint_dir))
+        self.layout = _layout(pp, tp, len(model_chunks))
+        self.same_model_parallel_layout = same_model_parallel_layout(checkpoint_dir, pp, tp, len(model_chunks))
         if self.same_model_parallel_layout:
             self._impl = _ByName(checkpoint_dir, model_chunks, p, t)
         else:
-            self._impl = _ByGeometry(checkpoint_dir, model_chunks, sharding_metadata(), self.saved_sizes, (pp, tp))
+            self._impl = _ByGeometry(checkpoint_dir, model_chunks, sharding_metadata(), self.saved_layout, self.layout)
         self.steps_done, self.saved_dp_size = self._impl.steps_done, self._impl.saved_dp_size
 
     def read(self, param, start: int, end: int, outs) -> None:
@@ -83,13 +90,9 @@ class OffloadedStateSource:
         self._impl.read(param, start, end, outs)
 
     def describe_change(self, dp_size: int) -> str:
-        (pp, tp) = self.saved_sizes
         if self.same_model_parallel_layout:
             return f"data-parallel size {self.saved_dp_size} to {dp_size}"
-        from megatron.training.checkpoint_rng import rank_coordinates
-
-        (pp_now, tp_now, _), _ = rank_coordinates()
-        return f"TP={tp} PP={pp} DP={self.saved_dp_size} to TP={tp_now} PP={pp_now} DP={dp_size}"
+        return f"{self.saved_layout} DP={self.saved_dp_size} to {self.layout} DP={dp_size}"
 
     def close(self) -> None:
         self._impl.close()

@@ -43,19 +43,15 @@ from megatron.training.optimizer_interface import HoldsResources, ReportsIterati
 from megatron.training.progress import directory_bytes, reported_step
 from megatron.training.signals import StopCheck
 from megatron.training.timers import LoopTimers
+from megatron.training.virtual_pipeline import chunk_roles, per_chunk
 from mlp_offload.faults import fault_point
 
 
 # ----------------------------------------------------------------------------- model and optimizer
 
 def build_model(args, config, model_provider: Callable, device) -> List[torch.nn.Module]:
-    """One model chunk per rank (no virtual pipeline), cast to 16 bit and wrapped in DDP."""
-    pre = parallel_state.is_pipeline_first_stage()
-    post = parallel_state.is_pipeline_last_stage()
-    model = model_provider(args, config, pre_process=pre, post_process=post)
-    model.to(device)
-    if args.bf16 or args.fp16:
-        model = Float16Module(config, model)
+    """This rank's model chunks (one, or V with the interleaved pipeline), each cast to 16 bit and
+    wrapped in DDP. The provider is given ``vp_stage`` only with the interleaved pipeline, as upstream."""
     ddp_config = DistributedDataParallelConfig(
         # as Megatron-LM: bf16 grads are accumulated/reduced in fp32 unless --grad-reduce-in-bf16
         grad_reduce_in_fp32=args.bf16 and not args.grad_reduce_in_bf16,
@@ -66,9 +62,21 @@ def build_model(args, config, model_provider: Callable, device) -> List[torch.nn
         check_for_nan_in_grad=not args.fp16,
         bucket_size=None if not args.overlap_grad_reduce else 40_000_000,
     )
-    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
-    model.broadcast_params()  # identical replicas across DP ranks from the start
-    return [model]
+    roles = chunk_roles(parallel_state.get_pipeline_model_parallel_rank(),
+                        parallel_state.get_pipeline_model_parallel_world_size(),
+                        args.virtual_pipeline_model_parallel_size)
+    chunks = []
+    for vp_stage, pre, post in roles:  # all built first, in chunk order, as upstream draws their init
+        stage = {} if vp_stage is None else {"vp_stage": vp_stage}
+        chunks.append(model_provider(args, config, pre_process=pre, post_process=post, **stage).to(device))
+    if args.bf16 or args.fp16:
+        chunks = [Float16Module(config, chunk) for chunk in chunks]
+    # As upstream: chunks after the first are one bucket each (their reduction overlaps compute anyway).
+    chunks = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
+              for i, chunk in enumerate(chunks)]
+    for chunk in chunks:
+        chunk.broadcast_params()  # identical replicas across DP ranks from the start
+    return chunks
 
 
 def build_optimizer(args, model_chunks) -> TrainingOptimizer:
@@ -88,13 +96,17 @@ def build_scheduler(args, optimizer) -> OptimizerParamScheduler:
 
 def _wire_model_hooks(config, model, optimizer, args) -> None:
     """What Megatron-LM's train() sets on the config so schedules can sync grads and scale loss."""
+    def each_chunk(method: str):  # one function, or the list of each chunk's for the interleaved schedule
+        functions = [getattr(chunk, method) for chunk in model]
+        return functions[0] if len(functions) == 1 else functions
+
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
-    config.no_sync_func = model[0].no_sync
+    config.no_sync_func = each_chunk("no_sync")
     if args.overlap_grad_reduce:
-        config.grad_sync_func = model[0].start_grad_sync
+        config.grad_sync_func = each_chunk("start_grad_sync")
     if args.overlap_param_gather:
-        config.param_sync_func = model[0].start_param_sync
+        config.param_sync_func = each_chunk("start_param_sync")
     config.timers = None  # LoopTimers, set with the metrics
     config.barrier_with_L1_time = False  # timing adds no barrier between ranks (as before)
 
@@ -235,6 +247,7 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
     _wire_model_hooks(config, model, optimizer, args)
     _print_rank0(f"> model parameters (all stages, one replica): {_num_params(model)} | "
                  f"TP={args.tensor_model_parallel_size} PP={args.pipeline_model_parallel_size} "
+                 f"{f'VPP={len(model)} ' if len(model) > 1 else ''}"
                  f"DP={args.data_parallel_size} | micro-batches per step: {args.num_microbatches} | "
                  f"device: {device}")
 
@@ -252,7 +265,8 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
         args, tokenizer, train_samples=args.train_samples_total,
         eval_samples=eval_runs * args.eval_iters * args.global_batch_size)
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
-    train_iter = micro_batches(train_ds, consumed, args.micro_batch_size, dp_rank, dp_size, args.num_workers)
+    train_iter = per_chunk(micro_batches(train_ds, consumed, args.micro_batch_size, dp_rank, dp_size,
+                                         args.num_workers), len(model))
     hooks = IterationHooks(args, torch.distributed.get_rank(), device)
 
     timers = config.timers = LoopTimers(args.timing_log_level, args.timing_log_option, device)
@@ -344,7 +358,8 @@ def _load(args, model, optimizer, scheduler):
 def _run_eval(args, forward_step_func, model, valid_ds, iteration, consumed, dp_rank, dp_size, metrics):
     # Each evaluation reads its own slice of the validation set, so results are reproducible on resume.
     first = (iteration // args.eval_interval) * args.eval_iters * args.global_batch_size
-    it = micro_batches(valid_ds, first, args.micro_batch_size, dp_rank, dp_size, args.num_workers)
+    it = per_chunk(micro_batches(valid_ds, first, args.micro_batch_size, dp_rank, dp_size, args.num_workers),
+                   len(model))
     loss = evaluate(args, forward_step_func, it, model)
     if loss is not None:
         metrics.validation(ValidationRecord(iteration=iteration, consumed_samples=consumed, loss=loss))

@@ -21,6 +21,8 @@ FLAGS = {
     "--init-method-std": NUMBERS, "--tensor-model-parallel-size": NUMBERS,
     "--pipeline-model-parallel-size": NUMBERS, "--offload-host-cache-gb": NUMBERS,
     "--offload-subgroup-size": NUMBERS, "--offload-prefetch-depth": NUMBERS, "--offload-probe-mb": NUMBERS,
+    "--num-layers-per-virtual-pipeline-stage": NUMBERS, "--num-virtual-stages-per-pipeline-rank": NUMBERS,
+    "--microbatch-group-size-per-virtual-pipeline-stage": NUMBERS,
     "--lr-decay-style": st.sampled_from(["constant", "linear", "cosine"]),
 }
 REQUIRED = {"--num-layers": "4", "--hidden-size": "64", "--num-attention-heads": "4", "--seq-length": "32",
@@ -36,6 +38,8 @@ def command_lines(draw):
     argv = ["--mock-data", "--bf16"]
     if "--offload-host-cache-gb" in values or draw(st.booleans()):
         argv += ["--offload-tiers", "host"]
+    if draw(st.booleans()):
+        argv += ["--no-overlap-p2p-communication"]
     for flag, value in values.items():
         argv += [flag, value]
     return argv

@@ -78,6 +78,19 @@ def test_numbers_against_a_hand_calculation():
     assert got["fits"] is False and "GPU memory" in got["problems"][0]  # the 2 GiB CUDA reserve alone
 
 
+def test_interleaved_pipeline_holds_more_activations_and_a_shorter_bubble():
+    """PP=2 with 4 micro-batches: 1F1B holds 2 in flight and idles (PP-1)/M; two chunks per rank hold
+    ceil((1 + 1/4) * 2) = 3 and idle half as long (Megatron-LM's memory estimate, Narayanan et al.)."""
+    flags = ["--gpus-per-node", "2", "--gpu-tflops", "100", "--num-layers", "8", "--hidden-size", "64",
+             "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+             "--bf16", "--use-distributed-optimizer", "--device", "cpu", "--pipeline-model-parallel-size", "2"]
+    plain, interleaved = plan_json(*flags), plan_json(*flags, "--num-layers-per-virtual-pipeline-stage", "2")
+    activations = [p["gpu_bytes_per_rank"]["activations"] for p in (plain, interleaved)]
+    assert activations[1] == pytest.approx(activations[0] * 3 / 2, rel=1e-6)
+    assert interleaved["predicted_compute_s"] == pytest.approx(plain["predicted_compute_s"] * (1 + 1 / 8) / (1 + 1 / 4))
+    assert interleaved["params_per_rank"] == plain["params_per_rank"]  # the same layers per rank, in two chunks
+
+
 def test_precision_aware_state_is_planned_smaller(tmp_path):
     """bf16 moments: 8 bytes per parameter instead of 12 (each region page-aligned), in every tier."""
     flags = [*TINY_MODEL, *offload_args(tmp_path, tiers=("host", "nvme"))]
