@@ -24,7 +24,7 @@ DATA = REPO / "tests" / "data" / "upstream_gpt"
 UPSTREAM_LOG = REPO / "docs" / "results" / "upstream_checkpoint_h100_2026-11-22" / "upstream_train.log"
 # Upstream's training_log line, as Megatron-LM users' parsers read it.
 UPSTREAM_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.Ee+-]+)")
-RELATIVE_TOLERANCE = 5e-5  # measured: CPU within 1e-6 of upstream's GPU run at iterations 5..8
+RELATIVE_TOLERANCE = 5e-5  # measured: CPU within 5e-6 of upstream's GPU run at iterations 5..8
 
 
 def shared_flags(data_dir: Path) -> list:
