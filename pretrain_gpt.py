@@ -58,11 +58,14 @@ def datasets_provider(args, tokenizer, train_samples, eval_samples):
 
 
 def loss_func(loss_mask, output_tensor):
-    """Mean token loss over the micro-batch (schedules divide by the number of micro-batches)."""
+    """Megatron-LM's form: the micro-batch's summed token loss, its token count, and both for the log.
+    megatron-core's schedule divides by the count (or, with --calculate-per-token-loss, scales the
+    gradients by the step's total count instead)."""
     losses = output_tensor.float().view(-1)
     mask = loss_mask.view(-1).float()
-    loss = torch.sum(losses * mask) / mask.sum().clamp(min=1)
-    return loss, {"lm loss": loss.detach().clone()}
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    return loss, num_tokens, {"lm loss": torch.cat([loss.detach().view(1), num_tokens.view(1).float()])}
 
 
 def forward_step(data_iterator, model):

@@ -38,7 +38,7 @@ def _add_model(p) -> None:
     g.add_argument("--recompute-activations", action="store_true",
                    help="selective activation recompute (= --recompute-granularity selective)")
     g.add_argument("--calculate-per-token-loss", action="store_true",
-                   help="Megatron-LM's per-token loss averaging (not supported here yet: a one-line error)")
+                   help="Megatron-LM's per-token loss: gradients averaged over the step's tokens, not per micro-batch")
 
 
 def _add_kernels(p) -> None:
@@ -145,9 +145,6 @@ def validate(parser, args) -> None:
     lr_schedule.validate(args, parser.error)
     if args.decoupled_min_lr is not None and args.decoupled_lr is None:
         parser.error("argument --decoupled-min-lr: requires --decoupled-lr")
-    if args.calculate_per_token_loss:
-        parser.error("argument --calculate-per-token-loss: not supported by this training layer yet "
-                     "(the loss is averaged per micro-batch); drop the flag")
     if args.context_parallel_size > 1:
         parser.error(f"argument --context-parallel-size {args.context_parallel_size}: not supported by this "
                      "training layer yet (needs transformer-engine attention and context-sharded batches); use 1")

@@ -61,6 +61,7 @@ def transformer_config(args) -> TransformerConfig:
         attention_backend=AttnBackend[args.attention_backend],
         bias_activation_fusion=args.bias_activation_fusion,
         bias_dropout_fusion=args.bias_dropout_fusion,
+        calculate_per_token_loss=args.calculate_per_token_loss,
         masked_softmax_fusion=args.masked_softmax_fusion,
         apply_rope_fusion=args.apply_rope_fusion,
         gradient_accumulation_fusion=args.gradient_accumulation_fusion,

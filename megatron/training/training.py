@@ -114,13 +114,13 @@ def _wire_model_hooks(config, model, optimizer, args) -> None:
 # ----------------------------------------------------------------------------- logging
 
 def _average_loss(losses_reduced) -> Optional[torch.Tensor]:
-    """Mean 'lm loss' over this rank's micro-batches, then over data-parallel ranks."""
+    """'lm loss' per token over the step: (summed loss, tokens) of every micro-batch and data-parallel
+    rank, as Megatron-LM reports it."""
     if not parallel_state.is_pipeline_last_stage():
         return None
-    values = [d["lm loss"] for d in losses_reduced]
-    loss = torch.stack(values).float().mean().reshape(1)
-    torch.distributed.all_reduce(loss, group=parallel_state.get_data_parallel_group())
-    return loss / parallel_state.get_data_parallel_world_size()
+    totals = torch.stack([d["lm loss"].float().view(2) for d in losses_reduced]).sum(dim=0)
+    torch.distributed.all_reduce(totals, group=parallel_state.get_data_parallel_group())
+    return (totals[0] / totals[1].clamp(min=1)).reshape(1)
 
 
 def _print_rank0(msg: str) -> None:

@@ -61,7 +61,6 @@ LLAMA3_8B_NEEDS_GPU = {
     "--apply-layernorm-1p": ["--apply-layernorm-1p"],
     "--fp8-format": ["--fp8-format", "hybrid", "--fp8-amax-history-len", "1024", "--fp8-amax-compute-algo", "max",
                      "--fp8-param-gather"],
-    "--calculate-per-token-loss": ["--calculate-per-token-loss"],
 }
 
 LLAMA3_8B_CPU = [
@@ -104,6 +103,7 @@ LLAMA3_8B_CPU = [
     "--bf16",
     "--grad-reduce-in-bf16",
     "--cross-entropy-loss-fusion",
+    "--calculate-per-token-loss",
     "--manual-gc",
     "--empty-unused-memory-level", "1",
     "--exit-duration-in-mins", "235",
