@@ -1,4 +1,5 @@
-"""Streaming save/load of one engine's offloaded state to a single checkpoint file.
+"""One engine's offloaded state in a single checkpoint file: its format, and loading it (writing it:
+``checkpoint_write``).
 
 Layout: the (param, exp_avg, exp_avg_sq) of each subgroup in their stored dtypes, one after the
 other, then a JSON footer (element ranges, byte offsets, CRC32 of every tensor, the dtypes (absent in
@@ -15,20 +16,17 @@ other state dtypes (each tensor is widened or rounded to the engine's as it is c
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
 import struct
 import zlib
-from typing import Dict, Optional, Tuple
+from typing import Dict, Tuple
 
 import torch
 
 from .engine import OffloadedAdamW
-from .faults import fault_point
 from .state_dtypes import FP32_STATE, TORCH_DTYPES, itemsizes, torch_dtypes
-from .tiers.files import fsync_path
 
 log = logging.getLogger("mlp_offload")
 MAGIC = b"MLPOFFv2"
@@ -54,47 +52,6 @@ def state_file_bytes(numel: int, dtypes=FP32_STATE) -> int:
 def stored_dtypes(footer: dict) -> Tuple[str, ...]:
     """The dtypes of a file's (param, exp_avg, exp_avg_sq); files from before they were recorded are fp32."""
     return tuple(footer.get("dtypes", FP32_STATE))
-
-
-def save_engine_state(engine: OffloadedAdamW, path: str, metadata: Optional[dict] = None) -> int:
-    """Stream the engine's state into ``path``; returns bytes written. On failure the partial
-    ``.tmp`` file is removed and a file already at ``path`` is left as it was."""
-    tmp = path + ".tmp"
-    try:
-        size = _write_state(engine, tmp, metadata)
-        os.replace(tmp, path)
-        fsync_path(os.path.dirname(os.path.abspath(path)))
-    except BaseException as err:
-        _remove(tmp)
-        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise CheckpointSaveError(
-                f"{path}: {err.strerror or err} while saving the offloaded optimizer state: "
-                f"{human_bytes(state_file_bytes(engine.numel, engine.config.state_dtypes))} needed for this file, "
-                f"{human_bytes(_free_bytes(path))} free; the partial file was removed") from err
-        raise
-    return size
-
-
-def _write_state(engine: OffloadedAdamW, tmp: str, metadata: Optional[dict]) -> int:
-    entries = []
-    with open(tmp, "wb") as f:
-        for sg, *tensors in engine.iter_state():
-            entry = {"start": sg.start, "end": sg.end, "offset": f.tell(), "crc": []}
-            for t in tensors:
-                view = memoryview(t.view(torch.uint8).numpy())  # its stored bytes, whatever the dtype
-                f.write(view)
-                entry["crc"].append(zlib.crc32(view))
-            entries.append(entry)
-            fault_point("save-offload")
-        footer = json.dumps({
-            "numel": engine.numel, "steps_done": engine.steps_done, "subgroups": entries,
-            "dtypes": list(engine.config.state_dtypes), "metadata": metadata or {},
-        }).encode()
-        f.write(footer)
-        f.write(TRAILER.pack(MAGIC, len(footer), zlib.crc32(footer)))
-        f.flush()
-        os.fsync(f.fileno())
-        return f.tell()
 
 
 def read_footer(path: str) -> dict:
@@ -247,17 +204,6 @@ class RangeReader:
         self.f.close()
 
 
-def _remove(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
 def human_bytes(n: float) -> str:
     return f"{n / 1e9:,.2f} GB" if n >= 1e8 else f"{n / 1e6:,.2f} MB"
 
-
-def _free_bytes(path: str) -> int:
-    st = os.statvfs(os.path.dirname(os.path.abspath(path)))
-    return st.f_bavail * st.f_frsize

@@ -10,22 +10,19 @@ import torch
 
 from mlp_offload import OffloadedAdamW
 from mlp_offload.checkpoint import (LEGACY_MAGIC, MAGIC, TRAILER, CheckpointDataError, CheckpointSaveError,
-                                    load_engine_state, read_footer, save_engine_state)
+                                    load_engine_state, read_footer)
+from mlp_offload.checkpoint_write import save_engine_state
 
-from .helpers import engine_state, fast_config
+from .helpers import bf16_grads, engine_state, fast_config, run_steps
 
 NUMEL = 70_001
 
 
 def grads(seed, steps):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(NUMEL, generator=gen).to(torch.bfloat16) for _ in range(steps)]
+    return bf16_grads(seed, steps, NUMEL)
 
 
-def run(engine, grad_list):
-    for g in grad_list:
-        engine.grad_buffer.copy_(g)
-        engine.step()
+run = run_steps
 
 
 @pytest.mark.parametrize("resume", [
