@@ -21,7 +21,7 @@ import logging
 import os
 import struct
 import zlib
-from typing import Dict, Tuple
+from typing import Dict, Optional, Set, Tuple
 
 import torch
 
@@ -154,16 +154,20 @@ def load_engine_state(engine: OffloadedAdamW, path: str) -> dict:
 
 class RangeReader:
     """Reads element ranges of one state tensor across the stored subgroups of one file, widened or
-    rounded to the dtype of ``out`` as they are copied. Each stored tensor is CRC-checked as it is
-    read; the two most recent stored subgroups stay cached, so ascending requests (a plain resume)
-    read each once, other orders (resharding) may re-read."""
+    rounded to the dtype of ``out`` as they are copied. Each stored tensor is CRC-checked before any
+    of its data is used; the two most recent stored subgroups stay cached, so ascending requests (a
+    plain resume) read each once, other orders (resharding) may re-read. With ``cache_bytes`` a
+    stored tensor larger than a sixth of it (two subgroups of three tensors) is not cached: its CRC is
+    checked once by streaming it through a bounded buffer, then only the ranges asked for are read."""
 
-    def __init__(self, path: str, entries, dtypes=FP32_STATE):
+    def __init__(self, path: str, entries, dtypes=FP32_STATE, cache_bytes: Optional[int] = None):
         self.path = path
         self.entries = sorted(entries, key=lambda e: e["start"])
         self.dtypes = torch_dtypes(dtypes)
         self.f = open(path, "rb")
+        self.cache_bytes = cache_bytes
         self._cached: Dict[Tuple[int, int], torch.Tensor] = {}
+        self._verified: Set[Tuple[int, int]] = set()
 
     def read(self, k: int, start: int, end: int, out: torch.Tensor) -> None:
         pos = start
@@ -171,11 +175,19 @@ class RangeReader:
             lo, hi = max(pos, e["start"]), min(end, e["end"])
             if lo >= hi:
                 continue
-            data = self._stored(e, k)
-            out[lo - start: hi - start].copy_(data[lo - e["start"]: hi - e["start"]])
+            target = out[lo - start: hi - start]
+            if self._cacheable(e, k):
+                target.copy_(self._stored(e, k)[lo - e["start"]: hi - e["start"]])
+            else:
+                self._verify(e, k)
+                target.copy_(torch.frombuffer(self._bytes(e, k, lo, hi), dtype=self.dtypes[k]))
             pos = hi
         if pos != end:
             raise CheckpointDataError(f"{self.path}: elements {pos}..{end} are not in the checkpoint")
+
+    def _cacheable(self, e, k: int) -> bool:
+        nbytes = (e["end"] - e["start"]) * self.dtypes[k].itemsize
+        return self.cache_bytes is None or 6 * nbytes <= self.cache_bytes
 
     def _stored(self, e, k: int) -> torch.Tensor:
         key = (e["start"], k)
@@ -184,24 +196,46 @@ class RangeReader:
             starts = list(dict.fromkeys(kk[0] for kk in self._cached))
             if e["start"] not in starts and len(starts) >= 2:
                 self._cached = {kk: v for kk, v in self._cached.items() if kk[0] != starts[0]}
-            n = e["end"] - e["start"]
-            dtype = self.dtypes[k]
-            buf = bytearray(dtype.itemsize * n)
-            self.f.seek(e["offset"] + sum(d.itemsize for d in self.dtypes[:k]) * n)
-            if self.f.readinto(buf) != len(buf):
-                raise CheckpointDataError(f"{self.path}: truncated in {NAMES[k]} of elements {e['start']}..{e['end']}")
-            if zlib.crc32(buf) != e["crc"][k]:
-                raise CheckpointDataError(
-                    f"{self.path}: checksum mismatch in {NAMES[k]} of elements {e['start']}..{e['end']}; "
-                    f"the checkpoint is corrupt and was not used")
-            self._cached[key] = torch.frombuffer(buf, dtype=dtype)
+            buf = self._bytes(e, k, e["start"], e["end"])
+            self._check(zlib.crc32(buf), e, k)
+            self._cached[key] = torch.frombuffer(buf, dtype=self.dtypes[k])
         return self._cached[key]
+
+    def _verify(self, e, k: int) -> None:
+        if (e["start"], k) in self._verified:
+            return
+        crc, step = 0, max(1, (self.cache_bytes // 6) // self.dtypes[k].itemsize)
+        for lo in range(e["start"], e["end"], step):
+            crc = zlib.crc32(self._bytes(e, k, lo, min(e["end"], lo + step)), crc)
+        self._check(crc, e, k)
+        self._verified.add((e["start"], k))
+
+    def _bytes(self, e, k: int, lo: int, hi: int) -> bytearray:
+        """Elements [lo, hi) of stored tensor ``k`` of subgroup entry ``e``, as stored."""
+        n, itemsize = e["end"] - e["start"], self.dtypes[k].itemsize
+        buf = bytearray(itemsize * (hi - lo))
+        self.f.seek(e["offset"] + sum(d.itemsize for d in self.dtypes[:k]) * n + itemsize * (lo - e["start"]))
+        if self.f.readinto(buf) != len(buf):
+            raise CheckpointDataError(f"{self.path}: truncated in {NAMES[k]} of elements {e['start']}..{e['end']}")
+        return buf
+
+    def _check(self, crc: int, e, k: int) -> None:
+        if crc != e["crc"][k]:
+            raise CheckpointDataError(
+                f"{self.path}: checksum mismatch in {NAMES[k]} of elements {e['start']}..{e['end']}; "
+                f"the checkpoint is corrupt and was not used")
 
     def drop_cached(self) -> None:
         self._cached = {}
 
     def close(self) -> None:
         self.f.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 def human_bytes(n: float) -> str:

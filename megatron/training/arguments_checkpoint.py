@@ -4,6 +4,7 @@ taken from a checkpoint's saved args with --use-checkpoint-args."""
 from __future__ import annotations
 
 from megatron.training.checkpoint_args import FILLED_IF_MISSING, MODEL_SHAPE_ARGS, apply_model_shape, read_saved_args
+from megatron.training.flag_types import positive_int
 
 CKPT_FORMATS = ("torch_dist", "torch", "torch_dcp", "fsdp_dtensor")
 
@@ -28,6 +29,9 @@ def add_flags(g) -> None:
                         "(training pauses only where an update overtakes the writer beyond "
                         "--offload-save-staging-gb); a checkpoint is completed (proof, tracker) once every "
                         "rank's writes have ended")
+    g.add_argument("--ckpt-convert-memory-mb", type=positive_int, default=512,
+                   help="host memory the optimizer state may take at once while it is converted between the "
+                        "offloaded form and megatron-core's own (at load time, or tools/convert_offload_checkpoint.py)")
     g.add_argument("--ckpt-fully-parallel-save", dest="ckpt_fully_parallel_save", action="store_true",
                    default=True, help="spread the writing of replicated shards over data-parallel ranks (default)")
     g.add_argument("--no-ckpt-fully-parallel-save", dest="ckpt_fully_parallel_save", action="store_false")

@@ -37,7 +37,7 @@ from megatron.training.megatron_adam_state import (megatron_optimizers, prepare_
                                                   restore_adam_steps)
 from megatron.training.optimizer_state_crossing import fill_distributed_optimizer, load_into_engine
 from megatron.training.optimizer_interface import OffloadedOptimizerCheckpoint
-from megatron.training.progress import gb_and_rate
+from megatron.training.progress import MemoryGrowth, gb_and_rate
 from mlp_offload.checkpoint import CheckpointSaveError, human_bytes
 from mlp_offload.faults import fault_point
 
@@ -349,14 +349,25 @@ def _load_optimizer(plan, optimizer, model, state, common, path, args) -> None:
         else:
             restore_adam_steps(optimizer, state["optimizer"])
     elif plan.optimizer == FROM_OFFLOADED:
-        prepare_fresh_optimizer_for_load(optimizer)
-        fill_distributed_optimizer(megatron_optimizers(optimizer), model, path, common["optimizer"]["offload_meta"])
-        _print_rank0(f"> optimizer state converted from the offloaded form in {path}")
+        prepare_fresh_optimizer_for_load(optimizer)  # the target's own state: allocated before the conversion
+        _convert("the offloaded form", path, args, model, lambda max_bytes: fill_distributed_optimizer(
+            megatron_optimizers(optimizer), model, path, common["optimizer"]["offload_meta"], max_bytes))
     else:  # FROM_DISTRIBUTED
         saved = common.get("args")
         scaled = bool(getattr(saved, "fp16", False) or getattr(saved, "loss_scale", None))
-        load_into_engine(optimizer, path, has_grad_scaler=scaled and optimizer.grad_scaler is not None)
-        _print_rank0(f"> optimizer state converted from megatron-core's distributed optimizer form in {path}")
+        _convert("megatron-core's distributed optimizer form", path, args, model, lambda max_bytes: load_into_engine(
+            optimizer, path, scaled and optimizer.grad_scaler is not None, max_bytes))
+
+
+def _convert(source: str, path: str, args, model, conversion) -> None:
+    """Run ``conversion(max_bytes)`` and say how long it took and how much memory it added at most."""
+    started, growth = time.perf_counter(), MemoryGrowth()
+    conversion(args.ckpt_convert_memory_mb << 20)
+    grown = growth.peak_bytes()
+    seconds, grown_mb = _slowest_rank([time.perf_counter() - started, -1 if grown is None else grown / 2**20], model)
+    memory = "" if grown_mb < 0 else f"; memory grew by at most {grown_mb:.0f} MB on any rank meanwhile"
+    _print_rank0(f"> optimizer state converted from {source} in {path} in {seconds:.1f} s, in pieces of at most "
+                 f"{args.ckpt_convert_memory_mb} MB (--ckpt-convert-memory-mb){memory}")
 
 
 def _print_rank0(line: str) -> None:

@@ -7,7 +7,7 @@ megatron-core's own optimizer fill themselves through ``read(param, start, end, 
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 
@@ -21,8 +21,8 @@ from mlp_offload.checkpoint import CheckpointDataError
 class _ByName:
     """This (pp, tp) position's files, saved at any DP size."""
 
-    def __init__(self, checkpoint_dir: str, model_chunks, pp_rank: int, tp_rank: int):
-        self.files = OffloadFileSet(checkpoint_dir, pp_rank, tp_rank)
+    def __init__(self, checkpoint_dir: str, model_chunks, pp_rank: int, tp_rank: int, cache_bytes: Optional[int]):
+        self.files = OffloadFileSet(checkpoint_dir, pp_rank, tp_rank, cache_bytes)
         self.names = param_names(model_chunks)
         self.steps_done, self.saved_dp_size = self.files.steps_done, self.files.dp_size
 
@@ -36,9 +36,10 @@ class _ByName:
 class _ByGeometry:
     """Every position's files, saved at another TP or PP size."""
 
-    def __init__(self, checkpoint_dir: str, model_chunks, sharding_metadata: dict, saved_sizes, now_sizes):
+    def __init__(self, checkpoint_dir: str, model_chunks, sharding_metadata: dict, saved_sizes, now_sizes,
+                 cache_bytes: Optional[int]):
         try:
-            self.state = OffloadedStateByGeometry(checkpoint_dir)
+            self.state = OffloadedStateByGeometry(checkpoint_dir, cache_bytes)
         except MissingGeometryError:
             (pp, tp), (pp_now, tp_now) = saved_sizes, now_sizes
             raise UserError(f"--load {checkpoint_dir}: its offloaded optimizer state was saved at TP={tp} PP={pp} by "
@@ -62,9 +63,10 @@ class _ByGeometry:
 
 
 class OffloadedStateSource:
-    """Opened for this rank: ``read``, ``steps_done``, ``saved_sizes`` (pp, tp), ``saved_dp_size``."""
+    """Opened for this rank: ``read``, ``steps_done``, ``saved_sizes`` (pp, tp), ``saved_dp_size``.
+    ``cache_bytes`` bounds the stored subgroups its file readers keep (None: two per file)."""
 
-    def __init__(self, checkpoint_dir: str, model_chunks):
+    def __init__(self, checkpoint_dir: str, model_chunks, cache_bytes: Optional[int] = None):
         from megatron.training.checkpoint_rng import rank_coordinates
         from megatron.training.checkpointing import sharding_metadata  # it imports us
 
@@ -72,9 +74,10 @@ class OffloadedStateSource:
         self.saved_sizes = saved_model_parallel_sizes(checkpoint_dir)
         self.same_model_parallel_layout = self.saved_sizes == (pp, tp)
         if self.same_model_parallel_layout:
-            self._impl = _ByName(checkpoint_dir, model_chunks, p, t)
+            self._impl = _ByName(checkpoint_dir, model_chunks, p, t, cache_bytes)
         else:
-            self._impl = _ByGeometry(checkpoint_dir, model_chunks, sharding_metadata(), self.saved_sizes, (pp, tp))
+            self._impl = _ByGeometry(checkpoint_dir, model_chunks, sharding_metadata(), self.saved_sizes, (pp, tp),
+                                     cache_bytes)
         self.steps_done, self.saved_dp_size = self._impl.steps_done, self._impl.saved_dp_size
 
     def read(self, param, start: int, end: int, outs) -> None:
