@@ -1,4 +1,5 @@
-"""Streaming save/load of one engine's offloaded state to a single checkpoint file.
+"""One engine's offloaded state in a single checkpoint file: its format, and loading it (writing it:
+``checkpoint_write``).
 
 Layout: the (param, exp_avg, exp_avg_sq) of each subgroup in their stored dtypes, one after the
 other, then a JSON footer (element ranges, byte offsets, CRC32 of every tensor, the dtypes (absent in
@@ -15,20 +16,17 @@ other state dtypes (each tensor is widened or rounded to the engine's as it is c
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
 import struct
 import zlib
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Set, Tuple
 
 import torch
 
 from .engine import OffloadedAdamW
-from .faults import fault_point
 from .state_dtypes import FP32_STATE, TORCH_DTYPES, itemsizes, torch_dtypes
-from .tiers.files import fsync_path
 
 log = logging.getLogger("mlp_offload")
 MAGIC = b"MLPOFFv2"
@@ -54,47 +52,6 @@ def state_file_bytes(numel: int, dtypes=FP32_STATE) -> int:
 def stored_dtypes(footer: dict) -> Tuple[str, ...]:
     """The dtypes of a file's (param, exp_avg, exp_avg_sq); files from before they were recorded are fp32."""
     return tuple(footer.get("dtypes", FP32_STATE))
-
-
-def save_engine_state(engine: OffloadedAdamW, path: str, metadata: Optional[dict] = None) -> int:
-    """Stream the engine's state into ``path``; returns bytes written. On failure the partial
-    ``.tmp`` file is removed and a file already at ``path`` is left as it was."""
-    tmp = path + ".tmp"
-    try:
-        size = _write_state(engine, tmp, metadata)
-        os.replace(tmp, path)
-        fsync_path(os.path.dirname(os.path.abspath(path)))
-    except BaseException as err:
-        _remove(tmp)
-        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise CheckpointSaveError(
-                f"{path}: {err.strerror or err} while saving the offloaded optimizer state: "
-                f"{human_bytes(state_file_bytes(engine.numel, engine.config.state_dtypes))} needed for this file, "
-                f"{human_bytes(_free_bytes(path))} free; the partial file was removed") from err
-        raise
-    return size
-
-
-def _write_state(engine: OffloadedAdamW, tmp: str, metadata: Optional[dict]) -> int:
-    entries = []
-    with open(tmp, "wb") as f:
-        for sg, *tensors in engine.iter_state():
-            entry = {"start": sg.start, "end": sg.end, "offset": f.tell(), "crc": []}
-            for t in tensors:
-                view = memoryview(t.view(torch.uint8).numpy())  # its stored bytes, whatever the dtype
-                f.write(view)
-                entry["crc"].append(zlib.crc32(view))
-            entries.append(entry)
-            fault_point("save-offload")
-        footer = json.dumps({
-            "numel": engine.numel, "steps_done": engine.steps_done, "subgroups": entries,
-            "dtypes": list(engine.config.state_dtypes), "metadata": metadata or {},
-        }).encode()
-        f.write(footer)
-        f.write(TRAILER.pack(MAGIC, len(footer), zlib.crc32(footer)))
-        f.flush()
-        os.fsync(f.fileno())
-        return f.tell()
 
 
 def read_footer(path: str) -> dict:
@@ -197,16 +154,20 @@ def load_engine_state(engine: OffloadedAdamW, path: str) -> dict:
 
 class RangeReader:
     """Reads element ranges of one state tensor across the stored subgroups of one file, widened or
-    rounded to the dtype of ``out`` as they are copied. Each stored tensor is CRC-checked as it is
-    read; the two most recent stored subgroups stay cached, so ascending requests (a plain resume)
-    read each once, other orders (resharding) may re-read."""
+    rounded to the dtype of ``out`` as they are copied. Each stored tensor is CRC-checked before any
+    of its data is used; the two most recent stored subgroups stay cached, so ascending requests (a
+    plain resume) read each once, other orders (resharding) may re-read. With ``cache_bytes`` a
+    stored tensor larger than a sixth of it (two subgroups of three tensors) is not cached: its CRC is
+    checked once by streaming it through a bounded buffer, then only the ranges asked for are read."""
 
-    def __init__(self, path: str, entries, dtypes=FP32_STATE):
+    def __init__(self, path: str, entries, dtypes=FP32_STATE, cache_bytes: Optional[int] = None):
         self.path = path
         self.entries = sorted(entries, key=lambda e: e["start"])
         self.dtypes = torch_dtypes(dtypes)
         self.f = open(path, "rb")
+        self.cache_bytes = cache_bytes
         self._cached: Dict[Tuple[int, int], torch.Tensor] = {}
+        self._verified: Set[Tuple[int, int]] = set()
 
     def read(self, k: int, start: int, end: int, out: torch.Tensor) -> None:
         pos = start
@@ -214,11 +175,19 @@ class RangeReader:
             lo, hi = max(pos, e["start"]), min(end, e["end"])
             if lo >= hi:
                 continue
-            data = self._stored(e, k)
-            out[lo - start: hi - start].copy_(data[lo - e["start"]: hi - e["start"]])
+            target = out[lo - start: hi - start]
+            if self._cacheable(e, k):
+                target.copy_(self._stored(e, k)[lo - e["start"]: hi - e["start"]])
+            else:
+                self._verify(e, k)
+                target.copy_(torch.frombuffer(self._bytes(e, k, lo, hi), dtype=self.dtypes[k]))
             pos = hi
         if pos != end:
             raise CheckpointDataError(f"{self.path}: elements {pos}..{end} are not in the checkpoint")
+
+    def _cacheable(self, e, k: int) -> bool:
+        nbytes = (e["end"] - e["start"]) * self.dtypes[k].itemsize
+        return self.cache_bytes is None or 6 * nbytes <= self.cache_bytes
 
     def _stored(self, e, k: int) -> torch.Tensor:
         key = (e["start"], k)
@@ -227,18 +196,34 @@ class RangeReader:
             starts = list(dict.fromkeys(kk[0] for kk in self._cached))
             if e["start"] not in starts and len(starts) >= 2:
                 self._cached = {kk: v for kk, v in self._cached.items() if kk[0] != starts[0]}
-            n = e["end"] - e["start"]
-            dtype = self.dtypes[k]
-            buf = bytearray(dtype.itemsize * n)
-            self.f.seek(e["offset"] + sum(d.itemsize for d in self.dtypes[:k]) * n)
-            if self.f.readinto(buf) != len(buf):
-                raise CheckpointDataError(f"{self.path}: truncated in {NAMES[k]} of elements {e['start']}..{e['end']}")
-            if zlib.crc32(buf) != e["crc"][k]:
-                raise CheckpointDataError(
-                    f"{self.path}: checksum mismatch in {NAMES[k]} of elements {e['start']}..{e['end']}; "
-                    f"the checkpoint is corrupt and was not used")
-            self._cached[key] = torch.frombuffer(buf, dtype=dtype)
+            buf = self._bytes(e, k, e["start"], e["end"])
+            self._check(zlib.crc32(buf), e, k)
+            self._cached[key] = torch.frombuffer(buf, dtype=self.dtypes[k])
         return self._cached[key]
+
+    def _verify(self, e, k: int) -> None:
+        if (e["start"], k) in self._verified:
+            return
+        crc, step = 0, max(1, (self.cache_bytes // 6) // self.dtypes[k].itemsize)
+        for lo in range(e["start"], e["end"], step):
+            crc = zlib.crc32(self._bytes(e, k, lo, min(e["end"], lo + step)), crc)
+        self._check(crc, e, k)
+        self._verified.add((e["start"], k))
+
+    def _bytes(self, e, k: int, lo: int, hi: int) -> bytearray:
+        """Elements [lo, hi) of stored tensor ``k`` of subgroup entry ``e``, as stored."""
+        n, itemsize = e["end"] - e["start"], self.dtypes[k].itemsize
+        buf = bytearray(itemsize * (hi - lo))
+        self.f.seek(e["offset"] + sum(d.itemsize for d in self.dtypes[:k]) * n + itemsize * (lo - e["start"]))
+        if self.f.readinto(buf) != len(buf):
+            raise CheckpointDataError(f"{self.path}: truncated in {NAMES[k]} of elements {e['start']}..{e['end']}")
+        return buf
+
+    def _check(self, crc: int, e, k: int) -> None:
+        if crc != e["crc"][k]:
+            raise CheckpointDataError(
+                f"{self.path}: checksum mismatch in {NAMES[k]} of elements {e['start']}..{e['end']}; "
+                f"the checkpoint is corrupt and was not used")
 
     def drop_cached(self) -> None:
         self._cached = {}
@@ -246,18 +231,13 @@ class RangeReader:
     def close(self) -> None:
         self.f.close()
 
+    def __enter__(self):
+        return self
 
-def _remove(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+    def __exit__(self, *exc):
+        self.close()
 
 
 def human_bytes(n: float) -> str:
     return f"{n / 1e9:,.2f} GB" if n >= 1e8 else f"{n / 1e6:,.2f} MB"
 
-
-def _free_bytes(path: str) -> int:
-    st = os.statvfs(os.path.dirname(os.path.abspath(path)))
-    return st.f_bavail * st.f_frsize

@@ -144,6 +144,11 @@ class OffloadConfig:
     each (torch dtypes are accepted too). Narrower ones are widened to fp32 for the update and
     rounded back after it; every tier, placement and checkpoint then counts their smaller bytes."""
 
+    save_staging_bytes: int = 4 * GiB
+    """Background checkpoint saves: host memory (outside the budget, taken only when needed) for
+    copies of subgroups held in memory that the next update reaches before the writer has them;
+    beyond it the update waits for the writer (see ``snapshot``)."""
+
     def __post_init__(self):
         self.state_dtypes = _state_dtype_names(self.state_dtypes)
         if isinstance(self.tiers, str):
@@ -197,6 +202,9 @@ class OffloadConfig:
                 f"I/O block size (io_block_bytes) must be a positive multiple of {ALIGN} bytes, "
                 f"got {self.io_block_bytes!r}"
             )
+        if not _is_int(self.save_staging_bytes) or self.save_staging_bytes < 0:
+            raise OffloadConfigError(f"save staging (save_staging_bytes) must be a whole number of bytes >= 0, "
+                                     f"got {self.save_staging_bytes!r}")
         if self.adam_kernel not in ("fused", "foreach", "single"):
             raise OffloadConfigError(
                 f"adam kernel (adam_kernel) must be 'fused', 'foreach' or 'single', got {self.adam_kernel!r}"

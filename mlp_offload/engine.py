@@ -28,6 +28,7 @@ from .prediction import Prediction
 from .startup import describe_tiers, start_up
 from .pipeline import OffloadStateError, SlotPipeline, StateViews, fill_params
 from .schedule import StepSchedule, step_schedule
+from .snapshot import StateSnapshot
 from .state_access import StateAccess
 from .state_dtypes import bytes_per_param, torch_dtypes
 from .subgroups import FP32_BYTES, Subgroup, partition
@@ -106,6 +107,7 @@ class OffloadedAdamW:
             fused_vector_width()  # measured now, with the other rates, not inside the first step
         self.steps_done = 0  # AdamW's step count (skipped steps do not count)
         self.closed = False
+        self._snapshot: Optional[StateSnapshot] = None  # being written while the engine steps on
         self._tiers: Dict[str, FileTier] = {}
         self._counters = TrafficCounters(config.file_tiers)
         self.trace: Optional[Trace] = open_trace(config.trace_path, config.rank)
@@ -227,6 +229,8 @@ class OffloadedAdamW:
                 else:
                     views, hit = self._pipeline.await_state(i, rec)
                     rec.cache_hits += hit
+                if self._snapshot is not None:
+                    self._snapshot.before_update(i)  # a checkpoint writer may still need it as it is
                 t0 = time.perf_counter()
                 if k + 1 < len(sched.order):  # the next subgroup's grads may arrive during this Adam
                     nxt = self.subgroups[sched.order[k + 1]]
@@ -298,6 +302,7 @@ class OffloadedAdamW:
                    steps_done: int) -> None:
         """Replace the whole state: ``fill`` writes each subgroup's three fp32 tensors in place."""
         self._check_usable()
+        self.wait_for_snapshot()
         self._state.load_state(fill)
         self.steps_done = steps_done
         self._pipeline.begin(self._schedule_for(steps_done))
@@ -306,7 +311,25 @@ class OffloadedAdamW:
         """Stream each subgroup's (param, exp_avg, exp_avg_sq) through ``edit``, which changes
         them in place; the result goes back where the subgroup lives."""
         self._check_usable()
+        self.wait_for_snapshot()
         self._state.modify_state(edit)
+
+    def snapshot(self, link_files: bool = True, staging_bytes: Optional[int] = None) -> StateSnapshot:
+        """The state as it is now, for a checkpoint writer (see ``snapshot``): cheap, and unchanged by
+        later steps where ``link_files``; steps wait in ``before_update`` only for what the writer
+        still needs from memory. One at a time; the writer must ``release()`` it."""
+        self._check_usable()
+        self.wait_for_snapshot()
+        staging = self.config.save_staging_bytes if staging_bytes is None else staging_bytes
+        self._snapshot = self._state.snapshot(self.steps_done, self.state_dtypes, self.config.state_dtypes,
+                                              link_files, staging)
+        return self._snapshot
+
+    def wait_for_snapshot(self) -> None:
+        """Until the last snapshot's writer has released it."""
+        if self._snapshot is not None:
+            self._snapshot.released.wait()
+            self._snapshot = None
 
     def _scratch_views(self) -> StateViews:
         # Outside the budget on purpose: used only while saving or loading a checkpoint.
@@ -320,6 +343,8 @@ class OffloadedAdamW:
         if self.closed:
             return
         self.closed = True
+        if self._snapshot is not None:  # its writer stops and removes its partial file
+            self._snapshot.cancel()
         for tier in self._tiers.values():
             tier.close(remove_files=remove_files)  # its tokens too (the node's last user removes them)
         if self.trace is not None:

@@ -222,6 +222,17 @@ class SlotPipeline:
             return slot.views
         return None
 
+    def newer_than_its_file(self, i: int) -> Optional[StateViews]:
+        """The buffer holding ``i``'s state where its tier file may be older (kept unwritten, or a
+        hit the next update changes in place), or where it has no file yet (its first
+        materialization, waited for); None where the file is current. After ``flush()``."""
+        slot = self.slot_of.get(i)
+        if slot is not None and slot.state in (READY, DIRTY):
+            return slot.views
+        if i in self.fresh:
+            return self.current_views(i)
+        return None
+
     def fill_from_tier(self, i: int, views: StateViews) -> None:
         if i in self.fresh:
             self._materialize(i, views, lambda: None)

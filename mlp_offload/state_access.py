@@ -8,7 +8,8 @@ from typing import Callable, Dict, Iterator, List, Tuple
 
 import torch
 
-from .pipeline import SlotPipeline, StateViews
+from .pipeline import SlotPipeline, StateViews, file_key
+from .snapshot import StateSnapshot, TierCopy
 from .subgroups import Subgroup
 
 StateFn = Callable[[Subgroup, torch.Tensor, torch.Tensor, torch.Tensor], None]
@@ -44,6 +45,36 @@ class StateAccess:
             edit(sg, *views.narrow(sg.numel))
             if views is self._scratch:  # host-resident or in a buffer: written later by the pipeline
                 self.pipeline.write_now(i, views)
+
+    def snapshot(self, steps_done: int, dtypes, dtype_names, link_files: bool, staging_bytes: int) -> StateSnapshot:
+        """The state as it is now, for a writer (see snapshot). ``link_files``: the writer's copy of
+        file-held subgroups survives the next updates (off for a save that nothing overtakes)."""
+        self.pipeline.flush()
+        memory, on_tier = {}, {}
+        try:
+            for i in range(len(self.subgroups)):
+                views = self.resident.get(i)
+                if views is None:
+                    views = self.pipeline.newer_than_its_file(i)
+                if views is None and i in self.pipeline.fresh:  # never updated nor buffered: give it its file
+                    scratch = self._scratch_views()
+                    self.pipeline.fill_from_tier(i, scratch)
+                    self.pipeline.write_now(i, scratch)
+                if views is not None:
+                    memory[i] = views
+                    continue
+                tier, key = self.pipeline.tiers[self.pipeline.tier_of[i]], file_key(i)
+                if link_files:
+                    tier.link(key, f"snapshot/{key}")
+                    key = f"snapshot/{key}"
+                on_tier[i] = TierCopy(tier, key, link_files)
+        except BaseException:
+            for copy in on_tier.values():
+                if copy.linked:
+                    copy.tier.forget(copy.key)
+            raise
+        return StateSnapshot(self.subgroups, dtypes, dtype_names, steps_done, memory,
+                             self.pipeline.schedule.order, on_tier, staging_bytes)
 
     def _each(self, fill_missing: bool) -> Iterator[Tuple[int, Subgroup, StateViews]]:
         """(index, subgroup, views): its resident or buffered copy, else the scratch buffer (filled

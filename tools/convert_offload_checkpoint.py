@@ -1,13 +1,15 @@
 """Convert a checkpoint's optimizer state between the offloaded form and megatron-core's own.
 
-    python tools/convert_offload_checkpoint.py --to plain   --load IN --save OUT -- TRAINING_FLAGS...
-    python tools/convert_offload_checkpoint.py --to offload --load IN --save OUT -- TRAINING_FLAGS... --offload-...
+    python tools/convert_offload_checkpoint.py --to plain   --load IN --save OUT [--max-memory-mb M] -- TRAINING_FLAGS...
+    python tools/convert_offload_checkpoint.py --to offload --load IN --save OUT [--max-memory-mb M] -- TRAINING_FLAGS... --offload-...
 
 TRAINING_FLAGS are the run's own (model, parallel sizes, precision, data): the plain form is keyed
 by megatron-core's DDP buckets, so the model is built as training builds it. The tool launches
 ``pretrain_gpt.py`` on this node with ``--load IN --save OUT --train-iters <saved iteration>``: the
-load converts (optimizer_state_crossing, parameter slice by parameter slice from offload files, at
-any DP/TP/PP) and the save writes the other form, with no training step in between.
+load converts (optimizer_state_crossing, at any DP/TP/PP) and the save writes the other form, with
+no training step in between. The state moves in pieces of at most --max-memory-mb (default 512)
+beside what the target optimizer holds: both directions read only the ranges they need from the
+source's files, never a rank's whole shard; the load's last line says how much memory it added.
 """
 
 import argparse
@@ -53,17 +55,24 @@ def main(argv=None) -> int:
     parser.add_argument("--load", required=True, help="checkpoint root to read (its latest complete iteration)")
     parser.add_argument("--save", required=True, help="checkpoint root to write (new or empty)")
     parser.add_argument("--nproc", type=int, help="processes on this node (default: the saved run's world size)")
+    parser.add_argument("--max-memory-mb", type=int, default=None,
+                        help="host memory per process for the state in flight (the training flag "
+                             "--ckpt-convert-memory-mb; default 512)")
     parser.add_argument("training_flags", nargs=argparse.REMAINDER, help="after --: the run's training flags")
     args = parser.parse_args(argv)
     flags = args.training_flags[1:] if args.training_flags[:1] == ["--"] else args.training_flags
+    if args.max_memory_mb is not None and args.max_memory_mb <= 0:
+        fail(f"--max-memory-mb {args.max_memory_mb}: give a positive number of MB")
     iteration, path, offloaded, world = saved_checkpoint(args.load)
     if offloaded == (args.to == "offload"):
         fail(f"--load {path}: its optimizer state is already in the {args.to} form")
     if os.path.exists(args.save) and (not os.path.isdir(args.save) or os.listdir(args.save)):
         fail(f"--save {args.save}: exists and is not an empty directory; give a new one")
-    for flag in ("--load", "--save", "--train-iters", "--no-load-optim", "--finetune", "--no-save-optim"):
+    for flag in ("--load", "--save", "--train-iters", "--no-load-optim", "--finetune", "--no-save-optim",
+                 "--ckpt-convert-memory-mb"):
         if flag in flags:
-            fail(f"{flag} among the training flags: the tool sets it")
+            fail(f"{flag} among the training flags: the tool sets it" +
+                 (" (give --max-memory-mb)" if flag == "--ckpt-convert-memory-mb" else ""))
     has_offload_flags = any(f.startswith("--offload-") for f in flags)
     if has_offload_flags != (args.to == "offload"):
         fail("--to offload needs the run's --offload-... flags after --" if args.to == "offload" else
@@ -74,6 +83,7 @@ def main(argv=None) -> int:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
                os.path.join(REPO, "pretrain_gpt.py"), *flags, "--load", args.load, "--save", args.save,
                "--train-iters", str(iteration),
+               *(["--ckpt-convert-memory-mb", str(args.max_memory_mb)] if args.max_memory_mb else []),
                "--save-interval", str(iteration + 1)]  # the save at the end: not skipped as an interval's
     print(f"> converting {path} to the {args.to} form into {args.save}: {' '.join(command)}", flush=True)
     return subprocess.call(command, cwd=REPO)

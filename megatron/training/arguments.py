@@ -203,6 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--offload-no-odirect", action="store_true")
     g.add_argument("--offload-no-checksums", action="store_true")
     g.add_argument("--offload-cpu-threads", type=positive_int, default=None)
+    g.add_argument("--offload-save-staging-gb", type=non_negative_float, default=4.0,
+                   help="--async-save: host memory per rank for copies of state the next update reaches first")
     g.add_argument("--offload-probe-mb", type=positive_int, default=1024,
                    help="size of the bandwidth probe per file tier (cached per path)")
     g.add_argument("--offload-telemetry-log", default=None, metavar="FILE",

@@ -4,6 +4,7 @@ taken from a checkpoint's saved args with --use-checkpoint-args."""
 from __future__ import annotations
 
 from megatron.training.checkpoint_args import FILLED_IF_MISSING, MODEL_SHAPE_ARGS, apply_model_shape, read_saved_args
+from megatron.training.flag_types import positive_int
 
 CKPT_FORMATS = ("torch_dist", "torch", "torch_dcp", "fsdp_dtensor")
 
@@ -24,9 +25,13 @@ def add_flags(g) -> None:
     g.add_argument("--use-checkpoint-args", action="store_true",
                    help="take the model's shape (layers, sizes, heads, vocab, ...) from the args saved in --load")
     g.add_argument("--async-save", action="store_true",
-                   help="write the torch_dist files in the background; the offloaded optimizer state is "
-                        "still written synchronously; a checkpoint is completed (proof, tracker) once every "
-                        "rank's write has ended")
+                   help="write the torch_dist files and the offloaded optimizer state in the background "
+                        "(training pauses only where an update overtakes the writer beyond "
+                        "--offload-save-staging-gb); a checkpoint is completed (proof, tracker) once every "
+                        "rank's writes have ended")
+    g.add_argument("--ckpt-convert-memory-mb", type=positive_int, default=512,
+                   help="host memory the optimizer state may take at once while it is converted between the "
+                        "offloaded form and megatron-core's own (at load time, or tools/convert_offload_checkpoint.py)")
     g.add_argument("--ckpt-fully-parallel-save", dest="ckpt_fully_parallel_save", action="store_true",
                    default=True, help="spread the writing of replicated shards over data-parallel ranks (default)")
     g.add_argument("--no-ckpt-fully-parallel-save", dest="ckpt_fully_parallel_save", action="store_false")

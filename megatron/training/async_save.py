@@ -1,13 +1,17 @@
-"""--async-save: a checkpoint's torch_dist files are written by a background process while training
-goes on, and the checkpoint is completed later, in a finalize step.
+"""--async-save: a checkpoint's torch_dist files are written by a background process, and the
+offloaded optimizer state by a thread of the rank (mlp_offload.checkpoint_write), while training
+goes on; the checkpoint is completed later, in a finalize step.
 
 megatron-core's ``AsyncCallsQueue`` runs the write. Its non-persistent caller forks one process per
 save (on CPU the fork itself is the snapshot: the preload step does not copy CPU tensors, and the
 child sees memory as it was at the fork); the persistent caller would spawn a worker and pass the
 tensors through shared memory, which our CPU/gloo runs do not need.
 
+The writer thread starts after the fork, so the forked process inherits no half-held lock of it.
+
 The finalize step is collective. ``poll()`` (after every iteration) finalizes only when every rank's
-writer has ended; ``finish()`` waits for them (before the next save, before exit). Finalizing runs
+writers (process and thread) have ended; ``finish()`` waits for them (before the next save, before
+exit). Finalizing runs
 megatron-core's own finalize functions (the global ``.metadata``, ``metadata.json``), turns a failed
 write into a message, and hands it to ``on_written``, which makes all ranks agree and completes the
 checkpoint (the proof, then the tracker). Until then the directory holds its in-progress marker, so
@@ -16,7 +20,7 @@ a crash leaves the previous checkpoint as the one resumed.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 import torch
 from torch.distributed.checkpoint import CheckpointException
@@ -26,35 +30,62 @@ from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQu
 OnWritten = Callable[[Optional[str]], None]
 
 
+class WriterThread(Protocol):
+    """A write of the rank's own beside megatron-core's (mlp_offload's BackgroundStateWrite)."""
+
+    def start(self) -> None: ...
+    def done(self) -> bool: ...
+    def wait(self) -> None: ...
+    def cancel(self) -> None: ...
+
+
 class BackgroundSaves:
     """At most one checkpoint being written in the background (a new save finishes the last first)."""
 
-    def __init__(self):
+    def __init__(self, device: torch.device):
         self._queue = AsyncCallsQueue(persistent=False)
+        self._device = device  # of the all-reduce that asks whether every rank's thread has ended
+        self._thread: Optional[WriterThread] = None
 
     @property
     def pending(self) -> bool:
         return self._queue.get_num_unfinalized_calls() > 0
 
-    def schedule(self, request: AsyncRequest, on_written: OnWritten) -> None:
-        """Start writing (every rank calls this); ``on_written`` runs in the finalize step."""
+    def schedule(self, request: AsyncRequest, on_written: OnWritten, thread: Optional[WriterThread] = None) -> None:
+        """Start writing (every rank calls this, all with a ``thread`` or none); ``on_written`` runs in
+        the finalize step, after the thread too has ended."""
         if self.pending:
             raise RuntimeError("a background checkpoint write is still pending: finish() it first")
         finalize = _finalize_then(request.finalize_fns, on_written)
         self._queue.schedule_async_request(request._replace(finalize_fns=[finalize]))
+        self._thread = thread
+        if thread is not None:
+            thread.start()
 
     def poll(self) -> None:
-        """Finalize if every rank's writer has ended; otherwise return at once (one all-reduce)."""
-        if self.pending:
+        """Finalize if every rank's writers have ended; otherwise return at once (one or two all-reduces)."""
+        if self.pending and self._all_threads_done():
             self._queue.maybe_finalize_async_calls(blocking=False)
 
     def finish(self) -> None:
         """Wait for the background write and finalize it."""
         if self.pending:
+            if self._thread is not None:
+                self._thread.wait()
             self._queue.maybe_finalize_async_calls(blocking=True)
+
+    def _all_threads_done(self) -> bool:
+        if self._thread is None:
+            return True
+        done = torch.tensor([int(self._thread.done())], dtype=torch.int32, device=self._device)
+        torch.distributed.all_reduce(done, op=torch.distributed.ReduceOp.MIN)
+        return bool(done.item())
 
     def abandon(self) -> None:
         """Stop a pending write unfinalized (the run is failing): its directory stays incomplete."""
+        if self._thread is not None:
+            self._thread.cancel()  # its partial file goes; the engine is no longer held back
+            self._thread = None
         # The queue's own close(abort=True) kills only a persistent worker, so each forked writer here.
         for call in self._queue.async_calls:
             call.async_caller.close(abort=True)

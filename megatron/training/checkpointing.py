@@ -24,7 +24,6 @@ from typing import Optional
 import torch
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.distributed import DistributedDataParallel
-from megatron.core.optimizer import ChainedOptimizer, MegatronOptimizer
 
 from megatron.training import checkpoint_integrity as integrity
 from megatron.training.checkpoint_args import args_to_save
@@ -34,9 +33,11 @@ from megatron.training.checkpoint_rng import (all_data_parallel_rng_states, lega
                                                set_rng_state, this_rank_rng_state)
 from megatron.training.checkpoint_load_plan import FROM_OFFLOADED, SAME_FORM, LoadPlan
 from megatron.training.errors import UserError
+from megatron.training.megatron_adam_state import (megatron_optimizers, prepare_fresh_optimizer_for_load,
+                                                  restore_adam_steps)
 from megatron.training.optimizer_state_crossing import fill_distributed_optimizer, load_into_engine
 from megatron.training.optimizer_interface import OffloadedOptimizerCheckpoint
-from megatron.training.progress import gb_and_rate
+from megatron.training.progress import MemoryGrowth, gb_and_rate
 from mlp_offload.checkpoint import CheckpointSaveError, human_bytes
 from mlp_offload.faults import fault_point
 
@@ -78,55 +79,6 @@ def sharding_metadata() -> dict:
             "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
 
 
-def _megatron_optimizers(optimizer) -> list:
-    """megatron-core's optimizers in ``optimizer``: a ChainedOptimizer's parts, or itself; none for
-    the offload facade, whose state is no torch optimizer's."""
-    if isinstance(optimizer, ChainedOptimizer):
-        return optimizer.chained_optimizers
-    return [optimizer] if isinstance(optimizer, MegatronOptimizer) else []
-
-
-def _prepare_fresh_optimizer_for_load(optimizer) -> None:
-    """Give a never-stepped torch Adam(W) the 'step' entries its state_dict() asserts on.
-
-    Without apex/transformer-engine, megatron-core's init_state_fn creates exp_avg/exp_avg_sq but
-    no 'step', and DistributedOptimizer.state_dict() then fails while building the load template.
-    The placeholder value is overwritten by load_state_dict from the checkpoint.
-    """
-    for opt in _megatron_optimizers(optimizer):
-        inner = opt.optimizer
-        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)) or opt.init_state_fn is None:
-            continue
-        opt.init_state_fn(inner, opt.config)
-        for state in inner.state.values():
-            state.setdefault("step", torch.tensor(0.0))
-
-
-def _restore_adam_steps(optimizer, loaded) -> None:
-    """Put the checkpoint's Adam step back, one tensor per param, after a load.
-
-    Without apex/TE two things go wrong in DistributedOptimizer's load path: the dp_reshardable
-    param state carries 'step' as a LocalNonpersistentObject, so load copies the *template's*
-    placeholder step over the restored one; and load_state_dict puts ONE step tensor in every
-    param's state, which torch keeps aliased, so each step would bump it once per param.
-    The true step is in the loaded param_groups.
-    """
-    chained = _megatron_optimizers(optimizer)
-    states = [loaded] if len(chained) == 1 else [loaded[k] for k in sorted(loaded)]
-    for opt, opt_state in zip(chained, states):
-        inner = opt.optimizer
-        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
-            continue
-        groups = opt_state.get("optimizer", {}).get("param_groups", []) if isinstance(opt_state, dict) else []
-        steps = {g["step"] for g in groups if "step" in g}
-        if len(steps) != 1:
-            continue
-        step = float(steps.pop())
-        for state in inner.state.values():
-            if "step" in state:
-                state["step"] = torch.tensor(step, dtype=torch.float32)
-
-
 def _state_to_save(args, model, optimizer, scheduler, iteration, consumed_samples) -> dict:
     metadata = sharding_metadata()
     state = {"args": args_to_save(args, consumed_samples), "checkpoint_version": CHECKPOINT_VERSION,
@@ -147,8 +99,8 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, cons
     the order that makes a crash at any point leave the previous checkpoint as the one to resume.
 
     With ``background`` (async_save.BackgroundSaves, --async-save) the torch_dist files are written
-    by a background process and the checkpoint is completed in its finalize step; the offloaded
-    optimizer state is still written here, before training goes on, so it cannot change meanwhile."""
+    by a background process and the offloaded optimizer state by a thread, from a snapshot taken
+    here (mlp_offload.snapshot); the checkpoint is completed in the finalize step."""
     path = checkpoint_dir(root, iteration)
     held_from = time.perf_counter()  # training waits from here, for the previous background save too
     if background is not None:
@@ -158,38 +110,56 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, cons
     if not _begin_save(root, path, iteration, model, optimizer if save_optimizer else None):
         return path
     state = _state_to_save(args, model, optimizer, scheduler, iteration, consumed_samples)
-    request, offload_bytes, offload_s, failure = None, 0, 0.0, None
+    request, offload_bytes, offload_s, failure, offload_write = None, 0, 0.0, None, None
     try:
         request = dist_checkpointing.save(state, path, async_sharded_save=background is not None,
                                           **save_strategies(args))
         if save_optimizer and isinstance(optimizer, OffloadedOptimizerCheckpoint):  # streamed beside it, a file per rank
             t0 = time.perf_counter()
-            offload_bytes = optimizer.save_offloaded_state(path)
+            if background is None:
+                offload_bytes = optimizer.save_offloaded_state(path)
+            else:
+                offload_write = optimizer.start_offloaded_save(path)  # a snapshot, written once started
             offload_s = time.perf_counter() - t0
-    except CheckpointSaveError as err:
-        failure = f"rank {torch.distributed.get_rank()}: {err}"
-    except OSError as err:
-        if err.errno not in STORAGE_ERRNOS:
-            raise  # not the file system's doing: a bug, with its traceback
-        failure = f"rank {torch.distributed.get_rank()}: {path}: {err.strerror or err}"
-    _fail_together(failure, root, path)  # before any background write starts: nothing to stop
-    offload_bytes, offload_s = _slowest_rank([offload_bytes, offload_s], model)
-    offload = ""
-    if offload_bytes > 0:
-        offload = (f"offloaded optimizer state {human_bytes(offload_bytes)} per rank at "
-                   f"{offload_bytes / max(offload_s, 1e-9) / 1e9:.2f} GB/s")
+    except (CheckpointSaveError, OSError) as err:
+        failure = _save_failure(err, path)
+    try:
+        _fail_together(failure, root, path)  # before any background write starts: nothing to stop
+    except UserError:
+        if offload_write is not None:
+            offload_write.cancel()
+        raise
     if background is None:
+        offload_bytes, offload_s = _slowest_rank([offload_bytes, offload_s], model)
         total = _complete(root, path, iteration)
+        offload = ""
+        if offload_bytes > 0:
+            offload = (f"; offloaded optimizer state {human_bytes(offload_bytes)} per rank at "
+                       f"{offload_bytes / max(offload_s, 1e-9) / 1e9:.2f} GB/s")
         _print_rank0(f"> saved checkpoint at iteration {iteration} to {root}: {human_bytes(total)} in "
-                     f"{time.perf_counter() - started:.1f} s{'; ' + offload if offload else ''}")
+                     f"{time.perf_counter() - started:.1f} s{offload}")
         return path
-    background.schedule(request, _completion_in_background(root, path, iteration, started))
+    on_written = _BackgroundCompletion(root, path, iteration, started, offload_write, model)
+    background.schedule(request, on_written, offload_write)
     fault_point("save-scheduled")
-    (held_s,) = _slowest_rank([time.perf_counter() - held_from], model)
-    synchronous = f"{offload} written synchronously" if offload else "its common state written synchronously"
-    _print_rank0(f"> checkpoint at iteration {iteration}: {synchronous}, training held {held_s:.1f} s; its "
-                 f"torch_dist files are being written in the background to {path} (--async-save)")
+    on_written.held_s, previous_s = _slowest_rank([time.perf_counter() - held_from, started - held_from], model)
+    previous = f" ({previous_s:.2f} s of it for the previous save to finish)" if previous_s >= 0.005 else ""
+    what = "its torch_dist files"
+    if offload_write is not None:
+        what += f" and offloaded optimizer state ({human_bytes(offload_write.nbytes)} per rank)"
+    _print_rank0(f"> checkpoint at iteration {iteration}: training held {on_written.held_s:.2f} s{previous}; {what} "
+                 f"are being written in the background to {path} (--async-save)")
     return path
+
+
+def _save_failure(err: BaseException, path: str) -> str:
+    """A failed write of this rank as one line; anything but the file system's doing is a bug."""
+    rank = torch.distributed.get_rank()
+    if isinstance(err, CheckpointSaveError):
+        return f"rank {rank}: {err}"
+    if isinstance(err, OSError) and err.errno in STORAGE_ERRNOS:
+        return f"rank {rank}: {path}: {err.strerror or err}"
+    raise err
 
 
 def _begin_save(root: str, path: str, iteration: int, model, optimizer) -> bool:
@@ -221,17 +191,40 @@ def _complete(root: str, path: str, iteration: int) -> int:
     return total
 
 
-def _completion_in_background(root: str, path: str, iteration: int, started: float):
-    """What the finalize step of a background save does once every rank's writer has ended."""
+class _BackgroundCompletion:
+    """What the finalize step of a background save does once every rank's writers have ended: all
+    ranks agree it succeeded, the proof and the tracker, and the line with what training paused."""
 
-    def on_written(failure: Optional[str]) -> None:
-        _fail_together(failure, root, path)
-        total = _complete(root, path, iteration)
-        seconds = time.perf_counter() - started
-        _print_rank0(f"> saved checkpoint at iteration {iteration} to {root} (finalized in the background): "
-                     f"{gb_and_rate(total, seconds)} since the save began")
+    def __init__(self, root: str, path: str, iteration: int, started: float, offload_write, model):
+        self.root, self.path, self.iteration, self.started = root, path, iteration, started
+        self.offload_write = offload_write  # mlp_offload.checkpoint_write.BackgroundStateWrite or None
+        self.model = model
+        self.held_s = 0.0  # the save's own hold, the slowest rank's (set once the save returns)
 
-    return on_written
+    def __call__(self, failure: Optional[str]) -> None:
+        write = self.offload_write
+        if failure is None and write is not None and write.failure is not None:
+            failure = _background_failure(write.failure, self.path)
+        _fail_together(failure, self.root, self.path)
+        total = _complete(self.root, self.path, self.iteration)
+        line = (f"> saved checkpoint at iteration {self.iteration} to {self.root} (finalized in the background): "
+                f"{gb_and_rate(total, time.perf_counter() - self.started)} since the save began")
+        if write is not None:
+            nbytes, write_s, paused_s = _slowest_rank([write.nbytes, write.write_s, write.paused_s], self.model)
+            line += (f"; offloaded optimizer state {gb_and_rate(nbytes, write_s)} per rank written in the background; "
+                     f"training paused {self.held_s + paused_s:.2f} s ({self.held_s:.2f} s at the save, "
+                     f"{paused_s:.2f} s in the updates after it)")
+        _print_rank0(line)
+
+
+def _background_failure(err: BaseException, path: str) -> str:
+    """The writer thread's failure as one line: every rank stops with it (a bug too, not only the
+    file system, since the thread cannot raise into training)."""
+    try:
+        return _save_failure(err, path)
+    except BaseException:
+        return (f"rank {torch.distributed.get_rank()}: writing the offloaded optimizer state failed: "
+                f"{type(err).__name__}: {err}")
 
 
 def _slowest_rank(figures, model) -> list:
@@ -320,7 +313,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler, args):
     template = _model_state(model, metadata)
     if plan.optimizer == SAME_FORM:
         if not plan.run_offloaded:
-            _prepare_fresh_optimizer_for_load(optimizer)
+            prepare_fresh_optimizer_for_load(optimizer)
         template["optimizer"] = optimizer.sharded_state_dict(template, is_loading=True, metadata=metadata)
     if plan.rng == "upstream":
         template["rng_state"] = rng_sharded_object(None)
@@ -354,16 +347,27 @@ def _load_optimizer(plan, optimizer, model, state, common, path, args) -> None:
         if plan.run_offloaded:
             optimizer.load_offloaded_state(path)
         else:
-            _restore_adam_steps(optimizer, state["optimizer"])
+            restore_adam_steps(optimizer, state["optimizer"])
     elif plan.optimizer == FROM_OFFLOADED:
-        _prepare_fresh_optimizer_for_load(optimizer)
-        fill_distributed_optimizer(_megatron_optimizers(optimizer), model, path, common["optimizer"]["offload_meta"])
-        _print_rank0(f"> optimizer state converted from the offloaded form in {path}")
+        prepare_fresh_optimizer_for_load(optimizer)  # the target's own state: allocated before the conversion
+        _convert("the offloaded form", path, args, model, lambda max_bytes: fill_distributed_optimizer(
+            megatron_optimizers(optimizer), model, path, common["optimizer"]["offload_meta"], max_bytes))
     else:  # FROM_DISTRIBUTED
         saved = common.get("args")
         scaled = bool(getattr(saved, "fp16", False) or getattr(saved, "loss_scale", None))
-        load_into_engine(optimizer, path, has_grad_scaler=scaled and optimizer.grad_scaler is not None)
-        _print_rank0(f"> optimizer state converted from megatron-core's distributed optimizer form in {path}")
+        _convert("megatron-core's distributed optimizer form", path, args, model, lambda max_bytes: load_into_engine(
+            optimizer, path, scaled and optimizer.grad_scaler is not None, max_bytes))
+
+
+def _convert(source: str, path: str, args, model, conversion) -> None:
+    """Run ``conversion(max_bytes)`` and say how long it took and how much memory it added at most."""
+    started, growth = time.perf_counter(), MemoryGrowth()
+    conversion(args.ckpt_convert_memory_mb << 20)
+    grown = growth.peak_bytes()
+    seconds, grown_mb = _slowest_rank([time.perf_counter() - started, -1 if grown is None else grown / 2**20], model)
+    memory = "" if grown_mb < 0 else f"; memory grew by at most {grown_mb:.0f} MB on any rank meanwhile"
+    _print_rank0(f"> optimizer state converted from {source} in {path} in {seconds:.1f} s, in pieces of at most "
+                 f"{args.ckpt_convert_memory_mb} MB (--ckpt-convert-memory-mb){memory}")
 
 
 def _print_rank0(line: str) -> None:

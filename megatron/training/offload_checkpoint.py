@@ -21,7 +21,8 @@ from megatron.training.offload_state_source import OffloadedStateSource
 from megatron.training.param_geometry import param_geometries
 from megatron.training.shard_layout import ShardLayout
 from mlp_offload import OffloadedAdamW
-from mlp_offload.checkpoint import CheckpointDataError, load_engine_state, read_footer, save_engine_state, state_file_bytes
+from mlp_offload.checkpoint import CheckpointDataError, load_engine_state, read_footer, state_file_bytes
+from mlp_offload.checkpoint_write import BackgroundStateWrite, save_engine_state, start_background_save
 
 log = logging.getLogger("mlp_offload")
 
@@ -40,6 +41,13 @@ class OffloadedStateFiles:
 
     def save(self, checkpoint_dir: str) -> int:
         """Stream this rank's state into ``checkpoint_dir/offload/`` (a file per rank); returns its bytes."""
+        return save_engine_state(self.engine, *self._file_and_metadata(checkpoint_dir))
+
+    def start_save(self, checkpoint_dir: str) -> BackgroundStateWrite:
+        """The same file, written by a thread from a snapshot taken now, once ``start()``ed."""
+        return start_background_save(self.engine, *self._file_and_metadata(checkpoint_dir))
+
+    def _file_and_metadata(self, checkpoint_dir: str):
         path = _state_path(checkpoint_dir)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         pieces = [[self.param_names[p], self.layout.param_slice[p], b - a, a]
@@ -47,9 +55,8 @@ class OffloadedStateFiles:
         # Where each parameter lies in its global tensor: what a run at other TP/PP sizes needs.
         geometry = {self.param_names[p]: g.to_json()
                     for p, g in param_geometries(self.model_chunks, sharding_metadata()).items()}
-        return save_engine_state(self.engine, path,
-                                 metadata={"dp_size": self.dp_size, "params": pieces, "geometry": geometry,
-                                           "model_chunks": len(self.model_chunks)})
+        return path, {"dp_size": self.dp_size, "params": pieces, "geometry": geometry,
+                      "model_chunks": len(self.model_chunks)}
 
     def nbytes(self) -> int:
         return state_file_bytes(self.engine.numel, self.engine.config.state_dtypes)

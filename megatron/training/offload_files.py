@@ -11,7 +11,7 @@ from __future__ import annotations
 import glob
 import os
 import re
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -57,7 +57,7 @@ def same_model_parallel_layout(checkpoint_dir: str, pp: int, tp: int, chunks: in
 class OffloadFileSet:
     """The offload files of one (pp, tp) position, opened for reads by (parameter, element range)."""
 
-    def __init__(self, checkpoint_dir: str, pp: int, tp: int):
+    def __init__(self, checkpoint_dir: str, pp: int, tp: int, cache_bytes: Optional[int] = None):
         pattern = offload_file_path(checkpoint_dir, pp, tp, 0).replace("dp000", "dp*")
         self.files = sorted(glob.glob(pattern))
         if not self.files:
@@ -74,7 +74,9 @@ class OffloadFileSet:
         self.where = checkpoint_dir
         # name -> ParamGeometry as JSON (files written before it was recorded have none)
         self.geometry: Dict[str, list] = footers[0]["metadata"].get("geometry") or {}
-        self._readers = [RangeReader(f, footer["subgroups"], stored_dtypes(footer)) for f, footer in zip(self.files, footers)]
+        share = None if cache_bytes is None else cache_bytes // len(self.files)  # what each file's reader may cache
+        self._readers = [RangeReader(f, footer["subgroups"], stored_dtypes(footer), share)
+                         for f, footer in zip(self.files, footers)]
         # param name -> [(offset in the param, length, offset in the file, reader)]
         self._held: Dict[str, List[Tuple[int, int, int, RangeReader]]] = {}
         for path, reader, footer in zip(self.files, self._readers, footers):

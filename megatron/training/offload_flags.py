@@ -25,6 +25,7 @@ FLAG_OF_FIELD = {
     "use_odirect": ("--offload-no-odirect", 1),
     "verify_checksums": ("--offload-no-checksums", 1),
     "cache_alternating": ("--offload-no-cache", 1),
+    "save_staging_bytes": ("--offload-save-staging-gb", 1 << 30),
 }
 _FIELD = re.compile(r"\b(" + "|".join(FLAG_OF_FIELD) + r")\b(?:=(-?[0-9][0-9.e+]*))?")
 _PATH = re.compile(r"paths\[['\"]([A-Za-z0-9_]+)['\"]\]")
@@ -66,6 +67,7 @@ def config_from_args(args, rank: int) -> OffloadConfig:
         bandwidths=parse_bandwidths(args.offload_bandwidths or ""),
         adam_kernel=args.offload_adam_kernel,
         probe_bytes=args.offload_probe_mb << 20,
+        save_staging_bytes=int(args.offload_save_staging_gb * GiB),
         rank=rank,
         trace_path=per_rank_path(args.offload_trace, rank),
         state_dtypes=state_dtypes(args),

@@ -10,7 +10,7 @@ read once, from the first position holding them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -33,14 +33,15 @@ class _SavedPiece:
 class OffloadedStateByGeometry:
     """All (pp, tp) positions' offload files of one checkpoint, read by global region."""
 
-    def __init__(self, checkpoint_dir: str):
+    def __init__(self, checkpoint_dir: str, cache_bytes: Optional[int] = None):
         self.where = checkpoint_dir
         self.pp_size, self.tp_size = saved_model_parallel_sizes(checkpoint_dir)
         self._sets: List[OffloadFileSet] = []
+        share = None if cache_bytes is None else cache_bytes // (self.pp_size * self.tp_size)
         try:
             for pp in range(self.pp_size):
                 for tp in range(self.tp_size):
-                    self._sets.append(OffloadFileSet(checkpoint_dir, pp, tp))
+                    self._sets.append(OffloadFileSet(checkpoint_dir, pp, tp, share))
             self._pieces, self._shapes = self._index_saved_pieces()
         except BaseException:
             self.close()

@@ -213,6 +213,9 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
     def save_offloaded_state(self, checkpoint_dir: str) -> int:
         return self.state_files.save(checkpoint_dir)
 
+    def start_offloaded_save(self, checkpoint_dir: str):
+        return self.state_files.start_save(checkpoint_dir)
+
     def offloaded_state_bytes(self) -> int:
         return self.state_files.nbytes()
 

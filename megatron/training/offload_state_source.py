@@ -7,7 +7,7 @@ megatron-core's own optimizer fill themselves through ``read(param, start, end, 
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 
@@ -22,8 +22,8 @@ from mlp_offload.checkpoint import CheckpointDataError
 class _ByName:
     """This (pp, tp) position's files, saved at any DP size."""
 
-    def __init__(self, checkpoint_dir: str, model_chunks, pp_rank: int, tp_rank: int):
-        self.files = OffloadFileSet(checkpoint_dir, pp_rank, tp_rank)
+    def __init__(self, checkpoint_dir: str, model_chunks, pp_rank: int, tp_rank: int, cache_bytes: Optional[int]):
+        self.files = OffloadFileSet(checkpoint_dir, pp_rank, tp_rank, cache_bytes)
         self.names = param_names(model_chunks)
         self.steps_done, self.saved_dp_size = self.files.steps_done, self.files.dp_size
 
@@ -37,9 +37,10 @@ class _ByName:
 class _ByGeometry:
     """Every position's files, saved at another TP or PP size or another number of chunks per rank."""
 
-    def __init__(self, checkpoint_dir: str, model_chunks, sharding_metadata: dict, saved_layout: str, now_layout: str):
+    def __init__(self, checkpoint_dir: str, model_chunks, sharding_metadata: dict, saved_layout: str, now_layout: str,
+                 cache_bytes: Optional[int]):
         try:
-            self.state = OffloadedStateByGeometry(checkpoint_dir)
+            self.state = OffloadedStateByGeometry(checkpoint_dir, cache_bytes)
         except MissingGeometryError:
             raise UserError(f"--load {checkpoint_dir}: its offloaded optimizer state was saved at {saved_layout} by "
                             f"a version that did not record parameter geometry, so it cannot be resharded to "
@@ -67,9 +68,10 @@ def _layout(pp: int, tp: int, chunks: int) -> str:
 
 class OffloadedStateSource:
     """Opened for this rank: ``read``, ``steps_done``, ``saved_sizes`` (pp, tp), ``saved_dp_size``,
-    ``saved_layout`` and ``layout`` (TP, PP and VPP as words)."""
+    ``saved_layout`` and ``layout`` (TP, PP and VPP as words). ``cache_bytes`` bounds the stored
+    subgroups its file readers keep (None: two per file)."""
 
-    def __init__(self, checkpoint_dir: str, model_chunks):
+    def __init__(self, checkpoint_dir: str, model_chunks, cache_bytes: Optional[int] = None):
         from megatron.training.checkpoint_rng import rank_coordinates
         from megatron.training.checkpointing import sharding_metadata  # it imports us
 
@@ -79,9 +81,10 @@ class OffloadedStateSource:
         self.layout = _layout(pp, tp, len(model_chunks))
         self.same_model_parallel_layout = same_model_parallel_layout(checkpoint_dir, pp, tp, len(model_chunks))
         if self.same_model_parallel_layout:
-            self._impl = _ByName(checkpoint_dir, model_chunks, p, t)
+            self._impl = _ByName(checkpoint_dir, model_chunks, p, t, cache_bytes)
         else:
-            self._impl = _ByGeometry(checkpoint_dir, model_chunks, sharding_metadata(), self.saved_layout, self.layout)
+            self._impl = _ByGeometry(checkpoint_dir, model_chunks, sharding_metadata(), self.saved_layout, self.layout,
+                                     cache_bytes)
         self.steps_done, self.saved_dp_size = self._impl.steps_done, self._impl.saved_dp_size
 
     def read(self, param, start: int, end: int, outs) -> None:

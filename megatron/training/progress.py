@@ -45,3 +45,35 @@ def directory_bytes(path: str) -> int:
             except OSError:  # removed meanwhile (a temporary file)
                 pass
     return total
+
+
+class MemoryGrowth:
+    """How far this process's resident memory rises above its level at construction: the kernel's
+    high-water mark (VmHWM), reset then through /proc/self/clear_refs. ``peak_bytes()`` is None where
+    /proc does not allow the reset (the figure would be the process's lifetime peak)."""
+
+    def __init__(self):
+        self.base = _status_kb("VmRSS")
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets VmHWM to the current RSS
+            self.resettable = True
+        except OSError:
+            self.resettable = False
+
+    def peak_bytes(self) -> Optional[int]:
+        peak = _status_kb("VmHWM")
+        if not self.resettable or peak is None or self.base is None:
+            return None
+        return max(0, peak - self.base) * 1024
+
+
+def _status_kb(field: str) -> Optional[int]:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None

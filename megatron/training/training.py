@@ -275,7 +275,7 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
     offload_state_bytes = optimizer.state_bytes_per_tier() if isinstance(optimizer, ReportsIteration) else {}
     first_of_run = True
     stop = StopCheck(args.sigterm_watcher, args.exit_duration_in_mins, started)
-    background = BackgroundSaves() if args.async_save else None
+    background = BackgroundSaves(device) if args.async_save else None
     try:
         while iteration < args.train_iters:
             batch_schedule.advance(args, consumed)

@@ -1,6 +1,8 @@
 """Storage alignment: O_DIRECT needs offsets, lengths and buffer addresses aligned to the logical
 block size. 4096 covers the devices in use (NVMe, SATA, virtio; Lustre and GPFS clients)."""
 
+import torch
+
 ALIGN = 4096
 
 
@@ -10,3 +12,10 @@ def align_up(nbytes: int, align: int = ALIGN) -> int:
 
 def align_down(nbytes: int, align: int = ALIGN) -> int:
     return nbytes // align * align
+
+
+def aligned_empty(nbytes: int) -> torch.Tensor:
+    """An uninitialised uint8 buffer of ``nbytes`` starting on an ALIGN boundary."""
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+    shift = (-raw.data_ptr()) % ALIGN
+    return raw[shift: shift + nbytes]

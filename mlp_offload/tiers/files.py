@@ -17,7 +17,7 @@ import zlib
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -108,6 +108,9 @@ class FileTier:
         self._op_threads = op_threads
         self._crcs: Dict[str, List[int]] = {}
         self._sizes: Dict[str, int] = {}
+        # Keys whose file has a second name (a checkpoint snapshot's link): their next write goes to
+        # a new file, so the linked one keeps the bytes it had.
+        self._linked: Set[str] = set()
         self.closed = False
 
     # -- public API ------------------------------------------------------------------------
@@ -146,6 +149,17 @@ class FileTier:
     def free_bytes(self) -> int:
         st = os.statvfs(self.root)
         return st.f_bavail * st.f_frsize
+
+    def link(self, key: str, alias: str) -> None:
+        """Give file ``key`` the second name ``alias`` (a hard link: no data moves), readable as a
+        key of its own with the checksums ``key`` has now; ``key`` stays writable, its next write
+        going to a new file. No write of ``key`` may be in flight."""
+        alias_path = self.path_of(alias)
+        os.makedirs(os.path.dirname(alias_path), exist_ok=True)
+        os.link(self.path_of(key), alias_path)
+        self._crcs[alias] = list(self._crcs[key])
+        self._sizes[alias] = self._sizes[key]
+        self._linked.add(key)
 
     def forget(self, key: str) -> None:
         """Delete file ``key`` and what this tier knows of it."""
@@ -201,6 +215,12 @@ class FileTier:
 
     def _write(self, key: str, extents: List[Extent]) -> int:
         path = self.path_of(key)
+        if key in self._linked:  # a snapshot reads the old file by its other name: leave it as it is
+            self._linked.discard(key)
+            try:
+                os.unlink(path)
+            except OSError as err:
+                raise self._io_error("unlink", path, err) from err
         try:
             fd = self._open(path, os.O_WRONLY | os.O_CREAT)
         except OSError as err:

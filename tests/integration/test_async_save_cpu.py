@@ -1,64 +1,120 @@
-"""--async-save with offload (2 CPU processes): the torch_dist files are written in the background,
-and a checkpoint is proven complete (COMPLETE.json) and named by the tracker only in the finalize
-step, once every rank's write has ended. A rank killed after a background write was scheduled
-leaves that checkpoint unfinished: the restart ignores it, resumes from the previous one and
-continues exactly as a run that never stopped (and never saved)."""
+"""--async-save with offload (2 CPU processes): the torch_dist files are written by a background
+process and the offloaded optimizer state by a thread of each rank, from a snapshot taken at the
+save, while training goes on. The writer is slowed down (MLP_OFFLOAD_DELAY, per subgroup written)
+so that the next iterations overwrite the state, in host memory and in the tier files, while it
+is still being written. A checkpoint is proven complete (COMPLETE.json) and named by the tracker
+only in the finalize step, once every rank's writes have ended; a rank killed in the middle of the
+background write leaves that checkpoint unfinished, and the restart resumes from the previous one
+exactly as a run that never stopped."""
+
+import re
 
 import pytest
 
 from launch import run_pretrain
 from megatron.training import checkpoint_integrity as integrity
+from mlp_offload.checkpoint import read_footer
 from test_offload_cpu import offload_args
 
 ITERS = 6
-KILLED_AT_SAVE_4 = "save-scheduled@1#2"  # rank 1 dies just after scheduling the write of checkpoint 4
+SAVES = ["--save-interval", "2"]
+SLOW_WRITER = {"MLP_OFFLOAD_DELAY": "save-offload=0.1"}  # per subgroup: about 2 s per checkpoint
+
+
+def offload_file(ckpt, iteration, dp):
+    return ckpt / f"iter_{iteration:07d}" / "offload" / f"pp000_tp000_dp{dp:03d}.offload"
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("full")
-    return run_pretrain(tmp, offload_args(tmp), train_iters=ITERS)
+def sync_saved(tmp_path_factory):
+    """The reference: the same run with synchronous saves."""
+    tmp = tmp_path_factory.mktemp("sync")
+    ckpt = tmp / "ckpt"
+    losses = run_pretrain(tmp, [*offload_args(tmp), "--save", str(ckpt), *SAVES], train_iters=ITERS)
+    return {"ckpt": ckpt, "losses": losses}
 
 
 @pytest.fixture(scope="module")
-def chain(tmp_path_factory):
-    """A run killed after scheduling checkpoint 4's background write, then the same command again."""
+def async_saved(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("async")
+    ckpt = tmp / "ckpt"
+    losses = run_pretrain(tmp, [*offload_args(tmp), "--save", str(ckpt), *SAVES, "--async-save"],
+                          train_iters=ITERS, env=SLOW_WRITER, loss_log=tmp / "run.jsonl")
+    return {"ckpt": ckpt, "losses": losses, "output": (tmp / "run.out").read_text()}
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory, sync_saved):
+    """A run whose rank 1 is killed while its thread writes checkpoint 4's offloaded state (with no
+    staging: the update waits for the writer where it overtakes it), then the same command again."""
     tmp = tmp_path_factory.mktemp("chain")
     ckpt = tmp / "ckpt"
-    args = [*offload_args(tmp), "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "2", "--async-save"]
-    crashed = run_pretrain(tmp, args, train_iters=ITERS, env={"MLP_OFFLOAD_FAULT": KILLED_AT_SAVE_4},
-                           loss_log=tmp / "crashed.jsonl", expect_success=False)[0]
+    args = [*offload_args(tmp), "--save", str(ckpt), "--load", str(ckpt), *SAVES, "--async-save",
+            "--offload-save-staging-gb", "0"]
+    per_save = len(read_footer(str(offload_file(sync_saved["ckpt"], 2, 1)))["subgroups"])
+    kill = {"MLP_OFFLOAD_FAULT": f"save-offload@1#{per_save + 2}"}  # after the 2nd subgroup of save 4
+    crashed = run_pretrain(tmp, args, train_iters=ITERS, env=kill, loss_log=tmp / "crashed.jsonl",
+                           expect_success=False)[0]
     after_crash = {
         "tracker": (ckpt / integrity.TRACKER).read_text(),
         "states": {n: integrity.status(str(integrity.checkpoint_dir(ckpt, n))).state for n in (2, 4)},
+        "partial": [p.name for p in (ckpt / "iter_0000004" / "offload").glob("*")],
     }
     resumed = run_pretrain(tmp, args, train_iters=ITERS, loss_log=tmp / "resumed.jsonl")
     return {"ckpt": ckpt, "crashed": crashed, "after_crash": after_crash, "resumed": resumed,
             "resumed_output": (tmp / "resumed.out").read_text()}
 
 
-def test_a_kill_before_finalize_leaves_the_previous_checkpoint(chain):
+def test_async_saved_checkpoints_hold_exactly_what_sync_saved_ones_do(sync_saved, async_saved):
+    """The iterations after each save overwrote the state while it was being written: the files
+    are nevertheless byte for byte the synchronous save's, and training was unchanged."""
+    assert async_saved["losses"] == sync_saved["losses"]
+    for iteration in (2, 4, 6):
+        for dp in (0, 1):
+            written = offload_file(async_saved["ckpt"], iteration, dp).read_bytes()
+            assert written == offload_file(sync_saved["ckpt"], iteration, dp).read_bytes(), (iteration, dp)
+    states = {n: integrity.status(p).state for n, p in integrity.iteration_dirs(str(async_saved["ckpt"])).items()}
+    assert states == {n: integrity.COMPLETE_STATE for n in (2, 4, 6)}
+
+
+def test_training_goes_on_while_the_offloaded_state_is_written(async_saved):
+    """Iteration 3 ran while checkpoint 2 was being written, and training paused for a fraction of
+    the write: the update did not wait for the writer."""
+    output = async_saved["output"]
+    saved = output.index("> checkpoint at iteration 2: training held")
+    finalized = output.index("> saved checkpoint at iteration 2 ")
+    assert saved < output.index(" iteration        3/") < finalized
+    figures = re.search(r"> saved checkpoint at iteration 2 .*offloaded optimizer state [0-9.]+ GB in ([0-9.]+) s .* "
+                        r"per rank written in the background; training paused ([0-9.]+) s", output)
+    write_s, paused_s = float(figures.group(1)), float(figures.group(2))
+    assert write_s >= 1.0 and paused_s < write_s / 2, figures.group(0)
+
+
+def test_a_kill_during_the_background_write_leaves_the_previous_checkpoint(chain):
     assert chain["crashed"]["returncode"] != 0, chain["crashed"]["output"][-3000:]
     assert "> saved checkpoint at iteration 2 " in chain["crashed"]["output"]  # finalized before the kill
-    assert chain["after_crash"] == {"tracker": "2", "states": {2: integrity.COMPLETE_STATE, 4: integrity.INCOMPLETE}}
-    output = chain["resumed_output"]
-    assert f"removed incomplete checkpoint {chain['ckpt'] / 'iter_0000004'}" in output
+    assert chain["after_crash"]["tracker"] == "2"
+    assert chain["after_crash"]["states"] == {2: integrity.COMPLETE_STATE, 4: integrity.INCOMPLETE}
+    assert "pp000_tp000_dp001.offload.tmp" in chain["after_crash"]["partial"]  # killed mid-file
+    assert f"removed incomplete checkpoint {chain['ckpt'] / 'iter_0000004'}" in chain["resumed_output"]
 
 
-def test_the_async_chain_resumes_exactly(chain, uninterrupted):
+def test_the_async_chain_resumes_exactly(chain, sync_saved):
     resumed = chain["resumed"]
     assert [r["iteration"] for r in resumed] == list(range(3, ITERS + 1))
-    assert resumed == uninterrupted[2:]
+    assert resumed == sync_saved["losses"][2:]
 
 
 def test_every_save_is_finalized_before_exit(chain):
-    """Each save says what it wrote synchronously and how long training was held, then, later, that
-    it completed; the exit waited for the last one: all complete, the tracker at the last."""
+    """Each save says how long training was held, then, later, that it completed and what training
+    paused in all; the exit waited for the last one: all complete, the tracker at the last."""
     ckpt, output = chain["ckpt"], chain["resumed_output"]
     for n in (4, 6):
-        assert f"> checkpoint at iteration {n}: offloaded optimizer state" in output
-        assert "written synchronously, training held" in output
-        assert f"> saved checkpoint at iteration {n} to {ckpt} (finalized in the background): " in output
+        assert f"> checkpoint at iteration {n}: training held" in output
+        assert "and offloaded optimizer state" in output
+        assert re.search(rf"> saved checkpoint at iteration {n} to {ckpt} \(finalized in the background\): .*"
+                         r"written in the background; training paused [0-9.]+ s \([0-9.]+ s at the save, "
+                         r"[0-9.]+ s in the updates after it\)", output)
     assert "not implemented" not in output
     assert (ckpt / integrity.TRACKER).read_text() == "6"
     assert {n: integrity.status(p).state for n, p in integrity.iteration_dirs(str(ckpt)).items()} == \

@@ -31,3 +31,15 @@ def engine_state(engine):
         for acc, t in zip(parts, tensors):
             acc.append(t.clone())
     return tuple(torch.cat(p) for p in parts)
+
+
+def bf16_grads(seed, steps, numel):
+    """``steps`` reproducible bf16 gradients for a shard of ``numel`` elements."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(numel, generator=gen).to(torch.bfloat16) for _ in range(steps)]
+
+
+def run_steps(engine, grad_list):
+    for g in grad_list:
+        engine.grad_buffer.copy_(g)
+        engine.step()

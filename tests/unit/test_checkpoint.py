@@ -10,22 +10,19 @@ import torch
 
 from mlp_offload import OffloadedAdamW
 from mlp_offload.checkpoint import (LEGACY_MAGIC, MAGIC, TRAILER, CheckpointDataError, CheckpointSaveError,
-                                    load_engine_state, read_footer, save_engine_state)
+                                    RangeReader, load_engine_state, read_footer)
+from mlp_offload.checkpoint_write import save_engine_state
 
-from .helpers import engine_state, fast_config
+from .helpers import bf16_grads, engine_state, fast_config, run_steps
 
 NUMEL = 70_001
 
 
 def grads(seed, steps):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(NUMEL, generator=gen).to(torch.bfloat16) for _ in range(steps)]
+    return bf16_grads(seed, steps, NUMEL)
 
 
-def run(engine, grad_list):
-    for g in grad_list:
-        engine.grad_buffer.copy_(g)
-        engine.step()
+run = run_steps
 
 
 @pytest.mark.parametrize("resume", [
@@ -167,3 +164,27 @@ def test_disk_full_while_saving_names_the_file_and_removes_it(tmp_path, monkeypa
             save_engine_state(eng, path)
     assert open(path, "rb").read() == before
     assert not os.path.exists(path + ".tmp")
+
+
+def test_a_bounded_reader_reads_ranges_and_still_checks_every_tensor(tmp_path):
+    """With a cache budget below a stored tensor (10 000 elements, 40 KB each here) the reader checks
+    each tensor's CRC by streaming it once and then reads only the ranges asked for: the same
+    numbers as the caching reader; a damaged tensor is refused before any of it is used."""
+    path = _saved(tmp_path)
+    footer = read_footer(path)
+    whole, bounded = RangeReader(path, footer["subgroups"]), RangeReader(path, footer["subgroups"], cache_bytes=60_000)
+    for start, end in [(0, 70_001), (9_990, 10_020), (35_000, 35_001), (12_345, 61_000)]:
+        for k in range(3):
+            a, b = torch.empty(end - start), torch.empty(end - start)
+            whole.read(k, start, end, a)
+            bounded.read(k, start, end, b)
+            assert torch.equal(a, b)
+    assert all(6 * t.numel() * 4 <= 60_000 for t in bounded._cached.values())  # only the 1-element tail
+    whole.close()
+    bounded.close()
+    with open(path, "r+b") as f:
+        f.seek(2 * 12 * 10_000 + 4 * 10_000 + 123)  # inside exp_avg of the third stored subgroup
+        f.write(b"\xff\xff")
+    with RangeReader(path, footer["subgroups"], cache_bytes=60_000) as damaged, \
+            pytest.raises(CheckpointDataError, match="checksum mismatch in exp_avg of elements 20000..30000"):
+        damaged.read(1, 25_000, 25_010, torch.empty(10))

@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mlp_offload import OffloadConfigError, OffloadedAdamW
-from mlp_offload.checkpoint import load_engine_state, save_engine_state
+from mlp_offload.checkpoint import load_engine_state
+from mlp_offload.checkpoint_write import save_engine_state
 from mlp_offload.subgroups import partition
 from mlp_offload.tiers.align import align_up
 

@@ -1,0 +1,244 @@
+"""Writing one engine's state into a checkpoint file (the format: ``checkpoint``), from a snapshot.
+
+Synchronously (``save_engine_state``: training waits) or by a thread while training goes on
+(``start_background_save`` -> ``BackgroundStateWrite``). Both write a ``StateSnapshot`` the same
+way: each subgroup at its own offset (byte offsets follow from the element ranges, so the writer
+may go in the order the next update needs and still lay the file out in element order), the
+footer, the trailer, fsync, rename. Subgroups held in files are read through their tier (their
+block CRCs checked), two at a time, so the next read overlaps this write.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import threading
+import time
+import zlib
+from typing import Dict, List, Optional
+
+import torch
+
+from .checkpoint import MAGIC, TRAILER, CheckpointSaveError, human_bytes, state_file_bytes
+from .engine import OffloadedAdamW
+from .faults import fault_point
+from .pipeline import StateViews
+from .snapshot import StateSnapshot
+from .tiers.align import aligned_empty
+from .tiers.files import fsync_path
+
+log = logging.getLogger("mlp_offload")
+CHUNK_BYTES = 64 << 20  # a write call's size: a cancel is noticed within one
+
+
+def save_engine_state(engine: OffloadedAdamW, path: str, metadata: Optional[dict] = None) -> int:
+    """Stream the engine's state into ``path`` now; returns bytes written. On failure the partial
+    ``.tmp`` file is removed and a file already at ``path`` is left as it was."""
+    snapshot = engine.snapshot(link_files=False)  # nothing changes the state before this returns
+    try:
+        return write_snapshot(snapshot, path, metadata)
+    finally:
+        snapshot.release()
+
+
+def start_background_save(engine: OffloadedAdamW, path: str, metadata: Optional[dict] = None) -> "BackgroundStateWrite":
+    """Snapshot the engine's state now (cheap: see snapshot) for a thread that writes it into
+    ``path`` once ``start()``ed, while the engine goes on stepping. Where the tier's file system
+    has no hard links the state is written now instead (the handle is then already done)."""
+    try:
+        snapshot = engine.snapshot(link_files=True)
+    except OSError as err:
+        if err.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
+            raise
+        log.warning("the offload tiers' file system refused a hard link (%s): the offloaded state is written "
+                    "synchronously", err.strerror or err)
+        return BackgroundStateWrite.finished_now(engine, path, metadata)
+    short = _tier_short_of_space(snapshot, engine.config.resolved_ranks_sharing_node())
+    if short:
+        snapshot.cancel()
+        log.warning("%s: the offloaded state is written synchronously", short)
+        return BackgroundStateWrite.finished_now(engine, path, metadata)
+    return BackgroundStateWrite(snapshot, path, metadata)
+
+
+def _tier_short_of_space(snapshot: StateSnapshot, ranks: int) -> Optional[str]:
+    """While the writer reads the linked files, the updates write those subgroups to new ones: a
+    tier may need their bytes twice (for every rank of the node, as start-up counts)."""
+    needed: Dict[str, list] = {}
+    for i, copy in snapshot.on_tier.items():
+        entry = needed.setdefault(copy.tier.name, [copy.tier, 0])
+        entry[1] += snapshot.subgroups[i].state_bytes * ranks
+    for name, (tier, nbytes) in needed.items():
+        if tier.free_bytes() < nbytes:
+            return (f"tier {name} has {human_bytes(tier.free_bytes())} free, a background save needs "
+                    f"{human_bytes(nbytes)} there for the files the next updates rewrite meanwhile")
+    return None
+
+
+class BackgroundStateWrite:
+    """One rank's offloaded state being written by a thread. ``done()`` never blocks; ``wait()``
+    joins; ``failure`` is the exception that stopped it (None once it succeeded)."""
+
+    def __init__(self, snapshot: Optional[StateSnapshot], path: str, metadata: Optional[dict]):
+        self.snapshot = snapshot
+        self.path = path
+        self.metadata = metadata
+        self.nbytes = state_file_bytes(snapshot.numel, snapshot.dtype_names) if snapshot else 0
+        self.write_s = 0.0
+        self.failure: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, name="mlp-checkpoint-writer", daemon=True)
+
+    @classmethod
+    def finished_now(cls, engine: OffloadedAdamW, path: str, metadata: Optional[dict]) -> "BackgroundStateWrite":
+        handle = cls(None, path, metadata)
+        started = time.perf_counter()
+        handle.nbytes = save_engine_state(engine, path, metadata)
+        handle.write_s = time.perf_counter() - started
+        return handle
+
+    @property
+    def paused_s(self) -> float:
+        """What holding the update back for this write has cost training so far."""
+        return self.snapshot.paused_s if self.snapshot else 0.0
+
+    def start(self) -> None:
+        if self.snapshot is not None:
+            self._thread.start()
+
+    def done(self) -> bool:
+        return self.snapshot is None or (self._thread.ident is not None and not self._thread.is_alive())
+
+    def wait(self) -> None:
+        if self.snapshot is not None and self._thread.ident is not None:
+            self._thread.join()
+
+    def cancel(self) -> None:
+        """Stop writing (the run is failing): the partial file is removed; the engine steps freely."""
+        if self.snapshot is not None:
+            self.snapshot.cancel()
+            self.wait()
+
+    def _run(self) -> None:
+        started = time.perf_counter()
+        self.snapshot.writer_starts()
+        try:
+            self.nbytes = write_snapshot(self.snapshot, self.path, self.metadata)
+        except BaseException as err:  # reported by the finalize step, on every rank
+            self.failure = err
+        finally:
+            self.snapshot.release()
+            self.write_s = time.perf_counter() - started
+
+
+def write_snapshot(snapshot: StateSnapshot, path: str, metadata: Optional[dict]) -> int:
+    """Write ``snapshot`` into ``path`` (via ``path.tmp``, fsynced, renamed); returns its bytes."""
+    tmp = path + ".tmp"
+    try:
+        size = _write(snapshot, tmp, metadata)
+        os.replace(tmp, path)
+        fsync_path(os.path.dirname(os.path.abspath(path)))
+    except BaseException as err:
+        _remove(tmp)
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise CheckpointSaveError(
+                f"{path}: {err.strerror or err} while saving the offloaded optimizer state: "
+                f"{human_bytes(state_file_bytes(snapshot.numel, snapshot.dtype_names))} needed for this file, "
+                f"{human_bytes(_free_bytes(path))} free; the partial file was removed") from err
+        raise
+    return size
+
+
+def _write(snapshot: StateSnapshot, tmp: str, metadata: Optional[dict]) -> int:
+    offsets, end = {}, 0
+    for sg in snapshot.subgroups:  # element order: where each subgroup's bytes go
+        offsets[sg.index] = end
+        end += state_file_bytes(sg.numel, snapshot.dtype_names)
+    crcs: Dict[int, List[int]] = {}
+    reads = _TierReads(snapshot)
+    with open(tmp, "wb") as f:
+        fd = f.fileno()
+        for i in snapshot.order:
+            snapshot.check_cancelled()
+            views = snapshot.take(i) if i in snapshot.memory else reads.get(i)
+            try:
+                crcs[i] = _put(fd, offsets[i], views.narrow(snapshot.subgroups[i].numel), snapshot)
+            finally:
+                snapshot.done_with(i)
+            fault_point("save-offload")
+        entries = [{"start": sg.start, "end": sg.end, "offset": offsets[sg.index], "crc": crcs[sg.index]}
+                   for sg in snapshot.subgroups]
+        footer = json.dumps({
+            "numel": snapshot.numel, "steps_done": snapshot.steps_done, "subgroups": entries,
+            "dtypes": snapshot.dtype_names, "metadata": metadata or {},
+        }).encode()
+        _pwrite_all(fd, footer + TRAILER.pack(MAGIC, len(footer), zlib.crc32(footer)), end)
+        os.fsync(fd)
+        return end + len(footer) + TRAILER.size
+
+
+def _put(fd: int, offset: int, tensors, snapshot: StateSnapshot) -> List[int]:
+    """Each tensor's stored bytes, back to back from ``offset``; their CRC32s."""
+    crcs = []
+    for t in tensors:
+        view = memoryview(t.view(torch.uint8).numpy())
+        crc = 0
+        for pos in range(0, len(view), CHUNK_BYTES):
+            snapshot.check_cancelled()
+            chunk = view[pos: pos + CHUNK_BYTES]
+            _pwrite_all(fd, chunk, offset + pos)
+            crc = zlib.crc32(chunk, crc)
+        crcs.append(crc)
+        offset += len(view)
+    return crcs
+
+
+def _pwrite_all(fd: int, data, offset: int) -> None:
+    data = memoryview(data)
+    while len(data):
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
+
+
+class _TierReads:
+    """The file-held subgroups read through their tiers in the writer's order, the next one into
+    the other of two buffers while this one is written."""
+
+    def __init__(self, snapshot: StateSnapshot):
+        self.snapshot = snapshot
+        self.ids = [i for i in snapshot.order if i in snapshot.on_tier]
+        self.buffers: List[StateViews] = []
+        self.pending: Dict[int, object] = {}
+        self.next = 0
+
+    def get(self, i: int) -> StateViews:
+        if not self.pending:
+            self._issue()
+        k, future = self.pending.pop(i)
+        future.result()
+        self._issue()  # into the other buffer, which held the subgroup written last
+        return self.buffers[k % 2]
+
+    def _issue(self) -> None:
+        if self.next >= len(self.ids):
+            return
+        k, i = self.next, self.ids[self.next]
+        self.next += 1
+        if len(self.buffers) <= k % 2:
+            largest = self.snapshot.largest
+            self.buffers.append(StateViews.over(aligned_empty(largest.state_bytes), largest, self.snapshot.dtypes))
+        copy = self.snapshot.on_tier[i]
+        self.pending[i] = (k, copy.tier.submit_read(copy.key, self.buffers[k % 2].extents(self.snapshot.subgroups[i])))
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _free_bytes(path: str) -> int:
+    st = os.statvfs(os.path.dirname(os.path.abspath(path)))
+    return st.f_bavail * st.f_frsize

@@ -1,0 +1,155 @@
+"""The engine's state at one moment, kept for a checkpoint writer while training goes on.
+
+Taken between two updates (``StateAccess.snapshot``), at the cost of a flush of the writes behind
+and a hard link per streamed subgroup. Each subgroup's state is read by the writer from one of two
+places:
+
+- its tier file, where that is current: the file gets a second name (``FileTier.link``) and the
+  writer reads that; the next update's write of the subgroup goes to a new file, so the linked
+  bytes never change and the update never waits for them.
+- memory: host-resident subgroups, and streamed ones whose newest state is in a pipeline buffer
+  (kept unwritten, or a hit of the next step). The next update changes these in place, so
+  ``before_update(i)`` holds it back until the writer has subgroup ``i``: at once if the writer is
+  done with it, else a copy goes into a staging buffer (at most ``staging_bytes`` of them, on
+  demand) that the writer takes instead; with no staging left, the update waits for the writer.
+  The writer takes the memory ones first, in the next update's order, so it runs ahead of the
+  update for as long as it can. The time ``before_update`` takes is the pause training has.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Sequence
+
+import torch
+
+from .pipeline import StateViews
+from .subgroups import Subgroup
+from .tiers.align import aligned_empty
+from .tiers.files import FileTier
+
+# What the writer has done with a memory subgroup.
+PENDING, STAGING, STAGED, WRITING, DONE = "pending", "staging", "staged", "writing", "done"
+
+
+class SnapshotCancelled(RuntimeError):
+    """The snapshot was given up (the engine closes, the run fails) before the writer finished."""
+
+
+@dataclass
+class TierCopy:
+    tier: FileTier
+    key: str  # the name the writer reads: the link, or the live file for a save nothing overtakes
+    linked: bool  # a link of the snapshot's own, removed once read
+
+
+class StateSnapshot:
+    def __init__(self, subgroups: List[Subgroup], dtypes: Sequence[torch.dtype], dtype_names: Sequence[str],
+                 steps_done: int, memory: Dict[int, StateViews], update_order: List[int],
+                 on_tier: Dict[int, TierCopy], staging_bytes: int):
+        self.subgroups = subgroups
+        self.dtypes = list(dtypes)
+        self.dtype_names = list(dtype_names)
+        self.numel = subgroups[-1].end
+        self.steps_done = steps_done
+        self.memory = memory
+        self.on_tier = on_tier
+        # The writer's order: what the next update will change in place first, then the files.
+        self.order = [i for i in update_order if i in memory] + sorted(on_tier)
+        self.largest = max(subgroups, key=lambda sg: sg.numel)
+        self._cond = threading.Condition()
+        self._progress = {i: PENDING for i in memory}
+        self._staged: Dict[int, StateViews] = {}
+        self._spare: List[StateViews] = []
+        self._staging_free = staging_bytes // self.largest.state_bytes  # buffers still allowed
+        self.paused_s = 0.0  # what before_update cost the update
+        self.cancelled = threading.Event()
+        self.released = threading.Event()
+        self._writer_started = False
+
+    # -- the update's side ----------------------------------------------------------------------
+    def before_update(self, i: int) -> None:
+        """Return once the update may change subgroup ``i`` in place."""
+        if i not in self._progress or self.released.is_set():
+            return
+        started = time.perf_counter()
+        with self._cond:
+            while self._progress[i] not in (DONE, STAGED):
+                if self._progress[i] == PENDING and (self._spare or self._staging_free > 0):
+                    self._progress[i] = STAGING
+                    stage = self._spare.pop() if self._spare else self._new_staging_buffer()
+                    break
+                self._cond.wait()
+            else:
+                self.paused_s += time.perf_counter() - started
+                return
+        numel = self.subgroups[i].numel
+        for dst, src in zip(stage.narrow(numel), self.memory[i].narrow(numel)):
+            dst.copy_(src)
+        with self._cond:
+            self._staged[i] = stage
+            self._progress[i] = STAGED
+            self._cond.notify_all()
+        self.paused_s += time.perf_counter() - started
+
+    def _new_staging_buffer(self) -> StateViews:
+        self._staging_free -= 1
+        return StateViews.over(aligned_empty(self.largest.state_bytes), self.largest, self.dtypes)
+
+    # -- the writer's side ----------------------------------------------------------------------
+    def take(self, i: int) -> StateViews:
+        """Memory subgroup ``i``'s state for the writer: its staged copy, or the live buffer, which
+        the update leaves alone until ``done_with(i)``."""
+        with self._cond:
+            while self._progress[i] == STAGING:
+                self._cond.wait()
+            if self._progress[i] == STAGED:
+                return self._staged[i]
+            self._progress[i] = WRITING
+            return self.memory[i]
+
+    def done_with(self, i: int) -> None:
+        if i in self.on_tier:
+            copy = self.on_tier.pop(i)
+            if copy.linked:
+                copy.tier.forget(copy.key)
+            return
+        with self._cond:
+            stage = self._staged.pop(i, None)
+            if stage is not None:
+                self._spare.append(stage)
+            self._progress[i] = DONE
+            self._cond.notify_all()
+
+    def writer_starts(self) -> None:
+        with self._cond:
+            self._writer_started = True
+
+    def cancel(self) -> None:
+        """Give the snapshot up: its writer stops at its next check and releases it (or, where no
+        writer has started, it is released now); returns once released."""
+        with self._cond:
+            self.cancelled.set()
+            orphan = not self._writer_started
+        if orphan:
+            self.release()
+        self.released.wait()
+
+    def check_cancelled(self) -> None:
+        if self.cancelled.is_set():
+            raise SnapshotCancelled("the background checkpoint write was cancelled")
+
+    def release(self) -> None:
+        """The writer has finished (or failed): nothing is held back any more; links and staging go."""
+        for copy in self.on_tier.values():
+            if copy.linked:
+                copy.tier.forget(copy.key)
+        self.on_tier = {}
+        with self._cond:
+            self._progress = {i: DONE for i in self._progress}
+            self._staged.clear()
+            self._spare.clear()
+            self._cond.notify_all()
+        self.released.set()

@@ -1,0 +1,119 @@
+"""Background saves of the engine's state: the file a background writer produces while the engine
+steps on is byte for byte the one a synchronous save at that moment gives, whether the update
+stages what it overtakes or waits for the writer; a cancelled or failed write leaves nothing."""
+
+import os
+
+import pytest
+import torch
+
+from mlp_offload import OffloadedAdamW, faults
+from mlp_offload.checkpoint import CheckpointSaveError, load_engine_state
+from mlp_offload.checkpoint_write import save_engine_state, start_background_save
+from mlp_offload.snapshot import SnapshotCancelled
+from mlp_offload.tiers.files import FileTier
+
+from .helpers import bf16_grads, engine_state, fast_config, run_steps
+
+NUMEL = 70_001
+# Host-resident subgroups, streamed ones on a file tier, and the alternating-order cache.
+MIXED = dict(subgroup_size=10_000, host_budget_bytes=4 * 3 * 40960)
+DELAY_S = 0.2
+SLOW_WRITER = f"save-offload={DELAY_S}"  # after each subgroup written: the 8 subgroups take 1.6 s
+
+
+def grads(seed, steps):
+    return bf16_grads(seed, steps, NUMEL)
+
+
+run = run_steps
+
+
+def engine_at_step_3(path, **overrides):
+    engine = OffloadedAdamW(torch.randn(NUMEL, generator=torch.Generator().manual_seed(1)),
+                            fast_config(path, tiers=["host", "nvme"], **{**MIXED, **overrides}))
+    run(engine, grads(2, 3))
+    return engine
+
+
+@pytest.mark.parametrize("staging_bytes", [1 << 30, 0], ids=["staged", "waits"])
+def test_steps_during_a_background_save_change_nothing_it_writes(tmp_path, monkeypatch, staging_bytes):
+    later = grads(3, 2)
+    with engine_at_step_3(tmp_path / "ref") as reference:
+        run(reference, later)
+        expected = engine_state(reference)
+    with engine_at_step_3(tmp_path / "e", save_staging_bytes=staging_bytes) as engine:
+        save_engine_state(engine, str(tmp_path / "sync.ckpt"), metadata={"iteration": 3})
+        monkeypatch.setenv("MLP_OFFLOAD_DELAY", SLOW_WRITER)
+        write = start_background_save(engine, str(tmp_path / "async.ckpt"), metadata={"iteration": 3})
+        assert write.snapshot.memory and write.snapshot.on_tier  # both kinds of source are exercised
+        write.start()
+        run(engine, later)  # overwrite every subgroup, in memory and in the tier's files, twice
+        if staging_bytes:  # the steps took copies and went on: the writer was still at work
+            assert not write.done()
+        write.wait()
+        monkeypatch.delenv("MLP_OFFLOAD_DELAY")
+        assert write.failure is None
+        assert write.write_s >= 8 * DELAY_S
+        if staging_bytes:
+            assert write.paused_s < DELAY_S
+        else:  # the first update waited for the writer to pass the subgroups held in memory
+            assert write.paused_s >= DELAY_S / 2
+        assert all(torch.equal(a, b) for a, b in zip(engine_state(engine), expected))  # stepped on unharmed
+        assert not list((tmp_path / "e" / "nvme").rglob("snapshot/*"))  # its links are gone
+    assert (tmp_path / "async.ckpt").read_bytes() == (tmp_path / "sync.ckpt").read_bytes()
+    with OffloadedAdamW(torch.zeros(NUMEL), fast_config(tmp_path / "r", tiers=["nvme"], subgroup_size=9_000)) as r:
+        assert load_engine_state(r, str(tmp_path / "async.ckpt")) == {"iteration": 3}
+        run(r, later)
+        for a, b in zip(engine_state(r), expected):
+            assert torch.equal(a, b)
+
+
+def test_a_cancelled_write_leaves_no_file_and_releases_the_engine(tmp_path, monkeypatch):
+    with engine_at_step_3(tmp_path / "e", save_staging_bytes=0) as engine:
+        monkeypatch.setenv("MLP_OFFLOAD_DELAY", SLOW_WRITER)
+        write = start_background_save(engine, str(tmp_path / "x.ckpt"))
+        write.start()
+        write.cancel()
+        assert isinstance(write.failure, SnapshotCancelled)
+        run(engine, grads(3, 1))  # nothing holds the update back any more
+        assert not os.path.exists(tmp_path / "x.ckpt") and not os.path.exists(tmp_path / "x.ckpt.tmp")
+        assert not list((tmp_path / "e" / "nvme").rglob("snapshot/*"))
+
+
+def test_a_disk_full_in_the_background_is_reported_and_removes_the_partial_file(tmp_path, monkeypatch):
+    with engine_at_step_3(tmp_path / "e") as engine:
+        monkeypatch.setattr(faults, "_passes", {})  # counted from here, whatever ran before in this process
+        monkeypatch.setenv("MLP_OFFLOAD_FAULT", "save-offload#3=ENOSPC")
+        write = start_background_save(engine, str(tmp_path / "x.ckpt"))
+        write.start()
+        write.wait()
+        assert isinstance(write.failure, CheckpointSaveError)
+        assert "No space left on device" in str(write.failure)
+        assert not os.path.exists(tmp_path / "x.ckpt.tmp")
+        run(engine, grads(3, 1))
+
+
+def test_closing_the_engine_stops_its_writer(tmp_path, monkeypatch):
+    engine = engine_at_step_3(tmp_path / "e")
+    monkeypatch.setenv("MLP_OFFLOAD_DELAY", SLOW_WRITER)
+    write = start_background_save(engine, str(tmp_path / "x.ckpt"))
+    write.start()
+    engine.close()
+    write.wait()
+    assert isinstance(write.failure, SnapshotCancelled)
+    assert not os.path.exists(tmp_path / "x.ckpt.tmp")
+
+
+def test_a_tier_without_room_for_both_copies_is_saved_synchronously(tmp_path, monkeypatch, caplog):
+    """The updates rewrite linked files to new ones while the writer reads the old: where the tier
+    has no room for that, the save is written at once instead (same bytes), with a warning."""
+    with engine_at_step_3(tmp_path / "e") as engine:
+        save_engine_state(engine, str(tmp_path / "sync.ckpt"))
+        monkeypatch.setattr(FileTier, "free_bytes", lambda self: 0)
+        write = start_background_save(engine, str(tmp_path / "x.ckpt"))
+        assert write.done() and write.failure is None
+        assert "the offloaded state is written synchronously" in caplog.text
+        assert not list((tmp_path / "e" / "nvme").rglob("snapshot/*"))
+        run(engine, grads(3, 1))
+    assert (tmp_path / "x.ckpt").read_bytes() == (tmp_path / "sync.ckpt").read_bytes()
