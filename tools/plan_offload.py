@@ -95,6 +95,8 @@ def pretrain_args(flags, machine):
         flags += ["--train-iters", "1"]
     if "--lr" not in flags:
         flags += ["--lr", "1e-4"]
+    if not any(f.split("=")[0] == "--offload-adam-kernel" for f in flags):
+        flags += ["--offload-adam-kernel", "fused"]  # a GPU job's default (this machine may have no GPU)
     args = parse_args(flags)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if machine.world % (tp * pp):

@@ -16,7 +16,12 @@ BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
 def test_defaults():
     args = parse_args(BASE)
     assert args.offload_tiers is None and args.offload_paths == {}
-    assert args.offload_adam_kernel == "fused"
+    assert args.offload_adam_kernel is None  # no offload: no kernel
+    # With offload: the kernel megatron-core's optimizer runs on a CPU device, the fastest on a GPU
+    assert parse_args(BASE + ["--offload-tiers", "host", "--device", "cpu"]).offload_adam_kernel == "single"
+    assert parse_args(BASE + ["--offload-tiers", "host", "--device", "cuda"]).offload_adam_kernel == "fused"
+    assert parse_args(BASE + ["--offload-tiers", "host", "--device", "cpu",
+                              "--offload-adam-kernel", "fused"]).offload_adam_kernel == "fused"
     # Megatron-LM's defaults; an optimizer offload implies the distributed optimizer
     assert not args.use_distributed_optimizer and args.log_interval == 100 and args.num_workers == 2
     assert parse_args(BASE + ["--offload-tiers", "host"]).use_distributed_optimizer
