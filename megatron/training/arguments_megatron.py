@@ -146,8 +146,11 @@ def validate(parser, args) -> None:
     if args.decoupled_min_lr is not None and args.decoupled_lr is None:
         parser.error("argument --decoupled-min-lr: requires --decoupled-lr")
     if args.context_parallel_size > 1:
-        parser.error(f"argument --context-parallel-size {args.context_parallel_size}: not supported by this "
-                     "training layer yet (needs transformer-engine attention and context-sharded batches); use 1")
+        # megatron-core's context parallelism runs only in transformer-engine's attention.
+        missing = optional_kernels.Kernels.detect(args.device).missing_te()
+        why = (f"needs transformer-engine's attention on CUDA, and {missing}" if missing else
+               "not supported by this training layer yet (context-sharded batches)")
+        parser.error(f"argument --context-parallel-size {args.context_parallel_size}: {why}; use 1")
     virtual_pipeline.validate(parser, args)
     if args.grad_reduce_in_bf16 and not args.bf16:
         args.grad_reduce_in_bf16 = False  # only meaningful with bf16, as in Megatron-LM
