@@ -60,27 +60,21 @@ def machine_parser() -> argparse.ArgumentParser:
 
 def split_capacities(rest):
     """Take ``--offload-NAME-capacity-gb GB`` pairs out; the rest are pretrain_gpt.py's flags."""
-    capacities, flags, i = {}, [], 0
-    while i < len(rest):
-        match = _CAPACITY_FLAG.match(rest[i])
-        if not match:
-            flags.append(rest[i])
-            i += 1
-            continue
-        value = match.group(2)
-        if value is None:
-            if i + 1 >= len(rest):
-                raise UserError(f"argument {rest[i]}: expected a number of GB")
-            value, i = rest[i + 1], i + 2
-        else:
-            i += 1
+    from megatron.training.arguments_offload import take_named_flags
+
+    def fail(line):
+        raise UserError(line)
+
+    given, flags = take_named_flags(rest, _CAPACITY_FLAG, "a number of GB", fail)
+    capacities = {}
+    for name, value in given.items():
         try:
             gb = float(value)
             assert gb >= 0 and gb != float("inf")
         except (ValueError, AssertionError):
-            raise UserError(f"argument {rest[i - 1] if match.group(2) else rest[i - 2]}: expected a number of "
-                            f"GB >= 0, got {value!r}") from None
-        capacities[match.group(1)] = int(gb * GiB)
+            raise UserError(f"argument --offload-{name}-capacity-gb: expected a number of GB >= 0, "
+                            f"got {value!r}") from None
+        capacities[name] = int(gb * GiB)
     return capacities, flags
 
 

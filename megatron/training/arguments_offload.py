@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import re
-from typing import List
+from typing import List, Tuple
 
 from megatron.training.flag_types import fraction, non_negative_float, positive_int
 
@@ -91,31 +91,35 @@ def add_groups(parser) -> None:
                    help="overlap megatron-core's CPU Adam with its grad D2H / param H2D copies")
 
 
-def parse_offload_paths(parser, rest: List[str]) -> dict:
-    """Take ``--offload-XXX-path DIR`` (or ``=DIR``) pairs out of the unknown arguments."""
-    paths = {}
-    leftover = []
-    i = 0
+def take_named_flags(rest: List[str], pattern, what: str, error) -> Tuple[dict, List[str]]:
+    """Take ``--offload-NAME-<kind> VALUE`` (or ``=VALUE``) pairs matching ``pattern`` (group 1: the
+    name, group 2: an ``=VALUE``) out of ``rest``: ({name: value}, the other arguments). ``error(line)``
+    ends parsing; ``what`` names the value in its lines."""
+    found, leftover, i = {}, [], 0
     while i < len(rest):
-        match = _PATH_FLAG.match(rest[i])
+        match = pattern.match(rest[i])
         if not match:
             leftover.append(rest[i])
             i += 1
             continue
-        flag = f"--offload-{match.group(1)}-path"
-        value = match.group(2)
+        flag, value = rest[i].split("=", 1)[0], match.group(2)
         if value is None:
             if i + 1 >= len(rest) or rest[i + 1].startswith("--"):
-                parser.error(f"argument {flag}: expected one argument (a directory)")
-            value = rest[i + 1]
-            i += 2
+                error(f"argument {flag}: expected one argument ({what})")
+            value, i = rest[i + 1], i + 2
         else:
             i += 1
         if not value:
-            parser.error(f"argument {flag}: the directory must not be empty")
-        if match.group(1) in paths:
-            parser.error(f"argument {flag}: given twice")
-        paths[match.group(1)] = value
+            error(f"argument {flag}: {what} must not be empty")
+        if match.group(1) in found:
+            error(f"argument {flag}: given twice")
+        found[match.group(1)] = value
+    return found, leftover
+
+
+def parse_offload_paths(parser, rest: List[str]) -> dict:
+    """Take ``--offload-XXX-path DIR`` (or ``=DIR``) pairs out of the unknown arguments."""
+    paths, leftover = take_named_flags(rest, _PATH_FLAG, "a directory", parser.error)
     if leftover:
         parser.error(f"unrecognized arguments: {' '.join(leftover)}")
     return paths
