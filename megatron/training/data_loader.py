@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron.training.data import MicroBatchIterator
+from megatron.training.data.datasets import MicroBatchIterator
 
 
 class MegatronOrderSampler(torch.utils.data.Sampler):

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.transformer import TransformerConfig
 
-from megatron.training import precision_aware
+from megatron.training.model import precision_aware
 
 
 def params_dtype(args):

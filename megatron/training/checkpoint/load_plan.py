@@ -14,7 +14,7 @@ from typing import List, Optional
 from megatron.core import parallel_state
 
 from megatron.training.errors import UserError
-from megatron.training.optimizer_interface import OffloadedOptimizerCheckpoint
+from megatron.training.runtime.optimizer_interface import OffloadedOptimizerCheckpoint
 
 SAME_FORM, FROM_OFFLOADED, FROM_DISTRIBUTED = "same form", "from offloaded", "from distributed"
 

@@ -24,11 +24,11 @@ from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradS
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.transformer.module import param_is_not_shared
 
-from megatron.training.device_gradients import DeviceGradients, EventFence
-from megatron.training.offload_checkpoint import OffloadedStateFiles
-from megatron.training.optimizer_interface import (HoldsResources, OffloadedOptimizerCheckpoint, ReportsIteration,
-                                                   TrainingOptimizer)
-from megatron.training.shard_layout import ShardLayout
+from megatron.training.offload.device_gradients import DeviceGradients, EventFence
+from megatron.training.checkpoint.offloaded_state import OffloadedStateFiles
+from megatron.training.runtime.optimizer_interface import (HoldsResources, OffloadedOptimizerCheckpoint,
+                                                           ReportsIteration, TrainingOptimizer)
+from megatron.training.offload.shard_layout import ShardLayout
 from mlp_offload import OffloadConfig, OffloadedAdamW
 from mlp_offload.state_dtypes import torch_dtypes
 

@@ -18,9 +18,9 @@ from mlp_offload import PlacementError, TierBandwidth
 from mlp_offload.capacity import EnginePlan, plan_engine
 from mlp_offload.subgroups import STATE_TENSORS, FP32_BYTES
 
-from megatron.training.flops import DenseGptShape, flops_per_iteration
-from megatron.training.model_size import model_params, stage_params
-from megatron.training.offload_flags import in_flags
+from megatron.training.model.flops import DenseGptShape, flops_per_iteration
+from megatron.training.model.sizes import model_params, stage_params
+from megatron.training.offload.flags import in_flags
 
 GB = 1e9
 GiB = 1 << 30

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from megatron.core import num_microbatches_calculator as calculator
 
-from megatron.training import virtual_pipeline
+from megatron.training.model import virtual_pipeline
 from megatron.training.errors import UserError
 
 

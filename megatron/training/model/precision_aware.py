@@ -5,7 +5,7 @@ for the offload engine (``OffloadConfig.state_dtypes``, every tier).
 
 from __future__ import annotations
 
-from megatron.training.optional_kernels import Kernels
+from megatron.training.model.kernels import Kernels
 
 DTYPE_FLAGS = ("--main-params-dtype", "--exp-avg-dtype", "--exp-avg-sq-dtype")
 _TORCH_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}

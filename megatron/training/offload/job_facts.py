@@ -38,7 +38,7 @@ def _ranks(ranks: List[int]) -> str:
 
 def report(optimizer) -> None:
     """Gather every rank's node facts; rank 0 prints the job's and one line per node."""
-    from megatron.training.offload_optimizer import OffloadDistributedOptimizer
+    from megatron.training.offload.optimizer import OffloadDistributedOptimizer
 
     engine = optimizer.engine if isinstance(optimizer, OffloadDistributedOptimizer) else None
     # The launcher's node rank (torchrun's GROUP_RANK, srun's SLURM_NODEID) tells nodes apart even

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from megatron.training.precision_aware import state_dtypes
+from megatron.training.model.precision_aware import state_dtypes
 from mlp_offload import OffloadConfig, parse_bandwidths
 
 # field -> (flag, bytes per flag unit); flags that switch a feature off map to the field they clear

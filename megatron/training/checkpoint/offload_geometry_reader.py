@@ -14,8 +14,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron.training.offload_files import OffloadFileSet, saved_model_parallel_sizes
-from megatron.training.param_geometry import ParamGeometry, volume
+from megatron.training.checkpoint.offload_files import OffloadFileSet, saved_model_parallel_sizes
+from megatron.training.checkpoint.param_geometry import ParamGeometry, volume
 from mlp_offload.checkpoint import CheckpointDataError
 
 

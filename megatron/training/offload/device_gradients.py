@@ -9,7 +9,7 @@ from typing import Dict
 
 import torch
 
-from megatron.training.shard_layout import ShardLayout
+from megatron.training.offload.shard_layout import ShardLayout
 
 
 class DeviceGradients:

@@ -145,7 +145,7 @@ def _validate_engine_flags(parser, args) -> None:
     if args.offload_adam_kernel is None:
         args.offload_adam_kernel = default_adam_kernel(on_cpu=_on_cpu(args))
     from mlp_offload import OffloadConfigError
-    from megatron.training.offload_flags import config_from_args, in_flags
+    from megatron.training.offload.flags import config_from_args, in_flags
 
     try:
         config_from_args(args, rank=0)

@@ -22,9 +22,9 @@ import torch
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-from megatron.training.offload_files import STATE_KEYS
-from megatron.training.offload_state_source import OffloadedStateSource
-from megatron.training.torch_dist_ranges import FlatTensorRanges
+from megatron.training.checkpoint.offload_files import STATE_KEYS
+from megatron.training.checkpoint.offload_state_source import OffloadedStateSource
+from megatron.training.checkpoint.torch_dist_ranges import FlatTensorRanges
 from mlp_offload.checkpoint import CheckpointDataError
 
 FP32 = 4

@@ -75,7 +75,7 @@ def build_tokenizer(args):
     """The tokenizer --tokenizer-type names; a missing or unreadable file is a UserError."""
     kind = args.tokenizer_type or BYTE_LEVEL
     if kind == BYTE_LEVEL:
-        from megatron.training.byte_level_tokenizer import ByteLevelTokenizer
+        from megatron.training.data.byte_level_tokenizer import ByteLevelTokenizer
 
         return ByteLevelTokenizer()
     # megatron-core's tokenizer libraries import transformers whichever one is used.

@@ -13,8 +13,10 @@ import re
 import sys
 from typing import List, Optional
 
-from megatron.training import arguments_checkpoint, arguments_megatron, arguments_offload, precision_aware
-from megatron.training.checkpoint_args import FILLED_IF_MISSING, MODEL_SHAPE_ARGS
+from megatron.training.args import (checkpoint as arguments_checkpoint, megatron as arguments_megatron,
+                                    offload as arguments_offload)
+from megatron.training.model import precision_aware
+from megatron.training.checkpoint.saved_args import FILLED_IF_MISSING, MODEL_SHAPE_ARGS
 from megatron.training.errors import UserError
 from megatron.training.flag_types import finite, non_negative_float, non_negative_int, positive_int
 
@@ -142,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--data-path", nargs="+", default=None,
                    help="prefixes of .bin/.idx files, optionally weighted: [W1] P1 [W2] P2 ...")
     g.add_argument("--split", type=str, default="969,30,1")
-    from megatron.training.tokenizers import add_tokenizer_arguments
+    from megatron.training.data.tokenizers import add_tokenizer_arguments
 
     add_tokenizer_arguments(g)  # --tokenizer-type, --vocab-size, --vocab-file, ... as Megatron-LM
     g.add_argument("--num-workers", type=non_negative_int, default=2,

@@ -14,9 +14,9 @@ import sys
 from datetime import datetime
 from typing import List
 
-from megatron.training.flops import tflops_per_gpu
-from megatron.training.metrics import IterationRecord, Sink, ValidationRecord
-from megatron.training.offload_figures import OffloadInterval
+from megatron.training.model.flops import tflops_per_gpu
+from megatron.training.metrics.records import IterationRecord, Sink, ValidationRecord
+from megatron.training.metrics.offload_figures import OffloadInterval
 
 
 class _Interval:

@@ -81,7 +81,7 @@ def read_saved_args(load_dir: str) -> Optional[argparse.Namespace]:
     """The args of the checkpoint ``--load`` resumes from (before any process group exists), or None."""
     from megatron.core import dist_checkpointing
 
-    from megatron.training import checkpoint_integrity as integrity
+    from megatron.training.checkpoint import integrity
 
     if not os.path.isdir(load_dir):
         raise UserError(f"--use-checkpoint-args: --load {load_dir} is not a directory")

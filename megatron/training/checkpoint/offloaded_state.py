@@ -14,12 +14,12 @@ from typing import Optional
 
 import torch
 
-from megatron.training.checkpoint_rng import rank_coordinates
-from megatron.training.checkpointing import sharding_metadata
-from megatron.training.offload_files import offload_file_path, param_names, same_model_parallel_layout
-from megatron.training.offload_state_source import OffloadedStateSource
-from megatron.training.param_geometry import param_geometries
-from megatron.training.shard_layout import ShardLayout
+from megatron.training.checkpoint.rng import rank_coordinates
+from megatron.training.checkpoint.checkpointing import sharding_metadata
+from megatron.training.checkpoint.offload_files import offload_file_path, param_names, same_model_parallel_layout
+from megatron.training.checkpoint.offload_state_source import OffloadedStateSource
+from megatron.training.checkpoint.param_geometry import param_geometries
+from megatron.training.offload.shard_layout import ShardLayout
 from mlp_offload import OffloadedAdamW
 from mlp_offload.checkpoint import CheckpointDataError, load_engine_state, read_footer, state_file_bytes
 from mlp_offload.checkpoint_write import BackgroundStateWrite, save_engine_state, start_background_save

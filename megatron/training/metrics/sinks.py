@@ -15,9 +15,9 @@ from typing import Dict, Optional
 
 import torch
 
-from megatron.training.flops import tflops_per_gpu
-from megatron.training.metrics import IterationRecord, JsonLines, Sink, ValidationRecord
-from megatron.training.offload_figures import step_scalars
+from megatron.training.model.flops import tflops_per_gpu
+from megatron.training.metrics.records import IterationRecord, JsonLines, Sink, ValidationRecord
+from megatron.training.metrics.offload_figures import step_scalars
 
 
 def iteration_scalars(record: IterationRecord, args) -> Dict[str, float]:

@@ -25,19 +25,19 @@ import torch
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.distributed import DistributedDataParallel
 
-from megatron.training import checkpoint_integrity as integrity
-from megatron.training.checkpoint_args import args_to_save
-from megatron.training.checkpoint_format import check_format, load_strategies, save_strategies
-from megatron.training.checkpoint_integrity import checkpoint_dir
-from megatron.training.checkpoint_rng import (all_data_parallel_rng_states, legacy_rng_sharded_object, rng_sharded_object,
-                                               set_rng_state, this_rank_rng_state)
-from megatron.training.checkpoint_load_plan import FROM_OFFLOADED, SAME_FORM, LoadPlan
+from megatron.training.checkpoint import integrity
+from megatron.training.checkpoint.saved_args import args_to_save
+from megatron.training.checkpoint.format import check_format, load_strategies, save_strategies
+from megatron.training.checkpoint.integrity import checkpoint_dir
+from megatron.training.checkpoint.rng import (all_data_parallel_rng_states, legacy_rng_sharded_object,
+                                              rng_sharded_object, set_rng_state, this_rank_rng_state)
+from megatron.training.checkpoint.load_plan import FROM_OFFLOADED, SAME_FORM, LoadPlan
 from megatron.training.errors import UserError
-from megatron.training.megatron_adam_state import (megatron_optimizers, prepare_fresh_optimizer_for_load,
-                                                  restore_adam_steps)
-from megatron.training.optimizer_state_crossing import fill_distributed_optimizer, load_into_engine
-from megatron.training.optimizer_interface import OffloadedOptimizerCheckpoint
-from megatron.training.progress import MemoryGrowth, gb_and_rate
+from megatron.training.checkpoint.megatron_adam_state import (megatron_optimizers, prepare_fresh_optimizer_for_load,
+                                                              restore_adam_steps)
+from megatron.training.checkpoint.crossing import fill_distributed_optimizer, load_into_engine
+from megatron.training.runtime.optimizer_interface import OffloadedOptimizerCheckpoint
+from megatron.training.runtime.progress import MemoryGrowth, gb_and_rate
 from mlp_offload.checkpoint import CheckpointSaveError, human_bytes
 from mlp_offload.faults import fault_point
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import argparse
 
-from megatron.training import lr_schedule, optional_kernels, virtual_pipeline
+from megatron.training.data import lr_schedule
+from megatron.training.model import kernels as optional_kernels, virtual_pipeline
 from megatron.training.flag_types import fraction, non_negative_float, non_negative_int, positive_int
 from megatron.training.model_arithmetic import default_ffn_hidden_size, default_kv_channels
 

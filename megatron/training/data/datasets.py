@@ -15,10 +15,10 @@ from typing import Dict
 import numpy as np
 import torch
 
-from megatron.training.byte_level_tokenizer import ByteLevelTokenizer  # noqa: F401 (re-export)
+from megatron.training.data.byte_level_tokenizer import ByteLevelTokenizer  # noqa: F401 (re-export)
 from megatron.training.errors import UserError
-from megatron.training.token_range import VocabCheckedDataset, check_token_ids
-from megatron.training.tokenizers import (build_tokenizer, padded_vocab_size,  # noqa: F401 (re-export)
+from megatron.training.data.token_range import VocabCheckedDataset, check_token_ids
+from megatron.training.data.tokenizers import (build_tokenizer, padded_vocab_size,  # noqa: F401 (re-export)
                                           vocab_size_before_padding)
 
 

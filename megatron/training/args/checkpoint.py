@@ -3,7 +3,8 @@ taken from a checkpoint's saved args with --use-checkpoint-args."""
 
 from __future__ import annotations
 
-from megatron.training.checkpoint_args import FILLED_IF_MISSING, MODEL_SHAPE_ARGS, apply_model_shape, read_saved_args
+from megatron.training.checkpoint.saved_args import (FILLED_IF_MISSING, MODEL_SHAPE_ARGS, apply_model_shape,
+                                                     read_saved_args)
 from megatron.training.flag_types import positive_int
 
 CKPT_FORMATS = ("torch_dist", "torch", "torch_dcp", "fsdp_dtensor")

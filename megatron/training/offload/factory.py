@@ -1,6 +1,6 @@
 """Building the offload optimizer from the ``--offload-*`` flags: the engine's config, its log and
 CPU threads; the flags and environment are read here, not in the engine. (Its telemetry file is
-one of the metrics sinks: megatron.training.metrics_sinks.)"""
+one of the metrics sinks: megatron.training.metrics.sinks.)"""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from megatron.core.optimizer import _get_param_groups_and_buffers
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 
 from megatron.training.errors import UserError
-from megatron.training.offload_optimizer import OffloadDistributedOptimizer
-from megatron.training.job_facts import PerNodeByRank0
-from megatron.training.offload_flags import config_from_args, in_flags
+from megatron.training.offload.optimizer import OffloadDistributedOptimizer
+from megatron.training.offload.job_facts import PerNodeByRank0
+from megatron.training.offload.flags import config_from_args, in_flags
 from mlp_offload import OffloadConfig
 
 log = logging.getLogger("mlp_offload")
