@@ -5,12 +5,20 @@ the engine's own start-up and data errors count as user errors too. ``reported_o
 rank's whole run: on a user error it prints ``error: <message>`` once for the whole job (the first
 rank to claim the job-wide slot in torch.distributed's store prints, the others stay quiet) and
 exits with status 2. ``MLP_OFFLOAD_TRACEBACK=1`` re-raises instead, with the full traceback.
+
+The engine names its config fields in errors (``host_budget_bytes=4194304``, ``paths['nvme']``);
+``in_flags`` rewrites such a message in the flags a user of ``pretrain_gpt.py`` typed, values in the
+flags' units. The flags' value types (``positive_int``, ``fraction``, ...) refuse a bad value with a
+message argparse puts after the flag's name (``argument --lr: must be >= 0, got -1``).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import math
 import os
+import re
 import sys
 
 from mlp_offload import (HostMemoryError, OffloadConfigError, OffloadStateError, PlacementError, TierDataError,
@@ -80,7 +88,76 @@ def reported_once():
     except USER_ERRORS as err:
         if os.environ.get("MLP_OFFLOAD_TRACEBACK"):
             raise
-        from megatron.training.offload.flags import in_flags
-
         report(in_flags(str(err)))  # the engine names its config fields; the user typed flags
         raise SystemExit(EXIT_USER_ERROR) from None
+
+
+# field -> (flag, bytes per flag unit); flags that switch a feature off map to the field they clear
+FLAG_OF_FIELD = {
+    "host_budget_bytes": ("--offload-host-cache-gb", 1 << 30),
+    "subgroup_size": ("--offload-subgroup-size", 1),
+    "prefetch_depth": ("--offload-prefetch-depth", 1),
+    "tokens_per_tier": ("--offload-tokens-per-tier", 1),
+    "io_block_bytes": ("--offload-io-block-mb", 1 << 20),
+    "io_threads": ("--offload-io-threads", 1),
+    "probe_bytes": ("--offload-probe-mb", 1 << 20),
+    "adam_kernel": ("--offload-adam-kernel", 1),
+    "use_odirect": ("--offload-no-odirect", 1),
+    "verify_checksums": ("--offload-no-checksums", 1),
+    "cache_alternating": ("--offload-no-cache", 1),
+    "save_staging_bytes": ("--offload-save-staging-gb", 1 << 30),
+}
+_FIELD = re.compile(r"\b(" + "|".join(FLAG_OF_FIELD) + r")\b(?:=(-?[0-9][0-9.e+]*))?")
+_PATH = re.compile(r"paths\[['\"]([A-Za-z0-9_]+)['\"]\]")
+_BANDWIDTHS = re.compile(r"\bbandwidths(?= '|:)")
+_TOKEN_SCOPE = re.compile(r"token_scope\[['\"]([A-Za-z0-9_]+)['\"]\]")
+
+
+def in_flags(message: str) -> str:
+    """An engine message with config field names replaced by the flags that set them."""
+    def field(match):
+        flag, scale = FLAG_OF_FIELD[match.group(1)]
+        if match.group(2) is None:
+            return flag
+        return f"{flag} {float(match.group(2)) / scale:g}"
+
+    message = _PATH.sub(r"--offload-\1-path", message)
+    message = _BANDWIDTHS.sub("--offload-bandwidths", message)
+    message = _TOKEN_SCOPE.sub(r"--offload-token-scope \1", message)
+    return _FIELD.sub(field, message)
+
+
+# value types of command-line flags
+def finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = finite(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def fraction(text: str) -> float:
+    value = finite(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return value

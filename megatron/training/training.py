@@ -29,7 +29,7 @@ from megatron.training.args.arguments import parse_args
 from megatron.training.checkpoint.integrity import checkpoint_dir
 from megatron.training.metrics.console import Console
 from megatron.training.data.datasets import build_tokenizer, padded_vocab_size
-from megatron.training.data_loader import micro_batches
+from megatron.training.data.datasets import micro_batches
 from megatron.training.errors import reported_once
 from megatron.training.model.flops import DenseGptShape, flops_per_iteration
 from megatron.training.runtime.iteration_hooks import IterationHooks
@@ -39,7 +39,7 @@ from megatron.training.model.configs import optimizer_config, transformer_config
 from megatron.training.metrics.records import (IterationRecord, LossLog, Metrics, TimingLog, ValidationRecord,
                                                is_last_rank)
 from megatron.training.metrics.sinks import OffloadTelemetry, TensorBoard, WandB
-from megatron.training.model_norms import params_l2_norm
+from megatron.training.model.sizes import params_l2_norm
 from megatron.training.offload.flags import per_rank_path
 from megatron.training.runtime.optimizer_interface import HoldsResources, ReportsIteration, TrainingOptimizer
 from megatron.training.runtime.progress import directory_bytes, reported_step

@@ -27,8 +27,7 @@ from megatron.training.model import kernels as optional_kernels
 from megatron.training.args.arguments import parse_args
 from megatron.training.errors import UserError
 from megatron.training.data.lr_schedule import build_param_scheduler, schedule_steps
-from megatron.training.model_arithmetic import (default_ffn_hidden_size, default_kv_channels,
-                                                vocab_size_with_padding)
+from megatron.training.model.sizes import default_ffn_hidden_size, default_kv_channels, vocab_size_with_padding
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--micro-batch-size", "1", "--train-iters", "10", "--lr", "1e-3", "--mock-data", "--device", "cpu"]

@@ -17,8 +17,7 @@ from megatron.training.args import (checkpoint as arguments_checkpoint, megatron
                                     offload as arguments_offload)
 from megatron.training.model import precision_aware
 from megatron.training.checkpoint.saved_args import FILLED_IF_MISSING, MODEL_SHAPE_ARGS
-from megatron.training.errors import UserError
-from megatron.training.flag_types import finite, non_negative_float, non_negative_int, positive_int
+from megatron.training.errors import UserError, finite, non_negative_float, non_negative_int, positive_int
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from megatron.training.checkpoint.saved_args import (FILLED_IF_MISSING, MODEL_SHAPE_ARGS, apply_model_shape,
                                                      read_saved_args)
-from megatron.training.flag_types import positive_int
+from megatron.training.errors import positive_int
 
 CKPT_FORMATS = ("torch_dist", "torch", "torch_dcp", "fsdp_dtensor")
 

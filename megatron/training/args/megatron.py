@@ -12,8 +12,8 @@ import argparse
 
 from megatron.training.data import lr_schedule
 from megatron.training.model import kernels as optional_kernels, virtual_pipeline
-from megatron.training.flag_types import fraction, non_negative_float, non_negative_int, positive_int
-from megatron.training.model_arithmetic import default_ffn_hidden_size, default_kv_channels
+from megatron.training.errors import fraction, non_negative_float, non_negative_int, positive_int
+from megatron.training.model.sizes import default_ffn_hidden_size, default_kv_channels
 
 
 def add_groups(p: argparse.ArgumentParser) -> None:

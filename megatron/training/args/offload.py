@@ -10,7 +10,7 @@ import argparse
 import re
 from typing import List, Tuple
 
-from megatron.training.flag_types import fraction, non_negative_float, positive_int
+from megatron.training.errors import fraction, non_negative_float, positive_int
 
 _PATH_FLAG = re.compile(r"^--offload-([A-Za-z0-9_]+)-path(?:=(.*))?$")
 
@@ -145,7 +145,8 @@ def _validate_engine_flags(parser, args) -> None:
     if args.offload_adam_kernel is None:
         args.offload_adam_kernel = default_adam_kernel(on_cpu=_on_cpu(args))
     from mlp_offload import OffloadConfigError
-    from megatron.training.offload.flags import config_from_args, in_flags
+    from megatron.training.offload.flags import config_from_args
+    from megatron.training.errors import in_flags
 
     try:
         config_from_args(args, rank=0)

@@ -27,7 +27,7 @@ from megatron.core.distributed import DistributedDataParallel
 
 from megatron.training.checkpoint import integrity
 from megatron.training.checkpoint.saved_args import args_to_save
-from megatron.training.checkpoint.format import check_format, load_strategies, save_strategies
+from megatron.training.checkpoint.format import check_format, load_strategies, save_strategies, sharding_metadata
 from megatron.training.checkpoint.integrity import checkpoint_dir
 from megatron.training.checkpoint.rng import (all_data_parallel_rng_states, legacy_rng_sharded_object,
                                               rng_sharded_object, set_rng_state, this_rank_rng_state)
@@ -54,7 +54,6 @@ class _OurMarkerIsNotACorruptCheckpoint(logging.Filter):
 logging.getLogger("megatron.core.dist_checkpointing.serialization").addFilter(_OurMarkerIsNotACorruptCheckpoint())
 
 
-OPTIMIZER_SHARDING = "dp_reshardable"
 CHECKPOINT_VERSION = 3.0  # Megatron-LM's, for torch_dist checkpoints
 # What a file system says when the user must act (space, quota, permissions, a vanished or failing disk).
 STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.EIO}
@@ -70,13 +69,6 @@ def _model_state(model, metadata) -> dict:
     if len(model) == 1:
         return {"model": _unwrap(model[0]).sharded_state_dict(metadata=metadata)}
     return {f"model{i}": _unwrap(chunk).sharded_state_dict(metadata=metadata) for i, chunk in enumerate(model)}
-
-
-def sharding_metadata() -> dict:
-    """What Megatron-LM passes to sharded_state_dict; it decides key names and the optimizer form."""
-    return {"distrib_optim_sharding_type": OPTIMIZER_SHARDING, "singleton_local_shards": False,
-            "chained_optim_avoid_prefix": True,
-            "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
 
 
 def _state_to_save(args, model, optimizer, scheduler, iteration, consumed_samples) -> dict:

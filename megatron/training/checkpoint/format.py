@@ -18,6 +18,8 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (FullyPar
 
 from megatron.training.errors import UserError
 
+OPTIMIZER_SHARDING = "dp_reshardable"
+
 
 def detect_format(path: str) -> str:
     """'torch_dist', 'torch' (legacy mp_rank_XX files), 'torch_dcp', or 'unknown'."""
@@ -60,3 +62,10 @@ def load_strategies(args, path: str) -> dict:
         return {}
     return {"sharded_strategy": FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(path),
                                                                  _data_parallel_group())}
+
+
+def sharding_metadata() -> dict:
+    """What Megatron-LM passes to sharded_state_dict; it decides key names and the optimizer form."""
+    return {"distrib_optim_sharding_type": OPTIMIZER_SHARDING, "singleton_local_shards": False,
+            "chained_optim_avoid_prefix": True,
+            "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}

@@ -15,7 +15,9 @@ from megatron.training.errors import UserError
 from megatron.training.checkpoint.offload_files import (OffloadFileSet, param_names, same_model_parallel_layout,
                                                         saved_model_chunks, saved_model_parallel_sizes)
 from megatron.training.checkpoint.offload_geometry_reader import MissingGeometryError, OffloadedStateByGeometry
+from megatron.training.checkpoint.format import sharding_metadata
 from megatron.training.checkpoint.param_geometry import ParamGeometry, param_geometries
+from megatron.training.checkpoint.rng import rank_coordinates
 from mlp_offload.checkpoint import CheckpointDataError
 
 
@@ -72,9 +74,6 @@ class OffloadedStateSource:
     subgroups its file readers keep (None: two per file)."""
 
     def __init__(self, checkpoint_dir: str, model_chunks, cache_bytes: Optional[int] = None):
-        from megatron.training.checkpoint.rng import rank_coordinates
-        from megatron.training.checkpoint.checkpointing import sharding_metadata  # it imports us
-
         (pp, tp, _), (p, t, _) = rank_coordinates()
         self.saved_sizes = saved_model_parallel_sizes(checkpoint_dir)
         self.saved_layout = _layout(*self.saved_sizes, saved_model_chunks(checkpoint_dir))

@@ -15,11 +15,10 @@ from typing import Optional
 import torch
 
 from megatron.training.checkpoint.rng import rank_coordinates
-from megatron.training.checkpoint.checkpointing import sharding_metadata
+from megatron.training.checkpoint.format import sharding_metadata
 from megatron.training.checkpoint.offload_files import offload_file_path, param_names, same_model_parallel_layout
 from megatron.training.checkpoint.offload_state_source import OffloadedStateSource
 from megatron.training.checkpoint.param_geometry import param_geometries
-from megatron.training.offload.shard_layout import ShardLayout
 from mlp_offload import OffloadedAdamW
 from mlp_offload.checkpoint import CheckpointDataError, load_engine_state, read_footer, state_file_bytes
 from mlp_offload.checkpoint_write import BackgroundStateWrite, save_engine_state, start_background_save
@@ -31,7 +30,7 @@ class OffloadedStateFiles:
     """Save and load one rank's engine state, by element range (so subgroup size, tiers and budget
     may change between save and load) and, across data-parallel sizes, by parameter name."""
 
-    def __init__(self, engine: OffloadedAdamW, layout: ShardLayout, model_chunks, dp_size: int):
+    def __init__(self, engine: OffloadedAdamW, layout, model_chunks, dp_size: int):
         self.engine = engine
         self.layout = layout
         self.dp_size = dp_size

@@ -123,7 +123,7 @@ def padded_vocab_size(args, tokenizer) -> int:
     given = getattr(args, "padded_vocab_size", None)  # Megatron-LM's --padded-vocab-size, if parsed
     if given is not None:
         return given
-    from megatron.training.model_arithmetic import vocab_size_with_padding
+    from megatron.training.model.sizes import vocab_size_with_padding
 
     return vocab_size_with_padding(vocab_size_before_padding(args, tokenizer), args.make_vocab_size_divisible_by,
                                    args.tensor_model_parallel_size)

@@ -1,7 +1,11 @@
-"""How many parameters a GPT built from ``pretrain_gpt.py``'s flags holds on each model-parallel rank.
+"""Sizes of the model: what Megatron-LM derives from its flags, how many parameters a GPT built from
+``pretrain_gpt.py``'s flags holds on each model-parallel rank, and the parameters' L2 norm.
 
-Counted from the same ``TransformerConfig`` the training builds (``training.transformer_config``),
-so FFN size, KV channels and query groups follow the flags exactly as the model does. The layout
+The derived sizes are pure functions (``args.megatron`` fills the defaults with them, the model is
+built from the results; the tests compare them against Megatron-LM's arithmetic written out).
+The parameter counts come from the same ``TransformerConfig`` the training builds
+(``model.configs.transformer_config``), so FFN size, KV channels and query groups follow the flags
+exactly as the model does. The layout
 is megatron-core's GPTModel: word embeddings (and learned positions) on the first pipeline stage;
 the final norm and the output layer on the last, which keeps its own copy of tied embeddings when
 it is not also the first; tensor parallelism splits the linear layers and the vocabulary, while
@@ -12,6 +16,33 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import List
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
+from megatron.core.transformer.module import param_is_not_shared
+
+FFN_MULTIPLE = 64  # Megatron-LM keeps the SwiGLU FFN a multiple of 64, so each TP shard is 64/TP-aligned
+
+
+def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
+    """4h; with SwiGLU two thirds of it (two input projections keep ~8h^2 weights), rounded DOWN
+    to a multiple of 64, as Megatron-LM does (hidden 4096 -> 10880)."""
+    if not swiglu:
+        return 4 * hidden_size
+    return int((4 * hidden_size * 2 / 3) / FFN_MULTIPLE) * FFN_MULTIPLE
+
+
+def default_kv_channels(hidden_size: int, num_attention_heads: int) -> int:
+    """The per-head size when --kv-channels is not given."""
+    return hidden_size // num_attention_heads
+
+
+def vocab_size_with_padding(vocab_size: int, divisible_by: int, tensor_parallel_size: int) -> int:
+    """The tokenizer's size rounded up to a multiple of divisible_by x TP, so every TP shard of the
+    embedding holds the same number of rows."""
+    multiple = divisible_by * tensor_parallel_size
+    return -(-vocab_size // multiple) * multiple
 
 
 @dataclass(frozen=True)
@@ -62,3 +93,19 @@ def model_params(stages: List[StageParams], tp: int) -> int:
     """One replica of the whole model (every stage, every tensor-parallel rank), as the training
     log counts it (a tied output layer's copy on the last stage included)."""
     return sum(s.params for s in stages) * tp
+
+
+# --log-params-norm, as Megatron-LM logs it
+def params_l2_norm(model_chunks) -> float:
+    """Each parameter counted once: shared embeddings once, tensor-parallel copies (norms, biases)
+    once; then summed over the model-parallel ranks. Data-parallel replicas are identical."""
+    squares = None
+    for chunk in model_chunks:
+        for param in chunk.parameters():
+            if param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param):
+                value = param.detach().float().square().sum()
+                squares = value if squares is None else squares + value
+    device = next(model_chunks[0].parameters()).device
+    total = (squares if squares is not None else torch.zeros((), device=device)).reshape(1)
+    torch.distributed.all_reduce(total, group=parallel_state.get_model_parallel_group())
+    return float(total.sqrt().item())

@@ -15,7 +15,7 @@ import itertools
 from typing import Iterator, List, Optional, Tuple
 
 from megatron.training.errors import UserError
-from megatron.training.flag_types import positive_int
+from megatron.training.errors import positive_int
 
 LAYERS_FLAG = "--num-layers-per-virtual-pipeline-stage"
 STAGES_FLAG = "--num-virtual-stages-per-pipeline-rank"

@@ -20,7 +20,7 @@ from mlp_offload.subgroups import STATE_TENSORS, FP32_BYTES
 
 from megatron.training.model.flops import DenseGptShape, flops_per_iteration
 from megatron.training.model.sizes import model_params, stage_params
-from megatron.training.offload.flags import in_flags
+from megatron.training.errors import in_flags
 
 GB = 1e9
 GiB = 1 << 30

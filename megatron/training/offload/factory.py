@@ -13,7 +13,8 @@ from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.training.errors import UserError
 from megatron.training.offload.optimizer import OffloadDistributedOptimizer
 from megatron.training.offload.job_facts import PerNodeByRank0
-from megatron.training.offload.flags import config_from_args, in_flags
+from megatron.training.offload.flags import config_from_args
+from megatron.training.errors import in_flags
 from mlp_offload import OffloadConfig
 
 log = logging.getLogger("mlp_offload")

@@ -1,51 +1,12 @@
-"""The ``--offload-*`` flags and the engine's ``OffloadConfig`` fields: one table, both ways.
-
-The engine names its config fields in errors (``host_budget_bytes=4194304``, ``paths['nvme']``);
-``in_flags`` rewrites such a message in the flags a user of ``pretrain_gpt.py`` typed, values in
-the flags' units. ``config_from_args`` builds the config from the flags.
-"""
+"""The engine's ``OffloadConfig`` from the ``--offload-*`` flags (``config_from_args``); the way
+back, an engine message in flag names, is ``errors.in_flags``."""
 
 from __future__ import annotations
-
-import re
 
 from megatron.training.model.precision_aware import state_dtypes
 from mlp_offload import OffloadConfig, parse_bandwidths
 
-# field -> (flag, bytes per flag unit); flags that switch a feature off map to the field they clear
-FLAG_OF_FIELD = {
-    "host_budget_bytes": ("--offload-host-cache-gb", 1 << 30),
-    "subgroup_size": ("--offload-subgroup-size", 1),
-    "prefetch_depth": ("--offload-prefetch-depth", 1),
-    "tokens_per_tier": ("--offload-tokens-per-tier", 1),
-    "io_block_bytes": ("--offload-io-block-mb", 1 << 20),
-    "io_threads": ("--offload-io-threads", 1),
-    "probe_bytes": ("--offload-probe-mb", 1 << 20),
-    "adam_kernel": ("--offload-adam-kernel", 1),
-    "use_odirect": ("--offload-no-odirect", 1),
-    "verify_checksums": ("--offload-no-checksums", 1),
-    "cache_alternating": ("--offload-no-cache", 1),
-    "save_staging_bytes": ("--offload-save-staging-gb", 1 << 30),
-}
-_FIELD = re.compile(r"\b(" + "|".join(FLAG_OF_FIELD) + r")\b(?:=(-?[0-9][0-9.e+]*))?")
-_PATH = re.compile(r"paths\[['\"]([A-Za-z0-9_]+)['\"]\]")
-_BANDWIDTHS = re.compile(r"\bbandwidths(?= '|:)")
-_TOKEN_SCOPE = re.compile(r"token_scope\[['\"]([A-Za-z0-9_]+)['\"]\]")
 GiB = 1 << 30
-
-
-def in_flags(message: str) -> str:
-    """An engine message with config field names replaced by the flags that set them."""
-    def field(match):
-        flag, scale = FLAG_OF_FIELD[match.group(1)]
-        if match.group(2) is None:
-            return flag
-        return f"{flag} {float(match.group(2)) / scale:g}"
-
-    message = _PATH.sub(r"--offload-\1-path", message)
-    message = _BANDWIDTHS.sub("--offload-bandwidths", message)
-    message = _TOKEN_SCOPE.sub(r"--offload-token-scope \1", message)
-    return _FIELD.sub(field, message)
 
 
 def config_from_args(args, rank: int) -> OffloadConfig:
