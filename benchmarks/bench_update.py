@@ -29,8 +29,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mlp_offload import OffloadConfig, OffloadedAdamW  # noqa: E402
-from mlp_offload.prediction import device_seconds  # noqa: E402
-from mlp_offload.update import AdamKernel  # noqa: E402
+from mlp_offload import device_seconds  # noqa: E402
+from mlp_offload import AdamKernel  # noqa: E402
 
 
 def parse_args():

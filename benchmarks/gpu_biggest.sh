@@ -9,7 +9,7 @@ DISK=/var/tmp/offload_big; mkdir -p $DISK
 free -g | head -2; df -h $DISK | cat
 python3 - <<'PY'
 import time, torch
-from mlp_offload.tiers.host import HostMemory
+from mlp_offload import HostMemory
 host = HostMemory(None, pin=True)
 buf = host.allocate(2 << 30, "check")
 dev = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")

@@ -28,9 +28,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def _rank(args, scope, node, rank, port, lock_root, barrier, results):
     import torch
 
-    from mlp_offload.tiers.files import FileTier
-    from mlp_offload.tiers.host import HostMemory
-    from mlp_offload.tiers.tokens import JobTokens, TierTokens
+    from mlp_offload import FileTier
+    from mlp_offload import HostMemory
+    from mlp_offload import JobTokens, TierTokens
 
     torch.set_num_threads(1)
     tier = FileTier("bench", args.path, f"scope-{scope}", rank, 8 << 20, 2, op_threads=2)

@@ -1,14 +1,44 @@
-"""mlp_offload: multi-level, multi-path offload of optimizer state (usable without Megatron)."""
+"""mlp_offload: multi-level, multi-path offload of optimizer state (usable without Megatron).
 
+This module is the engine's face: code outside the engine (the Megatron adapter, tools, benchmarks)
+imports from here, or from ``mlp_offload.checkpoint`` (the checkpoint file format); everything else
+is the engine's inside and may change without notice (tests/unit/test_layout.py keeps it so).
+"""
+
+from .capacity import EnginePlan, plan_engine
+from .checkpoint import CheckpointDataError, CheckpointSaveError
+from .checkpoint_write import BackgroundStateWrite, save_engine_state, start_background_save
 from .config import OffloadConfig, OffloadConfigError, TierBandwidth, parse_bandwidths
-from .engine import OffloadedAdamW, OffloadStateError
+from .engine import PER_NODE, OffloadedAdamW, OffloadStateError
+from .faults import fault_point
 from .placement import PlacementError
-from .telemetry import StepRecord
-from .tiers.files import TierDataError, TierIOError, TierPathError
-from .tiers.host import HostMemoryError
+from .prediction import device_seconds
+from .rates import measure_adam_rate, measure_convert_rate
+from .startup import _probe as probe_tier  # the start-up's tier probe, for the planner tool
+from .state_dtypes import torch_dtypes
+from .subgroups import FP32_BYTES, STATE_TENSORS
+from .telemetry import StepRecord, TierTraffic
+from .tiers.files import FileTier, TierDataError, TierIOError, TierPathError, fsync_path
+from .tiers.host import HostMemory, HostMemoryError
+from .tiers.host import _meminfo_bytes as meminfo_bytes  # /proc/meminfo fields, as the host tier reads them
+from .tiers.housekeeping import NamespaceInUseError, scan as scan_namespaces
+from .tiers.housekeeping import release_all as release_swap_namespaces
+from .tiers.tokens import JobTokens, TierTokens
+from .update import AdamKernel
 
 __all__ = [
-    "OffloadConfig", "OffloadConfigError", "TierBandwidth", "parse_bandwidths", "OffloadedAdamW",
-    "OffloadStateError", "PlacementError", "StepRecord", "TierDataError", "TierIOError",
-    "TierPathError", "HostMemoryError",
+    # configuration and its errors
+    "OffloadConfig", "OffloadConfigError", "TierBandwidth", "parse_bandwidths",
+    # the optimizer, its records and errors
+    "OffloadedAdamW", "OffloadStateError", "PlacementError", "StepRecord", "TierTraffic", "PER_NODE",
+    "TierDataError", "TierIOError", "TierPathError", "HostMemoryError", "NamespaceInUseError",
+    "torch_dtypes", "STATE_TENSORS", "FP32_BYTES",
+    # checkpoints (the file format itself: mlp_offload.checkpoint)
+    "CheckpointDataError", "CheckpointSaveError", "BackgroundStateWrite", "save_engine_state",
+    "start_background_save", "fsync_path",
+    # planning and measuring without an engine (tools/plan_offload.py, benchmarks/)
+    "EnginePlan", "plan_engine", "probe_tier", "measure_adam_rate", "measure_convert_rate", "device_seconds",
+    "AdamKernel", "HostMemory", "FileTier", "JobTokens", "TierTokens", "meminfo_bytes",
+    # process housekeeping and crash-test fault points
+    "scan_namespaces", "release_swap_namespaces", "fault_point",
 ]

@@ -17,7 +17,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mlp_offload.tiers.housekeeping import scan  # noqa: E402
+from mlp_offload import scan_namespaces as scan  # noqa: E402
 
 
 def running_slurm_jobs() -> set:

@@ -108,15 +108,15 @@ def pretrain_args(flags, machine):
 def _host_memory_bytes(given_gb):
     if given_gb is not None:
         return int(given_gb * GiB)
-    from mlp_offload.tiers.host import _meminfo_bytes
+    from mlp_offload import meminfo_bytes as _meminfo_bytes
 
     return _meminfo_bytes("MemTotal") or 0
 
 
 def tier_rates_and_capacities(config, capacities, nnodes):
     """Given rates and capacities, or measured on this node's paths (as the engine would)."""
-    from mlp_offload.startup import _probe
-    from mlp_offload.tiers.host import HostMemory
+    from mlp_offload import probe_tier as _probe
+    from mlp_offload import HostMemory
 
     rates, space = {}, {}
     for name in config.file_tiers:
@@ -152,8 +152,8 @@ def tier_rates_and_capacities(config, capacities, nnodes):
 def cpu_rates(opts, config):
     if opts.adam_gelems is not None and opts.convert_gelems is not None:
         return opts.adam_gelems * 1e9, opts.convert_gelems * 1e9
-    from mlp_offload.rates import measure_adam_rate, measure_convert_rate
-    from mlp_offload.update import AdamKernel
+    from mlp_offload import measure_adam_rate, measure_convert_rate
+    from mlp_offload import AdamKernel
 
     size = min(config.subgroup_size, 1 << 24)
     adam = AdamKernel(config.adam_kernel)

@@ -24,7 +24,7 @@ import sys
 from mlp_offload import (HostMemoryError, OffloadConfigError, OffloadStateError, PlacementError, TierDataError,
                          TierIOError, TierPathError)
 from mlp_offload.checkpoint import CheckpointDataError, CheckpointSaveError
-from mlp_offload.tiers.housekeeping import NamespaceInUseError
+from mlp_offload import NamespaceInUseError
 
 EXIT_USER_ERROR = 2
 

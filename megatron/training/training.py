@@ -46,7 +46,7 @@ from megatron.training.runtime.progress import directory_bytes, reported_step
 from megatron.training.runtime.signals import StopCheck
 from megatron.training.metrics.timers import LoopTimers
 from megatron.training.model.virtual_pipeline import chunk_roles, per_chunk
-from mlp_offload.faults import fault_point
+from mlp_offload import fault_point
 
 
 # ----------------------------------------------------------------------------- model and optimizer

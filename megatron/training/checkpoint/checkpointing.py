@@ -39,7 +39,7 @@ from megatron.training.checkpoint.crossing import fill_distributed_optimizer, lo
 from megatron.training.runtime.optimizer_interface import OffloadedOptimizerCheckpoint
 from megatron.training.runtime.progress import MemoryGrowth, gb_and_rate
 from mlp_offload.checkpoint import CheckpointSaveError, human_bytes
-from mlp_offload.faults import fault_point
+from mlp_offload import fault_point
 
 
 class _OurMarkerIsNotACorruptCheckpoint(logging.Filter):

@@ -28,7 +28,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-from mlp_offload.tiers.files import fsync_path
+from mlp_offload import fsync_path
 
 TRACKER = "latest_checkpointed_iteration.txt"
 IN_PROGRESS = "SAVE_IN_PROGRESS"

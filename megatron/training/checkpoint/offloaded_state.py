@@ -21,7 +21,7 @@ from megatron.training.checkpoint.offload_state_source import OffloadedStateSour
 from megatron.training.checkpoint.param_geometry import param_geometries
 from mlp_offload import OffloadedAdamW
 from mlp_offload.checkpoint import CheckpointDataError, load_engine_state, read_footer, state_file_bytes
-from mlp_offload.checkpoint_write import BackgroundStateWrite, save_engine_state, start_background_save
+from mlp_offload import BackgroundStateWrite, save_engine_state, start_background_save
 
 log = logging.getLogger("mlp_offload")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
 
-from mlp_offload.telemetry import StepRecord, TierTraffic
+from mlp_offload import StepRecord, TierTraffic
 
 GB = 1e9
 

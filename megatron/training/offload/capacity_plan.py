@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from mlp_offload import PlacementError, TierBandwidth
-from mlp_offload.capacity import EnginePlan, plan_engine
-from mlp_offload.subgroups import STATE_TENSORS, FP32_BYTES
+from mlp_offload import EnginePlan, plan_engine
+from mlp_offload import STATE_TENSORS, FP32_BYTES
 
 from megatron.training.model.flops import DenseGptShape, flops_per_iteration
 from megatron.training.model.sizes import model_params, stage_params

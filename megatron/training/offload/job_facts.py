@@ -17,7 +17,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from mlp_offload.engine import PER_NODE
+from mlp_offload import PER_NODE
 
 
 class PerNodeByRank0(logging.Filter):

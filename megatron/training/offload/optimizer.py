@@ -30,7 +30,7 @@ from megatron.training.runtime.optimizer_interface import (HoldsResources, Offlo
                                                            ReportsIteration, TrainingOptimizer)
 from megatron.training.offload.shard_layout import ShardLayout
 from mlp_offload import OffloadConfig, OffloadedAdamW
-from mlp_offload.state_dtypes import torch_dtypes
+from mlp_offload import torch_dtypes
 
 
 class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoint, ReportsIteration, HoldsResources):

@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from mlp_offload.tiers import housekeeping
+from mlp_offload import release_swap_namespaces
 
 EXIT_ON_SIGTERM = 128 + signal.SIGTERM
 STUCK_AFTER_MIN_S = 60.0  # the loop must reach an iteration boundary within max(this, 3 x slowest iteration)
@@ -80,7 +80,7 @@ class SigtermWatcher:
             else:
                 return  # the main thread saves and exits; torchrun or SLURM bound how long that may take
             _say(f"{name}: no iteration boundary reached in {patience:.0f} s (a rank gone?): not saving")
-        housekeeping.release_all()
+        release_swap_namespaces()
         _say(f"{name}: removed this rank's offload swap files; exiting")
         os._exit(EXIT_ON_SIGTERM)
 
