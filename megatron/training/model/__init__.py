@@ -1,0 +1,7 @@
+"""model/: the network the flags describe — megatron-core's TransformerConfig and OptimizerConfig
+(``configs``), sizes derived from flags and parameters per rank (``sizes``), FLOPs (``flops``),
+optional kernels (transformer-engine, apex; ``kernels``), precision-aware optimizer dtypes, and the
+interleaved (virtual) pipeline's chunks.
+
+May import: ``errors``, ``runtime``.
+"""
