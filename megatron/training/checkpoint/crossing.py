@@ -25,6 +25,8 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.training.checkpoint.offload_files import STATE_KEYS
 from megatron.training.checkpoint.offload_state_source import OffloadedStateSource
 from megatron.training.checkpoint.torch_dist_ranges import FlatTensorRanges
+from megatron.training.runtime.core_private import (main_param_and_optimizer_states,
+                                                    set_main_param_and_optimizer_states)
 from mlp_offload.checkpoint import CheckpointDataError
 
 FP32 = 4
@@ -52,7 +54,7 @@ def fill_distributed_optimizer(dist_optimizers: List, model_chunks, checkpoint_d
                 if getattr(opt.config, "use_precision_aware_optimizer", False):
                     _set_whole_piece(opt, saved, param, piece)  # its setter scales whole tensors
                     continue
-                targets = opt._get_main_param_and_optimizer_states(param)
+                targets = main_param_and_optimizer_states(opt, param)
                 for lo in range(0, piece.size, chunk):
                     hi = min(piece.size, lo + chunk)
                     saved.read(param, piece.start + lo, piece.start + hi,
@@ -74,7 +76,7 @@ def _param_pieces(opt):
 def _set_whole_piece(opt, saved, param, piece) -> None:
     outs = [torch.empty(piece.size, dtype=torch.float32) for _ in STATE_KEYS]
     saved.read(param, piece.start, piece.end, outs)
-    opt._set_main_param_and_optimizer_states(param, dict(zip(STATE_KEYS, outs)))
+    set_main_param_and_optimizer_states(opt, param, dict(zip(STATE_KEYS, outs)))
 
 
 def _set_adam_step(opt, steps: int) -> None:

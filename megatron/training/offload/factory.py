@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import os
 import torch
-from megatron.core.optimizer import _get_param_groups_and_buffers
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 
 from megatron.training.errors import UserError
@@ -15,6 +14,7 @@ from megatron.training.offload.optimizer import OffloadDistributedOptimizer
 from megatron.training.offload.job_facts import PerNodeByRank0
 from megatron.training.offload.flags import config_from_args
 from megatron.training.errors import in_flags
+from megatron.training.runtime.core_private import param_groups_and_buffers
 from mlp_offload import OffloadConfig
 
 log = logging.getLogger("mlp_offload")
@@ -25,9 +25,8 @@ def get_offload_optimizer(args, model_chunks, config: OptimizerConfig) -> Offloa
     if not config.use_distributed_optimizer:
         raise UserError("--offload-tiers requires the distributed optimizer (--use-distributed-optimizer)")
     _set_cpu_threads(args, model_chunks)
-    param_groups, buffers = _get_param_groups_and_buffers(
-        model_chunks, model_chunk_offset=0, config=config, config_overrides=None,
-        filter_fn=lambda g: not g["is_expert_parallel"], buffer_name="buffers")
+    param_groups, buffers = param_groups_and_buffers(model_chunks, config,
+                                                     filter_fn=lambda g: not g["is_expert_parallel"])
     offload_config = offload_config_from_args(args)
     return OffloadDistributedOptimizer(config, offload_config, model_chunks, param_groups, buffers,
                                        token_store=job_store(offload_config))

@@ -19,13 +19,13 @@ from typing import Dict, List, Optional
 import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
-from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.transformer.module import param_is_not_shared
 
 from megatron.training.offload.device_gradients import DeviceGradients, EventFence
 from megatron.training.checkpoint.offloaded_state import OffloadedStateFiles
+from megatron.training.runtime.core_private import optimizer_group_ranges
 from megatron.training.runtime.optimizer_interface import (HoldsResources, OffloadedOptimizerCheckpoint,
                                                            ReportsIteration, TrainingOptimizer)
 from megatron.training.offload.shard_layout import ShardLayout
@@ -86,7 +86,7 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
         The order is the one its DistributedOptimizer gives its inner optimizer (fp32 params of a
         group first, then the 16-bit ones), so the grad norm sums in the same order.
         """
-        _, group_ranges = DistributedOptimizer._build_optimizer_group_ranges(param_groups, self.layout.gbuf_ranges)
+        _, group_ranges = optimizer_group_ranges(param_groups, self.layout.gbuf_ranges)
         ordered, engine_groups = [], []
         for group, group_range in zip(param_groups, group_ranges):
             params = group_range["params"]

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from typing import Dict, Iterable, List, Tuple
 
 import torch
-from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+from megatron.training.runtime.core_private import gbuf_range_map
 
 
 @dataclass
@@ -34,7 +35,7 @@ class ShardLayout:
         flat = 0
         for buffers in per_model_buffers.values():
             for buffer in buffers:
-                range_map = DistributedOptimizer._build_gbuf_range_map(buffer)
+                range_map = gbuf_range_map(buffer)
                 self.gbuf_ranges.append(range_map)
                 (bucket_maps,) = range_map.values()
                 for bucket, bucket_map in zip(buffer.buckets, bucket_maps):

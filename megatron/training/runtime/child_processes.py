@@ -30,6 +30,8 @@ import warnings
 from multiprocessing import util
 from multiprocessing.managers import SyncManager
 
+from megatron.training.runtime import core_private
+
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
@@ -63,11 +65,9 @@ def die_with_rank(start_results_queue: bool) -> None:
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("die_with_rank() must run in the main thread: its children die with the starting thread")
     util.register_after_fork(_die_with_parent, _die_with_parent)  # the function itself is the (never freed) key
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if start_results_queue and filesystem_async._results_queue is None:
+    if start_results_queue and not core_private.checkpoint_results_queue_started():
         manager = SyncManager(ctx=multiprocessing.get_context("spawn"))  # the context megatron-core uses
         manager.start(_die_with_parent)
         # megatron-core would start its own on the first save, with no initializer, from whatever
         # thread saves. The queue proxy keeps the manager alive.
-        filesystem_async._results_queue = manager.Queue()
+        core_private.set_checkpoint_results_queue(manager.Queue())

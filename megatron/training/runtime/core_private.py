@@ -1,0 +1,58 @@
+"""Every private megatron-core 0.16.1 call of the training layer, in one place, each with the reason
+no public entry point serves. A megatron-core upgrade checks this file first.
+
+(``runtime/cpu_compat`` is apart: it adapts megatron-core's CUDA assumptions on a CPU device by
+replacing module globals, not by calling private functions.)
+"""
+
+from __future__ import annotations
+
+from megatron.core import optimizer as _core_optimizer
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+
+def gbuf_range_map(buffer):
+    """A DDP buffer's per-bucket shard ranges for this data-parallel rank. Why private: the offload
+    facade needs exactly DistributedOptimizer's ranges (so the shard and the param all-gather are
+    its own) without building a DistributedOptimizer; no public function returns them."""
+    return DistributedOptimizer._build_gbuf_range_map(buffer)
+
+
+def optimizer_group_ranges(param_groups, gbuf_ranges):
+    """The param order DistributedOptimizer gives its inner optimizer. Why private: the facade's
+    grad norms must follow that order to be bit-identical; it is computed only here."""
+    return DistributedOptimizer._build_optimizer_group_ranges(param_groups, gbuf_ranges)
+
+
+def param_groups_and_buffers(model_chunks, config, filter_fn):
+    """megatron-core's parameter groups (weight decay, LR multipliers) and DDP buffers. Why private:
+    ``get_megatron_optimizer`` builds them and an optimizer in one call; the facade needs the groups
+    with its own optimizer."""
+    return _core_optimizer._get_param_groups_and_buffers(
+        model_chunks, model_chunk_offset=0, config=config, config_overrides=None, filter_fn=filter_fn,
+        buffer_name="buffers")
+
+
+def main_param_and_optimizer_states(opt, param) -> dict:
+    """The fp32 master param and Adam moments of one param in megatron-core's DistributedOptimizer.
+    Why private: its public state_dict gathers whole buckets; crossing a checkpoint between the
+    offloaded form and megatron-core's own fills them in bounded pieces."""
+    return opt._get_main_param_and_optimizer_states(param)
+
+
+def set_main_param_and_optimizer_states(opt, param, states: dict) -> None:
+    """The setter to ``main_param_and_optimizer_states`` (precision-aware optimizer: it scales
+    whole tensors, so no in-place piecewise fill). Why private: as above."""
+    opt._set_main_param_and_optimizer_states(param, states)
+
+
+def checkpoint_results_queue_started() -> bool:
+    """Whether dist_checkpointing's writers' results queue exists. Why private: megatron-core starts
+    it lazily on the first save, from whatever thread saves; no public hook starts it."""
+    return filesystem_async._results_queue is not None
+
+
+def set_checkpoint_results_queue(queue) -> None:
+    """Start that queue ourselves (a Manager with PDEATHSIG, from the main thread). Why private: as above."""
+    filesystem_async._results_queue = queue
