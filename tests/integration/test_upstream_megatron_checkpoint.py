@@ -1,7 +1,7 @@
 """A checkpoint written by upstream Megatron-LM itself trains on here, with and without offload.
 
 tests/data/upstream_gpt/upstream_iter4.tar.gz was written at iteration 4 by upstream Megatron-LM
-(tag core_v0.16.1) on an H100 (benchmarks/gpu_upstream_checkpoint.sh); upstream's own log of the same
+(tag core_v0.16.1) on an H100 (benchmarks/experiments/upstream_checkpoint.sh); upstream's own log of the same
 run goes on to iteration 8. Resuming that checkpoint on CPU must continue upstream's loss curve:
 iteration 5 is the forward pass on the loaded weights, 6..8 follow the loaded Adam moments and
 schedule. The tolerance covers CPU against GPU bf16 arithmetic; dropping the optimizer state
@@ -28,9 +28,9 @@ RELATIVE_TOLERANCE = 5e-5  # measured: CPU within 5e-6 of upstream's GPU run at 
 
 
 def shared_flags(data_dir: Path) -> list:
-    """The flags both runs used (benchmarks/upstream_flags.sh, the one copy of them), less
+    """The flags both runs used (benchmarks/experiments/upstream_flags.sh, the one copy of them), less
     --train-iters, which run_pretrain adds."""
-    text = (REPO / "benchmarks" / "upstream_flags.sh").read_text()
+    text = (REPO / "benchmarks" / "experiments" / "upstream_flags.sh").read_text()
     flags = shlex.split(re.search(r'UPSTREAM_COMMON="([^"]*)"', text, re.S).group(1).replace("$D", str(data_dir)))
     at = flags.index("--train-iters")
     return flags[:at] + flags[at + 2:]

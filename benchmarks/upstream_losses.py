@@ -1,5 +1,5 @@
 """Loss per iteration of upstream Megatron-LM's logs and this repo's loss logs, side by side
-(used by benchmarks/gpu_upstream_checkpoint.sh; argument: the folder holding the logs)."""
+(used by benchmarks/experiments/upstream_checkpoint.sh; argument: the folder holding the logs)."""
 
 import json
 import re

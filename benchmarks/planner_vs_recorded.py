@@ -1,6 +1,6 @@
 """The capacity planner (tools/plan_offload.py) against real GPU runs recorded in docs/results.
 
-  python benchmarks/plan_vs_recorded.py > docs/results/plan_vs_recorded.md
+  python benchmarks/planner_vs_recorded.py > docs/results/plan_vs_recorded.md
 
 Each case gives the planner the run's own flags (from the benchmark script that ran it) and the
 rates the engine measured and logged in that run (disk bandwidths, CPU Adam), then sets its
@@ -23,7 +23,7 @@ LLAMA_1B = ("--num-layers 20 --hidden-size 2048 --ffn-hidden-size 5632 --num-att
             "--position-embedding-type rope --untie-embeddings-and-output-weights --disable-bias-linear "
             "--hidden-dropout 0 --attention-dropout 0 --micro-batch-size 1 --global-batch-size 4 --bf16 --device cuda "
             "--recompute-granularity full --offload-tiers host,nvme --offload-nvme-path /var/tmp/trust/nvme "
-            "--offload-host-cache-gb 4 --offload-io-threads 8")  # benchmarks/gpu_trust.sh
+            "--offload-host-cache-gb 4 --offload-io-threads 8")  # benchmarks/experiments/save_signal_resume.sh
 LLAMA_9B = ("--num-layers 48 --hidden-size 4096 --ffn-hidden-size 11008 --num-attention-heads 32 --group-query-attention "
             "--num-query-groups 8 "
             "--swiglu --normalization RMSNorm --position-embedding-type rope --untie-embeddings-and-output-weights "
@@ -31,7 +31,7 @@ LLAMA_9B = ("--num-layers 48 --hidden-size 4096 --ffn-hidden-size 11008 --num-at
             "--max-position-embeddings 2048 --micro-batch-size 1 --global-batch-size 1 --bf16 --device cuda "
             "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
             "--offload-tiers host,nvme --offload-nvme-path /var/tmp/offload_big --offload-host-cache-gb 70 "
-            "--offload-subgroup-size 100000000 --offload-io-threads 8")  # benchmarks/gpu_biggest.sh
+            "--offload-subgroup-size 100000000 --offload-io-threads 8")  # benchmarks/experiments/largest_model.sh
 
 CASES = [
     # (name, log file, pretrain flags, machine flags, iterations to average)

@@ -39,7 +39,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-import floor  # noqa: E402
+import io_floor as floor  # noqa: E402
 from llama_shape import LlamaShape, add_shape_flags, shape_from_args  # noqa: E402
 
 # ~1.03 B parameters: DeepSpeed's NVMe step stays ~15 s, so all systems fit one 9-minute call.
@@ -141,7 +141,7 @@ def peer_command(args, system: str, logs: dict) -> list:
     if args.nproc > 1:  # deepspeed.init_distributed() reads torchrun's RANK / WORLD_SIZE / MASTER_*
         launch += ["-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc),
                    "--master-port", str(_free_port())]
-    return [*launch, os.path.join(HERE, "deepspeed_peer.py"), *args.shape.peer_flags(),
+    return [*launch, os.path.join(HERE, "peers_deepspeed.py"), *args.shape.peer_flags(),
             "--micro-batch", str(args.micro_batch), "--global-batch", str(args.global_batch),
             "--iters", str(args.iters), "--lr", "3e-4", "--weight-decay", "0.1", "--seed", "1234",
             "--sub-group-size", str(args.subgroup_size), "--offload", "nvme" if system == "d" else "cpu",

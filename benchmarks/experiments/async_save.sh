@@ -6,8 +6,7 @@
 # losses equal S's. Needs megatron-core (and psutil) wheels in .whl/: device tool carry [".whl"].
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
+export PYTHONWARNINGS=ignore
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nproc; free -g | head -2
 DISK=${DISK:-/var/tmp/async}; rm -rf "$DISK"; mkdir -p "$DISK/nvme"; df -h "$DISK" | cat
 MODEL="--num-layers 20 --hidden-size 2048 --ffn-hidden-size 5632 --num-attention-heads 16 --group-query-attention --num-query-groups 4

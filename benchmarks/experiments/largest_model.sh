@@ -3,8 +3,6 @@
 # 8.8 B params, 106 GB of fp32 optimizer state: 70 GB in pinned host memory, the rest on the disk.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/megatron_core*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 DISK=/var/tmp/offload_big; mkdir -p $DISK
 free -g | head -2; df -h $DISK | cat
 python3 - <<'PY'

@@ -1,10 +1,8 @@
 # Source this on the GPU machine, from the repo root: carried wheels into /tmp/site, libaio from
 # carried Debian .debs (unpacked, not installed: the image has no libaio), and the variables that
 # let DeepSpeed's JIT build of its async_io op find them.
-#   source benchmarks/setup_gpu_peer.sh     (needs .whl and .deb in the device tool's carry list)
+#   source benchmarks/experiments/peer_env.sh     (needs .whl and .deb in the device tool's carry list)
 _repo=$(pwd)
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    "$_repo"/.whl/*.whl || return 1
 mkdir -p /tmp/libaio
 for deb in "$_repo"/.deb/*.deb; do dpkg -x "$deb" /tmp/libaio || return 1; done
 _aio_lib=$(dirname "$(find /tmp/libaio -name 'libaio.so*' | head -1)")

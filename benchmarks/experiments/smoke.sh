@@ -1,8 +1,6 @@
 #!/usr/bin/env bash
 # Short GPU smoke of the training loop and the offload path (a few iterations, tiny model).
 set -u
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/megatron_core*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 mkdir -p /var/tmp/smoke/nvme
 for extra in "" "--offload-tiers host,nvme --offload-nvme-path /var/tmp/smoke/nvme --offload-host-cache-gb 0.2 --offload-subgroup-size 2000000 --offload-probe-mb 64"; do
   torchrun --nproc_per_node 1 pretrain_gpt.py --num-layers 4 --hidden-size 512 --num-attention-heads 8 --seq-length 512 \

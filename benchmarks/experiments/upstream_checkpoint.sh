@@ -7,12 +7,11 @@
 #   ours also trains 1..8 from scratch and resumes from its own iteration 4. Logs and the iteration-4 checkpoint come back in $OUT.
 # Prepare here:  git -C <Megatron-LM mirror> archive core_v0.16.1 megatron pretrain_gpt.py gpt_builders.py \
 #   model_provider.py | tar -x -C .upstream && rm -rf .upstream/megatron/core
-# Run there:     bash benchmarks/gpu_upstream_checkpoint.sh   (carry .whl, .whl-upstream and .upstream;
+# Run there:     bash benchmarks/run_gpu.sh upstream_checkpoint   (carry .whl, .whl-upstream and .upstream;
 #   .whl-upstream: pydantic, pydantic-core, annotated-types, typing-inspection, typing-extensions for cp312)
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 REPO=$PWD
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 # Upstream's training imports megatron.rl, which needs pydantic (carried in .whl-upstream; only upstream sees it).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-upstream .whl-upstream/*.whl || exit 1
 # Upstream runs `make` in megatron/core/datasets at start; the wheel ships the helpers built, no Makefile.
@@ -20,7 +19,7 @@ printf 'default:\n\t@true\n' > /tmp/site/megatron/core/datasets/Makefile
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-UPSTREAM_DATA=$REPO/tests/data/upstream_gpt . benchmarks/upstream_flags.sh
+UPSTREAM_DATA=$REPO/tests/data/upstream_gpt . benchmarks/experiments/upstream_flags.sh
 UPSTREAM_ONLY="--transformer-impl local --legacy-tokenizer --no-gradient-accumulation-fusion --no-masked-softmax-fusion
  --no-bias-dropout-fusion --no-bias-swiglu-fusion --no-rope-fusion --no-persist-layer-norm"
 W=/tmp/upstream_work; rm -rf $W; mkdir -p $W/nvme
@@ -53,6 +52,6 @@ mkdir -p $W/ours4 && cp -r $W/ours/iter_0000004 $W/ours4/ && echo 4 > $W/ours4/l
 ours --data-cache-path $W/cache-ours4 --load $W/ours4 --save $W/ours_resumed --loss-log $OUT/ours_own_resumed.jsonl \
   > $OUT/ours_own_resumed.log 2>&1; echo "exit $?"
 grep -E "^error" $OUT/ours_*.log
-python3 benchmarks/compare_upstream_losses.py $OUT | tee $OUT/summary.md
+python3 benchmarks/upstream_losses.py $OUT | tee $OUT/summary.md
 # At most 8 files come back: the logs travel as one archive.
 (cd $OUT && tar -czf logs.tar.gz *.log *.jsonl && rm -f *.log *.jsonl)

@@ -2,13 +2,13 @@
 # One device call: our offload (host / host+disk / +emulated 2nd path) against DeepSpeed ZeRO-3
 # (NVMe, CPU), megatron-core's CPU offload and no offload, same ~1.03 B Llama shape, floor first.
 # Needs `.whl` (megatron-core, deepspeed + deps) and `.deb` (libaio) in the device tool's carry list.
-#   bash benchmarks/gpu_compare.sh [compare_offload.py flags, e.g. --layers 16 --iters 4]
+#   bash benchmarks/run_gpu.sh peers_1b [compare_offload.py flags, e.g. --layers 16 --iters 4]
 # Stays within LIMIT_S seconds (default 525) from its own start, setup and plot included.
 set -u
 T0=$SECONDS
 LIMIT_S=${LIMIT_S:-525}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-source benchmarks/setup_gpu_peer.sh || exit 1
+source benchmarks/experiments/peer_env.sh || exit 1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nproc; free -g | head -2
 DISK=${DISK:-/var/tmp/offload_cmp}; mkdir -p "$DISK"
 df -h "$DISK" /dev/shm | cat
@@ -17,8 +17,8 @@ python3 -c "import deepspeed, transformers, megatron.core; print('deepspeed', de
 # What is left after set-up, minus ~15 s for the plot and the archive.
 BUDGET=$(( LIMIT_S - (SECONDS - T0) - 15 ))
 set -o pipefail
-python3 benchmarks/compare_offload.py --disk-dir "$DISK" --shm-dir /dev/shm/offload_cmp --out "$OUT" \
+python3 benchmarks/peers.py --disk-dir "$DISK" --shm-dir /dev/shm/offload_cmp --out "$OUT" \
     --budget-s $BUDGET "$@" 2>&1 | tee "$OUT/compare.log"
-python3 benchmarks/plot_phases.py "$OUT/compare_offload.json" "$OUT/phases.png"
+python3 benchmarks/peers_plot.py "$OUT/compare_offload.json" "$OUT/phases.png"
 rm -rf "$DISK" /dev/shm/offload_cmp
 echo "gpu_compare.sh: $(( SECONDS - T0 )) s"

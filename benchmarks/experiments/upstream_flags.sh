@@ -1,4 +1,4 @@
-# The flags shared by upstream Megatron-LM and this repo in benchmarks/gpu_upstream_checkpoint.sh and
+# The flags shared by upstream Megatron-LM and this repo in benchmarks/experiments/upstream_checkpoint.sh and
 # tests/integration/test_upstream_megatron_checkpoint.py: a tiny Llama-style GPT on tests/data/upstream_gpt.
 D=${UPSTREAM_DATA:-tests/data/upstream_gpt}
 UPSTREAM_COMMON="--num-layers 2 --hidden-size 64 --num-attention-heads 4 --group-query-attention --num-query-groups 2

@@ -1,6 +1,6 @@
 """Stacked bars from compare_offload.json: forward+backward and update seconds per system.
 
-  python3 benchmarks/plot_phases.py $OUT/compare_offload.json $OUT/phases.png
+  python3 benchmarks/peers_plot.py $OUT/compare_offload.json $OUT/phases.png
 """
 
 from __future__ import annotations

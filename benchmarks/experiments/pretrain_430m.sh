@@ -4,8 +4,6 @@
 # Run from the repo root on the GPU machine, with megatron-core carried in .whl/ (see docs).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nproc; free -g | head -2
 DISK=${DISK:-/var/tmp/offload}; mkdir -p $DISK/nvme /dev/shm/offload-pfs
 df -h $DISK /dev/shm | cat; findmnt -T $DISK -o SOURCE,FSTYPE | cat

@@ -10,7 +10,7 @@ steps on bf16 gradients, and prints the steady-state update time beside:
   - the engine's own prediction from its performance model.
 
 Example (CPU machine):
-  python benchmarks/bench_update.py --numel 100000000 --subgroup-size 10000000 \
+  python benchmarks/update_bench.py --numel 100000000 --subgroup-size 10000000 \
       --configs host nvme nvme+pfs --path nvme=/tmp/nvme --path pfs=/dev/shm/pfs --host-budget-gb 0.6
 """
 

@@ -4,9 +4,8 @@
 # path on /dev/shm (tmpfs: memory bandwidth, NOT a second device; reported apart).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 DISK=${DISK:-/var/tmp/offload}; mkdir -p $DISK
 NUMEL=${NUMEL:-1.5e9}
-python3 benchmarks/bench_update.py --numel $NUMEL --subgroup-size 1e8 --steps 4 --threads 16 --io-threads 8 \
+python3 benchmarks/update_bench.py --numel $NUMEL --subgroup-size 1e8 --steps 4 --threads 16 --io-threads 8 \
   --configs host nvme nvme+disk2 nvme+shm --path nvme=$DISK/nvme --path disk2=$DISK/disk2 \
   --path shm=/dev/shm/offload-shm --host-budget-gb 6 --probe-mb 2048 --json $OUT/bench_update.json 2>&1 | tee $OUT/bench_update.log

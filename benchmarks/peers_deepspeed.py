@@ -7,9 +7,9 @@ bf16, gradient checkpointing, AdamW. Per iteration rank 0 writes one JSON line: 
 (rank 0's micro-batches), total_s, forward_s, backward_s, step_s (each phase between
 torch.cuda.synchronize() calls); at the end the exact DeepSpeed config as JSON.
 
-  source benchmarks/setup_gpu_peer.sh   # libaio + wheels
-  python3 benchmarks/deepspeed_peer.py --offload nvme --nvme-path /var/tmp/ds --iters 3
-  torchrun --nproc_per_node 4 benchmarks/deepspeed_peer.py --offload nvme --nvme-path /var/tmp/ds
+  source benchmarks/experiments/peer_env.sh   # libaio + wheels
+  python3 benchmarks/peers_deepspeed.py --offload nvme --nvme-path /var/tmp/ds --iters 3
+  torchrun --nproc_per_node 4 benchmarks/peers_deepspeed.py --offload nvme --nvme-path /var/tmp/ds
 
 --dry-run (no GPU needed) validates the config with DeepSpeed's own parser and builds the model
 on the CPU at the given size, then exits.

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The one GPU runner: installs the carried wheels once, then runs a named experiment.
+#   bash benchmarks/run_gpu.sh NAME [args...]     runs benchmarks/experiments/NAME.sh with args
+#   bash benchmarks/run_gpu.sh                    lists the experiments
+# From the repo root on the GPU machine, with the wheels (megatron-core, psutil; deepspeed and its
+# deps for the peers) carried in .whl/ (the device tool's carry list: [".whl"], plus ".deb" for the
+# peers' libaio and what an experiment's header names). Results go to $OUT (default /tmp/out).
+set -u
+cd "$(dirname "$0")/.."
+if [ $# -lt 1 ]; then
+    echo "usage: bash benchmarks/run_gpu.sh NAME [args...]; NAME is one of:"
+    for f in benchmarks/experiments/*.sh; do
+        case "$(basename "$f")" in peer_env.sh|upstream_flags.sh) continue ;; esac
+        printf '  %-22s %s\n' "$(basename "$f" .sh)" "$(sed -n 2p "$f" | sed 's/^# *//')"
+    done
+    exit 2
+fi
+NAME=$1; shift
+SCRIPT=benchmarks/experiments/$NAME.sh
+[ -f "$SCRIPT" ] || { echo "no experiment $NAME (benchmarks/experiments/$NAME.sh)"; exit 2; }
+if [ ! -f /tmp/site/.installed ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl || exit 1
+    touch /tmp/site/.installed
+fi
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+exec bash "$SCRIPT" "$@"
