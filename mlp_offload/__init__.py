@@ -10,7 +10,7 @@ from .checkpoint import CheckpointDataError, CheckpointSaveError
 from .checkpoint_write import BackgroundStateWrite, save_engine_state, start_background_save
 from .config import OffloadConfig, OffloadConfigError, TierBandwidth, parse_bandwidths
 from .engine import PER_NODE, OffloadedAdamW, OffloadStateError
-from .faults import fault_point
+from .faults import configure as configure_faults, fault_point
 from .placement import PlacementError
 from .prediction import device_seconds
 from .rates import measure_adam_rate, measure_convert_rate
@@ -40,5 +40,5 @@ __all__ = [
     "EnginePlan", "plan_engine", "probe_tier", "measure_adam_rate", "measure_convert_rate", "device_seconds",
     "AdamKernel", "HostMemory", "FileTier", "JobTokens", "TierTokens", "meminfo_bytes",
     # process housekeeping and crash-test fault points
-    "scan_namespaces", "release_swap_namespaces", "fault_point",
+    "scan_namespaces", "release_swap_namespaces", "fault_point", "configure_faults",
 ]

@@ -125,15 +125,15 @@ class OffloadConfig:
     unfused ``torch.optim.AdamW`` bit for bit."""
 
     run_id: Optional[str] = None
-    """Namespace of this run's files; default: MLP_OFFLOAD_RUN_ID, else SLURM's job and step id
-    (``<job>.<step>``, ``<job>.batch`` in the batch script), else torchrun's run id, else per process."""
+    """Namespace of this run's files (the Megatron adapter gives the job's: MLP_OFFLOAD_RUN_ID, else
+    SLURM's job and step, else torchrun's run id); None: one per process."""
 
     rank: int = 0
     """Rank whose shard this engine holds; files are namespaced by it."""
 
     ranks_sharing_node: Optional[int] = None
     """Processes of this node that place state on the same paths (for the free-space check).
-    ``None``: ``LOCAL_WORLD_SIZE`` from the environment, else 1."""
+    ``None``: 1 (the Megatron adapter gives ``LOCAL_WORLD_SIZE``)."""
 
     trace_path: Optional[str] = None
     """Write a Chrome-trace JSON of this engine's reads, writes, waits and Adam here when it closes
@@ -239,12 +239,6 @@ class OffloadConfig:
     def resolved_run_id(self) -> str:
         if self.run_id:
             return self.run_id
-        for var in ("MLP_OFFLOAD_RUN_ID", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"):
-            value = os.environ.get(var)
-            if value and value != "none":
-                if var == "SLURM_JOB_ID":  # two steps of one allocation must not share a namespace
-                    value += "." + os.environ.get("SLURM_STEP_ID", "batch")
-                return _safe_name(value)
         # Per-process fallback: unique, and files of a dead run are never mistaken for ours.
         self.run_id = f"pid{os.getpid()}"
         return self.run_id
@@ -252,7 +246,7 @@ class OffloadConfig:
     def resolved_ranks_sharing_node(self) -> int:
         if self.ranks_sharing_node is not None:
             return self.ranks_sharing_node
-        return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        return 1
 
 
 def parse_bandwidths(spec: str) -> Dict[str, TierBandwidth]:
@@ -328,7 +322,3 @@ def _check_token_scope(scope: Dict[str, str], file_tiers: List[str]) -> None:
             raise OffloadConfigError(f"token_scope[{name!r}] is given, but {name!r} is not a file tier")
         if value not in TOKEN_SCOPES:
             raise OffloadConfigError(f"token_scope[{name!r}] must be 'node' or 'job', got {value!r}")
-
-
-def _safe_name(value: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in value)

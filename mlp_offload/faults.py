@@ -1,13 +1,14 @@
-"""Fault injection for the crash tests: ``MLP_OFFLOAD_FAULT="point[@rank][#n][=ERRNO]"`` makes the
-process SIGKILL itself the n-th time (default 1) it passes ``fault_point(point)``, on that global
+"""Fault injection for the crash tests, configured by the caller (the Megatron adapter reads
+``MLP_OFFLOAD_FAULT`` and ``MLP_OFFLOAD_DELAY``; the engine reads no environment):
+``configure(fault="point[@rank][#n][=ERRNO]")`` makes the process SIGKILL itself the n-th time (default 1) it passes ``fault_point(point)``, on that global
 rank only (default: any); with ``=ENOSPC`` (any errno name) it raises that OSError there instead,
 as a full disk would. Points: forward, backward, update, save-offload (once per subgroup written
 into a checkpoint, by the background writer with --async-save), save-scheduled (--async-save: the
 background write just started, not finalized), save-complete, save-tracker, fork.
 
-``MLP_OFFLOAD_DELAY="point=SECONDS[,point=SECONDS...]"`` sleeps at every pass of those points
+``configure(delay="point=SECONDS[,point=SECONDS...]")`` sleeps at every pass of those points
 instead: a slow disk, e.g. to show that training goes on while a background save is written.
-Both unset: a no-op."""
+Neither given: a no-op. Forked processes inherit the configuration."""
 
 from __future__ import annotations
 
@@ -15,22 +16,34 @@ import errno
 import os
 import signal
 import time
-from typing import Dict
+from typing import Dict, Optional
 
 _passes: Dict[str, int] = {}
+_fault: Optional[str] = None
+_delays: Optional[str] = None
+_rank = "0"
+
+
+def configure(fault: Optional[str] = None, delay: Optional[str] = None, rank: int = 0) -> None:
+    """Set this process's fault and delay points (None: none); passes are counted afresh."""
+    global _fault, _delays, _rank
+    _fault, _delays, _rank = fault or None, delay or None, str(rank)
+    _passes.clear()
+
+
+def enabled() -> bool:
+    return bool(_fault or _delays)
 
 
 def fault_point(name: str) -> None:
-    delays = os.environ.get("MLP_OFFLOAD_DELAY")
-    if delays:
-        _delay(name, delays)
-    spec = os.environ.get("MLP_OFFLOAD_FAULT")
-    if not spec:
+    if _delays:
+        _delay(name, _delays)
+    if not _fault:
         return
-    spec, _, error = spec.partition("=")
+    spec, _, error = _fault.partition("=")
     point, _, count = spec.partition("#")
     point, _, rank = point.partition("@")
-    if point != name or (rank and rank != os.environ.get("RANK", "0")):
+    if point != name or (rank and rank != _rank):
         return
     _passes[name] = _passes.get(name, 0) + 1
     if _passes[name] != int(count or 1):

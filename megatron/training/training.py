@@ -32,6 +32,7 @@ from megatron.training.data.datasets import build_tokenizer, padded_vocab_size
 from megatron.training.data.datasets import micro_batches
 from megatron.training.errors import reported_once
 from megatron.training.model.flops import DenseGptShape, flops_per_iteration
+from megatron.training.runtime import fault_injection
 from megatron.training.runtime.iteration_hooks import IterationHooks
 from megatron.training.data.lr_schedule import build_param_scheduler
 from megatron.training.initialize import initialize
@@ -158,7 +159,7 @@ def build_metrics(args, optimizer, timers: LoopTimers, resume_iteration: int) ->
 def _with_fault_points(forward_step_func):
     """Crash-test hooks (mlp_offload.faults): 'forward' as a micro-batch starts, 'backward' when its
     gradient arrives. Only when MLP_OFFLOAD_FAULT is set."""
-    if not os.environ.get("MLP_OFFLOAD_FAULT"):
+    if not os.environ.get("MLP_OFFLOAD_FAULT"):  # read here as runtime.fault_injection reads it
         return forward_step_func
 
     def forward_step(data_iterator, model):
@@ -237,6 +238,7 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
     started = time.time()  # --exit-duration-in-mins counts from here, as Megatron-LM's start time
     args = parse_args(argv)
     device = initialize(args)
+    fault_injection.install_from_env()  # the crash tests' points (RANK is set by now, srun included)
     args.device_obj = device
     tokenizer = build_tokenizer(args)
     args.padded_vocab_size = padded_vocab_size(args, tokenizer)

@@ -44,7 +44,7 @@ def test_steps_during_a_background_save_change_nothing_it_writes(tmp_path, monke
         expected = engine_state(reference)
     with engine_at_step_3(tmp_path / "e", save_staging_bytes=staging_bytes) as engine:
         save_engine_state(engine, str(tmp_path / "sync.ckpt"), metadata={"iteration": 3})
-        monkeypatch.setenv("MLP_OFFLOAD_DELAY", SLOW_WRITER)
+        monkeypatch.setattr(faults, "_delays", SLOW_WRITER)
         write = start_background_save(engine, str(tmp_path / "async.ckpt"), metadata={"iteration": 3})
         assert write.snapshot.memory and write.snapshot.on_tier  # both kinds of source are exercised
         write.start()
@@ -52,7 +52,7 @@ def test_steps_during_a_background_save_change_nothing_it_writes(tmp_path, monke
         if staging_bytes:  # the steps took copies and went on: the writer was still at work
             assert not write.done()
         write.wait()
-        monkeypatch.delenv("MLP_OFFLOAD_DELAY")
+        monkeypatch.setattr(faults, "_delays", None)
         assert write.failure is None
         assert write.write_s >= 8 * DELAY_S
         if staging_bytes:
@@ -71,7 +71,7 @@ def test_steps_during_a_background_save_change_nothing_it_writes(tmp_path, monke
 
 def test_a_cancelled_write_leaves_no_file_and_releases_the_engine(tmp_path, monkeypatch):
     with engine_at_step_3(tmp_path / "e", save_staging_bytes=0) as engine:
-        monkeypatch.setenv("MLP_OFFLOAD_DELAY", SLOW_WRITER)
+        monkeypatch.setattr(faults, "_delays", SLOW_WRITER)
         write = start_background_save(engine, str(tmp_path / "x.ckpt"))
         write.start()
         write.cancel()
@@ -84,7 +84,7 @@ def test_a_cancelled_write_leaves_no_file_and_releases_the_engine(tmp_path, monk
 def test_a_disk_full_in_the_background_is_reported_and_removes_the_partial_file(tmp_path, monkeypatch):
     with engine_at_step_3(tmp_path / "e") as engine:
         monkeypatch.setattr(faults, "_passes", {})  # counted from here, whatever ran before in this process
-        monkeypatch.setenv("MLP_OFFLOAD_FAULT", "save-offload#3=ENOSPC")
+        monkeypatch.setattr(faults, "_fault", "save-offload#3=ENOSPC")
         write = start_background_save(engine, str(tmp_path / "x.ckpt"))
         write.start()
         write.wait()
@@ -96,7 +96,7 @@ def test_a_disk_full_in_the_background_is_reported_and_removes_the_partial_file(
 
 def test_closing_the_engine_stops_its_writer(tmp_path, monkeypatch):
     engine = engine_at_step_3(tmp_path / "e")
-    monkeypatch.setenv("MLP_OFFLOAD_DELAY", SLOW_WRITER)
+    monkeypatch.setattr(faults, "_delays", SLOW_WRITER)
     write = start_background_save(engine, str(tmp_path / "x.ckpt"))
     write.start()
     engine.close()

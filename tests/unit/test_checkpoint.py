@@ -8,7 +8,7 @@ import zlib
 import pytest
 import torch
 
-from mlp_offload import OffloadedAdamW
+from mlp_offload import OffloadedAdamW, faults
 from mlp_offload.checkpoint import (LEGACY_MAGIC, MAGIC, TRAILER, CheckpointDataError, CheckpointSaveError,
                                     RangeReader, load_engine_state, read_footer)
 from mlp_offload.checkpoint_write import save_engine_state
@@ -157,7 +157,8 @@ def test_legacy_files_without_footer_checksum_still_load(tmp_path):
 def test_disk_full_while_saving_names_the_file_and_removes_it(tmp_path, monkeypatch):
     path = _saved(tmp_path)
     before = open(path, "rb").read()
-    monkeypatch.setenv("MLP_OFFLOAD_FAULT", "save-offload#3=ENOSPC")
+    monkeypatch.setattr(faults, "_passes", {})
+    monkeypatch.setattr(faults, "_fault", "save-offload#3=ENOSPC")
     with OffloadedAdamW(torch.randn(NUMEL), fast_config(tmp_path / "b", tiers=["nvme"])) as eng:
         with pytest.raises(CheckpointSaveError, match=r"x.ckpt: No space left on device.*0.84 MB needed for this "
                                                       r"file, .* GB free; the partial file was removed"):

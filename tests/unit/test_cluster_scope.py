@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from mlp_offload import probe_cache
-from mlp_offload.config import OffloadConfig
 from mlp_offload.rates import probe_tier
 from mlp_offload.tiers.files import FileTier
 from mlp_offload.tiers.host import HostMemory
 from mlp_offload.tiers.tokens import JobTokens, JobTokensStalled, TierTokens, path_key
+
+from megatron.training.offload.flags import job_run_id
 
 from . import proc_workers
 
@@ -29,9 +30,9 @@ def test_two_steps_of_one_allocation_get_their_own_namespaces(monkeypatch):
     ids = []
     for step in ("0", "1"):
         monkeypatch.setenv("SLURM_STEP_ID", step)
-        ids.append(OffloadConfig().resolved_run_id())
+        ids.append(job_run_id())
     monkeypatch.delenv("SLURM_STEP_ID")
-    ids.append(OffloadConfig().resolved_run_id())  # python run by the batch script itself
+    ids.append(job_run_id())  # python run by the batch script itself
     assert ids == ["777.0", "777.1", "777.batch"]
 
 

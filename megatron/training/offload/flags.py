@@ -1,7 +1,10 @@
 """The engine's ``OffloadConfig`` from the ``--offload-*`` flags (``config_from_args``); the way
-back, an engine message in flag names, is ``errors.in_flags``."""
+back, an engine message in flag names, is ``errors.in_flags``. The environment is read here, never
+in the engine: the run id of the swap namespaces and the ranks sharing this node."""
 
 from __future__ import annotations
+
+import os
 
 from megatron.training.model.precision_aware import state_dtypes
 from mlp_offload import OffloadConfig, parse_bandwidths
@@ -32,7 +35,22 @@ def config_from_args(args, rank: int) -> OffloadConfig:
         rank=rank,
         trace_path=per_rank_path(args.offload_trace, rank),
         state_dtypes=state_dtypes(args),
+        run_id=job_run_id(),
+        ranks_sharing_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
     )
+
+
+def job_run_id():
+    """The swap namespaces' run id: MLP_OFFLOAD_RUN_ID, else SLURM's job and step
+    (``<job>.<step>``, ``<job>.batch`` in the batch script: two steps of one allocation must not
+    share a namespace), else torchrun's run id; None (one per process) without any."""
+    for var in ("MLP_OFFLOAD_RUN_ID", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"):
+        value = os.environ.get(var)
+        if value and value != "none":
+            if var == "SLURM_JOB_ID":
+                value += "." + os.environ.get("SLURM_STEP_ID", "batch")
+            return "".join(c if c.isalnum() or c in "-_." else "_" for c in value)
+    return None
 
 
 def per_rank_path(template, rank: int):
