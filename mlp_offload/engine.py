@@ -134,8 +134,9 @@ class OffloadedAdamW:
         grad_bytes = (2 * largest * FP32_BYTES if grad_source is not None
                       else self.numel * grad_dtype.itemsize + largest * FP32_BYTES)
         self._working = Fp32Working(self.state_dtypes, largest)
-        check_host_memory(self.placement.host_state_bytes + grad_bytes + self._working.nbytes,
-                          cfg.resolved_ranks_sharing_node())
+        check_host_memory({"optimizer cache": self.placement.host_state_bytes,
+                           "gradient staging": grad_bytes + self._working.nbytes},
+                          cfg.resolved_ranks_sharing_node(), dict(cfg.host_bytes_beside), bool(cfg.file_tiers))
         self.grad_buffer = None  # the caller's low-precision gradients, when the engine converts them
         if grad_source is None:
             self.grad_buffer = self.host.allocate(self.numel * grad_dtype.itemsize, "gradient buffer",
