@@ -13,7 +13,7 @@ import re
 import sys
 from typing import List, Optional
 
-from megatron.training import arguments_checkpoint, arguments_megatron, arguments_offload, precision_aware
+from megatron.training import arguments_checkpoint, arguments_megatron, arguments_offload, optional_packages, precision_aware
 from megatron.training.checkpoint_args import FILLED_IF_MISSING, MODEL_SHAPE_ARGS
 from megatron.training.errors import UserError
 from megatron.training.flag_types import finite, non_negative_float, non_negative_int, positive_int
@@ -223,4 +223,5 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     arguments_offload.default_distributed_optimizer(parser, args)
     precision_aware.validate(parser, args)
     arguments_offload.validate(parser, args)
+    optional_packages.check_flags(args)  # one line before any work, not an ImportError later
     return args
