@@ -17,7 +17,9 @@ from typing import Dict, List, Optional
 from mlp_offload import PlacementError, TierBandwidth
 from mlp_offload.capacity import EnginePlan, plan_engine
 from mlp_offload.subgroups import STATE_TENSORS, FP32_BYTES
+from mlp_offload.tiers.host import HostMemoryError, check_host_memory
 
+from megatron.training.host_memory import PROCESS_BYTES_GPU, beside_engine
 from megatron.training.flops import DenseGptShape, flops_per_iteration
 from megatron.training.model_size import model_params, stage_params
 from megatron.training.offload_flags import in_flags
@@ -160,6 +162,16 @@ def make_plan(args, cfg, machine: Machine, offload_config, rates: Dict[str, Tier
             host_per_node["optimizer_state"] = machine.gpus_per_node * engine.placement.host_state_bytes
             host_per_node["gradient_scratch"] = machine.gpus_per_node * (engine.host_bytes
                                                                          - engine.placement.host_state_bytes)
+            # Every other host consumer the start-up guard counts: the ranks' processes, their workers.
+            beside = beside_engine(getattr(args, "num_workers", 0), PROCESS_BYTES_GPU)
+            host_per_node.update({f"{k.replace(' ', '_')}": machine.gpus_per_node * v for k, v in beside.items()})
+            try:  # the guard's own check, against the node's memory: DOES NOT FIT where it would refuse
+                check_host_memory({"optimizer cache": engine.placement.host_state_bytes,
+                                   "gradient staging": engine.host_bytes - engine.placement.host_state_bytes},
+                                  machine.gpus_per_node, beside, bool(offload_config.file_tiers),
+                                  (machine.host_memory_bytes, "the node's memory"))
+            except HostMemoryError as err:
+                problems.append(in_flags(str(err)))
             tiers_per_node = {t: machine.gpus_per_node * engine.stored_bytes[t] for t in offload_config.file_tiers}
     gpu_total = sum(gpu.values())
     if gpu_total > machine.gpu_memory_bytes:
