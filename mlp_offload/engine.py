@@ -21,7 +21,7 @@ import torch
 
 from .config import HOST_TIER, OffloadConfig, OffloadConfigError
 from .faults import fault_point
-from .gradients import GradientSource, HostGradients, scratch_buffers
+from .gradients import GradientSource, HostGradients, gradient_host_bytes, scratch_buffers
 from .param_groups import Range, build_groups, segments_of
 from .placement import Placement
 from .prediction import Prediction
@@ -131,8 +131,7 @@ class OffloadedAdamW:
         # Buffers: gradients (outside the state budget: the caller's gradient staging), fp32 scratch
         # for converted gradients, resident subgroups, and slots for streamed ones.
         largest = max(sg.numel for sg in self.subgroups)
-        grad_bytes = (2 * largest * FP32_BYTES if grad_source is not None
-                      else self.numel * grad_dtype.itemsize + largest * FP32_BYTES)
+        grad_bytes = gradient_host_bytes(self.numel, largest, None if grad_source is not None else grad_dtype.itemsize)
         self._working = Fp32Working(self.state_dtypes, largest)
         check_host_memory({"optimizer cache": self.placement.host_state_bytes,
                            "gradient staging": grad_bytes + self._working.nbytes},

@@ -117,6 +117,14 @@ def microbatches_in_flight(pp: int, vp: Optional[int], microbatches: int) -> int
     return math.ceil((1 + (pp - 1) / (pp * vp)) * pp)
 
 
+def host_grad_itemsize(args) -> Optional[int]:
+    """Bytes per gradient element in the engine's host buffer on a CPU run (as build_model's DDP
+    keeps them: bf16 reduced in fp32 unless --grad-reduce-in-bf16); None on a GPU."""
+    if getattr(args, "device", None) != "cpu":
+        return None
+    return 2 if args.fp16 or (args.bf16 and args.grad_reduce_in_bf16) else 4
+
+
 def suggested_host_cache_gb(machine: Machine, ranks_per_node: int, subgroup_size: int) -> float:
     """The largest per-rank host budget the node holds beside the gradient scratch, in whole GB."""
     scratch = 2 * subgroup_size * FP32_BYTES
@@ -153,7 +161,7 @@ def make_plan(args, cfg, machine: Machine, offload_config, rates: Dict[str, Tier
     else:
         try:
             engine = plan_engine(shard, offload_config, rates, capacity_bytes, adam_elems_per_s,
-                                 convert_elems_per_s, machine.gpus_per_node)
+                                 convert_elems_per_s, machine.gpus_per_node, host_grad_itemsize(args))
         except PlacementError as err:
             problems.append(in_flags(str(err)))
         largest = min(shard, offload_config.subgroup_size)

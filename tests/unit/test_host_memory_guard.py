@@ -24,14 +24,15 @@ def _engine(cache_gib, staging_gib=0.7):
 
 
 def test_the_run_that_was_killed_is_refused_in_one_line_naming_the_flag():
-    # The 128 GiB node: a 74 GiB cache, 2 workers, but a 60 GiB rank process: 135 GiB > 128.
+    # A 128 GiB node: a 74 GiB cache, 2 workers, and a 60 GiB rank process: over 134 GiB.
     with pytest.raises(HostMemoryError) as err:
         check_host_memory(_engine(74), 1, beside_engine(2, 60 * GiB), True, LIMIT)
     line = in_flags(str(err.value))
     assert "\n" not in line and "--offload-host-cache-gb" in line and "128.00 GiB of this job's memory limit" in line
-    assert "data workers 0.50" in line and "process 60.00" in line, line
+    workers = 2 * DATA_WORKER_BYTES / GiB
+    assert f"data workers {workers:.2f}" in line and "process 60.00" in line, line
     fits = float(re.search(r"--offload-host-cache-gb ([0-9.]+) would fit", line).group(1))
-    assert fits == pytest.approx(128 - 60 - 0.5 - 0.7, abs=0.11)
+    assert fits == pytest.approx(128 - 60 - workers - 0.7, abs=0.11)
 
 
 def test_what_fits_passes():
@@ -67,7 +68,7 @@ def test_the_engine_counts_what_the_rank_holds_beside_it_before_allocating(tmp_p
     monkeypatch.setattr(host_module, "_cgroup_limit_bytes", lambda: 64 << 20)
     allocated = []
     monkeypatch.setattr(host_module, "unforked_empty", lambda n: allocated.append(n) or torch.empty(n, dtype=torch.uint8))
-    cfg = fast_config(tmp_path, tiers=["host"], host_bytes_beside={"data workers": 4 * DATA_WORKER_BYTES})
+    cfg = fast_config(tmp_path, tiers=["host"], host_bytes_beside={"data workers": GiB})
     with pytest.raises(HostMemoryError, match=r"data workers 1.00 GiB.* more than the 0.06 GiB of this job's memory"):
         OffloadedAdamW(torch.randn(10_000), cfg)
     assert not allocated
