@@ -19,7 +19,7 @@ from mlp_offload.capacity import EnginePlan, plan_engine
 from mlp_offload.subgroups import STATE_TENSORS, FP32_BYTES
 from mlp_offload.tiers.host import HostMemoryError, check_host_memory
 
-from megatron.training.host_memory import PROCESS_BYTES_GPU, beside_engine
+from megatron.training.host_memory import PROCESS_BYTES_CPU, PROCESS_BYTES_GPU, beside_engine
 from megatron.training.flops import DenseGptShape, flops_per_iteration
 from megatron.training.model_size import model_params, stage_params
 from megatron.training.offload_flags import in_flags
@@ -171,7 +171,8 @@ def make_plan(args, cfg, machine: Machine, offload_config, rates: Dict[str, Tier
             host_per_node["gradient_scratch"] = machine.gpus_per_node * (engine.host_bytes
                                                                          - engine.placement.host_state_bytes)
             # Every other host consumer the start-up guard counts: the ranks' processes, their workers.
-            beside = beside_engine(getattr(args, "num_workers", 0), PROCESS_BYTES_GPU)
+            process = PROCESS_BYTES_GPU if host_grad_itemsize(args) is None else PROCESS_BYTES_CPU
+            beside = beside_engine(getattr(args, "num_workers", 0), process)
             host_per_node.update({f"{k.replace(' ', '_')}": machine.gpus_per_node * v for k, v in beside.items()})
             try:  # the guard's own check, against the node's memory: DOES NOT FIT where it would refuse
                 check_host_memory({"optimizer cache": engine.placement.host_state_bytes,

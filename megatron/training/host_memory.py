@@ -18,6 +18,7 @@ DATA_WORKER_BYTES = 32 * MiB
 # The planner's figure for a rank process on a GPU node before the engine allocates (torch, the
 # CUDA context's host side, NCCL buffers): the guard measures it instead.
 PROCESS_BYTES_GPU = 4 * GiB
+PROCESS_BYTES_CPU = GiB // 2  # a CPU rank after its imports (about 0.33 GiB measured), model aside
 
 
 def beside_engine(num_workers: int, process_bytes: int) -> Dict[str, int]:
