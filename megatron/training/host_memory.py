@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Dict
 
-from mlp_offload.tiers.host import _own_pss_bytes
+from mlp_offload.tiers.host import own_pss_bytes
 
 MiB, GiB = 1 << 20, 1 << 30
 DATA_WORKER_BYTES = 32 * MiB
@@ -27,4 +27,4 @@ def beside_engine(num_workers: int, process_bytes: int) -> Dict[str, int]:
 
 def measured_beside_engine(num_workers: int) -> Dict[str, int]:
     """This rank's figures now: its own proportional memory, and its workers to come."""
-    return beside_engine(num_workers, _own_pss_bytes())
+    return beside_engine(num_workers, own_pss_bytes())

@@ -128,7 +128,7 @@ def check_budget_exists(budget_bytes: Optional[int], ranks: int) -> None:
                     "demand", what, total / GiB)
 
 
-def _own_pss_bytes() -> int:
+def own_pss_bytes() -> int:
     """This process's proportional set size (shared pages split among their holders), else RSS."""
     for path, field, unit in (("/proc/self/smaps_rollup", "Pss:", 1024), ("/proc/self/status", "VmRSS:", 1024)):
         try:
@@ -165,7 +165,7 @@ def check_host_memory(engine_bytes: Dict[str, int], ranks: int, beside_bytes: Di
     if node is None:
         node = node_memory()
         if node is not None and node[1].startswith("available"):
-            node = (node[0] + ranks * _own_pss_bytes(), node[1])
+            node = (node[0] + ranks * own_pss_bytes(), node[1])
     if node is None:
         return
     limit, source = node
