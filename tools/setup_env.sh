@@ -54,7 +54,7 @@ fi
 # tokenizers, sentencepiece, tiktoken and transformers (GPT-2 and HuggingFace files, read offline)
 # are what megatron.core.tokenizers reads users' tokenizer files with. transformers 5.23 goes with
 # tokenizers 0.23 (the 4.x releases want tokenizers<=0.23.0 and huggingface-hub<1) and needs no
-# torch. A flag that needs a missing one says so in one line (megatron/training/optional_packages.py).
+# torch. A flag that needs a missing one says so in one line (megatron/training/runtime/optional_packages.py).
 # MLP_OFFLOAD_OPTIONAL replaces the list (e.g. empty: none).
 optional="${MLP_OFFLOAD_OPTIONAL-hypothesis==6.155.2:hypothesis matplotlib==3.10.3:matplotlib \
     tensorboard==2.21.0:tensorboard wandb==0.31.0:wandb tokenizers==0.23.3:tokenizers \

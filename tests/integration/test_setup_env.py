@@ -24,7 +24,7 @@ def test_venv_from_a_venv_uses_its_torch_offline(tmp_path):
 
     env = _offline_env(tmp_path)
     done = subprocess.run(["bash", "-c", f"source {REPO}/tools/setup_env.sh && python -c "
-                           "'import sys, torch, megatron.training.slurm_env as m; print(sys.prefix); "
+                           "'import sys, torch, megatron.training.runtime.slurm_env as m; print(sys.prefix); "
                            "print(torch.__file__); print(m.__file__)'"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -42,7 +42,7 @@ def test_an_optional_package_missing_from_the_wheelhouse_is_skipped(tmp_path):
     env = {**_offline_env(tmp_path), "MLP_OFFLOAD_OPTIONAL": "absent-package==0.31.0:absent_package numpy:numpy"}
     wheelhouse = env["MLP_OFFLOAD_WHEELHOUSE"]
     done = subprocess.run(["bash", "-c", f"source {REPO}/tools/setup_env.sh && python -c "
-                           "'import megatron.training.optional_packages; print(\"imported\")'"],
+                           "'import megatron.training.runtime.optional_packages; print(\"imported\")'"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"optional absent-package==0.31.0 not available in {wheelhouse}: skipped" in done.stdout

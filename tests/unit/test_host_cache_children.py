@@ -6,7 +6,7 @@ more (and pinned pages were copied at the fork): the tree's memory grew by the c
 
 import torch
 
-from megatron.training.data_loader import micro_batches
+from megatron.training.data.datasets import micro_batches
 from mlp_offload.tiers.host import HostMemory
 from tests.proc_memory import tree_pss_bytes
 

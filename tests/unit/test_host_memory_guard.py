@@ -8,8 +8,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from megatron.training.host_memory import DATA_WORKER_BYTES, beside_engine
-from megatron.training.offload_flags import in_flags
+from megatron.training.runtime.host_memory import DATA_WORKER_BYTES, beside_engine
+from megatron.training.errors import in_flags
 from mlp_offload import HostMemoryError, OffloadedAdamW
 from mlp_offload.tiers import host as host_module
 from mlp_offload.tiers.host import check_host_memory

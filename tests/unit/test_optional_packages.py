@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron.training import optional_packages
-from megatron.training.arguments import parse_args
+from megatron.training.runtime import optional_packages
+from megatron.training.args.arguments import parse_args
 from megatron.training.errors import UserError
 
 REPO = Path(__file__).resolve().parents[2]

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from megatron.training.host_memory import beside_engine
+from megatron.training.runtime.host_memory import beside_engine
 from mlp_offload import OffloadConfig
 from mlp_offload.capacity import plan_engine
 from tests.proc_memory import PeakSampler, tree_pss_bytes
@@ -19,8 +19,8 @@ OPTIONS = dict(tiers=["host"], subgroup_size=SUBGROUP, adam_elems_per_s=1e9, run
 
 RANK = f"""
 import sys, torch
-from megatron.training.data import MockGPTData
-from megatron.training.data_loader import micro_batches
+from megatron.training.data.datasets import MockGPTData
+from megatron.training.data.datasets import micro_batches
 from mlp_offload import OffloadConfig, OffloadedAdamW
 params = torch.randn({NUMEL})  # the model's: held before the engine, as in a rank
 grads = torch.randn({NUMEL}).to(torch.bfloat16)
