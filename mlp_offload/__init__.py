@@ -19,7 +19,7 @@ from .state_dtypes import torch_dtypes
 from .subgroups import FP32_BYTES, STATE_TENSORS
 from .telemetry import StepRecord, TierTraffic
 from .tiers.files import FileTier, TierDataError, TierIOError, TierPathError, fsync_path
-from .tiers.host import HostMemory, HostMemoryError
+from .tiers.host import HostMemory, HostMemoryError, check_host_memory, own_pss_bytes
 from .tiers.host import _meminfo_bytes as meminfo_bytes  # /proc/meminfo fields, as the host tier reads them
 from .tiers.housekeeping import NamespaceInUseError, scan as scan_namespaces
 from .tiers.housekeeping import release_all as release_swap_namespaces
@@ -38,7 +38,7 @@ __all__ = [
     "start_background_save", "fsync_path",
     # planning and measuring without an engine (tools/plan_offload.py, benchmarks/)
     "EnginePlan", "plan_engine", "probe_tier", "measure_adam_rate", "measure_convert_rate", "device_seconds",
-    "AdamKernel", "HostMemory", "FileTier", "JobTokens", "TierTokens", "meminfo_bytes",
+    "AdamKernel", "HostMemory", "check_host_memory", "own_pss_bytes", "FileTier", "JobTokens", "TierTokens", "meminfo_bytes",
     # process housekeeping and crash-test fault points
     "scan_namespaces", "release_swap_namespaces", "fault_point", "configure_faults",
 ]

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from .config import HOST_TIER, OffloadConfig, TierBandwidth
 from .placement import Placement, plan_placement, tokens_for
 from .prediction import Prediction, predict_update
-from .subgroups import FP32_BYTES, Subgroup, partition
-
-GRADIENT_SCRATCH_BUFFERS = 2  # fp32 gradients of the subgroup in the update and of the next one
+from .gradients import gradient_host_bytes
+from .subgroups import Subgroup, partition
+from .update import Fp32Working
 
 
 @dataclass
@@ -33,9 +33,11 @@ class EnginePlan:
 
 def plan_engine(numel: int, config: OffloadConfig, rates: Dict[str, TierBandwidth],
                 capacity_bytes: Dict[str, int], adam_elems_per_s: float, convert_elems_per_s: float,
-                ranks_per_node: int) -> EnginePlan:
+                ranks_per_node: int, host_grad_itemsize: Optional[int] = None) -> EnginePlan:
     """Plan one rank's shard of ``numel`` elements; ``capacity_bytes`` is each file tier's space as
-    the node's ``ranks_per_node`` ranks share it. Raises ``PlacementError`` where it does not fit."""
+    the node's ``ranks_per_node`` ranks share it. Raises ``PlacementError`` where it does not fit.
+    ``host_grad_itemsize``: the gradients' bytes per element where they come through host memory
+    (a CPU run); None where a GPU converts and sends them per subgroup."""
     config = dataclasses.replace(config, ranks_sharing_node=ranks_per_node)
     subgroups = partition(numel, config.subgroup_size, config.state_itemsizes)
     placement = plan_placement(subgroups, config, rates, capacity_bytes)
@@ -46,5 +48,6 @@ def plan_engine(numel: int, config: OffloadConfig, rates: Dict[str, TierBandwidt
     stored = {t: sum(subgroups[i].state_bytes for i in placement.subgroups_on(t)) for t in config.file_tiers}
     stored = {HOST_TIER: placement.host_state_bytes, **stored}
     largest = max(sg.numel for sg in subgroups)
-    host = placement.host_state_bytes + GRADIENT_SCRATCH_BUFFERS * largest * FP32_BYTES
+    host = (placement.host_state_bytes + gradient_host_bytes(numel, largest, host_grad_itemsize)
+            + Fp32Working.planned_bytes(config.state_itemsizes, largest))
     return EnginePlan(subgroups, placement, prediction, tokens, stored, host)

@@ -135,6 +135,10 @@ class OffloadConfig:
     """Processes of this node that place state on the same paths (for the free-space check).
     ``None``: 1 (the Megatron adapter gives ``LOCAL_WORLD_SIZE``)."""
 
+    host_bytes_beside: Dict[str, int] = field(default_factory=dict)
+    """Host memory each rank of the node holds beside the engine's buffers, by name (the process
+    itself, its data-loading workers): the start-up check counts it with them against the node's."""
+
     trace_path: Optional[str] = None
     """Write a Chrome-trace JSON of this engine's reads, writes, waits and Adam here when it closes
     (see ``trace``); None: nothing is timed or recorded beyond the per-step telemetry."""

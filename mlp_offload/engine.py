@@ -21,7 +21,7 @@ import torch
 
 from .config import HOST_TIER, OffloadConfig, OffloadConfigError
 from .faults import fault_point
-from .gradients import GradientSource, HostGradients, scratch_buffers
+from .gradients import GradientSource, HostGradients, gradient_host_bytes, scratch_buffers
 from .param_groups import Range, build_groups, segments_of
 from .placement import Placement
 from .prediction import Prediction
@@ -131,11 +131,11 @@ class OffloadedAdamW:
         # Buffers: gradients (outside the state budget: the caller's gradient staging), fp32 scratch
         # for converted gradients, resident subgroups, and slots for streamed ones.
         largest = max(sg.numel for sg in self.subgroups)
-        grad_bytes = (2 * largest * FP32_BYTES if grad_source is not None
-                      else self.numel * grad_dtype.itemsize + largest * FP32_BYTES)
+        grad_bytes = gradient_host_bytes(self.numel, largest, None if grad_source is not None else grad_dtype.itemsize)
         self._working = Fp32Working(self.state_dtypes, largest)
-        check_host_memory(self.placement.host_state_bytes + grad_bytes + self._working.nbytes,
-                          cfg.resolved_ranks_sharing_node())
+        check_host_memory({"optimizer cache": self.placement.host_state_bytes,
+                           "gradient staging": grad_bytes + self._working.nbytes},
+                          cfg.resolved_ranks_sharing_node(), dict(cfg.host_bytes_beside), bool(cfg.file_tiers))
         self.grad_buffer = None  # the caller's low-precision gradients, when the engine converts them
         if grad_source is None:
             self.grad_buffer = self.host.allocate(self.numel * grad_dtype.itemsize, "gradient buffer",

@@ -44,6 +44,15 @@ class HostGradients:
         convert_grads(self.buffer[start:end], out, unscale, clip_coef)
 
 
+def gradient_host_bytes(numel: int, largest: int, host_grad_itemsize: Optional[int]) -> int:
+    """Host memory of the update's gradients: two fp32 scratch buffers of the largest subgroup when
+    another source fills them (a GPU's), else (``HostGradients``, the CPU path) the shard's
+    gradients in their training dtype (``host_grad_itemsize`` bytes each) and one fp32 scratch."""
+    if host_grad_itemsize is None:
+        return 2 * largest * FP32_BYTES
+    return numel * host_grad_itemsize + largest * FP32_BYTES
+
+
 def scratch_buffers(source_owned: bool, largest: int, allocate) -> Tuple[torch.Tensor, torch.Tensor]:
     """Two fp32 buffers the update alternates between: pinned and distinct when another source
     fills one while the update reads the other; one plain buffer twice for ``HostGradients``,

@@ -127,6 +127,11 @@ class Fp32Working:
     def nbytes(self) -> int:
         return sum(s.numel() * 4 for s in self.scratch if s is not None)
 
+    @staticmethod
+    def planned_bytes(itemsizes, largest: int) -> int:
+        """``nbytes`` of the working copies for state stored in ``itemsizes`` bytes per element."""
+        return sum(largest * 4 for size in itemsizes if size != 4)
+
     def widen(self, stored):
         return [t if s is None else s[: t.numel()].copy_(t) for t, s in zip(stored, self.scratch)]
 

@@ -11,9 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections import defaultdict
 
-import matplotlib
+try:
+    import matplotlib
+except ImportError:  # optional (tools/setup_env.sh installs it where it can be had): one line, no traceback
+    sys.exit("error: tools/plot_timeline.py: needs the matplotlib package, which is not installed here "
+             "(pip install matplotlib==3.10.3)")
 
 matplotlib.use("Agg")  # headless
 import matplotlib.pyplot as plt  # noqa: E402

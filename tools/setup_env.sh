@@ -6,7 +6,8 @@
 # pinned CPU build (an unpinned torch pulls GBs of CUDA wheels). pip is never allowed to replace it.
 # Nodes without internet: MLP_OFFLOAD_WHEELHOUSE=DIR installs from a directory of wheels only
 # (fill it elsewhere: pip download --no-deps -d DIR megatron-core==0.16.1 numpy packaging pytest
-# iniconfig pluggy psutil plus the optional ones below with their dependencies).
+# iniconfig pluggy psutil, plus any of the optional ones below with their dependencies: each optional
+# one missing from DIR is skipped with a note).
 # MLP_OFFLOAD_PYTHON picks the interpreter (default python3), MLP_OFFLOAD_VENV the venv's place.
 set -e
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -39,19 +40,33 @@ else
     need+=("torch==2.13.0")
 fi
 python -c "import megatron.core" 2>/dev/null || need+=("megatron-core==0.16.1")
-# REQUIREMENT[:IMPORT_NAME]. tensorboard and wandb (offline) receive the metrics; tokenizers,
-# sentencepiece, tiktoken and transformers (GPT-2 and HuggingFace files, read offline) are what
-# megatron.core.tokenizers reads users' tokenizer files with. transformers 5.23 goes with tokenizers
-# 0.23 (the 4.x releases want tokenizers<=0.23.0 and huggingface-hub<1) and needs no torch.
-for spec in numpy pytest psutil hypothesis==6.155.2:hypothesis matplotlib==3.10.3:matplotlib \
-            tensorboard==2.21.0:tensorboard wandb==0.31.0:wandb tokenizers==0.23.3:tokenizers \
-            sentencepiece==0.2.3:sentencepiece tiktoken==0.14.0:tiktoken transformers==5.23.0:transformers; do
+# Required: REQUIREMENT[:IMPORT_NAME], installed together (pytest brings its plugins).
+for spec in numpy psutil pytest; do
     python -c "import ${spec#*:}" 2>/dev/null || need+=("${spec%%:*}")
 done
 if [ ${#need[@]} -gt 0 ]; then
     echo "setup_env: installing ${need[*]}${MLP_OFFLOAD_WHEELHOUSE:+ from $MLP_OFFLOAD_WHEELHOUSE}"
     python -m pip install "${pip_args[@]}" "${need[@]}"
 fi
+# Optional, each on its own where it can be had (pip installs nothing at all when one package of a
+# call is missing, so one absent wheel must not cost the others): hypothesis for the tests;
+# matplotlib draws --offload-trace files; tensorboard and wandb (offline) receive the metrics;
+# tokenizers, sentencepiece, tiktoken and transformers (GPT-2 and HuggingFace files, read offline)
+# are what megatron.core.tokenizers reads users' tokenizer files with. transformers 5.23 goes with
+# tokenizers 0.23 (the 4.x releases want tokenizers<=0.23.0 and huggingface-hub<1) and needs no
+# torch. A flag that needs a missing one says so in one line (megatron/training/runtime/optional_packages.py).
+# MLP_OFFLOAD_OPTIONAL replaces the list (e.g. empty: none).
+optional="${MLP_OFFLOAD_OPTIONAL-hypothesis==6.155.2:hypothesis matplotlib==3.10.3:matplotlib \
+    tensorboard==2.21.0:tensorboard wandb==0.31.0:wandb tokenizers==0.23.3:tokenizers \
+    sentencepiece==0.2.3:sentencepiece tiktoken==0.14.0:tiktoken transformers==5.23.0:transformers}"
+for spec in $optional; do
+    python -c "import ${spec#*:}" 2>/dev/null && continue
+    if python -m pip install "${pip_args[@]}" "${spec%%:*}" >/dev/null 2>&1; then
+        echo "setup_env: installed optional ${spec%%:*}"
+    else
+        echo "setup_env: optional ${spec%%:*} not available${MLP_OFFLOAD_WHEELHOUSE:+ in $MLP_OFFLOAD_WHEELHOUSE}: skipped (flags that need it will say so)"
+    fi
+done
 # The repo itself on the venv's path (what an editable install does, without needing a build
 # backend, so offline too).
 echo "$REPO" >"$purelib/_mlp_offload_repo.pth"

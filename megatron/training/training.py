@@ -270,7 +270,7 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
         eval_samples=eval_runs * args.eval_iters * args.global_batch_size)
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     train_iter = per_chunk(micro_batches(train_ds, consumed, args.micro_batch_size, dp_rank, dp_size,
-                                         args.num_workers), len(model))
+                                         args.num_workers, args.seed), len(model))
     hooks = IterationHooks(args, torch.distributed.get_rank(), device)
 
     timers = config.timers = LoopTimers(args.timing_log_level, args.timing_log_option, device)
@@ -362,8 +362,8 @@ def _load(args, model, optimizer, scheduler):
 def _run_eval(args, forward_step_func, model, valid_ds, iteration, consumed, dp_rank, dp_size, metrics):
     # Each evaluation reads its own slice of the validation set, so results are reproducible on resume.
     first = (iteration // args.eval_interval) * args.eval_iters * args.global_batch_size
-    it = per_chunk(micro_batches(valid_ds, first, args.micro_batch_size, dp_rank, dp_size, args.num_workers),
-                   len(model))
+    it = per_chunk(micro_batches(valid_ds, first, args.micro_batch_size, dp_rank, dp_size, args.num_workers,
+                                 args.seed), len(model))
     loss = evaluate(args, forward_step_func, it, model)
     if loss is not None:
         metrics.validation(ValidationRecord(iteration=iteration, consumed_samples=consumed, loss=loss))

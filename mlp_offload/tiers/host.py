@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 
 from .align import ALIGN
+from .no_fork import unforked_empty
 
 log = logging.getLogger("mlp_offload")
 GiB = 1024**3
@@ -50,10 +51,12 @@ class HostMemory:
         try:
             # Pinned by registering exactly-sized pageable memory: torch's pinned allocator rounds
             # each block up to a power of two, which nearly doubled a large budget's footprint.
-            raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+            # Not inherited by the rank's children (data workers, checkpoint writers): each would
+            # otherwise cost a copy of what the update rewrites, or of all of it once pinned.
+            raw = unforked_empty(nbytes + ALIGN)
             if self.pin:
                 self._register(raw)
-        except RuntimeError as err:
+        except (RuntimeError, OSError) as err:  # OSError: the mapping was refused
             kind = "pinned " if self.pin else ""
             raise HostMemoryError(
                 f"could not allocate {nbytes / GiB:.3f} GiB of {kind}host memory for {what} "
@@ -125,19 +128,60 @@ def check_budget_exists(budget_bytes: Optional[int], ranks: int) -> None:
                     "demand", what, total / GiB)
 
 
-def check_host_memory(per_rank_bytes: int, ranks: int) -> None:
-    """Before allocating: the node's ranks together must fit a hard memory limit (an error, naming
-    the numbers); beyond what the OS reports available is only a warning, because some machines
-    grow their memory on demand and report too little at start-up."""
-    need = per_rank_bytes * ranks
+def own_pss_bytes() -> int:
+    """This process's proportional set size (shared pages split among their holders), else RSS."""
+    for path, field, unit in (("/proc/self/smaps_rollup", "Pss:", 1024), ("/proc/self/status", "VmRSS:", 1024)):
+        try:
+            with open(path) as f:
+                for line in f:
+                    if line.startswith(field):
+                        return int(line.split()[1]) * unit
+        except OSError:
+            continue
+    return 0
+
+
+def node_memory() -> Optional[Tuple[int, str]]:
+    """(bytes, where from) that this node's ranks may hold in all: the job's memory limit (cgroup)
+    where there is one (exact; on some multi-GPU nodes MemTotal grows as memory is used), else
+    what the OS reports available plus what this rank holds already (each rank of the node about
+    as much): both then count the ranks' whole memory, the process itself included."""
     limit = _cgroup_limit_bytes()
-    if limit is not None and need > limit:
-        raise HostMemoryError(
-            f"host memory: {ranks} rank(s) x {per_rank_bytes / GiB:.2f} GiB = {need / GiB:.2f} GiB of "
-            f"optimizer buffers exceed this job's memory limit of {limit / GiB:.2f} GiB; lower "
-            f"host_budget_bytes (or subgroup_size) or add file tiers")
+    if limit is not None:
+        return limit, "this job's memory limit (cgroup)"
     available = _meminfo_bytes("MemAvailable")
-    if available is not None and need > available:
-        log.warning("host memory: %d rank(s) x %.2f GiB = %.2f GiB of optimizer buffers, but the OS reports "
-                    "only %.2f GiB available; lower host_budget_bytes if the job gets OOM-killed",
-                    ranks, per_rank_bytes / GiB, need / GiB, available / GiB)
+    if available is None:
+        return None
+    return available, "available memory (MemAvailable, plus what the ranks hold now)"
+
+
+def check_host_memory(engine_bytes: Dict[str, int], ranks: int, beside_bytes: Dict[str, int],
+                      budget_adjustable: bool, node: Optional[Tuple[int, str]] = None) -> None:
+    """Before allocating: what each rank of the node will hold (the engine's buffers by name, and
+    ``beside_bytes``: the process itself, its data workers...) times the ranks must fit ``node``
+    (default ``node_memory()``), else an error naming the figures and the host_budget_bytes that
+    would fit. ``budget_adjustable``: file tiers can take what a lower budget leaves out (the
+    first entry of ``engine_bytes`` is what the budget bounds)."""
+    if node is None:
+        node = node_memory()
+        if node is not None and node[1].startswith("available"):
+            node = (node[0] + ranks * own_pss_bytes(), node[1])
+    if node is None:
+        return
+    limit, source = node
+    parts = {**engine_bytes, **beside_bytes}
+    per_rank = sum(parts.values())
+    if per_rank * ranks <= limit:
+        return
+    listed = ", ".join(f"{name} {nbytes / GiB:.2f}" for name, nbytes in parts.items())
+    cache = next(iter(engine_bytes))
+    room = limit / ranks - (per_rank - engine_bytes[cache])
+    if budget_adjustable and room >= 0.1 * GiB:
+        fix = f"host_budget_bytes={int(room / GiB * 10) / 10 * GiB:.0f} would fit"
+    elif budget_adjustable:
+        fix = "no host_budget_bytes fits: fewer ranks per node, or fewer data workers"
+    else:
+        fix = "lowering host_budget_bytes needs a file tier to take the rest (paths)"
+    raise HostMemoryError(
+        f"host memory: {ranks} rank(s) of this node x {per_rank / GiB:.2f} GiB ({listed} GiB) = "
+        f"{per_rank * ranks / GiB:.2f} GiB, more than the {limit / GiB:.2f} GiB of {source}; {fix}")

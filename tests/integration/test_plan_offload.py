@@ -130,3 +130,15 @@ def test_bad_input_is_one_line(extra, message):
     done = plan(*TINY_MODEL, *extra, expect=2)
     lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and re.match(message, lines[0]) and "Traceback" not in done.stderr, done.stderr
+
+
+def test_host_memory_the_guard_would_refuse_does_not_fit(tmp_path):
+    """The planner counts every host consumer (cache, staging, the processes, their data workers)
+    and runs the start-up guard's own check against the node's memory."""
+    flags = offload_args(tmp_path, tiers=("host", "nvme"))
+    got = plan_json("--gpus-per-node", "2", "--adam-gelems", "1", "--convert-gelems", "1", "--host-memory-gb", "0.5",
+                    "--offload-nvme-capacity-gb", "1", *TINY_MODEL, *flags, "--num-workers", "2", expect=1)
+    host = got["host_bytes_per_node"]
+    assert host["data_workers"] > 0 and host["process"] > 0 and sum(host.values()) > 0.5 * 2**30
+    assert not got["fits"] and any(re.search(r"more than the 0.50 GiB of the node's memory; .*--offload-host-cache-gb",
+                                             p) for p in got["problems"]), got["problems"]

@@ -2,6 +2,8 @@
 
 Each layout: the run exits 0 with finite, falling losses; a repeat run gives bit-identical
 losses; save at iteration 5 + resume in a new process to 10 equals an uninterrupted run bit for bit.
+All with Megatron-LM's default dropout (0.1); DP=2 with its default --num-workers 2, whose losses
+must equal those of the run that loads in the rank (--num-workers 0).
 """
 
 import math
@@ -11,7 +13,7 @@ import pytest
 from launch import losses, run_pretrain
 
 LAYOUTS = {
-    "dp2": [],
+    "dp2": ["--num-workers", "2"],  # Megatron-LM's default (the tiny model's flags say 0)
     "tp2": ["--tensor-model-parallel-size", "2"],
     "pp2": ["--pipeline-model-parallel-size", "2"],
 }
@@ -40,6 +42,13 @@ def test_repeat_run_is_bit_identical(layout, tmp_path):
     name, args, records = layout
     again = run_pretrain(tmp_path, args)
     assert again == records, name
+
+
+def test_losses_do_not_depend_on_the_worker_count(layout, tmp_path):
+    name, args, records = layout
+    if "--num-workers" not in args:
+        pytest.skip("the DP=2 layout covers it")
+    assert run_pretrain(tmp_path, [*args, "--num-workers", "0"]) == records
 
 
 def test_resume_from_checkpoint_is_bit_identical(layout, tmp_path):

@@ -9,15 +9,20 @@ import pytest
 from launch import REPO
 
 
+def _offline_env(tmp_path):
+    """python3 is this venv; an empty wheelhouse and no index: any download would fail."""
+    wheelhouse = tmp_path / "wheels"
+    wheelhouse.mkdir()
+    return {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "MLP_OFFLOAD_PYTHON": sys.executable,
+            "MLP_OFFLOAD_VENV": str(tmp_path / "venv"), "MLP_OFFLOAD_WHEELHOUSE": str(wheelhouse),
+            "PIP_NO_INDEX": "1", "PIP_CONFIG_FILE": "/dev/null"}
+
+
 @pytest.mark.skipif(sys.prefix == sys.base_prefix, reason="needs the tests to run inside a virtual environment")
 def test_venv_from_a_venv_uses_its_torch_offline(tmp_path):
     import torch
 
-    wheelhouse = tmp_path / "wheels"
-    wheelhouse.mkdir()
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "MLP_OFFLOAD_PYTHON": sys.executable,
-           "MLP_OFFLOAD_VENV": str(tmp_path / "venv"), "MLP_OFFLOAD_WHEELHOUSE": str(wheelhouse),
-           "PIP_NO_INDEX": "1", "PIP_CONFIG_FILE": "/dev/null"}  # offline: any download would fail
+    env = _offline_env(tmp_path)
     done = subprocess.run(["bash", "-c", f"source {REPO}/tools/setup_env.sh && python -c "
                            "'import sys, torch, megatron.training.runtime.slurm_env as m; print(sys.prefix); "
                            "print(torch.__file__); print(m.__file__)'"],
@@ -28,3 +33,18 @@ def test_venv_from_a_venv_uses_its_torch_offline(tmp_path):
     assert prefix == str(tmp_path / "venv")
     assert torch_file == torch.__file__  # the starting environment's torch, not a second one
     assert module == str(REPO / "megatron" / "training" / "slurm_env.py")
+
+
+@pytest.mark.skipif(sys.prefix == sys.base_prefix, reason="needs the tests to run inside a virtual environment")
+def test_an_optional_package_missing_from_the_wheelhouse_is_skipped(tmp_path):
+    # The issue's case: one optional wheel (there wandb) absent; pip would install nothing of a call
+    # holding it. The set-up goes on, says what it skipped, and the repo imports.
+    env = {**_offline_env(tmp_path), "MLP_OFFLOAD_OPTIONAL": "absent-package==0.31.0:absent_package numpy:numpy"}
+    wheelhouse = env["MLP_OFFLOAD_WHEELHOUSE"]
+    done = subprocess.run(["bash", "-c", f"source {REPO}/tools/setup_env.sh && python -c "
+                           "'import megatron.training.runtime.optional_packages; print(\"imported\")'"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"optional absent-package==0.31.0 not available in {wheelhouse}: skipped" in done.stdout
+    assert "numpy" not in done.stdout  # present: not asked for
+    assert done.stdout.strip().endswith("imported")

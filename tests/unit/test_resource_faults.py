@@ -109,6 +109,7 @@ def test_error_hints_name_the_cause():
 def test_host_memory_checked_before_allocating(tmp_path, monkeypatch):
     monkeypatch.setattr(host_module, "_cgroup_limit_bytes", lambda: 64 << 20)
     cfg = fast_config(tmp_path, tiers=["host"], ranks_sharing_node=8)
-    with pytest.raises(HostMemoryError, match=r"8 rank\(s\) x 0.01 GiB = 0.11 GiB of optimizer buffers exceed "
-                                              r"this job's memory limit of 0.06 GiB"):
+    with pytest.raises(HostMemoryError, match=r"8 rank\(s\) of this node x 0.01 GiB \(optimizer cache 0.01, "
+                                              r"gradient staging 0.00 GiB\) = 0.11 GiB, more than the 0.06 GiB of "
+                                              r"this job's memory limit"):
         OffloadedAdamW(torch.randn(1_000_000), cfg)

@@ -15,6 +15,7 @@ from typing import List, Optional
 
 from megatron.training.args import (checkpoint as arguments_checkpoint, megatron as arguments_megatron,
                                     offload as arguments_offload)
+from megatron.training.runtime import optional_packages
 from megatron.training.model import precision_aware
 from megatron.training.checkpoint.saved_args import FILLED_IF_MISSING, MODEL_SHAPE_ARGS
 from megatron.training.errors import UserError, finite, non_negative_float, non_negative_int, positive_int
@@ -224,4 +225,5 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     arguments_offload.default_distributed_optimizer(parser, args)
     precision_aware.validate(parser, args)
     arguments_offload.validate(parser, args)
+    optional_packages.check_flags(args)  # one line before any work, not an ImportError later
     return args

@@ -162,11 +162,24 @@ class MegatronOrderSampler(torch.utils.data.Sampler):
             yield [(first + k) % self.n for k in range(self.mbs)]
 
 
+def loader_generator(seed: int, consumed_samples: int, dp_rank: int) -> torch.Generator:
+    """A generator for the DataLoader's own draws (its workers' base seed): a function of the
+    run's seed, where in the data the loader starts and the rank, never of the global RNG.
+
+    Losses must not depend on the worker count nor on where a run was resumed: without a generator
+    of its own a DataLoader iterator draws its workers' base seed from torch's global CPU generator,
+    which shifts the stream dropout draws from (at another point on a resume, where iterators are
+    made again)."""
+    mixed = ((int(seed) * 1_000_003 + int(consumed_samples)) * 65_537 + int(dp_rank)) % (2**63)
+    return torch.Generator().manual_seed(mixed)
+
+
 def micro_batches(dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,
-                  num_workers: int):
+                  num_workers: int, seed: int = 0):
     if num_workers == 0:
         return MicroBatchIterator(dataset, consumed_samples, micro_batch_size, dp_rank, dp_size)
     sampler = MegatronOrderSampler(len(dataset), consumed_samples, micro_batch_size, dp_rank, dp_size)
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                                         collate_fn=torch.utils.data.default_collate)
+                                         collate_fn=torch.utils.data.default_collate,
+                                         generator=loader_generator(seed, consumed_samples, dp_rank))
     return iter(loader)

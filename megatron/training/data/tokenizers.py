@@ -18,7 +18,6 @@ before transformers is imported, and a missing file or directory is one line nam
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -33,8 +32,6 @@ TOKENIZER_TYPES = (BYTE_LEVEL, "GPT2BPETokenizer", "HuggingFaceTokenizer", *SENT
 # For these --vocab-size is the tokenizer's own size, as in Megatron-LM; for the others it is a
 # floor on the vocabulary before padding (room for tokens the tokenizer does not have yet).
 SIZED_BY_VOCAB_SIZE_FLAG = ("TikTokenizer", "NullTokenizer")
-# The transformers release megatron-core's HuggingFace tokenizer is used with (tools/setup_env.sh).
-TRANSFORMERS_REQUIREMENT = "transformers==5.23.0"
 GPT2_EOD_TOKEN = "<|endoftext|>"
 # A directory holding none of these has no vocabulary for AutoTokenizer to read.
 HF_VOCABULARY_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "tekken.json")
@@ -180,9 +177,9 @@ def _hub_offline() -> None:
 
 
 def _needs_transformers(kind: str) -> None:
-    if importlib.util.find_spec("transformers") is None:
-        raise UserError(f"--tokenizer-type {kind}: needs the transformers package "
-                        f"(pip install {TRANSFORMERS_REQUIREMENT}, as tools/setup_env.sh does)")
+    from megatron.training.runtime.optional_packages import require
+
+    require(f"--tokenizer-type {kind}", "transformers")
 
 
 def _has_gpt2_eod(vocab: str) -> None:

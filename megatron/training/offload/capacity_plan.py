@@ -17,6 +17,9 @@ from typing import Dict, List, Optional
 from mlp_offload import PlacementError, TierBandwidth
 from mlp_offload import EnginePlan, plan_engine
 from mlp_offload import STATE_TENSORS, FP32_BYTES
+from mlp_offload import HostMemoryError, check_host_memory
+
+from megatron.training.runtime.host_memory import PROCESS_BYTES_CPU, PROCESS_BYTES_GPU, beside_engine
 
 from megatron.training.model.flops import DenseGptShape, flops_per_iteration
 from megatron.training.model.sizes import model_params, stage_params
@@ -115,6 +118,14 @@ def microbatches_in_flight(pp: int, vp: Optional[int], microbatches: int) -> int
     return math.ceil((1 + (pp - 1) / (pp * vp)) * pp)
 
 
+def host_grad_itemsize(args) -> Optional[int]:
+    """Bytes per gradient element in the engine's host buffer on a CPU run (as build_model's DDP
+    keeps them: bf16 reduced in fp32 unless --grad-reduce-in-bf16); None on a GPU."""
+    if getattr(args, "device", None) != "cpu":
+        return None
+    return 2 if args.fp16 or (args.bf16 and args.grad_reduce_in_bf16) else 4
+
+
 def suggested_host_cache_gb(machine: Machine, ranks_per_node: int, subgroup_size: int) -> float:
     """The largest per-rank host budget the node holds beside the gradient scratch, in whole GB."""
     scratch = 2 * subgroup_size * FP32_BYTES
@@ -151,7 +162,7 @@ def make_plan(args, cfg, machine: Machine, offload_config, rates: Dict[str, Tier
     else:
         try:
             engine = plan_engine(shard, offload_config, rates, capacity_bytes, adam_elems_per_s,
-                                 convert_elems_per_s, machine.gpus_per_node)
+                                 convert_elems_per_s, machine.gpus_per_node, host_grad_itemsize(args))
         except PlacementError as err:
             problems.append(in_flags(str(err)))
         largest = min(shard, offload_config.subgroup_size)
@@ -160,6 +171,17 @@ def make_plan(args, cfg, machine: Machine, offload_config, rates: Dict[str, Tier
             host_per_node["optimizer_state"] = machine.gpus_per_node * engine.placement.host_state_bytes
             host_per_node["gradient_scratch"] = machine.gpus_per_node * (engine.host_bytes
                                                                          - engine.placement.host_state_bytes)
+            # Every other host consumer the start-up guard counts: the ranks' processes, their workers.
+            process = PROCESS_BYTES_GPU if host_grad_itemsize(args) is None else PROCESS_BYTES_CPU
+            beside = beside_engine(getattr(args, "num_workers", 0), process)
+            host_per_node.update({f"{k.replace(' ', '_')}": machine.gpus_per_node * v for k, v in beside.items()})
+            try:  # the guard's own check, against the node's memory: DOES NOT FIT where it would refuse
+                check_host_memory({"optimizer cache": engine.placement.host_state_bytes,
+                                   "gradient staging": engine.host_bytes - engine.placement.host_state_bytes},
+                                  machine.gpus_per_node, beside, bool(offload_config.file_tiers),
+                                  (machine.host_memory_bytes, "the node's memory"))
+            except HostMemoryError as err:
+                problems.append(in_flags(str(err)))
             tiers_per_node = {t: machine.gpus_per_node * engine.stored_bytes[t] for t in offload_config.file_tiers}
     gpu_total = sum(gpu.values())
     if gpu_total > machine.gpu_memory_bytes:

@@ -4,6 +4,7 @@ one of the metrics sinks: megatron.training.metrics.sinks.)"""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import torch
@@ -15,6 +16,7 @@ from megatron.training.offload.job_facts import PerNodeByRank0
 from megatron.training.offload.flags import config_from_args
 from megatron.training.errors import in_flags
 from megatron.training.runtime.core_private import param_groups_and_buffers
+from megatron.training.runtime.host_memory import measured_beside_engine
 from mlp_offload import OffloadConfig
 
 log = logging.getLogger("mlp_offload")
@@ -33,8 +35,10 @@ def get_offload_optimizer(args, model_chunks, config: OptimizerConfig) -> Offloa
 
 
 def offload_config_from_args(args) -> OffloadConfig:
-    """The engine's config from the ``--offload-*`` flags."""
-    return config_from_args(args, rank=_rank())
+    """The engine's config from the ``--offload-*`` flags, and what the rank holds beside the
+    engine (the process, its data workers) for the engine's start-up memory check."""
+    config = config_from_args(args, rank=_rank())
+    return dataclasses.replace(config, host_bytes_beside=measured_beside_engine(args.num_workers))
 
 
 def job_store(config: OffloadConfig):

@@ -1,0 +1,31 @@
+"""Host buffers that child processes do not inherit (``MADV_DONTFORK``).
+
+A rank forks children while it trains: DataLoader workers (``--num-workers``, for the whole run),
+checkpoint writers. A forked child shares the rank's memory copy-on-write, so every page of the
+optimizer's host cache that the update rewrites while a child lives is copied once more; and pages
+pinned for DMA (cudaHostRegister) are copied into the child eagerly, at the fork. Either way each
+child cost a copy of the cache. No child reads these buffers (the offloaded state is saved by a
+thread of the rank), so they are mapped on their own and the kernel is told to leave them out of
+children. Their own mapping, not the allocator's memory: marking part of the heap would outlive
+the buffer and hide from children whatever the allocator puts there next.
+"""
+
+from __future__ import annotations
+
+import mmap
+import sys
+
+import torch
+
+PAGE = mmap.PAGESIZE
+
+
+def unforked_empty(nbytes: int) -> torch.Tensor:
+    """An uninitialised, page-aligned uint8 buffer of ``nbytes`` that forked children do not get
+    (they must never touch it). Freed when the last tensor viewing it is. Linux only; elsewhere
+    ordinary memory."""
+    if not sys.platform.startswith("linux") or nbytes == 0:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.madvise(mmap.MADV_DONTFORK)
+    return torch.frombuffer(region, dtype=torch.uint8)  # holds a reference to the mapping

@@ -1,0 +1,74 @@
+"""The start-up guard of host memory: a node's ranks together (engine buffers, the process, its data
+workers) against the job's memory limit, else available memory; refused in one line naming
+--offload-host-cache-gb, the figures and a budget that would fit. Figures injected."""
+
+import re
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from megatron.training.runtime.host_memory import DATA_WORKER_BYTES, beside_engine
+from megatron.training.errors import in_flags
+from mlp_offload import HostMemoryError, OffloadedAdamW
+from mlp_offload.tiers import host as host_module
+from mlp_offload.tiers.host import check_host_memory
+from tests.unit.helpers import fast_config
+
+GiB = 1 << 30
+LIMIT = (128 * GiB, "this job's memory limit (cgroup)")
+
+
+def _engine(cache_gib, staging_gib=0.7):
+    return {"optimizer cache": int(cache_gib * GiB), "gradient staging": int(staging_gib * GiB)}
+
+
+def test_the_run_that_was_killed_is_refused_in_one_line_naming_the_flag():
+    # A 128 GiB node: a 74 GiB cache, 2 workers, and a 60 GiB rank process: over 134 GiB.
+    with pytest.raises(HostMemoryError) as err:
+        check_host_memory(_engine(74), 1, beside_engine(2, 60 * GiB), True, LIMIT)
+    line = in_flags(str(err.value))
+    assert "\n" not in line and "--offload-host-cache-gb" in line and "128.00 GiB of this job's memory limit" in line
+    workers = 2 * DATA_WORKER_BYTES / GiB
+    assert f"data workers {workers:.2f}" in line and "process 60.00" in line, line
+    fits = float(re.search(r"--offload-host-cache-gb ([0-9.]+) would fit", line).group(1))
+    assert fits == pytest.approx(128 - 60 - workers - 0.7, abs=0.11)
+
+
+def test_what_fits_passes():
+    check_host_memory(_engine(74), 1, beside_engine(2, 6 * GiB), True, LIMIT)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(ranks=st.integers(1, 8), cache=st.floats(0, 200), process=st.floats(0.2, 8), workers=st.integers(0, 8),
+       limit=st.floats(16, 1024))
+def test_refused_exactly_when_over_and_the_suggestion_fits(ranks, cache, process, workers, limit):
+    node = (int(limit * GiB), "available memory")
+    engine, beside = _engine(cache), beside_engine(workers, int(process * GiB))
+    total = ranks * (sum(engine.values()) + sum(beside.values()))
+    if total <= node[0]:
+        check_host_memory(engine, ranks, beside, True, node)
+        return
+    with pytest.raises(HostMemoryError) as err:
+        check_host_memory(engine, ranks, beside, True, node)
+    line = in_flags(str(err.value))
+    suggested = re.search(r"--offload-host-cache-gb ([0-9.]+) would fit", line)
+    if suggested:  # the suggestion is accepted
+        check_host_memory(_engine(float(suggested.group(1))), ranks, beside, True, node)
+    else:
+        assert "no --offload-host-cache-gb fits" in line
+
+
+def test_without_a_file_tier_the_line_says_a_lower_budget_needs_one():
+    with pytest.raises(HostMemoryError, match="needs a file tier"):
+        check_host_memory(_engine(200), 1, beside_engine(2, GiB), False, LIMIT)
+
+
+def test_the_engine_counts_what_the_rank_holds_beside_it_before_allocating(tmp_path, monkeypatch):
+    monkeypatch.setattr(host_module, "_cgroup_limit_bytes", lambda: 64 << 20)
+    allocated = []
+    monkeypatch.setattr(host_module, "unforked_empty", lambda n: allocated.append(n) or torch.empty(n, dtype=torch.uint8))
+    cfg = fast_config(tmp_path, tiers=["host"], host_bytes_beside={"data workers": GiB})
+    with pytest.raises(HostMemoryError, match=r"data workers 1.00 GiB.* more than the 0.06 GiB of this job's memory"):
+        OffloadedAdamW(torch.randn(10_000), cfg)
+    assert not allocated
