@@ -99,7 +99,7 @@ class Relocation:
                 eng._resident[i] = new
                 tier_of[i] = dest
             else:
-                if views.buf.device.type != "cpu":  # file I/O needs host bytes
+                if source == GPU_TIER:  # file I/O needs aligned host bytes
                     scratch = eng._state._scratch_views()
                     for dst, src in zip(scratch.narrow(sg.numel), views.narrow(sg.numel)):
                         dst.copy_(src)

@@ -15,6 +15,10 @@ from mlp_offload import OffloadConfig, parse_bandwidths
 # field -> (flag, bytes per flag unit); flags that switch a feature off map to the field they clear
 FLAG_OF_FIELD = {
     "host_budget_bytes": ("--offload-host-cache-gb", 1 << 30),
+    "gpu_budget_bytes": ("--offload-gpu-cache-gb", 1 << 30),
+    "gpu_budget_auto": ("--offload-gpu-cache-gb auto", 1),
+    "gpu_margin_bytes": ("--offload-gpu-margin-gb", 1 << 30),
+    "update_on": ("--offload-update", 1),
     "subgroup_size": ("--offload-subgroup-size", 1),
     "prefetch_depth": ("--offload-prefetch-depth", 1),
     "tokens_per_tier": ("--offload-tokens-per-tier", 1),
@@ -51,10 +55,16 @@ def in_flags(message: str) -> str:
 def config_from_args(args, rank: int) -> OffloadConfig:
     """The engine's config from the ``--offload-*`` flags (checked by OffloadConfig itself)."""
     budget = None if args.offload_host_cache_gb is None else int(args.offload_host_cache_gb * GiB)
+    gpu = getattr(args, "offload_gpu_cache_gb", None)
+    update = getattr(args, "offload_update", None) or "cpu"
     return OffloadConfig(
         tiers=list(args.offload_tiers),
         paths=dict(args.offload_paths),
         host_budget_bytes=budget,
+        gpu_budget_bytes=None if gpu in (None, "auto") else int(gpu * GiB),
+        gpu_budget_auto=gpu == "auto",
+        gpu_margin_bytes=int(getattr(args, "offload_gpu_margin_gb", 4.0) * GiB),
+        update_on="device" if update == "gpu" else update,
         subgroup_size=args.offload_subgroup_size,
         prefetch_depth=args.offload_prefetch_depth,
         tokens_per_tier=args.offload_tokens_per_tier,
