@@ -9,8 +9,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
-from .config import HOST_TIER, OffloadConfig, TierBandwidth
-from .placement import Placement, plan_placement, tokens_for
+from typing import Optional
+
+from .config import OffloadConfig, TierBandwidth
+from .placement import Placement, UpdateRates, plan_placement, tokens_for
 from .prediction import Prediction, predict_update
 from .gradients import gradient_host_bytes
 from .subgroups import Subgroup, partition
@@ -33,20 +35,22 @@ class EnginePlan:
 
 def plan_engine(numel: int, config: OffloadConfig, rates: Dict[str, TierBandwidth],
                 capacity_bytes: Dict[str, int], adam_elems_per_s: float, convert_elems_per_s: float,
-                ranks_per_node: int, host_grad_itemsize: Optional[int] = None) -> EnginePlan:
+                ranks_per_node: int, host_grad_itemsize: Optional[int] = None,
+                update_rates: Optional[UpdateRates] = None) -> EnginePlan:
     """Plan one rank's shard of ``numel`` elements; ``capacity_bytes`` is each file tier's space as
     the node's ``ranks_per_node`` ranks share it. Raises ``PlacementError`` where it does not fit.
     ``host_grad_itemsize``: the gradients' bytes per element where they come through host memory
     (a CPU run); None where a GPU converts and sends them per subgroup."""
     config = dataclasses.replace(config, ranks_sharing_node=ranks_per_node)
     subgroups = partition(numel, config.subgroup_size, config.state_itemsizes)
-    placement = plan_placement(subgroups, config, rates, capacity_bytes)
+    update_rates = update_rates or UpdateRates(1 / (1 / adam_elems_per_s + 1 / convert_elems_per_s))
+    placement = plan_placement(subgroups, config, rates, capacity_bytes, update_rates=update_rates)
     tokens = {t: config.tokens_per_tier or tokens_for(rates[t], ranks_per_node) for t in config.file_tiers}
     prediction = predict_update(subgroups, placement, rates, adam_elems_per_s, convert_elems_per_s,
                                 ranks_sharing=ranks_per_node, tokens=tokens,
-                                cache_alternating=config.cache_alternating)
+                                cache_alternating=config.cache_alternating, update_rates=update_rates)
     stored = {t: sum(subgroups[i].state_bytes for i in placement.subgroups_on(t)) for t in config.file_tiers}
-    stored = {HOST_TIER: placement.host_state_bytes, **stored}
+    stored = {**placement.resident_bytes, **stored}
     largest = max(sg.numel for sg in subgroups)
     host = (placement.host_state_bytes + gradient_host_bytes(numel, largest, host_grad_itemsize)
             + Fp32Working.planned_bytes(config.state_itemsizes, largest))

@@ -182,7 +182,7 @@ def _put(fd: int, offset: int, tensors, snapshot: StateSnapshot) -> List[int]:
     """Each tensor's stored bytes, back to back from ``offset``; their CRC32s."""
     crcs = []
     for t in tensors:
-        view = memoryview(t.view(torch.uint8).numpy())
+        view = memoryview(t.view(torch.uint8).cpu().numpy())  # device-resident state: copied out here
         crc = 0
         for pos in range(0, len(view), CHUNK_BYTES):
             snapshot.check_cancelled()

@@ -15,8 +15,11 @@ from .state_dtypes import FP32_STATE, STATE_TENSORS, UnsupportedStateDtype, dtyp
 from .tiers.align import ALIGN, align_down
 
 HOST_TIER = "host"
-# Tier names that are memory (tiers.base.ResidentTier kinds); every other name is a file path.
-RESIDENT_TIERS = (HOST_TIER,)
+GPU_TIER = "gpu"  # the model's device memory (HBM; on a CPU run, the CPU's memory: the CPU twin)
+# Tier names that are memory (tiers.base.ResidentTier kinds), fastest first; every other name is a
+# file path. Placement fills them in this order.
+RESIDENT_TIERS = (GPU_TIER, HOST_TIER)
+UPDATE_SIDES = ("cpu", "device", "auto")
 GiB = 1024**3
 MiB = 1024**2
 
@@ -74,6 +77,40 @@ class OffloadConfig:
     """Host memory for optimizer state: host-resident subgroups plus pipeline/cache buffers.
     ``None`` means: everything in host memory when ``tiers == ["host"]``; just the minimum
     pipeline buffers when ``"host"`` is not listed. Required when host and file tiers are mixed."""
+
+    gpu_budget_bytes: Optional[int] = None
+    """Device memory (the ``"gpu"`` tier) for resident subgroups, updated where they live. Required
+    with ``"gpu"`` unless ``gpu_budget_auto``; then it is where the auto mode starts (None: 0)."""
+
+    gpu_budget_auto: bool = False
+    """Learn the ``"gpu"`` tier's size from the device's real peak after steps (``observe_device_memory``):
+    promote subgroups into spare memory beyond ``gpu_margin_bytes``, hand them back when it shrinks."""
+
+    gpu_margin_bytes: int = 4 * GiB
+    """Device memory the auto mode leaves free beside the training's own peak."""
+
+    device: str = "cpu"
+    """The model's device (``"cuda:0"``, ``"cpu"``): home of the ``"gpu"`` tier and of device updates.
+    On ``"cpu"`` both run the same code on the CPU (the CPU twin the tests exercise)."""
+
+    update_on: str = "cpu"
+    """Where subgroups held in host memory are updated: ``"cpu"`` (CPU Adam), ``"device"`` (state
+    streamed to the device and back, overlapped) or ``"auto"`` (per subgroup, from the measured
+    rates, so CPU and device update different subgroups at once). Device-resident ones always
+    update on the device."""
+
+    device_adam_kernel: Optional[str] = None
+    """Adam kernel of device updates; None: ``"foreach"`` on CUDA (torch.optim.AdamW's default
+    there, megatron-core's kernel without apex/TE), ``adam_kernel`` on the CPU twin."""
+
+    device_chunk_elems: int = 100_000_000
+    """Elements per chunk of a streamed device update (copy-in, Adam, copy-out overlap per chunk)."""
+
+    device_adam_elems_per_s: Optional[float] = None
+    """Device Adam rate on resident state (elements/s) to use instead of measuring it."""
+
+    device_streamed_elems_per_s: Optional[float] = None
+    """Elements/s of the streamed device update (copies and Adam overlapped) instead of measuring it."""
 
     subgroup_size: int = 100_000_000
     """Elements per subgroup (the last one is shorter)."""
@@ -191,6 +228,7 @@ class OffloadConfig:
                 f"host-only offload needs a positive host budget (host_budget_bytes), or none at all; got {budget}")
         if budget is not None and budget < 0:
             raise OffloadConfigError(f"host budget (host_budget_bytes) must be >= 0 bytes, got {budget}")
+        self._check_device_fields()
         _positive("subgroup_size", self.subgroup_size)
         _positive("prefetch_depth", self.prefetch_depth)
         if self.tokens_per_tier is not None:
@@ -228,9 +266,60 @@ class OffloadConfig:
             raise OffloadConfigError(f"Adam rate (adam_elems_per_s) must be a positive finite number, got {rate!r}")
         _check_token_scope(self.token_scope, self.file_tiers)
 
+    def _check_device_fields(self) -> None:
+        gpu = self.gpu_budget_bytes
+        if gpu is not None and (not _is_int(gpu) or gpu < 0):
+            raise OffloadConfigError(f"gpu budget (gpu_budget_bytes) must be a whole number of bytes >= 0 or None, "
+                                     f"got {gpu!r}")
+        if GPU_TIER in self.tiers:
+            if gpu is None and not self.gpu_budget_auto:
+                raise OffloadConfigError("offload tier 'gpu' needs its size: give gpu_budget_bytes or gpu_budget_auto")
+            if self.tiers == [GPU_TIER] and self.gpu_budget_auto:
+                raise OffloadConfigError("offload tiers: ['gpu'] alone with gpu_budget_auto has nowhere to keep the "
+                                         "state it has not learnt room for; add 'host' or a file tier")
+        elif gpu is not None or self.gpu_budget_auto:
+            raise OffloadConfigError(f"gpu_budget_bytes/gpu_budget_auto are given, but 'gpu' is not one of the "
+                                     f"offload tiers {self.tiers}")
+        if not _is_int(self.gpu_margin_bytes) or self.gpu_margin_bytes < 0:
+            raise OffloadConfigError(f"gpu margin (gpu_margin_bytes) must be a whole number of bytes >= 0, "
+                                     f"got {self.gpu_margin_bytes!r}")
+        if self.update_on not in UPDATE_SIDES:
+            raise OffloadConfigError(f"update side (update_on) must be one of {UPDATE_SIDES}, got {self.update_on!r}")
+        if self.device_adam_kernel not in (None, "fused", "foreach", "single"):
+            raise OffloadConfigError(f"device adam kernel (device_adam_kernel) must be 'fused', 'foreach' or "
+                                     f"'single', got {self.device_adam_kernel!r}")
+        _positive("device_chunk_elems", self.device_chunk_elems)
+        for name in ("device_adam_elems_per_s", "device_streamed_elems_per_s"):
+            rate = getattr(self, name)
+            if rate is not None and not _positive_finite(rate):
+                raise OffloadConfigError(f"{name} must be a positive finite number, got {rate!r}")
+
     @property
     def has_host(self) -> bool:
         return HOST_TIER in self.tiers
+
+    @property
+    def resident_tiers(self) -> List[str]:
+        """The listed memory tiers, fastest first (the order placement fills them)."""
+        return [t for t in RESIDENT_TIERS if t in self.tiers]
+
+    def budget_of(self, tier: str) -> Optional[int]:
+        """A resident tier's byte budget (None: unbounded, or learnt for the auto gpu tier)."""
+        if tier == GPU_TIER:
+            return self.gpu_budget_bytes or (0 if self.gpu_budget_auto else None)
+        if tier == HOST_TIER:
+            return self.host_budget_bytes
+        raise KeyError(tier)
+
+    @property
+    def on_cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+    @property
+    def resolved_device_adam_kernel(self) -> str:
+        if self.device_adam_kernel is not None:
+            return self.device_adam_kernel
+        return "foreach" if self.on_cuda else self.adam_kernel
 
     @property
     def state_itemsizes(self) -> Tuple[int, int, int]:

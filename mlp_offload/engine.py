@@ -19,21 +19,23 @@ from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 
-from .config import HOST_TIER, OffloadConfig, OffloadConfigError
+from .config import GPU_TIER, HOST_TIER, OffloadConfig, OffloadConfigError
+from .device_update import DeviceUpdate
 from .faults import fault_point
 from .gradients import GradientSource, HostGradients, gradient_host_bytes, scratch_buffers
 from .param_groups import Range, build_groups, segments_of
-from .placement import Placement
+from .placement import CPU, DEVICE, Placement
 from .prediction import Prediction
 from .startup import describe_tiers, start_up
 from .pipeline import OffloadStateError, SlotPipeline, StateViews, fill_params
+from .relocation import Relocation
 from .schedule import StepSchedule, step_schedule
 from .snapshot import StateSnapshot
 from .state_access import StateAccess
 from .state_dtypes import bytes_per_param, torch_dtypes
 from .subgroups import FP32_BYTES, Subgroup, partition
 from .telemetry import StepRecord, TrafficCounters
-from .tiers.files import FileTier
+from .tiers.base import ResidentTier, StreamedTier
 from .tiers.host import check_host_memory
 from .trace import Trace, open_trace
 from .update import AdamKernel, Fp32Working, fused_vector_width
@@ -97,6 +99,7 @@ class OffloadedAdamW:
         self.token_store = token_store
         self.on_params_updated = on_params_updated
         self.adam = AdamKernel(config.adam_kernel, decoupled_weight_decay)
+        self.device_adam = AdamKernel(config.resolved_device_adam_kernel, decoupled_weight_decay)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         self.param_groups = build_groups(groups, defaults, self.numel)
         self.subgroups = partition(self.numel, config.subgroup_size, config.state_itemsizes)
@@ -108,7 +111,8 @@ class OffloadedAdamW:
         self.steps_done = 0  # AdamW's step count (skipped steps do not count)
         self.closed = False
         self._snapshot: Optional[StateSnapshot] = None  # being written while the engine steps on
-        self._tiers: Dict[str, FileTier] = {}
+        self._tiers: Dict[str, StreamedTier] = {}  # file tiers, by name
+        self.memory: Dict[str, ResidentTier] = {}  # memory tiers, by name, fastest first
         self._counters = TrafficCounters(config.file_tiers)
         self.trace: Optional[Trace] = open_trace(config.trace_path, config.rank)
         try:
@@ -122,15 +126,21 @@ class OffloadedAdamW:
     # -- setup ---------------------------------------------------------------------------------
     def _setup(self, params: torch.Tensor, grad_dtype: torch.dtype, grad_source: Optional[GradientSource]) -> None:
         cfg = self.config
-        plan = start_up(cfg, self.subgroups, self.adam, self._tiers, self.token_store)
+        largest = max(sg.numel for sg in self.subgroups)
+        # The device update exists where the device may update anything: a gpu tier, or host state
+        # streamed through it. On a CPU run the "device" is the CPU (the twin the tests run).
+        self._device_update = (DeviceUpdate(cfg.device, self.state_dtypes, cfg.device_chunk_elems, largest)
+                               if GPU_TIER in cfg.tiers or cfg.update_on != "cpu" else None)
+        plan = start_up(cfg, self.subgroups, self.adam, self._tiers, self.token_store, self.memory,
+                        self._device_update, self.device_adam)
         self.host, self.rates, self.tokens_per_tier = plan.host, plan.rates, plan.tokens_per_tier
         self.adam_rate, self.convert_rate, self.devices = plan.adam_rate, plan.convert_rate, plan.devices
+        self.update_rates = plan.update_rates
         self.placement: Placement = plan.placement
         self.prediction: Prediction = plan.prediction
 
         # Buffers: gradients (outside the state budget: the caller's gradient staging), fp32 scratch
         # for converted gradients, resident subgroups, and slots for streamed ones.
-        largest = max(sg.numel for sg in self.subgroups)
         grad_bytes = gradient_host_bytes(self.numel, largest, None if grad_source is not None else grad_dtype.itemsize)
         self._working = Fp32Working(self.state_dtypes, largest)
         check_host_memory({"optimizer cache": self.placement.host_state_bytes,
@@ -150,9 +160,10 @@ class OffloadedAdamW:
         log.info("allocating %.3f GB of %shost memory for optimizer state ...", state_gb, kind)
         started = time.perf_counter()
         for i, tier in enumerate(self.placement.tier_of):
-            if tier == HOST_TIER:
+            if tier in self.memory:
                 sg = self.subgroups[i]
-                views = StateViews.over(self.host.allocate(sg.state_bytes, f"subgroup {i}"), sg, self.state_dtypes)
+                views = StateViews.over(self.memory[tier].allocate(sg.state_bytes, f"subgroup {i}"), sg,
+                                        self.state_dtypes)
                 fill_params(params, sg, views.param[: sg.numel])
                 views.exp_avg.zero_()
                 views.exp_avg_sq.zero_()
@@ -166,6 +177,7 @@ class OffloadedAdamW:
         self._pipeline = SlotPipeline(self.subgroups, self.placement.tier_of, self._tiers, buffers,
                                       cfg.prefetch_depth, self._counters, params, self.trace)
         self._state = StateAccess(self.subgroups, self._resident, self._pipeline, self._scratch_views)
+        self._relocation = Relocation(self)
         self.log_placement()
         self._pipeline.begin(self._schedule_for(0))
 
@@ -179,24 +191,32 @@ class OffloadedAdamW:
         return describe_tiers(self.rates, self._tiers, self.tokens_per_tier, self.config)
 
     def state_bytes_per_tier(self) -> Dict[str, int]:
-        """Bytes of optimizer state each tier holds: host counts its resident subgroups and the
-        streaming buffers (what the host budget is charged), a file tier its subgroups' files."""
-        held = {HOST_TIER: self.placement.host_state_bytes}
+        """Bytes of optimizer state each tier holds: a memory tier what its budget is charged (host:
+        its resident subgroups and the streaming buffers), a file tier its subgroups' files."""
+        held = dict(self.placement.resident_bytes)
         for tier in self.config.file_tiers:
             held[tier] = sum(self.subgroups[i].state_bytes for i in self.placement.subgroups_on(tier))
         return held
 
     def log_placement(self) -> None:
         p, cfg = self.placement, self.config
-        counts = {t: len(p.subgroups_on(t)) for t in [HOST_TIER] + cfg.file_tiers}
+        counts = {t: len(p.subgroups_on(t)) for t in [*self.memory, *cfg.file_tiers]}
         if self.rates:
             log.info("offload tiers of this node: %s", self.describe_tiers(), extra={PER_NODE: True})
         log.info(
             "offload rank %d: %d params in %d subgroups; placement %s; %d host buffers (%d cache); "
-            "host state %.2f GiB; state %.1f B/param (%s); adam %.2f Gelem/s; %s",
+            "state per memory tier %s; state %.1f B/param (%s); adam %.2f Gelem/s%s; %s",
             cfg.rank, self.numel, len(self.subgroups), counts, p.slots, p.cache_slots,
-            p.host_state_bytes / GiB, bytes_per_param(cfg.state_dtypes), "/".join(cfg.state_dtypes),
-            self.adam_rate / 1e9, self.prediction.describe())
+            ", ".join(f"{t} {b / GiB:.2f} GiB" for t, b in p.resident_bytes.items()),
+            bytes_per_param(cfg.state_dtypes), "/".join(cfg.state_dtypes), self.adam_rate / 1e9,
+            self._describe_device_rates(), self.prediction.describe())
+
+    def _describe_device_rates(self) -> str:
+        r = self.update_rates
+        if self._device_update is None:
+            return ""
+        return (f"; device {self.config.device} adam {r.device_resident / 1e9:.2f} Gelem/s resident, "
+                f"{r.device_streamed / 1e9:.2f} streamed ({self.config.resolved_device_adam_kernel})")
 
     # -- the update ----------------------------------------------------------------------------
     def step(self, *, unscale: Optional[float] = None, clip_coef: Optional[float] = None,
@@ -212,14 +232,25 @@ class OffloadedAdamW:
         t_start = time.perf_counter()
         sched = self._pipeline.schedule
         step = self.steps_done + 1
+        sides = self.placement.update_on
         rec = StepRecord(step=step, streamed=len(sched.streamed), resident=len(self._resident),
-                         predicted_update_s=self.prediction.update_s)
+                         predicted_update_s=self.prediction.update_s, predicted_adam_s=self.prediction.adam_s,
+                         predicted_device_s=self.prediction.device_s, device_updated=sides.count(DEVICE),
+                         cpu_updated=sides.count(CPU))
         halfway = sched.order[len(sched.order) // 2]
         source, scratch = self.grad_source, self._grad_scratch
-        first = self.subgroups[sched.order[0]]
-        source.start(first.start, first.end, scratch[0][: first.numel], unscale, clip_coef)
+        # The CPU's subgroups take turns in the two scratch buffers: the next one's grads arrive
+        # during this one's Adam. The device's come straight into device memory.
+        cpu_order = [i for i in sched.order if sides[i] == CPU]
+        turn = {i: k for k, i in enumerate(cpu_order)}
+        if cpu_order:
+            first = self.subgroups[cpu_order[0]]
+            source.start(first.start, first.end, scratch[0][: first.numel], unscale, clip_coef)
+        if self._device_update is not None:
+            self._device_update.streams.after_caller()
+        pending = []  # device-updated subgroups whose copy-out may still run: (index, fence)
         try:
-            for k, i in enumerate(sched.order):
+            for i in sched.order:
                 if i == halfway:
                     fault_point("update")
                 sg = self.subgroups[i]
@@ -227,32 +258,22 @@ class OffloadedAdamW:
                     views = self._resident[i]
                     views.sync_fence()
                 else:
+                    if i not in self._pipeline.slot_of:  # its read may need a buffer they hold
+                        self._finish_device(pending, rec, keep=0)
                     views, hit = self._pipeline.await_state(i, rec)
                     rec.cache_hits += hit
                 if self._snapshot is not None:
                     self._snapshot.before_update(i)  # a checkpoint writer may still need it as it is
-                t0 = time.perf_counter()
-                if k + 1 < len(sched.order):  # the next subgroup's grads may arrive during this Adam
-                    nxt = self.subgroups[sched.order[k + 1]]
-                    source.start(nxt.start, nxt.end, scratch[(k + 1) % 2][: nxt.numel], unscale, clip_coef)
-                source.wait(sg.start)
-                grad = scratch[k % 2][: sg.numel]
-                t1 = time.perf_counter()
-                self._adam_subgroup(i, views, grad, step)
-                t2 = time.perf_counter()
-                if self.on_params_updated is not None:
-                    views.fence = self.on_params_updated(sg.start, sg.end, views.param[: sg.numel])
-                t3 = time.perf_counter()
-                if self.trace is not None:
-                    self.trace.compute("gradients", t0, t1, subgroup=i, step=step)
-                    self.trace.compute("adam", t1, t2, subgroup=i, step=step, elements=sg.numel)
-                    if self.on_params_updated is not None:
-                        self.trace.compute("params callback", t2, t3, subgroup=i, step=step)
-                rec.convert_s += t1 - t0
-                rec.adam_s += t2 - t1
-                rec.callback_s += t3 - t2
+                if sides[i] == DEVICE:
+                    pending.append((i, self._device_step(i, views, step, unscale, clip_coef, rec)))
+                    self._finish_device(pending, rec, keep=1)  # the device works on while the next is set up
+                    continue
+                self._cpu_step(i, views, step, unscale, clip_coef, turn, cpu_order, rec)
                 if i not in self._resident:
                     self._pipeline.release(i)
+            self._finish_device(pending, rec, keep=0)
+            if self._device_update is not None:
+                self._device_update.streams.before_caller()
         except BaseException as err:
             self._pipeline.failure = err
             raise
@@ -262,16 +283,81 @@ class OffloadedAdamW:
         rec.tiers = self._counters.take()
         return rec
 
+    def _cpu_step(self, i: int, views: StateViews, step: int, unscale, clip_coef, turn, cpu_order, rec) -> None:
+        sg, source, scratch = self.subgroups[i], self.grad_source, self._grad_scratch
+        k = turn[i]
+        t0 = time.perf_counter()
+        if k + 1 < len(cpu_order):  # the next subgroup's grads may arrive during this Adam
+            nxt = self.subgroups[cpu_order[k + 1]]
+            source.start(nxt.start, nxt.end, scratch[(k + 1) % 2][: nxt.numel], unscale, clip_coef)
+        source.wait(sg.start)
+        grad = scratch[k % 2][: sg.numel]
+        t1 = time.perf_counter()
+        self._adam_subgroup(i, views, grad, step)
+        t2 = time.perf_counter()
+        if self.on_params_updated is not None:
+            views.fence = self.on_params_updated(sg.start, sg.end, views.param[: sg.numel])
+        t3 = time.perf_counter()
+        if self.trace is not None:
+            self.trace.compute("gradients", t0, t1, subgroup=i, step=step)
+            self.trace.compute("adam", t1, t2, subgroup=i, step=step, elements=sg.numel)
+            if self.on_params_updated is not None:
+                self.trace.compute("params callback", t2, t3, subgroup=i, step=step)
+        rec.convert_s += t1 - t0
+        rec.adam_s += t2 - t1
+        rec.callback_s += t3 - t2
+
+    def _device_step(self, i: int, views: StateViews, step: int, unscale, clip_coef, rec):
+        """Queue subgroup ``i``'s update on the device (in place where it lives there, else streamed
+        through it); returns the fence of its last copy."""
+        sg = self.subgroups[i]
+        views.sync_fence()  # a copy of its params from this buffer may still run (host state)
+        t0 = time.perf_counter()
+        fence = self._device_update.update(
+            sg, list(views.narrow(sg.numel)), self.placement.tier_of[i] == GPU_TIER, self._segments[i],
+            lambda out: self.grad_source.to_device(sg.start, sg.end, out, unscale, clip_coef),
+            lambda p, g, m, v, group, span: self._adam_piece(self.device_adam, p, g, m, v, group, span, step),
+            self.on_params_updated)
+        t1 = time.perf_counter()
+        rec.device_s += t1 - t0
+        if self.trace is not None:
+            self.trace.compute("device update queued", t0, t1, subgroup=i, step=step, elements=sg.numel)
+        return fence
+
+    def _finish_device(self, pending, rec, keep: int) -> None:
+        """Wait for the oldest device updates until ``keep`` remain; their host buffers are then free."""
+        while len(pending) > keep:
+            i, fence = pending.pop(0)
+            t0 = time.perf_counter()
+            fence.synchronize()
+            rec.device_s += time.perf_counter() - t0
+            if i not in self._resident:
+                self._pipeline.release(i)
+
+    def _adam_piece(self, kernel: AdamKernel, param, grad, exp_avg, exp_avg_sq, g: int, span, step: int) -> None:
+        group = self.param_groups[g]
+        beta1, beta2 = group["betas"]
+        kernel(param, grad, exp_avg, exp_avg_sq, step=step, lr=group["lr"], beta1=beta1, beta2=beta2,
+               eps=group["eps"], weight_decay=group["weight_decay"], span=span if param.device.type == "cpu" else None)
+
     def _adam_subgroup(self, i: int, views: StateViews, grad: torch.Tensor, step: int) -> None:
         stored = views.narrow(self.subgroups[i].numel)
         param, exp_avg, exp_avg_sq = wide = self._working.widen(stored)
         for lo, hi, g, span in self._segments[i]:
-            group = self.param_groups[g]
-            beta1, beta2 = group["betas"]
-            self.adam(param[lo:hi], grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], step=step,
-                      lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                      weight_decay=group["weight_decay"], span=span)
+            self._adam_piece(self.adam, param[lo:hi], grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], g, span, step)
         self._working.round_back(stored, wide)
+
+    # -- the device tier's size (auto) ---------------------------------------------------------
+    def observe_device_memory(self, peak_bytes: int, capacity_bytes: int) -> Optional[str]:
+        """With ``gpu_budget_auto``: the device's real peak since the last call and the most this
+        process could hold (free plus its own reserve). Promotes subgroups into the spare memory
+        beyond the margin, or hands some back to lower tiers where it fell under it; returns what
+        it did (also logged), None if nothing changed. Between steps only."""
+        if not self.config.gpu_budget_auto:
+            return None
+        self._check_usable()
+        self.wait_for_snapshot()
+        return self._relocation.fit_device(peak_bytes, capacity_bytes)
 
     def prefetch(self) -> None:
         """Start reading the next step's first subgroups now (e.g. as forward begins)."""
@@ -349,10 +435,11 @@ class OffloadedAdamW:
             tier.close(remove_files=remove_files)  # its tokens too (the node's last user removes them)
         if self.trace is not None:
             self.trace.save()  # after the tiers closed: their last writes are in it
-        if getattr(self, "host", None) is not None:
+        if self.memory:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()  # no copy may still read a buffer we unpin
-            self.host.close()
+            for memory in self.memory.values():
+                memory.close()
 
     def __enter__(self):
         return self

@@ -26,6 +26,11 @@ class GradientSource(Protocol):
     def wait(self, start: int) -> None:
         """Return once the gradients started for ``start`` are in ``out``."""
 
+    def to_device(self, start: int, end: int, out: torch.Tensor, unscale: Optional[float],
+                  clip_coef: Optional[float]) -> None:
+        """Fill ``out``, a tensor on the model's device, in the current stream's order (for the
+        subgroups updated on the device: their grads never go to the host)."""
+
 
 class HostGradients:
     """``buffer``: the shard's gradients in their training dtype, filled by the caller; converted
@@ -42,6 +47,10 @@ class HostGradients:
     def wait(self, start: int) -> None:
         end, out, unscale, clip_coef = self._pending.pop(start)
         convert_grads(self.buffer[start:end], out, unscale, clip_coef)
+
+    def to_device(self, start: int, end: int, out: torch.Tensor, unscale: Optional[float],
+                  clip_coef: Optional[float]) -> None:
+        convert_grads(self.buffer[start:end], out, unscale, clip_coef)  # the CPU twin: same arithmetic
 
 
 def gradient_host_bytes(numel: int, largest: int, host_grad_itemsize: Optional[int]) -> int:

@@ -21,7 +21,8 @@ import torch
 from .schedule import StepSchedule
 from .subgroups import STATE_TENSORS, Subgroup
 from .telemetry import StepRecord, TrafficCounters
-from .tiers.files import FileTier, OpResult, TierIOError
+from .tiers.base import StreamedTier
+from .tiers.files import OpResult, TierIOError
 from .trace import Trace
 
 EMPTY, READING, READY, DIRTY, WRITING = "empty", "reading", "ready", "dirty", "writing"
@@ -88,7 +89,7 @@ def fill_params(source, sg: Subgroup, out: torch.Tensor) -> None:
 class SlotPipeline:
     """Streams the subgroups placed on file tiers through ``buffers``, one step's schedule at a time."""
 
-    def __init__(self, subgroups: List[Subgroup], tier_of: List[str], tiers: Dict[str, FileTier],
+    def __init__(self, subgroups: List[Subgroup], tier_of: List[str], tiers: Dict[str, StreamedTier],
                  buffers: List[StateViews], prefetch_depth: int, counters: TrafficCounters, initial_params,
                  trace: Optional[Trace] = None):
         self.subgroups = subgroups
@@ -257,6 +258,15 @@ class SlotPipeline:
             slot.state, slot.future, slot.holder, slot.pending_write = EMPTY, None, None, None
         self.slot_of.clear()
         self._inflight = {name: 0 for name in self.tiers}
+
+    def persist_buffers(self) -> None:
+        """Every subgroup's newest state onto its tier (kept ones and hits written now), then drop
+        the buffered copies: for moving subgroups between tiers."""
+        self.flush()
+        for slot in list(self.slots):
+            if slot.holder is not None and slot.state in (READY, DIRTY):
+                self.write_now(slot.holder, slot.views)
+        self.forget_buffers()
 
     def all_materialized(self) -> None:
         self.fresh.clear()

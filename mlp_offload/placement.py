@@ -1,15 +1,15 @@
 """Placement policy, a pure function of measured rates, budgets and capacities: how many subgroups
-stay resident in the host budget, how many spare host buffers serve as pipeline and cache, which
+stay resident in each memory tier (device memory first, then the host budget), how many spare host buffers serve as pipeline and cache, which
 file tier holds each of the rest (so that all tiers finish their share at about the same time), and
-how many I/O tokens a shared path gets."""
+how many I/O tokens a shared path gets, and where each subgroup's update runs (CPU or device)."""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
-from .config import HOST_TIER, OffloadConfig, TierBandwidth
+from .config import GPU_TIER, HOST_TIER, OffloadConfig, TierBandwidth
 from .subgroups import Subgroup
 
 log = logging.getLogger("mlp_offload")
@@ -39,15 +39,63 @@ def tokens_for(rate: TierBandwidth, ranks_sharing: int) -> int:
     return ranks_sharing if rate.shared_mixed_bps >= THRASH_RATIO * rate.mixed_bps else 1
 
 
+CPU, DEVICE = "cpu", "device"  # where a subgroup's update runs
+
+
+@dataclass
+class UpdateRates:
+    """Elements per second of each way to update a subgroup, measured with the state's real dtypes."""
+
+    cpu: float  # CPU Adam with the gradient conversion and the widening of narrow state
+    device_resident: Optional[float] = None  # device Adam on state kept in device memory
+    device_streamed: Optional[float] = None  # host state copied to the device and back, overlapped
+
+
 @dataclass
 class Placement:
-    tier_of: List[str]  # per subgroup: "host" (resident) or a file tier name
+    tier_of: List[str]  # per subgroup: a resident tier ("gpu", "host") or a file tier name
     slots: int  # host buffers for streamed subgroups (pipeline + cache)
     cache_slots: int  # of those, kept across steps for the reversed order
-    host_state_bytes: int  # resident state + slots, counted against the host budget
+    resident_bytes: Dict[str, int]  # per memory tier, counted against its budget (host: + slots)
+    update_on: List[str] = field(default_factory=list)  # per subgroup: CPU or DEVICE
+
+    @property
+    def host_state_bytes(self) -> int:
+        return self.resident_bytes.get(HOST_TIER, 0)
 
     def subgroups_on(self, tier: str) -> List[int]:
         return [i for i, t in enumerate(self.tier_of) if t == tier]
+
+
+def spread(candidates: Sequence[int], count: int) -> List[int]:
+    """``count`` of ``candidates`` spread evenly over them (so the other kind of work is never far)."""
+    m = len(candidates)
+    return [candidates[(k * m) // count] for k in range(count)] if count else []
+
+
+def split_updates(subgroups: Sequence[Subgroup], tier_of: Sequence[str], mode: str,
+                  rates: Optional[UpdateRates]) -> List[str]:
+    """Where each subgroup's update runs. Device-resident ones on the device; the rest by ``mode``:
+    all on the CPU, all on the device (streamed), or ``"auto"``: in update order each goes to the
+    side that would finish its share soonest (list scheduling at the measured rates), so CPU and
+    device each get the share that makes them end together."""
+    sides = [DEVICE if t == GPU_TIER else CPU for t in tier_of]
+    if mode == "cpu":
+        return sides
+    if mode == "device":
+        return [DEVICE] * len(tier_of)
+    if rates is None or rates.device_streamed is None:
+        return sides
+    finish = {CPU: 0.0, DEVICE: sum(subgroups[i].numel for i, t in enumerate(tier_of) if t == GPU_TIER)
+              / (rates.device_resident or rates.device_streamed)}
+    for i, t in enumerate(tier_of):
+        if t == GPU_TIER:
+            continue
+        cost = {CPU: subgroups[i].numel / rates.cpu, DEVICE: subgroups[i].numel / rates.device_streamed}
+        side = min((CPU, DEVICE), key=lambda s: finish[s] + cost[s])
+        finish[side] += cost[side]
+        sides[i] = side
+    return sides
 
 
 def plan_placement(
@@ -56,26 +104,58 @@ def plan_placement(
     rates: Dict[str, TierBandwidth],
     free_bytes: Dict[str, int],
     devices: Optional[Dict[str, object]] = None,
+    update_rates: Optional[UpdateRates] = None,
+    gpu_budget_bytes: Optional[int] = None,
 ) -> Placement:
-    """Decide residency, slots and each streamed subgroup's file tier.
+    """Decide residency per memory tier, slots, each streamed subgroup's file tier and update side.
 
     ``devices`` maps each file tier to its storage device (e.g. ``st_dev``): tiers on one device
-    share its bandwidth and its free space.
+    share its bandwidth and its free space. ``gpu_budget_bytes`` overrides the config's (the auto
+    mode's learnt size).
     """
     n = len(subgroups)
     slot_bytes = max(sg.state_bytes for sg in subgroups)
+    gpu_set: List[int] = []
+    if GPU_TIER in config.tiers:
+        gpu_budget = config.budget_of(GPU_TIER) if gpu_budget_bytes is None else gpu_budget_bytes
+        # Counted at the largest subgroup's size, so the set never exceeds the budget.
+        gpu_set = spread(range(n), min(n, gpu_budget // slot_bytes))
+    rest = [i for i in range(n) if i not in set(gpu_set)]
+    placement = _place_below_device(subgroups, rest, config, rates, free_bytes, devices, slot_bytes)
+    for i in gpu_set:
+        placement.tier_of[i] = GPU_TIER
+    if GPU_TIER in config.tiers:
+        placement.resident_bytes = {GPU_TIER: sum(subgroups[i].state_bytes for i in gpu_set),
+                                    **placement.resident_bytes}
+    placement.update_on = split_updates(subgroups, placement.tier_of, config.update_on, update_rates)
+    return placement
+
+
+def _place_below_device(subgroups: Sequence[Subgroup], rest: List[int], config: OffloadConfig,
+                        rates: Dict[str, TierBandwidth], free_bytes: Dict[str, int],
+                        devices: Optional[Dict[str, object]], slot_bytes: int) -> Placement:
+    """Host residency, slots and file tiers for the subgroups the device tier does not hold."""
+    n = len(subgroups)
     file_tiers = config.file_tiers
     budget = config.host_budget_bytes
-    total_state = sum(sg.state_bytes for sg in subgroups)
+    rest_state = sum(subgroups[i].state_bytes for i in rest)
+    tier_of = [HOST_TIER] * n
+    if not rest:
+        return Placement(tier_of, 0, 0, {HOST_TIER: 0})
+    if not file_tiers and not config.has_host:
+        raise PlacementError(
+            f"the optimizer state needs {sum(sg.state_bytes for sg in subgroups) / GiB:.3f} GiB but the gpu "
+            f"budget holds only {(n - len(rest))} of {n} subgroups ({(n - len(rest)) * slot_bytes / GiB:.3f} GiB, "
+            f"gpu_budget_bytes); raise gpu_budget_bytes or add 'host' or a file tier")
 
     if not file_tiers:
-        if budget is not None and budget < total_state:
+        if budget is not None and budget < rest_state:
             raise PlacementError(
-                f"host-only offload: the optimizer state needs {total_state / GiB:.3f} GiB but the "
+                f"host-only offload: the optimizer state needs {rest_state / GiB:.3f} GiB but the "
                 f"host budget is {budget / GiB:.3f} GiB (host_budget_bytes={budget}); raise "
                 f"host_budget_bytes or add a file tier"
             )
-        return Placement([HOST_TIER] * n, 0, 0, total_state)
+        return Placement(tier_of, 0, 0, {HOST_TIER: rest_state})
 
     wanted_slots = config.prefetch_depth * len(file_tiers) + 1
     min_slots = 2  # one subgroup in the update while the next one is read
@@ -98,12 +178,12 @@ def plan_placement(
     residents = 0
     if config.has_host:
         # Counted at the largest subgroup's size, so residents plus slots never exceed the budget.
-        residents = min(n, (budget - pipeline_slots * slot_bytes) // slot_bytes)
-    if residents >= n:
-        return Placement([HOST_TIER] * n, 0, 0, total_state)
-    resident_set = {(i * n) // residents for i in range(residents)} if residents else set()
+        residents = min(len(rest), (budget - pipeline_slots * slot_bytes) // slot_bytes)
+    if residents >= len(rest):
+        return Placement(tier_of, 0, 0, {HOST_TIER: rest_state})
+    resident_set = set(spread(rest, residents))
     resident_bytes = sum(subgroups[i].state_bytes for i in resident_set)
-    streamed = [i for i in range(n) if i not in resident_set]
+    streamed = [i for i in rest if i not in resident_set]
 
     # Spare budget becomes extra slots: each one caches a subgroup across the step boundary.
     slots = min((budget - resident_bytes) // slot_bytes, len(streamed) + pipeline_slots)
@@ -116,7 +196,6 @@ def plan_placement(
     finish = {device[t]: 0.0 for t in file_tiers}  # predicted busy time of each device
     used_dev = {device[t]: 0 for t in file_tiers}  # bytes placed on each device
     used = {t: 0 for t in file_tiers}
-    tier_of = [HOST_TIER] * n
     for i in streamed:
         sg = subgroups[i]
         candidates = [t for t in file_tiers
@@ -136,4 +215,4 @@ def plan_placement(
         used_dev[device[best]] += sg.state_bytes
         used[best] += sg.state_bytes
         tier_of[i] = best
-    return Placement(tier_of, slots, cache_slots, resident_bytes + slots * slot_bytes)
+    return Placement(tier_of, slots, cache_slots, {HOST_TIER: resident_bytes + slots * slot_bytes})

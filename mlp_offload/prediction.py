@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Sequence
 
-from .config import HOST_TIER, TierBandwidth
-from .placement import Placement
+from .config import GPU_TIER, RESIDENT_TIERS, TierBandwidth
+from .placement import CPU, DEVICE, Placement, UpdateRates
 from .schedule import step_schedule
 from .subgroups import Subgroup
 
@@ -15,7 +15,10 @@ from .subgroups import Subgroup
 @dataclass
 class Prediction:
     update_s: float
-    adam_s: float
+    adam_s: float  # the CPU's share: Adam and gradient conversion of the subgroups it updates
+    device_s: float = 0.0  # the device's share: resident Adam plus streamed updates
+    cpu_subgroups: int = 0
+    device_subgroups: int = 0
     tier_s: Dict[str, float] = field(default_factory=dict)
     read_bytes: Dict[str, int] = field(default_factory=dict)
     write_bytes: Dict[str, int] = field(default_factory=dict)
@@ -28,8 +31,10 @@ class Prediction:
             for t, s in self.tier_s.items()
         )
         shared = f", each device shared by {self.ranks_sharing} ranks" if self.ranks_sharing > 1 else ""
+        split = (f", split cpu {self.cpu_subgroups}/device {self.device_subgroups} subgroups, "
+                 f"device {self.device_s:.3f}s" if self.device_subgroups else "")
         return (f"predicted update {self.update_s:.3f}s "
-                f"(adam {self.adam_s:.3f}s{', ' + tiers if tiers else ''}{shared})")
+                f"(adam {self.adam_s:.3f}s{split}{', ' + tiers if tiers else ''}{shared})")
 
 
 def predict_update(
@@ -42,6 +47,7 @@ def predict_update(
     ranks_sharing: int = 1,
     tokens: Optional[Dict[str, int]] = None,
     cache_alternating: bool = True,
+    update_rates: Optional[UpdateRates] = None,
 ) -> Prediction:
     """Predicted steady-state update time: compute and each device's I/O overlap, the slowest wins.
 
@@ -56,13 +62,17 @@ def predict_update(
     their read, kept subgroups their write; the two order directions are averaged. The first
     streamed read after the hits is not hidden.
     """
-    numel = sum(sg.numel for sg in subgroups)
+    sides = placement.update_on or [CPU] * len(subgroups)
+    numel = sum(sg.numel for sg, side in zip(subgroups, sides) if side == CPU)
     adam_s = numel / adam_elems_per_s + numel / convert_elems_per_s
+    device_s = device_seconds_of(subgroups, placement.tier_of, sides, update_rates)
     # The engine's own schedule of the two order directions (steady state), averaged.
     both = [step_schedule(k, placement.tier_of, placement.slots, placement.cache_slots, cache_alternating)
             for k in (0, 1)]
-    pred = Prediction(update_s=adam_s, adam_s=adam_s, cache_hits=len(both[0].hits))
-    for tier in dict.fromkeys(t for t in placement.tier_of if t != HOST_TIER):
+    pred = Prediction(update_s=max(adam_s, device_s), adam_s=adam_s, device_s=device_s,
+                      cpu_subgroups=sides.count(CPU), device_subgroups=sides.count(DEVICE),
+                      cache_hits=len(both[0].hits))
+    for tier in dict.fromkeys(t for t in placement.tier_of if t not in RESIDENT_TIERS):
         pred.read_bytes[tier] = sum(subgroups[i].state_bytes for sched in both for i in sched.reads()
                                     if placement.tier_of[i] == tier) // 2
         pred.write_bytes[tier] = sum(subgroups[i].state_bytes for sched in both for i in sched.writes()
@@ -78,9 +88,23 @@ def predict_update(
         first = next((i for i in sorted(both[1].streamed) if i not in both[1].hits), None)
         fill = subgroups[first].state_bytes / rates[placement.tier_of[first]].read_bps if first is not None else 0.0
         busiest = max(device_seconds(pred.tier_s, devices).values())
-        pred.update_s = max(adam_s, ranks_sharing * busiest + fill)
+        pred.update_s = max(adam_s, device_s, ranks_sharing * busiest + fill)
         pred.ranks_sharing = ranks_sharing
     return pred
+
+
+def device_seconds_of(subgroups: Sequence[Subgroup], tier_of: Sequence[str], sides: Sequence[str],
+                      rates: Optional[UpdateRates]) -> float:
+    """The device's share of the update: its resident subgroups at the resident rate, the streamed
+    ones (host state copied in and out, overlapped with Adam) at the streamed rate."""
+    if rates is None or DEVICE not in sides:
+        return 0.0
+    total = 0.0
+    for sg, tier, side in zip(subgroups, tier_of, sides):
+        if side == DEVICE:
+            rate = rates.device_resident if tier == GPU_TIER else rates.device_streamed
+            total += sg.numel / rate if rate else 0.0
+    return total
 
 
 def device_seconds(tier_seconds: Dict[str, float], devices: Optional[Dict[str, object]]) -> Dict[object, float]:

@@ -6,13 +6,15 @@ cannot drift apart."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import FrozenSet, List
+from typing import FrozenSet, List, Sequence
+
+from .config import RESIDENT_TIERS
 
 
 @dataclass(frozen=True)
 class StepSchedule:
     order: List[int]  # every subgroup, in update order
-    streamed: List[int]  # the file-backed ones, in update order
+    streamed: List[int]  # the file-backed ones (not in a resident tier), in update order
     keep: FrozenSet[int]  # streamed subgroups left in host buffers (dirty) at the end of the step
     hits: FrozenSet[int]  # streamed subgroups still in host buffers when the step starts (steady state)
 
@@ -24,7 +26,7 @@ class StepSchedule:
 
 
 def step_schedule(step_index: int, tier_of: List[str], slots: int, cache_slots: int,
-                  alternate: bool, resident: str = "host") -> StepSchedule:
+                  alternate: bool, resident: Sequence[str] = RESIDENT_TIERS) -> StepSchedule:
     """Ascending on even steps, descending on odd ones (when ``alternate``).
 
     The last ``cache_slots`` streamed subgroups of a step stay in their buffers unwritten; the next
@@ -36,7 +38,7 @@ def step_schedule(step_index: int, tier_of: List[str], slots: int, cache_slots: 
     n = len(tier_of)
     ascending = step_index % 2 == 0 or not alternate
     order = list(range(n)) if ascending else list(range(n - 1, -1, -1))
-    streamed = [i for i in order if tier_of[i] != resident]
+    streamed = [i for i in order if tier_of[i] not in resident]
     if not (alternate and cache_slots):
         return StepSchedule(order, streamed, frozenset(), frozenset())
     keep = frozenset(streamed[max(0, len(streamed) - cache_slots):])

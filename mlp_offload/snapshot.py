@@ -4,10 +4,11 @@ Taken between two updates (``StateAccess.snapshot``), at the cost of a flush of 
 and a hard link per streamed subgroup. Each subgroup's state is read by the writer from one of two
 places:
 
-- its tier file, where that is current: the file gets a second name (``FileTier.link``) and the
+- its tier file, where that is current: the file gets a second name (``StreamedTier.link``) and the
   writer reads that; the next update's write of the subgroup goes to a new file, so the linked
   bytes never change and the update never waits for them.
-- memory: host-resident subgroups, and streamed ones whose newest state is in a pipeline buffer
+- memory: subgroups resident in a memory tier (host, or device memory: copied to the host as
+  the writer takes them), and streamed ones whose newest state is in a pipeline buffer
   (kept unwritten, or a hit of the next step). The next update changes these in place, so
   ``before_update(i)`` holds it back until the writer has subgroup ``i``: at once if the writer is
   done with it, else a copy goes into a staging buffer (at most ``staging_bytes`` of them, on
@@ -28,7 +29,7 @@ import torch
 from .pipeline import StateViews
 from .subgroups import Subgroup
 from .tiers.align import aligned_empty
-from .tiers.files import FileTier
+from .tiers.base import StreamedTier
 
 # What the writer has done with a memory subgroup.
 PENDING, STAGING, STAGED, WRITING, DONE = "pending", "staging", "staged", "writing", "done"
@@ -40,7 +41,7 @@ class SnapshotCancelled(RuntimeError):
 
 @dataclass
 class TierCopy:
-    tier: FileTier
+    tier: StreamedTier
     key: str  # the name the writer reads: the link, or the live file for a save nothing overtakes
     linked: bool  # a link of the snapshot's own, removed once read
 

@@ -1,6 +1,7 @@
-"""Start-up: host memory, the file tiers' rates (given, cached or probed) and the CPU rates, the
-I/O tokens the rates imply, then the file tiers themselves (with those tokens), placement and the
-predicted update. Data flows one way: rates -> placement -> prediction."""
+"""Start-up: the memory tiers, the file tiers' rates (given, cached or probed), the CPU and device
+update rates (with the state's real dtypes), the I/O tokens the rates imply, then the file tiers
+themselves (with those tokens), placement and the predicted update. Data flows one way:
+rates -> placement -> prediction. Every tier is built by ``tiers.factory``."""
 
 from __future__ import annotations
 
@@ -9,12 +10,14 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
-from .config import OffloadConfig, TierBandwidth
-from .placement import Placement, plan_placement, tokens_for
+from .config import HOST_TIER, OffloadConfig, TierBandwidth
+from .placement import Placement, UpdateRates, plan_placement, tokens_for
 from .prediction import Prediction, predict_update
-from .rates import measure_adam_rate, measure_convert_rate, probe_tier
+from .rates import measure_convert_rate, measure_cpu_update_rate, measure_device_rates, probe_tier
+from .state_dtypes import torch_dtypes
 from .subgroups import Subgroup
-from .tiers.files import FileTier
+from .tiers.base import ResidentTier, StreamedTier
+from .tiers.factory import file_tier, resident_tiers
 from .tiers.host import HostMemory, check_budget_exists
 from .tiers.tokens import JobTokens, TierTokens
 
@@ -23,7 +26,7 @@ log = logging.getLogger("mlp_offload")
 
 @dataclass
 class StartUp:
-    host: HostMemory
+    memory: Dict[str, ResidentTier]  # the memory tiers, fastest first; host always (it holds the slots)
     rates: Dict[str, TierBandwidth]
     adam_rate: float
     convert_rate: float
@@ -31,20 +34,39 @@ class StartUp:
     devices: Dict[str, object]
     placement: Placement
     prediction: Prediction
+    update_rates: UpdateRates
+
+    @property
+    def host(self) -> HostMemory:
+        return self.memory[HOST_TIER]
 
 
-def start_up(cfg: OffloadConfig, subgroups: List[Subgroup], adam, tiers: Dict[str, FileTier],
-             token_store=None) -> StartUp:
-    """Measure and plan. ``tiers`` is filled with the file tiers as they are built, so the caller
-    can close them if a later step fails."""
+def start_up(cfg: OffloadConfig, subgroups: List[Subgroup], adam, tiers: Dict[str, StreamedTier],
+             token_store=None, memory: Optional[Dict[str, ResidentTier]] = None, device_update=None,
+             device_adam=None) -> StartUp:
+    """Measure and plan. ``tiers`` is filled with the file tiers as they are built, and ``memory``
+    with the memory tiers, so the caller can close them if a later step fails. ``device_update``
+    (a ``DeviceUpdate``, with its kernel ``device_adam``) is measured where device updates may run."""
     sharing = cfg.resolved_ranks_sharing_node()
     check_budget_exists(cfg.host_budget_bytes, sharing)
-    host = HostMemory(cfg.host_budget_bytes, cfg.pin_memory)
+    memory = {} if memory is None else memory
+    memory.update(resident_tiers(cfg))
+    host = memory[HOST_TIER]
     rates = {name: cfg.bandwidths.get(name) or _probe(cfg, name, host) for name in cfg.file_tiers}
     size = min(max(sg.numel for sg in subgroups), 1 << 26)
-    adam_rate = cfg.adam_elems_per_s or measure_adam_rate(
-        lambda p, g, m, v, step: adam(p, g, m, v, step=step), numel=size)
+    dtypes = torch_dtypes(cfg.state_dtypes)
+    adam_rate = cfg.adam_elems_per_s or measure_cpu_update_rate(
+        lambda p, g, m, v, step: adam(p, g, m, v, step=step), dtypes, numel=size)
     convert_rate = measure_convert_rate(size)
+    update_rates = UpdateRates(1 / (1 / adam_rate + 1 / convert_rate))
+    if device_update is not None:
+        update_rates.device_resident = cfg.device_adam_elems_per_s
+        update_rates.device_streamed = cfg.device_streamed_elems_per_s
+        if update_rates.device_resident is None or update_rates.device_streamed is None:
+            resident, streamed = measure_device_rates(
+                device_update, lambda p, g, m, v, step: device_adam(p, g, m, v, step=step), dtypes, size)
+            update_rates.device_resident = update_rates.device_resident or resident
+            update_rates.device_streamed = update_rates.device_streamed or streamed
     # Tokens after the probe: unless given, whether ranks take turns depends on what it saw.
     tokens_per_tier = {name: cfg.tokens_per_tier or tokens_for(rates[name], sharing) for name in cfg.file_tiers}
     for name in cfg.file_tiers:
@@ -54,21 +76,12 @@ def start_up(cfg: OffloadConfig, subgroups: List[Subgroup], adam, tiers: Dict[st
         tiers[name] = file_tier(cfg, name, tokens)
     free = {name: tier.free_bytes() for name, tier in tiers.items()}
     devices = {name: tier.device for name, tier in tiers.items()}
-    placement = plan_placement(subgroups, cfg, rates, free, devices)
+    placement = plan_placement(subgroups, cfg, rates, free, devices, update_rates)
     prediction = predict_update(subgroups, placement, rates, adam_rate, convert_rate, devices,
-                                ranks_sharing=sharing, tokens=tokens_per_tier, cache_alternating=cfg.cache_alternating)
-    return StartUp(host, rates, adam_rate, convert_rate, tokens_per_tier, devices, placement, prediction)
-
-
-def file_tier(cfg: OffloadConfig, name: str, tokens: Optional[TierTokens]) -> FileTier:
-    try:
-        return FileTier(name, cfg.paths[name], cfg.resolved_run_id(), cfg.rank, cfg.io_block_bytes,
-                        cfg.io_threads, op_threads=cfg.prefetch_depth + 2, use_odirect=cfg.use_odirect,
-                        verify_checksums=cfg.verify_checksums, tokens=tokens)
-    except BaseException:
-        if tokens is not None:
-            tokens.close()
-        raise
+                                ranks_sharing=sharing, tokens=tokens_per_tier, cache_alternating=cfg.cache_alternating,
+                                update_rates=update_rates)
+    return StartUp(memory, rates, adam_rate, convert_rate, tokens_per_tier, devices, placement, prediction,
+                   update_rates)
 
 
 def _probe(cfg: OffloadConfig, name: str, host: HostMemory) -> TierBandwidth:
@@ -93,7 +106,7 @@ def token_scope(cfg: OffloadConfig, tier: str) -> str:
     return cfg.token_scope.get(tier, "node")
 
 
-def describe_tiers(rates: Dict[str, TierBandwidth], tiers: Dict[str, FileTier], tokens_per_tier: Dict[str, int],
+def describe_tiers(rates: Dict[str, TierBandwidth], tiers: Dict[str, StreamedTier], tokens_per_tier: Dict[str, int],
                    cfg: OffloadConfig) -> str:
     return ", ".join(
         f"{t} r {r.read_bps / 1e9:.2f} w {r.write_bps / 1e9:.2f}"

@@ -1,6 +1,7 @@
 """The whole state, a subgroup at a time, for checkpoints and tests: streamed out of whatever tier
 holds it, replaced, or edited in place, through one scratch buffer (nothing gathers the whole
-state)."""
+state). Subgroups in device memory pass through a host buffer of their own, so every caller sees
+host tensors and a checkpoint does not care which tiers wrote it."""
 
 from __future__ import annotations
 
@@ -23,10 +24,11 @@ class StateAccess:
         self.pipeline = pipeline
         self._make_scratch = scratch  # allocated on first need, outside the host budget
         self._scratch = None
+        self._device_stage = None  # host copy of a device-resident subgroup
 
     def iter_state(self) -> Iterator[Tuple[Subgroup, torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Each subgroup's (param, exp_avg, exp_avg_sq); valid until the next item is requested."""
-        for i, sg, views in self._each(fill_missing=True):
+        for i, sg, views in self._each(fill_missing=True, write_back=False):
             yield (sg, *views.narrow(sg.numel))
 
     def load_state(self, fill: StateFn) -> None:
@@ -76,9 +78,10 @@ class StateAccess:
         return StateSnapshot(self.subgroups, dtypes, dtype_names, steps_done, memory,
                              self.pipeline.schedule.order, on_tier, staging_bytes)
 
-    def _each(self, fill_missing: bool) -> Iterator[Tuple[int, Subgroup, StateViews]]:
+    def _each(self, fill_missing: bool, write_back: bool = True) -> Iterator[Tuple[int, Subgroup, StateViews]]:
         """(index, subgroup, views): its resident or buffered copy, else the scratch buffer (filled
-        from its tier when ``fill_missing``)."""
+        from its tier when ``fill_missing``); device-resident ones as a host copy, copied back after
+        the caller is done with it where ``write_back``."""
         self.pipeline.flush()
         for i, sg in enumerate(self.subgroups):
             views = self.resident.get(i)
@@ -88,9 +91,26 @@ class StateAccess:
                 views = self._scratch_views()
                 if fill_missing:
                     self.pipeline.fill_from_tier(i, views)
+            if views.buf.device.type == "cpu":
+                yield i, sg, views
+                continue
+            home, views = views, self._stage()
+            _copy(views, home, sg.numel)
             yield i, sg, views
+            if write_back:
+                _copy(home, views, sg.numel)
+
+    def _stage(self) -> StateViews:
+        if self._device_stage is None:
+            self._device_stage = self._make_scratch()
+        return self._device_stage
 
     def _scratch_views(self) -> StateViews:
         if self._scratch is None:
             self._scratch = self._make_scratch()
         return self._scratch
+
+
+def _copy(dst: StateViews, src: StateViews, numel: int) -> None:
+    for d, s in zip(dst.narrow(numel), src.narrow(numel)):
+        d.copy_(s)

@@ -68,6 +68,11 @@ class StepRecord:
     streamed: int = 0
     resident: int = 0
     predicted_update_s: float = 0.0
+    device_s: float = 0.0  # queueing device updates and waiting for their copies
+    cpu_updated: int = 0  # subgroups updated by the CPU / on the device this step
+    device_updated: int = 0
+    predicted_adam_s: float = 0.0  # the prediction's CPU share
+    predicted_device_s: float = 0.0  # the prediction's device share
     tiers: Dict[str, TierTraffic] = field(default_factory=dict)
 
     def line(self) -> str:
@@ -76,6 +81,10 @@ class StepRecord:
             f"update {self.update_s:.3f}s (pred {self.predicted_update_s:.3f}s)",
             f"adam {self.adam_s:.3f}s conv {self.convert_s:.3f}s wait {self.read_wait_s:.3f}s",
         ]
+        if self.device_updated:
+            parts.append(f"split cpu {self.cpu_updated}/device {self.device_updated} "
+                         f"(cpu {self.adam_s + self.convert_s:.3f}s pred {self.predicted_adam_s:.3f}s, "
+                         f"device waits {self.device_s:.3f}s pred {self.predicted_device_s:.3f}s)")
         for name, t in self.tiers.items():
             parts.append(
                 f"{name} r {_size(t.read_bytes)}@{t.read_gbps:.2f}GB/s "

@@ -62,7 +62,7 @@ class AdamKernel:
         if body:
             self._call(*(t[:body] for t in tensors), **hyper)
         if vector_end > body:  # vector elements that would land in this call's scalar tail
-            padded = [torch.zeros(width, dtype=t.dtype) for t in tensors]
+            padded = [torch.zeros(width, dtype=t.dtype, device=t.device) for t in tensors]
             for pad, t in zip(padded, tensors):
                 pad[: vector_end - body].copy_(t[body:vector_end])
             self._call(*padded, **hyper)
@@ -73,7 +73,9 @@ class AdamKernel:
 
     def _call(self, param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay):
         # torch's functional kernels increment the step tensor first, as torch.optim.AdamW does.
-        state_step = torch.tensor(float(step - 1), dtype=torch.float32)
+        # On CPU, as torch.optim.AdamW keeps it; the fused CUDA kernel wants it on the device.
+        state_step = torch.tensor(float(step - 1), dtype=torch.float32,
+                                  device=param.device if self.kind == "fused" else "cpu")
         _functional_adam(
             [param], [grad], [exp_avg], [exp_avg_sq], [], [state_step],
             foreach=self.kind == "foreach",
@@ -120,8 +122,9 @@ class Fp32Working:
     widened before its Adam and rounded back after it (round-to-nearest-even, ``Tensor.copy_``),
     so the arithmetic is exactly the fp32 AdamW's. fp32-stored tensors are updated in place."""
 
-    def __init__(self, dtypes, largest: int):
-        self.scratch = [None if d == torch.float32 else torch.empty(largest, dtype=torch.float32) for d in dtypes]
+    def __init__(self, dtypes, largest: int, device="cpu"):
+        self.scratch = [None if d == torch.float32 else torch.empty(largest, dtype=torch.float32, device=device)
+                        for d in dtypes]
 
     @property
     def nbytes(self) -> int:

@@ -95,6 +95,10 @@ def reported_once():
 # field -> (flag, bytes per flag unit); flags that switch a feature off map to the field they clear
 FLAG_OF_FIELD = {
     "host_budget_bytes": ("--offload-host-cache-gb", 1 << 30),
+    "gpu_budget_bytes": ("--offload-gpu-cache-gb", 1 << 30),
+    "gpu_budget_auto": ("--offload-gpu-cache-gb auto", 1),
+    "gpu_margin_bytes": ("--offload-gpu-margin-gb", 1 << 30),
+    "update_on": ("--offload-update", 1),
     "subgroup_size": ("--offload-subgroup-size", 1),
     "prefetch_depth": ("--offload-prefetch-depth", 1),
     "tokens_per_tier": ("--offload-tokens-per-tier", 1),

@@ -2,7 +2,8 @@
 ``config.RESIDENT_TIERS`` (resident kinds) or a path in ``OffloadConfig.paths`` (streamed kinds).
 
 - resident: a subgroup's state lives in the tier's memory between steps and is updated there
-  (``tiers.host.HostMemory``: pinned host memory; GPU memory is next).
+  (``tiers.device.DeviceMemory``: the model's device memory; ``tiers.host.HostMemory``: pinned
+  host memory). ``tiers.factory`` builds them from the config.
 - streamed: a subgroup's state lives in a file and passes through a host buffer for each update
   (``tiers.files.FileTier``: node-local NVMe, a parallel file system, any directory).
 """
@@ -24,6 +25,9 @@ class ResidentTier(Protocol):
     def allocate(self, nbytes: int, what: str, counted: bool = True) -> torch.Tensor:
         """An aligned buffer of ``nbytes``; ``counted`` ones count against the tier's budget."""
 
+    def release(self, buf: torch.Tensor) -> None:
+        """Give back a buffer ``allocate`` handed out (its subgroup moved to another tier)."""
+
     def close(self) -> None:
         """Release what the tier holds; no copy may still use its buffers."""
 
@@ -43,6 +47,12 @@ class StreamedTier(Protocol):
         """Run ``fn`` in the tier's operation order (e.g. materialising a subgroup's first state)."""
 
     def free_bytes(self) -> int: ...
+
+    def link(self, key: str, alias: str) -> None:
+        """A second name for ``key``'s current file (snapshots); its next write goes to a new file."""
+
+    def forget(self, key: str) -> None:
+        """Remove ``key``'s file."""
 
     def close(self, remove_files: bool = True) -> None:
         """Finish its I/O, release its tokens, remove its files unless told not to."""

@@ -38,7 +38,8 @@ class HostMemory:
         if self.pin and not pinning_available():
             raise HostMemoryError("pinned host memory was requested (pin_memory=True) but CUDA is not available")
         self.used_bytes = 0
-        self._registered = []  # tensors whose memory is registered with CUDA (pinned)
+        self._registered = {}  # data_ptr -> tensor whose memory is registered with CUDA (pinned)
+        self._counted = {}  # data_ptr of a handed-out buffer -> (its raw allocation, counted bytes)
 
     def allocate(self, nbytes: int, what: str, counted: bool = True) -> torch.Tensor:
         """An ALIGN-aligned uint8 buffer of ``nbytes``; ``counted`` ones count against the budget."""
@@ -64,20 +65,30 @@ class HostMemory:
                 f"host_budget_bytes, or raise the locked-memory limit (ulimit -l)"
             ) from err
         shift = (-raw.data_ptr()) % ALIGN
+        buf = raw[shift : shift + nbytes]
         if counted:
             self.used_bytes += nbytes
-        return raw[shift : shift + nbytes]
+        self._counted[buf.data_ptr()] = (raw, nbytes if counted else 0)
+        return buf
+
+    def release(self, buf: torch.Tensor) -> None:
+        """Give a buffer back (its subgroup moved to another tier); no copy may still use it."""
+        raw, nbytes = self._counted.pop(buf.data_ptr(), (None, 0))
+        self.used_bytes -= nbytes
+        if raw is not None and self._registered.pop(raw.data_ptr(), None) is not None:
+            torch.cuda.cudart().cudaHostUnregister(raw.data_ptr())
 
     def _register(self, raw: torch.Tensor) -> None:
         code = int(torch.cuda.cudart().cudaHostRegister(raw.data_ptr(), raw.numel(), 0))
         if code != 0:
             raise RuntimeError(f"cudaHostRegister failed with CUDA error {code}")
-        self._registered.append(raw)
+        self._registered[raw.data_ptr()] = raw
 
     def close(self) -> None:
         """Unpin what was pinned; the buffers must no longer be in use by copies."""
         while self._registered:
-            torch.cuda.cudart().cudaHostUnregister(self._registered.pop().data_ptr())
+            torch.cuda.cudart().cudaHostUnregister(self._registered.popitem()[0])
+        self._counted.clear()
 
 
 def _meminfo_bytes(field: str) -> Optional[int]:

@@ -45,12 +45,32 @@ def _bandwidths(text: str) -> str:
     return text
 
 
+def _gpu_cache(text: str):
+    """``auto`` or GiB (a non-negative number)."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return non_negative_float(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected GiB (a number >= 0) or 'auto', got {text!r}") from None
+
+
 def add_groups(parser) -> None:
     g = parser.add_argument_group("optimizer offload (see mlp_offload.config.OffloadConfig)")
     g.add_argument("--offload-tiers", type=_tier_list, default=None,
                    help="comma list, e.g. host,nvme,pfs; default: no offload. "
                         "Each file tier XXX needs --offload-XXX-path DIR")
     g.add_argument("--offload-host-cache-gb", type=non_negative_float, default=None)
+    g.add_argument("--offload-gpu-cache-gb", type=_gpu_cache, default=None, metavar="GB|auto",
+                   help="with 'gpu' in --offload-tiers: device memory for optimizer state, updated in place; "
+                        "'auto' learns the spare memory from the real peak after each iteration, keeps "
+                        "--offload-gpu-margin-gb free and hands subgroups back to lower tiers if it shrinks")
+    g.add_argument("--offload-gpu-margin-gb", type=non_negative_float, default=4.0,
+                   help="--offload-gpu-cache-gb auto: device memory left free beside the peak")
+    g.add_argument("--offload-update", choices=["auto", "cpu", "gpu"], default=None,
+                   help="where subgroups held in host memory are updated: CPU Adam, the GPU (state streamed "
+                        "host->GPU->host, copies overlapped) or auto (per subgroup from the measured rates, both "
+                        "at once); default: auto on a GPU, cpu on a CPU device")
     g.add_argument("--offload-subgroup-size", type=positive_int, default=100_000_000)
     g.add_argument("--offload-prefetch-depth", type=positive_int, default=2)
     g.add_argument("--offload-tokens-per-tier", type=positive_int, default=None,
@@ -136,6 +156,8 @@ def _validate_engine_flags(parser, args) -> None:
     if args.offload_tiers is None:
         given = [f"--offload-{name}-path" for name in args.offload_paths]
         given += [flag for flag, value in (("--offload-host-cache-gb", args.offload_host_cache_gb),
+                                           ("--offload-gpu-cache-gb", args.offload_gpu_cache_gb),
+                                           ("--offload-update", args.offload_update),
                                            ("--offload-bandwidths", args.offload_bandwidths),
                                            ("--offload-token-scope", args.offload_token_scope or None))
                   if value is not None]
@@ -144,6 +166,8 @@ def _validate_engine_flags(parser, args) -> None:
         return
     if args.offload_adam_kernel is None:
         args.offload_adam_kernel = default_adam_kernel(on_cpu=_on_cpu(args))
+    if args.offload_update is None:
+        args.offload_update = "cpu" if _on_cpu(args) else "auto"
     from mlp_offload import OffloadConfigError
     from megatron.training.offload.flags import config_from_args
     from megatron.training.errors import in_flags

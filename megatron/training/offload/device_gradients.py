@@ -42,6 +42,15 @@ class DeviceGradients:
     def wait(self, start: int) -> None:
         self.events.pop(start).synchronize()
 
+    def to_device(self, start: int, end: int, out: torch.Tensor, unscale, clip_coef) -> None:
+        """For subgroups updated on the GPU: the same cast and multiplies into ``out`` on the
+        current stream (the engine's compute stream); nothing crosses PCIe."""
+        for lo, hi, view in self.layout.views(start, end, "grad"):
+            out[lo - start: hi - start].copy_(view)
+        for factor in (unscale, clip_coef):
+            if factor is not None and factor != 1.0:
+                out.mul_(factor)
+
 
 class EventFence:
     """What the engine waits on before reusing a host buffer that a copy still reads."""

@@ -14,7 +14,8 @@ into the device param buffer; then megatron-core's param all-gather runs as usua
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+import dataclasses
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from megatron.core import parallel_state, tensor_parallel
@@ -50,6 +51,8 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
         self.grad_scaler = self._grad_scaler(config)
         self._norm_params, engine_groups = self._ordered_groups(param_groups)
         self._cuda = self.device.type == "cuda"
+        # The gpu tier and device updates live on the model's device (the CPU twin on a CPU run).
+        offload_config = dataclasses.replace(offload_config, device=str(self.device))
         self._copy_stream = torch.cuda.Stream() if self._cuda else None
         largest = min(offload_config.subgroup_size, self.layout.numel)
         # The master params cross PCIe in their stored dtype (a CPU-side cast would cost the update's time).
@@ -68,6 +71,10 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
         self._expected_steps: Optional[int] = None  # the step count of the checkpoint being loaded
         self.last_record = None
         self.is_stub_optimizer = False
+        # (peak, capacity) bytes of the device since the last call, for --offload-gpu-cache-gb auto: CUDA's
+        # figures on a GPU; on a CPU run none unless a test sets a stand-in.
+        self.device_memory_figures: Optional[Callable[[], Tuple[int, int]]] = (
+            _cuda_memory_figures if self._cuda else None)
 
     # -- set-up helpers ----------------------------------------------------------------------
     @staticmethod
@@ -130,6 +137,8 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
         self.last_record = self.engine.step(unscale=inv_scale, clip_coef=clip_coef)
         if self._cuda:
             torch.cuda.current_stream().wait_stream(self._copy_stream)
+        if self.engine.config.gpu_budget_auto and self.device_memory_figures is not None:
+            self.engine.observe_device_memory(*self.device_memory_figures())
         if not self.ddp_config.overlap_param_gather:
             for chunk in self.model_chunks:
                 chunk.start_param_sync()
@@ -160,6 +169,11 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
             host[lo:hi].copy_(view)
 
     def _copy_params_to_device(self, start: int, end: int, params: torch.Tensor):
+        if self._cuda and params.device == self.device:
+            # Updated on the device (resident or streamed): cast in place, in the engine's stream order.
+            for lo, hi, view in self.layout.views(start, end, "param"):
+                view.copy_(params[lo - start: hi - start])
+            return None
         if not self._cuda:
             for lo, hi, view in self.layout.views(start, end, "param"):
                 view.copy_(params[lo - start: hi - start])
@@ -231,3 +245,13 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
     def close(self):
         self.engine.close()
 
+
+
+def _cuda_memory_figures() -> Tuple[int, int]:
+    """The allocator's peak reserve since the last call, and the most this process could reserve
+    (what is free on the device plus what it reserves already); the peak is reset for the next."""
+    peak = torch.cuda.max_memory_reserved()
+    free, _ = torch.cuda.mem_get_info()
+    capacity = free + torch.cuda.memory_reserved()
+    torch.cuda.reset_peak_memory_stats()
+    return peak, capacity

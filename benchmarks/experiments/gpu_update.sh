@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# One device call (issue 19): the update on the GPU and spare HBM as the top tier.
+#  (a) correctness: a small GPT a few iterations with megatron-core's optimizer (no offload), ours with
+#      --offload-tiers gpu,host (the whole state in the gpu tier: losses must be bit-identical), and ours
+#      host-only with every subgroup updated on the GPU from streamed host state (--offload-update gpu);
+#  (b) the 10.24 B Llama shape, gpu,host,nvme with --offload-gpu-cache-gb auto: bf16 moments, then lossless.
+# Prints iteration times, the engine's predicted vs measured update and split, host/GPU memory peaks.
+# Run: PYTHONPATH=/tmp/site:$PWD bash benchmarks/experiments/gpu_update.sh   (megatron-core importable)
+# Dry run on a CPU machine: DRY_RUN=1 bash benchmarks/experiments/gpu_update.sh (tiny shapes, --device cpu).
+# Writes at most 8 flat files to $OUT.
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-$PWD}
+DRY=${DRY_RUN:-0}
+PY=${PYTHON:-python3}
+DISK=${DISK:-/var/tmp/offload_gpu_update}; rm -rf "$DISK"; mkdir -p "$DISK"
+if [ "$DRY" = 1 ]; then
+  DEVICE="--device cpu"; ITERS_A=3; ITERS_B=3; LIMIT_A=300; LIMIT_B=300
+  SMALL="--num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64"
+  BIG="--num-layers 2 --hidden-size 128 --ffn-hidden-size 256 --num-attention-heads 8 --group-query-attention --num-query-groups 2 --seq-length 64 --max-position-embeddings 64"
+  GPU_GB=1; HOST_GB=0.05; SUB=1000000
+else
+  DEVICE="--device cuda"; ITERS_A=${ITERS_A:-5}; ITERS_B=${ITERS_B:-4}; LIMIT_A=${LIMIT_A:-150}; LIMIT_B=${LIMIT_B:-200}
+  SMALL="--num-layers 4 --hidden-size 512 --ffn-hidden-size 1376 --num-attention-heads 8 --seq-length 512 --max-position-embeddings 512"
+  BIG="--num-layers 36 --hidden-size 5120 --ffn-hidden-size 13824 --num-attention-heads 40 --group-query-attention --num-query-groups 8 --seq-length 2048 --max-position-embeddings 2048"
+  GPU_GB=20; HOST_GB=${HOST_GB:-74}; SUB=100000000
+fi
+COMMON="--swiglu --normalization RMSNorm --position-embedding-type rope --untie-embeddings-and-output-weights
+  --disable-bias-linear --hidden-dropout 0 --attention-dropout 0 --vocab-size 32000 --micro-batch-size 1 --global-batch-size 1
+  --lr 3e-4 --adam-beta2 0.95 --weight-decay 0.1 --clip-grad 1.0 --bf16 --mock-data --seed 1234 --log-interval 1
+  --num-workers 0 $DEVICE"
+RECOMPUTE="--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
+
+# memory peaks: host used (free -m) and GPU used (nvidia-smi), sampled every second
+watch_memory() {  # $1: label
+  ( peak_h=0; peak_g=0
+    while [ -e "$OUT/.watch" ]; do
+      h=$(free -m | awk '/^Mem:/{print $3}'); [ "$h" -gt "$peak_h" ] && peak_h=$h
+      if command -v nvidia-smi >/dev/null; then
+        g=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1); [ "${g:-0}" -gt "$peak_g" ] && peak_g=$g
+      fi
+      echo "$1 peak host used ${peak_h} MiB, peak GPU used ${peak_g} MiB" > "$OUT/.peak"; sleep 1
+    done ) &
+}
+run() {  # $1 label, $2 limit, rest: flags
+  local label=$1 limit=$2; shift 2
+  touch "$OUT/.watch"; watch_memory "$label"
+  timeout "$limit" torchrun --nproc_per_node 1 --master_port ${PORT:-29511} pretrain_gpt.py $COMMON "$@" > "$OUT/.run.log" 2>&1
+  echo "$label exit $?"; rm -f "$OUT/.watch"; sleep 2; cat "$OUT/.peak" | tee -a "$OUT/memory_peaks.txt"
+}
+echo "== (a) correctness: losses of megatron-core (no offload) vs ours, gpu tier and GPU-streamed"
+for kind in mcore gpu stream; do
+  case $kind in
+    mcore) FLAGS="--use-distributed-optimizer";;
+    gpu) FLAGS="--offload-tiers gpu,host --offload-gpu-cache-gb $GPU_GB --offload-update cpu";;
+    stream) FLAGS="--offload-tiers host --offload-update gpu --offload-subgroup-size $SUB";;
+  esac
+  run "small-$kind" $LIMIT_A $SMALL --train-iters $ITERS_A $FLAGS --loss-log "$OUT/.loss_$kind.jsonl"
+  grep -E "offload rank|predicted|iteration " "$OUT/.run.log" | grep -v -i warn | cut -c1-400 >> "$OUT/correctness.log"
+  grep -E "rror|Traceback" "$OUT/.run.log" | head -5
+done
+$PY - "$OUT" <<'PY' | tee "$OUT/correctness_losses.txt"
+import json, sys, pathlib
+out = pathlib.Path(sys.argv[1])
+runs = {k: {r["iteration"]: r["loss"] for r in map(json.loads, (out / f".loss_{k}.jsonl").read_text().splitlines())}
+        if (out / f".loss_{k}.jsonl").exists() else {} for k in ("mcore", "gpu", "stream")}
+print("iteration  megatron-core            ours gpu tier            ours GPU-streamed")
+for it in sorted(runs["mcore"]):
+    print(f"{it:9d}  " + "  ".join(f"{runs[k].get(it, float('nan'))!r:24}" for k in runs))
+for k in ("gpu", "stream"):
+    same = runs[k] == runs["mcore"] and runs[k] != {}
+    print(f"{k}: {'BIT-IDENTICAL' if same else 'DIFFERENT'} to megatron-core ({len(runs[k])} iterations)")
+PY
+echo "== (b) the 10.24 B shape, gpu,host,nvme, --offload-gpu-cache-gb auto"
+for state in bf16 lossless; do
+  PREC=""; [ $state = bf16 ] && PREC="--use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16"
+  run "10b-$state" $LIMIT_B $BIG $RECOMPUTE --train-iters $ITERS_B $PREC \
+    --offload-tiers gpu,host,nvme --offload-nvme-path "$DISK" --offload-gpu-cache-gb auto --offload-host-cache-gb $HOST_GB \
+    --offload-subgroup-size $SUB --offload-io-threads 8 --offload-telemetry-log "$OUT/10b_${state}_telemetry.jsonl"
+  grep -v -i warn "$OUT/.run.log" | grep -E "model parameters|offload rank|gpu tier auto|predicted|iteration |rror|Killed" \
+    | cut -c1-900 | tee "$OUT/10b_${state}.log"
+  rm -rf "$DISK"/*
+done
+rm -rf "$DISK" "$OUT"/.loss_*.jsonl "$OUT/.run.log" "$OUT/.peak"
+ls "$OUT"

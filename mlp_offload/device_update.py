@@ -1,0 +1,145 @@
+"""The update on the model's device: for subgroups resident in device memory (in place), and for
+host-held ones streamed through it, chunk by chunk, with copy-in, Adam and copy-out on three
+streams so the copies of one chunk overlap the Adam of another.
+
+Gradients come from the gradient source straight into a device buffer (cast, unscaled and clipped
+there; never copied to the host), and the updated master params are handed to the caller on the
+device (no copy back up for them). On a CPU run the device is the CPU and the streams are no-op
+stand-ins: the same chunking, buffers and calls run, so the CPU tests exercise this path (the CPU
+twin). What it computes is the engine's AdamW (``update.AdamKernel``) on the same fp32 values, so
+a subgroup gives the same bits on either side for one kernel.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Callable, List, Sequence, Tuple
+
+import torch
+
+from .subgroups import Subgroup
+from .update import Fp32Working
+
+Segment = Tuple[int, int, int, Tuple[int, int]]  # (lo, hi, param group, span): param_groups.segments_of
+
+
+class _Done:
+    """The CPU twin's event: everything it stands for has already happened."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+DONE = _Done()
+
+
+class Streams:
+    """Copy-in, compute and copy-out streams on CUDA; on the CPU, stand-ins that run in order."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.copy_in, self.compute, self.copy_out = (torch.cuda.Stream(device) for _ in range(3))
+        else:
+            self.copy_in = self.compute = self.copy_out = None
+
+    def on(self, stream):
+        return torch.cuda.stream(stream) if self.cuda else nullcontext()
+
+    def record(self, stream):
+        if not self.cuda:
+            return DONE
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    def wait(self, stream, event) -> None:
+        if self.cuda and event is not None and event is not DONE:
+            stream.wait_event(event)
+
+    def after_caller(self) -> None:
+        """Before a step: its streams see what the caller's stream did (backward's grads, params)."""
+        if self.cuda:
+            for stream in (self.copy_in, self.compute, self.copy_out):
+                stream.wait_stream(torch.cuda.current_stream())
+
+    def before_caller(self) -> None:
+        """After a step: the caller's stream sees the params the compute stream wrote."""
+        if self.cuda:
+            torch.cuda.current_stream().wait_stream(self.compute)
+
+
+class DeviceUpdate:
+    """Updates one subgroup on the device; returns the fence to wait on before its host state is
+    touched again (its copy-out), or ``DONE`` on the CPU twin."""
+
+    def __init__(self, device, dtypes: Sequence[torch.dtype], chunk_elems: int, largest: int):
+        self.device = torch.device(device)
+        self.dtypes = list(dtypes)
+        self.chunk = max(1, min(chunk_elems, largest))
+        self.streams = Streams(self.device)
+        # Two chunk buffers in the stored dtypes: chunk k+1 arrives while chunk k is computed.
+        self._buffers = [[torch.empty(self.chunk, dtype=d, device=self.device) for d in self.dtypes]
+                         for _ in range(2)]
+        self._free = [None, None]  # per buffer: its last copy-out (the next copy-in waits for it)
+        self._working = Fp32Working(self.dtypes, self.chunk, self.device)
+        self.grad = torch.empty(largest, dtype=torch.float32, device=self.device)
+        self._turn = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Device memory it holds beside the device tier's budget."""
+        per = sum(torch.empty(0, dtype=d).element_size() for d in self.dtypes) * self.chunk
+        return 2 * per + self._working.nbytes + self.grad.numel() * 4
+
+    def update(self, sg: Subgroup, stored: List[torch.Tensor], resident: bool, segments: Sequence[Segment],
+               fill_grads: Callable[[torch.Tensor], None], adam: Callable, on_params) -> object:
+        """``stored``: the subgroup's (param, exp_avg, exp_avg_sq) in their stored dtypes, on the
+        device (``resident``: updated in place) or in host memory (streamed through the chunk
+        buffers). ``fill_grads(out)`` writes its fp32 grads into a device tensor; ``adam(p, g, m, v,
+        group, span)`` is the step; ``on_params(start, end, params)`` gets each chunk's updated
+        master params on the device (on the compute stream), or is None."""
+        s, n = self.streams, sg.numel
+        grad = self.grad[:n]
+        with s.on(s.compute):
+            fill_grads(grad)
+        for c0 in range(0, n, self.chunk):
+            c1 = min(n, c0 + self.chunk)
+            if resident:
+                with s.on(s.compute):
+                    self._compute(sg, [t[c0:c1] for t in stored], grad, c0, c1, segments, adam, on_params)
+                continue
+            b = self._turn % 2
+            self._turn += 1
+            dev = [buf[: c1 - c0] for buf in self._buffers[b]]
+            with s.on(s.copy_in):
+                s.wait(s.copy_in, self._free[b])
+                for d, h in zip(dev, stored):
+                    d.copy_(h[c0:c1], non_blocking=True)
+                arrived = s.record(s.copy_in)
+            with s.on(s.compute):
+                s.wait(s.compute, arrived)
+                self._compute(sg, dev, grad, c0, c1, segments, adam, on_params)
+                computed = s.record(s.compute)
+            with s.on(s.copy_out):
+                s.wait(s.copy_out, computed)
+                for d, h in zip(dev, stored):
+                    h[c0:c1].copy_(d, non_blocking=True)
+                self._free[b] = s.record(s.copy_out)
+        return s.record(s.compute if resident else s.copy_out)
+
+    def _compute(self, sg: Subgroup, chunk: List[torch.Tensor], grad: torch.Tensor, c0: int, c1: int,
+                 segments: Sequence[Segment], adam: Callable, on_params) -> None:
+        param, exp_avg, exp_avg_sq = wide = self._working.widen(chunk)
+        for lo, hi, g, span in segments:
+            a, b = max(lo, c0), min(hi, c1)
+            if a >= b:
+                continue
+            piece_span = (span[0] + (a - lo), span[1])  # where this piece lies in its range
+            adam(param[a - c0:b - c0], grad[a:b], exp_avg[a - c0:b - c0], exp_avg_sq[a - c0:b - c0], g, piece_span)
+        self._working.round_back(chunk, wide)
+        if on_params is not None:
+            on_params(sg.start + c0, sg.start + c1, chunk[0])

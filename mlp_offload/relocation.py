@@ -1,0 +1,128 @@
+"""Moving subgroups between tiers while the engine lives: the auto mode's device tier learns its
+size from the device's real peak and promotes subgroups into spare memory, or hands them back to
+lower tiers when memory grows tight (rather than let the training crash). ``device_change`` is the
+policy (pure); ``Relocation`` moves the state, between steps, through the same tier calls the
+checkpoints use."""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Dict, List, Optional
+
+from .config import GPU_TIER, HOST_TIER
+from .pipeline import StateViews, file_key
+from .placement import split_updates
+from .prediction import predict_update
+
+log = logging.getLogger("mlp_offload")
+GiB = 1024**3
+
+
+def device_change(peak_bytes: int, capacity_bytes: int, margin_bytes: int, subgroup_bytes: int) -> int:
+    """Subgroups to promote (> 0) or hand back (< 0): the spare device memory beyond the margin,
+    in whole subgroups; a peak inside the margin hands back what brings it out again."""
+    spare = capacity_bytes - peak_bytes - margin_bytes
+    if spare >= 0:
+        return spare // subgroup_bytes
+    return -math.ceil(-spare / subgroup_bytes)
+
+
+class Relocation:
+    def __init__(self, engine):
+        self.engine = engine
+
+    def fit_device(self, peak_bytes: int, capacity_bytes: int) -> Optional[str]:
+        eng = self.engine
+        slot = max(sg.state_bytes for sg in eng.subgroups)
+        change = device_change(peak_bytes, capacity_bytes, eng.config.gpu_margin_bytes, slot)
+        tier_of = eng.placement.tier_of
+        on_device = [i for i, t in enumerate(tier_of) if t == GPU_TIER]
+        if change > 0:
+            # Those streamed from files first (they save I/O too), then host-resident ones.
+            below = ([i for i, t in enumerate(tier_of) if t in eng._tiers]
+                     + [i for i, t in enumerate(tier_of) if t == HOST_TIER])
+            moves = {i: GPU_TIER for i in below[:change]}
+        elif change < 0:
+            moves = {}
+            for i in reversed(on_device[len(on_device) + change:] if -change < len(on_device) else on_device):
+                dest = self._lower_home(eng.subgroups[i].state_bytes, moves)
+                if dest is None:
+                    log.warning("device memory is short by %.2f GiB but no lower tier has room for subgroup %d",
+                                (peak_bytes + eng.config.gpu_margin_bytes - capacity_bytes) / GiB, i)
+                    break
+                moves[i] = dest
+        else:
+            return None
+        if not moves:
+            return None
+        self.move(moves)
+        held = len([t for t in tier_of if t == GPU_TIER])
+        what = (f"gpu tier auto: peak {peak_bytes / GiB:.2f} GiB of {capacity_bytes / GiB:.2f} GiB, margin "
+                f"{eng.config.gpu_margin_bytes / GiB:.2f} GiB -> {'promoted' if change > 0 else 'handed back'} "
+                f"{len(moves)} subgroup(s); the gpu tier holds {held} ({eng.memory[GPU_TIER].used_bytes / GiB:.2f} GiB); "
+                f"{eng.prediction.describe()}")
+        log.info(what)
+        return what
+
+    def _lower_home(self, nbytes: int, planned: Dict[int, str]) -> Optional[str]:
+        """Where a subgroup leaving the device goes: host memory within its budget, else the file
+        tier with the most free space."""
+        eng = self.engine
+        host = eng.memory[HOST_TIER]
+        if eng.config.has_host:
+            pending = sum(eng.subgroups[i].state_bytes for i, t in planned.items() if t == HOST_TIER)
+            if host.budget_bytes is None or host.used_bytes + pending + nbytes <= host.budget_bytes:
+                return HOST_TIER
+        fits = [(tier.free_bytes(), name) for name, tier in eng._tiers.items() if tier.free_bytes() > nbytes]
+        return max(fits)[1] if fits else None
+
+    def move(self, moves: Dict[int, str]) -> None:
+        """Give each subgroup in ``moves`` its new tier, state and all; then re-plan the update split
+        and the prediction, and start the next step's reads."""
+        eng = self.engine
+        pipe = eng._pipeline
+        pipe.persist_buffers()  # every buffered copy on its tier: the buffers' holders may change
+        tier_of = eng.placement.tier_of
+        for i, dest in moves.items():
+            sg, source = eng.subgroups[i], tier_of[i]
+            old = eng._resident.pop(i, None)
+            views = old
+            if views is None:  # streamed: from its file (or its first materialization)
+                views = eng._state._scratch_views()
+                pipe.fill_from_tier(i, views)
+            if dest in eng.memory:
+                new = StateViews.over(eng.memory[dest].allocate(sg.state_bytes, f"subgroup {i}"), sg,
+                                      eng.state_dtypes)
+                for dst, src in zip(new.narrow(sg.numel), views.narrow(sg.numel)):
+                    dst.copy_(src)
+                eng._resident[i] = new
+                tier_of[i] = dest
+            else:
+                if source == GPU_TIER:  # file I/O needs aligned host bytes
+                    scratch = eng._state._scratch_views()
+                    for dst, src in zip(scratch.narrow(sg.numel), views.narrow(sg.numel)):
+                        dst.copy_(src)
+                    views = scratch
+                tier_of[i] = dest
+                pipe.write_now(i, views)
+            pipe.fresh.discard(i)
+            if old is not None:
+                eng.memory[source].release(old.buf)
+            elif source in eng._tiers:
+                eng._tiers[source].forget(file_key(i))
+        self._replan()
+
+    def _replan(self) -> None:
+        eng = self.engine
+        p = eng.placement
+        for name in eng.memory:
+            held = sum(eng.subgroups[i].state_bytes for i, t in enumerate(p.tier_of) if t == name)
+            p.resident_bytes[name] = held + (p.slots * max(sg.state_bytes for sg in eng.subgroups)
+                                             if name == HOST_TIER else 0)
+        p.update_on = split_updates(eng.subgroups, p.tier_of, eng.config.update_on, eng.update_rates)
+        eng.prediction = predict_update(eng.subgroups, p, eng.rates, eng.adam_rate, eng.convert_rate, eng.devices,
+                                        ranks_sharing=eng.config.resolved_ranks_sharing_node(),
+                                        tokens=eng.tokens_per_tier, cache_alternating=eng.config.cache_alternating,
+                                        update_rates=eng.update_rates)
+        eng._pipeline.begin(eng._schedule_for(eng.steps_done))

@@ -1,0 +1,234 @@
+"""The gpu tier and the device update (CPU twin: the device is the CPU here): over tier mixes,
+budgets, update sides, chunk sizes and auto relocations mid-run, the engine must equal
+torch.optim.AdamW bit for bit; checkpoints cross between tier mixes; the auto mode's policy."""
+
+import dataclasses
+import tempfile
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from mlp_offload import OffloadConfig, OffloadConfigError, OffloadedAdamW, PlacementError
+from mlp_offload.checkpoint import load_engine_state
+from mlp_offload.checkpoint_write import save_engine_state
+from mlp_offload.placement import CPU, DEVICE, UpdateRates, split_updates
+from mlp_offload.relocation import device_change
+from mlp_offload.subgroups import partition
+
+from .helpers import engine_state
+from .strategies import TIER_MIXES, setups
+
+LR, BETAS, EPS, WD = 3e-3, (0.9, 0.95), 1e-8, 0.1
+RATES = dict(adam_elems_per_s=1e9, device_adam_elems_per_s=4e9, device_streamed_elems_per_s=2e9)
+
+
+@st.composite
+def device_setups(draw):
+    """A valid set-up of the existing strategy with the gpu tier put in front (or not), its budget
+    (fixed, or auto with a relocation after a step), the update side and the device chunk size."""
+    setup = draw(setups(tier_mixes=TIER_MIXES, probe=False, max_numel=60_000))
+    subgroups = partition(setup.numel, setup.options["subgroup_size"])
+    slot, n = subgroups[0].state_bytes, len(subgroups)
+    extra = dict(update_on=draw(st.sampled_from(["cpu", "device", "auto"])),
+                 device_chunk_elems=draw(st.integers(1, setup.options["subgroup_size"] + 10)), **RATES)
+    relocate = None
+    if draw(st.booleans()):
+        if draw(st.booleans()) and setup.tiers != ["host"] or "host" in setup.tiers:
+            extra["gpu_budget_auto"] = draw(st.booleans())
+        if not extra.get("gpu_budget_auto"):
+            extra["gpu_budget_bytes"] = draw(st.integers(0, (n + 1) * slot))
+        else:
+            extra["gpu_margin_bytes"] = 0
+            # (peak, capacity) after steps 1 and 2: promote some, then maybe hand some back
+            relocate = [(0, draw(st.integers(0, n + 1)) * slot), (draw(st.integers(0, n)) * slot, n * slot)]
+    return setup, extra, relocate
+
+
+def _config(setup, extra, root) -> OffloadConfig:
+    cfg = setup.config(root)
+    tiers = (["gpu"] if "gpu_budget_bytes" in extra or extra.get("gpu_budget_auto") else []) + cfg.tiers
+    return dataclasses.replace(cfg, tiers=tiers, **extra)
+
+
+def _reference(setup, init, kernel):
+    pieces, groups = [], []
+    for ranges, options in setup.groups or [([(0, setup.numel)], {})]:
+        params = [torch.nn.Parameter(init[a:b].clone()) for a, b in ranges]
+        pieces += zip(ranges, params)
+        groups.append({"params": params, **options})
+    opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                            foreach=kernel == "foreach", fused=kernel == "fused")
+    return pieces, opt
+
+
+def _ref_step(pieces, opt, grad):
+    for (a, b), p in pieces:
+        p.grad = grad.float()[a:b].clone()
+    opt.step()
+
+
+def _assert_equal(eng, pieces, opt):
+    params, exp_avg, exp_avg_sq = engine_state(eng)
+    for (a, b), p in pieces:
+        assert torch.equal(params[a:b], p.detach()), (a, b)
+        assert torch.equal(exp_avg[a:b], opt.state[p]["exp_avg"]), (a, b)
+        assert torch.equal(exp_avg_sq[a:b], opt.state[p]["exp_avg_sq"]), (a, b)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, print_blob=True)
+@given(case=device_setups(), seed=st.integers(0, 3))
+def test_tier_mixes_and_update_sides_match_torch_adamw(case, seed):
+    setup, extra, relocate = case
+    gen = torch.Generator().manual_seed(seed)
+    init = torch.randn(setup.numel, generator=gen)
+    pieces, opt = _reference(setup, init, setup.options["adam_kernel"])
+    seen = []
+    with tempfile.TemporaryDirectory() as root:
+        cfg = _config(setup, extra, root)
+        with OffloadedAdamW(init.clone(), cfg, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, groups=setup.groups,
+                            on_params_updated=lambda a, b, p: seen.append((a, b, p.clone()))) as eng:
+            for step in range(3):
+                grad = (torch.randn(setup.numel, generator=gen) * 10).to(torch.bfloat16)
+                eng.grad_buffer.copy_(grad)
+                seen.clear()
+                rec = eng.step()
+                _ref_step(pieces, opt, grad)
+                assert rec.cpu_updated + rec.device_updated == len(eng.subgroups)
+                # every element's updated master param handed over once, equal to torch's
+                handed = torch.full((setup.numel,), float("nan"))
+                for a, b, p in seen:
+                    assert handed[a:b].isnan().all()
+                    handed[a:b] = p
+                whole = torch.cat([p.detach() for _, p in sorted(pieces, key=lambda x: x[0])]) \
+                    if setup.groups is None else None
+                if whole is not None:
+                    assert torch.equal(handed, whole)
+                if relocate and step < 2:
+                    eng.observe_device_memory(*relocate[step])
+            _assert_equal(eng, pieces, opt)
+            held = eng.state_bytes_per_tier()
+            if "gpu" in cfg.tiers:
+                assert held["gpu"] == sum(eng.subgroups[i].state_bytes for i in eng.placement.subgroups_on("gpu"))
+                assert eng.memory["gpu"].used_bytes == held["gpu"]
+
+
+@pytest.mark.parametrize("save_tiers,load_tiers", [
+    (["gpu", "host"], ["host"]), (["host"], ["gpu", "host"]), (["gpu", "nvme"], ["gpu", "host", "nvme"]),
+    (["gpu", "host", "nvme"], ["nvme"])])
+def test_checkpoints_cross_tier_mixes_and_continue_bit_identically(tmp_path, save_tiers, load_tiers):
+    numel, sub = 50_001, 7_000
+    gen = torch.Generator().manual_seed(1)
+    init = torch.randn(numel, generator=gen)
+    grads = [(torch.randn(numel, generator=gen) * 10).to(torch.bfloat16) for _ in range(5)]
+    slot = partition(numel, sub)[0].state_bytes
+
+    def config(tiers, d):
+        paths = {"nvme": str(tmp_path / d)} if "nvme" in tiers else {}
+        (tmp_path / d).mkdir(exist_ok=True)
+        return OffloadConfig(tiers=tiers, paths=paths, subgroup_size=sub, run_id=d, pin_memory=False,
+                             gpu_budget_bytes=3 * slot if "gpu" in tiers else None,
+                             host_budget_bytes=4 * slot if "host" in tiers and paths else None,
+                             bandwidths={t: (2e9, 1e9) for t in paths}, adam_kernel="single",
+                             update_on="auto", device_chunk_elems=3_000, **RATES)
+
+    def engine(tiers, d):
+        return OffloadedAdamW(init.clone(), config(tiers, d), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+
+    def run(eng, gs):
+        for g in gs:
+            eng.grad_buffer.copy_(g)
+            eng.step()
+
+    with engine(["host"], "ref") as ref:
+        run(ref, grads)
+        want = engine_state(ref)
+    with engine(save_tiers, "a") as a:
+        run(a, grads[:3])
+        save_engine_state(a, str(tmp_path / "state.offload"))
+    with engine(load_tiers, "b") as b:
+        load_engine_state(b, str(tmp_path / "state.offload"))
+        assert b.steps_done == 3
+        run(b, grads[3:])
+        got = engine_state(b)
+    for w, g in zip(want, got):
+        assert torch.equal(w, g)
+
+
+def test_auto_promotes_into_spare_memory_and_hands_back_under_pressure(tmp_path):
+    numel, sub = 60_000, 10_000
+    slot = partition(numel, sub)[0].state_bytes
+    cfg = OffloadConfig(tiers=["gpu", "host", "nvme"], paths={"nvme": str(tmp_path)}, subgroup_size=sub,
+                        host_budget_bytes=3 * slot, gpu_budget_auto=True, gpu_margin_bytes=slot // 2,
+                        bandwidths={"nvme": (2e9, 1e9)}, run_id="auto", pin_memory=False, adam_kernel="single",
+                        update_on="cpu", **RATES)
+    gen = torch.Generator().manual_seed(2)
+    init = torch.randn(numel, generator=gen)
+    ref = torch.nn.Parameter(init.clone())
+    opt = torch.optim.AdamW([ref], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
+    with OffloadedAdamW(init.clone(), cfg, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD) as eng:
+        assert eng.placement.subgroups_on("gpu") == []  # auto starts empty: nothing is known yet
+        figures = [(slot, 5 * slot), (0, 1 * slot), (0, 0), (2 * slot, slot)]
+        on_gpu = []
+        for peak, capacity in figures:
+            grad = (torch.randn(numel, generator=gen) * 10).to(torch.bfloat16)
+            eng.grad_buffer.copy_(grad)
+            eng.step()
+            ref.grad = grad.float()
+            opt.step()
+            said = eng.observe_device_memory(peak, capacity)
+            on_gpu.append(len(eng.placement.subgroups_on("gpu")))
+            assert said is None or "gpu tier auto" in said
+        # 5 - 1 - 0.5 = 3.5 spare -> 3 promoted (file-streamed ones first); then 1 - 0 - 0.5 = 0.5:
+        # nothing; then short by 0.5 -> one handed back; then short by 1.5 -> the other two handed back
+        assert on_gpu == [3, 3, 2, 0]
+        assert eng.memory["gpu"].used_bytes == 0
+        # device-resident subgroups were updated on the device side, all others by the CPU
+        params, exp_avg, exp_avg_sq = engine_state(eng)
+    assert torch.equal(params, ref.detach())
+    assert torch.equal(exp_avg, opt.state[ref]["exp_avg"])
+    assert torch.equal(exp_avg_sq, opt.state[ref]["exp_avg_sq"])
+
+
+def test_device_change_policy():
+    assert device_change(peak_bytes=10, capacity_bytes=100, margin_bytes=20, subgroup_bytes=30) == 2
+    assert device_change(peak_bytes=80, capacity_bytes=100, margin_bytes=20, subgroup_bytes=30) == 0
+    assert device_change(peak_bytes=81, capacity_bytes=100, margin_bytes=20, subgroup_bytes=30) == -1
+    assert device_change(peak_bytes=150, capacity_bytes=100, margin_bytes=20, subgroup_bytes=30) == -3
+
+
+@settings(max_examples=50, deadline=None, derandomize=True)
+@given(n=st.integers(1, 40), cpu=st.floats(0.1, 10), dev=st.floats(0.1, 10), gpu=st.integers(0, 5))
+def test_auto_split_balances_the_two_sides(n, cpu, dev, gpu):
+    subgroups = partition(n * 1000, 1000)
+    tier_of = ["gpu" if i < gpu else "host" for i in range(n)]
+    rates = UpdateRates(cpu=cpu, device_resident=2 * dev, device_streamed=dev)
+    sides = split_updates(subgroups, tier_of, "auto", rates)
+    assert all(sides[i] == DEVICE for i in range(min(gpu, n)))
+    t_cpu = sides.count(CPU) * 1000 / cpu
+    t_dev = sum(1000 / (2 * dev if i < gpu else dev) for i in range(n) if sides[i] == DEVICE)
+    # list scheduling: the later side finishes no more than one subgroup's time after the earlier,
+    # unless the device's resident share alone is the longer one (then every other went to the CPU)
+    t_fixed = min(gpu, n) * 1000 / (2 * dev)
+    if not (t_dev == t_fixed and t_cpu <= t_dev):
+        assert max(t_cpu, t_dev) - min(t_cpu, t_dev) <= 1000 / min(cpu, dev) + 1e-9
+    assert split_updates(subgroups, tier_of, "cpu", rates).count(DEVICE) == min(gpu, n)
+    assert split_updates(subgroups, tier_of, "device", rates) == [DEVICE] * n
+
+
+@pytest.mark.parametrize("options,says", [
+    (dict(tiers=["gpu", "host"]), "gpu_budget_bytes or gpu_budget_auto"),
+    (dict(tiers=["host"], gpu_budget_bytes=1 << 20), "'gpu' is not one of the offload tiers"),
+    (dict(tiers=["gpu"], gpu_budget_auto=True), "nowhere to keep"),
+    (dict(tiers=["host"], update_on="gpu"), "update_on"),
+    (dict(tiers=["gpu", "host"], gpu_budget_bytes=-1), "gpu_budget_bytes"),
+])
+def test_bad_device_settings_name_the_field(options, says):
+    with pytest.raises(OffloadConfigError, match=says):
+        OffloadConfig(**options)
+
+
+def test_gpu_only_budget_below_the_state_names_the_budget():
+    with pytest.raises(PlacementError, match="gpu_budget_bytes"):
+        OffloadedAdamW(torch.zeros(50_000), OffloadConfig(tiers=["gpu"], gpu_budget_bytes=1 << 16,
+                                                          subgroup_size=10_000, **RATES)).close()
