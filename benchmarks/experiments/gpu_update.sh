@@ -5,6 +5,7 @@
 #      host-only with every subgroup updated on the GPU from streamed host state (--offload-update gpu);
 #  (b) the 10.24 B Llama shape, gpu,host,nvme with --offload-gpu-cache-gb auto: bf16 moments, then lossless.
 # Prints iteration times, the engine's predicted vs measured update and split, host/GPU memory peaks.
+# PART=a runs (a) only, PART=b (b) only (default both).
 # Run: PYTHONPATH=/tmp/site:$PWD bash benchmarks/experiments/gpu_update.sh   (megatron-core importable)
 # Dry run on a CPU machine: DRY_RUN=1 bash benchmarks/experiments/gpu_update.sh (tiny shapes, --device cpu).
 # Writes at most 8 flat files to $OUT.
@@ -28,7 +29,7 @@ fi
 COMMON="--swiglu --normalization RMSNorm --position-embedding-type rope --untie-embeddings-and-output-weights
   --disable-bias-linear --hidden-dropout 0 --attention-dropout 0 --vocab-size 32000 --micro-batch-size 1 --global-batch-size 1
   --lr 3e-4 --adam-beta2 0.95 --weight-decay 0.1 --clip-grad 1.0 --bf16 --mock-data --seed 1234 --log-interval 1
-  --num-workers 0 $DEVICE"
+  $DEVICE"  # --num-workers: the default (2), as users run it
 RECOMPUTE="--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
 
 # memory peaks: host used (free -m) and GPU used (nvidia-smi), sampled every second
@@ -48,6 +49,7 @@ run() {  # $1 label, $2 limit, rest: flags
   timeout "$limit" torchrun --nproc_per_node 1 --master_port ${PORT:-29511} pretrain_gpt.py $COMMON "$@" > "$OUT/.run.log" 2>&1
   echo "$label exit $?"; rm -f "$OUT/.watch"; sleep 2; cat "$OUT/.peak" | tee -a "$OUT/memory_peaks.txt"
 }
+if [ "${PART:-ab}" != b ]; then
 echo "== (a) correctness: losses of megatron-core (no offload) vs ours, gpu tier and GPU-streamed"
 for kind in mcore gpu stream; do
   case $kind in
@@ -71,6 +73,8 @@ for k in ("gpu", "stream"):
     same = runs[k] == runs["mcore"] and runs[k] != {}
     print(f"{k}: {'BIT-IDENTICAL' if same else 'DIFFERENT'} to megatron-core ({len(runs[k])} iterations)")
 PY
+fi
+if [ "${PART:-ab}" != a ]; then
 echo "== (b) the 10.24 B shape, gpu,host,nvme, --offload-gpu-cache-gb auto"
 for state in bf16 lossless; do
   PREC=""; [ $state = bf16 ] && PREC="--use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16"
@@ -81,5 +85,6 @@ for state in bf16 lossless; do
     | cut -c1-900 | tee "$OUT/10b_${state}.log"
   rm -rf "$DISK"/*
 done
+fi
 rm -rf "$DISK" "$OUT"/.loss_*.jsonl "$OUT/.run.log" "$OUT/.peak"
 ls "$OUT"
