@@ -1,6 +1,11 @@
 """tools/plan_offload.py: its numbers against a hand calculation and against a real CPU run of the
-same flags (parameters, the engine's placement, the bytes each step moves per tier)."""
+same flags (parameters, the engine's placement, the bytes each step moves per tier). The numbers
+come from the tool's main() in this process (no interpreter start-up per plan); its command line,
+exit status and error lines from a process of its own."""
 
+import contextlib
+import importlib.util
+import io
 import json
 import re
 import subprocess
@@ -23,7 +28,21 @@ def plan(*flags, expect=0):
 
 
 def plan_json(*flags, expect=0):
-    return json.loads(plan("--json", *flags, expect=expect).stdout)
+    """The tool's --json output and exit status, from its main() in this process."""
+    spec = importlib.util.spec_from_file_location("plan_offload_tool", PLANNER)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = tool.main(["--json", *flags])
+    assert code == expect, out.getvalue()
+    return json.loads(out.getvalue())
+
+
+def test_json_from_the_command_line():
+    """The command line gives what main() gives, and its exit status says whether the plan fits."""
+    flags = ["--gpus-per-node", "1", "--gpu-memory-gb", "1", "--gpu-tflops", "100", *TINY_MODEL]
+    assert json.loads(plan("--json", *flags, expect=1).stdout) == plan_json(*flags, expect=1)
 
 
 @pytest.fixture(scope="module")
