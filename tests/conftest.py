@@ -2,6 +2,7 @@
 and at the end a count of the process launches each test caused."""
 
 import os
+import resource
 import tempfile
 from collections import Counter
 
@@ -23,20 +24,24 @@ def pytest_unconfigure(config):
 
 
 def pytest_terminal_summary(terminalreporter):
-    """How many process launches (torchrun, srun stand-ins, tools) each test caused, and their time:
-    what the suite's wall time is made of."""
+    """The process launches (torchrun, srun stand-ins) each test caused, with their wall and CPU
+    seconds: what the suite's time is made of. CPU seconds vary less with other load."""
     path = os.environ.get(LAUNCH_LOG)
-    if not path or not os.path.exists(path):
-        return
-    rows = [line.rstrip("\n").split("\t") for line in open(path) if line.strip()]
+    rows = [line.rstrip("\n").split("\t") for line in open(path)] if path and os.path.exists(path) else []
     if not rows:
         return
-    per_test, seconds = Counter(), Counter()
-    for test, wall in rows:
-        per_test[test] += 1
-        seconds[test] += float(wall)
+    count, wall, cpu = Counter(), Counter(), Counter()
+    for test, wall_s, cpu_s in rows:
+        test = test.rsplit(" (", 1)[0]  # a fixture's launch counts for the test that first needed it
+        count[test] += 1
+        wall[test] += float(wall_s)
+        cpu[test] += float(cpu_s)
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
     write = terminalreporter.write_line
-    write(f"launches through launch.run_group: {len(rows)}, {sum(seconds.values()):.0f} s "
-          f"(profile {PROFILE}); the most expensive tests:")
-    for test, wall in seconds.most_common(15):
-        write(f"  {wall:7.1f} s  {per_test[test]:3d} launch(es)  {test}")
+    write(f"profile {PROFILE}; CPU seconds of the whole session: {own.ru_utime + own.ru_stime:.0f} in pytest, "
+          f"{children.ru_utime + children.ru_stime:.0f} in its child processes")
+    write(f"launches through launch.run_group: {sum(count.values())}, {sum(wall.values()):.0f} s wall, "
+          f"{sum(cpu.values()):.0f} s CPU; the longest tests:")
+    for test, seconds in wall.most_common(20):
+        write(f"  {seconds:7.1f} s wall {cpu[test]:7.1f} s CPU {count[test]:3d} launch(es)  {test}")

@@ -59,6 +59,36 @@ def offload_runs(tmp_path_factory):
     return get
 
 
+REAL_DATA_ITERS = 5
+
+
+@pytest.fixture(scope="session")
+def real_data_runs(tmp_path_factory):
+    """``real_data_runs(per_token_loss, offload)`` -> records: REAL_DATA_ITERS iterations at DP=2 on
+    upstream's GPT-2 tokenizer and corpus with --eod-mask-loss (so micro-batches hold different
+    token counts and some embedding rows get zero grads), megatron-core's optimizer or the
+    offloaded one on the host tier with its default kernel (test_offload_cpu, test_per_token_loss_cpu)."""
+    from launch import REPO, run_pretrain
+
+    data = REPO / "tests" / "data" / "upstream_gpt"
+    tmp = tmp_path_factory.mktemp("real_data")
+    flags = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(data / "vocab.json"),
+             "--merge-file", str(data / "merges.txt"), "--data-path", str(data / "corpus_text_document"),
+             "--split", "100,0,0", "--eval-iters", "0", "--eod-mask-loss", "--data-cache-path", str(tmp / "cache")]
+    runs = {}
+
+    def get(per_token_loss, offload):
+        key = (per_token_loss, offload)
+        if key not in runs:
+            extra = (["--calculate-per-token-loss"] if per_token_loss else []) + (
+                ["--offload-tiers", "host"] if offload else [])
+            runs[key] = run_pretrain(tmp / f"per_token{int(per_token_loss)}-offload{int(offload)}", [*flags, *extra],
+                                     train_iters=REAL_DATA_ITERS, mock_data=False)
+        return runs[key]
+
+    return get
+
+
 @pytest.fixture(scope="session")
 def offload_baseline(tmp_path_factory):
     """Loss records of one torchrun launch of 2 ranks with the tiny model and the offload flags of

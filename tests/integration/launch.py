@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -114,7 +115,7 @@ def run_group(commands: Sequence[Tuple[Sequence[str], Dict[str, str]]], timeout:
     orphaned: torchrun puts each rank in a session of its own, and a killed rank's children are
     reparented to init. Survivors are killed, then reported as a failure."""
     launch_id = uuid.uuid4().hex
-    started = time.monotonic()
+    started, cpu_before = time.monotonic(), _children_cpu_s()
     shown = "\n".join(" ".join(map(str, cmd)) for cmd, _ in commands)
     with open(out_path, "w") as out:
         procs = [subprocess.Popen(list(cmd), cwd=REPO, env={**env, LAUNCH_MARKER: launch_id}, stdout=out,
@@ -131,7 +132,7 @@ def run_group(commands: Sequence[Tuple[Sequence[str], Dict[str, str]]], timeout:
                     os.kill(pid, signal.SIGKILL)
             for proc in procs:
                 proc.wait()
-    _log_launch(time.monotonic() - started)
+    _log_launch(time.monotonic() - started, _children_cpu_s() - cpu_before)
     output = out_path.read_text()
     if returncodes is None:
         raise PretrainFailed(f"timed out after {timeout} s: {shown}\n{output[-6000:]}")
@@ -143,11 +144,18 @@ def run_group(commands: Sequence[Tuple[Sequence[str], Dict[str, str]]], timeout:
     return returncode, output
 
 
-def _log_launch(seconds: float) -> None:
+def _children_cpu_s() -> float:
+    """CPU seconds of the finished child processes (and theirs): a launch's cost that other load
+    on the machine does not inflate the way it does the wall time."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _log_launch(wall_s: float, cpu_s: float) -> None:
     if os.environ.get(LAUNCH_LOG):
         test = os.environ.get("PYTEST_CURRENT_TEST", "?").replace("\t", " ")
         with open(os.environ[LAUNCH_LOG], "a") as f:
-            f.write(f"{test}\t{seconds:.2f}\n")
+            f.write(f"{test}\t{wall_s:.2f}\t{cpu_s:.2f}\n")
 
 
 def processes_of_launch(launch_id: str) -> List[Tuple[int, str]]:
