@@ -27,14 +27,19 @@ def plan(*flags, expect=0):
     return done
 
 
-def plan_json(*flags, expect=0):
-    """The tool's --json output and exit status, from its main() in this process."""
+def planner():
+    """tools/plan_offload.py as a module of this process."""
     spec = importlib.util.spec_from_file_location("plan_offload_tool", PLANNER)
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
+    return tool
+
+
+def plan_json(*flags, expect=0):
+    """The tool's --json output and exit status, from its main() in this process."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        code = tool.main(["--json", *flags])
+        code = planner().main(["--json", *flags])
     assert code == expect, out.getvalue()
     return json.loads(out.getvalue())
 
@@ -146,6 +151,10 @@ def test_a_disk_too_small_does_not_fit(tmp_path):
      r"^error: argument --offload-pfs-capacity-gb: 'pfs' is not one of --offload-tiers host$"),
 ])
 def test_bad_input_is_one_line(extra, message):
-    done = plan(*TINY_MODEL, *extra, expect=2)
-    lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1 and re.match(message, lines[0]) and "Traceback" not in done.stderr, done.stderr
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exited:
+        planner().main([*TINY_MODEL, *extra])
+    stderr = err.getvalue()
+    lines = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert exited.value.code == 2 and len(lines) == 1 and re.match(message, lines[0]), stderr
+    assert "Traceback" not in stderr, stderr
