@@ -10,9 +10,10 @@ from datetime import timedelta
 import numpy as np
 import torch
 
-from megatron.training import batch_schedule, child_processes, slurm_env
+from megatron.training.data import batch_schedule
+from megatron.training.runtime import child_processes, slurm_env
 from megatron.training.errors import UserError
-from megatron.training.signals import SigtermWatcher
+from megatron.training.runtime.signals import SigtermWatcher
 
 
 def select_device(requested: str) -> torch.device:
@@ -61,7 +62,7 @@ def initialize(args) -> torch.device:
     args.device_resolved = device.type
     args.sigterm_watcher = SigtermWatcher(save_on=signal.Signals[args.exit_signal] if args.exit_signal_handler else None)
     if device.type == "cpu":
-        from megatron.training import cpu_compat
+        from megatron.training.runtime import cpu_compat
 
         cpu_compat.apply()
     child_processes.die_with_rank(start_results_queue=bool(args.save))

@@ -14,7 +14,7 @@ import pytest
 from conftest import BASELINE_ITERS as ITERS
 from conftest import SAVE_EVERY
 from launch import run_pretrain
-from megatron.training import checkpoint_integrity as integrity
+from megatron.training.checkpoint import integrity
 from mlp_offload.checkpoint import read_footer
 from test_offload_cpu import offload_args
 
