@@ -1,7 +1,17 @@
 #!/usr/bin/env bash
 # The test command: sets up .venv if needed, then runs the unit and the CPU integration tests.
+# Arguments go to pytest; where they name test files or directories, only those run.
+# MLP_OFFLOAD_TEST_PROFILE=thorough draws every example of the property tests (tests/profiles.py).
 set -euo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$REPO"
 source tools/setup_env.sh
-python -m pytest -q -p no:cacheprovider tests/unit tests/integration "$@"
+export MLP_OFFLOAD_TEST_PROFILE="${MLP_OFFLOAD_TEST_PROFILE:-ci}"
+paths=(tests/unit tests/integration)
+for arg in "$@"; do
+    if [[ "$arg" != -* && -e "${arg%%::*}" ]]; then
+        paths=()
+        break
+    fi
+done
+python -m pytest -q -p no:cacheprovider "${paths[@]}" "$@"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -20,7 +21,15 @@ from typing import Dict, List, Optional, Sequence, Tuple
 REPO = Path(__file__).resolve().parents[2]
 PRETRAIN = REPO / "pretrain_gpt.py"
 LAUNCH_MARKER = "MLP_OFFLOAD_TEST_LAUNCH"  # environment variable: which launch a process belongs to
+LAUNCH_LOG = "MLP_OFFLOAD_TEST_LAUNCH_LOG"  # tests/conftest.py: one line per launch (test, seconds)
 SURVIVOR_GRACE_S = 2.0
+
+# The layouts of 2 ranks the end-to-end tests train with (test_pretrain_cpu, test_offload_cpu).
+LAYOUTS = {
+    "dp2": ["--num-workers", "2"],  # Megatron-LM's default (the tiny model's flags say 0)
+    "tp2": ["--tensor-model-parallel-size", "2"],
+    "pp2": ["--pipeline-model-parallel-size", "2"],
+}
 
 # A tiny model every TP/PP test can split: 4 layers, 4 heads, 8 micro-batches per step at DP=1.
 TINY_MODEL = [
@@ -106,6 +115,7 @@ def run_group(commands: Sequence[Tuple[Sequence[str], Dict[str, str]]], timeout:
     orphaned: torchrun puts each rank in a session of its own, and a killed rank's children are
     reparented to init. Survivors are killed, then reported as a failure."""
     launch_id = uuid.uuid4().hex
+    started, cpu_before = time.monotonic(), _children_cpu_s()
     shown = "\n".join(" ".join(map(str, cmd)) for cmd, _ in commands)
     with open(out_path, "w") as out:
         procs = [subprocess.Popen(list(cmd), cwd=REPO, env={**env, LAUNCH_MARKER: launch_id}, stdout=out,
@@ -122,6 +132,7 @@ def run_group(commands: Sequence[Tuple[Sequence[str], Dict[str, str]]], timeout:
                     os.kill(pid, signal.SIGKILL)
             for proc in procs:
                 proc.wait()
+    _log_launch(time.monotonic() - started, _children_cpu_s() - cpu_before)
     output = out_path.read_text()
     if returncodes is None:
         raise PretrainFailed(f"timed out after {timeout} s: {shown}\n{output[-6000:]}")
@@ -131,6 +142,20 @@ def run_group(commands: Sequence[Tuple[Sequence[str], Dict[str, str]]], timeout:
         raise PretrainFailed(f"{len(survivors)} process(es) outlived the run (exit {returncode}), "
                              f"killed now:\n{listing}\n{shown}\n{output[-3000:]}")
     return returncode, output
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds of the finished child processes (and theirs): a launch's cost that other load
+    on the machine does not inflate the way it does the wall time."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _log_launch(wall_s: float, cpu_s: float) -> None:
+    if os.environ.get(LAUNCH_LOG):
+        test = os.environ.get("PYTEST_CURRENT_TEST", "?").replace("\t", " ")
+        with open(os.environ[LAUNCH_LOG], "a") as f:
+            f.write(f"{test}\t{wall_s:.2f}\t{cpu_s:.2f}\n")
 
 
 def processes_of_launch(launch_id: str) -> List[Tuple[int, str]]:

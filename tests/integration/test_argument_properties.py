@@ -7,6 +7,8 @@ from types import SimpleNamespace
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.profiles import examples
+
 from megatron.training.args.arguments import parse_args
 from megatron.training.errors import UserError
 
@@ -45,7 +47,7 @@ def command_lines(draw):
     return argv
 
 
-@settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(300), deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(command_lines())
 def test_flags_fail_up_front_or_build_megatron_core_objects(argv):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler

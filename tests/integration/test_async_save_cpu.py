@@ -11,13 +11,14 @@ import re
 
 import pytest
 
+from conftest import BASELINE_ITERS as ITERS
+from conftest import SAVE_EVERY
 from launch import run_pretrain
 from megatron.training.checkpoint import integrity
 from mlp_offload.checkpoint import read_footer
 from test_offload_cpu import offload_args
 
-ITERS = 6
-SAVES = ["--save-interval", "2"]
+SAVES = ["--save-interval", str(SAVE_EVERY)]
 SLOW_WRITER = {"MLP_OFFLOAD_DELAY": "save-offload=0.1"}  # per subgroup: about 2 s per checkpoint
 
 
@@ -26,12 +27,9 @@ def offload_file(ckpt, iteration, dp):
 
 
 @pytest.fixture(scope="module")
-def sync_saved(tmp_path_factory):
-    """The reference: the same run with synchronous saves."""
-    tmp = tmp_path_factory.mktemp("sync")
-    ckpt = tmp / "ckpt"
-    losses = run_pretrain(tmp, [*offload_args(tmp), "--save", str(ckpt), *SAVES], train_iters=ITERS)
-    return {"ckpt": ckpt, "losses": losses}
+def sync_saved(offload_saved):
+    """The reference: the same run with synchronous saves (conftest.offload_saved)."""
+    return offload_saved
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from conftest import copy_checkpoint
 from launch import PRETRAIN, REPO, TINY_MODEL, pretrain_command, pretrain_env, run_and_clean_up, run_pretrain
 from test_offload_cpu import offload_args
 
@@ -20,10 +21,13 @@ def saving(ckpt):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """The uninterrupted plain run (saving at 2 and 4, ``base-ckpt``; ``plain-ckpt`` holds its
+    checkpoint 2 alone) and an offloaded run that saved at 2 and stopped (``off-ckpt``)."""
     tmp = tmp_path_factory.mktemp("crossing")
-    baseline = run_pretrain(tmp / "base", [], train_iters=ITERS)
+    baseline = run_pretrain(tmp / "base", ["--save", str(tmp / "base-ckpt"), "--save-interval", str(SAVED_AT)],
+                            train_iters=ITERS)
+    copy_checkpoint(tmp / "base-ckpt", [SAVED_AT], tmp / "plain-ckpt")
     run_pretrain(tmp / "off", [*offload_args(tmp / "off"), *saving(tmp / "off-ckpt")], train_iters=ITERS)
-    run_pretrain(tmp / "plain", saving(tmp / "plain-ckpt"), train_iters=ITERS)
     return tmp, baseline
 
 
@@ -111,7 +115,7 @@ def test_saved_keys_are_megatron_lm_s(runs):
     h, s, v = 64, 64, 384
     per_token = 4 * 2 * (3 * h * h + s * h + h * h + 8 * h * h) + 2 * h * v
     assert common["num_floating_point_operations_so_far"] == SAVED_AT * 3 * per_token * s * 8
-    assert (tmp / "plain-ckpt" / "latest_checkpointed_iteration.txt").read_text() == str(SAVED_AT)
+    assert (tmp / "base-ckpt" / "latest_checkpointed_iteration.txt").read_text() == str(ITERS)  # the last save
 
 
 if __name__ == "__main__":

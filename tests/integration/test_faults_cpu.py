@@ -10,15 +10,16 @@ import sys
 
 import pytest
 
+from conftest import BASELINE_ITERS as ITERS
 from launch import REPO, run_pretrain
 from test_offload_cpu import offload_args
 
-ITERS = 8
 # point -> the iteration the restart must resume after (checkpoints every 2 iterations).
 CASES = {
     "forward@1#7": 2,       # 2 micro-batches per iteration and rank: dies starting iteration 4
     "backward@0#6": 2,      # dies in the backward of iteration 3
-    "update@1#3": 2,        # dies half-way through the update of iteration 3
+    "update@1#3": 2,        # dies half-way through the update of iteration 3; rank 0, SIGTERMed by
+                            # torchrun maybe inside a collective that never returns, removes its swap files
     "save-offload@0#2": 0,  # dies while streaming its state into the first checkpoint
     "fork@1#1": 0,          # dies in the first checkpoint, its writer process just forked
     "save-complete@0#1": 0,  # every file written, the completeness proof not yet: incomplete
@@ -28,9 +29,9 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("full")
-    return run_pretrain(tmp, offload_args(tmp), train_iters=ITERS)
+def uninterrupted(offload_baseline):
+    """The same offloaded run, never stopped (conftest.offload_baseline)."""
+    return offload_baseline
 
 
 @pytest.mark.parametrize("fault", sorted(CASES))

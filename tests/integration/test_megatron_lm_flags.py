@@ -20,6 +20,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.profiles import examples
+
 from launch import PRETRAIN, REPO, free_port, pretrain_env, read_loss_log, run_and_clean_up
 from megatron_lm_examples import GPT3_175B, LLAMA3_8B_CPU, LLAMA3_8B_NEEDS_GPU, filled
 from megatron.training.data import batch_schedule
@@ -212,7 +214,7 @@ def test_swiglu_ffn_rounds_down_as_megatron_lm():
     assert default_ffn_hidden_size(4096, swiglu=False) == 16384
 
 
-@settings(max_examples=200, deadline=None, derandomize=True)
+@settings(max_examples=examples(200), deadline=None, derandomize=True)
 @given(h=st.integers(1, 1 << 16), heads=st.integers(1, 256), vocab=st.integers(1, 300_000),
        divisible_by=st.integers(1, 512), tp=st.sampled_from([1, 2, 4, 8, 16]))
 def test_sizes_match_megatron_lm_arithmetic(h, heads, vocab, divisible_by, tp):
@@ -320,7 +322,7 @@ def _calculator_reference(rampup, gbs, mbs, dp, train_samples):
     return iterations
 
 
-@settings(max_examples=60, deadline=None, derandomize=True)
+@settings(max_examples=examples(60), deadline=None, derandomize=True)
 @given(start_units=st.integers(1, 6), increment_units=st.integers(1, 4), steps=st.integers(1, 5),
        rampup_samples=st.integers(1, 400), train_samples=st.integers(1, 1000), dp=st.sampled_from([1, 2, 4]))
 def test_rampup_iterations_match_megatron_core(start_units, increment_units, steps, rampup_samples, train_samples, dp):
@@ -364,7 +366,7 @@ def megatron_lm_command_lines(draw):
     return argv + draw(st.lists(st.sampled_from(SWITCHES), unique=True, max_size=3))
 
 
-@settings(max_examples=200, deadline=None, derandomize=True)
+@settings(max_examples=examples(200), deadline=None, derandomize=True)
 @given(megatron_lm_command_lines())
 def test_megatron_lm_flags_fail_up_front_or_build_megatron_core_objects(argv):
     from megatron.training.model.configs import optimizer_config, transformer_config

@@ -11,13 +11,7 @@ import json
 
 import pytest
 
-from launch import REPO, run_pretrain
-
-LAYOUTS = {
-    "dp2": [],
-    "tp2": ["--tensor-model-parallel-size", "2"],
-    "pp2": ["--pipeline-model-parallel-size", "2"],
-}
+from launch import LAYOUTS, run_pretrain
 
 
 def offload_args(tmp_path, tiers=("host", "nvme", "pfs"), budget_gb="0.0005", subgroup="6000", extra=()):
@@ -38,16 +32,13 @@ def offload_args(tmp_path, tiers=("host", "nvme", "pfs"), budget_gb="0.0005", su
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
-def test_offload_matches_megatron_bit_for_bit(tmp_path, name):
-    baseline = run_pretrain(tmp_path / "base", LAYOUTS[name])
-    telemetry = tmp_path / "telemetry-{rank}.jsonl"
-    offload = run_pretrain(tmp_path / "off", [*LAYOUTS[name], *offload_args(tmp_path),
-                                              "--offload-telemetry-log", str(telemetry)])
-    assert offload == baseline, name
+def test_offload_matches_megatron_bit_for_bit(offload_runs, plain_runs, name):
+    tmp, offload = offload_runs(name)
+    assert offload == plain_runs(name), name
     # The host budget holds the pipeline buffers only: both file tiers carried state, and the
     # alternating order hit the cache.
     for rank in (0, 1):
-        records = [json.loads(line) for line in open(str(telemetry).replace("{rank}", str(rank)))]
+        records = [json.loads(line) for line in open(tmp / f"telemetry-{rank}.jsonl")]
         assert len(records) == 10
         for tier in ("nvme", "pfs"):
             assert sum(r["tiers"][tier]["write_bytes"] for r in records) > 0, (rank, tier)
@@ -55,16 +46,12 @@ def test_offload_matches_megatron_bit_for_bit(tmp_path, name):
         assert records[-1]["streamed"] > 0 and records[-1]["cache_hits"] > 0
 
 
-def test_real_data_with_default_kernel_matches_megatron(tmp_path):
+def test_real_data_with_default_kernel_matches_megatron(real_data_runs):
     """Upstream's GPT-2 tokenizer and corpus (a subset of the padded vocabulary occurs, so some
-    embedding rows get zero grads), DP=2, no --offload-adam-kernel: bit-identical for 6 steps.
-    With the fused kernel as the default the grad norm drifted from the 4th iteration."""
-    data = REPO / "tests" / "data" / "upstream_gpt"
-    real = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(data / "vocab.json"),
-            "--merge-file", str(data / "merges.txt"), "--data-path", str(data / "corpus_text_document"),
-            "--split", "100,0,0", "--eval-iters", "0", "--data-cache-path", str(tmp_path / "cache")]
-    baseline = run_pretrain(tmp_path / "base", real, train_iters=6, mock_data=False)
-    offload = run_pretrain(tmp_path / "off", [*real, "--offload-tiers", "host"], train_iters=6, mock_data=False)
+    embedding rows get zero grads; --eod-mask-loss), DP=2, no --offload-adam-kernel: bit-identical for
+    5 steps. With the fused kernel as the default the grad norm drifted from the 4th iteration."""
+    baseline, offload = real_data_runs(False, False), real_data_runs(False, True)
+    assert len(baseline) == 5
     assert [r["loss"] for r in offload] == [r["loss"] for r in baseline]
     assert [r["grad_norm"] for r in offload] == [r["grad_norm"] for r in baseline]
     assert offload == baseline
@@ -79,10 +66,10 @@ def test_fp16_loss_scaling_matches(tmp_path):
     assert offload == baseline
 
 
-def test_resume_on_other_tiers_is_bit_identical(tmp_path):
+def test_resume_on_other_tiers_is_bit_identical(tmp_path, plain_runs):
     """Save at 5 with host+nvme+pfs, resume in new processes on one other path with another
     subgroup size: the same 10 losses as the uninterrupted run without offload."""
-    baseline = run_pretrain(tmp_path / "base", [])
+    baseline = plain_runs("dp2")
     ckpt, log = tmp_path / "ckpt", tmp_path / "resumed.jsonl"
     first = run_pretrain(tmp_path / "a", [*offload_args(tmp_path / "a"), "--save", str(ckpt),
                                           "--save-interval", "5", "--exit-interval", "5"], loss_log=log)
@@ -94,26 +81,41 @@ def test_resume_on_other_tiers_is_bit_identical(tmp_path):
     assert resumed == baseline
 
 
-def test_swap_files_removed_on_exit(tmp_path):
-    run_pretrain(tmp_path / "run", offload_args(tmp_path), train_iters=2)
+def test_swap_files_removed_on_exit(offload_runs):
+    tmp, _ = offload_runs("dp2")
     for tier in ("nvme", "pfs"):
-        leftovers = [p for p in (tmp_path / tier).rglob("*") if p.is_file() and not p.name.startswith(".mlp_offload_probe")]
+        leftovers = [p for p in (tmp / tier).rglob("*") if p.is_file() and not p.name.startswith(".mlp_offload_probe")]
         assert leftovers == [], leftovers
 
 
-@pytest.mark.parametrize("saved_dp,resumed_dp", [(2, 1), (1, 2)])
-def test_resume_with_another_data_parallel_size(tmp_path, saved_dp, resumed_dp):
+@pytest.fixture(scope="module")
+def dp_chains(tmp_path_factory):
+    """Per optimizer form (megatron-core's own; offloaded on host+nvme), one run handed between data-
+    parallel sizes: DP=1 for iterations 1-2, DP=2 for 3-4, DP=1 for 5-6, each leg saving at its end
+    and the next loading it. ``{form: [records of each leg]}``, and where the offloaded legs ran."""
+    tmp = tmp_path_factory.mktemp("dp_chain")
+
+    def chain(name, extra):
+        ckpt = tmp / name / "ckpt"
+        legs = []
+        for leg, (nproc, end) in enumerate([(1, 2), (2, 4), (1, 6)]):
+            legs.append(run_pretrain(tmp / name, [*extra, "--save", str(ckpt), "--load", str(ckpt), "--save-interval",
+                                                  "2", "--exit-interval", str(end)], nproc=nproc, train_iters=6,
+                                     loss_log=tmp / name / f"leg{leg}.jsonl"))
+        return legs
+
+    plain = chain("base", [])
+    offload = chain("off", offload_args(tmp / "off", tiers=("host", "nvme")))
+    return {"plain": plain, "offload": offload, "off_dir": tmp / "off"}
+
+
+@pytest.mark.parametrize("saved_dp,resumed_dp", [(1, 2), (2, 1)])
+def test_resume_with_another_data_parallel_size(dp_chains, saved_dp, resumed_dp):
     """Offloaded state saved at one DP size, resumed at another: the same losses as megatron-core's
     own optimizer resharded the same way (its dp_reshardable checkpoint)."""
-    def save_then_resume(name, extra):
-        ckpt = tmp_path / name / "ckpt"
-        run_pretrain(tmp_path / name, [*extra, "--save", str(ckpt), "--save-interval", "3", "--exit-interval", "3"],
-                     nproc=saved_dp, train_iters=6)
-        return run_pretrain(tmp_path / name, [*extra, "--load", str(ckpt)], nproc=resumed_dp, train_iters=6,
-                            loss_log=tmp_path / name / "resumed.jsonl")
-
-    baseline = save_then_resume("base", [])
-    offload = save_then_resume("off", offload_args(tmp_path / "off", tiers=("host", "nvme")))
-    assert [r["iteration"] for r in offload] == [4, 5, 6]
-    assert offload == baseline
-    assert "offloaded state resharded from data-parallel size" in (tmp_path / "off" / "resumed.out").read_text()
+    leg = 1 if saved_dp == 1 else 2  # the leg that resumed from the other size's checkpoint
+    plain, offload = dp_chains["plain"][leg], dp_chains["offload"][leg]
+    assert [r["iteration"] for r in offload] == ([3, 4] if leg == 1 else [5, 6])
+    assert offload == plain
+    output = (dp_chains["off_dir"] / f"leg{leg}.out").read_text()
+    assert f"offloaded state resharded from data-parallel size {saved_dp} to {resumed_dp}" in output

@@ -1,20 +1,17 @@
-"""--offload-trace: one Chrome-trace file per rank from a 2-rank CPU run, drawn by tools/plot_timeline.py."""
+"""--offload-trace: one Chrome-trace file per rank from a 2-rank CPU run (the DP=2 run of
+conftest.offload_runs, which test_offload_cpu checks bit for bit), drawn by tools/plot_timeline.py."""
 
 import json
 import subprocess
 import sys
 from pathlib import Path
 
-from launch import run_pretrain
-from test_offload_cpu import offload_args
-
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_trace_per_rank_and_timeline_png(tmp_path):
-    template = tmp_path / "traces" / "trace-{rank}.json"
-    run_pretrain(tmp_path / "run", [*offload_args(tmp_path), "--offload-trace", str(template)], train_iters=2)
-    traces = sorted((tmp_path / "traces").iterdir())
+def test_trace_per_rank_and_timeline_png(tmp_path, offload_runs):
+    run_dir, _ = offload_runs("dp2")
+    traces = sorted((run_dir / "traces").iterdir())
     assert [p.name for p in traces] == ["trace-0.json", "trace-1.json"]
     for rank, path in enumerate(traces):
         spans = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]

@@ -10,13 +10,8 @@ import math
 
 import pytest
 
-from tests.integration.launch import REPO, run_pretrain
-
-DATA = REPO / "tests" / "data" / "upstream_gpt"
-REAL_DATA = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(DATA / "vocab.json"),
-             "--merge-file", str(DATA / "merges.txt"), "--data-path", str(DATA / "corpus_text_document"),
-             "--split", "100,0,0", "--eval-iters", "0", "--eod-mask-loss"]
-ITERS = 5
+from conftest import REAL_DATA_ITERS as ITERS
+from tests.integration.launch import run_pretrain
 
 
 def losses(records):
@@ -37,13 +32,11 @@ def test_equals_the_micro_batch_average_when_every_token_counts(mock_runs):
         assert math.isclose(a, b, rel_tol=1e-5), (losses(default), losses(per_token))
 
 
-def test_masked_tokens_offload_equals_megatron_core(tmp_path):
-    flags = [*REAL_DATA, "--data-cache-path", str(tmp_path / "cache"), "--calculate-per-token-loss"]
-    plain = run_pretrain(tmp_path / "plain", flags, train_iters=ITERS, mock_data=False)
-    offloaded = run_pretrain(tmp_path / "offload", [*flags, "--offload-tiers", "host"], train_iters=ITERS,
-                             mock_data=False)
+def test_masked_tokens_offload_equals_megatron_core(real_data_runs):
+    """Real data with --eod-mask-loss (conftest.real_data_runs)."""
+    plain, offloaded = real_data_runs(True, False), real_data_runs(True, True)
     assert losses(offloaded) == losses(plain)
     assert [r["grad_norm"] for r in offloaded] == [r["grad_norm"] for r in plain]
     # The flag changes the update once token counts differ: the micro-batch average gives another curve.
-    averaged = run_pretrain(tmp_path / "averaged", flags[:-1], train_iters=ITERS, mock_data=False)
+    averaged = real_data_runs(False, False)
     assert losses(averaged)[0] == losses(plain)[0] and losses(averaged)[1:] != losses(plain)[1:]

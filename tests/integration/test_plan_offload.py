@@ -1,6 +1,11 @@
 """tools/plan_offload.py: its numbers against a hand calculation and against a real CPU run of the
-same flags (parameters, the engine's placement, the bytes each step moves per tier)."""
+same flags (parameters, the engine's placement, the bytes each step moves per tier). The numbers
+come from the tool's main() in this process (no interpreter start-up per plan); its command line,
+exit status and error lines from a process of its own."""
 
+import contextlib
+import importlib.util
+import io
 import json
 import re
 import subprocess
@@ -22,8 +27,27 @@ def plan(*flags, expect=0):
     return done
 
 
+def planner():
+    """tools/plan_offload.py as a module of this process."""
+    spec = importlib.util.spec_from_file_location("plan_offload_tool", PLANNER)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool
+
+
 def plan_json(*flags, expect=0):
-    return json.loads(plan("--json", *flags, expect=expect).stdout)
+    """The tool's --json output and exit status, from its main() in this process."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = planner().main(["--json", *flags])
+    assert code == expect, out.getvalue()
+    return json.loads(out.getvalue())
+
+
+def test_json_from_the_command_line():
+    """The command line gives what main() gives, and its exit status says whether the plan fits."""
+    flags = ["--gpus-per-node", "1", "--gpu-memory-gb", "1", "--gpu-tflops", "100", *TINY_MODEL]
+    assert json.loads(plan("--json", *flags, expect=1).stdout) == plan_json(*flags, expect=1)
 
 
 @pytest.fixture(scope="module")
@@ -127,9 +151,13 @@ def test_a_disk_too_small_does_not_fit(tmp_path):
      r"^error: argument --offload-pfs-capacity-gb: 'pfs' is not one of --offload-tiers host$"),
 ])
 def test_bad_input_is_one_line(extra, message):
-    done = plan(*TINY_MODEL, *extra, expect=2)
-    lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1 and re.match(message, lines[0]) and "Traceback" not in done.stderr, done.stderr
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exited:
+        planner().main([*TINY_MODEL, *extra])
+    stderr = err.getvalue()
+    lines = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert exited.value.code == 2 and len(lines) == 1 and re.match(message, lines[0]), stderr
+    assert "Traceback" not in stderr, stderr
 
 
 def test_host_memory_the_guard_would_refuse_does_not_fit(tmp_path):

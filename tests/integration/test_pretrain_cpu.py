@@ -1,7 +1,8 @@
 """End-to-end pretraining on CPU with 2 processes (gloo): DP=2, TP=2, PP=2.
 
-Each layout: the run exits 0 with finite, falling losses; a repeat run gives bit-identical
-losses; save at iteration 5 + resume in a new process to 10 equals an uninterrupted run bit for bit.
+Each layout: the run exits 0 with finite, falling losses; a run saving at iteration 5 and exiting
+repeats its first 5 iterations bit for bit in new processes, and its resume in new processes to 10
+equals the uninterrupted run bit for bit.
 All with Megatron-LM's default dropout (0.1); DP=2 with its default --num-workers 2, whose losses
 must equal those of the run that loads in the rank (--num-workers 0).
 """
@@ -10,22 +11,14 @@ import math
 
 import pytest
 
-from launch import losses, run_pretrain
-
-LAYOUTS = {
-    "dp2": ["--num-workers", "2"],  # Megatron-LM's default (the tiny model's flags say 0)
-    "tp2": ["--tensor-model-parallel-size", "2"],
-    "pp2": ["--pipeline-model-parallel-size", "2"],
-}
+from launch import LAYOUTS, losses, run_pretrain
 
 
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))
-def layout(request, tmp_path_factory):
-    """One uninterrupted 10-iteration run per layout, shared by the tests below."""
+def layout(request, plain_runs):
+    """One uninterrupted 10-iteration run per layout (conftest.plain_runs, shared with test_offload_cpu)."""
     name = request.param
-    tmp = tmp_path_factory.mktemp(name)
-    records = run_pretrain(tmp / "full", LAYOUTS[name])
-    return name, LAYOUTS[name], records
+    return name, LAYOUTS[name], plain_runs(name)
 
 
 def test_runs_and_loss_falls(layout):
@@ -38,12 +31,6 @@ def test_runs_and_loss_falls(layout):
     assert values[-1] < values[0]
 
 
-def test_repeat_run_is_bit_identical(layout, tmp_path):
-    name, args, records = layout
-    again = run_pretrain(tmp_path, args)
-    assert again == records, name
-
-
 def test_losses_do_not_depend_on_the_worker_count(layout, tmp_path):
     name, args, records = layout
     if "--num-workers" not in args:
@@ -51,12 +38,15 @@ def test_losses_do_not_depend_on_the_worker_count(layout, tmp_path):
     assert run_pretrain(tmp_path, [*args, "--num-workers", "0"]) == records
 
 
-def test_resume_from_checkpoint_is_bit_identical(layout, tmp_path):
+def test_repeat_and_resume_from_checkpoint_are_bit_identical(layout, tmp_path):
+    """The first launch repeats iterations 1-5 of the uninterrupted run (a repeat run, in new
+    processes); the second resumes from its checkpoint and must give iterations 6-10."""
     name, args, records = layout
     ckpt, log = tmp_path / "ckpt", tmp_path / "resumed.jsonl"
     first = run_pretrain(tmp_path, [*args, "--save", str(ckpt), "--save-interval", "5",
                                     "--exit-interval", "5"], loss_log=log)
     assert [r["iteration"] for r in first] == [1, 2, 3, 4, 5]
+    assert first == records[:5], name
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "5"
     resumed = run_pretrain(tmp_path, [*args, "--load", str(ckpt)], loss_log=log)
     assert resumed == records, name

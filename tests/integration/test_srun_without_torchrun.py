@@ -88,4 +88,4 @@ def test_two_srun_tasks_train_like_torchrun(tmp_path, offload_baseline):
     code, output = run_group(tasks, 240, tmp_path / "srun.out")
     assert code == 0, output[-4000:]
     assert "DP=2" in output and output.count("torch.distributed from SLURM") == 1, output[-4000:]
-    assert losses(read_loss_log(loss_log)) == offload_baseline
+    assert losses(read_loss_log(loss_log)) == losses(offload_baseline)

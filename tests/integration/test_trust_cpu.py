@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from conftest import BASELINE_ITERS as ITERS
+from conftest import copy_checkpoint
 from launch import REPO, free_port, pretrain_command, pretrain_env, read_loss_log, run_and_clean_up, run_pretrain
 from megatron.training.checkpoint import integrity
 from test_offload_cpu import offload_args
-
-ITERS = 6
 
 
 def tree_digest(path):
@@ -47,9 +47,17 @@ def failed_run(tmp_path, args, name, **kw):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("full")
-    return run_pretrain(tmp, offload_args(tmp), train_iters=ITERS)
+def uninterrupted(offload_baseline):
+    """The same offloaded run, never stopped (conftest.offload_baseline)."""
+    return offload_baseline
+
+
+@pytest.fixture
+def saved(offload_saved, tmp_path):
+    """``saved(*iterations)``: a checkpoint root of this test's own with the shared run's checkpoints
+    of those iterations, saved every 2 (conftest.offload_saved): what a chain_args run stopped
+    after its last save leaves."""
+    return lambda *iterations: copy_checkpoint(offload_saved["ckpt"], iterations, tmp_path / "ckpt")
 
 
 def chain_args(tmp_path, ckpt):
@@ -57,9 +65,8 @@ def chain_args(tmp_path, ckpt):
 
 
 @pytest.mark.parametrize("tracker", ["deleted", "stale", "garbage"])
-def test_lost_or_stale_tracker_resumes_from_the_newest_complete_checkpoint(tmp_path, uninterrupted, tracker):
-    ckpt = tmp_path / "ckpt"
-    run_pretrain(tmp_path, chain_args(tmp_path, ckpt) + ["--exit-interval", "4"], train_iters=ITERS)
+def test_lost_or_stale_tracker_resumes_from_the_newest_complete_checkpoint(tmp_path, uninterrupted, saved, tracker):
+    ckpt = saved(2, 4)
     kept = tree_digest(ckpt / "iter_0000004")
     if tracker == "deleted":
         (ckpt / "latest_checkpointed_iteration.txt").unlink()
@@ -74,11 +81,10 @@ def test_lost_or_stale_tracker_resumes_from_the_newest_complete_checkpoint(tmp_p
     assert tree_digest(ckpt / "iter_0000004") == kept  # never rewritten, never deleted
 
 
-def test_an_unproven_checkpoint_is_never_discarded(tmp_path):
+def test_an_unproven_checkpoint_is_never_discarded(tmp_path, saved):
     """A checkpoint directory without the completeness proof (an older version's, a partial copy)
     and no tracker: the run refuses to start fresh over it, in one line saying what to do."""
-    ckpt = tmp_path / "ckpt"
-    run_pretrain(tmp_path, chain_args(tmp_path, ckpt) + ["--exit-interval", "2"], train_iters=ITERS)
+    ckpt = saved(2)
     (ckpt / "iter_0000002" / "COMPLETE.json").unlink()
     (ckpt / "latest_checkpointed_iteration.txt").unlink()
     kept = tree_digest(ckpt)
@@ -97,12 +103,11 @@ def _edit_one_offset_digit(path):
     open(path, "wb").write(bytes(data))
 
 
-def test_edited_offload_footer_is_refused_at_another_dp_size(tmp_path):
+def test_edited_offload_footer_is_refused_at_another_dp_size(tmp_path, saved):
     """One digit of a slice offset edited: the directory's proof (CRC of files up to 64 MiB) refuses
     it; with the proof re-signed after the edit (or a file too large for the proof's CRC), the
     offload file's own footer checksum does. Either way one line names the file; nothing changes."""
-    ckpt = tmp_path / "ckpt"
-    run_pretrain(tmp_path, chain_args(tmp_path, ckpt) + ["--exit-interval", "2"], train_iters=ITERS)
+    ckpt = saved(2)
     target = ckpt / "iter_0000002"
     victim = target / "offload" / "pp000_tp000_dp001.offload"
     _edit_one_offset_digit(victim)
@@ -116,11 +121,10 @@ def test_edited_offload_footer_is_refused_at_another_dp_size(tmp_path):
     assert f"{victim}: checksum mismatch in the footer" in line
 
 
-def test_disk_full_in_the_middle_of_a_save(tmp_path, uninterrupted):
+def test_disk_full_in_the_middle_of_a_save(tmp_path, uninterrupted, saved):
     """ENOSPC while rank 1 streams its offloaded state into checkpoint 4: one line naming the file
     and the bytes, no partial file or directory left, checkpoint 2 untouched and resumable."""
-    ckpt = tmp_path / "ckpt"
-    run_pretrain(tmp_path, chain_args(tmp_path, ckpt) + ["--exit-interval", "2"], train_iters=ITERS)
+    ckpt = saved(2)
     kept = tree_digest(ckpt / "iter_0000002")
     line = failed_run(tmp_path, chain_args(tmp_path, ckpt), "full", train_iters=ITERS,
                       env={"MLP_OFFLOAD_FAULT": "save-offload@1#2=ENOSPC"})
@@ -269,11 +273,5 @@ def test_exit_duration_saves_and_exits(tmp_path, uninterrupted):
     assert first + run_pretrain(tmp_path, args, train_iters=ITERS, loss_log=tmp_path / "rest.jsonl") == uninterrupted
 
 
-def test_sigterm_while_a_peer_is_dead_still_removes_swap_files(tmp_path):
-    """Rank 1 is SIGKILLed mid-update; torchrun SIGTERMs rank 0, which may be blocked in a collective
-    that never returns. Its swap namespaces must still go; only the killed rank's remain."""
-    result = run_pretrain(tmp_path, offload_args(tmp_path), train_iters=ITERS, expect_success=False,
-                          env={"MLP_OFFLOAD_FAULT": "update@1#3"})[0]
-    assert result["returncode"] != 0
-    for tier in ("nvme", "pfs"):
-        assert _dead_namespaces(tmp_path / tier) == ["rank00001"], result["output"][-3000:]
+# A rank SIGKILLed mid-update while torchrun SIGTERMs its peer, which must still remove its swap
+# files: test_faults_cpu's update@1#3 case.

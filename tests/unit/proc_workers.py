@@ -1,9 +1,19 @@
-"""Process entry points for the multi-process tests (importable under the 'spawn' start method)."""
+"""Process entry points for the multi-process tests (importable by the worker processes)."""
 
+import multiprocessing as mp
 import os
 import time
 
 import torch
+
+
+def context():
+    """Worker processes forked from a server that imported torch and this module once (a fresh
+    interpreter each, as 'spawn' gives, costs seconds of imports per process); the server itself
+    never ran a test, so no thread or lock of the test process is forked."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    return ctx
 
 
 def hold_token(tier_path, lock_root, ready, hold_s):

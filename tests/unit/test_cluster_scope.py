@@ -4,7 +4,6 @@ user, and I/O tokens taken across the job's nodes (job scope)."""
 
 import fcntl
 import json
-import multiprocessing as mp
 import os
 import socket
 
@@ -21,7 +20,7 @@ from megatron.training.offload.flags import job_run_id
 
 from . import proc_workers
 
-ctx = mp.get_context("spawn")
+ctx = proc_workers.context()
 
 
 def test_two_steps_of_one_allocation_get_their_own_namespaces(monkeypatch):

@@ -12,6 +12,8 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from tests.profiles import examples
+
 from mlp_offload import (
     HostMemoryError, OffloadConfigError, OffloadedAdamW, PlacementError, TierPathError, parse_bandwidths,
 )
@@ -24,7 +26,7 @@ LR, BETAS, EPS, WD = 3e-3, (0.9, 0.95), 1e-8, 0.1
 NAN, INF = float("nan"), float("inf")
 
 
-@settings(max_examples=100, deadline=None, derandomize=True, print_blob=True)
+@settings(max_examples=examples(100), deadline=None, derandomize=True, print_blob=True)
 @given(setup=setups(), grad_dtype=st.sampled_from([torch.bfloat16, torch.float16]),
        scaling=st.sampled_from([(None, None), (1 / 1024, 0.37)]), seed=st.integers(0, 1000))
 # Probed at start: 48 MiB in 8 MiB blocks (it crashed), with three ranks' streams, no cache.
@@ -174,7 +176,7 @@ INVALID = {
 
 @pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.skipif(
     k == "pin_memory" and torch.cuda.is_available(), reason="pinning works where CUDA is")) for k in INVALID])
-@settings(max_examples=20, deadline=None, derandomize=True, print_blob=True)
+@settings(max_examples=examples(20), deadline=None, derandomize=True, print_blob=True)
 @given(data=st.data())
 def test_invalid_configurations_fail_at_construction_naming_the_setting(kind, data):
     mixes, make_invalid = INVALID[kind]

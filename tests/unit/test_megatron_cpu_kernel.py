@@ -14,6 +14,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.profiles import examples
+
 from megatron.training.args.arguments import parse_args
 from megatron.training.offload.flags import config_from_args
 from mlp_offload import OffloadedAdamW
@@ -35,7 +37,7 @@ def default_cpu_config():
 CONFIG = default_cpu_config()
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(12), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(vocab=st.integers(8, 48), hidden=st.sampled_from([5, 16, 33]), bias=st.integers(1, 300),
        used=st.floats(0.2, 0.9), clip=st.sampled_from([None, 0.37]), seed=st.integers(0, 2**16))
 def test_default_cpu_engine_equals_megatron_cores_torch_adamw(vocab, hidden, bias, used, clip, seed):

@@ -9,6 +9,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.profiles import examples
+
 from megatron.training.args.arguments import parse_args
 from megatron.training.model.sizes import model_params, stage_params
 from megatron.training.model.configs import transformer_config
@@ -56,7 +58,7 @@ def shapes(draw):
     return flags, pp
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(shapes())
 def test_stage_counts_match_megatron_core(shape):
     from megatron.core.models.gpt import GPTModel

@@ -11,6 +11,8 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from tests.profiles import examples
+
 from mlp_offload import OffloadConfigError, OffloadedAdamW
 from mlp_offload.config import OffloadConfig, TierBandwidth
 from mlp_offload import probe_cache
@@ -134,7 +136,7 @@ def _original_case(tiers, budget_slots):
                        host_budget_bytes=budget_slots and budget_slots * 3 * 4096 * 4)
 
 
-@settings(max_examples=100, deadline=None, derandomize=True, print_blob=True)
+@settings(max_examples=examples(100), deadline=None, derandomize=True, print_blob=True)
 @given(setup=setups(tier_mixes=[m for m in TIER_MIXES if m != ["host"]], probe=False), pairs=st.integers(1, 2))
 @example(setup=_original_case(["nvme"], None), pairs=1)
 @example(setup=_original_case(["host", "nvme"], 5), pairs=1)

@@ -9,6 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.profiles import examples
+
 from mlp_offload import OffloadConfigError, OffloadedAdamW
 from mlp_offload.checkpoint import load_engine_state
 from mlp_offload.checkpoint_write import save_engine_state
@@ -61,7 +63,7 @@ def run_engine(config, init, grads):
         return [t.float() for t in engine_state(eng)], eng.placement.tier_of
 
 
-@settings(max_examples=25, deadline=None, derandomize=True, print_blob=True)
+@settings(max_examples=examples(25), deadline=None, derandomize=True, print_blob=True)
 @given(dtypes=st.tuples(st.sampled_from(["fp32", "fp16", "bf16"]), st.sampled_from(["fp32", "fp16", "bf16"]),
                         st.sampled_from(["fp32", "fp16", "bf16"])),
        tiers=st.sampled_from([["host"], ["nvme"], ["host", "nvme"]]),

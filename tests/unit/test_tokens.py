@@ -1,6 +1,5 @@
 """Node-wide I/O tokens: exclusion between processes, no deadlock when a holder dies."""
 
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -11,7 +10,7 @@ from mlp_offload.tiers.tokens import TierTokens
 
 from . import proc_workers
 
-ctx = mp.get_context("spawn")
+ctx = proc_workers.context()
 
 
 def test_other_process_waits_for_the_token(tmp_path):
