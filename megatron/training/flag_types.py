@@ -35,6 +35,13 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def positive_float(text: str) -> float:
+    value = finite(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
 def fraction(text: str) -> float:
     value = finite(text)
     if not 0.0 <= value <= 1.0:

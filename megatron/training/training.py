@@ -214,13 +214,21 @@ def evaluate(args, forward_step_func, data_iterator, model) -> Optional[float]:
 
 
 def _num_params(model) -> int:
+    """The whole model's parameters (one replica): dense ones summed over the model-parallel group,
+    experts over the expert grid (ETP x EP x PP), where each rank holds its own experts."""
     first = next(model[0].parameters())
+    params = [p for chunk in model for p in chunk.parameters()]
     # On the parameters' device: NCCL has no CPU backend.
-    count = torch.tensor([sum(p.numel() for chunk in model for p in chunk.parameters())], dtype=torch.long,
+    dense = torch.tensor([sum(p.numel() for p in params if getattr(p, "allreduce", True))], dtype=torch.long,
                          device=first.device)
-    groups = parallel_state.get_model_parallel_group()
-    torch.distributed.all_reduce(count, group=groups)
-    return int(count.item())
+    experts = torch.tensor([sum(p.numel() for p in params if not getattr(p, "allreduce", True))],
+                           dtype=torch.long, device=first.device)
+    torch.distributed.all_reduce(dense, group=parallel_state.get_model_parallel_group())
+    if parallel_state.get_expert_model_parallel_world_size() * parallel_state.get_expert_tensor_parallel_world_size() > 1:
+        torch.distributed.all_reduce(experts, group=parallel_state.get_expert_tensor_model_pipeline_parallel_group())
+    else:
+        torch.distributed.all_reduce(experts, group=parallel_state.get_model_parallel_group())
+    return int(dense.item() + experts.item())
 
 
 def pretrain(model_provider: Callable, datasets_provider: Callable, forward_step_func: Callable,
