@@ -21,7 +21,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
-from megatron.training import batch_schedule, checkpointing, job_facts
+from megatron.training import batch_schedule, checkpointing, job_facts, moe_metrics
 from megatron.training.async_save import BackgroundSaves
 from megatron.training.arguments import parse_args
 from megatron.training.checkpoint_integrity import checkpoint_dir
@@ -299,6 +299,7 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
             nan = loss is not None and not math.isfinite(loss)
             if nan and ok:
                 raise RuntimeError(f"loss is {loss} at iteration {iteration}")
+            moe_losses = moe_metrics.aux_losses(args)  # collective; clears megatron-core's tracker
             times = timers.take_iteration()
             flops = flops_per_iteration(shape, args.current_global_batch_size)
             # Saved in checkpoints, as Megatron-LM keeps it, for throughput over a job chain.
@@ -312,7 +313,7 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
                 loss=loss, grad_norm=grad_norm, num_zeros_in_grad=num_zeros if args.log_num_zeros_in_grad else None,
                 params_norm=params_l2_norm(model) if args.log_params_norm else None,
                 offload=optimizer.last_step_record() if isinstance(optimizer, ReportsIteration) else None,
-                offload_state_bytes=offload_state_bytes, first_of_run=first_of_run))
+                offload_state_bytes=offload_state_bytes, first_of_run=first_of_run, moe_losses=moe_losses))
             first_of_run = False
             if args.eval_interval and valid_ds is not None and iteration % args.eval_interval == 0:
                 _run_eval(args, forward_step_func, model, valid_ds, iteration, consumed, dp_rank, dp_size, metrics)
