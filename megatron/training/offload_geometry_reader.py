@@ -33,15 +33,15 @@ class _SavedPiece:
 class OffloadedStateByGeometry:
     """All (pp, tp) positions' offload files of one checkpoint, read by global region."""
 
-    def __init__(self, checkpoint_dir: str, cache_bytes: Optional[int] = None):
+    def __init__(self, checkpoint_dir: str, cache_bytes: Optional[int] = None, kind: str = "dense"):
         self.where = checkpoint_dir
-        self.pp_size, self.tp_size = saved_model_parallel_sizes(checkpoint_dir)
+        self.pp_size, self.tp_size = saved_model_parallel_sizes(checkpoint_dir, kind)
         self._sets: List[OffloadFileSet] = []
         share = None if cache_bytes is None else cache_bytes // (self.pp_size * self.tp_size)
         try:
             for pp in range(self.pp_size):
                 for tp in range(self.tp_size):
-                    self._sets.append(OffloadFileSet(checkpoint_dir, pp, tp, share))
+                    self._sets.append(OffloadFileSet(checkpoint_dir, pp, tp, share, kind))
             self._pieces, self._shapes = self._index_saved_pieces()
         except BaseException:
             self.close()
