@@ -100,7 +100,7 @@ class OffloadedStateFiles:
             self.engine.load_state(fill, steps_done=saved.steps_done)
             change = saved.describe_change(self.dp_size)
         if torch.distributed.get_rank() == 0:
-            log.info("offloaded %s state resharded from %s", "expert" if self.kind == "experts" else "", change)
+            log.info("offloaded %sstate resharded from %s", "expert " if self.kind == "experts" else "", change)
 
 
 class StateWrites:
