@@ -56,8 +56,9 @@ class OffloadedStateFiles:
         pieces = [[self.param_names[p], self.layout.param_slice[p], b - a, a]
                   for p, (a, b) in self.layout.param_flat_range.items()]
         # Where each parameter lies in its global tensor: what a run at other TP/PP sizes needs.
-        geometry = {self.param_names[p]: g.to_json()
-                    for p, g in param_geometries(self.model_chunks, sharding_metadata()).items()}
+        geometry = {self.param_names[p]: g.to_json()  # of this shard's parameters (dense or experts)
+                    for p, g in param_geometries(self.model_chunks, sharding_metadata()).items()
+                    if p in self.layout.param_flat_range}
         return path, {"dp_size": self.dp_size, "params": pieces, "geometry": geometry,
                       "model_chunks": len(self.model_chunks), "ep_size": shard_coordinates(self.kind)[2]}
 

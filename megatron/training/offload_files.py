@@ -58,11 +58,16 @@ def saved_model_chunks(checkpoint_dir: str, kind: str = "dense") -> int:
     return _first_footer_metadata(checkpoint_dir, kind).get("model_chunks", 1)
 
 
+def saved_expert_parallel_size(checkpoint_dir: str, kind: str = "dense") -> int:
+    """The EP size of the run that wrote the files (1 before it was recorded)."""
+    return _first_footer_metadata(checkpoint_dir, kind).get("ep_size", 1)
+
+
 def same_model_parallel_layout(checkpoint_dir: str, pp: int, tp: int, chunks: int, kind: str = "dense",
                                ep: int = 1) -> bool:
     """Whether the files name this run's parameters (``<chunk>.<name>``) for the same global
     pieces: the same PP and TP sizes (for experts, the same EP x ETP grid) and chunks per rank."""
-    if kind != "dense" and _first_footer_metadata(checkpoint_dir, kind).get("ep_size", 1) != ep:
+    if saved_expert_parallel_size(checkpoint_dir, kind) != ep:
         return False
     return (saved_model_parallel_sizes(checkpoint_dir, kind) == (pp, tp)
             and saved_model_chunks(checkpoint_dir, kind) == chunks)
@@ -87,7 +92,10 @@ class OffloadFileSet:
         self.steps_done = steps.pop()
         self.where = checkpoint_dir
         # name -> ParamGeometry as JSON (files written before it was recorded have none)
-        self.geometry: Dict[str, list] = footers[0]["metadata"].get("geometry") or {}
+        # (each file records its own parameters'; older ones recorded every parameter of the position)
+        self.geometry: Dict[str, list] = {}
+        for footer in footers:
+            self.geometry.update(footer["metadata"].get("geometry") or {})
         share = None if cache_bytes is None else cache_bytes // len(self.files)  # what each file's reader may cache
         self._readers = [RangeReader(f, footer["subgroups"], stored_dtypes(footer), share)
                          for f, footer in zip(self.files, footers)]

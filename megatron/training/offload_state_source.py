@@ -13,7 +13,8 @@ import torch
 
 from megatron.training.errors import UserError
 from megatron.training.offload_files import (OffloadFileSet, param_names, same_model_parallel_layout,
-                                             saved_model_chunks, saved_model_parallel_sizes)
+                                             saved_expert_parallel_size, saved_model_chunks,
+                                             saved_model_parallel_sizes)
 from megatron.training.offload_geometry_reader import MissingGeometryError, OffloadedStateByGeometry
 from megatron.training.param_geometry import ParamGeometry, param_geometries
 from mlp_offload.checkpoint import CheckpointDataError
@@ -21,15 +22,15 @@ from mlp_offload.checkpoint import CheckpointDataError
 
 def shard_coordinates(kind: str = "dense"):
     """(pp, tp, dp) sizes and this rank's position, as offload files of ``kind`` are keyed, and the EP
-    size. Dense: the model-parallel grid. Experts: "tp" is the place in the stage's EP x ETP grid and
+    size (with another, experts may have moved between the dense and expert files). Dense: the model-parallel grid. Experts: "tp" is the place in the stage's EP x ETP grid and
     "dp" the expert-data-parallel rank, over which megatron-core shards the experts' optimizer."""
     from megatron.core import parallel_state as ps
 
     from megatron.training.checkpoint_rng import rank_coordinates
 
-    if kind == "dense":
-        return (*rank_coordinates(), 1)
     ep, etp = ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
+    if kind == "dense":
+        return (*rank_coordinates(), ep)
     shape = (ps.get_pipeline_model_parallel_world_size(), ep * etp, ps.get_expert_data_parallel_world_size())
     place = (ps.get_pipeline_model_parallel_rank(),
              ps.get_expert_model_parallel_rank() * etp + ps.get_expert_tensor_parallel_rank(),
@@ -57,9 +58,9 @@ class _ByGeometry:
     """Every position's files, saved at another TP or PP size or another number of chunks per rank."""
 
     def __init__(self, checkpoint_dir: str, model_chunks, sharding_metadata: dict, saved_layout: str, now_layout: str,
-                 cache_bytes: Optional[int], kind: str):
+                 cache_bytes: Optional[int]):
         try:
-            self.state = OffloadedStateByGeometry(checkpoint_dir, cache_bytes, kind)
+            self.state = OffloadedStateByGeometry(checkpoint_dir, cache_bytes)
         except MissingGeometryError:
             raise UserError(f"--load {checkpoint_dir}: its offloaded optimizer state was saved at {saved_layout} by "
                             f"a version that did not record parameter geometry, so it cannot be resharded to "
@@ -81,9 +82,9 @@ class _ByGeometry:
         self.state.close()
 
 
-def _layout(pp: int, tp: int, chunks: int, kind: str = "dense") -> str:
+def _layout(pp: int, tp: int, chunks: int, kind: str = "dense", ep: int = 1) -> str:
     grid = "TP" if kind == "dense" else "EPxETP"
-    return f"{grid}={tp} PP={pp}" + (f" VPP={chunks}" if chunks > 1 else "")
+    return f"{grid}={tp} PP={pp}" + (f" VPP={chunks}" if chunks > 1 else "") + (f" EP={ep}" if ep > 1 else "")
 
 
 class OffloadedStateSource:
@@ -96,15 +97,16 @@ class OffloadedStateSource:
 
         (pp, tp, _), (p, t, _), ep = shard_coordinates(kind)
         self.saved_sizes = saved_model_parallel_sizes(checkpoint_dir, kind)
-        self.saved_layout = _layout(*self.saved_sizes, saved_model_chunks(checkpoint_dir, kind), kind)
-        self.layout = _layout(pp, tp, len(model_chunks), kind)
+        self.saved_layout = _layout(*self.saved_sizes, saved_model_chunks(checkpoint_dir, kind), kind,
+                                    saved_expert_parallel_size(checkpoint_dir, kind))
+        self.layout = _layout(pp, tp, len(model_chunks), kind, ep)
         self.same_model_parallel_layout = same_model_parallel_layout(checkpoint_dir, pp, tp, len(model_chunks),
                                                                      kind, ep)
         if self.same_model_parallel_layout:
             self._impl = _ByName(checkpoint_dir, model_chunks, p, t, cache_bytes, kind)
         else:
             self._impl = _ByGeometry(checkpoint_dir, model_chunks, sharding_metadata(), self.saved_layout, self.layout,
-                                     cache_bytes, kind)
+                                     cache_bytes)
         self.steps_done, self.saved_dp_size = self._impl.steps_done, self._impl.saved_dp_size
 
     def read(self, param, start: int, end: int, outs) -> None:
