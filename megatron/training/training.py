@@ -259,6 +259,9 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
                  f"DP={args.data_parallel_size} | micro-batches per step: {args.num_microbatches} | "
                  f"device: {device}")
 
+    if getattr(args, "moe_grouped_gemm_kernel", None) == "sequential":
+        _print_rank0("> --moe-grouped-gemm: no grouped GEMM kernel here (the grouped_gemm package, or "
+                     "transformer-engine on CUDA): megatron-core's sequential experts run, the same arithmetic")
     iteration, consumed = 0, 0
     fresh_auto_resume = args.load and args.load == args.save and not os.path.isdir(args.load)
     if fresh_auto_resume:  # --save X --load X in a batch script: the first job starts fresh
