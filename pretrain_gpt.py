@@ -59,7 +59,7 @@ def model_provider(args, config, pre_process=True, post_process=True, vp_stage=N
 
 
 def datasets_provider(args, tokenizer, train_samples, eval_samples):
-    from megatron.training.data import build_gpt_datasets
+    from megatron.training.data.datasets import build_gpt_datasets
 
     return build_gpt_datasets(args, tokenizer, train_samples, eval_samples)
 

@@ -20,8 +20,8 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from megatron.training import checkpoint_integrity as integrity  # noqa: E402
-from megatron.training.checkpoint_load_plan import saved_in_offloaded_form  # noqa: E402
+from megatron.training.checkpoint import integrity  # noqa: E402
+from megatron.training.checkpoint.load_plan import saved_in_offloaded_form  # noqa: E402
 
 
 def fail(line: str):

@@ -60,7 +60,7 @@ def machine_parser() -> argparse.ArgumentParser:
 
 def split_capacities(rest):
     """Take ``--offload-NAME-capacity-gb GB`` pairs out; the rest are pretrain_gpt.py's flags."""
-    from megatron.training.arguments_offload import take_named_flags
+    from megatron.training.args.offload import take_named_flags
 
     def fail(line):
         raise UserError(line)
@@ -80,7 +80,7 @@ def split_capacities(rest):
 
 def pretrain_args(flags, machine):
     """pretrain_gpt.py's own parser; flags that do not change the plan are filled in if missing."""
-    from megatron.training.arguments import parse_args
+    from megatron.training.args.arguments import parse_args
 
     flags = list(flags)
     if "--mock-data" not in flags and "--data-path" not in flags:
@@ -164,10 +164,10 @@ def cpu_rates(opts, config):
 
 
 def build(argv):
-    from megatron.training.capacity_plan import Machine, make_plan, suggested_host_cache_gb
-    from megatron.training.data import build_tokenizer, padded_vocab_size
-    from megatron.training.offload_flags import config_from_args
-    from megatron.training.model_configs import transformer_config
+    from megatron.training.offload.capacity_plan import Machine, make_plan, suggested_host_cache_gb
+    from megatron.training.data.datasets import build_tokenizer, padded_vocab_size
+    from megatron.training.offload.flags import config_from_args
+    from megatron.training.model.configs import transformer_config
 
     opts, rest = machine_parser().parse_known_args(argv)
     for flag, value in (("--nnodes", opts.nnodes), ("--gpus-per-node", opts.gpus_per_node)):

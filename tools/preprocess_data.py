@@ -28,7 +28,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.training.errors import UserError  # noqa: E402
-from megatron.training.tokenizers import add_tokenizer_arguments, build_tokenizer  # noqa: E402
+from megatron.training.data.tokenizers import add_tokenizer_arguments, build_tokenizer  # noqa: E402
 
 IMAP_CHUNK = 32  # lines handed to a worker at a time, as Megatron-LM does
 

@@ -38,7 +38,7 @@ run_job() {
     local hosts
     hosts="$(scontrol show hostnames "$SLURM_JOB_NODELIST")"
     MASTER_ADDR="${hosts%%$'\n'*}"
-    MASTER_PORT="${MASTER_PORT:-$(python -c "from megatron.training.slurm_env import job_port; print(job_port($SLURM_JOB_ID, 15))")}"
+    MASTER_PORT="${MASTER_PORT:-$(python -c "from megatron.training.runtime.slurm_env import job_port; print(job_port($SLURM_JOB_ID, 15))")}"
     export MASTER_ADDR MASTER_PORT
     # torchrun SIGKILLs its workers this long after passing SLURM's SIGTERM on: longer than the lead
     # time, so the checkpoint save that SIGTERM starts (--exit-signal-handler) can finish. torch < 2.12

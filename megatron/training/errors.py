@@ -80,7 +80,7 @@ def reported_once():
     except USER_ERRORS as err:
         if os.environ.get("MLP_OFFLOAD_TRACEBACK"):
             raise
-        from megatron.training.offload_flags import in_flags
+        from megatron.training.errors import in_flags
 
         report(in_flags(str(err)))  # the engine names its config fields; the user typed flags
         raise SystemExit(EXIT_USER_ERROR) from None

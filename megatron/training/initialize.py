@@ -10,9 +10,11 @@ from datetime import timedelta
 import numpy as np
 import torch
 
-from megatron.training import arguments_moe, batch_schedule, child_processes, slurm_env
+from megatron.training.args import moe as arguments_moe
+from megatron.training.data import batch_schedule
+from megatron.training.runtime import child_processes, slurm_env
 from megatron.training.errors import UserError
-from megatron.training.signals import SigtermWatcher
+from megatron.training.runtime.signals import SigtermWatcher
 
 
 def select_device(requested: str) -> torch.device:
@@ -60,7 +62,7 @@ def initialize(args) -> torch.device:
     device = select_device(args.device)
     args.device_resolved = device.type
     args.sigterm_watcher = SigtermWatcher(save_on=signal.Signals[args.exit_signal] if args.exit_signal_handler else None)
-    from megatron.training import cpu_compat
+    from megatron.training.runtime import cpu_compat
 
     cpu_compat.define_missing_te_names()
     if device.type == "cpu":

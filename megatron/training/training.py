@@ -21,29 +21,32 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
-from megatron.training import batch_schedule, checkpointing, job_facts, moe_metrics
-from megatron.training.async_save import BackgroundSaves
-from megatron.training.arguments import parse_args
-from megatron.training.checkpoint_integrity import checkpoint_dir
-from megatron.training.console_log import Console
-from megatron.training.data import build_tokenizer, padded_vocab_size
-from megatron.training.data_loader import micro_batches
+from megatron.training.data import batch_schedule
+from megatron.training.checkpoint import checkpointing
+from megatron.training.offload import job_facts
+from megatron.training.metrics import moe as moe_metrics
+from megatron.training.checkpoint.async_save import BackgroundSaves
+from megatron.training.args.arguments import parse_args
+from megatron.training.checkpoint.integrity import checkpoint_dir
+from megatron.training.metrics.console import Console
+from megatron.training.data.datasets import build_tokenizer, padded_vocab_size
+from megatron.training.data.datasets import micro_batches
 from megatron.training.errors import reported_once
-from megatron.training.flops import DenseGptShape, flops_per_iteration
-from megatron.training.iteration_hooks import IterationHooks
-from megatron.training.lr_schedule import build_param_scheduler
+from megatron.training.model.flops import DenseGptShape, flops_per_iteration
+from megatron.training.runtime.iteration_hooks import IterationHooks
+from megatron.training.data.lr_schedule import build_param_scheduler
 from megatron.training.initialize import initialize
-from megatron.training.model_configs import optimizer_config, transformer_config
-from megatron.training.metrics import (IterationRecord, LossLog, Metrics, TimingLog, ValidationRecord,
-                                       is_last_rank)
-from megatron.training.metrics_sinks import OffloadTelemetry, TensorBoard, WandB
-from megatron.training.model_norms import params_l2_norm
-from megatron.training.offload_flags import per_rank_path
-from megatron.training.optimizer_interface import HoldsResources, ReportsIteration, TrainingOptimizer
-from megatron.training.progress import directory_bytes, reported_step
-from megatron.training.signals import StopCheck
-from megatron.training.timers import LoopTimers
-from megatron.training.virtual_pipeline import chunk_roles, per_chunk
+from megatron.training.model.configs import optimizer_config, transformer_config
+from megatron.training.metrics.records import (IterationRecord, LossLog, Metrics, TimingLog, ValidationRecord,
+                                               is_last_rank)
+from megatron.training.metrics.sinks import OffloadTelemetry, TensorBoard, WandB
+from megatron.training.model.sizes import params_l2_norm
+from megatron.training.offload.flags import per_rank_path
+from megatron.training.runtime.optimizer_interface import HoldsResources, ReportsIteration, TrainingOptimizer
+from megatron.training.runtime.progress import directory_bytes, reported_step
+from megatron.training.runtime.signals import StopCheck
+from megatron.training.metrics.timers import LoopTimers
+from megatron.training.model.virtual_pipeline import chunk_roles, per_chunk
 from mlp_offload.faults import fault_point
 
 
@@ -84,13 +87,13 @@ def build_optimizer(args, model_chunks) -> TrainingOptimizer:
     config = optimizer_config(args)
     if args.offload_tiers is None:
         return get_megatron_optimizer(config, model_chunks)
-    from megatron.training.offload_factory import get_offload_optimizer
+    from megatron.training.offload.factory import get_offload_optimizer
 
     return get_offload_optimizer(args, model_chunks, config)
 
 
 def build_scheduler(args, optimizer) -> OptimizerParamScheduler:
-    # Steps are counted in samples, as Megatron-LM does (megatron.training.lr_schedule).
+    # Steps are counted in samples, as Megatron-LM does (megatron.training.data.lr_schedule).
     return build_param_scheduler(args, optimizer, args.global_batch_size)
 
 

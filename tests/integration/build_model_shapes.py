@@ -13,11 +13,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 def main():
     from megatron.core import parallel_state
-    from megatron.training import cpu_compat
-    from megatron.training.arguments import parse_args
-    from megatron.training.data import build_tokenizer, padded_vocab_size
+    from megatron.training.runtime import cpu_compat
+    from megatron.training.args.arguments import parse_args
+    from megatron.training.data.datasets import build_tokenizer, padded_vocab_size
     from megatron.training.initialize import set_seeds
-    from megatron.training.model_configs import transformer_config
+    from megatron.training.model.configs import transformer_config
     from pretrain_gpt import model_provider
 
     cpu_compat.apply()

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron.training.arguments import parse_args
+from megatron.training.args.arguments import parse_args
 from megatron.training.errors import UserError
 
 NUMBERS = st.sampled_from(["0", "1", "2", "3", "4", "8", "16", "64", "-1", "0.5", "1e-3", "nan", "inf", "1.5"])
@@ -50,7 +50,7 @@ def command_lines(draw):
 def test_flags_fail_up_front_or_build_megatron_core_objects(argv):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from megatron.training.model_configs import optimizer_config, transformer_config
+    from megatron.training.model.configs import optimizer_config, transformer_config
     from megatron.training.training import build_scheduler
 
     try:

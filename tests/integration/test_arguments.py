@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from launch import REPO
-from megatron.training.arguments import parse_args
+from megatron.training.args.arguments import parse_args
 from megatron.training.errors import UserError
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
@@ -73,7 +73,7 @@ def test_mcore_cpu_offload_pass_through():
                               "--overlap-cpu-optimizer-d2h-h2d", "--timing-log", "/tmp/t.jsonl"])
     assert args.optimizer_cpu_offload and args.optimizer_offload_fraction == 0.5
     assert args.overlap_cpu_optimizer_d2h_h2d and args.timing_log == "/tmp/t.jsonl"
-    from megatron.training.model_configs import optimizer_config
+    from megatron.training.model.configs import optimizer_config
 
     config = optimizer_config(args)
     assert config.optimizer_cpu_offload and config.optimizer_offload_fraction == 0.5
@@ -107,7 +107,7 @@ def test_mcore_cpu_offload_errors(extra, message):
     ("the offload tiers and their file tiers", "the offload tiers and their file tiers"),  # prose stays
 ])
 def test_engine_fields_read_as_flags(engine_says, user_reads):
-    from megatron.training.offload_flags import in_flags
+    from megatron.training.errors import in_flags
 
     assert in_flags(engine_says) == user_reads
 
@@ -144,8 +144,8 @@ def test_logging_flag_errors_name_the_flag(extra, flag):
 
 
 def test_precision_aware_dtypes_go_to_the_offload_engine_not_megatron_core():
-    from megatron.training.offload_flags import config_from_args
-    from megatron.training.model_configs import optimizer_config
+    from megatron.training.offload.flags import config_from_args
+    from megatron.training.model.configs import optimizer_config
 
     args = parse_args(BASE + ["--offload-tiers", "host", "--use-precision-aware-optimizer",
                               "--main-params-dtype", "fp16", "--exp-avg-dtype", "bf16"])

@@ -12,7 +12,7 @@ import re
 import pytest
 
 from launch import run_pretrain
-from megatron.training import checkpoint_integrity as integrity
+from megatron.training.checkpoint import integrity
 from mlp_offload.checkpoint import read_footer
 from test_offload_cpu import offload_args
 

@@ -1,4 +1,4 @@
-"""A rank's child processes die with it when it is SIGKILLed (megatron.training.child_processes).
+"""A rank's child processes die with it when it is SIGKILLed (megatron.training.runtime.child_processes).
 
 A stand-in rank does what a rank's first checkpoint save does: gets megatron-core's write-results
 queue (a spawned Manager, and with it the resource tracker) and forks a writer, which here sleeps
@@ -19,7 +19,7 @@ RANK = textwrap.dedent("""
     from multiprocessing import util
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
-    from megatron.training import child_processes
+    from megatron.training.runtime import child_processes
 
     if sys.argv[1] == "late":  # the writer is slow to start: its parent is dead before it can set PDEATHSIG
         util.register_after_fork(time, lambda _: time.sleep(1))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from launch import REPO, TINY_MODEL, pretrain_env, run_and_clean_up, run_pretrain
-from megatron.training.torch_dist_ranges import FlatTensorRanges
+from megatron.training.checkpoint.torch_dist_ranges import FlatTensorRanges
 
 BOUND_MB = 8
 SHARD_MB = 77  # 4 layers of hidden 512: 12.8 M parameters, DP=2, 12 bytes each

@@ -7,7 +7,7 @@ from launch import REPO
 
 CHECK = r"""
 import torch
-from megatron.training import cpu_compat
+from megatron.training.runtime import cpu_compat
 from megatron.core.distributed import param_and_grad_buffer as pgb
 from megatron.core.optimizer import distrib_optimizer
 real_type, real_cuda = torch.Tensor.type, torch.Tensor.cuda

@@ -22,12 +22,12 @@ from hypothesis import strategies as st
 
 from launch import PRETRAIN, REPO, free_port, pretrain_env, read_loss_log, run_and_clean_up
 from megatron_lm_examples import GPT3_175B, LLAMA3_8B_CPU, LLAMA3_8B_NEEDS_GPU, MIXTRAL_8X7B, QWEN3_30B_A3B, filled
-from megatron.training import batch_schedule, optional_kernels
-from megatron.training.arguments import parse_args
+from megatron.training.data import batch_schedule
+from megatron.training.model import kernels as optional_kernels
+from megatron.training.args.arguments import parse_args
 from megatron.training.errors import UserError
-from megatron.training.lr_schedule import build_param_scheduler, schedule_steps
-from megatron.training.model_arithmetic import (default_ffn_hidden_size, default_kv_channels,
-                                                vocab_size_with_padding)
+from megatron.training.data.lr_schedule import build_param_scheduler, schedule_steps
+from megatron.training.model.sizes import default_ffn_hidden_size, default_kv_channels, vocab_size_with_padding
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--micro-batch-size", "1", "--train-iters", "10", "--lr", "1e-3", "--mock-data", "--device", "cpu"]
@@ -236,7 +236,7 @@ def test_sizes_match_megatron_lm_arithmetic(h, heads, vocab, divisible_by, tp):
 
 @pytest.mark.parametrize("tp, divisible_by, expected", [(1, 128, 384), (2, 128, 512), (1, 1, 258), (4, 100, 400)])
 def test_vocab_padding_from_flags(tp, divisible_by, expected):
-    from megatron.training.data import ByteLevelTokenizer, padded_vocab_size
+    from megatron.training.data.datasets import ByteLevelTokenizer, padded_vocab_size
 
     args = parse_args(BASE + ["--tensor-model-parallel-size", str(tp), "--make-vocab-size-divisible-by",
                               str(divisible_by)])
@@ -378,7 +378,7 @@ def megatron_lm_command_lines(draw):
 @settings(max_examples=200, deadline=None, derandomize=True)
 @given(megatron_lm_command_lines())
 def test_megatron_lm_flags_fail_up_front_or_build_megatron_core_objects(argv):
-    from megatron.training.model_configs import optimizer_config, transformer_config
+    from megatron.training.model.configs import optimizer_config, transformer_config
 
     try:
         args = parse_args(argv)

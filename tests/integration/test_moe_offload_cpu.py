@@ -37,8 +37,9 @@ def test_moe_offload_matches_megatron_bit_for_bit(tmp_path, name):
 
 def global_states(iteration_dir: Path):
     """{global key: [param, exp_avg, exp_avg_sq] global tensors} from every offload file, by geometry."""
-    from megatron.training.offload_files import SUBDIRS, OffloadFileSet, has_offloaded_state, saved_model_parallel_sizes
-    from megatron.training.param_geometry import ParamGeometry
+    from megatron.training.checkpoint.offload_files import (SUBDIRS, OffloadFileSet, has_offloaded_state,
+                                                            saved_model_parallel_sizes)
+    from megatron.training.checkpoint.param_geometry import ParamGeometry
 
     found = {}
     for kind in SUBDIRS:

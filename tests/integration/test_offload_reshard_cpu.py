@@ -33,8 +33,8 @@ def checkpoint_at(root, iteration, into):
 def global_optimizer_state(iteration_dir):
     """key -> [master, exp_avg, exp_avg_sq] as full global tensors, from every position's files;
     saved copies of one piece (TP replicas, the tied output layer) must agree."""
-    from megatron.training.offload_files import OffloadFileSet, saved_model_parallel_sizes
-    from megatron.training.param_geometry import ParamGeometry
+    from megatron.training.checkpoint.offload_files import OffloadFileSet, saved_model_parallel_sizes
+    from megatron.training.checkpoint.param_geometry import ParamGeometry
 
     pp_size, tp_size = saved_model_parallel_sizes(str(iteration_dir))
     state = {}

@@ -19,7 +19,7 @@ def test_venv_from_a_venv_uses_its_torch_offline(tmp_path):
            "MLP_OFFLOAD_VENV": str(tmp_path / "venv"), "MLP_OFFLOAD_WHEELHOUSE": str(wheelhouse),
            "PIP_NO_INDEX": "1", "PIP_CONFIG_FILE": "/dev/null"}  # offline: any download would fail
     done = subprocess.run(["bash", "-c", f"source {REPO}/tools/setup_env.sh && python -c "
-                           "'import sys, torch, megatron.training.slurm_env as m; print(sys.prefix); "
+                           "'import sys, torch, megatron.training.runtime.slurm_env as m; print(sys.prefix); "
                            "print(torch.__file__); print(m.__file__)'"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr

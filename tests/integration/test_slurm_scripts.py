@@ -12,8 +12,8 @@ from pathlib import Path
 
 from conftest import BASELINE_ITERS
 from launch import REPO, TINY_MODEL, free_port, losses, pretrain_env, read_loss_log, run_group
-from megatron.training.arguments import parse_args
-from megatron.training.slurm_env import job_port
+from megatron.training.args.arguments import parse_args
+from megatron.training.runtime.slurm_env import job_port
 
 SCRIPTS = REPO / "examples" / "slurm"
 

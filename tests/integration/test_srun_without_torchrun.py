@@ -1,5 +1,5 @@
 """``srun -n 2 python pretrain_gpt.py ...`` without torchrun: ranks, world, master and port come
-from SLURM's variables (megatron/training/slurm_env.py); the run is the torchrun run, bit for bit."""
+from SLURM's variables (megatron/training/runtime/slurm_env.py); the run is the torchrun run, bit for bit."""
 
 import random
 import socket
@@ -9,7 +9,7 @@ import pytest
 
 from conftest import BASELINE_ITERS
 from launch import PRETRAIN, TINY_MODEL, losses, pretrain_env, read_loss_log, run_group
-from megatron.training import slurm_env
+from megatron.training.runtime import slurm_env
 from megatron.training.errors import UserError
 from test_offload_cpu import offload_args
 

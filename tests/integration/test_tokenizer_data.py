@@ -198,9 +198,9 @@ def test_token_ids_beyond_the_vocabulary_are_one_line(tmp_path):
     (["--tokenizer-type", "NullTokenizer"], "--vocab-size: required with --tokenizer-type NullTokenizer"),
 ])
 def test_tokenizer_flag_errors_name_the_flag(flags, expected):
-    from megatron.training.arguments import parse_args
+    from megatron.training.args.arguments import parse_args
     from megatron.training.errors import UserError
-    from megatron.training.tokenizers import build_tokenizer
+    from megatron.training.data.tokenizers import build_tokenizer
 
     args = parse_args([*TINY_MODEL, "--mock-data", "--train-iters", "1", *flags])
     with pytest.raises(UserError) as err:
@@ -225,7 +225,7 @@ def no_network(monkeypatch):
 
 def test_missing_tokenizer_files_are_one_line_without_network(tmp_path, byte_bpe, no_network):
     from megatron.training.errors import UserError
-    from megatron.training.tokenizers import build_tokenizer
+    from megatron.training.data.tokenizers import build_tokenizer
 
     _, gpt2_dir, hf_dir = byte_bpe
     vocab, merges = str(gpt2_dir / "vocab.json"), str(gpt2_dir / "merges.txt")
@@ -267,7 +267,7 @@ def test_hub_names_fail_offline_past_our_checks(no_network):
     HuggingFace tokenizer given one reads the local Hub cache only, and no socket is opened."""
     import huggingface_hub
 
-    from megatron.training import tokenizers
+    from megatron.training.data import tokenizers
 
     args = tokenizer_args("--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", HUB_NAME)
     tokenizers._hub_offline()
@@ -286,7 +286,7 @@ def test_append_eod_is_opt_in(tmp_path, corpus_slice, texts):
 
 
 def tokenizer_args(*flags):
-    from megatron.training.arguments import parse_args
+    from megatron.training.args.arguments import parse_args
 
     return parse_args([*TINY_MODEL, "--mock-data", "--train-iters", "1", *flags])
 
@@ -298,7 +298,7 @@ def test_tiktoken_file_matches_tiktoken(tmp_path):
 
     import tiktoken
     from megatron.core.tokenizers.text.libraries.tiktoken_tokenizer import _PATTERN_TIKTOKEN_V2
-    from megatron.training.tokenizers import build_tokenizer, padded_vocab_size
+    from megatron.training.data.tokenizers import build_tokenizer, padded_vocab_size
 
     ranks = [bytes([i]) for i in range(256)] + [b"th", b"the", b" the", b"er", b"in"]
     path = tmp_path / "ranks.json"
@@ -317,7 +317,7 @@ def test_tiktoken_file_matches_tiktoken(tmp_path):
 
 @pytest.mark.parametrize("tp, expected", [(1, 1152), (2, 1280), (4, 1536)])
 def test_null_tokenizer_vocab_is_padded_as_megatron_lm(tp, expected):
-    from megatron.training.tokenizers import build_tokenizer, padded_vocab_size
+    from megatron.training.data.tokenizers import build_tokenizer, padded_vocab_size
 
     args = tokenizer_args("--tokenizer-type", "NullTokenizer", "--vocab-size", "1100")
     args.tensor_model_parallel_size = tp

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from launch import REPO, free_port, pretrain_command, pretrain_env, read_loss_log, run_and_clean_up, run_pretrain
-from megatron.training import checkpoint_integrity as integrity
+from megatron.training.checkpoint import integrity
 from test_offload_cpu import offload_args
 
 ITERS = 6

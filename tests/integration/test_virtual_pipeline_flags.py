@@ -4,10 +4,10 @@ the flags themselves are among test_megatron_lm_flags' one-line errors; runs in 
 
 import pytest
 
-from megatron.training import batch_schedule
-from megatron.training.arguments import parse_args
+from megatron.training.data import batch_schedule
+from megatron.training.args.arguments import parse_args
 from megatron.training.errors import UserError
-from megatron.training.model_configs import transformer_config
+from megatron.training.model.configs import transformer_config
 
 BASE = ["--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "1",
         "--train-iters", "10", "--lr", "1e-3", "--mock-data", "--device", "cpu"]

@@ -23,9 +23,10 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import pretrain_gpt  # noqa: E402
-from megatron.training import checkpointing, training  # noqa: E402
-from megatron.training.arguments import parse_args  # noqa: E402
-from megatron.training.data import build_tokenizer, padded_vocab_size  # noqa: E402
+from megatron.training.checkpoint import checkpointing  # noqa: E402
+from megatron.training import training  # noqa: E402
+from megatron.training.args.arguments import parse_args  # noqa: E402
+from megatron.training.data.datasets import build_tokenizer, padded_vocab_size  # noqa: E402
 from megatron.training.initialize import initialize  # noqa: E402
 
 

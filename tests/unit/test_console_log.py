@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron.training.console_log import Console
-from megatron.training.metrics import IterationRecord
+from megatron.training.metrics.console import Console
+from megatron.training.metrics.records import IterationRecord
 from mlp_offload.telemetry import StepRecord, TierTraffic
 
 

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron.training.flops import DenseGptShape, flops_per_iteration, tflops_per_gpu
+from megatron.training.model.flops import DenseGptShape, flops_per_iteration, tflops_per_gpu
 
 
 def _reference(batch, seq, hidden, layers, heads, groups, ffn, swiglu, vocab):

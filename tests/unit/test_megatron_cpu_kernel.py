@@ -14,8 +14,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron.training.arguments import parse_args
-from megatron.training.offload_flags import config_from_args
+from megatron.training.args.arguments import parse_args
+from megatron.training.offload.flags import config_from_args
 from mlp_offload import OffloadedAdamW
 
 from .helpers import engine_state

@@ -9,9 +9,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron.training.arguments import parse_args
-from megatron.training.model_size import model_params, stage_params
-from megatron.training.model_configs import transformer_config
+from megatron.training.args.arguments import parse_args
+from megatron.training.model.sizes import model_params, stage_params
+from megatron.training.model.configs import transformer_config
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -4,10 +4,10 @@
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from megatron.training.arguments import parse_args
-from megatron.training.arguments_moe import layer_pattern, tracked_losses
+from megatron.training.args.arguments import parse_args
+from megatron.training.args.moe import layer_pattern, tracked_losses
 from megatron.training.errors import UserError
-from megatron.training.model_configs import transformer_config
+from megatron.training.model.configs import transformer_config
 
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--micro-batch-size", "1", "--train-iters", "10", "--lr", "1e-3", "--mock-data", "--device", "cpu"]

@@ -1,0 +1,64 @@
+"""Megatron-LM's checkpoint flags (same names and meanings) and their checks, and the model shape
+taken from a checkpoint's saved args with --use-checkpoint-args."""
+
+from __future__ import annotations
+
+from megatron.training.checkpoint.saved_args import (FILLED_IF_MISSING, MODEL_SHAPE_ARGS, apply_model_shape,
+                                                     read_saved_args)
+from megatron.training.errors import positive_int
+
+CKPT_FORMATS = ("torch_dist", "torch", "torch_dcp", "fsdp_dtensor")
+
+
+def add_flags(g) -> None:
+    """Megatron-LM's checkpoint flags, same names and meanings (kept together at the group's end)."""
+    g.add_argument("--no-load-optim", action="store_true",
+                   help="load weights (and scheduler, iteration, data position) but not the optimizer state")
+    g.add_argument("--no-load-rng", action="store_true", help="do not restore the saved RNG states")
+    g.add_argument("--finetune", action="store_true",
+                   help="load weights only: iteration, data position, scheduler, optimizer and RNG start fresh")
+    g.add_argument("--no-save-optim", action="store_true", help="save no optimizer state (and no scheduler)")
+    g.add_argument("--no-save-rng", action="store_true", help="save no RNG states")
+    g.add_argument("--ckpt-format", choices=CKPT_FORMATS, default="torch_dist",
+                   help="torch_dist (megatron-core dist_checkpointing) is the one supported here")
+    g.add_argument("--auto-detect-ckpt-format", action="store_true",
+                   help="read the format of the checkpoint in --load from its files instead of --ckpt-format")
+    g.add_argument("--use-checkpoint-args", action="store_true",
+                   help="take the model's shape (layers, sizes, heads, vocab, ...) from the args saved in --load")
+    g.add_argument("--async-save", action="store_true",
+                   help="write the torch_dist files and the offloaded optimizer state in the background "
+                        "(training pauses only where an update overtakes the writer beyond "
+                        "--offload-save-staging-gb); a checkpoint is completed (proof, tracker) once every "
+                        "rank's writes have ended")
+    g.add_argument("--ckpt-convert-memory-mb", type=positive_int, default=512,
+                   help="host memory the optimizer state may take at once while it is converted between the "
+                        "offloaded form and megatron-core's own (at load time, or tools/convert_offload_checkpoint.py)")
+    g.add_argument("--ckpt-fully-parallel-save", dest="ckpt_fully_parallel_save", action="store_true",
+                   default=True, help="spread the writing of replicated shards over data-parallel ranks (default)")
+    g.add_argument("--no-ckpt-fully-parallel-save", dest="ckpt_fully_parallel_save", action="store_false")
+    g.add_argument("--ckpt-fully-parallel-load", action="store_true",
+                   help="each data-parallel rank reads a part of the replicated shards and they exchange them")
+
+
+def validate(parser, args) -> None:
+    if args.ckpt_format != "torch_dist":
+        parser.error(f"argument --ckpt-format: {args.ckpt_format} is not supported here; use torch_dist "
+                     f"(megatron-core dist_checkpointing, Megatron-LM's default)")
+    for flag, given in (("--use-checkpoint-args", args.use_checkpoint_args), ("--finetune", args.finetune),
+                        ("--auto-detect-ckpt-format", args.auto_detect_ckpt_format),
+                        ("--ckpt-fully-parallel-load", args.ckpt_fully_parallel_load)):
+        if given and not args.load:
+            parser.error(f"argument {flag}: requires --load DIR")
+    if args.async_save and not args.save:
+        parser.error("argument --async-save: requires --save DIR")
+
+
+def take_model_shape_from_checkpoint(parser, args) -> None:
+    changed = apply_model_shape(args, read_saved_args(args.load))
+    missing = [name for name in MODEL_SHAPE_ARGS + FILLED_IF_MISSING
+               if name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
+               and getattr(args, name) is None]
+    if missing:
+        parser.error(f"argument --use-checkpoint-args: the checkpoint in --load {args.load} does not give "
+                     f"--{missing[0].replace('_', '-')}; pass it on the command line")
+    args.model_args_from_checkpoint = changed

@@ -1,0 +1,186 @@
+"""Megatron-LM's model, training, scheduler and parallelism flags beyond the core set in
+``arguments``, with Megatron-LM's defaults and meaning, so its example scripts run unchanged.
+
+``add_groups(parser)`` adds them; ``validate(parser, args)`` derives what Megatron-LM derives
+(--recompute-activations, the FFN and head sizes, GQA only with --group-query-attention, sample-based
+schedules) and fails with one line naming the flag where a feature needs something absent here.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from megatron.training.data import lr_schedule
+from megatron.training.model import kernels as optional_kernels, virtual_pipeline
+from megatron.training.errors import fraction, non_negative_float, non_negative_int, positive_float, positive_int
+from megatron.training.model.sizes import default_ffn_hidden_size, default_kv_channels
+
+
+def add_groups(p: argparse.ArgumentParser) -> None:
+    _add_model(p)
+    _add_kernels(p)
+    _add_training(p)
+    _add_scheduler(p)
+    _add_parallelism(p)
+
+
+def _add_model(p) -> None:
+    g = p.add_argument_group("model (Megatron-LM)")
+    g.add_argument("--group-query-attention", action="store_true",
+                   help="grouped-query attention with --num-query-groups KV heads (without it, plain multi-head)")
+    g.add_argument("--kv-channels", type=positive_int, default=None,
+                   help="size of each attention head; default --hidden-size / --num-attention-heads")
+    g.add_argument("--make-vocab-size-divisible-by", type=positive_int, default=128,
+                   help="pad the vocabulary to a multiple of this x TP (default 128)")
+    g.add_argument("--rotary-percent", type=fraction, default=1.0, help="fraction of each head that RoPE rotates")
+    g.add_argument("--apply-layernorm-1p", action="store_true",
+                   help="zero-centered layer-norm gamma (weight + 1); needs TE or apex norms")
+    g.add_argument("--use-mcore-models", action="store_true", help="accepted for Megatron-LM scripts: always the case")
+    g.add_argument("--qk-layernorm", action="store_true", help="normalize queries and keys per head (Qwen3, OLMo 2)")
+    g.add_argument("--use-rope-scaling", action="store_true", help="Llama-3.1's RoPE frequency scaling")
+    g.add_argument("--rope-scaling-factor", type=positive_float, default=8.0, help="with --use-rope-scaling")
+    # Megatron-LM's legacy position-embedding aliases, as it reads them.
+    g.add_argument("--use-rotary-position-embeddings", action="store_true",
+                   help="= --position-embedding-type rope (deprecated upstream)")
+    g.add_argument("--no-position-embedding", dest="add_position_embedding", action="store_false",
+                   help="accepted with rope (deprecated upstream: use --position-embedding-type)")
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="selective activation recompute (= --recompute-granularity selective)")
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="Megatron-LM's per-token loss: gradients averaged over the step's tokens, not per micro-batch")
+
+
+def _add_kernels(p) -> None:
+    g = p.add_argument_group("kernels: attention backend, fusions, FP8 (on where available)")
+    g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default=None,
+                   help="default: transformer_engine where it is installed and the run is on CUDA, else local")
+    g.add_argument("--attention-backend", choices=["auto", "local", "flash", "fused", "unfused"], default="auto",
+                   help="flash/fused/unfused are transformer-engine's; auto picks TE's where present, else local")
+    g.add_argument("--use-flash-attn", action="store_true", help="= --attention-backend flash")
+    g.add_argument("--no-masked-softmax-fusion", dest="masked_softmax_fusion", action="store_false")
+    g.add_argument("--no-bias-gelu-fusion", dest="bias_gelu_fusion", action="store_false")
+    g.add_argument("--no-bias-swiglu-fusion", dest="bias_swiglu_fusion", action="store_false")
+    g.add_argument("--no-bias-dropout-fusion", dest="bias_dropout_fusion", action="store_false")
+    g.add_argument("--no-rope-fusion", dest="apply_rope_fusion", action="store_false")
+    g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion", action="store_false")
+    g.add_argument("--no-persist-layer-norm", action="store_true")
+    g.add_argument("--cross-entropy-loss-fusion", action="store_true",
+                   help="megatron-core's fused vocab-parallel cross entropy (CUDA; off on a CPU run)")
+    g.add_argument("--fp8-format", choices=["e4m3", "hybrid"], default=None, help="needs transformer-engine on CUDA")
+    g.add_argument("--fp8-recipe", choices=["tensorwise", "delayed", "mxfp8", "blockwise"], default=None)
+    g.add_argument("--fp8-margin", type=int, default=0)
+    g.add_argument("--fp8-amax-history-len", type=positive_int, default=1)
+    g.add_argument("--fp8-amax-compute-algo", choices=["most_recent", "max"], default="most_recent")
+    g.add_argument("--fp8-param-gather", action="store_true")
+
+
+def _add_training(p) -> None:
+    g = p.add_argument_group("training (Megatron-LM)")
+    g.add_argument("--train-samples", type=positive_int, default=None,
+                   help="train for this many samples instead of --train-iters")
+    g.add_argument("--step-batch-size-schedule", type=str, default=None, metavar="'THRESHOLD:BS ...'",
+                   help="not supported: megatron-core 0.16.1 has no step-wise batch calculator")
+    g.add_argument("--rampup-batch-size", nargs=3, type=positive_int, default=None,
+                   metavar=("START", "INCREMENT", "SAMPLES"),
+                   help="grow the global batch from START by INCREMENT over SAMPLES samples")
+    g.add_argument("--eod-mask-loss", action="store_true", help="no loss on end-of-document tokens")
+    g.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="with --bf16, reduce gradients in bf16 (default: accumulate and reduce in fp32)")
+    g.add_argument("--manual-gc", action="store_true",
+                   help="disable Python's automatic GC; collect every --manual-gc-interval iterations")
+    g.add_argument("--manual-gc-interval", type=non_negative_int, default=0)
+    g.add_argument("--empty-unused-memory-level", type=int, choices=[0, 1, 2], default=0,
+                   help="empty the CUDA cache after the step (1) and after forward-backward too (2)")
+    g.add_argument("--distributed-timeout-minutes", type=positive_int, default=10,
+                   help="timeout of the process group's collectives")
+    g.add_argument("--profile", action="store_true",
+                   help="torch.profiler over iterations --profile-step-start..--profile-step-end")
+    g.add_argument("--use-pytorch-profiler", action="store_true", help="accepted: --profile uses torch.profiler")
+    g.add_argument("--profile-step-start", type=non_negative_int, default=10)
+    g.add_argument("--profile-step-end", type=non_negative_int, default=12)
+    g.add_argument("--profile-ranks", nargs="+", type=non_negative_int, default=[0])
+
+
+def _add_scheduler(p) -> None:
+    g = p.add_argument_group("learning-rate and weight-decay schedule (Megatron-LM)")
+    g.add_argument("--lr-warmup-fraction", type=fraction, default=None,
+                   help="warmup as a fraction of the decay length")
+    g.add_argument("--lr-warmup-samples", type=non_negative_int, default=0)
+    g.add_argument("--lr-decay-samples", type=positive_int, default=None)
+    g.add_argument("--lr-warmup-init", type=non_negative_float, default=0.0)
+    g.add_argument("--lr-wsd-decay-style", choices=["exponential", "linear", "cosine", "minus_sqrt"],
+                   default="exponential")
+    g.add_argument("--lr-wsd-decay-iters", type=positive_int, default=None)
+    g.add_argument("--lr-wsd-decay-samples", type=positive_int, default=None)
+    g.add_argument("--start-weight-decay", type=non_negative_float, default=None)
+    g.add_argument("--end-weight-decay", type=non_negative_float, default=None)
+    g.add_argument("--weight-decay-incr-style", choices=["constant", "linear", "cosine"], default="constant")
+    g.add_argument("--decoupled-lr", type=non_negative_float, default=None,
+                   help="learning rate of the input and output embeddings")
+    g.add_argument("--decoupled-min-lr", type=non_negative_float, default=None)
+
+
+def _add_parallelism(p) -> None:
+    g = p.add_argument_group("parallelism (Megatron-LM)")
+    g.add_argument("--context-parallel-size", type=positive_int, default=1)
+    virtual_pipeline.add_flags(g)
+
+
+def validate_model(parser, args) -> None:
+    """Sizes as Megatron-LM derives them; runs before the core checks that use them."""
+    if args.use_rotary_position_embeddings:
+        args.position_embedding_type = "rope"
+    if not args.add_position_embedding and args.position_embedding_type != "rope":
+        parser.error("argument --no-position-embedding: deprecated in Megatron-LM, which accepts it only with "
+                     "rope; use --position-embedding-type rope")
+    if args.step_batch_size_schedule is not None:
+        parser.error("argument --step-batch-size-schedule: needs megatron-core's step-wise batch-size calculator, "
+                     "absent from megatron-core 0.16.1 that this runs on; use --rampup-batch-size START INCREMENT "
+                     "SAMPLES (a linear ramp) or a constant --global-batch-size")
+    if args.recompute_activations:
+        if args.recompute_granularity not in (None, "selective"):
+            parser.error("argument --recompute-activations: not allowed with --recompute-granularity "
+                         f"{args.recompute_granularity} (it means selective)")
+        args.recompute_granularity = "selective"
+    if args.kv_channels is None:
+        if args.hidden_size % args.num_attention_heads:
+            parser.error("argument --num-attention-heads: must divide --hidden-size "
+                         f"({args.hidden_size} % {args.num_attention_heads} != 0) unless --kv-channels is given")
+        args.kv_channels = default_kv_channels(args.hidden_size, args.num_attention_heads)
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = default_ffn_hidden_size(args.hidden_size, args.swiglu)
+        if args.ffn_hidden_size == 0:
+            parser.error(f"argument --swiglu: the default FFN size int(8*{args.hidden_size}/3/64)*64 is 0 for "
+                         f"--hidden-size {args.hidden_size}; give --ffn-hidden-size")
+    if not args.group_query_attention:
+        args.num_query_groups = None  # Megatron-LM ignores --num-query-groups without --group-query-attention
+    elif args.num_query_groups is None:
+        args.num_query_groups = 1  # Megatron-LM's default: one KV head
+
+
+def validate(parser, args) -> None:
+    """Everything else: runs after the core checks. What the hardware lacks is named first."""
+    optional_kernels.resolve(args, optional_kernels.Kernels.detect(args.device), parser.error)
+    _validate_training_length(parser, args)
+    lr_schedule.validate(args, parser.error)
+    if args.decoupled_min_lr is not None and args.decoupled_lr is None:
+        parser.error("argument --decoupled-min-lr: requires --decoupled-lr")
+    if args.context_parallel_size > 1:
+        # megatron-core's context parallelism runs only in transformer-engine's attention.
+        missing = optional_kernels.Kernels.detect(args.device).missing_te()
+        why = (f"needs transformer-engine's attention on CUDA, and {missing}" if missing else
+               "not supported by this training layer yet (context-sharded batches)")
+        parser.error(f"argument --context-parallel-size {args.context_parallel_size}: {why}; use 1")
+    virtual_pipeline.validate(parser, args)
+    if args.grad_reduce_in_bf16 and not args.bf16:
+        args.grad_reduce_in_bf16 = False  # only meaningful with bf16, as in Megatron-LM
+    if args.profile and args.profile_step_end <= args.profile_step_start:
+        parser.error(f"argument --profile-step-end: {args.profile_step_end} must be above "
+                     f"--profile-step-start {args.profile_step_start}")
+
+
+def _validate_training_length(parser, args) -> None:
+    if args.train_iters is None and args.train_samples is None:
+        parser.error("argument --train-iters: give --train-iters or --train-samples")
+    if args.train_iters is not None and args.train_samples is not None:
+        parser.error("argument --train-samples: not allowed with --train-iters")

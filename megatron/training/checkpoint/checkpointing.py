@@ -1,0 +1,375 @@
+"""Checkpoint save/load through megatron-core ``dist_checkpointing``, in Megatron-LM's torch_dist layout.
+
+``SAVE/iter_0000005/`` (a dist_checkpointing directory) and ``SAVE/latest_checkpointed_iteration.txt``,
+plus the completeness proof of checkpoint_integrity. The state dict has Megatron-LM's keys:
+'args' (a Namespace; the data position in its consumed_train_samples), 'checkpoint_version' 3.0,
+'iteration', 'model' ('model0', 'model1', ... with virtual pipeline chunks), 'optimizer'
+(DistributedOptimizer ``dp_reshardable``), 'opt_param_scheduler', 'rng_state' (a ShardedObject
+per (pp, tp) position holding the list of its data-parallel ranks' states, as upstream's
+--data-parallel-random-init) and 'num_floating_point_operations_so_far'. So a Megatron-LM GPT
+checkpoint loads here and a resumed run continues bit for bit. With offload, the optimizer's
+Adam state is streamed beside it into ``iter_N/offload/`` and either form loads into either kind of
+optimizer (optimizer_state_crossing).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+import time
+from typing import Optional
+
+import torch
+from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.distributed import DistributedDataParallel
+
+from megatron.training.checkpoint import integrity
+from megatron.training.checkpoint.saved_args import args_to_save
+from megatron.training.checkpoint.format import check_format, load_strategies, save_strategies
+from megatron.training.checkpoint.integrity import checkpoint_dir
+from megatron.training.checkpoint.rng import (all_data_parallel_rng_states, legacy_rng_sharded_object,
+                                              rng_sharded_object, set_rng_state, this_rank_rng_state)
+from megatron.training.checkpoint.load_plan import FROM_OFFLOADED, SAME_FORM, LoadPlan
+from megatron.training.errors import UserError
+from megatron.training.checkpoint.megatron_adam_state import (megatron_optimizers, prepare_fresh_optimizer_for_load,
+                                                              restore_adam_steps)
+from megatron.training.checkpoint.crossing import fill_distributed_optimizer, load_into_engine
+from megatron.training.runtime.optimizer_interface import OffloadedOptimizerCheckpoint
+from megatron.training.runtime.progress import MemoryGrowth, gb_and_rate
+from mlp_offload.checkpoint import CheckpointSaveError, human_bytes
+from mlp_offload.faults import fault_point
+
+
+class _OurMarkerIsNotACorruptCheckpoint(logging.Filter):
+    """dist_checkpointing warns "Overwriting old incomplete / corrupted checkpoint" whenever the
+    directory is not empty, which it never is here: SAVE_IN_PROGRESS goes in first (see
+    checkpoint_integrity), and anything else unfinished was removed before the save began."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Overwriting old incomplete / corrupted checkpoint")
+
+
+logging.getLogger("megatron.core.dist_checkpointing.serialization").addFilter(_OurMarkerIsNotACorruptCheckpoint())
+
+
+OPTIMIZER_SHARDING = "dp_reshardable"
+CHECKPOINT_VERSION = 3.0  # Megatron-LM's, for torch_dist checkpoints
+# What a file system says when the user must act (space, quota, permissions, a vanished or failing disk).
+STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.EIO}
+
+
+def _unwrap(chunk):
+    """DDP -> Float16Module/GPTModel: DDP itself has no sharded_state_dict."""
+    return chunk.module if isinstance(chunk, DistributedDataParallel) else chunk
+
+
+def _model_state(model, metadata) -> dict:
+    """'model', or 'model0', 'model1', ... for virtual pipeline chunks (as upstream)."""
+    if len(model) == 1:
+        return {"model": _unwrap(model[0]).sharded_state_dict(metadata=metadata)}
+    return {f"model{i}": _unwrap(chunk).sharded_state_dict(metadata=metadata) for i, chunk in enumerate(model)}
+
+
+def sharding_metadata() -> dict:
+    """What Megatron-LM passes to sharded_state_dict; it decides key names and the optimizer form."""
+    return {"distrib_optim_sharding_type": OPTIMIZER_SHARDING, "singleton_local_shards": False,
+            "chained_optim_avoid_prefix": True,
+            "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
+
+
+def _state_to_save(args, model, optimizer, scheduler, iteration, consumed_samples) -> dict:
+    metadata = sharding_metadata()
+    state = {"args": args_to_save(args, consumed_samples), "checkpoint_version": CHECKPOINT_VERSION,
+             "iteration": iteration}
+    state.update(_model_state(model, metadata))
+    if not args.no_save_optim:
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=False, metadata=metadata)
+        state["opt_param_scheduler"] = scheduler.state_dict()
+    if not args.no_save_rng:
+        state["rng_state"] = rng_sharded_object(all_data_parallel_rng_states())
+    state["num_floating_point_operations_so_far"] = getattr(args, "num_floating_point_operations_so_far", 0)
+    return state
+
+
+def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, consumed_samples: int, args,
+                    background=None) -> str:
+    """Save everything into ``root/iter_N`` and record it as the latest; see checkpoint_integrity for
+    the order that makes a crash at any point leave the previous checkpoint as the one to resume.
+
+    With ``background`` (async_save.BackgroundSaves, --async-save) the torch_dist files are written
+    by a background process and the offloaded optimizer state by a thread, from a snapshot taken
+    here (mlp_offload.snapshot); the checkpoint is completed in the finalize step."""
+    path = checkpoint_dir(root, iteration)
+    held_from = time.perf_counter()  # training waits from here, for the previous background save too
+    if background is not None:
+        background.finish()  # the previous background save is complete (or has failed) first
+    started = time.perf_counter()
+    save_optimizer = not args.no_save_optim
+    if not _begin_save(root, path, iteration, model, optimizer if save_optimizer else None):
+        return path
+    state = _state_to_save(args, model, optimizer, scheduler, iteration, consumed_samples)
+    request, offload_bytes, offload_s, failure, offload_write = None, 0, 0.0, None, None
+    try:
+        request = dist_checkpointing.save(state, path, async_sharded_save=background is not None,
+                                          **save_strategies(args))
+        if save_optimizer and isinstance(optimizer, OffloadedOptimizerCheckpoint):  # streamed beside it, a file per rank
+            t0 = time.perf_counter()
+            if background is None:
+                offload_bytes = optimizer.save_offloaded_state(path)
+            else:
+                offload_write = optimizer.start_offloaded_save(path)  # a snapshot, written once started
+            offload_s = time.perf_counter() - t0
+    except (CheckpointSaveError, OSError) as err:
+        failure = _save_failure(err, path)
+    try:
+        _fail_together(failure, root, path)  # before any background write starts: nothing to stop
+    except UserError:
+        if offload_write is not None:
+            offload_write.cancel()
+        raise
+    if background is None:
+        offload_bytes, offload_s = _slowest_rank([offload_bytes, offload_s], model)
+        total = _complete(root, path, iteration)
+        offload = ""
+        if offload_bytes > 0:
+            offload = (f"; offloaded optimizer state {human_bytes(offload_bytes)} per rank at "
+                       f"{offload_bytes / max(offload_s, 1e-9) / 1e9:.2f} GB/s")
+        _print_rank0(f"> saved checkpoint at iteration {iteration} to {root}: {human_bytes(total)} in "
+                     f"{time.perf_counter() - started:.1f} s{offload}")
+        return path
+    on_written = _BackgroundCompletion(root, path, iteration, started, offload_write, model)
+    background.schedule(request, on_written, offload_write)
+    fault_point("save-scheduled")
+    on_written.held_s, previous_s = _slowest_rank([time.perf_counter() - held_from, started - held_from], model)
+    previous = f" ({previous_s:.2f} s of it for the previous save to finish)" if previous_s >= 0.005 else ""
+    what = "its torch_dist files"
+    if offload_write is not None:
+        what += f" and offloaded optimizer state ({human_bytes(offload_write.nbytes)} per rank)"
+    _print_rank0(f"> checkpoint at iteration {iteration}: training held {on_written.held_s:.2f} s{previous}; {what} "
+                 f"are being written in the background to {path} (--async-save)")
+    return path
+
+
+def _save_failure(err: BaseException, path: str) -> str:
+    """A failed write of this rank as one line; anything but the file system's doing is a bug."""
+    rank = torch.distributed.get_rank()
+    if isinstance(err, CheckpointSaveError):
+        return f"rank {rank}: {err}"
+    if isinstance(err, OSError) and err.errno in STORAGE_ERRNOS:
+        return f"rank {rank}: {path}: {err.strerror or err}"
+    raise err
+
+
+def _begin_save(root: str, path: str, iteration: int, model, optimizer) -> bool:
+    """Mark ``path`` in progress and check the space; False where a complete one is there already."""
+    decision = [None]
+    if torch.distributed.get_rank() == 0:
+        os.makedirs(root, exist_ok=True)
+        needed, lines = integrity.clear_for_save(root, iteration)
+        for line in lines:
+            print(f"> {line}", flush=True)
+        if needed:
+            integrity.mark_in_progress(path)
+        decision = [needed]
+    torch.distributed.broadcast_object_list(decision, src=0)
+    if decision[0]:
+        _check_free_space(root, path, iteration, model, optimizer)
+    return decision[0]
+
+
+def _complete(root: str, path: str, iteration: int) -> int:
+    """After every rank's files: rank 0 writes the proof, then the tracker. Returns the bytes (rank 0)."""
+    fault_point("save-complete")
+    total = 0
+    if torch.distributed.get_rank() == 0:
+        total = integrity.mark_complete(path, iteration)
+    fault_point("save-tracker")
+    if torch.distributed.get_rank() == 0:
+        integrity.write_tracker(root, iteration)
+    return total
+
+
+class _BackgroundCompletion:
+    """What the finalize step of a background save does once every rank's writers have ended: all
+    ranks agree it succeeded, the proof and the tracker, and the line with what training paused."""
+
+    def __init__(self, root: str, path: str, iteration: int, started: float, offload_write, model):
+        self.root, self.path, self.iteration, self.started = root, path, iteration, started
+        self.offload_write = offload_write  # mlp_offload.checkpoint_write.BackgroundStateWrite or None
+        self.model = model
+        self.held_s = 0.0  # the save's own hold, the slowest rank's (set once the save returns)
+
+    def __call__(self, failure: Optional[str]) -> None:
+        write = self.offload_write
+        if failure is None and write is not None and write.failure is not None:
+            failure = _background_failure(write.failure, self.path)
+        _fail_together(failure, self.root, self.path)
+        total = _complete(self.root, self.path, self.iteration)
+        line = (f"> saved checkpoint at iteration {self.iteration} to {self.root} (finalized in the background): "
+                f"{gb_and_rate(total, time.perf_counter() - self.started)} since the save began")
+        if write is not None:
+            nbytes, write_s, paused_s = _slowest_rank([write.nbytes, write.write_s, write.paused_s], self.model)
+            line += (f"; offloaded optimizer state {gb_and_rate(nbytes, write_s)} per rank written in the background; "
+                     f"training paused {self.held_s + paused_s:.2f} s ({self.held_s:.2f} s at the save, "
+                     f"{paused_s:.2f} s in the updates after it)")
+        _print_rank0(line)
+
+
+def _background_failure(err: BaseException, path: str) -> str:
+    """The writer thread's failure as one line: every rank stops with it (a bug too, not only the
+    file system, since the thread cannot raise into training)."""
+    try:
+        return _save_failure(err, path)
+    except BaseException:
+        return (f"rank {torch.distributed.get_rank()}: writing the offloaded optimizer state failed: "
+                f"{type(err).__name__}: {err}")
+
+
+def _slowest_rank(figures, model) -> list:
+    figures = torch.tensor(figures, dtype=torch.float64, device=_device(model))
+    torch.distributed.all_reduce(figures, op=torch.distributed.ReduceOp.MAX)
+    return figures.tolist()
+
+
+def _check_free_space(root: str, path: str, iteration: int, model, optimizer) -> None:
+    """Refuse before writing anything when the file system cannot hold the checkpoint."""
+    needed = torch.tensor([_bytes_this_rank_saves(model, optimizer)], dtype=torch.float64, device=_device(model))
+    torch.distributed.all_reduce(needed)  # on the model's device: NCCL reduces no CPU tensors
+    verdict = [None]
+    if torch.distributed.get_rank() == 0:
+        st = os.statvfs(root)
+        free = st.f_bavail * st.f_frsize
+        if needed.item() > free:
+            shutil.rmtree(path)  # holds only its in-progress marker
+            verdict = [f"--save {root}: the checkpoint of iteration {iteration} needs about "
+                       f"{human_bytes(needed.item())}, but only {human_bytes(free)} are free there; nothing was "
+                       f"written and the previous checkpoints are untouched: free space or use another --save"]
+    torch.distributed.broadcast_object_list(verdict, src=0)
+    if verdict[0]:
+        raise UserError(verdict[0])
+
+
+def _device(model) -> torch.device:
+    return next(model[0].parameters()).device
+
+
+def _bytes_this_rank_saves(model, optimizer) -> int:
+    """Model weights once per data-parallel replica group; optimizer state once per shard."""
+    numel = sum(p.numel() for chunk in model for p in chunk.parameters())
+    weights = sum(p.numel() * p.element_size() for chunk in model for p in chunk.parameters())
+    first_replica = parallel_state.get_data_parallel_rank() == 0
+    if optimizer is None:  # --no-save-optim
+        return weights * first_replica
+    if isinstance(optimizer, OffloadedOptimizerCheckpoint):
+        return weights * first_replica + optimizer.offloaded_state_bytes()
+    # megatron-core's distributed optimizer: fp32 master, exp_avg and exp_avg_sq of this rank's shard
+    return weights * first_replica + 12 * numel // parallel_state.get_data_parallel_world_size()
+
+
+def _fail_together(failure: Optional[str], root: str, path: str) -> None:
+    """Every rank learns whether any rank's part of the save failed; then all stop with its message."""
+    failures = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(failures, failure)
+    first = next((f for f in failures if f), None)
+    if first is None:
+        return
+    if torch.distributed.get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)  # still marked in progress: provably incomplete
+    torch.distributed.barrier()
+    raise UserError(f"--save {root}: {first}; the unfinished {path} was removed and the previous checkpoints are "
+                    f"untouched")
+
+
+def load_checkpoint(root: str, model, optimizer, scheduler, args):
+    """Restore what the flags ask for; returns (iteration, consumed_samples), or (0, 0) when nothing
+    is saved (and with --finetune, which loads the weights only)."""
+    if not os.path.isdir(root):
+        raise UserError(f"--load {root}: not a directory")
+    choice = [None]
+    if torch.distributed.get_rank() == 0:
+        try:
+            iteration, notes = integrity.choose_checkpoint(root)
+            choice = [(iteration, notes, None)]
+        except ValueError as err:
+            choice = [(None, [], str(err))]
+    torch.distributed.broadcast_object_list(choice, src=0)
+    iteration, notes, problem = choice[0]
+    if problem:
+        raise UserError(f"--load {root}: {problem}")
+    for note in notes:
+        _print_rank0(f"> {note}")
+    if iteration is None:
+        return 0, 0
+    path = checkpoint_dir(root, iteration)
+    check_format(path, args)
+    common = dist_checkpointing.load_common_state_dict(path)
+    plan = LoadPlan.make(common, path, optimizer, args)
+    for note in plan.notes:
+        _print_rank0(f"> {note}")
+
+    metadata = sharding_metadata()
+    template = _model_state(model, metadata)
+    if plan.optimizer == SAME_FORM:
+        if not plan.run_offloaded:
+            prepare_fresh_optimizer_for_load(optimizer)
+        template["optimizer"] = optimizer.sharded_state_dict(template, is_loading=True, metadata=metadata)
+    if plan.rng == "upstream":
+        template["rng_state"] = rng_sharded_object(None)
+    elif plan.rng == "legacy":
+        template["rng_state"] = legacy_rng_sharded_object()
+    state = dist_checkpointing.load(template, path, **load_strategies(args, path))
+
+    for key in _model_state_keys(model):
+        _unwrap(model[int(key[5:] or 0)]).load_state_dict(state[key])
+    _load_optimizer(plan, optimizer, model, state, common, path, args)
+    if plan.scheduler:
+        scheduler.load_state_dict(common["opt_param_scheduler"])
+    if plan.rng:
+        set_rng_state(this_rank_rng_state(state["rng_state"], plan.rng))
+    torch.distributed.barrier()
+    if args.finetune:
+        return 0, 0
+    args.num_floating_point_operations_so_far = common.get("num_floating_point_operations_so_far", 0)
+    return common["iteration"], plan.consumed_samples
+
+
+def _model_state_keys(model):
+    return ["model"] if len(model) == 1 else [f"model{i}" for i in range(len(model))]
+
+
+def _load_optimizer(plan, optimizer, model, state, common, path, args) -> None:
+    if plan.optimizer is None:
+        optimizer.reload_model_params()  # the master copy starts from the loaded weights
+    elif plan.optimizer == SAME_FORM:
+        optimizer.load_state_dict(state["optimizer"])
+        if plan.run_offloaded:
+            optimizer.load_offloaded_state(path)
+        else:
+            restore_adam_steps(optimizer, state["optimizer"])
+    elif plan.optimizer == FROM_OFFLOADED:
+        prepare_fresh_optimizer_for_load(optimizer)  # the target's own state: allocated before the conversion
+        _convert("the offloaded form", path, args, model, lambda max_bytes: fill_distributed_optimizer(
+            megatron_optimizers(optimizer), model, path, common["optimizer"]["offload_meta"], max_bytes))
+    else:  # FROM_DISTRIBUTED
+        saved = common.get("args")
+        scaled = bool(getattr(saved, "fp16", False) or getattr(saved, "loss_scale", None))
+        _convert("megatron-core's distributed optimizer form", path, args, model, lambda max_bytes: load_into_engine(
+            optimizer, path, scaled and optimizer.grad_scaler is not None, max_bytes))
+
+
+def _convert(source: str, path: str, args, model, conversion) -> None:
+    """Run ``conversion(max_bytes)`` and say how long it took and how much memory it added at most."""
+    started, growth = time.perf_counter(), MemoryGrowth()
+    conversion(args.ckpt_convert_memory_mb << 20)
+    grown = growth.peak_bytes()
+    seconds, grown_mb = _slowest_rank([time.perf_counter() - started, -1 if grown is None else grown / 2**20], model)
+    memory = "" if grown_mb < 0 else f"; memory grew by at most {grown_mb:.0f} MB on any rank meanwhile"
+    _print_rank0(f"> optimizer state converted from {source} in {path} in {seconds:.1f} s, in pieces of at most "
+                 f"{args.ckpt_convert_memory_mb} MB (--ckpt-convert-memory-mb){memory}")
+
+
+def _print_rank0(line: str) -> None:
+    if torch.distributed.get_rank() == 0:
+        print(line, flush=True)

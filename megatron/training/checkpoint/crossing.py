@@ -1,0 +1,154 @@
+"""Load optimizer state saved by the other kind of optimizer: offloaded <-> megatron-core's own.
+
+A checkpoint holds the Adam state either in ``iter_N/offload/`` files (the offload engine) or as
+megatron-core's DistributedOptimizer ``dp_reshardable`` tensors (one flat tensor per DDP bucket and
+state key, under ``optimizer.distributed.dp_group_idx_G.gbuf_idx_B.dtype_D.bucket_idx_K.KEY``).
+Both hold the same numbers (fp32 master params, exp_avg, exp_avg_sq, the step count) over the
+same DDP buckets, so either optimizer can resume from either form and continue bit for bit.
+
+Memory: both directions move the state in pieces of at most ``max_bytes`` (--ckpt-convert-memory-mb),
+beside what the target optimizer holds anyway. Offload -> plain reads each parameter's slice in
+chunks straight into megatron-core's tensors, the offload files' reader caching no stored tensor
+larger than its share. Plain -> offload reads, for each subgroup the engine asks for, its elements
+straight from the torch_dist files (torch_dist_ranges: no collective, so no rounds to agree on, and
+never a whole saved item), one chunk at a time.
+"""
+
+from __future__ import annotations
+
+from typing import List, Tuple
+
+import torch
+from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+from megatron.training.checkpoint.offload_files import STATE_KEYS
+from megatron.training.checkpoint.offload_state_source import OffloadedStateSource
+from megatron.training.checkpoint.torch_dist_ranges import FlatTensorRanges
+from mlp_offload.checkpoint import CheckpointDataError
+
+FP32 = 4
+
+
+def _dp_group_idx() -> int:
+    """The index megatron-core names its optimizer keys by: the rank in the model-parallel group."""
+    return torch.distributed.get_rank(parallel_state.get_model_parallel_group())
+
+
+def _key_prefix() -> str:
+    return f"optimizer.distributed.dp_group_idx_{_dp_group_idx()}"
+
+
+# -- offloaded files -> megatron-core's DistributedOptimizer -------------------------------------
+def fill_distributed_optimizer(dist_optimizers: List, model_chunks, checkpoint_dir: str, offload_meta: dict,
+                               max_bytes: int) -> None:
+    """Put the offloaded state of ``checkpoint_dir`` (saved at any DP, TP and PP) into megatron-core's
+    optimizer(s), ``max_bytes`` at a time: half for a piece in flight (read straight into megatron-core's
+    tensors, one state after the other), half for the files' reader."""
+    chunk = max(1, max_bytes // 2 // FP32)
+    with OffloadedStateSource(checkpoint_dir, model_chunks, cache_bytes=max_bytes // 2) as saved:
+        for opt in dist_optimizers:
+            for param, piece in _param_pieces(opt):
+                if getattr(opt.config, "use_precision_aware_optimizer", False):
+                    _set_whole_piece(opt, saved, param, piece)  # its setter scales whole tensors
+                    continue
+                targets = opt._get_main_param_and_optimizer_states(param)
+                for lo in range(0, piece.size, chunk):
+                    hi = min(piece.size, lo + chunk)
+                    saved.read(param, piece.start + lo, piece.start + hi,
+                               [targets[name].view(-1)[lo:hi] for name in STATE_KEYS])
+            _set_adam_step(opt, saved.steps_done)
+            if opt.grad_scaler is not None and offload_meta.get("grad_scaler"):
+                opt.grad_scaler.load_state_dict(offload_meta["grad_scaler"])
+
+
+def _param_pieces(opt):
+    """(param, its range in this rank's shard) for every parameter of megatron-core's optimizer."""
+    for gbuf_range_maps in opt.gbuf_ranges:
+        for bucket_maps in gbuf_range_maps.values():
+            for bucket_map in bucket_maps:
+                for param, ranges in bucket_map["param_map"].items():
+                    yield param, ranges["param"]
+
+
+def _set_whole_piece(opt, saved, param, piece) -> None:
+    outs = [torch.empty(piece.size, dtype=torch.float32) for _ in STATE_KEYS]
+    saved.read(param, piece.start, piece.end, outs)
+    opt._set_main_param_and_optimizer_states(param, dict(zip(STATE_KEYS, outs)))
+
+
+def _set_adam_step(opt, steps: int) -> None:
+    for state in opt.optimizer.state.values():
+        state["step"] = torch.tensor(float(steps), dtype=torch.float32)  # one tensor per param, not shared
+
+
+# -- megatron-core's dp_reshardable tensors -> the offload engine --------------------------------
+class PlainShardSource:
+    """This rank's part of a plain checkpoint's optimizer state, laid out as the offload engine's flat
+    index space (the same DDP bucket shards), read a chunk at a time as the engine's load asks."""
+
+    def __init__(self, layout, checkpoint_dir: str, has_grad_scaler: bool, max_bytes: int):
+        dp_rank, prefix = parallel_state.get_data_parallel_rank(with_context_parallel=True), _key_prefix()
+        self.chunk = max(1, max_bytes // FP32)
+        # (flat start, flat end, key, its first element's place in the saved flat bucket tensor)
+        self.pieces: List[Tuple[int, int, str, int]] = []
+        piece_index = 0
+        for gbuf_idx, gbuf_range_maps in enumerate(layout.gbuf_ranges):
+            for dtype, bucket_maps in gbuf_range_maps.items():
+                for bucket_idx, _ in enumerate(bucket_maps):
+                    piece = layout.pieces[piece_index]
+                    piece_index += 1
+                    global_start = dp_rank * piece.numel
+                    length = min(piece.numel, piece.buffer.buckets[bucket_idx].numel_unpadded - global_start)
+                    if length > 0:  # the DP padding is not saved
+                        key = f"{prefix}.gbuf_idx_{gbuf_idx}.dtype_{dtype}.bucket_idx_{bucket_idx}"
+                        self.pieces.append((piece.flat_start, piece.flat_start + length, key, global_start))
+        self._param_ranges = layout.flat_ranges(layout.param_flat_range)
+        replica = (0, 0, dp_rank)  # as megatron-core's: one copy per model-parallel position
+        self.sharded = {"optimizer": ShardedObject(f"{prefix}.optimizer", None, (1,), (0,), replica_id=replica)}
+        if has_grad_scaler:
+            self.sharded["grad_scaler"] = ShardedObject(f"{prefix}.grad_scaler", None, (1,), (0,), replica_id=replica)
+        self.ranges = FlatTensorRanges(checkpoint_dir)
+
+    def steps_and_scaler(self, loaded: dict) -> Tuple[int, dict]:
+        groups = loaded["optimizer"].get("param_groups", [])
+        steps = {int(g["step"]) for g in groups if "step" in g}
+        if len(steps) != 1:
+            raise CheckpointDataError(f"the checkpoint's optimizer param groups give steps {sorted(steps)}, not one")
+        return steps.pop(), loaded.get("grad_scaler")
+
+    def fill(self, sg, *outs) -> None:
+        """The engine's load callback: subgroup [sg.start, sg.end) of this rank's shard."""
+        for out in outs:
+            out.zero_()  # padding between parameters: megatron-core saves none
+        for a, b in self._param_ranges:
+            c, hi = max(a, sg.start), min(b, sg.end)
+            while c < hi:
+                key, first, piece_end = self._saved_place(c)
+                d = min(hi, c + self.chunk, piece_end)
+                for name, out in zip(STATE_KEYS, outs):
+                    self.ranges.read(f"{key}.{name}", first, first + d - c, out[c - sg.start: d - sg.start])
+                c = d
+
+    def _saved_place(self, flat: int) -> Tuple[str, int, int]:
+        """(key, element) of flat position ``flat`` in the saved bucket tensors, and where its piece ends."""
+        for start, end, key, global_start in self.pieces:
+            if start <= flat < end:
+                return key, global_start + flat - start, end
+        raise CheckpointDataError(f"flat element {flat} of this rank's shard lies in no saved bucket")
+
+    def close(self) -> None:
+        self.ranges.close()
+
+
+def load_into_engine(facade, checkpoint_dir: str, has_grad_scaler: bool, max_bytes: int) -> None:
+    """Fill the offload facade's engine (and grad scaler) from a plain checkpoint's optimizer state."""
+    source = PlainShardSource(facade.layout, checkpoint_dir, has_grad_scaler, max_bytes)
+    try:
+        loaded = dist_checkpointing.load(source.sharded, checkpoint_dir)  # the small objects: collective
+        steps, scaler = source.steps_and_scaler(loaded)
+        facade.engine.load_state(source.fill, steps_done=steps)
+    finally:
+        source.close()
+    if facade.grad_scaler is not None and scaler:
+        facade.grad_scaler.load_state_dict(scaler)

@@ -1,0 +1,111 @@
+"""What a load restores, decided from the flags and what the checkpoint holds (its common state).
+
+The optimizer state loads in its own form, is converted between the offloaded and megatron-core's
+distributed-optimizer forms (optimizer_state_crossing), or is skipped (--no-load-optim,
+--finetune: the optimizer then starts from the loaded weights). RNG states load where the
+checkpoint's (pp, tp, dp) layout is this run's: they are per rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from megatron.core import parallel_state
+
+from megatron.training.errors import UserError
+from megatron.training.runtime.optimizer_interface import OffloadedOptimizerCheckpoint
+
+SAME_FORM, FROM_OFFLOADED, FROM_DISTRIBUTED = "same form", "from offloaded", "from distributed"
+
+
+@dataclass
+class LoadPlan:
+    optimizer: Optional[str]  # SAME_FORM, FROM_OFFLOADED, FROM_DISTRIBUTED; None: weights only
+    run_offloaded: bool
+    scheduler: bool
+    rng: Optional[str]  # "upstream" (Megatron-LM's layout), "legacy" (this repo's earlier one), None
+    consumed_samples: int
+    notes: List[str] = field(default_factory=list)
+
+    @classmethod
+    def make(cls, common: dict, path: str, optimizer, args) -> "LoadPlan":
+        saved = common.get("args")
+        legacy = "parallel_layout" in common  # written before this repo used Megatron-LM's keys
+        run_offloaded = isinstance(optimizer, OffloadedOptimizerCheckpoint)
+        ckpt_offloaded = saved_in_offloaded_form(common)
+        has_optimizer = "opt_param_scheduler" in common  # saved together, as upstream
+        wanted = not (args.no_load_optim or args.finetune)
+        if wanted and not has_optimizer:
+            raise UserError(f"--load {path}: the checkpoint holds no optimizer state (saved with --no-save-optim); "
+                            f"pass --no-load-optim or --finetune to load its weights only")
+        form = None
+        if wanted:
+            form = SAME_FORM if ckpt_offloaded == run_offloaded else (
+                FROM_OFFLOADED if ckpt_offloaded else FROM_DISTRIBUTED)
+        if form in (SAME_FORM, FROM_DISTRIBUTED) and not ckpt_offloaded:
+            _check_plain_state_layout(common, saved, path)
+        notes = [] if wanted else [f"loading the weights only ({'--finetune' if args.finetune else '--no-load-optim'})"]
+        rng, why_not = _rng_plan(common, saved, legacy, args)
+        if why_not:
+            notes.append(why_not)
+        consumed = common.get("consumed_train_samples", 0) if legacy else getattr(saved, "consumed_train_samples", 0)
+        return cls(form, run_offloaded, wanted, rng, consumed or 0, notes)
+
+
+def saved_in_offloaded_form(common: dict) -> bool:
+    """Whether a checkpoint (its common state) holds the optimizer state in offload files."""
+    saved_optimizer = common.get("optimizer")
+    return isinstance(saved_optimizer, dict) and "offload_meta" in saved_optimizer
+
+
+def _model_parallel_words(tp, pp, vpp) -> str:
+    return f"TP={tp} PP={pp}" + (f" VPP={vpp}" if vpp else "")
+
+
+def _check_plain_state_layout(common: dict, saved, path: str) -> None:
+    """megatron-core's dp_reshardable state (Megatron-LM's default) is one flat tensor per DDP bucket
+    of each model-parallel position: it reshards across DP only. Say so before dist_checkpointing's
+    KeyError or shape mismatch."""
+    sharding = (common.get("content_metadata") or {}).get("distrib_optim_sharding_type") or \
+        (common.get("optimizer") or {}).get("param_state_sharding_type")
+    if saved is None or sharding not in (None, "dp_reshardable"):
+        return  # fully_reshardable and the like reshard by themselves
+    then = (saved.tensor_model_parallel_size, saved.pipeline_model_parallel_size,
+            getattr(saved, "virtual_pipeline_model_parallel_size", None))
+    now = (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size(),
+           parallel_state.get_virtual_pipeline_model_parallel_world_size())
+    if then != now:
+        raise UserError(f"--load {path}: its optimizer state is megatron-core's dp_reshardable form, saved at "
+                        f"{_model_parallel_words(*then)}; it loads only at those TP, PP and virtual pipeline sizes, "
+                        f"this run is {_model_parallel_words(*now)}: resume at {_model_parallel_words(*then)}, convert "
+                        f"it there with tools/convert_offload_checkpoint.py --to offload (the offloaded form "
+                        f"reshards), or pass --no-load-optim to load the weights only")
+
+
+def _layout_now() -> dict:
+    return {"tp": parallel_state.get_tensor_model_parallel_world_size(),
+            "pp": parallel_state.get_pipeline_model_parallel_world_size(),
+            "dp": parallel_state.get_data_parallel_world_size()}
+
+
+def _rng_plan(common, saved, legacy: bool, args):
+    """(form to load, or None; a note on why not, or None)."""
+    if args.no_load_rng or args.finetune:
+        return None, None
+    now = _layout_now()
+    if legacy:
+        then = common["parallel_layout"]
+        per_dp = True
+    else:
+        if saved is None or getattr(saved, "no_save_rng", False):
+            return None, "the checkpoint holds no RNG states: they start from --seed"
+        then = {"tp": saved.tensor_model_parallel_size, "pp": saved.pipeline_model_parallel_size,
+                "dp": getattr(saved, "data_parallel_size", None)}
+        # Upstream saves one state per (pp, tp) unless --data-parallel-random-init; this repo, every DP rank's.
+        per_dp = getattr(saved, "data_parallel_random_init", True)
+    same = then["tp"] == now["tp"] and then["pp"] == now["pp"] and (then["dp"] == now["dp"] or not per_dp)
+    if not same:
+        return None, (f"checkpoint layout {then} differs from this run's {now}: resharding; RNG states start "
+                      f"from --seed")
+    return ("legacy" if legacy else "upstream"), None

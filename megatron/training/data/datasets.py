@@ -1,0 +1,145 @@
+"""Datasets and the resumable micro-batch iterator.
+
+- Tokenizers live in ``tokenizers`` (re-exported here for older imports).
+- ``MockGPTData``: deterministic, learnable sequences derived from (seed, sample index) only.
+- ``build_gpt_datasets``: real data through megatron-core's indexed datasets and
+  ``BlendedMegatronDatasetBuilder`` / ``GPTDataset``.
+- ``MicroBatchIterator``: Megatron's pretraining sampler order, restartable from consumed samples.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict
+
+import numpy as np
+import torch
+
+from megatron.training.data.byte_level_tokenizer import ByteLevelTokenizer  # noqa: F401 (re-export)
+from megatron.training.errors import UserError
+from megatron.training.data.token_range import VocabCheckedDataset, check_token_ids
+from megatron.training.data.tokenizers import (build_tokenizer, padded_vocab_size,  # noqa: F401 (re-export)
+                                          vocab_size_before_padding)
+
+
+class MockGPTData(torch.utils.data.Dataset):
+    """Arithmetic byte sequences (random start and stride per sample): learnable, so loss falls fast.
+
+    Sample ``i`` depends only on (seed, i), so every rank and every restart sees the same data.
+    """
+
+    def __init__(self, seq_length: int, seed: int, num_samples: int = 1 << 30):
+        self.seq_length = seq_length
+        self.seed = seed
+        self.num_samples = num_samples
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, idx: int) -> Dict[str, torch.Tensor]:
+        rng = np.random.default_rng([self.seed, idx])
+        start = int(rng.integers(0, 256))
+        stride = int(rng.integers(1, 8))
+        text = torch.from_numpy((start + stride * np.arange(self.seq_length + 1)) % 256).long()
+        return {
+            "tokens": text[:-1].contiguous(),
+            "labels": text[1:].contiguous(),
+            "loss_mask": torch.ones(self.seq_length, dtype=torch.float),
+            "position_ids": torch.arange(self.seq_length, dtype=torch.long),
+        }
+
+
+def _split_string(split: str) -> str:
+    return split.replace("/", ",")
+
+
+def build_gpt_datasets(args, tokenizer, train_samples: int, eval_samples: int):
+    """(train, valid) datasets: mock, or megatron-core GPTDatasets over --data-path."""
+    vocab_size = vocab_size_before_padding(args, tokenizer)
+    tokenizer_name = args.tokenizer_type or type(tokenizer).__name__
+    if args.mock_data:  # bytes: a vocabulary under 256 (NullTokenizer) gets the one-line error
+        return tuple(VocabCheckedDataset(MockGPTData(args.seq_length, seed), vocab_size, tokenizer_name)
+                     for seed in (args.seed, args.seed + 1))
+
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    from megatron.core.datasets.utils import get_blend_from_list
+
+    for prefix in args.data_path:
+        if prefix.replace(".", "", 1).isdigit():
+            continue  # a weight
+        for ext in (".bin", ".idx"):
+            if not os.path.exists(prefix + ext):
+                raise UserError(f"--data-path: {prefix + ext} does not exist "
+                                 "(make it with tools/preprocess_data.py)")
+    config = GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=get_blend_from_list(args.data_path),
+        split=_split_string(args.split),
+        path_to_cache=args.data_cache_path,
+        tokenizer=tokenizer,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=False,
+        mmap_bin_files=getattr(args, "mmap_bin_files", True),  # --no-mmap-bin-files reads them instead
+    )
+    check_token_ids(config.blend[0], vocab_size, tokenizer_name)
+    _drop_unused_or_empty_splits(config, eval_samples)
+    train, valid, _test = BlendedMegatronDatasetBuilder(
+        GPTDataset, [train_samples, eval_samples, 0], lambda: True, config).build()
+    return tuple(None if ds is None else VocabCheckedDataset(ds, vocab_size, tokenizer_name)
+                 for ds in (train, valid))
+
+
+def _drop_unused_or_empty_splits(config, eval_samples: int) -> None:
+    """Build only the splits we read, and none that holds no documents.
+
+    megatron-core 0.16.1 loops forever in GPTDataset._get_num_epochs when a split with a non-zero
+    weight gets no documents (a small corpus with the default 969,30,1 split). Setting a split's
+    range to None skips it and keeps the others' document boundaries unchanged.
+    """
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    matrix = config.split_matrix
+    num_docs = [IndexedDataset(prefix, mmap=True).document_indices.shape[0] - 1
+                for prefix in config.blend[0]]
+
+    def empty(i):
+        beg, end = matrix[i]
+        return any(int(round(end * n)) <= int(round(beg * n)) for n in num_docs)
+
+    if matrix[0] is None or empty(0):
+        raise UserError(f"--split: {config.split!r} leaves the training split with "
+                         f"no documents (the corpus has {min(num_docs)})")
+    if matrix[1] is not None and (eval_samples == 0 or empty(1)):
+        matrix[1] = None
+    matrix[2] = None  # the test split is never read
+
+
+class MicroBatchIterator:
+    """Yields this data-parallel rank's micro-batches in Megatron's sampler order.
+
+    Global step g covers samples [g*gbs, (g+1)*gbs); within it, micro-batch m of DP rank r is
+    ``mbs`` consecutive samples starting at g*gbs + m*mbs*dp + r*mbs. Restart by passing the
+    consumed-sample count. Datasets shorter than the run wrap around.
+    """
+
+    def __init__(self, dataset, consumed_samples: int, micro_batch_size: int,
+                 dp_rank: int, dp_size: int):
+        self.dataset = dataset
+        self.next_sample = consumed_samples
+        self.mbs = micro_batch_size
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Dict[str, torch.Tensor]:
+        first = self.next_sample + self.dp_rank * self.mbs
+        self.next_sample += self.mbs * self.dp_size
+        n = len(self.dataset)
+        samples = [self.dataset[(first + k) % n] for k in range(self.mbs)]
+        return torch.utils.data.default_collate(samples)

@@ -1,0 +1,65 @@
+"""Megatron-LM's precision-aware optimizer flags: the stored dtype of the master params and of
+Adam's two moments, for megatron-core's optimizer (transformer-engine's FusedAdam does the work) or
+for the offload engine (``OffloadConfig.state_dtypes``, every tier).
+"""
+
+from __future__ import annotations
+
+from megatron.training.model.kernels import Kernels
+
+DTYPE_FLAGS = ("--main-params-dtype", "--exp-avg-dtype", "--exp-avg-sq-dtype")
+_TORCH_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+
+def add_flags(g) -> None:
+    g.add_argument("--use-precision-aware-optimizer", action="store_true",
+                   help="store master params and Adam moments in the dtypes below (fp32 math, rounded on store); "
+                        "the offload engine honours it in every tier, megatron-core needs transformer-engine")
+    g.add_argument("--main-params-dtype", choices=["fp32", "fp16"], default="fp32")
+    g.add_argument("--exp-avg-dtype", choices=["fp32", "fp16", "bf16", "fp8"], default="fp32")
+    g.add_argument("--exp-avg-sq-dtype", choices=["fp32", "fp16", "bf16", "fp8"], default="fp32")
+
+
+def validate(parser, args) -> None:
+    """One line naming the flag where the dtypes cannot be honoured here."""
+    given = [(flag, _value(args, flag)) for flag in DTYPE_FLAGS if _value(args, flag) != "fp32"]
+    if not args.use_precision_aware_optimizer:
+        if given:
+            parser.error(f"argument {given[0][0]}: requires --use-precision-aware-optimizer")
+        return
+    if args.offload_tiers:
+        for flag, value in given:
+            if value == "fp8":
+                parser.error(f"argument {flag}: fp8 is not supported by the offload engine (fp32, fp16 or bf16)")
+        return
+    if not args.use_distributed_optimizer:
+        parser.error("argument --use-precision-aware-optimizer: requires the distributed optimizer "
+                     "(--use-distributed-optimizer)")
+    if not args.optimizer_cpu_offload and not Kernels.detect(args.device).transformer_engine:
+        parser.error("argument --use-precision-aware-optimizer: megatron-core's optimizer needs transformer-engine's "
+                     "FusedAdam, and transformer-engine is not installed (or use --offload-tiers)")
+
+
+def state_dtypes(args):
+    """The offload engine's stored (param, exp_avg, exp_avg_sq) dtypes."""
+    if not getattr(args, "use_precision_aware_optimizer", False):
+        return ("fp32", "fp32", "fp32")
+    return tuple(_value(args, flag) for flag in DTYPE_FLAGS)
+
+
+def optimizer_config_fields(args) -> dict:
+    """megatron-core's OptimizerConfig fields; none for the offload engine, which takes the dtypes
+    itself (megatron-core would otherwise demand transformer-engine for it)."""
+    if not getattr(args, "use_precision_aware_optimizer", False) or args.offload_tiers:
+        return {}
+    import torch
+
+    fields = {"use_precision_aware_optimizer": True}
+    for flag in DTYPE_FLAGS:
+        value = _value(args, flag)
+        fields[flag[2:].replace("-", "_")] = torch.uint8 if value == "fp8" else getattr(torch, _TORCH_NAMES[value])
+    return fields
+
+
+def _value(args, flag: str) -> str:
+    return getattr(args, flag[2:].replace("-", "_"))

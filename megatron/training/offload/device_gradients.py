@@ -1,0 +1,53 @@
+"""The engine's gradient source on a GPU, and the fence it waits on for params copied back.
+
+CUDA only: on a CPU run the facade copies grads and params itself (the CPU twin of this path).
+"""
+
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+
+from megatron.training.offload.shard_layout import ShardLayout
+
+
+class DeviceGradients:
+    """The engine's gradient source on a GPU: per subgroup, cast the bf16/fp16 grad shard to fp32
+    on the device (with the loss unscale and clip factors: fp32 multiplies round the same on GPU
+    and CPU), then copy it into the engine's pinned scratch, on a side stream, so the copy of the
+    next subgroup runs while the CPU does Adam on this one. The CPU does no conversion."""
+
+    def __init__(self, layout: ShardLayout, stream, largest: int):
+        self.layout = layout
+        self.stream = stream
+        self.staging = [torch.empty(largest, dtype=torch.float32, device=stream.device) for _ in range(2)]
+        self.events: Dict[int, object] = {}
+        self._turn = 0
+
+    def start(self, start: int, end: int, out: torch.Tensor, unscale, clip_coef) -> None:
+        buf = self.staging[self._turn % 2][: end - start]
+        self._turn += 1
+        with torch.cuda.stream(self.stream):
+            for lo, hi, view in self.layout.views(start, end, "grad"):
+                buf[lo - start: hi - start].copy_(view)
+            for factor in (unscale, clip_coef):
+                if factor is not None and factor != 1.0:
+                    buf.mul_(factor)
+            out.copy_(buf, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        self.events[start] = event
+
+    def wait(self, start: int) -> None:
+        self.events.pop(start).synchronize()
+
+
+class EventFence:
+    """What the engine waits on before reusing a host buffer that a copy still reads."""
+
+    def __init__(self, event):
+        self.event = event
+
+    def synchronize(self):
+        self.event.synchronize()

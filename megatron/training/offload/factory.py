@@ -1,0 +1,100 @@
+"""Building the offload optimizer from the ``--offload-*`` flags: the engine's config, its log and
+CPU threads; the flags and environment are read here, not in the engine. (Its telemetry file is
+one of the metrics sinks: megatron.training.metrics.sinks.)"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import List
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.optimizer import _get_param_groups_and_buffers
+from megatron.core.optimizer.optimizer_config import OptimizerConfig
+
+from megatron.training.errors import UserError
+from megatron.training.offload.optimizer import OffloadDistributedOptimizer
+from megatron.training.offload.shard import ShardGroups
+from megatron.training.offload.job_facts import PerNodeByRank0
+from megatron.training.offload.flags import config_from_args
+from megatron.training.errors import in_flags
+from mlp_offload import OffloadConfig
+
+log = logging.getLogger("mlp_offload")
+
+
+def get_offload_optimizer(args, model_chunks, config: OptimizerConfig) -> OffloadDistributedOptimizer:
+    _show_engine_log()
+    if not config.use_distributed_optimizer:
+        raise UserError("--offload-tiers requires the distributed optimizer (--use-distributed-optimizer)")
+    _set_cpu_threads(args, model_chunks)
+    offload_config = offload_config_from_args(args)
+    return OffloadDistributedOptimizer(config, offload_config, model_chunks, shard_groups(model_chunks, config),
+                                       token_store=job_store(offload_config))
+
+
+def shard_groups(model_chunks, config: OptimizerConfig) -> List[ShardGroups]:
+    """The distributed optimizers megatron-core's get_megatron_optimizer builds, as parameter groups,
+    buffers and the group each is sharded over: the dense parameters over the data-parallel group
+    and, where this rank holds experts, theirs over the expert-data-parallel group."""
+    found = []
+    for kind, expert, buffer_name, group in (
+            ("dense", False, "buffers", parallel_state.get_data_parallel_group(with_context_parallel=True,
+                                                                             partial_data_parallel=True)),
+            ("experts", True, "expert_parallel_buffers",
+             parallel_state.get_expert_data_parallel_group(partial_expert_data_parallel=True))):
+        param_groups, buffers = _get_param_groups_and_buffers(
+            model_chunks, model_chunk_offset=0, config=config, config_overrides=None,
+            filter_fn=lambda g, expert=expert: g["is_expert_parallel"] == expert, buffer_name=buffer_name)
+        if param_groups:
+            found.append(ShardGroups(kind, param_groups, buffers, group))
+    return found
+
+
+def offload_config_from_args(args) -> OffloadConfig:
+    """The engine's config from the ``--offload-*`` flags."""
+    return config_from_args(args, rank=_rank())
+
+
+def job_store(config: OffloadConfig):
+    """The job's key-value store, for I/O tokens taken across nodes (--offload-token-scope T=job)."""
+    if "job" not in config.token_scope.values():
+        return None
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
+def _show_engine_log() -> None:
+    """The engine reports placement, rates and prediction at INFO: show them, tagged by rank."""
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(f"[offload rank {_rank()}] %(levelname)s %(message)s"))
+        handler.addFilter(PerNodeByRank0())  # rank 0 prints every node's once (job_facts.report)
+        handler.addFilter(_FlagsNotFields())
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+
+
+class _FlagsNotFields(logging.Filter):
+    """The engine's warnings name config fields; the user of pretrain_gpt.py typed flags."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg, record.args = in_flags(record.getMessage()), None
+        return True
+
+
+def _set_cpu_threads(args, model_chunks) -> None:
+    # torchrun sets OMP_NUM_THREADS=1, which would starve the CPU Adam; on a GPU node give each
+    # local rank its share of the cores unless told otherwise.
+    threads = args.offload_cpu_threads
+    if threads is None and next(model_chunks[0].parameters()).is_cuda:
+        threads = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    if threads:
+        torch.set_num_threads(threads)
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0

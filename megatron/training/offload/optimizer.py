@@ -1,0 +1,174 @@
+"""megatron-core's distributed optimizer with the mlp_offload engine as its backend.
+
+What stays as megatron-core does it: DDP's param-and-grad buffers (bf16 params and grads on the
+device), the reduce-scatter of grads and all-gather of params, param groups and their shard
+ranges (its DistributedOptimizer's own range builders), the LR scheduler's view of
+``param_groups``, grad-norm clipping and fp16 loss scaling. What changes: the fp32 master shard
+and Adam state live in the engine (host memory and file tiers), never on the device.
+
+Per step: grads of this rank's shard are copied device->host per subgroup, in the engine's update
+order, on a side stream; the grad norm (and, for fp16, the inf/nan check) is computed on the
+device; the engine updates subgroup by subgroup, each updated subgroup's params are copied back
+into the device param buffer; then megatron-core's param all-gather runs as usual.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import List, Optional
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
+from megatron.core.optimizer.optimizer_config import OptimizerConfig
+
+from megatron.training.checkpoint.offloaded_state import StateWrites
+from megatron.training.offload.shard import OffloadShard, ShardGroups
+from megatron.training.runtime.optimizer_interface import (HoldsResources, OffloadedOptimizerCheckpoint,
+                                                           ReportsIteration, TrainingOptimizer)
+from mlp_offload import OffloadConfig
+
+
+class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoint, ReportsIteration, HoldsResources):
+    """The MegatronOptimizer interface the training loop uses, over one engine per distributed
+    optimizer megatron-core would build: the dense parameters' and, with experts, theirs (chained
+    as its ChainedOptimizer chains them: one grad norm over both, one clip coefficient)."""
+
+    def __init__(self, config: OptimizerConfig, offload_config: OffloadConfig, model_chunks,
+                 shard_groups: List[ShardGroups], token_store=None):
+        self.config = config
+        self.model_chunks = model_chunks
+        self.ddp_config = model_chunks[0].ddp_config
+        # The group megatron-core reduces grad statistics over for its distributed optimizers (both).
+        self.grad_stats_parallel_group = parallel_state.get_intra_distributed_optimizer_instance_group()
+        self.shards = [OffloadShard(config, config_for_shard(offload_config, groups, shard_groups), model_chunks,
+                                    groups, token_store) for groups in shard_groups]
+        first = self.shards[0]
+        # The first (dense) shard's, as megatron-core's ChainedOptimizer answers with its first.
+        self.layout, self.engine, self.grad_scaler, self.device = first.layout, first.engine, first.grad_scaler, first.device
+        self._cuda = self.device.type == "cuda"
+        self._expected_steps: Optional[int] = None  # the step count of the checkpoint being loaded
+        self.last_record = None
+        self.is_stub_optimizer = False
+
+    # -- the step ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self):
+        inv_scales = [shard.inv_scale() for shard in self.shards]
+        for shard in self.shards:
+            shard.grads_to_host()
+        norms, found_any = [], False
+        for shard, inv_scale in zip(self.shards, inv_scales):  # megatron-core's prepare_grads, one by one
+            shard_norms, found_inf = shard.grad_norms(inv_scale)
+            norms += shard_norms
+            if shard.grad_scaler is not None:
+                found = torch.tensor([float(found_inf)], device=self.device)
+                torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX,
+                                             group=self.grad_stats_parallel_group)
+                found_inf = bool(found.item())
+                shard.grad_scaler.update(found_inf)
+                found_any = found_any or found_inf
+        if found_any:
+            self.last_record = [shard.engine.step(skip=True) for shard in self.shards][0]
+            return False, None, None
+        grad_norm, clip_coef = 0.0, None
+        if self.config.clip_grad > 0.0:
+            # One norm over every shard's grads, as megatron-core's ChainedOptimizer (shared stats group).
+            grad_norm = get_grad_norm_fp32(norms, grad_stats_parallel_group=self.grad_stats_parallel_group)
+            coef = self.config.clip_grad / (grad_norm + 1.0e-6)
+            clip_coef = coef if coef < 1.0 else None
+        records = [shard.engine.step(unscale=inv_scale, clip_coef=clip_coef)
+                   for shard, inv_scale in zip(self.shards, inv_scales)]
+        self.last_record = records[0]
+        if self._cuda:
+            for shard in self.shards:
+                torch.cuda.current_stream().wait_stream(shard.copy_stream)
+        if not self.ddp_config.overlap_param_gather:
+            for chunk in self.model_chunks:
+                chunk.start_param_sync()  # dense and expert buckets both
+        return True, grad_norm, None  # no zeros counted (--log-num-zeros-in-grad is megatron-core's)
+
+    # -- the rest of the MegatronOptimizer interface ------------------------------------------
+    @property
+    def param_groups(self):
+        # Every shard's, dense first: the LR scheduler sets each group's rate (ChainedOptimizer's view).
+        return [group for shard in self.shards for group in shard.engine.param_groups]
+
+    def zero_grad(self, set_to_none: bool = True):
+        pass  # grads live in DDP's buffer, zeroed by the training loop
+
+    def get_loss_scale(self):
+        if self.grad_scaler is None:
+            return torch.tensor([1.0], dtype=torch.float32, device=self.device)
+        return self.grad_scaler.scale
+
+    def scale_loss(self, loss):
+        return self.get_loss_scale() * loss
+
+    def reload_model_params(self, state_dict=None):
+        for shard in self.shards:
+            shard.reload_model_params()
+
+    # -- checkpoints: metadata through dist_checkpointing, the state streamed beside it ----------
+    def sharded_state_dict(self, model_sharded_state_dict=None, is_loading: bool = False, **unused):
+        # The same on every rank: common (non-sharded) state, so it loads under any layout.
+        scalers = [shard.grad_scaler.state_dict() if shard.grad_scaler else None for shard in self.shards]
+        return {"offload_meta": {"steps_done": self.engine.steps_done, "grad_scaler": scalers[0],
+                                 "grad_scalers": scalers}}
+
+    def load_state_dict(self, state_dict):
+        meta = state_dict["offload_meta"]
+        scalers = meta.get("grad_scalers") or [meta.get("grad_scaler")] * len(self.shards)
+        for shard, scaler in zip(self.shards, scalers):
+            if shard.grad_scaler is not None and scaler:
+                shard.grad_scaler.load_state_dict(scaler)
+        self._expected_steps = meta["steps_done"]
+
+    def state_dict(self):
+        raise NotImplementedError("the offloaded optimizer saves through sharded_state_dict() and save_offloaded_state()")
+
+    def save_offloaded_state(self, checkpoint_dir: str) -> int:
+        return sum(shard.state_files.save(checkpoint_dir) for shard in self.shards)
+
+    def start_offloaded_save(self, checkpoint_dir: str):
+        return StateWrites([shard.state_files.start_save(checkpoint_dir) for shard in self.shards])
+
+    def offloaded_state_bytes(self) -> int:
+        return sum(shard.state_files.nbytes() for shard in self.shards)
+
+    def load_offloaded_state(self, checkpoint_dir: str) -> None:
+        for shard in self.shards:
+            shard.state_files.load(checkpoint_dir, self._expected_steps)
+
+    def last_step_record(self):
+        return self.last_record  # the dense engine's (its telemetry); the experts' engine logs its own
+
+    def state_bytes_per_tier(self) -> dict:
+        total: dict = {}
+        for shard in self.shards:
+            for tier, nbytes in shard.engine.state_bytes_per_tier().items():
+                total[tier] = total.get(tier, 0) + nbytes
+        return total
+
+    def close(self):
+        for shard in self.shards:
+            shard.engine.close()
+
+
+def config_for_shard(config: OffloadConfig, groups: ShardGroups, every: List[ShardGroups]) -> OffloadConfig:
+    """Each shard's engine config. With experts, the host budget is shared by elements (the dense
+    engine takes what rounding leaves), and the experts' engine gets its own swap namespace (a run
+    id of its own: namespaces are per rank) and trace file."""
+    if len(every) == 1:
+        return config
+    def numel(g):
+        return sum(p.numel() for group in g.param_groups for p in group["params"])
+    total, budget = max(1, sum(numel(g) for g in every)), config.host_budget_bytes
+    shares = [None if budget is None else budget * numel(g) // total for g in every]
+    if budget is not None:
+        shares[0] += budget - sum(shares)
+    share = shares[every.index(groups)]
+    if groups.kind == "dense":
+        return dataclasses.replace(config, host_budget_bytes=share)
+    return dataclasses.replace(config, run_id=f"{config.resolved_run_id()}.{groups.kind}", host_budget_bytes=share,
+                               trace_path=None if not config.trace_path else f"{config.trace_path}.{groups.kind}")
