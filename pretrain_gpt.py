@@ -13,23 +13,28 @@ import torch
 from megatron.training.errors import UserError
 
 
-def _layer_spec(args, config):
+def _layer_spec(args, config, vp_stage=None):
     """Transformer-Engine layers when --transformer-impl resolved to them (TE installed, CUDA, not
     --attention-backend local); megatron-core's local ones otherwise."""
     from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
+        get_gpt_decoder_block_spec, get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
 
     if args.transformer_impl == "transformer_engine" and args.device_resolved == "cuda":
         try:
             import transformer_engine  # noqa: F401
 
-            return get_gpt_layer_with_transformer_engine_spec(fp8=args.fp8_format)
+            if args.num_experts is not None:  # per-layer specs: --moe-layer-freq mixes dense and MoE layers
+                return get_gpt_decoder_block_spec(config, use_transformer_engine=True, vp_stage=vp_stage)
+            return get_gpt_layer_with_transformer_engine_spec(fp8=args.fp8_format, qk_layernorm=args.qk_layernorm)
         except ImportError as err:  # a broken TE build
             raise UserError(f"--transformer-impl transformer_engine: transformer-engine does not import ({err})")
     if args.sequence_parallel:
         raise UserError("--sequence-parallel: needs transformer-engine layers; "
                          "megatron-core's local layer spec uses torch norms that do not support it")
-    return get_gpt_layer_local_spec(normalization=args.normalization)
+    if args.num_experts is not None:
+        return get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=args.normalization,
+                                          vp_stage=vp_stage)
+    return get_gpt_layer_local_spec(normalization=args.normalization, qk_layernorm=args.qk_layernorm)
 
 
 def model_provider(args, config, pre_process=True, post_process=True, vp_stage=None):
@@ -38,7 +43,7 @@ def model_provider(args, config, pre_process=True, post_process=True, vp_stage=N
 
     return GPTModel(
         config=config,
-        transformer_layer_spec=_layer_spec(args, config),
+        transformer_layer_spec=_layer_spec(args, config, vp_stage),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,
@@ -47,6 +52,8 @@ def model_provider(args, config, pre_process=True, post_process=True, vp_stage=N
         position_embedding_type=args.position_embedding_type,
         rotary_base=args.rotary_base,
         rotary_percent=args.rotary_percent,
+        rope_scaling=args.use_rope_scaling,
+        rope_scaling_factor=args.rope_scaling_factor,
         vp_stage=vp_stage,
     )
 

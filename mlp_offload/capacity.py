@@ -9,8 +9,6 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
-from typing import Optional
-
 from .config import OffloadConfig, TierBandwidth
 from .placement import Placement, UpdateRates, plan_placement, tokens_for
 from .prediction import Prediction, predict_update

@@ -139,6 +139,13 @@ def finite(text: str) -> float:
     return value
 
 
+def positive_float(text: str) -> float:
+    value = finite(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
 def positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:

@@ -10,6 +10,7 @@ from datetime import timedelta
 import numpy as np
 import torch
 
+from megatron.training.args import moe as arguments_moe
 from megatron.training.data import batch_schedule
 from megatron.training.runtime import child_processes, slurm_env
 from megatron.training.errors import UserError
@@ -61,9 +62,10 @@ def initialize(args) -> torch.device:
     device = select_device(args.device)
     args.device_resolved = device.type
     args.sigterm_watcher = SigtermWatcher(save_on=signal.Signals[args.exit_signal] if args.exit_signal_handler else None)
-    if device.type == "cpu":
-        from megatron.training.runtime import cpu_compat
+    from megatron.training.runtime import cpu_compat
 
+    cpu_compat.define_missing_te_names()
+    if device.type == "cpu":
         cpu_compat.apply()
     child_processes.die_with_rank(start_results_queue=bool(args.save))
     _init_process_group(device, args.distributed_timeout_minutes)
@@ -75,9 +77,12 @@ def initialize(args) -> torch.device:
     if world % (tp * pp):
         raise UserError(f"--tensor-model-parallel-size/--pipeline-model-parallel-size: "
                          f"TP*PP={tp * pp} does not divide the world size {world}")
+    arguments_moe.check_world(args, world)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size)
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size)
     args.rank = torch.distributed.get_rank()
     if from_slurm and args.rank == 0:
         print(from_slurm, flush=True)

@@ -24,6 +24,7 @@ from megatron.core.transformer.module import Float16Module
 from megatron.training.data import batch_schedule
 from megatron.training.checkpoint import checkpointing
 from megatron.training.offload import job_facts
+from megatron.training.metrics import moe as moe_metrics
 from megatron.training.checkpoint.async_save import BackgroundSaves
 from megatron.training.args.arguments import parse_args
 from megatron.training.checkpoint.integrity import checkpoint_dir
@@ -217,13 +218,21 @@ def evaluate(args, forward_step_func, data_iterator, model) -> Optional[float]:
 
 
 def _num_params(model) -> int:
+    """The whole model's parameters (one replica): dense ones summed over the model-parallel group,
+    experts over the expert grid (ETP x EP x PP), where each rank holds its own experts."""
     first = next(model[0].parameters())
+    params = [p for chunk in model for p in chunk.parameters()]
     # On the parameters' device: NCCL has no CPU backend.
-    count = torch.tensor([sum(p.numel() for chunk in model for p in chunk.parameters())], dtype=torch.long,
+    dense = torch.tensor([sum(p.numel() for p in params if getattr(p, "allreduce", True))], dtype=torch.long,
                          device=first.device)
-    groups = parallel_state.get_model_parallel_group()
-    torch.distributed.all_reduce(count, group=groups)
-    return int(count.item())
+    experts = torch.tensor([sum(p.numel() for p in params if not getattr(p, "allreduce", True))],
+                           dtype=torch.long, device=first.device)
+    torch.distributed.all_reduce(dense, group=parallel_state.get_model_parallel_group())
+    if parallel_state.get_expert_model_parallel_world_size() * parallel_state.get_expert_tensor_parallel_world_size() > 1:
+        torch.distributed.all_reduce(experts, group=parallel_state.get_expert_tensor_model_pipeline_parallel_group())
+    else:
+        torch.distributed.all_reduce(experts, group=parallel_state.get_model_parallel_group())
+    return int(dense.item() + experts.item())
 
 
 def pretrain(model_provider: Callable, datasets_provider: Callable, forward_step_func: Callable,
@@ -255,6 +264,9 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
                  f"DP={args.data_parallel_size} | micro-batches per step: {args.num_microbatches} | "
                  f"device: {device}")
 
+    if getattr(args, "moe_grouped_gemm_kernel", None) == "sequential":
+        _print_rank0("> --moe-grouped-gemm: no grouped GEMM kernel here (the grouped_gemm package, or "
+                     "transformer-engine on CUDA): megatron-core's sequential experts run, the same arithmetic")
     iteration, consumed = 0, 0
     fresh_auto_resume = args.load and args.load == args.save and not os.path.isdir(args.load)
     if fresh_auto_resume:  # --save X --load X in a batch script: the first job starts fresh
@@ -295,6 +307,7 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
             nan = loss is not None and not math.isfinite(loss)
             if nan and ok:
                 raise RuntimeError(f"loss is {loss} at iteration {iteration}")
+            moe_losses = moe_metrics.aux_losses(args)  # collective; clears megatron-core's tracker
             times = timers.take_iteration()
             flops = flops_per_iteration(shape, args.current_global_batch_size)
             # Saved in checkpoints, as Megatron-LM keeps it, for throughput over a job chain.
@@ -308,7 +321,7 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
                 loss=loss, grad_norm=grad_norm, num_zeros_in_grad=num_zeros if args.log_num_zeros_in_grad else None,
                 params_norm=params_l2_norm(model) if args.log_params_norm else None,
                 offload=optimizer.last_step_record() if isinstance(optimizer, ReportsIteration) else None,
-                offload_state_bytes=offload_state_bytes, first_of_run=first_of_run))
+                offload_state_bytes=offload_state_bytes, first_of_run=first_of_run, moe_losses=moe_losses))
             first_of_run = False
             if args.eval_interval and valid_ds is not None and iteration % args.eval_interval == 0:
                 _run_eval(args, forward_step_func, model, valid_ds, iteration, consumed, dp_rank, dp_size, metrics)

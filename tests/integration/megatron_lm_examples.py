@@ -137,3 +137,113 @@ LLAMA3_8B_CPU = [
 
 def filled(flags, ckpt, cache="unused"):
     return [flag.format(ckpt=ckpt, cache=cache) for flag in flags]
+
+
+# examples/mixtral/train_mixtral_8x7b_distributed.sh (Megatron-LM main, 2026), scaled down; data by
+# --mock-data as above (its --tokenizer-type Llama2Tokenizer --tokenizer-model and --data-path dropped).
+MIXTRAL_8X7B = [
+    # MODEL_ARGS
+    "--use-mcore-models",
+    "--disable-bias-linear",
+    "--seq-length", "64",  # 4096
+    "--max-position-embeddings", "256",  # 32768
+    "--num-layers", "2",  # 32
+    "--hidden-size", "64",  # 4096
+    "--ffn-hidden-size", "224",  # 14336
+    "--num-attention-heads", "4",  # 32
+    "--init-method-std", "0.01",
+    "--attention-dropout", "0.0",
+    "--hidden-dropout", "0.0",
+    "--normalization", "RMSNorm",
+    "--position-embedding-type", "rope",
+    "--swiglu",
+    "--untie-embeddings-and-output-weights",
+    "--group-query-attention",
+    "--num-query-groups", "2",  # 8
+    "--no-masked-softmax-fusion",
+    "--no-position-embedding",
+    "--rotary-base", "1000000",
+    # MOE_ARGS
+    "--num-experts", "4",  # 8
+    "--moe-router-topk", "2",
+    "--moe-router-load-balancing-type", "aux_loss",
+    "--moe-aux-loss-coeff", "1e-2",
+    "--moe-grouped-gemm",
+    "--moe-token-dispatcher-type", "alltoall",
+    "--overlap-param-gather",
+    "--overlap-grad-reduce",
+    # DATA_ARGS
+    "--mock-data",
+    "--split", "99990,8,2",
+    # TRAINING_ARGS
+    "--micro-batch-size", "1",
+    "--global-batch-size", "4",  # 256
+    "--lr", "1e-4",
+    "--train-iters", "2",  # 500000
+    "--lr-decay-iters", "320000",
+    "--lr-decay-style", "cosine",
+    "--min-lr", "1.0e-5",
+    "--weight-decay", "0.1",
+    "--lr-warmup-iters", "1",  # 500
+    "--clip-grad", "1.0",
+    "--bf16",
+    # MODEL_PARALLEL_ARGS
+    "--tensor-model-parallel-size", "1",
+    "--pipeline-model-parallel-size", "1",  # 4
+    "--expert-model-parallel-size", "2",  # 8
+    "--use-distributed-optimizer",
+    "--sequence-parallel",
+    # LOGGING_ARGS
+    "--log-interval", "1",
+    "--save-interval", "10000",
+    "--eval-interval", "1000",
+    "--eval-iters", "1",  # 10
+    "--save", "{ckpt}",
+    "--load", "{ckpt}",
+    "--tensorboard-dir", "{ckpt}/tensorboard",
+    "--no-load-optim",
+    "--no-load-rng",
+]
+
+# examples/post_training/modelopt/conf/Qwen/Qwen3-30B-A3B.sh's MODEL_ARGS, scaled down, with the
+# training a pretraining run needs (the config gives none: lr, iterations, batch).
+QWEN3_30B_A3B = [
+    "--save-interval", "100000",
+    "--micro-batch-size", "1",
+    "--bf16",
+    "--no-masked-softmax-fusion",
+    "--disable-bias-linear",
+    "--untie-embeddings-and-output-weights",
+    "--position-embedding-type", "rope",
+    "--no-rope-fusion",
+    "--normalization", "RMSNorm",
+    "--swiglu",
+    "--num-layers", "2",  # 48
+    "--hidden-size", "64",  # 2048
+    "--ffn-hidden-size", "192",  # 6144
+    "--num-attention-heads", "4",  # 32
+    "--group-query-attention",
+    "--num-query-groups", "2",  # 4
+    "--kv-channels", "16",  # 128
+    "--qk-layernorm",
+    "--num-experts", "8",  # 128
+    "--moe-ffn-hidden-size", "32",  # 768
+    "--moe-router-topk", "4",  # 8
+    "--moe-router-dtype", "fp32",
+    "--moe-aux-loss-coeff", "1e-3",
+    "--moe-token-dispatcher-type", "alltoall",
+    "--moe-router-load-balancing-type", "aux_loss",
+    "--seq-length", "64",  # 4096
+    "--max-position-embeddings", "256",  # 40960
+    "--make-vocab-size-divisible-by", "1187",
+    "--use-mcore-models",
+    "--rotary-percent", "1.0",
+    "--rotary-base", "1000000",
+    "--no-bias-swiglu-fusion",
+    "--sequence-parallel",
+    # for a pretraining run
+    "--mock-data", "--vocab-size", "384",
+    "--expert-model-parallel-size", "2",
+    "--global-batch-size", "4", "--train-iters", "2", "--lr", "1e-4", "--log-interval", "1",
+    "--use-distributed-optimizer", "--num-workers", "0", "--save", "{ckpt}",  # its scripts pass --save
+]

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from tests.profiles import examples
 
 from launch import PRETRAIN, REPO, free_port, pretrain_env, read_loss_log, run_and_clean_up
-from megatron_lm_examples import GPT3_175B, LLAMA3_8B_CPU, LLAMA3_8B_NEEDS_GPU, filled
+from megatron_lm_examples import GPT3_175B, LLAMA3_8B_CPU, LLAMA3_8B_NEEDS_GPU, MIXTRAL_8X7B, QWEN3_30B_A3B, filled
 from megatron.training.data import batch_schedule
 from megatron.training.model import kernels as optional_kernels
 from megatron.training.args.arguments import parse_args
@@ -138,6 +138,17 @@ def test_llama_example_runs_unchanged_and_offload_matches(tmp_path):
     assert [r["iteration"] for r in baseline] == [1, 2]
     assert "> profile of iterations 1..1" in output
     offload, _ = _run_example(tmp_path / "off", LLAMA3_8B_CPU, ["--offload-tiers", "host"])
+    assert offload == baseline
+
+
+@pytest.mark.parametrize("example", ["mixtral", "qwen3_moe"])
+def test_moe_example_runs_unchanged_and_offload_matches(tmp_path, example):
+    """Mixtral's script (--moe-grouped-gemm runs megatron-core's sequential experts without its kernel)
+    and Qwen3-30B-A3B's flags: the same iterations with the offloaded optimizer as with megatron-core's."""
+    flags = MIXTRAL_8X7B if example == "mixtral" else QWEN3_30B_A3B
+    baseline, output = _run_example(tmp_path / "base", flags)
+    assert [r["iteration"] for r in baseline] == [1, 2] and "load_balancing_loss:" in output
+    offload, _ = _run_example(tmp_path / "off", flags, ["--offload-tiers", "host", "--offload-adam-kernel", "single"])
     assert offload == baseline
 
 

@@ -14,7 +14,7 @@ import sys
 from typing import List, Optional
 
 from megatron.training.args import (checkpoint as arguments_checkpoint, megatron as arguments_megatron,
-                                    offload as arguments_offload)
+                                    moe as arguments_moe, offload as arguments_offload)
 from megatron.training.runtime import optional_packages
 from megatron.training.model import precision_aware
 from megatron.training.checkpoint.saved_args import FILLED_IF_MISSING, MODEL_SHAPE_ARGS
@@ -150,9 +150,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-workers", type=non_negative_int, default=2,
                    help="DataLoader worker processes per rank (default 2, as Megatron-LM; 0 loads in the rank)")
     g.add_argument("--data-cache-path", type=str, default=None)
+    g.add_argument("--no-mmap-bin-files", dest="mmap_bin_files", action="store_false",
+                   help="read the .bin files instead of memory-mapping them")
+    g.add_argument("--no-create-attention-mask-in-dataloader", dest="create_attention_mask_in_dataloader",
+                   action="store_false", help="accepted: the loader never builds masks here (causal attention)")
 
     arguments_offload.add_groups(p)
     arguments_megatron.add_groups(p)
+    arguments_moe.add_flags(p)
     return p
 
 
@@ -222,6 +227,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         arguments_checkpoint.take_model_shape_from_checkpoint(parser, args)
     _validate(parser, args)
     arguments_megatron.validate(parser, args)
+    arguments_moe.validate(parser, args)
     arguments_offload.default_distributed_optimizer(parser, args)
     precision_aware.validate(parser, args)
     arguments_offload.validate(parser, args)

@@ -12,7 +12,7 @@ import argparse
 
 from megatron.training.data import lr_schedule
 from megatron.training.model import kernels as optional_kernels, virtual_pipeline
-from megatron.training.errors import fraction, non_negative_float, non_negative_int, positive_int
+from megatron.training.errors import fraction, non_negative_float, non_negative_int, positive_float, positive_int
 from megatron.training.model.sizes import default_ffn_hidden_size, default_kv_channels
 
 
@@ -36,6 +36,14 @@ def _add_model(p) -> None:
     g.add_argument("--apply-layernorm-1p", action="store_true",
                    help="zero-centered layer-norm gamma (weight + 1); needs TE or apex norms")
     g.add_argument("--use-mcore-models", action="store_true", help="accepted for Megatron-LM scripts: always the case")
+    g.add_argument("--qk-layernorm", action="store_true", help="normalize queries and keys per head (Qwen3, OLMo 2)")
+    g.add_argument("--use-rope-scaling", action="store_true", help="Llama-3.1's RoPE frequency scaling")
+    g.add_argument("--rope-scaling-factor", type=positive_float, default=8.0, help="with --use-rope-scaling")
+    # Megatron-LM's legacy position-embedding aliases, as it reads them.
+    g.add_argument("--use-rotary-position-embeddings", action="store_true",
+                   help="= --position-embedding-type rope (deprecated upstream)")
+    g.add_argument("--no-position-embedding", dest="add_position_embedding", action="store_false",
+                   help="accepted with rope (deprecated upstream: use --position-embedding-type)")
     g.add_argument("--recompute-activations", action="store_true",
                    help="selective activation recompute (= --recompute-granularity selective)")
     g.add_argument("--calculate-per-token-loss", action="store_true",
@@ -70,6 +78,8 @@ def _add_training(p) -> None:
     g = p.add_argument_group("training (Megatron-LM)")
     g.add_argument("--train-samples", type=positive_int, default=None,
                    help="train for this many samples instead of --train-iters")
+    g.add_argument("--step-batch-size-schedule", type=str, default=None, metavar="'THRESHOLD:BS ...'",
+                   help="not supported: megatron-core 0.16.1 has no step-wise batch calculator")
     g.add_argument("--rampup-batch-size", nargs=3, type=positive_int, default=None,
                    metavar=("START", "INCREMENT", "SAMPLES"),
                    help="grow the global batch from START by INCREMENT over SAMPLES samples")
@@ -118,6 +128,15 @@ def _add_parallelism(p) -> None:
 
 def validate_model(parser, args) -> None:
     """Sizes as Megatron-LM derives them; runs before the core checks that use them."""
+    if args.use_rotary_position_embeddings:
+        args.position_embedding_type = "rope"
+    if not args.add_position_embedding and args.position_embedding_type != "rope":
+        parser.error("argument --no-position-embedding: deprecated in Megatron-LM, which accepts it only with "
+                     "rope; use --position-embedding-type rope")
+    if args.step_batch_size_schedule is not None:
+        parser.error("argument --step-batch-size-schedule: needs megatron-core's step-wise batch-size calculator, "
+                     "absent from megatron-core 0.16.1 that this runs on; use --rampup-batch-size START INCREMENT "
+                     "SAMPLES (a linear ramp) or a constant --global-batch-size")
     if args.recompute_activations:
         if args.recompute_granularity not in (None, "selective"):
             parser.error("argument --recompute-activations: not allowed with --recompute-granularity "

@@ -20,45 +20,64 @@ from mlp_offload.checkpoint import CheckpointDataError, RangeReader, read_footer
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")  # the order of the tensors in an offload file
 
 
-def offload_file_path(checkpoint_dir: str, pp: int, tp: int, dp: int) -> str:
-    return os.path.join(checkpoint_dir, "offload", f"pp{pp:03d}_tp{tp:03d}_dp{dp:03d}.offload")
+# The dense parameters' files, and the experts' (sharded over the expert grid and expert-data-parallel
+# ranks: "tp" there is the rank's place in the EP x ETP grid of its stage, "dp" its expert-DP rank).
+SUBDIRS = {"dense": "offload", "experts": "offload_experts"}
 
 
-def has_offloaded_state(checkpoint_dir: str) -> bool:
-    return bool(glob.glob(os.path.join(checkpoint_dir, "offload", "*.offload")))
+def offload_file_path(checkpoint_dir: str, pp: int, tp: int, dp: int, kind: str = "dense") -> str:
+    return os.path.join(checkpoint_dir, SUBDIRS[kind], f"pp{pp:03d}_tp{tp:03d}_dp{dp:03d}.offload")
+
+
+def has_offloaded_state(checkpoint_dir: str, kind: str = "dense") -> bool:
+    return bool(glob.glob(os.path.join(checkpoint_dir, SUBDIRS[kind], "*.offload")))
 
 
 _FILE_NAME = re.compile(r"pp(\d+)_tp(\d+)_dp(\d+)\.offload$")
 
 
-def saved_model_parallel_sizes(checkpoint_dir: str) -> Tuple[int, int]:
-    """(PP, TP) sizes of the run that wrote the offload files, from their names."""
-    found = [_FILE_NAME.search(f) for f in glob.glob(os.path.join(checkpoint_dir, "offload", "*.offload"))]
+def saved_model_parallel_sizes(checkpoint_dir: str, kind: str = "dense") -> Tuple[int, int]:
+    """(PP, TP) sizes of the run that wrote the offload files, from their names (for the experts'
+    files: PP and the size of the EP x ETP grid)."""
+    found = [_FILE_NAME.search(f) for f in glob.glob(os.path.join(checkpoint_dir, SUBDIRS[kind], "*.offload"))]
     positions = {(int(m.group(1)), int(m.group(2))) for m in found if m}
     if not positions:
-        raise CheckpointDataError(f"{checkpoint_dir}: no offloaded optimizer state (no offload/*.offload files)")
+        raise CheckpointDataError(f"{checkpoint_dir}: no offloaded optimizer state (no {SUBDIRS[kind]}/*.offload "
+                                  "files)")
     return max(p for p, _ in positions) + 1, max(t for _, t in positions) + 1
 
 
-def saved_model_chunks(checkpoint_dir: str) -> int:
+def _first_footer_metadata(checkpoint_dir: str, kind: str) -> dict:
+    first = sorted(glob.glob(os.path.join(checkpoint_dir, SUBDIRS[kind], "*.offload")))[:1]
+    return read_footer(first[0])["metadata"] if first else {}
+
+
+def saved_model_chunks(checkpoint_dir: str, kind: str = "dense") -> int:
     """Model chunks per rank of the run that wrote the offload files: V with the interleaved
     pipeline, else 1 (files written before it was recorded had one)."""
-    first = sorted(glob.glob(os.path.join(checkpoint_dir, "offload", "*.offload")))[:1]
-    return read_footer(first[0])["metadata"].get("model_chunks", 1) if first else 1
+    return _first_footer_metadata(checkpoint_dir, kind).get("model_chunks", 1)
 
 
-def same_model_parallel_layout(checkpoint_dir: str, pp: int, tp: int, chunks: int) -> bool:
+def saved_expert_parallel_size(checkpoint_dir: str, kind: str = "dense") -> int:
+    """The EP size of the run that wrote the files (1 before it was recorded)."""
+    return _first_footer_metadata(checkpoint_dir, kind).get("ep_size", 1)
+
+
+def same_model_parallel_layout(checkpoint_dir: str, pp: int, tp: int, chunks: int, kind: str = "dense",
+                               ep: int = 1) -> bool:
     """Whether the files name this run's parameters (``<chunk>.<name>``) for the same global
-    pieces: the same PP and TP sizes and the same chunks per rank."""
-    return (saved_model_parallel_sizes(checkpoint_dir) == (pp, tp)
-            and saved_model_chunks(checkpoint_dir) == chunks)
+    pieces: the same PP and TP sizes (for experts, the same EP x ETP grid) and chunks per rank."""
+    if saved_expert_parallel_size(checkpoint_dir, kind) != ep:
+        return False
+    return (saved_model_parallel_sizes(checkpoint_dir, kind) == (pp, tp)
+            and saved_model_chunks(checkpoint_dir, kind) == chunks)
 
 
 class OffloadFileSet:
     """The offload files of one (pp, tp) position, opened for reads by (parameter, element range)."""
 
-    def __init__(self, checkpoint_dir: str, pp: int, tp: int, cache_bytes: Optional[int] = None):
-        pattern = offload_file_path(checkpoint_dir, pp, tp, 0).replace("dp000", "dp*")
+    def __init__(self, checkpoint_dir: str, pp: int, tp: int, cache_bytes: Optional[int] = None, kind: str = "dense"):
+        pattern = offload_file_path(checkpoint_dir, pp, tp, 0, kind).replace("dp000", "dp*")
         self.files = sorted(glob.glob(pattern))
         if not self.files:
             raise CheckpointDataError(f"{checkpoint_dir}: no offloaded optimizer state for pp={pp} tp={tp} ({pattern})")
@@ -73,7 +92,10 @@ class OffloadFileSet:
         self.steps_done = steps.pop()
         self.where = checkpoint_dir
         # name -> ParamGeometry as JSON (files written before it was recorded have none)
-        self.geometry: Dict[str, list] = footers[0]["metadata"].get("geometry") or {}
+        # (each file records its own parameters'; older ones recorded every parameter of the position)
+        self.geometry: Dict[str, list] = {}
+        for footer in footers:
+            self.geometry.update(footer["metadata"].get("geometry") or {})
         share = None if cache_bytes is None else cache_bytes // len(self.files)  # what each file's reader may cache
         self._readers = [RangeReader(f, footer["subgroups"], stored_dtypes(footer), share)
                          for f, footer in zip(self.files, footers)]

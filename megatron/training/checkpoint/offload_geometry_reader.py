@@ -14,7 +14,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron.training.checkpoint.offload_files import OffloadFileSet, saved_model_parallel_sizes
+from megatron.training.checkpoint.offload_files import (SUBDIRS, OffloadFileSet, has_offloaded_state,
+                                                        saved_model_parallel_sizes)
 from megatron.training.checkpoint.param_geometry import ParamGeometry, volume
 from mlp_offload.checkpoint import CheckpointDataError
 
@@ -35,13 +36,18 @@ class OffloadedStateByGeometry:
 
     def __init__(self, checkpoint_dir: str, cache_bytes: Optional[int] = None):
         self.where = checkpoint_dir
-        self.pp_size, self.tp_size = saved_model_parallel_sizes(checkpoint_dir)
+        # Every kind's files (dense and experts): with another EP size a parameter may have moved
+        # between them (at EP 1 megatron-core keeps experts with the dense parameters).
+        grids = {kind: saved_model_parallel_sizes(checkpoint_dir, kind)
+                 for kind in SUBDIRS if kind == "dense" or has_offloaded_state(checkpoint_dir, kind)}
+        self.pp_size, self.tp_size = grids["dense"]
         self._sets: List[OffloadFileSet] = []
-        share = None if cache_bytes is None else cache_bytes // (self.pp_size * self.tp_size)
+        share = None if cache_bytes is None else cache_bytes // sum(p * t for p, t in grids.values())
         try:
-            for pp in range(self.pp_size):
-                for tp in range(self.tp_size):
-                    self._sets.append(OffloadFileSet(checkpoint_dir, pp, tp, share))
+            for kind, (pp_size, tp_size) in grids.items():
+                for pp in range(pp_size):
+                    for tp in range(tp_size):
+                        self._sets.append(OffloadFileSet(checkpoint_dir, pp, tp, share, kind))
             self._pieces, self._shapes = self._index_saved_pieces()
         except BaseException:
             self.close()

@@ -13,19 +13,37 @@ import torch
 
 from megatron.training.errors import UserError
 from megatron.training.checkpoint.offload_files import (OffloadFileSet, param_names, same_model_parallel_layout,
-                                                        saved_model_chunks, saved_model_parallel_sizes)
+                                                        saved_expert_parallel_size, saved_model_chunks,
+                                                        saved_model_parallel_sizes)
 from megatron.training.checkpoint.offload_geometry_reader import MissingGeometryError, OffloadedStateByGeometry
-from megatron.training.checkpoint.format import sharding_metadata
 from megatron.training.checkpoint.param_geometry import ParamGeometry, param_geometries
+from megatron.training.checkpoint.format import sharding_metadata
 from megatron.training.checkpoint.rng import rank_coordinates
 from mlp_offload.checkpoint import CheckpointDataError
+from megatron.core import parallel_state
+
+
+def shard_coordinates(kind: str = "dense"):
+    """(pp, tp, dp) sizes and this rank's position, as offload files of ``kind`` are keyed, and the EP
+    size (with another, experts may have moved between the dense and expert files). Dense: the model-parallel grid. Experts: "tp" is the place in the stage's EP x ETP grid and
+    "dp" the expert-data-parallel rank, over which megatron-core shards the experts' optimizer."""
+    ps = parallel_state
+    ep, etp = ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
+    if kind == "dense":
+        return (*rank_coordinates(), ep)
+    shape = (ps.get_pipeline_model_parallel_world_size(), ep * etp, ps.get_expert_data_parallel_world_size())
+    place = (ps.get_pipeline_model_parallel_rank(),
+             ps.get_expert_model_parallel_rank() * etp + ps.get_expert_tensor_parallel_rank(),
+             ps.get_expert_data_parallel_rank())
+    return shape, place, ep
 
 
 class _ByName:
     """This (pp, tp) position's files, saved at any DP size."""
 
-    def __init__(self, checkpoint_dir: str, model_chunks, pp_rank: int, tp_rank: int, cache_bytes: Optional[int]):
-        self.files = OffloadFileSet(checkpoint_dir, pp_rank, tp_rank, cache_bytes)
+    def __init__(self, checkpoint_dir: str, model_chunks, pp_rank: int, tp_rank: int, cache_bytes: Optional[int],
+                 kind: str):
+        self.files = OffloadFileSet(checkpoint_dir, pp_rank, tp_rank, cache_bytes, kind)
         self.names = param_names(model_chunks)
         self.steps_done, self.saved_dp_size = self.files.steps_done, self.files.dp_size
 
@@ -64,8 +82,9 @@ class _ByGeometry:
         self.state.close()
 
 
-def _layout(pp: int, tp: int, chunks: int) -> str:
-    return f"TP={tp} PP={pp}" + (f" VPP={chunks}" if chunks > 1 else "")
+def _layout(pp: int, tp: int, chunks: int, kind: str = "dense", ep: int = 1) -> str:
+    grid = "TP" if kind == "dense" else "EPxETP"
+    return f"{grid}={tp} PP={pp}" + (f" VPP={chunks}" if chunks > 1 else "") + (f" EP={ep}" if ep > 1 else "")
 
 
 class OffloadedStateSource:
@@ -73,14 +92,16 @@ class OffloadedStateSource:
     ``saved_layout`` and ``layout`` (TP, PP and VPP as words). ``cache_bytes`` bounds the stored
     subgroups its file readers keep (None: two per file)."""
 
-    def __init__(self, checkpoint_dir: str, model_chunks, cache_bytes: Optional[int] = None):
-        (pp, tp, _), (p, t, _) = rank_coordinates()
-        self.saved_sizes = saved_model_parallel_sizes(checkpoint_dir)
-        self.saved_layout = _layout(*self.saved_sizes, saved_model_chunks(checkpoint_dir))
-        self.layout = _layout(pp, tp, len(model_chunks))
-        self.same_model_parallel_layout = same_model_parallel_layout(checkpoint_dir, pp, tp, len(model_chunks))
+    def __init__(self, checkpoint_dir: str, model_chunks, cache_bytes: Optional[int] = None, kind: str = "dense"):
+        (pp, tp, _), (p, t, _), ep = shard_coordinates(kind)
+        self.saved_sizes = saved_model_parallel_sizes(checkpoint_dir, kind)
+        self.saved_layout = _layout(*self.saved_sizes, saved_model_chunks(checkpoint_dir, kind), kind,
+                                    saved_expert_parallel_size(checkpoint_dir, kind))
+        self.layout = _layout(pp, tp, len(model_chunks), kind, ep)
+        self.same_model_parallel_layout = same_model_parallel_layout(checkpoint_dir, pp, tp, len(model_chunks),
+                                                                     kind, ep)
         if self.same_model_parallel_layout:
-            self._impl = _ByName(checkpoint_dir, model_chunks, p, t, cache_bytes)
+            self._impl = _ByName(checkpoint_dir, model_chunks, p, t, cache_bytes, kind)
         else:
             self._impl = _ByGeometry(checkpoint_dir, model_chunks, sharding_metadata(), self.saved_layout, self.layout,
                                      cache_bytes)

@@ -85,7 +85,7 @@ def build_gpt_datasets(args, tokenizer, train_samples: int, eval_samples: int):
         reset_attention_mask=False,
         eod_mask_loss=args.eod_mask_loss,
         create_attention_mask=False,
-        mmap_bin_files=True,
+        mmap_bin_files=getattr(args, "mmap_bin_files", True),  # --no-mmap-bin-files reads them instead
     )
     check_token_ids(config.blend[0], vocab_size, tokenizer_name)
     _drop_unused_or_empty_splits(config, eval_samples)

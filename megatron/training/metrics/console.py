@@ -26,11 +26,15 @@ class _Interval:
     def reset(self) -> None:
         self.advanced = self.skipped = self.nan = 0
         self.loss_sum = 0.0
+        self.moe_sums = {}  # MoE aux loss name -> sum over the interval's iterations
         self.elapsed_s = 0.0
         self.offload = OffloadInterval()
 
     def add(self, record: IterationRecord) -> None:
         self.elapsed_s += record.elapsed_s
+        for name, value in record.moe_losses.items():  # every iteration, as upstream's total_loss_dict
+            if not name.startswith("moe/"):
+                self.moe_sums[name] = self.moe_sums.get(name, 0.0) + value
         if record.skipped:
             self.skipped += 1
             self.nan += int(record.nan)
@@ -59,6 +63,9 @@ def training_line(record: IterationRecord, interval: _Interval, train_iters: int
     loss = interval.loss_sum / max(interval.advanced, 1)
     if loss > 0.0:  # as Megatron-LM: an interval of skipped iterations only has no loss to show
         line += f" lm loss: {loss:.6E} |"
+    for name, total in interval.moe_sums.items():  # after 'lm loss', averaged as it is (upstream)
+        if total / max(interval.advanced, 1) > 0.0:
+            line += f" {name}: {total / max(interval.advanced, 1):.6E} |"
     line += f" loss scale: {record.loss_scale:.1f} |"
     if record.grad_norm is not None:
         line += f" grad norm: {record.grad_norm:.3f} |"

@@ -51,6 +51,7 @@ class IterationRecord:
     offload: Optional[object] = None  # the engine's StepRecord, with the offload optimizer
     offload_state_bytes: Dict[str, int] = field(default_factory=dict)
     first_of_run: bool = False  # Megatron-LM prints the job's first iteration whatever --log-interval
+    moe_losses: Dict[str, float] = field(default_factory=dict)  # MoE aux losses (moe_metrics), every rank
 
     def is_printed(self, log_interval: int) -> bool:
         return self.iteration % log_interval == 0 or self.first_of_run

@@ -33,6 +33,7 @@ def iteration_scalars(record: IterationRecord, args) -> Dict[str, float]:
         scalars["num-zeros"] = record.num_zeros_in_grad
     if record.params_norm is not None:
         scalars["params-norm"] = record.params_norm
+    scalars.update(record.moe_losses)  # 'load_balancing_loss', 'z_loss', ... as Megatron-LM names them
     return scalars
 
 

@@ -76,6 +76,45 @@ def transformer_config(args) -> TransformerConfig:
         fp8_param=args.fp8_param_gather,
         use_cpu_initialization=False,
         deallocate_pipeline_outputs=not _sends_run_behind(args),
+        qk_layernorm=args.qk_layernorm,
+        **moe_fields(args),
+    )
+
+
+def moe_fields(args) -> dict:
+    """TransformerConfig's mixture-of-experts fields from the --num-experts/--moe-*/--expert-* flags
+    (none for a dense model: megatron-core's defaults then hold)."""
+    if getattr(args, "num_experts", None) is None:
+        return {}
+    return dict(
+        num_moe_experts=args.num_experts,
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        moe_layer_freq=args.moe_layer_freq,
+        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+        moe_shared_expert_overlap=args.moe_shared_expert_overlap,
+        moe_router_topk=args.moe_router_topk,
+        moe_router_load_balancing_type=args.moe_router_load_balancing_type,
+        moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+        moe_z_loss_coeff=args.moe_z_loss_coeff,
+        moe_input_jitter_eps=args.moe_input_jitter_eps,
+        moe_router_dtype=args.moe_router_dtype,
+        moe_router_score_function=args.moe_router_score_function,
+        moe_router_pre_softmax=args.moe_router_pre_softmax,
+        moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
+        moe_router_num_groups=args.moe_router_num_groups,
+        moe_router_group_topk=args.moe_router_group_topk,
+        moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=args.moe_router_bias_update_rate,
+        moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+        moe_expert_capacity_factor=args.moe_expert_capacity_factor,
+        moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
+        moe_token_drop_policy=args.moe_token_drop_policy,
+        # Without its kernel, megatron-core's sequential experts (arguments_moe): the same arithmetic.
+        moe_grouped_gemm=args.moe_grouped_gemm_kernel in ("te", "grouped_gemm"),
+        moe_per_layer_logging=args.moe_per_layer_logging,
+        moe_layer_recompute=args.moe_layer_recompute,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
     )
 
 

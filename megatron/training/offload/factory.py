@@ -7,11 +7,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from typing import List
+
 import torch
+from megatron.core import parallel_state
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 
 from megatron.training.errors import UserError
 from megatron.training.offload.optimizer import OffloadDistributedOptimizer
+from megatron.training.offload.shard import ShardGroups
 from megatron.training.offload.job_facts import PerNodeByRank0
 from megatron.training.offload.flags import config_from_args
 from megatron.training.errors import in_flags
@@ -27,11 +31,26 @@ def get_offload_optimizer(args, model_chunks, config: OptimizerConfig) -> Offloa
     if not config.use_distributed_optimizer:
         raise UserError("--offload-tiers requires the distributed optimizer (--use-distributed-optimizer)")
     _set_cpu_threads(args, model_chunks)
-    param_groups, buffers = param_groups_and_buffers(model_chunks, config,
-                                                     filter_fn=lambda g: not g["is_expert_parallel"])
     offload_config = offload_config_from_args(args)
-    return OffloadDistributedOptimizer(config, offload_config, model_chunks, param_groups, buffers,
+    return OffloadDistributedOptimizer(config, offload_config, model_chunks, shard_groups(model_chunks, config),
                                        token_store=job_store(offload_config))
+
+
+def shard_groups(model_chunks, config: OptimizerConfig) -> List[ShardGroups]:
+    """The distributed optimizers megatron-core's get_megatron_optimizer builds, as parameter groups,
+    buffers and the group each is sharded over: the dense parameters over the data-parallel group
+    and, where this rank holds experts, theirs over the expert-data-parallel group."""
+    found = []
+    for kind, expert, buffer_name, group in (
+            ("dense", False, "buffers", parallel_state.get_data_parallel_group(with_context_parallel=True,
+                                                                             partial_data_parallel=True)),
+            ("experts", True, "expert_parallel_buffers",
+             parallel_state.get_expert_data_parallel_group(partial_expert_data_parallel=True))):
+        param_groups, buffers = param_groups_and_buffers(
+            model_chunks, config, lambda g, expert=expert: g["is_expert_parallel"] == expert, buffer_name)
+        if param_groups:
+            found.append(ShardGroups(kind, param_groups, buffers, group))
+    return found
 
 
 def offload_config_from_args(args) -> OffloadConfig:

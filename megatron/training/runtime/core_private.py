@@ -25,13 +25,13 @@ def optimizer_group_ranges(param_groups, gbuf_ranges):
     return DistributedOptimizer._build_optimizer_group_ranges(param_groups, gbuf_ranges)
 
 
-def param_groups_and_buffers(model_chunks, config, filter_fn):
+def param_groups_and_buffers(model_chunks, config, filter_fn, buffer_name="buffers"):
     """megatron-core's parameter groups (weight decay, LR multipliers) and DDP buffers. Why private:
     ``get_megatron_optimizer`` builds them and an optimizer in one call; the facade needs the groups
     with its own optimizer."""
     return _core_optimizer._get_param_groups_and_buffers(
         model_chunks, model_chunk_offset=0, config=config, config_overrides=None, filter_fn=filter_fn,
-        buffer_name="buffers")
+        buffer_name=buffer_name)
 
 
 def main_param_and_optimizer_states(opt, param) -> dict:

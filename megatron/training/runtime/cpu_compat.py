@@ -60,6 +60,11 @@ _MODULES = {
     "megatron.core.dist_checkpointing.strategies.filesystem_async": "writer's preload calls torch.cuda.synchronize()",
     "megatron.core.dist_checkpointing.strategies.async_utils": "--async-save: synchronize, done-flags on current_device()",
     "megatron.core.dist_checkpointing.tensor_aware_state_dict": "calls torch.cuda.synchronize()",
+    "megatron.core.transformer.moe.token_dispatcher": "alltoall dispatcher: a D2H stream, its events and syncs",
+    "megatron.core.transformer.moe.moe_utils": "aux-loss tracker and capacity tensors on 'cuda'",
+    "megatron.core.transformer.moe.router": "router weights and expert bias on current_device()",
+    "megatron.core.transformer.moe.experts": "expert weights allocated on current_device()",
+    "megatron.core.transformer.moe.shared_experts": "shared-expert gate on current_device()",
     "megatron.core.timers": "Timer start/stop call torch.cuda.synchronize(); rank gather on current_device()",
 }
 
@@ -98,11 +103,34 @@ class _NullStream:
     def synchronize(self):
         pass
 
+    def record_event(self, event=None):
+        return _NullEvent()
+
+    # One CPU "stream": the MoE dispatcher compares streams to decide whether to wait.
+    def __eq__(self, other):
+        return isinstance(other, _NullStream)
+
+    def __hash__(self):
+        return 0
+
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         return False
+
+
+class _NullEvent:
+    """A recorded event on a _NullStream: already complete."""
+
+    def synchronize(self):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+    def query(self):
+        return True
 
 
 class _CudaShim(types.ModuleType):
@@ -236,12 +264,38 @@ def apply() -> None:
     clip_grads.clip_grad_by_total_norm_fp32 = clipped
     optimizer.clip_grad_by_total_norm_fp32 = clipped
 
+    from megatron.core.transformer.moe import token_dispatcher
+
+    # The alltoall dispatcher's split sizes become numpy arrays as they leave the GPU; already on the
+    # CPU they stayed tensors, which all_to_all_single does not take as split sizes.
+    token_dispatcher.maybe_move_tensor_to_cpu = _splits_as_numpy(token_dispatcher.maybe_move_tensor_to_cpu)
+
     from megatron.core.models.common.language_module.language_module import LanguageModule
 
     # PP>1 ties the first/last stage embeddings via weight.data.cuda() + all-reduce.
     LanguageModule.setup_embeddings_and_output_layer = _within(
         _tensor_cuda_is_noop, LanguageModule.setup_embeddings_and_output_layer)
     _APPLIED = True
+
+
+def _splits_as_numpy(move):
+    @functools.wraps(move)
+    def wrapper(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    return wrapper
+
+
+def define_missing_te_names() -> None:
+    """megatron-core 0.16.1's MoE router tests ``te_general_gemm is not None`` but defines the name only
+    when transformer-engine imports: without TE (any device) the router's first forward raises
+    NameError. Defining it as None selects the torch.mm path the code has for that case."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def is_applied() -> bool:

@@ -1,0 +1,35 @@
+"""The MoE auxiliary losses of an iteration, as Megatron-LM logs them.
+
+megatron-core's router records each MoE layer's aux losses (load balancing, z-loss) in its tracker as
+the forward runs; Megatron-LM's ``training_log`` reduces the tracker across ranks, scales it by
+1/micro-batches, averages over the MoE layers and clears it, every iteration. ``aux_losses`` does
+that through megatron-core's own ``track_moe_metrics`` (a collective: every rank calls it).
+"""
+
+from __future__ import annotations
+
+from typing import Dict
+
+from megatron.training.model.moe import moe_layers, tracked_losses
+
+
+def aux_losses(args) -> Dict[str, float]:
+    """{name: mean over MoE layers} of this iteration, plus ``moe/<name>_layer_<i>`` per layer with
+    --moe-per-layer-logging (for TensorBoard and W&B only, as upstream). Empty for a dense model."""
+    names = tracked_losses(args)
+    if not names:
+        return {}
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker, track_moe_metrics
+
+    per_layer = {}
+    if args.moe_per_layer_logging:  # read before track_moe_metrics clears the tracker
+        tracker = get_moe_layer_wise_logging_tracker()
+    totals: Dict[str, object] = {}
+    track_moe_metrics(loss_scale=1.0 / args.num_microbatches, iteration=0, total_loss_dict=totals,
+                      force_initialize=True, track_names=names, num_layers=args.num_layers,
+                      moe_layer_freq=args.moe_layer_freq, per_layer_logging=False)
+    if args.moe_per_layer_logging:
+        per_layer = {f"moe/{name}_layer_{i}": float(v) for name in names
+                     for i, v in enumerate(tracker.get(name, {}).get("values", [])) if moe_layers(
+                         args.num_layers, args.moe_layer_freq)[i]}
+    return {**{name: float(totals[name]) for name in names if name in totals}, **per_layer}

@@ -1,0 +1,155 @@
+"""One of megatron-core's distributed optimizers, offloaded: its shard, engine, grad scaler and files.
+
+megatron-core builds one DistributedOptimizer for the dense parameters, sharded over the
+data-parallel group, and, for a mixture-of-experts model, a second for the expert parameters,
+sharded over the expert-data-parallel group (``get_megatron_optimizer``: a ChainedOptimizer of the
+two). An ``OffloadShard`` is one of them with the engine as its backend; the facade
+(offload_optimizer) chains them as megatron-core chains its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from megatron.core.optimizer.optimizer_config import OptimizerConfig
+from megatron.core.transformer.module import param_is_not_shared
+
+from megatron.training.offload.device_gradients import DeviceGradients, EventFence
+from megatron.training.checkpoint.offloaded_state import OffloadedStateFiles, ShardKind
+from megatron.training.offload.shard_layout import ShardLayout
+from mlp_offload import OffloadConfig, OffloadedAdamW
+from mlp_offload import torch_dtypes
+
+
+@dataclass
+class ShardGroups:
+    """What megatron-core's ``_get_param_groups_and_buffers`` gives for one optimizer, and its group."""
+
+    kind: ShardKind
+    param_groups: List[dict]
+    buffers: Dict[int, list]
+    dp_group: object  # the group the optimizer state is sharded over
+
+
+def grad_scaler_for(config: OptimizerConfig):
+    if config.loss_scale:
+        return ConstantGradScaler(config.loss_scale)
+    if config.fp16:
+        return DynamicGradScaler(initial_scale=config.initial_loss_scale, min_scale=config.min_loss_scale,
+                                 growth_factor=2.0, backoff_factor=0.5,
+                                 growth_interval=config.loss_scale_window, hysteresis=config.hysteresis)
+    return None
+
+
+class OffloadShard:
+    """One distributed optimizer's shard in an engine; each has its own grad scaler, as each of
+    megatron-core's chained optimizers has."""
+
+    def __init__(self, config: OptimizerConfig, offload_config: OffloadConfig, model_chunks, groups: ShardGroups,
+                 token_store=None):
+        self.config = config
+        self.kind = groups.kind
+        self.dp_group = groups.dp_group
+        self.layout = ShardLayout(groups.buffers, self.dp_group.rank(), self.dp_group.size())
+        self.device = self.layout.pieces[0].buffer.param_data.device
+        self.grad_scaler = grad_scaler_for(config)
+        self.norm_params, engine_groups = self._ordered_groups(groups.param_groups)
+        self._cuda = self.device.type == "cuda"
+        # The gpu tier and device updates live on the model's device (the CPU twin on a CPU run).
+        offload_config = dataclasses.replace(offload_config, device=str(self.device))
+        self.copy_stream = torch.cuda.Stream() if self._cuda else None
+        largest = min(offload_config.subgroup_size, self.layout.numel)
+        # The master params cross PCIe in their stored dtype (a CPU-side cast would cost the update's time).
+        master_dtype = torch_dtypes(offload_config.state_dtypes)[0]
+        self._staging = torch.empty(largest, dtype=master_dtype, device=self.device) if self._cuda else None
+        # On a GPU, grads are cast to fp32 there and copied per subgroup as the update needs them;
+        # on CPU they go through the engine's low-precision host buffer (the CPU twin of that path).
+        self._device_grads = DeviceGradients(self.layout, self.copy_stream, largest) if self._cuda else None
+        self.engine = OffloadedAdamW(
+            self._fill_initial_params, offload_config, numel=self.layout.numel,
+            lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
+            weight_decay=config.weight_decay, groups=engine_groups,
+            grad_dtype=self.layout.pieces[0].buffer.grad_dtype, on_params_updated=self._copy_params_to_device,
+            grad_source=self._device_grads, token_store=token_store)
+        self.state_files = OffloadedStateFiles(self.engine, self.layout, model_chunks, self.dp_group.size(), self.kind)
+
+    def _ordered_groups(self, param_groups: List[dict]):
+        """Engine groups (flat ranges + hyperparameters) and the params in megatron-core's order.
+
+        The order is the one its DistributedOptimizer gives its inner optimizer (fp32 params of a
+        group first, then the 16-bit ones), so the grad norm sums in the same order.
+        """
+        _, group_ranges = DistributedOptimizer._build_optimizer_group_ranges(param_groups, self.layout.gbuf_ranges)
+        ordered, engine_groups = [], []
+        for group, group_range in zip(param_groups, group_ranges):
+            params = group_range["params"]
+            params = [p for p in params if p.dtype == torch.float32] + [p for p in params if p.dtype != torch.float32]
+            ordered.extend(params)
+            ranges = self.layout.flat_ranges(params)
+            options = {k: v for k, v in group.items() if k != "params"}
+            options.setdefault("lr", self.config.lr)
+            options.setdefault("weight_decay", self.config.weight_decay)
+            if ranges:
+                engine_groups.append((ranges, options))
+        return ordered, engine_groups
+
+    def _fill_initial_params(self, start: int, end: int, out: torch.Tensor) -> None:
+        # The fp32 master copy starts as the model's (bf16) params, as in megatron-core.
+        for lo, hi, view in self.layout.views(start, end, "param"):
+            out[lo - start: hi - start].copy_(view)
+
+    def reload_model_params(self) -> None:
+        def from_model(sg, param, exp_avg, exp_avg_sq):
+            self._fill_initial_params(sg.start, sg.end, param)
+
+        self.engine.modify_state(from_model)
+
+    # -- the step, in the facade's order ---------------------------------------------------------
+    def inv_scale(self) -> Optional[float]:
+        return None if self.grad_scaler is None else float(self.grad_scaler.inv_scale.item())
+
+    def grads_to_host(self) -> None:
+        if self._cuda:
+            # The engine pulls each subgroup's grads itself (DeviceGradients), after backward's work.
+            self.copy_stream.wait_stream(torch.cuda.current_stream())
+            return
+        host = self.engine.grad_buffer
+        for lo, hi, view in self.layout.views(0, self.layout.numel, "grad"):
+            host[lo:hi].copy_(view)
+
+    def grad_norms(self, inv_scale: Optional[float]):
+        """Per-param fp32 grad norms in megatron-core's order; any inf/nan (for fp16)."""
+        norms, found_inf = [], False
+        tp_group = parallel_state.get_tensor_model_parallel_group()  # megatron-core's optimizers' tp_group
+        for param in self.norm_params:
+            start, end = self.layout.param_flat_range[param]
+            pieces = [view.float() for _, _, view in self.layout.views(start, end, "grad")]
+            grad = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+            if inv_scale is not None:
+                grad.mul_(inv_scale)
+                found_inf = found_inf or not bool(torch.isfinite(grad).all())
+            if param_is_not_shared(param) and tensor_parallel.param_is_not_tensor_parallel_duplicate(param, tp_group):
+                norms.append(torch.norm(grad).reshape(1))
+        return norms, found_inf
+
+    def _copy_params_to_device(self, start: int, end: int, params: torch.Tensor):
+        # Updated on the device (resident or streamed; always on a CPU run): cast in place, in the
+        # engine's stream order.
+        if not self._cuda or params.device == self.device:
+            for lo, hi, view in self.layout.views(start, end, "param"):
+                view.copy_(params[lo - start: hi - start])
+            return None
+        with torch.cuda.stream(self.copy_stream):
+            staging = self._staging[: end - start]
+            staging.copy_(params, non_blocking=True)  # the stored dtype over PCIe, cast on the GPU
+            for lo, hi, view in self.layout.views(start, end, "param"):
+                view.copy_(staging[lo - start: hi - start])
+            event = torch.cuda.Event()
+            event.record(self.copy_stream)
+        return EventFence(event)
