@@ -32,7 +32,7 @@ def test_venv_from_a_venv_uses_its_torch_offline(tmp_path):
     prefix, torch_file, module = done.stdout.split()[-3:]
     assert prefix == str(tmp_path / "venv")
     assert torch_file == torch.__file__  # the starting environment's torch, not a second one
-    assert module == str(REPO / "megatron" / "training" / "slurm_env.py")
+    assert module == str(REPO / "megatron" / "training" / "runtime" / "slurm_env.py")
 
 
 @pytest.mark.skipif(sys.prefix == sys.base_prefix, reason="needs the tests to run inside a virtual environment")
