@@ -249,11 +249,20 @@ class OffloadedAdamW:
         if self._device_update is not None:
             self._device_update.streams.after_caller()
         pending = []  # device-updated subgroups whose copy-out may still run: (index, fence)
+        # The device's subgroups held in memory (gpu or host tier) are queued first, all of them: the
+        # device then works through them while the CPU runs its own share below. Queued one by one
+        # as the loop reached them, the device idled during each CPU Adam.
+        queued = {i for i in sched.order if sides[i] == DEVICE and i in self._resident}
         try:
+            for i in (i for i in sched.order if i in queued):
+                if self._snapshot is not None:
+                    self._snapshot.before_update(i)
+                pending.append((i, self._device_step(i, self._resident[i], step, unscale, clip_coef, rec)))
             for i in sched.order:
                 if i == halfway:
                     fault_point("update")
-                sg = self.subgroups[i]
+                if i in queued:
+                    continue
                 if i in self._resident:
                     views = self._resident[i]
                     views.sync_fence()
