@@ -19,7 +19,7 @@ from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 
-from .config import GPU_TIER, HOST_TIER, OffloadConfig, OffloadConfigError
+from .config import GPU_TIER, OffloadConfig, OffloadConfigError
 from .device_update import DeviceUpdate
 from .faults import fault_point
 from .gradients import GradientSource, HostGradients, gradient_host_bytes, scratch_buffers
@@ -33,7 +33,7 @@ from .schedule import StepSchedule, step_schedule
 from .snapshot import StateSnapshot
 from .state_access import StateAccess
 from .state_dtypes import bytes_per_param, torch_dtypes
-from .subgroups import FP32_BYTES, Subgroup, partition
+from .subgroups import Subgroup, partition
 from .telemetry import StepRecord, TrafficCounters
 from .tiers.base import ResidentTier, StreamedTier
 from .tiers.host import check_host_memory

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 from .config import GPU_TIER, HOST_TIER
 from .pipeline import StateViews, file_key
