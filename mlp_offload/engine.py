@@ -215,8 +215,10 @@ class OffloadedAdamW:
         r = self.update_rates
         if self._device_update is None:
             return ""
+        shared = (f" (beside the CPU: streamed {r.streamed_shared / 1e9:.2f}, cpu {r.cpu_shared / 1e9:.2f})"
+                  if r.streamed_shared else "")
         return (f"; device {self.config.device} adam {r.device_resident / 1e9:.2f} Gelem/s resident, "
-                f"{r.device_streamed / 1e9:.2f} streamed ({self.config.resolved_device_adam_kernel})")
+                f"{r.device_streamed / 1e9:.2f} streamed ({self.config.resolved_device_adam_kernel}){shared}")
 
     # -- the update ----------------------------------------------------------------------------
     def step(self, *, unscale: Optional[float] = None, clip_coef: Optional[float] = None,

@@ -194,3 +194,54 @@ def measure_convert_rate(numel: int) -> float:
         dst.copy_(src)
         best = min(best, time.perf_counter() - start)
     return numel / max(best, 1e-9)
+
+
+def measure_shared_rates(updater, cpu_step, adam_step, dtypes, numel: int, piece: int = 1 << 21):
+    """(CPU, streamed) elements/s while both run at once, as a split step runs them: the device
+    streams host state through ``updater`` while the CPU runs ``cpu_step(p, g, m, v, step)`` (its
+    Adam with the widening) piece by piece, and the CPU's grads come down and its params go up
+    over PCIe on a side stream, as the Megatron adapter's path moves them. None on a CPU run:
+    there the "device" is the same cores, nothing runs beside anything."""
+    if updater.device.type != "cuda":
+        return None
+    sg = Subgroup(0, 0, numel)
+    host = [torch.empty(numel, dtype=d, pin_memory=True).fill_(v) for d, v in zip(dtypes, (0.5, 1e-4, 1e-6))]
+    segments = [(0, numel, 0, (0, numel))]
+    piece = min(piece, numel)
+    cpu_state = [torch.empty(piece, dtype=d).fill_(v) for d, v in zip(dtypes, (0.5, 1e-4, 1e-6))]
+    cpu_working = Fp32Working(dtypes, piece)
+    grads_host = torch.empty(piece, pin_memory=True)
+    params_host = torch.empty(piece, dtype=dtypes[0], pin_memory=True)
+    grads_dev = torch.full((piece,), 1e-3, device=updater.device)
+    params_dev = torch.empty(piece, dtype=dtypes[0], device=updater.device)
+    side = torch.cuda.Stream(updater.device)
+    in_a_row = 8  # long enough that the CPU's pieces (~1 ms each) time it within a few percent
+
+    def adam(p, g, m, v, group, span, step=[0]):
+        step[0] += 1
+        adam_step(p, g, m, v, step=step[0])
+
+    best = None
+    for attempt in range(3):  # the first warms up threads, pages and kernels
+        torch.cuda.synchronize(updater.device)
+        start = time.perf_counter()
+        for _ in range(in_a_row):
+            fence = updater.update(sg, host, False, segments, lambda out: out.fill_(1e-3), adam, None)
+        cpu_elems, step = 0, 0
+        while not fence.query():
+            with torch.cuda.stream(side):  # the CPU path's PCIe traffic: its grads down, its params up
+                grads_host.copy_(grads_dev, non_blocking=True)
+            side.synchronize()
+            step += 1
+            wide = cpu_working.widen(cpu_state)
+            cpu_step(wide[0], grads_host, wide[1], wide[2], step=step)
+            cpu_working.round_back(cpu_state, wide)
+            with torch.cuda.stream(side):
+                params_dev.copy_(params_host.copy_(cpu_state[0]), non_blocking=True)
+            cpu_elems += piece
+        seconds = max(time.perf_counter() - start, 1e-9)
+        if attempt and cpu_elems:
+            rates = (cpu_elems / seconds, in_a_row * numel / seconds)
+            best = rates if best is None or rates[1] > best[1] else best
+    side.synchronize()
+    return best

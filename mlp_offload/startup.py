@@ -13,7 +13,8 @@ from typing import Dict, List, Optional
 from .config import HOST_TIER, OffloadConfig, TierBandwidth
 from .placement import Placement, UpdateRates, plan_placement, tokens_for
 from .prediction import Prediction, predict_update
-from .rates import measure_convert_rate, measure_cpu_update_rate, measure_device_rates, probe_tier
+from .rates import (measure_convert_rate, measure_cpu_update_rate, measure_device_rates, measure_shared_rates,
+                    probe_tier)
 from .state_dtypes import torch_dtypes
 from .subgroups import Subgroup
 from .tiers.base import ResidentTier, StreamedTier
@@ -67,6 +68,11 @@ def start_up(cfg: OffloadConfig, subgroups: List[Subgroup], adam, tiers: Dict[st
                 device_update, lambda p, g, m, v, step: device_adam(p, g, m, v, step=step), dtypes, size)
             update_rates.device_resident = update_rates.device_resident or resident
             update_rates.device_streamed = update_rates.device_streamed or streamed
+        if cfg.update_on == "auto" and cfg.device_streamed_elems_per_s is None:  # a split may run both at once
+            shared = measure_shared_rates(device_update, lambda p, g, m, v, step: adam(p, g, m, v, step=step),
+                                          lambda p, g, m, v, step: device_adam(p, g, m, v, step=step), dtypes, size)
+            if shared is not None:
+                update_rates.cpu_shared, update_rates.streamed_shared = shared
     # Tokens after the probe: unless given, whether ranks take turns depends on what it saw.
     tokens_per_tier = {name: cfg.tokens_per_tier or tokens_for(rates[name], sharing) for name in cfg.file_tiers}
     for name in cfg.file_tiers:
