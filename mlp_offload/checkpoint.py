@@ -29,7 +29,7 @@ from typing import Dict, Optional, Set, Tuple
 import torch
 
 from .engine import OffloadedAdamW
-from .remainders import merge
+from .remainders import merge as merge_remainders  # what a file's rem16 param needs to be read
 from .state_dtypes import FP32_STATE, REMAINDERS, STORED_DTYPES, itemsizes, torch_dtypes
 
 log = logging.getLogger("mlp_offload")
@@ -161,7 +161,7 @@ def load_engine_state(engine: OffloadedAdamW, path: str) -> dict:
                 high = torch.empty(sg.numel, dtype=torch.bfloat16)
                 reader.read(0, sg.start, sg.end, rem)
                 engine.param_high.fill(sg.start, sg.end, high)
-                param.copy_(merge(high, rem))
+                param.copy_(merge_remainders(high, rem))
             else:
                 reader.read(0, sg.start, sg.end, param)
             for k, out in ((1, exp_avg), (2, exp_avg_sq)):

@@ -15,8 +15,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from mlp_offload.checkpoint import CheckpointDataError, RangeReader, read_footer, stored_dtypes
-from mlp_offload.remainders import merge
+from mlp_offload.checkpoint import CheckpointDataError, RangeReader, merge_remainders, read_footer, stored_dtypes
 
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")  # the order of the tensors in an offload file
 
@@ -122,7 +121,7 @@ class OffloadFileSet:
                     if k == 0 and high is not None and reader.dtypes[0] == torch.int16 and out.dtype != torch.int16:
                         rem = torch.empty(y - x, dtype=torch.int16)
                         reader.read(k, flat + x - old_offset, flat + y - old_offset, rem)
-                        target.copy_(merge(high[x - start: y - start].cpu(), rem))
+                        target.copy_(merge_remainders(high[x - start: y - start].cpu(), rem))
                         continue
                     reader.read(k, flat + x - old_offset, flat + y - old_offset, target)
                 filled += y - x
