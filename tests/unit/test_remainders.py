@@ -6,6 +6,7 @@ form, crossing to and from engines without remainders; the bytes per param."""
 
 import dataclasses
 import logging
+import os
 import struct
 import tempfile
 
@@ -21,7 +22,7 @@ from mlp_offload.checkpoint_write import save_engine_state
 from mlp_offload.remainders import HostParamHigh, merge, round_half_away, split
 
 from .helpers import engine_state
-from .test_device_tier import device_setups
+from .test_device_tier import _config as _device_config, _reference, device_setups
 
 LR, BETAS, EPS, WD = 3e-3, (0.9, 0.95), 1e-8, 0.1
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -62,17 +63,6 @@ def test_split_of_bf16_values_is_the_value_with_zero_remainders():
     assert not rem.any() and torch.equal(high.view(torch.int16), values.view(torch.int16))
     assert struct.unpack("<f", struct.pack("<I", 0x3F808000))[0] == 1.00390625  # a tie: RNE down, here up
     assert round_half_away(torch.tensor([1.00390625])).item() == 1.0078125
-
-
-def _reference(setup, master, moment_dtypes, kernel):
-    pieces, groups = [], []
-    for ranges, options in setup.groups or [([(0, setup.numel)], {})]:
-        params = [torch.nn.Parameter(master[a:b].clone()) for a, b in ranges]
-        pieces += zip(ranges, params)
-        groups.append({"params": params, **options})
-    opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
-                            foreach=kernel == "foreach", fused=kernel == "fused")
-    return pieces, opt
 
 
 def _ref_step(pieces, opt, grad, moment_dtypes):
@@ -122,7 +112,7 @@ def test_engine_with_remainders_matches_fp32_master_adamw_bit_for_bit(case, mome
     init = torch.randn(setup.numel, generator=gen).to(torch.bfloat16)  # the model's params
     moment_dtypes = [DTYPES[m] for m in moments]
     kernel = setup.options["adam_kernel"]
-    pieces, opt = _reference(setup, init.float(), moment_dtypes, kernel)
+    pieces, opt = _reference(setup, init.float(), kernel)
     model = Model(init.clone())
     with tempfile.TemporaryDirectory() as root:
         cfg = dataclasses.replace(_device_config(setup, extra, root), param_remainders=True,
@@ -147,11 +137,6 @@ def test_engine_with_remainders_matches_fp32_master_adamw_bit_for_bit(case, mome
             assert all(sg.itemsizes[0] == 2 for sg in eng.subgroups)
 
 
-def _device_config(setup, extra, root):
-    from .test_device_tier import _config
-    return _config(setup, extra, root)
-
-
 def _plain_config(tmp_path, tiers, name, **overrides):
     paths = {"nvme": str(tmp_path / name)} if "nvme" in tiers else {}
     (tmp_path / name).mkdir(exist_ok=True)
@@ -172,7 +157,7 @@ def test_checkpoints_cross_remainders_on_and_off_and_continue_bit_identically(tm
     gen = torch.Generator().manual_seed(2)
     init = torch.randn(numel, generator=gen).to(torch.bfloat16)
     grads = [(torch.randn(numel, generator=gen) * 10).to(torch.bfloat16) for _ in range(5)]
-    pieces, opt = _reference(_Whole(numel), init.float(), [torch.float32] * 2, "fused")
+    pieces, opt = _reference(_Whole(numel), init.float(), "fused")
     for grad in grads:
         _ref_step(pieces, opt, grad, [torch.float32] * 2)
     expected = pieces[0][1].detach()
@@ -237,7 +222,6 @@ def test_bytes_per_param_in_tiers_and_the_start_up_line(tmp_path, caplog, moment
             path = str(tmp_path / "state.bin")
             save_engine_state(eng, path)
     assert any(expected in r.getMessage() for r in caplog.records)
-    import os
     assert os.path.getsize(path) - numel * float(expected.split()[0]) < 64 * 1024
 
 
