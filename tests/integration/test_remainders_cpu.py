@@ -3,7 +3,7 @@ saves at 2). The reference is megatron-core's own distributed optimizer with one
 test (half_away_megatron.py): its fp32 master goes to the bf16 model params rounded half away from zero
 instead of to nearest even, which is what the engine's remainders give the model while keeping the
 same fp32 master. Losses, grad norms and learning rates must be bit-identical to it, from the start
-and after every resume: same form on other tiers, and across forms in both directions."""
+and after every resume: same form on other tiers, and across forms in both directions (7 launches)."""
 
 import pytest
 
@@ -73,3 +73,15 @@ def test_megatron_core_checkpoint_resumes_with_remainders(runs):
     resumed = run_pretrain(tmp / "from-plain", [*offload_args(tmp / "from-plain", remainders=True),
                                                 "--load", str(tmp / "ref-ckpt")], train_iters=ITERS)
     assert resumed == reference[SAVED_AT:]
+
+
+def test_remainders_checkpoint_resumes_without_remainders(runs):
+    """Offload form with remainders -> the engine keeping the whole fp32 master (merged with the
+    model's loaded params as it loads): it goes on as megatron-core's own optimizer resumed from the
+    reference's checkpoint (the same master and model params), rounding to nearest even from then on."""
+    tmp, _, _ = runs
+    plain = run_pretrain(tmp / "plain-on", ["--load", str(tmp / "ref-ckpt")], train_iters=ITERS)
+    resumed = run_pretrain(tmp / "off", [*offload_args(tmp / "off", tiers=("nvme",)), "--load", str(tmp / "rem-ckpt")],
+                           train_iters=ITERS)
+    assert [r["iteration"] for r in plain] == [3, 4]
+    assert resumed == plain
