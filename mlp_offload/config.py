@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .state_dtypes import FP32_STATE, STATE_TENSORS, UnsupportedStateDtype, dtype_name, itemsizes
+from .state_dtypes import FP32_STATE, REMAINDERS, STATE_TENSORS, UnsupportedStateDtype, dtype_name, itemsizes
 from .tiers.align import ALIGN, align_down
 
 HOST_TIER = "host"
@@ -185,6 +185,12 @@ class OffloadConfig:
     each (torch dtypes are accepted too). Narrower ones are widened to fp32 for the update and
     rounded back after it; every tier, placement and checkpoint then counts their smaller bytes."""
 
+    param_remainders: bool = False
+    """Store the fp32 master as its low 16 bits beside the bf16 param the model holds (its high
+    half; see ``remainders``): 2 bytes per param instead of 4 in every tier and checkpoint, lossless.
+    Needs an fp32 master (``state_dtypes[0]``) and bf16 model params, which the engine reads from its
+    ``param_high`` source and writes back through ``on_params_updated`` (bf16, rounded half away)."""
+
     save_staging_bytes: int = 4 * GiB
     """Background checkpoint saves: host memory (outside the budget, taken only when needed) for
     copies of subgroups held in memory that the next update reaches before the writer has them;
@@ -192,6 +198,12 @@ class OffloadConfig:
 
     def __post_init__(self):
         self.state_dtypes = _state_dtype_names(self.state_dtypes)
+        if not isinstance(self.param_remainders, bool):
+            raise OffloadConfigError(f"param remainders (param_remainders) must be True or False, "
+                                     f"got {self.param_remainders!r}")
+        if self.param_remainders and self.state_dtypes[0] != "fp32":
+            raise OffloadConfigError(f"param remainders (param_remainders) complete an fp32 master; the master's "
+                                     f"state dtype (state_dtypes[0]) is {self.state_dtypes[0]}")
         if isinstance(self.tiers, str):
             self.tiers = [t.strip() for t in self.tiers.split(",") if t.strip()]
         if not self.tiers:
@@ -322,8 +334,16 @@ class OffloadConfig:
         return "foreach" if self.on_cuda else self.adam_kernel
 
     @property
+    def stored_dtypes(self) -> Tuple[str, str, str]:
+        """How (param, exp_avg, exp_avg_sq) are stored: ``state_dtypes``, the master as remainders
+        (``"rem16"``) where ``param_remainders``."""
+        if self.param_remainders:
+            return (REMAINDERS, *self.state_dtypes[1:])
+        return tuple(self.state_dtypes)
+
+    @property
     def state_itemsizes(self) -> Tuple[int, int, int]:
-        return itemsizes(self.state_dtypes)
+        return itemsizes(self.stored_dtypes)
 
     @property
     def file_tiers(self) -> List[str]:

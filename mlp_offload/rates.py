@@ -137,11 +137,12 @@ def measure_cpu_update_rate(adam_step, dtypes, numel: int = 1 << 24, repeats: in
     working = Fp32Working(dtypes, numel)
     stored = [torch.empty(numel, dtype=d).fill_(v) for d, v in zip(dtypes, (0.5, 1e-4, 1e-6))]
     grads = torch.empty(numel).fill_(1e-3)
+    high = torch.empty(numel, dtype=torch.bfloat16).fill_(0.5) if working.remainders else None
 
     def step(i):
-        wide = working.widen(stored)
+        wide = working.widen(stored, high)
         adam_step(wide[0], grads, wide[1], wide[2], step=i)
-        working.round_back(stored, wide)
+        working.round_back(stored, wide, high)
     return numel / _best_of(step, repeats)
 
 
@@ -167,7 +168,8 @@ def measure_device_rates(updater, adam_step, dtypes, numel: int, repeats: int = 
     def run(stored, resident):
         def once(_):
             for _ in range(in_a_row):
-                fence = updater.update(sg, stored, resident, segments, lambda out: out.fill_(1e-3), adam, None)
+                fence = updater.update(sg, stored, resident, segments, lambda out: out.fill_(1e-3), adam, None,
+                                       lambda start, end, out: out.fill_(0.5))
             fence.synchronize()
         return in_a_row * numel / _best_of(once, repeats)
     return run(dev, True), run(host, False)

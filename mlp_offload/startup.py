@@ -55,7 +55,7 @@ def start_up(cfg: OffloadConfig, subgroups: List[Subgroup], adam, tiers: Dict[st
     host = memory[HOST_TIER]
     rates = {name: cfg.bandwidths.get(name) or _probe(cfg, name, host) for name in cfg.file_tiers}
     size = min(max(sg.numel for sg in subgroups), 1 << 26)
-    dtypes = torch_dtypes(cfg.state_dtypes)
+    dtypes = torch_dtypes(cfg.stored_dtypes)  # with a remainders master's merge and split
     adam_rate = cfg.adam_elems_per_s or measure_cpu_update_rate(
         lambda p, g, m, v, step: adam(p, g, m, v, step=step), dtypes, numel=size)
     convert_rate = measure_convert_rate(size)

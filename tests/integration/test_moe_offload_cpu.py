@@ -19,7 +19,8 @@ from launch import run_pretrain
 
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2", "--swiglu",
        "--disable-bias-linear", "--normalization", "RMSNorm", "--position-embedding-type", "rope"]
-OFFLOAD = ["--offload-tiers", "host", "--offload-adam-kernel", "single", "--offload-subgroup-size", "6000"]
+OFFLOAD = ["--offload-tiers", "host", "--offload-adam-kernel", "single", "--offload-subgroup-size", "6000",
+           "--no-store-param-remainders"]  # megatron-core's model params round to nearest even
 LAYOUTS = {
     "dp2_ep2_alltoall": ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"],
     "pp2_mixed_layers": ["--pipeline-model-parallel-size", "2", "--moe-layer-freq", "([0]+[1])*2"],

@@ -349,6 +349,7 @@ def _load_optimizer(plan, optimizer, model, state, common, path, args) -> None:
         scaled = bool(getattr(saved, "fp16", False) or getattr(saved, "loss_scale", None))
         _convert("megatron-core's distributed optimizer form", path, args, model, lambda max_bytes: load_into_engine(
             optimizer, path, scaled and optimizer.grad_scaler is not None, max_bytes))
+        optimizer.gather_model_params()
 
 
 def _convert(source: str, path: str, args, model, conversion) -> None:

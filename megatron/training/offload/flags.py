@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from megatron.training.model.precision_aware import state_dtypes
+from megatron.training.model.precision_aware import param_remainders, state_dtypes
 from mlp_offload import OffloadConfig, parse_bandwidths
 
 GiB = 1 << 30
@@ -41,6 +41,7 @@ def config_from_args(args, rank: int) -> OffloadConfig:
         rank=rank,
         trace_path=per_rank_path(args.offload_trace, rank),
         state_dtypes=state_dtypes(args),
+        param_remainders=param_remainders(args),
         run_id=job_run_id(),
         ranks_sharing_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
     )

@@ -148,6 +148,14 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
     def load_offloaded_state(self, checkpoint_dir: str) -> None:
         for shard in self.shards:
             shard.state_files.load(checkpoint_dir, self._expected_steps)
+        self.gather_model_params()
+
+    def gather_model_params(self) -> None:
+        """After a load: where masters are stored as remainders, a load from an fp32 master set this
+        rank's shard of the model's params from it (half-away rounding); every rank gets them."""
+        if any(shard.engine.config.param_remainders for shard in self.shards):
+            for chunk in self.model_chunks:
+                chunk.start_param_sync(force_sync=True)
 
     def last_step_record(self):
         return self.last_record  # the dense engine's (its telemetry); the experts' engine logs its own
