@@ -35,8 +35,10 @@ def _expected_form(ckpt_offloaded, run_offloaded, wanted):
        consumed=st.integers(0, 10**9))
 def test_each_kind_of_state_gets_what_the_flags_ask(ckpt_offloaded, run_offloaded, finetune, no_load_optim, legacy,
                                                     iteration, consumed):
+    # A plain form that reshards by itself: no TP/PP layout to check against this (absent) run's.
+    plain = {"param_state_sharding_type": "fully_reshardable"}
     common = {"iteration": iteration, "opt_param_scheduler": {"num_steps": 3},
-              "optimizer": {"offload_meta": {}} if ckpt_offloaded else {"param_state_sharding_type": "fully_reshardable"}}
+              "optimizer": {"offload_meta": {}} if ckpt_offloaded else plain}
     if legacy:  # this repo's earlier keys: the position beside the args
         common.update(parallel_layout={"tp": 1, "pp": 1, "dp": 1}, consumed_train_samples=consumed)
     else:
