@@ -196,6 +196,16 @@ class OffloadConfig:
     copies of subgroups held in memory that the next update reaches before the writer has them;
     beyond it the update waits for the writer (see ``snapshot``)."""
 
+    lock_dir: Optional[str] = None
+    """Node-local directory for the lock files of the I/O tokens and of the bandwidth probe (one
+    sub-directory per user and tier path). ``None``: ``/dev/shm`` where writable, else the temporary
+    directory (the Megatron adapter gives ``MLP_OFFLOAD_LOCK_DIR``)."""
+
+    local_rank: int = 0
+    """This rank's place among the node's ranks: only the node's first (0) lists the stale swap
+    namespaces of dead runs it finds, so each is reported once per node (the Megatron adapter gives
+    ``LOCAL_RANK``)."""
+
     def __post_init__(self):
         self.state_dtypes = _state_dtype_names(self.state_dtypes)
         if not isinstance(self.param_remainders, bool):
@@ -277,6 +287,7 @@ class OffloadConfig:
         if rate is not None and not _positive_finite(rate):
             raise OffloadConfigError(f"Adam rate (adam_elems_per_s) must be a positive finite number, got {rate!r}")
         _check_token_scope(self.token_scope, self.file_tiers)
+        _check_node_fields(self.lock_dir, self.local_rank)
 
     def _check_device_fields(self) -> None:
         gpu = self.gpu_budget_bytes
@@ -435,3 +446,10 @@ def _check_token_scope(scope: Dict[str, str], file_tiers: List[str]) -> None:
             raise OffloadConfigError(f"token_scope[{name!r}] is given, but {name!r} is not a file tier")
         if value not in TOKEN_SCOPES:
             raise OffloadConfigError(f"token_scope[{name!r}] must be 'node' or 'job', got {value!r}")
+
+
+def _check_node_fields(lock_dir, local_rank) -> None:
+    if lock_dir is not None and (not isinstance(lock_dir, str) or not lock_dir):
+        raise OffloadConfigError(f"lock directory (lock_dir) must be a non-empty path or None, got {lock_dir!r}")
+    if not _is_int(local_rank) or local_rank < 0:
+        raise OffloadConfigError(f"local rank (local_rank) must be a whole number >= 0, got {local_rank!r}")

@@ -43,7 +43,7 @@ def probe_tier(tier: FileTier, host_buffer: torch.Tensor, concurrency: int = 2,
         # Bumped when what a phase measures changes, so older caches are measured again.
         "phases": "write,read,mixed" + (",shared" if ranks_sharing > 1 else "") + ",odirect-unflushed,whole-file-reads",
     }
-    with probe_cache.node_lock(tier.root):  # node-local: no lock on a shared file system
+    with probe_cache.node_lock(tier.root, tier.lock_root):  # node-local: no lock on a shared file system
         cached = probe_cache.read(cache_path, signature)
         if cached is not None:
             return cached

@@ -78,7 +78,7 @@ def start_up(cfg: OffloadConfig, subgroups: List[Subgroup], adam, tiers: Dict[st
     for name in cfg.file_tiers:
         count = tokens_per_tier[name]
         tokens = (JobTokens(cfg.paths[name], count, token_store) if token_scope(cfg, name) == "job"
-                  else TierTokens(cfg.paths[name], count))
+                  else TierTokens(cfg.paths[name], count, lock_root=cfg.lock_dir))
         tiers[name] = file_tier(cfg, name, tokens)
     free = {name: tier.free_bytes() for name, tier in tiers.items()}
     devices = {name: tier.device for name, tier in tiers.items()}
