@@ -212,10 +212,14 @@ def measure_shared_rates(updater, cpu_step, adam_step, dtypes, numel: int, piece
     piece = min(piece, numel)
     cpu_state = [torch.empty(piece, dtype=d).fill_(v) for d, v in zip(dtypes, (0.5, 1e-4, 1e-6))]
     cpu_working = Fp32Working(dtypes, piece)
+    # What crosses PCIe for a CPU-updated piece: fp32 grads down; with remainders its bf16 params
+    # down (the high halves) and up, else the stored master up.
+    high = torch.empty(piece, dtype=torch.bfloat16, pin_memory=True).fill_(0.5) if cpu_working.remainders else None
+    up_dtype = torch.bfloat16 if cpu_working.remainders else dtypes[0]
     grads_host = torch.empty(piece, pin_memory=True)
-    params_host = torch.empty(piece, dtype=dtypes[0], pin_memory=True)
+    params_host = torch.empty(piece, dtype=up_dtype, pin_memory=True)
     grads_dev = torch.full((piece,), 1e-3, device=updater.device)
-    params_dev = torch.empty(piece, dtype=dtypes[0], device=updater.device)
+    params_dev = torch.full((piece,), 0.5, dtype=up_dtype, device=updater.device)
     side = torch.cuda.Stream(updater.device)
     in_a_row = 8  # long enough that the CPU's pieces (~1 ms each) time it within a few percent
 
@@ -228,18 +232,22 @@ def measure_shared_rates(updater, cpu_step, adam_step, dtypes, numel: int, piece
         torch.cuda.synchronize(updater.device)
         start = time.perf_counter()
         for _ in range(in_a_row):
-            fence = updater.update(sg, host, False, segments, lambda out: out.fill_(1e-3), adam, None)
+            fence = updater.update(sg, host, False, segments, lambda out: out.fill_(1e-3), adam, None,
+                                   lambda start, end, out: out.fill_(0.5))
         cpu_elems, step = 0, 0
         while not fence.query():
             with torch.cuda.stream(side):  # the CPU path's PCIe traffic: its grads down, its params up
                 grads_host.copy_(grads_dev, non_blocking=True)
+                if high is not None:
+                    high.copy_(params_dev, non_blocking=True)
             side.synchronize()
             step += 1
-            wide = cpu_working.widen(cpu_state)
+            wide = cpu_working.widen(cpu_state, high)
             cpu_step(wide[0], grads_host, wide[1], wide[2], step=step)
-            cpu_working.round_back(cpu_state, wide)
+            cpu_working.round_back(cpu_state, wide, high)
             with torch.cuda.stream(side):
-                params_dev.copy_(params_host.copy_(cpu_state[0]), non_blocking=True)
+                params_host.copy_(high if high is not None else cpu_state[0])
+                params_dev.copy_(params_host, non_blocking=True)
             cpu_elems += piece
         seconds = max(time.perf_counter() - start, 1e-9)
         if attempt and cpu_elems:

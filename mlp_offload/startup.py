@@ -69,8 +69,14 @@ def start_up(cfg: OffloadConfig, subgroups: List[Subgroup], adam, tiers: Dict[st
             update_rates.device_resident = update_rates.device_resident or resident
             update_rates.device_streamed = update_rates.device_streamed or streamed
         if cfg.update_on == "auto" and cfg.device_streamed_elems_per_s is None:  # a split may run both at once
-            shared = measure_shared_rates(device_update, lambda p, g, m, v, step: adam(p, g, m, v, step=step),
-                                          lambda p, g, m, v, step: device_adam(p, g, m, v, step=step), dtypes, size)
+            try:
+                shared = measure_shared_rates(device_update, lambda p, g, m, v, step: adam(p, g, m, v, step=step),
+                                              lambda p, g, m, v, step: device_adam(p, g, m, v, step=step), dtypes,
+                                              size)
+            except (RuntimeError, ValueError) as err:  # a measurement, not the update: say so and go on
+                log.warning("rates of the CPU and device side by side not measured (%s): the split and the "
+                            "prediction use the rates measured alone", err)
+                shared = None
             if shared is not None:
                 update_rates.cpu_shared, update_rates.streamed_shared = shared
     # Tokens after the probe: unless given, whether ranks take turns depends on what it saw.
