@@ -110,6 +110,7 @@ FLAG_OF_FIELD = {
     "verify_checksums": ("--offload-no-checksums", 1),
     "cache_alternating": ("--offload-no-cache", 1),
     "save_staging_bytes": ("--offload-save-staging-gb", 1 << 30),
+    "param_remainders": ("--no-store-param-remainders", 1),
 }
 _FIELD = re.compile(r"\b(" + "|".join(FLAG_OF_FIELD) + r")\b(?:=(-?[0-9][0-9.e+]*))?")
 _PATH = re.compile(r"paths\[['\"]([A-Za-z0-9_]+)['\"]\]")

@@ -154,6 +154,32 @@ def test_precision_aware_dtypes_go_to_the_offload_engine_not_megatron_core():
     assert config_from_args(parse_args(BASE + ["--offload-tiers", "host"]), rank=0).state_dtypes == ("fp32",) * 3
 
 
+@pytest.mark.parametrize("extra, remainders", [
+    (["--bf16"], True),  # the default: the fp32 master's low halves beside the bf16 params
+    (["--bf16", "--no-store-param-remainders"], False),
+    (["--fp16"], False), ([], False),  # nothing bf16 to complete
+    (["--bf16", "--use-precision-aware-optimizer", "--main-params-dtype", "fp16"], False),  # no fp32 master
+    (["--bf16", "--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16"], True),
+])
+def test_param_remainders_default_on_with_bf16_and_an_fp32_master(extra, remainders):
+    from megatron.training.offload.flags import config_from_args
+
+    config = config_from_args(parse_args(BASE + ["--offload-tiers", "host", *extra]), rank=0)
+    assert config.param_remainders is remainders
+    assert config.stored_dtypes[0] == ("rem16" if remainders else config.state_dtypes[0])
+
+
+def test_no_store_param_remainders_reaches_megatron_core_where_it_honours_it():
+    """megatron-core keeps remainders only in transformer-engine's FusedAdam of the precision-aware
+    optimizer: there the flag is passed; elsewhere its OptimizerConfig default stays."""
+    from megatron.training.model.precision_aware import optimizer_config_fields
+
+    args = parse_args(BASE + ["--bf16", "--no-store-param-remainders"])
+    assert optimizer_config_fields(args) == {}
+    args.use_precision_aware_optimizer = True  # as parsed on a machine with transformer-engine
+    assert optimizer_config_fields(args)["store_param_remainders"] is False
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--exp-avg-dtype", "bf16"], "argument --exp-avg-dtype: requires --use-precision-aware-optimizer"),
     (["--use-precision-aware-optimizer", "--offload-tiers", "host", "--exp-avg-sq-dtype", "fp8"],

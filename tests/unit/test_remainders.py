@@ -233,3 +233,32 @@ def test_bad_remainder_settings_name_the_field(tmp_path):
     with pytest.raises(OffloadConfigError, match="param_high"):
         OffloadedAdamW(torch.zeros(10), OffloadConfig(tiers=["host"], param_remainders=True, pin_memory=False,
                                                       adam_elems_per_s=1e9))
+
+
+def test_a_background_save_while_stepping_writes_what_a_synchronous_save_does(tmp_path, monkeypatch):
+    """The stored form (int16 remainders) through the snapshot: staged copies and linked files."""
+    from mlp_offload import faults
+    from mlp_offload.checkpoint_write import start_background_save
+
+    numel = 70_001
+    gen = torch.Generator().manual_seed(5)
+    model = Model(torch.randn(numel, generator=gen).to(torch.bfloat16))
+    grads = [torch.randn(numel, generator=gen).to(torch.bfloat16) for _ in range(5)]
+    cfg = _plain_config(tmp_path, ["host", "nvme"], "bg", param_remainders=True, subgroup_size=10_000,
+                        host_budget_bytes=4 * 2 * 40960)
+    with _engine(model.params, cfg, model) as eng:
+        for grad in grads[:3]:
+            eng.grad_buffer.copy_(grad)
+            eng.step()
+        save_engine_state(eng, str(tmp_path / "sync.ckpt"))
+        monkeypatch.setattr(faults, "_delays", "save-offload=0.05")
+        write = start_background_save(eng, str(tmp_path / "async.ckpt"))
+        assert write.snapshot.memory and write.snapshot.on_tier
+        write.start()
+        for grad in grads[3:]:
+            eng.grad_buffer.copy_(grad)
+            eng.step()
+        assert not write.done()  # the steps went on (staged copies) while the writer was at work
+        write.wait()
+        assert write.failure is None
+    assert (tmp_path / "async.ckpt").read_bytes() == (tmp_path / "sync.ckpt").read_bytes()
