@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import copy_checkpoint
 from launch import run_pretrain
 
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2", "--swiglu",
@@ -26,13 +27,46 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(LAYOUTS))
-def test_moe_offload_matches_megatron_bit_for_bit(tmp_path, name):
-    baseline = run_pretrain(tmp_path / "base", [*MOE, *LAYOUTS[name]], train_iters=3)
-    offload = run_pretrain(tmp_path / "off", [*MOE, *LAYOUTS[name], *OFFLOAD], train_iters=3)
-    assert offload == baseline, name
-    out = (tmp_path / "base" / "loss-0.out").read_text()
+ITERS, SAVED_AT = 4, 2
+EP2 = LAYOUTS["dp2_ep2_alltoall"]
+
+
+@pytest.fixture(scope="module")
+def ep2_runs(tmp_path_factory):
+    """DP2 x EP2 (expert-DP 1), 4 iterations saving at 2 and 4: megatron-core's optimizer
+    (``base-ckpt``) and the offloaded one (``off-ckpt``), and each one's checkpoint 2 alone."""
+    tmp = tmp_path_factory.mktemp("moe_ep2")
+    saves = ["--save-interval", str(SAVED_AT)]
+    baseline = run_pretrain(tmp / "base", [*MOE, *EP2, "--save", str(tmp / "base-ckpt"), *saves], train_iters=ITERS)
+    offload = run_pretrain(tmp / "off", [*MOE, *EP2, *OFFLOAD, "--save", str(tmp / "off-ckpt"), *saves],
+                           train_iters=ITERS)
+    copy_checkpoint(tmp / "base-ckpt", [SAVED_AT], tmp / "plain-2")
+    copy_checkpoint(tmp / "off-ckpt", [SAVED_AT], tmp / "off-2")
+    return tmp, baseline, offload
+
+
+def test_moe_offload_matches_megatron_bit_for_bit(ep2_runs):
+    tmp, baseline, offload = ep2_runs
+    assert [r["iteration"] for r in baseline] == list(range(1, ITERS + 1))
+    assert offload == baseline
+    out = (tmp / "base" / "loss-0.out").read_text()
     assert "load_balancing_loss:" in out  # logged after 'lm loss', as Megatron-LM
+
+
+def test_moe_offload_matches_megatron_with_pipeline_stages(tmp_path):
+    layout = LAYOUTS["pp2_mixed_layers"]
+    baseline = run_pretrain(tmp_path / "base", [*MOE, *layout], train_iters=3)
+    assert run_pretrain(tmp_path / "off", [*MOE, *layout, *OFFLOAD], train_iters=3) == baseline
+
+
+def test_moe_checkpoints_cross_offload_on_and_off(ep2_runs):
+    """Saved with offload, resumed by megatron-core's optimizer; saved by it, resumed with offload:
+    both repeat the uninterrupted run's iterations 3-4 bit for bit (dense and expert state alike)."""
+    tmp, baseline, _ = ep2_runs
+    plain = run_pretrain(tmp / "x1", [*MOE, *EP2, "--load", str(tmp / "off-2")], train_iters=ITERS)
+    assert plain == baseline[SAVED_AT:]
+    offload = run_pretrain(tmp / "x2", [*MOE, *EP2, *OFFLOAD, "--load", str(tmp / "plain-2")], train_iters=ITERS)
+    assert offload == baseline[SAVED_AT:]
 
 
 def global_states(iteration_dir: Path):
