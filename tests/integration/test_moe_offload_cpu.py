@@ -5,9 +5,11 @@ dense parameters; the offload facade runs an engine for each. Against megatron-c
 optimizer (unfused Adam on both sides): bit-identical losses, grad norms and learning rates in
 DP2 x EP2 (alltoall dispatcher, expert-DP 1) and PP2 with dense and MoE layers mixed (expert-DP 1
 per stage, allgather dispatcher). Checkpoints of the offloaded form reshard across EP: saved at
-EP 2 and loaded at EP 1 (where megatron-core keeps the experts with the dense parameters), every
-global parameter's master copy and moments are the same numbers (read back from each checkpoint's
-files with no resharding code: each file's local tensors placed at their recorded global offsets).
+EP 2 and loaded at EP 1 (where megatron-core keeps the experts with the dense parameters) and back,
+and from PP 2 x EP 1 to PP 1 x EP 2 and back, every global parameter's master copy and moments are
+the same numbers (read back from each checkpoint's files with no resharding code: each file's local
+tensors placed at their recorded global offsets), and each round trip resumes the uninterrupted run
+bit for bit. MoE checkpoints also cross offload on/off (megatron-core's optimizer <-> the engines).
 """
 
 from pathlib import Path
@@ -28,7 +30,7 @@ LAYOUTS = {
 
 
 ITERS, SAVED_AT = 4, 2
-EP2 = LAYOUTS["dp2_ep2_alltoall"]
+EP2, PP2 = LAYOUTS["dp2_ep2_alltoall"], LAYOUTS["pp2_mixed_layers"]
 
 
 @pytest.fixture(scope="module")
@@ -53,10 +55,21 @@ def test_moe_offload_matches_megatron_bit_for_bit(ep2_runs):
     assert "load_balancing_loss:" in out  # logged after 'lm loss', as Megatron-LM
 
 
-def test_moe_offload_matches_megatron_with_pipeline_stages(tmp_path):
-    layout = LAYOUTS["pp2_mixed_layers"]
-    baseline = run_pretrain(tmp_path / "base", [*MOE, *layout], train_iters=3)
-    assert run_pretrain(tmp_path / "off", [*MOE, *layout, *OFFLOAD], train_iters=3) == baseline
+@pytest.fixture(scope="module")
+def pp2_runs(tmp_path_factory):
+    """PP2 with dense and MoE layers mixed (EP 1), 4 iterations: megatron-core's optimizer, and the
+    offloaded one saving at 2 (``off-2``)."""
+    tmp = tmp_path_factory.mktemp("moe_pp2")
+    baseline = run_pretrain(tmp / "base", [*MOE, *PP2], train_iters=ITERS)
+    offload = run_pretrain(tmp / "off", [*MOE, *PP2, *OFFLOAD, "--save", str(tmp / "off-ckpt"), "--save-interval",
+                                         str(SAVED_AT)], train_iters=ITERS)
+    copy_checkpoint(tmp / "off-ckpt", [SAVED_AT], tmp / "off-2")
+    return tmp, baseline, offload
+
+
+def test_moe_offload_matches_megatron_with_pipeline_stages(pp2_runs):
+    _, baseline, offload = pp2_runs
+    assert offload == baseline
 
 
 def test_moe_checkpoints_cross_offload_on_and_off(ep2_runs):
@@ -94,19 +107,44 @@ def global_states(iteration_dir: Path):
     return found
 
 
-def test_offloaded_checkpoint_reshards_across_expert_parallel_sizes(tmp_path):
-    ckpt, again = tmp_path / "ckpt", tmp_path / "again"
-    run_pretrain(tmp_path / "a", [*MOE, *OFFLOAD, "--expert-model-parallel-size", "2", "--save", str(ckpt)],
-                 train_iters=2)
-    # EP 1: loaded and saved again with no step between (as tools/convert_offload_checkpoint.py does).
-    run_pretrain(tmp_path / "b", [*MOE, *OFFLOAD, "--load", str(ckpt), "--save", str(again)], train_iters=2)
-    assert "resharded from" in (tmp_path / "b" / "loss-0.out").read_text()
-    assert (ckpt / "iter_0000002" / "offload_experts").is_dir()
-    assert not (again / "iter_0000002" / "offload_experts").exists()  # at EP 1 experts are dense parameters
-    saved, resaved = global_states(ckpt / "iter_0000002"), global_states(again / "iter_0000002")
+def resave(tmp, name, flags, source):
+    """Load ``source`` under ``flags`` and save it again with no step between (as
+    tools/convert_offload_checkpoint.py does); the new checkpoint root."""
+    out = tmp / f"{name}-ckpt"
+    run_pretrain(tmp / name, [*MOE, *OFFLOAD, *flags, "--load", str(source), "--save", str(out)], train_iters=SAVED_AT)
+    assert "resharded from" in (tmp / name / "loss-0.out").read_text()
+    return out
+
+
+def assert_same_state(saved_root, resaved_root):
+    """Every global parameter's master copy and moments, read back by geometry alone."""
+    saved, resaved = global_states(saved_root / "iter_0000002"), global_states(resaved_root / "iter_0000002")
     assert sorted(saved) == sorted(resaved)
     assert any("experts" in key for key in saved)
     for key in saved:
         for a, b in zip(saved[key], resaved[key]):
             assert not torch.isnan(a).any(), key  # every element was saved
             assert torch.equal(a, b), key
+
+
+def test_offloaded_checkpoint_reshards_across_expert_parallel_sizes(ep2_runs):
+    """EP 2 -> EP 1 (DP 2, experts with the dense parameters) -> EP 2: the same numbers at each
+    step, and the round trip resumes the uninterrupted EP 2 run's iterations 3-4 bit for bit."""
+    tmp, _, offload = ep2_runs
+    ep1 = resave(tmp, "to-ep1", [], tmp / "off-2")
+    assert (tmp / "off-2" / "iter_0000002" / "offload_experts").is_dir()
+    assert not (ep1 / "iter_0000002" / "offload_experts").exists()  # at EP 1 experts are dense parameters
+    assert_same_state(tmp / "off-2", ep1)
+    resumed = run_pretrain(tmp / "from-ep1", [*MOE, *EP2, *OFFLOAD, "--load", str(ep1)], train_iters=ITERS)
+    assert resumed == offload[SAVED_AT:]
+
+
+def test_offloaded_checkpoint_reshards_between_pipeline_and_expert_parallelism(pp2_runs):
+    """PP 2 x EP 1 -> PP 1 x EP 2 -> PP 2: the state survives both reshards, and the round trip resumes
+    the uninterrupted PP 2 run bit for bit."""
+    tmp, _, offload = pp2_runs
+    ep2 = resave(tmp, "to-ep2", ["--moe-layer-freq", PP2[PP2.index("--moe-layer-freq") + 1], *EP2], tmp / "off-2")
+    assert (ep2 / "iter_0000002" / "offload_experts").is_dir()
+    assert_same_state(tmp / "off-2", ep2)
+    resumed = run_pretrain(tmp / "from-ep2", [*MOE, *PP2, *OFFLOAD, "--load", str(ep2)], train_iters=ITERS)
+    assert resumed == offload[SAVED_AT:]
