@@ -204,6 +204,7 @@ def test_moe_numbers_against_a_hand_calculation(tmp_path):
     assert {k: e["optimizer_state_elements_per_rank"] for k, e in engines.items()} == {
         "dense": dense // 2, "experts": experts_per_rank}
     assert off["optimizer_state_elements_per_rank"] == dense // 2 + experts_per_rank
+    assert all(e["tier_bytes_per_rank"]["host"] == e["optimizer_state_bytes_per_rank"] for e in engines.values())
     assert off["predicted_update_s"] == pytest.approx(sum(e["predicted_update_s"] for e in engines.values()))
     text = io.StringIO()
     with contextlib.redirect_stdout(text):

@@ -78,7 +78,8 @@ class Plan:
         pred = e.prediction
         return {"optimizer_state_elements_per_rank": self.shard_numels[kind],
                 "optimizer_state_bytes_per_rank": e.state_bytes, "subgroups": len(e.subgroups),
-                "placement": self.placement_counts(kind), "predicted_update_s": pred.update_s,
+                "placement": self.placement_counts(kind), "tier_bytes_per_rank": dict(e.stored_bytes),
+                "predicted_update_s": pred.update_s,
                 "io_bytes_per_rank_per_step": {t: {"read": pred.read_bytes[t], "write": pred.write_bytes[t]}
                                                for t in pred.tier_s}}
 
