@@ -165,8 +165,7 @@ class RankShards:
     with EP 1 megatron-core keeps them with the dense parameters."""
 
     params: int
-    numels: Dict[str, int]  # parameters per optimizer on this rank, dense first
-    shards: Dict[str, int]  # their optimizer-state elements on this rank
+    shards: Dict[str, int]  # each optimizer's state elements on this rank, dense first
 
 
 def rank_shards(stages: List[StageParams], cfg, world: int) -> RankShards:
@@ -175,14 +174,12 @@ def rank_shards(stages: List[StageParams], cfg, world: int) -> RankShards:
     dp = world // (tp * pp)
     edp = world // (ep * (cfg.expert_tensor_parallel_size or tp) * pp)
 
-    def split(s: StageParams) -> Dict[str, int]:
-        return {"dense": s.dense, "experts": s.experts} if ep > 1 and s.experts else {"dense": s.params}
-
     def shards(s: StageParams) -> Dict[str, int]:
-        return {k: -(-n // (dp if k == "dense" else edp)) for k, n in split(s).items()}
+        split = {"dense": s.dense, "experts": s.experts} if ep > 1 and s.experts else {"dense": s.params}
+        return {k: -(-n // (dp if k == "dense" else edp)) for k, n in split.items()}
 
     stage = max(stages, key=lambda s: (sum(shards(s).values()), s.params))
-    return RankShards(stage.params, split(stage), shards(stage))
+    return RankShards(stage.params, shards(stage))
 
 
 def plan_engines(args, machine: Machine, offload_config, ranks: RankShards, rates: Dict[str, TierBandwidth],
@@ -193,7 +190,7 @@ def plan_engines(args, machine: Machine, offload_config, ranks: RankShards, rate
     engines: Dict[str, EnginePlan] = {}
     space = dict(capacity_bytes)
     for kind, shard in ranks.shards.items():
-        config = config_for_kind(offload_config, kind, ranks.numels)
+        config = config_for_kind(offload_config, kind, ranks.shards)
         try:
             engines[kind] = plan_engine(shard, config, rates, space, adam_elems_per_s, convert_elems_per_s,
                                         machine.gpus_per_node, host_grad_itemsize(args))

@@ -165,8 +165,10 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
 
 
 def config_for_shard(config: OffloadConfig, groups: ShardGroups, every: List[ShardGroups]) -> OffloadConfig:
-    """Each shard's engine config (``shard_budgets``), by its parameters on this rank."""
-    numels = {g.kind: sum(p.numel() for group in g.param_groups for p in group["params"]) for g in every}
+    """Each shard's engine config (``shard_budgets``), by the optimizer state it holds on this rank:
+    its buckets' share over its own data-parallel group (DP for the dense one, expert-DP for experts)."""
+    numels = {g.kind: sum(bucket.grad_data.numel() // g.dp_group.size() for buffers in g.buffers.values()
+                          for buffer in buffers for bucket in buffer.buckets) for g in every}
     return config_for_kind(config, groups.kind, numels)
 
 

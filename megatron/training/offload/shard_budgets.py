@@ -10,8 +10,8 @@ from mlp_offload import OffloadConfig
 
 
 def config_for_kind(config: OffloadConfig, kind: str, numels: Dict[str, int]) -> OffloadConfig:
-    """``numels``: each engine's parameters on this rank, dense first. The host budget is shared by
-    elements (the dense engine takes what rounding leaves), a fixed gpu tier likewise, and the
+    """``numels``: each engine's optimizer-state elements on this rank, dense first. The host budget
+    is shared by them (the dense engine takes what rounding leaves), a fixed gpu tier likewise, and the
     experts' engine gets its own swap namespace (a run id of its own: namespaces are per rank) and
     trace file."""
     if len(numels) == 1:
