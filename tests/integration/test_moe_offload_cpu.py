@@ -71,6 +71,24 @@ def test_moe_offload_matches_megatron_bit_for_bit(ep2_runs):
     assert common["num_floating_point_operations_so_far"] == SAVED_AT * 3 * per_token * s * batch
 
 
+def test_the_plan_is_what_the_moe_run_did(ep2_runs):
+    """tools/plan_offload.py on the same flags: the logged parameter count, and each engine's shard
+    as the run's engines logged it (dense over DP 2, experts over expert-DP 1)."""
+    from launch import TINY_MODEL
+    from test_plan_offload import plan_json
+
+    tmp, _, _ = ep2_runs
+    out = (tmp / "off" / "loss-0.out").read_text()
+    plan = plan_json("--gpus-per-node", "2", "--adam-gelems", "1", "--convert-gelems", "1", *TINY_MODEL, *MOE, *EP2,
+                     *OFFLOAD)
+    assert plan["params_total"] == int(re.search(r"model parameters \(all stages, one replica\): (\d+)", out).group(1))
+    logged = [int(n) for n in re.findall(r"offload rank 0: (\d+) params in", out)]
+    planned = [e["optimizer_state_elements_per_rank"] for e in plan["engines"].values()]
+    assert list(plan["engines"]) == ["dense", "experts"] and len(logged) == 2
+    for want, got in zip(planned, logged):  # megatron-core pads each bucket for the data-parallel split
+        assert want <= got < want * 1.01 + 256, (planned, logged)
+
+
 @pytest.fixture(scope="module")
 def pp2_runs(tmp_path_factory):
     """PP2 with dense and MoE layers mixed (EP 1), 4 iterations: megatron-core's optimizer, and the
