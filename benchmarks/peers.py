@@ -79,6 +79,9 @@ def parse_args(argv=None):
                    help="host memory to treat as available in the fit checks (default: MemAvailable now)")
     p.add_argument("--subgroup-size", type=float, default=1e8)
     p.add_argument("--io-threads", type=int, default=8)
+    p.add_argument("--ours-flags", default="",
+                   help="extra pretrain_gpt.py flags for our systems, e.g. bf16 moments or a gpu tier "
+                        "('--use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16')")
     p.add_argument("--floor-mb", type=int, default=2048, help="disk probe size")
     p.add_argument("--adam-numel", type=float, default=1e8)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: only for a local smoke test")
@@ -133,6 +136,8 @@ def ours_command(args, system: str, logs: dict) -> list:
                 "--offload-shm-path", args.shm_dir, "--offload-host-cache-gb", str(args.host_budget_gb), *engine]
     elif system == "f":
         cmd += ["--optimizer-cpu-offload", "--optimizer-offload-fraction", "1.0", "--overlap-cpu-optimizer-d2h-h2d"]
+    if system in "abcst":  # the engine's systems (f and g are megatron-core's)
+        cmd += args.ours_flags.split()
     return cmd
 
 

@@ -88,7 +88,8 @@ def run_config(name: str, args, numel: int) -> dict:
     cfg = OffloadConfig(tiers=tiers, paths=paths, host_budget_bytes=budget,
                         subgroup_size=int(args.subgroup_size), prefetch_depth=args.prefetch_depth,
                         io_threads=args.io_threads, io_block_bytes=args.io_block_mb << 20,
-                        probe_bytes=args.probe_mb << 20, run_id=f"bench{os.getpid()}")
+                        probe_bytes=args.probe_mb << 20, run_id=f"bench{os.getpid()}",
+                        lock_dir=os.environ.get("MLP_OFFLOAD_LOCK_DIR") or None)
     t0 = time.perf_counter()
     engine = OffloadedAdamW(torch.zeros(numel), cfg, lr=1e-4, betas=(0.9, 0.95))
     setup_s = time.perf_counter() - t0

@@ -51,5 +51,6 @@ def plan_engine(numel: int, config: OffloadConfig, rates: Dict[str, TierBandwidt
     stored = {**placement.resident_bytes, **stored}
     largest = max(sg.numel for sg in subgroups)
     host = (placement.host_state_bytes + gradient_host_bytes(numel, largest, host_grad_itemsize)
-            + Fp32Working.planned_bytes(config.state_itemsizes, largest))
+            + Fp32Working.planned_bytes(config.state_itemsizes, largest)
+            + (largest * 2 if config.param_remainders else 0))  # the CPU update's bf16 params
     return EnginePlan(subgroups, placement, prediction, tokens, stored, host)

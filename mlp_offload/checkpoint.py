@@ -9,6 +9,9 @@ a 24-byte trailer (magic, footer length, CRC32 of the footer). The file is writt
 torn one. Nothing read from the file is used unchecked: the footer's CRC and structure are
 verified before any offset in it is followed, and every tensor's CRC before its data is used.
 
+A master stored as remainders (``remainders``) is saved so (tagged ``rem16`` in the footer's
+dtypes): the model checkpoint of the same step holds its high halves, the bf16 params.
+
 Loading is by element range, independent of how the saving engine was split into subgroups or
 where its state lived: a run may resume with other tier paths, host budget or subgroup size, or
 other state dtypes (each tensor is widened or rounded to the engine's as it is copied in).
@@ -26,7 +29,8 @@ from typing import Dict, Optional, Set, Tuple
 import torch
 
 from .engine import OffloadedAdamW
-from .state_dtypes import FP32_STATE, TORCH_DTYPES, itemsizes, torch_dtypes
+from .remainders import merge as merge_remainders  # what a file's rem16 param needs to be read
+from .state_dtypes import FP32_STATE, REMAINDERS, STORED_DTYPES, itemsizes, torch_dtypes
 
 log = logging.getLogger("mlp_offload")
 MAGIC = b"MLPOFFv2"
@@ -108,7 +112,7 @@ def _check_footer(path: str, footer, data_end: int) -> None:
     if not _is_count(numel) or not _is_count(steps):
         raise bad(f"numel {numel!r}, steps_done {steps!r}")
     dtypes = footer.get("dtypes", list(FP32_STATE))
-    if not (isinstance(dtypes, list) and len(dtypes) == len(NAMES) and all(d in TORCH_DTYPES for d in dtypes)):
+    if not (isinstance(dtypes, list) and len(dtypes) == len(NAMES) and all(d in STORED_DTYPES for d in dtypes)):
         raise bad(f"state dtypes {str(dtypes)[:80]}")
     expected_start, expected_offset = 0, 0
     for e in footer["subgroups"]:
@@ -140,13 +144,30 @@ def load_engine_state(engine: OffloadedAdamW, path: str) -> dict:
         raise CheckpointDataError(
             f"{path}: holds {footer['numel']} elements but this rank's shard has {engine.numel} "
             f"(different model or parallel layout)")
-    reader = RangeReader(path, footer["subgroups"], stored_dtypes(footer))
+    dtypes = stored_dtypes(footer)
+    # A master saved as remainders completes the model's params loaded beside it: kept so where the
+    # engine stores it so too, else merged with them. An fp32 one (engine with remainders) is split
+    # by the engine, which sets the model's params from it.
+    saved_remainders = dtypes[0] == REMAINDERS
+    merging = saved_remainders and not engine.config.param_remainders
+    if merging and engine.param_high is None:
+        raise CheckpointDataError(f"{path}: the master params are stored as 16-bit remainders of the model's "
+                                  f"bf16 params, and this engine was given no param_high to merge them with")
+    reader = RangeReader(path, footer["subgroups"], dtypes)
     try:
         def fill(sg, param, exp_avg, exp_avg_sq):
-            for k, out in enumerate((param, exp_avg, exp_avg_sq)):
+            if merging:
+                rem = torch.empty(sg.numel, dtype=torch.int16)
+                high = torch.empty(sg.numel, dtype=torch.bfloat16)
+                reader.read(0, sg.start, sg.end, rem)
+                engine.param_high.fill(sg.start, sg.end, high)
+                param.copy_(merge_remainders(high, rem))
+            else:
+                reader.read(0, sg.start, sg.end, param)
+            for k, out in ((1, exp_avg), (2, exp_avg_sq)):
                 reader.read(k, sg.start, sg.end, out)
 
-        engine.load_state(fill, steps_done=footer["steps_done"])
+        engine.load_state(fill, steps_done=footer["steps_done"], stored=saved_remainders)
     finally:
         reader.close()
     return footer.get("metadata", {})
@@ -170,6 +191,10 @@ class RangeReader:
         self._verified: Set[Tuple[int, int]] = set()
 
     def read(self, k: int, start: int, end: int, out: torch.Tensor) -> None:
+        if (self.dtypes[k] == torch.int16) != (out.dtype == torch.int16):  # a remainder is no number
+            raise CheckpointDataError(
+                f"{self.path}: {NAMES[k]} is stored as 16-bit remainders of the model's bf16 params and cannot "
+                f"be read as {out.dtype} (merging it needs the model's params of the same elements)")
         pos = start
         for e in self.entries:
             lo, hi = max(pos, e["start"]), min(end, e["end"])

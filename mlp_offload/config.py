@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .state_dtypes import FP32_STATE, STATE_TENSORS, UnsupportedStateDtype, dtype_name, itemsizes
+from .state_dtypes import FP32_STATE, REMAINDERS, STATE_TENSORS, UnsupportedStateDtype, dtype_name, itemsizes
 from .tiers.align import ALIGN, align_down
 
 HOST_TIER = "host"
@@ -185,13 +185,35 @@ class OffloadConfig:
     each (torch dtypes are accepted too). Narrower ones are widened to fp32 for the update and
     rounded back after it; every tier, placement and checkpoint then counts their smaller bytes."""
 
+    param_remainders: bool = False
+    """Store the fp32 master as its low 16 bits beside the bf16 param the model holds (its high
+    half; see ``remainders``): 2 bytes per param instead of 4 in every tier and checkpoint, lossless.
+    Needs an fp32 master (``state_dtypes[0]``) and bf16 model params, which the engine reads from its
+    ``param_high`` source and writes back through ``on_params_updated`` (bf16, rounded half away)."""
+
     save_staging_bytes: int = 4 * GiB
     """Background checkpoint saves: host memory (outside the budget, taken only when needed) for
     copies of subgroups held in memory that the next update reaches before the writer has them;
     beyond it the update waits for the writer (see ``snapshot``)."""
 
+    lock_dir: Optional[str] = None
+    """Node-local directory for the lock files of the I/O tokens and of the bandwidth probe (one
+    sub-directory per user and tier path). ``None``: ``/dev/shm`` where writable, else the temporary
+    directory (the Megatron adapter gives ``MLP_OFFLOAD_LOCK_DIR``)."""
+
+    local_rank: int = 0
+    """This rank's place among the node's ranks: only the node's first (0) lists the stale swap
+    namespaces of dead runs it finds, so each is reported once per node (the Megatron adapter gives
+    ``LOCAL_RANK``)."""
+
     def __post_init__(self):
         self.state_dtypes = _state_dtype_names(self.state_dtypes)
+        if not isinstance(self.param_remainders, bool):
+            raise OffloadConfigError(f"param remainders (param_remainders) must be True or False, "
+                                     f"got {self.param_remainders!r}")
+        if self.param_remainders and self.state_dtypes[0] != "fp32":
+            raise OffloadConfigError(f"param remainders (param_remainders) complete an fp32 master; the master's "
+                                     f"state dtype (state_dtypes[0]) is {self.state_dtypes[0]}")
         if isinstance(self.tiers, str):
             self.tiers = [t.strip() for t in self.tiers.split(",") if t.strip()]
         if not self.tiers:
@@ -265,6 +287,7 @@ class OffloadConfig:
         if rate is not None and not _positive_finite(rate):
             raise OffloadConfigError(f"Adam rate (adam_elems_per_s) must be a positive finite number, got {rate!r}")
         _check_token_scope(self.token_scope, self.file_tiers)
+        _check_node_fields(self.lock_dir, self.local_rank)
 
     def _check_device_fields(self) -> None:
         gpu = self.gpu_budget_bytes
@@ -322,8 +345,16 @@ class OffloadConfig:
         return "foreach" if self.on_cuda else self.adam_kernel
 
     @property
+    def stored_dtypes(self) -> Tuple[str, str, str]:
+        """How (param, exp_avg, exp_avg_sq) are stored: ``state_dtypes``, the master as remainders
+        (``"rem16"``) where ``param_remainders``."""
+        if self.param_remainders:
+            return (REMAINDERS, *self.state_dtypes[1:])
+        return tuple(self.state_dtypes)
+
+    @property
     def state_itemsizes(self) -> Tuple[int, int, int]:
-        return itemsizes(self.state_dtypes)
+        return itemsizes(self.stored_dtypes)
 
     @property
     def file_tiers(self) -> List[str]:
@@ -415,3 +446,10 @@ def _check_token_scope(scope: Dict[str, str], file_tiers: List[str]) -> None:
             raise OffloadConfigError(f"token_scope[{name!r}] is given, but {name!r} is not a file tier")
         if value not in TOKEN_SCOPES:
             raise OffloadConfigError(f"token_scope[{name!r}] must be 'node' or 'job', got {value!r}")
+
+
+def _check_node_fields(lock_dir, local_rank) -> None:
+    if lock_dir is not None and (not isinstance(lock_dir, str) or not lock_dir):
+        raise OffloadConfigError(f"lock directory (lock_dir) must be a non-empty path or None, got {lock_dir!r}")
+    if not _is_int(local_rank) or local_rank < 0:
+        raise OffloadConfigError(f"local rank (local_rank) must be a whole number >= 0, got {local_rank!r}")

@@ -13,7 +13,7 @@ a subgroup gives the same bits on either side for one kernel.
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Callable, List, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -86,6 +86,10 @@ class DeviceUpdate:
                          for _ in range(2)]
         self._free = [None, None]  # per buffer: its last copy-out (the next copy-in waits for it)
         self._working = Fp32Working(self.dtypes, self.chunk, self.device)
+        # A master stored as remainders: its chunk's bf16 high halves (read from the model, and
+        # the updated ones handed back), on the device.
+        self._high = (torch.empty(self.chunk, dtype=torch.bfloat16, device=self.device)
+                      if self._working.remainders else None)
         self.grad = torch.empty(largest, dtype=torch.float32, device=self.device)
         self._turn = 0
 
@@ -93,15 +97,20 @@ class DeviceUpdate:
     def nbytes(self) -> int:
         """Device memory it holds beside the device tier's budget."""
         per = sum(torch.empty(0, dtype=d).element_size() for d in self.dtypes) * self.chunk
-        return 2 * per + self._working.nbytes + self.grad.numel() * 4
+        high = 0 if self._high is None else self._high.numel() * 2
+        return 2 * per + self._working.nbytes + self.grad.numel() * 4 + high
 
     def update(self, sg: Subgroup, stored: List[torch.Tensor], resident: bool, segments: Sequence[Segment],
-               fill_grads: Callable[[torch.Tensor], None], adam: Callable, on_params) -> object:
+               fill_grads: Callable[[torch.Tensor], None], adam: Callable, on_params,
+               fill_high: Optional[Callable[[int, int, torch.Tensor], None]] = None) -> object:
         """``stored``: the subgroup's (param, exp_avg, exp_avg_sq) in their stored dtypes, on the
         device (``resident``: updated in place) or in host memory (streamed through the chunk
         buffers). ``fill_grads(out)`` writes its fp32 grads into a device tensor; ``adam(p, g, m, v,
         group, span)`` is the step; ``on_params(start, end, params)`` gets each chunk's updated
-        master params on the device (on the compute stream), or is None."""
+        master params on the device (on the compute stream), or is None. With the master stored as
+        remainders, ``fill_high(start, end, out)`` writes the model's bf16 params of shard elements
+        [start, end) into a device tensor (on the compute stream), and ``on_params`` gets the updated
+        bf16 params."""
         s, n = self.streams, sg.numel
         grad = self.grad[:n]
         with s.on(s.compute):
@@ -110,7 +119,8 @@ class DeviceUpdate:
             c1 = min(n, c0 + self.chunk)
             if resident:
                 with s.on(s.compute):
-                    self._compute(sg, [t[c0:c1] for t in stored], grad, c0, c1, segments, adam, on_params)
+                    self._compute(sg, [t[c0:c1] for t in stored], grad, c0, c1, segments, adam, on_params,
+                                  fill_high)
                 continue
             b = self._turn % 2
             self._turn += 1
@@ -122,7 +132,7 @@ class DeviceUpdate:
                 arrived = s.record(s.copy_in)
             with s.on(s.compute):
                 s.wait(s.compute, arrived)
-                self._compute(sg, dev, grad, c0, c1, segments, adam, on_params)
+                self._compute(sg, dev, grad, c0, c1, segments, adam, on_params, fill_high)
                 computed = s.record(s.compute)
             with s.on(s.copy_out):
                 s.wait(s.copy_out, computed)
@@ -132,14 +142,18 @@ class DeviceUpdate:
         return s.record(s.compute if resident else s.copy_out)
 
     def _compute(self, sg: Subgroup, chunk: List[torch.Tensor], grad: torch.Tensor, c0: int, c1: int,
-                 segments: Sequence[Segment], adam: Callable, on_params) -> None:
-        param, exp_avg, exp_avg_sq = wide = self._working.widen(chunk)
+                 segments: Sequence[Segment], adam: Callable, on_params, fill_high) -> None:
+        high = None
+        if self._high is not None:
+            high = self._high[: c1 - c0]
+            fill_high(sg.start + c0, sg.start + c1, high)
+        param, exp_avg, exp_avg_sq = wide = self._working.widen(chunk, high)
         for lo, hi, g, span in segments:
             a, b = max(lo, c0), min(hi, c1)
             if a >= b:
                 continue
             piece_span = (span[0] + (a - lo), span[1])  # where this piece lies in its range
             adam(param[a - c0:b - c0], grad[a:b], exp_avg[a - c0:b - c0], exp_avg_sq[a - c0:b - c0], g, piece_span)
-        self._working.round_back(chunk, wide)
+        self._working.round_back(chunk, wide, high)
         if on_params is not None:
-            on_params(sg.start + c0, sg.start + c1, chunk[0])
+            on_params(sg.start + c0, sg.start + c1, chunk[0] if high is None else high)

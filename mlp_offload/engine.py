@@ -29,6 +29,7 @@ from .prediction import Prediction
 from .startup import describe_tiers, start_up
 from .pipeline import OffloadStateError, SlotPipeline, StateViews, fill_params
 from .relocation import Relocation
+from .remainders import ParamHighSource, RemainderMaster
 from .schedule import StepSchedule, step_schedule
 from .snapshot import StateSnapshot
 from .state_access import StateAccess
@@ -60,6 +61,11 @@ class OffloadedAdamW:
     with ``grad_source``, as fp32 straight into one of two scratch buffers (e.g. cast on the GPU and
     copied while the previous subgroup's Adam runs); then there is no ``grad_buffer``.
 
+    With ``config.param_remainders`` the master is stored as int16 remainders of the model's bf16
+    params, read per subgroup from ``param_high``; ``on_params_updated`` then gets the updated bf16
+    params (what the model must hold), and the initial master is taken as the model's (``params``
+    rounded half away; remainders of zero for bf16 values).
+
     ``token_store`` is the job's key-value store (a ``torch.distributed.Store``): needed where
     ``config.token_scope`` makes a tier's ranks take turns across the whole job.
     """
@@ -80,6 +86,7 @@ class OffloadedAdamW:
         grad_source: Optional[GradientSource] = None,
         numel: Optional[int] = None,
         token_store=None,
+        param_high: Optional[ParamHighSource] = None,
     ):
         if callable(params):
             if numel is None:
@@ -98,12 +105,18 @@ class OffloadedAdamW:
                                      f"(token_store, e.g. torch.distributed's)")
         self.token_store = token_store
         self.on_params_updated = on_params_updated
+        # The model's bf16 params: the masters' high halves where they are stored as remainders
+        # (also read to load a checkpoint stored so into an engine that is not).
+        self.param_high = param_high
+        if config.param_remainders and (param_high is None or on_params_updated is None):
+            raise OffloadConfigError("param remainders (param_remainders) need the model's bf16 params: give "
+                                     "param_high (where they are read) and on_params_updated (where they go)")
         self.adam = AdamKernel(config.adam_kernel, decoupled_weight_decay)
         self.device_adam = AdamKernel(config.resolved_device_adam_kernel, decoupled_weight_decay)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         self.param_groups = build_groups(groups, defaults, self.numel)
         self.subgroups = partition(self.numel, config.subgroup_size, config.state_itemsizes)
-        self.state_dtypes = torch_dtypes(config.state_dtypes)
+        self.state_dtypes = torch_dtypes(config.stored_dtypes)
         self._segments = [segments_of(sg, self.param_groups) for sg in self.subgroups]
         if config.adam_kernel == "fused" and any(span != (0, hi - lo) for segs in self._segments
                                                  for lo, hi, _, span in segs):
@@ -143,8 +156,10 @@ class OffloadedAdamW:
         # for converted gradients, resident subgroups, and slots for streamed ones.
         grad_bytes = gradient_host_bytes(self.numel, largest, None if grad_source is not None else grad_dtype.itemsize)
         self._working = Fp32Working(self.state_dtypes, largest)
+        # The CPU update's bf16 high halves of a remainders master: read in, updated, handed out.
+        high_bytes = largest * 2 if cfg.param_remainders else 0
         check_host_memory({"optimizer cache": self.placement.host_state_bytes,
-                           "gradient staging": grad_bytes + self._working.nbytes},
+                           "gradient staging": grad_bytes + self._working.nbytes + high_bytes},
                           cfg.resolved_ranks_sharing_node(), dict(cfg.host_bytes_beside), bool(cfg.file_tiers))
         self.grad_buffer = None  # the caller's low-precision gradients, when the engine converts them
         if grad_source is None:
@@ -153,6 +168,9 @@ class OffloadedAdamW:
             grad_source = HostGradients(self.grad_buffer)
         self.grad_source = grad_source
         self._grad_scratch = scratch_buffers(not isinstance(grad_source, HostGradients), largest, self.host.allocate)
+        self._high = self._high_fence = None
+        if cfg.param_remainders:
+            self._high = self.host.allocate(high_bytes, "param high halves", counted=False).view(torch.bfloat16)
         self._resident: Dict[int, StateViews] = {}
         # Pinning tens of GB takes a while: a line before and after, with size and rate.
         kind = "pinned " if self.host.pin else ""
@@ -176,7 +194,9 @@ class OffloadedAdamW:
                  seconds, state_gb / max(seconds, 1e-9))
         self._pipeline = SlotPipeline(self.subgroups, self.placement.tier_of, self._tiers, buffers,
                                       cfg.prefetch_depth, self._counters, params, self.trace)
-        self._state = StateAccess(self.subgroups, self._resident, self._pipeline, self._scratch_views)
+        master = (RemainderMaster(self.param_high, self.on_params_updated, largest)
+                  if cfg.param_remainders else None)
+        self._state = StateAccess(self.subgroups, self._resident, self._pipeline, self._scratch_views, master)
         self._relocation = Relocation(self)
         self.log_placement()
         self._pipeline.begin(self._schedule_for(0))
@@ -208,15 +228,17 @@ class OffloadedAdamW:
             "state per memory tier %s; state %.1f B/param (%s); adam %.2f Gelem/s%s; %s",
             cfg.rank, self.numel, len(self.subgroups), counts, p.slots, p.cache_slots,
             ", ".join(f"{t} {b / GiB:.2f} GiB" for t, b in p.resident_bytes.items()),
-            bytes_per_param(cfg.state_dtypes), "/".join(cfg.state_dtypes), self.adam_rate / 1e9,
+            bytes_per_param(cfg.stored_dtypes), "/".join(cfg.stored_dtypes), self.adam_rate / 1e9,
             self._describe_device_rates(), self.prediction.describe())
 
     def _describe_device_rates(self) -> str:
         r = self.update_rates
         if self._device_update is None:
             return ""
+        shared = (f" (beside the CPU: streamed {r.streamed_shared / 1e9:.2f}, cpu {r.cpu_shared / 1e9:.2f})"
+                  if r.streamed_shared else "")
         return (f"; device {self.config.device} adam {r.device_resident / 1e9:.2f} Gelem/s resident, "
-                f"{r.device_streamed / 1e9:.2f} streamed ({self.config.resolved_device_adam_kernel})")
+                f"{r.device_streamed / 1e9:.2f} streamed ({self.config.resolved_device_adam_kernel}){shared}")
 
     # -- the update ----------------------------------------------------------------------------
     def step(self, *, unscale: Optional[float] = None, clip_coef: Optional[float] = None,
@@ -301,10 +323,18 @@ class OffloadedAdamW:
             source.start(nxt.start, nxt.end, scratch[(k + 1) % 2][: nxt.numel], unscale, clip_coef)
         source.wait(sg.start)
         grad = scratch[k % 2][: sg.numel]
+        high = None
+        if self._high is not None:
+            if self._high_fence is not None:  # the last subgroup's params may still be copied from it
+                self._high_fence.synchronize()
+            high = self._high[: sg.numel]
+            self.param_high.fill(sg.start, sg.end, high)
         t1 = time.perf_counter()
-        self._adam_subgroup(i, views, grad, step)
+        self._adam_subgroup(i, views, grad, step, high)
         t2 = time.perf_counter()
-        if self.on_params_updated is not None:
+        if high is not None:
+            self._high_fence = self.on_params_updated(sg.start, sg.end, high)
+        elif self.on_params_updated is not None:
             views.fence = self.on_params_updated(sg.start, sg.end, views.param[: sg.numel])
         t3 = time.perf_counter()
         if self.trace is not None:
@@ -326,7 +356,7 @@ class OffloadedAdamW:
             sg, list(views.narrow(sg.numel)), self.placement.tier_of[i] == GPU_TIER, self._segments[i],
             lambda out: self.grad_source.to_device(sg.start, sg.end, out, unscale, clip_coef),
             lambda p, g, m, v, group, span: self._adam_piece(self.device_adam, p, g, m, v, group, span, step),
-            self.on_params_updated)
+            self.on_params_updated, self.param_high.to_device if self.config.param_remainders else None)
         t1 = time.perf_counter()
         rec.device_s += t1 - t0
         if self.trace is not None:
@@ -349,12 +379,13 @@ class OffloadedAdamW:
         kernel(param, grad, exp_avg, exp_avg_sq, step=step, lr=group["lr"], beta1=beta1, beta2=beta2,
                eps=group["eps"], weight_decay=group["weight_decay"], span=span if param.device.type == "cpu" else None)
 
-    def _adam_subgroup(self, i: int, views: StateViews, grad: torch.Tensor, step: int) -> None:
+    def _adam_subgroup(self, i: int, views: StateViews, grad: torch.Tensor, step: int,
+                       high: Optional[torch.Tensor] = None) -> None:
         stored = views.narrow(self.subgroups[i].numel)
-        param, exp_avg, exp_avg_sq = wide = self._working.widen(stored)
+        param, exp_avg, exp_avg_sq = wide = self._working.widen(stored, high)
         for lo, hi, g, span in self._segments[i]:
             self._adam_piece(self.adam, param[lo:hi], grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], g, span, step)
-        self._working.round_back(stored, wide)
+        self._working.round_back(stored, wide, high)
 
     # -- the device tier's size (auto) ---------------------------------------------------------
     def observe_device_memory(self, peak_bytes: int, capacity_bytes: int) -> Optional[str]:
@@ -389,16 +420,21 @@ class OffloadedAdamW:
         """Each subgroup's (param, exp_avg, exp_avg_sq), streamed one at a time from its tier.
 
         The tensors are valid until the next item is requested; nothing gathers the whole state.
+        They are in their stored dtypes; a master stored as remainders is given as fp32 (merged
+        with the model's params).
         """
         self._check_usable()
         yield from self._state.iter_state()
 
     def load_state(self, fill: Callable[[Subgroup, torch.Tensor, torch.Tensor, torch.Tensor], None],
-                   steps_done: int) -> None:
-        """Replace the whole state: ``fill`` writes each subgroup's three fp32 tensors in place."""
+                   steps_done: int, stored: bool = False) -> None:
+        """Replace the whole state: ``fill`` writes each subgroup's three tensors in place, in their
+        stored dtypes (it may copy any dtype in: ``copy_`` converts). A master stored as remainders
+        is given as fp32 and split after (the model's params set from it), or, with ``stored``, as
+        its int16 remainders (the model's params then are the ones saved with them)."""
         self._check_usable()
         self.wait_for_snapshot()
-        self._state.load_state(fill)
+        self._state.load_state(fill, stored)
         self.steps_done = steps_done
         self._pipeline.begin(self._schedule_for(steps_done))
 
@@ -416,7 +452,7 @@ class OffloadedAdamW:
         self._check_usable()
         self.wait_for_snapshot()
         staging = self.config.save_staging_bytes if staging_bytes is None else staging_bytes
-        self._snapshot = self._state.snapshot(self.steps_done, self.state_dtypes, self.config.state_dtypes,
+        self._snapshot = self._state.snapshot(self.steps_done, self.state_dtypes, self.config.stored_dtypes,
                                               link_files, staging)
         return self._snapshot
 

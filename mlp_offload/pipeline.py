@@ -18,6 +18,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .remainders import split_
 from .schedule import StepSchedule
 from .subgroups import STATE_TENSORS, Subgroup
 from .telemetry import StepRecord, TrafficCounters
@@ -79,7 +80,14 @@ def file_key(i: int) -> str:
 
 
 def fill_params(source, sg: Subgroup, out: torch.Tensor) -> None:
-    """The initial fp32 master of a subgroup, from the caller's tensor or fill function."""
+    """The initial fp32 master of a subgroup, from the caller's tensor or fill function. Stored as
+    remainders (int16 ``out``): its low halves; the model holds the high halves (its bf16 params,
+    which make remainders of zero)."""
+    if out.dtype == torch.int16:
+        master = torch.empty(sg.numel, dtype=torch.float32)
+        fill_params(source, sg, master)
+        split_(master, out, torch.empty(sg.numel, dtype=torch.bfloat16))
+        return
     if callable(source):
         source(sg.start, sg.end, out)
     else:

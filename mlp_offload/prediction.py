@@ -64,7 +64,11 @@ def predict_update(
     """
     sides = placement.update_on or [CPU] * len(subgroups)
     numel = sum(sg.numel for sg, side in zip(subgroups, sides) if side == CPU)
-    adam_s = numel / adam_elems_per_s + numel / convert_elems_per_s
+    streams = any(side == DEVICE and t != GPU_TIER for side, t in zip(sides, placement.tier_of))
+    if update_rates is not None and update_rates.cpu_shared and streams:
+        adam_s = numel / update_rates.cpu_shared  # beside the device's streaming (conversion included)
+    else:
+        adam_s = numel / adam_elems_per_s + numel / convert_elems_per_s
     device_s = device_seconds_of(subgroups, placement.tier_of, sides, update_rates)
     # The engine's own schedule of the two order directions (steady state), averaged.
     both = [step_schedule(k, placement.tier_of, placement.slots, placement.cache_slots, cache_alternating)
@@ -96,13 +100,15 @@ def predict_update(
 def device_seconds_of(subgroups: Sequence[Subgroup], tier_of: Sequence[str], sides: Sequence[str],
                       rates: Optional[UpdateRates]) -> float:
     """The device's share of the update: its resident subgroups at the resident rate, the streamed
-    ones (host state copied in and out, overlapped with Adam) at the streamed rate."""
+    ones (host state copied in and out, overlapped with Adam) at the streamed rate, or at the rate
+    measured beside the CPU's Adam where the CPU updates some subgroups too."""
     if rates is None or DEVICE not in sides:
         return 0.0
+    streamed = rates.streamed_rate(cpu_works=CPU in sides)
     total = 0.0
     for sg, tier, side in zip(subgroups, tier_of, sides):
         if side == DEVICE:
-            rate = rates.device_resident if tier == GPU_TIER else rates.device_streamed
+            rate = rates.device_resident if tier == GPU_TIER else streamed
             total += sg.numel / rate if rate else 0.0
     return total
 

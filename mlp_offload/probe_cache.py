@@ -31,9 +31,10 @@ def path_for(root: str, host: Optional[str] = None) -> str:
 
 
 @contextmanager
-def node_lock(root: str):
-    """One probe of ``root`` at a time on this node (the node's ranks start together)."""
-    with LockDir(root) as locks, locks.exclusive("probe.lock"):
+def node_lock(root: str, lock_root: Optional[str] = None):
+    """One probe of ``root`` at a time on this node (the node's ranks start together); the lock
+    file lies under ``lock_root`` (None: ``tokens.default_lock_root``)."""
+    with LockDir(root, lock_root) as locks, locks.exclusive("probe.lock"):
         yield
 
 

@@ -43,7 +43,7 @@ def probe_tier(tier: FileTier, host_buffer: torch.Tensor, concurrency: int = 2,
         # Bumped when what a phase measures changes, so older caches are measured again.
         "phases": "write,read,mixed" + (",shared" if ranks_sharing > 1 else "") + ",odirect-unflushed,whole-file-reads",
     }
-    with probe_cache.node_lock(tier.root):  # node-local: no lock on a shared file system
+    with probe_cache.node_lock(tier.root, tier.lock_root):  # node-local: no lock on a shared file system
         cached = probe_cache.read(cache_path, signature)
         if cached is not None:
             return cached
@@ -137,11 +137,12 @@ def measure_cpu_update_rate(adam_step, dtypes, numel: int = 1 << 24, repeats: in
     working = Fp32Working(dtypes, numel)
     stored = [torch.empty(numel, dtype=d).fill_(v) for d, v in zip(dtypes, (0.5, 1e-4, 1e-6))]
     grads = torch.empty(numel).fill_(1e-3)
+    high = torch.empty(numel, dtype=torch.bfloat16).fill_(0.5) if working.remainders else None
 
     def step(i):
-        wide = working.widen(stored)
+        wide = working.widen(stored, high)
         adam_step(wide[0], grads, wide[1], wide[2], step=i)
-        working.round_back(stored, wide)
+        working.round_back(stored, wide, high)
     return numel / _best_of(step, repeats)
 
 
@@ -167,7 +168,8 @@ def measure_device_rates(updater, adam_step, dtypes, numel: int, repeats: int = 
     def run(stored, resident):
         def once(_):
             for _ in range(in_a_row):
-                fence = updater.update(sg, stored, resident, segments, lambda out: out.fill_(1e-3), adam, None)
+                fence = updater.update(sg, stored, resident, segments, lambda out: out.fill_(1e-3), adam, None,
+                                       lambda start, end, out: out.fill_(0.5))
             fence.synchronize()
         return in_a_row * numel / _best_of(once, repeats)
     return run(dev, True), run(host, False)
@@ -194,3 +196,62 @@ def measure_convert_rate(numel: int) -> float:
         dst.copy_(src)
         best = min(best, time.perf_counter() - start)
     return numel / max(best, 1e-9)
+
+
+def measure_shared_rates(updater, cpu_step, adam_step, dtypes, numel: int, piece: int = 1 << 21):
+    """(CPU, streamed) elements/s while both run at once, as a split step runs them: the device
+    streams host state through ``updater`` while the CPU runs ``cpu_step(p, g, m, v, step)`` (its
+    Adam with the widening) piece by piece, and the CPU's grads come down and its params go up
+    over PCIe on a side stream, as the Megatron adapter's path moves them. None on a CPU run:
+    there the "device" is the same cores, nothing runs beside anything."""
+    if updater.device.type != "cuda":
+        return None
+    sg = Subgroup(0, 0, numel)
+    host = [torch.empty(numel, dtype=d, pin_memory=True).fill_(v) for d, v in zip(dtypes, (0.5, 1e-4, 1e-6))]
+    segments = [(0, numel, 0, (0, numel))]
+    piece = min(piece, numel)
+    cpu_state = [torch.empty(piece, dtype=d).fill_(v) for d, v in zip(dtypes, (0.5, 1e-4, 1e-6))]
+    cpu_working = Fp32Working(dtypes, piece)
+    # What crosses PCIe for a CPU-updated piece: fp32 grads down; with remainders its bf16 params
+    # down (the high halves) and up, else the stored master up.
+    high = torch.empty(piece, dtype=torch.bfloat16, pin_memory=True).fill_(0.5) if cpu_working.remainders else None
+    up_dtype = torch.bfloat16 if cpu_working.remainders else dtypes[0]
+    grads_host = torch.empty(piece, pin_memory=True)
+    params_host = torch.empty(piece, dtype=up_dtype, pin_memory=True)
+    grads_dev = torch.full((piece,), 1e-3, device=updater.device)
+    params_dev = torch.full((piece,), 0.5, dtype=up_dtype, device=updater.device)
+    side = torch.cuda.Stream(updater.device)
+    in_a_row = 8  # long enough that the CPU's pieces (~1 ms each) time it within a few percent
+
+    def adam(p, g, m, v, group, span, step=[0]):
+        step[0] += 1
+        adam_step(p, g, m, v, step=step[0])
+
+    best = None
+    for attempt in range(3):  # the first warms up threads, pages and kernels
+        torch.cuda.synchronize(updater.device)
+        start = time.perf_counter()
+        for _ in range(in_a_row):
+            fence = updater.update(sg, host, False, segments, lambda out: out.fill_(1e-3), adam, None,
+                                   lambda start, end, out: out.fill_(0.5))
+        cpu_elems, step = 0, 0
+        while not fence.query():
+            with torch.cuda.stream(side):  # the CPU path's PCIe traffic: its grads down, its params up
+                grads_host.copy_(grads_dev, non_blocking=True)
+                if high is not None:
+                    high.copy_(params_dev, non_blocking=True)
+            side.synchronize()
+            step += 1
+            wide = cpu_working.widen(cpu_state, high)
+            cpu_step(wide[0], grads_host, wide[1], wide[2], step=step)
+            cpu_working.round_back(cpu_state, wide, high)
+            with torch.cuda.stream(side):
+                params_host.copy_(high if high is not None else cpu_state[0])
+                params_dev.copy_(params_host, non_blocking=True)
+            cpu_elems += piece
+        seconds = max(time.perf_counter() - start, 1e-9)
+        if attempt and cpu_elems:
+            rates = (cpu_elems / seconds, in_a_row * numel / seconds)
+            best = rates if best is None or rates[1] > best[1] else best
+    side.synchronize()
+    return best

@@ -13,7 +13,8 @@ from typing import Dict, List, Optional
 from .config import HOST_TIER, OffloadConfig, TierBandwidth
 from .placement import Placement, UpdateRates, plan_placement, tokens_for
 from .prediction import Prediction, predict_update
-from .rates import measure_convert_rate, measure_cpu_update_rate, measure_device_rates, probe_tier
+from .rates import (measure_convert_rate, measure_cpu_update_rate, measure_device_rates, measure_shared_rates,
+                    probe_tier)
 from .state_dtypes import torch_dtypes
 from .subgroups import Subgroup
 from .tiers.base import ResidentTier, StreamedTier
@@ -54,7 +55,7 @@ def start_up(cfg: OffloadConfig, subgroups: List[Subgroup], adam, tiers: Dict[st
     host = memory[HOST_TIER]
     rates = {name: cfg.bandwidths.get(name) or _probe(cfg, name, host) for name in cfg.file_tiers}
     size = min(max(sg.numel for sg in subgroups), 1 << 26)
-    dtypes = torch_dtypes(cfg.state_dtypes)
+    dtypes = torch_dtypes(cfg.stored_dtypes)  # with a remainders master's merge and split
     adam_rate = cfg.adam_elems_per_s or measure_cpu_update_rate(
         lambda p, g, m, v, step: adam(p, g, m, v, step=step), dtypes, numel=size)
     convert_rate = measure_convert_rate(size)
@@ -67,12 +68,23 @@ def start_up(cfg: OffloadConfig, subgroups: List[Subgroup], adam, tiers: Dict[st
                 device_update, lambda p, g, m, v, step: device_adam(p, g, m, v, step=step), dtypes, size)
             update_rates.device_resident = update_rates.device_resident or resident
             update_rates.device_streamed = update_rates.device_streamed or streamed
+        if cfg.update_on == "auto" and cfg.device_streamed_elems_per_s is None:  # a split may run both at once
+            try:
+                shared = measure_shared_rates(device_update, lambda p, g, m, v, step: adam(p, g, m, v, step=step),
+                                              lambda p, g, m, v, step: device_adam(p, g, m, v, step=step), dtypes,
+                                              size)
+            except (RuntimeError, ValueError) as err:  # a measurement, not the update: say so and go on
+                log.warning("rates of the CPU and device side by side not measured (%s): the split and the "
+                            "prediction use the rates measured alone", err)
+                shared = None
+            if shared is not None:
+                update_rates.cpu_shared, update_rates.streamed_shared = shared
     # Tokens after the probe: unless given, whether ranks take turns depends on what it saw.
     tokens_per_tier = {name: cfg.tokens_per_tier or tokens_for(rates[name], sharing) for name in cfg.file_tiers}
     for name in cfg.file_tiers:
         count = tokens_per_tier[name]
         tokens = (JobTokens(cfg.paths[name], count, token_store) if token_scope(cfg, name) == "job"
-                  else TierTokens(cfg.paths[name], count))
+                  else TierTokens(cfg.paths[name], count, lock_root=cfg.lock_dir))
         tiers[name] = file_tier(cfg, name, tokens)
     free = {name: tier.free_bytes() for name, tier in tiers.items()}
     devices = {name: tier.device for name, tier in tiers.items()}

@@ -1,15 +1,17 @@
 """The whole state, a subgroup at a time, for checkpoints and tests: streamed out of whatever tier
 holds it, replaced, or edited in place, through one scratch buffer (nothing gathers the whole
 state). Subgroups in device memory pass through a host buffer of their own, so every caller sees
-host tensors and a checkpoint does not care which tiers wrote it."""
+host tensors and a checkpoint does not care which tiers wrote it. Masters stored as remainders are
+shown as fp32 (``RemainderMaster``) unless a loader asks for the stored form."""
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Iterator, List, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
 from .pipeline import SlotPipeline, StateViews, file_key
+from .remainders import RemainderMaster
 from .snapshot import StateSnapshot, TierCopy
 from .subgroups import Subgroup
 
@@ -18,8 +20,9 @@ StateFn = Callable[[Subgroup, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 class StateAccess:
     def __init__(self, subgroups: List[Subgroup], resident: Dict[int, StateViews], pipeline: SlotPipeline,
-                 scratch: Callable[[], StateViews]):
+                 scratch: Callable[[], StateViews], master: Optional[RemainderMaster] = None):
         self.subgroups = subgroups
+        self.master = master  # where the master is stored as remainders
         self.resident = resident
         self.pipeline = pipeline
         self._make_scratch = scratch  # allocated on first need, outside the host budget
@@ -29,14 +32,24 @@ class StateAccess:
     def iter_state(self) -> Iterator[Tuple[Subgroup, torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Each subgroup's (param, exp_avg, exp_avg_sq); valid until the next item is requested."""
         for i, sg, views in self._each(fill_missing=True, write_back=False):
-            yield (sg, *views.narrow(sg.numel))
+            param, exp_avg, exp_avg_sq = views.narrow(sg.numel)
+            if self.master is not None:
+                param = self.master.widen(sg.start, sg.end, param)
+            yield sg, param, exp_avg, exp_avg_sq
 
-    def load_state(self, fill: StateFn) -> None:
-        """Replace the whole state: ``fill`` writes each subgroup's three fp32 tensors in place."""
+    def load_state(self, fill: StateFn, stored: bool = False) -> None:
+        """Replace the whole state: ``fill`` writes each subgroup's three tensors in place (in the
+        stored dtypes; the master as fp32 where it is stored as remainders, unless ``stored``)."""
         self.pipeline.flush()
         self.pipeline.forget_buffers()  # the in-memory copies are about to be stale
         for i, sg, views in self._each(fill_missing=False):
-            fill(sg, *views.narrow(sg.numel))
+            param, exp_avg, exp_avg_sq = views.narrow(sg.numel)
+            if self.master is None or stored:
+                fill(sg, param, exp_avg, exp_avg_sq)
+            else:
+                master = self.master.scratch(sg.numel)
+                fill(sg, master, exp_avg, exp_avg_sq)
+                self.master.store(sg.start, sg.end, master, param)
             if i not in self.resident:
                 self.pipeline.write_now(i, views)
         self.pipeline.all_materialized()
@@ -44,7 +57,13 @@ class StateAccess:
     def modify_state(self, edit: StateFn) -> None:
         """Stream each subgroup's state through ``edit`` (in place); the result goes back where it lives."""
         for i, sg, views in self._each(fill_missing=True):
-            edit(sg, *views.narrow(sg.numel))
+            param, exp_avg, exp_avg_sq = views.narrow(sg.numel)
+            if self.master is None:
+                edit(sg, param, exp_avg, exp_avg_sq)
+            else:
+                master = self.master.widen(sg.start, sg.end, param)
+                edit(sg, master, exp_avg, exp_avg_sq)
+                self.master.store(sg.start, sg.end, master, param)
             if views is self._scratch:  # host-resident or in a buffer: written later by the pipeline
                 self.pipeline.write_now(i, views)
 

@@ -13,6 +13,10 @@ import torch
 
 STATE_TENSORS = ("param", "exp_avg", "exp_avg_sq")
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# The stored form of an fp32 master whose high half is the model's bf16 param (see ``remainders``):
+# a storage form, not a dtype a user names in ``state_dtypes``.
+REMAINDERS = "rem16"
+STORED_DTYPES = {**TORCH_DTYPES, REMAINDERS: torch.int16}
 FP32_STATE: Tuple[str, str, str] = ("fp32", "fp32", "fp32")
 # Accepted spellings, e.g. megatron-core's torch dtypes or their names.
 _ALIASES = {"float32": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16",
@@ -34,11 +38,11 @@ def dtype_name(value) -> str:
 
 
 def itemsizes(names: Sequence[str]) -> Tuple[int, ...]:
-    return tuple(TORCH_DTYPES[n].itemsize for n in names)
+    return tuple(STORED_DTYPES[n].itemsize for n in names)
 
 
 def torch_dtypes(names: Sequence[str]) -> Tuple[torch.dtype, ...]:
-    return tuple(TORCH_DTYPES[n] for n in names)
+    return tuple(STORED_DTYPES[n] for n in names)
 
 
 def bytes_per_param(names: Sequence[str]) -> int:

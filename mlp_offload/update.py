@@ -8,6 +8,8 @@ from typing import Optional, Tuple
 import torch
 from torch.optim.adam import adam as _functional_adam
 
+from .remainders import merge, split_
+
 
 def convert_grads(
     src: torch.Tensor, dst: torch.Tensor, unscale: Optional[float], clip_coef: Optional[float]
@@ -120,11 +122,15 @@ def fused_vector_width() -> int:
 class Fp32Working:
     """fp32 working copies of the state tensors stored narrower than fp32: each subgroup's are
     widened before its Adam and rounded back after it (round-to-nearest-even, ``Tensor.copy_``),
-    so the arithmetic is exactly the fp32 AdamW's. fp32-stored tensors are updated in place."""
+    so the arithmetic is exactly the fp32 AdamW's. fp32-stored tensors are updated in place.
+
+    A master stored as remainders (int16, see ``remainders``) is merged with its bf16 high half
+    (``high``) instead, and split back into both."""
 
     def __init__(self, dtypes, largest: int, device="cpu"):
         self.scratch = [None if d == torch.float32 else torch.empty(largest, dtype=torch.float32, device=device)
                         for d in dtypes]
+        self.remainders = dtypes[0] == torch.int16
 
     @property
     def nbytes(self) -> int:
@@ -135,10 +141,25 @@ class Fp32Working:
         """``nbytes`` of the working copies for state stored in ``itemsizes`` bytes per element."""
         return sum(largest * 4 for size in itemsizes if size != 4)
 
-    def widen(self, stored):
-        return [t if s is None else s[: t.numel()].copy_(t) for t, s in zip(stored, self.scratch)]
+    def widen(self, stored, high: Optional[torch.Tensor] = None):
+        """``high``: the bf16 params of a master stored as remainders."""
+        wide = [t if s is None else s[: t.numel()] for t, s in zip(stored, self.scratch)]
+        for k, (t, w) in enumerate(zip(stored, wide)):
+            if w is t:
+                continue
+            if k == 0 and self.remainders:
+                merge(high, t, out=w)
+            else:
+                w.copy_(t)
+        return wide
 
-    def round_back(self, stored, wide) -> None:
-        for t, w, s in zip(stored, wide, self.scratch):
-            if s is not None:
+    def round_back(self, stored, wide, high: Optional[torch.Tensor] = None) -> None:
+        """``high`` receives the bf16 params of a master stored as remainders (the working
+        master is spent doing so)."""
+        for k, (t, w, s) in enumerate(zip(stored, wide, self.scratch)):
+            if s is None:
+                continue
+            if k == 0 and self.remainders:
+                split_(w, t, high)
+            else:
                 t.copy_(w)

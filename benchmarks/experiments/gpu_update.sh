@@ -2,7 +2,10 @@
 # One device call (issue 19): the update on the GPU and spare HBM as the top tier.
 #  (a) correctness: a small GPT a few iterations with megatron-core's optimizer (no offload), ours with
 #      --offload-tiers gpu,host (the whole state in the gpu tier: losses must be bit-identical), and ours
-#      host-only with every subgroup updated on the GPU from streamed host state (--offload-update gpu);
+#      host-only with every subgroup updated on the GPU from streamed host state (--offload-update gpu),
+#      both with the fp32 master (--no-store-param-remainders); then the same two with the default 16-bit
+#      remainders against megatron-core whose main->model copy rounds half away (the test's reference,
+#      tests/integration/half_away_megatron.py);
 #  (b) the 10.24 B Llama shape, gpu,host,nvme with --offload-gpu-cache-gb auto: bf16 moments, then lossless.
 # Prints iteration times, the engine's predicted vs measured update and split, host/GPU memory peaks.
 # PART=a runs (a) only, PART=b (b) only (default both).
@@ -46,32 +49,38 @@ watch_memory() {  # $1: label
 run() {  # $1 label, $2 limit, rest: flags
   local label=$1 limit=$2; shift 2
   touch "$OUT/.watch"; watch_memory "$label"
-  timeout "$limit" torchrun --nproc_per_node 1 --master_port ${PORT:-29511} pretrain_gpt.py $COMMON "$@" > "$OUT/.run.log" 2>&1
+  timeout "$limit" torchrun --nproc_per_node 1 --master_port ${PORT:-29511} ${SCRIPT:-pretrain_gpt.py} $COMMON "$@" > "$OUT/.run.log" 2>&1
   echo "$label exit $?"; rm -f "$OUT/.watch"; sleep 2; cat "$OUT/.peak" | tee -a "$OUT/memory_peaks.txt"
 }
 if [ "${PART:-ab}" != b ]; then
 echo "== (a) correctness: losses of megatron-core (no offload) vs ours, gpu tier and GPU-streamed"
-for kind in mcore gpu stream; do
+KINDS=${KINDS:-mcore gpu stream mcorehalf gpurem streamrem}
+for kind in $KINDS; do
+  SCRIPT=pretrain_gpt.py
   case $kind in
     mcore) FLAGS="--use-distributed-optimizer";;
-    gpu) FLAGS="--offload-tiers gpu,host --offload-gpu-cache-gb $GPU_GB --offload-update cpu";;
-    stream) FLAGS="--offload-tiers host --offload-update gpu --offload-subgroup-size $SUB";;
+    gpu) FLAGS="--offload-tiers gpu,host --offload-gpu-cache-gb $GPU_GB --offload-update cpu --no-store-param-remainders";;
+    stream) FLAGS="--offload-tiers host --offload-update gpu --offload-subgroup-size $SUB --no-store-param-remainders";;
+    mcorehalf) FLAGS="--use-distributed-optimizer"; SCRIPT=tests/integration/half_away_megatron.py;;
+    gpurem) FLAGS="--offload-tiers gpu,host --offload-gpu-cache-gb $GPU_GB --offload-update cpu";;
+    streamrem) FLAGS="--offload-tiers host --offload-update gpu --offload-subgroup-size $SUB";;
   esac
-  run "small-$kind" $LIMIT_A $SMALL --train-iters $ITERS_A $FLAGS --loss-log "$OUT/.loss_$kind.jsonl"
+  SCRIPT=$SCRIPT run "small-$kind" $LIMIT_A $SMALL --train-iters $ITERS_A $FLAGS --loss-log "$OUT/.loss_$kind.jsonl"
   grep -E "offload rank|predicted|iteration " "$OUT/.run.log" | grep -v -i warn | cut -c1-400 >> "$OUT/correctness.log"
   grep -E "rror|Traceback" "$OUT/.run.log" | head -5
 done
 $PY - "$OUT" <<'PY' | tee "$OUT/correctness_losses.txt"
 import json, sys, pathlib
 out = pathlib.Path(sys.argv[1])
+kinds = ("mcore", "gpu", "stream", "mcorehalf", "gpurem", "streamrem")
 runs = {k: {r["iteration"]: r["loss"] for r in map(json.loads, (out / f".loss_{k}.jsonl").read_text().splitlines())}
-        if (out / f".loss_{k}.jsonl").exists() else {} for k in ("mcore", "gpu", "stream")}
-print("iteration  megatron-core            ours gpu tier            ours GPU-streamed")
+        if (out / f".loss_{k}.jsonl").exists() else {} for k in kinds}
+print("iteration  " + "  ".join(f"{k:24}" for k in kinds))
 for it in sorted(runs["mcore"]):
-    print(f"{it:9d}  " + "  ".join(f"{runs[k].get(it, float('nan'))!r:24}" for k in runs))
-for k in ("gpu", "stream"):
-    same = runs[k] == runs["mcore"] and runs[k] != {}
-    print(f"{k}: {'BIT-IDENTICAL' if same else 'DIFFERENT'} to megatron-core ({len(runs[k])} iterations)")
+    print(f"{it:9d}  " + "  ".join(f"{runs[k].get(it, float('nan'))!r:24}" for k in kinds))
+for k, ref in (("gpu", "mcore"), ("stream", "mcore"), ("gpurem", "mcorehalf"), ("streamrem", "mcorehalf")):
+    same = runs[k] == runs[ref] and runs[k] != {}
+    print(f"{k}: {'BIT-IDENTICAL' if same else 'DIFFERENT'} to {ref} ({len(runs[k])} iterations)")
 PY
 fi
 if [ "${PART:-ab}" != a ]; then

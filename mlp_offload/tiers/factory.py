@@ -28,7 +28,8 @@ def file_tier(cfg: OffloadConfig, name: str, tokens: Optional[TierTokens]) -> Fi
     try:
         return FileTier(name, cfg.paths[name], cfg.resolved_run_id(), cfg.rank, cfg.io_block_bytes,
                         cfg.io_threads, op_threads=cfg.prefetch_depth + 2, use_odirect=cfg.use_odirect,
-                        verify_checksums=cfg.verify_checksums, tokens=tokens)
+                        verify_checksums=cfg.verify_checksums, tokens=tokens, lock_root=cfg.lock_dir,
+                        reports_stale=cfg.local_rank == 0)
     except BaseException:
         if tokens is not None:
             tokens.close()

@@ -67,7 +67,8 @@ def check_tier_dir(name: str, path: str) -> str:
 class FileTier:
     """Subgroup files of one rank under ``<root>/mlp_offload/<run_id>/rank<r>/`` (a
     ``tiers.base.StreamedTier``). ``tokens`` are the node-wide turns on this path; None only for
-    the bandwidth probe, which holds the path's probe lock instead."""
+    the bandwidth probe, which holds the path's probe lock (under ``lock_root``) instead.
+    ``reports_stale``: whether this rank lists other runs' stale namespaces (the node's first)."""
 
     kind = "streamed"
 
@@ -83,11 +84,13 @@ class FileTier:
         use_odirect: bool = True,
         verify_checksums: bool = True,
         tokens: Optional[TierTokens] = None,
+        lock_root: Optional[str] = None,
+        reports_stale: bool = True,
     ):
         self.name = name
         self.root = check_tier_dir(name, root)
         try:
-            self.dir = claim(self.root, run_id, rank, field=f"paths[{name!r}]")
+            self.dir = claim(self.root, run_id, rank, field=f"paths[{name!r}]", reports_stale=reports_stale)
         except OSError as err:
             raise TierPathError(f"paths[{name!r}] {root}: cannot create this rank's directory: {err}") from err
         self.device = os.stat(self.root).st_dev  # tiers on one device share its bandwidth
@@ -95,6 +98,7 @@ class FileTier:
         self.io_threads = io_threads
         self.verify_checksums = verify_checksums
         self.tokens = tokens
+        self.lock_root = lock_root  # the node-local lock files' directory (None: tokens.default_lock_root)
         self.odirect = use_odirect and self._odirect_supported()
         if use_odirect and not self.odirect:
             log.warning(

@@ -100,8 +100,9 @@ def scan(root: str) -> List[Namespace]:
     return found
 
 
-def claim(root: str, run_id: str, rank: int, field: str) -> str:
-    """Create and own this rank's namespace; clear a dead owner's files; report other stale ones."""
+def claim(root: str, run_id: str, rank: int, field: str, reports_stale: bool = True) -> str:
+    """Create and own this rank's namespace; clear a dead owner's files; report other stale ones
+    (where ``reports_stale``: the node's first rank)."""
     path = os.path.join(root, NAMESPACE_DIR, run_id, f"rank{rank:05d}")
     if os.path.isdir(path):
         owner = read_owner(path)
@@ -135,7 +136,7 @@ def claim(root: str, run_id: str, rank: int, field: str) -> str:
     stale = [ns for ns in scan(root) if ns.path != path and ns.alive is False]
     # The same list on every rank and for every claim of this root (the probe's, then training's):
     # once per node and root.
-    if stale and os.environ.get("LOCAL_RANK", "0") == "0" and root not in _reported_roots:
+    if stale and reports_stale and root not in _reported_roots:
         _reported_roots.add(root)
         log.warning(
             "%s %s holds %d stale offload namespace(s) of dead runs (%.2f GiB); they are not used. "

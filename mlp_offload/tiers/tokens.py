@@ -24,10 +24,8 @@ USERS = "users.lock"
 
 
 def default_lock_root() -> str:
-    # Node-local on purpose: a lock file on a shared file system would serialize whole clusters.
-    base = os.environ.get("MLP_OFFLOAD_LOCK_DIR")
-    if base:
-        return base
+    """Where lock files go when the config names no ``lock_dir``. Node-local on purpose: a lock
+    file on a shared file system would serialize whole clusters."""
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
 

@@ -81,7 +81,7 @@ def real_data_runs(tmp_path_factory):
         key = (per_token_loss, offload)
         if key not in runs:
             extra = (["--calculate-per-token-loss"] if per_token_loss else []) + (
-                ["--offload-tiers", "host"] if offload else [])
+                ["--offload-tiers", "host", "--no-store-param-remainders"] if offload else [])
             runs[key] = run_pretrain(tmp / f"per_token{int(per_token_loss)}-offload{int(offload)}", [*flags, *extra],
                                      train_iters=REAL_DATA_ITERS, mock_data=False)
         return runs[key]

@@ -23,7 +23,8 @@ from launch import run_pretrain
 
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2", "--swiglu",
        "--disable-bias-linear", "--normalization", "RMSNorm", "--position-embedding-type", "rope"]
-OFFLOAD = ["--offload-tiers", "host", "--offload-adam-kernel", "single", "--offload-subgroup-size", "6000"]
+OFFLOAD = ["--offload-tiers", "host", "--offload-adam-kernel", "single", "--offload-subgroup-size", "6000",
+           "--no-store-param-remainders"]  # megatron-core's model params round to nearest even
 LAYOUTS = {
     "dp2_ep2_alltoall": ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"],
     # No dropout: its RNG streams are kept per (PP, TP) position, so a reshard across PP changes them

@@ -180,7 +180,7 @@ def test_two_nodes_train_like_one_launch(tmp_path, offload_baseline):
     offload = ["--offload-tiers", "host,nvme,pfs", "--offload-host-cache-gb", "0.0005", "--offload-subgroup-size",
                "6000", "--offload-adam-kernel", "single", "--offload-io-block-mb", "1", "--offload-io-threads", "2",
                "--offload-bandwidths", "nvme=2:1,pfs=2:1", "--offload-pfs-path", str(pfs),
-               "--offload-token-scope", "pfs=job"]
+               "--offload-token-scope", "pfs=job", "--no-store-param-remainders"]
     loss_log = tmp_path / "two-loss.jsonl"
     env = _job_env(tmp_path, with_torchrun=False, SLURM_JOB_NODELIST="localhost", GPUS_PER_NODE="1",
                    MASTER_PORT=str(free_port()), MODEL_ARGS=" ".join(TINY_MODEL + ["--mock-data"]),

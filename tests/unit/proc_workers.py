@@ -39,14 +39,14 @@ def hold_tokens_then_block(paths, lock_root, ready):
 
 def engine_matches_adamw(tier_path, lock_root, rank, steps, result_queue, second_path=None, started=None):
     """One 'rank' of a node: its own shard on the shared path(s), checked against torch AdamW."""
-    os.environ["MLP_OFFLOAD_LOCK_DIR"] = lock_root
     torch.set_num_threads(1)
     from mlp_offload import OffloadConfig, OffloadedAdamW
 
     paths = {"nvme": tier_path, **({"pfs": second_path} if second_path else {})}
     cfg = OffloadConfig(tiers=list(paths), paths=paths, subgroup_size=20_000,
                         io_block_bytes=64 * 1024, io_threads=2, bandwidths={t: (1e9, 1e9) for t in paths},
-                        adam_elems_per_s=1e9, run_id="shared", rank=rank, cache_alternating=False)
+                        adam_elems_per_s=1e9, run_id="shared", rank=rank, cache_alternating=False,
+                        lock_dir=lock_root)
     gen = torch.Generator().manual_seed(rank)
     init = torch.randn(100_000, generator=gen)
     ref = torch.nn.Parameter(init.clone())

@@ -16,7 +16,8 @@ from mlp_offload.tiers.files import FileTier
 from mlp_offload.tiers.host import HostMemory
 from mlp_offload.tiers.tokens import JobTokens, JobTokensStalled, TierTokens, path_key
 
-from megatron.training.offload.flags import job_run_id
+from megatron.training.args.arguments import parse_args
+from megatron.training.offload.flags import config_from_args, job_run_id
 
 from . import proc_workers
 
@@ -35,8 +36,27 @@ def test_two_steps_of_one_allocation_get_their_own_namespaces(monkeypatch):
     assert ids == ["777.0", "777.1", "777.batch"]
 
 
-def _probe(root):
-    tier = FileTier("pfs", str(root), "probe", 0, 64 * 1024, 2, op_threads=4)
+FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+         "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-3", "--mock-data", "--device", "cpu",
+         "--offload-tiers", "host"]
+
+
+@pytest.mark.parametrize("env, lock_dir, local_rank", [
+    ({}, None, 0), ({"MLP_OFFLOAD_LOCK_DIR": "/var/locks", "LOCAL_RANK": "3"}, "/var/locks", 3),
+    ({"MLP_OFFLOAD_LOCK_DIR": "", "LOCAL_RANK": "0"}, None, 0)])
+def test_the_adapter_reads_the_environment_into_the_config(monkeypatch, env, lock_dir, local_rank):
+    """The engine reads no environment (tests/unit/test_layout.py): its lock directory and local
+    rank come from the adapter, which reads MLP_OFFLOAD_LOCK_DIR and LOCAL_RANK."""
+    for var in ("MLP_OFFLOAD_LOCK_DIR", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    cfg = config_from_args(parse_args(FLAGS), rank=0)
+    assert (cfg.lock_dir, cfg.local_rank) == (lock_dir, local_rank)
+
+
+def _probe(root, lock_root=None):
+    tier = FileTier("pfs", str(root), "probe", 0, 64 * 1024, 2, op_threads=4, lock_root=lock_root)
     try:
         return probe_tier(tier, HostMemory(None, pin=False).allocate(4 << 20, "probe", counted=False))
     finally:
@@ -64,11 +84,10 @@ def test_probe_cache_is_per_host_and_needs_no_lock_on_the_tier(tmp_path, monkeyp
         return real_flock(fd, op)
 
     monkeypatch.setattr(fcntl, "flock", no_flock_on_tier)
-    monkeypatch.setenv("MLP_OFFLOAD_LOCK_DIR", str(tmp_path / "locks"))
-    rate = _probe(tmp_path)
+    rate = _probe(tmp_path, str(tmp_path / "locks"))
     assert rate.read_bps < 1e15  # measured here, not the other node's number
     assert os.path.exists(mine) and probe_cache.read(other, {}).read_bps == 1e15  # left as it was
-    assert _probe(tmp_path) == rate  # this host's cache serves this host
+    assert _probe(tmp_path, str(tmp_path / "locks")) == rate  # this host's cache serves this host
     assert sorted(os.listdir(tmp_path)) == sorted([os.path.basename(mine), os.path.basename(other), "locks"])
     assert os.listdir(tmp_path / "locks") == []  # the probe's node-local lock directory is gone
 

@@ -216,6 +216,35 @@ def test_auto_split_balances_the_two_sides(n, cpu, dev, gpu):
     assert split_updates(subgroups, tier_of, "device", rates) == [DEVICE] * n
 
 
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(n=st.integers(2, 30), cpu=st.floats(0.5, 10), dev=st.floats(0.5, 10), slow=st.floats(0.2, 1.0),
+       gpu=st.integers(0, 4))
+def test_split_and_prediction_use_the_rates_measured_side_by_side(n, cpu, dev, slow, gpu):
+    """Where both sides work, each is priced at the rate measured beside the other (a reference
+    computed here from the sides the split chose); a side alone keeps its solo rate."""
+    from mlp_offload.placement import Placement
+    from mlp_offload.prediction import predict_update
+
+    subgroups = partition(n * 1000, 1000)
+    tier_of = ["gpu" if i < gpu else "host" for i in range(n)]
+    rates = UpdateRates(cpu=cpu, device_resident=20 * dev, device_streamed=dev,
+                        cpu_shared=cpu * slow, streamed_shared=dev * slow)
+    sides = split_updates(subgroups, tier_of, "auto", rates)
+    # the split balances at the shared rates: what list scheduling at those rates gives
+    assert sides == split_updates(subgroups, tier_of, "auto", UpdateRates(
+        cpu=cpu * slow, device_resident=20 * dev, device_streamed=dev * slow))
+    placement = Placement(tier_of=tier_of, slots=0, cache_slots=0, resident_bytes={}, update_on=sides)
+    pred = predict_update(subgroups, placement, {}, cpu, 1e30, update_rates=rates)
+    streams = any(s == DEVICE and t == "host" for s, t in zip(sides, tier_of))
+    cpu_rate = cpu * slow if streams else cpu
+    stream_rate = dev * slow if CPU in sides else dev
+    t_cpu = sides.count(CPU) * 1000 / cpu_rate
+    t_dev = sum(1000 / (20 * dev if t == "gpu" else stream_rate) for s, t in zip(sides, tier_of) if s == DEVICE)
+    assert pred.adam_s == pytest.approx(t_cpu, rel=1e-9, abs=1e-12)
+    assert pred.device_s == pytest.approx(t_dev, rel=1e-9, abs=1e-12)
+    assert pred.update_s == pytest.approx(max(t_cpu, t_dev), rel=1e-9)
+
+
 @pytest.mark.parametrize("options,says", [
     (dict(tiers=["gpu", "host"]), "gpu_budget_bytes or gpu_budget_auto"),
     (dict(tiers=["host"], gpu_budget_bytes=1 << 20), "'gpu' is not one of the offload tiers"),

@@ -160,6 +160,8 @@ INVALID = {
     "tokens_per_tier": (TIER_MIXES, _bad("tokens_per_tier", BAD_INTS)),
     "ranks_sharing_node": (TIER_MIXES, _bad("ranks_sharing_node", BAD_INTS)),
     "adam_elems_per_s": (TIER_MIXES, _bad("adam_elems_per_s", [0, -1.0, INF, NAN, True])),
+    "lock_dir": (TIER_MIXES, _bad("lock_dir", ["", 3, b"/tmp"])),
+    "local_rank": (TIER_MIXES, _bad("local_rank", [-1, True, 2.0, 1.5, "0"])),
     "adam_kernel": (TIER_MIXES, _bad("adam_kernel", ["turbo", "Fused", ""])),
     "pin_memory": (TIER_MIXES, lambda draw, setup: _changed(setup, pin_memory=True, error=HostMemoryError,
                                                             says=["pin_memory=True"])),

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from mlp_offload import OffloadConfig
+from mlp_offload.tiers.factory import file_tier
 from mlp_offload.tiers.housekeeping import NamespaceInUseError, claim, owner_alive, owner_record, scan
 
 
@@ -51,6 +53,22 @@ def test_dead_owner_is_cleared_and_others_reported(tmp_path, caplog):
     text = caplog.text
     assert "removing stale offload files of a dead run" in text
     assert "1 stale offload namespace(s) of dead runs" in text and "old-run" in text
+
+
+@pytest.mark.parametrize("local_rank", [0, 1, 3])
+def test_only_the_nodes_first_rank_lists_stale_namespaces(tmp_path, caplog, local_rank):
+    """The config's local_rank (the adapter's LOCAL_RANK) decides who reports; every rank clears its own."""
+    record = owner_record()
+    record.update(pid=2**22 + 12345)  # no such process
+    ours = _fake_namespace(tmp_path, "run", local_rank, record)
+    _fake_namespace(tmp_path, "old-run", 7, record)
+    cfg = OffloadConfig(tiers=["nvme"], paths={"nvme": str(tmp_path)}, run_id="run", rank=local_rank,
+                        local_rank=local_rank, bandwidths={"nvme": (1e9, 1e9)})
+    with caplog.at_level(logging.WARNING, logger="mlp_offload"):
+        tier = file_tier(cfg, "nvme", tokens=None)
+    tier.close()
+    assert not (ours / "sg000000.state").exists()
+    assert ("stale offload namespace(s) of dead runs" in caplog.text) == (local_rank == 0)
 
 
 def test_half_built_namespace_is_not_counted(tmp_path):

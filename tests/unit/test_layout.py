@@ -7,6 +7,8 @@
 - Code outside the engine imports only its face: ``mlp_offload`` and ``mlp_offload.checkpoint``.
 - ``megatron/training/`` itself holds only the loop and the base module; every other module lives
   in a sub-package.
+- The engine reads no environment: its config is a pure function of its arguments (the adapter
+  reads the environment and fills the config's fields).
 """
 
 from __future__ import annotations
@@ -119,6 +121,42 @@ def layer_of(module: str) -> int:
         if rest in names.split("|"):
             return i
     raise AssertionError(f"{module}: not in any layer of {LAYERS}")
+
+
+ENVIRONMENT = {"environ", "environb", "getenv", "getenvb", "putenv", "unsetenv"}
+
+
+def environment_reads(source: str) -> List[str]:
+    """Each place ``source`` touches the process environment: ``os.environ``/``os.getenv`` (under
+    any name ``os`` is imported as) or those names imported from ``os``."""
+    tree = ast.parse(source)
+    os_names = {a.asname or a.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+                for a in node.names if a.name == "os"}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in os_names \
+                and node.attr in ENVIRONMENT:
+            found.append((node.lineno, f"{node.value.id}.{node.attr}"))
+        elif isinstance(node, ast.ImportFrom) and node.module == "os":
+            found += [(node.lineno, f"from os import {a.name}") for a in node.names if a.name in ENVIRONMENT]
+    return [f"line {line}: {what}" for line, what in sorted(found)]
+
+
+def test_environment_reads_are_found():
+    """The checker itself: every spelling is reported, other uses of os are not."""
+    source = ("import os\nimport os as o\nfrom os import getenv, path\n"
+              "a = os.environ.get('X')\nb = o.getenv('Y')\nc = os.path.join('a')\nd = environ\n")
+    assert environment_reads(source) == ["line 3: from os import getenv", "line 4: os.environ",
+                                         "line 5: o.getenv"]
+    assert environment_reads("import os\nos.makedirs('x')\n") == []
+
+
+def test_engine_reads_no_environment():
+    wrong = []
+    for name, path in module_files("mlp_offload").items():
+        with open(path, encoding="utf-8") as f:
+            wrong += [f"{name} {where}" for where in environment_reads(f.read())]
+    assert wrong == []
 
 
 def test_cycles_are_found():

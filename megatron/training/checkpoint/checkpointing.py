@@ -23,21 +23,18 @@ from typing import Optional
 
 import torch
 from megatron.core import dist_checkpointing, parallel_state
-from megatron.core.distributed import DistributedDataParallel
 
-from megatron.training.checkpoint import integrity
-from megatron.training.checkpoint.saved_args import args_to_save
-from megatron.training.checkpoint.format import check_format, load_strategies, save_strategies, sharding_metadata
+from megatron.training.checkpoint import integrity, loaders
+from megatron.training.checkpoint.across_ranks import model_device, print_rank0, slowest_rank
+from megatron.training.checkpoint.format import save_strategies, sharding_metadata
 from megatron.training.checkpoint.integrity import checkpoint_dir
-from megatron.training.checkpoint.rng import (all_data_parallel_rng_states, legacy_rng_sharded_object,
-                                              rng_sharded_object, set_rng_state, this_rank_rng_state)
-from megatron.training.checkpoint.load_plan import FROM_OFFLOADED, SAME_FORM, LoadPlan
+from megatron.training.checkpoint.load_plan import plan_load
+from megatron.training.checkpoint.model_state import model_state
+from megatron.training.checkpoint.rng import all_data_parallel_rng_states, rng_sharded_object
+from megatron.training.checkpoint.saved_args import args_to_save
 from megatron.training.errors import UserError
-from megatron.training.checkpoint.megatron_adam_state import (megatron_optimizers, prepare_fresh_optimizer_for_load,
-                                                              restore_adam_steps)
-from megatron.training.checkpoint.crossing import fill_distributed_optimizer, load_into_engine
 from megatron.training.runtime.optimizer_interface import OffloadedOptimizerCheckpoint
-from megatron.training.runtime.progress import MemoryGrowth, gb_and_rate
+from megatron.training.runtime.progress import gb_and_rate
 from mlp_offload.checkpoint import CheckpointSaveError, human_bytes
 from mlp_offload import fault_point
 
@@ -59,23 +56,11 @@ CHECKPOINT_VERSION = 3.0  # Megatron-LM's, for torch_dist checkpoints
 STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.EIO}
 
 
-def _unwrap(chunk):
-    """DDP -> Float16Module/GPTModel: DDP itself has no sharded_state_dict."""
-    return chunk.module if isinstance(chunk, DistributedDataParallel) else chunk
-
-
-def _model_state(model, metadata) -> dict:
-    """'model', or 'model0', 'model1', ... for virtual pipeline chunks (as upstream)."""
-    if len(model) == 1:
-        return {"model": _unwrap(model[0]).sharded_state_dict(metadata=metadata)}
-    return {f"model{i}": _unwrap(chunk).sharded_state_dict(metadata=metadata) for i, chunk in enumerate(model)}
-
-
 def _state_to_save(args, model, optimizer, scheduler, iteration, consumed_samples) -> dict:
     metadata = sharding_metadata()
     state = {"args": args_to_save(args, consumed_samples), "checkpoint_version": CHECKPOINT_VERSION,
              "iteration": iteration}
-    state.update(_model_state(model, metadata))
+    state.update(model_state(model, metadata))
     if not args.no_save_optim:
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=False, metadata=metadata)
         state["opt_param_scheduler"] = scheduler.state_dict()
@@ -122,24 +107,24 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, cons
             offload_write.cancel()
         raise
     if background is None:
-        offload_bytes, offload_s = _slowest_rank([offload_bytes, offload_s], model)
+        offload_bytes, offload_s = slowest_rank([offload_bytes, offload_s], model)
         total = _complete(root, path, iteration)
         offload = ""
         if offload_bytes > 0:
             offload = (f"; offloaded optimizer state {human_bytes(offload_bytes)} per rank at "
                        f"{offload_bytes / max(offload_s, 1e-9) / 1e9:.2f} GB/s")
-        _print_rank0(f"> saved checkpoint at iteration {iteration} to {root}: {human_bytes(total)} in "
+        print_rank0(f"> saved checkpoint at iteration {iteration} to {root}: {human_bytes(total)} in "
                      f"{time.perf_counter() - started:.1f} s{offload}")
         return path
     on_written = _BackgroundCompletion(root, path, iteration, started, offload_write, model)
     background.schedule(request, on_written, offload_write)
     fault_point("save-scheduled")
-    on_written.held_s, previous_s = _slowest_rank([time.perf_counter() - held_from, started - held_from], model)
+    on_written.held_s, previous_s = slowest_rank([time.perf_counter() - held_from, started - held_from], model)
     previous = f" ({previous_s:.2f} s of it for the previous save to finish)" if previous_s >= 0.005 else ""
     what = "its torch_dist files"
     if offload_write is not None:
         what += f" and offloaded optimizer state ({human_bytes(offload_write.nbytes)} per rank)"
-    _print_rank0(f"> checkpoint at iteration {iteration}: training held {on_written.held_s:.2f} s{previous}; {what} "
+    print_rank0(f"> checkpoint at iteration {iteration}: training held {on_written.held_s:.2f} s{previous}; {what} "
                  f"are being written in the background to {path} (--async-save)")
     return path
 
@@ -202,11 +187,11 @@ class _BackgroundCompletion:
         line = (f"> saved checkpoint at iteration {self.iteration} to {self.root} (finalized in the background): "
                 f"{gb_and_rate(total, time.perf_counter() - self.started)} since the save began")
         if write is not None:
-            nbytes, write_s, paused_s = _slowest_rank([write.nbytes, write.write_s, write.paused_s], self.model)
+            nbytes, write_s, paused_s = slowest_rank([write.nbytes, write.write_s, write.paused_s], self.model)
             line += (f"; offloaded optimizer state {gb_and_rate(nbytes, write_s)} per rank written in the background; "
                      f"training paused {self.held_s + paused_s:.2f} s ({self.held_s:.2f} s at the save, "
                      f"{paused_s:.2f} s in the updates after it)")
-        _print_rank0(line)
+        print_rank0(line)
 
 
 def _background_failure(err: BaseException, path: str) -> str:
@@ -219,15 +204,9 @@ def _background_failure(err: BaseException, path: str) -> str:
                 f"{type(err).__name__}: {err}")
 
 
-def _slowest_rank(figures, model) -> list:
-    figures = torch.tensor(figures, dtype=torch.float64, device=_device(model))
-    torch.distributed.all_reduce(figures, op=torch.distributed.ReduceOp.MAX)
-    return figures.tolist()
-
-
 def _check_free_space(root: str, path: str, iteration: int, model, optimizer) -> None:
     """Refuse before writing anything when the file system cannot hold the checkpoint."""
-    needed = torch.tensor([_bytes_this_rank_saves(model, optimizer)], dtype=torch.float64, device=_device(model))
+    needed = torch.tensor([_bytes_this_rank_saves(model, optimizer)], dtype=torch.float64, device=model_device(model))
     torch.distributed.all_reduce(needed)  # on the model's device: NCCL reduces no CPU tensors
     verdict = [None]
     if torch.distributed.get_rank() == 0:
@@ -241,10 +220,6 @@ def _check_free_space(root: str, path: str, iteration: int, model, optimizer) ->
     torch.distributed.broadcast_object_list(verdict, src=0)
     if verdict[0]:
         raise UserError(verdict[0])
-
-
-def _device(model) -> torch.device:
-    return next(model[0].parameters()).device
 
 
 def _bytes_this_rank_saves(model, optimizer) -> int:
@@ -276,92 +251,17 @@ def _fail_together(failure: Optional[str], root: str, path: str) -> None:
 
 def load_checkpoint(root: str, model, optimizer, scheduler, args):
     """Restore what the flags ask for; returns (iteration, consumed_samples), or (0, 0) when nothing
-    is saved (and with --finetune, which loads the weights only)."""
-    if not os.path.isdir(root):
-        raise UserError(f"--load {root}: not a directory")
-    choice = [None]
-    if torch.distributed.get_rank() == 0:
-        try:
-            iteration, notes = integrity.choose_checkpoint(root)
-            choice = [(iteration, notes, None)]
-        except ValueError as err:
-            choice = [(None, [], str(err))]
-    torch.distributed.broadcast_object_list(choice, src=0)
-    iteration, notes, problem = choice[0]
-    if problem:
-        raise UserError(f"--load {root}: {problem}")
-    for note in notes:
-        _print_rank0(f"> {note}")
-    if iteration is None:
+    is saved (and with --finetune, which loads the weights only).
+
+    The plan first (which checkpoint, whether it loads here, what becomes of each kind of state),
+    then one read of the torch_dist files, then one loader per kind (``loaders``)."""
+    plan = plan_load(root, optimizer, args)
+    if plan is None:
         return 0, 0
-    path = checkpoint_dir(root, iteration)
-    check_format(path, args)
-    common = dist_checkpointing.load_common_state_dict(path)
-    plan = LoadPlan.make(common, path, optimizer, args)
-    for note in plan.notes:
-        _print_rank0(f"> {note}")
-
-    metadata = sharding_metadata()
-    template = _model_state(model, metadata)
-    if plan.optimizer == SAME_FORM:
-        if not plan.run_offloaded:
-            prepare_fresh_optimizer_for_load(optimizer)
-        template["optimizer"] = optimizer.sharded_state_dict(template, is_loading=True, metadata=metadata)
-    if plan.rng == "upstream":
-        template["rng_state"] = rng_sharded_object(None)
-    elif plan.rng == "legacy":
-        template["rng_state"] = legacy_rng_sharded_object()
-    state = dist_checkpointing.load(template, path, **load_strategies(args, path))
-
-    for key in _model_state_keys(model):
-        _unwrap(model[int(key[5:] or 0)]).load_state_dict(state[key])
-    _load_optimizer(plan, optimizer, model, state, common, path, args)
-    if plan.scheduler:
-        scheduler.load_state_dict(common["opt_param_scheduler"])
-    if plan.rng:
-        set_rng_state(this_rank_rng_state(state["rng_state"], plan.rng))
+    state = loaders.read_torch_dist(plan, model, optimizer, args)
+    loaders.load_model(model, state)
+    loaders.load_optimizer(plan, optimizer, model, state, args)
+    loaders.load_scheduler(plan, scheduler)
+    loaders.load_rng(plan, state)
     torch.distributed.barrier()
-    if args.finetune:
-        return 0, 0
-    args.num_floating_point_operations_so_far = common.get("num_floating_point_operations_so_far", 0)
-    return common["iteration"], plan.consumed_samples
-
-
-def _model_state_keys(model):
-    return ["model"] if len(model) == 1 else [f"model{i}" for i in range(len(model))]
-
-
-def _load_optimizer(plan, optimizer, model, state, common, path, args) -> None:
-    if plan.optimizer is None:
-        optimizer.reload_model_params()  # the master copy starts from the loaded weights
-    elif plan.optimizer == SAME_FORM:
-        optimizer.load_state_dict(state["optimizer"])
-        if plan.run_offloaded:
-            optimizer.load_offloaded_state(path)
-        else:
-            restore_adam_steps(optimizer, state["optimizer"])
-    elif plan.optimizer == FROM_OFFLOADED:
-        prepare_fresh_optimizer_for_load(optimizer)  # the target's own state: allocated before the conversion
-        _convert("the offloaded form", path, args, model, lambda max_bytes: fill_distributed_optimizer(
-            megatron_optimizers(optimizer), model, path, common["optimizer"]["offload_meta"], max_bytes))
-    else:  # FROM_DISTRIBUTED
-        saved = common.get("args")
-        scaled = bool(getattr(saved, "fp16", False) or getattr(saved, "loss_scale", None))
-        _convert("megatron-core's distributed optimizer form", path, args, model, lambda max_bytes: load_into_engine(
-            optimizer, path, scaled and optimizer.grad_scaler is not None, max_bytes))
-
-
-def _convert(source: str, path: str, args, model, conversion) -> None:
-    """Run ``conversion(max_bytes)`` and say how long it took and how much memory it added at most."""
-    started, growth = time.perf_counter(), MemoryGrowth()
-    conversion(args.ckpt_convert_memory_mb << 20)
-    grown = growth.peak_bytes()
-    seconds, grown_mb = _slowest_rank([time.perf_counter() - started, -1 if grown is None else grown / 2**20], model)
-    memory = "" if grown_mb < 0 else f"; memory grew by at most {grown_mb:.0f} MB on any rank meanwhile"
-    _print_rank0(f"> optimizer state converted from {source} in {path} in {seconds:.1f} s, in pieces of at most "
-                 f"{args.ckpt_convert_memory_mb} MB (--ckpt-convert-memory-mb){memory}")
-
-
-def _print_rank0(line: str) -> None:
-    if torch.distributed.get_rank() == 0:
-        print(line, flush=True)
+    return loaders.resume_position(plan, args)

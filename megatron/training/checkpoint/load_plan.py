@@ -1,18 +1,26 @@
-"""What a load restores, decided from the flags and what the checkpoint holds (its common state).
+"""What a load restores, decided before anything is read: which checkpoint (the newest complete one,
+chosen by rank 0 for all), whether its format loads here, and what becomes of each kind of state it
+holds, from the flags and its common state.
 
 The optimizer state loads in its own form, is converted between the offloaded and megatron-core's
-distributed-optimizer forms (optimizer_state_crossing), or is skipped (--no-load-optim,
---finetune: the optimizer then starts from the loaded weights). RNG states load where the
-checkpoint's (pp, tp, dp) layout is this run's: they are per rank.
+distributed-optimizer forms (crossing), or is skipped (--no-load-optim, --finetune: the optimizer
+then starts from the loaded weights). RNG states load where the checkpoint's (pp, tp, dp) layout
+is this run's: they are per rank. The run resumes at the saved iteration and data position, or
+at 0 with --finetune. The loaders (``loaders``) then do what the plan says, one kind each.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from megatron.core import parallel_state
+import torch
+from megatron.core import dist_checkpointing, parallel_state
 
+from megatron.training.checkpoint import integrity
+from megatron.training.checkpoint.across_ranks import print_rank0
+from megatron.training.checkpoint.format import check_format
 from megatron.training.errors import UserError
 from megatron.training.runtime.optimizer_interface import OffloadedOptimizerCheckpoint
 
@@ -21,11 +29,15 @@ SAME_FORM, FROM_OFFLOADED, FROM_DISTRIBUTED = "same form", "from offloaded", "fr
 
 @dataclass
 class LoadPlan:
+    path: str  # the iter_N directory
+    common: dict  # its common state: saved args, scheduler, the offloaded form's metadata, ...
     optimizer: Optional[str]  # SAME_FORM, FROM_OFFLOADED, FROM_DISTRIBUTED; None: weights only
     run_offloaded: bool
     scheduler: bool
     rng: Optional[str]  # "upstream" (Megatron-LM's layout), "legacy" (this repo's earlier one), None
-    consumed_samples: int
+    resume: bool  # False with --finetune: the run starts at iteration 0 with no data consumed
+    iteration: int  # where the run goes on (0 without resume)
+    consumed_samples: int  # the data iterator's position (0 without resume)
     notes: List[str] = field(default_factory=list)
 
     @classmethod
@@ -49,8 +61,47 @@ class LoadPlan:
         rng, why_not = _rng_plan(common, saved, legacy, args)
         if why_not:
             notes.append(why_not)
-        consumed = common.get("consumed_train_samples", 0) if legacy else getattr(saved, "consumed_train_samples", 0)
-        return cls(form, run_offloaded, wanted, rng, consumed or 0, notes)
+        resume = not args.finetune
+        iteration, consumed = 0, 0
+        if resume:
+            iteration = common["iteration"]
+            consumed = (common.get("consumed_train_samples", 0) if legacy
+                        else getattr(saved, "consumed_train_samples", 0))
+        return cls(path, common, form, run_offloaded, wanted, rng, resume, iteration, consumed or 0, notes)
+
+
+def plan_load(root: str, optimizer, args) -> Optional[LoadPlan]:
+    """The plan for ``--load root``, the same on every rank (collective); None when it holds no
+    checkpoint yet. The choice's and the plan's notes are printed by rank 0."""
+    if not os.path.isdir(root):
+        raise UserError(f"--load {root}: not a directory")
+    iteration, notes = _choose(root)
+    for note in notes:
+        print_rank0(f"> {note}")
+    if iteration is None:
+        return None
+    path = integrity.checkpoint_dir(root, iteration)
+    check_format(path, args)
+    plan = LoadPlan.make(dist_checkpointing.load_common_state_dict(path), path, optimizer, args)
+    for note in plan.notes:
+        print_rank0(f"> {note}")
+    return plan
+
+
+def _choose(root: str):
+    """(iteration or None, notes): rank 0 reads the directory and tells every rank."""
+    choice = [None]
+    if torch.distributed.get_rank() == 0:
+        try:
+            iteration, notes = integrity.choose_checkpoint(root)
+            choice = [(iteration, notes, None)]
+        except ValueError as err:
+            choice = [(None, [], str(err))]
+    torch.distributed.broadcast_object_list(choice, src=0)
+    iteration, notes, problem = choice[0]
+    if problem:
+        raise UserError(f"--load {root}: {problem}")
+    return iteration, notes
 
 
 def saved_in_offloaded_form(common: dict) -> bool:

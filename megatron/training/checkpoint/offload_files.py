@@ -15,7 +15,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from mlp_offload.checkpoint import CheckpointDataError, RangeReader, read_footer, stored_dtypes
+from mlp_offload.checkpoint import CheckpointDataError, RangeReader, merge_remainders, read_footer, stored_dtypes
 
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")  # the order of the tensors in an offload file
 
@@ -108,14 +108,22 @@ class OffloadFileSet:
     def param_names(self):
         return self._held.keys()
 
-    def read(self, name: str, start: int, end: int, outs) -> None:
-        """Elements [start, end) of parameter ``name`` into ``outs`` (one tensor per STATE_KEYS entry)."""
+    def read(self, name: str, start: int, end: int, outs, high: Optional[torch.Tensor] = None) -> None:
+        """Elements [start, end) of parameter ``name`` into ``outs`` (one tensor per STATE_KEYS entry).
+        ``high``: the model's bf16 values of these elements, which complete a master saved as 16-bit
+        remainders into fp32 (without it such a file is refused)."""
         filled = 0
         for old_offset, length, flat, reader in self._held.get(name, []):
             x, y = max(start, old_offset), min(end, old_offset + length)
             if x < y:
                 for k, out in enumerate(outs):
-                    reader.read(k, flat + x - old_offset, flat + y - old_offset, out[x - start: y - start])
+                    target = out[x - start: y - start]
+                    if k == 0 and high is not None and reader.dtypes[0] == torch.int16 and out.dtype != torch.int16:
+                        rem = torch.empty(y - x, dtype=torch.int16)
+                        reader.read(k, flat + x - old_offset, flat + y - old_offset, rem)
+                        target.copy_(merge_remainders(high[x - start: y - start].cpu(), rem))
+                        continue
+                    reader.read(k, flat + x - old_offset, flat + y - old_offset, target)
                 filled += y - x
         if filled != end - start:
             raise CheckpointDataError(f"{self.where}: elements {start}..{end} of {name} are in no offload file "

@@ -49,7 +49,9 @@ class _ByName:
         self.steps_done, self.saved_dp_size = self.files.steps_done, self.files.dp_size
 
     def read(self, param, start: int, end: int, outs) -> None:
-        self.files.read(self.names[param], start, end, outs)
+        # The model's loaded params complete masters saved as remainders (same elements: same layout).
+        high = param.detach().view(-1)[start:end] if param.dtype == torch.bfloat16 else None
+        self.files.read(self.names[param], start, end, outs, high)
 
     def close(self) -> None:
         self.files.close()

@@ -66,7 +66,7 @@ class OffloadedStateFiles:
         return offload_file_path(checkpoint_dir, p, t, d, self.kind)
 
     def nbytes(self) -> int:
-        return state_file_bytes(self.engine.numel, self.engine.config.state_dtypes)
+        return state_file_bytes(self.engine.numel, self.engine.config.stored_dtypes)
 
     def load(self, checkpoint_dir: str, expected_steps: Optional[int]) -> None:
         """Load this rank's state; ``expected_steps`` is the step count in the checkpoint's metadata."""

@@ -11,6 +11,8 @@ import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+from megatron.training.errors import UserError
+
 
 def rng_state() -> dict:
     """This rank's RNG states under Megatron-LM's names (no CUDA state on a CPU run)."""
@@ -38,8 +40,6 @@ def set_rng_state(state: dict) -> None:
 def _check_generators_match(saved_tracker_states: dict) -> None:
     """A GPU checkpoint's generator states (16-byte CUDA states) cannot seed a CPU run's generators
     (5056-byte states), nor the reverse: say so in one line instead of torch's size error."""
-    from megatron.training.errors import UserError
-
     current = tensor_parallel.get_cuda_rng_tracker().get_states()
     for name, saved in saved_tracker_states.items():
         if name in current and saved.numel() != current[name].numel():

@@ -79,6 +79,7 @@ def apply_model_shape(args, saved) -> list:
 
 def read_saved_args(load_dir: str) -> Optional[argparse.Namespace]:
     """The args of the checkpoint ``--load`` resumes from (before any process group exists), or None."""
+    # Only with --use-checkpoint-args: parsing the flags stays light (no megatron-core, no torch) otherwise.
     from megatron.core import dist_checkpointing
 
     from megatron.training.checkpoint import integrity

@@ -1,12 +1,13 @@
 """The engine's ``OffloadConfig`` from the ``--offload-*`` flags (``config_from_args``); the way
 back, an engine message in flag names, is ``errors.in_flags``. The environment is read here, never
-in the engine: the run id of the swap namespaces and the ranks sharing this node."""
+in the engine: the run id of the swap namespaces, the ranks sharing this node and this rank's place
+among them, and the node-local lock directory (``MLP_OFFLOAD_LOCK_DIR``)."""
 
 from __future__ import annotations
 
 import os
 
-from megatron.training.model.precision_aware import state_dtypes
+from megatron.training.model.precision_aware import param_remainders, state_dtypes
 from mlp_offload import OffloadConfig, parse_bandwidths
 
 GiB = 1 << 30
@@ -41,8 +42,11 @@ def config_from_args(args, rank: int) -> OffloadConfig:
         rank=rank,
         trace_path=per_rank_path(args.offload_trace, rank),
         state_dtypes=state_dtypes(args),
+        param_remainders=param_remainders(args),
         run_id=job_run_id(),
         ranks_sharing_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        lock_dir=os.environ.get("MLP_OFFLOAD_LOCK_DIR") or None,
     )
 
 

@@ -148,6 +148,14 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
     def load_offloaded_state(self, checkpoint_dir: str) -> None:
         for shard in self.shards:
             shard.state_files.load(checkpoint_dir, self._expected_steps)
+        self.gather_model_params()
+
+    def gather_model_params(self) -> None:
+        """After a load: where masters are stored as remainders, a load from an fp32 master set this
+        rank's shard of the model's params from it (half-away rounding); every rank gets them."""
+        if any(shard.engine.config.param_remainders for shard in self.shards):
+            for chunk in self.model_chunks:
+                chunk.start_param_sync(force_sync=True)
 
     def last_step_record(self):
         return self.last_record  # the dense engine's (its telemetry); the experts' engine logs its own
@@ -173,9 +181,11 @@ def config_for_shard(config: OffloadConfig, groups: ShardGroups, every: List[Sha
 
 
 def _cuda_memory_figures() -> Tuple[int, int]:
-    """The allocator's peak reserve since the last call, and the most this process could reserve
-    (what is free on the device plus what it reserves already); the peak is reset for the next."""
-    peak = torch.cuda.max_memory_reserved()
+    """The peak of memory in use since the last call, and the most this process could hold (what is
+    free on the device plus what its allocator reserves already); the peak is reset for the next.
+    In use, not reserved: blocks freed by handing subgroups back stay in the allocator's reserve,
+    so a reserved peak never fell and each step handed back more (20.7 B on an H200, 2026-11-24)."""
+    peak = torch.cuda.max_memory_allocated()
     free, _ = torch.cuda.mem_get_info()
     capacity = free + torch.cuda.memory_reserved()
     torch.cuda.reset_peak_memory_stats()

@@ -22,6 +22,7 @@ from megatron.core.transformer.module import param_is_not_shared
 
 from megatron.training.offload.device_gradients import DeviceGradients, EventFence
 from megatron.training.checkpoint.offloaded_state import OffloadedStateFiles, ShardKind
+from megatron.training.offload.param_high import ModelParamHigh
 from megatron.training.offload.shard_layout import ShardLayout
 from mlp_offload import OffloadConfig, OffloadedAdamW
 from mlp_offload import torch_dtypes
@@ -62,11 +63,16 @@ class OffloadShard:
         self.norm_params, engine_groups = self._ordered_groups(groups.param_groups)
         self._cuda = self.device.type == "cuda"
         # The gpu tier and device updates live on the model's device (the CPU twin on a CPU run).
-        offload_config = dataclasses.replace(offload_config, device=str(self.device))
+        # Remainders complete a bf16 param: off for a shard with any other param buffer.
+        all_bf16 = all(p.buffer.param_data.dtype == torch.bfloat16 for p in self.layout.pieces)
+        offload_config = dataclasses.replace(offload_config, device=str(self.device),
+                                             param_remainders=offload_config.param_remainders and all_bf16)
         self.copy_stream = torch.cuda.Stream() if self._cuda else None
         largest = min(offload_config.subgroup_size, self.layout.numel)
-        # The master params cross PCIe in their stored dtype (a CPU-side cast would cost the update's time).
-        master_dtype = torch_dtypes(offload_config.state_dtypes)[0]
+        # The master params cross PCIe in their stored dtype (a CPU-side cast would cost the update's time);
+        # with remainders, the bf16 params themselves.
+        master_dtype = (torch.bfloat16 if offload_config.param_remainders
+                        else torch_dtypes(offload_config.state_dtypes)[0])
         self._staging = torch.empty(largest, dtype=master_dtype, device=self.device) if self._cuda else None
         # On a GPU, grads are cast to fp32 there and copied per subgroup as the update needs them;
         # on CPU they go through the engine's low-precision host buffer (the CPU twin of that path).
@@ -76,7 +82,8 @@ class OffloadShard:
             lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
             weight_decay=config.weight_decay, groups=engine_groups,
             grad_dtype=self.layout.pieces[0].buffer.grad_dtype, on_params_updated=self._copy_params_to_device,
-            grad_source=self._device_grads, token_store=token_store)
+            grad_source=self._device_grads, token_store=token_store,
+            param_high=ModelParamHigh(self.layout, self.copy_stream))
         self.state_files = OffloadedStateFiles(self.engine, self.layout, model_chunks, self.dp_group.size(), self.kind)
 
     def _ordered_groups(self, param_groups: List[dict]):
@@ -100,7 +107,8 @@ class OffloadShard:
         return ordered, engine_groups
 
     def _fill_initial_params(self, start: int, end: int, out: torch.Tensor) -> None:
-        # The fp32 master copy starts as the model's (bf16) params, as in megatron-core.
+        # The fp32 master copy starts as the model's (bf16) params, as in megatron-core (stored as
+        # remainders: zeros, the model's params being the high halves).
         for lo, hi, view in self.layout.views(start, end, "param"):
             out[lo - start: hi - start].copy_(view)
 
@@ -140,7 +148,7 @@ class OffloadShard:
 
     def _copy_params_to_device(self, start: int, end: int, params: torch.Tensor):
         # Updated on the device (resident or streamed; always on a CPU run): cast in place, in the
-        # engine's stream order.
+        # engine's stream order. With remainders ``params`` are the bf16 params already.
         if not self._cuda or params.device == self.device:
             for lo, hi, view in self.layout.views(start, end, "param"):
                 view.copy_(params[lo - start: hi - start])
