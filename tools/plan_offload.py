@@ -96,6 +96,9 @@ def pretrain_args(flags, machine):
     if machine.world % (tp * pp):
         raise UserError(f"--nnodes {machine.nnodes} x --gpus-per-node {machine.gpus_per_node} = {machine.world} "
                         f"GPUs is not a multiple of TP {tp} x PP {pp}")
+    from megatron.training.args.moe import check_world
+
+    check_world(args, machine.world)  # the expert grid: ETP x EP x PP divides the world
     dp = machine.world // (tp * pp)
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * dp
@@ -225,28 +228,39 @@ def suggested_flags(plan, args, flags):
 
 def describe(plan, args, machine, flags, rates) -> str:
     g = lambda b: f"{b / GiB:.1f} GiB"  # noqa: E731
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     lines = [f"{'FITS' if plan.fits else 'DOES NOT FIT'}: {plan.params_total / 1e9:.3f} G parameters on "
-             f"{machine.nnodes} node(s) x {machine.gpus_per_node} GPU(s) (TP {args.tensor_model_parallel_size}, "
-             f"PP {args.pipeline_model_parallel_size}, DP {machine.world // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size)})"]
+             f"{machine.nnodes} node(s) x {machine.gpus_per_node} GPU(s) (TP {tp}, PP {pp}, "
+             f"DP {machine.world // (tp * pp)})"]
+    if args.num_experts is not None:
+        ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size
+        lines.append(f"mixture of experts: {args.num_experts} experts, top-{args.moe_router_topk}; "
+                     f"{plan.params_active / 1e9:.3f} G parameters active per token; EP {ep}, ETP {etp}, "
+                     f"expert-DP {machine.world // (ep * etp * pp)}")
     lines += [f"  problem: {p}" for p in plan.problems]
     lines.append(f"GPU memory per rank ({g(machine.gpu_memory_bytes)}): "
                  + ", ".join(f"{k} {g(v)}" for k, v in plan.gpu_bytes.items())
                  + f" = {g(sum(plan.gpu_bytes.values()))} (activations estimated)")
-    if plan.engine is not None:
-        e = plan.engine
-        lines.append(f"optimizer state per rank: {plan.shard_numel} elements, {g(e.state_bytes)} in "
-                     f"{len(e.subgroups)} subgroups ({e.state_bytes / plan.shard_numel:.1f} B/param); "
-                     f"placement {plan.placement_counts()}")
+    for kind, e in plan.engines.items():
+        numel = plan.shard_numels[kind]
+        label = "" if len(plan.engines) == 1 else f" ({kind})"
+        lines.append(f"optimizer state per rank{label}: {numel} elements, {g(e.state_bytes)} in "
+                     f"{len(e.subgroups)} subgroups ({e.state_bytes / numel:.1f} B/param); "
+                     f"placement {plan.placement_counts(kind)}")
+    if plan.engines:
         lines.append(f"host memory per node ({g(machine.host_memory_bytes)}): "
                      + ", ".join(f"{k} {g(v)}" for k, v in plan.host_bytes_per_node.items()))
         for tier, nbytes in plan.tier_bytes_per_node.items():
             r = rates[tier]
-            lines.append(f"{tier} per node: {g(nbytes)} stored; per rank and step "
-                         f"{e.prediction.read_bytes.get(tier, 0) / 1e9:.2f} GB read, "
-                         f"{e.prediction.write_bytes.get(tier, 0) / 1e9:.2f} GB written at "
-                         f"r {r.read_bps / 1e9:.2f} w {r.write_bps / 1e9:.2f} GB/s, {e.tokens_per_tier[tier]} "
-                         f"I/O token(s)")
-        lines.append(e.prediction.describe())
+            engines = plan.engines.values()
+            read = sum(e.prediction.read_bytes.get(tier, 0) for e in engines)
+            written = sum(e.prediction.write_bytes.get(tier, 0) for e in engines)
+            tokens = next(iter(engines)).tokens_per_tier[tier]
+            lines.append(f"{tier} per node: {g(nbytes)} stored; per rank and step {read / 1e9:.2f} GB read, "
+                         f"{written / 1e9:.2f} GB written at r {r.read_bps / 1e9:.2f} w {r.write_bps / 1e9:.2f} GB/s, "
+                         f"{tokens} I/O token(s)")
+        for kind, e in plan.engines.items():
+            lines.append(e.prediction.describe() + ("" if len(plan.engines) == 1 else f" [{kind}]"))
     update = f" + update {plan.update_s:.3f} s" if plan.update_s is not None else ""
     lines.append(f"predicted iteration {plan.iteration_s:.3f} s = compute {plan.compute_s:.3f} s "
                  f"(at {machine.gpu_tflops:g} TFLOP/s per GPU){update}; bottleneck: {plan.bottleneck}")

@@ -32,7 +32,7 @@ from megatron.training.metrics.console import Console
 from megatron.training.data.datasets import build_tokenizer, padded_vocab_size
 from megatron.training.data.datasets import micro_batches
 from megatron.training.errors import reported_once
-from megatron.training.model.flops import DenseGptShape, flops_per_iteration
+from megatron.training.model.flops import GptShape, flops_per_iteration
 from megatron.training.runtime import fault_injection
 from megatron.training.runtime.iteration_hooks import IterationHooks
 from megatron.training.data.lr_schedule import build_param_scheduler
@@ -258,11 +258,14 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
     job_facts.report(optimizer)
     scheduler = build_scheduler(args, optimizer)
     _wire_model_hooks(config, model, optimizer, args)
-    _print_rank0(f"> model parameters (all stages, one replica): {_num_params(model)} | "
+    total_params = _num_params(model)
+    _print_rank0(f"> model parameters (all stages, one replica): {total_params} | "
                  f"TP={args.tensor_model_parallel_size} PP={args.pipeline_model_parallel_size} "
                  f"{f'VPP={len(model)} ' if len(model) > 1 else ''}"
                  f"DP={args.data_parallel_size} | micro-batches per step: {args.num_microbatches} | "
                  f"device: {device}")
+    if args.num_experts is not None:
+        _print_rank0(moe_metrics.moe_summary(args, config, total_params, torch.distributed.get_world_size()))
 
     if getattr(args, "moe_grouped_gemm_kernel", None) == "sequential":
         _print_rank0("> --moe-grouped-gemm: no grouped GEMM kernel here (the grouped_gemm package, or "
@@ -287,7 +290,7 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
 
     timers = config.timers = LoopTimers(args.timing_log_level, args.timing_log_option, device)
     metrics = build_metrics(args, optimizer, timers, iteration)
-    shape = DenseGptShape.from_config(config, args.seq_length, args.padded_vocab_size)
+    shape = GptShape.from_config(config, args.seq_length, args.padded_vocab_size)
     offload_state_bytes = optimizer.state_bytes_per_tier() if isinstance(optimizer, ReportsIteration) else {}
     first_of_run = True
     stop = StopCheck(args.sigterm_watcher, args.exit_duration_in_mins, started)

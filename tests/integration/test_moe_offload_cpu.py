@@ -5,16 +5,20 @@ dense parameters; the offload facade runs an engine for each. Against megatron-c
 optimizer (unfused Adam on both sides): bit-identical losses, grad norms and learning rates in
 DP2 x EP2 (alltoall dispatcher, expert-DP 1) and PP2 with dense and MoE layers mixed (expert-DP 1
 per stage, allgather dispatcher). Checkpoints of the offloaded form reshard across EP: saved at
-EP 2 and loaded at EP 1 (where megatron-core keeps the experts with the dense parameters), every
-global parameter's master copy and moments are the same numbers (read back from each checkpoint's
-files with no resharding code: each file's local tensors placed at their recorded global offsets).
+EP 2 and loaded at EP 1 (where megatron-core keeps the experts with the dense parameters) and back,
+and from PP 2 x EP 1 to PP 1 x EP 2 and back, every global parameter's master copy and moments are
+the same numbers (read back from each checkpoint's files with no resharding code: each file's local
+tensors placed at their recorded global offsets), and each round trip resumes the uninterrupted run
+bit for bit. MoE checkpoints also cross offload on/off (megatron-core's optimizer <-> the engines).
 """
 
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import copy_checkpoint
 from launch import run_pretrain
 
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2", "--swiglu",
@@ -23,17 +27,94 @@ OFFLOAD = ["--offload-tiers", "host", "--offload-adam-kernel", "single", "--offl
            "--no-store-param-remainders"]  # megatron-core's model params round to nearest even
 LAYOUTS = {
     "dp2_ep2_alltoall": ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"],
-    "pp2_mixed_layers": ["--pipeline-model-parallel-size", "2", "--moe-layer-freq", "([0]+[1])*2"],
+    # No dropout: its RNG streams are kept per (PP, TP) position, so a reshard across PP changes them
+    # (as in Megatron-LM) and the round trip below could not repeat the losses.
+    "pp2_mixed_layers": ["--pipeline-model-parallel-size", "2", "--moe-layer-freq", "([0]+[1])*2",
+                         "--hidden-dropout", "0", "--attention-dropout", "0"],
 }
 
 
-@pytest.mark.parametrize("name", sorted(LAYOUTS))
-def test_moe_offload_matches_megatron_bit_for_bit(tmp_path, name):
-    baseline = run_pretrain(tmp_path / "base", [*MOE, *LAYOUTS[name]], train_iters=3)
-    offload = run_pretrain(tmp_path / "off", [*MOE, *LAYOUTS[name], *OFFLOAD], train_iters=3)
-    assert offload == baseline, name
-    out = (tmp_path / "base" / "loss-0.out").read_text()
+ITERS, SAVED_AT = 4, 2
+EP2, PP2 = LAYOUTS["dp2_ep2_alltoall"], LAYOUTS["pp2_mixed_layers"]
+
+
+@pytest.fixture(scope="module")
+def ep2_runs(tmp_path_factory):
+    """DP2 x EP2 (expert-DP 1), 4 iterations saving at 2 and 4: megatron-core's optimizer
+    (``base-ckpt``) and the offloaded one (``off-ckpt``), and each one's checkpoint 2 alone."""
+    tmp = tmp_path_factory.mktemp("moe_ep2")
+    saves = ["--save-interval", str(SAVED_AT)]
+    baseline = run_pretrain(tmp / "base", [*MOE, *EP2, "--save", str(tmp / "base-ckpt"), *saves], train_iters=ITERS)
+    offload = run_pretrain(tmp / "off", [*MOE, *EP2, *OFFLOAD, "--save", str(tmp / "off-ckpt"), *saves],
+                           train_iters=ITERS)
+    copy_checkpoint(tmp / "base-ckpt", [SAVED_AT], tmp / "plain-2")
+    copy_checkpoint(tmp / "off-ckpt", [SAVED_AT], tmp / "off-2")
+    return tmp, baseline, offload
+
+
+def test_moe_offload_matches_megatron_bit_for_bit(ep2_runs):
+    tmp, baseline, offload = ep2_runs
+    assert [r["iteration"] for r in baseline] == list(range(1, ITERS + 1))
+    assert offload == baseline
+    out = (tmp / "base" / "loss-0.out").read_text()
     assert "load_balancing_loss:" in out  # logged after 'lm loss', as Megatron-LM
+    # TINY_MODEL's 4 layers, all MoE: 4 experts of SwiGLU width 128 (8h/3 rounded down to 64s), top-2.
+    h, s, v, ffn, batch = 64, 64, 384, 128, 8
+    total = int(re.search(r"model parameters \(all stages, one replica\): (\d+)", out).group(1))
+    active = int(re.search(r"active parameters per token: (\d+)", out).group(1))
+    assert total - active == 4 * (4 - 2) * 3 * h * ffn
+    assert "4 experts, top-2, in 4 of 4 layers | EP=2 ETP=1 expert-DP=1" in out
+    # FLOPs as Megatron-LM counts an MoE layer (top-2 experts per token), as the checkpoint keeps them.
+    from megatron.core import dist_checkpointing
+
+    per_token = 4 * 2 * (4 * h * h + s * h + 3 * h * 2 * ffn) + 2 * h * v
+    common = dist_checkpointing.load_common_state_dict(str(tmp / "plain-2" / "iter_0000002"))
+    assert common["num_floating_point_operations_so_far"] == SAVED_AT * 3 * per_token * s * batch
+
+
+def test_the_plan_is_what_the_moe_run_did(ep2_runs):
+    """tools/plan_offload.py on the same flags: the logged parameter count, and each engine's shard
+    as the run's engines logged it (dense over DP 2, experts over expert-DP 1)."""
+    from launch import TINY_MODEL
+    from test_plan_offload import plan_json
+
+    tmp, _, _ = ep2_runs
+    out = (tmp / "off" / "loss-0.out").read_text()
+    plan = plan_json("--gpus-per-node", "2", "--adam-gelems", "1", "--convert-gelems", "1", *TINY_MODEL, *MOE, *EP2,
+                     *OFFLOAD)
+    assert plan["params_total"] == int(re.search(r"model parameters \(all stages, one replica\): (\d+)", out).group(1))
+    logged = [int(n) for n in re.findall(r"offload rank 0: (\d+) params in", out)]
+    planned = [e["optimizer_state_elements_per_rank"] for e in plan["engines"].values()]
+    assert list(plan["engines"]) == ["dense", "experts"] and len(logged) == 2
+    for want, got in zip(planned, logged):  # megatron-core pads each bucket for the data-parallel split
+        assert want <= got < want * 1.01 + 256, (planned, logged)
+
+
+@pytest.fixture(scope="module")
+def pp2_runs(tmp_path_factory):
+    """PP2 with dense and MoE layers mixed (EP 1), 4 iterations: megatron-core's optimizer, and the
+    offloaded one saving at 2 (``off-2``)."""
+    tmp = tmp_path_factory.mktemp("moe_pp2")
+    baseline = run_pretrain(tmp / "base", [*MOE, *PP2], train_iters=ITERS)
+    offload = run_pretrain(tmp / "off", [*MOE, *PP2, *OFFLOAD, "--save", str(tmp / "off-ckpt"), "--save-interval",
+                                         str(SAVED_AT)], train_iters=ITERS)
+    copy_checkpoint(tmp / "off-ckpt", [SAVED_AT], tmp / "off-2")
+    return tmp, baseline, offload
+
+
+def test_moe_offload_matches_megatron_with_pipeline_stages(pp2_runs):
+    _, baseline, offload = pp2_runs
+    assert offload == baseline
+
+
+def test_moe_checkpoints_cross_offload_on_and_off(ep2_runs):
+    """Saved with offload, resumed by megatron-core's optimizer; saved by it, resumed with offload:
+    both repeat the uninterrupted run's iterations 3-4 bit for bit (dense and expert state alike)."""
+    tmp, baseline, _ = ep2_runs
+    plain = run_pretrain(tmp / "x1", [*MOE, *EP2, "--load", str(tmp / "off-2")], train_iters=ITERS)
+    assert plain == baseline[SAVED_AT:]
+    offload = run_pretrain(tmp / "x2", [*MOE, *EP2, *OFFLOAD, "--load", str(tmp / "plain-2")], train_iters=ITERS)
+    assert offload == baseline[SAVED_AT:]
 
 
 def global_states(iteration_dir: Path):
@@ -61,19 +142,44 @@ def global_states(iteration_dir: Path):
     return found
 
 
-def test_offloaded_checkpoint_reshards_across_expert_parallel_sizes(tmp_path):
-    ckpt, again = tmp_path / "ckpt", tmp_path / "again"
-    run_pretrain(tmp_path / "a", [*MOE, *OFFLOAD, "--expert-model-parallel-size", "2", "--save", str(ckpt)],
-                 train_iters=2)
-    # EP 1: loaded and saved again with no step between (as tools/convert_offload_checkpoint.py does).
-    run_pretrain(tmp_path / "b", [*MOE, *OFFLOAD, "--load", str(ckpt), "--save", str(again)], train_iters=2)
-    assert "resharded from" in (tmp_path / "b" / "loss-0.out").read_text()
-    assert (ckpt / "iter_0000002" / "offload_experts").is_dir()
-    assert not (again / "iter_0000002" / "offload_experts").exists()  # at EP 1 experts are dense parameters
-    saved, resaved = global_states(ckpt / "iter_0000002"), global_states(again / "iter_0000002")
+def resave(tmp, name, flags, source):
+    """Load ``source`` under ``flags`` and save it again with no step between (as
+    tools/convert_offload_checkpoint.py does); the new checkpoint root."""
+    out = tmp / f"{name}-ckpt"
+    run_pretrain(tmp / name, [*MOE, *OFFLOAD, *flags, "--load", str(source), "--save", str(out)], train_iters=SAVED_AT)
+    assert "resharded from" in (tmp / name / "loss-0.out").read_text()
+    return out
+
+
+def assert_same_state(saved_root, resaved_root):
+    """Every global parameter's master copy and moments, read back by geometry alone."""
+    saved, resaved = global_states(saved_root / "iter_0000002"), global_states(resaved_root / "iter_0000002")
     assert sorted(saved) == sorted(resaved)
     assert any("experts" in key for key in saved)
     for key in saved:
         for a, b in zip(saved[key], resaved[key]):
             assert not torch.isnan(a).any(), key  # every element was saved
             assert torch.equal(a, b), key
+
+
+def test_offloaded_checkpoint_reshards_across_expert_parallel_sizes(ep2_runs):
+    """EP 2 -> EP 1 (DP 2, experts with the dense parameters) -> EP 2: the same numbers at each
+    step, and the round trip resumes the uninterrupted EP 2 run's iterations 3-4 bit for bit."""
+    tmp, _, offload = ep2_runs
+    ep1 = resave(tmp, "to-ep1", [], tmp / "off-2")
+    assert (tmp / "off-2" / "iter_0000002" / "offload_experts").is_dir()
+    assert not (ep1 / "iter_0000002" / "offload_experts").exists()  # at EP 1 experts are dense parameters
+    assert_same_state(tmp / "off-2", ep1)
+    resumed = run_pretrain(tmp / "from-ep1", [*MOE, *EP2, *OFFLOAD, "--load", str(ep1)], train_iters=ITERS)
+    assert resumed == offload[SAVED_AT:]
+
+
+def test_offloaded_checkpoint_reshards_between_pipeline_and_expert_parallelism(pp2_runs):
+    """PP 2 x EP 1 -> PP 1 x EP 2 -> PP 2: the state survives both reshards, and the round trip resumes
+    the uninterrupted PP 2 run bit for bit."""
+    tmp, _, offload = pp2_runs
+    ep2 = resave(tmp, "to-ep2", [*PP2[2:], *EP2], tmp / "off-2")  # PP2's layer pattern and dropout, at PP 1
+    assert (ep2 / "iter_0000002" / "offload_experts").is_dir()
+    assert_same_state(tmp / "off-2", ep2)
+    resumed = run_pretrain(tmp / "from-ep2", [*MOE, *PP2, *OFFLOAD, "--load", str(ep2)], train_iters=ITERS)
+    assert resumed == offload[SAVED_AT:]

@@ -170,3 +170,51 @@ def test_host_memory_the_guard_would_refuse_does_not_fit(tmp_path):
     assert host["data_workers"] > 0 and host["process"] > 0 and sum(host.values()) > 0.5 * 2**30
     assert not got["fits"] and any(re.search(r"more than the 0.50 GiB of the node's memory; .*--offload-host-cache-gb",
                                              p) for p in got["problems"]), got["problems"]
+
+
+MOE_PLAN = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--max-position-embeddings", "32", "--vocab-size", "384", "--micro-batch-size", "2",
+            "--global-batch-size", "4", "--bf16", "--use-distributed-optimizer", "--device", "cpu",
+            "--num-experts", "4", "--moe-router-topk", "2", "--swiglu", "--disable-bias-linear",
+            "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--moe-layer-freq", "([0]+[1])*2",
+            "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]
+
+
+def test_moe_numbers_against_a_hand_calculation(tmp_path):
+    """DP 2 x EP 2 on two GPUs, dense and MoE layers alternating: parameters (total and active per
+    token), each optimizer's shard (dense over DP 2, experts over expert-DP 1), FLOPs as Megatron-LM
+    counts top-k experts, and with offload one engine per optimizer."""
+    got = plan_json("--gpus-per-node", "2", "--gpu-tflops", "100", *MOE_PLAN)
+    h, v, s, ffn = 64, 384, 32, 128  # SwiGLU's default FFN: 8h/3 rounded down to a multiple of 64
+    attention = h + 4 * h * h  # RMSNorm, QKV and projection, no biases
+    dense_mlp, expert = h + 3 * h * ffn, 3 * h * ffn  # gate, up and down
+    router = 4 * h
+    dense = 4 * attention + 2 * dense_mlp + 2 * (h + router) + v * h + h  # tied output layer, final norm
+    experts_per_rank = 2 * 2 * expert  # two MoE layers, two of the four experts on each EP rank
+    assert got["params_total"] == dense + 2 * experts_per_rank
+    assert got["params_active"] == dense + 2 * 2 * expert  # top-2 of each MoE layer's experts
+    assert got["params_per_rank"] == dense + experts_per_rank
+    assert got["gpu_bytes_per_rank"]["optimizer_state"] == 12 * (dense // 2 + experts_per_rank)
+    forward = 4 * (4 * h * h + s * h) + 2 * 3 * h * ffn + 2 * 3 * h * 2 * ffn + h * v  # multiply-adds per token
+    assert got["predicted_compute_s"] == pytest.approx(3 * 2 * forward * s * 4 / 2 / 100e12, rel=1e-9)
+    flags = [*MOE_PLAN, *offload_args(tmp_path, tiers=("host",))]
+    off = plan_json("--gpus-per-node", "2", "--gpu-tflops", "100", "--adam-gelems", "1", "--convert-gelems", "1",
+                    *flags)
+    engines = off["engines"]
+    assert {k: e["optimizer_state_elements_per_rank"] for k, e in engines.items()} == {
+        "dense": dense // 2, "experts": experts_per_rank}
+    assert off["optimizer_state_elements_per_rank"] == dense // 2 + experts_per_rank
+    assert all(e["tier_bytes_per_rank"]["host"] == e["optimizer_state_bytes_per_rank"] for e in engines.values())
+    assert off["predicted_update_s"] == pytest.approx(sum(e["predicted_update_s"] for e in engines.values()))
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        planner().main(["--gpus-per-node", "2", "--adam-gelems", "1", "--convert-gelems", "1", *flags])
+    assert "mixture of experts: 4 experts, top-2;" in text.getvalue()
+    assert "optimizer state per rank (experts):" in text.getvalue()
+
+
+def test_moe_expert_grid_must_divide_the_world():
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit):
+        planner().main(["--gpus-per-node", "3", *[f for f in MOE_PLAN]])
+    assert re.search(r"^error: --expert-model-parallel-size.* does not divide the world size 3$", err.getvalue(), re.M)

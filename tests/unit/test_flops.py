@@ -4,8 +4,12 @@ other way Megatron-LM writes it (its hybrid-model helpers: per-layer forward FLO
 from types import SimpleNamespace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from megatron.training.model.flops import DenseGptShape, flops_per_iteration, tflops_per_gpu
+from tests.profiles import examples
+
+from megatron.training.model.flops import GptShape, flops_per_iteration, tflops_per_gpu
 
 
 def _reference(batch, seq, hidden, layers, heads, groups, ffn, swiglu, vocab):
@@ -25,7 +29,7 @@ def test_matches_the_reference_form(heads, groups, ffn, swiglu):
     hidden = 4096 if heads == 32 else 64
     config = SimpleNamespace(num_layers=7, hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=heads,
                              num_query_groups=groups, kv_channels=None, gated_linear_unit=swiglu)
-    shape = DenseGptShape.from_config(config, seq_length=2048, vocab_size=128256)
+    shape = GptShape.from_config(config, seq_length=2048, vocab_size=128256)
     expected = _reference(16, 2048, hidden, 7, heads, groups, ffn, swiglu, 128256)
     assert flops_per_iteration(shape, 16) == pytest.approx(expected, rel=1e-12)
 
@@ -33,10 +37,63 @@ def test_matches_the_reference_form(heads, groups, ffn, swiglu):
 def test_no_query_groups_means_one_per_head():
     common = dict(num_layers=2, hidden_size=64, ffn_hidden_size=256, num_attention_heads=4, kv_channels=None,
                   gated_linear_unit=False)
-    mha = DenseGptShape.from_config(SimpleNamespace(num_query_groups=None, **common), 64, 512)
-    explicit = DenseGptShape.from_config(SimpleNamespace(num_query_groups=4, **common), 64, 512)
+    mha = GptShape.from_config(SimpleNamespace(num_query_groups=None, **common), 64, 512)
+    explicit = GptShape.from_config(SimpleNamespace(num_query_groups=4, **common), 64, 512)
     assert flops_per_iteration(mha, 8) == flops_per_iteration(explicit, 8)
 
 
 def test_tflops_per_gpu_divides_by_time_and_ranks():
     assert tflops_per_gpu(8e12, 2.0, 4) == pytest.approx(1.0)
+
+
+def _moe_reference(batch, seq, hidden, heads, groups, ffn, swiglu, vocab, pattern, moe_ffn, topk, shared):
+    """Megatron-LM's hybrid-model form: per-layer forward FLOPs (attention, dense MLP, MoE MLP of
+    top-k routed experts plus shared experts) summed over the layer pattern, logits, times three."""
+    tokens = batch * seq
+    scale = 1.5 if swiglu else 1.0
+    attention = 4 * tokens * hidden * (hidden + hidden * groups / heads + seq / 2)
+    mlp = 4 * (ffn / hidden) * scale * tokens * hidden ** 2
+    moe = 4 * tokens * hidden * moe_ffn * topk * scale + 4 * tokens * hidden * shared * scale
+    layers = len(pattern)
+    return 3 * (layers * attention + (layers - sum(pattern)) * mlp + sum(pattern) * moe + 2 * tokens * hidden * vocab)
+
+
+@st.composite
+def moe_configs(draw):
+    heads = draw(st.sampled_from([2, 4, 8]))
+    layers = draw(st.integers(1, 6))
+    experts = draw(st.integers(1, 64))
+    pattern = draw(st.lists(st.sampled_from([0, 1]), min_size=layers, max_size=layers))
+    freq = draw(st.sampled_from([pattern, 1, 2, 3]))
+    config = SimpleNamespace(
+        num_layers=layers, hidden_size=heads * draw(st.sampled_from([16, 64])),
+        ffn_hidden_size=draw(st.integers(8, 4096)), num_attention_heads=heads,
+        num_query_groups=draw(st.sampled_from([g for g in (1, 2, heads) if heads % g == 0])), kv_channels=None,
+        gated_linear_unit=draw(st.booleans()), num_moe_experts=experts, moe_layer_freq=freq,
+        moe_ffn_hidden_size=draw(st.integers(8, 2048)), moe_router_topk=draw(st.integers(1, experts)),
+        moe_shared_expert_intermediate_size=draw(st.sampled_from([None, 256, 1000])))
+    return config, draw(st.integers(16, 4096)), draw(st.integers(128, 200000)), draw(st.integers(1, 64))
+
+
+@settings(max_examples=examples(100), deadline=None)
+@given(moe_configs())
+def test_moe_matches_the_reference_form(drawn):
+    config, seq, vocab, batch = drawn
+    pattern = config.moe_layer_freq if isinstance(config.moe_layer_freq, list) else [
+        int(i % config.moe_layer_freq == 0) for i in range(config.num_layers)]
+    expected = _moe_reference(batch, seq, config.hidden_size, config.num_attention_heads, config.num_query_groups,
+                              config.ffn_hidden_size, config.gated_linear_unit, vocab, pattern,
+                              config.moe_ffn_hidden_size, config.moe_router_topk,
+                              config.moe_shared_expert_intermediate_size or 0)
+    shape = GptShape.from_config(config, seq_length=seq, vocab_size=vocab)
+    assert flops_per_iteration(shape, batch) == pytest.approx(expected, rel=1e-12)
+
+
+def test_one_expert_of_the_dense_width_costs_a_dense_layer():
+    """Top-1 of any number of experts as wide as the dense MLP: the dense model's FLOPs."""
+    common = dict(num_layers=4, hidden_size=64, ffn_hidden_size=256, num_attention_heads=4, num_query_groups=None,
+                  kv_channels=None, gated_linear_unit=True)
+    moe = SimpleNamespace(num_moe_experts=16, moe_layer_freq=2, moe_ffn_hidden_size=256, moe_router_topk=1,
+                          moe_shared_expert_intermediate_size=None, **common)
+    assert flops_per_iteration(GptShape.from_config(moe, 128, 512), 8) == flops_per_iteration(
+        GptShape.from_config(SimpleNamespace(**common), 128, 512), 8)

@@ -87,3 +87,86 @@ def test_stage_counts_match_megatron_core(shape):
 def _with_pp(cfg, pp):
     cfg.pipeline_model_parallel_size = pp
     return cfg
+
+
+@st.composite
+def moe_shapes(draw):
+    """Random MoE models: experts, top-k, expert and shared widths, layer patterns, GQA, vocabulary,
+    tied or untied embeddings, pipeline stages with or without interleaved chunks."""
+    flags, _ = draw(shapes())
+    layers = draw(st.integers(1, 4))
+    pp = draw(st.sampled_from([p for p in (1, 2) if layers % p == 0]))
+    flags = _set(flags, "--num-layers", str(layers))
+    experts = draw(st.sampled_from([1, 2, 3, 4, 8]))
+    topk = draw(st.integers(1, experts))
+    flags += ["--num-experts", str(experts), "--moe-router-topk", str(topk),
+              "--moe-ffn-hidden-size", str(draw(st.integers(4, 40)))]
+    if topk == 1:
+        flags += ["--moe-router-pre-softmax"]  # megatron-core's rule for top-1 softmax routing
+    if draw(st.booleans()):
+        flags += ["--moe-layer-freq", str(draw(st.integers(1, 3)))]
+    else:
+        flags += ["--moe-layer-freq", str(draw(st.lists(st.sampled_from([0, 1]), min_size=layers, max_size=layers)))]
+    if "--disable-bias-linear" in flags and draw(st.booleans()):  # megatron-core: no biases in shared experts
+        flags += ["--moe-shared-expert-intermediate-size", str(draw(st.integers(4, 40)))]
+    if draw(st.booleans()):
+        flags += ["--qk-layernorm"]
+    vp = 2 if pp > 1 and layers % (2 * pp) == 0 and draw(st.booleans()) else None
+    if vp:
+        flags += ["--num-layers-per-virtual-pipeline-stage", str(layers // (pp * vp))]
+    return flags, pp
+
+
+def _set(flags, name, value):
+    flags = list(flags)
+    flags[flags.index(name) + 1] = value
+    return flags
+
+
+@settings(max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(moe_shapes())
+def test_moe_counts_match_megatron_core(shape):
+    """Per stage, the dense parameters and the routed experts (``mlp.experts``; with EP > 1
+    megatron-core's expert optimizer takes them) apart; the active count against the experts each
+    built layer holds."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.training.model.sizes import active_params
+
+    flags, pp = shape
+    args = parse_args(flags + ["--pipeline-model-parallel-size", str(pp)])
+    args.padded_vocab_size = args.vocab_size
+    cfg = transformer_config(args)
+    planned = stage_params(cfg, args.vocab_size, args.max_position_embeddings, args.position_embedding_type,
+                           not args.untie_embeddings_and_output_weights)
+    chunks = args.virtual_pipeline_model_parallel_size or 1
+    built, skipped = [], 0
+    for stage in range(pp):
+        dense = experts = 0
+        for chunk in range(chunks):
+            # One process builds each stage's chunks in turn: the layers megatron-core's spec gives
+            # them, in a model of one stage (first/last by flag), as the dense test above does.
+            spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization=args.normalization,
+                                              vp_stage=chunk if chunks > 1 else None, pp_rank=stage)
+            build_cfg = transformer_config(args)
+            build_cfg.use_cpu_initialization = True
+            build_cfg.num_layers = len(spec.layer_specs)
+            build_cfg.pipeline_model_parallel_size, build_cfg.virtual_pipeline_model_parallel_size = 1, None
+            model = GPTModel(build_cfg, spec, args.vocab_size, args.max_position_embeddings,
+                             pre_process=stage == 0 and chunk == 0,
+                             post_process=stage == pp - 1 and chunk == chunks - 1,
+                             share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                             position_embedding_type=args.position_embedding_type)
+            params = dict(model.named_parameters())
+            dense += sum(p.numel() for name, p in params.items() if ".mlp.experts." not in name)
+            experts += sum(p.numel() for name, p in params.items() if ".mlp.experts." in name)
+            for layer in model.decoder.layers:
+                routed = getattr(layer.mlp, "experts", None)
+                if routed is not None:  # the experts a token skips: all but top-k of this layer's
+                    one = sum(p.numel() for p in routed.local_experts[0].parameters())
+                    skipped += (args.num_experts - args.moe_router_topk) * one
+        built.append((dense, experts))
+    assert [(s.dense, s.experts) for s in planned] == built, flags
+    total = model_params(planned, 1, 1)
+    assert total == sum(d + e for d, e in built)
+    assert active_params(cfg, total) == total - skipped, flags

@@ -47,6 +47,7 @@ def test_family_flags():
 @pytest.mark.parametrize("extra,flag,words", [
     (["--num-experts", "6", "--expert-model-parallel-size", "4"], "--expert-model-parallel-size", "4 must divide"),
     (["--num-experts", "4", "--moe-router-topk", "5"], "--moe-router-topk", "5 exceeds --num-experts 4"),
+    (["--num-experts", "4", "--moe-router-topk", "1"], "--moe-router-topk 1", "--moe-router-pre-softmax"),
     (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size", "requires --num-experts"),
     (["--moe-grouped-gemm"], "--moe-grouped-gemm", "requires --num-experts"),
     (["--num-experts", "4", "--moe-layer-freq", "[1,0]"], "--moe-layer-freq", "2 entries, --num-layers is 4"),

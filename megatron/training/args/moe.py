@@ -123,6 +123,11 @@ def validate(parser, args) -> None:
         parser.error(f"argument --expert-model-parallel-size: {ep} must divide --num-experts {experts}")
     if args.moe_router_topk > experts:
         parser.error(f"argument --moe-router-topk: {args.moe_router_topk} exceeds --num-experts {experts}")
+    if args.moe_router_topk == 1 and args.moe_router_score_function == "softmax" and not args.moe_router_pre_softmax \
+            and args.moe_router_load_balancing_type != "sinkhorn":
+        # megatron-core refuses it: a softmax over one selected logit has a zero gradient
+        parser.error("argument --moe-router-topk 1: needs --moe-router-pre-softmax (or --moe-router-score-function "
+                     "sigmoid, or sinkhorn load balancing)")
     pattern = moe_layers(args.num_layers, args.moe_layer_freq)
     if isinstance(args.moe_layer_freq, list) and len(pattern) != args.num_layers:
         parser.error(f"argument --moe-layer-freq: the pattern has {len(pattern)} entries, "

@@ -32,13 +32,14 @@ from mlp_offload.checkpoint import CheckpointDataError
 FP32 = 4
 
 
-def _dp_group_idx() -> int:
-    """The index megatron-core names its optimizer keys by: the rank in the model-parallel group."""
-    return torch.distributed.get_rank(parallel_state.get_model_parallel_group())
-
-
-def _key_prefix() -> str:
-    return f"optimizer.distributed.dp_group_idx_{_dp_group_idx()}"
+def _key_prefix(kind: str = "dense", optimizers: int = 1) -> str:
+    """megatron-core's key for one of its distributed optimizers' state: indexed by the rank in the
+    group its shards are replicas over (the model-parallel group; for the experts' optimizer the
+    expert grid EP x ETP x PP), and, where it chains two (an MoE model at EP > 1), ``chained_<i>.``."""
+    group = (parallel_state.get_model_parallel_group() if kind == "dense"
+             else parallel_state.get_expert_tensor_model_pipeline_parallel_group())
+    chained = "" if optimizers == 1 else f"chained_{0 if kind == 'dense' else 1}."
+    return f"{chained}optimizer.distributed.dp_group_idx_{torch.distributed.get_rank(group)}"
 
 
 # -- offloaded files -> megatron-core's DistributedOptimizer -------------------------------------
@@ -48,8 +49,10 @@ def fill_distributed_optimizer(dist_optimizers: List, model_chunks, checkpoint_d
     optimizer(s), ``max_bytes`` at a time: half for a piece in flight (read straight into megatron-core's
     tensors, one state after the other), half for the files' reader."""
     chunk = max(1, max_bytes // 2 // FP32)
-    with OffloadedStateSource(checkpoint_dir, model_chunks, cache_bytes=max_bytes // 2) as saved:
-        for opt in dist_optimizers:
+    for opt in dist_optimizers:
+        # With EP > 1 megatron-core's second optimizer holds the experts: read from the experts' files.
+        kind = "experts" if any(not getattr(p, "allreduce", True) for p, _ in _param_pieces(opt)) else "dense"
+        with OffloadedStateSource(checkpoint_dir, model_chunks, cache_bytes=max_bytes // 2, kind=kind) as saved:
             for param, piece in _param_pieces(opt):
                 if getattr(opt.config, "use_precision_aware_optimizer", False):
                     _set_whole_piece(opt, saved, param, piece)  # its setter scales whole tensors
@@ -60,8 +63,10 @@ def fill_distributed_optimizer(dist_optimizers: List, model_chunks, checkpoint_d
                     saved.read(param, piece.start + lo, piece.start + hi,
                                [targets[name].view(-1)[lo:hi] for name in STATE_KEYS])
             _set_adam_step(opt, saved.steps_done)
-            if opt.grad_scaler is not None and offload_meta.get("grad_scaler"):
-                opt.grad_scaler.load_state_dict(offload_meta["grad_scaler"])
+        scalers = offload_meta.get("grad_scalers") or [offload_meta.get("grad_scaler")]
+        scaler = scalers[min(int(kind == "experts"), len(scalers) - 1)]  # each optimizer its own, as saved
+        if opt.grad_scaler is not None and scaler:
+            opt.grad_scaler.load_state_dict(scaler)
 
 
 def _param_pieces(opt):
@@ -89,8 +94,11 @@ class PlainShardSource:
     """This rank's part of a plain checkpoint's optimizer state, laid out as the offload engine's flat
     index space (the same DDP bucket shards), read a chunk at a time as the engine's load asks."""
 
-    def __init__(self, layout, checkpoint_dir: str, has_grad_scaler: bool, max_bytes: int):
-        dp_rank, prefix = parallel_state.get_data_parallel_rank(with_context_parallel=True), _key_prefix()
+    def __init__(self, layout, checkpoint_dir: str, has_grad_scaler: bool, max_bytes: int, kind: str = "dense",
+                 optimizers: int = 1):
+        dp_rank = (parallel_state.get_data_parallel_rank(with_context_parallel=True) if kind == "dense"
+                   else parallel_state.get_expert_data_parallel_rank())
+        prefix = _key_prefix(kind, optimizers)
         self.chunk = max(1, max_bytes // FP32)
         # (flat start, flat end, key, its first element's place in the saved flat bucket tensor)
         self.pieces: List[Tuple[int, int, str, int]] = []
@@ -144,13 +152,16 @@ class PlainShardSource:
 
 
 def load_into_engine(facade, checkpoint_dir: str, has_grad_scaler: bool, max_bytes: int) -> None:
-    """Fill the offload facade's engine (and grad scaler) from a plain checkpoint's optimizer state."""
-    source = PlainShardSource(facade.layout, checkpoint_dir, has_grad_scaler, max_bytes)
-    try:
-        loaded = dist_checkpointing.load(source.sharded, checkpoint_dir)  # the small objects: collective
-        steps, scaler = source.steps_and_scaler(loaded)
-        facade.engine.load_state(source.fill, steps_done=steps)
-    finally:
-        source.close()
-    if facade.grad_scaler is not None and scaler:
-        facade.grad_scaler.load_state_dict(scaler)
+    """Fill each of the offload facade's engines (and grad scalers) from a plain checkpoint's
+    optimizer state: the dense one, and with EP > 1 the experts' one from megatron-core's second."""
+    for shard in facade.shards:
+        source = PlainShardSource(shard.layout, checkpoint_dir, has_grad_scaler, max_bytes, shard.kind,
+                                  len(facade.shards))
+        try:
+            loaded = dist_checkpointing.load(source.sharded, checkpoint_dir)  # the small objects: collective
+            steps, scaler = source.steps_and_scaler(loaded)
+            shard.engine.load_state(source.fill, steps_done=steps)
+        finally:
+            source.close()
+        if shard.grad_scaler is not None and scaler:
+            shard.grad_scaler.load_state_dict(scaler)

@@ -12,7 +12,8 @@ from typing import Dict, Optional
 import torch
 
 from megatron.training.errors import UserError
-from megatron.training.checkpoint.offload_files import (OffloadFileSet, param_names, same_model_parallel_layout,
+from megatron.training.checkpoint.offload_files import (OffloadFileSet, has_offloaded_state, param_names,
+                                                        same_model_parallel_layout,
                                                         saved_expert_parallel_size, saved_model_chunks,
                                                         saved_model_parallel_sizes)
 from megatron.training.checkpoint.offload_geometry_reader import MissingGeometryError, OffloadedStateByGeometry
@@ -96,12 +97,14 @@ class OffloadedStateSource:
 
     def __init__(self, checkpoint_dir: str, model_chunks, cache_bytes: Optional[int] = None, kind: str = "dense"):
         (pp, tp, _), (p, t, _), ep = shard_coordinates(kind)
-        self.saved_sizes = saved_model_parallel_sizes(checkpoint_dir, kind)
-        self.saved_layout = _layout(*self.saved_sizes, saved_model_chunks(checkpoint_dir, kind), kind,
-                                    saved_expert_parallel_size(checkpoint_dir, kind))
+        # Experts saved at EP 1 are in the dense files (megatron-core keeps them there): described by those.
+        saved_kind = kind if has_offloaded_state(checkpoint_dir, kind) else "dense"
+        self.saved_sizes = saved_model_parallel_sizes(checkpoint_dir, saved_kind)
+        self.saved_layout = _layout(*self.saved_sizes, saved_model_chunks(checkpoint_dir, saved_kind), saved_kind,
+                                    saved_expert_parallel_size(checkpoint_dir, saved_kind))
         self.layout = _layout(pp, tp, len(model_chunks), kind, ep)
-        self.same_model_parallel_layout = same_model_parallel_layout(checkpoint_dir, pp, tp, len(model_chunks),
-                                                                     kind, ep)
+        self.same_model_parallel_layout = saved_kind == kind and same_model_parallel_layout(
+            checkpoint_dir, pp, tp, len(model_chunks), kind, ep)
         if self.same_model_parallel_layout:
             self._impl = _ByName(checkpoint_dir, model_chunks, p, t, cache_bytes, kind)
         else:

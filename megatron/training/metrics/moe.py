@@ -33,3 +33,16 @@ def aux_losses(args) -> Dict[str, float]:
                      for i, v in enumerate(tracker.get(name, {}).get("values", [])) if moe_layers(
                          args.num_layers, args.moe_layer_freq)[i]}
     return {**{name: float(totals[name]) for name in names if name in totals}, **per_layer}
+
+
+def moe_summary(args, config, total_params: int, world: int) -> str:
+    """The start-up line of an MoE model: its experts, their parallel grid and the parameters one
+    token uses (the throughput figures count the same top-k experts, ``model.flops``)."""
+    from megatron.training.model.sizes import active_params
+
+    pattern = moe_layers(args.num_layers, args.moe_layer_freq)
+    ep, etp, pp = args.expert_model_parallel_size, args.expert_tensor_parallel_size, args.pipeline_model_parallel_size
+    active = active_params(config, total_params)
+    return (f"> mixture of experts: {args.num_experts} experts, top-{args.moe_router_topk}, in {sum(pattern)} of "
+            f"{args.num_layers} layers | EP={ep} ETP={etp} expert-DP={world // (ep * etp * pp)} | "
+            f"active parameters per token: {active} ({100 * active / total_params:.1f}% of {total_params})")

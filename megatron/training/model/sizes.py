@@ -22,6 +22,8 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
 
+from megatron.training.model.layer_params import expert_params, layer_params, layers_of_stage, moe_pattern
+
 FFN_MULTIPLE = 64  # Megatron-LM keeps the SwiGLU FFN a multiple of 64, so each TP shard is 64/TP-aligned
 
 
@@ -47,52 +49,55 @@ def vocab_size_with_padding(vocab_size: int, divisible_by: int, tensor_parallel_
 
 @dataclass(frozen=True)
 class StageParams:
-    """Parameters held by one tensor-parallel rank of one pipeline stage."""
+    """Parameters held by one rank of one pipeline stage: ``dense`` on each tensor-parallel rank,
+    ``experts`` (routed experts) on each expert-parallel x expert-tensor-parallel rank."""
 
     stage: int
     layers: int
-    params: int
+    dense: int
+    experts: int = 0
 
-
-def _layer_params(cfg, tp: int) -> int:
-    h = cfg.hidden_size
-    q = cfg.num_attention_heads * cfg.kv_channels
-    kv = (cfg.num_query_groups or cfg.num_attention_heads) * cfg.kv_channels
-    ffn_out = cfg.ffn_hidden_size * (2 if cfg.gated_linear_unit else 1)
-    norm = h * (2 if cfg.normalization == "LayerNorm" else 1)
-    bias = cfg.add_bias_linear
-    qkv = h * (q + 2 * kv) // tp + ((q + 2 * kv) // tp if bias or cfg.add_qkv_bias else 0)
-    proj = q // tp * h + (h if bias else 0)  # row-parallel: its bias is whole on every rank
-    fc1 = h * ffn_out // tp + (ffn_out // tp if bias else 0)
-    fc2 = cfg.ffn_hidden_size // tp * h + (h if bias else 0)
-    return 2 * norm + qkv + proj + fc1 + fc2
+    @property
+    def params(self) -> int:
+        return self.dense + self.experts
 
 
 def stage_params(cfg, vocab_size: int, max_positions: int, position_embedding: str,
                  tied_embeddings: bool) -> List[StageParams]:
-    """Parameters on one tensor-parallel rank of each pipeline stage (``vocab_size`` padded)."""
+    """Parameters on one rank of each pipeline stage (``vocab_size`` padded)."""
     tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
     h = cfg.hidden_size
-    layers = cfg.num_layers // pp
+    pattern = moe_pattern(cfg)
     stages = []
     for stage in range(pp):
-        count = layers * _layer_params(cfg, tp)
+        layers = [layer_params(cfg, bool(pattern[i])) for i in layers_of_stage(cfg, stage)]
+        dense, experts = sum(p.dense for p in layers), sum(p.experts for p in layers)
         if stage == 0:
-            count += vocab_size // tp * h
+            dense += vocab_size // tp * h
             if position_embedding == "learned_absolute":
-                count += max_positions * h
+                dense += max_positions * h
         if stage == pp - 1:
-            count += h * (2 if cfg.normalization == "LayerNorm" else 1)
+            dense += h * (2 if cfg.normalization == "LayerNorm" else 1)
             if not tied_embeddings or pp > 1:
-                count += vocab_size // tp * h
-        stages.append(StageParams(stage, layers, count))
+                dense += vocab_size // tp * h
+        stages.append(StageParams(stage, len(layers), dense, experts))
     return stages
 
 
-def model_params(stages: List[StageParams], tp: int) -> int:
-    """One replica of the whole model (every stage, every tensor-parallel rank), as the training
-    log counts it (a tied output layer's copy on the last stage included)."""
-    return sum(s.params for s in stages) * tp
+def model_params(stages: List[StageParams], tp: int, expert_ranks: int = 1) -> int:
+    """One replica of the whole model (every stage, every model-parallel rank), as the training
+    log counts it (a tied output layer's copy on the last stage included): dense parameters times
+    TP, experts times EP x ETP."""
+    return sum(s.dense for s in stages) * tp + sum(s.experts for s in stages) * expert_ranks
+
+
+def active_params(cfg, total: int) -> int:
+    """Of ``total`` (``model_params``), those one token's forward pass uses: every dense parameter
+    and the shared experts, but only top-k of each MoE layer's routed experts."""
+    if not cfg.num_moe_experts:
+        return total
+    skipped = cfg.num_moe_experts - cfg.moe_router_topk
+    return total - sum(moe_pattern(cfg)) * skipped * expert_params(cfg, 1)
 
 
 # --log-params-norm, as Megatron-LM logs it

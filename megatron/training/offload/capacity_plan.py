@@ -1,7 +1,9 @@
 """Will a run fit, where does every byte go, and how long will an iteration take: the plan behind
 ``tools/plan_offload.py``, from ``pretrain_gpt.py``'s own flags and a description of the machine.
 
-Parameters per rank come from ``model_size`` (the same ``TransformerConfig`` the training builds);
+Parameters per rank come from ``model.sizes`` (the same ``TransformerConfig`` the training builds;
+a mixture-of-experts model's dense part and routed experts apart, each optimizer's shard over its own
+data-parallel group);
 the optimizer state's placement and the update time from the engine's own planning
 (``mlp_offload.capacity``); compute time from Megatron-LM's FLOP count at a sustained TFLOP/s
 per GPU. Activation memory is an estimate (Korthikanti et al., "Reducing Activation Recomputation
@@ -21,8 +23,9 @@ from mlp_offload import HostMemoryError, check_host_memory
 
 from megatron.training.runtime.host_memory import PROCESS_BYTES_CPU, PROCESS_BYTES_GPU, beside_engine
 
-from megatron.training.model.flops import DenseGptShape, flops_per_iteration
-from megatron.training.model.sizes import model_params, stage_params
+from megatron.training.model.flops import GptShape, flops_per_iteration
+from megatron.training.model.sizes import StageParams, active_params, model_params, stage_params
+from megatron.training.offload.shard_budgets import config_for_kind
 from megatron.training.errors import in_flags
 
 GB = 1e9
@@ -49,8 +52,8 @@ class Plan:
     fits: bool
     problems: List[str]
     params_total: int
-    params_per_rank: int  # the largest pipeline stage's share on one tensor-parallel rank
-    shard_numel: int  # this rank's share of the optimizer state (elements), data parallelism included
+    params_per_rank: int  # the largest pipeline stage's share on one model-parallel rank
+    shard_numel: int  # this rank's optimizer state (elements): the dense shard plus the experts' shard
     gpu_bytes: Dict[str, int]
     host_bytes_per_node: Dict[str, int]
     tier_bytes_per_node: Dict[str, int]
@@ -59,29 +62,50 @@ class Plan:
     iteration_s: float
     bottleneck: str
     tokens_per_s: Dict[int, float] = field(default_factory=dict)  # global batch size -> tokens/s
-    engine: Optional[EnginePlan] = None
+    engines: Dict[str, EnginePlan] = field(default_factory=dict)  # "dense", and "experts" for an MoE model
     host_cache_gb: Optional[float] = None  # what --offload-host-cache-gb the plan used (given or chosen)
+    params_active: int = 0  # of params_total, those one token uses (top-k routed experts)
+    shard_numels: Dict[str, int] = field(default_factory=dict)  # per distributed optimizer
 
-    def placement_counts(self) -> Dict[str, int]:
-        """Subgroups per tier, as the engine logs them at start-up (host first, then the file tiers)."""
-        return {t: len(self.engine.placement.subgroups_on(t)) for t in ["host", *self.tier_bytes_per_node]}
+    def placement_counts(self, kind: Optional[str] = None) -> Dict[str, int]:
+        """Subgroups per tier, as the engine logs them at start-up (host first, then the file tiers),
+        of one engine or summed over both."""
+        engines = [self.engines[kind]] if kind else list(self.engines.values())
+        return {t: sum(len(e.placement.subgroups_on(t)) for e in engines) for t in ["host", *self.tier_bytes_per_node]}
+
+    def engine_json(self, kind: str) -> dict:
+        e = self.engines[kind]
+        pred = e.prediction
+        return {"optimizer_state_elements_per_rank": self.shard_numels[kind],
+                "optimizer_state_bytes_per_rank": e.state_bytes, "subgroups": len(e.subgroups),
+                "placement": self.placement_counts(kind), "tier_bytes_per_rank": dict(e.stored_bytes),
+                "predicted_update_s": pred.update_s,
+                "io_bytes_per_rank_per_step": {t: {"read": pred.read_bytes[t], "write": pred.write_bytes[t]}
+                                               for t in pred.tier_s}}
 
     def as_json(self) -> dict:
-        pred = self.engine.prediction if self.engine else None
+        engines = list(self.engines.values())
+        io = {}
+        for e in engines:
+            for t in e.prediction.tier_s:
+                entry = io.setdefault(t, {"read": 0, "write": 0})
+                entry["read"] += e.prediction.read_bytes[t]
+                entry["write"] += e.prediction.write_bytes[t]
         return {
             "fits": self.fits, "problems": self.problems,
-            "params_total": self.params_total, "params_per_rank": self.params_per_rank,
+            "params_total": self.params_total, "params_active": self.params_active,
+            "params_per_rank": self.params_per_rank,
             "optimizer_state_elements_per_rank": self.shard_numel,
-            "optimizer_state_bytes_per_rank": self.engine.state_bytes if self.engine else None,
+            "optimizer_state_bytes_per_rank": sum(e.state_bytes for e in engines) if engines else None,
             "gpu_bytes_per_rank": self.gpu_bytes, "host_bytes_per_node": self.host_bytes_per_node,
             "tier_bytes_per_node": self.tier_bytes_per_node,
             "predicted_compute_s": self.compute_s, "predicted_update_s": self.update_s,
             "predicted_iteration_s": self.iteration_s, "bottleneck": self.bottleneck,
             "tokens_per_s": {str(k): v for k, v in self.tokens_per_s.items()},
-            "placement": None if not self.engine else self.placement_counts(),
-            "subgroups": None if not self.engine else len(self.engine.subgroups),
-            "io_bytes_per_rank_per_step": None if not pred else {
-                t: {"read": pred.read_bytes[t], "write": pred.write_bytes[t]} for t in pred.tier_s},
+            "placement": self.placement_counts() if engines else None,
+            "subgroups": sum(len(e.subgroups) for e in engines) if engines else None,
+            "io_bytes_per_rank_per_step": io if engines else None,
+            "engines": {k: self.engine_json(k) for k in self.engines} if engines else None,
             "offload_host_cache_gb": self.host_cache_gb,
         }
 
@@ -133,6 +157,51 @@ def suggested_host_cache_gb(machine: Machine, ranks_per_node: int, subgroup_size
     return max(0.0, float(int(per_rank / GiB)))
 
 
+@dataclass(frozen=True)
+class RankShards:
+    """One rank of the largest pipeline stage: its parameters, and the optimizer state of each of
+    megatron-core's distributed optimizers: dense over data parallelism (world / (TP x PP)); with
+    EP > 1 the routed experts have their own, over expert-data parallelism (world / (EP x ETP x PP));
+    with EP 1 megatron-core keeps them with the dense parameters."""
+
+    params: int
+    shards: Dict[str, int]  # each optimizer's state elements on this rank, dense first
+
+
+def rank_shards(stages: List[StageParams], cfg, world: int) -> RankShards:
+    tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
+    ep = cfg.expert_model_parallel_size or 1
+    dp = world // (tp * pp)
+    edp = world // (ep * (cfg.expert_tensor_parallel_size or tp) * pp)
+
+    def shards(s: StageParams) -> Dict[str, int]:
+        split = {"dense": s.dense, "experts": s.experts} if ep > 1 and s.experts else {"dense": s.params}
+        return {k: -(-n // (dp if k == "dense" else edp)) for k, n in split.items()}
+
+    stage = max(stages, key=lambda s: (sum(shards(s).values()), s.params))
+    return RankShards(stage.params, shards(stage))
+
+
+def plan_engines(args, machine: Machine, offload_config, ranks: RankShards, rates: Dict[str, TierBandwidth],
+                 capacity_bytes: Dict[str, int], adam_elems_per_s: float, convert_elems_per_s: float,
+                 problems: List[str]) -> Dict[str, EnginePlan]:
+    """One engine per distributed optimizer, as the training builds them (``shard_budgets``); the
+    experts' engine gets the file tiers' space the dense one leaves."""
+    engines: Dict[str, EnginePlan] = {}
+    space = dict(capacity_bytes)
+    for kind, shard in ranks.shards.items():
+        config = config_for_kind(offload_config, kind, ranks.shards)
+        try:
+            engines[kind] = plan_engine(shard, config, rates, space, adam_elems_per_s, convert_elems_per_s,
+                                        machine.gpus_per_node, host_grad_itemsize(args))
+        except PlacementError as err:
+            problems.append(in_flags(str(err)))
+            break
+        for t in offload_config.file_tiers:
+            space[t] = max(0, space[t] - machine.gpus_per_node * engines[kind].stored_bytes[t])
+    return engines
+
+
 def make_plan(args, cfg, machine: Machine, offload_config, rates: Dict[str, TierBandwidth],
               capacity_bytes: Dict[str, int], adam_elems_per_s: float, convert_elems_per_s: float,
               batch_sizes: List[int]) -> Plan:
@@ -142,8 +211,9 @@ def make_plan(args, cfg, machine: Machine, offload_config, rates: Dict[str, Tier
     dp = machine.world // (tp * pp)
     stages = stage_params(cfg, args.padded_vocab_size, args.max_position_embeddings,
                           args.position_embedding_type, not args.untie_embeddings_and_output_weights)
-    per_rank = max(s.params for s in stages)
-    shard = -(-per_rank // dp)
+    ranks = rank_shards(stages, cfg, machine.world)
+    per_rank = ranks.params
+    shard = sum(ranks.shards.values())
     problems: List[str] = []
     param_bytes = 2 if (args.bf16 or args.fp16) else 4
     microbatches = args.global_batch_size // (args.micro_batch_size * dp)
@@ -152,7 +222,7 @@ def make_plan(args, cfg, machine: Machine, offload_config, rates: Dict[str, Tier
            "gradients": per_rank * (2 if args.fp16 else 4),  # bf16 gradients are reduced in fp32
            "activations": activation_bytes(args, cfg, microbatches_in_flight(pp, vp, microbatches)),
            "cuda_reserve": CUDA_RESERVE_BYTES}
-    engine: Optional[EnginePlan] = None
+    engines: Dict[str, EnginePlan] = {}
     tiers_per_node: Dict[str, int] = {}
     host_per_node: Dict[str, int] = {}
     if offload_config is None:
@@ -160,29 +230,30 @@ def make_plan(args, cfg, machine: Machine, offload_config, rates: Dict[str, Tier
         state = (len(STATE_TENSORS) - (0 if args.bf16 or args.fp16 else 1)) * FP32_BYTES
         gpu["optimizer_state"] = (shard if args.use_distributed_optimizer else per_rank) * state
     else:
-        try:
-            engine = plan_engine(shard, offload_config, rates, capacity_bytes, adam_elems_per_s,
-                                 convert_elems_per_s, machine.gpus_per_node, host_grad_itemsize(args))
-        except PlacementError as err:
-            problems.append(in_flags(str(err)))
-        largest = min(shard, offload_config.subgroup_size)
-        gpu["offload_staging"] = 3 * largest * FP32_BYTES  # fp32 gradient staging and the update's copy-back
-        if engine is not None:
-            host_per_node["optimizer_state"] = machine.gpus_per_node * engine.placement.host_state_bytes
-            host_per_node["gradient_scratch"] = machine.gpus_per_node * (engine.host_bytes
-                                                                         - engine.placement.host_state_bytes)
+        engines = plan_engines(args, machine, offload_config, ranks, rates, capacity_bytes, adam_elems_per_s,
+                               convert_elems_per_s, problems)
+        # fp32 gradient staging and the update's copy-back, one per engine
+        gpu["offload_staging"] = sum(3 * min(n, offload_config.subgroup_size) * FP32_BYTES
+                                     for n in ranks.shards.values())
+        if len(engines) == len(ranks.shards):
+            cache = sum(e.placement.host_state_bytes for e in engines.values())
+            staging = sum(e.host_bytes for e in engines.values()) - cache
+            host_per_node["optimizer_state"] = machine.gpus_per_node * cache
+            host_per_node["gradient_scratch"] = machine.gpus_per_node * staging
             # Every other host consumer the start-up guard counts: the ranks' processes, their workers.
             process = PROCESS_BYTES_GPU if host_grad_itemsize(args) is None else PROCESS_BYTES_CPU
             beside = beside_engine(getattr(args, "num_workers", 0), process)
             host_per_node.update({f"{k.replace(' ', '_')}": machine.gpus_per_node * v for k, v in beside.items()})
             try:  # the guard's own check, against the node's memory: DOES NOT FIT where it would refuse
-                check_host_memory({"optimizer cache": engine.placement.host_state_bytes,
-                                   "gradient staging": engine.host_bytes - engine.placement.host_state_bytes},
+                check_host_memory({"optimizer cache": cache, "gradient staging": staging},
                                   machine.gpus_per_node, beside, bool(offload_config.file_tiers),
                                   (machine.host_memory_bytes, "the node's memory"))
             except HostMemoryError as err:
                 problems.append(in_flags(str(err)))
-            tiers_per_node = {t: machine.gpus_per_node * engine.stored_bytes[t] for t in offload_config.file_tiers}
+            tiers_per_node = {t: machine.gpus_per_node * sum(e.stored_bytes[t] for e in engines.values())
+                              for t in offload_config.file_tiers}
+        else:
+            engines = {}
     gpu_total = sum(gpu.values())
     if gpu_total > machine.gpu_memory_bytes:
         problems.append(f"GPU memory: {gpu_total / GiB:.1f} GiB per rank needed "
@@ -193,22 +264,27 @@ def make_plan(args, cfg, machine: Machine, offload_config, rates: Dict[str, Tier
         problems.append(f"host memory: {host_total / GiB:.1f} GiB per node for optimizer state and scratch, more than "
                         f"{HOST_SHARE:.0%} of the node's {machine.host_memory_bytes / GiB:.1f} GiB")
 
+    shape = GptShape.from_config(cfg, args.seq_length, args.padded_vocab_size)
+
     def compute_seconds(global_batch: int) -> float:
         m = global_batch // (args.micro_batch_size * dp)
         # 1F1B: the pipeline fills and drains once per step; V chunks per rank make that V times shorter
         bubble = 1 + (pp - 1) / (max(m, 1) * (vp or 1))
-        flops = flops_per_iteration(DenseGptShape.from_config(cfg, args.seq_length, args.padded_vocab_size), global_batch)
-        return flops / machine.world / (machine.gpu_tflops * 1e12) * bubble
+        return flops_per_iteration(shape, global_batch) / machine.world / (machine.gpu_tflops * 1e12) * bubble
 
     compute_s = compute_seconds(args.global_batch_size)
-    update_s = engine.prediction.update_s if engine else None
+    # The step updates the engines one after the other (the dense one first).
+    update_s = sum(e.prediction.update_s for e in engines.values()) if engines else None
     iteration_s = compute_s + (update_s or 0.0)
     parts = {"compute": compute_s}
-    if engine:
-        pred = engine.prediction
-        parts["cpu adam"] = pred.adam_s
-        parts.update({f"{t} I/O": pred.ranks_sharing * s for t, s in pred.tier_s.items()})
+    for e in engines.values():
+        parts["cpu adam"] = parts.get("cpu adam", 0.0) + e.prediction.adam_s
+        for t, seconds in e.prediction.tier_s.items():
+            parts[f"{t} I/O"] = parts.get(f"{t} I/O", 0.0) + e.prediction.ranks_sharing * seconds
     bottleneck = max(parts, key=parts.get)
     tokens = {g: g * args.seq_length / (compute_seconds(g) + (update_s or 0.0)) for g in batch_sizes}
-    return Plan(not problems, problems, model_params(stages, tp), per_rank, shard, gpu, host_per_node,
-                tiers_per_node, compute_s, update_s, iteration_s, bottleneck, tokens, engine)
+    expert_ranks = (cfg.expert_model_parallel_size or 1) * (cfg.expert_tensor_parallel_size or tp)
+    total = model_params(stages, tp, expert_ranks)
+    return Plan(not problems, problems, total, per_rank, shard, gpu, host_per_node, tiers_per_node, compute_s,
+                update_s, iteration_s, bottleneck, tokens, engines, params_active=active_params(cfg, total),
+                shard_numels=dict(ranks.shards))

@@ -14,7 +14,6 @@ into the device param buffer; then megatron-core's param all-gather runs as usua
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable, List, Optional, Tuple
 
 import torch
@@ -24,6 +23,7 @@ from megatron.core.optimizer.optimizer_config import OptimizerConfig
 
 from megatron.training.checkpoint.offloaded_state import StateWrites
 from megatron.training.offload.shard import OffloadShard, ShardGroups
+from megatron.training.offload.shard_budgets import config_for_kind
 from megatron.training.runtime.optimizer_interface import (HoldsResources, OffloadedOptimizerCheckpoint,
                                                            ReportsIteration, TrainingOptimizer)
 from mlp_offload import OffloadConfig
@@ -173,25 +173,11 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
 
 
 def config_for_shard(config: OffloadConfig, groups: ShardGroups, every: List[ShardGroups]) -> OffloadConfig:
-    """Each shard's engine config. With experts, the host budget is shared by elements (the dense
-    engine takes what rounding leaves), and the experts' engine gets its own swap namespace (a run
-    id of its own: namespaces are per rank) and trace file."""
-    if len(every) == 1:
-        return config
-    def numel(g):
-        return sum(p.numel() for group in g.param_groups for p in group["params"])
-    total, budget = max(1, sum(numel(g) for g in every)), config.host_budget_bytes
-    shares = [None if budget is None else budget * numel(g) // total for g in every]
-    if budget is not None:
-        shares[0] += budget - sum(shares)
-    share = shares[every.index(groups)]
-    gpu = config.gpu_budget_bytes  # a fixed gpu tier is shared the same way
-    gpu_share = None if gpu is None else gpu * numel(groups) // total
-    if groups.kind == "dense":
-        return dataclasses.replace(config, host_budget_bytes=share, gpu_budget_bytes=gpu_share)
-    return dataclasses.replace(config, run_id=f"{config.resolved_run_id()}.{groups.kind}", host_budget_bytes=share,
-                               gpu_budget_bytes=gpu_share,
-                               trace_path=None if not config.trace_path else f"{config.trace_path}.{groups.kind}")
+    """Each shard's engine config (``shard_budgets``), by the optimizer state it holds on this rank:
+    its buckets' share over its own data-parallel group (DP for the dense one, expert-DP for experts)."""
+    numels = {g.kind: sum(bucket.grad_data.numel() // g.dp_group.size() for buffers in g.buffers.values()
+                          for buffer in buffers for bucket in buffer.buckets) for g in every}
+    return config_for_kind(config, groups.kind, numels)
 
 
 def _cuda_memory_figures() -> Tuple[int, int]:
