@@ -14,6 +14,7 @@ from .faults import configure as configure_faults, fault_point
 from .placement import PlacementError
 from .prediction import device_seconds
 from .rates import measure_adam_rate, measure_convert_rate
+from .remainders import merge as merge_remainders, split as split_remainders
 from .startup import _probe as probe_tier  # the start-up's tier probe, for the planner tool
 from .state_dtypes import torch_dtypes
 from .subgroups import FP32_BYTES, STATE_TENSORS
@@ -33,6 +34,8 @@ __all__ = [
     "OffloadedAdamW", "OffloadStateError", "PlacementError", "StepRecord", "TierTraffic", "PER_NODE",
     "TierDataError", "TierIOError", "TierPathError", "HostMemoryError", "NamespaceInUseError",
     "torch_dtypes", "STATE_TENSORS", "FP32_BYTES",
+    # 16-bit master remainders: fp32 master <-> (int16 remainders, bf16 params)
+    "split_remainders", "merge_remainders",
     # checkpoints (the file format itself: mlp_offload.checkpoint)
     "CheckpointDataError", "CheckpointSaveError", "BackgroundStateWrite", "save_engine_state",
     "start_background_save", "fsync_path",

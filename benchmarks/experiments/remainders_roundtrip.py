@@ -4,7 +4,7 @@ Run: python3 benchmarks/experiments/remainders_roundtrip.py   (on a CUDA machine
 
 import torch
 
-from mlp_offload.remainders import merge, split
+from mlp_offload import merge_remainders as merge, split_remainders as split
 
 gen = torch.Generator().manual_seed(0)
 n = 1 << 24
