@@ -35,20 +35,10 @@ COMMON="--swiglu --normalization RMSNorm --position-embedding-type rope --untie-
   $DEVICE"  # --num-workers: the default (2), as users run it
 RECOMPUTE="--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
 
-# memory peaks: host used (free -m) and GPU used (nvidia-smi), sampled every second
-watch_memory() {  # $1: label
-  ( peak_h=0; peak_g=0
-    while [ -e "$OUT/.watch" ]; do
-      h=$(free -m | awk '/^Mem:/{print $3}'); [ "$h" -gt "$peak_h" ] && peak_h=$h
-      if command -v nvidia-smi >/dev/null; then
-        g=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1); [ "${g:-0}" -gt "$peak_g" ] && peak_g=$g
-      fi
-      echo "$1 peak host used ${peak_h} MiB, peak GPU used ${peak_g} MiB" > "$OUT/.peak"; sleep 1
-    done ) &
-}
+source benchmarks/experiments/memory_watch.sh
 run() {  # $1 label, $2 limit, rest: flags
   local label=$1 limit=$2; shift 2
-  touch "$OUT/.watch"; watch_memory "$label"
+  watch_memory "$label"
   timeout "$limit" torchrun --nproc_per_node 1 --master_port ${PORT:-29511} ${SCRIPT:-pretrain_gpt.py} $COMMON "$@" > "$OUT/.run.log" 2>&1
   echo "$label exit $?"; rm -f "$OUT/.watch"; sleep 2; cat "$OUT/.peak" | tee -a "$OUT/memory_peaks.txt"
 }

@@ -24,14 +24,8 @@ else
   SUB=100000000
 fi
 free -g | head -2; df -h "$DISK" | tail -1
-( peak_h=0; peak_g=0; touch "$OUT/.watch"
-  while [ -e "$OUT/.watch" ]; do
-    h=$(free -m | awk '/^Mem:/{print $3}'); [ "$h" -gt "$peak_h" ] && peak_h=$h
-    if command -v nvidia-smi >/dev/null; then
-      g=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1); [ "${g:-0}" -gt "$peak_g" ] && peak_g=$g
-    fi
-    echo "peak host used ${peak_h} MiB, peak GPU used ${peak_g} MiB" > "$OUT/largest_peaks.txt"; sleep 1
-  done ) &
+source benchmarks/experiments/memory_watch.sh
+watch_memory "largest" "$OUT/largest_peaks.txt"
 sleep 1
 timeout ${LIMIT_S:-420} torchrun --nproc_per_node 1 --master_port ${PORT:-29517} pretrain_gpt.py $SHAPE \
   --group-query-attention --swiglu --normalization RMSNorm --position-embedding-type rope \
