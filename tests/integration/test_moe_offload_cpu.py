@@ -183,3 +183,17 @@ def test_offloaded_checkpoint_reshards_between_pipeline_and_expert_parallelism(p
     assert_same_state(tmp / "off-2", ep2)
     resumed = run_pretrain(tmp / "from-ep2", [*MOE, *PP2, *OFFLOAD, "--load", str(ep2)], train_iters=ITERS)
     assert resumed == offload[SAVED_AT:]
+
+
+def test_moe_with_remainders_matches_half_away_megatron_core(tmp_path):
+    """The default with --bf16 (16-bit master remainders, one engine per distributed optimizer, the
+    experts' own source of bf16 halves) against megatron-core rounding its bf16 copy half away, as
+    the remainders do (the reference of test_remainders_cpu): bit for bit, DP2 x EP2."""
+    from test_remainders_cpu import half_away_megatron
+
+    remainders = [flag for flag in OFFLOAD if flag != "--no-store-param-remainders"]
+    reference = half_away_megatron(tmp_path / "ref", [*MOE, *EP2])
+    offload = run_pretrain(tmp_path / "rem", [*MOE, *EP2, *remainders], train_iters=ITERS)
+    assert [r["iteration"] for r in reference] == list(range(1, ITERS + 1))
+    assert offload == reference
+    assert "state 10.0 B/param (rem16/fp32/fp32)" in (tmp_path / "rem" / "loss-0.out").read_text()
