@@ -19,3 +19,16 @@ settings.load_profile(PROFILE)
 def examples(thorough: int, floor: int = 5) -> int:
     """This profile's share of ``thorough`` examples, never below ``floor`` (or ``thorough`` if less)."""
     return max(min(thorough, floor), thorough * PERCENT[PROFILE] // 100)
+
+
+def cases(all_cases, ci_keep: int):
+    """Parametrized cases that each cost process launches: all under ``thorough``; under ``ci``,
+    ``ci_keep`` of them, a different window each day (the window moves by ``ci_keep`` a day), so
+    consecutive days' CI runs go through every case. The chosen ids show in the test names."""
+    ordered = sorted(all_cases)
+    if PROFILE == "thorough" or ci_keep >= len(ordered):
+        return ordered
+    import datetime
+
+    start = (datetime.date.today().toordinal() * ci_keep) % len(ordered)
+    return [ordered[(start + k) % len(ordered)] for k in range(ci_keep)]

@@ -13,6 +13,7 @@ import pytest
 from conftest import BASELINE_ITERS as ITERS
 from launch import REPO, run_pretrain
 from test_offload_cpu import offload_args
+from tests.profiles import cases
 
 # point -> the iteration the restart must resume after (checkpoints every 2 iterations).
 CASES = {
@@ -34,7 +35,8 @@ def uninterrupted(offload_baseline):
     return offload_baseline
 
 
-@pytest.mark.parametrize("fault", sorted(CASES))
+# Each case is two launches: CI runs half of them, another half each day (tests/profiles.py).
+@pytest.mark.parametrize("fault", cases(CASES, ci_keep=4))
 def test_kill_and_restart_resumes_exactly(tmp_path, uninterrupted, fault):
     args = [*offload_args(tmp_path), "--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt"),
             "--save-interval", "2"]
