@@ -5,15 +5,15 @@ imports from here, or from ``mlp_offload.checkpoint`` (the checkpoint file forma
 is the engine's inside and may change without notice (tests/unit/test_layout.py keeps it so).
 """
 
-from .capacity import EnginePlan, plan_engine
+from .plan.capacity import EnginePlan, plan_engine
 from .checkpoint import CheckpointDataError, CheckpointSaveError
 from .checkpoint_write import BackgroundStateWrite, save_engine_state, start_background_save
 from .config import OffloadConfig, OffloadConfigError, TierBandwidth, parse_bandwidths
 from .engine import PER_NODE, OffloadedAdamW, OffloadStateError
 from .faults import configure as configure_faults, fault_point
-from .placement import PlacementError
-from .prediction import device_seconds
-from .rates import measure_adam_rate, measure_convert_rate
+from .plan.placement import PlacementError
+from .plan.prediction import device_seconds
+from .plan.rates import measure_adam_rate, measure_convert_rate
 from .remainders import merge as merge_remainders, split as split_remainders
 from .startup import _probe as probe_tier  # the start-up's tier probe, for the planner tool
 from .state_dtypes import torch_dtypes

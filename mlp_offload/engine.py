@@ -24,13 +24,13 @@ from .device_update import DeviceUpdate
 from .faults import fault_point
 from .gradients import GradientSource, HostGradients, gradient_host_bytes, scratch_buffers
 from .param_groups import Range, build_groups, segments_of
-from .placement import CPU, DEVICE, Placement
-from .prediction import Prediction
+from .plan.placement import CPU, DEVICE, Placement
+from .plan.prediction import Prediction
 from .startup import describe_tiers, start_up
 from .pipeline import OffloadStateError, SlotPipeline, StateViews, fill_params
 from .relocation import Relocation
 from .remainders import ParamHighSource, RemainderMaster
-from .schedule import StepSchedule, step_schedule
+from .plan.schedule import StepSchedule, step_schedule
 from .snapshot import StateSnapshot
 from .state_access import StateAccess
 from .state_dtypes import bytes_per_param, torch_dtypes

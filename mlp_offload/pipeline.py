@@ -19,7 +19,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .remainders import split_
-from .schedule import StepSchedule
+from .plan.schedule import StepSchedule
 from .subgroups import STATE_TENSORS, Subgroup
 from .telemetry import StepRecord, TrafficCounters
 from .tiers.base import StreamedTier

@@ -12,8 +12,8 @@ from typing import Dict, Optional
 
 from .config import GPU_TIER, HOST_TIER
 from .pipeline import StateViews, file_key
-from .placement import split_updates
-from .prediction import predict_update
+from .plan.placement import split_updates
+from .plan.prediction import predict_update
 
 log = logging.getLogger("mlp_offload")
 GiB = 1024**3

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 from .config import HOST_TIER, OffloadConfig, TierBandwidth
-from .placement import Placement, UpdateRates, plan_placement, tokens_for
-from .prediction import Prediction, predict_update
-from .rates import (measure_convert_rate, measure_cpu_update_rate, measure_device_rates, measure_shared_rates,
-                    probe_tier)
+from .plan.placement import Placement, UpdateRates, plan_placement, tokens_for
+from .plan.prediction import Prediction, predict_update
+from .plan.rates import (measure_convert_rate, measure_cpu_update_rate, measure_device_rates,
+                         measure_shared_rates, probe_tier)
 from .state_dtypes import torch_dtypes
 from .subgroups import Subgroup
 from .tiers.base import ResidentTier, StreamedTier

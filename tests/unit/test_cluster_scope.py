@@ -10,8 +10,8 @@ import socket
 import pytest
 import torch
 
-from mlp_offload import probe_cache
-from mlp_offload.rates import probe_tier
+from mlp_offload.plan import probe_cache
+from mlp_offload.plan.rates import probe_tier
 from mlp_offload.tiers.files import FileTier
 from mlp_offload.tiers.host import HostMemory
 from mlp_offload.tiers.tokens import JobTokens, JobTokensStalled, TierTokens, path_key

@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 from mlp_offload import OffloadConfig, OffloadConfigError, OffloadedAdamW, PlacementError
 from mlp_offload.checkpoint import load_engine_state
 from mlp_offload.checkpoint_write import save_engine_state
-from mlp_offload.placement import CPU, DEVICE, UpdateRates, split_updates
+from mlp_offload.plan.placement import CPU, DEVICE, UpdateRates, split_updates
 from mlp_offload.relocation import device_change
 from mlp_offload.subgroups import partition
 
@@ -222,8 +222,8 @@ def test_auto_split_balances_the_two_sides(n, cpu, dev, gpu):
 def test_split_and_prediction_use_the_rates_measured_side_by_side(n, cpu, dev, slow, gpu):
     """Where both sides work, each is priced at the rate measured beside the other (a reference
     computed here from the sides the split chose); a side alone keeps its solo rate."""
-    from mlp_offload.placement import Placement
-    from mlp_offload.prediction import predict_update
+    from mlp_offload.plan.placement import Placement
+    from mlp_offload.plan.prediction import predict_update
 
     subgroups = partition(n * 1000, 1000)
     tier_of = ["gpu" if i < gpu else "host" for i in range(n)]

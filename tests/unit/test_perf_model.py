@@ -15,11 +15,11 @@ from tests.profiles import examples
 
 from mlp_offload import OffloadConfigError, OffloadedAdamW
 from mlp_offload.config import OffloadConfig, TierBandwidth
-from mlp_offload import probe_cache
-from mlp_offload.placement import plan_placement, tokens_for
-from mlp_offload.prediction import predict_update
-from mlp_offload.rates import probe_tier
-from mlp_offload.schedule import step_schedule
+from mlp_offload.plan import probe_cache
+from mlp_offload.plan.placement import plan_placement, tokens_for
+from mlp_offload.plan.prediction import predict_update
+from mlp_offload.plan.rates import probe_tier
+from mlp_offload.plan.schedule import step_schedule
 from mlp_offload.subgroups import partition
 from mlp_offload.tiers.files import FileTier
 from mlp_offload.tiers.host import HostMemory

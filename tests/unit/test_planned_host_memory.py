@@ -9,7 +9,7 @@ from pathlib import Path
 
 from megatron.training.runtime.host_memory import beside_engine
 from mlp_offload import OffloadConfig
-from mlp_offload.capacity import plan_engine
+from mlp_offload.plan.capacity import plan_engine
 from tests.proc_memory import PeakSampler, tree_pss_bytes
 
 REPO = Path(__file__).resolve().parents[2]

@@ -5,7 +5,7 @@ Parameters per rank come from ``model.sizes`` (the same ``TransformerConfig`` th
 a mixture-of-experts model's dense part and routed experts apart, each optimizer's shard over its own
 data-parallel group);
 the optimizer state's placement and the update time from the engine's own planning
-(``mlp_offload.capacity``); compute time from Megatron-LM's FLOP count at a sustained TFLOP/s
+(``mlp_offload.plan.capacity``); compute time from Megatron-LM's FLOP count at a sustained TFLOP/s
 per GPU. Activation memory is an estimate (Korthikanti et al., "Reducing Activation Recomputation
 in Large Transformer Models", 2022); everything else is counted.
 """

@@ -11,11 +11,11 @@ import time
 import torch
 
 from . import probe_cache
-from .config import TierBandwidth, probe_piece_bytes
-from .subgroups import Subgroup
-from .update import Fp32Working
-from .tiers.align import ALIGN, align_down
-from .tiers.files import FileTier, fsync_path
+from ..config import TierBandwidth, probe_piece_bytes
+from ..subgroups import Subgroup
+from ..update import Fp32Working
+from ..tiers.align import ALIGN, align_down
+from ..tiers.files import FileTier, fsync_path
 
 log = logging.getLogger("mlp_offload")
 

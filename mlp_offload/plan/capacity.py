@@ -9,12 +9,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
-from .config import OffloadConfig, TierBandwidth
+from ..config import OffloadConfig, TierBandwidth
 from .placement import Placement, UpdateRates, plan_placement, tokens_for
 from .prediction import Prediction, predict_update
-from .gradients import gradient_host_bytes
-from .subgroups import Subgroup, partition
-from .update import Fp32Working
+from ..gradients import gradient_host_bytes
+from ..subgroups import Subgroup, partition
+from ..update import Fp32Working
 
 
 @dataclass

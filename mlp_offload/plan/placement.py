@@ -9,8 +9,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
-from .config import GPU_TIER, HOST_TIER, OffloadConfig, TierBandwidth
-from .subgroups import Subgroup
+from ..config import GPU_TIER, HOST_TIER, OffloadConfig, TierBandwidth
+from ..subgroups import Subgroup
 
 log = logging.getLogger("mlp_offload")
 GiB = 1024**3

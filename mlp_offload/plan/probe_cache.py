@@ -17,8 +17,8 @@ import time
 from contextlib import contextmanager
 from typing import Optional
 
-from .config import TierBandwidth
-from .tiers.tokens import LockDir
+from ..config import TierBandwidth
+from ..tiers.tokens import LockDir
 
 log = logging.getLogger("mlp_offload")
 PREFIX = ".mlp_offload_probe."

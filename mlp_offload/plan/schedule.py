@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import FrozenSet, List, Sequence
 
-from .config import RESIDENT_TIERS
+from ..config import RESIDENT_TIERS
 
 
 @dataclass(frozen=True)

@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Sequence
 
-from .config import GPU_TIER, RESIDENT_TIERS, TierBandwidth
+from ..config import GPU_TIER, RESIDENT_TIERS, TierBandwidth
 from .placement import CPU, DEVICE, Placement, UpdateRates
 from .schedule import step_schedule
-from .subgroups import Subgroup
+from ..subgroups import Subgroup
 
 
 @dataclass
