@@ -23,6 +23,8 @@ PRETRAIN = REPO / "pretrain_gpt.py"
 LAUNCH_MARKER = "MLP_OFFLOAD_TEST_LAUNCH"  # environment variable: which launch a process belongs to
 LAUNCH_LOG = "MLP_OFFLOAD_TEST_LAUNCH_LOG"  # tests/conftest.py: one line per launch (test, seconds)
 SURVIVOR_GRACE_S = 2.0
+STACKS_OF = "--- threads of"
+STACK_DUMP_WAIT_S = 1.0  # a hung launch's ranks print their stacks, one after another, before they are killed
 
 # The layouts of 2 ranks the end-to-end tests train with (test_pretrain_cpu, test_offload_cpu).
 LAYOUTS = {
@@ -126,6 +128,8 @@ def run_group(commands: Sequence[Tuple[Sequence[str], Dict[str, str]]], timeout:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 returncodes = [proc.wait(timeout=max(0.0, deadline - time.monotonic())) for proc in procs]
         finally:
+            if returncodes is None:
+                _dump_rank_stacks(launch_id, out)
             survivors = [] if returncodes is None else _survivors(launch_id)
             for pid, _ in processes_of_launch(launch_id):
                 with contextlib.suppress(ProcessLookupError):
@@ -135,13 +139,49 @@ def run_group(commands: Sequence[Tuple[Sequence[str], Dict[str, str]]], timeout:
     _log_launch(time.monotonic() - started, _children_cpu_s() - cpu_before)
     output = out_path.read_text()
     if returncodes is None:
-        raise PretrainFailed(f"timed out after {timeout} s: {shown}\n{output[-6000:]}")
+        stacks = _stack_dumps(output)
+        raise PretrainFailed(f"timed out after {timeout} s: {shown}\n{output[-6000:]}\n"
+                             f"every rank's threads when it timed out (SIGQUIT):\n{stacks[-12000:]}")
     returncode = next((code for code in returncodes if code), 0)
     if survivors:
         listing = "\n".join(f"  pid {pid}: {cmdline}" for pid, cmdline in survivors)
         raise PretrainFailed(f"{len(survivors)} process(es) outlived the run (exit {returncode}), "
                              f"killed now:\n{listing}\n{shown}\n{output[-3000:]}")
     return returncode, output
+
+
+def _dump_rank_stacks(launch_id: str, out) -> None:
+    """A hung launch: its ranks (and their forked writers) print every thread's stack before they
+    are killed (SIGQUIT, megatron/training/runtime/signals.py). torchrun and spawned helpers would
+    just die of SIGQUIT, so only processes running pretrain_gpt.py itself get it."""
+    for pid, cmdline in processes_of_launch(launch_id):
+        if str(PRETRAIN) in cmdline and "torch.distributed.run" not in cmdline:
+            out.write(f"{STACKS_OF} pid {pid} (parent {_parent_pid(pid)}):\n")
+            out.flush()  # the processes write to the same open file, after this line
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGQUIT)
+            time.sleep(STACK_DUMP_WAIT_S)  # one at a time: their lines would interleave
+
+
+def _parent_pid(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[1]
+    except OSError:
+        return "?"
+
+
+def _stack_dumps(output: str) -> str:
+    """The faulthandler dumps in ``output``: from each "Thread 0x..." / "Current thread" header on."""
+    lines, keep = [], False
+    for line in output.splitlines():
+        if line.startswith((STACKS_OF, "Thread 0x", "Current thread 0x")):
+            keep = True
+        elif keep and not line.startswith("  "):
+            keep = False
+        if keep:
+            lines.append(line)
+    return "\n".join(lines) or "(none printed)"
 
 
 def _children_cpu_s() -> float:

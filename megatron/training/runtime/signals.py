@@ -14,11 +14,15 @@ watcher thread instead, whatever the main thread is doing.
   (a peer died, so the collective never returns; or no iteration ran yet), the watcher cleans up and
   exits as above. torchrun before 2.12 SIGKILLs its workers 30 s after forwarding a SIGTERM, so a
   longer save needs ``--exit-signal SIGUSR1`` sent to the ranks alone (see examples/slurm).
+
+SIGQUIT (``kill -QUIT <rank pid>``) prints every thread's Python stack to stderr and training goes
+on: what a rank that seems stuck is doing. A forked checkpoint writer inherits it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
 import signal
 import socket
@@ -83,6 +87,12 @@ class SigtermWatcher:
         release_swap_namespaces()
         _say(f"{name}: removed this rank's offload swap files; exiting")
         os._exit(EXIT_ON_SIGTERM)
+
+
+def dump_stacks_on_sigquit() -> None:
+    """SIGQUIT prints every thread's stack (C-level handler: it runs even while the main thread is
+    blocked in a collective or a lock) instead of ending the rank with a core dump."""
+    faulthandler.register(signal.SIGQUIT, all_threads=True, chain=False)
 
 
 def _quiet_in_child() -> None:
