@@ -30,8 +30,9 @@ def pytest_terminal_summary(terminalreporter):
     rows = [line.rstrip("\n").split("\t") for line in open(path)] if path and os.path.exists(path) else []
     if not rows:
         return
-    count, wall, cpu = Counter(), Counter(), Counter()
-    for test, wall_s, cpu_s in rows:
+    count, wall, cpu, launchers = Counter(), Counter(), Counter(), Counter()
+    for test, wall_s, cpu_s, launcher in rows:
+        launchers[launcher] += 1
         test = test.rsplit(" (", 1)[0]  # a fixture's launch counts for the test that first needed it
         count[test] += 1
         wall[test] += float(wall_s)
@@ -41,7 +42,8 @@ def pytest_terminal_summary(terminalreporter):
     write = terminalreporter.write_line
     write(f"profile {PROFILE}; CPU seconds of the whole session: {own.ru_utime + own.ru_stime:.0f} in pytest, "
           f"{children.ru_utime + children.ru_stime:.0f} in its child processes")
-    write(f"launches through launch.run_group: {sum(count.values())}, {sum(wall.values()):.0f} s wall, "
+    write(f"launches through launch.run_group: {sum(count.values())} ({launchers['warm']} of them warm_ranks, "
+          f"{launchers['torchrun']} torchrun), {sum(wall.values()):.0f} s wall, "
           f"{sum(cpu.values()):.0f} s CPU; the longest tests:")
     for test, seconds in wall.most_common(20):
         write(f"  {seconds:7.1f} s wall {cpu[test]:7.1f} s CPU {count[test]:3d} launch(es)  {test}")

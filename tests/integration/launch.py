@@ -1,10 +1,17 @@
 """Launch pretrain_gpt.py under torchrun on CPU and read back its --loss-log.
 
 Reused by the offload tests: ``run_pretrain(tmp_path, extra_args)`` -> list of loss records.
+
+A launch that is expected to succeed runs its ranks through ``warm_ranks`` (forked from a server
+that imported torch and megatron-core once) rather than torchrun, unless the test asks for torchrun
+or MLP_OFFLOAD_TEST_LAUNCHER=torchrun (the thorough profile sets it: every launch through torchrun).
+Launches that are meant to fail, and the tests of signals, kills, several nodes and srun, keep
+torchrun: its behaviour is what they check.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -13,6 +20,8 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -20,6 +29,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 REPO = Path(__file__).resolve().parents[2]
 PRETRAIN = REPO / "pretrain_gpt.py"
+WARM_RANKS = Path(__file__).resolve().parent / "warm_ranks.py"
+LAUNCHER = "MLP_OFFLOAD_TEST_LAUNCHER"  # "torchrun": every launch through torchrun
+WARM_SERVER_START_S = 300.0
 LAUNCH_MARKER = "MLP_OFFLOAD_TEST_LAUNCH"  # environment variable: which launch a process belongs to
 LAUNCH_LOG = "MLP_OFFLOAD_TEST_LAUNCH_LOG"  # tests/conftest.py: one line per launch (test, seconds)
 SURVIVOR_GRACE_S = 2.0
@@ -63,20 +75,22 @@ def run_pretrain(tmp_path: os.PathLike, extra_args: Sequence[str], nproc: int = 
                  train_iters: int = 10, loss_log: Optional[os.PathLike] = None,
                  model_args: Sequence[str] = TINY_MODEL, mock_data: bool = True,
                  timeout: float = 240, env: Optional[Dict[str, str]] = None,
-                 expect_success: bool = True) -> List[Dict]:
+                 expect_success: bool = True, torchrun: bool = False) -> List[Dict]:
     """Run ``pretrain_gpt.py`` with ``nproc`` CPU processes; return the loss-log records.
 
     ``loss_log`` defaults to a fresh file under ``tmp_path``; pass the same path to a resumed
     run to get the whole history in one file. On failure the combined output is in the message.
+    ``torchrun``: launch through torchrun even where the run is expected to succeed (see above).
     """
     tmp_path = Path(tmp_path)
     tmp_path.mkdir(parents=True, exist_ok=True)
     if loss_log is None:
         loss_log = tmp_path / f"loss-{len(list(tmp_path.glob('loss-*.jsonl')))}.jsonl"
     run_env = pretrain_env(env)
+    warm = expect_success and not torchrun and os.environ.get(LAUNCHER, "warm") != "torchrun"
     for _attempt in range(3):
         # free_port() can lose a race with another process before torchrun binds it: retry then.
-        cmd = pretrain_command(extra_args, nproc, train_iters, loss_log, model_args, mock_data)
+        cmd = pretrain_command(extra_args, nproc, train_iters, loss_log, model_args, mock_data, warm=warm)
         returncode, output = run_and_clean_up(cmd, run_env, timeout, tmp_path / f"{Path(loss_log).stem}.out")
         if not (returncode != 0 and "EADDRINUSE" in output and "server socket has failed" in output):
             break
@@ -96,11 +110,64 @@ def pretrain_env(env: Optional[Dict[str, str]] = None) -> Dict[str, str]:
 
 
 def pretrain_command(extra_args: Sequence[str], nproc: int, train_iters: int, loss_log: os.PathLike,
-                     model_args: Sequence[str] = TINY_MODEL, mock_data: bool = True) -> List[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(PRETRAIN),
-            *model_args, "--train-iters", str(train_iters), "--loss-log", str(loss_log),
+                     model_args: Sequence[str] = TINY_MODEL, mock_data: bool = True, warm: bool = False) -> List[str]:
+    args = [*model_args, "--train-iters", str(train_iters), "--loss-log", str(loss_log),
             *(["--mock-data"] if mock_data else []), *extra_args]
+    if warm:
+        server = warm_server()
+        pid_file = os.path.join(server.directory, f"launch-{uuid.uuid4().hex}.pid")
+        return [sys.executable, str(WARM_RANKS), "launch", server.socket, pid_file, str(nproc),
+                str(free_port()), "--", *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(PRETRAIN), *args]
+
+
+class WarmServer:
+    """warm_ranks' server for this test process: started on first use, stopped at exit."""
+
+    def __init__(self):
+        self.directory = tempfile.mkdtemp(prefix="mlp_offload_warm_")
+        self.socket = os.path.join(self.directory, "server.sock")
+        self.log = os.path.join(self.directory, "server.log")
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen([sys.executable, str(WARM_RANKS), "serve", self.socket], cwd=REPO,
+                                         env=pretrain_env(), stdout=subprocess.PIPE, stderr=log, text=True)
+        ready = []
+        reader = threading.Thread(target=lambda: ready.append(self.proc.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(WARM_SERVER_START_S)
+        if ready != ["ready\n"]:
+            self.stop()
+            raise PretrainFailed(f"warm_ranks server did not start: {open(self.log).read()[-3000:]}")
+        atexit.register(self.stop)
+
+    def stop(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.kill()
+        self.proc.wait()
+
+
+_warm_server: Optional[WarmServer] = None
+
+
+def warm_server() -> WarmServer:
+    global _warm_server
+    if _warm_server is None or _warm_server.proc.poll() is not None:
+        _warm_server = WarmServer()
+    return _warm_server
+
+
+def _warm_pid_file(cmd: Sequence[str]) -> Optional[str]:
+    """The pid file of a warm_ranks launch command (its leader's pid, then the ranks' CPU seconds)."""
+    return str(cmd[4]) if len(cmd) > 4 and str(cmd[1]) == str(WARM_RANKS) and cmd[2] == "launch" else None
+
+
+def _read_pid_file(path: Optional[str]) -> Tuple[Optional[int], float]:
+    try:
+        lines = Path(path).read_text().split() if path else []
+    except FileNotFoundError:
+        lines = []
+    return (int(lines[0]) if lines else None), (float(lines[1]) if len(lines) > 1 else 0.0)
 
 
 def run_and_clean_up(cmd, env, timeout: float, out_path: Path):
@@ -117,6 +184,7 @@ def run_group(commands: Sequence[Tuple[Sequence[str], Dict[str, str]]], timeout:
     orphaned: torchrun puts each rank in a session of its own, and a killed rank's children are
     reparented to init. Survivors are killed, then reported as a failure."""
     launch_id = uuid.uuid4().hex
+    pid_files = [f for f in (_warm_pid_file(cmd) for cmd, _ in commands) if f]
     started, cpu_before = time.monotonic(), _children_cpu_s()
     shown = "\n".join(" ".join(map(str, cmd)) for cmd, _ in commands)
     with open(out_path, "w") as out:
@@ -129,14 +197,18 @@ def run_group(commands: Sequence[Tuple[Sequence[str], Dict[str, str]]], timeout:
                 returncodes = [proc.wait(timeout=max(0.0, deadline - time.monotonic())) for proc in procs]
         finally:
             if returncodes is None:
-                _dump_rank_stacks(launch_id, out)
-            survivors = [] if returncodes is None else _survivors(launch_id)
-            for pid, _ in processes_of_launch(launch_id):
+                _dump_rank_stacks(launch_id, pid_files, out)
+            survivors = [] if returncodes is None else _survivors(launch_id, pid_files)
+            for pid, _ in processes_of_launch(launch_id, pid_files):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             for proc in procs:
                 proc.wait()
-    _log_launch(time.monotonic() - started, _children_cpu_s() - cpu_before)
+    warm_cpu_s = sum(_read_pid_file(f)[1] for f in pid_files)  # ranks that are not our children
+    for f in pid_files:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f)
+    _log_launch(time.monotonic() - started, _children_cpu_s() - cpu_before + warm_cpu_s, "warm" if pid_files else "torchrun")
     output = out_path.read_text()
     if returncodes is None:
         stacks = _stack_dumps(output)
@@ -150,12 +222,14 @@ def run_group(commands: Sequence[Tuple[Sequence[str], Dict[str, str]]], timeout:
     return returncode, output
 
 
-def _dump_rank_stacks(launch_id: str, out) -> None:
+def _dump_rank_stacks(launch_id: str, pid_files: Sequence[str], out) -> None:
     """A hung launch: its ranks (and their forked writers) print every thread's stack before they
     are killed (SIGQUIT, megatron/training/runtime/signals.py). torchrun and spawned helpers would
-    just die of SIGQUIT, so only processes running pretrain_gpt.py itself get it."""
-    for pid, cmdline in processes_of_launch(launch_id):
-        if str(PRETRAIN) in cmdline and "torch.distributed.run" not in cmdline:
+    just die of SIGQUIT, so only processes running pretrain_gpt.py itself (or forked from the warm
+    server) get it."""
+    for pid, cmdline in processes_of_launch(launch_id, pid_files):
+        is_rank = str(PRETRAIN) in cmdline or f"{WARM_RANKS} serve" in cmdline
+        if is_rank and "torch.distributed.run" not in cmdline:
             out.write(f"{STACKS_OF} pid {pid} (parent {_parent_pid(pid)}):\n")
             out.flush()  # the processes write to the same open file, after this line
             with contextlib.suppress(ProcessLookupError):
@@ -191,39 +265,58 @@ def _children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _log_launch(wall_s: float, cpu_s: float) -> None:
+def _log_launch(wall_s: float, cpu_s: float, launcher: str) -> None:
     if os.environ.get(LAUNCH_LOG):
         test = os.environ.get("PYTEST_CURRENT_TEST", "?").replace("\t", " ")
         with open(os.environ[LAUNCH_LOG], "a") as f:
-            f.write(f"{test}\t{wall_s:.2f}\t{cpu_s:.2f}\n")
+            f.write(f"{test}\t{wall_s:.2f}\t{cpu_s:.2f}\t{launcher}\n")
 
 
-def processes_of_launch(launch_id: str) -> List[Tuple[int, str]]:
-    """(pid, command line) of the live processes whose environment has LAUNCH_MARKER=launch_id."""
+def processes_of_launch(launch_id: str, pid_files: Sequence[str] = ()) -> List[Tuple[int, str]]:
+    """(pid, command line) of the live processes whose environment has LAUNCH_MARKER=launch_id, and
+    of warm launches (``pid_files``) their leader and its descendants (forked processes keep the
+    server's environment; the leader is their subreaper, so orphans stay under it)."""
     marker = f"{LAUNCH_MARKER}={launch_id}".encode()
-    found = []
+    leaders = {pid for pid in (_read_pid_file(f)[0] for f in pid_files) if pid is not None}
+    parents, found = {}, {}
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
+        pid = int(entry.name)
         try:
-            with open(f"/proc/{entry.name}/environ", "rb") as f:
-                if marker not in f.read().split(b"\0"):  # a zombie's is empty
-                    continue
-            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+            with open(f"/proc/{pid}/stat") as f:
+                parents[pid] = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                marked = marker in f.read().split(b"\0")  # a zombie's is empty
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmdline = " ".join(f.read().replace(b"\0", b" ").decode(errors="replace").split())[:300]
-        except OSError:  # gone meanwhile, or not ours to read
+        except (OSError, IndexError, ValueError):  # gone meanwhile, or not ours to read
             continue
-        found.append((int(entry.name), cmdline))
-    return found
+        if not cmdline:
+            continue  # a zombie: nothing left to kill or report
+        found[pid] = (marked, cmdline)
+    def under_a_leader(pid: int) -> bool:
+        seen = set()
+        while pid > 1 and pid not in seen:
+            if pid in leaders:
+                return True
+            seen.add(pid)
+            pid = parents.get(pid, 0)
+        return False
+    return [(pid, cmdline) for pid, (marked, cmdline) in found.items() if marked or under_a_leader(pid)]
 
 
-def _survivors(launch_id: str) -> List[Tuple[int, str]]:
+def _survivors(launch_id: str, pid_files: Sequence[str]) -> List[Tuple[int, str]]:
     """The processes of a finished launch still alive after SURVIVOR_GRACE_S: a killed rank's
-    children need a moment (PDEATHSIG, then the resource tracker sees its pipe close)."""
+    children need a moment (PDEATHSIG, then the resource tracker sees its pipe close). A warm
+    launch's leader waits for its orphans, so it is never one itself."""
+    leaders = {_read_pid_file(f)[0] for f in pid_files}
     deadline = time.monotonic() + SURVIVOR_GRACE_S
-    while (alive := processes_of_launch(launch_id)) and time.monotonic() < deadline:
+    while True:
+        alive = [(pid, cmd) for pid, cmd in processes_of_launch(launch_id, pid_files) if pid not in leaders]
+        if not alive or time.monotonic() >= deadline:
+            return alive
         time.sleep(0.05)
-    return alive
 
 
 def losses(records: List[Dict]) -> List[float]:
