@@ -7,6 +7,9 @@ REPO="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$REPO"
 source tools/setup_env.sh
 export MLP_OFFLOAD_TEST_PROFILE="${MLP_OFFLOAD_TEST_PROFILE:-ci}"
+if [[ "$MLP_OFFLOAD_TEST_PROFILE" == thorough ]]; then
+    export MLP_OFFLOAD_TEST_LAUNCHER="${MLP_OFFLOAD_TEST_LAUNCHER:-torchrun}"  # every launch as users launch
+fi
 paths=(tests/unit tests/integration)
 for arg in "$@"; do
     if [[ "$arg" != -* && -e "${arg%%::*}" ]]; then

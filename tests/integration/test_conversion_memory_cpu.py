@@ -14,6 +14,9 @@ from megatron.training.checkpoint.torch_dist_ranges import FlatTensorRanges
 
 BOUND_MB = 8
 SHARD_MB = 77  # 4 layers of hidden 512: 12.8 M parameters, DP=2, 12 bytes each
+# Up to three pieces are alive at once (read, converted, being written) beside allocator slack:
+# 15-23 MB measured at 8 MB pieces on the CI machine. Holding the shard would grow it by >= 77 MB.
+GROWTH_LIMIT_MB = SHARD_MB / 2
 SIZES = {"--hidden-size": "512", "--num-attention-heads": "8", "--seq-length": "32", "--global-batch-size": "4"}
 MODEL = [SIZES.get(TINY_MODEL[i - 1], arg) if i else arg for i, arg in enumerate(TINY_MODEL)]
 SAVE_AT_1 = ["--save-interval", "1"]
@@ -52,12 +55,12 @@ def convert(tmp, to, source, target, flags):
 
 
 def test_plain_to_offloaded_holds_a_fraction_of_a_shard(to_offloaded):
-    assert to_offloaded < SHARD_MB / 4, to_offloaded
+    assert to_offloaded < GROWTH_LIMIT_MB, to_offloaded
 
 
 def test_back_to_plain_holds_a_fraction_of_a_shard_and_loses_nothing(plain, to_offloaded):
     grown = convert(plain, "plain", plain / "to-off", plain / "to-plain", [])
-    assert grown < SHARD_MB / 4, grown
+    assert grown < GROWTH_LIMIT_MB, grown
     converted, original = (FlatTensorRanges(str(root / "iter_0000001")) for root in (plain / "to-plain", plain / "plain"))
     keys = [k for k in original._items if ".bucket_idx_" in k]
     assert keys and sorted(keys) == sorted(k for k in converted._items if ".bucket_idx_" in k)

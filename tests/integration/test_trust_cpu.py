@@ -217,6 +217,15 @@ def _wait_for_iterations(proc, log, count, timeout=180):
     raise AssertionError(f"the run did not reach iteration {count}")
 
 
+def _wait_for_text(path, text, timeout=60):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if text in path.read_text():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{text!r} not in {path} after {timeout} s")
+
+
 def _children(pid):
     return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(p) == pid]
 
@@ -232,7 +241,8 @@ def _parent(proc_dir):
 def test_signal_saves_then_exits_and_the_run_continues_exactly(tmp_path, uninterrupted, how):
     """SIGTERM as SLURM's --signal sends it, to every process of the step (torchrun forwards it
     too); or --exit-signal SIGUSR1 sent to the ranks alone, as a batch script's trap would (torchrun
-    < 2.12 SIGKILLs its workers 30 s after a SIGTERM). With --exit-signal-handler the ranks finish
+    < 2.12 SIGKILLs its workers 30 s after a SIGTERM), after a SIGQUIT that only prints a rank's
+    stacks. With --exit-signal-handler the ranks finish
     the iteration, save a complete checkpoint (offloaded state included), remove their swap files
     and exit; the next job continues as if nothing had happened."""
     ckpt = tmp_path / "ckpt"
@@ -245,7 +255,10 @@ def test_signal_saves_then_exits_and_the_run_continues_exactly(tmp_path, uninter
         if how == "SIGTERM":
             os.killpg(proc.pid, signal.SIGTERM)
         else:
-            for rank in _children(proc.pid):
+            ranks = _children(proc.pid)
+            os.kill(ranks[0], signal.SIGQUIT)  # a rank prints its threads' stacks and trains on
+            _wait_for_text(tmp_path / "signalled.out", "Current thread 0x")
+            for rank in ranks:
                 os.kill(rank, signal.SIGUSR1)
         proc.wait(timeout=120)
     finally:
@@ -257,6 +270,7 @@ def test_signal_saves_then_exits_and_the_run_continues_exactly(tmp_path, uninter
     assert f"exiting at iteration {saved} after receiving {how} (--exit-signal-handler)" in output
     if how == "SIGUSR1":
         assert proc.returncode == 0  # torchrun saw its workers finish
+        assert 'pretrain_gpt.py", line' in output.split("Current thread 0x", 1)[1], output[-3000:]
     assert (ckpt / f"iter_{saved:07d}" / "COMPLETE.json").exists()
     assert _dead_namespaces(tmp_path / "nvme") == [] and _dead_namespaces(tmp_path / "pfs") == []
     resumed = run_pretrain(tmp_path, args, train_iters=ITERS, loss_log=tmp_path / "resumed.jsonl")
