@@ -17,4 +17,4 @@ for arg in "$@"; do
         break
     fi
 done
-python -m pytest -q -p no:cacheprovider "${paths[@]}" "$@"
+python -m pytest -q -p no:cacheprovider --durations=20 "${paths[@]}" "$@"

@@ -2,11 +2,11 @@
 
 Reused by the offload tests: ``run_pretrain(tmp_path, extra_args)`` -> list of loss records.
 
-A launch that is expected to succeed runs its ranks through ``warm_ranks`` (forked from a server
-that imported torch and megatron-core once) rather than torchrun, unless the test asks for torchrun
-or MLP_OFFLOAD_TEST_LAUNCHER=torchrun (the thorough profile sets it: every launch through torchrun).
-Launches that are meant to fail, and the tests of signals, kills, several nodes and srun, keep
-torchrun: its behaviour is what they check.
+``run_pretrain`` forks its ranks through ``warm_ranks`` (from a server that imported torch and
+megatron-core once) rather than torchrun, unless the test asks for torchrun or
+MLP_OFFLOAD_TEST_LAUNCHER=torchrun (the thorough profile sets it: every launch through torchrun).
+The tests of kills, signals, several nodes, srun, the examples and the tools keep torchrun: what
+torchrun does around a rank that dies is what they check.
 """
 
 from __future__ import annotations
@@ -80,14 +80,15 @@ def run_pretrain(tmp_path: os.PathLike, extra_args: Sequence[str], nproc: int = 
 
     ``loss_log`` defaults to a fresh file under ``tmp_path``; pass the same path to a resumed
     run to get the whole history in one file. On failure the combined output is in the message.
-    ``torchrun``: launch through torchrun even where the run is expected to succeed (see above).
+    ``torchrun``: launch through torchrun, not warm_ranks (see above): where the test is about
+    what happens around a rank that dies.
     """
     tmp_path = Path(tmp_path)
     tmp_path.mkdir(parents=True, exist_ok=True)
     if loss_log is None:
         loss_log = tmp_path / f"loss-{len(list(tmp_path.glob('loss-*.jsonl')))}.jsonl"
     run_env = pretrain_env(env)
-    warm = expect_success and not torchrun and os.environ.get(LAUNCHER, "warm") != "torchrun"
+    warm = not torchrun
     for _attempt in range(3):
         # free_port() can lose a race with another process before torchrun binds it: retry then.
         cmd = pretrain_command(extra_args, nproc, train_iters, loss_log, model_args, mock_data, warm=warm)
@@ -110,16 +111,19 @@ def pretrain_env(env: Optional[Dict[str, str]] = None) -> Dict[str, str]:
 
 
 def pretrain_command(extra_args: Sequence[str], nproc: int, train_iters: int, loss_log: os.PathLike,
-                     model_args: Sequence[str] = TINY_MODEL, mock_data: bool = True, warm: bool = False) -> List[str]:
+                     model_args: Sequence[str] = TINY_MODEL, mock_data: bool = True, warm: bool = False,
+                     script: os.PathLike = PRETRAIN) -> List[str]:
+    """The command of a launch of ``script`` (pretrain_gpt.py or a test's variant of it): through
+    warm_ranks where ``warm`` (and MLP_OFFLOAD_TEST_LAUNCHER is not torchrun), else torchrun."""
     args = [*model_args, "--train-iters", str(train_iters), "--loss-log", str(loss_log),
             *(["--mock-data"] if mock_data else []), *extra_args]
-    if warm:
+    if warm and os.environ.get(LAUNCHER, "warm") != "torchrun":
         server = warm_server()
         pid_file = os.path.join(server.directory, f"launch-{uuid.uuid4().hex}.pid")
         return [sys.executable, str(WARM_RANKS), "launch", server.socket, pid_file, str(nproc),
-                str(free_port()), "--", *args]
+                str(free_port()), str(script), "--", *args]
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(PRETRAIN), *args]
+            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script), *args]
 
 
 class WarmServer:
@@ -224,13 +228,20 @@ def run_group(commands: Sequence[Tuple[Sequence[str], Dict[str, str]]], timeout:
 
 def _dump_rank_stacks(launch_id: str, pid_files: Sequence[str], out) -> None:
     """A hung launch: its ranks (and their forked writers) print every thread's stack before they
-    are killed (SIGQUIT, megatron/training/runtime/signals.py). torchrun and spawned helpers would
-    just die of SIGQUIT, so only processes running pretrain_gpt.py itself (or forked from the warm
-    server) get it."""
-    for pid, cmdline in processes_of_launch(launch_id, pid_files):
-        is_rank = str(PRETRAIN) in cmdline or f"{WARM_RANKS} serve" in cmdline
-        if is_rank and "torch.distributed.run" not in cmdline:
-            out.write(f"{STACKS_OF} pid {pid} (parent {_parent_pid(pid)}):\n")
+    are killed (SIGQUIT, megatron/training/runtime/signals.py). torchrun, tools and spawned helpers
+    would just die of SIGQUIT, so only the children of torchrun or of a warm leader, and theirs,
+    get it (never a spawned multiprocessing helper)."""
+    processes = dict(processes_of_launch(launch_id, pid_files))
+    leaders = {_read_pid_file(f)[0] for f in pid_files}
+
+    def is_rank(pid: int) -> bool:
+        parent = int(_parent_pid(pid) or 0)
+        return (parent in leaders or "torch.distributed.run" in processes.get(parent, "")
+                or (parent in processes and parent not in leaders and is_rank(parent)))
+
+    for pid, cmdline in processes.items():
+        if "multiprocessing" not in cmdline and is_rank(pid):
+            out.write(f"{STACKS_OF} pid {pid} (parent {_parent_pid(pid)}): {cmdline[:120]}\n")
             out.flush()  # the processes write to the same open file, after this line
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGQUIT)
@@ -242,7 +253,7 @@ def _parent_pid(pid: int) -> str:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[1]
     except OSError:
-        return "?"
+        return ""
 
 
 def _stack_dumps(output: str) -> str:

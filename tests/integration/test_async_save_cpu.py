@@ -52,7 +52,7 @@ def chain(tmp_path_factory, sync_saved):
     per_save = len(read_footer(str(offload_file(sync_saved["ckpt"], 2, 1)))["subgroups"])
     kill = {"MLP_OFFLOAD_FAULT": f"save-offload@1#{per_save + 2}"}  # after the 2nd subgroup of save 4
     crashed = run_pretrain(tmp, args, train_iters=ITERS, env=kill, loss_log=tmp / "crashed.jsonl",
-                           expect_success=False)[0]
+                           expect_success=False, torchrun=True)[0]
     after_crash = {
         "tracker": (ckpt / integrity.TRACKER).read_text(),
         "states": {n: integrity.status(str(integrity.checkpoint_dir(ckpt, n))).state for n in (2, 4)},

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from conftest import copy_checkpoint
-from launch import PRETRAIN, REPO, TINY_MODEL, pretrain_command, pretrain_env, run_and_clean_up, run_pretrain
+from launch import REPO, TINY_MODEL, pretrain_command, pretrain_env, run_and_clean_up, run_pretrain
 from test_offload_cpu import offload_args
 
 ITERS, SAVED_AT = 4, 2
@@ -52,8 +52,8 @@ def test_upstream_megatron_layout_loads_and_trains_on(runs):
     tmp, baseline = runs
     upstream = tmp / "upstream-ckpt"
     cmd = pretrain_command(["--load", str(tmp / "plain-ckpt"), "--upstream-out", str(upstream)], 2, ITERS,
-                           tmp / "unused.jsonl")
-    cmd[cmd.index(str(PRETRAIN))] = str(REPO / "tests" / "integration" / "upstream_layout_writer.py")
+                           tmp / "unused.jsonl", warm=True,
+                           script=REPO / "tests" / "integration" / "upstream_layout_writer.py")
     code, output = run_and_clean_up(cmd, pretrain_env(), 240, tmp / "writer.out")
     assert code == 0, output[-4000:]
     assert not (upstream / "iter_0000002" / "COMPLETE.json").exists()

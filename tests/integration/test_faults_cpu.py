@@ -41,7 +41,7 @@ def test_kill_and_restart_resumes_exactly(tmp_path, uninterrupted, fault):
     args = [*offload_args(tmp_path), "--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt"),
             "--save-interval", "2"]
     crashed = run_pretrain(tmp_path, args, train_iters=ITERS, env={"MLP_OFFLOAD_FAULT": fault},
-                           loss_log=tmp_path / "crashed.jsonl", expect_success=False)
+                           loss_log=tmp_path / "crashed.jsonl", expect_success=False, torchrun=True)
     assert crashed[0]["returncode"] != 0, "the injected fault did not stop the run"
     # The survivor, stopped by torchrun's SIGTERM wherever it was (a collective, mid-I/O), removed
     # its swap files; only the SIGKILLed rank's are left.

@@ -8,7 +8,7 @@ and after every resume: same form on other tiers, and across forms in both direc
 import pytest
 
 from conftest import copy_checkpoint
-from launch import PRETRAIN, REPO, pretrain_command, pretrain_env, read_loss_log, run_and_clean_up, run_pretrain
+from launch import REPO, pretrain_command, pretrain_env, read_loss_log, run_and_clean_up, run_pretrain
 from test_offload_cpu import offload_args
 
 ITERS, SAVED_AT = 4, 2
@@ -20,8 +20,7 @@ def half_away_megatron(tmp, extra):
     run_pretrain launches pretrain_gpt.py)."""
     tmp.mkdir(parents=True, exist_ok=True)
     loss_log = tmp / "loss.jsonl"
-    cmd = pretrain_command(extra, 2, ITERS, loss_log)
-    cmd[cmd.index(str(PRETRAIN))] = str(HALF_AWAY)
+    cmd = pretrain_command(extra, 2, ITERS, loss_log, warm=True, script=HALF_AWAY)
     code, output = run_and_clean_up(cmd, pretrain_env(), 240, tmp / "out.txt")
     assert code == 0, output[-4000:]
     return read_loss_log(loss_log)

@@ -4,14 +4,15 @@ them again (on the 2-core CI machine about 14 of a small launch's 20 s of CPU).
 
 - ``python warm_ranks.py serve SOCKET``: imports what a CPU rank imports (``pretrain_gpt.py``'s
   imports, its ``--device cpu`` choices included), prints ``ready``, then forks a leader per request.
-- ``python warm_ranks.py launch SOCKET PIDFILE NPROC MASTER_PORT -- ARGS...``: what a test runs in
-  torchrun's place (launch.run_group). It passes its environment, working directory and stdout to the
+- ``python warm_ranks.py launch SOCKET PIDFILE NPROC MASTER_PORT SCRIPT -- ARGS...``: what a test runs
+  in torchrun's place (launch.run_group); SCRIPT is ``pretrain_gpt.py`` or a test's variant of it. It passes its environment, working directory and stdout to the
   server, writes the leader's pid and, at the end, the ranks' CPU seconds into PIDFILE (for
   launch.processes_of_launch and the launch log), and exits with the launch's status.
 
-The leader does what torchrun does for one node: sets RANK, LOCAL_RANK, WORLD_SIZE,
-LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT, starts each rank in a session of its own running
-``pretrain_gpt.py`` as ``__main__``, and when a rank fails, SIGTERMs the others' process groups,
+The leader does what torchrun does for one node: hosts the job's store on MASTER_PORT (as
+torchrun's agent does), sets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT and TORCHELASTIC_USE_AGENT_STORE, starts each rank in a session of its own running
+the script as ``__main__``, and when a rank fails, SIGTERMs the others' process groups,
 SIGKILLing them after TERMINATE_GRACE_S; its status is 1 if any rank failed. It is a child
 subreaper, so the children of a killed rank stay in its tree, where the tests look for survivors.
 What torchrun itself does (its signal forwarding, its agent's store, restarts, several nodes) is
@@ -101,8 +102,15 @@ def _lead(conn: socket.socket, request: dict, out_fd: int) -> int:
             conn.close()
             _run_rank(request, rank, nproc, out_fd)  # never returns
         ranks[pid] = rank
+    try:
+        store = _agent_store(request["master_port"], nproc)  # after the forks: its thread stays here
+    except Exception as err:  # the port was taken meanwhile: launch.run_pretrain retries on this text
+        os.write(out_fd, f"warm_ranks leader: the agent store failed: {err}\n".encode())
+        _signal_groups(ranks, signal.SIGKILL)
+        store = None
     os.close(out_fd)
-    status = _wait_for_ranks(ranks)
+    status = _wait_for_ranks(ranks) if store is not None else 1
+    del store
     usage = os.times()
     _send(conn, {"exit": status, "cpu_s": usage.children_user + usage.children_system})
     conn.close()
@@ -111,6 +119,18 @@ def _lead(conn: socket.socket, request: dict, out_fd: int) -> int:
             os.waitpid(-1, 0)
         except ChildProcessError:
             return 0
+
+
+def _agent_store(port: int, nproc: int):
+    """The store torchrun's agent hosts on MASTER_PORT before its workers start: the ranks' process
+    group is made on it (TORCHELASTIC_USE_AGENT_STORE), and a flag error is printed once through
+    it (megatron/training/errors.py)."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", port, nproc, is_master=True, timeout=timedelta(seconds=300),
+                    wait_for_workers=False)
 
 
 def _wait_for_ranks(ranks: dict) -> int:
@@ -154,13 +174,14 @@ def _run_rank(request: dict, rank: int, nproc: int, out_fd: int) -> None:
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0",
                        "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(request["master_port"]),
-                       "TORCHELASTIC_RUN_ID": "none"})
-    sys.argv = [str(PRETRAIN), *request["args"]]
+                       "TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_USE_AGENT_STORE": "True",
+                       "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0"})
+    sys.argv = [request["script"], *request["args"]]
     code = 1
     try:
         import runpy
 
-        runpy.run_path(str(PRETRAIN), run_name="__main__")
+        runpy.run_path(request["script"], run_name="__main__")
         code = 0
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
@@ -183,11 +204,11 @@ def _run_rank(request: dict, rank: int, nproc: int, out_fd: int) -> None:
 
 
 # -- the client: what a test runs in torchrun's place --------------------------------------------
-def launch(socket_path: str, pid_file: str, nproc: int, master_port: int, args) -> int:
+def launch(socket_path: str, pid_file: str, nproc: int, master_port: int, script: str, args) -> int:
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.connect(socket_path)
-    request = {"nproc": nproc, "master_port": master_port, "args": list(args), "cwd": os.getcwd(),
-               "env": dict(os.environ)}
+    request = {"nproc": nproc, "master_port": master_port, "script": os.path.abspath(script), "args": list(args),
+               "cwd": os.getcwd(), "env": dict(os.environ)}
     socket.send_fds(conn, [json.dumps(request).encode() + b"\n"], [sys.stdout.fileno()])
     replies = conn.makefile("r")
     leader = json.loads(replies.readline())["leader"]
@@ -210,7 +231,7 @@ if __name__ == "__main__":
         serve(sys.argv[2])
     elif sys.argv[1] == "launch":
         split = sys.argv.index("--")
-        sock, pid_file, nproc, port = sys.argv[2:split]
-        sys.exit(launch(sock, pid_file, int(nproc), int(port), sys.argv[split + 1:]))
+        sock, pid_file, nproc, port, script = sys.argv[2:split]
+        sys.exit(launch(sock, pid_file, int(nproc), int(port), script, sys.argv[split + 1:]))
     else:
-        sys.exit(f"usage: {sys.argv[0]} serve SOCKET | launch SOCKET PIDFILE NPROC MASTER_PORT -- ARGS...")
+        sys.exit(f"usage: {sys.argv[0]} serve SOCKET | launch SOCKET PIDFILE NPROC MASTER_PORT SCRIPT -- ARGS...")
