@@ -121,7 +121,11 @@ class OffloadFileSet:
                     if k == 0 and high is not None and reader.dtypes[0] == torch.int16 and out.dtype != torch.int16:
                         rem = torch.empty(y - x, dtype=torch.int16)
                         reader.read(k, flat + x - old_offset, flat + y - old_offset, rem)
-                        target.copy_(merge_remainders(high[x - start: y - start].cpu(), rem))
+                        piece_high = high[x - start: y - start].cpu()
+                        if target.dtype == torch.float32 and target.is_contiguous():
+                            merge_remainders(piece_high, rem, out=target)  # no fp32 temporary per piece
+                        else:
+                            target.copy_(merge_remainders(piece_high, rem))
                         continue
                     reader.read(k, flat + x - old_offset, flat + y - old_offset, target)
                 filled += y - x
