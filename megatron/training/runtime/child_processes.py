@@ -5,8 +5,8 @@ A rank's checkpoint saves start processes (megatron-core 0.16.1, ``dist_checkpoi
 - a multiprocessing Manager server (spawn) that holds the write-results queue; megatron-core
   starts it lazily on the first save (``filesystem_async._get_write_results_queue``) and it lives
   as long as the rank. Started here instead, without importing the rank's ``__main__``
-  (``die_with_parent.main_module_left_out``): 20 MB and 0.1 s of CPU rather than 380 MB and
-  seconds;
+  (``die_with_parent.main_module_left_out``): 20 MB and 0.1 s of CPU rather than 220 MB and
+  2 s (pretrain_gpt.py imports torch);
 - with it, the stdlib resource tracker (spawned with the first spawn-started child); it exits by
   itself once every holder of its pipe (the rank and all its children) is gone;
 - per save, one forked writer per file (``write_preloaded_data_multiproc``, fork context).
