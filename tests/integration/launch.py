@@ -235,25 +235,26 @@ def _dump_rank_stacks(launch_id: str, pid_files: Sequence[str], out) -> None:
     leaders = {_read_pid_file(f)[0] for f in pid_files}
 
     def is_rank(pid: int) -> bool:
-        parent = int(_parent_pid(pid) or 0)
+        parent = parent_pid(pid)
         return (parent in leaders or "torch.distributed.run" in processes.get(parent, "")
-                or (parent in processes and parent not in leaders and is_rank(parent)))
+                or (parent in processes and is_rank(parent)))
 
     for pid, cmdline in processes.items():
         if "multiprocessing" not in cmdline and is_rank(pid):
-            out.write(f"{STACKS_OF} pid {pid} (parent {_parent_pid(pid)}): {cmdline[:120]}\n")
+            out.write(f"{STACKS_OF} pid {pid} (parent {parent_pid(pid)}): {cmdline[:120]}\n")
             out.flush()  # the processes write to the same open file, after this line
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGQUIT)
             time.sleep(STACK_DUMP_WAIT_S)  # one at a time: their lines would interleave
 
 
-def _parent_pid(pid: int) -> str:
+def parent_pid(pid: int) -> Optional[int]:
+    """The parent of a live process (None once it is gone)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[1]
-    except OSError:
-        return ""
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _stack_dumps(output: str) -> str:
@@ -294,9 +295,8 @@ def processes_of_launch(launch_id: str, pid_files: Sequence[str] = ()) -> List[T
         if not entry.name.isdigit():
             continue
         pid = int(entry.name)
+        parents[pid] = parent_pid(pid)
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                parents[pid] = int(f.read().rsplit(")", 1)[1].split()[1])
             with open(f"/proc/{pid}/environ", "rb") as f:
                 marked = marker in f.read().split(b"\0")  # a zombie's is empty
             with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -312,7 +312,7 @@ def processes_of_launch(launch_id: str, pid_files: Sequence[str] = ()) -> List[T
             if pid in leaders:
                 return True
             seen.add(pid)
-            pid = parents.get(pid, 0)
+            pid = parents.get(pid) or 0
         return False
     return [(pid, cmdline) for pid, (marked, cmdline) in found.items() if marked or under_a_leader(pid)]
 

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import BASELINE_ITERS as ITERS
 from conftest import copy_checkpoint
-from launch import REPO, free_port, pretrain_command, pretrain_env, read_loss_log, run_and_clean_up, run_pretrain
+from launch import REPO, free_port, parent_pid, pretrain_command, pretrain_env, read_loss_log, run_and_clean_up, run_pretrain
 from megatron.training.checkpoint import integrity
 from test_offload_cpu import offload_args
 
@@ -227,14 +227,7 @@ def _wait_for_text(path, text, timeout=60):
 
 
 def _children(pid):
-    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(p) == pid]
-
-
-def _parent(proc_dir):
-    try:
-        return int((proc_dir / "stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
+    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and parent_pid(int(p.name)) == pid]
 
 
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGUSR1"])
