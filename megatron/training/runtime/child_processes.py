@@ -5,8 +5,9 @@ A rank's checkpoint saves start processes (megatron-core 0.16.1, ``dist_checkpoi
 - a multiprocessing Manager server (spawn) that holds the write-results queue; megatron-core
   starts it lazily on the first save (``filesystem_async._get_write_results_queue``) and it lives
   as long as the rank. Started here instead, without importing the rank's ``__main__``
-  (``die_with_parent.main_module_left_out``): 20 MB and 0.1 s of CPU rather than 220 MB and
-  2 s (pretrain_gpt.py imports torch);
+  (``die_with_parent.main_module_left_out``), and serving a queue whose results stay pickled
+  (``results_queue``): 20 MB and 0.1 s of CPU rather than 220 MB and 2 s at start-up
+  (pretrain_gpt.py imports torch) and 3 s more at the first save (unpickling the results imports it);
 - with it, the stdlib resource tracker (spawned with the first spawn-started child); it exits by
   itself once every holder of its pipe (the rank and all its children) is gone;
 - per save, one forked writer per file (``write_preloaded_data_multiproc``, fork context).
@@ -27,10 +28,10 @@ import sys
 import threading
 import warnings
 from multiprocessing import util
-from multiprocessing.managers import SyncManager
 
 from megatron.training.runtime import core_private
 from megatron.training.runtime.die_with_parent import die_with_parent, main_module_left_out
+from megatron.training.runtime.results_queue import ResultsManager
 
 
 def die_with_rank(start_results_queue: bool) -> None:
@@ -49,9 +50,9 @@ def die_with_rank(start_results_queue: bool) -> None:
         raise RuntimeError("die_with_rank() must run in the main thread: its children die with the starting thread")
     util.register_after_fork(die_with_parent, die_with_parent)  # the function itself is the (never freed) key
     if start_results_queue and not core_private.checkpoint_results_queue_started():
-        manager = SyncManager(ctx=multiprocessing.get_context("spawn"))  # the context megatron-core uses
+        manager = ResultsManager(ctx=multiprocessing.get_context("spawn"))  # the context megatron-core uses
         with main_module_left_out():
             manager.start(die_with_parent)
         # megatron-core would start its own on the first save, with no initializer, from whatever
         # thread saves. The queue proxy keeps the manager alive.
-        core_private.set_checkpoint_results_queue(manager.Queue())
+        core_private.set_checkpoint_results_queue(manager.PickledQueue())
