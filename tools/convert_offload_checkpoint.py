@@ -50,6 +50,17 @@ def saved_checkpoint(root: str):
 
 
 def main(argv=None) -> int:
+    nproc, pretrain_args, message = plan_conversion(argv)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+               os.path.join(REPO, "pretrain_gpt.py"), *pretrain_args]
+    print(f"{message}: {' '.join(command)}", flush=True)
+    return subprocess.call(command, cwd=REPO)
+
+
+def plan_conversion(argv=None):
+    """Checks the tool's arguments and the checkpoint (one line on what is wrong); returns
+    (processes, pretrain_gpt.py's arguments, a line saying what converts where): the load converts,
+    the save at the end writes the other form."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--to", choices=("plain", "offload"), required=True)
     parser.add_argument("--load", required=True, help="checkpoint root to read (its latest complete iteration)")
@@ -80,13 +91,10 @@ def main(argv=None) -> int:
     nproc = args.nproc or world
     if not nproc:
         fail(f"--load {path}: the saved args give no world size; pass --nproc")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-               os.path.join(REPO, "pretrain_gpt.py"), *flags, "--load", args.load, "--save", args.save,
-               "--train-iters", str(iteration),
-               *(["--ckpt-convert-memory-mb", str(args.max_memory_mb)] if args.max_memory_mb else []),
-               "--save-interval", str(iteration + 1)]  # the save at the end: not skipped as an interval's
-    print(f"> converting {path} to the {args.to} form into {args.save}: {' '.join(command)}", flush=True)
-    return subprocess.call(command, cwd=REPO)
+    pretrain_args = [*flags, "--load", args.load, "--save", args.save, "--train-iters", str(iteration),
+                     *(["--ckpt-convert-memory-mb", str(args.max_memory_mb)] if args.max_memory_mb else []),
+                     "--save-interval", str(iteration + 1)]  # the save at the end: not skipped as an interval's
+    return nproc, pretrain_args, f"> converting {path} to the {args.to} form into {args.save}"
 
 
 if __name__ == "__main__":

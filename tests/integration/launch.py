@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import importlib.util
 import json
 import os
 import resource
@@ -45,15 +46,18 @@ LAYOUTS = {
     "pp2": ["--pipeline-model-parallel-size", "2"],
 }
 
-# A tiny model every TP/PP test can split: 4 layers, 4 heads, 8 micro-batches per step at DP=1.
+# A tiny model every TP/PP test can split: 4 layers, 4 heads, 4 micro-batches per step at DP=1.
+# Sequences of 32 tokens: a step's time on CPU goes mostly to bf16 matmuls (no native bf16 on
+# CI's CPUs), in proportion to the tokens; 64 took 1.6x as long and proved nothing more.
 TINY_MODEL = [
     "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "8",
+    "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
     "--lr", "1e-3", "--bf16", "--device", "cpu", "--seed", "1234",
     # Not Megatron-LM's defaults: the offload tests compare against megatron-core's distributed
     # optimizer, and every iteration's line is printed; loading stays in the rank.
     "--use-distributed-optimizer", "--log-interval", "1", "--num-workers", "0",
 ]
+TINY_SEQ = int(TINY_MODEL[TINY_MODEL.index("--seq-length") + 1])
 
 
 class PretrainFailed(AssertionError):
@@ -117,6 +121,11 @@ def pretrain_command(extra_args: Sequence[str], nproc: int, train_iters: int, lo
     warm_ranks where ``warm`` (and MLP_OFFLOAD_TEST_LAUNCHER is not torchrun), else torchrun."""
     args = [*model_args, "--train-iters", str(train_iters), "--loss-log", str(loss_log),
             *(["--mock-data"] if mock_data else []), *extra_args]
+    return launch_command(args, nproc, warm=warm, script=script)
+
+
+def launch_command(args: Sequence[str], nproc: int, *, warm: bool, script: os.PathLike = PRETRAIN) -> List[str]:
+    """The command that runs ``script args`` as ``nproc`` ranks: warm or through torchrun (see above)."""
     if warm and os.environ.get(LAUNCHER, "warm") != "torchrun":
         server = warm_server()
         pid_file = os.path.join(server.directory, f"launch-{uuid.uuid4().hex}.pid")
@@ -124,6 +133,23 @@ def pretrain_command(extra_args: Sequence[str], nproc: int, train_iters: int, lo
                 str(free_port()), str(script), "--", *args]
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
             "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script), *args]
+
+
+def conversion_tool():
+    """tools/convert_offload_checkpoint.py as a module."""
+    spec = importlib.util.spec_from_file_location("convert_tool", REPO / "tools" / "convert_offload_checkpoint.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool
+
+
+def run_conversion(tool_args: Sequence[str], out_path: Path, timeout: float = 300) -> Tuple[int, str]:
+    """tools/convert_offload_checkpoint.py ``tool_args``: the tool's own checks and the arguments it
+    gives pretrain_gpt.py (its plan_conversion), launched warm; (exit status, output). A refusal is
+    the tool's SystemExit. The tool's own torchrun launch is test_checkpoint_crossing_cpu's."""
+    nproc, args, message = conversion_tool().plan_conversion(list(tool_args))
+    code, output = run_and_clean_up(launch_command(args, nproc, warm=True), pretrain_env(), timeout, out_path)
+    return code, f"{message}\n{output}"
 
 
 class WarmServer:

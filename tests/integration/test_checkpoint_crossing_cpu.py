@@ -3,13 +3,13 @@ offload on/off between save and resume in both directions, weights-only loads, a
 laid out as Megatron-LM's save_checkpoint writes it, and the offline conversion tool. Offload and plain runs are bit-identical on
 CPU (test_offload_cpu), so every resume must repeat the uninterrupted plain run's iterations 3-4."""
 
-import importlib.util
 import sys
 
 import pytest
 
 from conftest import copy_checkpoint
-from launch import REPO, TINY_MODEL, pretrain_command, pretrain_env, run_and_clean_up, run_pretrain
+from launch import (REPO, TINY_MODEL, TINY_SEQ, conversion_tool, pretrain_command, pretrain_env, run_and_clean_up,
+                    run_conversion, run_pretrain)
 from test_offload_cpu import offload_args
 
 ITERS, SAVED_AT = 4, 2
@@ -63,11 +63,16 @@ def test_upstream_megatron_layout_loads_and_trains_on(runs):
     assert offload == baseline[SAVED_AT:]
 
 
-def convert(tmp, to, source, target, training_flags):
-    """tools/convert_offload_checkpoint.py, with the training flags of the run that saved ``source``."""
-    cmd = [sys.executable, str(REPO / "tools" / "convert_offload_checkpoint.py"), "--to", to, "--load", str(source),
-           "--save", str(target), "--", *TINY_MODEL, "--mock-data", *training_flags]
-    code, output = run_and_clean_up(cmd, pretrain_env(), 240, tmp / f"convert-{to}.out")
+def convert(tmp, to, source, target, training_flags, warm=False):
+    """tools/convert_offload_checkpoint.py, with the training flags of the run that saved ``source``:
+    the tool as users run it (its own torchrun), or its conversion launched warm (launch.run_conversion)."""
+    tool_args = ["--to", to, "--load", str(source), "--save", str(target), "--", *TINY_MODEL, "--mock-data",
+                 *training_flags]
+    if warm:
+        code, output = run_conversion(tool_args, tmp / f"convert-{to}.out", timeout=240)
+    else:
+        cmd = [sys.executable, str(REPO / "tools" / "convert_offload_checkpoint.py"), *tool_args]
+        code, output = run_and_clean_up(cmd, pretrain_env(), 240, tmp / f"convert-{to}.out")
     assert code == 0, output[-4000:]
     return output
 
@@ -79,7 +84,7 @@ def test_conversion_tool_offload_to_plain_and_back(runs):
     convert(tmp, "plain", tmp / "off-ckpt", tmp / "to-plain", [])
     assert not (tmp / "to-plain" / f"iter_{SAVED_AT:07d}" / "offload").exists()
     assert run_pretrain(tmp / "t1", ["--load", str(tmp / "to-plain")], train_iters=ITERS) == baseline[SAVED_AT:]
-    convert(tmp, "offload", tmp / "plain-ckpt", tmp / "to-off", offload_args(tmp / "t2"))
+    convert(tmp, "offload", tmp / "plain-ckpt", tmp / "to-off", offload_args(tmp / "t2"), warm=True)
     assert (tmp / "to-off" / f"iter_{SAVED_AT:07d}" / "offload" / "pp000_tp000_dp001.offload").exists()
     resumed = run_pretrain(tmp / "t2", [*offload_args(tmp / "t2"), "--load", str(tmp / "to-off")], train_iters=ITERS)
     assert resumed == baseline[SAVED_AT:]
@@ -92,11 +97,8 @@ def test_conversion_tool_offload_to_plain_and_back(runs):
 ])
 def test_conversion_tool_refuses_in_one_line(runs, to, load, save, why):
     tmp, _ = runs
-    spec = importlib.util.spec_from_file_location("convert_tool", REPO / "tools" / "convert_offload_checkpoint.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
     with pytest.raises(SystemExit) as refused:
-        tool.main(["--to", to, "--load", str(tmp / load), "--save", str(tmp / save), "--", *TINY_MODEL])
+        conversion_tool().main(["--to", to, "--load", str(tmp / load), "--save", str(tmp / save), "--", *TINY_MODEL])
     line = str(refused.value)
     assert line.startswith("error: ") and why in line and "\n" not in line
 
@@ -109,10 +111,10 @@ def test_saved_keys_are_megatron_lm_s(runs):
     assert common["checkpoint_version"] == 3.0 and common["iteration"] == SAVED_AT
     assert common["args"].consumed_train_samples == SAVED_AT * 8
     assert "opt_param_scheduler" in common
-    # TINY_MODEL (4 layers, hidden 64, FFN 256, seq 64, vocab 384 padded, batch 8), counted by hand as
-    # Megatron-LM does: per token and layer 2*(qkv 3h^2 + attention s*h (causal half of 2sh) + proj h^2
-    # + MLP 8h^2), logits 2*h*v; three passes; 8 sequences of 64 tokens per iteration.
-    h, s, v = 64, 64, 384
+    # TINY_MODEL (4 layers, hidden 64, FFN 256, seq TINY_SEQ, vocab 384 padded, batch 8), counted by hand
+    # as Megatron-LM does: per token and layer 2*(qkv 3h^2 + attention s*h (causal half of 2sh) + proj
+    # h^2 + MLP 8h^2), logits 2*h*v; three passes; 8 sequences of s tokens per iteration.
+    h, s, v = 64, TINY_SEQ, 384
     per_token = 4 * 2 * (3 * h * h + s * h + h * h + 8 * h * h) + 2 * h * v
     assert common["num_floating_point_operations_so_far"] == SAVED_AT * 3 * per_token * s * 8
     assert (tmp / "base-ckpt" / "latest_checkpointed_iteration.txt").read_text() == str(ITERS)  # the last save

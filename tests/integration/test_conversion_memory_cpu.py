@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from launch import REPO, TINY_MODEL, pretrain_env, run_and_clean_up, run_pretrain
+from launch import TINY_MODEL, run_conversion, run_pretrain
 from megatron.training.checkpoint.torch_dist_ranges import FlatTensorRanges
 
 BOUND_MB = 8
@@ -44,10 +44,8 @@ def to_offloaded(plain):
 
 
 def convert(tmp, to, source, target, flags):
-    cmd = [__import__("sys").executable, str(REPO / "tools" / "convert_offload_checkpoint.py"), "--to", to,
-           "--load", str(source), "--save", str(target), "--max-memory-mb", str(BOUND_MB), "--",
-           *MODEL, "--mock-data", *flags]
-    code, output = run_and_clean_up(cmd, pretrain_env(), 300, tmp / f"convert-{to}.out")
+    code, output = run_conversion(["--to", to, "--load", str(source), "--save", str(target), "--max-memory-mb",
+                                   str(BOUND_MB), "--", *MODEL, "--mock-data", *flags], tmp / f"convert-{to}.out")
     assert code == 0, output[-4000:]
     grown = re.search(r"optimizer state converted from .* in pieces of at most 8 MB .*memory grew by at most "
                       r"(\d+) MB on any rank", output)
