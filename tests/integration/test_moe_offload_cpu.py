@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from conftest import copy_checkpoint
-from launch import run_pretrain
+from launch import TINY_SEQ, run_pretrain
 
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2", "--swiglu",
        "--disable-bias-linear", "--normalization", "RMSNorm", "--position-embedding-type", "rope"]
@@ -59,7 +59,7 @@ def test_moe_offload_matches_megatron_bit_for_bit(ep2_runs):
     out = (tmp / "base" / "loss-0.out").read_text()
     assert "load_balancing_loss:" in out  # logged after 'lm loss', as Megatron-LM
     # TINY_MODEL's 4 layers, all MoE: 4 experts of SwiGLU width 128 (8h/3 rounded down to 64s), top-2.
-    h, s, v, ffn, batch = 64, 64, 384, 128, 8
+    h, s, v, ffn, batch = 64, TINY_SEQ, 384, 128, 8
     total = int(re.search(r"model parameters \(all stages, one replica\): (\d+)", out).group(1))
     active = int(re.search(r"active parameters per token: (\d+)", out).group(1))
     assert total - active == 4 * (4 - 2) * 3 * h * ffn
