@@ -67,7 +67,6 @@ def saved_common(iteration_dir: Path) -> dict:
 def deviation(records) -> float:
     upstream = upstream_losses()
     assert [r["iteration"] for r in records] == list(range(SAVED_AT + 1, RESUMED_TO + 1))
-    print("deviation", max(abs(r["loss"] - upstream[r["iteration"]]) / upstream[r["iteration"]] for r in records))
     return max(abs(r["loss"] - upstream[r["iteration"]]) / upstream[r["iteration"]] for r in records)
 
 
