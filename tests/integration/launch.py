@@ -135,9 +135,9 @@ def launch_command(args: Sequence[str], nproc: int, *, warm: bool, script: os.Pa
             "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script), *args]
 
 
-def conversion_tool():
-    """tools/convert_offload_checkpoint.py as a module."""
-    spec = importlib.util.spec_from_file_location("convert_tool", REPO / "tools" / "convert_offload_checkpoint.py")
+def tool_module(name: str):
+    """tools/NAME.py as a module: its checks and main() run in this process."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     return tool
@@ -147,7 +147,7 @@ def run_conversion(tool_args: Sequence[str], out_path: Path, timeout: float = 30
     """tools/convert_offload_checkpoint.py ``tool_args``: the tool's own checks and the arguments it
     gives pretrain_gpt.py (its plan_conversion), launched warm; (exit status, output). A refusal is
     the tool's SystemExit. The tool's own torchrun launch is test_checkpoint_crossing_cpu's."""
-    nproc, args, message = conversion_tool().plan_conversion(list(tool_args))
+    nproc, args, message = tool_module("convert_offload_checkpoint").plan_conversion(list(tool_args))
     code, output = run_and_clean_up(launch_command(args, nproc, warm=True), pretrain_env(), timeout, out_path)
     return code, f"{message}\n{output}"
 

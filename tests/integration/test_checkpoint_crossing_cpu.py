@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from conftest import copy_checkpoint
-from launch import (REPO, TINY_MODEL, TINY_SEQ, conversion_tool, pretrain_command, pretrain_env, run_and_clean_up,
-                    run_conversion, run_pretrain)
+from launch import (REPO, TINY_MODEL, TINY_SEQ, pretrain_command, pretrain_env, run_and_clean_up,
+                    run_conversion, run_pretrain, tool_module)
 from test_offload_cpu import offload_args
 
 ITERS, SAVED_AT = 4, 2
@@ -98,7 +98,8 @@ def test_conversion_tool_offload_to_plain_and_back(runs):
 def test_conversion_tool_refuses_in_one_line(runs, to, load, save, why):
     tmp, _ = runs
     with pytest.raises(SystemExit) as refused:
-        conversion_tool().main(["--to", to, "--load", str(tmp / load), "--save", str(tmp / save), "--", *TINY_MODEL])
+        tool_module("convert_offload_checkpoint").main(["--to", to, "--load", str(tmp / load), "--save",
+                                                         str(tmp / save), "--", *TINY_MODEL])
     line = str(refused.value)
     assert line.startswith("error: ") and why in line and "\n" not in line
 

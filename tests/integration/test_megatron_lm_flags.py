@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from tests.profiles import examples
 
-from launch import PRETRAIN, REPO, free_port, pretrain_env, read_loss_log, run_and_clean_up
+from launch import PRETRAIN, REPO, free_port, launch_command, pretrain_env, read_loss_log, run_and_clean_up
 from megatron_lm_examples import GPT3_175B, LLAMA3_8B_CPU, LLAMA3_8B_NEEDS_GPU, MIXTRAL_8X7B, QWEN3_30B_A3B, filled
 from megatron.training.data import batch_schedule
 from megatron.training.model import kernels as optional_kernels
@@ -117,9 +117,9 @@ def test_cli_prints_one_line_for_the_published_llama_flags():
 def _run_example(tmp_path: Path, flags, extra=()):
     tmp_path.mkdir(parents=True, exist_ok=True)
     loss_log = tmp_path / "loss.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(PRETRAIN), *filled(flags, tmp_path / "ckpt", tmp_path / "cache"),
-           "--device", "cpu", "--loss-log", str(loss_log), *extra]
+    # Warm like most launches (launch.py): torchrun itself is what the kill and signal tests check.
+    cmd = launch_command([*filled(flags, tmp_path / "ckpt", tmp_path / "cache"), "--device", "cpu", "--loss-log",
+                          str(loss_log), *extra], 2, warm=True)
     returncode, output = run_and_clean_up(cmd, pretrain_env(), 240, tmp_path / "out.txt")
     assert returncode == 0, output[-4000:]
     return read_loss_log(loss_log), output
