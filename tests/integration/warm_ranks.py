@@ -51,6 +51,7 @@ def serve(socket_path: str) -> None:
     import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401  what the model provider imports
     import megatron.training.data.datasets  # noqa: F401
     import megatron.training.training  # noqa: F401
+    import torch._dynamo  # noqa: F401  torch.optim's first optimizer imports it (megatron-core's optimizer: 1 s)
 
     assert threading.active_count() == 1, "the server must not start threads: its forks would lack them"
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
