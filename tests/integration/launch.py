@@ -5,8 +5,9 @@ Reused by the offload tests: ``run_pretrain(tmp_path, extra_args)`` -> list of l
 ``run_pretrain`` forks its ranks through ``warm_ranks`` (from a server that imported torch and
 megatron-core once) rather than torchrun, unless the test asks for torchrun or
 MLP_OFFLOAD_TEST_LAUNCHER=torchrun (the thorough profile sets it: every launch through torchrun).
-The tests of kills, signals, several nodes, srun, the examples and the tools keep torchrun: what
-torchrun does around a rank that dies is what they check.
+The tests of signals, several nodes and srun, one crash case a day, the async-save kill and one run
+of the conversion tool keep torchrun: what torchrun does around a rank, or a user's launch, is what
+they check.
 """
 
 from __future__ import annotations
