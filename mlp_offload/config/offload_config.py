@@ -6,13 +6,14 @@ Follows megatron-core's config-dataclass style: plain fields with defaults, chec
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .state_dtypes import FP32_STATE, REMAINDERS, STATE_TENSORS, UnsupportedStateDtype, dtype_name, itemsizes
-from .tiers.align import ALIGN, align_down
+from ..state_dtypes import FP32_STATE, REMAINDERS, STATE_TENSORS, UnsupportedStateDtype, dtype_name, itemsizes
+from ..tiers.align import ALIGN
+from .bandwidth import TierBandwidth, probe_piece_bytes
+from .checks import OffloadConfigError, is_int, positive, positive_finite
 
 HOST_TIER = "host"
 GPU_TIER = "gpu"  # the model's device memory (HBM; on a CPU run, the CPU's memory: the CPU twin)
@@ -22,40 +23,6 @@ RESIDENT_TIERS = (GPU_TIER, HOST_TIER)
 UPDATE_SIDES = ("cpu", "device", "auto")
 GiB = 1024**3
 MiB = 1024**2
-
-
-class OffloadConfigError(ValueError):
-    """A configuration value is unknown, missing or contradictory. The message names the option."""
-
-
-@dataclass
-class TierBandwidth:
-    """Measured (or user-given) bandwidth of one file tier, in bytes per second."""
-
-    read_bps: float
-    write_bps: float
-    mixed_bps: Optional[float] = None
-    """Bytes/s read plus written while reads and writes run at once, as in the update (probed)."""
-    shared_mixed_bps: Optional[float] = None
-    """The same with as many streams as all the node's ranks issue at once (probed if they share)."""
-
-    def __post_init__(self):
-        for name in ("read_bps", "write_bps", "mixed_bps", "shared_mixed_bps"):
-            value = getattr(self, name)
-            if value is None and name in ("mixed_bps", "shared_mixed_bps"):
-                continue
-            # inf would plan I/O as free, nan would make every comparison in placement false
-            if not _positive_finite(value):
-                raise OffloadConfigError(
-                    f"tier bandwidth {name} must be a positive finite number of bytes/s, got {value!r}")
-
-    def seconds(self, read_bytes: float, write_bytes: float) -> float:
-        """Time to read and write that much on this tier alone. Reads and writes one after the
-        other, unless the probe saw the device overlap them (mixed), which it then uses."""
-        serial = read_bytes / self.read_bps + write_bytes / self.write_bps
-        if self.mixed_bps is None:
-            return serial
-        return min(serial, (read_bytes + write_bytes) / self.mixed_bps)
 
 
 @dataclass
@@ -241,7 +208,7 @@ class OffloadConfig:
                 "give host_budget_bytes (the host memory this rank may use for optimizer state)"
             )
         budget = self.host_budget_bytes
-        if budget is not None and not _is_int(budget):
+        if budget is not None and not is_int(budget):
             raise OffloadConfigError(
                 f"host budget (host_budget_bytes) must be a whole number of bytes "
                 f"or None, got {budget!r}")
@@ -251,22 +218,22 @@ class OffloadConfig:
         if budget is not None and budget < 0:
             raise OffloadConfigError(f"host budget (host_budget_bytes) must be >= 0 bytes, got {budget}")
         self._check_device_fields()
-        _positive("subgroup_size", self.subgroup_size)
-        _positive("prefetch_depth", self.prefetch_depth)
+        positive("subgroup_size", self.subgroup_size)
+        positive("prefetch_depth", self.prefetch_depth)
         if self.tokens_per_tier is not None:
-            _positive("tokens_per_tier", self.tokens_per_tier)
-        _positive("io_threads", self.io_threads)
+            positive("tokens_per_tier", self.tokens_per_tier)
+        positive("io_threads", self.io_threads)
         if self.ranks_sharing_node is not None:
-            _positive("ranks_sharing_node", self.ranks_sharing_node)
-        if not _is_int(self.probe_bytes) or self.probe_bytes < MiB:
+            positive("ranks_sharing_node", self.ranks_sharing_node)
+        if not is_int(self.probe_bytes) or self.probe_bytes < MiB:
             raise OffloadConfigError(
                 f"the bandwidth probe (probe_bytes) needs a whole number of bytes, at least 1 MiB; got {self.probe_bytes!r}")
-        if not _is_int(self.io_block_bytes) or self.io_block_bytes <= 0 or self.io_block_bytes % ALIGN:
+        if not is_int(self.io_block_bytes) or self.io_block_bytes <= 0 or self.io_block_bytes % ALIGN:
             raise OffloadConfigError(
                 f"I/O block size (io_block_bytes) must be a positive multiple of {ALIGN} bytes, "
                 f"got {self.io_block_bytes!r}"
             )
-        if not _is_int(self.save_staging_bytes) or self.save_staging_bytes < 0:
+        if not is_int(self.save_staging_bytes) or self.save_staging_bytes < 0:
             raise OffloadConfigError(f"save staging (save_staging_bytes) must be a whole number of bytes >= 0, "
                                      f"got {self.save_staging_bytes!r}")
         if self.adam_kernel not in ("fused", "foreach", "single"):
@@ -284,14 +251,14 @@ class OffloadConfig:
         if any(name not in self.bandwidths for name in self.file_tiers):
             probe_piece_bytes(self.probe_bytes, self.prefetch_depth)  # a tier will be probed
         rate = self.adam_elems_per_s
-        if rate is not None and not _positive_finite(rate):
+        if rate is not None and not positive_finite(rate):
             raise OffloadConfigError(f"Adam rate (adam_elems_per_s) must be a positive finite number, got {rate!r}")
         _check_token_scope(self.token_scope, self.file_tiers)
         _check_node_fields(self.lock_dir, self.local_rank)
 
     def _check_device_fields(self) -> None:
         gpu = self.gpu_budget_bytes
-        if gpu is not None and (not _is_int(gpu) or gpu < 0):
+        if gpu is not None and (not is_int(gpu) or gpu < 0):
             raise OffloadConfigError(f"gpu budget (gpu_budget_bytes) must be a whole number of bytes >= 0 or None, "
                                      f"got {gpu!r}")
         if GPU_TIER in self.tiers:
@@ -303,7 +270,7 @@ class OffloadConfig:
         elif gpu is not None or self.gpu_budget_auto:
             raise OffloadConfigError(f"gpu_budget_bytes/gpu_budget_auto are given, but 'gpu' is not one of the "
                                      f"offload tiers {self.tiers}")
-        if not _is_int(self.gpu_margin_bytes) or self.gpu_margin_bytes < 0:
+        if not is_int(self.gpu_margin_bytes) or self.gpu_margin_bytes < 0:
             raise OffloadConfigError(f"gpu margin (gpu_margin_bytes) must be a whole number of bytes >= 0, "
                                      f"got {self.gpu_margin_bytes!r}")
         if self.update_on not in UPDATE_SIDES:
@@ -311,10 +278,10 @@ class OffloadConfig:
         if self.device_adam_kernel not in (None, "fused", "foreach", "single"):
             raise OffloadConfigError(f"device adam kernel (device_adam_kernel) must be 'fused', 'foreach' or "
                                      f"'single', got {self.device_adam_kernel!r}")
-        _positive("device_chunk_elems", self.device_chunk_elems)
+        positive("device_chunk_elems", self.device_chunk_elems)
         for name in ("device_adam_elems_per_s", "device_streamed_elems_per_s"):
             rate = getattr(self, name)
-            if rate is not None and not _positive_finite(rate):
+            if rate is not None and not positive_finite(rate):
                 raise OffloadConfigError(f"{name} must be a positive finite number, got {rate!r}")
 
     @property
@@ -373,56 +340,6 @@ class OffloadConfig:
         return 1
 
 
-def parse_bandwidths(spec: str) -> Dict[str, TierBandwidth]:
-    """Parse ``"nvme=3.0:2.8,pfs=1.0:0.8"`` (read:write GB/s per tier, optionally :mixed, the GB/s
-    read plus written while both run at once, as the probe reports it) into TierBandwidths."""
-    result: Dict[str, TierBandwidth] = {}
-    if not spec:
-        return result
-    for item in spec.split(","):
-        try:
-            name, rates = item.split("=")
-            values = [float(x) * 1e9 for x in rates.split(":")]
-            if len(values) not in (2, 3):
-                raise ValueError
-        except ValueError:
-            raise OffloadConfigError(
-                f"bandwidth {item!r}: expected TIER=READ_GBPS:WRITE_GBPS[:MIXED_GBPS], e.g. nvme=3.0:2.8"
-            ) from None
-        try:
-            result[name.strip()] = TierBandwidth(*values)
-        except OffloadConfigError as err:
-            raise OffloadConfigError(f"bandwidths {item!r}: {err}") from None
-    return result
-
-
-def probe_piece_bytes(probe_bytes: int, prefetch_depth: int) -> int:
-    """Bytes of each of the bandwidth probe's files: it moves ``probe_bytes`` as ``prefetch_depth``
-    files at once, each whole pages and at least two (its mixed phase writes from one half while
-    reading into the other)."""
-    piece = align_down(probe_bytes // prefetch_depth)
-    if piece < 2 * ALIGN:
-        raise OffloadConfigError(
-            f"the bandwidth probe cannot split probe_bytes={probe_bytes} into prefetch_depth={prefetch_depth} "
-            f"files of at least {2 * ALIGN} bytes: raise probe_bytes to at least "
-            f"{2 * ALIGN * prefetch_depth}, lower prefetch_depth, or give the "
-            f"tier's bandwidths")
-    return piece
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)  # True would pass as 1
-
-
-def _positive_finite(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
-
-
-def _positive(field: str, value: int) -> None:
-    if not _is_int(value) or value <= 0:
-        raise OffloadConfigError(f"{field.replace('_', ' ')} ({field}) must be a positive integer, got {value!r}")
-
-
 def _state_dtype_names(values) -> Tuple[str, str, str]:
     values = tuple(values)
     if len(values) != len(STATE_TENSORS):
@@ -451,5 +368,5 @@ def _check_token_scope(scope: Dict[str, str], file_tiers: List[str]) -> None:
 def _check_node_fields(lock_dir, local_rank) -> None:
     if lock_dir is not None and (not isinstance(lock_dir, str) or not lock_dir):
         raise OffloadConfigError(f"lock directory (lock_dir) must be a non-empty path or None, got {lock_dir!r}")
-    if not _is_int(local_rank) or local_rank < 0:
+    if not is_int(local_rank) or local_rank < 0:
         raise OffloadConfigError(f"local rank (local_rank) must be a whole number >= 0, got {local_rank!r}")

@@ -1,0 +1,12 @@
+"""config/: the engine's configuration, a pure function of its arguments: ``OffloadConfig`` (every
+knob, validated when built: offload_config), the file tiers' bandwidths (bandwidth) and what a
+valid value is (checks). It imports only the engine's state dtypes and tier alignment; every other
+engine module may import it."""
+
+from .bandwidth import TierBandwidth, parse_bandwidths, probe_piece_bytes
+from .checks import OffloadConfigError
+from .offload_config import (GPU_TIER, HOST_TIER, RESIDENT_TIERS, TOKEN_SCOPES, UPDATE_SIDES, GiB, MiB,
+                             OffloadConfig)
+
+__all__ = ["OffloadConfig", "OffloadConfigError", "TierBandwidth", "parse_bandwidths", "probe_piece_bytes",
+           "GPU_TIER", "HOST_TIER", "RESIDENT_TIERS", "TOKEN_SCOPES", "UPDATE_SIDES", "GiB", "MiB"]
