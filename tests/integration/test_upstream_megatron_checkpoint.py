@@ -79,7 +79,7 @@ def test_upstream_log_is_the_run_that_wrote_the_checkpoint():
 def test_resumes_upstream_checkpoint_on_its_curve_with_and_without_offload(tmp_path, upstream_checkpoint):
     plain = resume(tmp_path / "plain", upstream_checkpoint)
     assert deviation(plain) < RELATIVE_TOLERANCE
-    offloaded = resume(tmp_path / "offload", upstream_checkpoint, *offload_flags(tmp_path))
+    offloaded = resume(tmp_path / "offload", upstream_checkpoint, *offload_flags(tmp_path, probe_mb=64))
     # Megatron-LM's FLOP counter goes on at upstream's rate.
     saved_flops = [saved_common(tmp_path / run / "save" / f"iter_{RESUMED_TO:07d}")["num_floating_point_operations_so_far"]
                    for run in ("plain", "offload")]
@@ -90,11 +90,14 @@ def test_resumes_upstream_checkpoint_on_its_curve_with_and_without_offload(tmp_p
     assert [r["grad_norm"] for r in offloaded] == [r["grad_norm"] for r in plain]
 
 
-def offload_flags(tmp_path: Path) -> list:
+def offload_flags(tmp_path: Path, probe_mb: int = 0) -> list:
+    """The offload flags of these runs: the nvme tier's bandwidths given, or (``probe_mb``) probed
+    with files of that size, as a first run on a path does (the default probe writes 1 GB: 5-8 s)."""
     nvme = tmp_path / "nvme"
     nvme.mkdir(parents=True, exist_ok=True)
+    rates = ["--offload-probe-mb", str(probe_mb)] if probe_mb else ["--offload-bandwidths", "nvme=2:1"]
     return ["--offload-tiers", "host,nvme", "--offload-host-cache-gb", "0.002", "--offload-nvme-path", str(nvme),
-            "--offload-subgroup-size", "20000", "--no-store-param-remainders"]  # megatron-core's rounding
+            "--offload-subgroup-size", "20000", "--no-store-param-remainders", *rates]  # megatron-core's rounding
 
 
 def test_upstream_checkpoint_moves_to_two_tensor_parallel_ranks_through_the_offloaded_form(
