@@ -5,8 +5,9 @@ Data flow: plan (rates -> placement -> prediction) -> tiers (host memory, files)
 Megatron adapter, a test, a benchmark) copies low-precision gradients into ``grad_buffer`` (or
 gives a ``GradientSource``) and calls ``step()``; each updated subgroup's master parameters (in their stored dtype) are
 handed to ``on_params_updated``. The engine wires the pieces: ``pipeline`` (slots streaming the
-file-backed subgroups), ``schedule`` (the per-step traffic model), ``state_access`` (checkpoints),
-``gradients``, ``param_groups`` and ``update`` (the Adam kernels).
+file-backed subgroups), ``schedule`` (the per-step traffic model), ``cpu_update`` and ``device_update``
+(each side's share of a step), ``state_access`` (checkpoints), ``gradients``, ``param_groups`` and
+``update`` (the Adam kernels).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
 import torch
 
 from .config import GPU_TIER, OffloadConfig, OffloadConfigError
+from .cpu_update import CpuUpdate, adam_piece
 from .device_update import DeviceUpdate
 from .faults import fault_point
 from .gradients import GradientSource, HostGradients, gradient_host_bytes, scratch_buffers
@@ -155,11 +157,11 @@ class OffloadedAdamW:
         # Buffers: gradients (outside the state budget: the caller's gradient staging), fp32 scratch
         # for converted gradients, resident subgroups, and slots for streamed ones.
         grad_bytes = gradient_host_bytes(self.numel, largest, None if grad_source is not None else grad_dtype.itemsize)
-        self._working = Fp32Working(self.state_dtypes, largest)
+        working = Fp32Working(self.state_dtypes, largest)
         # The CPU update's bf16 high halves of a remainders master: read in, updated, handed out.
         high_bytes = largest * 2 if cfg.param_remainders else 0
         check_host_memory({"optimizer cache": self.placement.host_state_bytes,
-                           "gradient staging": grad_bytes + self._working.nbytes + high_bytes},
+                           "gradient staging": grad_bytes + working.nbytes + high_bytes},
                           cfg.resolved_ranks_sharing_node(), dict(cfg.host_bytes_beside), bool(cfg.file_tiers))
         self.grad_buffer = None  # the caller's low-precision gradients, when the engine converts them
         if grad_source is None:
@@ -167,10 +169,12 @@ class OffloadedAdamW:
                                                   counted=False).view(grad_dtype)
             grad_source = HostGradients(self.grad_buffer)
         self.grad_source = grad_source
-        self._grad_scratch = scratch_buffers(not isinstance(grad_source, HostGradients), largest, self.host.allocate)
-        self._high = self._high_fence = None
-        if cfg.param_remainders:
-            self._high = self.host.allocate(high_bytes, "param high halves", counted=False).view(torch.bfloat16)
+        high = (self.host.allocate(high_bytes, "param high halves", counted=False).view(torch.bfloat16)
+                if cfg.param_remainders else None)
+        self._cpu_update = CpuUpdate(
+            self.subgroups, self._segments, self.param_groups, self.adam, working,
+            grad_source, scratch_buffers(not isinstance(grad_source, HostGradients), largest, self.host.allocate),
+            high, self.param_high, self.on_params_updated, self.trace)
         self._resident: Dict[int, StateViews] = {}
         # Pinning tens of GB takes a while: a line before and after, with size and rate.
         kind = "pinned " if self.host.pin else ""
@@ -260,14 +264,9 @@ class OffloadedAdamW:
                          predicted_device_s=self.prediction.device_s, device_updated=sides.count(DEVICE),
                          cpu_updated=sides.count(CPU))
         halfway = sched.order[len(sched.order) // 2]
-        source, scratch = self.grad_source, self._grad_scratch
-        # The CPU's subgroups take turns in the two scratch buffers: the next one's grads arrive
-        # during this one's Adam. The device's come straight into device memory.
-        cpu_order = [i for i in sched.order if sides[i] == CPU]
-        turn = {i: k for k, i in enumerate(cpu_order)}
-        if cpu_order:
-            first = self.subgroups[cpu_order[0]]
-            source.start(first.start, first.end, scratch[0][: first.numel], unscale, clip_coef)
+        # The CPU's subgroups take turns in two scratch buffers (cpu_update); the device's
+        # gradients come straight into device memory.
+        self._cpu_update.begin([i for i in sched.order if sides[i] == CPU], unscale, clip_coef)
         if self._device_update is not None:
             self._device_update.streams.after_caller()
         pending = []  # device-updated subgroups whose copy-out may still run: (index, fence)
@@ -299,7 +298,7 @@ class OffloadedAdamW:
                     pending.append((i, self._device_step(i, views, step, unscale, clip_coef, rec)))
                     self._finish_device(pending, rec, keep=1)  # the device works on while the next is set up
                     continue
-                self._cpu_step(i, views, step, unscale, clip_coef, turn, cpu_order, rec)
+                self._cpu_update.update(i, views, step, unscale, clip_coef, rec)
                 if i not in self._resident:
                     self._pipeline.release(i)
             self._finish_device(pending, rec, keep=0)
@@ -314,38 +313,6 @@ class OffloadedAdamW:
         rec.tiers = self._counters.take()
         return rec
 
-    def _cpu_step(self, i: int, views: StateViews, step: int, unscale, clip_coef, turn, cpu_order, rec) -> None:
-        sg, source, scratch = self.subgroups[i], self.grad_source, self._grad_scratch
-        k = turn[i]
-        t0 = time.perf_counter()
-        if k + 1 < len(cpu_order):  # the next subgroup's grads may arrive during this Adam
-            nxt = self.subgroups[cpu_order[k + 1]]
-            source.start(nxt.start, nxt.end, scratch[(k + 1) % 2][: nxt.numel], unscale, clip_coef)
-        source.wait(sg.start)
-        grad = scratch[k % 2][: sg.numel]
-        high = None
-        if self._high is not None:
-            if self._high_fence is not None:  # the last subgroup's params may still be copied from it
-                self._high_fence.synchronize()
-            high = self._high[: sg.numel]
-            self.param_high.fill(sg.start, sg.end, high)
-        t1 = time.perf_counter()
-        self._adam_subgroup(i, views, grad, step, high)
-        t2 = time.perf_counter()
-        if high is not None:
-            self._high_fence = self.on_params_updated(sg.start, sg.end, high)
-        elif self.on_params_updated is not None:
-            views.fence = self.on_params_updated(sg.start, sg.end, views.param[: sg.numel])
-        t3 = time.perf_counter()
-        if self.trace is not None:
-            self.trace.compute("gradients", t0, t1, subgroup=i, step=step)
-            self.trace.compute("adam", t1, t2, subgroup=i, step=step, elements=sg.numel)
-            if self.on_params_updated is not None:
-                self.trace.compute("params callback", t2, t3, subgroup=i, step=step)
-        rec.convert_s += t1 - t0
-        rec.adam_s += t2 - t1
-        rec.callback_s += t3 - t2
-
     def _device_step(self, i: int, views: StateViews, step: int, unscale, clip_coef, rec):
         """Queue subgroup ``i``'s update on the device (in place where it lives there, else streamed
         through it); returns the fence of its last copy."""
@@ -355,7 +322,8 @@ class OffloadedAdamW:
         fence = self._device_update.update(
             sg, list(views.narrow(sg.numel)), self.placement.tier_of[i] == GPU_TIER, self._segments[i],
             lambda out: self.grad_source.to_device(sg.start, sg.end, out, unscale, clip_coef),
-            lambda p, g, m, v, group, span: self._adam_piece(self.device_adam, p, g, m, v, group, span, step),
+            lambda p, g, m, v, group, span: adam_piece(self.device_adam, self.param_groups, p, g, m, v, group, span,
+                                                       step),
             self.on_params_updated, self.param_high.to_device if self.config.param_remainders else None)
         t1 = time.perf_counter()
         rec.device_s += t1 - t0
@@ -372,20 +340,6 @@ class OffloadedAdamW:
             rec.device_s += time.perf_counter() - t0
             if i not in self._resident:
                 self._pipeline.release(i)
-
-    def _adam_piece(self, kernel: AdamKernel, param, grad, exp_avg, exp_avg_sq, g: int, span, step: int) -> None:
-        group = self.param_groups[g]
-        beta1, beta2 = group["betas"]
-        kernel(param, grad, exp_avg, exp_avg_sq, step=step, lr=group["lr"], beta1=beta1, beta2=beta2,
-               eps=group["eps"], weight_decay=group["weight_decay"], span=span if param.device.type == "cpu" else None)
-
-    def _adam_subgroup(self, i: int, views: StateViews, grad: torch.Tensor, step: int,
-                       high: Optional[torch.Tensor] = None) -> None:
-        stored = views.narrow(self.subgroups[i].numel)
-        param, exp_avg, exp_avg_sq = wide = self._working.widen(stored, high)
-        for lo, hi, g, span in self._segments[i]:
-            self._adam_piece(self.adam, param[lo:hi], grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], g, span, step)
-        self._working.round_back(stored, wide, high)
 
     # -- the device tier's size (auto) ---------------------------------------------------------
     def observe_device_memory(self, peak_bytes: int, capacity_bytes: int) -> Optional[str]:

@@ -15,7 +15,6 @@ from launch import REPO, run_pretrain, tool_module
 from test_offload_cpu import offload_args
 from tests.profiles import cases
 
-
 # point -> the iteration the restart must resume after (checkpoints every 2 iterations).
 CASES = {
     "forward@1#7": 2,       # 2 micro-batches per iteration and rank: dies starting iteration 4

@@ -4,7 +4,8 @@ tests/data/upstream_gpt/upstream_iter4.tar.gz was written at iteration 4 by upst
 (tag core_v0.16.1) on an H100 (benchmarks/experiments/upstream_checkpoint.sh); upstream's own log of the same
 run goes on to iteration 8. Resuming that checkpoint on CPU must continue upstream's loss curve:
 iteration 5 is the forward pass on the loaded weights, 6 follows the loaded Adam moments and
-schedule (upstream's log goes on to 8; two iterations prove what four did, at half the time). The tolerance covers CPU against GPU bf16 arithmetic; dropping the optimizer state
+schedule (upstream's log goes on to 8; iteration 6 already depends on every kind of loaded state).
+The tolerance covers CPU against GPU bf16 arithmetic; dropping the optimizer state
 (``--no-load-optim``) must break it, which shows the check can fail.
 """
 

@@ -3,7 +3,7 @@
 megatron-core's writers put their results (torch.distributed.checkpoint ``WriteResult``s) into a
 multiprocessing Manager's queue, so that a forked async-save caller can hand them to the rank. A
 plain Manager queue unpickles each result in its server, which then imports torch on the first
-save: about 3 s of CPU and 200 MB of memory per rank, for a queue. This queue's proxy pickles on
+save: about 3 s of CPU and 250 MB of memory per rank, for a queue. This queue's proxy pickles on
 the caller's side and the server holds bytes. Standard library only: the spawned server imports
 this module to find the queue's class.
 """

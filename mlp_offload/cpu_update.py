@@ -1,0 +1,90 @@
+"""The update on the CPU, subgroup by subgroup: its gradients converted into one of two fp32
+scratch buffers (the next subgroup's arrive in the other during this one's Adam), its stored state
+widened to fp32, AdamW, rounded back, and the updated params handed to the caller.
+``device_update`` is the device's share of a step; the engine decides which subgroup goes where.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from .device_update import Segment
+from .gradients import GradientSource
+from .pipeline import StateViews
+from .remainders import ParamHighSource
+from .subgroups import Subgroup
+from .telemetry import StepRecord
+from .trace import Trace
+from .update import AdamKernel, Fp32Working
+
+
+def adam_piece(kernel: AdamKernel, param_groups: Sequence[dict], param, grad, exp_avg, exp_avg_sq, g: int,
+               span, step: int) -> None:
+    """AdamW on one piece of one param group with that group's current hyperparameters (a scheduler
+    may have changed them since the last step)."""
+    group = param_groups[g]
+    beta1, beta2 = group["betas"]
+    kernel(param, grad, exp_avg, exp_avg_sq, step=step, lr=group["lr"], beta1=beta1, beta2=beta2,
+           eps=group["eps"], weight_decay=group["weight_decay"], span=span if param.device.type == "cpu" else None)
+
+
+class CpuUpdate:
+    """The CPU's subgroups of one step, in the order ``begin`` was given."""
+
+    def __init__(self, subgroups: Sequence[Subgroup], segments: Sequence[Sequence[Segment]],
+                 param_groups: Sequence[dict], adam: AdamKernel, working: Fp32Working, grad_source: GradientSource,
+                 scratch, high: Optional[torch.Tensor], param_high: Optional[ParamHighSource],
+                 on_params_updated: Optional[Callable], trace: Optional[Trace]):
+        self.subgroups, self.segments, self.param_groups, self.adam = subgroups, segments, param_groups, adam
+        self.working, self.grad_source, self.scratch = working, grad_source, scratch
+        self.high, self.param_high, self.on_params_updated, self.trace = high, param_high, on_params_updated, trace
+        self._high_fence = None  # the last subgroup's bf16 params may still be copied out of ``high``
+        self._order, self._turn = [], {}
+
+    def begin(self, order: Sequence[int], unscale, clip_coef) -> None:
+        """A step's CPU subgroups in update order; the first one's gradients start arriving now."""
+        self._order, self._turn = list(order), {i: k for k, i in enumerate(order)}
+        if self._order:
+            first = self.subgroups[self._order[0]]
+            self.grad_source.start(first.start, first.end, self.scratch[0][: first.numel], unscale, clip_coef)
+
+    def update(self, i: int, views: StateViews, step: int, unscale, clip_coef, rec: StepRecord) -> None:
+        """Subgroup ``i`` (its state in ``views``): gradients, Adam, params out; times into ``rec``."""
+        sg, source, scratch = self.subgroups[i], self.grad_source, self.scratch
+        k = self._turn[i]
+        t0 = time.perf_counter()
+        if k + 1 < len(self._order):  # the next subgroup's grads may arrive during this Adam
+            nxt = self.subgroups[self._order[k + 1]]
+            source.start(nxt.start, nxt.end, scratch[(k + 1) % 2][: nxt.numel], unscale, clip_coef)
+        source.wait(sg.start)
+        grad = scratch[k % 2][: sg.numel]
+        high = None
+        if self.high is not None:
+            if self._high_fence is not None:
+                self._high_fence.synchronize()
+            high = self.high[: sg.numel]
+            self.param_high.fill(sg.start, sg.end, high)
+        t1 = time.perf_counter()
+        stored = views.narrow(sg.numel)
+        param, exp_avg, exp_avg_sq = wide = self.working.widen(stored, high)
+        for lo, hi, g, span in self.segments[i]:
+            adam_piece(self.adam, self.param_groups, param[lo:hi], grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi],
+                       g, span, step)
+        self.working.round_back(stored, wide, high)
+        t2 = time.perf_counter()
+        if high is not None:
+            self._high_fence = self.on_params_updated(sg.start, sg.end, high)
+        elif self.on_params_updated is not None:
+            views.fence = self.on_params_updated(sg.start, sg.end, views.param[: sg.numel])
+        t3 = time.perf_counter()
+        if self.trace is not None:
+            self.trace.compute("gradients", t0, t1, subgroup=i, step=step)
+            self.trace.compute("adam", t1, t2, subgroup=i, step=step, elements=sg.numel)
+            if self.on_params_updated is not None:
+                self.trace.compute("params callback", t2, t3, subgroup=i, step=step)
+        rec.convert_s += t1 - t0
+        rec.adam_s += t2 - t1
+        rec.callback_s += t3 - t2
