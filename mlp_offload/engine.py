@@ -311,6 +311,7 @@ class OffloadedAdamW:
         self._pipeline.begin(self._schedule_for(step))  # its first reads run under forward/backward
         rec.update_s = time.perf_counter() - t_start
         rec.tiers = self._counters.take()
+        self._relocation.observe_step(rec)  # the update split, re-chosen from what this step measured
         return rec
 
     def _device_step(self, i: int, views: StateViews, step: int, unscale, clip_coef, rec):

@@ -2,7 +2,8 @@
 size from the device's real peak and promotes subgroups into spare memory, or hands them back to
 lower tiers when memory grows tight (rather than let the training crash). ``device_change`` is the
 policy (pure); ``Relocation`` moves the state, between steps, through the same tier calls the
-checkpoints use."""
+checkpoints use. It also moves the update split between the CPU and the device (``plan.split``,
+re-measured from each step's record) where ``update_on`` is "auto"."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from .config import GPU_TIER, HOST_TIER
 from .pipeline import StateViews, file_key
 from .plan.placement import split_updates
 from .plan.prediction import predict_update
+from .plan.split import SideRates, UpdateSplit
 
 log = logging.getLogger("mlp_offload")
 GiB = 1024**3
@@ -31,6 +33,28 @@ def device_change(peak_bytes: int, capacity_bytes: int, margin_bytes: int, subgr
 class Relocation:
     def __init__(self, engine):
         self.engine = engine
+        rates, device = engine.update_rates, engine._device_update
+        # The device and the CPU twin's "device" run at once only on a real device: on the CPU
+        # they are the same cores, one after the other.
+        self.split = (UpdateSplit(SideRates.from_start_up(rates), overlap=device.device.type != "cpu")
+                      if engine.config.update_on == "auto" and device is not None and rates.device_streamed
+                      else None)
+
+    def observe_step(self, rec) -> Optional[str]:
+        """After each step: re-choose the update split from the rates the step showed; returns the
+        line saying what changed (also logged), None if nothing did."""
+        eng = self.engine
+        if self.split is None:
+            return None
+        p = eng.placement
+        change = self.split.observe(rec, [sg.numel for sg in eng.subgroups], p.tier_of, p.update_on)
+        if change is None:
+            return None
+        p.update_on, what = change
+        self._predict()
+        what += f"; {eng.prediction.describe()}"
+        log.info(what)
+        return what
 
     def fit_device(self, peak_bytes: int, capacity_bytes: int) -> Optional[str]:
         eng = self.engine
@@ -120,9 +144,19 @@ class Relocation:
             held = sum(eng.subgroups[i].state_bytes for i, t in enumerate(p.tier_of) if t == name)
             p.resident_bytes[name] = held + (p.slots * max(sg.state_bytes for sg in eng.subgroups)
                                              if name == HOST_TIER else 0)
-        p.update_on = split_updates(eng.subgroups, p.tier_of, eng.config.update_on, eng.update_rates)
-        eng.prediction = predict_update(eng.subgroups, p, eng.rates, eng.adam_rate, eng.convert_rate, eng.devices,
-                                        ranks_sharing=eng.config.resolved_ranks_sharing_node(),
-                                        tokens=eng.tokens_per_tier, cache_alternating=eng.config.cache_alternating,
-                                        update_rates=eng.update_rates)
+        if self.split is not None and self.split.learnt:  # at the rates the steps showed
+            p.update_on = self.split.plan([sg.numel for sg in eng.subgroups], p.tier_of)
+        else:
+            p.update_on = split_updates(eng.subgroups, p.tier_of, eng.config.update_on, eng.update_rates)
+        self._predict()
         eng._pipeline.begin(eng._schedule_for(eng.steps_done))
+
+    def _predict(self) -> None:
+        """The engine's prediction for its placement and split, at the measured rates once there are some."""
+        eng = self.engine
+        rates = self.split.rates.as_update_rates() if self.split is not None and self.split.learnt \
+            else eng.update_rates
+        eng.prediction = predict_update(eng.subgroups, eng.placement, eng.rates, eng.adam_rate, eng.convert_rate,
+                                        eng.devices, ranks_sharing=eng.config.resolved_ranks_sharing_node(),
+                                        tokens=eng.tokens_per_tier, cache_alternating=eng.config.cache_alternating,
+                                        update_rates=rates)
