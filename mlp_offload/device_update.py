@@ -17,6 +17,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
+from .fused_update import AdamHyper, FusedAdamW
 from .subgroups import Subgroup
 from .update import Fp32Working
 
@@ -92,6 +93,10 @@ class DeviceUpdate:
                       if self._working.remainders else None)
         self.grad = torch.empty(largest, dtype=torch.float32, device=self.device)
         self._turn = 0
+        # The one-pass kernel (fused_update), where it was verified bit-identical on this device;
+        # None: widen, Adam and round back as separate passes.
+        self.fused: Optional[FusedAdamW] = None
+        self.fused_how = "multi-pass"
 
     @property
     def nbytes(self) -> int:
@@ -102,7 +107,8 @@ class DeviceUpdate:
 
     def update(self, sg: Subgroup, stored: List[torch.Tensor], resident: bool, segments: Sequence[Segment],
                fill_grads: Callable[[torch.Tensor], None], adam: Callable, on_params,
-               fill_high: Optional[Callable[[int, int, torch.Tensor], None]] = None) -> object:
+               fill_high: Optional[Callable[[int, int, torch.Tensor], None]] = None,
+               hyper: Optional[Callable[[int], AdamHyper]] = None, step: int = 0) -> object:
         """``stored``: the subgroup's (param, exp_avg, exp_avg_sq) in their stored dtypes, on the
         device (``resident``: updated in place) or in host memory (streamed through the chunk
         buffers). ``fill_grads(out)`` writes its fp32 grads into a device tensor; ``adam(p, g, m, v,
@@ -110,8 +116,9 @@ class DeviceUpdate:
         master params on the device (on the compute stream), or is None. With the master stored as
         remainders, ``fill_high(start, end, out)`` writes the model's bf16 params of shard elements
         [start, end) into a device tensor (on the compute stream), and ``on_params`` gets the updated
-        bf16 params."""
+        bf16 params. With the one-pass kernel, ``hyper(group)`` and ``step`` replace ``adam``."""
         s, n = self.streams, sg.numel
+        one_pass = (lambda *a: self._one_pass(*a, hyper, step)) if self.fused is not None and hyper else None
         grad = self.grad[:n]
         with s.on(s.compute):
             fill_grads(grad)
@@ -120,7 +127,7 @@ class DeviceUpdate:
             if resident:
                 with s.on(s.compute):
                     self._compute(sg, [t[c0:c1] for t in stored], grad, c0, c1, segments, adam, on_params,
-                                  fill_high)
+                                  fill_high, one_pass)
                 continue
             b = self._turn % 2
             self._turn += 1
@@ -132,7 +139,7 @@ class DeviceUpdate:
                 arrived = s.record(s.copy_in)
             with s.on(s.compute):
                 s.wait(s.compute, arrived)
-                self._compute(sg, dev, grad, c0, c1, segments, adam, on_params, fill_high)
+                self._compute(sg, dev, grad, c0, c1, segments, adam, on_params, fill_high, one_pass)
                 computed = s.record(s.compute)
             with s.on(s.copy_out):
                 s.wait(s.copy_out, computed)
@@ -142,11 +149,16 @@ class DeviceUpdate:
         return s.record(s.compute if resident else s.copy_out)
 
     def _compute(self, sg: Subgroup, chunk: List[torch.Tensor], grad: torch.Tensor, c0: int, c1: int,
-                 segments: Sequence[Segment], adam: Callable, on_params, fill_high) -> None:
+                 segments: Sequence[Segment], adam: Callable, on_params, fill_high, one_pass=None) -> None:
         high = None
         if self._high is not None:
             high = self._high[: c1 - c0]
             fill_high(sg.start + c0, sg.start + c1, high)
+        if one_pass is not None:
+            one_pass(chunk, grad, high, c0, c1, segments)
+            if on_params is not None:
+                on_params(sg.start + c0, sg.start + c1, chunk[0] if high is None else high)
+            return
         param, exp_avg, exp_avg_sq = wide = self._working.widen(chunk, high)
         for lo, hi, g, span in segments:
             a, b = max(lo, c0), min(hi, c1)
@@ -157,3 +169,12 @@ class DeviceUpdate:
         self._working.round_back(chunk, wide, high)
         if on_params is not None:
             on_params(sg.start + c0, sg.start + c1, chunk[0] if high is None else high)
+
+    def _one_pass(self, chunk: List[torch.Tensor], grad: torch.Tensor, high: Optional[torch.Tensor], c0: int, c1: int,
+                  segments: Sequence[Segment], hyper: Callable[[int], AdamHyper], step: int) -> None:
+        """Each param group's piece of the chunk in one kernel pass (no fp32 working copies)."""
+        for lo, hi, g, _ in segments:
+            a, b = max(lo, c0), min(hi, c1)
+            if a < b:
+                self.fused([t[a - c0:b - c0] for t in chunk], grad[a:b],
+                           None if high is None else high[a - c0:b - c0], hyper(g), step)

@@ -23,6 +23,7 @@ import torch
 from .config import GPU_TIER, OffloadConfig, OffloadConfigError
 from .cpu_update import CpuUpdate, adam_piece
 from .device_update import DeviceUpdate
+from .fused_update import hyper_of, verified_fused_update
 from .faults import fault_point
 from .gradients import GradientSource, HostGradients, gradient_host_bytes, scratch_buffers
 from .param_groups import Range, build_groups, segments_of
@@ -146,6 +147,9 @@ class OffloadedAdamW:
         # streamed through it. On a CPU run the "device" is the CPU (the twin the tests run).
         self._device_update = (DeviceUpdate(cfg.device, self.state_dtypes, cfg.device_chunk_elems, largest)
                                if GPU_TIER in cfg.tiers or cfg.update_on != "cpu" else None)
+        if self._device_update is not None and cfg.device_one_pass:  # before the rates are measured: they time it
+            self._device_update.fused, self._device_update.fused_how = verified_fused_update(
+                cfg.device, self.state_dtypes, self.device_adam)
         plan = start_up(cfg, self.subgroups, self.adam, self._tiers, self.token_store, self.memory,
                         self._device_update, self.device_adam)
         self.host, self.rates, self.tokens_per_tier = plan.host, plan.rates, plan.tokens_per_tier
@@ -242,7 +246,8 @@ class OffloadedAdamW:
         shared = (f" (beside the CPU: streamed {r.streamed_shared / 1e9:.2f}, cpu {r.cpu_shared / 1e9:.2f})"
                   if r.streamed_shared else "")
         return (f"; device {self.config.device} adam {r.device_resident / 1e9:.2f} Gelem/s resident, "
-                f"{r.device_streamed / 1e9:.2f} streamed ({self.config.resolved_device_adam_kernel}){shared}")
+                f"{r.device_streamed / 1e9:.2f} streamed ({self.config.resolved_device_adam_kernel}, "
+                f"{self._device_update.fused_how}){shared}")
 
     # -- the update ----------------------------------------------------------------------------
     def step(self, *, unscale: Optional[float] = None, clip_coef: Optional[float] = None,
@@ -325,7 +330,8 @@ class OffloadedAdamW:
             lambda out: self.grad_source.to_device(sg.start, sg.end, out, unscale, clip_coef),
             lambda p, g, m, v, group, span: adam_piece(self.device_adam, self.param_groups, p, g, m, v, group, span,
                                                        step),
-            self.on_params_updated, self.param_high.to_device if self.config.param_remainders else None)
+            self.on_params_updated, self.param_high.to_device if self.config.param_remainders else None,
+            hyper=lambda g: hyper_of(self.param_groups[g]), step=step)
         t1 = time.perf_counter()
         rec.device_s += t1 - t0
         if self.trace is not None:

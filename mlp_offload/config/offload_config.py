@@ -70,6 +70,10 @@ class OffloadConfig:
     """Adam kernel of device updates; None: ``"foreach"`` on CUDA (torch.optim.AdamW's default
     there, megatron-core's kernel without apex/TE), ``adam_kernel`` on the CPU twin."""
 
+    device_one_pass: bool = True
+    """On CUDA, update with one kernel pass per element (``fused_update``) where it is bit-identical
+    to the multi-pass path on a start-up sample; False: always the multi-pass path."""
+
     device_chunk_elems: int = 100_000_000
     """Elements per chunk of a streamed device update (copy-in, Adam, copy-out overlap per chunk)."""
 

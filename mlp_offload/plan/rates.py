@@ -13,6 +13,7 @@ import torch
 from . import probe_cache
 from ..config import TierBandwidth, probe_piece_bytes
 from ..subgroups import Subgroup
+from ..fused_update import AdamHyper
 from ..update import Fp32Working
 from ..tiers.align import ALIGN, align_down
 from ..tiers.files import FileTier, fsync_path
@@ -169,10 +170,15 @@ def measure_device_rates(updater, adam_step, dtypes, numel: int, repeats: int = 
         def once(_):
             for _ in range(in_a_row):
                 fence = updater.update(sg, stored, resident, segments, lambda out: out.fill_(1e-3), adam, None,
-                                       lambda start, end, out: out.fill_(0.5))
+                                       lambda start, end, out: out.fill_(0.5), hyper=_measuring_hyper, step=1)
             fence.synchronize()
         return in_a_row * numel / _best_of(once, repeats)
     return run(dev, True), run(host, False)
+
+
+def _measuring_hyper(group: int) -> AdamHyper:
+    """Hyperparameters for timing the one-pass kernel (the rate does not depend on them)."""
+    return AdamHyper(1e-3, 0.9, 0.95, 1e-8, 0.1)
 
 
 def _best_of(fn, repeats: int) -> float:
@@ -233,7 +239,7 @@ def measure_shared_rates(updater, cpu_step, adam_step, dtypes, numel: int, piece
         start = time.perf_counter()
         for _ in range(in_a_row):
             fence = updater.update(sg, host, False, segments, lambda out: out.fill_(1e-3), adam, None,
-                                   lambda start, end, out: out.fill_(0.5))
+                                   lambda start, end, out: out.fill_(0.5), hyper=_measuring_hyper, step=1)
         cpu_elems, step = 0, 0
         while not fence.query():
             with torch.cuda.stream(side):  # the CPU path's PCIe traffic: its grads down, its params up

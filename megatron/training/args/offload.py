@@ -86,6 +86,8 @@ def add_groups(parser) -> None:
                    help="default: on a CPU device 'single', the kernel megatron-core's torch.optim.AdamW "
                         "runs there (bit-identical to it); on a GPU 'fused', the fastest")
     g.add_argument("--offload-no-cache", action="store_true")
+    g.add_argument("--offload-no-one-pass-update", action="store_true",
+                   help="device updates widen, step and round back in separate passes (as before the one-pass kernel)")
     g.add_argument("--offload-no-odirect", action="store_true")
     g.add_argument("--offload-no-checksums", action="store_true")
     g.add_argument("--offload-cpu-threads", type=positive_int, default=None)

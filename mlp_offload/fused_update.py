@@ -1,0 +1,257 @@
+"""One pass per element for the device update: widen the stored state, AdamW, round back, in one
+GPU kernel instead of eight to eleven full passes over fp32 working copies.
+
+The multi-pass path (``update.Fp32Working`` around ``update.AdamKernel``) reads and writes about
+70 bytes per element on the device; this kernel reads the stored state, the fp32 gradient and the
+bf16 high halves once and writes them once: 20 bytes per element with remainders and bf16 moments.
+
+It is exact: it performs the same fp32 operations, each rounded as torch's own kernels round it,
+as ``torch.optim.AdamW``'s foreach kernel on CUDA. Whether a contraction into a fused multiply-add
+happened inside torch's compiled kernels (lerp, addcmul, addcdiv) or a division by a scalar became a
+multiply by its reciprocal is a property of that build, so the kernel comes in variants and
+``verified_fused_update`` picks, at start-up, the first one whose results on a random sample are
+bit-identical to the multi-pass path with the engine's own kernel; where none is, the multi-pass
+path stays (and the start-up line says so). On a CPU device there is no such kernel: the
+multi-pass path is the CPU twin, and the CPU tests run it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+log = logging.getLogger("mlp_offload")
+
+try:  # Triton ships with torch's CUDA builds; the CPU build has none
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised on CPU-only installs
+    triton = None
+
+
+@dataclass(frozen=True)
+class AdamHyper:
+    """One param group's AdamW hyperparameters for one step (a scheduler may change lr between steps)."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+
+
+def hyper_of(group: dict) -> AdamHyper:
+    beta1, beta2 = group["betas"]
+    return AdamHyper(group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
+
+
+@dataclass(frozen=True)
+class Variant:
+    """How torch's build rounds three of AdamW's operations (see the module's docstring)."""
+
+    fma_lerp: bool
+    fma_addcmul: bool
+    fma_addcdiv: bool
+    reciprocal_div: bool
+
+    def describe(self) -> str:
+        fma = [name for name, on in (("lerp", self.fma_lerp), ("addcmul", self.fma_addcmul),
+                                     ("addcdiv", self.fma_addcdiv)) if on]
+        return f"fma in {'/'.join(fma) or 'none'}, {'reciprocal' if self.reciprocal_div else 'true'} division"
+
+
+# Most likely first: nvcc contracts a*b+c into an FMA by default; torch's foreach division by a
+# list of scalars divides, its tensor/CPU-scalar division multiplies by the reciprocal.
+VARIANTS: Tuple[Variant, ...] = tuple(
+    Variant(*flags) for flags in sorted(itertools.product((True, False), repeat=4),
+                                        key=lambda f: (not f[0], not f[1], not f[2], f[3])))
+
+if triton is not None:
+    @triton.jit
+    def _adamw_pass(p_ptr, high_ptr, g_ptr, m_ptr, v_ptr, n,
+                    decay, w1, beta2, w2, inv_or_bc2, eps, neg_step_size,
+                    REMAINDERS: tl.constexpr, DECAY: tl.constexpr, LERP_SMALL: tl.constexpr,
+                    FMA_LERP: tl.constexpr, FMA_ADDCMUL: tl.constexpr, FMA_ADDCDIV: tl.constexpr,
+                    RECIPROCAL: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if REMAINDERS:  # fp32 master = bf16 high half << 16 + int16 remainder (remainders.merge)
+            high = tl.load(high_ptr + offs, mask=mask, other=0.0).to(tl.int16, bitcast=True).to(tl.int32)
+            rem = tl.load(p_ptr + offs, mask=mask, other=0).to(tl.int32)
+            p = ((high << 16) + rem).to(tl.float32, bitcast=True)
+        else:
+            p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if DECAY:  # _foreach_mul_(params, 1 - lr * weight_decay)
+            p = p * decay
+        d = g - m  # _foreach_lerp_(exp_avgs, grads, 1 - beta1)
+        if LERP_SMALL:
+            if FMA_LERP:
+                m = tl.fma(w1, d, m)
+            else:
+                m = m + w1 * d
+        else:
+            if FMA_LERP:
+                m = tl.fma(-d, 1.0 - w1, g)
+            else:
+                m = g - d * (1.0 - w1)
+        v = v * beta2  # _foreach_mul_(exp_avg_sqs, beta2); _foreach_addcmul_(.., grads, grads, 1 - beta2)
+        gg = g * g
+        if FMA_ADDCMUL:
+            v = tl.fma(w2, gg, v)
+        else:
+            v = v + w2 * gg
+        root = tl.sqrt_rn(v)  # _foreach_sqrt, _foreach_div_(.., sqrt(1 - beta2^t)), _foreach_add_(.., eps)
+        if RECIPROCAL:
+            root = root * inv_or_bc2
+        else:
+            root = tl.div_rn(root, inv_or_bc2)
+        denom = root + eps
+        q = tl.div_rn(m, denom)  # _foreach_addcdiv_(params, exp_avgs, denom, -lr / (1 - beta1^t))
+        if FMA_ADDCDIV:
+            p = tl.fma(neg_step_size, q, p)
+        else:
+            p = p + neg_step_size * q
+        if REMAINDERS:  # remainders.split_: high half rounded half away, the low half as remainder
+            bits = p.to(tl.int32, bitcast=True)
+            h = (bits + 32768) >> 16
+            tl.store(p_ptr + offs, (bits - (h << 16)).to(tl.int16), mask=mask)
+            tl.store(high_ptr + offs, h.to(tl.int16).to(tl.bfloat16, bitcast=True), mask=mask)
+        else:
+            tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+        tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+        tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+
+
+def _f32(x: float) -> float:
+    """``x`` rounded to fp32, as torch rounds a Python scalar for an fp32 kernel."""
+    return torch.tensor(x, dtype=torch.float32).item()
+
+
+class FusedAdamW:
+    """AdamW in one pass over state stored in (param | int16 remainders, exp_avg, exp_avg_sq)
+    dtypes, on CUDA tensors; ``variant`` says how it rounds (``Variant``)."""
+
+    BLOCK = 2048
+
+    def __init__(self, variant: Variant):
+        if triton is None:
+            raise RuntimeError("the fused device update needs Triton (torch's CUDA builds ship it)")
+        self.variant = variant
+
+    def __call__(self, stored: Sequence[torch.Tensor], grad: torch.Tensor, high: Optional[torch.Tensor],
+                 hyper: AdamHyper, step: int) -> None:
+        """``stored``: (param or remainders, exp_avg, exp_avg_sq), updated in place; ``grad`` fp32;
+        ``high``: the bf16 high halves of a remainders master (read and updated in place)."""
+        p, m, v = stored
+        n = p.numel()
+        if n == 0:
+            return
+        remainders = p.dtype == torch.int16
+        if remainders and high is None:
+            raise ValueError("a master stored as remainders needs its bf16 high halves")
+        bc1 = 1 - hyper.beta1 ** step
+        bc2_sqrt = (1 - hyper.beta2 ** step) ** 0.5
+        w1 = 1 - hyper.beta1
+        var = self.variant
+        # torch's CUDA division by a CPU scalar multiplies by its fp32 reciprocal
+        divisor = 1.0 / _f32(bc2_sqrt) if var.reciprocal_div else bc2_sqrt
+        grid = (triton.cdiv(n, self.BLOCK),)
+        _adamw_pass[grid](
+            p, high if remainders else p, grad, m, v, n,
+            _f32(1 - hyper.lr * hyper.weight_decay), _f32(w1), _f32(hyper.beta2), _f32(1 - hyper.beta2),
+            _f32(divisor), _f32(hyper.eps), _f32((hyper.lr / bc1) * -1),
+            REMAINDERS=remainders, DECAY=hyper.weight_decay != 0, LERP_SMALL=abs(_f32(w1)) < 0.5,
+            FMA_LERP=var.fma_lerp, FMA_ADDCMUL=var.fma_addcmul, FMA_ADDCDIV=var.fma_addcdiv,
+            RECIPROCAL=var.reciprocal_div, BLOCK=self.BLOCK, num_warps=8, enable_fp_fusion=False)
+
+
+def multi_pass_step(adam_kernel, dtypes: Sequence[torch.dtype], stored: Sequence[torch.Tensor], grad: torch.Tensor,
+                    high: Optional[torch.Tensor], hyper: AdamHyper, step: int) -> None:
+    """The reference the fused kernel must equal: widen to fp32, the engine's AdamW, round back."""
+    from .update import Fp32Working
+
+    working = Fp32Working(list(dtypes), stored[0].numel(), stored[0].device)
+    wide = working.widen(list(stored), high)
+    adam_kernel(wide[0], grad, wide[1], wide[2], step=step, lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2,
+                eps=hyper.eps, weight_decay=hyper.weight_decay)
+    working.round_back(list(stored), wide, high)
+
+
+def sample_state(dtypes: Sequence[torch.dtype], numel: int, device, seed: int = 0):
+    """Random state in ``dtypes`` (remainders of random fp32 masters where int16), fp32 grads and bf16
+    high halves, spread over magnitudes where rounding differences show."""
+    from .remainders import split
+
+    gen = torch.Generator().manual_seed(seed)
+    master = torch.randn(numel, generator=gen) * torch.exp2(torch.randint(-8, 4, (numel,), generator=gen).float())
+    rem, high = split(master)
+    first = rem if dtypes[0] == torch.int16 else master.to(dtypes[0])
+    m = (torch.randn(numel, generator=gen) * 1e-3).to(dtypes[1])
+    v = (torch.rand(numel, generator=gen) * 1e-6).to(dtypes[2])
+    grad = torch.randn(numel, generator=gen) * torch.exp2(torch.randint(-12, 0, (numel,), generator=gen).float())
+    return [t.to(device) for t in (first, m, v)], grad.to(device), high.to(device)
+
+
+SAMPLE_HYPERS = (AdamHyper(3e-4, 0.9, 0.95, 1e-8, 0.1), AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.0))
+
+
+def matches(fused: Callable, adam_kernel, dtypes: Sequence[torch.dtype], device, numel: int = 1 << 20,
+            steps: int = 3) -> bool:
+    """Whether ``fused`` gives the multi-pass path's bits on random state, over ``steps`` steps of
+    each sample hyperparameter set (weight decay on and off)."""
+    for seed, hyper in enumerate(SAMPLE_HYPERS):
+        ours, grad, high_ours = sample_state(dtypes, numel, device, seed)
+        ref = [t.clone() for t in ours]
+        high_ref = high_ours.clone()
+        for step in range(1, steps + 1):
+            fused(ours, grad, high_ours, hyper, step)
+            multi_pass_step(adam_kernel, dtypes, ref, grad, high_ref, hyper, step)
+        same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(ours, ref))
+        if not same or not torch.equal(high_ours.view(torch.int16), high_ref.view(torch.int16)):
+            return False
+    return True
+
+
+def verified_fused_update(device, dtypes: Sequence[torch.dtype], adam_kernel,
+                          variants: Sequence[Variant] = VARIANTS) -> Tuple[Optional[FusedAdamW], str]:
+    """The fused kernel in the first variant bit-identical to the multi-pass path with
+    ``adam_kernel`` on this device, or None (the multi-pass path stays); and a phrase for the log."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None, "multi-pass (CPU device)"
+    if triton is None:
+        return None, "multi-pass (no Triton)"
+    if adam_kernel.kind == "fused":  # torch's fused CUDA kernel computes another formula
+        return None, "multi-pass (torch's fused kernel)"
+    tried: List[str] = []
+    for variant in variants:
+        fused = FusedAdamW(variant)
+        try:
+            if matches(fused, adam_kernel, dtypes, device):
+                return fused, f"one pass ({variant.describe()}; bit-identical to the multi-pass path on a sample)"
+        except Exception as err:  # a Triton that cannot build it: the multi-pass path is always there
+            log.warning("fused device update unavailable (%s: %s); using the multi-pass path",
+                        type(err).__name__, err)
+            return None, "multi-pass (fused kernel failed to build)"
+        tried.append(variant.describe())
+    return None, f"multi-pass (no fused variant was bit-identical: tried {len(tried)})"
+
+
+class ReferenceOnePass:
+    """The one-pass interface over the multi-pass arithmetic: the fused kernel's stand-in where
+    there is no GPU, so the CPU tests run the device update's one-pass slicing (chunks, param
+    group pieces, high halves) and compare it with the multi-pass path."""
+
+    def __init__(self, adam_kernel, dtypes: Sequence[torch.dtype]):
+        self.adam_kernel, self.dtypes = adam_kernel, list(dtypes)
+
+    def __call__(self, stored: Sequence[torch.Tensor], grad: torch.Tensor, high: Optional[torch.Tensor],
+                 hyper: AdamHyper, step: int) -> None:
+        multi_pass_step(self.adam_kernel, self.dtypes, stored, grad, high, hyper, step)
