@@ -102,8 +102,9 @@ def test_variants_are_distinct_and_a_cpu_device_keeps_the_multi_pass_path():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel needs a CUDA device")
 @pytest.mark.parametrize("master", ["fp32", "rem16", "fp16"])
 @pytest.mark.parametrize("moments", [("fp32", "fp32"), ("bf16", "bf16"), ("fp16", "fp32")])
-@pytest.mark.parametrize("kind", ["foreach", "single"])
-def test_fused_kernel_is_bit_identical_on_cuda(master, moments, kind):
+def test_fused_kernel_is_bit_identical_on_cuda(master, moments):
+    """The engine's device kernel on CUDA is foreach (torch.optim.AdamW's default there, megatron-core's)."""
+    kind = "foreach"
     kernel = AdamKernel(kind)
     dtypes = [torch.int16 if master == "rem16" else DTYPES[master], *(DTYPES[m] for m in moments)]
     fused, how = verified_fused_update("cuda", dtypes, kernel)
@@ -157,3 +158,16 @@ def test_one_pass_engine_on_gpu_and_streamed_host_state_gives_the_multi_pass_bit
     assert states[1][2] and not states[0][2]
     for got, want in zip([*states[1][0], states[1][1]], [*states[0][0], states[0][1]]):
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel needs a CUDA device")
+def test_a_kernel_no_variant_reproduces_keeps_the_multi_pass_path():
+    """torch's single-tensor CUDA AdamW rounds unlike every variant (H200, torch 2.11): the start-up check
+    must then keep the multi-pass path, or return a kernel that really matches."""
+    dtypes = [torch.int16, torch.bfloat16, torch.bfloat16]
+    kernel = AdamKernel("single")
+    fused, how = verified_fused_update("cuda", dtypes, kernel)
+    if fused is None:
+        assert "multi-pass" in how
+    else:
+        assert matches(fused, kernel, dtypes, "cuda", numel=1 << 16, steps=5)
