@@ -1,0 +1,406 @@
+"""One pass per element for the CPU update: merge/widen the stored state, AdamW, round back and
+split, block by block in the cache, in a small C++ extension built at run time (``load_inline``,
+cached under the user's torch extensions directory, one build per CPU model and source).
+
+The multi-pass path (``update.Fp32Working`` around ``update.AdamKernel``) makes about eight full
+passes over a subgroup; this kernel reads the stored state, the fp32 gradient and the bf16 high
+halves once and writes them once. ``fused_update`` is its GPU twin and defines the arithmetic; on
+the CPU, torch's own kernels differ from it in three ways, measured on torch 2.13's CPU build and
+covered by ``CpuVariant``:
+
+* operand order: ``addcmul_`` computes ``v + (w2 * g) * g`` and ``addcdiv_`` ``p + (s * m) / d``
+  (``torch_order``), where the CUDA foreach kernels compute ``w2 * (g * g)`` and ``s * (m / d)``;
+* the square root: torch's vectorised CPU ``sqrt`` (MKL's ``vsSqrt`` in that build) is not
+  correctly rounded (about one element in five is an ulp off); ``torch_sqrt`` runs torch's own
+  ``sqrt`` on each block (elementwise and position-independent, so a block gives the bits a whole
+  tensor gets), otherwise ``std::sqrt`` (IEEE);
+* the FMA contractions and the reciprocal division, as ``fused_update.Variant``.
+
+``verified_cpu_one_pass`` picks, at start-up, the first variant bit-identical to the multi-pass
+path with the engine's kernel on a random sample (as ``fused_update.verified_fused_update`` does on
+the device), or None: the multi-pass path always remains. ``cpu_one_pass_like`` gives the kernel
+in the arithmetic of a device ``Variant`` (so CPU-updated subgroups can carry the device's bits).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import itertools
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from .fused_update import AdamHyper, Variant, _f32, matches
+
+log = logging.getLogger("mlp_offload")
+
+BLOCK = 4096  # elements per block: each thread's working set (p, m, v, sqrt) stays in L1/L2
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t BLOCK = %(block)d;
+enum Kind : int { F32 = 0, BF16 = 1, F16 = 2, REM16 = 3 };
+
+struct Scalars {
+  float decay, w1, one_minus_w1, beta2, w2, div, eps, neg_step;
+};
+
+inline float from_bits(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline uint32_t to_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+
+// fp32 -> bf16 round to nearest even, as c10::BFloat16 (Tensor.copy_) does; NaN -> 0x7fc0
+inline uint16_t to_bf16(float f) {
+  uint32_t u = to_bits(f);
+  uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return f != f ? uint16_t(0x7fc0) : uint16_t(r);
+}
+
+template <int K> void widen(const void* src, const uint16_t* high, float* dst, int64_t n) {
+  if constexpr (K == BF16) {
+    const uint16_t* s = static_cast<const uint16_t*>(src);
+    for (int64_t i = 0; i < n; ++i) dst[i] = from_bits(uint32_t(s[i]) << 16);
+  } else if constexpr (K == F16) {
+    const c10::Half* s = static_cast<const c10::Half*>(src);
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(s[i]);
+  } else if constexpr (K == REM16) {  // remainders.merge: (high half << 16) + remainder, int32 wrapping
+    const int16_t* s = static_cast<const int16_t*>(src);
+    for (int64_t i = 0; i < n; ++i)
+      dst[i] = from_bits((uint32_t(int32_t(int16_t(high[i]))) << 16) + uint32_t(int32_t(s[i])));
+  }
+}
+
+template <int K> void narrow(const float* src, void* dst, uint16_t* high, int64_t n) {
+  if constexpr (K == BF16) {
+    uint16_t* d = static_cast<uint16_t*>(dst);
+    for (int64_t i = 0; i < n; ++i) d[i] = to_bf16(src[i]);
+  } else if constexpr (K == F16) {
+    c10::Half* d = static_cast<c10::Half*>(dst);
+    for (int64_t i = 0; i < n; ++i) d[i] = c10::Half(src[i]);
+  } else if constexpr (K == REM16) {  // remainders.split_: high half rounded half away, low half kept
+    int16_t* d = static_cast<int16_t*>(dst);
+    for (int64_t i = 0; i < n; ++i) {
+      uint32_t u = to_bits(src[i]);
+      high[i] = uint16_t((u + 0x8000u) >> 16);
+      d[i] = int16_t(uint16_t(u));
+    }
+  }
+}
+
+// decoupled weight decay (decay is 1 without it: x * 1 is x), lerp, the second moment
+template <bool SMALL, bool FMA_LERP, bool FMA_ADDCMUL, bool TORCH_ORDER>
+void first_half(float* __restrict p, const float* __restrict g, float* __restrict m, float* __restrict v,
+                int64_t n, Scalars s) {
+  for (int64_t i = 0; i < n; ++i) {
+    float gi = g[i], mi = m[i];
+    p[i] = p[i] * s.decay;
+    float d = gi - mi;
+    if constexpr (SMALL) mi = FMA_LERP ? std::fma(s.w1, d, mi) : mi + s.w1 * d;
+    else mi = FMA_LERP ? std::fma(-d, s.one_minus_w1, gi) : gi - d * s.one_minus_w1;
+    m[i] = mi;
+    float vi = v[i] * s.beta2;
+    if constexpr (TORCH_ORDER) {
+      float wg = s.w2 * gi;
+      vi = FMA_ADDCMUL ? std::fma(wg, gi, vi) : vi + wg * gi;
+    } else {
+      float gg = gi * gi;
+      vi = FMA_ADDCMUL ? std::fma(s.w2, gg, vi) : vi + s.w2 * gg;
+    }
+    v[i] = vi;
+  }
+}
+
+// denominator and the parameter step; root: torch's sqrt of v, or nullptr for std::sqrt
+template <bool INLINE_SQRT, bool RECIPROCAL, bool FMA_ADDCDIV, bool TORCH_ORDER>
+void second_half(float* __restrict p, const float* __restrict m, const float* __restrict v,
+                 const float* __restrict root, int64_t n, Scalars s) {
+  for (int64_t i = 0; i < n; ++i) {
+    float r = INLINE_SQRT ? std::sqrt(v[i]) : root[i];
+    r = RECIPROCAL ? r * s.div : r / s.div;
+    float denom = r + s.eps;
+    float pi = p[i];
+    if constexpr (TORCH_ORDER) {
+      pi = pi + (s.neg_step * m[i]) / denom;
+    } else {
+      float q = m[i] / denom;
+      pi = FMA_ADDCDIV ? std::fma(s.neg_step, q, pi) : pi + s.neg_step * q;
+    }
+    p[i] = pi;
+  }
+}
+
+using FirstFn = void (*)(float*, const float*, float*, float*, int64_t, Scalars);
+using SecondFn = void (*)(float*, const float*, const float*, const float*, int64_t, Scalars);
+using WidenFn = void (*)(const void*, const uint16_t*, float*, int64_t);
+using NarrowFn = void (*)(const float*, void*, uint16_t*, int64_t);
+
+template <int B> FirstFn first_for(int bits) {
+  if constexpr (B == 16) { return nullptr; } else {
+    if (bits == B)
+      return first_half<bool(B & 1), bool(B & 2), bool(B & 4), bool(B & 8)>;
+    return first_for<B + 1>(bits);
+  }
+}
+template <int B> SecondFn second_for(int bits) {
+  if constexpr (B == 16) { return nullptr; } else {
+    if (bits == B)
+      return second_half<bool(B & 1), bool(B & 2), bool(B & 4), bool(B & 8)>;
+    return second_for<B + 1>(bits);
+  }
+}
+WidenFn widen_for(int kind) {
+  switch (kind) { case BF16: return widen<BF16>; case F16: return widen<F16>; case REM16: return widen<REM16>; }
+  return nullptr;
+}
+NarrowFn narrow_for(int kind) {
+  switch (kind) { case BF16: return narrow<BF16>; case F16: return narrow<F16>; case REM16: return narrow<REM16>; }
+  return nullptr;
+}
+
+int kind_of(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return F32;
+    case at::kBFloat16: return BF16;
+    case at::kHalf: return F16;
+    case at::kShort: return REM16;
+    default: TORCH_CHECK(false, "cpu one-pass AdamW: unsupported stored dtype ", t.scalar_type());
+  }
+  return F32;
+}
+
+}  // namespace
+
+// flags: 1 small lerp weight, 2 fma lerp, 4 fma addcmul, 8 fma addcdiv, 16 reciprocal division,
+// 32 torch's operand order, 64 torch's sqrt
+void adamw(at::Tensor p, at::Tensor high, at::Tensor g, at::Tensor m, at::Tensor v, std::vector<double> scalars,
+           int64_t flags) {
+  const int64_t n = p.numel();
+  TORCH_CHECK(g.numel() == n && m.numel() == n && v.numel() == n, "cpu one-pass AdamW: sizes differ");
+  TORCH_CHECK(g.scalar_type() == at::kFloat, "cpu one-pass AdamW: gradients must be fp32");
+  TORCH_CHECK(p.is_contiguous() && g.is_contiguous() && m.is_contiguous() && v.is_contiguous(),
+              "cpu one-pass AdamW: tensors must be contiguous");
+  TORCH_CHECK(scalars.size() == 8, "cpu one-pass AdamW: 8 scalars");
+  if (n == 0) return;
+  const int kp = kind_of(p), km = kind_of(m), kv = kind_of(v);
+  TORCH_CHECK(km != REM16 && kv != REM16, "cpu one-pass AdamW: int16 moments");
+  uint16_t* hp = nullptr;
+  if (kp == REM16) {
+    TORCH_CHECK(high.numel() == n && high.scalar_type() == at::kBFloat16 && high.is_contiguous(),
+                "cpu one-pass AdamW: remainders need their bf16 high halves");
+    hp = reinterpret_cast<uint16_t*>(high.data_ptr());
+  }
+  Scalars s{float(scalars[0]), float(scalars[1]), float(scalars[2]), float(scalars[3]), float(scalars[4]),
+            float(scalars[5]), float(scalars[6]), float(scalars[7])};
+  const bool torch_order = flags & 32, torch_sqrt = flags & 64;
+  FirstFn first = first_for<0>(int((flags & 1) | (flags & 2) | (flags & 4) | (torch_order ? 8 : 0)));
+  SecondFn second = second_for<0>(int((torch_sqrt ? 0 : 1) | ((flags & 16) ? 2 : 0) | ((flags & 8) ? 4 : 0) |
+                                      (torch_order ? 8 : 0)));
+  char* pp = static_cast<char*>(p.data_ptr());
+  char* mp = static_cast<char*>(m.data_ptr());
+  char* vp = static_cast<char*>(v.data_ptr());
+  const float* gp = g.data_ptr<float>();
+  const int64_t ps = p.element_size(), ms = m.element_size(), vs = v.element_size();
+  WidenFn wp = widen_for(kp), wm = widen_for(km), wv = widen_for(kv);
+  NarrowFn np_ = narrow_for(kp), nm = narrow_for(km), nv = narrow_for(kv);
+  const int64_t blocks = (n + BLOCK - 1) / BLOCK;
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> scratch(4 * BLOCK);
+    float* bufp = scratch.data();
+    float* bufm = bufp + BLOCK;
+    float* bufv = bufm + BLOCK;
+    float* bufr = bufv + BLOCK;
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t lo = b * BLOCK, len = std::min(BLOCK, n - lo);
+      uint16_t* hb = hp ? hp + lo : nullptr;
+      float* P = kp == F32 ? reinterpret_cast<float*>(pp) + lo : bufp;
+      float* M = km == F32 ? reinterpret_cast<float*>(mp) + lo : bufm;
+      float* V = kv == F32 ? reinterpret_cast<float*>(vp) + lo : bufv;
+      if (wp) wp(pp + lo * ps, hb, P, len);
+      if (wm) wm(mp + lo * ms, nullptr, M, len);
+      if (wv) wv(vp + lo * vs, nullptr, V, len);
+      first(P, gp + lo, M, V, len, s);
+      if (torch_sqrt) {  // torch's own elementwise sqrt of this block (not correctly rounded everywhere)
+        auto opts = at::TensorOptions().dtype(at::kFloat);
+        at::Tensor out = at::from_blob(bufr, {len}, opts);
+        at::sqrt_out(out, at::from_blob(V, {len}, opts));
+      }
+      second(P, M, V, bufr, len, s);
+      if (np_) np_(P, pp + lo * ps, hb, len);
+      if (nm) nm(M, mp + lo * ms, nullptr, len);
+      if (nv) nv(V, vp + lo * vs, nullptr, len);
+    }
+  });
+}
+"""
+
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"]
+
+
+@dataclass(frozen=True)
+class CpuVariant:
+    """How the CPU kernel rounds: ``arith`` as the device kernel's ``Variant`` (FMA contractions,
+    reciprocal division); ``torch_order``: torch's CPU operand order in addcmul ((w2*g)*g) and
+    addcdiv ((s*m)/d; there is no FMA to contract, ``arith.fma_addcdiv`` is unused);
+    ``torch_sqrt``: torch's CPU sqrt instead of the IEEE one."""
+
+    arith: Variant
+    torch_order: bool
+    torch_sqrt: bool
+
+    def flags(self, small: bool) -> int:
+        a = self.arith
+        return (small | a.fma_lerp << 1 | a.fma_addcmul << 2 | (a.fma_addcdiv and not self.torch_order) << 3
+                | a.reciprocal_div << 4 | self.torch_order << 5 | self.torch_sqrt << 6)
+
+    def describe(self) -> str:
+        a = self.arith
+        fma = [name for name, on in (("lerp", a.fma_lerp), ("addcmul", a.fma_addcmul),
+                                     ("addcdiv", a.fma_addcdiv and not self.torch_order)) if on]
+        return (f"{'torch CPU' if self.torch_order else 'CUDA foreach'} operand order, "
+                f"fma in {'/'.join(fma) or 'none'}, {'reciprocal' if a.reciprocal_div else 'true'} division, "
+                f"{'torch' if self.torch_sqrt else 'IEEE'} sqrt")
+
+
+def device_variant(variant: Variant) -> CpuVariant:
+    """The CPU kernel in a device kernel's (``fused_update``'s) arithmetic."""
+    return CpuVariant(variant, torch_order=False, torch_sqrt=False)
+
+
+def cpu_variants(torch_sqrt_first: bool = True) -> Tuple[CpuVariant, ...]:
+    """Every distinct variant, torch's CPU forms first (its kernels contract lerp and addcmul into
+    FMAs and divide truly in torch 2.13's AVX2/AVX512 code)."""
+    out: List[CpuVariant] = []
+    for order, sqrt_, lerp, cmul, recip, cdiv in itertools.product(
+            (True, False), (torch_sqrt_first, not torch_sqrt_first), (True, False), (True, False), (False, True),
+            (True, False)):
+        if order and cdiv:  # no FMA in torch's addcdiv order: one variant, not two
+            continue
+        out.append(CpuVariant(Variant(lerp, cmul, cdiv, recip), order, sqrt_))
+    return tuple(out)
+
+
+def _cpu_fingerprint() -> str:
+    """The CPU model and flags: a -march=native build must not run on another CPU (a shared home)."""
+    text = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "flags")):
+                    text += line
+                if line.startswith("flags"):
+                    break
+    except OSError:
+        import platform
+        text = platform.processor() + platform.machine()
+    return hashlib.sha1(text.encode()).hexdigest()[:10]
+
+
+_build_error: Optional[str] = None
+
+
+@functools.lru_cache(maxsize=None)
+def extension():
+    """The compiled extension, built once per CPU (cached under torch's extensions directory; its
+    build directory is locked while a process builds, so concurrent processes build it once), or
+    None where it cannot be built (the reason in ``build_error()``)."""
+    global _build_error
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        started = time.perf_counter()
+        ext = load_inline(name=f"mlp_offload_cpu_one_pass_{_cpu_fingerprint()}",
+                          cpp_sources=_SOURCE % {"block": BLOCK}, functions=["adamw"],
+                          extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+        seconds = time.perf_counter() - started
+        if seconds > 2:
+            log.info("built the CPU one-pass AdamW kernel in %.1f s", seconds)
+        return ext
+    except Exception as err:  # no compiler, no ninja, a failed build: the multi-pass path remains
+        _build_error = f"{type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err).strip() else ''}"
+        return None
+
+
+def build_error() -> Optional[str]:
+    return _build_error
+
+
+class CpuOnePass:
+    """AdamW in one pass over CPU state stored in (param | int16 remainders, exp_avg, exp_avg_sq)
+    dtypes, with the signature of ``fused_update.FusedAdamW``; ``variant`` says how it rounds."""
+
+    def __init__(self, variant: CpuVariant, ext=None):
+        self.variant = variant
+        self.ext = ext if ext is not None else extension()
+        if self.ext is None:
+            raise RuntimeError(f"the CPU one-pass kernel could not be built ({build_error()})")
+
+    def __call__(self, stored: Sequence[torch.Tensor], grad: torch.Tensor, high: Optional[torch.Tensor],
+                 hyper: AdamHyper, step: int) -> None:
+        """``stored``: (param or remainders, exp_avg, exp_avg_sq), updated in place; ``grad`` fp32;
+        ``high``: the bf16 high halves of a remainders master (read and updated in place)."""
+        p, m, v = stored
+        if p.numel() == 0:
+            return
+        if p.dtype == torch.int16 and high is None:
+            raise ValueError("a master stored as remainders needs its bf16 high halves")
+        # The scalars as torch rounds them for its fp32 kernels (as fused_update.FusedAdamW does).
+        bc1 = 1 - hyper.beta1 ** step
+        bc2_sqrt = (1 - hyper.beta2 ** step) ** 0.5
+        w1 = _f32(1 - hyper.beta1)
+        divisor = _f32(1.0 / _f32(bc2_sqrt)) if self.variant.arith.reciprocal_div else _f32(bc2_sqrt)
+        decay = _f32(1 - hyper.lr * hyper.weight_decay) if hyper.weight_decay != 0 else 1.0
+        scalars = [decay, w1, _f32(1.0 - w1), _f32(hyper.beta2), _f32(1 - hyper.beta2), divisor, _f32(hyper.eps),
+                   _f32((hyper.lr / bc1) * -1)]
+        self.ext.adamw(p, high if high is not None else p, grad, m, v, scalars,
+                       self.variant.flags(abs(w1) < 0.5))
+
+
+def cpu_one_pass_like(variant: Variant) -> Optional[CpuOnePass]:
+    """The CPU kernel in the device kernel's arithmetic (``variant``, as ``verified_fused_update``
+    chose it), so CPU-updated subgroups get the device-updated ones' bits; None without a build."""
+    ext = extension()
+    return CpuOnePass(device_variant(variant), ext) if ext is not None else None
+
+
+def torch_sqrt_is_ieee(numel: int = 1 << 18) -> bool:
+    """Whether torch's CPU sqrt gives the correctly rounded fp32 square root on a random sample
+    (through float64: sqrt rounded twice is still correctly rounded for fp32 operands)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.rand(numel, generator=gen) * torch.exp2(torch.randint(-40, 10, (numel,), generator=gen).float())
+    return torch.equal(x.sqrt(), x.double().sqrt().float())
+
+
+def verified_cpu_one_pass(dtypes: Sequence[torch.dtype], adam_kernel,
+                          variants: Optional[Sequence[CpuVariant]] = None) -> Tuple[Optional[CpuOnePass], str]:
+    """The CPU kernel in the first variant bit-identical to the multi-pass path with ``adam_kernel``
+    on this CPU, or None (the multi-pass path stays); and a phrase for the log."""
+    if adam_kernel.kind == "fused":  # torch's fused CPU kernel: span-dependent vector/scalar paths
+        return None, "multi-pass (torch's fused kernel)"
+    ext = extension()
+    if ext is None:
+        log.warning("CPU one-pass AdamW unavailable (%s); using the multi-pass path", build_error())
+        return None, "multi-pass (one-pass kernel failed to build)"
+    if variants is None:
+        variants = cpu_variants(torch_sqrt_first=not torch_sqrt_is_ieee())
+    for variant in variants:
+        kernel = CpuOnePass(variant, ext)
+        try:
+            if matches(kernel, adam_kernel, dtypes, "cpu", numel=1 << 18):
+                return kernel, f"one pass ({variant.describe()}; bit-identical to the multi-pass path on a sample)"
+        except Exception as err:  # never a crash: the multi-pass path is always there
+            log.warning("CPU one-pass AdamW failed (%s: %s); using the multi-pass path", type(err).__name__, err)
+            return None, "multi-pass (one-pass kernel failed)"
+    return None, f"multi-pass (no CPU one-pass variant was bit-identical: tried {len(variants)})"
