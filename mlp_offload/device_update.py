@@ -86,11 +86,13 @@ class DeviceUpdate:
         self._buffers = [[torch.empty(self.chunk, dtype=d, device=self.device) for d in self.dtypes]
                          for _ in range(2)]
         self._free = [None, None]  # per buffer: its last copy-out (the next copy-in waits for it)
-        self._working = Fp32Working(self.dtypes, self.chunk, self.device)
+        # fp32 working copies for the multi-pass path only: made at its first use, so that with the
+        # one-pass kernel their 1.2 GB (three fp32 chunks of 1e8) stay free for the gpu tier.
+        self._working: Optional[Fp32Working] = None
         # A master stored as remainders: its chunk's bf16 high halves (read from the model, and
         # the updated ones handed back), on the device.
         self._high = (torch.empty(self.chunk, dtype=torch.bfloat16, device=self.device)
-                      if self._working.remainders else None)
+                      if self.dtypes[0] == torch.int16 else None)
         self.grad = torch.empty(largest, dtype=torch.float32, device=self.device)
         self._turn = 0
         # The one-pass kernel (fused_update), where it was verified bit-identical on this device;
@@ -103,7 +105,8 @@ class DeviceUpdate:
         """Device memory it holds beside the device tier's budget."""
         per = sum(torch.empty(0, dtype=d).element_size() for d in self.dtypes) * self.chunk
         high = 0 if self._high is None else self._high.numel() * 2
-        return 2 * per + self._working.nbytes + self.grad.numel() * 4 + high
+        working = 0 if self._working is None else self._working.nbytes
+        return 2 * per + working + self.grad.numel() * 4 + high
 
     def update(self, sg: Subgroup, stored: List[torch.Tensor], resident: bool, segments: Sequence[Segment],
                fill_grads: Callable[[torch.Tensor], None], adam: Callable, on_params,
@@ -159,6 +162,8 @@ class DeviceUpdate:
             if on_params is not None:
                 on_params(sg.start + c0, sg.start + c1, chunk[0] if high is None else high)
             return
+        if self._working is None:
+            self._working = Fp32Working(self.dtypes, self.chunk, self.device)
         param, exp_avg, exp_avg_sq = wide = self._working.widen(chunk, high)
         for lo, hi, g, span in segments:
             a, b = max(lo, c0), min(hi, c1)
