@@ -311,26 +311,57 @@ def _cpu_fingerprint() -> str:
 _build_error: Optional[str] = None
 
 
+def _name() -> str:
+    """One extension per CPU, source and flags: a cached build is never stale, so a process that
+    finds it built imports it without asking ninja (about a second per process otherwise)."""
+    key = f"{_cpu_fingerprint()}\n{_SOURCE}\n{BLOCK}\n{CFLAGS}\n{torch.__version__}"
+    return f"mlp_offload_cpu_one_pass_{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+
+
+def _import_built(name: str):
+    """The extension from an earlier build, or None (not built, or a build under way: its lock)."""
+    import importlib.util
+    from torch.utils.cpp_extension import _get_build_directory
+
+    folder = _get_build_directory(name, verbose=False)
+    path = os.path.join(folder, f"{name}.so")
+    if not os.path.exists(path) or os.path.exists(os.path.join(folder, "lock")):
+        return None
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @functools.lru_cache(maxsize=None)
 def extension():
     """The compiled extension, built once per CPU (cached under torch's extensions directory; its
     build directory is locked while a process builds, so concurrent processes build it once), or
     None where it cannot be built (the reason in ``build_error()``)."""
     global _build_error
+    name = _name()
     try:
-        from torch.utils.cpp_extension import load_inline
-
-        started = time.perf_counter()
-        ext = load_inline(name=f"mlp_offload_cpu_one_pass_{_cpu_fingerprint()}",
-                          cpp_sources=_SOURCE % {"block": BLOCK}, functions=["adamw"],
-                          extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
-        seconds = time.perf_counter() - started
-        if seconds > 2:
-            log.info("built the CPU one-pass AdamW kernel in %.1f s", seconds)
-        return ext
+        try:
+            built = _import_built(name)
+        except Exception:  # a half-written file from a build that died: build it again
+            built = None
+        return built or _build(name)
     except Exception as err:  # no compiler, no ninja, a failed build: the multi-pass path remains
-        _build_error = f"{type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err).strip() else ''}"
+        lines = str(err).strip().splitlines()
+        _build_error = f"{type(err).__name__}: {lines[-1] if lines else ''}"
         return None
+
+
+def _build(name: str):
+    from torch.utils.cpp_extension import load_inline
+
+    started = time.perf_counter()
+    ext = load_inline(name=name, cpp_sources=_SOURCE % {"block": BLOCK}, functions=["adamw"],
+                      extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+    seconds = time.perf_counter() - started
+    if seconds > 2:
+        log.info("built the CPU one-pass AdamW kernel in %.1f s", seconds)
+    return ext
 
 
 def build_error() -> Optional[str]:

@@ -1,6 +1,7 @@
 """The update on the CPU, subgroup by subgroup: its gradients converted into one of two fp32
 scratch buffers (the next subgroup's arrive in the other during this one's Adam), its stored state
-widened to fp32, AdamW, rounded back, and the updated params handed to the caller.
+widened to fp32, AdamW, rounded back (or all three in one pass, ``cpu_one_pass``), and the updated
+params handed to the caller.
 ``device_update`` is the device's share of a step; the engine decides which subgroup goes where.
 """
 
@@ -12,6 +13,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from .device_update import Segment
+from .fused_update import hyper_of
 from .gradients import GradientSource
 from .pipeline import StateViews
 from .remainders import ParamHighSource
@@ -41,6 +43,9 @@ class CpuUpdate:
         self.subgroups, self.segments, self.param_groups, self.adam = subgroups, segments, param_groups, adam
         self.working, self.grad_source, self.scratch = working, grad_source, scratch
         self.high, self.param_high, self.on_params_updated, self.trace = high, param_high, on_params_updated, trace
+        # A verified one-pass kernel (``cpu_one_pass.verified_cpu_one_pass``) in place of widen, Adam
+        # and round back, with the signature of ``fused_update.FusedAdamW``; None: the multi-pass path.
+        self.one_pass: Optional[Callable] = None
         self._high_fence = None  # the last subgroup's bf16 params may still be copied out of ``high``
         self._order, self._turn = [], {}
 
@@ -69,11 +74,16 @@ class CpuUpdate:
             self.param_high.fill(sg.start, sg.end, high)
         t1 = time.perf_counter()
         stored = views.narrow(sg.numel)
-        param, exp_avg, exp_avg_sq = wide = self.working.widen(stored, high)
-        for lo, hi, g, span in self.segments[i]:
-            adam_piece(self.adam, self.param_groups, param[lo:hi], grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi],
-                       g, span, step)
-        self.working.round_back(stored, wide, high)
+        if self.one_pass is not None:  # on the stored views, each param group's piece in one pass
+            for lo, hi, g, _ in self.segments[i]:
+                self.one_pass([t[lo:hi] for t in stored], grad[lo:hi], None if high is None else high[lo:hi],
+                              hyper_of(self.param_groups[g]), step)
+        else:
+            param, exp_avg, exp_avg_sq = wide = self.working.widen(stored, high)
+            for lo, hi, g, span in self.segments[i]:
+                adam_piece(self.adam, self.param_groups, param[lo:hi], grad[lo:hi], exp_avg[lo:hi],
+                           exp_avg_sq[lo:hi], g, span, step)
+            self.working.round_back(stored, wide, high)
         t2 = time.perf_counter()
         if high is not None:
             self._high_fence = self.on_params_updated(sg.start, sg.end, high)

@@ -21,6 +21,7 @@ from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
 import torch
 
 from .config import GPU_TIER, OffloadConfig, OffloadConfigError
+from .cpu_one_pass import verified_cpu_one_pass
 from .cpu_update import CpuUpdate, adam_piece
 from .device_update import DeviceUpdate
 from .fused_update import hyper_of, verified_fused_update
@@ -150,8 +151,10 @@ class OffloadedAdamW:
         if self._device_update is not None and cfg.device_one_pass:  # before the rates are measured: they time it
             self._device_update.fused, self._device_update.fused_how = verified_fused_update(
                 cfg.device, self.state_dtypes, self.device_adam)
+        self._cpu_one_pass, self.cpu_one_pass_how = (verified_cpu_one_pass(self.state_dtypes, self.adam)
+                                                      if cfg.cpu_one_pass else (None, "multi-pass"))
         plan = start_up(cfg, self.subgroups, self.adam, self._tiers, self.token_store, self.memory,
-                        self._device_update, self.device_adam)
+                        self._device_update, self.device_adam, self._cpu_one_pass)
         self.host, self.rates, self.tokens_per_tier = plan.host, plan.rates, plan.tokens_per_tier
         self.adam_rate, self.convert_rate, self.devices = plan.adam_rate, plan.convert_rate, plan.devices
         self.update_rates = plan.update_rates
@@ -161,7 +164,7 @@ class OffloadedAdamW:
         # Buffers: gradients (outside the state budget: the caller's gradient staging), fp32 scratch
         # for converted gradients, resident subgroups, and slots for streamed ones.
         grad_bytes = gradient_host_bytes(self.numel, largest, None if grad_source is not None else grad_dtype.itemsize)
-        working = Fp32Working(self.state_dtypes, largest)
+        working = Fp32Working(self.state_dtypes, 0 if self._cpu_one_pass else largest)  # one pass: none
         # The CPU update's bf16 high halves of a remainders master: read in, updated, handed out.
         high_bytes = largest * 2 if cfg.param_remainders else 0
         check_host_memory({"optimizer cache": self.placement.host_state_bytes,
@@ -179,6 +182,7 @@ class OffloadedAdamW:
             self.subgroups, self._segments, self.param_groups, self.adam, working,
             grad_source, scratch_buffers(not isinstance(grad_source, HostGradients), largest, self.host.allocate),
             high, self.param_high, self.on_params_updated, self.trace)
+        self._cpu_update.one_pass = self._cpu_one_pass
         self._resident: Dict[int, StateViews] = {}
         # Pinning tens of GB takes a while: a line before and after, with size and rate.
         kind = "pinned " if self.host.pin else ""
@@ -233,11 +237,11 @@ class OffloadedAdamW:
             log.info("offload tiers of this node: %s", self.describe_tiers(), extra={PER_NODE: True})
         log.info(
             "offload rank %d: %d params in %d subgroups; placement %s; %d host buffers (%d cache); "
-            "state per memory tier %s; state %.1f B/param (%s); adam %.2f Gelem/s%s; %s",
+            "state per memory tier %s; state %.1f B/param (%s); adam %.2f Gelem/s (%s)%s; %s",
             cfg.rank, self.numel, len(self.subgroups), counts, p.slots, p.cache_slots,
             ", ".join(f"{t} {b / GiB:.2f} GiB" for t, b in p.resident_bytes.items()),
             bytes_per_param(cfg.stored_dtypes), "/".join(cfg.stored_dtypes), self.adam_rate / 1e9,
-            self._describe_device_rates(), self.prediction.describe())
+            self.cpu_one_pass_how, self._describe_device_rates(), self.prediction.describe())
 
     def _describe_device_rates(self) -> str:
         r = self.update_rates

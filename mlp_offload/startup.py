@@ -44,10 +44,11 @@ class StartUp:
 
 def start_up(cfg: OffloadConfig, subgroups: List[Subgroup], adam, tiers: Dict[str, StreamedTier],
              token_store=None, memory: Optional[Dict[str, ResidentTier]] = None, device_update=None,
-             device_adam=None) -> StartUp:
+             device_adam=None, cpu_one_pass=None) -> StartUp:
     """Measure and plan. ``tiers`` is filled with the file tiers as they are built, and ``memory``
     with the memory tiers, so the caller can close them if a later step fails. ``device_update``
-    (a ``DeviceUpdate``, with its kernel ``device_adam``) is measured where device updates may run."""
+    (a ``DeviceUpdate``, with its kernel ``device_adam``) is measured where device updates may run;
+    ``cpu_one_pass``: the CPU's one-pass kernel where it replaces the multi-pass path (timed instead)."""
     sharing = cfg.resolved_ranks_sharing_node()
     check_budget_exists(cfg.host_budget_bytes, sharing)
     memory = {} if memory is None else memory
@@ -57,7 +58,7 @@ def start_up(cfg: OffloadConfig, subgroups: List[Subgroup], adam, tiers: Dict[st
     size = min(max(sg.numel for sg in subgroups), 1 << 26)
     dtypes = torch_dtypes(cfg.stored_dtypes)  # with a remainders master's merge and split
     adam_rate = cfg.adam_elems_per_s or measure_cpu_update_rate(
-        lambda p, g, m, v, step: adam(p, g, m, v, step=step), dtypes, numel=size)
+        lambda p, g, m, v, step: adam(p, g, m, v, step=step), dtypes, numel=size, one_pass=cpu_one_pass)
     convert_rate = measure_convert_rate(size)
     update_rates = UpdateRates(1 / (1 / adam_rate + 1 / convert_rate))
     if device_update is not None:
@@ -72,7 +73,7 @@ def start_up(cfg: OffloadConfig, subgroups: List[Subgroup], adam, tiers: Dict[st
             try:
                 shared = measure_shared_rates(device_update, lambda p, g, m, v, step: adam(p, g, m, v, step=step),
                                               lambda p, g, m, v, step: device_adam(p, g, m, v, step=step), dtypes,
-                                              size)
+                                              size, cpu_one_pass=cpu_one_pass)
             except (RuntimeError, ValueError) as err:  # a measurement, not the update: say so and go on
                 log.warning("rates of the CPU and device side by side not measured (%s): the split and the "
                             "prediction use the rates measured alone", err)

@@ -74,6 +74,11 @@ class OffloadConfig:
     """On CUDA, update with one kernel pass per element (``fused_update``) where it is bit-identical
     to the multi-pass path on a start-up sample; False: always the multi-pass path."""
 
+    cpu_one_pass: bool = True
+    """Update on the CPU with one pass per element (``cpu_one_pass``, a C++ kernel built at run time)
+    where it is bit-identical to the multi-pass path on a start-up sample; False: always the
+    multi-pass path (widen, torch's AdamW, round back)."""
+
     device_chunk_elems: int = 100_000_000
     """Elements per chunk of a streamed device update (copy-in, Adam, copy-out overlap per chunk)."""
 

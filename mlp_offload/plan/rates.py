@@ -113,13 +113,17 @@ def _mixed_rate(tier: FileTier, parts, piece: int, streams_each: int) -> float:
     return 2 * len(writes) * sub / seconds
 
 
-def measure_adam_rate(adam_step, numel: int = 1 << 24, repeats: int = 3) -> float:
-    """Elements per second of the engine's Adam kernel on this CPU (best of ``repeats``).
+def measure_adam_rate(adam_step, numel: int = 1 << 24, repeats: int = 3, one_pass=None) -> float:
+    """Elements per second of the engine's Adam kernel on this CPU (best of ``repeats``); of
+    ``one_pass`` (``cpu_one_pass.CpuOnePass``) instead where that replaces it.
 
     Measured at the subgroup size (capped), as the update runs it: small tensors would sit in the
     CPU caches and overstate the rate (it was 2x off at 4 M elements on the GPU machine).
     """
     params, grads, exp_avg, exp_avg_sq = (torch.empty(numel).fill_(v) for v in (0.5, 1e-3, 1e-4, 1e-6))
+    if one_pass is not None:
+        return numel / _best_of(lambda i: one_pass((params, exp_avg, exp_avg_sq), grads, None,
+                                                   _measuring_hyper(0), i), repeats)
     best = float("inf")
     for i in range(repeats + 1):
         start = time.perf_counter()
@@ -129,16 +133,19 @@ def measure_adam_rate(adam_step, numel: int = 1 << 24, repeats: int = 3) -> floa
     return numel / best
 
 
-def measure_cpu_update_rate(adam_step, dtypes, numel: int = 1 << 24, repeats: int = 3) -> float:
+def measure_cpu_update_rate(adam_step, dtypes, numel: int = 1 << 24, repeats: int = 3, one_pass=None) -> float:
     """Elements per second of the CPU Adam on state stored in ``dtypes``: with the widening to fp32
     and the rounding back that narrow state costs (bf16 moments made it 2.5x slower than the fp32
-    figure on the GPU machine's CPU)."""
+    figure on the GPU machine's CPU); or of ``one_pass`` (``cpu_one_pass.CpuOnePass``), the kernel
+    doing all three in one pass, where the update runs that."""
     if all(d == torch.float32 for d in dtypes):
-        return measure_adam_rate(adam_step, numel, repeats)
-    working = Fp32Working(dtypes, numel)
+        return measure_adam_rate(adam_step, numel, repeats, one_pass)
     stored = [torch.empty(numel, dtype=d).fill_(v) for d, v in zip(dtypes, (0.5, 1e-4, 1e-6))]
     grads = torch.empty(numel).fill_(1e-3)
-    high = torch.empty(numel, dtype=torch.bfloat16).fill_(0.5) if working.remainders else None
+    high = torch.empty(numel, dtype=torch.bfloat16).fill_(0.5) if dtypes[0] == torch.int16 else None
+    if one_pass is not None:
+        return numel / _best_of(lambda i: one_pass(stored, grads, high, _measuring_hyper(0), i), repeats)
+    working = Fp32Working(dtypes, numel)
 
     def step(i):
         wide = working.widen(stored, high)
@@ -204,10 +211,11 @@ def measure_convert_rate(numel: int) -> float:
     return numel / max(best, 1e-9)
 
 
-def measure_shared_rates(updater, cpu_step, adam_step, dtypes, numel: int, piece: int = 1 << 21):
+def measure_shared_rates(updater, cpu_step, adam_step, dtypes, numel: int, piece: int = 1 << 21,
+                         cpu_one_pass=None):
     """(CPU, streamed) elements/s while both run at once, as a split step runs them: the device
     streams host state through ``updater`` while the CPU runs ``cpu_step(p, g, m, v, step)`` (its
-    Adam with the widening) piece by piece, and the CPU's grads come down and its params go up
+    Adam with the widening; or ``cpu_one_pass``, where the update runs that) piece by piece, and the CPU's grads come down and its params go up
     over PCIe on a side stream, as the Megatron adapter's path moves them. None on a CPU run:
     there the "device" is the same cores, nothing runs beside anything."""
     if updater.device.type != "cuda":
@@ -248,9 +256,12 @@ def measure_shared_rates(updater, cpu_step, adam_step, dtypes, numel: int, piece
                     high.copy_(params_dev, non_blocking=True)
             side.synchronize()
             step += 1
-            wide = cpu_working.widen(cpu_state, high)
-            cpu_step(wide[0], grads_host, wide[1], wide[2], step=step)
-            cpu_working.round_back(cpu_state, wide, high)
+            if cpu_one_pass is not None:
+                cpu_one_pass(cpu_state, grads_host, high, _measuring_hyper(0), step)
+            else:
+                wide = cpu_working.widen(cpu_state, high)
+                cpu_step(wide[0], grads_host, wide[1], wide[2], step=step)
+                cpu_working.round_back(cpu_state, wide, high)
             with torch.cuda.stream(side):
                 params_host.copy_(high if high is not None else cpu_state[0])
                 params_dev.copy_(params_host, non_blocking=True)

@@ -88,6 +88,8 @@ def add_groups(parser) -> None:
     g.add_argument("--offload-no-cache", action="store_true")
     g.add_argument("--offload-no-one-pass-update", action="store_true",
                    help="device updates widen, step and round back in separate passes (as before the one-pass kernel)")
+    g.add_argument("--offload-no-cpu-one-pass", action="store_true",
+                   help="CPU updates widen, step and round back in separate passes (no run-time built C++ kernel)")
     g.add_argument("--offload-no-odirect", action="store_true")
     g.add_argument("--offload-no-checksums", action="store_true")
     g.add_argument("--offload-cpu-threads", type=positive_int, default=None)
