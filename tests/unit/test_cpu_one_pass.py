@@ -265,3 +265,35 @@ def test_engine_one_pass_equals_torch_adamw():
     state = opt.state[ref]
     assert torch.equal(params, ref.detach())
     assert torch.equal(exp_avg, state["exp_avg"]) and torch.equal(exp_avg_sq, state["exp_avg_sq"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel needs a CUDA device")
+@pytest.mark.parametrize("name", list(SETS))
+def test_device_variant_gives_the_fused_device_kernels_bits(name):
+    """cpu_one_pass_like(the device's verified variant): CPU-updated subgroups carry GPU bits."""
+    from mlp_offload.fused_update import verified_fused_update
+
+    dtypes = SETS[name]
+    fused, how = verified_fused_update("cuda", dtypes, AdamKernel("foreach"))
+    if fused is None:
+        pytest.skip(how)
+    cpu = cop.cpu_one_pass_like(fused.variant)
+    for seed, hyper in enumerate(HYPERS):
+        ours, grad, high = sample_state(dtypes, 1 << 18, "cpu", seed)
+        dev = [t.cuda() for t in ours]
+        grad_dev, high_dev = grad.cuda(), high.cuda()
+        for step in (1, 2, 3):
+            cpu(ours, grad, high, hyper, step)
+            fused(dev, grad_dev, high_dev, hyper, step)
+        for got, want in zip(ours + [high], dev + [high_dev]):
+            assert torch.equal(_bits(got), _bits(want.cpu()))
+
+
+def test_the_flag_turns_the_cpu_one_pass_off():
+    from megatron.training.args.arguments import parse_args
+    from megatron.training.offload.flags import config_from_args
+
+    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-3", "--mock-data", "--offload-tiers", "host"]
+    assert config_from_args(parse_args(base), 0).cpu_one_pass
+    assert not config_from_args(parse_args(base + ["--offload-no-cpu-one-pass"]), 0).cpu_one_pass
