@@ -309,6 +309,7 @@ def _cpu_fingerprint() -> str:
 
 
 _build_error: Optional[str] = None
+_warned = False
 
 
 def _name() -> str:
@@ -356,11 +357,17 @@ def _build(name: str):
     from torch.utils.cpp_extension import load_inline
 
     started = time.perf_counter()
-    ext = load_inline(name=name, cpp_sources=_SOURCE % {"block": BLOCK}, functions=["adamw"],
-                      extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+    quiet = logging.getLogger("torch.utils.cpp_extension")  # its compiler notes: our one warning says it
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        ext = load_inline(name=name, cpp_sources=_SOURCE % {"block": BLOCK}, functions=["adamw"],
+                          extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+    finally:
+        quiet.setLevel(level)
     seconds = time.perf_counter() - started
     if seconds > 2:
-        log.info("built the CPU one-pass AdamW kernel in %.1f s", seconds)
+        log.info("CPU one-pass AdamW kernel ready after %.1f s (built, or another process built it)", seconds)
     return ext
 
 
@@ -420,9 +427,12 @@ def verified_cpu_one_pass(dtypes: Sequence[torch.dtype], adam_kernel,
     on this CPU, or None (the multi-pass path stays); and a phrase for the log."""
     if adam_kernel.kind == "fused":  # torch's fused CPU kernel: span-dependent vector/scalar paths
         return None, "multi-pass (torch's fused kernel)"
+    global _warned
     ext = extension()
     if ext is None:
-        log.warning("CPU one-pass AdamW unavailable (%s); using the multi-pass path", build_error())
+        if not _warned:  # once per process, not per engine
+            log.warning("CPU one-pass AdamW unavailable (%s); using the multi-pass path", build_error())
+            _warned = True
         return None, "multi-pass (one-pass kernel failed to build)"
     if variants is None:
         variants = cpu_variants(torch_sqrt_first=not torch_sqrt_is_ieee())

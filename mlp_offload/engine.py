@@ -237,7 +237,7 @@ class OffloadedAdamW:
             log.info("offload tiers of this node: %s", self.describe_tiers(), extra={PER_NODE: True})
         log.info(
             "offload rank %d: %d params in %d subgroups; placement %s; %d host buffers (%d cache); "
-            "state per memory tier %s; state %.1f B/param (%s); adam %.2f Gelem/s (%s)%s; %s",
+            "state per memory tier %s; state %.1f B/param (%s); adam %.2f Gelem/s (CPU %s)%s; %s",
             cfg.rank, self.numel, len(self.subgroups), counts, p.slots, p.cache_slots,
             ", ".join(f"{t} {b / GiB:.2f} GiB" for t, b in p.resident_bytes.items()),
             bytes_per_param(cfg.stored_dtypes), "/".join(cfg.stored_dtypes), self.adam_rate / 1e9,

@@ -197,6 +197,7 @@ def test_a_failed_build_warns_once_and_keeps_the_multi_pass_path(monkeypatch, ca
         raise RuntimeError("Error building extension: c++: not found")
     monkeypatch.setattr(cop, "_import_built", lambda name: None)
     monkeypatch.setattr(cop, "_build", no_compiler)
+    monkeypatch.setattr(cop, "_warned", False)
     cop.extension.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger="mlp_offload"):
@@ -206,6 +207,9 @@ def test_a_failed_build_warns_once_and_keeps_the_multi_pass_path(monkeypatch, ca
                 eng.grad_buffer.copy_(torch.randn(1000).to(torch.bfloat16))
                 eng.step()
                 assert eng._cpu_update.one_pass is None and "failed to build" in eng.cpu_one_pass_how
+            with OffloadedAdamW(torch.randn(10), OffloadConfig(tiers=["host"], pin_memory=False,
+                                                               adam_kernel="single", adam_elems_per_s=1e9)) as again:
+                assert again._cpu_update.one_pass is None
         warnings = [r for r in caplog.records if "one-pass" in r.getMessage()]
         assert len(warnings) == 1 and "c++: not found" in warnings[0].getMessage()
     finally:
