@@ -445,3 +445,27 @@ def verified_cpu_one_pass(dtypes: Sequence[torch.dtype], adam_kernel,
             log.warning("CPU one-pass AdamW failed (%s: %s); using the multi-pass path", type(err).__name__, err)
             return None, "multi-pass (one-pass kernel failed)"
     return None, f"multi-pass (no CPU one-pass variant was bit-identical: tried {len(variants)})"
+
+
+def cpu_one_pass_for_device(fused, dtypes: Sequence[torch.dtype], device, numel: int = 1 << 18,
+                            steps: int = 3) -> Tuple[Optional[CpuOnePass], str]:
+    """On a GPU run: the CPU kernel in the arithmetic of the device's verified one-pass kernel
+    ``fused`` (``fused_update.FusedAdamW``), checked on a sample to give its bits, so a subgroup
+    updated by the CPU gets the bits the GPU would have given it (and so megatron-core's, where the
+    device kernel reproduces them); None where it does not (then the CPU keeps its own kernel)."""
+    from .fused_update import SAMPLE_HYPERS, sample_state
+
+    kernel = cpu_one_pass_like(fused.variant)
+    if kernel is None:
+        return None, "multi-pass (one-pass kernel failed to build)"
+    for seed, hyper in enumerate(SAMPLE_HYPERS):
+        cpu_state, grad, high = sample_state(dtypes, numel, "cpu", seed)
+        dev_state = [t.to(device, copy=True) for t in cpu_state]
+        dev_grad, dev_high = grad.to(device, copy=True), high.to(device, copy=True)
+        for step in range(1, steps + 1):
+            kernel(cpu_state, grad, high, hyper, step)
+            fused(dev_state, dev_grad, dev_high, hyper, step)
+        same = all(torch.equal(a.view(torch.uint8), b.cpu().view(torch.uint8)) for a, b in zip(cpu_state, dev_state))
+        if not same or not torch.equal(high.view(torch.int16), dev_high.cpu().view(torch.int16)):
+            return None, "its own arithmetic (the device kernel's was not reproduced on a sample)"
+    return kernel, f"one pass in the device kernel's arithmetic ({fused.variant.describe()}; same bits on a sample)"

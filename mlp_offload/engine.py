@@ -21,7 +21,7 @@ from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
 import torch
 
 from .config import GPU_TIER, OffloadConfig, OffloadConfigError
-from .cpu_one_pass import verified_cpu_one_pass
+from .cpu_one_pass import cpu_one_pass_for_device, verified_cpu_one_pass
 from .cpu_update import CpuUpdate, adam_piece
 from .device_update import DeviceUpdate
 from .fused_update import hyper_of, verified_fused_update
@@ -151,8 +151,12 @@ class OffloadedAdamW:
         if self._device_update is not None and cfg.device_one_pass:  # before the rates are measured: they time it
             self._device_update.fused, self._device_update.fused_how = verified_fused_update(
                 cfg.device, self.state_dtypes, self.device_adam)
-        self._cpu_one_pass, self.cpu_one_pass_how = (verified_cpu_one_pass(self.state_dtypes, self.adam)
-                                                      if cfg.cpu_one_pass else (None, "multi-pass"))
+        fused = self._device_update.fused if self._device_update is not None else None
+        self._cpu_one_pass, self.cpu_one_pass_how = None, "multi-pass"
+        if cfg.cpu_one_pass and fused is not None:  # a GPU run: the CPU's subgroups get the device's bits
+            self._cpu_one_pass, self.cpu_one_pass_how = cpu_one_pass_for_device(fused, self.state_dtypes, cfg.device)
+        if cfg.cpu_one_pass and self._cpu_one_pass is None:
+            self._cpu_one_pass, self.cpu_one_pass_how = verified_cpu_one_pass(self.state_dtypes, self.adam)
         plan = start_up(cfg, self.subgroups, self.adam, self._tiers, self.token_store, self.memory,
                         self._device_update, self.device_adam, self._cpu_one_pass)
         self.host, self.rates, self.tokens_per_tier = plan.host, plan.rates, plan.tokens_per_tier

@@ -5,6 +5,7 @@
 #                 and remainders): the one-pass kernel is on by default, so they check it end to end
 #   PART=10b      the 10.24 B shape, bf16 moments, README command: one pass, then --offload-no-one-pass-update
 #   PART=20b      the 20.68 B README command (largest_model.sh)
+#   PART=peers3b  3.0 B host only against megatron-core's CPU offload (benchmarks/peers.py --systems af)
 # Run: bash benchmarks/run_gpu.sh one_pass_update   (device tool, carry [".whl"]); DRY_RUN=1 runs tiny shapes on CPU.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -25,5 +26,11 @@ for part in ${PART:-kernel small}; do
       done;;
     20b)
       bash benchmarks/experiments/largest_model.sh;;
+    peers3b)  # 3.0 B, host only (ours) against megatron-core's optimizer_cpu_offload, one call
+      SHAPE3B=${SHAPE3B:---layers 28 --hidden 3072 --ffn 8192 --heads 24 --kv-heads 8}
+      $PY benchmarks/peers.py --systems af $SHAPE3B --micro-batch 1 --host-budget-gb 5.96 --iters ${ITERS3B:-4} \
+        --disk-dir /var/tmp/offload_cmp --shm-dir /dev/shm/offload_cmp --out "$OUT" --budget-s ${BUDGET3B:-300} \
+        ${PEERS_FLAGS:-} 2>&1 | grep -v -i warn | tail -25 | tee "$OUT/peers3b.txt"
+      rm -rf /var/tmp/offload_cmp /dev/shm/offload_cmp "$OUT"/logs.tar.gz;;
   esac
 done

@@ -301,3 +301,29 @@ def test_the_flag_turns_the_cpu_one_pass_off():
             "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-3", "--mock-data", "--offload-tiers", "host"]
     assert config_from_args(parse_args(base), 0).cpu_one_pass
     assert not config_from_args(parse_args(base + ["--offload-no-cpu-one-pass"]), 0).cpu_one_pass
+
+
+def test_the_cpu_kernel_takes_the_device_kernels_arithmetic_only_where_it_gives_its_bits():
+    """On the CPU the device kernel's stand-in is the CPU kernel itself in one variant: asked for that
+    variant it must be accepted; a device kernel one ulp off must be refused."""
+    from mlp_offload.cpu_one_pass import cpu_one_pass_for_device, cpu_one_pass_like
+    from mlp_offload.fused_update import VARIANTS
+
+    dtypes = [torch.int16, torch.bfloat16, torch.bfloat16]
+    variant = VARIANTS[0]
+    same = cpu_one_pass_like(variant)
+    if same is None:
+        pytest.skip("no C++ compiler: the one-pass kernel could not be built")
+
+    class Device:
+        def __init__(self, off_by_one):
+            self.variant, self.off = variant, off_by_one
+
+        def __call__(self, stored, grad, high, hyper, step):
+            same(stored, grad, high, hyper, step)
+            if self.off:
+                stored[2].view(torch.int16)[3] += 1
+    kernel, how = cpu_one_pass_for_device(Device(False), dtypes, "cpu", numel=4096)
+    assert kernel is not None and "device kernel's arithmetic" in how
+    kernel, how = cpu_one_pass_for_device(Device(True), dtypes, "cpu", numel=4096)
+    assert kernel is None and "not reproduced" in how
