@@ -153,7 +153,7 @@ class OffloadedAdamW:
                 cfg.device, self.state_dtypes, self.device_adam)
         fused = self._device_update.fused if self._device_update is not None else None
         self._cpu_one_pass, self.cpu_one_pass_how = None, "multi-pass"
-        if cfg.cpu_one_pass and fused is not None:  # a GPU run: the CPU's subgroups get the device's bits
+        if cfg.cpu_one_pass and fused is not None and cfg.on_cuda:  # the CPU's subgroups get the device's bits
             self._cpu_one_pass, self.cpu_one_pass_how = cpu_one_pass_for_device(fused, self.state_dtypes, cfg.device)
         if cfg.cpu_one_pass and self._cpu_one_pass is None:
             self._cpu_one_pass, self.cpu_one_pass_how = verified_cpu_one_pass(self.state_dtypes, self.adam)
