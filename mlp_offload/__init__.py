@@ -13,6 +13,7 @@ from .engine import PER_NODE, OffloadedAdamW, OffloadStateError
 from .faults import configure as configure_faults, fault_point
 from .plan.placement import PlacementError
 from .plan.prediction import device_seconds
+from .plan.path_rates import measure_update_paths
 from .plan.rates import measure_adam_rate, measure_convert_rate
 from .remainders import merge as merge_remainders, split as split_remainders
 from .startup import _probe as probe_tier  # the start-up's tier probe, for the planner tool
@@ -41,6 +42,7 @@ __all__ = [
     "start_background_save", "fsync_path",
     # planning and measuring without an engine (tools/plan_offload.py, benchmarks/)
     "EnginePlan", "plan_engine", "probe_tier", "measure_adam_rate", "measure_convert_rate", "device_seconds",
+    "measure_update_paths",
     "AdamKernel", "HostMemory", "check_host_memory", "own_pss_bytes", "FileTier", "JobTokens", "TierTokens", "meminfo_bytes",
     # process housekeeping and crash-test fault points
     "scan_namespaces", "release_swap_namespaces", "fault_point", "configure_faults",
