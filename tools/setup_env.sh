@@ -40,13 +40,31 @@ else
     need+=("torch==2.13.0")
 fi
 python -c "import megatron.core" 2>/dev/null || need+=("megatron-core==0.16.1")
-# Required: REQUIREMENT[:IMPORT_NAME], installed together (pytest brings its plugins).
-for spec in numpy psutil pytest; do
+# Offline beside a torch that is already there, pip would check torch's own requirements against this
+# venv (Python 3.11's venv brings setuptools 65; torch 2.13 asks for >= 77.0.3, which the outer
+# environment has but this venv shadows) and stop asking the wheelhouse for them. The wheelhouse recipe
+# names every package the project needs, so install exactly those without resolving, then check.
+no_deps=()
+required="numpy psutil pytest"
+if [ -n "${MLP_OFFLOAD_WHEELHOUSE:-}" ] && [ -n "${torch_version:-}" ]; then
+    no_deps=(--no-deps)
+    required="numpy psutil pytest packaging iniconfig pluggy"
+fi
+# Required: REQUIREMENT[:IMPORT_NAME], installed together (online, pytest brings its plugins).
+for spec in $required; do
     python -c "import ${spec#*:}" 2>/dev/null || need+=("${spec%%:*}")
 done
 if [ ${#need[@]} -gt 0 ]; then
     echo "setup_env: installing ${need[*]}${MLP_OFFLOAD_WHEELHOUSE:+ from $MLP_OFFLOAD_WHEELHOUSE}"
-    python -m pip install "${pip_args[@]}" "${need[@]}"
+    python -m pip install "${pip_args[@]}" "${no_deps[@]}" "${need[@]}"
+fi
+missing=""
+for module in megatron.core numpy psutil pytest; do
+    python -c "import $module" 2>/dev/null || missing="$missing $module"
+done
+if [ -n "$missing" ]; then
+    echo "setup_env: still not importable after the install:$missing${MLP_OFFLOAD_WHEELHOUSE:+ (is its wheel, with its dependencies, in $MLP_OFFLOAD_WHEELHOUSE?)}" >&2
+    return 1 2>/dev/null || exit 1
 fi
 # Optional, each on its own where it can be had (pip installs nothing at all when one package of a
 # call is missing, so one absent wheel must not cost the others): hypothesis for the tests;
