@@ -6,9 +6,14 @@ import resource
 import tempfile
 from collections import Counter
 
-from tests.profiles import PROFILE
+from tests.profiles import CASE_DAY, PROFILE
 
 LAUNCH_LOG = "MLP_OFFLOAD_TEST_LAUNCH_LOG"  # launch.run_group appends one line per launch there
+
+
+def pytest_report_header(config):
+    return (f"test profile {PROFILE}; launch-heavy cases of day {CASE_DAY} "
+            f"(rerun the same ones: MLP_OFFLOAD_CASE_DAY={CASE_DAY})")
 
 
 def pytest_configure(config):

@@ -98,6 +98,9 @@ def test_one_process_without_offload_trains_on_from_tp2_state(runs):
     resumed = run_pretrain(tmp / "d", [*SAME_MODEL, "--load", str(tmp / "tp2-ckpt")], nproc=1, train_iters=ITERS)
     assert [r["iteration"] for r in resumed] == [3, 4]
     for mine, theirs in zip(resumed, tp2[SAVED_AT:]):
+        # Not bit for bit: TP2 splits each row-parallel matmul's reduction over two ranks and TP1 sums in
+        # another order, so bf16 activations differ in their last bits from the first resumed step on;
+        # hence a tolerance here where the suite's same-layout resumes compare with ==.
         assert mine["loss"] == pytest.approx(theirs["loss"], rel=2e-3)
     assert "converted from the offloaded form" in (tmp / "d" / "loss-0.out").read_text()
 
