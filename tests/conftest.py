@@ -31,6 +31,8 @@ def pytest_unconfigure(config):
 def pytest_terminal_summary(terminalreporter):
     """The process launches (torchrun, srun stand-ins) each test caused, with their wall and CPU
     seconds: what the suite's time is made of. CPU seconds vary less with other load."""
+    terminalreporter.write_line(f"launch-heavy cases of day {CASE_DAY} under profile {PROFILE} "
+                                f"(MLP_OFFLOAD_CASE_DAY={CASE_DAY} reruns the same ones)")
     path = os.environ.get(LAUNCH_LOG)
     rows = [line.rstrip("\n").split("\t") for line in open(path)] if path and os.path.exists(path) else []
     if not rows:
