@@ -128,6 +128,8 @@ class OffloadedAdamW:
         self.steps_done = 0  # AdamW's step count (skipped steps do not count)
         self.closed = False
         self._snapshot: Optional[StateSnapshot] = None  # being written while the engine steps on
+        self._in_flight = []  # defer_device_wait: device subgroups queued by the last step, (index, fence)
+        self._ready: Dict[int, object] = {}  # per device-updated subgroup: its params' event (last step)
         self._tiers: Dict[str, StreamedTier] = {}  # file tiers, by name
         self.memory: Dict[str, ResidentTier] = {}  # memory tiers, by name, fastest first
         self._counters = TrafficCounters(config.file_tiers)
@@ -266,9 +268,11 @@ class OffloadedAdamW:
         ``skip`` (found inf/nan) leaves all state untouched.
         """
         self._check_usable()
+        self.settle()
         if skip:
             return StepRecord(step=self.steps_done, skipped=True, tiers=self._counters.take())
         t_start = time.perf_counter()
+        defer = self.config.defer_device_wait and self._device_update is not None
         sched = self._pipeline.schedule
         step = self.steps_done + 1
         sides = self.placement.update_on
@@ -287,8 +291,11 @@ class OffloadedAdamW:
         # device then works through them while the CPU runs its own share below. Queued one by one
         # as the loop reached them, the device idled during each CPU Adam.
         queued = {i for i in sched.order if sides[i] == DEVICE and i in self._resident}
+        # Deferred, the next forward may run beside them: the order it needs the params in.
+        first = sorted(queued, reverse=True) if defer else [i for i in sched.order if i in queued]
+        self._ready = {}
         try:
-            for i in (i for i in sched.order if i in queued):
+            for i in first:
                 if self._snapshot is not None:
                     self._snapshot.before_update(i)
                 pending.append((i, self._device_step(i, self._resident[i], step, unscale, clip_coef, rec)))
@@ -314,9 +321,13 @@ class OffloadedAdamW:
                 self._cpu_update.update(i, views, step, unscale, clip_coef, rec)
                 if i not in self._resident:
                     self._pipeline.release(i)
-            self._finish_device(pending, rec, keep=0)
-            if self._device_update is not None:
-                self._device_update.streams.before_caller()
+            if defer:  # host buffers of streamed subgroups go back to the pipeline now; the rest stays queued
+                self._finish_device([p for p in pending if p[0] not in self._resident], rec, keep=0)
+                self._in_flight = [p for p in pending if p[0] in self._resident]
+            else:
+                self._finish_device(pending, rec, keep=0)
+                if self._device_update is not None:
+                    self._device_update.streams.before_caller()
         except BaseException as err:
             self._pipeline.failure = err
             raise
@@ -342,6 +353,7 @@ class OffloadedAdamW:
             hyper=lambda g: hyper_of(self.param_groups[g]), step=step)
         t1 = time.perf_counter()
         rec.device_s += t1 - t0
+        self._ready[i] = self._device_update.streams.record(self._device_update.streams.compute)
         if self.trace is not None:
             self.trace.compute("device update queued", t0, t1, subgroup=i, step=step, elements=sg.numel)
         return fence
@@ -356,6 +368,19 @@ class OffloadedAdamW:
             if i not in self._resident:
                 self._pipeline.release(i)
 
+    def params_ready(self, i: int):
+        """The event after which subgroup ``i``'s params from the last step are in the caller's hands
+        (on the device's compute stream), or None where the step left none pending (CPU-updated, or
+        not deferred: the caller's stream then already follows the whole update)."""
+        return self._ready.get(i) if self.config.defer_device_wait else None
+
+    def settle(self) -> None:
+        """Wait for the device work a deferred step left queued (its state in memory is then the
+        updated state); a no-op otherwise."""
+        in_flight, self._in_flight = self._in_flight, []
+        for _, fence in in_flight:
+            fence.synchronize()
+
     # -- the device tier's size (auto) ---------------------------------------------------------
     def observe_device_memory(self, peak_bytes: int, capacity_bytes: int) -> Optional[str]:
         """With ``gpu_budget_auto``: the device's real peak since the last call and the most this
@@ -366,6 +391,8 @@ class OffloadedAdamW:
             return None
         self._check_usable()
         self.wait_for_snapshot()
+        # No settle() here: it would make a deferred step's caller wait for the whole update after
+        # every step; the relocation settles only where it moves something.
         return self._relocation.fit_device(peak_bytes, capacity_bytes)
 
     def prefetch(self) -> None:
@@ -375,6 +402,7 @@ class OffloadedAdamW:
 
     def flush(self) -> None:
         """Wait until every write issued so far is on its tier (cached dirty ones stay in memory)."""
+        self.settle()
         self._pipeline.flush()
 
     def _check_usable(self) -> None:
@@ -393,6 +421,7 @@ class OffloadedAdamW:
         with the model's params).
         """
         self._check_usable()
+        self.settle()
         yield from self._state.iter_state()
 
     def load_state(self, fill: Callable[[Subgroup, torch.Tensor, torch.Tensor, torch.Tensor], None],
@@ -402,6 +431,7 @@ class OffloadedAdamW:
         is given as fp32 and split after (the model's params set from it), or, with ``stored``, as
         its int16 remainders (the model's params then are the ones saved with them)."""
         self._check_usable()
+        self.settle()
         self.wait_for_snapshot()
         self._state.load_state(fill, stored)
         self.steps_done = steps_done
@@ -411,6 +441,7 @@ class OffloadedAdamW:
         """Stream each subgroup's (param, exp_avg, exp_avg_sq) through ``edit``, which changes
         them in place; the result goes back where the subgroup lives."""
         self._check_usable()
+        self.settle()
         self.wait_for_snapshot()
         self._state.modify_state(edit)
 
@@ -419,6 +450,7 @@ class OffloadedAdamW:
         later steps where ``link_files``; steps wait in ``before_update`` only for what the writer
         still needs from memory. One at a time; the writer must ``release()`` it."""
         self._check_usable()
+        self.settle()
         self.wait_for_snapshot()
         staging = self.config.save_staging_bytes if staging_bytes is None else staging_bytes
         self._snapshot = self._state.snapshot(self.steps_done, self.state_dtypes, self.config.stored_dtypes,
@@ -449,6 +481,7 @@ class OffloadedAdamW:
             tier.close(remove_files=remove_files)  # its tokens too (the node's last user removes them)
         if self.trace is not None:
             self.trace.save()  # after the tiers closed: their last writes are in it
+        self._in_flight = []  # the synchronize below covers them
         if self.memory:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()  # no copy may still read a buffer we unpin

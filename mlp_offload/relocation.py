@@ -80,6 +80,7 @@ class Relocation:
             return None
         if not moves:
             return None
+        eng.settle()  # a deferred step's subgroups must be updated before they move
         self.move(moves)
         held = len([t for t in tier_of if t == GPU_TIER])
         what = (f"gpu tier auto: peak {peak_bytes / GiB:.2f} GiB of {capacity_bytes / GiB:.2f} GiB, margin "

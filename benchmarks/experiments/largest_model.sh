@@ -34,10 +34,10 @@ timeout ${LIMIT_S:-420} torchrun --nproc_per_node 1 --master_port ${PORT:-29517}
   --adam-beta2 0.95 --weight-decay 0.1 --clip-grad 1.0 --bf16 --grad-reduce-in-bf16 --mock-data --seed 1234 \
   --recompute-granularity full --recompute-method uniform --recompute-num-layers 1 $DEVICE --log-interval 1 \
   $PREC --offload-tiers $TIERS --offload-nvme-path "$DISK" --offload-subgroup-size $SUB --offload-io-threads 8 \
-  --offload-telemetry-log "$OUT/largest_telemetry.jsonl" > "$OUT/.largest.log" 2>&1
+  --offload-telemetry-log "$OUT/largest_telemetry.jsonl" ${EXTRA:-} > "$OUT/.largest.log" 2>&1
 echo "exit $?"
 rm -f "$OUT/.watch"; sleep 2
-grep -v -i warn "$OUT/.largest.log" | grep -E "model parameters|offload rank|gpu tier auto|host memory|predicted|iteration |rror|Killed|refus" \
+grep -v -i warn "$OUT/.largest.log" | grep -E "model parameters|offload rank|gpu tier auto|host memory|predicted|iteration |rror|Killed|refus|overlap" \
   | cut -c1-1000 | tee "$OUT/largest.log"
 cat "$OUT/largest_peaks.txt"; du -sh "$DISK" | cat; free -g | head -2
 rm -rf "$DISK" "$OUT/.largest.log"

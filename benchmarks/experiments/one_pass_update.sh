@@ -4,6 +4,7 @@
 #   PART=small    gpu_update.sh's correctness runs (megatron-core vs ours, gpu tier and streamed, fp32 master
 #                 and remainders): the one-pass kernel is on by default, so they check it end to end
 #   PART=10b      the 10.24 B shape, bf16 moments, README command: one pass, then --offload-no-one-pass-update
+#                 (VARIANTS="onepass overlap": without and with --offload-overlap-forward)
 #   PART=20b      the 20.68 B README command (largest_model.sh)
 #   PART=peers3b  3.0 B host only against megatron-core's CPU offload (benchmarks/peers.py --systems af)
 # Run: bash benchmarks/run_gpu.sh one_pass_update   (device tool, carry [".whl"]); DRY_RUN=1 runs tiny shapes on CPU.
@@ -20,12 +21,13 @@ for part in ${PART:-kernel small}; do
     small)
       PART=a KINDS=${KINDS:-mcore gpu mcorehalf gpurem streamrem} bash benchmarks/experiments/gpu_update.sh;;
     10b)
-      for variant in onepass multipass; do
+      for variant in ${VARIANTS:-onepass multipass}; do
         EXTRA=""; [ $variant = multipass ] && EXTRA="--offload-no-one-pass-update"
+        [ $variant = overlap ] && EXTRA="--offload-overlap-forward"
         PART=b STATES=bf16 LABEL=$variant EXTRA="$EXTRA" bash benchmarks/experiments/gpu_update.sh
       done;;
-    20b)
-      bash benchmarks/experiments/largest_model.sh;;
+    20b)  # EXTRA20B: more flags (e.g. --offload-overlap-forward)
+      EXTRA="${EXTRA20B:-}" bash benchmarks/experiments/largest_model.sh;;
     peers3b)  # 3.0 B, host only (ours) against megatron-core's optimizer_cpu_offload, one call
       SHAPE3B=${SHAPE3B:---layers 28 --hidden 3072 --ffn 8192 --heads 24 --kv-heads 8}
       $PY benchmarks/peers.py --systems af $SHAPE3B --micro-batch 1 --host-budget-gb 5.96 --iters ${ITERS3B:-4} \

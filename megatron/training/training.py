@@ -34,6 +34,7 @@ from megatron.training.data.datasets import micro_batches
 from megatron.training.errors import reported_once
 from megatron.training.model.flops import GptShape, flops_per_iteration
 from megatron.training.runtime import fault_injection
+from megatron.training.runtime.core_private import reset_grad_accumulation
 from megatron.training.runtime.iteration_hooks import IterationHooks
 from megatron.training.data.lr_schedule import build_param_scheduler
 from megatron.training.initialize import initialize
@@ -175,7 +176,10 @@ def _with_fault_points(forward_step_func):
 
 def train_step(args, forward_step_func, data_iterator, model, optimizer, scheduler, timers, hooks=None):
     for chunk in model:
-        chunk.zero_grad_buffer()
+        if getattr(optimizer, "zeroes_grads_itself", False):
+            reset_grad_accumulation(chunk)  # the update zeroes each grad as it reads it
+        else:
+            chunk.zero_grad_buffer()
     optimizer.zero_grad()
     losses = get_forward_backward_func()(
         forward_step_func=_with_fault_points(forward_step_func),

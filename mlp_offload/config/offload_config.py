@@ -70,6 +70,14 @@ class OffloadConfig:
     """Adam kernel of device updates; None: ``"foreach"`` on CUDA (torch.optim.AdamW's default
     there, megatron-core's kernel without apex/TE), ``adam_kernel`` on the CPU twin."""
 
+    defer_device_wait: bool = False
+    """``step()`` returns with the device's work still queued: its subgroups in descending index
+    order (the Megatron adapter's flat space runs from the last layer to the first, so this is the
+    next forward's order), each one's ``params_ready(i)`` event for the caller to wait on before it
+    uses those params, and nothing of the state touched on the host before ``settle()`` (which every
+    state access and the next step call first). The caller must also not change the gradients the
+    update reads before it has read them (the Megatron adapter zeroes them as they are read)."""
+
     device_one_pass: bool = True
     """On CUDA, update with one kernel pass per element (``fused_update``) where it is bit-identical
     to the multi-pass path on a start-up sample; False: always the multi-pass path."""

@@ -20,6 +20,9 @@ class DeviceGradients:
 
     def __init__(self, layout: ShardLayout, stream, largest: int):
         self.layout = layout
+        # With the update under the next forward, the training loop no longer zeroes the grad buffer
+        # (it would race the update's reads): each range is zeroed here right after it was read.
+        self.zero_after_read = False
         self.stream = stream
         self.staging = [torch.empty(largest, dtype=torch.float32, device=stream.device) for _ in range(2)]
         self.events: Dict[int, object] = {}
@@ -31,6 +34,8 @@ class DeviceGradients:
         with torch.cuda.stream(self.stream):
             for lo, hi, view in self.layout.views(start, end, "grad"):
                 buf[lo - start: hi - start].copy_(view)
+                if self.zero_after_read:
+                    view.zero_()
             for factor in (unscale, clip_coef):
                 if factor is not None and factor != 1.0:
                     buf.mul_(factor)
@@ -47,6 +52,8 @@ class DeviceGradients:
         current stream (the engine's compute stream); nothing crosses PCIe."""
         for lo, hi, view in self.layout.views(start, end, "grad"):
             out[lo - start: hi - start].copy_(view)
+            if self.zero_after_read:
+                view.zero_()
         for factor in (unscale, clip_coef):
             if factor is not None and factor != 1.0:
                 out.mul_(factor)

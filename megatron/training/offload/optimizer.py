@@ -14,6 +14,9 @@ into the device param buffer; then megatron-core's param all-gather runs as usua
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+
 from typing import Callable, List, Optional, Tuple
 
 import torch
@@ -28,6 +31,8 @@ from megatron.training.runtime.optimizer_interface import (HoldsResources, Offlo
                                                            ReportsIteration, TrainingOptimizer)
 from mlp_offload import OffloadConfig
 
+log = logging.getLogger("mlp_offload")
+
 
 class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoint, ReportsIteration, HoldsResources):
     """The MegatronOptimizer interface the training loop uses, over one engine per distributed
@@ -41,6 +46,12 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
         self.ddp_config = model_chunks[0].ddp_config
         # The group megatron-core reduces grad statistics over for its distributed optimizers (both).
         self.grad_stats_parallel_group = parallel_state.get_intra_distributed_optimizer_instance_group()
+        if offload_config.defer_device_wait and any(g.dp_group.size() > 1 for g in shard_groups):
+            # Above one data-parallel rank the params' all-gather follows the whole update: nothing to gain.
+            log.info("--offload-overlap-forward: off (data-parallel size %s; the overlap needs 1)",
+                     max(g.dp_group.size() for g in shard_groups))
+            offload_config = dataclasses.replace(offload_config, defer_device_wait=False)
+        self.overlap_forward = offload_config.defer_device_wait
         self.shards = [OffloadShard(config, config_for_shard(offload_config, groups, shard_groups), model_chunks,
                                     groups, token_store) for groups in shard_groups]
         first = self.shards[0]
@@ -54,13 +65,18 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
         self._expected_steps: Optional[int] = None  # the step count of the checkpoint being loaded
         self.last_record = None
         self.is_stub_optimizer = False
+        if self.overlap_forward:
+            for shard in self.shards:
+                if shard._device_grads is not None:
+                    shard._device_grads.zero_after_read = True
+            self._gate_forward_on_updated_params()
+            log.info("--offload-overlap-forward: the update runs under the next forward; each layer waits "
+                     "for its own params")
 
     # -- the step ------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self):
         inv_scales = [shard.inv_scale() for shard in self.shards]
-        for shard in self.shards:
-            shard.grads_to_host()
         norms, found_any = [], False
         for shard, inv_scale in zip(self.shards, inv_scales):  # megatron-core's prepare_grads, one by one
             shard_norms, found_inf = shard.grad_norms(inv_scale)
@@ -74,7 +90,13 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
                 found_any = found_any or found_inf
         if found_any:
             self.last_record = [shard.engine.step(skip=True) for shard in self.shards][0]
+            if self.overlap_forward:  # the training loop left the zeroing to an update that did not run
+                for shard in self.shards:
+                    shard.zero_grads()
             return False, None, None
+        # After the norms: the update's grad reads (and, with the overlap, its zeroing) come after theirs.
+        for shard in self.shards:
+            shard.grads_to_host()
         grad_norm, clip_coef = 0.0, None
         if self.config.clip_grad > 0.0:
             # One norm over every shard's grads, as megatron-core's ChainedOptimizer (shared stats group).
@@ -92,10 +114,38 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
             figures = self.device_memory_figures()
             for engine in auto:  # each engine sees the same device; the first to promote takes the room
                 engine.observe_device_memory(*figures)
-        if not self.ddp_config.overlap_param_gather:
+        if not self.ddp_config.overlap_param_gather and not self.overlap_forward:
+            # (with the overlap the data-parallel size is 1: each rank's params are its own already, and
+            # a gather issued now would follow, or race, the update still running)
             for chunk in self.model_chunks:
                 chunk.start_param_sync()  # dense and expert buckets both
         return True, grad_norm, None  # no zeros counted (--log-num-zeros-in-grad is megatron-core's)
+
+    def _gate_forward_on_updated_params(self) -> None:
+        """A forward pre-hook on every module holding params: the caller's stream waits for the events
+        of the subgroups holding them (the deferred update's order is the forward's), so layer k's
+        forward starts as soon as layer k's params are updated. Recomputed forwards wait on events long done."""
+        shard_of = {param: shard for shard in self.shards for param in shard.layout.param_flat_range}
+
+        def gate(needs):
+            def wait_for_params(module, _inputs):
+                for engine, i in needs:
+                    event = engine.params_ready(i)
+                    if event is not None and self._cuda:
+                        torch.cuda.current_stream().wait_event(event)
+            return wait_for_params
+        for chunk in self.model_chunks:
+            for module in chunk.modules():
+                needs = sorted({(id(shard_of[p].engine), i) for p in module.parameters(recurse=False)
+                                if p in shard_of for i in shard_of[p].subgroups_of(p)})
+                engines = {id(shard.engine): shard.engine for shard in self.shards}
+                if needs:
+                    module.register_forward_pre_hook(gate([(engines[e], i) for e, i in needs]))
+
+    @property
+    def zeroes_grads_itself(self) -> bool:
+        """Whether the step zeroes the grads as its update reads them (the training loop must not)."""
+        return self.overlap_forward
 
     # -- the rest of the MegatronOptimizer interface ------------------------------------------
     @property

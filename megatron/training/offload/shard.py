@@ -130,6 +130,8 @@ class OffloadShard:
         host = self.engine.grad_buffer
         for lo, hi, view in self.layout.views(0, self.layout.numel, "grad"):
             host[lo:hi].copy_(view)
+            if self.engine.config.defer_device_wait:  # the loop leaves zeroing to the update (CPU twin)
+                view.zero_()
 
     def grad_norms(self, inv_scale: Optional[float]):
         """Per-param fp32 grad norms in megatron-core's order; any inf/nan (for fp16)."""
@@ -145,6 +147,16 @@ class OffloadShard:
             if param_is_not_shared(param) and tensor_parallel.param_is_not_tensor_parallel_duplicate(param, tp_group):
                 norms.append(torch.norm(grad).reshape(1))
         return norms, found_inf
+
+    def zero_grads(self) -> None:
+        """Zero this shard's grads (a skipped step, whose update read none of them)."""
+        for _, _, view in self.layout.views(0, self.layout.numel, "grad"):
+            view.zero_()
+
+    def subgroups_of(self, param) -> List[int]:
+        """The engine's subgroups holding (this rank's part of) ``param``."""
+        start, end = self.layout.param_flat_range[param]
+        return [i for i, sg in enumerate(self.engine.subgroups) if sg.start < end and start < sg.end]
 
     def _copy_params_to_device(self, start: int, end: int, params: torch.Tensor):
         # Updated on the device (resident or streamed; always on a CPU run): cast in place, in the

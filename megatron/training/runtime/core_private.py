@@ -56,3 +56,14 @@ def checkpoint_results_queue_started() -> bool:
 def set_checkpoint_results_queue(queue) -> None:
     """Start that queue ourselves (a Manager with PDEATHSIG, from the main thread). Why private: as above."""
     filesystem_async._results_queue = queue
+
+
+def reset_grad_accumulation(ddp_chunk) -> None:
+    """``DistributedDataParallel.zero_grad_buffer`` without zeroing the grads themselves: the
+    per-iteration flags and bucket-group state only. Why private: with the update under the next
+    forward the offload step zeroes each grad range as its update reads it, and zeroing the buffer
+    here would race those reads; megatron-core has no public call for the rest of the reset."""
+    for param in ddp_chunk.params_with_grad:
+        param.grad_added_to_main_grad = False
+    for bucket_group in ddp_chunk.bucket_groups + ddp_chunk.expert_parallel_bucket_groups:
+        bucket_group.reset()
