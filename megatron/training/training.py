@@ -293,6 +293,8 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
     hooks = IterationHooks(args, torch.distributed.get_rank(), device)
 
     timers = config.timers = LoopTimers(args.timing_log_level, args.timing_log_option, device)
+    if getattr(optimizer, "zeroes_grads_itself", False):  # the update runs under the next forward
+        timers.without_device_sync()
     metrics = build_metrics(args, optimizer, timers, iteration)
     shape = GptShape.from_config(config, args.seq_length, args.padded_vocab_size)
     offload_state_bytes = optimizer.state_bytes_per_tier() if isinstance(optimizer, ReportsIteration) else {}

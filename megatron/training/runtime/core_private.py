@@ -67,3 +67,11 @@ def reset_grad_accumulation(ddp_chunk) -> None:
         param.grad_added_to_main_grad = False
     for bucket_group in ddp_chunk.bucket_groups + ddp_chunk.expert_parallel_bucket_groups:
         bucket_group.reset()
+
+
+def install_timer(timers, name: str, timer, log_level: int) -> None:
+    """Put ``timer`` in megatron-core's ``Timers`` under ``name``. Why private: ``Timers`` builds its
+    own ``Timer``s, which synchronize the whole device at start and stop; a timer around a step whose
+    update runs on under the next forward must not, and there is no public way to give it another."""
+    timers._timers[name] = timer
+    timers._log_levels[name] = log_level
