@@ -51,6 +51,20 @@ def test_a_save_and_resume_with_the_overlap_is_exact(tmp_path):
     assert [json.loads(line)["loss"] for line in open(log)] == [r["loss"] for r in baseline]
 
 
+@pytest.mark.parametrize("layout", ["pp2", "moe"])
+def test_pipeline_stages_and_experts_with_the_overlap_match_megatron(tmp_path, layout):
+    """Two pipeline stages (each rank gates its own layers), and a mixture-of-experts model (a dense
+    and an expert engine, experts a router may leave out of a forward)."""
+    from test_moe_offload_cpu import MOE
+
+    extra, nproc = (["--pipeline-model-parallel-size", "2"], 2) if layout == "pp2" else (MOE, 1)
+    baseline = run_pretrain(tmp_path / "base", extra, nproc=nproc, train_iters=5)
+    run = run_pretrain(tmp_path / "ovl", [*extra, *offload_args(tmp_path, tiers=("host",)), "--offload-update", "gpu",
+                                          *OVERLAP], nproc=nproc, train_iters=5)
+    assert run == baseline
+    assert "the update runs under the next forward" in (tmp_path / "ovl" / "loss-0.out").read_text()
+
+
 def test_above_one_data_parallel_rank_the_overlap_is_off_and_says_so(tmp_path):
     baseline = run_pretrain(tmp_path / "base", [], nproc=2, train_iters=3)
     run = run_pretrain(tmp_path / "ovl", [*offload_args(tmp_path, tiers=("host",)), "--offload-update", "gpu",
