@@ -44,10 +44,10 @@ from .tiers.base import ResidentTier, StreamedTier
 from .tiers.host import check_host_memory
 from .trace import Trace, open_trace
 from .update import AdamKernel, Fp32Working, fused_vector_width
+from .units import GiB
 
 log = logging.getLogger("mlp_offload")
 PER_NODE = "mlp_offload_per_node"  # set on log records that say the same on every rank of a node
-GiB = 1024**3
 _GRAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 __all__ = ["OffloadedAdamW", "OffloadStateError", "GradientSource"]
 

@@ -16,9 +16,9 @@ from .pipeline import StateViews, file_key
 from .plan.placement import split_updates
 from .plan.prediction import predict_update
 from .plan.split import SideRates, UpdateSplit
+from .units import GiB
 
 log = logging.getLogger("mlp_offload")
-GiB = 1024**3
 
 
 def device_change(peak_bytes: int, capacity_bytes: int, margin_bytes: int, subgroup_bytes: int) -> int:

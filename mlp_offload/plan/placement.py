@@ -11,9 +11,9 @@ from typing import Dict, List, Optional, Sequence
 
 from ..config import GPU_TIER, HOST_TIER, OffloadConfig, TierBandwidth
 from ..subgroups import Subgroup
+from ..units import GiB
 
 log = logging.getLogger("mlp_offload")
-GiB = 1024**3
 
 
 class PlacementError(RuntimeError):

@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Dict, Optional
 
 import torch
+from ..units import GiB
 
-GiB = 1024**3
 
 
 class DeviceMemoryError(RuntimeError):

@@ -24,9 +24,9 @@ import torch
 from .align import ALIGN
 from .housekeeping import claim, release
 from .tokens import TierTokens
+from ..units import GiB
 
 log = logging.getLogger("mlp_offload")
-GiB = 1024**3
 
 # One contiguous piece of a transfer: (offset in the file, aligned uint8 host tensor).
 Extent = Tuple[int, torch.Tensor]

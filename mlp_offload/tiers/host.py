@@ -9,9 +9,9 @@ import torch
 
 from .align import ALIGN
 from .no_fork import unforked_empty
+from ..units import GiB
 
 log = logging.getLogger("mlp_offload")
-GiB = 1024**3
 
 
 class HostMemoryError(RuntimeError):

@@ -17,9 +17,9 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import List, Optional
+from ..units import GiB
 
 log = logging.getLogger("mlp_offload")
-GiB = 1024**3
 NAMESPACE_DIR = "mlp_offload"
 OWNER_FILE = "OWNER.json"
 

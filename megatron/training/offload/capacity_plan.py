@@ -27,9 +27,9 @@ from megatron.training.model.flops import GptShape, flops_per_iteration
 from megatron.training.model.sizes import StageParams, active_params, model_params, stage_params
 from megatron.training.offload.shard_budgets import config_for_kind
 from megatron.training.errors import in_flags
+from megatron.training.runtime.host_memory import GiB
 
 GB = 1e9
-GiB = 1 << 30
 CUDA_RESERVE_BYTES = 2 * GiB  # CUDA context, cuBLAS workspaces, allocator fragmentation
 HOST_SHARE = 0.8  # of a node's memory, what optimizer state may take (the rest: OS, data loaders, pinning)
 

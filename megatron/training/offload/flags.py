@@ -9,8 +9,8 @@ import os
 
 from megatron.training.model.precision_aware import param_remainders, state_dtypes
 from mlp_offload import OffloadConfig, parse_bandwidths
+from megatron.training.runtime.host_memory import GiB
 
-GiB = 1 << 30
 
 
 def config_from_args(args, rank: int) -> OffloadConfig:

@@ -15,7 +15,6 @@ from typing import Dict, List, Optional
 
 import torch
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.transformer.module import param_is_not_shared
@@ -24,6 +23,7 @@ from megatron.training.offload.device_gradients import DeviceGradients, EventFen
 from megatron.training.checkpoint.offloaded_state import OffloadedStateFiles, ShardKind
 from megatron.training.offload.param_high import ModelParamHigh
 from megatron.training.offload.shard_layout import ShardLayout
+from megatron.training.runtime.core_private import optimizer_group_ranges
 from mlp_offload import OffloadConfig, OffloadedAdamW
 from mlp_offload import torch_dtypes
 
@@ -92,7 +92,7 @@ class OffloadShard:
         The order is the one its DistributedOptimizer gives its inner optimizer (fp32 params of a
         group first, then the 16-bit ones), so the grad norm sums in the same order.
         """
-        _, group_ranges = DistributedOptimizer._build_optimizer_group_ranges(param_groups, self.layout.gbuf_ranges)
+        _, group_ranges = optimizer_group_ranges(param_groups, self.layout.gbuf_ranges)
         ordered, engine_groups = [], []
         for group, group_range in zip(param_groups, group_ranges):
             params = group_range["params"]
