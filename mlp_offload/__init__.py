@@ -25,6 +25,7 @@ from .tiers.host import HostMemory, HostMemoryError, check_host_memory, own_pss_
 from .tiers.host import _meminfo_bytes as meminfo_bytes  # /proc/meminfo fields, as the host tier reads them
 from .tiers.housekeeping import NamespaceInUseError, scan as scan_namespaces
 from .tiers.housekeeping import release_all as release_swap_namespaces
+from .tiers.housekeeping import tree_bytes
 from .tiers.tokens import JobTokens, TierTokens
 from .update import AdamKernel
 
@@ -45,5 +46,5 @@ __all__ = [
     "measure_update_paths",
     "AdamKernel", "HostMemory", "check_host_memory", "own_pss_bytes", "FileTier", "JobTokens", "TierTokens", "meminfo_bytes",
     # process housekeeping and crash-test fault points
-    "scan_namespaces", "release_swap_namespaces", "fault_point", "configure_faults",
+    "scan_namespaces", "release_swap_namespaces", "tree_bytes", "fault_point", "configure_faults",
 ]

@@ -35,6 +35,7 @@ from megatron.training.errors import reported_once
 from megatron.training.model.flops import GptShape, flops_per_iteration
 from megatron.training.runtime import fault_injection
 from megatron.training.runtime.core_private import reset_grad_accumulation
+from mlp_offload import tree_bytes
 from megatron.training.runtime.iteration_hooks import IterationHooks
 from megatron.training.data.lr_schedule import build_param_scheduler
 from megatron.training.initialize import initialize
@@ -45,7 +46,7 @@ from megatron.training.metrics.sinks import OffloadTelemetry, TensorBoard, WandB
 from megatron.training.model.sizes import params_l2_norm
 from megatron.training.offload.flags import per_rank_path
 from megatron.training.runtime.optimizer_interface import HoldsResources, ReportsIteration, TrainingOptimizer
-from megatron.training.runtime.progress import directory_bytes, reported_step
+from megatron.training.runtime.progress import reported_step
 from megatron.training.runtime.signals import StopCheck
 from megatron.training.metrics.timers import LoopTimers
 from megatron.training.model.virtual_pipeline import chunk_roles, per_chunk
@@ -377,7 +378,7 @@ def _load(args, model, optimizer, scheduler):
     with reported_step(f"> loading checkpoint from {args.load}", _print_rank0) as step:
         iteration, consumed = checkpointing.load_checkpoint(args.load, model, optimizer, scheduler, args)
         if iteration and torch.distributed.get_rank() == 0:
-            step.nbytes = directory_bytes(checkpoint_dir(args.load, iteration))
+            step.nbytes = tree_bytes(checkpoint_dir(args.load, iteration))
     return iteration, consumed
 
 

@@ -96,7 +96,7 @@ def scan(root: str) -> List[Namespace]:
             path = os.path.join(base, run_id, rank_dir)
             if os.path.isdir(path) and ".tmp-" not in rank_dir:
                 owner = read_owner(path)
-                found.append(Namespace(path, run_id, rank_dir, owner, owner_alive(owner), _tree_bytes(path)))
+                found.append(Namespace(path, run_id, rank_dir, owner, owner_alive(owner), tree_bytes(path)))
     return found
 
 
@@ -109,7 +109,7 @@ def claim(root: str, run_id: str, rank: int, field: str, reports_stale: bool = T
         ours = owner and owner.get("pid") == os.getpid() and owner.get("host") == socket.gethostname()
         if not ours:
             alive = owner_alive(owner)
-            ns = Namespace(path, run_id, os.path.basename(path), owner, alive, _tree_bytes(path))
+            ns = Namespace(path, run_id, os.path.basename(path), owner, alive, tree_bytes(path))
             if alive is not False:
                 raise NamespaceInUseError(
                     f"{field} {root}: {ns.describe()} is in use by another process with the same run id "
@@ -203,7 +203,8 @@ def _listdir(path: str) -> List[str]:
         return []
 
 
-def _tree_bytes(path: str) -> int:
+def tree_bytes(path: str) -> int:
+    """Bytes of the files under ``path`` (files removed meanwhile count nothing)."""
     total = 0
     for dirpath, _, files in os.walk(path):
         for name in files:

@@ -297,6 +297,3 @@ def define_missing_te_names() -> None:
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
 
-
-def is_applied() -> bool:
-    return _APPLIED

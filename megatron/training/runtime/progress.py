@@ -3,7 +3,6 @@ its size in GB and rate in GB/s, so a job that seems stuck shows what it is movi
 
 from __future__ import annotations
 
-import os
 import time
 from contextlib import contextmanager
 from typing import Callable, Optional
@@ -34,17 +33,6 @@ def reported_step(what: str, say: Callable[[str], None], size_bytes: Optional[fl
     seconds = time.perf_counter() - started
     moved = gb_and_rate(step.nbytes, seconds) if step.nbytes is not None else f"in {seconds:.1f} s"
     say(f"{what}: done, {moved}")
-
-
-def directory_bytes(path: str) -> int:
-    total = 0
-    for folder, _, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.path.getsize(os.path.join(folder, name))
-            except OSError:  # removed meanwhile (a temporary file)
-                pass
-    return total
 
 
 class MemoryGrowth:
