@@ -12,6 +12,7 @@ a subgroup gives the same bits on either side for one kernel.
 
 from __future__ import annotations
 
+import time
 from contextlib import nullcontext
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -60,6 +61,21 @@ class Streams:
     def wait(self, stream, event) -> None:
         if self.cuda and event is not None and event is not DONE:
             stream.wait_event(event)
+
+    def timed_mark(self, stream):
+        """A point on ``stream`` two of which give the time between them (``seconds_between``)."""
+        if not self.cuda:
+            return time.perf_counter()  # the CPU twin runs in order: the host clock is the device's
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stream)
+        return event
+
+    @staticmethod
+    def seconds_between(start, end) -> float:
+        if isinstance(start, float):
+            return end - start
+        end.synchronize()
+        return start.elapsed_time(end) / 1000.0
 
     def after_caller(self) -> None:
         """Before a step: its streams see what the caller's stream did (backward's grads, params)."""

@@ -130,6 +130,8 @@ class OffloadedAdamW:
         self._snapshot: Optional[StateSnapshot] = None  # being written while the engine steps on
         self._in_flight = []  # defer_device_wait: device subgroups queued by the last step, (index, fence)
         self._ready: Dict[int, object] = {}  # per device-updated subgroup: its params' event (last step)
+        self._deferred_span = None  # (start, end) marks of a deferred step's device work
+        self._deferred_device_s = 0.0
         self._tiers: Dict[str, StreamedTier] = {}  # file tiers, by name
         self.memory: Dict[str, ResidentTier] = {}  # memory tiers, by name, fastest first
         self._counters = TrafficCounters(config.file_tiers)
@@ -286,6 +288,8 @@ class OffloadedAdamW:
         self._cpu_update.begin([i for i in sched.order if sides[i] == CPU], unscale, clip_coef)
         if self._device_update is not None:
             self._device_update.streams.after_caller()
+        rec.deferred_device_s, self._deferred_device_s = self._deferred_device_s, 0.0
+        span_start = self._device_update.streams.timed_mark(self._device_update.streams.compute) if defer else None
         pending = []  # device-updated subgroups whose copy-out may still run: (index, fence)
         # The device's subgroups held in memory (gpu or host tier) are queued first, all of them: the
         # device then works through them while the CPU runs its own share below. Queued one by one
@@ -324,6 +328,8 @@ class OffloadedAdamW:
             if defer:  # host buffers of streamed subgroups go back to the pipeline now; the rest stays queued
                 self._finish_device([p for p in pending if p[0] not in self._resident], rec, keep=0)
                 self._in_flight = [p for p in pending if p[0] in self._resident]
+                streams = self._device_update.streams
+                self._deferred_span = (span_start, streams.timed_mark(streams.compute))
             else:
                 self._finish_device(pending, rec, keep=0)
                 if self._device_update is not None:
@@ -380,6 +386,9 @@ class OffloadedAdamW:
         in_flight, self._in_flight = self._in_flight, []
         for _, fence in in_flight:
             fence.synchronize()
+        if self._deferred_span is not None:  # reported with the next step's record
+            self._deferred_device_s = self._device_update.streams.seconds_between(*self._deferred_span)
+            self._deferred_span = None
 
     # -- the device tier's size (auto) ---------------------------------------------------------
     def observe_device_memory(self, peak_bytes: int, capacity_bytes: int) -> Optional[str]:

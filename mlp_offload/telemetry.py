@@ -73,6 +73,9 @@ class StepRecord:
     device_updated: int = 0
     predicted_adam_s: float = 0.0  # the prediction's CPU share
     predicted_device_s: float = 0.0  # the prediction's device share
+    # defer_device_wait: the previous step's device work, from queued to done (its update_s is then
+    # only the host's share); 0 otherwise
+    deferred_device_s: float = 0.0
     tiers: Dict[str, TierTraffic] = field(default_factory=dict)
 
     def line(self) -> str:

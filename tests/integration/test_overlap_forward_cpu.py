@@ -5,6 +5,7 @@ all-gather issued, state settled before checkpoints), and the losses must stay b
 megatron-core without offload; above data-parallel size 1 the overlap is off, with a line saying so."""
 
 import json
+import re
 
 import pytest
 
@@ -25,6 +26,9 @@ def test_overlapped_update_matches_megatron_bit_for_bit(tmp_path, tiers, extra):
     assert overlapped == baseline
     out = (tmp_path / "ovl" / "loss-0.out").read_text()
     assert "the update runs under the next forward" in out
+    # the device's time, measured from its queue to done, beside the host's share (from iteration 2 on)
+    device_ms = [float(x) for x in re.findall(r"offload device update time \(ms\): ([0-9.]+)", out)]
+    assert len(device_ms) == 5 and all(ms > 0 for ms in device_ms)
 
 
 def test_skipped_fp16_steps_stay_exact(tmp_path):

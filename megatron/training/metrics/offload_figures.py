@@ -25,6 +25,7 @@ def step_scalars(record: StepRecord, state_bytes: Optional[Dict[str, int]] = Non
             "offload/adam-time": record.adam_s,
             "offload/grad-convert-time": record.convert_s,
             "offload/read-wait-time": record.read_wait_s,
+            "offload/deferred-device-update-time": record.deferred_device_s,
             "offload/cache-hits": record.cache_hits,
             "offload/streamed-subgroups": record.streamed,
         })
@@ -49,7 +50,8 @@ class OffloadInterval:
 
     def reset(self) -> None:
         self.updates = 0
-        self.update_s = self.predicted_s = self.adam_s = self.read_wait_s = 0.0
+        self.update_s = self.predicted_s = self.adam_s = self.read_wait_s = self.deferred_s = 0.0
+        self.deferred = 0
         self.cache_hits = self.streamed = 0
         self.tiers: Dict[str, TierTraffic] = {}
 
@@ -60,6 +62,9 @@ class OffloadInterval:
             self.predicted_s += record.predicted_update_s
             self.adam_s += record.adam_s
             self.read_wait_s += record.read_wait_s
+            if record.deferred_device_s:
+                self.deferred += 1
+                self.deferred_s += record.deferred_device_s
             self.cache_hits += record.cache_hits
             self.streamed += record.streamed
         for name, t in record.tiers.items():
@@ -82,6 +87,8 @@ class OffloadInterval:
             ("offload adam time (ms)", f"{self.adam_s / per_update * 1000:.1f}"),
             ("offload read wait (ms)", f"{self.read_wait_s / per_update * 1000:.1f}"),
         ]
+        if self.deferred:  # --offload-overlap-forward: update time is the host's share; the device's here
+            pairs.append(("offload device update time (ms)", f"{self.deferred_s / self.deferred * 1000:.1f}"))
         for name, t in self.tiers.items():
             pairs += [
                 (f"offload {name} read (GB)", f"{t.read_bytes / per_iteration / GB:.3f}"),
