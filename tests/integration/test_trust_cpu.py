@@ -242,7 +242,9 @@ def test_signal_saves_then_exits_and_the_run_continues_exactly(tmp_path, uninter
     args = [*offload_args(tmp_path), "--save", str(ckpt), "--load", str(ckpt), "--exit-signal-handler",
             "--exit-signal", how]
     log = tmp_path / "signalled.jsonl"
-    proc, out = _start(tmp_path, args, log)
+    # 0.3 s at each update (numbers unchanged): the signals must land before the last of the 6
+    # iterations, which took ~60 ms each once the CPU update ran in one pass (a CI run saw it save at 6)
+    proc, out = _start(tmp_path, args, log, env={"MLP_OFFLOAD_DELAY": "update=0.3"})
     try:
         _wait_for_iterations(proc, log, 2)
         if how == "SIGTERM":
