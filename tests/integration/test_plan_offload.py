@@ -218,3 +218,18 @@ def test_moe_expert_grid_must_divide_the_world():
     with contextlib.redirect_stderr(err), pytest.raises(SystemExit):
         planner().main(["--gpus-per-node", "3", *[f for f in MOE_PLAN]])
     assert re.search(r"^error: --expert-model-parallel-size.* does not divide the world size 3$", err.getvalue(), re.M)
+
+
+def test_what_the_guard_admits_fits(tmp_path):
+    """The start-up guard's check decides: a node whose memory holds everything the guard counts fits,
+    though that is more than 80% of it (a second, stricter rule refused the README's 20.68 B run, 103 of
+    125 GiB per node, which the guard admitted and which trained; issue 31)."""
+    flags = offload_args(tmp_path, tiers=("host",))
+    got = plan_json("--gpus-per-node", "2", "--adam-gelems", "1", "--convert-gelems", "1", "--host-memory-gb", "1.1",
+                    *TINY_MODEL, *flags, "--num-workers", "0")
+    host = sum(got["host_bytes_per_node"].values())
+    assert 0.8 * 1.1 * 2**30 < host < 1.1 * 2**30  # between the old rule and the node's memory
+    assert got["fits"] and got["problems"] == []
+    refused = plan_json("--gpus-per-node", "2", "--adam-gelems", "1", "--convert-gelems", "1", "--host-memory-gb", "1.0",
+                        *TINY_MODEL, *flags, "--num-workers", "0", expect=1)
+    assert not refused["fits"] and "more than the 1.00 GiB of the node's memory" in refused["problems"][0]
