@@ -15,7 +15,7 @@ from .plan.placement import PlacementError
 from .plan.prediction import device_seconds
 from .plan.path_rates import measure_update_paths
 from .plan.rates import measure_adam_rate, measure_convert_rate
-from .remainders import merge as merge_remainders, split as split_remainders
+from .kernels.remainders import merge as merge_remainders, split as split_remainders
 from .startup import _probe as probe_tier  # the start-up's tier probe, for the planner tool
 from .state_dtypes import torch_dtypes
 from .subgroups import FP32_BYTES, STATE_TENSORS
@@ -27,7 +27,7 @@ from .tiers.housekeeping import NamespaceInUseError, scan as scan_namespaces
 from .tiers.housekeeping import release_all as release_swap_namespaces
 from .tiers.housekeeping import tree_bytes
 from .tiers.tokens import JobTokens, TierTokens
-from .update import AdamKernel
+from .kernels.update import AdamKernel
 
 __all__ = [
     # configuration and its errors

@@ -29,7 +29,7 @@ from typing import Dict, Optional, Set, Tuple
 import torch
 
 from .engine import OffloadedAdamW
-from .remainders import merge as merge_remainders  # what a file's rem16 param needs to be read
+from .kernels.remainders import merge as merge_remainders  # what a file's rem16 param needs to be read
 from .state_dtypes import FP32_STATE, REMAINDERS, STORED_DTYPES, itemsizes, torch_dtypes
 
 log = logging.getLogger("mlp_offload")

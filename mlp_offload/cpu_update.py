@@ -13,14 +13,14 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from .device_update import Segment
-from .fused_update import hyper_of
+from .kernels.fused_update import hyper_of
 from .gradients import GradientSource
 from .pipeline import StateViews
-from .remainders import ParamHighSource
+from .kernels.remainders import ParamHighSource
 from .subgroups import Subgroup
 from .telemetry import StepRecord
 from .trace import Trace
-from .update import AdamKernel, Fp32Working
+from .kernels.update import AdamKernel, Fp32Working
 
 
 def adam_piece(kernel: AdamKernel, param_groups: Sequence[dict], param, grad, exp_avg, exp_avg_sq, g: int,

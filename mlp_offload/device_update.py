@@ -18,9 +18,9 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from .fused_update import AdamHyper, FusedAdamW
+from .kernels.fused_update import AdamHyper, FusedAdamW
 from .subgroups import Subgroup
-from .update import Fp32Working
+from .kernels.update import Fp32Working
 
 Segment = Tuple[int, int, int, Tuple[int, int]]  # (lo, hi, param group, span): param_groups.segments_of
 

@@ -21,10 +21,10 @@ from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
 import torch
 
 from .config import GPU_TIER, OffloadConfig, OffloadConfigError
-from .cpu_one_pass import cpu_one_pass_for_device, verified_cpu_one_pass
+from .kernels.cpu_one_pass import cpu_one_pass_for_device, verified_cpu_one_pass
 from .cpu_update import CpuUpdate, adam_piece
 from .device_update import DeviceUpdate
-from .fused_update import hyper_of, verified_fused_update
+from .kernels.fused_update import hyper_of, verified_fused_update
 from .faults import fault_point
 from .gradients import GradientSource, HostGradients, gradient_host_bytes, scratch_buffers
 from .param_groups import Range, build_groups, segments_of
@@ -33,7 +33,7 @@ from .plan.prediction import Prediction
 from .startup import describe_tiers, start_up
 from .pipeline import OffloadStateError, SlotPipeline, StateViews, fill_params
 from .relocation import Relocation
-from .remainders import ParamHighSource, RemainderMaster
+from .kernels.remainders import ParamHighSource, RemainderMaster
 from .plan.schedule import StepSchedule, step_schedule
 from .snapshot import StateSnapshot
 from .state_access import StateAccess
@@ -43,7 +43,7 @@ from .telemetry import StepRecord, TrafficCounters
 from .tiers.base import ResidentTier, StreamedTier
 from .tiers.host import check_host_memory
 from .trace import Trace, open_trace
-from .update import AdamKernel, Fp32Working, fused_vector_width
+from .kernels.update import AdamKernel, Fp32Working, fused_vector_width
 from .units import GiB
 
 log = logging.getLogger("mlp_offload")

@@ -13,7 +13,7 @@ from typing import Optional, Protocol, Tuple
 import torch
 
 from .subgroups import FP32_BYTES
-from .update import convert_grads
+from .kernels.update import convert_grads
 
 
 class GradientSource(Protocol):

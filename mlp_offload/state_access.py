@@ -11,7 +11,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from .pipeline import SlotPipeline, StateViews, file_key
-from .remainders import RemainderMaster
+from .kernels.remainders import RemainderMaster
 from .snapshot import StateSnapshot, TierCopy
 from .subgroups import Subgroup
 

@@ -14,7 +14,7 @@ from .placement import Placement, UpdateRates, plan_placement, tokens_for
 from .prediction import Prediction, predict_update
 from ..gradients import gradient_host_bytes
 from ..subgroups import Subgroup, partition
-from ..update import Fp32Working
+from ..kernels.update import Fp32Working
 
 
 @dataclass

@@ -13,8 +13,8 @@ import torch
 from . import probe_cache
 from ..config import TierBandwidth, probe_piece_bytes
 from ..subgroups import Subgroup
-from ..fused_update import AdamHyper
-from ..update import Fp32Working
+from ..kernels.fused_update import AdamHyper
+from ..kernels.update import Fp32Working
 from ..tiers.align import ALIGN, align_down
 from ..tiers.files import FileTier, fsync_path
 

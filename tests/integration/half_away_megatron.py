@@ -18,7 +18,7 @@ PRETRAIN = Path(__file__).resolve().parents[2] / "pretrain_gpt.py"
 
 def round_half_away(master: torch.Tensor) -> torch.Tensor:
     """bf16 of an fp32 tensor, ties away from zero: the high 16 bits, plus one where the low 16 bits
-    are >= 0x8000 (written here independently of mlp_offload.remainders)."""
+    are >= 0x8000 (written here independently of mlp_offload.kernels.remainders)."""
     bits = master.detach().contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     high = (bits >> 16) + ((bits & 0xFFFF) >= 0x8000).to(torch.int64)
     high = high & 0xFFFF

@@ -1,4 +1,4 @@
-"""The CPU update's one-pass kernel (mlp_offload.cpu_one_pass): every variant against a float32
+"""The CPU update's one-pass kernel (mlp_offload.kernels.cpu_one_pass): every variant against a float32
 reference written here in numpy (each operation rounded once, FMAs emulated exactly), over the
 stored-dtype sets, weight decay on and off and both branches of lerp; the start-up check; the
 engine with the one-pass path against the engine without it (remainders too, param groups, sizes
@@ -15,9 +15,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from mlp_offload import OffloadConfig, OffloadedAdamW
-from mlp_offload import cpu_one_pass as cop
-from mlp_offload.fused_update import AdamHyper, Variant, sample_state
-from mlp_offload.update import AdamKernel
+from mlp_offload.kernels import cpu_one_pass as cop
+from mlp_offload.kernels.fused_update import AdamHyper, Variant, sample_state
+from mlp_offload.kernels.update import AdamKernel
 
 from .helpers import engine_state
 from .strategies import setups
@@ -275,7 +275,7 @@ def test_engine_one_pass_equals_torch_adamw():
 @pytest.mark.parametrize("name", list(SETS))
 def test_device_variant_gives_the_fused_device_kernels_bits(name):
     """cpu_one_pass_like(the device's verified variant): CPU-updated subgroups carry GPU bits."""
-    from mlp_offload.fused_update import verified_fused_update
+    from mlp_offload.kernels.fused_update import verified_fused_update
 
     dtypes = SETS[name]
     fused, how = verified_fused_update("cuda", dtypes, AdamKernel("foreach"))
@@ -306,8 +306,8 @@ def test_the_flag_turns_the_cpu_one_pass_off():
 def test_the_cpu_kernel_takes_the_device_kernels_arithmetic_only_where_it_gives_its_bits():
     """On the CPU the device kernel's stand-in is the CPU kernel itself in one variant: asked for that
     variant it must be accepted; a device kernel one ulp off must be refused."""
-    from mlp_offload.cpu_one_pass import cpu_one_pass_for_device, cpu_one_pass_like
-    from mlp_offload.fused_update import VARIANTS
+    from mlp_offload.kernels.cpu_one_pass import cpu_one_pass_for_device, cpu_one_pass_like
+    from mlp_offload.kernels.fused_update import VARIANTS
 
     dtypes = [torch.int16, torch.bfloat16, torch.bfloat16]
     variant = VARIANTS[0]

@@ -185,7 +185,7 @@ class _InFlightGradients:
 
     def wait(self, start):
         end, out, unscale, clip_coef = self.pending.pop(start)
-        from mlp_offload.update import convert_grads
+        from mlp_offload.kernels.update import convert_grads
         convert_grads(self.grads[start:end], out, unscale, clip_coef)
 
 
@@ -211,7 +211,7 @@ def test_gradient_source_double_buffering(tmp_path, tiers):
 
 def test_fused_kernel_on_slices_equals_one_call_over_the_tensor():
     # Slices of 13 elements: without their span, 5 of each 13 would take the scalar tail.
-    from mlp_offload.update import AdamKernel, fused_vector_width
+    from mlp_offload.kernels.update import AdamKernel, fused_vector_width
 
     kernel, n = AdamKernel("fused"), 20_011
     gen = torch.Generator().manual_seed(1)

@@ -1,4 +1,4 @@
-"""The device update's one-pass kernel (mlp_offload.fused_update).
+"""The device update's one-pass kernel (mlp_offload.kernels.fused_update).
 
 On the CPU (CI) the Triton kernel cannot run: its stand-in (the multi-pass arithmetic behind the
 one-pass interface) drives the engine's one-pass slicing (chunks, param-group pieces, remainders'
@@ -15,10 +15,10 @@ from hypothesis import given, settings, strategies as st
 
 from mlp_offload import OffloadedAdamW
 from mlp_offload import engine as engine_module
-from mlp_offload.fused_update import (SAMPLE_HYPERS, VARIANTS, AdamHyper, ReferenceOnePass, matches, multi_pass_step,
+from mlp_offload.kernels.fused_update import (SAMPLE_HYPERS, VARIANTS, AdamHyper, ReferenceOnePass, matches, multi_pass_step,
                                       sample_state, verified_fused_update)
-from mlp_offload.remainders import HostParamHigh
-from mlp_offload.update import AdamKernel
+from mlp_offload.kernels.remainders import HostParamHigh
+from mlp_offload.kernels.update import AdamKernel
 
 from .helpers import engine_state
 from .test_device_tier import BETAS, EPS, LR, WD, _config, device_setups

@@ -19,7 +19,7 @@ from tests.profiles import examples
 from mlp_offload import OffloadConfig, OffloadConfigError, OffloadedAdamW
 from mlp_offload.checkpoint import CheckpointDataError, RangeReader, load_engine_state, read_footer
 from mlp_offload.checkpoint_write import save_engine_state
-from mlp_offload.remainders import HostParamHigh, merge, round_half_away, split
+from mlp_offload.kernels.remainders import HostParamHigh, merge, round_half_away, split
 
 from .helpers import engine_state
 from .test_device_tier import _config as _device_config, _reference, device_setups

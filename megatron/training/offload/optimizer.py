@@ -134,11 +134,11 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
                     if event is not None and self._cuda:
                         torch.cuda.current_stream().wait_event(event)
             return wait_for_params
+        engines = {id(shard.engine): shard.engine for shard in self.shards}
         for chunk in self.model_chunks:
             for module in chunk.modules():
                 needs = sorted({(id(shard_of[p].engine), i) for p in module.parameters(recurse=False)
                                 if p in shard_of for i in shard_of[p].subgroups_of(p)})
-                engines = {id(shard.engine): shard.engine for shard in self.shards}
                 if needs:
                     module.register_forward_pre_hook(gate([(engines[e], i) for e, i in needs]))
 

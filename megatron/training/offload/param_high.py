@@ -1,5 +1,5 @@
 """The engine's param-high source: the model's bf16 params, which complete the fp32 masters it
-stores as 16-bit remainders (``mlp_offload.remainders``), read from the DDP param buffers' shard.
+stores as 16-bit remainders (``mlp_offload.kernels.remainders``), read from the DDP param buffers' shard.
 
 The device update reads them on the device (``to_device``: a copy on the engine's compute stream);
 the CPU update gets a host copy (``fill``). On a CPU run both are plain copies (the CPU twin).
