@@ -199,3 +199,44 @@ class DeviceUpdate:
             if a < b:
                 self.fused([t[a - c0:b - c0] for t in chunk], grad[a:b],
                            None if high is None else high[a - c0:b - c0], hyper(g), step)
+
+
+class DeferredWork:
+    """What a deferred step (``defer_device_wait``) leaves queued on the device: each subgroup's
+    params event, the fences to wait on before the host touches its state, and the span of the
+    device's work (reported with the next step, once known)."""
+
+    def __init__(self, streams: Streams):
+        self.streams = streams
+        self.ready = {}  # per subgroup updated on the device this step: its params' event
+        self._fences = []
+        self._span = None
+        self.last_seconds = 0.0  # the device time of the last settled step (taken once)
+
+    def begin(self) -> object:
+        self.ready = {}
+        return self.streams.timed_mark(self.streams.compute)
+
+    def queued(self, i: int) -> None:
+        self.ready[i] = self.streams.record(self.streams.compute)
+
+    def leave(self, start, fences) -> None:
+        """The step returns with ``fences`` (``(index, fence)``) still pending."""
+        self._fences = list(fences)
+        self._span = (start, self.streams.timed_mark(self.streams.compute))
+
+    def settle(self) -> None:
+        fences, self._fences = self._fences, []
+        for _, fence in fences:
+            fence.synchronize()
+        if self._span is not None:
+            self.last_seconds = self.streams.seconds_between(*self._span)
+            self._span = None
+
+    def take_seconds(self) -> float:
+        seconds, self.last_seconds = self.last_seconds, 0.0
+        return seconds
+
+    def forget(self) -> None:
+        """At close: a device-wide synchronize covers what is pending."""
+        self._fences, self._span = [], None

@@ -23,7 +23,7 @@ import torch
 from .config import GPU_TIER, OffloadConfig, OffloadConfigError
 from .kernels.cpu_one_pass import cpu_one_pass_for_device, verified_cpu_one_pass
 from .cpu_update import CpuUpdate, adam_piece
-from .device_update import DeviceUpdate
+from .device_update import DeferredWork, DeviceUpdate
 from .kernels.fused_update import hyper_of, verified_fused_update
 from .faults import fault_point
 from .gradients import GradientSource, HostGradients, gradient_host_bytes, scratch_buffers
@@ -128,10 +128,7 @@ class OffloadedAdamW:
         self.steps_done = 0  # AdamW's step count (skipped steps do not count)
         self.closed = False
         self._snapshot: Optional[StateSnapshot] = None  # being written while the engine steps on
-        self._in_flight = []  # defer_device_wait: device subgroups queued by the last step, (index, fence)
-        self._ready: Dict[int, object] = {}  # per device-updated subgroup: its params' event (last step)
-        self._deferred_span = None  # (start, end) marks of a deferred step's device work
-        self._deferred_device_s = 0.0
+        self._deferred: Optional[DeferredWork] = None  # defer_device_wait: what a step left queued
         self._tiers: Dict[str, StreamedTier] = {}  # file tiers, by name
         self.memory: Dict[str, ResidentTier] = {}  # memory tiers, by name, fastest first
         self._counters = TrafficCounters(config.file_tiers)
@@ -152,6 +149,8 @@ class OffloadedAdamW:
         # streamed through it. On a CPU run the "device" is the CPU (the twin the tests run).
         self._device_update = (DeviceUpdate(cfg.device, self.state_dtypes, cfg.device_chunk_elems, largest)
                                if GPU_TIER in cfg.tiers or cfg.update_on != "cpu" else None)
+        if self._device_update is not None and cfg.defer_device_wait:
+            self._deferred = DeferredWork(self._device_update.streams)
         if self._device_update is not None and cfg.device_one_pass:  # before the rates are measured: they time it
             self._device_update.fused, self._device_update.fused_how = verified_fused_update(
                 cfg.device, self.state_dtypes, self.device_adam)
@@ -274,7 +273,7 @@ class OffloadedAdamW:
         if skip:
             return StepRecord(step=self.steps_done, skipped=True, tiers=self._counters.take())
         t_start = time.perf_counter()
-        defer = self.config.defer_device_wait and self._device_update is not None
+        defer = self._deferred is not None
         sched = self._pipeline.schedule
         step = self.steps_done + 1
         sides = self.placement.update_on
@@ -288,8 +287,10 @@ class OffloadedAdamW:
         self._cpu_update.begin([i for i in sched.order if sides[i] == CPU], unscale, clip_coef)
         if self._device_update is not None:
             self._device_update.streams.after_caller()
-        rec.deferred_device_s, self._deferred_device_s = self._deferred_device_s, 0.0
-        span_start = self._device_update.streams.timed_mark(self._device_update.streams.compute) if defer else None
+        span_start = None
+        if defer:
+            rec.deferred_device_s = self._deferred.take_seconds()
+            span_start = self._deferred.begin()
         pending = []  # device-updated subgroups whose copy-out may still run: (index, fence)
         # The device's subgroups held in memory (gpu or host tier) are queued first, all of them: the
         # device then works through them while the CPU runs its own share below. Queued one by one
@@ -297,7 +298,6 @@ class OffloadedAdamW:
         queued = {i for i in sched.order if sides[i] == DEVICE and i in self._resident}
         # Deferred, the next forward may run beside them: the order it needs the params in.
         first = sorted(queued, reverse=True) if defer else [i for i in sched.order if i in queued]
-        self._ready = {}
         try:
             for i in first:
                 if self._snapshot is not None:
@@ -327,9 +327,7 @@ class OffloadedAdamW:
                     self._pipeline.release(i)
             if defer:  # host buffers of streamed subgroups go back to the pipeline now; the rest stays queued
                 self._finish_device([p for p in pending if p[0] not in self._resident], rec, keep=0)
-                self._in_flight = [p for p in pending if p[0] in self._resident]
-                streams = self._device_update.streams
-                self._deferred_span = (span_start, streams.timed_mark(streams.compute))
+                self._deferred.leave(span_start, [p for p in pending if p[0] in self._resident])
             else:
                 self._finish_device(pending, rec, keep=0)
                 if self._device_update is not None:
@@ -359,7 +357,8 @@ class OffloadedAdamW:
             hyper=lambda g: hyper_of(self.param_groups[g]), step=step)
         t1 = time.perf_counter()
         rec.device_s += t1 - t0
-        self._ready[i] = self._device_update.streams.record(self._device_update.streams.compute)
+        if self._deferred is not None:
+            self._deferred.queued(i)
         if self.trace is not None:
             self.trace.compute("device update queued", t0, t1, subgroup=i, step=step, elements=sg.numel)
         return fence
@@ -378,17 +377,13 @@ class OffloadedAdamW:
         """The event after which subgroup ``i``'s params from the last step are in the caller's hands
         (on the device's compute stream), or None where the step left none pending (CPU-updated, or
         not deferred: the caller's stream then already follows the whole update)."""
-        return self._ready.get(i) if self.config.defer_device_wait else None
+        return self._deferred.ready.get(i) if self._deferred is not None else None
 
     def settle(self) -> None:
         """Wait for the device work a deferred step left queued (its state in memory is then the
         updated state); a no-op otherwise."""
-        in_flight, self._in_flight = self._in_flight, []
-        for _, fence in in_flight:
-            fence.synchronize()
-        if self._deferred_span is not None:  # reported with the next step's record
-            self._deferred_device_s = self._device_update.streams.seconds_between(*self._deferred_span)
-            self._deferred_span = None
+        if self._deferred is not None:
+            self._deferred.settle()
 
     # -- the device tier's size (auto) ---------------------------------------------------------
     def observe_device_memory(self, peak_bytes: int, capacity_bytes: int) -> Optional[str]:
@@ -490,7 +485,8 @@ class OffloadedAdamW:
             tier.close(remove_files=remove_files)  # its tokens too (the node's last user removes them)
         if self.trace is not None:
             self.trace.save()  # after the tiers closed: their last writes are in it
-        self._in_flight = []  # the synchronize below covers them
+        if self._deferred is not None:
+            self._deferred.forget()  # the synchronize below covers it
         if self.memory:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()  # no copy may still read a buffer we unpin
