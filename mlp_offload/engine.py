@@ -281,31 +281,38 @@ class OffloadedAdamW:
                          predicted_update_s=self.prediction.update_s, predicted_adam_s=self.prediction.adam_s,
                          predicted_device_s=self.prediction.device_s, device_updated=sides.count(DEVICE),
                          cpu_updated=sides.count(CPU))
+        if defer:
+            rec.predicted_deferred_s, rec.predicted_serial_s = self.prediction.deferred_s, self.prediction.serial_s
         halfway = sched.order[len(sched.order) // 2]
         # The CPU's subgroups take turns in two scratch buffers (cpu_update); the device's
         # gradients come straight into device memory.
         self._cpu_update.begin([i for i in sched.order if sides[i] == CPU], unscale, clip_coef)
         if self._device_update is not None:
             self._device_update.streams.after_caller()
-        span_start = None
-        if defer:
-            rec.deferred_device_s = self._deferred.take_seconds()
-            span_start = self._deferred.begin()
         pending = []  # device-updated subgroups whose copy-out may still run: (index, fence)
-        # The device's subgroups held in memory (gpu or host tier) are queued first, all of them: the
-        # device then works through them while the CPU runs its own share below. Queued one by one
-        # as the loop reached them, the device idled during each CPU Adam.
+        # The device's subgroups held in memory (gpu or host tier) are queued first: the device then
+        # works through them while the CPU runs its own share below. Queued one by one as the loop
+        # reached them, the device idled during each CPU Adam.
         queued = {i for i in sched.order if sides[i] == DEVICE and i in self._resident}
-        # Deferred, the next forward may run beside them: the order it needs the params in.
-        first = sorted(queued, reverse=True) if defer else [i for i in sched.order if i in queued]
+
+        # This step's hyperparameters: a deferred launch may come after the scheduler changed them.
+        groups = [dict(group) for group in self.param_groups]
+
+        def launch(i):
+            if self._snapshot is not None:
+                self._snapshot.before_update(i)
+            return self._device_step(i, self._resident[i], step, unscale, clip_coef, rec, groups)
         try:
-            for i in first:
-                if self._snapshot is not None:
-                    self._snapshot.before_update(i)
-                pending.append((i, self._device_step(i, self._resident[i], step, unscale, clip_coef, rec)))
+            if defer:  # in the next forward's order, queued as it needs them (DeferredWork)
+                rec.deferred_device_s = self._deferred.take_seconds()
+                self._deferred.begin(sorted(queued, reverse=True), launch)
+            else:
+                pending = [(i, launch(i)) for i in sched.order if i in queued]
             for i in sched.order:
                 if i == halfway:
                     fault_point("update")
+                if defer:
+                    self._deferred.keep_busy()
                 if i in queued:
                     continue
                 if i in self._resident:
@@ -319,19 +326,16 @@ class OffloadedAdamW:
                 if self._snapshot is not None:
                     self._snapshot.before_update(i)  # a checkpoint writer may still need it as it is
                 if sides[i] == DEVICE:
-                    pending.append((i, self._device_step(i, views, step, unscale, clip_coef, rec)))
+                    pending.append((i, self._device_step(i, views, step, unscale, clip_coef, rec, groups)))
                     self._finish_device(pending, rec, keep=1)  # the device works on while the next is set up
                     continue
                 self._cpu_update.update(i, views, step, unscale, clip_coef, rec)
                 if i not in self._resident:
                     self._pipeline.release(i)
-            if defer:  # host buffers of streamed subgroups go back to the pipeline now; the rest stays queued
-                self._finish_device([p for p in pending if p[0] not in self._resident], rec, keep=0)
-                self._deferred.leave(span_start, [p for p in pending if p[0] in self._resident])
-            else:
-                self._finish_device(pending, rec, keep=0)
-                if self._device_update is not None:
-                    self._device_update.streams.before_caller()
+            # Streamed subgroups' host buffers go back to the pipeline now; deferred ones stay queued.
+            self._finish_device(pending, rec, keep=0)
+            if not defer and self._device_update is not None:
+                self._device_update.streams.before_caller()
         except BaseException as err:
             self._pipeline.failure = err
             raise
@@ -342,23 +346,20 @@ class OffloadedAdamW:
         self._relocation.observe_step(rec)  # the update split, re-chosen from what this step measured
         return rec
 
-    def _device_step(self, i: int, views: StateViews, step: int, unscale, clip_coef, rec):
+    def _device_step(self, i: int, views: StateViews, step: int, unscale, clip_coef, rec, groups):
         """Queue subgroup ``i``'s update on the device (in place where it lives there, else streamed
-        through it); returns the fence of its last copy."""
+        through it) with the param ``groups``' hyperparameters; returns the fence of its last copy."""
         sg = self.subgroups[i]
         views.sync_fence()  # a copy of its params from this buffer may still run (host state)
         t0 = time.perf_counter()
         fence = self._device_update.update(
             sg, list(views.narrow(sg.numel)), self.placement.tier_of[i] == GPU_TIER, self._segments[i],
             lambda out: self.grad_source.to_device(sg.start, sg.end, out, unscale, clip_coef),
-            lambda p, g, m, v, group, span: adam_piece(self.device_adam, self.param_groups, p, g, m, v, group, span,
-                                                       step),
+            lambda p, g, m, v, group, span: adam_piece(self.device_adam, groups, p, g, m, v, group, span, step),
             self.on_params_updated, self.param_high.to_device if self.config.param_remainders else None,
-            hyper=lambda g: hyper_of(self.param_groups[g]), step=step)
+            hyper=lambda g: hyper_of(groups[g]), step=step)
         t1 = time.perf_counter()
         rec.device_s += t1 - t0
-        if self._deferred is not None:
-            self._deferred.queued(i)
         if self.trace is not None:
             self.trace.compute("device update queued", t0, t1, subgroup=i, step=step, elements=sg.numel)
         return fence
@@ -377,7 +378,7 @@ class OffloadedAdamW:
         """The event after which subgroup ``i``'s params from the last step are in the caller's hands
         (on the device's compute stream), or None where the step left none pending (CPU-updated, or
         not deferred: the caller's stream then already follows the whole update)."""
-        return self._deferred.ready.get(i) if self._deferred is not None else None
+        return self._deferred.need(i) if self._deferred is not None else None
 
     def settle(self) -> None:
         """Wait for the device work a deferred step left queued (its state in memory is then the

@@ -36,9 +36,11 @@ class Relocation:
         rates, device = engine.update_rates, engine._device_update
         # The device and the CPU twin's "device" run at once only on a real device: on the CPU
         # they are the same cores, one after the other.
+        # Deferred (defer_device_wait), a step's time is the host's share only: it cannot re-measure
+        # the split, which then stays as start-up chose it (placement.split_updates).
         self.split = (UpdateSplit(SideRates.from_start_up(rates), overlap=device.device.type != "cpu")
                       if engine.config.update_on == "auto" and device is not None and rates.device_streamed
-                      else None)
+                      and not engine.config.defer_device_wait else None)
 
     def observe_step(self, rec) -> Optional[str]:
         """After each step: re-choose the update split from the rates the step showed; returns the
@@ -148,7 +150,8 @@ class Relocation:
         if self.split is not None and self.split.learnt:  # at the rates the steps showed
             p.update_on = self.split.plan([sg.numel for sg in eng.subgroups], p.tier_of)
         else:
-            p.update_on = split_updates(eng.subgroups, p.tier_of, eng.config.update_on, eng.update_rates)
+            p.update_on = split_updates(eng.subgroups, p.tier_of, eng.config.update_on, eng.update_rates,
+                                        eng.config.defer_device_wait)
         self._predict()
         eng._pipeline.begin(eng._schedule_for(eng.steps_done))
 

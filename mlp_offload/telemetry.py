@@ -76,6 +76,15 @@ class StepRecord:
     # defer_device_wait: the previous step's device work, from queued to done (its update_s is then
     # only the host's share); 0 otherwise
     deferred_device_s: float = 0.0
+    # defer_device_wait: the prediction's device share left queued past the step, and the share the
+    # step itself waits for (the CPU's, the file tiers', streamed subgroups'); see predict_iteration
+    predicted_deferred_s: float = 0.0
+    predicted_serial_s: float = 0.0
+    # Set by the caller: how long its stream waited for the previous step's deferred params, and
+    # whether it settled this step's device work before going on (the next iteration then runs
+    # without the update beside it: its compute alone can be measured)
+    forward_wait_s: float = 0.0
+    settled: bool = False
     tiers: Dict[str, TierTraffic] = field(default_factory=dict)
 
     def line(self) -> str:

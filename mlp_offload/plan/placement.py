@@ -9,7 +9,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
-from ..config import GPU_TIER, HOST_TIER, OffloadConfig, TierBandwidth
+from ..config import GPU_TIER, HOST_TIER, RESIDENT_TIERS, OffloadConfig, TierBandwidth
 from ..subgroups import Subgroup
 from ..units import GiB
 
@@ -85,11 +85,13 @@ def spread(candidates: Sequence[int], count: int) -> List[int]:
 
 
 def split_updates(subgroups: Sequence[Subgroup], tier_of: Sequence[str], mode: str,
-                  rates: Optional[UpdateRates]) -> List[str]:
+                  rates: Optional[UpdateRates], deferred: bool = False) -> List[str]:
     """Where each subgroup's update runs. Device-resident ones on the device; the rest by ``mode``:
     all on the CPU, all on the device (streamed), or ``"auto"``: in update order each goes to the
     side that would finish its share soonest (list scheduling at the measured rates), so CPU and
-    device each get the share that makes them end together."""
+    device each get the share that makes them end together. ``deferred`` (defer_device_wait): the
+    device's work on state held in memory runs under the next forward while the CPU's share holds
+    the step up, so host-held subgroups all go to the faster side alone, never split."""
     sides = [DEVICE if t == GPU_TIER else CPU for t in tier_of]
     if mode == "cpu":
         return sides
@@ -101,8 +103,12 @@ def split_updates(subgroups: Sequence[Subgroup], tier_of: Sequence[str], mode: s
               / (rates.device_resident or rates.device_streamed)}
     # A balanced split keeps both sides busy to the end: each is priced at its rate beside the other.
     cpu_rate, streamed_rate = rates.cpu_rate(device_streams=True), rates.streamed_rate(cpu_works=True)
+    held_side = DEVICE if rates.device_streamed >= rates.cpu else CPU
     for i, t in enumerate(tier_of):
         if t == GPU_TIER:
+            continue
+        if deferred and t in RESIDENT_TIERS:
+            sides[i] = held_side
             continue
         cost = {CPU: subgroups[i].numel / cpu_rate, DEVICE: subgroups[i].numel / streamed_rate}
         side = min((CPU, DEVICE), key=lambda s: finish[s] + cost[s])
@@ -140,7 +146,8 @@ def plan_placement(
     if GPU_TIER in config.tiers:
         placement.resident_bytes = {GPU_TIER: sum(subgroups[i].state_bytes for i in gpu_set),
                                     **placement.resident_bytes}
-    placement.update_on = split_updates(subgroups, placement.tier_of, config.update_on, update_rates)
+    placement.update_on = split_updates(subgroups, placement.tier_of, config.update_on, update_rates,
+                                        config.defer_device_wait)
     return placement
 
 

@@ -17,6 +17,10 @@ class Prediction:
     update_s: float
     adam_s: float  # the CPU's share: Adam and gradient conversion of the subgroups it updates
     device_s: float = 0.0  # the device's share: resident Adam plus streamed updates
+    # Of the device's share, the subgroups held in memory (gpu or host tier): what a deferred step
+    # (defer_device_wait) leaves queued under the next forward; the rest it waits for (serial_s).
+    deferred_s: float = 0.0
+    serial_s: float = 0.0
     cpu_subgroups: int = 0
     device_subgroups: int = 0
     tier_s: Dict[str, float] = field(default_factory=dict)
@@ -70,10 +74,13 @@ def predict_update(
     else:
         adam_s = numel / adam_elems_per_s + numel / convert_elems_per_s
     device_s = device_seconds_of(subgroups, placement.tier_of, sides, update_rates)
+    held = [t in RESIDENT_TIERS for t in placement.tier_of]
+    deferred_s = device_seconds_of(subgroups, placement.tier_of, sides, update_rates, only=held)
     # The engine's own schedule of the two order directions (steady state), averaged.
     both = [step_schedule(k, placement.tier_of, placement.slots, placement.cache_slots, cache_alternating)
             for k in (0, 1)]
-    pred = Prediction(update_s=max(adam_s, device_s), adam_s=adam_s, device_s=device_s,
+    pred = Prediction(update_s=max(adam_s, device_s), adam_s=adam_s, device_s=device_s, deferred_s=deferred_s,
+                      serial_s=max(adam_s, device_s - deferred_s),
                       cpu_subgroups=sides.count(CPU), device_subgroups=sides.count(DEVICE),
                       cache_hits=len(both[0].hits))
     for tier in dict.fromkeys(t for t in placement.tier_of if t not in RESIDENT_TIERS):
@@ -93,21 +100,23 @@ def predict_update(
         fill = subgroups[first].state_bytes / rates[placement.tier_of[first]].read_bps if first is not None else 0.0
         busiest = max(device_seconds(pred.tier_s, devices).values())
         pred.update_s = max(adam_s, device_s, ranks_sharing * busiest + fill)
+        pred.serial_s = max(pred.serial_s, ranks_sharing * busiest + fill)
         pred.ranks_sharing = ranks_sharing
     return pred
 
 
 def device_seconds_of(subgroups: Sequence[Subgroup], tier_of: Sequence[str], sides: Sequence[str],
-                      rates: Optional[UpdateRates]) -> float:
-    """The device's share of the update: its resident subgroups at the resident rate, the streamed
-    ones (host state copied in and out, overlapped with Adam) at the streamed rate, or at the rate
-    measured beside the CPU's Adam where the CPU updates some subgroups too."""
+                      rates: Optional[UpdateRates], only: Optional[Sequence[bool]] = None) -> float:
+    """The device's share of the update (of the subgroups flagged in ``only``, if given): its resident
+    subgroups at the resident rate, the streamed ones (host state copied in and out, overlapped with
+    Adam) at the streamed rate, or at the rate measured beside the CPU's Adam where the CPU updates
+    some subgroups too."""
     if rates is None or DEVICE not in sides:
         return 0.0
     streamed = rates.streamed_rate(cpu_works=CPU in sides)
     total = 0.0
-    for sg, tier, side in zip(subgroups, tier_of, sides):
-        if side == DEVICE:
+    for k, (sg, tier, side) in enumerate(zip(subgroups, tier_of, sides)):
+        if side == DEVICE and (only is None or only[k]):
             rate = rates.device_resident if tier == GPU_TIER else streamed
             total += sg.numel / rate if rate else 0.0
     return total
@@ -120,3 +129,16 @@ def device_seconds(tier_seconds: Dict[str, float], devices: Optional[Dict[str, o
         key = devices[tier] if devices else tier
         total[key] = total.get(key, 0.0) + seconds
     return total
+
+
+def predict_iteration(compute_s: float, update_s: float, deferred_s: float = 0.0, serial_s: float = 0.0,
+                      first_forward_s: float = 0.0) -> float:
+    """One iteration: forward/backward (``compute_s``, measured without the update beside it) and the
+    update. In series without the overlap (``deferred_s`` 0). With it (defer_device_wait) the step
+    waits for its ``serial_s`` share only; the deferred device work runs under the next forward, which
+    waits at each layer for that layer's params: the last layer's come when the deferred work ends,
+    so only the first micro-batch's forward up to it (``first_forward_s``) hides the update, and the
+    rest of the compute follows. (Nothing of the update runs under a backward.)"""
+    if not deferred_s:
+        return compute_s + update_s
+    return serial_s + compute_s + max(0.0, deferred_s - first_forward_s)

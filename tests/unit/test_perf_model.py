@@ -283,3 +283,26 @@ def test_a_probe_cached_before_the_whole_file_reads_is_measured_again(tmp_path):
     finally:
         tier.close()
     assert rate.read_bps != 1.0
+
+
+def test_the_iteration_model_learns_compute_only_from_iterations_without_the_update_beside_them():
+    """The compute alone is an iteration's time less its update where the step before it left
+    nothing queued (settled, or not deferred); the prediction then follows predict_iteration."""
+    from megatron.training.metrics.offload_figures import IterationModel
+    from mlp_offload import StepRecord, predict_iteration
+
+    model = IterationModel(micro_batches=2, recompute_full=False)  # first forward: 1/6 of the compute
+
+    def record(step, settled, update_s=0.1):
+        return StepRecord(step=step, update_s=update_s, predicted_update_s=0.5, predicted_deferred_s=0.4,
+                          predicted_serial_s=0.1, settled=settled)
+    assert model.observe(9.0, record(1, True), first_of_run=True) is None  # the first iteration teaches nothing
+    assert model.observe(2.1, record(2, True), first_of_run=False) is None  # after a settled step: 2.0 alone
+    assert model.compute_s == 2.0
+    assert model.observe(2.6, record(3, False), first_of_run=False) == predict_iteration(2.0, 0.5, 0.4, 0.1, 2.0 / 6)
+    assert model.compute_s == 2.5  # the previous step was settled: still alone
+    model.observe(3.5, record(4, False), first_of_run=False)
+    assert model.compute_s == 2.5  # the update ran beside it: not a compute sample
+    # deferred work beyond the first forward adds to the compute; none: compute plus update in series
+    assert predict_iteration(2.0, 0.5, 0.4, 0.1, 0.1) == pytest.approx(0.1 + 2.0 + 0.3, rel=1e-12)  # float sums
+    assert predict_iteration(2.0, 0.5) == 2.5

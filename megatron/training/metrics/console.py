@@ -16,7 +16,7 @@ from typing import List
 
 from megatron.training.model.flops import tflops_per_gpu
 from megatron.training.metrics.records import IterationRecord, Sink, ValidationRecord
-from megatron.training.metrics.offload_figures import OffloadInterval
+from megatron.training.metrics.offload_figures import IterationModel, OffloadInterval
 
 
 class _Interval:
@@ -97,9 +97,15 @@ class Console(Sink):
         self.log_throughput = args.log_throughput
         self.world_size = world_size
         self.interval = _Interval()
+        micro_batches = getattr(args, "global_batch_size", 1) // max(
+            1, getattr(args, "micro_batch_size", 1) * getattr(args, "data_parallel_size", 1))
+        self.iteration_model = IterationModel(micro_batches, getattr(args, "recompute_granularity", None) == "full")
 
     def iteration(self, record: IterationRecord) -> None:
         self.interval.add(record)
+        if record.offload is not None:
+            predicted = self.iteration_model.observe(record.elapsed_s, record.offload, record.first_of_run)
+            self.interval.offload.add_prediction(record.elapsed_s, predicted)
         if record.is_printed(self.log_interval):
             print(training_line(record, self.interval, self.train_iters, self.world_size, self.log_throughput),
                   flush=True)

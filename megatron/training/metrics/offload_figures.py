@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
 
-from mlp_offload import StepRecord, TierTraffic
+from mlp_offload import StepRecord, TierTraffic, predict_iteration
 
 GB = 1e9
 
@@ -26,6 +26,7 @@ def step_scalars(record: StepRecord, state_bytes: Optional[Dict[str, int]] = Non
             "offload/grad-convert-time": record.convert_s,
             "offload/read-wait-time": record.read_wait_s,
             "offload/deferred-device-update-time": record.deferred_device_s,
+            "offload/forward-wait-time": record.forward_wait_s,
             "offload/cache-hits": record.cache_hits,
             "offload/streamed-subgroups": record.streamed,
         })
@@ -42,6 +43,32 @@ def step_scalars(record: StepRecord, state_bytes: Optional[Dict[str, int]] = Non
     return scalars
 
 
+class IterationModel:
+    """The iteration predicted beside the measured one: the compute alone, measured in an iteration
+    that ran without the update beside it (its update in series, or after a settled step: the
+    overlap's first steps), with the engine's update prediction (``predict_iteration``)."""
+
+    def __init__(self, micro_batches: int, recompute_full: bool):
+        # the first micro-batch's forward, as a share of the compute: forward is a third of forward and
+        # backward, a quarter where backward recomputes it
+        self.first_forward_share = 1.0 / ((4 if recompute_full else 3) * max(1, micro_batches))
+        self.compute_s: Optional[float] = None
+        self._ran_alone = False  # the previous step left nothing of its update under this iteration
+
+    def observe(self, elapsed_s: float, record: StepRecord, first_of_run: bool) -> Optional[float]:
+        """This iteration's prediction (None until a compute time is known); learns from it."""
+        if record.skipped:
+            return None
+        predicted = None
+        if self.compute_s is not None:
+            predicted = predict_iteration(self.compute_s, record.predicted_update_s, record.predicted_deferred_s,
+                                          record.predicted_serial_s, self.compute_s * self.first_forward_share)
+        if self._ran_alone and not first_of_run:
+            self.compute_s = max(0.0, elapsed_s - record.update_s)
+        self._ran_alone = record.settled or not record.predicted_deferred_s
+        return predicted
+
+
 class OffloadInterval:
     """The steps of one log interval, summed for the console line."""
 
@@ -52,8 +79,17 @@ class OffloadInterval:
         self.updates = 0
         self.update_s = self.predicted_s = self.adam_s = self.read_wait_s = self.deferred_s = 0.0
         self.deferred = 0
+        self.forward_wait_s = 0.0
+        self.iteration_s = self.predicted_iteration_s = 0.0  # over the iterations with a prediction
+        self.predicted_iterations = 0
         self.cache_hits = self.streamed = 0
         self.tiers: Dict[str, TierTraffic] = {}
+
+    def add_prediction(self, elapsed_s: float, predicted_s: Optional[float]) -> None:
+        if predicted_s is not None:
+            self.predicted_iterations += 1
+            self.iteration_s += elapsed_s
+            self.predicted_iteration_s += predicted_s
 
     def add(self, record: StepRecord) -> None:
         if not record.skipped:  # a skipped step moved nothing of its own, but I/O it overlapped did
@@ -65,6 +101,7 @@ class OffloadInterval:
             if record.deferred_device_s:
                 self.deferred += 1
                 self.deferred_s += record.deferred_device_s
+            self.forward_wait_s += record.forward_wait_s
             self.cache_hits += record.cache_hits
             self.streamed += record.streamed
         for name, t in record.tiers.items():
@@ -89,6 +126,10 @@ class OffloadInterval:
         ]
         if self.deferred:  # --offload-overlap-forward: update time is the host's share; the device's here
             pairs.append(("offload device update time (ms)", f"{self.deferred_s / self.deferred * 1000:.1f}"))
+            pairs.append(("offload forward wait (ms)", f"{self.forward_wait_s / per_update * 1000:.1f}"))
+        if self.predicted_iterations:
+            pairs.append(("offload predicted iteration time (ms)",
+                          f"{self.predicted_iteration_s / self.predicted_iterations * 1000:.1f}"))
         for name, t in self.tiers.items():
             pairs += [
                 (f"offload {name} read (GB)", f"{t.read_bytes / per_iteration / GB:.3f}"),

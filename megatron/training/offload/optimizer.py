@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
 from typing import Callable, List, Optional, Tuple
 
@@ -32,6 +33,10 @@ from megatron.training.runtime.optimizer_interface import (HoldsResources, Offlo
 from mlp_offload import OffloadConfig
 
 log = logging.getLogger("mlp_offload")
+
+# --offload-overlap-forward: the first steps wait for their device work (the gpu tier settles in
+# meanwhile); the iteration after one of them measures the compute alone.
+SETTLED_STEPS = 3
 
 
 class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoint, ReportsIteration, HoldsResources):
@@ -65,6 +70,8 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
         self._expected_steps: Optional[int] = None  # the step count of the checkpoint being loaded
         self.last_record = None
         self.is_stub_optimizer = False
+        self._stalls = []  # (start, end) events around each forward wait for deferred params
+        self._deferred_steps = 0
         if self.overlap_forward:
             for shard in self.shards:
                 if shard._device_grads is not None:
@@ -76,6 +83,9 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
     # -- the step ------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self):
+        if self.overlap_forward:  # a subgroup no forward asked for (an expert without tokens) is queued
+            for shard in self.shards:  # now: the norms below must not read its unzeroed grads
+                shard.engine.settle()
         inv_scales = [shard.inv_scale() for shard in self.shards]
         norms, found_any = [], False
         for shard, inv_scale in zip(self.shards, inv_scales):  # megatron-core's prepare_grads, one by one
@@ -106,6 +116,8 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
         records = [shard.engine.step(unscale=inv_scale, clip_coef=clip_coef)
                    for shard, inv_scale in zip(self.shards, inv_scales)]
         self.last_record = records[0]
+        if self.overlap_forward:
+            self._after_deferred_step(records[0])
         if self._cuda:
             for shard in self.shards:
                 torch.cuda.current_stream().wait_stream(shard.copy_stream)
@@ -121,6 +133,22 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
                 chunk.start_param_sync()  # dense and expert buckets both
         return True, grad_norm, None  # no zeros counted (--log-num-zeros-in-grad is megatron-core's)
 
+    def _after_deferred_step(self, record) -> None:
+        """The forward's wait for the last deferred params, into ``record``; and in the first
+        ``SETTLED_STEPS`` steps (while the gpu tier settles in) the device's work is waited for here,
+        so the next iteration's compute runs alone once: the iteration prediction's compute time."""
+        stalls, self._stalls = self._stalls, []
+        if stalls:
+            stalls[-1][1].synchronize()  # the forward's, long done
+        record.forward_wait_s = sum(start.elapsed_time(end) for start, end in stalls) / 1000.0
+        self._deferred_steps += 1
+        if self._deferred_steps <= SETTLED_STEPS:
+            t0 = time.perf_counter()
+            for shard in self.shards:
+                shard.engine.settle()
+            record.update_s += time.perf_counter() - t0
+            record.settled = True
+
     def _gate_forward_on_updated_params(self) -> None:
         """A forward pre-hook on every module holding params: the caller's stream waits for the events
         of the subgroups holding them (the deferred update's order is the forward's), so layer k's
@@ -131,8 +159,13 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
             def wait_for_params(module, _inputs):
                 for engine, i in needs:
                     event = engine.params_ready(i)
-                    if event is not None and self._cuda:
-                        torch.cuda.current_stream().wait_event(event)
+                    if event is not None and self._cuda and not event.query():
+                        stream = torch.cuda.current_stream()
+                        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        start.record(stream)
+                        stream.wait_event(event)
+                        end.record(stream)
+                        self._stalls.append((start, end))
             return wait_for_params
         engines = {id(shard.engine): shard.engine for shard in self.shards}
         for chunk in self.model_chunks:
