@@ -5,9 +5,7 @@ import torch
 
 from mlp_offload import OffloadConfig, OffloadedAdamW
 
-from .helpers import engine_state, fast_config
-
-LR, BETAS, EPS, WD = 3e-3, (0.9, 0.95), 1e-8, 0.1
+from .helpers import BETAS, EPS, LR, WD, engine_state, fast_config
 
 
 def run_pair(cfg, numel, grad_dtype, steps=5, seed=0, unscale=None, clip=None, kernel_fused=True):
