@@ -6,10 +6,9 @@ from typing import List, Optional, Tuple
 
 from hypothesis import strategies as st
 
-from mlp_offload import OffloadConfig, TierBandwidth
+from mlp_offload import MiB, OffloadConfig, TierBandwidth
 from mlp_offload.subgroups import partition
 
-MiB = 1 << 20
 TIER_MIXES = (["host"], ["nvme"], ["host", "nvme"], ["host", "nvme", "pfs"], ["nvme", "pfs"])
 
 
