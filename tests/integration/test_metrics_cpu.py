@@ -101,7 +101,7 @@ def test_validation_lines_as_megatron_prints_them(run):
             dashes = "-" * (len(line) + 1)
             assert lines[k - 1] == dashes and lines[k + 1] == dashes
             loss, ppl = float(m.group(2)), float(m.group(3))
-            assert ppl == pytest.approx(math.exp(loss), rel=1e-5)
+            assert ppl == pytest.approx(math.exp(loss), rel=1e-5)  # both printed with 7 significant digits (%E)
             found.append(int(m.group(1)))
     assert found == [3, 6]
 

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from launch import REPO, TINY_MODEL, pretrain_env, read_loss_log, run_pretrain
-from test_offload_cpu import offload_args
+from helpers import offload_args
 
 PLANNER = REPO / "tools" / "plan_offload.py"
 ITERS = 5
@@ -97,6 +97,7 @@ def test_numbers_against_a_hand_calculation():
     # FLOPs as Megatron-LM counts them: per token and layer 2*(qkv 3h^2 + scores and weighting 2*s*h halved
     # by the causal mask + proj h^2 + mlp 8h^2), logits 2*h*v; backward twice the forward; 4 sequences of 32.
     forward = layers * 2 * (3 * h * h + s * h + h * h + 8 * h * h) + 2 * h * v
+    # rel=1e-9 here and below: the planner sums the same terms in its own order (float rounding only)
     assert got["predicted_compute_s"] == pytest.approx(3 * forward * s * 4 / 100e12, rel=1e-9)
     assert got["predicted_iteration_s"] == pytest.approx(got["predicted_compute_s"], rel=1e-9)
     assert got["fits"] is False and "GPU memory" in got["problems"][0]  # the 2 GiB CUDA reserve alone
@@ -110,6 +111,7 @@ def test_interleaved_pipeline_holds_more_activations_and_a_shorter_bubble():
              "--bf16", "--use-distributed-optimizer", "--device", "cpu", "--pipeline-model-parallel-size", "2"]
     plain, interleaved = plan_json(*flags), plan_json(*flags, "--num-layers-per-virtual-pipeline-stage", "2")
     activations = [p["gpu_bytes_per_rank"]["activations"] for p in (plain, interleaved)]
+    # approx: the planner's figures are floats summed in its own order; the ratios here are exact fractions
     assert activations[1] == pytest.approx(activations[0] * 3 / 2, rel=1e-6)
     assert interleaved["predicted_compute_s"] == pytest.approx(plain["predicted_compute_s"] * (1 + 1 / 8) / (1 + 1 / 4))
     assert interleaved["params_per_rank"] == plain["params_per_rank"]  # the same layers per rank, in two chunks
@@ -205,6 +207,7 @@ def test_moe_numbers_against_a_hand_calculation(tmp_path):
         "dense": dense // 2, "experts": experts_per_rank}
     assert off["optimizer_state_elements_per_rank"] == dense // 2 + experts_per_rank
     assert all(e["tier_bytes_per_rank"]["host"] == e["optimizer_state_bytes_per_rank"] for e in engines.values())
+    # approx: the node's figure and this sum add the engines' float seconds in different orders
     assert off["predicted_update_s"] == pytest.approx(sum(e["predicted_update_s"] for e in engines.values()))
     text = io.StringIO()
     with contextlib.redirect_stdout(text):

@@ -188,6 +188,7 @@ def test_split_and_prediction_use_the_rates_measured_side_by_side(n, cpu, dev, s
     stream_rate = dev * slow if CPU in sides else dev
     t_cpu = sides.count(CPU) * 1000 / cpu_rate
     t_dev = sum(1000 / (20 * dev if t == "gpu" else stream_rate) for s, t in zip(sides, tier_of) if s == DEVICE)
+    # rel=1e-9: the prediction adds per-subgroup float seconds in the schedule's order, this in the list's
     assert pred.adam_s == pytest.approx(t_cpu, rel=1e-9, abs=1e-12)
     assert pred.device_s == pytest.approx(t_dev, rel=1e-9, abs=1e-12)
     assert pred.update_s == pytest.approx(max(t_cpu, t_dev), rel=1e-9)

@@ -202,6 +202,7 @@ def test_bytes_per_param_in_tiers_and_the_start_up_line(tmp_path, caplog, moment
     with caplog.at_level(logging.INFO, logger="mlp_offload"):
         with _engine(model.params, cfg, model) as eng:
             per_param = sum(eng.subgroups[0].region_bytes(k) for k in range(3)) / numel
+            # abs=0.5: each region is padded to the storage alignment, the start-up line rounds to 0.1
             assert per_param == pytest.approx(float(expected.split()[0]), abs=0.5)
             path = str(tmp_path / "state.bin")
             save_engine_state(eng, path)
