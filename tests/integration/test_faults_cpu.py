@@ -12,7 +12,7 @@ import pytest
 
 from conftest import BASELINE_ITERS as ITERS
 from launch import REPO, run_pretrain, tool_module
-from test_offload_cpu import offload_args
+from helpers import offload_args
 from tests.profiles import cases
 
 # point -> the iteration the restart must resume after (checkpoints every 2 iterations).

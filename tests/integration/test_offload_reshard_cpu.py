@@ -8,61 +8,16 @@ uninterrupted TP=2 run. One process at TP=1 PP=1 without offload (megatron-core'
 filled from the offloaded form) trains on close to it: another reduction order, not the same bits.
 """
 
-import shutil
 import sys
 
 import pytest
-import torch
 
+from helpers import assert_same_state, copy_checkpoint, global_offload_state, offload_args
 from launch import run_pretrain
-from test_offload_cpu import offload_args
 
 SAVED_AT, ITERS = 2, 4
 SAME_MODEL = ["--hidden-dropout", "0", "--attention-dropout", "0", "--vocab-size", "512"]
 TP2, PP2 = ["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"]
-
-
-def checkpoint_at(root, iteration, into):
-    """A root holding only ``root``'s checkpoint of ``iteration`` (there is no flag to pick one)."""
-    name = f"iter_{iteration:07d}"
-    shutil.copytree(root / name, into / name)
-    (into / "latest_checkpointed_iteration.txt").write_text(str(iteration))
-    return into
-
-
-def global_optimizer_state(iteration_dir):
-    """key -> [master, exp_avg, exp_avg_sq] as full global tensors, from every position's files;
-    saved copies of one piece (TP replicas, the tied output layer) must agree."""
-    from megatron.training.checkpoint.offload_files import OffloadFileSet, saved_model_parallel_sizes
-    from megatron.training.checkpoint.param_geometry import ParamGeometry
-
-    pp_size, tp_size = saved_model_parallel_sizes(str(iteration_dir))
-    state = {}
-    for pp in range(pp_size):
-        for tp in range(tp_size):
-            with OffloadFileSet(str(iteration_dir), pp, tp) as files:
-                for name, entry in files.geometry.items():
-                    geometry = ParamGeometry.from_json(entry)
-                    local = [torch.empty(geometry.numel) for _ in range(3)]
-                    files.read(name, 0, geometry.numel, local)
-                    full = state.setdefault(geometry.key, [torch.full(geometry.global_shape, float("nan"))
-                                                           for _ in range(3)])
-                    cut = tuple(slice(o, o + n) for o, n in zip(geometry.global_offset, geometry.local_shape))
-                    for tensor, piece in zip(full, local):
-                        piece = piece.view(geometry.local_shape)
-                        assert torch.isnan(tensor[cut]).all() or torch.equal(tensor[cut], piece), name
-                        tensor[cut] = piece
-    for key, tensors in state.items():
-        assert not any(torch.isnan(t).any() for t in tensors), f"{key} not fully covered"
-    return state
-
-
-def assert_same_state(a, b):
-    assert a.keys() == b.keys()
-    for key in a:
-        for x, y in zip(a[key], b[key]):
-            common = tuple(slice(0, min(m, n)) for m, n in zip(x.shape, y.shape))  # the vocabulary's padding
-            assert torch.equal(x[common], y[common]), key
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +25,7 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("reshard")
     tp2 = run_pretrain(tmp / "a", [*SAME_MODEL, *TP2, *offload_args(tmp / "a"), "--save", str(tmp / "a-ckpt"),
                                    "--save-interval", str(SAVED_AT)], train_iters=ITERS)
-    at2 = checkpoint_at(tmp / "a-ckpt", SAVED_AT, tmp / "tp2-ckpt")
+    at2 = copy_checkpoint(tmp / "a-ckpt", [SAVED_AT], tmp / "tp2-ckpt")
     # Loaded at PP=2 and saved at once: no step in between.
     run_pretrain(tmp / "b", [*SAME_MODEL, *PP2, *offload_args(tmp / "b"), "--load", str(at2),
                              "--save", str(tmp / "pp2-ckpt")], train_iters=SAVED_AT)
@@ -82,7 +37,7 @@ def test_tp2_state_loads_at_pp2_unchanged(runs):
     name = f"iter_{SAVED_AT:07d}"
     assert sorted(p.name for p in (tmp / "pp2-ckpt" / name / "offload").iterdir()) == [
         "pp000_tp000_dp000.offload", "pp001_tp000_dp000.offload"]
-    assert_same_state(global_optimizer_state(tmp / "tp2-ckpt" / name), global_optimizer_state(tmp / "pp2-ckpt" / name))
+    assert_same_state(global_offload_state(tmp / "tp2-ckpt" / name), global_offload_state(tmp / "pp2-ckpt" / name))
     assert "offloaded state resharded from TP=2 PP=1 DP=1 to TP=1 PP=2 DP=1" in (tmp / "b" / "loss-0.out").read_text()
 
 

@@ -7,9 +7,9 @@ and after every resume: same form on other tiers, and across forms in both direc
 
 import pytest
 
-from conftest import copy_checkpoint
+from helpers import copy_checkpoint
 from launch import REPO, pretrain_command, pretrain_env, read_loss_log, run_and_clean_up, run_pretrain
-from test_offload_cpu import offload_args
+from helpers import offload_args
 
 ITERS, SAVED_AT = 4, 2
 HALF_AWAY = REPO / "tests" / "integration" / "half_away_megatron.py"
