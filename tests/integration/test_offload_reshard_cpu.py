@@ -4,8 +4,9 @@ size, whose padding rows TP=1 would otherwise drop, so only the layout differs).
 A TP=2 run saves at iteration 2. Loading it at PP=2 and saving at once must write the same global
 fp32 master/exp_avg/exp_avg_sq tensors (reassembled here from each checkpoint's files by their
 recorded geometry); loading that PP=2 checkpoint back at TP=2 must continue bit for bit as the
-uninterrupted TP=2 run. One process at TP=1 PP=1 without offload (megatron-core's own optimizer
-filled from the offloaded form) trains on close to it: another reduction order, not the same bits.
+uninterrupted TP=2 run. One process at TP=1 PP=1 trains on from the TP=2 state bit for bit alike with
+megatron-core's own optimizer (filled from the offloaded form) and with the engine, and close to the
+TP=2 run: another reduction order, not the same bits.
 """
 
 import sys
@@ -48,10 +49,15 @@ def test_pp2_state_back_at_tp2_continues_bit_for_bit(runs):
     assert resumed == tp2[SAVED_AT:]
 
 
-def test_one_process_without_offload_trains_on_from_tp2_state(runs):
+def test_one_process_trains_on_from_tp2_state_alike_with_and_without_offload(runs):
     tmp, tp2 = runs
     resumed = run_pretrain(tmp / "d", [*SAME_MODEL, "--load", str(tmp / "tp2-ckpt")], nproc=1, train_iters=ITERS)
     assert [r["iteration"] for r in resumed] == [3, 4]
+    # The exact reference at TP1: the engine reading the same TP2 state by global region, beside
+    # megatron-core's optimizer filled from it; one layout, one reduction order, the same bits.
+    offloaded = run_pretrain(tmp / "e", [*SAME_MODEL, *offload_args(tmp / "e"), "--load", str(tmp / "tp2-ckpt")],
+                             nproc=1, train_iters=ITERS)
+    assert offloaded == resumed
     for mine, theirs in zip(resumed, tp2[SAVED_AT:]):
         # Not bit for bit: TP2 splits each row-parallel matmul's reduction over two ranks and TP1 sums in
         # another order, so bf16 activations differ in their last bits from the first resumed step on;
