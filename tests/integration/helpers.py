@@ -1,10 +1,20 @@
 """Helpers the integration tests share: the offload flags of the shared runs, the mixture-of-experts
-model's flags, checkpoint copies, and the offloaded optimizer state of a checkpoint as whole global
-tensors (the independent readout resharding tests compare)."""
+model's flags, checkpoint copies, the offloaded optimizer state of a checkpoint as whole global
+tensors (the independent readout resharding tests compare), the half-away reference run, and the
+planner tool's JSON from this process."""
 
+import contextlib
+import importlib.util
+import io
+import json
 import shutil
 
 import torch
+
+from launch import REPO, pretrain_command, pretrain_env, read_loss_log, run_and_clean_up
+
+HALF_AWAY = REPO / "tests" / "integration" / "half_away_megatron.py"
+PLANNER = REPO / "tools" / "plan_offload.py"
 
 # A mixture-of-experts variant of the tiny model: 4 experts of SwiGLU, top-2, RoPE and RMSNorm.
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2", "--swiglu",
@@ -85,3 +95,31 @@ def assert_same_state(a, b):
         for x, y in zip(a[key], b[key]):
             common = tuple(slice(0, min(m, n)) for m, n in zip(x.shape, y.shape))
             assert torch.equal(x[common], y[common]), key
+
+
+def half_away_megatron(tmp, extra, train_iters):
+    """megatron-core's optimizer, its main -> model param copy rounding half away (half_away_megatron.py,
+    launched on 2 ranks as run_pretrain launches pretrain_gpt.py): the reference of the remainders."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    loss_log = tmp / "loss.jsonl"
+    cmd = pretrain_command(extra, 2, train_iters, loss_log, warm=True, script=HALF_AWAY)
+    code, output = run_and_clean_up(cmd, pretrain_env(), 240, tmp / "out.txt")
+    assert code == 0, output[-4000:]
+    return read_loss_log(loss_log)
+
+
+def planner():
+    """tools/plan_offload.py as a module of this process."""
+    spec = importlib.util.spec_from_file_location("plan_offload_tool", PLANNER)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool
+
+
+def plan_json(*flags, expect=0):
+    """The tool's --json output and exit status, from its main() in this process."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = planner().main(["--json", *flags])
+    assert code == expect, out.getvalue()
+    return json.loads(out.getvalue())

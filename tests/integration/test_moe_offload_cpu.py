@@ -16,7 +16,7 @@ import re
 
 import pytest
 
-from helpers import MOE, assert_same_state, copy_checkpoint, global_offload_state
+from helpers import MOE, assert_same_state, copy_checkpoint, global_offload_state, half_away_megatron, plan_json
 from launch import TINY_SEQ, run_pretrain
 
 OFFLOAD = ["--offload-tiers", "host", "--offload-adam-kernel", "single", "--offload-subgroup-size", "6000",
@@ -72,7 +72,6 @@ def test_the_plan_is_what_the_moe_run_did(ep2_runs):
     """tools/plan_offload.py on the same flags: the logged parameter count, and each engine's shard
     as the run's engines logged it (dense over DP 2, experts over expert-DP 1)."""
     from launch import TINY_MODEL
-    from test_plan_offload import plan_json
 
     tmp, _, _ = ep2_runs
     out = (tmp / "off" / "loss-0.out").read_text()
@@ -156,10 +155,8 @@ def test_moe_with_remainders_matches_half_away_megatron_core(tmp_path):
     """The default with --bf16 (16-bit master remainders, one engine per distributed optimizer, the
     experts' own source of bf16 halves) against megatron-core rounding its bf16 copy half away, as
     the remainders do (the reference of test_remainders_cpu): bit for bit, DP2 x EP2."""
-    from test_remainders_cpu import half_away_megatron
-
     remainders = [flag for flag in OFFLOAD if flag != "--no-store-param-remainders"]
-    reference = half_away_megatron(tmp_path / "ref", [*MOE, *EP2])
+    reference = half_away_megatron(tmp_path / "ref", [*MOE, *EP2], ITERS)
     offload = run_pretrain(tmp_path / "rem", [*MOE, *EP2, *remainders], train_iters=ITERS)
     assert [r["iteration"] for r in reference] == list(range(1, ITERS + 1))
     assert offload == reference

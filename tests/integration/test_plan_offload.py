@@ -4,7 +4,6 @@ come from the tool's main() in this process (no interpreter start-up per plan); 
 exit status and error lines from a process of its own."""
 
 import contextlib
-import importlib.util
 import io
 import json
 import re
@@ -13,10 +12,9 @@ import sys
 
 import pytest
 
+from helpers import PLANNER, offload_args, plan_json, planner
 from launch import REPO, TINY_MODEL, pretrain_env, read_loss_log, run_pretrain
-from helpers import offload_args
 
-PLANNER = REPO / "tools" / "plan_offload.py"
 ITERS = 5
 
 
@@ -25,23 +23,6 @@ def plan(*flags, expect=0):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == expect, done.stdout + done.stderr
     return done
-
-
-def planner():
-    """tools/plan_offload.py as a module of this process."""
-    spec = importlib.util.spec_from_file_location("plan_offload_tool", PLANNER)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    return tool
-
-
-def plan_json(*flags, expect=0):
-    """The tool's --json output and exit status, from its main() in this process."""
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = planner().main(["--json", *flags])
-    assert code == expect, out.getvalue()
-    return json.loads(out.getvalue())
 
 
 def test_json_from_the_command_line():

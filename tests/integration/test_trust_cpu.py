@@ -14,10 +14,9 @@ from pathlib import Path
 import pytest
 
 from conftest import BASELINE_ITERS as ITERS
-from helpers import copy_checkpoint
+from helpers import copy_checkpoint, offload_args
 from launch import REPO, free_port, parent_pid, pretrain_command, pretrain_env, read_loss_log, run_and_clean_up, run_pretrain
 from megatron.training.checkpoint import integrity
-from helpers import offload_args
 from tests.small_file_system import small_file_system
 
 
