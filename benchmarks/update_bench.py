@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mlp_offload import OffloadConfig, OffloadedAdamW  # noqa: E402
 from mlp_offload import device_seconds  # noqa: E402
-from mlp_offload import AdamKernel  # noqa: E402
+from mlp_offload import AdamKernel, GiB, MiB  # noqa: E402
 
 
 def parse_args():
@@ -80,15 +80,15 @@ def run_config(name: str, args, numel: int) -> dict:
             paths[t] = base
     budget = None
     if "host" in tiers and paths:
-        budget = int(args.host_budget_gb * 2**30)
+        budget = int(args.host_budget_gb * GiB)
     elif not paths:
         budget = None
     elif args.host_budget_gb is not None and "host" not in tiers:
-        budget = int(args.host_budget_gb * 2**30)
+        budget = int(args.host_budget_gb * GiB)
     cfg = OffloadConfig(tiers=tiers, paths=paths, host_budget_bytes=budget,
                         subgroup_size=int(args.subgroup_size), prefetch_depth=args.prefetch_depth,
-                        io_threads=args.io_threads, io_block_bytes=args.io_block_mb << 20,
-                        probe_bytes=args.probe_mb << 20, run_id=f"bench{os.getpid()}",
+                        io_threads=args.io_threads, io_block_bytes=args.io_block_mb * MiB,
+                        probe_bytes=args.probe_mb * MiB, run_id=f"bench{os.getpid()}",
                         lock_dir=os.environ.get("MLP_OFFLOAD_LOCK_DIR") or None)
     t0 = time.perf_counter()
     engine = OffloadedAdamW(torch.zeros(numel), cfg, lr=1e-4, betas=(0.9, 0.95))

@@ -28,6 +28,7 @@ from .tiers.housekeeping import release_all as release_swap_namespaces
 from .tiers.housekeeping import tree_bytes
 from .tiers.tokens import JobTokens, TierTokens
 from .kernels.update import AdamKernel
+from .units import GB, GiB, MiB
 
 __all__ = [
     # configuration and its errors
@@ -47,4 +48,6 @@ __all__ = [
     "AdamKernel", "HostMemory", "check_host_memory", "own_pss_bytes", "FileTier", "JobTokens", "TierTokens", "meminfo_bytes",
     # process housekeeping and crash-test fault points
     "scan_namespaces", "release_swap_namespaces", "tree_bytes", "fault_point", "configure_faults",
+    # byte units (mlp_offload/units.py), for every package
+    "MiB", "GiB", "GB",
 ]

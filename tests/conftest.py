@@ -1,19 +1,31 @@
 """Suite-wide settings: the hypothesis profile (tests/profiles.py, MLP_OFFLOAD_TEST_PROFILE=ci|thorough),
-and at the end a count of the process launches each test caused."""
+the seed of the launch-heavy cases under every failure, and at the end a count of the process
+launches each test caused."""
 
 import os
 import resource
 import tempfile
 from collections import Counter
 
-from tests.profiles import CASE_DAY, PROFILE
+import pytest
+
+from tests.profiles import CASE_SEED, PROFILE, RERUN_CASES
 
 LAUNCH_LOG = "MLP_OFFLOAD_TEST_LAUNCH_LOG"  # launch.run_group appends one line per launch there
 
 
 def pytest_report_header(config):
-    return (f"test profile {PROFILE}; launch-heavy cases of day {CASE_DAY} "
-            f"(rerun the same ones: MLP_OFFLOAD_CASE_DAY={CASE_DAY})")
+    return f"test profile {PROFILE}; launch-heavy cases of seed {CASE_SEED} (rerun the same ones: {RERUN_CASES})"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Every failure says which seed drew the launch-heavy cases, so that run can be repeated."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        report.sections.append(("launch-heavy cases",
+                                f"drawn by seed {CASE_SEED} under profile {PROFILE}: rerun with {RERUN_CASES}"))
 
 
 def pytest_configure(config):
@@ -31,8 +43,8 @@ def pytest_unconfigure(config):
 def pytest_terminal_summary(terminalreporter):
     """The process launches (torchrun, srun stand-ins) each test caused, with their wall and CPU
     seconds: what the suite's time is made of. CPU seconds vary less with other load."""
-    terminalreporter.write_line(f"launch-heavy cases of day {CASE_DAY} under profile {PROFILE} "
-                                f"(MLP_OFFLOAD_CASE_DAY={CASE_DAY} reruns the same ones)")
+    terminalreporter.write_line(f"launch-heavy cases of seed {CASE_SEED} under profile {PROFILE} "
+                                f"({RERUN_CASES} reruns the same ones)")
     path = os.environ.get(LAUNCH_LOG)
     rows = [line.rstrip("\n").split("\t") for line in open(path)] if path and os.path.exists(path) else []
     if not rows:

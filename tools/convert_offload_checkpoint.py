@@ -6,7 +6,7 @@
 TRAINING_FLAGS are the run's own (model, parallel sizes, precision, data): the plain form is keyed
 by megatron-core's DDP buckets, so the model is built as training builds it. The tool launches
 ``pretrain_gpt.py`` on this node with ``--load IN --save OUT --train-iters <saved iteration>``: the
-load converts (optimizer_state_crossing, at any DP/TP/PP) and the save writes the other form, with
+load converts (``checkpoint/crossing.py``, at any DP/TP/PP) and the save writes the other form, with
 no training step in between. The state moves in pieces of at most --max-memory-mb (default 512)
 beside what the target optimizer holds: both directions read only the ranges they need from the
 source's files, never a rank's whole shard; the load's last line says how much memory it added.

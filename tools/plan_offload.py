@@ -26,7 +26,7 @@ warnings.simplefilter("ignore")  # megatron-core warns at import about optional 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.training.errors import UserError, reported_once  # noqa: E402
-from megatron.training.runtime.host_memory import GiB
+from mlp_offload import GiB
 
 # Sustained bf16 TFLOP/s per GPU (as Megatron-LM counts FLOPs) our training reached on one H200 with
 # megatron-core's local layers and full recompute: 144 at 1.03 G and 200 at 8.77 G parameters

@@ -24,7 +24,7 @@ import sys
 from mlp_offload import (HostMemoryError, OffloadConfigError, OffloadStateError, PlacementError, TierDataError,
                          TierIOError, TierPathError)
 from mlp_offload.checkpoint import CheckpointDataError, CheckpointSaveError
-from mlp_offload import NamespaceInUseError
+from mlp_offload import GiB, MiB, NamespaceInUseError
 
 EXIT_USER_ERROR = 2
 
@@ -94,22 +94,22 @@ def reported_once():
 
 # field -> (flag, bytes per flag unit); flags that switch a feature off map to the field they clear
 FLAG_OF_FIELD = {
-    "host_budget_bytes": ("--offload-host-cache-gb", 1 << 30),
-    "gpu_budget_bytes": ("--offload-gpu-cache-gb", 1 << 30),
+    "host_budget_bytes": ("--offload-host-cache-gb", GiB),
+    "gpu_budget_bytes": ("--offload-gpu-cache-gb", GiB),
     "gpu_budget_auto": ("--offload-gpu-cache-gb auto", 1),
-    "gpu_margin_bytes": ("--offload-gpu-margin-gb", 1 << 30),
+    "gpu_margin_bytes": ("--offload-gpu-margin-gb", GiB),
     "update_on": ("--offload-update", 1),
     "subgroup_size": ("--offload-subgroup-size", 1),
     "prefetch_depth": ("--offload-prefetch-depth", 1),
     "tokens_per_tier": ("--offload-tokens-per-tier", 1),
-    "io_block_bytes": ("--offload-io-block-mb", 1 << 20),
+    "io_block_bytes": ("--offload-io-block-mb", MiB),
     "io_threads": ("--offload-io-threads", 1),
-    "probe_bytes": ("--offload-probe-mb", 1 << 20),
+    "probe_bytes": ("--offload-probe-mb", MiB),
     "adam_kernel": ("--offload-adam-kernel", 1),
     "use_odirect": ("--offload-no-odirect", 1),
     "verify_checksums": ("--offload-no-checksums", 1),
     "cache_alternating": ("--offload-no-cache", 1),
-    "save_staging_bytes": ("--offload-save-staging-gb", 1 << 30),
+    "save_staging_bytes": ("--offload-save-staging-gb", GiB),
     "param_remainders": ("--no-store-param-remainders", 1),
 }
 _FIELD = re.compile(r"\b(" + "|".join(FLAG_OF_FIELD) + r")\b(?:=(-?[0-9][0-9.e+]*))?")

@@ -5,8 +5,8 @@ engine module may import it."""
 
 from .bandwidth import TierBandwidth, parse_bandwidths, probe_piece_bytes
 from .checks import OffloadConfigError
-from .offload_config import (GPU_TIER, HOST_TIER, RESIDENT_TIERS, TOKEN_SCOPES, UPDATE_SIDES, GiB, MiB,
+from .offload_config import (GPU_TIER, HOST_TIER, RESIDENT_TIERS, TOKEN_SCOPES, UPDATE_SIDES,
                              OffloadConfig)
 
 __all__ = ["OffloadConfig", "OffloadConfigError", "TierBandwidth", "parse_bandwidths", "probe_piece_bytes",
-           "GPU_TIER", "HOST_TIER", "RESIDENT_TIERS", "TOKEN_SCOPES", "UPDATE_SIDES", "GiB", "MiB"]
+           "GPU_TIER", "HOST_TIER", "RESIDENT_TIERS", "TOKEN_SCOPES", "UPDATE_SIDES"]

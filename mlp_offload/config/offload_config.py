@@ -14,7 +14,7 @@ from ..state_dtypes import FP32_STATE, REMAINDERS, STATE_TENSORS, UnsupportedSta
 from ..tiers.align import ALIGN
 from .bandwidth import TierBandwidth, probe_piece_bytes
 from .checks import OffloadConfigError, is_int, positive, positive_finite
-from ..units import GiB
+from ..units import GiB, MiB
 
 HOST_TIER = "host"
 GPU_TIER = "gpu"  # the model's device memory (HBM; on a CPU run, the CPU's memory: the CPU twin)
@@ -22,7 +22,6 @@ GPU_TIER = "gpu"  # the model's device memory (HBM; on a CPU run, the CPU's memo
 # file path. Placement fills them in this order.
 RESIDENT_TIERS = (GPU_TIER, HOST_TIER)
 UPDATE_SIDES = ("cpu", "device", "auto")
-MiB = 1024**2
 
 
 @dataclass

@@ -17,8 +17,6 @@ import sys
 
 import torch
 
-PAGE = mmap.PAGESIZE
-
 
 def unforked_empty(nbytes: int) -> torch.Tensor:
     """An uninitialised, page-aligned uint8 buffer of ``nbytes`` that forked children do not get

@@ -3,15 +3,17 @@ several test modules check, each launched once per session (a launch costs secon
 interpreters, torch and megatron-core imports), on first use.
 
 A shared run is a reference or a source of checkpoints; a test that needs to change what a run
-left on disk works on a copy (``copy_checkpoint``)."""
+left on disk works on a copy (``helpers.copy_checkpoint``)."""
 
 import os
-import shutil
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import pytest  # noqa: E402
+
+# test_checkpoint_crossing_cpu still imports it from here; helpers.py is its home.
+from helpers import copy_checkpoint  # noqa: E402,F401
 
 # Iterations of the shared offloaded runs (the trust, fault, async-save, srun and two-node tests):
 # checkpoints every 2 give three of them (2, 4, 6).
@@ -39,11 +41,11 @@ def plain_runs(tmp_path_factory):
 @pytest.fixture(scope="session")
 def offload_runs(tmp_path_factory):
     """``offload_runs(layout)`` -> ``(tmp, records)``: the same 10 iterations with the offload flags of
-    test_offload_cpu.offload_args (host, nvme, pfs; the host budget holds the pipeline's buffers
+    helpers.offload_args (host, nvme, pfs; the host budget holds the pipeline's buffers
     only) in ``tmp``, the engine's telemetry in ``tmp/telemetry-{rank}.jsonl`` and its Chrome trace in
     ``tmp/traces/trace-{rank}.json`` (test_offload_cpu, test_offload_trace)."""
     from launch import LAYOUTS, run_pretrain
-    from test_offload_cpu import offload_args
+    from helpers import offload_args
 
     runs = {}
 
@@ -92,10 +94,10 @@ def real_data_runs(tmp_path_factory):
 @pytest.fixture(scope="session")
 def offload_baseline(tmp_path_factory):
     """Loss records of one torchrun launch of 2 ranks with the tiny model and the offload flags of
-    test_offload_cpu.offload_args, BASELINE_ITERS iterations, no checkpoints: the uninterrupted run
+    helpers.offload_args, BASELINE_ITERS iterations, no checkpoints: the uninterrupted run
     that the killed, signalled and resumed runs must reproduce, and the srun and two-node launches."""
     from launch import run_pretrain
-    from test_offload_cpu import offload_args
+    from helpers import offload_args
 
     tmp = tmp_path_factory.mktemp("baseline")
     return run_pretrain(tmp, [*offload_args(tmp), "--exit-signal-handler"], nproc=2, train_iters=BASELINE_ITERS)
@@ -106,7 +108,7 @@ def offload_saved(tmp_path_factory, offload_baseline):
     """The same offloaded run saving synchronously every SAVE_EVERY iterations: ``{"ckpt": root with
     iterations 2, 4 and 6, "losses": its records}``. Saving must not change training."""
     from launch import run_pretrain
-    from test_offload_cpu import offload_args
+    from helpers import offload_args
 
     tmp = tmp_path_factory.mktemp("saved")
     ckpt = tmp / "ckpt"
@@ -114,14 +116,3 @@ def offload_saved(tmp_path_factory, offload_baseline):
                           train_iters=BASELINE_ITERS)
     assert losses == offload_baseline
     return {"ckpt": ckpt, "losses": losses}
-
-
-def copy_checkpoint(root, iterations, into):
-    """A checkpoint root of its own holding ``root``'s checkpoints of ``iterations``, the tracker at
-    the last: what a run that stopped after saving the last of them leaves."""
-    into.mkdir(parents=True, exist_ok=True)
-    for iteration in iterations:
-        name = f"iter_{iteration:07d}"
-        shutil.copytree(root / name, into / name)
-    (into / "latest_checkpointed_iteration.txt").write_text(str(max(iterations)))
-    return into

@@ -16,7 +16,7 @@ from conftest import SAVE_EVERY
 from launch import run_pretrain
 from megatron.training.checkpoint import integrity
 from mlp_offload.checkpoint import read_footer
-from test_offload_cpu import offload_args
+from helpers import offload_args
 
 SAVES = ["--save-interval", str(SAVE_EVERY)]
 SLOW_WRITER = {"MLP_OFFLOAD_DELAY": "save-offload=0.1"}  # per subgroup: about 2 s per checkpoint

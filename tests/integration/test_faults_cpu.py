@@ -12,7 +12,7 @@ import pytest
 
 from conftest import BASELINE_ITERS as ITERS
 from launch import REPO, run_pretrain, tool_module
-from test_offload_cpu import offload_args
+from helpers import offload_args
 from tests.profiles import cases
 
 # point -> the iteration the restart must resume after (checkpoints every 2 iterations).
@@ -35,10 +35,10 @@ def uninterrupted(offload_baseline):
     return offload_baseline
 
 
-# Each case is two launches: CI runs half of them, another half each day (tests/profiles.py). The
-# first case's crashed run goes through torchrun, as users launch; the others' through the warm
-# launcher, which stops the other rank as torchrun does (SIGTERM, SIGKILL 30 s later) in a third
-# of the time. The thorough profile sends every launch through torchrun.
+# Each case is two launches: CI runs half of them, drawn by a seed that every failure prints
+# (tests/profiles.py). The first case's crashed run goes through torchrun, as users launch; the
+# others' through the warm launcher, which stops the other rank as torchrun does (SIGTERM, SIGKILL
+# 30 s later) in a third of the time. The thorough profile sends every launch through torchrun.
 FAULTS = cases(CASES, ci_keep=4)
 
 

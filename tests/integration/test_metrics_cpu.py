@@ -46,7 +46,8 @@ def run(tmp_path_factory):
         "--log-interval", str(LOG_INTERVAL), "--eval-interval", str(EVAL_INTERVAL), "--eval-iters", "1",
         "--log-throughput", "--timing-log-level", "1", "--offload-tiers", "host",
         "--tensorboard-dir", str(tmp / "tb"), "--log-validation-ppl-to-tensorboard", "--log-timers-to-tensorboard",
-        "--wandb-project", "metrics-test", "--wandb-exp-name", "cpu", "--wandb-save-dir", str(tmp / "wandb")],
+        "--wandb-project", "metrics-test", "--wandb-exp-name", "cpu", "--wandb-save-dir", str(tmp / "wandb"),
+        "--offload-telemetry-log", str(tmp / "telemetry-{rank}.jsonl")],
         train_iters=ITERS, env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
     output = (tmp / "loss-0.out").read_text()
     return tmp, records, output
@@ -78,12 +79,30 @@ def test_console_iteration_lines_parse_and_average_the_interval(run):
                                                   rel=1e-6)
 
 
+# The console's engine figures and the telemetry record's fields they average.
+CONSOLE_FIELDS = {"offload update time (ms)": "update_s", "offload predicted update time (ms)": "predicted_update_s",
+                  "offload adam time (ms)": "adam_s", "offload read wait (ms)": "read_wait_s"}
+
+
+def test_console_offload_figures_average_the_engines_telemetry(run):
+    """Each line's engine figures are its interval's averages of the engine's own per-step records
+    (--offload-telemetry-log of the last rank, which prints the console), summed in step order."""
+    tmp, _, output = run
+    steps = [json.loads(line) for line in open(tmp / "telemetry-1.jsonl")]
+    assert [r["step"] for r in steps] == list(range(1, ITERS + 1))
+    intervals = {1: [1], 3: [1, 2, 3], 6: [4, 5, 6]}
+    for m in _training_lines(output):
+        pairs = dict(KEY_VALUE.findall(m.group(14)))
+        chosen = [steps[i - 1] for i in intervals[int(m.group(2))]]
+        for key, name in CONSOLE_FIELDS.items():
+            assert pairs[key].strip() == f"{sum(r[name] for r in chosen) / len(chosen) * 1000:.1f}", (key, m.group(0))
+
+
 def test_console_offload_figures_are_key_value_pairs(run):
     _, _, output = run
     tail = _training_lines(output)[-1].group(14)
     pairs = dict(KEY_VALUE.findall(tail))
-    figures = {key: float(pairs[key]) for key in ("offload update time (ms)", "offload predicted update time (ms)",
-                                                  "offload adam time (ms)", "offload read wait (ms)")}
+    figures = {key: float(pairs[key]) for key in CONSOLE_FIELDS}
     # A CPU run updates every subgroup with CPU Adam: it took time, the model predicted some, and the
     # update's wall time holds its Adam and its waits.
     assert figures["offload adam time (ms)"] > 0 and figures["offload predicted update time (ms)"] > 0, tail
@@ -101,7 +120,7 @@ def test_validation_lines_as_megatron_prints_them(run):
             dashes = "-" * (len(line) + 1)
             assert lines[k - 1] == dashes and lines[k + 1] == dashes
             loss, ppl = float(m.group(2)), float(m.group(3))
-            assert ppl == pytest.approx(math.exp(loss), rel=1e-5)
+            assert ppl == pytest.approx(math.exp(loss), rel=1e-5)  # both printed with 7 significant digits (%E)
             found.append(int(m.group(1)))
     assert found == [3, 6]
 

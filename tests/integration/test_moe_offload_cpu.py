@@ -13,16 +13,12 @@ bit for bit. MoE checkpoints also cross offload on/off (megatron-core's optimize
 """
 
 import re
-from pathlib import Path
 
 import pytest
-import torch
 
-from conftest import copy_checkpoint
+from helpers import MOE, assert_same_state, copy_checkpoint, global_offload_state, half_away_megatron, plan_json
 from launch import TINY_SEQ, run_pretrain
 
-MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2", "--swiglu",
-       "--disable-bias-linear", "--normalization", "RMSNorm", "--position-embedding-type", "rope"]
 OFFLOAD = ["--offload-tiers", "host", "--offload-adam-kernel", "single", "--offload-subgroup-size", "6000",
            "--no-store-param-remainders"]  # megatron-core's model params round to nearest even
 LAYOUTS = {
@@ -76,7 +72,6 @@ def test_the_plan_is_what_the_moe_run_did(ep2_runs):
     """tools/plan_offload.py on the same flags: the logged parameter count, and each engine's shard
     as the run's engines logged it (dense over DP 2, experts over expert-DP 1)."""
     from launch import TINY_MODEL
-    from test_plan_offload import plan_json
 
     tmp, _, _ = ep2_runs
     out = (tmp / "off" / "loss-0.out").read_text()
@@ -117,31 +112,6 @@ def test_moe_checkpoints_cross_offload_on_and_off(ep2_runs):
     assert offload == baseline[SAVED_AT:]
 
 
-def global_states(iteration_dir: Path):
-    """{global key: [param, exp_avg, exp_avg_sq] global tensors} from every offload file, by geometry."""
-    from megatron.training.checkpoint.offload_files import (SUBDIRS, OffloadFileSet, has_offloaded_state,
-                                                            saved_model_parallel_sizes)
-    from megatron.training.checkpoint.param_geometry import ParamGeometry
-
-    found = {}
-    for kind in SUBDIRS:
-        if not has_offloaded_state(str(iteration_dir), kind):
-            continue
-        pp_size, tp_size = saved_model_parallel_sizes(str(iteration_dir), kind)
-        for pp in range(pp_size):
-            for tp in range(tp_size):
-                with OffloadFileSet(str(iteration_dir), pp, tp, kind=kind) as files:
-                    for name, entry in files.geometry.items():
-                        g = ParamGeometry.from_json(entry)
-                        local = [torch.empty(g.numel) for _ in range(3)]
-                        files.read(name, 0, g.numel, local)
-                        whole = found.setdefault(g.key, [torch.full(g.global_shape, float("nan")) for _ in range(3)])
-                        box = tuple(slice(o, o + n) for o, n in zip(g.global_offset, g.local_shape))
-                        for w, t in zip(whole, local):
-                            w[box] = t.view(g.local_shape)
-    return found
-
-
 def resave(tmp, name, flags, source):
     """Load ``source`` under ``flags`` and save it again with no step between (as
     tools/convert_offload_checkpoint.py does); the new checkpoint root."""
@@ -151,15 +121,11 @@ def resave(tmp, name, flags, source):
     return out
 
 
-def assert_same_state(saved_root, resaved_root):
-    """Every global parameter's master copy and moments, read back by geometry alone."""
-    saved, resaved = global_states(saved_root / "iter_0000002"), global_states(resaved_root / "iter_0000002")
-    assert sorted(saved) == sorted(resaved)
+def assert_same_saved_state(saved_root, resaved_root):
+    """Every global parameter's master copy and moments, read back by geometry alone, experts included."""
+    saved = global_offload_state(saved_root / "iter_0000002")
     assert any("experts" in key for key in saved)
-    for key in saved:
-        for a, b in zip(saved[key], resaved[key]):
-            assert not torch.isnan(a).any(), key  # every element was saved
-            assert torch.equal(a, b), key
+    assert_same_state(saved, global_offload_state(resaved_root / "iter_0000002"))
 
 
 def test_offloaded_checkpoint_reshards_across_expert_parallel_sizes(ep2_runs):
@@ -169,7 +135,7 @@ def test_offloaded_checkpoint_reshards_across_expert_parallel_sizes(ep2_runs):
     ep1 = resave(tmp, "to-ep1", [], tmp / "off-2")
     assert (tmp / "off-2" / "iter_0000002" / "offload_experts").is_dir()
     assert not (ep1 / "iter_0000002" / "offload_experts").exists()  # at EP 1 experts are dense parameters
-    assert_same_state(tmp / "off-2", ep1)
+    assert_same_saved_state(tmp / "off-2", ep1)
     resumed = run_pretrain(tmp / "from-ep1", [*MOE, *EP2, *OFFLOAD, "--load", str(ep1)], train_iters=ITERS)
     assert resumed == offload[SAVED_AT:]
 
@@ -180,7 +146,7 @@ def test_offloaded_checkpoint_reshards_between_pipeline_and_expert_parallelism(p
     tmp, _, offload = pp2_runs
     ep2 = resave(tmp, "to-ep2", [*PP2[2:], *EP2], tmp / "off-2")  # PP2's layer pattern and dropout, at PP 1
     assert (ep2 / "iter_0000002" / "offload_experts").is_dir()
-    assert_same_state(tmp / "off-2", ep2)
+    assert_same_saved_state(tmp / "off-2", ep2)
     resumed = run_pretrain(tmp / "from-ep2", [*MOE, *PP2, *OFFLOAD, "--load", str(ep2)], train_iters=ITERS)
     assert resumed == offload[SAVED_AT:]
 
@@ -189,10 +155,8 @@ def test_moe_with_remainders_matches_half_away_megatron_core(tmp_path):
     """The default with --bf16 (16-bit master remainders, one engine per distributed optimizer, the
     experts' own source of bf16 halves) against megatron-core rounding its bf16 copy half away, as
     the remainders do (the reference of test_remainders_cpu): bit for bit, DP2 x EP2."""
-    from test_remainders_cpu import half_away_megatron
-
     remainders = [flag for flag in OFFLOAD if flag != "--no-store-param-remainders"]
-    reference = half_away_megatron(tmp_path / "ref", [*MOE, *EP2])
+    reference = half_away_megatron(tmp_path / "ref", [*MOE, *EP2], ITERS)
     offload = run_pretrain(tmp_path / "rem", [*MOE, *EP2, *remainders], train_iters=ITERS)
     assert [r["iteration"] for r in reference] == list(range(1, ITERS + 1))
     assert offload == reference

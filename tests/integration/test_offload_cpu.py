@@ -11,30 +11,8 @@ import json
 
 import pytest
 
+from helpers import offload_args
 from launch import LAYOUTS, run_pretrain
-
-
-def offload_args(tmp_path, tiers=("host", "nvme", "pfs"), budget_gb="0.0005", subgroup="6000", extra=(),
-                 remainders=False):
-    """The offload flags of the shared runs. Without ``remainders`` the whole fp32 master is kept, so
-    the model's params round to nearest even as megatron-core's do (bit-for-bit comparisons with it);
-    test_remainders_cpu runs the default."""
-    args = ["--offload-tiers", ",".join(tiers), "--offload-subgroup-size", subgroup,
-            "--offload-adam-kernel", "single", "--offload-io-block-mb", "1", "--offload-io-threads", "2"]
-    if not remainders:
-        args.append("--no-store-param-remainders")
-    rates = []
-    for tier in tiers:
-        if tier != "host":
-            path = tmp_path / tier
-            path.mkdir(parents=True, exist_ok=True)
-            args += [f"--offload-{tier}-path", str(path)]
-            rates.append(f"{tier}=2:1")
-    if "host" in tiers and len(tiers) > 1:
-        args += ["--offload-host-cache-gb", budget_gb]
-    if rates:
-        args += ["--offload-bandwidths", ",".join(rates)]
-    return args + list(extra)
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))

@@ -10,7 +10,7 @@ import re
 import pytest
 
 from launch import TINY_MODEL, run_pretrain
-from test_offload_cpu import offload_args
+from helpers import MOE, offload_args
 
 OVERLAP = ["--offload-overlap-forward"]
 
@@ -63,8 +63,6 @@ def test_a_save_and_resume_with_the_overlap_is_exact(tmp_path):
 def test_pipeline_stages_and_experts_with_the_overlap_match_megatron(tmp_path, layout):
     """Two pipeline stages (each rank gates its own layers), and a mixture-of-experts model (a dense
     and an expert engine, experts a router may leave out of a forward)."""
-    from test_moe_offload_cpu import MOE
-
     extra, nproc = (["--pipeline-model-parallel-size", "2"], 2) if layout == "pp2" else (MOE, 1)
     baseline = run_pretrain(tmp_path / "base", extra, nproc=nproc, train_iters=5)
     run = run_pretrain(tmp_path / "ovl", [*extra, *offload_args(tmp_path, tiers=("host",)), "--offload-update", "gpu",

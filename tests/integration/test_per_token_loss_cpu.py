@@ -28,6 +28,8 @@ def mock_runs(tmp_path_factory):
 
 def test_equals_the_micro_batch_average_when_every_token_counts(mock_runs):
     default, per_token = mock_runs
+    # Not ==: per-token loss sums loss x mask over the micro-batches and divides once at the end, the
+    # default averages each micro-batch first; the same value up to float rounding of the two orders.
     for a, b in zip(losses(default), losses(per_token)):
         assert math.isclose(a, b, rel_tol=1e-5), (losses(default), losses(per_token))
 

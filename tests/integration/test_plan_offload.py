@@ -4,7 +4,6 @@ come from the tool's main() in this process (no interpreter start-up per plan); 
 exit status and error lines from a process of its own."""
 
 import contextlib
-import importlib.util
 import io
 import json
 import re
@@ -13,10 +12,9 @@ import sys
 
 import pytest
 
+from helpers import PLANNER, offload_args, plan_json, planner
 from launch import REPO, TINY_MODEL, pretrain_env, read_loss_log, run_pretrain
-from test_offload_cpu import offload_args
 
-PLANNER = REPO / "tools" / "plan_offload.py"
 ITERS = 5
 
 
@@ -25,23 +23,6 @@ def plan(*flags, expect=0):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == expect, done.stdout + done.stderr
     return done
-
-
-def planner():
-    """tools/plan_offload.py as a module of this process."""
-    spec = importlib.util.spec_from_file_location("plan_offload_tool", PLANNER)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    return tool
-
-
-def plan_json(*flags, expect=0):
-    """The tool's --json output and exit status, from its main() in this process."""
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = planner().main(["--json", *flags])
-    assert code == expect, out.getvalue()
-    return json.loads(out.getvalue())
 
 
 def test_json_from_the_command_line():
@@ -97,6 +78,7 @@ def test_numbers_against_a_hand_calculation():
     # FLOPs as Megatron-LM counts them: per token and layer 2*(qkv 3h^2 + scores and weighting 2*s*h halved
     # by the causal mask + proj h^2 + mlp 8h^2), logits 2*h*v; backward twice the forward; 4 sequences of 32.
     forward = layers * 2 * (3 * h * h + s * h + h * h + 8 * h * h) + 2 * h * v
+    # rel=1e-9 here and below: the planner sums the same terms in its own order (float rounding only)
     assert got["predicted_compute_s"] == pytest.approx(3 * forward * s * 4 / 100e12, rel=1e-9)
     assert got["predicted_iteration_s"] == pytest.approx(got["predicted_compute_s"], rel=1e-9)
     assert got["fits"] is False and "GPU memory" in got["problems"][0]  # the 2 GiB CUDA reserve alone
@@ -110,6 +92,7 @@ def test_interleaved_pipeline_holds_more_activations_and_a_shorter_bubble():
              "--bf16", "--use-distributed-optimizer", "--device", "cpu", "--pipeline-model-parallel-size", "2"]
     plain, interleaved = plan_json(*flags), plan_json(*flags, "--num-layers-per-virtual-pipeline-stage", "2")
     activations = [p["gpu_bytes_per_rank"]["activations"] for p in (plain, interleaved)]
+    # approx: the planner's figures are floats summed in its own order; the ratios here are exact fractions
     assert activations[1] == pytest.approx(activations[0] * 3 / 2, rel=1e-6)
     assert interleaved["predicted_compute_s"] == pytest.approx(plain["predicted_compute_s"] * (1 + 1 / 8) / (1 + 1 / 4))
     assert interleaved["params_per_rank"] == plain["params_per_rank"]  # the same layers per rank, in two chunks
@@ -205,6 +188,7 @@ def test_moe_numbers_against_a_hand_calculation(tmp_path):
         "dense": dense // 2, "experts": experts_per_rank}
     assert off["optimizer_state_elements_per_rank"] == dense // 2 + experts_per_rank
     assert all(e["tier_bytes_per_rank"]["host"] == e["optimizer_state_bytes_per_rank"] for e in engines.values())
+    # approx: the node's figure and this sum add the engines' float seconds in different orders
     assert off["predicted_update_s"] == pytest.approx(sum(e["predicted_update_s"] for e in engines.values()))
     text = io.StringIO()
     with contextlib.redirect_stdout(text):

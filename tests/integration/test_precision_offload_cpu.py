@@ -5,7 +5,7 @@ resumed in new processes gives exactly the uninterrupted run's losses."""
 import math
 
 from launch import run_pretrain
-from test_offload_cpu import offload_args
+from helpers import offload_args
 
 PRECISION = ["--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"]
 

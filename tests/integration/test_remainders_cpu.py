@@ -7,23 +7,10 @@ and after every resume: same form on other tiers, and across forms in both direc
 
 import pytest
 
-from conftest import copy_checkpoint
-from launch import REPO, pretrain_command, pretrain_env, read_loss_log, run_and_clean_up, run_pretrain
-from test_offload_cpu import offload_args
+from helpers import copy_checkpoint, half_away_megatron, offload_args
+from launch import run_pretrain
 
 ITERS, SAVED_AT = 4, 2
-HALF_AWAY = REPO / "tests" / "integration" / "half_away_megatron.py"
-
-
-def half_away_megatron(tmp, extra):
-    """megatron-core's optimizer, its main -> model param copy rounding half away (launched as
-    run_pretrain launches pretrain_gpt.py)."""
-    tmp.mkdir(parents=True, exist_ok=True)
-    loss_log = tmp / "loss.jsonl"
-    cmd = pretrain_command(extra, 2, ITERS, loss_log, warm=True, script=HALF_AWAY)
-    code, output = run_and_clean_up(cmd, pretrain_env(), 240, tmp / "out.txt")
-    assert code == 0, output[-4000:]
-    return read_loss_log(loss_log)
 
 
 def saving(ckpt):
@@ -35,7 +22,7 @@ def runs(tmp_path_factory):
     """The reference and the offloaded run with the default flags on host+nvme, both uninterrupted;
     their checkpoints of iteration 2 alone in ``ref-ckpt`` and ``rem-ckpt``."""
     tmp = tmp_path_factory.mktemp("remainders")
-    reference = half_away_megatron(tmp / "ref", saving(tmp / "ref-saves"))
+    reference = half_away_megatron(tmp / "ref", saving(tmp / "ref-saves"), ITERS)
     offloaded = run_pretrain(tmp / "rem", [*offload_args(tmp / "rem", tiers=("host", "nvme"), remainders=True),
                                            *saving(tmp / "rem-saves")], train_iters=ITERS)
     copy_checkpoint(tmp / "ref-saves", [SAVED_AT], tmp / "ref-ckpt")
@@ -63,7 +50,7 @@ def test_remainders_checkpoint_resumes_in_megatron_core(runs):
     """Offload form with remainders -> megatron-core's optimizer: the master merged with the model's
     loaded params, exactly the reference's."""
     tmp, reference, _ = runs
-    assert half_away_megatron(tmp / "to-plain", ["--load", str(tmp / "rem-ckpt")]) == reference[SAVED_AT:]
+    assert half_away_megatron(tmp / "to-plain", ["--load", str(tmp / "rem-ckpt")], ITERS) == reference[SAVED_AT:]
 
 
 def test_megatron_core_checkpoint_resumes_with_remainders(runs):

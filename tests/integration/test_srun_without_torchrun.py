@@ -11,7 +11,7 @@ from conftest import BASELINE_ITERS
 from launch import PRETRAIN, TINY_MODEL, losses, pretrain_env, read_loss_log, run_group
 from megatron.training.runtime import slurm_env
 from megatron.training.errors import UserError
-from test_offload_cpu import offload_args
+from helpers import offload_args
 
 SRUN_TASK = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "3", "SLURM_NTASKS": "2", "SLURM_PROCID": "1",
              "SLURM_LOCALID": "1", "SLURM_NODEID": "0", "SLURM_NODELIST": "gpu[007-008,012]",

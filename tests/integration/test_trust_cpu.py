@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from conftest import BASELINE_ITERS as ITERS
-from conftest import copy_checkpoint
+from helpers import copy_checkpoint, offload_args
 from launch import REPO, free_port, parent_pid, pretrain_command, pretrain_env, read_loss_log, run_and_clean_up, run_pretrain
 from megatron.training.checkpoint import integrity
-from test_offload_cpu import offload_args
+from tests.small_file_system import small_file_system
 
 
 def tree_digest(path):
@@ -138,25 +138,16 @@ def test_disk_full_in_the_middle_of_a_save(tmp_path, uninterrupted, saved):
     assert resumed == uninterrupted[2:]
 
 
-@pytest.fixture
-def small_file_system(tmp_path):
-    mount = tmp_path / "small"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=5m", "tmpfs", str(mount)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a small tmpfs here (needs root); the injected ENOSPC test covers the write path")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
-
-
-def test_save_refused_up_front_when_the_file_system_is_too_small(tmp_path, small_file_system):
+def test_save_refused_up_front_when_the_file_system_is_too_small(tmp_path):
     """A real 5 MB file system holds one checkpoint (3.4 MB), not two: the second save is refused
-    before any byte is written, naming --save and the numbers; the first stays as it was."""
-    ckpt = small_file_system / "ckpt"
-    line = failed_run(tmp_path, chain_args(tmp_path, ckpt), "small", train_iters=ITERS)
-    assert re.search(rf"--save {ckpt}: the checkpoint of iteration 4 needs about 3\.\d+ MB, but only "
-                     r"[\d.]+ MB are free there; nothing was written", line), line
-    assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+    before any byte is written, naming --save and the numbers; the first stays as it was. Needs root
+    to mount it (CI runs it as root)."""
+    with small_file_system(tmp_path / "small", "5m") as mount:
+        ckpt = mount / "ckpt"
+        line = failed_run(tmp_path, chain_args(tmp_path, ckpt), "small", train_iters=ITERS)
+        assert re.search(rf"--save {ckpt}: the checkpoint of iteration 4 needs about 3\.\d+ MB, but only "
+                         r"[\d.]+ MB are free there; nothing was written", line), line
+        assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
 
 
 @pytest.mark.parametrize("flags,expected", [

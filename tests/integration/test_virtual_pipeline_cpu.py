@@ -14,8 +14,7 @@ import pytest
 import torch
 
 from launch import run_pretrain
-from test_offload_cpu import offload_args
-from test_offload_reshard_cpu import assert_same_state, checkpoint_at, global_optimizer_state
+from helpers import assert_same_state, copy_checkpoint, global_offload_state, offload_args
 
 ITERS, SAVED_AT = 4, 2
 PP2 = ["--pipeline-model-parallel-size", "2", "--eval-interval", "2", "--eval-iters", "1"]
@@ -29,7 +28,7 @@ def saving(ckpt):
 def at_saved(tmp, form: str):
     """A root holding only the ``form`` run's checkpoint of iteration SAVED_AT."""
     into = tmp / f"{form}-at{SAVED_AT}"
-    return into if into.exists() else checkpoint_at(tmp / f"{form}-ckpt", SAVED_AT, into)
+    return into if into.exists() else copy_checkpoint(tmp / f"{form}-ckpt", [SAVED_AT], into)
 
 
 def global_weights(iteration_dir):
@@ -86,7 +85,7 @@ def test_vpp_checkpoint_loads_without_vpp_unchanged(pp2_checkpoint):
     assert saved.keys() == loaded.keys() and "decoder.layers.mlp.linear_fc1.weight" in saved
     for key in saved:
         assert torch.equal(saved[key], loaded[key]), key
-    assert_same_state(global_optimizer_state(vpp), global_optimizer_state(pp2))
+    assert_same_state(global_offload_state(vpp), global_offload_state(pp2))
     assert "offloaded state resharded from TP=1 PP=2 VPP=2 DP=1 to TP=1 PP=2 DP=1" in output.read_text()
 
 

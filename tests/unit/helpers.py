@@ -1,10 +1,15 @@
-"""Shared set-up for engine tests: small, fast configurations and whole-state readout."""
+"""Shared set-up for engine tests: small, fast configurations, whole-state readout, and the
+reference they are checked against (torch.optim.AdamW over the same ranges and hyperparameters)."""
 
+import dataclasses
 import os
 
 import torch
 
 from mlp_offload import OffloadConfig
+from mlp_offload.kernels.remainders import HostParamHigh
+
+LR, BETAS, EPS, WD = 3e-3, (0.9, 0.95), 1e-8, 0.1  # the engines' and their reference's hyperparameters
 
 
 def fast_config(tmp_path, tiers, **overrides) -> OffloadConfig:
@@ -43,3 +48,48 @@ def run_steps(engine, grad_list):
     for g in grad_list:
         engine.grad_buffer.copy_(g)
         engine.step()
+
+
+def device_config(setup, extra, root) -> OffloadConfig:
+    """``setup``'s config with the device options ``extra`` (strategies.device_setups), the gpu tier
+    put in front where a budget for it is given."""
+    cfg = setup.config(root)
+    tiers = (["gpu"] if "gpu_budget_bytes" in extra or extra.get("gpu_budget_auto") else []) + cfg.tiers
+    return dataclasses.replace(cfg, tiers=tiers, **extra)
+
+
+def adamw_reference(setup, init, kernel):
+    """torch.optim.AdamW with one parameter per range of ``setup``'s param groups (as the engine's
+    span sees them), starting from ``init``: ``(pieces, optimizer)``, pieces as ``((a, b), param)``."""
+    pieces, groups = [], []
+    for ranges, options in setup.groups or [([(0, setup.numel)], {})]:
+        params = [torch.nn.Parameter(init[a:b].clone()) for a, b in ranges]
+        pieces += zip(ranges, params)
+        groups.append({"params": params, **options})
+    opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                            foreach=kernel == "foreach", fused=kernel == "fused")
+    return pieces, opt
+
+
+def assert_state_equals_reference(engine, pieces, opt):
+    """The engine's params and moments equal the reference's bit for bit, range by range."""
+    params, exp_avg, exp_avg_sq = engine_state(engine)
+    for (a, b), p in pieces:
+        assert torch.equal(params[a:b], p.detach()), (a, b)
+        assert torch.equal(exp_avg[a:b], opt.state[p]["exp_avg"]), (a, b)
+        assert torch.equal(exp_avg_sq[a:b], opt.state[p]["exp_avg_sq"]), (a, b)
+
+
+class ModelParams:
+    """The model's bf16 params: the param-high source, written by ``on_params_updated``."""
+
+    def __init__(self, params: torch.Tensor):
+        self.params = params
+        self.source = HostParamHigh(params)
+        self.handed = 0
+        self.dtypes = set()
+
+    def on_params(self, start, end, params):
+        self.params[start:end].copy_(params)  # an fp32 master (no remainders): rounded to nearest even
+        self.handed += end - start
+        self.dtypes.add(params.dtype)

@@ -6,10 +6,9 @@ from typing import List, Optional, Tuple
 
 from hypothesis import strategies as st
 
-from mlp_offload import OffloadConfig, TierBandwidth
+from mlp_offload import MiB, OffloadConfig, TierBandwidth
 from mlp_offload.subgroups import partition
 
-MiB = 1 << 20
 TIER_MIXES = (["host"], ["nvme"], ["host", "nvme"], ["host", "nvme", "pfs"], ["nvme", "pfs"])
 
 
@@ -101,3 +100,29 @@ def param_groups(draw, numel: int):
     for a, b in zip(bounds, bounds[1:]):
         ranges[draw(st.integers(0, n_groups - 1))].append((a, b))
     return [(r, o) for r, o in zip(ranges, options) if r]
+
+
+DEVICE_RATES = dict(adam_elems_per_s=1e9, device_adam_elems_per_s=4e9, device_streamed_elems_per_s=2e9)
+
+
+@st.composite
+def device_setups(draw):
+    """A valid set-up of ``setups`` with the gpu tier put in front (or not), its budget (fixed, or
+    auto with a relocation after a step), the update side and the device chunk size:
+    ``(setup, extra options, relocate)`` (helpers.device_config applies the options)."""
+    setup = draw(setups(tier_mixes=TIER_MIXES, probe=False, max_numel=60_000))
+    subgroups = partition(setup.numel, setup.options["subgroup_size"])
+    slot, n = subgroups[0].state_bytes, len(subgroups)
+    extra = dict(update_on=draw(st.sampled_from(["cpu", "device", "auto"])),
+                 device_chunk_elems=draw(st.integers(1, setup.options["subgroup_size"] + 10)), **DEVICE_RATES)
+    relocate = None
+    if draw(st.booleans()):
+        if draw(st.booleans()) and setup.tiers != ["host"] or "host" in setup.tiers:
+            extra["gpu_budget_auto"] = draw(st.booleans())
+        if not extra.get("gpu_budget_auto"):
+            extra["gpu_budget_bytes"] = draw(st.integers(0, (n + 1) * slot))
+        else:
+            extra["gpu_margin_bytes"] = 0
+            # (peak, capacity) after steps 1 and 2: promote some, then maybe hand some back
+            relocate = [(0, draw(st.integers(0, n + 1)) * slot), (draw(st.integers(0, n)) * slot, n * slot)]
+    return setup, extra, relocate

@@ -37,6 +37,7 @@ def test_interval_averages_skipped_and_nan(capsys):
     assert [int(re.search(r"iteration\s+(\d+)/", line).group(1)) for line in lines] == [1, 4, 8]
     first, fourth, eighth = map(_fields, lines)
     assert float(first["lm loss"]) == 2.0
+    # approx on the printed figures: losses with 7 significant digits (%.6E), times and TFLOP/s with one decimal
     assert float(fourth["lm loss"]) == pytest.approx((2.0 + 4.0 + 6.0) / 3)  # the NaN iteration skipped
     assert fourth["number of skipped iterations"].strip() == "1" and fourth["number of nan iterations"].strip() == "1"
     assert float(fourth["elapsed time per iteration (ms)"]) == pytest.approx(800 / 4, abs=0.05)

@@ -19,9 +19,8 @@ from mlp_offload.kernels import cpu_one_pass as cop
 from mlp_offload.kernels.fused_update import AdamHyper, Variant, sample_state
 from mlp_offload.kernels.update import AdamKernel
 
-from .helpers import engine_state
+from .helpers import ModelParams, engine_state
 from .strategies import setups
-from .test_remainders import Model
 from tests.profiles import examples
 
 pytestmark = pytest.mark.skipif(cop.extension() is None, reason=f"no CPU one-pass build: {cop.build_error()}")
@@ -223,7 +222,7 @@ def _run(setup, root, moments, remainders, one_pass, seed):
                               cpu_one_pass=one_pass)
     gen = torch.Generator().manual_seed(seed)
     init = torch.randn(setup.numel, generator=gen).to(torch.bfloat16 if remainders else torch.float32)
-    model = Model(init.clone())  # the bf16 params a remainders master's high halves come from
+    model = ModelParams(init.clone())  # the bf16 params a remainders master's high halves come from
     kwargs = dict(on_params_updated=model.on_params, param_high=model.source) if remainders else {}
     with OffloadedAdamW(init.clone(), cfg, lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
                         groups=setup.groups, **kwargs) as eng:

@@ -2,7 +2,6 @@
 budgets, update sides, chunk sizes and auto relocations mid-run, the engine must equal
 torch.optim.AdamW bit for bit; checkpoints cross between tier mixes; the auto mode's policy."""
 
-import dataclasses
 import tempfile
 
 import pytest
@@ -16,64 +15,13 @@ from mlp_offload.plan.placement import CPU, DEVICE, UpdateRates, split_updates
 from mlp_offload.relocation import device_change
 from mlp_offload.subgroups import partition
 
-from .helpers import engine_state
-from .strategies import TIER_MIXES, setups
-
-LR, BETAS, EPS, WD = 3e-3, (0.9, 0.95), 1e-8, 0.1
-RATES = dict(adam_elems_per_s=1e9, device_adam_elems_per_s=4e9, device_streamed_elems_per_s=2e9)
-
-
-@st.composite
-def device_setups(draw):
-    """A valid set-up of the existing strategy with the gpu tier put in front (or not), its budget
-    (fixed, or auto with a relocation after a step), the update side and the device chunk size."""
-    setup = draw(setups(tier_mixes=TIER_MIXES, probe=False, max_numel=60_000))
-    subgroups = partition(setup.numel, setup.options["subgroup_size"])
-    slot, n = subgroups[0].state_bytes, len(subgroups)
-    extra = dict(update_on=draw(st.sampled_from(["cpu", "device", "auto"])),
-                 device_chunk_elems=draw(st.integers(1, setup.options["subgroup_size"] + 10)), **RATES)
-    relocate = None
-    if draw(st.booleans()):
-        if draw(st.booleans()) and setup.tiers != ["host"] or "host" in setup.tiers:
-            extra["gpu_budget_auto"] = draw(st.booleans())
-        if not extra.get("gpu_budget_auto"):
-            extra["gpu_budget_bytes"] = draw(st.integers(0, (n + 1) * slot))
-        else:
-            extra["gpu_margin_bytes"] = 0
-            # (peak, capacity) after steps 1 and 2: promote some, then maybe hand some back
-            relocate = [(0, draw(st.integers(0, n + 1)) * slot), (draw(st.integers(0, n)) * slot, n * slot)]
-    return setup, extra, relocate
-
-
-def _config(setup, extra, root) -> OffloadConfig:
-    cfg = setup.config(root)
-    tiers = (["gpu"] if "gpu_budget_bytes" in extra or extra.get("gpu_budget_auto") else []) + cfg.tiers
-    return dataclasses.replace(cfg, tiers=tiers, **extra)
-
-
-def _reference(setup, init, kernel):
-    pieces, groups = [], []
-    for ranges, options in setup.groups or [([(0, setup.numel)], {})]:
-        params = [torch.nn.Parameter(init[a:b].clone()) for a, b in ranges]
-        pieces += zip(ranges, params)
-        groups.append({"params": params, **options})
-    opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
-                            foreach=kernel == "foreach", fused=kernel == "fused")
-    return pieces, opt
-
+from .helpers import BETAS, EPS, LR, WD, adamw_reference, assert_state_equals_reference, device_config, engine_state
+from .strategies import DEVICE_RATES as RATES, device_setups
 
 def _ref_step(pieces, opt, grad):
     for (a, b), p in pieces:
         p.grad = grad.float()[a:b].clone()
     opt.step()
-
-
-def _assert_equal(eng, pieces, opt):
-    params, exp_avg, exp_avg_sq = engine_state(eng)
-    for (a, b), p in pieces:
-        assert torch.equal(params[a:b], p.detach()), (a, b)
-        assert torch.equal(exp_avg[a:b], opt.state[p]["exp_avg"]), (a, b)
-        assert torch.equal(exp_avg_sq[a:b], opt.state[p]["exp_avg_sq"]), (a, b)
 
 
 @settings(max_examples=60, deadline=None, derandomize=True, print_blob=True)
@@ -82,10 +30,10 @@ def test_tier_mixes_and_update_sides_match_torch_adamw(case, seed):
     setup, extra, relocate = case
     gen = torch.Generator().manual_seed(seed)
     init = torch.randn(setup.numel, generator=gen)
-    pieces, opt = _reference(setup, init, setup.options["adam_kernel"])
+    pieces, opt = adamw_reference(setup, init, setup.options["adam_kernel"])
     seen = []
     with tempfile.TemporaryDirectory() as root:
-        cfg = _config(setup, extra, root)
+        cfg = device_config(setup, extra, root)
         with OffloadedAdamW(init.clone(), cfg, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, groups=setup.groups,
                             on_params_updated=lambda a, b, p: seen.append((a, b, p.clone()))) as eng:
             for step in range(3):
@@ -106,7 +54,7 @@ def test_tier_mixes_and_update_sides_match_torch_adamw(case, seed):
                     assert torch.equal(handed, whole)
                 if relocate and step < 2:
                     eng.observe_device_memory(*relocate[step])
-            _assert_equal(eng, pieces, opt)
+            assert_state_equals_reference(eng, pieces, opt)
             held = eng.state_bytes_per_tier()
             if "gpu" in cfg.tiers:
                 assert held["gpu"] == sum(eng.subgroups[i].state_bytes for i in eng.placement.subgroups_on("gpu"))
@@ -240,6 +188,7 @@ def test_split_and_prediction_use_the_rates_measured_side_by_side(n, cpu, dev, s
     stream_rate = dev * slow if CPU in sides else dev
     t_cpu = sides.count(CPU) * 1000 / cpu_rate
     t_dev = sum(1000 / (20 * dev if t == "gpu" else stream_rate) for s, t in zip(sides, tier_of) if s == DEVICE)
+    # rel=1e-9: the prediction adds per-subgroup float seconds in the schedule's order, this in the list's
     assert pred.adam_s == pytest.approx(t_cpu, rel=1e-9, abs=1e-12)
     assert pred.device_s == pytest.approx(t_dev, rel=1e-9, abs=1e-12)
     assert pred.update_s == pytest.approx(max(t_cpu, t_dev), rel=1e-9)

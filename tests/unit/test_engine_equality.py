@@ -5,13 +5,12 @@ import torch
 
 from mlp_offload import OffloadConfig, OffloadedAdamW
 
-from .helpers import engine_state, fast_config
-
-LR, BETAS, EPS, WD = 3e-3, (0.9, 0.95), 1e-8, 0.1
+from .helpers import BETAS, EPS, LR, WD, engine_state, fast_config
 
 
-def run_pair(cfg, numel, grad_dtype, steps=5, seed=0, unscale=None, clip=None, kernel_fused=True):
-    """Run the engine and torch.optim.AdamW side by side on identical gradients."""
+def assert_equals_adamw(cfg, numel, grad_dtype, steps=5, seed=0, unscale=None, clip=None, kernel_fused=True):
+    """Run the engine and torch.optim.AdamW side by side on identical gradients; assert the engine's
+    params and moments equal torch's bit for bit; return the engine's step records."""
     gen = torch.Generator().manual_seed(seed)
     init = torch.randn(numel, generator=gen)
     ref = torch.nn.Parameter(init.clone())
@@ -45,7 +44,7 @@ def run_pair(cfg, numel, grad_dtype, steps=5, seed=0, unscale=None, clip=None, k
 @pytest.mark.parametrize("numel", [1, 1000, 4096 * 3 + 7, 250_001])
 @pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16])
 def test_host_only(numel, grad_dtype):
-    run_pair(OffloadConfig(tiers=["host"], subgroup_size=40_000), numel, grad_dtype)
+    assert_equals_adamw(OffloadConfig(tiers=["host"], subgroup_size=40_000), numel, grad_dtype)
 
 
 @pytest.mark.parametrize("numel", [1000, 4096 * 3 + 7, 250_001])
@@ -53,7 +52,7 @@ def test_host_only(numel, grad_dtype):
 def test_file_only_one_path(tmp_path, numel, cache):
     sub = 3_000
     cfg = fast_config(tmp_path, tiers=["nvme"], subgroup_size=sub, cache_alternating=cache)
-    records = run_pair(cfg, numel, torch.bfloat16)
+    records = assert_equals_adamw(cfg, numel, torch.bfloat16)
     # No host tier: 3 pipeline buffers (depth 2 + 1), 2 of them kept as cache across steps. State
     # that fits the cache entirely never needs to leave host memory.
     subgroups = -(-numel // sub)
@@ -71,7 +70,7 @@ def test_mixed_tiers(tmp_path, paths, grad_dtype, cache):
     slot = 3 * ((sub * 4 + 4095) // 4096 * 4096)
     cfg = fast_config(tmp_path, tiers=tiers, subgroup_size=sub, cache_alternating=cache,
                       host_budget_bytes=(2 * paths + 1 + 2) * slot)
-    records = run_pair(cfg, 10 * sub + 1234, grad_dtype, steps=6)
+    records = assert_equals_adamw(cfg, 10 * sub + 1234, grad_dtype, steps=6)
     for tier in tiers[1:]:
         assert sum(r.tiers[tier].read_bytes for r in records) > 0, tier
     assert records[-1].resident == 2
@@ -83,12 +82,12 @@ def test_mixed_tiers(tmp_path, paths, grad_dtype, cache):
 
 def test_unscale_and_clip_applied_in_megatron_order(tmp_path):
     cfg = fast_config(tmp_path, tiers=["nvme"], subgroup_size=10_000)
-    run_pair(cfg, 33_333, torch.float16, unscale=1 / 1024, clip=0.37)
+    assert_equals_adamw(cfg, 33_333, torch.float16, unscale=1 / 1024, clip=0.37)
 
 
 def test_unfused_kernel_matches_unfused_adamw(tmp_path):
     cfg = fast_config(tmp_path, tiers=["nvme"], subgroup_size=10_000, adam_kernel="single")
-    run_pair(cfg, 25_000, torch.bfloat16, kernel_fused=False)
+    assert_equals_adamw(cfg, 25_000, torch.bfloat16, kernel_fused=False)
 
 
 @pytest.mark.parametrize("kernel", ["single", "fused"])

@@ -19,10 +19,9 @@ from mlp_offload import (
 )
 from mlp_offload.subgroups import partition
 
-from .helpers import engine_state
+from .helpers import BETAS, EPS, LR, WD, adamw_reference, assert_state_equals_reference
 from .strategies import TIER_MIXES, MiB, Setup, fixed_setup, setups
 
-LR, BETAS, EPS, WD = 3e-3, (0.9, 0.95), 1e-8, 0.1
 NAN, INF = float("nan"), float("inf")
 
 
@@ -44,14 +43,7 @@ NAN, INF = float("nan"), float("inf")
 def test_valid_configurations_start_and_match_torch_adamw(setup, grad_dtype, scaling, seed):
     gen = torch.Generator().manual_seed(seed)
     init = torch.randn(setup.numel, generator=gen)
-    kernel = setup.options["adam_kernel"]
-    pieces, torch_groups = [], []  # one torch parameter per range, as the engine's span sees it
-    for ranges, options in setup.groups or [([(0, setup.numel)], {})]:
-        params = [torch.nn.Parameter(init[a:b].clone()) for a, b in ranges]
-        pieces += zip(ranges, params)
-        torch_groups.append({"params": params, **options})
-    opt = torch.optim.AdamW(torch_groups, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
-                            foreach=kernel == "foreach", fused=kernel == "fused")
+    pieces, opt = adamw_reference(setup, init, setup.options["adam_kernel"])
     unscale, clip = scaling
     with tempfile.TemporaryDirectory() as root:
         with OffloadedAdamW(init.clone(), setup.config(root), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
@@ -66,12 +58,7 @@ def test_valid_configurations_start_and_match_torch_adamw(setup, grad_dtype, sca
                 for (a, b), p in pieces:
                     p.grad = g32[a:b].clone()
                 opt.step()
-            params, exp_avg, exp_avg_sq = engine_state(eng)
-    for (a, b), p in pieces:
-        state = opt.state[p]
-        assert torch.equal(params[a:b], p.detach()), (a, b)
-        assert torch.equal(exp_avg[a:b], state["exp_avg"]), (a, b)
-        assert torch.equal(exp_avg_sq[a:b], state["exp_avg_sq"]), (a, b)
+            assert_state_equals_reference(eng, pieces, opt)
 
 
 @dataclass

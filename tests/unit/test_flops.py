@@ -31,7 +31,7 @@ def test_matches_the_reference_form(heads, groups, ffn, swiglu):
                              num_query_groups=groups, kv_channels=None, gated_linear_unit=swiglu)
     shape = GptShape.from_config(config, seq_length=2048, vocab_size=128256)
     expected = _reference(16, 2048, hidden, 7, heads, groups, ffn, swiglu, 128256)
-    assert flops_per_iteration(shape, 16) == pytest.approx(expected, rel=1e-12)
+    assert flops_per_iteration(shape, 16) == pytest.approx(expected, rel=1e-12)  # the same terms, grouped otherwise
 
 
 def test_no_query_groups_means_one_per_head():
@@ -43,7 +43,7 @@ def test_no_query_groups_means_one_per_head():
 
 
 def test_tflops_per_gpu_divides_by_time_and_ranks():
-    assert tflops_per_gpu(8e12, 2.0, 4) == pytest.approx(1.0)
+    assert tflops_per_gpu(8e12, 2.0, 4) == pytest.approx(1.0)  # approx: divisions by 1e12 in float
 
 
 def _moe_reference(batch, seq, hidden, heads, groups, ffn, swiglu, vocab, pattern, moe_ffn, topk, shared):
@@ -86,7 +86,7 @@ def test_moe_matches_the_reference_form(drawn):
                               config.moe_ffn_hidden_size, config.moe_router_topk,
                               config.moe_shared_expert_intermediate_size or 0)
     shape = GptShape.from_config(config, seq_length=seq, vocab_size=vocab)
-    assert flops_per_iteration(shape, batch) == pytest.approx(expected, rel=1e-12)
+    assert flops_per_iteration(shape, batch) == pytest.approx(expected, rel=1e-12)  # the same terms, grouped otherwise
 
 
 def test_one_expert_of_the_dense_width_costs_a_dense_layer():

@@ -17,18 +17,17 @@ from mlp_offload import OffloadedAdamW
 from mlp_offload import engine as engine_module
 from mlp_offload.kernels.fused_update import (SAMPLE_HYPERS, VARIANTS, AdamHyper, ReferenceOnePass, matches, multi_pass_step,
                                       sample_state, verified_fused_update)
-from mlp_offload.kernels.remainders import HostParamHigh
 from mlp_offload.kernels.update import AdamKernel
 
-from .helpers import engine_state
-from .test_device_tier import BETAS, EPS, LR, WD, _config, device_setups
+from .helpers import BETAS, EPS, LR, WD, ModelParams, device_config, engine_state
+from .strategies import device_setups
 from tests.profiles import examples
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _run(setup, extra, moments, remainders, one_pass, seed, root):
-    cfg = dataclasses.replace(_config(setup, extra, root), param_remainders=remainders,
+    cfg = dataclasses.replace(device_config(setup, extra, root), param_remainders=remainders,
                               state_dtypes=("fp32", *moments))
     state, model, _ = _run_config(setup, cfg, remainders, one_pass, seed)
     return state, model
@@ -39,11 +38,8 @@ def _run_config(setup, cfg, remainders, one_pass, seed=0):
     whether the one-pass path was taken."""
     gen = torch.Generator().manual_seed(seed)
     init = torch.randn(setup.numel, generator=gen).to(torch.bfloat16 if remainders else torch.float32)
-    model = init.clone()
-
-    def on_params(a, b, p):
-        model[a:b].copy_(p)
-    kwargs = dict(on_params_updated=on_params, param_high=HostParamHigh(model)) if remainders else {}
+    model = ModelParams(init.clone())
+    kwargs = dict(on_params_updated=model.on_params, param_high=model.source) if remainders else {}
     used = []
     real = engine_module.verified_fused_update
 
@@ -61,7 +57,7 @@ def _run_config(setup, cfg, remainders, one_pass, seed=0):
             for _ in range(3):
                 eng.grad_buffer.copy_((torch.randn(setup.numel, generator=gen) * 10).to(torch.bfloat16))
                 eng.step()
-            return [t.clone() for t in engine_state(eng)], model, bool(used)
+            return [t.clone() for t in engine_state(eng)], model.params, bool(used)
     finally:
         engine_module.verified_fused_update = real
 

@@ -10,12 +10,11 @@ from hypothesis import given, settings, strategies as st
 
 from megatron.training.runtime.host_memory import DATA_WORKER_BYTES, beside_engine
 from megatron.training.errors import in_flags
-from mlp_offload import HostMemoryError, OffloadedAdamW
+from mlp_offload import GiB, HostMemoryError, OffloadedAdamW
 from mlp_offload.tiers import host as host_module
 from mlp_offload.tiers.host import check_host_memory
 from tests.unit.helpers import fast_config
 
-GiB = 1 << 30
 LIMIT = (128 * GiB, "this job's memory limit (cgroup)")
 
 
@@ -32,6 +31,7 @@ def test_the_run_that_was_killed_is_refused_in_one_line_naming_the_flag():
     workers = 2 * DATA_WORKER_BYTES / GiB
     assert f"data workers {workers:.2f}" in line and "process 60.00" in line, line
     fits = float(re.search(r"--offload-host-cache-gb ([0-9.]+) would fit", line).group(1))
+    # abs=0.11: the cache that would fit (beside 0.7 GiB of gradient staging) is cut down to a tenth of a GiB
     assert fits == pytest.approx(128 - 60 - workers - 0.7, abs=0.11)
 
 

@@ -63,7 +63,7 @@ def test_ranks_sharing_a_device_multiply_its_time(tmp_path):
     moved = sum(alone.read_bytes.values()) + sum(alone.write_bytes.values())
     fill = alone.update_s - moved / 1e9  # the first read, not hidden; the same for one rank or four
     assert fill >= 0
-    assert four.update_s == pytest.approx(4 * moved / 1e9 + fill)
+    assert four.update_s == pytest.approx(4 * moved / 1e9 + fill)  # approx: float seconds summed in another order
     assert "shared by 4 ranks" in four.describe()
     # Compute-bound: the shared disk is not the limit, so sharing changes nothing.
     slow_adam = predict_update(subgroups, plan, rates, 1e3, 1e12, {"a": 1, "b": 1}, ranks_sharing=4)
@@ -209,6 +209,7 @@ def test_engine_takes_its_tokens_from_the_rates(tmp_path, shared_bps, tokens):
         moved = eng.prediction.read_bytes["nvme"] + eng.prediction.write_bytes["nvme"]
         at_once = 2 * moved / shared_bps
         one_at_a_time = 2 * rate.seconds(eng.prediction.read_bytes["nvme"], eng.prediction.write_bytes["nvme"])
+        # approx: the prediction sums per-subgroup float seconds; this is one division
         assert eng.prediction.tier_s["nvme"] * 2 == pytest.approx(at_once if tokens == 2 else one_at_a_time)
     finally:
         eng.close()

@@ -17,9 +17,8 @@ from mlp_offload.checkpoint_write import save_engine_state
 from mlp_offload.subgroups import partition
 from mlp_offload.tiers.align import align_up
 
-from .helpers import engine_state, fast_config
+from .helpers import BETAS, EPS, LR, WD, engine_state, fast_config
 
-LR, BETAS, EPS, WD = 3e-3, (0.9, 0.95), 1e-8, 0.1
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 STEPS = 4
 

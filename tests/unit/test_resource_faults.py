@@ -2,7 +2,7 @@
 
 Each gives an error that says what happened and what to change; the engine then refuses to step
 (so no half-updated state is used), and nothing it already wrote is overwritten.
-Disk-full and read-only use a real small tmpfs (mounting needs root, as in CI; skipped otherwise).
+Disk-full and read-only use a real small tmpfs (tests/small_file_system.py: needs root; CI runs them as root).
 """
 
 import contextlib
@@ -16,20 +16,9 @@ import torch
 from mlp_offload import HostMemoryError, OffloadedAdamW, OffloadStateError
 from mlp_offload.tiers import host as host_module
 
+from tests.small_file_system import small_file_system
+
 from .helpers import fast_config
-
-
-@contextlib.contextmanager
-def small_fs(path, size):
-    os.makedirs(path, exist_ok=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 def _engine(tmp_path, nvme):
@@ -40,7 +29,7 @@ def _engine(tmp_path, nvme):
 
 
 def test_disk_full_during_flush(tmp_path):
-    with small_fs(tmp_path / "small", "4m") as nvme:
+    with small_file_system(tmp_path / "small", "4m") as nvme:
         eng = _engine(tmp_path, nvme)
         try:
             # Another job fills the disk after start-up (the placement check passed) and before
@@ -64,7 +53,7 @@ def test_disk_full_during_flush(tmp_path):
 
 
 def test_tier_turns_read_only(tmp_path):
-    with small_fs(tmp_path / "ro", "16m") as nvme:
+    with small_file_system(tmp_path / "ro", "16m") as nvme:
         eng = _engine(tmp_path, nvme)
         try:
             eng.grad_buffer.normal_()

@@ -3,7 +3,7 @@
 ``parse_args(argv)`` returns an ``argparse.Namespace``. Syntax and cross-flag consistency are
 checked here, and every error goes through ``parser.error``, which raises ``UserError`` (one line
 naming the flag, printed once per job by ``errors.reported_once``, exit status 2). The offload
-flags are arguments_offload's, Megatron-LM's own groups arguments_megatron's.
+flags are ``args/offload.py``'s, Megatron-LM's own groups ``args/megatron.py``'s (MoE: ``args/moe.py``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The optimizer-offload flags: this repo's engine (``--offload-*``, their ``--offload-XXX-path DIR``
 pairs) and megatron-core's own CPU offload passed through as a peer; their checks, and the defaults
 they imply (the distributed optimizer, the engine's Adam kernel). What a value means is checked by
-the engine's own config (``offload_flags.config_from_args``), built once here so a bad value fails
+the engine's own config (``offload/flags.py``: ``config_from_args``), built once here so a bad value fails
 before any work, named by its flag."""
 
 from __future__ import annotations

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
 
-from mlp_offload import StepRecord, TierTraffic, predict_iteration
-
-GB = 1e9
+from mlp_offload import GB, StepRecord, TierTraffic, predict_iteration
 
 
 def step_scalars(record: StepRecord, state_bytes: Optional[Dict[str, int]] = None) -> Dict[str, float]:

@@ -1,8 +1,8 @@
 """One metrics record per iteration (and per evaluation), handed to every sink.
 
 The loop builds an ``IterationRecord`` on every rank and gives it to ``Metrics``, which fans it
-out to the sinks this rank has: the console line (console_log), the --loss-log and --timing-log
-JSON lines (here), TensorBoard, W&B and the engine's telemetry (metrics_sinks). Which rank writes
+out to the sinks this rank has: the console line (``metrics/console.py``), the --loss-log and --timing-log
+JSON lines (here), TensorBoard, W&B and the engine's telemetry (``metrics/sinks.py``). Which rank writes
 what follows Megatron-LM: the console, TensorBoard and W&B on the last rank; the loss and timing
 logs, as before, on the last pipeline stage's first rank.
 """
@@ -51,7 +51,7 @@ class IterationRecord:
     offload: Optional[object] = None  # the engine's StepRecord, with the offload optimizer
     offload_state_bytes: Dict[str, int] = field(default_factory=dict)
     first_of_run: bool = False  # Megatron-LM prints the job's first iteration whatever --log-interval
-    moe_losses: Dict[str, float] = field(default_factory=dict)  # MoE aux losses (moe_metrics), every rank
+    moe_losses: Dict[str, float] = field(default_factory=dict)  # MoE aux losses (metrics/moe.py), every rank
 
     def is_printed(self, log_interval: int) -> bool:
         return self.iteration % log_interval == 0 or self.first_of_run

@@ -138,7 +138,7 @@ class WandB(Sink):
 
 class OffloadTelemetry(JsonLines, Sink):
     """--offload-telemetry-log: the engine's record of every step that updated, as JSON lines, on
-    each rank whose path the flag gives (offload_flags.per_rank_path)."""
+    each rank whose path the flag gives (``offload/flags.py``: ``per_rank_path``)."""
 
     def __init__(self, path: Optional[str]):
         super().__init__(path)

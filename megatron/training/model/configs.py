@@ -25,7 +25,7 @@ def _sends_run_behind(args) -> bool:
 
 def transformer_config(args) -> TransformerConfig:
     """TransformerConfig from Megatron-LM style flags. The sizes (FFN, kv-channels, GQA) and the
-    kernel choices (attention backend, fusions, FP8) were derived in parsing (arguments_megatron)."""
+    kernel choices (attention backend, fusions, FP8) were derived in parsing (``args/megatron.py``)."""
     from megatron.core.transformer.enums import AttnBackend
 
     dtype = params_dtype(args)
@@ -109,7 +109,7 @@ def moe_fields(args) -> dict:
         moe_expert_capacity_factor=args.moe_expert_capacity_factor,
         moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
         moe_token_drop_policy=args.moe_token_drop_policy,
-        # Without its kernel, megatron-core's sequential experts (arguments_moe): the same arithmetic.
+        # Without its kernel, megatron-core's sequential experts (``args/moe.py``): the same arithmetic.
         moe_grouped_gemm=args.moe_grouped_gemm_kernel in ("te", "grouped_gemm"),
         moe_per_layer_logging=args.moe_per_layer_logging,
         moe_layer_recompute=args.moe_layer_recompute,

@@ -20,6 +20,7 @@ from mlp_offload import PlacementError, TierBandwidth
 from mlp_offload import EnginePlan, plan_engine
 from mlp_offload import STATE_TENSORS, FP32_BYTES
 from mlp_offload import HostMemoryError, check_host_memory
+from mlp_offload import GB, GiB
 
 from megatron.training.runtime.host_memory import PROCESS_BYTES_CPU, PROCESS_BYTES_GPU, beside_engine
 
@@ -27,9 +28,7 @@ from megatron.training.model.flops import GptShape, flops_per_iteration
 from megatron.training.model.sizes import StageParams, active_params, model_params, stage_params
 from megatron.training.offload.shard_budgets import config_for_kind
 from megatron.training.errors import in_flags
-from megatron.training.runtime.host_memory import GiB
 
-GB = 1e9
 CUDA_RESERVE_BYTES = 2 * GiB  # CUDA context, cuBLAS workspaces, allocator fragmentation
 HOST_SHARE = 0.8  # of a node's memory, what optimizer state may take (the rest: OS, data loaders, pinning)
 

@@ -8,8 +8,7 @@ from __future__ import annotations
 import os
 
 from megatron.training.model.precision_aware import param_remainders, state_dtypes
-from mlp_offload import OffloadConfig, parse_bandwidths
-from megatron.training.runtime.host_memory import GiB
+from mlp_offload import GiB, MiB, OffloadConfig, parse_bandwidths
 
 
 
@@ -30,7 +29,7 @@ def config_from_args(args, rank: int) -> OffloadConfig:
         prefetch_depth=args.offload_prefetch_depth,
         tokens_per_tier=args.offload_tokens_per_tier,
         token_scope=dict(args.offload_token_scope),
-        io_block_bytes=args.offload_io_block_mb << 20,
+        io_block_bytes=args.offload_io_block_mb * MiB,
         io_threads=args.offload_io_threads,
         use_odirect=not args.offload_no_odirect,
         verify_checksums=not args.offload_no_checksums,
@@ -40,7 +39,7 @@ def config_from_args(args, rank: int) -> OffloadConfig:
         cpu_one_pass=not getattr(args, "offload_no_cpu_one_pass", False),
         bandwidths=parse_bandwidths(args.offload_bandwidths or ""),
         adam_kernel=args.offload_adam_kernel,
-        probe_bytes=args.offload_probe_mb << 20,
+        probe_bytes=args.offload_probe_mb * MiB,
         save_staging_bytes=int(args.offload_save_staging_gb * GiB),
         rank=rank,
         trace_path=per_rank_path(args.offload_trace, rank),

@@ -4,7 +4,7 @@ megatron-core builds one DistributedOptimizer for the dense parameters, sharded 
 data-parallel group, and, for a mixture-of-experts model, a second for the expert parameters,
 sharded over the expert-data-parallel group (``get_megatron_optimizer``: a ChainedOptimizer of the
 two). An ``OffloadShard`` is one of them with the engine as its backend; the facade
-(offload_optimizer) chains them as megatron-core chains its own.
+(``offload/optimizer.py``) chains them as megatron-core chains its own.
 """
 
 from __future__ import annotations

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from typing import Dict
 
-from mlp_offload import own_pss_bytes
+from mlp_offload import MiB, GiB, own_pss_bytes
 
-MiB, GiB = 1 << 20, 1 << 30
 DATA_WORKER_BYTES = 32 * MiB
 # The planner's figure for a rank process on a GPU node before the engine allocates (torch, the
 # CUDA context's host side, NCCL buffers): the guard measures it instead.

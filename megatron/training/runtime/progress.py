@@ -7,7 +7,7 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Optional
 
-GB = 1e9
+from mlp_offload import GB
 
 
 def gb_and_rate(nbytes: float, seconds: float) -> str:
