@@ -29,7 +29,7 @@ for part in ${PART:-queue}; do
       DEV=""; [ "${DRY_RUN:-0}" = 1 ] && { SHAPE3B="--layers 2 --hidden 64 --ffn 128 --heads 4 --kv-heads 2 --seq 64"; DEV="--device cpu"; }
       $PY benchmarks/peers.py --systems ${SYSTEMS3B:-afg} $SHAPE3B --micro-batch 1 --host-budget-gb 5.96 \
         --iters ${ITERS3B:-5} --disk-dir /var/tmp/offload_cmp --shm-dir /dev/shm/offload_cmp --out "$OUT" \
-        --budget-s ${BUDGET3B:-400} --ours-flags "--offload-overlap-forward" $DEV 2>&1 | grep -v -i warn | tail -25 \
+        --budget-s ${BUDGET3B:-400} --ours-flags="--offload-overlap-forward" $DEV 2>&1 | grep -v -i warn | tail -25 \
         | tee "$OUT/peers3b_overlap.txt"
       rm -rf /var/tmp/offload_cmp /dev/shm/offload_cmp "$OUT"/logs.tar.gz;;
     60b)
