@@ -119,26 +119,22 @@ def test_moe_checkpoints_cross_offload_on_and_off(ep2_runs):
 
 def global_states(iteration_dir: Path):
     """{global key: [param, exp_avg, exp_avg_sq] global tensors} from every offload file, by geometry."""
-    from megatron.training.checkpoint.offload_files import (SUBDIRS, OffloadFileSet, has_offloaded_state,
-                                                            saved_model_parallel_sizes)
     from megatron.training.checkpoint.param_geometry import ParamGeometry
+    from megatron.training.checkpoint.saved_offload import SavedOffloadState
 
     found = {}
-    for kind in SUBDIRS:
-        if not has_offloaded_state(str(iteration_dir), kind):
-            continue
-        pp_size, tp_size = saved_model_parallel_sizes(str(iteration_dir), kind)
-        for pp in range(pp_size):
-            for tp in range(tp_size):
-                with OffloadFileSet(str(iteration_dir), pp, tp, kind=kind) as files:
-                    for name, entry in files.geometry.items():
-                        g = ParamGeometry.from_json(entry)
-                        local = [torch.empty(g.numel) for _ in range(3)]
-                        files.read(name, 0, g.numel, local)
-                        whole = found.setdefault(g.key, [torch.full(g.global_shape, float("nan")) for _ in range(3)])
-                        box = tuple(slice(o, o + n) for o, n in zip(g.global_offset, g.local_shape))
-                        for w, t in zip(whole, local):
-                            w[box] = t.view(g.local_shape)
+    with SavedOffloadState(str(iteration_dir)) as saved:
+        for kind in saved.kinds():
+            for pp, tp in saved.positions(kind):
+                files = saved.position(kind, pp, tp)
+                for name, entry in files.geometry.items():
+                    g = ParamGeometry.from_json(entry)
+                    local = [torch.empty(g.numel) for _ in range(3)]
+                    files.read(name, 0, g.numel, local)
+                    whole = found.setdefault(g.key, [torch.full(g.global_shape, float("nan")) for _ in range(3)])
+                    box = tuple(slice(o, o + n) for o, n in zip(g.global_offset, g.local_shape))
+                    for w, t in zip(whole, local):
+                        w[box] = t.view(g.local_shape)
     return found
 
 

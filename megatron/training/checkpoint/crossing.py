@@ -22,8 +22,8 @@ import torch
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-from megatron.training.checkpoint.offload_files import STATE_KEYS
-from megatron.training.checkpoint.offload_state_source import OffloadedStateSource
+from megatron.training.checkpoint.offload_reader import OffloadedStateReader
+from megatron.training.checkpoint.saved_offload import STATE_KEYS, SavedOffloadState
 from megatron.training.checkpoint.torch_dist_ranges import FlatTensorRanges
 from megatron.training.runtime.core_private import (main_param_and_optimizer_states,
                                                     set_main_param_and_optimizer_states)
@@ -43,26 +43,27 @@ def _key_prefix(kind: str = "dense", optimizers: int = 1) -> str:
 
 
 # -- offloaded files -> megatron-core's DistributedOptimizer -------------------------------------
-def fill_distributed_optimizer(dist_optimizers: List, model_chunks, checkpoint_dir: str, offload_meta: dict,
+def fill_distributed_optimizer(dist_optimizers: List, model_chunks, saved: SavedOffloadState, offload_meta: dict,
                                max_bytes: int) -> None:
-    """Put the offloaded state of ``checkpoint_dir`` (saved at any DP, TP and PP) into megatron-core's
+    """Put the offloaded state ``saved`` indexes (saved at any DP, TP and PP) into megatron-core's
     optimizer(s), ``max_bytes`` at a time: half for a piece in flight (read straight into megatron-core's
     tensors, one state after the other), half for the files' reader."""
     chunk = max(1, max_bytes // 2 // FP32)
     for opt in dist_optimizers:
         # With EP > 1 megatron-core's second optimizer holds the experts: read from the experts' files.
         kind = "experts" if any(not getattr(p, "allreduce", True) for p, _ in _param_pieces(opt)) else "dense"
-        with OffloadedStateSource(checkpoint_dir, model_chunks, cache_bytes=max_bytes // 2, kind=kind) as saved:
-            for param, piece in _param_pieces(opt):
-                if getattr(opt.config, "use_precision_aware_optimizer", False):
-                    _set_whole_piece(opt, saved, param, piece)  # its setter scales whole tensors
-                    continue
-                targets = main_param_and_optimizer_states(opt, param)
-                for lo in range(0, piece.size, chunk):
-                    hi = min(piece.size, lo + chunk)
-                    saved.read(param, piece.start + lo, piece.start + hi,
-                               [targets[name].view(-1)[lo:hi] for name in STATE_KEYS])
-            _set_adam_step(opt, saved.steps_done)
+        reader = OffloadedStateReader(saved, model_chunks, kind, cache_bytes=max_bytes // 2)
+        for param, piece in _param_pieces(opt):
+            if getattr(opt.config, "use_precision_aware_optimizer", False):
+                _set_whole_piece(opt, reader, param, piece)  # its setter scales whole tensors
+                continue
+            targets = main_param_and_optimizer_states(opt, param)
+            for lo in range(0, piece.size, chunk):
+                hi = min(piece.size, lo + chunk)
+                reader.read(param, piece.start + lo, piece.start + hi,
+                            [targets[name].view(-1)[lo:hi] for name in STATE_KEYS])
+        reader.drop_cached()
+        _set_adam_step(opt, saved.steps_done)
         scalers = offload_meta.get("grad_scalers") or [offload_meta.get("grad_scaler")]
         scaler = scalers[min(int(kind == "experts"), len(scalers) - 1)]  # each optimizer its own, as saved
         if opt.grad_scaler is not None and scaler:
@@ -78,9 +79,9 @@ def _param_pieces(opt):
                     yield param, ranges["param"]
 
 
-def _set_whole_piece(opt, saved, param, piece) -> None:
+def _set_whole_piece(opt, reader, param, piece) -> None:
     outs = [torch.empty(piece.size, dtype=torch.float32) for _ in STATE_KEYS]
-    saved.read(param, piece.start, piece.end, outs)
+    reader.read(param, piece.start, piece.end, outs)
     set_main_param_and_optimizer_states(opt, param, dict(zip(STATE_KEYS, outs)))
 
 

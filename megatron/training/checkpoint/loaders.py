@@ -20,8 +20,7 @@ from megatron.training.checkpoint.load_plan import FROM_OFFLOADED, SAME_FORM, Lo
 from megatron.training.checkpoint.megatron_adam_state import (megatron_optimizers, prepare_fresh_optimizer_for_load,
                                                               restore_adam_steps)
 from megatron.training.checkpoint.model_state import model_state, model_state_keys, unwrap
-from megatron.training.checkpoint.rng import (legacy_rng_sharded_object, rng_sharded_object, set_rng_state,
-                                              this_rank_rng_state)
+from megatron.training.checkpoint.rng import rng_sharded_object, set_rng_state, this_rank_rng_state
 from megatron.training.runtime.progress import MemoryGrowth
 
 
@@ -56,14 +55,14 @@ def load_optimizer(plan: LoadPlan, optimizer, model, state: dict, args) -> None:
     elif plan.optimizer == SAME_FORM:
         optimizer.load_state_dict(state["optimizer"])
         if plan.run_offloaded:
-            optimizer.load_offloaded_state(plan.path)
+            optimizer.load_offloaded_state(plan.offload)
         else:
             restore_adam_steps(optimizer, state["optimizer"])
     elif plan.optimizer == FROM_OFFLOADED:
         prepare_fresh_optimizer_for_load(optimizer)  # the target's own state: allocated before the conversion
         offload_meta = plan.common["optimizer"]["offload_meta"]
         _convert("the offloaded form", plan.path, args, model, lambda max_bytes: fill_distributed_optimizer(
-            megatron_optimizers(optimizer), model, plan.path, offload_meta, max_bytes))
+            megatron_optimizers(optimizer), model, plan.offload, offload_meta, max_bytes))
     else:  # FROM_DISTRIBUTED
         saved = plan.common.get("args")
         scaled = bool(getattr(saved, "fp16", False) or getattr(saved, "loss_scale", None))
@@ -92,16 +91,12 @@ def load_scheduler(plan: LoadPlan, scheduler) -> None:
 
 # -- the RNG states ---------------------------------------------------------------------------------
 def _rng_template(plan: LoadPlan) -> dict:
-    if plan.rng == "upstream":
-        return {"rng_state": rng_sharded_object(None)}
-    if plan.rng == "legacy":
-        return {"rng_state": legacy_rng_sharded_object()}
-    return {}
+    return {"rng_state": rng_sharded_object(None)} if plan.rng else {}
 
 
 def load_rng(plan: LoadPlan, state: dict) -> None:
     if plan.rng:
-        set_rng_state(this_rank_rng_state(state["rng_state"], plan.rng))
+        set_rng_state(this_rank_rng_state(state["rng_state"]))
 
 
 # -- where the run goes on --------------------------------------------------------------------------
