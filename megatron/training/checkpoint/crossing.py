@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import List, Tuple
 
 import torch
-from megatron.core import dist_checkpointing, parallel_state
+from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from megatron.training.checkpoint.offload_reader import OffloadedStateReader
@@ -40,6 +40,12 @@ def _key_prefix(kind: str = "dense", optimizers: int = 1) -> str:
              else parallel_state.get_expert_tensor_model_pipeline_parallel_group())
     chained = "" if optimizers == 1 else f"chained_{0 if kind == 'dense' else 1}."
     return f"{chained}optimizer.distributed.dp_group_idx_{torch.distributed.get_rank(group)}"
+
+
+def _dp_rank(kind: str) -> int:
+    """This rank's place in the group ``kind``'s optimizer state is sharded over."""
+    return (parallel_state.get_data_parallel_rank(with_context_parallel=True) if kind == "dense"
+            else parallel_state.get_expert_data_parallel_rank())
 
 
 # -- offloaded files -> megatron-core's DistributedOptimizer -------------------------------------
@@ -91,15 +97,27 @@ def _set_adam_step(opt, steps: int) -> None:
 
 
 # -- megatron-core's dp_reshardable tensors -> the offload engine --------------------------------
+def saved_small_objects(facade, has_grad_scaler: bool) -> List[dict]:
+    """Per shard of the offload facade, the small objects of megatron-core's matching optimizer (its
+    param groups with the step, its grad scaler): a template read with the rest of the torch_dist
+    files (loaders.read_torch_dist), so the conversion makes no collective read of its own."""
+    objects = []
+    for shard in facade.shards:
+        prefix = _key_prefix(shard.kind, len(facade.shards))
+        replica = (0, 0, _dp_rank(shard.kind))  # as megatron-core's: one copy per model-parallel position
+        wanted = {"optimizer": ShardedObject(f"{prefix}.optimizer", None, (1,), (0,), replica_id=replica)}
+        if has_grad_scaler:
+            wanted["grad_scaler"] = ShardedObject(f"{prefix}.grad_scaler", None, (1,), (0,), replica_id=replica)
+        objects.append(wanted)
+    return objects
+
+
 class PlainShardSource:
     """This rank's part of a plain checkpoint's optimizer state, laid out as the offload engine's flat
     index space (the same DDP bucket shards), read a chunk at a time as the engine's load asks."""
 
-    def __init__(self, layout, checkpoint_dir: str, has_grad_scaler: bool, max_bytes: int, kind: str = "dense",
-                 optimizers: int = 1):
-        dp_rank = (parallel_state.get_data_parallel_rank(with_context_parallel=True) if kind == "dense"
-                   else parallel_state.get_expert_data_parallel_rank())
-        prefix = _key_prefix(kind, optimizers)
+    def __init__(self, layout, checkpoint_dir: str, max_bytes: int, kind: str = "dense", optimizers: int = 1):
+        dp_rank, prefix = _dp_rank(kind), _key_prefix(kind, optimizers)
         self.chunk = max(1, max_bytes // FP32)
         # (flat start, flat end, key, its first element's place in the saved flat bucket tensor)
         self.pieces: List[Tuple[int, int, str, int]] = []
@@ -115,18 +133,7 @@ class PlainShardSource:
                         key = f"{prefix}.gbuf_idx_{gbuf_idx}.dtype_{dtype}.bucket_idx_{bucket_idx}"
                         self.pieces.append((piece.flat_start, piece.flat_start + length, key, global_start))
         self._param_ranges = layout.flat_ranges(layout.param_flat_range)
-        replica = (0, 0, dp_rank)  # as megatron-core's: one copy per model-parallel position
-        self.sharded = {"optimizer": ShardedObject(f"{prefix}.optimizer", None, (1,), (0,), replica_id=replica)}
-        if has_grad_scaler:
-            self.sharded["grad_scaler"] = ShardedObject(f"{prefix}.grad_scaler", None, (1,), (0,), replica_id=replica)
         self.ranges = FlatTensorRanges(checkpoint_dir)
-
-    def steps_and_scaler(self, loaded: dict) -> Tuple[int, dict]:
-        groups = loaded["optimizer"].get("param_groups", [])
-        steps = {int(g["step"]) for g in groups if "step" in g}
-        if len(steps) != 1:
-            raise CheckpointDataError(f"the checkpoint's optimizer param groups give steps {sorted(steps)}, not one")
-        return steps.pop(), loaded.get("grad_scaler")
 
     def fill(self, sg, *outs) -> None:
         """The engine's load callback: subgroup [sg.start, sg.end) of this rank's shard."""
@@ -152,15 +159,22 @@ class PlainShardSource:
         self.ranges.close()
 
 
-def load_into_engine(facade, checkpoint_dir: str, has_grad_scaler: bool, max_bytes: int) -> None:
+def _steps_and_scaler(loaded: dict) -> Tuple[int, dict]:
+    groups = loaded["optimizer"].get("param_groups", [])
+    steps = {int(g["step"]) for g in groups if "step" in g}
+    if len(steps) != 1:
+        raise CheckpointDataError(f"the checkpoint's optimizer param groups give steps {sorted(steps)}, not one")
+    return steps.pop(), loaded.get("grad_scaler")
+
+
+def load_into_engine(facade, checkpoint_dir: str, small_objects: List[dict], max_bytes: int) -> None:
     """Fill each of the offload facade's engines (and grad scalers) from a plain checkpoint's
-    optimizer state: the dense one, and with EP > 1 the experts' one from megatron-core's second."""
-    for shard in facade.shards:
-        source = PlainShardSource(shard.layout, checkpoint_dir, has_grad_scaler, max_bytes, shard.kind,
-                                  len(facade.shards))
+    optimizer state: the dense one, and with EP > 1 the experts' one from megatron-core's second.
+    ``small_objects``: what ``saved_small_objects`` asked for, as loaded."""
+    for shard, loaded in zip(facade.shards, small_objects):
+        steps, scaler = _steps_and_scaler(loaded)
+        source = PlainShardSource(shard.layout, checkpoint_dir, max_bytes, shard.kind, len(facade.shards))
         try:
-            loaded = dist_checkpointing.load(source.sharded, checkpoint_dir)  # the small objects: collective
-            steps, scaler = source.steps_and_scaler(loaded)
             shard.engine.load_state(source.fill, steps_done=steps)
         finally:
             source.close()
