@@ -70,7 +70,7 @@ def fill_distributed_optimizer(dist_optimizers: List, model_chunks, saved: Saved
                             [targets[name].view(-1)[lo:hi] for name in STATE_KEYS])
         reader.drop_cached()
         _set_adam_step(opt, saved.steps_done)
-        scalers = offload_meta.get("grad_scalers") or [offload_meta.get("grad_scaler")]
+        scalers = offload_meta["grad_scalers"]
         scaler = scalers[min(int(kind == "experts"), len(scalers) - 1)]  # each optimizer its own, as saved
         if opt.grad_scaler is not None and scaler:
             opt.grad_scaler.load_state_dict(scaler)

@@ -46,7 +46,10 @@ class OffloadedStateReader:
         self.by_name = self.saved_layout == self.layout
         self.names = param_names(model_chunks)
         self._position: Optional[SavedPosition] = None  # by name: this rank's (pp, tp) position
-        self._regions: Optional[Dict[str, List[_SavedPiece]]] = None  # by region: global key -> pieces
+        # by region, made on the first read: this run's params' places, the saved pieces and global shapes
+        self._param_geometry: Dict[torch.nn.Parameter, ParamGeometry] = {}
+        self._regions: Optional[Dict[str, List[_SavedPiece]]] = None
+        self._shapes: Dict[str, Tuple[int, ...]] = {}
         self._warm: List[SavedPosition] = []
 
     def whole_file(self, dp_size: int) -> Optional[StateFile]:

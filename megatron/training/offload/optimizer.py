@@ -176,7 +176,7 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
 
     def load_state_dict(self, state_dict):
         meta = state_dict["offload_meta"]
-        scalers = meta.get("grad_scalers") or [meta.get("grad_scaler")] * len(self.shards)
+        scalers = meta["grad_scalers"]
         for shard, scaler in zip(self.shards, scalers):
             if shard.grad_scaler is not None and scaler:
                 shard.grad_scaler.load_state_dict(scaler)
