@@ -76,9 +76,9 @@ class OffloadedStateReader:
         self._read_region(geometry, start, end, outs)
 
     def describe_change(self, dp_size: int) -> str:
-        """From which layout to which the state was read (after a read)."""
-        if self.by_name:
-            return f"data-parallel size {self._position.dp_size} to {dp_size}"
+        """From which layout to which the state was read."""
+        if self.by_name:  # (a shard holding no parameter read nothing, so its position may be unopened)
+            return f"data-parallel size {self.saved.position(self.kind, *self._place[:2]).dp_size} to {dp_size}"
         saved_dp = self.saved.position(self.saved_layout.kind, 0, 0).dp_size
         return f"{self.saved_layout.words()} DP={saved_dp} to {self.layout.words()} DP={dp_size}"
 
