@@ -40,6 +40,8 @@ class OffloadedStateReader:
                  cache_bytes: Optional[int] = None):
         (pp, tp, _), self._place, ep = shard_coordinates(kind)
         self.saved, self.kind, self.model_chunks, self.cache_bytes = saved, kind, model_chunks, cache_bytes
+        # This rank's own file, where saved, is read in every way: opened first, it describes the layout too.
+        saved.own_file(kind, *self._place)
         # Experts saved at EP 1 are in the dense files (megatron-core keeps them there): described by those.
         self.saved_layout = saved.layout(kind if saved.has(kind) else "dense")
         self.layout = ModelParallelLayout(kind, pp, tp, len(model_chunks), ep)

@@ -162,11 +162,12 @@ class SavedOffloadState:
 
     def layout(self, kind: str) -> ModelParallelLayout:
         """The layout that wrote ``kind``'s files: (PP, TP) from their names; chunks and EP size from
-        the first file's footer."""
+        a footer (every file records them: one already open, else the first)."""
         grid = self._grid(kind)
-        first = self.file(min(path for files in grid.values() for path in files.values()))
+        paths = [path for files in grid.values() for path in files.values()]
+        some = self.file(next((path for path in paths if path in self._open), min(paths)))
         return ModelParallelLayout(kind, max(p for p, _ in grid) + 1, max(t for _, t in grid) + 1,
-                                   first.metadata["model_chunks"], first.metadata["ep_size"])
+                                   some.metadata["model_chunks"], some.metadata["ep_size"])
 
     def positions(self, kind: str) -> List[Tuple[int, int]]:
         return sorted(self._grid(kind))
