@@ -2,12 +2,12 @@
 ``checkpoint_write``).
 
 Layout: the (param, exp_avg, exp_avg_sq) of each subgroup in their stored dtypes, one after the
-other, then a JSON footer (element ranges, byte offsets, CRC32 of every tensor, the dtypes (absent in
-older files: fp32), the step count, caller metadata), then
-a 24-byte trailer (magic, footer length, CRC32 of the footer). The file is written as
+other, then a JSON footer (element ranges, byte offsets, CRC32 of every tensor, the dtypes, the step
+count, caller metadata), then a 24-byte trailer (magic, footer length, CRC32 of the footer). The file is written as
 ``<path>.tmp``, fsynced and renamed, so a crash leaves either the old file or no file, never a
 torn one. Nothing read from the file is used unchecked: the footer's CRC and structure are
-verified before any offset in it is followed, and every tensor's CRC before its data is used.
+verified before any offset in it is followed, and every tensor's CRC before its data is used. A
+reader opens a file once (``StateFile``): its footer, then its data through the same handle.
 
 A master stored as remainders (``remainders``) is saved so (tagged ``rem16`` in the footer's
 dtypes): the model checkpoint of the same step holds its high halves, the bf16 params.
@@ -20,7 +20,6 @@ other state dtypes (each tensor is widened or rounded to the engine's as it is c
 from __future__ import annotations
 
 import json
-import logging
 import os
 import struct
 import zlib
@@ -32,11 +31,8 @@ from .engine import OffloadedAdamW
 from .kernels.remainders import merge as merge_remainders  # what a file's rem16 param needs to be read
 from .state_dtypes import FP32_STATE, REMAINDERS, STORED_DTYPES, itemsizes, torch_dtypes
 
-log = logging.getLogger("mlp_offload")
 MAGIC = b"MLPOFFv2"
 TRAILER = struct.Struct("<8sQI")  # magic, footer length, CRC32 of the footer
-LEGACY_MAGIC = b"MLPOFFv1"  # footer without a checksum (files written before 2026-11-22)
-LEGACY_TRAILER = struct.Struct("<8sQ")
 NAMES = ("param", "exp_avg", "exp_avg_sq")
 
 
@@ -54,49 +50,69 @@ def state_file_bytes(numel: int, dtypes=FP32_STATE) -> int:
 
 
 def stored_dtypes(footer: dict) -> Tuple[str, ...]:
-    """The dtypes of a file's (param, exp_avg, exp_avg_sq); files from before they were recorded are fp32."""
-    return tuple(footer.get("dtypes", FP32_STATE))
+    """The dtypes of a file's (param, exp_avg, exp_avg_sq)."""
+    return tuple(footer["dtypes"])
+
+
+class StateFile:
+    """One state file, opened once: ``footer`` (checked), then its data read through the same
+    handle (``ranges``). Closing it closes every reader made from it."""
+
+    def __init__(self, path: str):
+        self.path = path
+        try:
+            self.file = open(path, "rb")
+        except FileNotFoundError:
+            raise CheckpointDataError(f"{path}: the offloaded optimizer state is missing") from None
+        try:
+            size = os.fstat(self.file.fileno()).st_size
+            raw = _read_trailer_and_footer(path, self.file, size)
+            try:
+                footer = json.loads(raw)
+            except (ValueError, UnicodeDecodeError) as err:
+                raise CheckpointDataError(f"{path}: unreadable footer: {err}") from err
+            _check_footer(path, footer, data_end=size - TRAILER.size - len(raw))
+        except BaseException:
+            self.file.close()
+            raise
+        self.footer: dict = footer
+
+    @property
+    def metadata(self) -> dict:
+        return self.footer.get("metadata", {})
+
+    def ranges(self, cache_bytes: Optional[int] = None) -> "RangeReader":
+        return RangeReader(self.path, self.footer["subgroups"], stored_dtypes(self.footer), cache_bytes, self.file)
+
+    def close(self) -> None:
+        self.file.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 def read_footer(path: str) -> dict:
     """The file's footer, after checking its checksum and that its ranges and offsets are sound."""
-    try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            trailer_size, raw = _read_trailer_and_footer(path, f, size)
-    except FileNotFoundError:
-        raise CheckpointDataError(f"{path}: the offloaded optimizer state is missing") from None
-    try:
-        footer = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as err:
-        raise CheckpointDataError(f"{path}: unreadable footer: {err}") from err
-    _check_footer(path, footer, data_end=size - trailer_size - len(raw))
-    return footer
+    with StateFile(path) as saved:
+        return saved.footer
 
 
-def _read_trailer_and_footer(path: str, f, size: int) -> Tuple[int, bytes]:
-    """(trailer size, footer bytes); the footer's checksum verified where the format has one."""
+def _read_trailer_and_footer(path: str, f, size: int) -> bytes:
+    """The footer's bytes, its checksum verified (every footer a load uses is parsed here, once)."""
     if size >= TRAILER.size:
         f.seek(size - TRAILER.size)
         magic, footer_len, footer_crc = TRAILER.unpack(f.read(TRAILER.size))
-        if magic == MAGIC:
-            if footer_len > size - TRAILER.size:
-                raise CheckpointDataError(f"{path}: not a complete offload checkpoint (bad trailer; truncated?)")
+        if magic == MAGIC and footer_len <= size - TRAILER.size:
             f.seek(size - TRAILER.size - footer_len)
             raw = f.read(footer_len)
             if zlib.crc32(raw) != footer_crc:
                 raise CheckpointDataError(
                     f"{path}: checksum mismatch in the footer (its ranges and offsets); the file is corrupt "
                     f"or was edited, and was not used")
-            return TRAILER.size, raw
-    if size >= LEGACY_TRAILER.size:
-        f.seek(size - LEGACY_TRAILER.size)
-        magic, footer_len = LEGACY_TRAILER.unpack(f.read(LEGACY_TRAILER.size))
-        if magic == LEGACY_MAGIC and footer_len <= size - LEGACY_TRAILER.size:
-            log.warning("%s: written by an older version whose footer has no checksum (its structure is checked, "
-                        "its tensors' checksums verified); a new save protects it", path)
-            f.seek(size - LEGACY_TRAILER.size - footer_len)
-            return LEGACY_TRAILER.size, f.read(footer_len)
+            return raw
     raise CheckpointDataError(f"{path}: not a complete offload checkpoint (bad trailer; truncated?)")
 
 
@@ -111,7 +127,7 @@ def _check_footer(path: str, footer, data_end: int) -> None:
     numel, steps = footer["numel"], footer["steps_done"]
     if not _is_count(numel) or not _is_count(steps):
         raise bad(f"numel {numel!r}, steps_done {steps!r}")
-    dtypes = footer.get("dtypes", list(FP32_STATE))
+    dtypes = footer.get("dtypes")
     if not (isinstance(dtypes, list) and len(dtypes) == len(NAMES) and all(d in STORED_DTYPES for d in dtypes)):
         raise bad(f"state dtypes {str(dtypes)[:80]}")
     expected_start, expected_offset = 0, 0
@@ -139,38 +155,41 @@ def _is_count(value) -> bool:
 
 def load_engine_state(engine: OffloadedAdamW, path: str) -> dict:
     """Fill the engine from ``path`` (CRC-checked before use); returns the saved metadata."""
-    footer = read_footer(path)
+    with StateFile(path) as saved:
+        fill_engine(engine, saved)
+        return saved.metadata
+
+
+def fill_engine(engine: OffloadedAdamW, saved: StateFile) -> None:
+    """Fill the engine with the whole of an opened state file (the same shard, saved at this layout)."""
+    footer, path = saved.footer, saved.path
     if footer["numel"] != engine.numel:
         raise CheckpointDataError(
             f"{path}: holds {footer['numel']} elements but this rank's shard has {engine.numel} "
             f"(different model or parallel layout)")
-    dtypes = stored_dtypes(footer)
     # A master saved as remainders completes the model's params loaded beside it: kept so where the
     # engine stores it so too, else merged with them. An fp32 one (engine with remainders) is split
     # by the engine, which sets the model's params from it.
-    saved_remainders = dtypes[0] == REMAINDERS
+    saved_remainders = stored_dtypes(footer)[0] == REMAINDERS
     merging = saved_remainders and not engine.config.param_remainders
     if merging and engine.param_high is None:
         raise CheckpointDataError(f"{path}: the master params are stored as 16-bit remainders of the model's "
                                   f"bf16 params, and this engine was given no param_high to merge them with")
-    reader = RangeReader(path, footer["subgroups"], dtypes)
-    try:
-        def fill(sg, param, exp_avg, exp_avg_sq):
-            if merging:
-                rem = torch.empty(sg.numel, dtype=torch.int16)
-                high = torch.empty(sg.numel, dtype=torch.bfloat16)
-                reader.read(0, sg.start, sg.end, rem)
-                engine.param_high.fill(sg.start, sg.end, high)
-                param.copy_(merge_remainders(high, rem))
-            else:
-                reader.read(0, sg.start, sg.end, param)
-            for k, out in ((1, exp_avg), (2, exp_avg_sq)):
-                reader.read(k, sg.start, sg.end, out)
+    reader = saved.ranges()
 
-        engine.load_state(fill, steps_done=footer["steps_done"], stored=saved_remainders)
-    finally:
-        reader.close()
-    return footer.get("metadata", {})
+    def fill(sg, param, exp_avg, exp_avg_sq):
+        if merging:
+            rem = torch.empty(sg.numel, dtype=torch.int16)
+            high = torch.empty(sg.numel, dtype=torch.bfloat16)
+            reader.read(0, sg.start, sg.end, rem)
+            engine.param_high.fill(sg.start, sg.end, high)
+            param.copy_(merge_remainders(high, rem))
+        else:
+            reader.read(0, sg.start, sg.end, param)
+        for k, out in ((1, exp_avg), (2, exp_avg_sq)):
+            reader.read(k, sg.start, sg.end, out)
+
+    engine.load_state(fill, steps_done=footer["steps_done"], stored=saved_remainders)
 
 
 class RangeReader:
@@ -181,11 +200,12 @@ class RangeReader:
     stored tensor larger than a sixth of it (two subgroups of three tensors) is not cached: its CRC is
     checked once by streaming it through a bounded buffer, then only the ranges asked for are read."""
 
-    def __init__(self, path: str, entries, dtypes=FP32_STATE, cache_bytes: Optional[int] = None):
+    def __init__(self, path: str, entries, dtypes=FP32_STATE, cache_bytes: Optional[int] = None, file=None):
         self.path = path
         self.entries = sorted(entries, key=lambda e: e["start"])
         self.dtypes = torch_dtypes(dtypes)
-        self.f = open(path, "rb")
+        self._owns_file = file is None  # else a StateFile's handle, closed with it
+        self.f = open(path, "rb") if file is None else file
         self.cache_bytes = cache_bytes
         self._cached: Dict[Tuple[int, int], torch.Tensor] = {}
         self._verified: Set[Tuple[int, int]] = set()
@@ -254,7 +274,8 @@ class RangeReader:
         self._cached = {}
 
     def close(self) -> None:
-        self.f.close()
+        if self._owns_file:
+            self.f.close()
 
     def __enter__(self):
         return self

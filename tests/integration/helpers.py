@@ -59,29 +59,25 @@ def global_offload_state(iteration_dir):
     """key -> [master, exp_avg, exp_avg_sq] as whole global tensors, from every position's offload
     files of both kinds (dense and experts), placed by their recorded geometry alone. Saved copies
     of one piece (TP replicas, the tied output layer) must agree, and every element must be saved."""
-    from megatron.training.checkpoint.offload_files import (SUBDIRS, OffloadFileSet, has_offloaded_state,
-                                                            saved_model_parallel_sizes)
     from megatron.training.checkpoint.param_geometry import ParamGeometry
+    from megatron.training.checkpoint.saved_offload import SavedOffloadState
 
     state = {}
-    for kind in SUBDIRS:
-        if not has_offloaded_state(str(iteration_dir), kind):
-            continue
-        pp_size, tp_size = saved_model_parallel_sizes(str(iteration_dir), kind)
-        for pp in range(pp_size):
-            for tp in range(tp_size):
-                with OffloadFileSet(str(iteration_dir), pp, tp, kind=kind) as files:
-                    for name, entry in files.geometry.items():
-                        geometry = ParamGeometry.from_json(entry)
-                        local = [torch.empty(geometry.numel) for _ in range(3)]
-                        files.read(name, 0, geometry.numel, local)
-                        full = state.setdefault(geometry.key, [torch.full(geometry.global_shape, float("nan"))
-                                                               for _ in range(3)])
-                        cut = tuple(slice(o, o + n) for o, n in zip(geometry.global_offset, geometry.local_shape))
-                        for tensor, piece in zip(full, local):
-                            piece = piece.view(geometry.local_shape)
-                            assert torch.isnan(tensor[cut]).all() or torch.equal(tensor[cut], piece), name
-                            tensor[cut] = piece
+    with SavedOffloadState(str(iteration_dir)) as saved:
+        for kind in saved.kinds():
+            for pp, tp in saved.positions(kind):
+                files = saved.position(kind, pp, tp)
+                for name, entry in files.geometry.items():
+                    geometry = ParamGeometry.from_json(entry)
+                    local = [torch.empty(geometry.numel) for _ in range(3)]
+                    files.read(name, 0, geometry.numel, local)
+                    full = state.setdefault(geometry.key, [torch.full(geometry.global_shape, float("nan"))
+                                                           for _ in range(3)])
+                    cut = tuple(slice(o, o + n) for o, n in zip(geometry.global_offset, geometry.local_shape))
+                    for tensor, piece in zip(full, local):
+                        piece = piece.view(geometry.local_shape)
+                        assert torch.isnan(tensor[cut]).all() or torch.equal(tensor[cut], piece), name
+                        tensor[cut] = piece
     for key, tensors in state.items():
         assert not any(torch.isnan(t).any() for t in tensors), f"{key} not fully covered"
     return state

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from mlp_offload import OffloadedAdamW, faults
-from mlp_offload.checkpoint import (LEGACY_MAGIC, MAGIC, TRAILER, CheckpointDataError, CheckpointSaveError,
-                                    RangeReader, load_engine_state, read_footer)
+from mlp_offload.checkpoint import (MAGIC, TRAILER, CheckpointDataError, CheckpointSaveError, RangeReader,
+                                    load_engine_state, read_footer)
 from mlp_offload.checkpoint_write import save_engine_state
 
 from .helpers import bf16_grads, engine_state, fast_config, run_steps
@@ -144,14 +144,14 @@ def test_inconsistent_footer_with_a_valid_checksum_is_refused(tmp_path, edit, wh
         read_footer(path)
 
 
-def test_legacy_files_without_footer_checksum_still_load(tmp_path):
+def test_a_footer_without_its_checksum_is_refused(tmp_path):
+    """The trailer of the first format (magic, length, no CRC): nothing unchecked is followed."""
     path = _with_metadata(tmp_path)
     body, footer = _footer_parts(path)
     with open(path, "wb") as f:
-        f.write(body + footer + struct.pack("<8sQ", LEGACY_MAGIC, len(footer)))
-    with OffloadedAdamW(torch.zeros(NUMEL), fast_config(tmp_path / "b", tiers=["host"])) as eng:
-        assert load_engine_state(eng, path)["params"] == [["0.weight", 0, 70_001, 0]]
-        assert eng.steps_done == 1
+        f.write(body + footer + struct.pack("<8sQ", b"MLPOFFv1", len(footer)))
+    with pytest.raises(CheckpointDataError, match="not a complete offload checkpoint"):
+        read_footer(path)
 
 
 def test_disk_full_while_saving_names_the_file_and_removes_it(tmp_path, monkeypatch):

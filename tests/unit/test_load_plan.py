@@ -31,24 +31,21 @@ def _expected_form(ckpt_offloaded, run_offloaded, wanted):
 
 @settings(max_examples=examples(40), deadline=None, derandomize=True)
 @given(ckpt_offloaded=st.booleans(), run_offloaded=st.booleans(), finetune=st.booleans(),
-       no_load_optim=st.booleans(), legacy=st.booleans(), iteration=st.integers(1, 10**6),
-       consumed=st.integers(0, 10**9))
-def test_each_kind_of_state_gets_what_the_flags_ask(ckpt_offloaded, run_offloaded, finetune, no_load_optim, legacy,
+       no_load_optim=st.booleans(), iteration=st.integers(1, 10**6), consumed=st.integers(0, 10**9))
+def test_each_kind_of_state_gets_what_the_flags_ask(ckpt_offloaded, run_offloaded, finetune, no_load_optim,
                                                     iteration, consumed):
     # A plain form that reshards by itself: no TP/PP layout to check against this (absent) run's.
     plain = {"param_state_sharding_type": "fully_reshardable"}
     common = {"iteration": iteration, "opt_param_scheduler": {"num_steps": 3},
-              "optimizer": {"offload_meta": {}} if ckpt_offloaded else plain}
-    if legacy:  # this repo's earlier keys: the position beside the args
-        common.update(parallel_layout={"tp": 1, "pp": 1, "dp": 1}, consumed_train_samples=consumed)
-    else:
-        common["args"] = argparse.Namespace(consumed_train_samples=consumed)
+              "optimizer": {"offload_meta": {}} if ckpt_offloaded else plain,
+              "args": argparse.Namespace(consumed_train_samples=consumed)}
     args = argparse.Namespace(finetune=finetune, no_load_optim=no_load_optim, no_load_rng=True)
     optimizer = _OffloadedOptimizer() if run_offloaded else object()
     plan = LoadPlan.make(common, "/ckpt/iter_0000001", optimizer, args)
     wanted = not (finetune or no_load_optim)
     assert plan.optimizer == _expected_form(ckpt_offloaded, run_offloaded, wanted)
-    assert plan.scheduler == wanted and plan.run_offloaded == run_offloaded and plan.rng is None
+    assert plan.scheduler == wanted and plan.run_offloaded == run_offloaded and not plan.rng
+    assert plan.reads_offload_files == (ckpt_offloaded and wanted)
     assert (plan.resume, plan.iteration, plan.consumed_samples) == (
         (False, 0, 0) if finetune else (True, iteration, consumed))
     assert plan.path == "/ckpt/iter_0000001" and plan.common is common

@@ -253,15 +253,17 @@ def load_checkpoint(root: str, model, optimizer, scheduler, args):
     """Restore what the flags ask for; returns (iteration, consumed_samples), or (0, 0) when nothing
     is saved (and with --finetune, which loads the weights only).
 
-    The plan first (which checkpoint, whether it loads here, what becomes of each kind of state),
-    then one read of the torch_dist files, then one loader per kind (``loaders``)."""
+    The plan first (which checkpoint, whether it loads here, what becomes of each kind of state, the
+    index of its offload files), then one read of the torch_dist files, then one loader per kind
+    (``loaders``); the plan's files close at the end."""
     plan = plan_load(root, optimizer, args)
     if plan is None:
         return 0, 0
-    state = loaders.read_torch_dist(plan, model, optimizer, args)
-    loaders.load_model(model, state)
-    loaders.load_optimizer(plan, optimizer, model, state, args)
-    loaders.load_scheduler(plan, scheduler)
-    loaders.load_rng(plan, state)
+    with plan:
+        state = loaders.read_torch_dist(plan, model, optimizer, args)
+        loaders.load_model(model, state)
+        loaders.load_optimizer(plan, optimizer, model, state, args)
+        loaders.load_scheduler(plan, scheduler)
+        loaders.load_rng(plan, state)
     torch.distributed.barrier()
     return loaders.resume_position(plan, args)

@@ -19,11 +19,11 @@ from __future__ import annotations
 from typing import List, Tuple
 
 import torch
-from megatron.core import dist_checkpointing, parallel_state
+from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-from megatron.training.checkpoint.offload_files import STATE_KEYS
-from megatron.training.checkpoint.offload_state_source import OffloadedStateSource
+from megatron.training.checkpoint.offload_reader import OffloadedStateReader
+from megatron.training.checkpoint.saved_offload import STATE_KEYS, SavedOffloadState
 from megatron.training.checkpoint.torch_dist_ranges import FlatTensorRanges
 from megatron.training.runtime.core_private import (main_param_and_optimizer_states,
                                                     set_main_param_and_optimizer_states)
@@ -42,28 +42,35 @@ def _key_prefix(kind: str = "dense", optimizers: int = 1) -> str:
     return f"{chained}optimizer.distributed.dp_group_idx_{torch.distributed.get_rank(group)}"
 
 
+def _dp_rank(kind: str) -> int:
+    """This rank's place in the group ``kind``'s optimizer state is sharded over."""
+    return (parallel_state.get_data_parallel_rank(with_context_parallel=True) if kind == "dense"
+            else parallel_state.get_expert_data_parallel_rank())
+
+
 # -- offloaded files -> megatron-core's DistributedOptimizer -------------------------------------
-def fill_distributed_optimizer(dist_optimizers: List, model_chunks, checkpoint_dir: str, offload_meta: dict,
+def fill_distributed_optimizer(dist_optimizers: List, model_chunks, saved: SavedOffloadState, offload_meta: dict,
                                max_bytes: int) -> None:
-    """Put the offloaded state of ``checkpoint_dir`` (saved at any DP, TP and PP) into megatron-core's
+    """Put the offloaded state ``saved`` indexes (saved at any DP, TP and PP) into megatron-core's
     optimizer(s), ``max_bytes`` at a time: half for a piece in flight (read straight into megatron-core's
     tensors, one state after the other), half for the files' reader."""
     chunk = max(1, max_bytes // 2 // FP32)
     for opt in dist_optimizers:
         # With EP > 1 megatron-core's second optimizer holds the experts: read from the experts' files.
         kind = "experts" if any(not getattr(p, "allreduce", True) for p, _ in _param_pieces(opt)) else "dense"
-        with OffloadedStateSource(checkpoint_dir, model_chunks, cache_bytes=max_bytes // 2, kind=kind) as saved:
-            for param, piece in _param_pieces(opt):
-                if getattr(opt.config, "use_precision_aware_optimizer", False):
-                    _set_whole_piece(opt, saved, param, piece)  # its setter scales whole tensors
-                    continue
-                targets = main_param_and_optimizer_states(opt, param)
-                for lo in range(0, piece.size, chunk):
-                    hi = min(piece.size, lo + chunk)
-                    saved.read(param, piece.start + lo, piece.start + hi,
-                               [targets[name].view(-1)[lo:hi] for name in STATE_KEYS])
-            _set_adam_step(opt, saved.steps_done)
-        scalers = offload_meta.get("grad_scalers") or [offload_meta.get("grad_scaler")]
+        reader = OffloadedStateReader(saved, model_chunks, kind, cache_bytes=max_bytes // 2)
+        for param, piece in _param_pieces(opt):
+            if getattr(opt.config, "use_precision_aware_optimizer", False):
+                _set_whole_piece(opt, reader, param, piece)  # its setter scales whole tensors
+                continue
+            targets = main_param_and_optimizer_states(opt, param)
+            for lo in range(0, piece.size, chunk):
+                hi = min(piece.size, lo + chunk)
+                reader.read(param, piece.start + lo, piece.start + hi,
+                            [targets[name].view(-1)[lo:hi] for name in STATE_KEYS])
+        reader.drop_cached()
+        _set_adam_step(opt, saved.steps_done)
+        scalers = offload_meta["grad_scalers"]
         scaler = scalers[min(int(kind == "experts"), len(scalers) - 1)]  # each optimizer its own, as saved
         if opt.grad_scaler is not None and scaler:
             opt.grad_scaler.load_state_dict(scaler)
@@ -78,9 +85,9 @@ def _param_pieces(opt):
                     yield param, ranges["param"]
 
 
-def _set_whole_piece(opt, saved, param, piece) -> None:
+def _set_whole_piece(opt, reader, param, piece) -> None:
     outs = [torch.empty(piece.size, dtype=torch.float32) for _ in STATE_KEYS]
-    saved.read(param, piece.start, piece.end, outs)
+    reader.read(param, piece.start, piece.end, outs)
     set_main_param_and_optimizer_states(opt, param, dict(zip(STATE_KEYS, outs)))
 
 
@@ -90,15 +97,27 @@ def _set_adam_step(opt, steps: int) -> None:
 
 
 # -- megatron-core's dp_reshardable tensors -> the offload engine --------------------------------
+def saved_small_objects(facade, has_grad_scaler: bool) -> List[dict]:
+    """Per shard of the offload facade, the small objects of megatron-core's matching optimizer (its
+    param groups with the step, its grad scaler): a template read with the rest of the torch_dist
+    files (loaders.read_torch_dist), so the conversion makes no collective read of its own."""
+    objects = []
+    for shard in facade.shards:
+        prefix = _key_prefix(shard.kind, len(facade.shards))
+        replica = (0, 0, _dp_rank(shard.kind))  # as megatron-core's: one copy per model-parallel position
+        wanted = {"optimizer": ShardedObject(f"{prefix}.optimizer", None, (1,), (0,), replica_id=replica)}
+        if has_grad_scaler:
+            wanted["grad_scaler"] = ShardedObject(f"{prefix}.grad_scaler", None, (1,), (0,), replica_id=replica)
+        objects.append(wanted)
+    return objects
+
+
 class PlainShardSource:
     """This rank's part of a plain checkpoint's optimizer state, laid out as the offload engine's flat
     index space (the same DDP bucket shards), read a chunk at a time as the engine's load asks."""
 
-    def __init__(self, layout, checkpoint_dir: str, has_grad_scaler: bool, max_bytes: int, kind: str = "dense",
-                 optimizers: int = 1):
-        dp_rank = (parallel_state.get_data_parallel_rank(with_context_parallel=True) if kind == "dense"
-                   else parallel_state.get_expert_data_parallel_rank())
-        prefix = _key_prefix(kind, optimizers)
+    def __init__(self, layout, checkpoint_dir: str, max_bytes: int, kind: str = "dense", optimizers: int = 1):
+        dp_rank, prefix = _dp_rank(kind), _key_prefix(kind, optimizers)
         self.chunk = max(1, max_bytes // FP32)
         # (flat start, flat end, key, its first element's place in the saved flat bucket tensor)
         self.pieces: List[Tuple[int, int, str, int]] = []
@@ -114,18 +133,7 @@ class PlainShardSource:
                         key = f"{prefix}.gbuf_idx_{gbuf_idx}.dtype_{dtype}.bucket_idx_{bucket_idx}"
                         self.pieces.append((piece.flat_start, piece.flat_start + length, key, global_start))
         self._param_ranges = layout.flat_ranges(layout.param_flat_range)
-        replica = (0, 0, dp_rank)  # as megatron-core's: one copy per model-parallel position
-        self.sharded = {"optimizer": ShardedObject(f"{prefix}.optimizer", None, (1,), (0,), replica_id=replica)}
-        if has_grad_scaler:
-            self.sharded["grad_scaler"] = ShardedObject(f"{prefix}.grad_scaler", None, (1,), (0,), replica_id=replica)
         self.ranges = FlatTensorRanges(checkpoint_dir)
-
-    def steps_and_scaler(self, loaded: dict) -> Tuple[int, dict]:
-        groups = loaded["optimizer"].get("param_groups", [])
-        steps = {int(g["step"]) for g in groups if "step" in g}
-        if len(steps) != 1:
-            raise CheckpointDataError(f"the checkpoint's optimizer param groups give steps {sorted(steps)}, not one")
-        return steps.pop(), loaded.get("grad_scaler")
 
     def fill(self, sg, *outs) -> None:
         """The engine's load callback: subgroup [sg.start, sg.end) of this rank's shard."""
@@ -151,15 +159,22 @@ class PlainShardSource:
         self.ranges.close()
 
 
-def load_into_engine(facade, checkpoint_dir: str, has_grad_scaler: bool, max_bytes: int) -> None:
+def _steps_and_scaler(loaded: dict) -> Tuple[int, dict]:
+    groups = loaded["optimizer"].get("param_groups", [])
+    steps = {int(g["step"]) for g in groups if "step" in g}
+    if len(steps) != 1:
+        raise CheckpointDataError(f"the checkpoint's optimizer param groups give steps {sorted(steps)}, not one")
+    return steps.pop(), loaded.get("grad_scaler")
+
+
+def load_into_engine(facade, checkpoint_dir: str, small_objects: List[dict], max_bytes: int) -> None:
     """Fill each of the offload facade's engines (and grad scalers) from a plain checkpoint's
-    optimizer state: the dense one, and with EP > 1 the experts' one from megatron-core's second."""
-    for shard in facade.shards:
-        source = PlainShardSource(shard.layout, checkpoint_dir, has_grad_scaler, max_bytes, shard.kind,
-                                  len(facade.shards))
+    optimizer state: the dense one, and with EP > 1 the experts' one from megatron-core's second.
+    ``small_objects``: what ``saved_small_objects`` asked for, as loaded."""
+    for shard, loaded in zip(facade.shards, small_objects):
+        steps, scaler = _steps_and_scaler(loaded)
+        source = PlainShardSource(shard.layout, checkpoint_dir, max_bytes, shard.kind, len(facade.shards))
         try:
-            loaded = dist_checkpointing.load(source.sharded, checkpoint_dir)  # the small objects: collective
-            steps, scaler = source.steps_and_scaler(loaded)
             shard.engine.load_state(source.fill, steps_done=steps)
         finally:
             source.close()

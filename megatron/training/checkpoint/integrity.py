@@ -140,14 +140,16 @@ def choose_checkpoint(root: str) -> Tuple[Optional[int], List[str]]:
     # Verifying a proof reads its small files: newest first, and only until one holds (older
     # checkpoints are not read at every start). The others are told apart by their markers alone.
     states = {it: _markers(path) for it, path in dirs.items()}
+    verified = set()
     for it in sorted(dirs, reverse=True):
         if states[it].state == COMPLETE_STATE:
             states[it] = status(dirs[it])
+            verified.add(it)
             if states[it].state == COMPLETE_STATE:
                 break
     tracked, tracker_problem = read_tracker(root)
-    if tracked in dirs and states[tracked].state == COMPLETE_STATE:
-        states[tracked] = status(dirs[tracked])  # verified above unless older than the newest good one
+    if tracked in dirs and states[tracked].state == COMPLETE_STATE and tracked not in verified:
+        states[tracked] = status(dirs[tracked])  # older than the newest good one: not verified above
     notes = []
     usable = {it for it, st in states.items() if st.state == COMPLETE_STATE}
     if tracked is not None:

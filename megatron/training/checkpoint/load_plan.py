@@ -4,9 +4,11 @@ holds, from the flags and its common state.
 
 The optimizer state loads in its own form, is converted between the offloaded and megatron-core's
 distributed-optimizer forms (crossing), or is skipped (--no-load-optim, --finetune: the optimizer
-then starts from the loaded weights). RNG states load where the checkpoint's (pp, tp, dp) layout
-is this run's: they are per rank. The run resumes at the saved iteration and data position, or
-at 0 with --finetune. The loaders (``loaders``) then do what the plan says, one kind each.
+then starts from the loaded weights). Where it is read from offload files, the plan holds their
+index (saved_offload), which every reader of them shares; close the plan when the load is done.
+RNG states load where the checkpoint's (pp, tp, dp) layout is this run's: they are per rank. The
+run resumes at the saved iteration and data position, or at 0 with --finetune. The loaders
+(``loaders``) then do what the plan says, one kind each.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from megatron.core import dist_checkpointing, parallel_state
 from megatron.training.checkpoint import integrity
 from megatron.training.checkpoint.across_ranks import print_rank0
 from megatron.training.checkpoint.format import check_format
+from megatron.training.checkpoint.saved_offload import SavedOffloadState
 from megatron.training.errors import UserError
 from megatron.training.runtime.optimizer_interface import OffloadedOptimizerCheckpoint
 
@@ -34,16 +37,30 @@ class LoadPlan:
     optimizer: Optional[str]  # SAME_FORM, FROM_OFFLOADED, FROM_DISTRIBUTED; None: weights only
     run_offloaded: bool
     scheduler: bool
-    rng: Optional[str]  # "upstream" (Megatron-LM's layout), "legacy" (this repo's earlier one), None
+    rng: bool  # whether the RNG states load (Megatron-LM's layout)
     resume: bool  # False with --finetune: the run starts at iteration 0 with no data consumed
     iteration: int  # where the run goes on (0 without resume)
     consumed_samples: int  # the data iterator's position (0 without resume)
     notes: List[str] = field(default_factory=list)
+    offload: Optional[SavedOffloadState] = None  # the offload files' index, where the optimizer reads them
+
+    @property
+    def reads_offload_files(self) -> bool:
+        return self.optimizer in (SAME_FORM, FROM_OFFLOADED) and saved_in_offloaded_form(self.common)
+
+    def close(self) -> None:
+        if self.offload is not None:
+            self.offload.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     @classmethod
     def make(cls, common: dict, path: str, optimizer, args) -> "LoadPlan":
         saved = common.get("args")
-        legacy = "parallel_layout" in common  # written before this repo used Megatron-LM's keys
         run_offloaded = isinstance(optimizer, OffloadedOptimizerCheckpoint)
         ckpt_offloaded = saved_in_offloaded_form(common)
         has_optimizer = "opt_param_scheduler" in common  # saved together, as upstream
@@ -58,15 +75,14 @@ class LoadPlan:
         if form in (SAME_FORM, FROM_DISTRIBUTED) and not ckpt_offloaded:
             _check_plain_state_layout(common, saved, path)
         notes = [] if wanted else [f"loading the weights only ({'--finetune' if args.finetune else '--no-load-optim'})"]
-        rng, why_not = _rng_plan(common, saved, legacy, args)
+        rng, why_not = _rng_plan(saved, args)
         if why_not:
             notes.append(why_not)
         resume = not args.finetune
         iteration, consumed = 0, 0
         if resume:
             iteration = common["iteration"]
-            consumed = (common.get("consumed_train_samples", 0) if legacy
-                        else getattr(saved, "consumed_train_samples", 0))
+            consumed = getattr(saved, "consumed_train_samples", 0)
         return cls(path, common, form, run_offloaded, wanted, rng, resume, iteration, consumed or 0, notes)
 
 
@@ -83,6 +99,8 @@ def plan_load(root: str, optimizer, args) -> Optional[LoadPlan]:
     path = integrity.checkpoint_dir(root, iteration)
     check_format(path, args)
     plan = LoadPlan.make(dist_checkpointing.load_common_state_dict(path), path, optimizer, args)
+    if plan.reads_offload_files:
+        plan.offload = SavedOffloadState(path, plan.common["optimizer"]["offload_meta"].get("steps_done"))
     for note in plan.notes:
         print_rank0(f"> {note}")
     return plan
@@ -140,23 +158,18 @@ def _layout_now() -> dict:
             "dp": parallel_state.get_data_parallel_world_size()}
 
 
-def _rng_plan(common, saved, legacy: bool, args):
-    """(form to load, or None; a note on why not, or None)."""
+def _rng_plan(saved, args):
+    """(whether the RNG states load; a note on why not, or None)."""
     if args.no_load_rng or args.finetune:
-        return None, None
+        return False, None
+    if saved is None or getattr(saved, "no_save_rng", False):
+        return False, "the checkpoint holds no RNG states: they start from --seed"
     now = _layout_now()
-    if legacy:
-        then = common["parallel_layout"]
-        per_dp = True
-    else:
-        if saved is None or getattr(saved, "no_save_rng", False):
-            return None, "the checkpoint holds no RNG states: they start from --seed"
-        then = {"tp": saved.tensor_model_parallel_size, "pp": saved.pipeline_model_parallel_size,
-                "dp": getattr(saved, "data_parallel_size", None)}
-        # Upstream saves one state per (pp, tp) unless --data-parallel-random-init; this repo, every DP rank's.
-        per_dp = getattr(saved, "data_parallel_random_init", True)
-    same = then["tp"] == now["tp"] and then["pp"] == now["pp"] and (then["dp"] == now["dp"] or not per_dp)
-    if not same:
-        return None, (f"checkpoint layout {then} differs from this run's {now}: resharding; RNG states start "
-                      f"from --seed")
-    return ("legacy" if legacy else "upstream"), None
+    then = {"tp": saved.tensor_model_parallel_size, "pp": saved.pipeline_model_parallel_size,
+            "dp": getattr(saved, "data_parallel_size", None)}
+    # Upstream saves one state per (pp, tp) unless --data-parallel-random-init; this repo, every DP rank's.
+    per_dp = getattr(saved, "data_parallel_random_init", True)
+    if then["tp"] != now["tp"] or then["pp"] != now["pp"] or (then["dp"] != now["dp"] and per_dp):
+        return False, (f"checkpoint layout {then} differs from this run's {now}: resharding; RNG states start "
+                       f"from --seed")
+    return True, None

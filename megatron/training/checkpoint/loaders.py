@@ -14,14 +14,13 @@ import time
 from megatron.core import dist_checkpointing
 
 from megatron.training.checkpoint.across_ranks import print_rank0, slowest_rank
-from megatron.training.checkpoint.crossing import fill_distributed_optimizer, load_into_engine
+from megatron.training.checkpoint.crossing import fill_distributed_optimizer, load_into_engine, saved_small_objects
 from megatron.training.checkpoint.format import load_strategies, sharding_metadata
-from megatron.training.checkpoint.load_plan import FROM_OFFLOADED, SAME_FORM, LoadPlan
+from megatron.training.checkpoint.load_plan import FROM_DISTRIBUTED, FROM_OFFLOADED, SAME_FORM, LoadPlan
 from megatron.training.checkpoint.megatron_adam_state import (megatron_optimizers, prepare_fresh_optimizer_for_load,
                                                               restore_adam_steps)
 from megatron.training.checkpoint.model_state import model_state, model_state_keys, unwrap
-from megatron.training.checkpoint.rng import (legacy_rng_sharded_object, rng_sharded_object, set_rng_state,
-                                              this_rank_rng_state)
+from megatron.training.checkpoint.rng import rng_sharded_object, set_rng_state, this_rank_rng_state
 from megatron.training.runtime.progress import MemoryGrowth
 
 
@@ -42,7 +41,12 @@ def load_model(model, state: dict) -> None:
 
 # -- the optimizer --------------------------------------------------------------------------------
 def _optimizer_template(plan: LoadPlan, optimizer, model_template: dict, metadata) -> dict:
-    """Only its own form is read with the rest; a conversion reads the other form by itself."""
+    """Its own form is read with the rest; from megatron-core's form, only the small objects (the
+    step, the grad scaler): the conversion reads the large tensors by itself, in pieces."""
+    if plan.optimizer == FROM_DISTRIBUTED:
+        saved = plan.common.get("args")
+        scaled = bool(getattr(saved, "fp16", False) or getattr(saved, "loss_scale", None))
+        return {"plain_optimizer": saved_small_objects(optimizer, scaled and optimizer.grad_scaler is not None)}
     if plan.optimizer != SAME_FORM:
         return {}
     if not plan.run_offloaded:
@@ -56,20 +60,17 @@ def load_optimizer(plan: LoadPlan, optimizer, model, state: dict, args) -> None:
     elif plan.optimizer == SAME_FORM:
         optimizer.load_state_dict(state["optimizer"])
         if plan.run_offloaded:
-            optimizer.load_offloaded_state(plan.path)
+            optimizer.load_offloaded_state(plan.offload)
         else:
             restore_adam_steps(optimizer, state["optimizer"])
     elif plan.optimizer == FROM_OFFLOADED:
         prepare_fresh_optimizer_for_load(optimizer)  # the target's own state: allocated before the conversion
         offload_meta = plan.common["optimizer"]["offload_meta"]
         _convert("the offloaded form", plan.path, args, model, lambda max_bytes: fill_distributed_optimizer(
-            megatron_optimizers(optimizer), model, plan.path, offload_meta, max_bytes))
+            megatron_optimizers(optimizer), model, plan.offload, offload_meta, max_bytes))
     else:  # FROM_DISTRIBUTED
-        saved = plan.common.get("args")
-        scaled = bool(getattr(saved, "fp16", False) or getattr(saved, "loss_scale", None))
         _convert("megatron-core's distributed optimizer form", plan.path, args, model,
-                 lambda max_bytes: load_into_engine(optimizer, plan.path, scaled and optimizer.grad_scaler is not None,
-                                                    max_bytes))
+                 lambda max_bytes: load_into_engine(optimizer, plan.path, state["plain_optimizer"], max_bytes))
         optimizer.gather_model_params()  # with remainders the split may have set this rank's model params
 
 
@@ -92,16 +93,12 @@ def load_scheduler(plan: LoadPlan, scheduler) -> None:
 
 # -- the RNG states ---------------------------------------------------------------------------------
 def _rng_template(plan: LoadPlan) -> dict:
-    if plan.rng == "upstream":
-        return {"rng_state": rng_sharded_object(None)}
-    if plan.rng == "legacy":
-        return {"rng_state": legacy_rng_sharded_object()}
-    return {}
+    return {"rng_state": rng_sharded_object(None)} if plan.rng else {}
 
 
 def load_rng(plan: LoadPlan, state: dict) -> None:
     if plan.rng:
-        set_rng_state(this_rank_rng_state(state["rng_state"], plan.rng))
+        set_rng_state(this_rank_rng_state(state["rng_state"]))
 
 
 # -- where the run goes on --------------------------------------------------------------------------

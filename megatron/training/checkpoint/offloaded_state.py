@@ -1,25 +1,23 @@
-"""The offloaded optimizer state in a checkpoint: streamed beside dist_checkpointing's files.
-
-Each rank writes ``iter_N/offload/ppPPP_tpTTT_dpDDD.offload``; its footer holds the data-parallel
-size, per-parameter slices (name, offset in the parameter, length, offset in the file) and each
-parameter's place in its global tensor (param_geometry), so a run with another DP, TP or PP size
-finds its elements in the old ranks' files (offload_state_source).
+"""The offloaded optimizer state in a checkpoint: streamed beside dist_checkpointing's files, a file
+per rank (saved_offload says what its footer records, so that a run with another DP, TP or PP
+size finds its elements in the old ranks' files), and loaded back through offload_reader.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import List, Literal, Optional
+from typing import List, Literal
 
 import torch
 
 from megatron.training.checkpoint.format import sharding_metadata
-from megatron.training.checkpoint.offload_files import offload_file_path, param_names, same_model_parallel_layout
-from megatron.training.checkpoint.offload_state_source import OffloadedStateSource, shard_coordinates
+from megatron.training.checkpoint.offload_reader import OffloadedStateReader
 from megatron.training.checkpoint.param_geometry import param_geometries
+from megatron.training.checkpoint.saved_offload import (SavedOffloadState, offload_file_path, param_names,
+                                                        shard_coordinates)
 from mlp_offload import OffloadedAdamW
-from mlp_offload.checkpoint import CheckpointDataError, load_engine_state, read_footer, state_file_bytes
+from mlp_offload.checkpoint import fill_engine, state_file_bytes
 from mlp_offload import BackgroundStateWrite, save_engine_state, start_background_save
 
 log = logging.getLogger("mlp_offload")
@@ -68,39 +66,30 @@ class OffloadedStateFiles:
     def nbytes(self) -> int:
         return state_file_bytes(self.engine.numel, self.engine.config.stored_dtypes)
 
-    def load(self, checkpoint_dir: str, expected_steps: Optional[int]) -> None:
-        """Load this rank's state; ``expected_steps`` is the step count in the checkpoint's metadata."""
-        path = self._path(checkpoint_dir)
-        (pp, tp, _), _, ep = shard_coordinates(self.kind)
-        same_layout = (same_model_parallel_layout(checkpoint_dir, pp, tp, len(self.model_chunks), self.kind, ep)
-                       and os.path.exists(path) and read_footer(path)["metadata"].get("dp_size") == self.dp_size)
-        if same_layout:
-            load_engine_state(self.engine, path)
-        else:
-            self._load_resharded(checkpoint_dir)
-        if expected_steps is not None and expected_steps != self.engine.steps_done:
-            raise CheckpointDataError(f"offloaded state in {checkpoint_dir} is at step {self.engine.steps_done}, "
-                                      f"the checkpoint's metadata says {expected_steps}")
-
-    def _load_resharded(self, checkpoint_dir: str) -> None:
-        """Fill this rank's shard from files of another DP, TP or PP size: each parameter slice
-        is read from whichever old ranks held it."""
+    def load(self, saved: SavedOffloadState) -> None:
+        """Load this rank's state from the checkpoint ``saved`` indexes (its step count checked there):
+        its own file as saved, or each parameter slice from whichever old ranks held it."""
+        reader = OffloadedStateReader(saved, self.model_chunks, self.kind)
+        own = reader.whole_file(self.dp_size)
+        if own is not None:
+            fill_engine(self.engine, own)
+            return
         mine = sorted((a, b, self.layout.param_slice[param], param)
                       for param, (a, b) in self.layout.param_flat_range.items())
-        with OffloadedStateSource(checkpoint_dir, self.model_chunks, kind=self.kind) as saved:
-            def fill(sg, *outs):
-                for out in outs:
-                    out.zero_()  # bucket padding holds no parameter
-                for a, b, offset, param in mine:
-                    lo, hi = max(a, sg.start), min(b, sg.end)
-                    if lo < hi:
-                        saved.read(param, offset + lo - a, offset + hi - a,
-                                   [out[lo - sg.start: hi - sg.start] for out in outs])
 
-            self.engine.load_state(fill, steps_done=saved.steps_done)
-            change = saved.describe_change(self.dp_size)
+        def fill(sg, *outs):
+            for out in outs:
+                out.zero_()  # bucket padding holds no parameter
+            for a, b, offset, param in mine:
+                lo, hi = max(a, sg.start), min(b, sg.end)
+                if lo < hi:
+                    reader.read(param, offset + lo - a, offset + hi - a,
+                                [out[lo - sg.start: hi - sg.start] for out in outs])
+
+        self.engine.load_state(fill, steps_done=saved.steps_done)
         if torch.distributed.get_rank() == 0:
-            log.info("offloaded %sstate resharded from %s", "expert " if self.kind == "experts" else "", change)
+            log.info("offloaded %sstate resharded from %s", "expert " if self.kind == "experts" else "",
+                     reader.describe_change(self.dp_size))
 
 
 class StateWrites:

@@ -1,6 +1,5 @@
 """RNG states in a checkpoint, as Megatron-LM keeps them: per (pp, tp) position a ShardedObject
-'rng_state' holding every data-parallel rank's states (they differ: dropout); and this repo's
-earlier form, one object per rank under older names, still read."""
+'rng_state' holding every data-parallel rank's states (they differ: dropout)."""
 
 from __future__ import annotations
 
@@ -49,10 +48,6 @@ def _check_generators_match(saved_tracker_states: dict) -> None:
                 "--no-load-rng to resume without the saved RNG states")
 
 
-_LEGACY_RNG_NAMES = {"random": "random_rng_state", "np_random": "np_rng_state", "torch": "torch_rng_state",
-                     "cuda": "cuda_rng_state", "tracker": "rng_tracker_states"}
-
-
 def rank_coordinates():
     """(pp, tp, dp) sizes and this rank's (pp, tp, dp) position: what per-rank state is keyed by."""
     ps = parallel_state
@@ -78,15 +73,7 @@ def all_data_parallel_rng_states() -> list:
     return states
 
 
-def legacy_rng_sharded_object():
-    """This repo's earlier 'rng_state': one object per (pp, tp, dp) rank, older names."""
-    shape, offset = rank_coordinates()
-    return ShardedObject("rng_state", None, shape, offset, replica_id=0)
-
-
-def this_rank_rng_state(saved, form: str) -> dict:
-    if form == "legacy":
-        return {_LEGACY_RNG_NAMES[k]: v for k, v in saved.items()}
+def this_rank_rng_state(saved) -> dict:
     if len(saved) == 1:
         return saved[0]  # saved without per-DP states (upstream without --data-parallel-random-init)
     return saved[parallel_state.get_data_parallel_rank()]

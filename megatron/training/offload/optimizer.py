@@ -67,7 +67,6 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
         # figures on a GPU; on a CPU run none unless a test sets a stand-in.
         self.device_memory_figures: Optional[Callable[[], Tuple[int, int]]] = (
             _cuda_memory_figures if self._cuda else None)
-        self._expected_steps: Optional[int] = None  # the step count of the checkpoint being loaded
         self.last_record = None
         self.is_stub_optimizer = False
         self._stalls = []  # (start, end) events around each forward wait for deferred params
@@ -210,11 +209,10 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
 
     def load_state_dict(self, state_dict):
         meta = state_dict["offload_meta"]
-        scalers = meta.get("grad_scalers") or [meta.get("grad_scaler")] * len(self.shards)
+        scalers = meta["grad_scalers"]
         for shard, scaler in zip(self.shards, scalers):
             if shard.grad_scaler is not None and scaler:
                 shard.grad_scaler.load_state_dict(scaler)
-        self._expected_steps = meta["steps_done"]
 
     def state_dict(self):
         raise NotImplementedError("the offloaded optimizer saves through sharded_state_dict() and save_offloaded_state()")
@@ -228,9 +226,11 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
     def offloaded_state_bytes(self) -> int:
         return sum(shard.state_files.nbytes() for shard in self.shards)
 
-    def load_offloaded_state(self, checkpoint_dir: str) -> None:
+    def load_offloaded_state(self, saved) -> None:
+        """From the index of a checkpoint's offload files (it checks their step count against the
+        common state's)."""
         for shard in self.shards:
-            shard.state_files.load(checkpoint_dir, self._expected_steps)
+            shard.state_files.load(saved)
         self.gather_model_params()
 
     def gather_model_params(self) -> None:
