@@ -32,6 +32,25 @@ from megatron.training.runtime.host_memory import GiB
 # megatron-core's local layers and full recompute: 144 at 1.03 G and 200 at 8.77 G parameters
 # (docs/benchmarks.md, "Will it fit?"): give --gpu-tflops from your own short run's log instead.
 DEFAULT_GPU_TFLOPS = 140.0
+# The device update's rates where no run of yours gave them, from one-pass runs on H200 machines
+# (docs/benchmarks.md §10, docs/results/gpu_2026-11-26/): resident 86-104 G elements/s; one GPU's
+# host link ~100 GB/s both ways together (streamed 8.37, 5.00, 4.2 G elements/s at 6, 10, 12 stored
+# bytes each); four GPUs of one node streamed ~186 GB/s together (call8_x4_tp2pp2.log).
+DEFAULT_GPU_ADAM_GELEMS = 90.0
+DEFAULT_GPU_LINK_GBPS = 100.0
+DEFAULT_NODE_HOST_GBPS = 186.0
+DEVICE_FLAGS = (  # (flag, default, help): the device update's rates, positive numbers
+    ("--gpu-adam-gelems", DEFAULT_GPU_ADAM_GELEMS,
+     "device update of state kept in HBM, G elements/s (the start-up line's 'resident')"),
+    ("--gpu-streamed-gelems", None, "host state streamed through one GPU alone, G elements/s (the start-up "
+     "line's 'streamed'; default: --gpu-link-gbps over twice the stored bytes per element)"),
+    ("--gpu-link-gbps", DEFAULT_GPU_LINK_GBPS, "one GPU's host link, GB/s both directions together"),
+    ("--node-host-gbps", DEFAULT_NODE_HOST_GBPS, "host memory bandwidth the node's GPUs' streams share, GB/s"),
+    ("--cpu-beside-gelems", None, "CPU Adam while the GPU streams, G elements/s (the start-up line's 'beside "
+     "the CPU: ... cpu'; without it and the next, no CPU/GPU split is credited)"),
+    ("--gpu-streamed-beside-gelems", None, "the GPU's stream while the CPU updates, G elements/s ('beside the "
+     "CPU: streamed')"),
+)
 _CAPACITY_FLAG = re.compile(r"^--offload-([A-Za-z0-9_]+)-capacity-gb(?:=(.*))?$")
 
 
@@ -52,6 +71,8 @@ def machine_parser() -> argparse.ArgumentParser:
                    help="CPU Adam rate of one rank in G elements/s (default: measured on this CPU)")
     p.add_argument("--convert-gelems", type=float, default=None,
                    help="gradient conversion rate of one rank in G elements/s (default: measured on this CPU)")
+    for flag, default, text in DEVICE_FLAGS:
+        p.add_argument(flag, type=float, default=default, help=text)
     p.add_argument("--global-batch-sizes", type=str, default=None,
                    help="comma list for the tokens/s table (default: the run's, and 2x, 4x, 8x it)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -166,6 +187,14 @@ def cpu_rates(opts, config):
     return adam_rate, convert_rate
 
 
+def device_rates(opts):
+    from megatron.training.offload.capacity_plan import DeviceRates
+
+    g = lambda x: None if x is None else x * 1e9  # noqa: E731
+    return DeviceRates(opts.gpu_adam_gelems * 1e9, opts.gpu_link_gbps * 1e9, opts.node_host_gbps * 1e9,
+                       g(opts.gpu_streamed_gelems), g(opts.cpu_beside_gelems), g(opts.gpu_streamed_beside_gelems))
+
+
 def build(argv):
     from megatron.training.offload.capacity_plan import Machine, make_plan, suggested_host_cache_gb
     from megatron.training.data.datasets import build_tokenizer, padded_vocab_size
@@ -178,13 +207,16 @@ def build(argv):
             raise UserError(f"argument {flag}: must be a positive integer, got {value}")
     for flag, value in (("--gpu-memory-gb", opts.gpu_memory_gb), ("--gpu-tflops", opts.gpu_tflops),
                         ("--adam-gelems", opts.adam_gelems), ("--convert-gelems", opts.convert_gelems),
-                        ("--host-memory-gb", opts.host_memory_gb)):
+                        ("--host-memory-gb", opts.host_memory_gb),
+                        *((f, getattr(opts, f[2:].replace("-", "_"))) for f, _, _ in DEVICE_FLAGS)):
         if value is not None and not 0 < value < float("inf"):
             raise UserError(f"argument {flag}: must be a positive number, got {value}")
     capacities, flags = split_capacities(rest)
     machine = Machine(opts.nnodes, opts.gpus_per_node, int(opts.gpu_memory_gb * GiB),
                       _host_memory_bytes(opts.host_memory_gb), opts.gpu_tflops)
     args = pretrain_args(flags, machine)
+    if args.device != "cpu":  # a GPU job: the engine may update on the device
+        machine.device_rates = device_rates(opts)
     args.padded_vocab_size = padded_vocab_size(args, build_tokenizer(args))
     cfg = transformer_config(args)
     config, rates, space, adam_rate, convert_rate, cache_gb = None, {}, {}, 0.0, 0.0, None
