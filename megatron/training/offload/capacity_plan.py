@@ -84,6 +84,7 @@ class Plan:
     host_cache_gb: Optional[float] = None  # what --offload-host-cache-gb the plan used (given or chosen)
     params_active: int = 0  # of params_total, those one token uses (top-k routed experts)
     shard_numels: Dict[str, int] = field(default_factory=dict)  # per distributed optimizer
+    tier_rates: Dict[str, TierBandwidth] = field(default_factory=dict)  # each file tier's, as planned with
 
     def placement_counts(self, kind: Optional[str] = None) -> Dict[str, int]:
         """Subgroups per tier, as the engine logs them at start-up (host first, then the file tiers),
