@@ -326,12 +326,16 @@ def recommend(opts, capacities, flags, args, machine, measured):
     and the fastest that fits. Compute is scaled from --gpu-tflops, which the user measured with their
     own recompute setting, by the device work each candidate's recompute does; the micro-batch size
     is taken not to change the TFLOP/s."""
-    from megatron.training.offload.plan_candidates import candidate_flags, candidates, own_flags, recompute_work
+    from megatron.training.offload.plan_candidates import (AS_GIVEN, candidate_flags, candidates, own_flags,
+                                                           recompute_work)
 
     pp = args.pipeline_model_parallel_size
     dp = machine.world // (args.tensor_model_parallel_size * pp)
     own = recompute_work(args.recompute_granularity, args.recompute_method, args.recompute_num_layers,
                          args.num_layers // pp)
+    tiers = args.offload_tiers or []
+    given = (args.recompute_granularity or "none", args.micro_batch_size,
+             "none" if "gpu" not in tiers else getattr(args, "offload_gpu_cache_gb", None))
     rows = []
     for c in candidates(args.global_batch_size // dp, args.offload_tiers, args.device != "cpu"):
         cand_flags = candidate_flags(flags, args.offload_tiers, c)
@@ -341,12 +345,14 @@ def recommend(opts, capacities, flags, args, machine, measured):
         except UserError as err:  # a combination the training would refuse: not a candidate
             rows.append({"candidate": c.describe(), "fits": False, "problems": [str(err)]})
             continue
-        rows.append({"candidate": c.describe(), "changes": own_flags(c, args.offload_tiers),
+        changed = (c.recompute != given[0]) + (c.micro_batch_size != given[1]) + (c.gpu_tier not in (AS_GIVEN, given[2]))
+        rows.append({"candidate": c.describe(), "changes": own_flags(c, args.offload_tiers), "changed": changed,
                      "fits": plan.fits, "problems": plan.problems,
                      "predicted_iteration_s": plan.iteration_s, "tokens_per_s": plan.tokens_per_s[args.global_batch_size],
                      "flags": suggested_flags(plan, args, cand_flags)})
     fitting = [r for r in rows if r["fits"]]
-    chosen = max(fitting, key=lambda r: r["tokens_per_s"]) if fitting else None
+    # Ties go to the candidate closest to the flags as given.
+    chosen = max(fitting, key=lambda r: (r["tokens_per_s"], -r["changed"])) if fitting else None
     return {"global_batch_size": args.global_batch_size, "candidates": rows, "chosen": chosen}
 
 
