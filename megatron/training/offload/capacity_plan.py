@@ -274,8 +274,9 @@ def plan_engines(args, machine: Machine, offload_config, ranks: RankShards, rate
             problems.append(in_flags(str(err)))
             break
         gpu_spare_bytes = max(0, gpu_spare_bytes - engines[kind].stored_bytes.get(GPU_TIER, 0))
-        for t in offload_config.file_tiers:
-            space[t] = max(0, space[t] - machine.gpus_per_node * engines[kind].stored_bytes[t])
+        for t in offload_config.file_tiers:  # what the engine holds there at start-up, or later if more
+            held = max(engines[kind].stored_bytes[t], at_start[kind].stored_bytes[t])
+            space[t] = max(0, space[t] - machine.gpus_per_node * held)
     return engines
 
 
