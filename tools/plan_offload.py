@@ -8,9 +8,10 @@
 Prints whether the run fits, where every byte goes (GPU memory, host memory, each file tier),
 the predicted iteration time and its bottleneck, tokens/s at several global batch sizes and the
 flags to use; ``--json`` prints the same as one object. ``--recommend`` also plans every recompute
-granularity x micro-batch size x gpu tier for the run's global batch size and names the fastest that fits. With ``--offload-bandwidths`` and a
-capacity per file tier nothing is probed and no path is touched, so a cluster can be planned from
-a laptop; without them the paths given are probed on this node, as the engine does at start-up.
+granularity x micro-batch size x gpu tier for the run's global batch size and names the fastest
+that fits. With ``--offload-bandwidths`` and a capacity per file tier nothing is probed and no path
+is touched, so a cluster can be planned from a laptop; without them the paths given are probed on
+this node, as the engine does at start-up.
 """
 
 from __future__ import annotations
