@@ -340,7 +340,7 @@ def recommend(opts, capacities, flags, args, machine, measured):
              "none" if "gpu" not in tiers else getattr(args, "offload_gpu_cache_gb", None))
     rows = []
     for c in candidates(args.global_batch_size // dp, args.offload_tiers, args.device != "cpu"):
-        cand_flags = candidate_flags(flags, args.offload_tiers, c)
+        cand_flags = candidate_flags(flags, args.offload_tiers, c, args.global_batch_size)
         tflops = opts.gpu_tflops * own / recompute_work(c.recompute)
         try:
             plan, _, _ = plan_for(opts, capacities, cand_flags, measured, tflops, [args.global_batch_size])

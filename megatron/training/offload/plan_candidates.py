@@ -82,7 +82,10 @@ def own_flags(c: Candidate, tiers: Optional[Sequence[str]]) -> List[str]:
     return out
 
 
-def candidate_flags(flags: Sequence[str], tiers: Optional[Sequence[str]], c: Candidate) -> List[str]:
-    """The user's flags with the candidate's recompute, micro-batch size and gpu tier in place of theirs."""
-    replaced = {**_RECOMPUTE_FLAGS, "--micro-batch-size": 1, **(_GPU_TIER_FLAGS if c.gpu_tier != AS_GIVEN else {})}
-    return without(flags, replaced) + own_flags(c, tiers)
+def candidate_flags(flags: Sequence[str], tiers: Optional[Sequence[str]], c: Candidate,
+                    global_batch_size: int) -> List[str]:
+    """The user's flags with the candidate's recompute, micro-batch size and gpu tier in place of theirs,
+    at the run's global batch size (without the flag, it would follow the micro-batch size)."""
+    replaced = {**_RECOMPUTE_FLAGS, "--micro-batch-size": 1, "--global-batch-size": 1,
+                **(_GPU_TIER_FLAGS if c.gpu_tier != AS_GIVEN else {})}
+    return without(flags, replaced) + own_flags(c, tiers) + ["--global-batch-size", str(global_batch_size)]
