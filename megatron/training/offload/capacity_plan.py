@@ -178,8 +178,8 @@ def backward_workspace_bytes(args, cfg) -> int:
 
 
 def gradient_itemsize(args) -> int:
-    """Bytes per element of megatron-core's gradient buffer on the device: fp32 (its main_grad)
-    unless the grads are reduced in 16 bits (fp16, or bf16 with --grad-reduce-in-bf16)."""
+    """Bytes per element of megatron-core's gradient buffer, as ``training.build_model`` configures its
+    DDP: fp32 (main_grad) unless the grads are reduced in 16 bits (fp16, or bf16 with --grad-reduce-in-bf16)."""
     return 2 if args.fp16 or (args.bf16 and getattr(args, "grad_reduce_in_bf16", False)) else 4
 
 
@@ -203,9 +203,7 @@ def update_rates_for(offload_config, machine: Machine, adam_elems_per_s: float,
 def host_grad_itemsize(args) -> Optional[int]:
     """Bytes per gradient element in the engine's host buffer on a CPU run (as build_model's DDP
     keeps them: bf16 reduced in fp32 unless --grad-reduce-in-bf16); None on a GPU."""
-    if getattr(args, "device", None) != "cpu":
-        return None
-    return 2 if args.fp16 or (args.bf16 and args.grad_reduce_in_bf16) else 4
+    return gradient_itemsize(args) if getattr(args, "device", None) == "cpu" else None
 
 
 def suggested_host_cache_gb(machine: Machine, ranks_per_node: int, subgroup_size: int) -> float:
