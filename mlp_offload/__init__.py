@@ -8,10 +8,11 @@ is the engine's inside and may change without notice (tests/unit/test_layout.py 
 from .plan.capacity import EnginePlan, plan_engine
 from .checkpoint import CheckpointDataError, CheckpointSaveError
 from .checkpoint_write import BackgroundStateWrite, save_engine_state, start_background_save
-from .config import OffloadConfig, OffloadConfigError, TierBandwidth, parse_bandwidths
+from .config import GPU_TIER, OffloadConfig, OffloadConfigError, TierBandwidth, parse_bandwidths
 from .engine import PER_NODE, OffloadedAdamW, OffloadStateError
 from .faults import configure as configure_faults, fault_point
-from .plan.placement import PlacementError
+from .plan.placement import PlacementError, UpdateRates
+from .plan.node_share import streamed_elems_per_s
 from .plan.prediction import device_seconds, predict_iteration
 from .plan.path_rates import measure_update_paths
 from .plan.rates import measure_adam_rate, measure_convert_rate
@@ -32,7 +33,7 @@ from .units import GB, GiB, MiB
 
 __all__ = [
     # configuration and its errors
-    "OffloadConfig", "OffloadConfigError", "TierBandwidth", "parse_bandwidths",
+    "OffloadConfig", "OffloadConfigError", "TierBandwidth", "parse_bandwidths", "GPU_TIER",
     # the optimizer, its records and errors
     "OffloadedAdamW", "OffloadStateError", "PlacementError", "StepRecord", "TierTraffic", "PER_NODE",
     "TierDataError", "TierIOError", "TierPathError", "HostMemoryError", "NamespaceInUseError",
@@ -44,7 +45,7 @@ __all__ = [
     "start_background_save", "fsync_path",
     # planning and measuring without an engine (tools/plan_offload.py, benchmarks/)
     "EnginePlan", "plan_engine", "probe_tier", "measure_adam_rate", "measure_convert_rate", "device_seconds",
-    "measure_update_paths", "predict_iteration",
+    "measure_update_paths", "predict_iteration", "UpdateRates", "streamed_elems_per_s",
     "AdamKernel", "HostMemory", "check_host_memory", "own_pss_bytes", "FileTier", "JobTokens", "TierTokens", "meminfo_bytes",
     # process housekeeping and crash-test fault points
     "scan_namespaces", "release_swap_namespaces", "tree_bytes", "fault_point", "configure_faults",

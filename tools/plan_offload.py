@@ -7,9 +7,11 @@
 
 Prints whether the run fits, where every byte goes (GPU memory, host memory, each file tier),
 the predicted iteration time and its bottleneck, tokens/s at several global batch sizes and the
-flags to use; ``--json`` prints the same as one object. With ``--offload-bandwidths`` and a
-capacity per file tier nothing is probed and no path is touched, so a cluster can be planned from
-a laptop; without them the paths given are probed on this node, as the engine does at start-up.
+flags to use; ``--json`` prints the same as one object. ``--recommend`` also plans every recompute
+granularity x micro-batch size x gpu tier for the run's global batch size and names the fastest
+that fits. With ``--offload-bandwidths`` and a capacity per file tier nothing is probed and no path
+is touched, so a cluster can be planned from a laptop; without them the paths given are probed on
+this node, as the engine does at start-up.
 """
 
 from __future__ import annotations
@@ -32,6 +34,25 @@ from mlp_offload import GiB
 # megatron-core's local layers and full recompute: 144 at 1.03 G and 200 at 8.77 G parameters
 # (docs/benchmarks.md, "Will it fit?"): give --gpu-tflops from your own short run's log instead.
 DEFAULT_GPU_TFLOPS = 140.0
+# The device update's rates where no run of yours gave them, from one-pass runs on H200 machines
+# (docs/benchmarks.md §10, docs/results/gpu_2026-11-26/): resident 86-104 G elements/s; one GPU's
+# host link ~100 GB/s both ways together (streamed 8.37, 5.00, 4.2 G elements/s at 6, 10, 12 stored
+# bytes each); four GPUs of one node streamed ~186 GB/s together (call8_x4_tp2pp2.log).
+DEFAULT_GPU_ADAM_GELEMS = 90.0
+DEFAULT_GPU_LINK_GBPS = 100.0
+DEFAULT_NODE_HOST_GBPS = 186.0
+DEVICE_FLAGS = (  # (flag, default, help): the device update's rates, positive numbers
+    ("--gpu-adam-gelems", DEFAULT_GPU_ADAM_GELEMS,
+     "device update of state kept in HBM, G elements/s (the start-up line's 'resident')"),
+    ("--gpu-streamed-gelems", None, "host state streamed through one GPU alone, G elements/s (the start-up "
+     "line's 'streamed'; default: --gpu-link-gbps over twice the stored bytes per element)"),
+    ("--gpu-link-gbps", DEFAULT_GPU_LINK_GBPS, "one GPU's host link, GB/s both directions together"),
+    ("--node-host-gbps", DEFAULT_NODE_HOST_GBPS, "host memory bandwidth the node's GPUs' streams share, GB/s"),
+    ("--cpu-beside-gelems", None, "CPU Adam while the GPU streams, G elements/s (the start-up line's 'beside "
+     "the CPU: ... cpu'; without it and the next, no CPU/GPU split is credited)"),
+    ("--gpu-streamed-beside-gelems", None, "the GPU's stream while the CPU updates, G elements/s ('beside the "
+     "CPU: streamed')"),
+)
 _CAPACITY_FLAG = re.compile(r"^--offload-([A-Za-z0-9_]+)-capacity-gb(?:=(.*))?$")
 
 
@@ -52,8 +73,13 @@ def machine_parser() -> argparse.ArgumentParser:
                    help="CPU Adam rate of one rank in G elements/s (default: measured on this CPU)")
     p.add_argument("--convert-gelems", type=float, default=None,
                    help="gradient conversion rate of one rank in G elements/s (default: measured on this CPU)")
+    for flag, default, text in DEVICE_FLAGS:
+        p.add_argument(flag, type=float, default=default, help=text)
     p.add_argument("--global-batch-sizes", type=str, default=None,
                    help="comma list for the tokens/s table (default: the run's, and 2x, 4x, 8x it)")
+    p.add_argument("--recommend", action="store_true",
+                   help="also plan every recompute granularity x micro-batch size x gpu tier (auto or none) for the "
+                        "run's global batch size and name the fastest that fits")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -166,25 +192,43 @@ def cpu_rates(opts, config):
     return adam_rate, convert_rate
 
 
-def build(argv):
-    from megatron.training.offload.capacity_plan import Machine, make_plan, suggested_host_cache_gb
-    from megatron.training.data.datasets import build_tokenizer, padded_vocab_size
-    from megatron.training.offload.flags import config_from_args
-    from megatron.training.model.configs import transformer_config
+def device_rates(opts):
+    from megatron.training.offload.capacity_plan import DeviceRates
 
+    g = lambda x: None if x is None else x * 1e9  # noqa: E731
+    return DeviceRates(opts.gpu_adam_gelems * 1e9, opts.gpu_link_gbps * 1e9, opts.node_host_gbps * 1e9,
+                       g(opts.gpu_streamed_gelems), g(opts.cpu_beside_gelems), g(opts.gpu_streamed_beside_gelems))
+
+
+def parse(argv):
+    """The machine's options, the file tiers' capacities, and pretrain_gpt.py's flags."""
     opts, rest = machine_parser().parse_known_args(argv)
     for flag, value in (("--nnodes", opts.nnodes), ("--gpus-per-node", opts.gpus_per_node)):
         if value < 1:
             raise UserError(f"argument {flag}: must be a positive integer, got {value}")
     for flag, value in (("--gpu-memory-gb", opts.gpu_memory_gb), ("--gpu-tflops", opts.gpu_tflops),
                         ("--adam-gelems", opts.adam_gelems), ("--convert-gelems", opts.convert_gelems),
-                        ("--host-memory-gb", opts.host_memory_gb)):
+                        ("--host-memory-gb", opts.host_memory_gb),
+                        *((f, getattr(opts, f[2:].replace("-", "_"))) for f, _, _ in DEVICE_FLAGS)):
         if value is not None and not 0 < value < float("inf"):
             raise UserError(f"argument {flag}: must be a positive number, got {value}")
     capacities, flags = split_capacities(rest)
+    return opts, capacities, flags
+
+
+def plan_for(opts, capacities, flags, measured, gpu_tflops=None, batch_sizes=None):
+    """One plan. ``measured`` keeps the tiers' and the CPU's rates of a first call for the next ones
+    (they do not change with the flags a recommendation varies); ``gpu_tflops`` replaces --gpu-tflops."""
+    from megatron.training.offload.capacity_plan import Machine, make_plan, suggested_host_cache_gb
+    from megatron.training.data.datasets import build_tokenizer, padded_vocab_size
+    from megatron.training.offload.flags import config_from_args
+    from megatron.training.model.configs import transformer_config
+
     machine = Machine(opts.nnodes, opts.gpus_per_node, int(opts.gpu_memory_gb * GiB),
-                      _host_memory_bytes(opts.host_memory_gb), opts.gpu_tflops)
+                      _host_memory_bytes(opts.host_memory_gb), gpu_tflops or opts.gpu_tflops)
     args = pretrain_args(flags, machine)
+    if args.device != "cpu":  # a GPU job: the engine may update on the device
+        machine.device_rates = device_rates(opts)
     args.padded_vocab_size = padded_vocab_size(args, build_tokenizer(args))
     cfg = transformer_config(args)
     config, rates, space, adam_rate, convert_rate, cache_gb = None, {}, {}, 0.0, 0.0, None
@@ -198,24 +242,33 @@ def build(argv):
             cache_gb = suggested_host_cache_gb(machine, machine.gpus_per_node, args.offload_subgroup_size)
             args.offload_host_cache_gb = cache_gb
         config = config_from_args(args, rank=0)
-        rates, space = tier_rates_and_capacities(config, capacities, machine.nnodes)
-        adam_rate, convert_rate = cpu_rates(opts, config)
-    dp = machine.world // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size)
-    if opts.global_batch_sizes:
-        try:
-            sizes = [int(x) for x in opts.global_batch_sizes.split(",")]
-        except ValueError:
-            raise UserError(f"argument --global-batch-sizes: expected integers, got {opts.global_batch_sizes!r}") from None
-        step = args.micro_batch_size * dp
-        bad = [g for g in sizes if g <= 0 or g % step]
-        if bad:
-            raise UserError(f"argument --global-batch-sizes: {bad[0]} is not a positive multiple of micro-batch "
-                            f"{args.micro_batch_size} x data-parallel size {dp}")
-    else:
-        sizes = [args.global_batch_size * k for k in (1, 2, 4, 8)]
-    plan = make_plan(args, cfg, machine, config, rates, space, adam_rate, convert_rate, sizes)
+        if "tiers" not in measured:
+            measured["tiers"] = tier_rates_and_capacities(config, capacities, machine.nnodes)
+            measured["cpu"] = cpu_rates(opts, config)
+        rates, space = measured["tiers"]
+        adam_rate, convert_rate = measured["cpu"]
+    plan = make_plan(args, cfg, machine, config, rates, space, adam_rate, convert_rate,
+                     batch_sizes or table_batch_sizes(opts, args, machine))
     plan.host_cache_gb = cache_gb
-    return plan, args, machine, flags, rates
+    plan.tier_rates = rates
+    return plan, args, machine
+
+
+def table_batch_sizes(opts, args, machine):
+    """The tokens/s table's global batch sizes: --global-batch-sizes, else the run's and 2x, 4x, 8x it."""
+    dp = machine.world // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size)
+    if not opts.global_batch_sizes:
+        return [args.global_batch_size * k for k in (1, 2, 4, 8)]
+    try:
+        sizes = [int(x) for x in opts.global_batch_sizes.split(",")]
+    except ValueError:
+        raise UserError(f"argument --global-batch-sizes: expected integers, got {opts.global_batch_sizes!r}") from None
+    step = args.micro_batch_size * dp
+    bad = [g for g in sizes if g <= 0 or g % step]
+    if bad:
+        raise UserError(f"argument --global-batch-sizes: {bad[0]} is not a positive multiple of micro-batch "
+                        f"{args.micro_batch_size} x data-parallel size {dp}")
+    return sizes
 
 
 def suggested_flags(plan, args, flags):
@@ -270,13 +323,78 @@ def describe(plan, args, machine, flags, rates) -> str:
     return "\n".join(lines)
 
 
+def recommend(opts, capacities, flags, args, machine, measured):
+    """Every candidate configuration (``plan_candidates``) for the run's global batch size, planned,
+    and the fastest that fits. Compute is scaled from --gpu-tflops, which the user measured with their
+    own recompute setting, by the device work each candidate's recompute does; the micro-batch size
+    is taken not to change the TFLOP/s."""
+    from megatron.training.offload.plan_candidates import (AS_GIVEN, candidate_flags, candidates, own_flags,
+                                                           recompute_work)
+
+    pp = args.pipeline_model_parallel_size
+    dp = machine.world // (args.tensor_model_parallel_size * pp)
+    own = recompute_work(args.recompute_granularity, args.recompute_method, args.recompute_num_layers,
+                         args.num_layers // pp)
+    tiers = args.offload_tiers or []
+    given = (args.recompute_granularity or "none", args.micro_batch_size,
+             "none" if "gpu" not in tiers else getattr(args, "offload_gpu_cache_gb", None))
+    rows = []
+    for c in candidates(args.global_batch_size // dp, args.offload_tiers, args.device != "cpu"):
+        cand_flags = candidate_flags(flags, args.offload_tiers, c, args.global_batch_size)
+        tflops = opts.gpu_tflops * own / recompute_work(c.recompute)
+        try:
+            plan, _, _ = plan_for(opts, capacities, cand_flags, measured, tflops, [args.global_batch_size])
+        except UserError as err:  # a combination the training would refuse: not a candidate
+            rows.append({"candidate": c.describe(), "fits": False, "problems": [str(err)]})
+            continue
+        changed = (c.recompute != given[0]) + (c.micro_batch_size != given[1]) + (c.gpu_tier not in (AS_GIVEN, given[2]))
+        rows.append({"candidate": c.describe(), "changes": own_flags(c, args.offload_tiers), "changed": changed,
+                     "fits": plan.fits, "problems": plan.problems,
+                     "predicted_iteration_s": plan.iteration_s, "tokens_per_s": plan.tokens_per_s[args.global_batch_size],
+                     "flags": suggested_flags(plan, args, cand_flags)})
+    fitting = [r for r in rows if r["fits"]]
+    # Ties go to the candidate closest to the flags as given.
+    chosen = max(fitting, key=lambda r: (r["tokens_per_s"], -r["changed"])) if fitting else None
+    return {"global_batch_size": args.global_batch_size, "candidates": rows, "chosen": chosen}
+
+
+def describe_recommendation(advice, own_tokens_per_s) -> str:
+    lines = [f"candidates for global batch size {advice['global_batch_size']} (tokens/s):"]
+    for r in advice["candidates"]:
+        result = (f"{r['tokens_per_s']:,.0f} (iteration {r['predicted_iteration_s']:.3f} s)" if r["fits"]
+                  else "DOES NOT FIT: " + "; ".join(r["problems"])[:160])
+        lines.append(f"  {r['candidate']}: {result}")
+    chosen = advice["chosen"]
+    if chosen is None:
+        lines.append("recommended: none of them fits")
+    else:
+        mine = "does not fit" if own_tokens_per_s is None else f"{own_tokens_per_s:,.0f} tokens/s"
+        lines.append(f"recommended: {chosen['candidate']}: {chosen['tokens_per_s']:,.0f} tokens/s (as given: {mine})")
+        lines.append("recommended flags: " + shlex.join(chosen["flags"]))
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     with reported_once():
-        plan, args, machine, flags, rates = build(sys.argv[1:] if argv is None else argv)
-        if "--json" in (sys.argv[1:] if argv is None else argv):
-            print(json.dumps({**plan.as_json(), "flags": suggested_flags(plan, args, flags)}, indent=1))
+        opts, capacities, flags = parse(argv)
+        measured = {}
+        plan, args, machine = plan_for(opts, capacities, flags, measured)
+        gpu_short = any(p.startswith("GPU memory") for p in plan.problems)
+        advice = recommend(opts, capacities, flags, args, machine, measured) if opts.recommend or gpu_short else None
+        if gpu_short and advice["chosen"]:  # DOES NOT FIT names the flags of the fastest plan that fits
+            chosen = advice["chosen"]
+            plan.problems.append(f"fits with {shlex.join(chosen['changes'])}: {chosen['tokens_per_s']:,.0f} tokens/s "
+                                 f"predicted ({chosen['candidate']}; --recommend lists every candidate)")
+        advice = advice if opts.recommend else None
+        own = plan.tokens_per_s.get(args.global_batch_size) if plan.fits else None
+        if opts.json:
+            extra = {"recommendation": advice} if advice else {}
+            print(json.dumps({**plan.as_json(), "flags": suggested_flags(plan, args, flags), **extra}, indent=1))
         else:
-            print(describe(plan, args, machine, flags, rates))
+            print(describe(plan, args, machine, flags, plan.tier_rates))
+            if advice:
+                print(describe_recommendation(advice, own))
     return 0 if plan.fits else 1
 
 

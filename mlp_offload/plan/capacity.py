@@ -12,6 +12,7 @@ from typing import Dict, List, Optional
 from ..config import OffloadConfig, TierBandwidth
 from .placement import Placement, UpdateRates, plan_placement, tokens_for
 from .prediction import Prediction, predict_update
+from .split import settled_sides
 from ..gradients import gradient_host_bytes
 from ..subgroups import Subgroup, partition
 from ..kernels.update import Fp32Working
@@ -34,15 +35,21 @@ class EnginePlan:
 def plan_engine(numel: int, config: OffloadConfig, rates: Dict[str, TierBandwidth],
                 capacity_bytes: Dict[str, int], adam_elems_per_s: float, convert_elems_per_s: float,
                 ranks_per_node: int, host_grad_itemsize: Optional[int] = None,
-                update_rates: Optional[UpdateRates] = None) -> EnginePlan:
+                update_rates: Optional[UpdateRates] = None, gpu_budget_bytes: Optional[int] = None) -> EnginePlan:
     """Plan one rank's shard of ``numel`` elements; ``capacity_bytes`` is each file tier's space as
     the node's ``ranks_per_node`` ranks share it. Raises ``PlacementError`` where it does not fit.
     ``host_grad_itemsize``: the gradients' bytes per element where they come through host memory
-    (a CPU run); None where a GPU converts and sends them per subgroup."""
+    (a CPU run); None where a GPU converts and sends them per subgroup. ``gpu_budget_bytes``: the
+    device tier's size where the config's is learnt (``gpu_budget_auto``): the spare device memory
+    its steps would find. With the device's rates in ``update_rates`` and ``update_on`` "auto",
+    the split is the one the steps settle on (``split.settled_sides``), not the start-up's."""
     config = dataclasses.replace(config, ranks_sharing_node=ranks_per_node)
     subgroups = partition(numel, config.subgroup_size, config.state_itemsizes)
     update_rates = update_rates or UpdateRates(1 / (1 / adam_elems_per_s + 1 / convert_elems_per_s))
-    placement = plan_placement(subgroups, config, rates, capacity_bytes, update_rates=update_rates)
+    placement = plan_placement(subgroups, config, rates, capacity_bytes, update_rates=update_rates,
+                               gpu_budget_bytes=gpu_budget_bytes)
+    if config.update_on == "auto" and update_rates.device_streamed:
+        placement.update_on = settled_sides([sg.numel for sg in subgroups], placement.tier_of, update_rates)
     tokens = {t: config.tokens_per_tier or tokens_for(rates[t], ranks_per_node) for t in config.file_tiers}
     prediction = predict_update(subgroups, placement, rates, adam_elems_per_s, convert_elems_per_s,
                                 ranks_sharing=ranks_per_node, tokens=tokens,

@@ -78,6 +78,21 @@ def split_times(count: int, sizes: Sequence[int], resident_elems: int, rates: Si
     return cpu_s, device_s, (max(cpu_s, device_s) if overlap else cpu_s + device_s)
 
 
+def settled_sides(numels: Sequence[int], tier_of: Sequence[str], rates: UpdateRates) -> List[str]:
+    """The split the steps settle on where they show ``rates``: the CPU's count of host-held
+    subgroups with the least predicted update (``split_times``), as ``choose_split`` and
+    ``UpdateSplit.plan`` pick it. Without rates measured side by side only the single sides (all
+    host-held subgroups on the device, or all on the CPU) are priced: a split is credited only
+    with rates measured beside each other (the steps move it back where it loses)."""
+    held = [i for i, t in enumerate(tier_of) if t != GPU_TIER]
+    sizes = [numels[i] for i in held]
+    resident = sum(numels[i] for i, t in enumerate(tier_of) if t == GPU_TIER)
+    side = SideRates.from_start_up(rates)
+    counts = range(len(held) + 1) if rates.cpu_shared and rates.streamed_shared else sorted({0, len(held)})
+    best = min(counts, key=lambda k: (split_times(k, sizes, resident, side)[2], k))
+    return sides_for(tier_of, best)
+
+
 @dataclass
 class Choice:
     count: int  # CPU subgroups chosen

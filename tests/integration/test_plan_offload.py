@@ -217,3 +217,23 @@ def test_what_the_guard_admits_fits(tmp_path):
     refused = plan_json("--gpus-per-node", "2", "--adam-gelems", "1", "--convert-gelems", "1", "--host-memory-gb", "1.0",
                         *TINY_MODEL, *flags, "--num-workers", "0", expect=1)
     assert not refused["fits"] and "more than the 1.00 GiB of the node's memory" in refused["problems"][0]
+
+
+def test_moe_engines_share_the_spare_device_memory_of_an_auto_gpu_tier():
+    """On a GPU job, an auto gpu tier holds what the training's own peak leaves beyond the margin: the
+    dense engine takes its share first, the experts' engine what is left; nothing more."""
+    flags = [f for f in MOE_PLAN if f != "cpu"] + ["--offload-tiers", "gpu,host", "--offload-gpu-cache-gb", "auto",
+                                                    "--offload-subgroup-size", "2000"]
+    flags[flags.index("--device") + 1:flags.index("--device") + 1] = ["cuda"]
+    margin, memory = 4 * 2**30, 4 * 2**30 + int(3.5 * 2**30) + 4_000_000  # ~1.4 MB spare: part of the 1.7 MB of state
+    got = plan_json("--gpus-per-node", "2", "--gpu-tflops", "100", "--adam-gelems", "1", "--convert-gelems", "1",
+                    "--gpu-memory-gb", str(memory / 2**30), *flags)
+    gpu = got["gpu_bytes_per_rank"]
+    spare = memory - sum(v for k, v in gpu.items() if k != "optimizer_state_gpu_tier") - margin
+    engines = got["engines"]
+    held = {k: e["tier_bytes_per_rank"]["gpu"] for k, e in engines.items()}
+    slot = {k: e["optimizer_state_bytes_per_rank"] / e["subgroups"] for k, e in engines.items()}
+    assert 0 < held["dense"] <= spare and 0 < held["experts"] and held["dense"] + held["experts"] <= spare
+    assert engines["experts"]["placement"]["host"] > 0  # the spare holds only part of the state
+    assert spare - held["dense"] - held["experts"] < 2 * max(slot.values())  # no whole subgroup left out
+    assert gpu["optimizer_state_gpu_tier"] == held["dense"] + held["experts"]

@@ -12,7 +12,8 @@ from hypothesis import given, settings, strategies as st
 
 from mlp_offload import OffloadConfig, OffloadedAdamW
 from mlp_offload.plan.placement import CPU, DEVICE
-from mlp_offload.plan.split import SideRates, UpdateSplit, choose_split, sides_for
+from mlp_offload.plan.placement import UpdateRates
+from mlp_offload.plan.split import SideRates, UpdateSplit, choose_split, settled_sides, sides_for
 from mlp_offload.telemetry import StepRecord
 from tests.profiles import examples
 
@@ -62,6 +63,30 @@ def test_choice_is_the_best_of_every_subset(case):
     # rel=1e-9 in these tests: equal splits priced by sums of float seconds in different orders
     assert got == pytest.approx(best, rel=1e-9)
     assert choice.seconds[choice.count] == pytest.approx(got, rel=1e-9)
+
+
+@settings(max_examples=examples(200))
+@given(case=cases(equal_sizes=True), beside=st.booleans())
+def test_the_planned_split_is_the_best_the_steps_can_reach(case, beside):
+    """The planner's steady split (settled_sides): with side-by-side rates, as fast as the best of all
+    2^n assignments (brute force here); without them, the better single side, priced alone."""
+    sizes, resident, r, _, _ = case
+    n = len(sizes)
+    tier_of = ["gpu"] * (1 if resident else 0) + ["host"] * n
+    numels = [resident] * (1 if resident else 0) + sizes
+    rates = UpdateRates(r.cpu_alone, r.resident, r.streamed_alone, r.cpu_beside if beside else None,
+                        r.streamed_beside if beside else None)
+    sides = settled_sides(numels, tier_of, rates)
+    flags = [side == CPU for side, t in zip(sides, tier_of) if t == "host"]
+    assert all(side == DEVICE for side, t in zip(sides, tier_of) if t == "gpu")
+    priced = r if beside else SideRates(r.cpu_alone, r.cpu_alone, r.streamed_alone, r.streamed_alone, r.resident)
+    got = reference_time(flags, sizes, resident, priced, overlap=True)
+    if beside:
+        options = itertools.product([False, True], repeat=n)
+    else:
+        options = [[False] * n, [True] * n]
+    best = min(reference_time(list(f), sizes, resident, priced, overlap=True) for f in options)
+    assert got == pytest.approx(best, rel=1e-9)
 
 
 @settings(max_examples=examples(300))

@@ -12,13 +12,14 @@ in Large Transformer Models", 2022); everything else is counted.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-from mlp_offload import PlacementError, TierBandwidth
+from mlp_offload import PlacementError, TierBandwidth, UpdateRates, streamed_elems_per_s
 from mlp_offload import EnginePlan, plan_engine
-from mlp_offload import STATE_TENSORS, FP32_BYTES
+from mlp_offload import STATE_TENSORS, FP32_BYTES, GPU_TIER
 from mlp_offload import HostMemoryError, check_host_memory
 from mlp_offload import GB, GiB
 
@@ -29,8 +30,24 @@ from megatron.training.model.sizes import StageParams, active_params, model_para
 from megatron.training.offload.shard_budgets import config_for_kind
 from megatron.training.errors import in_flags
 
-CUDA_RESERVE_BYTES = 2 * GiB  # CUDA context, cuBLAS workspaces, allocator fragmentation
+# CUDA context, cuBLAS workspaces, kernels: device memory torch's allocator cannot reach. On an H200
+# (140.4 GiB) it could reach 136.4-136.9 GiB (free + reserved; the gpu tier auto lines of
+# docs/results/gpu_2026-11-26/call5_20b.log, call6_10b_bf16_onepass.log, call7_10b_lossless_onepass.log).
+CUDA_RESERVE_BYTES = int(3.5 * GiB)
 HOST_SHARE = 0.8  # of a node's memory, what optimizer state may take (the rest: OS, data loaders, pinning)
+
+
+@dataclass
+class DeviceRates:
+    """How fast a GPU updates optimizer state, as the engine's start-up line gives it (elements/s),
+    and the host links its streamed update shares (``mlp_offload``'s ``streamed_elems_per_s``)."""
+
+    resident_elems_per_s: float  # state held in device memory (the gpu tier)
+    link_bps: float  # one GPU's host link, both directions together
+    node_host_bps: Optional[float] = None  # the node's host memory bandwidth, all its GPUs' streams together
+    streamed_elems_per_s: Optional[float] = None  # host state streamed through one GPU alone, measured
+    cpu_beside_elems_per_s: Optional[float] = None  # CPU Adam while the device streams (measured side by side)
+    streamed_beside_elems_per_s: Optional[float] = None  # the device's stream while the CPU updates
 
 
 @dataclass
@@ -40,6 +57,7 @@ class Machine:
     gpu_memory_bytes: int
     host_memory_bytes: int
     gpu_tflops: float  # sustained bf16 TFLOP/s per GPU for this model (from a short run's log)
+    device_rates: Optional[DeviceRates] = None  # None: no update on the device is planned
 
     @property
     def world(self) -> int:
@@ -65,12 +83,16 @@ class Plan:
     host_cache_gb: Optional[float] = None  # what --offload-host-cache-gb the plan used (given or chosen)
     params_active: int = 0  # of params_total, those one token uses (top-k routed experts)
     shard_numels: Dict[str, int] = field(default_factory=dict)  # per distributed optimizer
+    tier_rates: Dict[str, TierBandwidth] = field(default_factory=dict)  # each file tier's, as planned with
 
     def placement_counts(self, kind: Optional[str] = None) -> Dict[str, int]:
         """Subgroups per tier, as the engine logs them at start-up (host first, then the file tiers),
         of one engine or summed over both."""
         engines = [self.engines[kind]] if kind else list(self.engines.values())
-        return {t: sum(len(e.placement.subgroups_on(t)) for e in engines) for t in ["host", *self.tier_bytes_per_node]}
+        tiers = ["host", *self.tier_bytes_per_node]
+        if any(e.placement.subgroups_on(GPU_TIER) for e in engines) or "optimizer_state_gpu_tier" in self.gpu_bytes:
+            tiers.insert(0, GPU_TIER)
+        return {t: sum(len(e.placement.subgroups_on(t)) for e in engines) for t in tiers}
 
     def engine_json(self, kind: str) -> dict:
         e = self.engines[kind]
@@ -141,12 +163,46 @@ def microbatches_in_flight(pp: int, vp: Optional[int], microbatches: int) -> int
     return math.ceil((1 + (pp - 1) / (pp * vp)) * pp)
 
 
+def backward_workspace_bytes(args, cfg) -> int:
+    """What the backward of one layer and of the loss hold beside the stored activations, with
+    megatron-core's local attention (scores materialized): the softmax in fp32 and the gradients of
+    scores and probabilities (12 bytes per score), and the logits' fp32 softmax and gradient. With
+    the stored counts above it matched the peaks in use of the 10.24 B and 20.68 B runs on one H200
+    within 3% (tests/unit/test_plan_replay.py)."""
+    s, b, a = args.seq_length, args.micro_batch_size, cfg.num_attention_heads
+    t = cfg.tensor_model_parallel_size
+    scores = 12 * a * s * s * b / t
+    logits = 2 * s * b * args.padded_vocab_size / t * FP32_BYTES
+    return int(scores + logits)
+
+
+def gradient_itemsize(args) -> int:
+    """Bytes per element of megatron-core's gradient buffer, as ``training.build_model`` configures its
+    DDP: fp32 (main_grad) unless the grads are reduced in 16 bits (fp16, or bf16 with --grad-reduce-in-bf16)."""
+    return 2 if args.fp16 or (args.bf16 and getattr(args, "grad_reduce_in_bf16", False)) else 4
+
+
+def update_rates_for(offload_config, machine: Machine, adam_elems_per_s: float,
+                     convert_elems_per_s: float) -> Optional[UpdateRates]:
+    """The engine's update rates on one of the machine's GPUs for this state: the streamed rate
+    bounded by the GPU's link and its share of the node's host bandwidth (the node's ranks stream
+    at once), the side-by-side rates scaled alike. None without device rates (no device update)."""
+    d = machine.device_rates
+    if d is None:
+        return None
+    state_bytes = sum(offload_config.state_itemsizes)
+    alone = streamed_elems_per_s(state_bytes, d.link_bps, 1, None, d.streamed_elems_per_s)
+    streamed = streamed_elems_per_s(state_bytes, d.link_bps, machine.gpus_per_node, d.node_host_bps,
+                                    d.streamed_elems_per_s)
+    beside = d.streamed_beside_elems_per_s and d.streamed_beside_elems_per_s * streamed / alone
+    return UpdateRates(1 / (1 / adam_elems_per_s + 1 / convert_elems_per_s), device_resident=d.resident_elems_per_s,
+                       device_streamed=streamed, cpu_shared=d.cpu_beside_elems_per_s, streamed_shared=beside)
+
+
 def host_grad_itemsize(args) -> Optional[int]:
     """Bytes per gradient element in the engine's host buffer on a CPU run (as build_model's DDP
     keeps them: bf16 reduced in fp32 unless --grad-reduce-in-bf16); None on a GPU."""
-    if getattr(args, "device", None) != "cpu":
-        return None
-    return 2 if args.fp16 or (args.bf16 and args.grad_reduce_in_bf16) else 4
+    return gradient_itemsize(args) if getattr(args, "device", None) == "cpu" else None
 
 
 def suggested_host_cache_gb(machine: Machine, ranks_per_node: int, subgroup_size: int) -> float:
@@ -181,23 +237,43 @@ def rank_shards(stages: List[StageParams], cfg, world: int) -> RankShards:
     return RankShards(stage.params, shards(stage))
 
 
+def gpu_tier_hint(gpu: Dict[str, int], machine: Machine, offload_config) -> str:
+    """Where a fixed gpu tier is what overflows the GPU: the size that fits, or auto."""
+    tier = gpu.get("optimizer_state_gpu_tier", 0)
+    if not tier or offload_config is None or offload_config.gpu_budget_auto:
+        return ""
+    fits = (machine.gpu_memory_bytes - (sum(gpu.values()) - tier)) / GiB
+    if fits <= 0:
+        return ""
+    return f"; --offload-gpu-cache-gb {fits:.1f} fits (or auto)"
+
+
 def plan_engines(args, machine: Machine, offload_config, ranks: RankShards, rates: Dict[str, TierBandwidth],
                  capacity_bytes: Dict[str, int], adam_elems_per_s: float, convert_elems_per_s: float,
-                 problems: List[str]) -> Dict[str, EnginePlan]:
+                 problems: List[str], gpu_spare_bytes: int = 0,
+                 at_start: Optional[Dict[str, EnginePlan]] = None) -> Dict[str, EnginePlan]:
     """One engine per distributed optimizer, as the training builds them (``shard_budgets``); the
-    experts' engine gets the file tiers' space the dense one leaves."""
+    experts' engine gets the file tiers' space the dense one leaves, and with an auto gpu tier the
+    spare device memory (``gpu_spare_bytes``) the dense one leaves. ``at_start`` is filled with each
+    engine as it starts: an auto gpu tier starts empty, so host memory and disk hold more then."""
     engines: Dict[str, EnginePlan] = {}
+    at_start = {} if at_start is None else at_start
     space = dict(capacity_bytes)
+    update_rates = update_rates_for(offload_config, machine, adam_elems_per_s, convert_elems_per_s)
     for kind, shard in ranks.shards.items():
         config = config_for_kind(offload_config, kind, ranks.shards)
+        plan = functools.partial(plan_engine, shard, config, rates, space, adam_elems_per_s, convert_elems_per_s,
+                                 machine.gpus_per_node, host_grad_itemsize(args), update_rates)
         try:
-            engines[kind] = plan_engine(shard, config, rates, space, adam_elems_per_s, convert_elems_per_s,
-                                        machine.gpus_per_node, host_grad_itemsize(args))
+            at_start[kind] = plan()
+            engines[kind] = plan(gpu_spare_bytes) if config.gpu_budget_auto else at_start[kind]
         except PlacementError as err:
             problems.append(in_flags(str(err)))
             break
-        for t in offload_config.file_tiers:
-            space[t] = max(0, space[t] - machine.gpus_per_node * engines[kind].stored_bytes[t])
+        gpu_spare_bytes = max(0, gpu_spare_bytes - engines[kind].stored_bytes.get(GPU_TIER, 0))
+        for t in offload_config.file_tiers:  # what the engine holds there at start-up, or later if more
+            held = max(engines[kind].stored_bytes[t], at_start[kind].stored_bytes[t])
+            space[t] = max(0, space[t] - machine.gpus_per_node * held)
     return engines
 
 
@@ -218,8 +294,9 @@ def make_plan(args, cfg, machine: Machine, offload_config, rates: Dict[str, Tier
     microbatches = args.global_batch_size // (args.micro_batch_size * dp)
 
     gpu = {"parameters": per_rank * param_bytes,
-           "gradients": per_rank * (2 if args.fp16 else 4),  # bf16 gradients are reduced in fp32
+           "gradients": per_rank * gradient_itemsize(args),
            "activations": activation_bytes(args, cfg, microbatches_in_flight(pp, vp, microbatches)),
+           "backward_workspace": backward_workspace_bytes(args, cfg),
            "cuda_reserve": CUDA_RESERVE_BYTES}
     engines: Dict[str, EnginePlan] = {}
     tiers_per_node: Dict[str, int] = {}
@@ -229,14 +306,21 @@ def make_plan(args, cfg, machine: Machine, offload_config, rates: Dict[str, Tier
         state = (len(STATE_TENSORS) - (0 if args.bf16 or args.fp16 else 1)) * FP32_BYTES
         gpu["optimizer_state"] = (shard if args.use_distributed_optimizer else per_rank) * state
     else:
-        engines = plan_engines(args, machine, offload_config, ranks, rates, capacity_bytes, adam_elems_per_s,
-                               convert_elems_per_s, problems)
         # fp32 gradient staging and the update's copy-back, one per engine
         gpu["offload_staging"] = sum(3 * min(n, offload_config.subgroup_size) * FP32_BYTES
                                      for n in ranks.shards.values())
+        # The auto gpu tier fills what the training's own peak leaves beyond the margin, as its steps find it.
+        spare = max(0, machine.gpu_memory_bytes - sum(gpu.values()) - offload_config.gpu_margin_bytes)
+        at_start: Dict[str, EnginePlan] = {}
+        engines = plan_engines(args, machine, offload_config, ranks, rates, capacity_bytes, adam_elems_per_s,
+                               convert_elems_per_s, problems, spare, at_start)
+        if GPU_TIER in offload_config.tiers:
+            gpu["optimizer_state_gpu_tier"] = sum(e.stored_bytes.get(GPU_TIER, 0) for e in engines.values())
         if len(engines) == len(ranks.shards):
-            cache = sum(e.placement.host_state_bytes for e in engines.values())
-            staging = sum(e.host_bytes for e in engines.values()) - cache
+            # Pinned at start-up, before an auto gpu tier takes any of it: the start-up's host state counts.
+            cache = sum(max(e.placement.host_state_bytes, at_start[k].placement.host_state_bytes)
+                        for k, e in engines.items())
+            staging = sum(e.host_bytes - e.placement.host_state_bytes for e in engines.values())
             host_per_node["optimizer_state"] = machine.gpus_per_node * cache
             host_per_node["gradient_scratch"] = machine.gpus_per_node * staging
             # Every other host consumer the start-up guard counts: the ranks' processes, their workers.
@@ -249,7 +333,8 @@ def make_plan(args, cfg, machine: Machine, offload_config, rates: Dict[str, Tier
                                   (machine.host_memory_bytes, "the node's memory"))
             except HostMemoryError as err:
                 problems.append(in_flags(str(err)))
-            tiers_per_node = {t: machine.gpus_per_node * sum(e.stored_bytes[t] for e in engines.values())
+            tiers_per_node = {t: machine.gpus_per_node * sum(max(e.stored_bytes[t], at_start[k].stored_bytes[t])
+                                                             for k, e in engines.items())
                               for t in offload_config.file_tiers}
         else:
             engines = {}
@@ -257,7 +342,8 @@ def make_plan(args, cfg, machine: Machine, offload_config, rates: Dict[str, Tier
     if gpu_total > machine.gpu_memory_bytes:
         problems.append(f"GPU memory: {gpu_total / GiB:.1f} GiB per rank needed "
                         f"({', '.join(f'{k} {v / GiB:.1f}' for k, v in gpu.items())}), "
-                        f"{machine.gpu_memory_bytes / GiB:.1f} GiB per GPU")
+                        f"{machine.gpu_memory_bytes / GiB:.1f} GiB per GPU"
+                        + gpu_tier_hint(gpu, machine, offload_config))
     host_total = sum(host_per_node.values())
     # The start-up guard's own check (above) decides where the engines were planned: a stricter rule
     # here refused the README's 20.68 B run (103 of 125 GiB), which the guard admits and which trained.
@@ -280,6 +366,7 @@ def make_plan(args, cfg, machine: Machine, offload_config, rates: Dict[str, Tier
     parts = {"compute": compute_s}
     for e in engines.values():
         parts["cpu adam"] = parts.get("cpu adam", 0.0) + e.prediction.adam_s
+        parts["gpu update"] = parts.get("gpu update", 0.0) + e.prediction.device_s
         for t, seconds in e.prediction.tier_s.items():
             parts[f"{t} I/O"] = parts.get(f"{t} I/O", 0.0) + e.prediction.ranks_sharing * seconds
     bottleneck = max(parts, key=parts.get)

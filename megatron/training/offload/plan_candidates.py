@@ -1,0 +1,91 @@
+"""The configurations the planner tries for one global batch size (``tools/plan_offload.py
+--recommend``): recompute granularity, micro-batch size, the gpu tier (auto or none), each as the
+user's flags with those few changed, and the compute time each would take at the TFLOP/s the user
+measured with their own recompute setting."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+RECOMPUTE = {  # name -> the flags that ask for it
+    "full": ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"],
+    "selective": ["--recompute-granularity", "selective"],
+    "none": [],
+}
+_RECOMPUTE_FLAGS = {"--recompute-granularity": 1, "--recompute-method": 1, "--recompute-num-layers": 1,
+                    "--recompute-activations": 0}
+_GPU_TIER_FLAGS = {"--offload-gpu-cache-gb": 1, "--offload-tiers": 1}
+MICRO_BATCH_SIZES = (1, 2, 4, 8)
+
+
+AS_GIVEN = "as given"  # the gpu tier left as the user's flags have it
+
+
+@dataclass(frozen=True)
+class Candidate:
+    recompute: str  # a key of RECOMPUTE
+    micro_batch_size: int
+    gpu_tier: str  # "auto", "none", or AS_GIVEN (no offload, or no tier below the gpu to fall back on)
+
+    def describe(self) -> str:
+        parts = [f"recompute {self.recompute}", f"micro-batch {self.micro_batch_size}"]
+        if self.gpu_tier != AS_GIVEN:
+            parts.append("gpu tier auto" if self.gpu_tier == "auto" else "no gpu tier")
+        return ", ".join(parts)
+
+
+def recompute_work(granularity: Optional[str], method: Optional[str] = None, num_layers: Optional[int] = None,
+                   layers_per_stage: int = 1) -> float:
+    """Device work per iteration relative to no recompute, in forward passes (backward = 2): full
+    recompute runs each recomputed layer's forward again (4 instead of 3; ``block`` only its first
+    ``num_layers`` per stage); selective recomputes only the attention core, counted as nothing here."""
+    if granularity != "full":
+        return 1.0
+    share = 1.0 if method != "block" else min(1.0, (num_layers or 0) / max(1, layers_per_stage))
+    return 1.0 + share / 3.0
+
+
+def without(flags: Sequence[str], names: dict) -> List[str]:
+    """``flags`` less each flag of ``names`` (flag -> how many values follow it), in either form
+    (``--flag value`` or ``--flag=value``)."""
+    out, skip = [], 0
+    for f in flags:
+        if skip:
+            skip -= 1
+            continue
+        name = f.split("=", 1)[0]
+        if name in names:
+            skip = names[name] if "=" not in f else 0
+            continue
+        out.append(f)
+    return out
+
+
+def candidates(micro_batches_per_dp: int, tiers: Optional[Sequence[str]], on_gpu: bool) -> List[Candidate]:
+    """Every recompute setting x micro-batch size dividing the global batch's share of a data-parallel
+    rank x (where the run offloads on a GPU) the gpu tier auto or none."""
+    sizes = [m for m in MICRO_BATCH_SIZES if micro_batches_per_dp % m == 0]
+    below = [t for t in tiers or () if t != "gpu"]
+    tier_options = ["auto", "none"] if below and on_gpu else [AS_GIVEN]
+    return [Candidate(r, m, g) for r in RECOMPUTE for m in sizes for g in tier_options]
+
+
+def own_flags(c: Candidate, tiers: Optional[Sequence[str]]) -> List[str]:
+    """The flags that make the candidate what it is."""
+    out = RECOMPUTE[c.recompute] + ["--micro-batch-size", str(c.micro_batch_size)]
+    if c.gpu_tier != AS_GIVEN:
+        below = [t for t in tiers if t != "gpu"]
+        out += ["--offload-tiers", ",".join((["gpu"] if c.gpu_tier == "auto" else []) + below)]
+        if c.gpu_tier == "auto":
+            out += ["--offload-gpu-cache-gb", "auto"]
+    return out
+
+
+def candidate_flags(flags: Sequence[str], tiers: Optional[Sequence[str]], c: Candidate,
+                    global_batch_size: int) -> List[str]:
+    """The user's flags with the candidate's recompute, micro-batch size and gpu tier in place of theirs,
+    at the run's global batch size (without the flag, it would follow the micro-batch size)."""
+    replaced = {**_RECOMPUTE_FLAGS, "--micro-batch-size": 1, "--global-batch-size": 1,
+                **(_GPU_TIER_FLAGS if c.gpu_tier != AS_GIVEN else {})}
+    return without(flags, replaced) + own_flags(c, tiers) + ["--global-batch-size", str(global_batch_size)]

@@ -1,0 +1,89 @@
+"""The planner's recommendation (tools/plan_offload.py --recommend, offload/plan_candidates.py): every
+candidate planned as if the user had given its flags, the fastest that fits chosen, and a plan that does
+not fit the GPU naming flags that do."""
+
+import contextlib
+import io
+import json
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from megatron.training.offload.plan_candidates import RECOMPUTE, recompute_work, without
+from tests.profiles import examples
+
+from .test_plan_replay import H200_TFLOPS, RUNS, plan, planner
+
+RUN_20B = RUNS["20.68B bf16 moments, one H200"].flags
+NO_RECOMPUTE_20B = RUN_20B.replace("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
+                                   "")
+
+
+@pytest.fixture(scope="module")
+def tool():
+    return planner()
+
+
+def run(tool, flags: str):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = tool.main(["--json", "--convert-gelems", "1000", *flags.split()])
+    return code, json.loads(out.getvalue())
+
+
+names = st.sampled_from(["--a", "--b", "--c", "--flag"])
+
+
+@settings(max_examples=examples(100))
+@given(items=st.lists(st.tuples(names, st.booleans(), st.integers(0, 9)), max_size=8),
+       removed=st.sets(names))
+def test_without_drops_each_named_flag_and_its_value_in_either_form(items, removed):
+    """Flags built here as (name, '=' form?, value): the kept ones come back in order, whole."""
+    flags, kept = [], []
+    for name, joined, value in items:
+        given_as = [f"{name}={value}"] if joined else [name, str(value)]
+        flags += given_as
+        if name not in removed:
+            kept += given_as
+    assert without(flags, {name: 1 for name in removed}) == kept
+
+
+def test_recompute_work_counts_forward_passes():
+    """Backward = 2 forwards: full recompute does 4 of 3; block recompute of n of L layers 3 + n/L."""
+    assert recompute_work("full", "uniform", 1, 52) == pytest.approx(4 / 3)
+    assert recompute_work("full", "block", 13, 52) == pytest.approx((3 + 13 / 52) / 3)
+    assert recompute_work("selective") == recompute_work(None) == 1.0
+
+
+def test_every_candidate_is_planned_as_its_own_flags_and_the_fastest_fitting_is_chosen(tool):
+    code, got = run(tool, f"--recommend --gpu-tflops {H200_TFLOPS} {RUN_20B}")
+    advice = got["recommendation"]
+    rows = advice["candidates"]
+    # Global batch 1 on one GPU: micro-batch 1 only; three recompute settings x gpu tier auto or none.
+    assert len(rows) == len(RECOMPUTE) * 2
+    fitting = [r for r in rows if r["fits"]]
+    fastest = max(r["tokens_per_s"] for r in fitting)
+    assert advice["chosen"]["tokens_per_s"] == fastest  # ties: the fewest flags changed
+    assert advice["chosen"]["changed"] == min(r["changed"] for r in fitting if r["tokens_per_s"] == fastest)
+    base = without(NO_RECOMPUTE_20B.split(), {"--offload-gpu-cache-gb": 1})  # later flags replace earlier ones
+    for row in fitting:  # each row is the plan of its own flags (at its recompute's scaled TFLOP/s)
+        recompute = row["candidate"].split(",")[0].split()[1]
+        tflops = H200_TFLOPS * (4 / 3) / recompute_work(recompute)  # the replay's TFLOP/s was measured with full
+        alone = plan(tool, " ".join(base + row["changes"]), tflops=tflops)
+        assert alone["tokens_per_s"]["1"] == pytest.approx(row["tokens_per_s"], rel=1e-9)
+    # The run as recorded is among the candidates, with the figures of the plain plan.
+    as_run = next(r for r in rows if r["candidate"] == "recompute full, micro-batch 1, gpu tier auto")
+    assert as_run["tokens_per_s"] == pytest.approx(got["tokens_per_s"]["1"], rel=1e-9)
+    assert advice["chosen"]["tokens_per_s"] >= as_run["tokens_per_s"]
+
+
+def test_a_run_that_overflows_the_gpu_names_flags_that_fit(tool):
+    """Without recompute the 20.68 B run's activations overflow the H200: DOES NOT FIT names the flags of
+    the fastest candidate that fits, and the plan of those flags fits."""
+    code, got = run(tool, NO_RECOMPUTE_20B)
+    assert code == 1 and not got["fits"]
+    hint = next(p for p in got["problems"] if p.startswith("fits with "))
+    changes = hint[len("fits with "):].split(":")[0]
+    assert "--recompute-granularity" in changes
+    code, fixed = run(tool, f"{NO_RECOMPUTE_20B} {changes}")
+    assert code == 0 and fixed["fits"], fixed["problems"]

@@ -1,0 +1,203 @@
+"""tools/plan_offload.py replaying recorded GPU runs: each run's own flags (from the script that ran it)
+and the machine's rates as that run's log printed them (disk probe, CPU Adam, the device's resident,
+streamed and side-by-side rates) go in; the planned update, iteration, gpu tier and device peak are
+held against what the same log measured. Nothing is probed: the plan is arithmetic on those figures.
+
+Compute time comes from the FLOP model (Megatron-LM's count, as the tool prints it) at ONE measured
+TFLOP/s for the H200 with these flags: H200_TFLOPS, taken from the 10.24 B bf16-moments run
+(call6) as its FLOPs over its iteration less its update. The other runs' compute is a prediction
+from it, not their own measurement. Every figure below is copied from the log named beside it.
+"""
+
+import contextlib
+import importlib.util
+import io
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import List, Optional
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+RESULTS = REPO / "docs" / "results"
+GiB = 2**30
+
+# docs/results/gpu_2026-11-26/call6_10b_bf16_onepass.log: iterations 3-5 took 0.6996-0.7043 s, of which
+# the update 0.1094-0.1095 s; the plan counts 1.284 s of compute at 100 TFLOP/s for that model and batch:
+# 100 * 1.284 / (0.7016 - 0.1094), their means.
+H200_TFLOPS = 216.7
+TOLERANCE = 0.15  # the issue's bar for the recorded runs: the iteration and update within 15%
+
+LLAMA = ("--swiglu --normalization RMSNorm --position-embedding-type rope --untie-embeddings-and-output-weights "
+         "--disable-bias-linear --hidden-dropout 0 --attention-dropout 0 --vocab-size 32000 --micro-batch-size 1 "
+         "--bf16 --recompute-granularity full --recompute-method uniform --recompute-num-layers 1 --device cuda "
+         "--offload-subgroup-size 100000000")
+BF16_MOMENTS = "--use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16"
+# benchmarks/experiments/gpu_update.sh (BIG) and largest_model.sh, one H200 (140.4 GiB, 125 GiB host)
+LLAMA_10B = ("--num-layers 36 --hidden-size 5120 --ffn-hidden-size 13824 --num-attention-heads 40 "
+             "--group-query-attention --num-query-groups 8 --seq-length 2048 --max-position-embeddings 2048 "
+             "--global-batch-size 1 --offload-tiers gpu,host,nvme --offload-gpu-cache-gb auto "
+             "--offload-host-cache-gb 74 --offload-nvme-path /nonexistent --offload-io-threads 8")
+LLAMA_20B = ("--num-layers 52 --hidden-size 6144 --ffn-hidden-size 16384 --num-attention-heads 48 "
+             "--group-query-attention --num-query-groups 8 --seq-length 2048 --max-position-embeddings 2048 "
+             "--global-batch-size 1 --grad-reduce-in-bf16 --offload-tiers gpu,host,nvme --offload-gpu-cache-gb auto "
+             "--offload-host-cache-gb 97 --offload-nvme-path /nonexistent --offload-io-threads 8")
+# benchmarks/experiments/tp2pp2_parity.sh, four H200s of one node (503 GiB host)
+LLAMA_13B_TP2PP2 = ("--num-layers 40 --hidden-size 5120 --ffn-hidden-size 13824 --num-attention-heads 40 "
+                    "--seq-length 2048 --max-position-embeddings 2048 --global-batch-size 8 "
+                    "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --no-store-param-remainders")
+# benchmarks/peers.py's command for system b (in the run's compare_offload json), one H200
+LLAMA_3B_DISK = ("--num-layers 28 --hidden-size 3072 --ffn-hidden-size 8192 --num-attention-heads 24 "
+                 "--group-query-attention --num-query-groups 8 --seq-length 2048 --max-position-embeddings 2048 "
+                 "--global-batch-size 1 --use-distributed-optimizer --offload-tiers host,nvme "
+                 "--offload-host-cache-gb 5.96 --offload-nvme-path /nonexistent --offload-io-threads 8 "
+                 "--no-store-param-remainders")  # 2026-11-23: before remainders, the fp32 master (12 B/param)
+ONE_H200 = "--gpus-per-node 1 --gpu-memory-gb 140.4 --host-memory-gb 125 --offload-nvme-capacity-gb 60"
+FOUR_H200 = "--gpus-per-node 4 --gpu-memory-gb 140.4 --host-memory-gb 503"
+
+
+@dataclass
+class Recorded:
+    log: str  # under docs/results/
+    quotes: List[str]  # the log's own text for the rates given below (checked to be there)
+    flags: str  # the run's flags and the machine's rates from its start-up line
+    update_s: float  # steady update, measured (mean of the steady iterations' figures)
+    iteration_s: float  # steady iteration, measured
+    gpu_subgroups: Optional[int] = None  # where the gpu tier (auto) settled: the log's last "holds N"
+    peak_in_use_gib: Optional[float] = None  # the training's own device peak: peak in use less the gpu tier
+    notes: List[str] = field(default_factory=list)
+
+
+RUNS = {
+    # iterations 4-6: 2.6110, 2.6117, 2.6094 s, update 1.5203, 1.5198, 1.5200 s; last auto line: peak 131.84 GiB, holds 86 (47.93 GiB)
+    "20.68B bf16 moments, one H200": Recorded(
+        "gpu_2026-11-26/call5_20b.log",
+        ["read 2.42 GB/s, write 2.71 GB/s", "adam 4.54 Gelem/s", "adam 104.30 Gelem/s resident, 8.37 streamed",
+         "(beside the CPU: streamed 7.39, cpu 0.14)", "peak 131.84 GiB", "the gpu tier holds 86 (47.93 GiB)"],
+        f"{ONE_H200} --offload-bandwidths nvme=2.42:2.71 --adam-gelems 4.54 --gpu-adam-gelems 104.30 "
+        f"--gpu-streamed-gelems 8.37 --gpu-streamed-beside-gelems 7.39 --cpu-beside-gelems 0.14 "
+        f"{LLAMA} {BF16_MOMENTS} {LLAMA_20B}",
+        update_s=1.520, iteration_s=2.6107, gpu_subgroups=86, peak_in_use_gib=131.84 - 47.93),
+    # iterations 3-5: 0.6996, 0.7043, 0.7010 s, update 0.1094-0.1095 s; auto: peak 119.98 GiB with 101 (56.44 GiB)
+    "10.24B bf16 moments, one H200": Recorded(
+        "gpu_2026-11-26/call6_10b_bf16_onepass.log",
+        ["read 1.90 GB/s, write 1.95 GB/s", "adam 3.50 Gelem/s", "adam 104.70 Gelem/s resident, 7.97 streamed",
+         "(beside the CPU: streamed 7.15, cpu 0.25)", "peak 119.98 GiB", "the gpu tier holds 101 (56.44 GiB)",
+         "the gpu tier holds 103 (57.21 GiB)"],
+        f"{ONE_H200} --offload-bandwidths nvme=1.90:1.95 --adam-gelems 3.50 --gpu-adam-gelems 104.70 "
+        f"--gpu-streamed-gelems 7.97 --gpu-streamed-beside-gelems 7.15 --cpu-beside-gelems 0.25 "
+        f"{LLAMA} {BF16_MOMENTS} {LLAMA_10B}",
+        update_s=0.1094, iteration_s=0.7016, gpu_subgroups=103, peak_in_use_gib=119.98 - 56.44),
+    # iterations 3-5: 1.2537, 1.2255, 1.2306 s, update 0.6626, 0.6333, 0.6331 s; auto: peak 119.60 with 60 (55.29 GiB)
+    "10.24B lossless, one H200": Recorded(
+        "gpu_2026-11-26/call7_10b_lossless_onepass.log",
+        ["read 1.67 GB/s, write 1.78 GB/s", "adam 3.55 Gelem/s", "adam 87.00 Gelem/s resident, 5.00 streamed",
+         "(beside the CPU: streamed 4.46, cpu 0.10)", "peak 119.60 GiB", "the gpu tier holds 60 (55.29 GiB)",
+         "the gpu tier holds 73 (67.40 GiB)"],
+        f"{ONE_H200} --offload-bandwidths nvme=1.67:1.78 --adam-gelems 3.55 --gpu-adam-gelems 87.00 "
+        f"--gpu-streamed-gelems 5.00 --gpu-streamed-beside-gelems 4.46 --cpu-beside-gelems 0.10 {LLAMA} {LLAMA_10B}",
+        update_s=0.643, iteration_s=1.237, gpu_subgroups=73, peak_in_use_gib=119.60 - 55.29),
+    # run 2 of the log, iterations 2-5: 1.7985, 1.7838, 1.7867, 1.7749 s, update 39.8-39.9 ms
+    "13.0B TP2xPP2 gpu tier, four H200s": Recorded(
+        "gpu_2026-11-26/call8_x4_tp2pp2.log",
+        ["placement {'gpu': 33, 'host': 0}", "adam 4.62 Gelem/s", "adam 85.71 Gelem/s resident, 5.46 streamed"],
+        f"{FOUR_H200} --adam-gelems 4.62 --gpu-adam-gelems 85.71 --gpu-streamed-gelems 5.46 {LLAMA} "
+        f"{LLAMA_13B_TP2PP2} --offload-tiers gpu,host --offload-gpu-cache-gb 40 --offload-update cpu",
+        update_s=0.0399, iteration_s=1.786, gpu_subgroups=33),
+    # run 3 of the log, iterations 2-5: 3.4661, 3.3904, 3.4226, 3.4290 s, update 1.6843, 1.6587, 1.6837, 1.6960 s.
+    # Not a check of the node's shared host bandwidth: the planner's default for it (186 GB/s) was taken from
+    # this very run (four ranks streaming at once at 1.94 G elements/s each, 12 B/element in and out).
+    "13.0B TP2xPP2 host state streamed, four H200s": Recorded(
+        "gpu_2026-11-26/call8_x4_tp2pp2.log",
+        ["placement {'host': 33}", "adam 4.24 Gelem/s", "adam 85.75 Gelem/s resident, 4.08 streamed"],
+        f"{FOUR_H200} --adam-gelems 4.24 --gpu-adam-gelems 85.75 --gpu-streamed-gelems 4.08 {LLAMA} "
+        f"{LLAMA_13B_TP2PP2} --offload-tiers host --offload-update gpu",
+        update_s=1.681, iteration_s=3.427),
+    # iterations 2-3: 26.30, 26.64 s, update 26.04, 26.39 s. The disk's rates are the call's own floor probe
+    # (read, then write, 2 GiB O_DIRECT), not the engine's probe, whose figures this log did not keep; the
+    # prediction counts reads and writes one after the other (14% over here; the 2026-11-24 call's floor
+    # figures, read 1.48 write 1.61, give 27% over: this disk's speed moved from call to call).
+    "3.0B host 5.96 GiB + disk, vs DeepSpeed, one H200": Recorded(
+        "compare_3b_h200_2026-11-23.log",
+        ["floor: disk read 2.20 write 2.07 GB/s", "fused AdamW 4.90 G params/s",
+         "iteration 26.47 s, fwd+bwd 0.25 s, update 26.21 s"],
+        f"{ONE_H200} --offload-bandwidths nvme=2.20:2.07 --adam-gelems 4.90 {LLAMA} {LLAMA_3B_DISK}",
+        update_s=26.21, iteration_s=26.47),
+}
+
+
+def planner():
+    spec = importlib.util.spec_from_file_location("plan_offload_tool", REPO / "tools" / "plan_offload.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool
+
+
+@pytest.fixture(scope="module")
+def tool():
+    return planner()
+
+
+def plan(tool, flags: str, tflops: float = H200_TFLOPS) -> dict:
+    out = io.StringIO()
+    # The CPU's gradient conversion rate is not in these logs: taken as free (no run here gives the CPU a
+    # share of the steady update).
+    with contextlib.redirect_stdout(out):
+        tool.main(["--json", "--gpu-tflops", str(tflops), "--convert-gelems", "1000", *flags.split()])
+    return json.loads(out.getvalue())
+
+
+def training_peak(got: dict) -> int:
+    """The planned device peak of the training itself: what the engine's auto mode sees beside its tier."""
+    gpu = got["gpu_bytes_per_rank"]
+    return sum(v for k, v in gpu.items() if k not in ("cuda_reserve", "optimizer_state_gpu_tier"))
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_the_plan_replays_a_recorded_run(tool, name):
+    run = RUNS[name]
+    text = (RESULTS / run.log).read_text()
+    missing = [q for q in run.quotes if q not in text]
+    assert not missing, f"{run.log} no longer says {missing}"
+    got = plan(tool, run.flags)
+    assert got["fits"], got["problems"]  # each of these runs trained
+    assert got["predicted_update_s"] == pytest.approx(run.update_s, rel=TOLERANCE)
+    assert got["predicted_iteration_s"] == pytest.approx(run.iteration_s, rel=TOLERANCE)
+    if run.gpu_subgroups is not None:
+        # The auto tier's size from the estimated peak; the engine's own steps settled within 3 subgroups of it.
+        assert abs(got["placement"]["gpu"] - run.gpu_subgroups) <= 3, got["placement"]
+    if run.peak_in_use_gib is not None:
+        # Activations and the backward's workspace are estimates; the measured peak varies with the allocator.
+        assert training_peak(got) / GiB == pytest.approx(run.peak_in_use_gib, rel=0.03)
+
+
+def test_the_measured_tflops_is_the_calibration_runs():
+    """H200_TFLOPS reproduces call6's compute (its iteration less its update), the one run it came from."""
+    got = plan(planner(), RUNS["10.24B bf16 moments, one H200"].flags, tflops=100)
+    assert 100 * got["predicted_compute_s"] / (0.7016 - 0.1094) == pytest.approx(H200_TFLOPS, rel=0.005)
+
+
+def test_grads_reduced_in_bf16_take_two_bytes(tool):
+    """megatron-core's gradient buffer is fp32 (main_grad) unless --grad-reduce-in-bf16 makes it bf16."""
+    flags = RUNS["20.68B bf16 moments, one H200"].flags
+    bf16 = plan(tool, flags)
+    fp32 = plan(tool, flags.replace("--grad-reduce-in-bf16", ""))
+    assert bf16["gpu_bytes_per_rank"]["gradients"] == 2 * bf16["params_per_rank"]
+    assert fp32["gpu_bytes_per_rank"]["gradients"] == 4 * fp32["params_per_rank"]
+
+
+def test_a_fixed_gpu_tier_too_large_names_a_size_that_fits(tool):
+    """DOES NOT FIT names --offload-gpu-cache-gb and a size; planned again with that size, it fits."""
+    flags = RUNS["20.68B bf16 moments, one H200"].flags.replace("--offload-gpu-cache-gb auto",
+                                                                "--offload-gpu-cache-gb 80")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = tool.main(["--json", "--convert-gelems", "1000", *flags.split()])
+    refused = json.loads(out.getvalue())
+    assert code == 1 and not refused["fits"]
+    hint = next(p for p in refused["problems"] if "--offload-gpu-cache-gb" in p)
+    size = float(hint.split("--offload-gpu-cache-gb ")[1].split()[0])
+    assert 0 < size < 80
+    fixed = plan(tool, flags.replace("--offload-gpu-cache-gb 80", f"--offload-gpu-cache-gb {size}"))
+    assert fixed["fits"], fixed["problems"]
