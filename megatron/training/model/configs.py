@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from megatron.core.optimizer import OptimizerConfig
-from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
 from megatron.training.model import precision_aware
 
@@ -29,7 +29,9 @@ def transformer_config(args) -> TransformerConfig:
     from megatron.core.transformer.enums import AttnBackend
 
     dtype = params_dtype(args)
-    return TransformerConfig(
+    mla = getattr(args, "multi_latent_attention", False)
+    config_class = MLATransformerConfig if mla else TransformerConfig
+    return config_class(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size,
@@ -78,7 +80,39 @@ def transformer_config(args) -> TransformerConfig:
         deallocate_pipeline_outputs=not _sends_run_behind(args),
         qk_layernorm=args.qk_layernorm,
         **moe_fields(args),
+        **rope_bias_norm_fields(args),
+        **(mla_fields(args) if mla else {}),
     )
+
+
+def rope_bias_norm_fields(args) -> dict:
+    """The RoPE variant, QKV bias and norm epsilon flags (Megatron-LM's defaults for a Namespace
+    parsed before they existed)."""
+    return dict(
+        add_qkv_bias=getattr(args, "add_qkv_bias", not args.disable_bias_linear),
+        layernorm_epsilon=getattr(args, "norm_epsilon", 1e-5),
+        rotary_interleaved=getattr(args, "rotary_interleaved", False),
+        no_rope_freq=getattr(args, "no_rope_freq", None),
+    )
+
+
+def mla_fields(args) -> dict:
+    """MLATransformerConfig's fields from the --multi-latent-attention flags (args.mla)."""
+    fields = dict(
+        q_lora_rank=args.q_lora_rank,
+        kv_lora_rank=args.kv_lora_rank,
+        qk_head_dim=args.qk_head_dim,
+        qk_pos_emb_head_dim=args.qk_pos_emb_head_dim,
+        v_head_dim=args.v_head_dim,
+        rotary_base=args.rotary_base,
+        rotary_percent=args.rotary_percent,
+        rotary_scaling_factor=args.rotary_scaling_factor,
+        mscale=args.mscale,
+        mscale_all_dim=args.mscale_all_dim,
+    )
+    if args.rope_type is not None:  # else MLATransformerConfig's default (yarn), as Megatron-LM
+        fields["rope_type"] = args.rope_type
+    return fields
 
 
 def moe_fields(args) -> dict:
