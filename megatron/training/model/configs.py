@@ -61,6 +61,7 @@ def transformer_config(args) -> TransformerConfig:
         recompute_method=args.recompute_method if args.recompute_granularity == "full" else None,
         recompute_num_layers=args.recompute_num_layers if args.recompute_granularity == "full" else None,
         attention_backend=AttnBackend[args.attention_backend],
+        transformer_impl=args.transformer_impl,  # as Megatron-LM; the parameter counts read it (MLA's layout)
         bias_activation_fusion=args.bias_activation_fusion,
         bias_dropout_fusion=args.bias_dropout_fusion,
         calculate_per_token_loss=args.calculate_per_token_loss,
