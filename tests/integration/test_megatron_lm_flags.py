@@ -11,6 +11,7 @@
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +24,9 @@ from hypothesis import strategies as st
 from tests.profiles import examples
 
 from launch import PRETRAIN, REPO, free_port, launch_command, pretrain_env, read_loss_log, run_and_clean_up
-from megatron_lm_examples import GPT3_175B, LLAMA3_8B_CPU, LLAMA3_8B_NEEDS_GPU, MIXTRAL_8X7B, QWEN3_30B_A3B, filled
+from megatron_lm_examples import (DEEPSEEK_V2_LITE, GPT3_175B, LLAMA3_8B_CPU, LLAMA3_8B_NEEDS_GPU, LLAMA4_EXPORT_FLAGS,
+                                  LLAMA4_SCOUT_EXTRA, MIXTRAL_8X7B, QWEN2_5_7B, QWEN3_235B_A22B_EXTRA, QWEN3_30B_A3B,
+                                  filled)
 from megatron.training.data import batch_schedule
 from megatron.training.model import kernels as optional_kernels
 from megatron.training.args.arguments import parse_args
@@ -57,6 +60,44 @@ def test_example_flag_sets_parse_with_megatron_lm_meaning():
     assert llama.train_iters is None and llama.train_samples == 16 and llama.lr_decay_samples == 15
     assert llama.decoupled_lr == 5.0e-4 and llama.num_workers == 1 and llama.distributed_timeout_minutes == 60
     assert not llama.sequence_parallel  # TP 1, as in Megatron-LM
+
+
+def test_deepseek_and_qwen25_flag_sets_parse_with_megatron_lm_meaning():
+    from megatron.core.transformer import MLATransformerConfig
+    from megatron.training.data.datasets import ByteLevelTokenizer, padded_vocab_size
+    from megatron.training.model.configs import transformer_config
+
+    deepseek = parse_args(filled(DEEPSEEK_V2_LITE, "/tmp/ckpt"))
+    assert deepseek.q_lora_rank is None and deepseek.kv_channels == 16  # no query low rank in V2-Lite
+    config = transformer_config(deepseek)
+    assert isinstance(config, MLATransformerConfig) and config.rope_type == "yarn"  # MLA's default
+    assert (config.kv_lora_rank, config.qk_head_dim, config.qk_pos_emb_head_dim, config.v_head_dim) == (16, 16, 8, 16)
+    assert (config.rotary_scaling_factor, config.mscale, config.mscale_all_dim) == (40.0, 0.707, 0.707)
+    assert config.layernorm_epsilon == 1e-6 and config.moe_shared_expert_intermediate_size == 64
+    assert transformer_config(parse_args(BASE + ["--multi-latent-attention"])).rotary_scaling_factor == 1.0  # upstream
+    qwen = parse_args(filled(QWEN2_5_7B, "/tmp/ckpt"))
+    config = transformer_config(qwen)
+    assert config.add_qkv_bias and not config.add_bias_linear and config.layernorm_epsilon == 1e-5
+    assert padded_vocab_size(qwen, ByteLevelTokenizer()) == 400  # as given, not padded again
+    assert parse_args(BASE).add_qkv_bias  # a linear bias implies it, as Megatron-LM keeps them in sync
+
+
+def test_qwen3_235b_flags_parse_and_llama4_export_flags_are_refused():
+    """The model-optimizer configs' last unknown flags: Qwen3-235B's interpolation factor runs;
+    Llama-4 Scout's RoPE and vocabulary flags parse, its export-only flags fail in one line."""
+    qwen = parse_args(filled(QWEN3_30B_A3B, "/tmp/ckpt") + QWEN3_235B_A22B_EXTRA)
+    assert qwen.rotary_seq_len_interpolation_factor == 1
+    llama4 = parse_args(filled(QWEN3_30B_A3B, "/tmp/ckpt") + LLAMA4_SCOUT_EXTRA)
+    assert llama4.rotary_interleaved and llama4.padded_vocab_size == 512 and llama4.use_rope_scaling
+    message = one_line_error(filled(QWEN3_30B_A3B, "/tmp/ckpt") + LLAMA4_SCOUT_EXTRA + LLAMA4_EXPORT_FLAGS)
+    assert "--export-qk-l2-norm" in message and "model-optimizer" in message
+
+
+def test_padded_vocab_size_below_the_tokenizer_fails_in_one_line():
+    from megatron.training.data.datasets import ByteLevelTokenizer, padded_vocab_size
+
+    with pytest.raises(UserError, match="--padded-vocab-size: 256 is smaller than the 258 tokens"):
+        padded_vocab_size(parse_args(BASE + ["--padded-vocab-size", "256"]), ByteLevelTokenizer())
 
 
 def test_llama_example_as_published_fails_in_one_line_on_cpu():
@@ -99,6 +140,17 @@ def test_each_flag_a_cpu_run_lacks_names_itself(flag):
     (["--lr-decay-style", "WSD"], "--lr-decay-style WSD", "--lr-wsd-decay-iters"),
     (["--hidden-size", "16", "--swiglu"], "--swiglu", "--ffn-hidden-size"),
     (["--hidden-size", "66"], "--num-attention-heads", "--kv-channels"),
+    (["--multi-latent-attention", "--group-query-attention"], "--multi-latent-attention", "--group-query-attention"),
+    (["--multi-latent-attention", "--cache-mla-latents"], "--cache-mla-latents", "inference"),
+    (["--multi-latent-attention", "--mla-down-proj-fusion"], "--mla-down-proj-fusion", "megatron-core 0.16.1"),
+    (["--multi-latent-attention", "--position-embedding-type", "rope", "--rotary-interleaved"],
+     "--rotary-interleaved", "MLA"),
+    (["--rope-type", "yarn"], "--rope-type yarn", "--multi-latent-attention"),
+    (["--padded-vocab-size", "301", "--tensor-model-parallel-size", "2"], "--padded-vocab-size: 301",
+     "--tensor-model-parallel-size 2"),
+    (["--rotary-interleaved"], "--rotary-interleaved", "--position-embedding-type rope"),
+    (["--position-embedding-type", "rope", "--no-rope-freq", "3"], "--no-rope-freq", "--num-layers 2"),
+    (["--export-moe-apply-probs-on-input"], "--export-moe-apply-probs-on-input", "model-optimizer"),
 ])
 def test_absent_features_and_conflicts_fail_in_one_line(extra, flag, missing):
     message = one_line_error(BASE + extra)
@@ -156,6 +208,33 @@ def test_moe_example_runs_unchanged_and_offload_matches(tmp_path, example):
     offload, _ = _run_example(tmp_path / "off", flags, ["--offload-tiers", "host", "--offload-adam-kernel", "single",
                                                          *KEEP_FP32_MASTER])
     assert offload == baseline
+
+
+# DeepSeek-V2-Lite's flags (multi-latent attention, MoE with shared experts) at DP2 x EP2 and at PP2;
+# Qwen2.5's (QKV biases, a given padded vocabulary) at DP2.
+NEW_FAMILIES = {
+    "deepseek_v2_lite_dp2_ep2": (DEEPSEEK_V2_LITE, ["--expert-model-parallel-size", "2"]),
+    "deepseek_v2_lite_pp2": (DEEPSEEK_V2_LITE, ["--pipeline-model-parallel-size", "2"]),
+    "qwen2_5": (QWEN2_5_7B, []),
+}
+
+
+@pytest.mark.parametrize("family", sorted(NEW_FAMILIES))
+def test_mla_and_qkv_bias_examples_run_and_offload_matches(tmp_path, family):
+    """The same iterations, bit for bit, with the offloaded optimizer as with megatron-core's; the
+    logged parameter count is the planner's (tools/plan_offload.py on the same flags)."""
+    from test_plan_offload import plan_json
+
+    flags, layout = NEW_FAMILIES[family]
+    baseline, output = _run_example(tmp_path / "base", flags, layout)
+    assert [r["iteration"] for r in baseline] == [1, 2] and all(math.isfinite(r["loss"]) for r in baseline)
+    offload, _ = _run_example(tmp_path / "off", flags, [*layout, "--offload-tiers", "host", "--offload-adam-kernel",
+                                                        "single", *KEEP_FP32_MASTER])
+    assert offload == baseline
+    logged = int(re.search(r"model parameters \(all stages, one replica\): (\d+)", output).group(1))
+    planned = plan_json("--gpus-per-node", "2", "--adam-gelems", "1", "--convert-gelems", "1",
+                        *filled(flags, tmp_path / "plan"), *layout, "--device", "cpu")
+    assert planned["params_total"] == logged
 
 
 # ----------------------------------------------------------------------------- same network
