@@ -1,8 +1,7 @@
 """The planner's parameter count per pipeline stage equals megatron-core's GPTModel built from the
-same flags, over random shapes (GQA, SwiGLU, norms, biases, tied or untied, positions, stages)."""
+same flags, over random shapes (GQA, SwiGLU, norms, biases, tied or untied, positions, stages, MoE,
+multi-latent attention)."""
 
-import os
-import socket
 from unittest import mock
 
 import pytest
@@ -11,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.profiles import examples
+from tests.unit.helpers import megatron_world_of_one
 
 from megatron.training.args.arguments import parse_args
 from megatron.training.model.sizes import model_params, stage_params
@@ -19,17 +19,7 @@ from megatron.training.model.configs import transformer_config
 
 @pytest.fixture(scope="module", autouse=True)
 def one_process_world():
-    from megatron.core import parallel_state
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    yield
-    parallel_state.destroy_model_parallel()
-    torch.distributed.destroy_process_group()
+    yield from megatron_world_of_one()
 
 
 @st.composite

@@ -16,7 +16,7 @@ its constructor: ``local_mla_spec`` tells the module the truth first.
 from __future__ import annotations
 
 from megatron.core.transformer.dot_product_attention import DotProductAttention
-from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
 
 class MLADotProductAttention(DotProductAttention):
@@ -34,11 +34,9 @@ def local_mla_spec(spec):
     ``MLADotProductAttention`` as each MLA layer's core attention."""
     _without_absent_transformer_engine()
     for layer in getattr(spec, "layer_specs", None) or [spec]:
-        attention = layer.submodules.self_attention.submodules
-        if attention.core_attention is DotProductAttention or (
-                isinstance(attention.core_attention, ModuleSpec)
-                and attention.core_attention.module is DotProductAttention):
-            attention.core_attention = MLADotProductAttention
+        self_attention = layer.submodules.self_attention
+        if self_attention.module is MLASelfAttention and self_attention.submodules.core_attention is DotProductAttention:
+            self_attention.submodules.core_attention = MLADotProductAttention
     return spec
 
 
