@@ -240,7 +240,7 @@ def test_mla_and_qkv_bias_examples_run_and_offload_matches(tmp_path, family):
 # ----------------------------------------------------------------------------- same network
 
 def megatron_lm_parameter_shapes(h, heads, layers, vocab, seq, *, ffn=None, kv=None, groups=None, swiglu=False,
-                                 bias=True, rmsnorm=False, rope=False, untied=False):
+                                 bias=True, qkv_bias=False, rmsnorm=False, rope=False, untied=False):
     """Parameter names and shapes of Megatron-LM's GPT (megatron-core local layers, TP=1) for these
     sizes, with its defaults written independently: FFN 4h or floor(h/24)*64 with SwiGLU (Megatron-LM's
     int(4h*2/3 / 64)*64), head size h/heads, one KV head per query head without GQA."""
@@ -262,7 +262,8 @@ def megatron_lm_parameter_shapes(h, heads, layers, vocab, seq, *, ffn=None, kv=N
         for name, rows, cols in (("self_attention.linear_qkv", qkv_rows, h),
                                  ("self_attention.linear_proj", h, heads * kv),
                                  ("mlp.linear_fc1", fc1_rows, h), ("mlp.linear_fc2", h, ffn)):
-            for p in linear:
+            # --add-qkv-bias: the QKV projection's bias alone (Qwen2.5); a linear bias implies it
+            for p in (["weight", "bias"] if qkv_bias and name.endswith("linear_qkv") else linear):
                 shapes[f"{layer}.{name}.{p}"] = [rows, cols] if p == "weight" else [rows]
     for p in norm:
         shapes[f"decoder.final_layernorm.{p}"] = [h]
@@ -292,6 +293,11 @@ NETWORKS = [  # (flags, Megatron-LM's shapes)
         64, 4, 1, 384, 32, swiglu=True, bias=False, rmsnorm=True, rope=True, untied=True)),
     (_flags(48, 3, 1, 16, ["--make-vocab-size-divisible-by", "100", "--group-query-attention"]),
      megatron_lm_parameter_shapes(48, 3, 1, 300, 16, groups=1)),
+    # Qwen2.5's form: QKV biases without other linear biases, the vocabulary's rows as given
+    (_flags(64, 4, 1, 32, LLAMA_LIKE + ["--add-qkv-bias", "--group-query-attention", "--num-query-groups", "2",
+                                        "--padded-vocab-size", "300"]),
+     megatron_lm_parameter_shapes(64, 4, 1, 300, 32, groups=2, swiglu=True, bias=False, qkv_bias=True, rmsnorm=True,
+                                  rope=True, untied=True)),
 ]
 
 
@@ -444,9 +450,14 @@ MEGATRON_LM_FLAGS = {
     "--weight-decay-incr-style": st.sampled_from(["constant", "linear", "cosine"]),
     "--lr-wsd-decay-style": st.sampled_from(["exponential", "linear", "cosine", "minus_sqrt"]),
     "--attention-backend": st.sampled_from(["auto", "local", "flash", "fused", "unfused"]),
+    "--padded-vocab-size": VALUES, "--q-lora-rank": VALUES, "--kv-lora-rank": VALUES, "--v-head-dim": VALUES,
+    "--qk-pos-emb-head-dim": VALUES, "--rotary-scaling-factor": VALUES, "--no-rope-freq": VALUES,
+    "--rope-type": st.sampled_from(["rope", "yarn"]),
+    "--position-embedding-type": st.sampled_from(["learned_absolute", "rope"]),
 }
 SWITCHES = ["--group-query-attention", "--swiglu", "--recompute-activations", "--use-flash-attn",
-            "--apply-layernorm-1p", "--cross-entropy-loss-fusion", "--grad-reduce-in-bf16"]
+            "--apply-layernorm-1p", "--cross-entropy-loss-fusion", "--grad-reduce-in-bf16", "--multi-latent-attention",
+            "--add-qkv-bias", "--rotary-interleaved"]
 
 
 @st.composite
