@@ -82,6 +82,19 @@ def test_deepseek_and_qwen25_flag_sets_parse_with_megatron_lm_meaning():
     assert parse_args(BASE).add_qkv_bias  # a linear bias implies it, as Megatron-LM keeps them in sync
 
 
+def test_checkpoint_args_carry_the_mla_and_qkv_bias_shape():
+    """--use-checkpoint-args: an MLA model's widths and Qwen2.5's QKV bias come from the saved args."""
+    from megatron.training.checkpoint.saved_args import apply_model_shape, args_to_save
+
+    args = parse_args(BASE + ["--disable-bias-linear"])
+    apply_model_shape(args, args_to_save(parse_args(filled(DEEPSEEK_V2_LITE, "/tmp/ckpt")), 0))
+    assert args.multi_latent_attention and (args.kv_lora_rank, args.qk_head_dim, args.qk_pos_emb_head_dim,
+                                            args.v_head_dim) == (16, 16, 8, 16)
+    args = parse_args(BASE)
+    apply_model_shape(args, args_to_save(parse_args(filled(QWEN2_5_7B, "/tmp/ckpt")), 0))
+    assert args.add_qkv_bias and args.disable_bias_linear and not args.multi_latent_attention
+
+
 def test_qwen3_235b_flags_parse_and_llama4_export_flags_are_refused():
     """The model-optimizer configs' last unknown flags: Qwen3-235B's interpolation factor runs;
     Llama-4 Scout's RoPE and vocabulary flags parse, its export-only flags fail in one line."""
