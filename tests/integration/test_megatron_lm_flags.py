@@ -80,6 +80,10 @@ def test_deepseek_and_qwen25_flag_sets_parse_with_megatron_lm_meaning():
     assert config.add_qkv_bias and not config.add_bias_linear and config.layernorm_epsilon == 1e-5
     assert padded_vocab_size(qwen, ByteLevelTokenizer()) == 400  # as given, not padded again
     assert parse_args(BASE).add_qkv_bias  # a linear bias implies it, as Megatron-LM keeps them in sync
+    yarn = transformer_config(parse_args(BASE + ["--position-embedding-type", "yarn", "--mscale", "0.5"]))
+    assert (yarn.yarn_rotary_scaling_factor, yarn.yarn_original_max_position_embeddings, yarn.yarn_beta_fast,
+            yarn.yarn_beta_slow, yarn.yarn_mscale, yarn.yarn_mscale_all_dim,
+            yarn.yarn_correction_range_round_to_int) == (1.0, 4096, 32.0, 1.0, 0.5, 0.0, True)  # upstream's defaults
 
 
 def test_checkpoint_args_carry_the_mla_and_qkv_bias_shape():
@@ -164,6 +168,11 @@ def test_each_flag_a_cpu_run_lacks_names_itself(flag):
     (["--rotary-interleaved"], "--rotary-interleaved", "--position-embedding-type rope"),
     (["--position-embedding-type", "rope", "--no-rope-freq", "3"], "--no-rope-freq", "--num-layers 2"),
     (["--export-moe-apply-probs-on-input"], "--export-moe-apply-probs-on-input", "model-optimizer"),
+    (["--position-embedding-type", "mrope"], "--position-embedding-type mrope", "--mrope-section"),
+    (["--position-embedding-type", "relative"], "--position-embedding-type relative", "T5"),
+    (["--multi-latent-attention", "--position-embedding-type", "yarn"], "--position-embedding-type yarn",
+     "--rope-type"),
+    (["--position-embedding-type", "yarn", "--rotary-interleaved"], "--rotary-interleaved", "YaRN"),
 ])
 def test_absent_features_and_conflicts_fail_in_one_line(extra, flag, missing):
     message = one_line_error(BASE + extra)
@@ -229,6 +238,12 @@ NEW_FAMILIES = {
     "deepseek_v2_lite_dp2_ep2": (DEEPSEEK_V2_LITE, ["--expert-model-parallel-size", "2"]),
     "deepseek_v2_lite_pp2": (DEEPSEEK_V2_LITE, ["--pipeline-model-parallel-size", "2"]),
     "qwen2_5": (QWEN2_5_7B, []),
+    # the RoPE variants on Qwen2.5's model: interleaved pairs, position interpolation and no RoPE in every
+    # second layer; YaRN as the position embedding
+    "qwen2_5_rope_variants": (QWEN2_5_7B, ["--rotary-interleaved", "--rotary-seq-len-interpolation-factor", "2",
+                                           "--no-rope-freq", "2"]),
+    "qwen2_5_yarn": (QWEN2_5_7B, ["--position-embedding-type", "yarn", "--rotary-scaling-factor", "4",
+                                  "--yarn-original-max-position-embeddings", "16"]),
 }
 
 
@@ -466,7 +481,7 @@ MEGATRON_LM_FLAGS = {
     "--padded-vocab-size": VALUES, "--q-lora-rank": VALUES, "--kv-lora-rank": VALUES, "--v-head-dim": VALUES,
     "--qk-pos-emb-head-dim": VALUES, "--rotary-scaling-factor": VALUES, "--no-rope-freq": VALUES,
     "--rope-type": st.sampled_from(["rope", "yarn"]),
-    "--position-embedding-type": st.sampled_from(["learned_absolute", "rope"]),
+    "--position-embedding-type": st.sampled_from(["learned_absolute", "rope", "yarn", "none"]),
 }
 SWITCHES = ["--group-query-attention", "--swiglu", "--recompute-activations", "--use-flash-attn",
             "--apply-layernorm-1p", "--cross-entropy-loss-fusion", "--grad-reduce-in-bf16", "--multi-latent-attention",

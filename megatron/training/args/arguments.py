@@ -41,8 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-position-embeddings", type=positive_int, default=None)
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
     g.add_argument("--swiglu", action="store_true")
-    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"],
-                   default="learned_absolute")
+    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "yarn", "none", "mrope", "relative"],
+                   default="learned_absolute", help="Megatron-LM's choices; mrope and relative are refused")
     g.add_argument("--rotary-base", type=int, default=10000)
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--disable-bias-linear", action="store_true")

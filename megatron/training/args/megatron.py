@@ -13,7 +13,7 @@ import argparse
 from megatron.training.args.moe import layer_pattern
 from megatron.training.data import lr_schedule
 from megatron.training.model import kernels as optional_kernels, virtual_pipeline
-from megatron.training.errors import fraction, non_negative_float, non_negative_int, positive_float, positive_int
+from megatron.training.errors import finite, fraction, non_negative_float, non_negative_int, positive_float, positive_int
 from megatron.training.model.sizes import default_ffn_hidden_size, default_kv_channels
 
 
@@ -57,6 +57,14 @@ def _add_rope_bias_and_vocab(p) -> None:
     g.add_argument("--rope-type", choices=["rope", "yarn"], default=None,
                    help="default: yarn with --multi-latent-attention, else rope")
     g.add_argument("--rotary-interleaved", action="store_true", help="rotate interleaved pairs, not halves")
+    g.add_argument("--yarn-original-max-position-embeddings", type=positive_int, default=None,
+                   help="with --position-embedding-type yarn: the context the model was trained at (default 4096)")
+    g.add_argument("--yarn-beta-fast", type=finite, default=None, help="with yarn: default 32")
+    g.add_argument("--yarn-beta-slow", type=finite, default=None, help="with yarn: default 1")
+    g.add_argument("--yarn-correction-range-round-to-int", action="store_true", default=None,
+                   help="with yarn: round the correction range to integers (the default)")
+    g.add_argument("--no-yarn-correction-range-round-to-int", dest="yarn_correction_range_round_to_int",
+                   action="store_false")
     g.add_argument("--rotary-seq-len-interpolation-factor", type=positive_int, default=None,
                    help="divide the RoPE positions by this (linear position interpolation)")
     g.add_argument("--no-rope-freq", type=layer_pattern, default=None,
@@ -214,12 +222,24 @@ def validate_rope_bias_and_vocab(parser, args) -> None:
     if args.padded_vocab_size is not None and args.padded_vocab_size % args.tensor_model_parallel_size:
         parser.error(f"argument --padded-vocab-size: {args.padded_vocab_size} must be a multiple of "
                      f"--tensor-model-parallel-size {args.tensor_model_parallel_size} (each rank holds equal rows)")
-    rope = args.position_embedding_type == "rope" or args.multi_latent_attention
+    kind = args.position_embedding_type
+    if kind in ("mrope", "relative"):
+        parser.error(f"argument --position-embedding-type {kind}: "
+                     + ("multimodal RoPE needs a vision-language model's --mrope-section" if kind == "mrope" else
+                        "relative position buckets are T5's") + "; megatron-core's GPT here takes learned_absolute, "
+                     "rope, yarn or none")
+    if kind == "yarn" and args.multi_latent_attention:
+        parser.error("argument --position-embedding-type yarn: multi-latent attention applies its own RoPE "
+                     "(YaRN unless --rope-type rope); use --position-embedding-type rope")
+    rope = kind in ("rope", "yarn") or args.multi_latent_attention
     for flag, given in (("--rotary-interleaved", args.rotary_interleaved),
                         ("--rotary-seq-len-interpolation-factor", args.rotary_seq_len_interpolation_factor),
                         ("--no-rope-freq", args.no_rope_freq is not None)):
         if given and not rope:
-            parser.error(f"argument {flag}: requires --position-embedding-type rope")
+            parser.error(f"argument {flag}: requires --position-embedding-type rope or yarn")
+    if args.rotary_interleaved and kind == "yarn":
+        parser.error("argument --rotary-interleaved: megatron-core's YaRN embedding rotates halves only; use "
+                     "--position-embedding-type rope")
     if args.rotary_interleaved and args.apply_rope_fusion:
         parser.error("argument --rotary-interleaved: megatron-core's fused RoPE rotates halves; add --no-rope-fusion")
     freq = args.no_rope_freq

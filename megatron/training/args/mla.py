@@ -26,7 +26,7 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--qk-pos-emb-head-dim", type=positive_int, default=64, help="per-head width RoPE rotates")
     g.add_argument("--v-head-dim", type=positive_int, default=128, help="per-head value width")
     g.add_argument("--rotary-scaling-factor", type=positive_float, default=1.0,
-                   help="YaRN's context extension factor (MLA with --rope-type yarn)")
+                   help="YaRN's context extension factor (MLA, or --position-embedding-type yarn)")
     g.add_argument("--mscale", type=finite, default=1.0, help="YaRN's attention-scale coefficient")
     g.add_argument("--mscale-all-dim", type=non_negative_float, default=0.0,
                    help="YaRN's attention-scale coefficient over all dimensions")

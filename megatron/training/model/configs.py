@@ -31,7 +31,7 @@ def transformer_config(args) -> TransformerConfig:
     dtype = params_dtype(args)
     mla = getattr(args, "multi_latent_attention", False)
     config_class = MLATransformerConfig if mla else TransformerConfig
-    return config_class(
+    config = config_class(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size,
@@ -84,6 +84,21 @@ def transformer_config(args) -> TransformerConfig:
         **rope_bias_norm_fields(args),
         **(mla_fields(args) if mla else {}),
     )
+    if getattr(args, "position_embedding_type", None) == "yarn":
+        _set_yarn_attributes(config, args)
+    return config
+
+
+def _set_yarn_attributes(config, args) -> None:
+    """megatron-core's GPTModel reads YaRN's settings as plain attributes of the config (no fields):
+    from the flags, with YarnRotaryEmbedding's defaults where a flag is not given, as Megatron-LM sets them."""
+    given = {"yarn_rotary_scaling_factor": (args.rotary_scaling_factor, 1.0),
+             "yarn_original_max_position_embeddings": (args.yarn_original_max_position_embeddings, 4096),
+             "yarn_beta_fast": (args.yarn_beta_fast, 32.0), "yarn_beta_slow": (args.yarn_beta_slow, 1.0),
+             "yarn_mscale": (args.mscale, 1.0), "yarn_mscale_all_dim": (args.mscale_all_dim, 0.0),
+             "yarn_correction_range_round_to_int": (args.yarn_correction_range_round_to_int, True)}
+    for name, (value, default) in given.items():
+        setattr(config, name, default if value is None else value)
 
 
 def rope_bias_norm_fields(args) -> dict:
