@@ -30,16 +30,24 @@ def _layer_spec(args, config, vp_stage=None):
 
             if args.num_experts is not None:  # per-layer specs: --moe-layer-freq mixes dense and MoE layers
                 return get_gpt_decoder_block_spec(config, use_transformer_engine=True, vp_stage=vp_stage)
-            return get_gpt_layer_with_transformer_engine_spec(fp8=args.fp8_format, qk_layernorm=args.qk_layernorm)
+            return get_gpt_layer_with_transformer_engine_spec(fp8=args.fp8_format, qk_layernorm=args.qk_layernorm,
+                                                              multi_latent_attention=args.multi_latent_attention)
         except ImportError as err:  # a broken TE build
             raise UserError(f"--transformer-impl transformer_engine: transformer-engine does not import ({err})")
     if args.sequence_parallel:
         raise UserError("--sequence-parallel: needs transformer-engine layers; "
                          "megatron-core's local layer spec uses torch norms that do not support it")
     if args.num_experts is not None:
-        return get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=args.normalization,
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=args.normalization,
                                           vp_stage=vp_stage)
-    return get_gpt_layer_local_spec(normalization=args.normalization, qk_layernorm=args.qk_layernorm)
+    else:
+        spec = get_gpt_layer_local_spec(normalization=args.normalization, qk_layernorm=args.qk_layernorm,
+                                        multi_latent_attention=args.multi_latent_attention)
+    if args.multi_latent_attention:  # megatron-core's local attention takes no separate key/value widths
+        from megatron.training.model.mla_attention import local_mla_spec
+
+        spec = local_mla_spec(spec)
+    return spec
 
 
 def model_provider(args, config, pre_process=True, post_process=True, vp_stage=None):
@@ -59,6 +67,7 @@ def model_provider(args, config, pre_process=True, post_process=True, vp_stage=N
         rotary_percent=args.rotary_percent,
         rope_scaling=args.use_rope_scaling,
         rope_scaling_factor=args.rope_scaling_factor,
+        seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
         vp_stage=vp_stage,
     )
 

@@ -247,3 +247,106 @@ QWEN3_30B_A3B = [
     "--global-batch-size", "4", "--train-iters", "2", "--lr", "1e-4", "--log-interval", "1",
     "--use-distributed-optimizer", "--num-workers", "0", "--save", "{ckpt}",  # its scripts pass --save
 ]
+
+# What a model-optimizer config lacks for pretraining (it gives no lr, iterations or batch); data by
+# --mock-data --vocab-size in place of its --tokenizer-type HuggingFaceTokenizer.
+FOR_A_PRETRAINING_RUN = [
+    "--mock-data", "--vocab-size", "384",
+    "--global-batch-size", "4", "--train-iters", "2", "--lr", "1e-4", "--log-interval", "1",
+    "--use-distributed-optimizer", "--num-workers", "0", "--save", "{ckpt}",
+]
+
+# examples/post_training/modelopt/conf/deepseek-ai/DeepSeek-V2-Lite.sh's MODEL_ARGS (Megatron-LM main,
+# 2026), scaled down: multi-latent attention with MoE and shared experts.
+DEEPSEEK_V2_LITE = [
+    "--save-interval", "100000",
+    "--attention-dropout", "0.0",
+    "--hidden-dropout", "0.0",
+    "--micro-batch-size", "1",
+    "--bf16",
+    "--no-masked-softmax-fusion",
+    "--disable-bias-linear",
+    "--untie-embeddings-and-output-weights",
+    "--position-embedding-type", "rope",
+    "--no-rope-fusion",
+    "--normalization", "RMSNorm",
+    "--norm-epsilon", "1e-6",
+    "--swiglu",
+    "--num-layers", "2",  # 27
+    "--hidden-size", "64",  # 2048
+    "--ffn-hidden-size", "192",  # 10944
+    "--num-attention-heads", "4",  # 16
+    "--kv-channels", "16",
+    "--multi-latent-attention",
+    "--kv-lora-rank", "16",  # 512
+    "--v-head-dim", "16",  # 128
+    "--qk-head-dim", "16",  # 128
+    "--qk-layernorm",
+    "--qk-pos-emb-head-dim", "8",  # 64
+    "--num-experts", "4",  # 64
+    "--moe-layer-freq", "([0]+[1]*1)",  # ([0]+[1]*26)
+    "--moe-ffn-hidden-size", "32",  # 1408
+    "--moe-grouped-gemm",
+    "--moe-router-score-function", "softmax",
+    "--moe-router-topk", "2",  # 6
+    "--moe-router-topk-scaling-factor", "1.0",
+    "--moe-router-pre-softmax",
+    "--moe-shared-expert-intermediate-size", "64",  # 2816
+    "--moe-aux-loss-coeff", "1e-3",
+    "--moe-token-dispatcher-type", "alltoall",
+    "--moe-token-drop-policy", "probs",
+    "--moe-router-load-balancing-type", "seq_aux_loss",
+    "--seq-length", "32",  # 1024
+    "--max-position-embeddings", "32",  # 1024
+    "--make-vocab-size-divisible-by", "128",  # 3200
+    "--attention-softmax-in-fp32",
+    "--use-mcore-models",
+    "--rotary-percent", "1.0",
+    "--rotary-base", "10000",
+    "--rotary-scaling-factor", "40",
+    "--mscale", "0.707",
+    "--mscale-all-dim", "0.707",
+    "--sequence-parallel",
+    *FOR_A_PRETRAINING_RUN,
+]
+
+# examples/post_training/modelopt/conf/Qwen/Qwen2.5-7B-Instruct.sh's MODEL_ARGS, scaled down: QKV
+# biases without other linear biases, an explicit padded vocabulary.
+QWEN2_5_7B = [
+    "--save-interval", "100000",
+    "--micro-batch-size", "1",
+    "--bf16",
+    "--no-masked-softmax-fusion",
+    "--disable-bias-linear",
+    "--add-qkv-bias",
+    "--position-embedding-type", "rope",
+    "--no-rope-fusion",
+    "--normalization", "RMSNorm",
+    "--swiglu",
+    "--num-layers", "2",  # 28
+    "--hidden-size", "64",  # 3584
+    "--ffn-hidden-size", "224",  # 18944
+    "--num-attention-heads", "4",  # 28
+    "--group-query-attention",
+    "--num-query-groups", "2",  # 4
+    "--kv-channels", "16",  # 128
+    "--seq-length", "32",  # 4096
+    "--max-position-embeddings", "256",  # 32768
+    "--padded-vocab-size", "400",  # 152064
+    "--make-vocab-size-divisible-by", "1",
+    "--use-mcore-models",
+    "--rotary-percent", "1.0",
+    "--rotary-base", "1000000",
+    "--no-bias-swiglu-fusion",
+    "--untie-embeddings-and-output-weights",
+    *FOR_A_PRETRAINING_RUN,
+]
+
+# The model-optimizer configs of Llama-4 Scout and Qwen3-235B-A22B: the flags that stopped them
+# (each with the sizes scaled as above). Qwen3-235B's parse now; Llama-4's export flags are refused.
+QWEN3_235B_A22B_EXTRA = ["--rotary-seq-len-interpolation-factor", "1", "--moe-layer-recompute"]
+LLAMA4_SCOUT_EXTRA = ["--rotary-interleaved", "--rotary-base", "500000", "--rope-scaling-factor", "8.0",
+                      "--use-rope-scaling", "--padded-vocab-size", "512", "--moe-router-score-function", "sigmoid",
+                      "--moe-router-topk", "1", "--moe-shared-expert-intermediate-size", "64",
+                      "--moe-router-load-balancing-type", "seq_aux_loss"]
+LLAMA4_EXPORT_FLAGS = ["--export-qk-l2-norm", "--export-moe-apply-probs-on-input"]

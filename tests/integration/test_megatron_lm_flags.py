@@ -11,6 +11,7 @@
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +24,9 @@ from hypothesis import strategies as st
 from tests.profiles import examples
 
 from launch import PRETRAIN, REPO, free_port, launch_command, pretrain_env, read_loss_log, run_and_clean_up
-from megatron_lm_examples import GPT3_175B, LLAMA3_8B_CPU, LLAMA3_8B_NEEDS_GPU, MIXTRAL_8X7B, QWEN3_30B_A3B, filled
+from megatron_lm_examples import (DEEPSEEK_V2_LITE, GPT3_175B, LLAMA3_8B_CPU, LLAMA3_8B_NEEDS_GPU, LLAMA4_EXPORT_FLAGS,
+                                  LLAMA4_SCOUT_EXTRA, MIXTRAL_8X7B, QWEN2_5_7B, QWEN3_235B_A22B_EXTRA, QWEN3_30B_A3B,
+                                  filled)
 from megatron.training.data import batch_schedule
 from megatron.training.model import kernels as optional_kernels
 from megatron.training.args.arguments import parse_args
@@ -57,6 +60,61 @@ def test_example_flag_sets_parse_with_megatron_lm_meaning():
     assert llama.train_iters is None and llama.train_samples == 16 and llama.lr_decay_samples == 15
     assert llama.decoupled_lr == 5.0e-4 and llama.num_workers == 1 and llama.distributed_timeout_minutes == 60
     assert not llama.sequence_parallel  # TP 1, as in Megatron-LM
+
+
+def test_deepseek_and_qwen25_flag_sets_parse_with_megatron_lm_meaning():
+    from megatron.core.transformer import MLATransformerConfig
+    from megatron.training.data.datasets import ByteLevelTokenizer, padded_vocab_size
+    from megatron.training.model.configs import transformer_config
+
+    deepseek = parse_args(filled(DEEPSEEK_V2_LITE, "/tmp/ckpt"))
+    assert deepseek.q_lora_rank is None and deepseek.kv_channels == 16  # no query low rank in V2-Lite
+    config = transformer_config(deepseek)
+    assert isinstance(config, MLATransformerConfig) and config.rope_type == "yarn"  # MLA's default
+    assert (config.kv_lora_rank, config.qk_head_dim, config.qk_pos_emb_head_dim, config.v_head_dim) == (16, 16, 8, 16)
+    assert (config.rotary_scaling_factor, config.mscale, config.mscale_all_dim) == (40.0, 0.707, 0.707)
+    assert config.layernorm_epsilon == 1e-6 and config.moe_shared_expert_intermediate_size == 64
+    assert transformer_config(parse_args(BASE + ["--multi-latent-attention"])).rotary_scaling_factor == 1.0  # upstream
+    qwen = parse_args(filled(QWEN2_5_7B, "/tmp/ckpt"))
+    config = transformer_config(qwen)
+    assert config.add_qkv_bias and not config.add_bias_linear and config.layernorm_epsilon == 1e-5
+    assert padded_vocab_size(qwen, ByteLevelTokenizer()) == 400  # as given, not padded again
+    assert parse_args(BASE).add_qkv_bias  # a linear bias implies it, as Megatron-LM keeps them in sync
+    yarn = transformer_config(parse_args(BASE + ["--position-embedding-type", "yarn", "--mscale", "0.5"]))
+    assert (yarn.yarn_rotary_scaling_factor, yarn.yarn_original_max_position_embeddings, yarn.yarn_beta_fast,
+            yarn.yarn_beta_slow, yarn.yarn_mscale, yarn.yarn_mscale_all_dim,
+            yarn.yarn_correction_range_round_to_int) == (1.0, 4096, 32.0, 1.0, 0.5, 0.0, True)  # upstream's defaults
+
+
+def test_checkpoint_args_carry_the_mla_and_qkv_bias_shape():
+    """--use-checkpoint-args: an MLA model's widths and Qwen2.5's QKV bias come from the saved args."""
+    from megatron.training.checkpoint.saved_args import apply_model_shape, args_to_save
+
+    args = parse_args(BASE + ["--disable-bias-linear"])
+    apply_model_shape(args, args_to_save(parse_args(filled(DEEPSEEK_V2_LITE, "/tmp/ckpt")), 0))
+    assert args.multi_latent_attention and (args.kv_lora_rank, args.qk_head_dim, args.qk_pos_emb_head_dim,
+                                            args.v_head_dim) == (16, 16, 8, 16)
+    args = parse_args(BASE)
+    apply_model_shape(args, args_to_save(parse_args(filled(QWEN2_5_7B, "/tmp/ckpt")), 0))
+    assert args.add_qkv_bias and args.disable_bias_linear and not args.multi_latent_attention
+
+
+def test_qwen3_235b_flags_parse_and_llama4_export_flags_are_refused():
+    """The model-optimizer configs' last unknown flags: Qwen3-235B's interpolation factor runs;
+    Llama-4 Scout's RoPE and vocabulary flags parse, its export-only flags fail in one line."""
+    qwen = parse_args(filled(QWEN3_30B_A3B, "/tmp/ckpt") + QWEN3_235B_A22B_EXTRA)
+    assert qwen.rotary_seq_len_interpolation_factor == 1
+    llama4 = parse_args(filled(QWEN3_30B_A3B, "/tmp/ckpt") + LLAMA4_SCOUT_EXTRA)
+    assert llama4.rotary_interleaved and llama4.padded_vocab_size == 512 and llama4.use_rope_scaling
+    message = one_line_error(filled(QWEN3_30B_A3B, "/tmp/ckpt") + LLAMA4_SCOUT_EXTRA + LLAMA4_EXPORT_FLAGS)
+    assert "--export-qk-l2-norm" in message and "model-optimizer" in message
+
+
+def test_padded_vocab_size_below_the_tokenizer_fails_in_one_line():
+    from megatron.training.data.datasets import ByteLevelTokenizer, padded_vocab_size
+
+    with pytest.raises(UserError, match="--padded-vocab-size: 256 is smaller than the 258 tokens"):
+        padded_vocab_size(parse_args(BASE + ["--padded-vocab-size", "256"]), ByteLevelTokenizer())
 
 
 def test_llama_example_as_published_fails_in_one_line_on_cpu():
@@ -99,6 +157,22 @@ def test_each_flag_a_cpu_run_lacks_names_itself(flag):
     (["--lr-decay-style", "WSD"], "--lr-decay-style WSD", "--lr-wsd-decay-iters"),
     (["--hidden-size", "16", "--swiglu"], "--swiglu", "--ffn-hidden-size"),
     (["--hidden-size", "66"], "--num-attention-heads", "--kv-channels"),
+    (["--multi-latent-attention", "--group-query-attention"], "--multi-latent-attention", "--group-query-attention"),
+    (["--multi-latent-attention", "--cache-mla-latents"], "--cache-mla-latents", "inference"),
+    (["--multi-latent-attention", "--mla-down-proj-fusion"], "--mla-down-proj-fusion", "megatron-core 0.16.1"),
+    (["--multi-latent-attention", "--position-embedding-type", "rope", "--rotary-interleaved"],
+     "--rotary-interleaved", "MLA"),
+    (["--rope-type", "yarn"], "--rope-type yarn", "--multi-latent-attention"),
+    (["--padded-vocab-size", "301", "--tensor-model-parallel-size", "2"], "--padded-vocab-size: 301",
+     "--tensor-model-parallel-size 2"),
+    (["--rotary-interleaved"], "--rotary-interleaved", "--position-embedding-type rope"),
+    (["--position-embedding-type", "rope", "--no-rope-freq", "3"], "--no-rope-freq", "--num-layers 2"),
+    (["--export-moe-apply-probs-on-input"], "--export-moe-apply-probs-on-input", "model-optimizer"),
+    (["--position-embedding-type", "mrope"], "--position-embedding-type mrope", "--mrope-section"),
+    (["--position-embedding-type", "relative"], "--position-embedding-type relative", "T5"),
+    (["--multi-latent-attention", "--position-embedding-type", "yarn"], "--position-embedding-type yarn",
+     "--rope-type"),
+    (["--position-embedding-type", "yarn", "--rotary-interleaved"], "--rotary-interleaved", "YaRN"),
 ])
 def test_absent_features_and_conflicts_fail_in_one_line(extra, flag, missing):
     message = one_line_error(BASE + extra)
@@ -158,10 +232,43 @@ def test_moe_example_runs_unchanged_and_offload_matches(tmp_path, example):
     assert offload == baseline
 
 
+# DeepSeek-V2-Lite's flags (multi-latent attention, MoE with shared experts) at DP2 x EP2 and at PP2;
+# Qwen2.5's (QKV biases, a given padded vocabulary) at DP2.
+NEW_FAMILIES = {
+    "deepseek_v2_lite_dp2_ep2": (DEEPSEEK_V2_LITE, ["--expert-model-parallel-size", "2"]),
+    "deepseek_v2_lite_pp2": (DEEPSEEK_V2_LITE, ["--pipeline-model-parallel-size", "2"]),
+    "qwen2_5": (QWEN2_5_7B, []),
+    # the RoPE variants on Qwen2.5's model: interleaved pairs, position interpolation and no RoPE in every
+    # second layer; YaRN as the position embedding
+    "qwen2_5_rope_variants": (QWEN2_5_7B, ["--rotary-interleaved", "--rotary-seq-len-interpolation-factor", "2",
+                                           "--no-rope-freq", "2"]),
+    "qwen2_5_yarn": (QWEN2_5_7B, ["--position-embedding-type", "yarn", "--rotary-scaling-factor", "4",
+                                  "--yarn-original-max-position-embeddings", "16"]),
+}
+
+
+@pytest.mark.parametrize("family", sorted(NEW_FAMILIES))
+def test_mla_and_qkv_bias_examples_run_and_offload_matches(tmp_path, family):
+    """The same iterations, bit for bit, with the offloaded optimizer as with megatron-core's; the
+    logged parameter count is the planner's (tools/plan_offload.py on the same flags)."""
+    from test_plan_offload import plan_json
+
+    flags, layout = NEW_FAMILIES[family]
+    baseline, output = _run_example(tmp_path / "base", flags, layout)
+    assert [r["iteration"] for r in baseline] == [1, 2] and all(math.isfinite(r["loss"]) for r in baseline)
+    offload, _ = _run_example(tmp_path / "off", flags, [*layout, "--offload-tiers", "host", "--offload-adam-kernel",
+                                                        "single", *KEEP_FP32_MASTER])
+    assert offload == baseline
+    logged = int(re.search(r"model parameters \(all stages, one replica\): (\d+)", output).group(1))
+    planned = plan_json("--gpus-per-node", "2", "--adam-gelems", "1", "--convert-gelems", "1",
+                        *filled(flags, tmp_path / "plan"), *layout, "--device", "cpu")
+    assert planned["params_total"] == logged
+
+
 # ----------------------------------------------------------------------------- same network
 
 def megatron_lm_parameter_shapes(h, heads, layers, vocab, seq, *, ffn=None, kv=None, groups=None, swiglu=False,
-                                 bias=True, rmsnorm=False, rope=False, untied=False):
+                                 bias=True, qkv_bias=False, rmsnorm=False, rope=False, untied=False):
     """Parameter names and shapes of Megatron-LM's GPT (megatron-core local layers, TP=1) for these
     sizes, with its defaults written independently: FFN 4h or floor(h/24)*64 with SwiGLU (Megatron-LM's
     int(4h*2/3 / 64)*64), head size h/heads, one KV head per query head without GQA."""
@@ -183,7 +290,8 @@ def megatron_lm_parameter_shapes(h, heads, layers, vocab, seq, *, ffn=None, kv=N
         for name, rows, cols in (("self_attention.linear_qkv", qkv_rows, h),
                                  ("self_attention.linear_proj", h, heads * kv),
                                  ("mlp.linear_fc1", fc1_rows, h), ("mlp.linear_fc2", h, ffn)):
-            for p in linear:
+            # --add-qkv-bias: the QKV projection's bias alone (Qwen2.5); a linear bias implies it
+            for p in (["weight", "bias"] if qkv_bias and name.endswith("linear_qkv") else linear):
                 shapes[f"{layer}.{name}.{p}"] = [rows, cols] if p == "weight" else [rows]
     for p in norm:
         shapes[f"decoder.final_layernorm.{p}"] = [h]
@@ -213,6 +321,11 @@ NETWORKS = [  # (flags, Megatron-LM's shapes)
         64, 4, 1, 384, 32, swiglu=True, bias=False, rmsnorm=True, rope=True, untied=True)),
     (_flags(48, 3, 1, 16, ["--make-vocab-size-divisible-by", "100", "--group-query-attention"]),
      megatron_lm_parameter_shapes(48, 3, 1, 300, 16, groups=1)),
+    # Qwen2.5's form: QKV biases without other linear biases, the vocabulary's rows as given
+    (_flags(64, 4, 1, 32, LLAMA_LIKE + ["--add-qkv-bias", "--group-query-attention", "--num-query-groups", "2",
+                                        "--padded-vocab-size", "300"]),
+     megatron_lm_parameter_shapes(64, 4, 1, 300, 32, groups=2, swiglu=True, bias=False, qkv_bias=True, rmsnorm=True,
+                                  rope=True, untied=True)),
 ]
 
 
@@ -366,9 +479,14 @@ MEGATRON_LM_FLAGS = {
     "--weight-decay-incr-style": st.sampled_from(["constant", "linear", "cosine"]),
     "--lr-wsd-decay-style": st.sampled_from(["exponential", "linear", "cosine", "minus_sqrt"]),
     "--attention-backend": st.sampled_from(["auto", "local", "flash", "fused", "unfused"]),
+    "--padded-vocab-size": VALUES, "--q-lora-rank": VALUES, "--kv-lora-rank": VALUES, "--v-head-dim": VALUES,
+    "--qk-pos-emb-head-dim": VALUES, "--rotary-scaling-factor": VALUES, "--no-rope-freq": VALUES,
+    "--rope-type": st.sampled_from(["rope", "yarn"]),
+    "--position-embedding-type": st.sampled_from(["learned_absolute", "rope", "yarn", "none"]),
 }
 SWITCHES = ["--group-query-attention", "--swiglu", "--recompute-activations", "--use-flash-attn",
-            "--apply-layernorm-1p", "--cross-entropy-loss-fusion", "--grad-reduce-in-bf16"]
+            "--apply-layernorm-1p", "--cross-entropy-loss-fusion", "--grad-reduce-in-bf16", "--multi-latent-attention",
+            "--add-qkv-bias", "--rotary-interleaved"]
 
 
 @st.composite

@@ -93,3 +93,21 @@ class ModelParams:
         self.params[start:end].copy_(params)  # an fp32 master (no remainders): rounded to nearest even
         self.handed += end - start
         self.dtypes.add(params.dtype)
+
+
+def megatron_world_of_one():
+    """A gloo world of one process with megatron-core's parallel state (TP = PP = 1), for tests that
+    build megatron-core modules; a generator for a module fixture (``yield from``)."""
+    import socket
+
+    from megatron.core import parallel_state
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    yield
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()

@@ -97,3 +97,31 @@ def test_one_expert_of_the_dense_width_costs_a_dense_layer():
                           moe_shared_expert_intermediate_size=None, **common)
     assert flops_per_iteration(GptShape.from_config(moe, 128, 512), 8) == flops_per_iteration(
         GptShape.from_config(SimpleNamespace(**common), 128, 512), 8)
+
+
+def _mla_reference(batch, seq, hidden, layers, heads, q_lora, kv_lora, qk, pos, v, dense_ffn, vocab):
+    """Megatron-LM's num_floating_point_operations for multi-latent attention, written as upstream
+    writes it: token-linear terms times batch x seq, the core-attention term times batch x seq^2,
+    with 3 passes x 2 FLOPs per multiply-add; a dense GeLU MLP and the logits around it."""
+    q_term = hidden * heads * (qk + pos) if q_lora is None else q_lora * (hidden + heads * (qk + pos) + 1)
+    linear = 3 * 2 * (q_term + kv_lora * (hidden + heads * (qk + v) + 1) + hidden * pos + heads * v * hidden)
+    core = 3 * 2 * (heads * (qk + pos) / 2 + heads * v / 2)
+    tokens = batch * seq
+    attention = linear * tokens + core * batch * seq * seq
+    mlp = 3 * 2 * 2 * hidden * dense_ffn * tokens
+    return layers * (attention + mlp) + 3 * 2 * hidden * vocab * tokens
+
+
+@settings(max_examples=examples(50), deadline=None)
+@given(heads=st.sampled_from([1, 16, 128]), q_lora=st.sampled_from([None, 24, 1536]),
+       kv_lora=st.sampled_from([16, 512]), qk=st.sampled_from([16, 128]), pos=st.sampled_from([8, 64]),
+       v=st.sampled_from([16, 128]), seq=st.sampled_from([32, 4096]), batch=st.integers(1, 64))
+def test_mla_matches_megatron_lm_form(heads, q_lora, kv_lora, qk, pos, v, seq, batch):
+    config = SimpleNamespace(num_layers=3, hidden_size=2048, ffn_hidden_size=8192, num_attention_heads=heads,
+                             num_query_groups=None, kv_channels=16, gated_linear_unit=False,
+                             multi_latent_attention=True, q_lora_rank=q_lora, kv_lora_rank=kv_lora, qk_head_dim=qk,
+                             qk_pos_emb_head_dim=pos, v_head_dim=v)
+    shape = GptShape.from_config(config, seq_length=seq, vocab_size=102400)
+    expected = _mla_reference(batch, seq, 2048, 3, heads, q_lora, kv_lora, qk, pos, v, 8192, 102400)
+    # the two sum the same terms in another order: floats, not bit-identical
+    assert flops_per_iteration(shape, batch) == pytest.approx(expected, rel=1e-12)

@@ -1,8 +1,8 @@
 """The planner's parameter count per pipeline stage equals megatron-core's GPTModel built from the
-same flags, over random shapes (GQA, SwiGLU, norms, biases, tied or untied, positions, stages)."""
+same flags, over random shapes (GQA, SwiGLU, norms, biases, tied or untied, positions, stages, MoE,
+multi-latent attention)."""
 
-import os
-import socket
+from unittest import mock
 
 import pytest
 import torch
@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.profiles import examples
+from tests.unit.helpers import megatron_world_of_one
 
 from megatron.training.args.arguments import parse_args
 from megatron.training.model.sizes import model_params, stage_params
@@ -18,17 +19,7 @@ from megatron.training.model.configs import transformer_config
 
 @pytest.fixture(scope="module", autouse=True)
 def one_process_world():
-    from megatron.core import parallel_state
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    yield
-    parallel_state.destroy_model_parallel()
-    torch.distributed.destroy_process_group()
+    yield from megatron_world_of_one()
 
 
 @st.composite
@@ -129,11 +120,42 @@ def test_moe_counts_match_megatron_core(shape):
     """Per stage, the dense parameters and the routed experts (``mlp.experts``; with EP > 1
     megatron-core's expert optimizer takes them) apart; the active count against the experts each
     built layer holds."""
+    _assert_counts_match_built_model(*shape)
+
+
+@st.composite
+def mla_shapes(draw):
+    """Random multi-latent attention models (DeepSeek-V2/V3's form): with or without the queries'
+    low rank, latent norms, widths of each part, dense or MoE with shared experts, pipeline stages."""
+    flags, pp = draw(st.one_of(moe_shapes(), shapes()))
+    flags = [f for f in flags if f != "--group-query-attention"]  # Megatron-LM: not with MLA
+    if "--num-query-groups" in flags:
+        del flags[flags.index("--num-query-groups"):flags.index("--num-query-groups") + 2]
+    flags += ["--multi-latent-attention", "--kv-lora-rank", str(draw(st.integers(2, 24))),
+              "--qk-head-dim", str(draw(st.sampled_from([4, 8, 12]))),
+              "--qk-pos-emb-head-dim", str(draw(st.sampled_from([2, 4, 8]))),
+              "--v-head-dim", str(draw(st.sampled_from([4, 8, 16]))),
+              "--rope-type", draw(st.sampled_from(["rope", "yarn"]))]
+    if draw(st.booleans()):
+        flags += ["--q-lora-rank", str(draw(st.integers(2, 24)))]
+    if "--qk-layernorm" not in flags and draw(st.booleans()):
+        flags += ["--qk-layernorm"]
+    return flags, pp
+
+
+@settings(max_examples=examples(20, floor=6), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(mla_shapes())
+def test_mla_counts_match_megatron_core(shape):
+    """MLA's projections, latent norms and output, dense and MoE layers, per stage."""
+    _assert_counts_match_built_model(*shape)
+
+
+def _assert_counts_match_built_model(flags, pp):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.training.model.mla_attention import local_mla_spec
     from megatron.training.model.sizes import active_params
 
-    flags, pp = shape
     args = parse_args(flags + ["--pipeline-model-parallel-size", str(pp)])
     args.padded_vocab_size = args.vocab_size
     cfg = transformer_config(args)
@@ -148,21 +170,26 @@ def test_moe_counts_match_megatron_core(shape):
             # them, in a model of one stage (first/last by flag), as the dense test above does.
             spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization=args.normalization,
                                               vp_stage=chunk if chunks > 1 else None, pp_rank=stage)
+            if args.multi_latent_attention:
+                spec = local_mla_spec(spec)  # as pretrain_gpt.py builds it
             build_cfg = transformer_config(args)
             build_cfg.use_cpu_initialization = True
             build_cfg.num_layers = len(spec.layer_specs)
             build_cfg.pipeline_model_parallel_size, build_cfg.virtual_pipeline_model_parallel_size = 1, None
-            model = GPTModel(build_cfg, spec, args.vocab_size, args.max_position_embeddings,
-                             pre_process=stage == 0 and chunk == 0,
-                             post_process=stage == pp - 1 and chunk == chunks - 1,
-                             share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-                             position_embedding_type=args.position_embedding_type)
+            # MLA builds its RoPE on torch.cuda.current_device() whatever use_cpu_initialization says
+            # (a training run's cpu_compat answers it): the CPU here too.
+            with mock.patch("torch.cuda.current_device", return_value=torch.device("cpu")):
+                model = GPTModel(build_cfg, spec, args.vocab_size, args.max_position_embeddings,
+                                 pre_process=stage == 0 and chunk == 0,
+                                 post_process=stage == pp - 1 and chunk == chunks - 1,
+                                 share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                                 position_embedding_type=args.position_embedding_type)
             params = dict(model.named_parameters())
             dense += sum(p.numel() for name, p in params.items() if ".mlp.experts." not in name)
             experts += sum(p.numel() for name, p in params.items() if ".mlp.experts." in name)
             for layer in model.decoder.layers:
                 routed = getattr(layer.mlp, "experts", None)
-                if routed is not None:  # the experts a token skips: all but top-k of this layer's
+                if routed is not None and args.num_experts:  # the experts a token skips: all but top-k
                     one = sum(p.numel() for p in routed.local_experts[0].parameters())
                     skipped += (args.num_experts - args.moe_router_topk) * one
         built.append((dense, experts))

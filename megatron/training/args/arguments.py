@@ -15,6 +15,7 @@ from typing import List, Optional
 
 from megatron.training.args import (checkpoint as arguments_checkpoint, megatron as arguments_megatron,
                                     moe as arguments_moe, offload as arguments_offload)
+from megatron.training.args import mla as arguments_mla
 from megatron.training.runtime import optional_packages
 from megatron.training.model import precision_aware
 from megatron.training.checkpoint.saved_args import FILLED_IF_MISSING, MODEL_SHAPE_ARGS
@@ -40,8 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-position-embeddings", type=positive_int, default=None)
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
     g.add_argument("--swiglu", action="store_true")
-    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"],
-                   default="learned_absolute")
+    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "yarn", "none", "mrope", "relative"],
+                   default="learned_absolute", help="Megatron-LM's choices; mrope and relative are refused")
     g.add_argument("--rotary-base", type=int, default=10000)
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--disable-bias-linear", action="store_true")
@@ -158,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     arguments_offload.add_groups(p)
     arguments_megatron.add_groups(p)
     arguments_moe.add_flags(p)
+    arguments_mla.add_flags(p)
     return p
 
 
@@ -228,6 +230,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     _validate(parser, args)
     arguments_megatron.validate(parser, args)
     arguments_moe.validate(parser, args)
+    arguments_megatron.validate_rope_bias_and_vocab(parser, args)
+    arguments_mla.validate(parser, args)
     arguments_offload.default_distributed_optimizer(parser, args)
     precision_aware.validate(parser, args)
     arguments_offload.validate(parser, args)

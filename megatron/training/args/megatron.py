@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import argparse
 
+from megatron.training.args.moe import layer_pattern
 from megatron.training.data import lr_schedule
 from megatron.training.model import kernels as optional_kernels, virtual_pipeline
-from megatron.training.errors import fraction, non_negative_float, non_negative_int, positive_float, positive_int
+from megatron.training.errors import finite, fraction, non_negative_float, non_negative_int, positive_float, positive_int
 from megatron.training.model.sizes import default_ffn_hidden_size, default_kv_channels
 
 
 def add_groups(p: argparse.ArgumentParser) -> None:
     _add_model(p)
+    _add_rope_bias_and_vocab(p)
     _add_kernels(p)
     _add_training(p)
     _add_scheduler(p)
@@ -48,6 +50,36 @@ def _add_model(p) -> None:
                    help="selective activation recompute (= --recompute-granularity selective)")
     g.add_argument("--calculate-per-token-loss", action="store_true",
                    help="Megatron-LM's per-token loss: gradients averaged over the step's tokens, not per micro-batch")
+
+
+def _add_rope_bias_and_vocab(p) -> None:
+    g = p.add_argument_group("RoPE variants, biases, norms and vocabulary (Megatron-LM)")
+    g.add_argument("--rope-type", choices=["rope", "yarn"], default=None,
+                   help="default: yarn with --multi-latent-attention, else rope")
+    g.add_argument("--rotary-interleaved", action="store_true", help="rotate interleaved pairs, not halves")
+    g.add_argument("--yarn-original-max-position-embeddings", type=positive_int, default=None,
+                   help="with --position-embedding-type yarn: the context the model was trained at (default 4096)")
+    g.add_argument("--yarn-beta-fast", type=finite, default=None, help="with yarn: default 32")
+    g.add_argument("--yarn-beta-slow", type=finite, default=None, help="with yarn: default 1")
+    g.add_argument("--yarn-correction-range-round-to-int", action="store_true", default=None,
+                   help="with yarn: round the correction range to integers (the default)")
+    g.add_argument("--no-yarn-correction-range-round-to-int", dest="yarn_correction_range_round_to_int",
+                   action="store_false")
+    g.add_argument("--rotary-seq-len-interpolation-factor", type=positive_int, default=None,
+                   help="divide the RoPE positions by this (linear position interpolation)")
+    g.add_argument("--no-rope-freq", type=layer_pattern, default=None,
+                   help="N: every N-th layer skips RoPE; or a 0/1 pattern per layer (1: no RoPE)")
+    g.add_argument("--add-qkv-bias", action="store_true",
+                   help="biases in the QKV projection only (Qwen2.5 with --disable-bias-linear)")
+    g.add_argument("--norm-epsilon", type=positive_float, default=1e-5, help="epsilon of the layer norms")
+    g.add_argument("--attention-softmax-in-fp32", action="store_true",
+                   help="accepted: megatron-core's attention here always takes the softmax in fp32")
+    g.add_argument("--padded-vocab-size", type=positive_int, default=None,
+                   help="the embedding's rows as given, instead of padding the tokenizer's size")
+    # Model-optimizer's export flags (Megatron-LM's post_training): refused in validate_rope_bias_and_vocab.
+    g.add_argument("--export-qk-l2-norm", action="store_true", help="not supported: a model-optimizer export flag")
+    g.add_argument("--export-moe-apply-probs-on-input", action="store_true",
+                   help="not supported: a model-optimizer export flag")
 
 
 def _add_kernels(p) -> None:
@@ -177,6 +209,47 @@ def validate(parser, args) -> None:
     if args.profile and args.profile_step_end <= args.profile_step_start:
         parser.error(f"argument --profile-step-end: {args.profile_step_end} must be above "
                      f"--profile-step-start {args.profile_step_start}")
+
+
+def validate_rope_bias_and_vocab(parser, args) -> None:
+    """Megatron-LM's derivation (a linear bias implies the QKV bias) and megatron-core's checks."""
+    for flag in ("--export-qk-l2-norm", "--export-moe-apply-probs-on-input"):
+        if getattr(args, flag[2:].replace("-", "_")):
+            parser.error(f"argument {flag}: a model-optimizer export flag (Megatron-LM's post_training), not "
+                         "a pretraining one; drop it")
+    if not args.disable_bias_linear:
+        args.add_qkv_bias = True
+    if args.padded_vocab_size is not None and args.padded_vocab_size % args.tensor_model_parallel_size:
+        parser.error(f"argument --padded-vocab-size: {args.padded_vocab_size} must be a multiple of "
+                     f"--tensor-model-parallel-size {args.tensor_model_parallel_size} (each rank holds equal rows)")
+    kind = args.position_embedding_type
+    if kind in ("mrope", "relative"):
+        parser.error(f"argument --position-embedding-type {kind}: "
+                     + ("multimodal RoPE needs a vision-language model's --mrope-section" if kind == "mrope" else
+                        "relative position buckets are T5's") + "; megatron-core's GPT here takes learned_absolute, "
+                     "rope, yarn or none")
+    if kind == "yarn" and args.multi_latent_attention:
+        parser.error("argument --position-embedding-type yarn: multi-latent attention applies its own RoPE "
+                     "(YaRN unless --rope-type rope); use --position-embedding-type rope")
+    rope = kind in ("rope", "yarn") or args.multi_latent_attention
+    for flag, given in (("--rotary-interleaved", args.rotary_interleaved),
+                        ("--rotary-seq-len-interpolation-factor", args.rotary_seq_len_interpolation_factor),
+                        ("--no-rope-freq", args.no_rope_freq is not None)):
+        if given and not rope:
+            parser.error(f"argument {flag}: requires --position-embedding-type rope or yarn")
+    if args.rotary_interleaved and kind == "yarn":
+        parser.error("argument --rotary-interleaved: megatron-core's YaRN embedding rotates halves only; use "
+                     "--position-embedding-type rope")
+    if args.rotary_interleaved and args.apply_rope_fusion:
+        parser.error("argument --rotary-interleaved: megatron-core's fused RoPE rotates halves; add --no-rope-fusion")
+    freq = args.no_rope_freq
+    if isinstance(freq, int) and args.num_layers % freq:
+        parser.error(f"argument --no-rope-freq: {freq} must divide --num-layers {args.num_layers}")
+    if isinstance(freq, list) and len(freq) != args.num_layers:
+        parser.error(f"argument --no-rope-freq: the pattern has {len(freq)} entries, --num-layers is "
+                     f"{args.num_layers}")
+    if freq is not None and args.multi_latent_attention:
+        parser.error("argument --no-rope-freq: megatron-core's multi-latent attention rotates every layer")
 
 
 def _validate_training_length(parser, args) -> None:

@@ -21,6 +21,9 @@ MODEL_SHAPE_ARGS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
     "max_position_embeddings", "normalization", "swiglu", "position_embedding_type", "rotary_base",
     "untie_embeddings_and_output_weights", "disable_bias_linear", "vocab_size",
+    # multi-latent attention's and Qwen2.5's (a checkpoint from before they existed leaves the flags' values)
+    "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+    "add_qkv_bias",
 )
 # Taken from the checkpoint only where the command line does not give them (as upstream).
 FILLED_IF_MISSING = ("seq_length",)

@@ -119,6 +119,10 @@ def padded_vocab_size(args, tokenizer) -> int:
     """Rounded up to --make-vocab-size-divisible-by x TP, as Megatron-LM pads it."""
     given = getattr(args, "padded_vocab_size", None)  # Megatron-LM's --padded-vocab-size, if parsed
     if given is not None:
+        needed = vocab_size_before_padding(args, tokenizer)
+        if given < needed:  # a token id past the embedding's rows would fail mid-run
+            raise UserError(f"--padded-vocab-size: {given} is smaller than the {needed} tokens of "
+                            f"--tokenizer-type {args.tokenizer_type}")
         return given
     from megatron.training.model.sizes import vocab_size_with_padding
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from megatron.core.optimizer import OptimizerConfig
-from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
 from megatron.training.model import precision_aware
 
@@ -29,7 +29,9 @@ def transformer_config(args) -> TransformerConfig:
     from megatron.core.transformer.enums import AttnBackend
 
     dtype = params_dtype(args)
-    return TransformerConfig(
+    mla = getattr(args, "multi_latent_attention", False)
+    config_class = MLATransformerConfig if mla else TransformerConfig
+    config = config_class(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size,
@@ -59,6 +61,7 @@ def transformer_config(args) -> TransformerConfig:
         recompute_method=args.recompute_method if args.recompute_granularity == "full" else None,
         recompute_num_layers=args.recompute_num_layers if args.recompute_granularity == "full" else None,
         attention_backend=AttnBackend[args.attention_backend],
+        transformer_impl=args.transformer_impl,  # as Megatron-LM; the parameter counts read it (MLA's layout)
         bias_activation_fusion=args.bias_activation_fusion,
         bias_dropout_fusion=args.bias_dropout_fusion,
         calculate_per_token_loss=args.calculate_per_token_loss,
@@ -78,7 +81,54 @@ def transformer_config(args) -> TransformerConfig:
         deallocate_pipeline_outputs=not _sends_run_behind(args),
         qk_layernorm=args.qk_layernorm,
         **moe_fields(args),
+        **rope_bias_norm_fields(args),
+        **(mla_fields(args) if mla else {}),
     )
+    if getattr(args, "position_embedding_type", None) == "yarn":
+        _set_yarn_attributes(config, args)
+    return config
+
+
+def _set_yarn_attributes(config, args) -> None:
+    """megatron-core's GPTModel reads YaRN's settings as plain attributes of the config (no fields):
+    from the flags, with YarnRotaryEmbedding's defaults where a flag is not given, as Megatron-LM sets them."""
+    given = {"yarn_rotary_scaling_factor": (args.rotary_scaling_factor, 1.0),
+             "yarn_original_max_position_embeddings": (args.yarn_original_max_position_embeddings, 4096),
+             "yarn_beta_fast": (args.yarn_beta_fast, 32.0), "yarn_beta_slow": (args.yarn_beta_slow, 1.0),
+             "yarn_mscale": (args.mscale, 1.0), "yarn_mscale_all_dim": (args.mscale_all_dim, 0.0),
+             "yarn_correction_range_round_to_int": (args.yarn_correction_range_round_to_int, True)}
+    for name, (value, default) in given.items():
+        setattr(config, name, default if value is None else value)
+
+
+def rope_bias_norm_fields(args) -> dict:
+    """The RoPE variant, QKV bias and norm epsilon flags (Megatron-LM's defaults for a Namespace
+    parsed before they existed)."""
+    return dict(
+        add_qkv_bias=getattr(args, "add_qkv_bias", not args.disable_bias_linear),
+        layernorm_epsilon=getattr(args, "norm_epsilon", 1e-5),
+        rotary_interleaved=getattr(args, "rotary_interleaved", False),
+        no_rope_freq=getattr(args, "no_rope_freq", None),
+    )
+
+
+def mla_fields(args) -> dict:
+    """MLATransformerConfig's fields from the --multi-latent-attention flags (args.mla)."""
+    fields = dict(
+        q_lora_rank=args.q_lora_rank,
+        kv_lora_rank=args.kv_lora_rank,
+        qk_head_dim=args.qk_head_dim,
+        qk_pos_emb_head_dim=args.qk_pos_emb_head_dim,
+        v_head_dim=args.v_head_dim,
+        rotary_base=args.rotary_base,
+        rotary_percent=args.rotary_percent,
+        rotary_scaling_factor=args.rotary_scaling_factor,
+        mscale=args.mscale,
+        mscale_all_dim=args.mscale_all_dim,
+    )
+    if args.rope_type is not None:  # else MLATransformerConfig's default (yarn), as Megatron-LM
+        fields["rope_type"] = args.rope_type
+    return fields
 
 
 def moe_fields(args) -> dict:

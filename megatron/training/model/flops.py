@@ -12,6 +12,7 @@ The shape comes from megatron-core's ``TransformerConfig`` as training builds it
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from megatron.training.model.moe import moe_layers
 
@@ -19,6 +20,15 @@ from megatron.training.model.moe import moe_layers
 PASSES_PER_ITERATION = 3
 # An m x n by n x k product is m*n*k multiply-adds, two floating-point operations each.
 FLOPS_PER_MULTIPLY_ADD = 2
+
+
+@dataclass(frozen=True)
+class MlaShape:
+    q_lora_rank: int  # 0: the queries in one projection
+    kv_lora_rank: int
+    qk_head_dim: int
+    qk_pos_emb_head_dim: int
+    v_head_dim: int
 
 
 @dataclass(frozen=True)
@@ -36,6 +46,7 @@ class GptShape:
     moe_ffn_hidden_size: int = 0
     moe_router_topk: int = 0
     shared_expert_ffn_hidden_size: int = 0
+    mla: Optional["MlaShape"] = None  # multi-latent attention's widths, in place of the QKV ones
 
     @classmethod
     def from_config(cls, config, seq_length: int, vocab_size: int) -> "GptShape":
@@ -45,6 +56,9 @@ class GptShape:
             moe = dict(num_moe_layers=sum(moe_layers(config.num_layers, config.moe_layer_freq)),
                        moe_ffn_hidden_size=config.moe_ffn_hidden_size, moe_router_topk=config.moe_router_topk,
                        shared_expert_ffn_hidden_size=config.moe_shared_expert_intermediate_size or 0)
+        if getattr(config, "multi_latent_attention", False):
+            moe["mla"] = MlaShape(config.q_lora_rank or 0, config.kv_lora_rank, config.qk_head_dim,
+                                  config.qk_pos_emb_head_dim, config.v_head_dim)
         return cls(num_layers=config.num_layers, hidden_size=config.hidden_size,
                    ffn_hidden_size=config.ffn_hidden_size, num_attention_heads=heads,
                    num_query_groups=config.num_query_groups or heads,
@@ -63,6 +77,8 @@ def multiply_adds_per_token(shape: GptShape) -> float:
     output_projection = query_width * h
     mlp_matrices = 3 if shape.gated_mlp else 2  # gate and up (SwiGLU) or up, then down
     attention = qkv_projection + core_attention + output_projection
+    if shape.mla is not None:
+        attention = mla_multiply_adds_per_token(shape.mla, h, shape.num_attention_heads, s)
     dense_mlp = h * shape.ffn_hidden_size * mlp_matrices
     # A token goes through top-k routed experts and every shared expert (one MLP of their summed width).
     moe_mlp = h * mlp_matrices * (shape.moe_router_topk * shape.moe_ffn_hidden_size
@@ -70,6 +86,22 @@ def multiply_adds_per_token(shape: GptShape) -> float:
     mlps = (shape.num_layers - shape.num_moe_layers) * dense_mlp + shape.num_moe_layers * moe_mlp
     logits = h * shape.vocab_size
     return shape.num_layers * attention + mlps + logits
+
+
+def mla_multiply_adds_per_token(mla: MlaShape, h: int, heads: int, s: int) -> float:
+    """One multi-latent attention layer, as Megatron-LM counts it: the low-rank projections (each
+    latent's norm counted as one more column, as upstream does), the shared RoPE key, the output
+    projection, and the scores over qk + pos wide heads and the weighted sum over v wide ones,
+    halved by the causal mask."""
+    q_head = mla.qk_head_dim + mla.qk_pos_emb_head_dim
+    if mla.q_lora_rank:
+        query = mla.q_lora_rank * (h + heads * q_head + 1)
+    else:
+        query = h * heads * q_head
+    key_value = mla.kv_lora_rank * (h + heads * (mla.qk_head_dim + mla.v_head_dim) + 1) + h * mla.qk_pos_emb_head_dim
+    output_projection = heads * mla.v_head_dim * h
+    core_attention = (heads * q_head + heads * mla.v_head_dim) * s / 2
+    return query + key_value + output_projection + core_attention
 
 
 def flops_per_iteration(shape: GptShape, global_batch_size: int) -> float:

@@ -27,6 +27,8 @@ def _norm(cfg, width: int) -> int:
 
 def attention_params(cfg, tp: int) -> int:
     """Input norm, QKV (GQA: query groups share K and V), output projection, optional Q/K norms."""
+    if getattr(cfg, "multi_latent_attention", False):
+        return mla_params(cfg, tp)
     h, heads = cfg.hidden_size, cfg.num_attention_heads
     q = heads * cfg.kv_channels
     kv = (cfg.num_query_groups or heads) * cfg.kv_channels
@@ -35,6 +37,28 @@ def attention_params(cfg, tp: int) -> int:
     proj = q // tp * h + (h if bias else 0)  # row-parallel: its bias is whole on every rank
     qk_norms = 2 * _norm(cfg, cfg.kv_channels) if getattr(cfg, "qk_layernorm", False) else 0
     return _norm(cfg, h) + qkv + proj + qk_norms
+
+
+def mla_params(cfg, tp: int) -> int:
+    """Multi-latent attention (megatron-core's MLASelfAttention, no biases but the output's): the input
+    norm; queries through a down projection to q_lora_rank, its norm and an up projection to every
+    head's qk + pos width (or one projection without q_lora_rank); keys and values through one down
+    projection to the kv latent plus the shared RoPE key, its norm and an up projection to every head's
+    qk + v width; the output projection. The up projections and the output split over TP; the down
+    projections too on megatron-core's local layers, while transformer-engine's keep them whole on
+    every rank. The latents' norms (with --qk-layernorm) are whole on every rank."""
+    h, heads = cfg.hidden_size, cfg.num_attention_heads
+    q_head = cfg.qk_head_dim + cfg.qk_pos_emb_head_dim
+    down_tp = tp if getattr(cfg, "transformer_impl", "transformer_engine") == "local" else 1
+    latent_norm = (lambda width: _norm(cfg, width)) if cfg.qk_layernorm else (lambda width: 0)
+    if cfg.q_lora_rank is None:
+        query = h * heads * q_head // tp
+    else:
+        query = h * cfg.q_lora_rank // down_tp + latent_norm(cfg.q_lora_rank) + cfg.q_lora_rank * heads * q_head // tp
+    key_value = (h * (cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim) // down_tp + latent_norm(cfg.kv_lora_rank)
+                 + cfg.kv_lora_rank * heads * (cfg.qk_head_dim + cfg.v_head_dim) // tp)
+    proj = heads * cfg.v_head_dim // tp * h + (h if cfg.add_bias_linear else 0)
+    return _norm(cfg, h) + query + key_value + proj
 
 
 def mlp_params(cfg, ffn: int, tp: int, bias: bool) -> int:

@@ -43,6 +43,7 @@ _MODULES = {
     "megatron.core.transformer.dot_product_attention": "mask/scratch buffers on current_device()",
     "megatron.core.transformer.utils": "attention-mask helpers on 'cuda'",
     "megatron.core.models.common.embeddings.rotary_pos_embedding": "RoPE inv_freq/get_emb on current_device()",
+    "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding": "MLA's YaRN inv_freq on current_device()",
     "megatron.core.models.gpt.gpt_model": "position/mtp buffers on current_device()",
     "megatron.core.distributed.param_and_grad_buffer": "_ParamAndGradBuffer allocates on current_device()",
     "megatron.core.distributed.distributed_data_parallel": "streams, synchronize, empty_cache, buffers on current_device()",
