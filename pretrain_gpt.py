@@ -20,9 +20,11 @@ from megatron.training.errors import UserError  # noqa: E402
 
 def _layer_spec(args, config, vp_stage=None):
     """Transformer-Engine layers when --transformer-impl resolved to them (TE installed, CUDA, not
-    --attention-backend local); megatron-core's local ones otherwise."""
+    --attention-backend local); megatron-core's local ones otherwise, with torch's SDPA as their core
+    attention where the flags chose it (model/kernels.py)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_decoder_block_spec, get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
+    from megatron.training.model.attention_spec import with_core_attention
 
     if args.transformer_impl == "transformer_engine" and args.device_resolved == "cuda":
         try:
@@ -37,9 +39,10 @@ def _layer_spec(args, config, vp_stage=None):
         raise UserError("--sequence-parallel: needs transformer-engine layers; "
                          "megatron-core's local layer spec uses torch norms that do not support it")
     if args.num_experts is not None:
-        return get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=args.normalization,
-                                          vp_stage=vp_stage)
-    return get_gpt_layer_local_spec(normalization=args.normalization, qk_layernorm=args.qk_layernorm)
+        return with_core_attention(get_gpt_decoder_block_spec(
+            config, use_transformer_engine=False, normalization=args.normalization, vp_stage=vp_stage), args)
+    return with_core_attention(
+        get_gpt_layer_local_spec(normalization=args.normalization, qk_layernorm=args.qk_layernorm), args)
 
 
 def model_provider(args, config, pre_process=True, post_process=True, vp_stage=None):

@@ -43,3 +43,21 @@ def run_steps(engine, grad_list):
     for g in grad_list:
         engine.grad_buffer.copy_(g)
         engine.step()
+
+
+def one_process_world():
+    """A gloo world of this process alone with megatron-core's parallel state (TP = PP = 1), for a
+    module-scoped fixture to yield from: megatron-core's modules look their groups up there."""
+    import socket
+
+    from megatron.core import parallel_state
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    yield
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()

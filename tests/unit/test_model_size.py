@@ -1,11 +1,7 @@
 """The planner's parameter count per pipeline stage equals megatron-core's GPTModel built from the
 same flags, over random shapes (GQA, SwiGLU, norms, biases, tied or untied, positions, stages)."""
 
-import os
-import socket
-
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -15,20 +11,12 @@ from megatron.training.args.arguments import parse_args
 from megatron.training.model.sizes import model_params, stage_params
 from megatron.training.model.configs import transformer_config
 
+from . import helpers
+
 
 @pytest.fixture(scope="module", autouse=True)
 def one_process_world():
-    from megatron.core import parallel_state
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    yield
-    parallel_state.destroy_model_parallel()
-    torch.distributed.destroy_process_group()
+    yield from helpers.one_process_world()
 
 
 @st.composite
