@@ -195,3 +195,39 @@ def test_has_no_parameters_or_buffers_of_its_own():
     ref, new = _both(_config(4, 2, 8), AttnMaskType.causal)
     assert list(new.state_dict()) == list(ref.state_dict()) == []
     assert math.isclose(new.softmax_scale, 1 / math.sqrt(8))
+
+
+def test_checkpoints_of_both_specs_are_interchangeable():
+    """The local spec with SDPA has the unfused spec's checkpoint entries (names, shapes, offsets);
+    either's parameters load into the other strictly and bit for bit. Also through a decoder block
+    spec (what MoE models use)."""
+    from types import SimpleNamespace
+
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+
+    from megatron.training.checkpoint.format import sharding_metadata
+    from megatron.training.model.attention_spec import with_core_attention
+
+    sdpa = SimpleNamespace(core_attention="sdpa")
+    config = _config(4, 2, 8, use_cpu_initialization=True)
+    models = {}
+    for seed, (name, spec) in enumerate([("unfused", get_gpt_layer_local_spec()),
+                                         ("sdpa", with_core_attention(get_gpt_layer_local_spec(), sdpa))]):
+        torch.manual_seed(seed)
+        models[name] = GPTModel(config, spec, vocab_size=64, max_sequence_length=16)
+    cores = {type(layer.self_attention.core_attention) for layer in models["sdpa"].decoder.layers}
+    assert cores == {SdpaAttention}
+    entries = {name: {key: (t.key, t.global_shape, t.global_offset)
+                      for key, t in model.sharded_state_dict(metadata=sharding_metadata()).items()}
+               for name, model in models.items()}
+    assert entries["sdpa"] == entries["unfused"] and entries["sdpa"]
+    for source, target in (("unfused", "sdpa"), ("sdpa", "unfused")):
+        torch.manual_seed(7)
+        for p in models[target].parameters():
+            p.data.normal_()
+        models[target].load_state_dict(models[source].state_dict(), strict=True)
+        for (name, got), (_, want) in zip(models[target].named_parameters(), models[source].named_parameters()):
+            assert torch.equal(got, want), name
+    block = with_core_attention(get_gpt_decoder_block_spec(config, use_transformer_engine=False), sdpa)
+    assert {s.submodules.self_attention.submodules.core_attention for s in block.layer_specs} == {SdpaAttention}
