@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Attention without transformer-engine (issue 28): megatron-core's unfused attention vs torch's SDPA, 10.24 B Llama.
+#   The README's 10.24 B command (gpu_update.sh PART=b: gpu,host,nvme, --offload-gpu-cache-gb auto, host 74 GiB,
+#   bf16 moments) at --seq-length 2048 and 8192, once with --attention-backend local (megatron-core's unfused
+#   DotProductAttention: the full score matrix) and once with flash (torch's scaled_dot_product_attention), with
+#   --log-throughput: iteration time, TFLOP/s, the peak the gpu tier saw ("gpu tier auto: peak ..." lines) and
+#   nvidia-smi's peak (memory_peaks.txt). With auto the gpu tier fills what attention leaves free, so the GPU
+#   peaks are alike and the saving shows as subgroups held in HBM; GPU_CACHE=40 fixes the tier instead.
+#   SEQS="2048 8192", KERNELS="unfused sdpa", ITERS_B, LIMIT_B as gpu_update.sh.
+# Run: bash benchmarks/run_gpu.sh attention   (device tool, carry [".whl"]); one H200.
+# Dry run on a CPU machine: DRY_RUN=1 bash benchmarks/experiments/attention.sh (tiny shapes, sequences 64 and 128).
+# Writes 10b_bf16_<kernel>_s<seq>.log, memory_peaks.txt and attention_summary.txt to $OUT; they belong in
+# docs/results/attention_h200_<date>/.
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+if [ "${DRY_RUN:-0}" = 1 ]; then SEQS=${SEQS:-64 128}; else SEQS=${SEQS:-2048 8192}; fi
+for seq in $SEQS; do
+  for kernel in ${KERNELS:-unfused sdpa}; do
+    backend=local; [ "$kernel" = sdpa ] && backend=flash
+    echo "== $kernel at sequence $seq"
+    PART=b STATES=bf16 LABEL="${kernel}_s$seq" LIMIT_B=${LIMIT_B:-300} \
+      EXTRA="--attention-backend $backend --seq-length $seq --max-position-embeddings $seq --log-throughput" \
+      bash benchmarks/experiments/gpu_update.sh > "$OUT/.attention_run.txt" 2>&1
+    grep -E "exit|peak host" "$OUT/.attention_run.txt"
+  done
+done
+$PY - "$OUT" $SEQS <<'PY' | tee "$OUT/attention_summary.txt"
+import pathlib, re, statistics, sys
+out, seqs = pathlib.Path(sys.argv[1]), sys.argv[2:]
+print(f"{'seq':>6} {'attention':>9} {'iteration ms (median after the 1st)':>36} {'TFLOP/s/GPU':>12} {'gpu tier peak GiB':>18}")
+for seq in seqs:
+    for kernel in ("unfused", "sdpa"):
+        log = out / f"10b_bf16_{kernel}_s{seq}.log"
+        text = log.read_text() if log.exists() else ""
+        ms = [float(x) for x in re.findall(r"elapsed time per iteration \(ms\): ([\d.]+)", text)][1:]
+        tf = [float(x) for x in re.findall(r"TFLOP/s/GPU\): ([\d.]+)", text)][1:]
+        peaks = [float(x) for x in re.findall(r"gpu tier auto: peak ([\d.]+) GiB", text)]
+        failed = "" if ms else "  (no iterations: see the log)"
+        print(f"{seq:>6} {kernel:>9} {statistics.median(ms) if ms else float('nan'):>36.1f} "
+              f"{statistics.median(tf) if tf else float('nan'):>12.1f} {max(peaks) if peaks else float('nan'):>18.2f}{failed}")
+PY
+rm -f "$OUT/.attention_run.txt"
