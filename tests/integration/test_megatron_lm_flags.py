@@ -309,7 +309,8 @@ def test_attention_kernel_without_and_with_transformer_engine(monkeypatch, extra
     assert args.core_attention == core_attention
     assert args.transformer_impl == ("transformer_engine" if core_attention == "transformer_engine" else "local")
     line = optional_kernels.attention_line(args)
-    assert ("scaled_dot_product_attention (" in line) == (core_attention == "sdpa") and "\n" not in line
+    assert line.startswith("> attention: torch scaled_dot_product_attention") == (core_attention == "sdpa")
+    assert "\n" not in line
 
 
 # ----------------------------------------------------------------------------- schedules and batches

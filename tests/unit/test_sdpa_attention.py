@@ -19,7 +19,8 @@ from megatron.core.transformer.enums import AttnMaskType
 from tests.profiles import examples
 
 from megatron.training.errors import UserError
-from megatron.training.model.sdpa_attention import SdpaAttention
+from megatron.training.model import kernels
+from megatron.training.model.sdpa_attention import SdpaAttention, admitted_cuda_kernels
 
 from . import helpers
 
@@ -231,3 +232,15 @@ def test_checkpoints_of_both_specs_are_interchangeable():
             assert torch.equal(got, want), name
     block = with_core_attention(get_gpt_decoder_block_spec(config, use_transformer_engine=False), sdpa)
     assert {s.submodules.self_attention.submodules.core_attention for s in block.layer_specs} == {SdpaAttention}
+
+
+def test_start_up_line_names_the_kernels_torch_admits_on_a_gpu():
+    """torch's own checks answer for the model's shapes (on a CPU tensor none of its CUDA kernels
+    admits it); the line says what runs for each answer."""
+    from types import SimpleNamespace
+
+    assert admitted_cuda_kernels(_config(4, 2, 16, torch.bfloat16), "cpu") == []
+    args = SimpleNamespace(core_attention="sdpa")
+    assert "math kernel" in kernels.attention_line(args, [])
+    assert "its flash, cuDNN kernel(s)" in kernels.attention_line(args, ["flash", "cuDNN"])
+    assert "flash kernel on CPU" in kernels.attention_line(args)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
+from typing import List, Optional
 
 
 def _installed(module: str) -> bool:
@@ -91,14 +92,20 @@ def _resolve_attention(args, kernels: Kernels, error) -> None:
     args.attention_backend = "local"  # megatron-core's own layers run (no transformer-engine backend)
 
 
-def attention_line(args) -> str:
-    """The start-up line naming the attention kernel that runs."""
+def attention_line(args, cuda_kernels: Optional[List[str]] = None) -> str:
+    """The start-up line naming the attention kernel that runs; ``cuda_kernels``: on a GPU, the fused
+    SDPA kernels torch admits for the model's attention (sdpa_attention.admitted_cuda_kernels)."""
     kind = getattr(args, "core_attention", "unfused")
     if kind == "transformer_engine":
         return f"> attention: transformer-engine's (--attention-backend {args.attention_backend})"
     if kind == "sdpa":
-        return ("> attention: torch scaled_dot_product_attention (its flash or memory-efficient kernel on "
-                "CUDA, flash on CPU; exact up to rounding), in megatron-core's local layers")
+        line = "> attention: torch scaled_dot_product_attention in megatron-core's local layers"
+        if cuda_kernels is None:
+            return line + " (its flash kernel on CPU; exact up to rounding)"
+        if not cuda_kernels:
+            return (line + ": no fused kernel of torch admits this model's attention on this GPU, so its math "
+                    "kernel runs, which materialises the score matrix as the unfused attention does")
+        return line + f": torch picks among its {', '.join(cuda_kernels)} kernel(s) here (exact up to rounding)"
     return ("> attention: megatron-core's unfused DotProductAttention (the full score matrix; "
             "--attention-backend auto or flash runs torch's scaled_dot_product_attention)")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -88,3 +88,19 @@ def _refuse_unsupported(config: TransformerConfig, layer_number: int) -> None:
         raise UserError(f"sliding-window attention (window {config.window_size}) is not supported by {_WHY}")
     if config.softmax_type != "vanilla":
         raise UserError(f"softmax type {config.softmax_type} is not supported by {_WHY}")
+
+
+def admitted_cuda_kernels(config: TransformerConfig, device) -> List[str]:
+    """torch's fused SDPA kernels that admit this model's attention (its dtype, heads, groups, head
+    dim, dropout, causal) on ``device``: torch picks among them per call, and falls back to its math
+    kernel, which materialises the score matrix, where none does. Asked of torch's own checks."""
+    from torch.backends import cuda as backends
+
+    dtype = config.params_dtype
+    heads, groups = config.num_attention_heads, config.num_query_groups or config.num_attention_heads
+    q = torch.empty(1, heads, 128, config.kv_channels, dtype=dtype, device=device)
+    kv = torch.empty(1, groups, 128, config.kv_channels, dtype=dtype, device=device)
+    params = backends.SDPAParams(q, kv, kv, None, config.attention_dropout, True, groups != heads)
+    checks = (("flash", "can_use_flash_attention"), ("memory-efficient", "can_use_efficient_attention"),
+              ("cuDNN", "can_use_cudnn_attention"))
+    return [name for name, check in checks if hasattr(backends, check) and getattr(backends, check)(params, False)]
