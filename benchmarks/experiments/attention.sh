@@ -39,5 +39,12 @@ for seq in seqs:
         failed = "" if ms else "  (no iterations: see the log)"
         print(f"{seq:>6} {kernel:>9} {statistics.median(ms) if ms else float('nan'):>36.1f} "
               f"{statistics.median(tf) if tf else float('nan'):>12.1f} {max(peaks) if peaks else float('nan'):>18.2f}{failed}")
+# Same seed, data and flags (no dropout): the losses differ by the kernels' bf16 rounding only.
+for seq in seqs:
+    loss = {k: [float(x) for x in re.findall(r"lm loss: ([\d.E+-]+)", (out / f"10b_bf16_{k}_s{seq}.log").read_text())]
+            if (out / f"10b_bf16_{k}_s{seq}.log").exists() else [] for k in ("unfused", "sdpa")}
+    pairs = list(zip(loss["unfused"], loss["sdpa"]))
+    rel = max((abs(s - u) / abs(u) for u, s in pairs), default=float("nan"))
+    print(f"seq {seq}: losses unfused {loss['unfused']} sdpa {loss['sdpa']}: largest relative difference {rel:.2e}")
 PY
 rm -f "$OUT/.attention_run.txt"
