@@ -5,6 +5,7 @@ generator; what it cannot do is refused in one line."""
 
 import contextlib
 import math
+import os
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.fusions import fused_softmax
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.dot_product_attention import DotProductAttention
-from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.enums import AttnBackend, AttnMaskType
 
 from tests.profiles import examples
 
@@ -198,7 +199,17 @@ def test_has_no_parameters_or_buffers_of_its_own():
     assert math.isclose(new.softmax_scale, 1 / math.sqrt(8))
 
 
-def test_checkpoints_of_both_specs_are_interchangeable():
+@pytest.fixture
+def restored_environment():
+    """megatron-core's GPTModel writes its attention backend into NVTE_* variables, which later
+    models of this process (and the processes it starts) are checked against."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def test_checkpoints_of_both_specs_are_interchangeable(restored_environment):
     """The local spec with SDPA has the unfused spec's checkpoint entries (names, shapes, offsets);
     either's parameters load into the other strictly and bit for bit. Also through a decoder block
     spec (what MoE models use)."""
@@ -211,7 +222,8 @@ def test_checkpoints_of_both_specs_are_interchangeable():
     from megatron.training.model.attention_spec import with_core_attention
 
     sdpa = SimpleNamespace(core_attention="sdpa")
-    config = _config(4, 2, 8, use_cpu_initialization=True)
+    # the backend our training layer gives megatron-core's local layers (model/kernels.py)
+    config = _config(4, 2, 8, use_cpu_initialization=True, attention_backend=AttnBackend.local)
     models = {}
     for seed, (name, spec) in enumerate([("unfused", get_gpt_layer_local_spec()),
                                          ("sdpa", with_core_attention(get_gpt_layer_local_spec(), sdpa))]):
