@@ -79,8 +79,8 @@ def test_each_flag_a_cpu_run_lacks_names_itself(flag):
     (["--fp8-format", "e4m3"], "--fp8-format e4m3", "transformer-engine"),
     (["--fp8-param-gather"], "--fp8-param-gather", "--fp8-format"),
     (["--context-parallel-size", "2"], "--context-parallel-size 2",
-     "transformer-engine's attention on CUDA (megatron-core's unfused attention and torch's scaled_dot_product_attention "
-     "have no context-parallel exchange)"),
+     "transformer-engine's attention on CUDA (megatron-core's unfused attention and torch's "
+     "scaled_dot_product_attention have no context-parallel exchange)"),
     (["--num-layers-per-virtual-pipeline-stage", "1"], "--num-layers-per-virtual-pipeline-stage 1",
      "--pipeline-model-parallel-size above 1, got 1"),
     (["--num-layers", "8", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"],

@@ -44,8 +44,8 @@ def test_losses_within_bf16_rounding_of_the_unfused_attention(runs):
 def test_checkpoint_resumes_with_the_other_attention(runs, saved_by, resumed_with):
     tmp, records = runs
     saved = copy_checkpoint(tmp / f"{saved_by}-ckpt", [SAVED_AT], tmp / f"{saved_by}-ckpt-{SAVED_AT}")
-    resumed = run_pretrain(tmp / f"{saved_by}-to-{resumed_with}", [*FLAGS, *KERNELS[resumed_with], "--load", str(saved)],
-                           train_iters=ITERS)
+    resumed = run_pretrain(tmp / f"{saved_by}-to-{resumed_with}",
+                           [*FLAGS, *KERNELS[resumed_with], "--load", str(saved)], train_iters=ITERS)
     assert [r["iteration"] for r in resumed] == list(range(SAVED_AT + 1, ITERS + 1))
     want = losses(records[saved_by])[SAVED_AT:]
     assert _close(losses(resumed), want), (losses(resumed), want)

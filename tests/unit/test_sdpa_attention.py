@@ -255,4 +255,4 @@ def test_start_up_line_names_the_kernels_torch_admits_on_a_gpu():
     args = SimpleNamespace(core_attention="sdpa")
     assert "math kernel" in kernels.attention_line(args, [])
     assert "its flash, cuDNN kernel(s)" in kernels.attention_line(args, ["flash", "cuDNN"])
-    assert "flash kernel on CPU" in kernels.attention_line(args)
+    assert "on CPU its flash kernel" in kernels.attention_line(args)

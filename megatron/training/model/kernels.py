@@ -101,7 +101,7 @@ def attention_line(args, cuda_kernels: Optional[List[str]] = None) -> str:
     if kind == "sdpa":
         line = "> attention: torch scaled_dot_product_attention in megatron-core's local layers"
         if cuda_kernels is None:
-            return line + " (its flash kernel on CPU; exact up to rounding)"
+            return line + " (on CPU its flash kernel, or its math kernel with attention dropout; exact up to rounding)"
         if not cuda_kernels:
             return (line + ": no fused kernel of torch admits this model's attention on this GPU, so its math "
                     "kernel runs, which materialises the score matrix as the unfused attention does")

@@ -4,8 +4,8 @@ A drop-in for megatron-core's unfused ``DotProductAttention`` in the local layer
 constructor and ``forward(query, key, value, attention_mask, ...)`` on ``[s, b, heads, head_dim]``,
 the same result up to rounding, and no parameters of its own, so checkpoints of the two specs are
 interchangeable. The unfused module materialises the ``[b, heads, sq, sk]`` score matrix; SDPA
-dispatches to torch's flash or memory-efficient kernels on CUDA (and a flash kernel on CPU), whose
-memory grows linearly with the sequence.
+dispatches to torch's flash, memory-efficient or cuDNN kernels on CUDA (on CPU to its flash kernel
+without dropout), whose memory grows linearly with the sequence.
 """
 
 from __future__ import annotations
