@@ -11,13 +11,21 @@
 #   memory there is a result, not a failure of the script.
 # Run: SEQS=2048 bash benchmarks/run_gpu.sh attention, then SEQS=8192 (one device call each keeps under its
 #   10 minutes; device tool, carry [".whl"]); one H200.
+#   First (UNIT=0 skips it) tests/unit/test_sdpa_attention.py runs on the GPU: SDPA against megatron-core's
+#   unfused attention there (fp32 and bf16, GQA, masks, dropout), as on CPU in the suite.
 # Dry run on a CPU machine: DRY_RUN=1 bash benchmarks/experiments/attention.sh (tiny shapes, sequences 64 and 128).
-# Writes 10b_bf16_<kernel>_s<seq>.log, memory_peaks.txt and attention_summary.txt to $OUT; they belong in
-# docs/results/attention_h200_<date>/.
+# Writes sdpa_unit_tests.txt, 10b_bf16_<kernel>_s<seq>.log, memory_peaks.txt and attention_summary.txt to
+# $OUT; they belong in docs/results/attention_h200_<date>/.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-$PWD}
 PY=${PYTHON:-python3}
 if [ "${DRY_RUN:-0}" = 1 ]; then SEQS=${SEQS:-64 128}; else SEQS=${SEQS:-2048 8192}; fi
+if [ "${UNIT:-1}" = 1 ]; then  # the module against megatron-core's unfused attention, on this machine's GPU
+  device=$($PY -c 'import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")')
+  echo "== tests/unit/test_sdpa_attention.py on $device"
+  $PY -m pytest -q -p no:cacheprovider -W ignore tests/unit/test_sdpa_attention.py 2>&1 | tail -3 | tee "$OUT/sdpa_unit_tests.txt"
+fi
 for seq in $SEQS; do
   for kernel in ${KERNELS:-unfused sdpa}; do
     backend=local; [ "$kernel" = sdpa ] && backend=flash

@@ -26,32 +26,37 @@ from megatron.training.model.sdpa_attention import SdpaAttention, admitted_cuda_
 from . import helpers
 
 
-class _CpuBuffer:
-    """megatron-core's global scratch buffer allocates on the current CUDA device; here on the CPU."""
+# On a GPU machine (benchmarks/experiments/attention.sh) the same comparisons run on the GPU.
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+GENERATOR = torch.cuda if DEVICE.type == "cuda" else torch  # the default generator of DEVICE
+
+
+class _ScratchBuffer:
+    """megatron-core's global scratch buffer, on DEVICE (it allocates on the current CUDA device)."""
 
     def get_tensor(self, shape, dtype, name, mem_alloc_context=None):
-        return torch.empty(shape, dtype=dtype)
+        return torch.empty(shape, dtype=dtype, device=DEVICE)
 
 
-class _CpuTracker:
-    """The model-parallel generator as megatron-core's tracker keeps it, on the CPU: ``fork`` swaps
-    the default generator's state for its own and back."""
+class _Tracker:
+    """The model-parallel generator as megatron-core's tracker keeps it: ``fork`` swaps DEVICE's
+    default generator state for its own and back."""
 
     def __init__(self, seed: int):
-        saved = torch.get_rng_state()
-        torch.manual_seed(seed)
-        self.state = torch.get_rng_state()
-        torch.set_rng_state(saved)
+        saved = GENERATOR.get_rng_state()
+        GENERATOR.manual_seed(seed)
+        self.state = GENERATOR.get_rng_state()
+        GENERATOR.set_rng_state(saved)
 
     @contextlib.contextmanager
     def fork(self, name="model-parallel-rng"):
-        outer = torch.get_rng_state()
-        torch.set_rng_state(self.state)
+        outer = GENERATOR.get_rng_state()
+        GENERATOR.set_rng_state(self.state)
         try:
             yield
         finally:
-            self.state = torch.get_rng_state()
-            torch.set_rng_state(outer)
+            self.state = GENERATOR.get_rng_state()
+            GENERATOR.set_rng_state(outer)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -60,12 +65,12 @@ def one_process_world():
 
 
 @pytest.fixture(autouse=True)
-def on_cpu(monkeypatch):
-    monkeypatch.setattr(parallel_state, "get_global_memory_buffer", lambda: _CpuBuffer())
-    # its causal mask is built on the CUDA device: the same mask (True above the diagonal) on the CPU
+def tracker(monkeypatch):
+    monkeypatch.setattr(parallel_state, "get_global_memory_buffer", lambda: _ScratchBuffer())
+    # its causal mask is built on the CUDA device: the same mask (True above the diagonal) on DEVICE
     monkeypatch.setattr(fused_softmax, "get_default_causal_mask",
-                        lambda sq: torch.ones(sq, sq, dtype=torch.bool).triu(1))
-    tracker = _CpuTracker(seed=7)
+                        lambda sq: torch.ones(sq, sq, dtype=torch.bool, device=DEVICE).triu(1))
+    tracker = _Tracker(seed=7)
     monkeypatch.setattr(tensor_parallel, "get_cuda_rng_tracker", lambda: tracker)
     return tracker
 
@@ -87,7 +92,7 @@ def _run(module, q, k, v, mask):
     """Output and the gradients of a fixed function of it, in fp32."""
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     out = module(q, k, v, mask)
-    weights = torch.linspace(-1, 1, out.numel()).view_as(out)
+    weights = torch.linspace(-1, 1, out.numel(), device=out.device).view_as(out)
     grads = torch.autograd.grad((out.float() * weights).sum(), (q, k, v))
     return [out.float()] + [g.float() for g in grads]
 
@@ -107,11 +112,11 @@ def cases(draw):
 def _inputs(case, dtype):
     gen = torch.Generator().manual_seed(case["seed"])
     s, b, n, g, d = case["seq"], case["batch"], case["heads"], case["groups"], case["head_dim"]
-    q, k, v = (torch.randn(s, b, heads, d, generator=gen).to(dtype) for heads in (n, g, g))
+    q, k, v = (torch.randn(s, b, heads, d, generator=gen).to(DEVICE, dtype) for heads in (n, g, g))
     mask = None
     if case["padding"]:  # True = left out, as megatron-core reads masks; every query keeps itself
         mask = torch.rand(b, 1, s, s, generator=gen) < 0.4
-        mask &= ~torch.eye(s, dtype=torch.bool)
+        mask = (mask & ~torch.eye(s, dtype=torch.bool)).to(DEVICE)
     return q, k, v, mask
 
 
@@ -152,28 +157,28 @@ def test_bf16_within_bf16_rounding_of_megatron_cores_unfused_attention(case):
 def test_sdpa_is_causal_and_uses_the_given_softmax_scale():
     """A reference written here: position i attends to 0..i only, with the scale given."""
     gen = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(6, 1, 2, 8, generator=gen) for _ in range(3))
+    q, k, v = (torch.randn(6, 1, 2, 8, generator=gen).to(DEVICE) for _ in range(3))
     _, new = _both(_config(2, 2, 8), AttnMaskType.causal, softmax_scale=0.2)
     scores = torch.einsum("sbnd,tbnd->bnst", q, k) * 0.2
-    scores = scores.masked_fill(torch.ones(6, 6, dtype=torch.bool).triu(1), float("-inf"))
+    scores = scores.masked_fill(torch.ones(6, 6, dtype=torch.bool, device=DEVICE).triu(1), float("-inf"))
     want = torch.einsum("bnst,tbnd->sbnd", scores.softmax(-1), v).reshape(6, 1, 16)
     torch.testing.assert_close(new(q, k, v, None), want, rtol=1e-5, atol=1e-6)  # fp32 rounding only
 
 
-def test_dropout_only_in_training_and_from_the_model_parallel_generator(on_cpu):
+def test_dropout_only_in_training_and_from_the_model_parallel_generator(tracker):
     config = _config(2, 2, 8, attention_dropout=0.5)
     _, new = _both(config, AttnMaskType.causal)
     gen = torch.Generator().manual_seed(5)
-    q, k, v = (torch.randn(16, 2, 2, 8, generator=gen) for _ in range(3))
+    q, k, v = (torch.randn(16, 2, 2, 8, generator=gen).to(DEVICE) for _ in range(3))
     new.eval()
     plain = new(q, k, v, None)
     _, without = _both(_config(2, 2, 8), AttnMaskType.causal)
     assert torch.equal(plain, without(q, k, v, None))
     new.train()
-    default_before, tracker_before = torch.get_rng_state(), on_cpu.state.clone()
+    default_before, tracker_before = GENERATOR.get_rng_state(), tracker.state.clone()
     dropped = new(q, k, v, None)
-    assert torch.equal(torch.get_rng_state(), default_before)  # the default generator is left alone
-    assert not torch.equal(on_cpu.state, tracker_before)
+    assert torch.equal(GENERATOR.get_rng_state(), default_before)  # the default generator is left alone
+    assert not torch.equal(tracker.state, tracker_before)
     assert not torch.allclose(dropped, plain)
     # Inverted dropout keeps the expectation: with values all ones every output is 1 on average.
     ones = torch.ones_like(v)
@@ -186,8 +191,8 @@ def test_dropout_only_in_training_and_from_the_model_parallel_generator(on_cpu):
     ({}, AttnMaskType.causal, 5, "causal attention of 8 queries over 5 keys"),
 ])
 def test_what_sdpa_cannot_do_is_refused_in_one_line(fields, mask_type, seq_k, words):
-    q = torch.randn(8, 1, 2, 8)
-    k = torch.randn(seq_k, 1, 2, 8)
+    q = torch.randn(8, 1, 2, 8, device=DEVICE)
+    k = torch.randn(seq_k, 1, 2, 8, device=DEVICE)
     with pytest.raises(UserError) as err:
         SdpaAttention(_config(2, 2, 8, **fields), 1, mask_type, "self")(q, k, k, None)
     assert words in str(err.value) and "\n" not in str(err.value)
@@ -248,10 +253,11 @@ def test_checkpoints_of_both_specs_are_interchangeable(restored_environment):
 
 def test_start_up_line_names_the_kernels_torch_admits_on_a_gpu():
     """torch's own checks answer for the model's shapes (on a CPU tensor none of its CUDA kernels
-    admits it); the line says what runs for each answer."""
+    admits it; on a GPU, flash admits bf16 GQA with head dim 16); the line says what runs for each answer."""
     from types import SimpleNamespace
 
-    assert admitted_cuda_kernels(_config(4, 2, 16, torch.bfloat16), "cpu") == []
+    admitted = admitted_cuda_kernels(_config(4, 2, 16, torch.bfloat16), DEVICE)
+    assert "flash" in admitted if DEVICE.type == "cuda" else admitted == []
     args = SimpleNamespace(core_attention="sdpa")
     assert "math kernel" in kernels.attention_line(args, [])
     assert "its flash, cuDNN kernel(s)" in kernels.attention_line(args, ["flash", "cuDNN"])
