@@ -167,8 +167,8 @@ def validate(parser, args) -> None:
     if args.decoupled_min_lr is not None and args.decoupled_lr is None:
         parser.error("argument --decoupled-min-lr: requires --decoupled-lr")
     if args.context_parallel_size > 1:
-        # megatron-core's context parallelism (the ring exchange of keys and values) runs only in
-        # transformer-engine's attention; its unfused attention and torch's SDPA have none.
+        # megatron-core's context parallelism (keys and values exchanged across the context group) runs
+        # only in transformer-engine's attention; its unfused attention and torch's SDPA have none.
         missing = optional_kernels.Kernels.detect(args.device).missing_te()
         why = (f"needs transformer-engine's attention on CUDA (megatron-core's unfused attention and torch's "
                f"scaled_dot_product_attention have no context-parallel exchange), and {missing}" if missing else
