@@ -20,9 +20,11 @@ from megatron.training.errors import UserError  # noqa: E402
 
 def _layer_spec(args, config, vp_stage=None):
     """Transformer-Engine layers when --transformer-impl resolved to them (TE installed, CUDA, not
-    --attention-backend local); megatron-core's local ones otherwise."""
+    --attention-backend local); megatron-core's local ones otherwise, with torch's SDPA as their core
+    attention where the flags chose it (model/kernels.py)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_decoder_block_spec, get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
+    from megatron.training.model.attention_spec import with_core_attention
 
     if args.transformer_impl == "transformer_engine" and args.device_resolved == "cuda":
         try:
@@ -46,8 +48,8 @@ def _layer_spec(args, config, vp_stage=None):
     if args.multi_latent_attention:  # megatron-core's local attention takes no separate key/value widths
         from megatron.training.model.mla_attention import local_mla_spec
 
-        spec = local_mla_spec(spec)
-    return spec
+        return local_mla_spec(spec)
+    return with_core_attention(spec, args)
 
 
 def model_provider(args, config, pre_process=True, post_process=True, vp_stage=None):

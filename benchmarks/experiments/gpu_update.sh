@@ -80,9 +80,9 @@ echo "== (b) the 10.24 B shape, gpu,host,nvme, --offload-gpu-cache-gb auto"
 for state in ${STATES:-bf16 lossless}; do
   PREC=""; [ $state = bf16 ] && PREC="--use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16"
   run "10b-$state${LABEL:+-$LABEL}" $LIMIT_B $BIG $RECOMPUTE --train-iters $ITERS_B $PREC ${EXTRA:-} \
-    --offload-tiers gpu,host,nvme --offload-nvme-path "$DISK" --offload-gpu-cache-gb auto --offload-host-cache-gb $HOST_GB \
+    --offload-tiers gpu,host,nvme --offload-nvme-path "$DISK" --offload-gpu-cache-gb ${GPU_CACHE:-auto} --offload-host-cache-gb $HOST_GB \
     --offload-subgroup-size $SUB --offload-io-threads 8 --offload-telemetry-log "$OUT/10b_${state}${LABEL:+_$LABEL}_telemetry.jsonl"
-  grep -v -i warn "$OUT/.run.log" | grep -E "model parameters|offload rank|gpu tier auto|predicted|iteration |rror|Killed" \
+  grep -v -i warn "$OUT/.run.log" | grep -E "model parameters|attention:|offload rank|gpu tier auto|predicted|iteration |rror|Killed" \
     | cut -c1-900 | tee "$OUT/10b_${state}${LABEL:+_$LABEL}.log"
   rm -rf "$DISK"/*
 done

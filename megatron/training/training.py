@@ -33,6 +33,8 @@ from megatron.training.data.datasets import build_tokenizer, padded_vocab_size
 from megatron.training.data.datasets import micro_batches
 from megatron.training.errors import reported_once
 from megatron.training.model.flops import GptShape, flops_per_iteration
+from megatron.training.model import kernels as optional_kernels
+from megatron.training.model.sdpa_attention import admitted_cuda_kernels
 from megatron.training.runtime import fault_injection
 from megatron.training.runtime.core_private import reset_grad_accumulation
 from mlp_offload import tree_bytes
@@ -269,6 +271,8 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
                  f"{f'VPP={len(model)} ' if len(model) > 1 else ''}"
                  f"DP={args.data_parallel_size} | micro-batches per step: {args.num_microbatches} | "
                  f"device: {device}")
+    cuda_sdpa = device.type == "cuda" and args.core_attention == "sdpa"
+    _print_rank0(optional_kernels.attention_line(args, admitted_cuda_kernels(config, device) if cuda_sdpa else None))
     if args.num_experts is not None:
         _print_rank0(moe_metrics.moe_summary(args, config, total_params, torch.distributed.get_world_size()))
 

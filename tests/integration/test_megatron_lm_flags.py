@@ -54,6 +54,7 @@ def test_example_flag_sets_parse_with_megatron_lm_meaning():
     assert gpt3.rampup_batch_size == [2, 2, 8] and gpt3.lr_warmup_fraction == 0.001
     assert gpt3.ffn_hidden_size == 256 and gpt3.kv_channels == 16 and gpt3.num_query_groups is None
     assert gpt3.attention_backend == "local" and gpt3.transformer_impl == "local"  # auto, without TE
+    assert gpt3.core_attention == "sdpa"  # torch's scaled_dot_product_attention in the local layers
     assert not gpt3.use_distributed_optimizer and gpt3.log_interval == 100
     llama = parse_args(filled(LLAMA3_8B_CPU, "/tmp/ckpt", "/tmp/cache"))
     assert llama.num_query_groups == 2 and llama.kv_channels == 16 and llama.ffn_hidden_size == 224
@@ -130,13 +131,14 @@ def test_each_flag_a_cpu_run_lacks_names_itself(flag):
 
 
 @pytest.mark.parametrize("extra, flag, missing", [
-    (["--attention-backend", "flash"], "--attention-backend flash", "transformer-engine"),
-    (["--attention-backend", "unfused"], "--attention-backend unfused", "transformer-engine"),
-    (["--use-flash-attn"], "--use-flash-attn", "transformer-engine"),
+    (["--attention-backend", "fused"], "--attention-backend fused", "transformer-engine"),
+    (["--use-flash-attn", "--attention-backend", "local"], "--use-flash-attn", "--attention-backend local"),
     (["--transformer-impl", "transformer_engine"], "--transformer-impl", "transformer-engine"),
     (["--fp8-format", "e4m3"], "--fp8-format e4m3", "transformer-engine"),
     (["--fp8-param-gather"], "--fp8-param-gather", "--fp8-format"),
-    (["--context-parallel-size", "2"], "--context-parallel-size 2", "transformer-engine"),
+    (["--context-parallel-size", "2"], "--context-parallel-size 2",
+     "transformer-engine's attention on CUDA (megatron-core's unfused attention and torch's "
+     "scaled_dot_product_attention have no context-parallel exchange)"),
     (["--num-layers-per-virtual-pipeline-stage", "1"], "--num-layers-per-virtual-pipeline-stage 1",
      "--pipeline-model-parallel-size above 1, got 1"),
     (["--num-layers", "8", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"],
@@ -398,6 +400,30 @@ def test_fusions_on_by_default_where_kernels_exist(monkeypatch):
     assert [f for f in FUSIONS if getattr(off, f)] == ["cross_entropy_loss_fusion"]
     assert parse_args(BASE + ["--attention-backend", "fused", "--fp8-format", "hybrid"]).fp8_format == "hybrid"
     assert parse_args(BASE + ["--attention-backend", "local"]).transformer_impl == "local"
+
+
+@pytest.mark.parametrize("extra, te, core_attention", [
+    ([], False, "sdpa"),
+    (["--attention-backend", "flash"], False, "sdpa"),
+    (["--use-flash-attn"], False, "sdpa"),
+    (["--attention-backend", "local"], False, "unfused"),
+    (["--attention-backend", "unfused"], False, "unfused"),
+    (["--transformer-impl", "local", "--use-flash-attn"], True, "sdpa"),
+    (["--transformer-impl", "local", "--attention-backend", "local"], True, "unfused"),
+    ([], True, "transformer_engine"),
+    (["--use-flash-attn"], True, "transformer_engine"),
+])
+def test_attention_kernel_without_and_with_transformer_engine(monkeypatch, extra, te, core_attention):
+    """Without transformer-engine layers flash/auto run torch's SDPA and local/unfused megatron-core's
+    unfused attention; with them, transformer-engine's (its backend passed on as given)."""
+    kernels = optional_kernels.Kernels(cuda=te, transformer_engine=te, apex=False, grad_accum_kernel=False)
+    monkeypatch.setattr(optional_kernels.Kernels, "detect", classmethod(lambda cls, device: kernels))
+    args = parse_args(BASE + extra)
+    assert args.core_attention == core_attention
+    assert args.transformer_impl == ("transformer_engine" if core_attention == "transformer_engine" else "local")
+    line = optional_kernels.attention_line(args)
+    assert line.startswith("> attention: torch scaled_dot_product_attention") == (core_attention == "sdpa")
+    assert "\n" not in line
 
 
 # ----------------------------------------------------------------------------- schedules and batches

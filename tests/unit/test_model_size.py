@@ -16,6 +16,8 @@ from megatron.training.args.arguments import parse_args
 from megatron.training.model.sizes import model_params, stage_params
 from megatron.training.model.configs import transformer_config
 
+from . import helpers
+
 
 @pytest.fixture(scope="module", autouse=True)
 def one_process_world():

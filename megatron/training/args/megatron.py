@@ -87,7 +87,8 @@ def _add_kernels(p) -> None:
     g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default=None,
                    help="default: transformer_engine where it is installed and the run is on CUDA, else local")
     g.add_argument("--attention-backend", choices=["auto", "local", "flash", "fused", "unfused"], default="auto",
-                   help="flash/fused/unfused are transformer-engine's; auto picks TE's where present, else local")
+                   help="with transformer-engine layers, its kernels; without them flash and auto run torch's "
+                        "scaled_dot_product_attention, local and unfused megatron-core's unfused attention")
     g.add_argument("--use-flash-attn", action="store_true", help="= --attention-backend flash")
     g.add_argument("--no-masked-softmax-fusion", dest="masked_softmax_fusion", action="store_false")
     g.add_argument("--no-bias-gelu-fusion", dest="bias_gelu_fusion", action="store_false")
@@ -198,9 +199,11 @@ def validate(parser, args) -> None:
     if args.decoupled_min_lr is not None and args.decoupled_lr is None:
         parser.error("argument --decoupled-min-lr: requires --decoupled-lr")
     if args.context_parallel_size > 1:
-        # megatron-core's context parallelism runs only in transformer-engine's attention.
+        # megatron-core's context parallelism (keys and values exchanged across the context group) runs
+        # only in transformer-engine's attention; its unfused attention and torch's SDPA have none.
         missing = optional_kernels.Kernels.detect(args.device).missing_te()
-        why = (f"needs transformer-engine's attention on CUDA, and {missing}" if missing else
+        why = (f"needs transformer-engine's attention on CUDA (megatron-core's unfused attention and torch's "
+               f"scaled_dot_product_attention have no context-parallel exchange), and {missing}" if missing else
                "not supported by this training layer yet (context-sharded batches)")
         parser.error(f"argument --context-parallel-size {args.context_parallel_size}: {why}; use 1")
     virtual_pipeline.validate(parser, args)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
+from typing import List, Optional
 
 
 def _installed(module: str) -> bool:
@@ -64,26 +65,54 @@ def resolve(args, kernels: Kernels, error) -> None:
 
 
 def _resolve_attention(args, kernels: Kernels, error) -> None:
+    """transformer-engine's attention where its layers run; with megatron-core's local layers,
+    torch's SDPA for flash/auto and megatron-core's unfused DotProductAttention for local/unfused
+    (``args.core_attention`` records which; ``attention_line`` says it at start-up)."""
     if args.use_flash_attn:
         if args.attention_backend not in ("auto", "flash"):
             error(f"argument --use-flash-attn: not allowed with --attention-backend {args.attention_backend}")
         args.attention_backend = "flash"
     backend = args.attention_backend
-    te_backend = backend in ("flash", "fused", "unfused")  # transformer-engine's attention kernels
-    asked_te = args.transformer_impl == "transformer_engine"
     if args.transformer_impl is None:  # Megatron-LM's default is TE; where TE is absent, megatron-core's own
         args.transformer_impl = "transformer_engine" if kernels.te_layers and backend != "local" else "local"
-    flag = ("--use-flash-attn" if args.use_flash_attn else f"--attention-backend {backend}" if te_backend
-            else "--transformer-impl transformer_engine")
-    if (te_backend or asked_te) and not kernels.te_layers:
-        error(f"argument {flag}: needs transformer-engine on a CUDA device; {kernels.missing_te()} "
-              "(--attention-backend auto or local runs megatron-core's own attention)")
-    if te_backend and args.transformer_impl == "local":
-        error(f"argument {flag}: needs --transformer-impl transformer_engine")
-    if args.transformer_impl == "transformer_engine" and backend == "local":
-        error("argument --attention-backend local: needs --transformer-impl local (Megatron-LM's --spec local)")
-    if args.transformer_impl == "local":
-        args.attention_backend = "local"  # megatron-core's own attention is what runs
+    if args.transformer_impl == "transformer_engine":
+        if not kernels.te_layers:
+            error("argument --transformer-impl transformer_engine: needs transformer-engine on a CUDA device; "
+                  f"{kernels.missing_te()}")
+        if backend == "local":
+            error("argument --attention-backend local: needs --transformer-impl local (Megatron-LM's --spec local)")
+        args.core_attention = "transformer_engine"
+        return
+    if backend == "fused":  # cuDNN's fused attention comes only with transformer-engine
+        flag = "--attention-backend fused"
+        why = kernels.missing_te() or "--transformer-impl local runs megatron-core's own layers"
+        error(f"argument {flag}: needs transformer-engine layers on a CUDA device; {why} "
+              "(--attention-backend flash or auto runs torch's scaled_dot_product_attention)")
+    args.core_attention = "sdpa" if backend in ("flash", "auto") else "unfused"
+    if getattr(args, "multi_latent_attention", False):  # its key and value widths differ: model/mla_attention
+        if backend == "flash":
+            error("argument --attention-backend flash: multi-latent attention runs megatron-core's unfused "
+                  "attention without transformer-engine (torch's SDPA is not wired for its widths)")
+        args.core_attention = "unfused"
+    args.attention_backend = "local"  # megatron-core's own layers run (no transformer-engine backend)
+
+
+def attention_line(args, cuda_kernels: Optional[List[str]] = None) -> str:
+    """The start-up line naming the attention kernel that runs; ``cuda_kernels``: on a GPU, the fused
+    SDPA kernels torch admits for the model's attention (sdpa_attention.admitted_cuda_kernels)."""
+    kind = getattr(args, "core_attention", "unfused")
+    if kind == "transformer_engine":
+        return f"> attention: transformer-engine's (--attention-backend {args.attention_backend})"
+    if kind == "sdpa":
+        line = "> attention: torch scaled_dot_product_attention in megatron-core's local layers"
+        if cuda_kernels is None:
+            return line + " (on CPU its flash kernel, or its math kernel with attention dropout; exact up to rounding)"
+        if not cuda_kernels:
+            return (line + ": no fused kernel of torch admits this model's attention on this GPU, so its math "
+                    "kernel runs, which materialises the score matrix as the unfused attention does")
+        return line + f": torch picks among its {', '.join(cuda_kernels)} kernel(s) here (exact up to rounding)"
+    return ("> attention: megatron-core's unfused DotProductAttention (the full score matrix; "
+            "--attention-backend auto or flash runs torch's scaled_dot_product_attention)")
 
 
 def _resolve_fp8(args, kernels: Kernels, error) -> None:
