@@ -18,10 +18,11 @@ from megatron.training.offload.optimizer import OffloadDistributedOptimizer
 from megatron.training.offload.shard import ShardGroups
 from megatron.training.offload.job_facts import PerNodeByRank0
 from megatron.training.offload.flags import config_from_args
+from megatron.training.offload.gpu_tier_start import starting_gpu_tier_bytes
 from megatron.training.errors import in_flags
 from megatron.training.runtime.core_private import param_groups_and_buffers
 from megatron.training.runtime.host_memory import measured_beside_engine
-from mlp_offload import OffloadConfig
+from mlp_offload import GiB, OffloadConfig
 
 log = logging.getLogger("mlp_offload")
 
@@ -32,8 +33,26 @@ def get_offload_optimizer(args, model_chunks, config: OptimizerConfig) -> Offloa
         raise UserError("--offload-tiers requires the distributed optimizer (--use-distributed-optimizer)")
     _set_cpu_threads(args, model_chunks)
     offload_config = offload_config_from_args(args)
-    return OffloadDistributedOptimizer(config, offload_config, model_chunks, shard_groups(model_chunks, config),
+    groups = shard_groups(model_chunks, config)
+    if offload_config.gpu_budget_auto and offload_config.on_cuda and len(groups) == 1:
+        offload_config = _with_starting_gpu_tier(args, model_chunks, offload_config, groups[0])
+    return OffloadDistributedOptimizer(config, offload_config, model_chunks, groups,
                                        token_store=job_store(offload_config))
+
+
+def _with_starting_gpu_tier(args, model_chunks, offload_config: OffloadConfig, groups: ShardGroups) -> OffloadConfig:
+    """An auto gpu tier's start (gpu_tier_start); one engine only (with experts, two engines share
+    the device: they start empty and learn it)."""
+    if offload_config.gpu_budget_bytes is not None:
+        return offload_config
+    free, _ = torch.cuda.mem_get_info()
+    start = starting_gpu_tier_bytes(args, model_chunks[0].config, free, offload_config.gpu_margin_bytes,
+                                    groups.dp_group.size())
+    if not start:
+        return offload_config
+    log.info("gpu tier auto: starts at %.2f GiB, half of what the activation estimate and the margin leave of "
+             "the %.2f GiB free; learnt from the measured peak after iteration 1", start / GiB, free / GiB)
+    return dataclasses.replace(offload_config, gpu_budget_bytes=start)
 
 
 def shard_groups(model_chunks, config: OptimizerConfig) -> List[ShardGroups]:

@@ -1,0 +1,26 @@
+"""Where an auto gpu tier (``--offload-gpu-cache-gb auto``) starts: half the device memory the
+planner's activation estimate leaves free after the model, instead of nothing.
+
+Started empty, the first iteration streamed the state that did not fit pinned host memory from the
+disk (20.68 B on one H200: 43 s; 60.4 B on four: 173 s) before the measured peak let the tier grow.
+Half, because the first iteration's peak ran above the steady one (20.68 B: 115.6 GiB against
+101.2 GiB) and the activation estimate counts the unfused attention's scores; the engine's own
+measurement after iteration 1 then promotes or hands back from there (engine.observe_device_memory).
+"""
+
+from __future__ import annotations
+
+from megatron.training.offload.capacity_plan import (activation_bytes, backward_workspace_bytes,
+                                                     microbatches_in_flight)
+
+START_SHARE = 0.5
+
+
+def starting_gpu_tier_bytes(args, cfg, free_bytes: int, margin_bytes: int, data_parallel: int) -> int:
+    """Bytes of optimizer state an auto gpu tier may take at start-up, where ``free_bytes`` of the
+    device are free with the model and its gradient buffers in place."""
+    microbatches = max(1, args.global_batch_size // (args.micro_batch_size * data_parallel))
+    in_flight = microbatches_in_flight(cfg.pipeline_model_parallel_size,
+                                       cfg.virtual_pipeline_model_parallel_size, microbatches)
+    needed = activation_bytes(args, cfg, in_flight) + backward_workspace_bytes(args, cfg) + margin_bytes
+    return max(0, int((free_bytes - needed) * START_SHARE))
