@@ -34,7 +34,8 @@ def get_offload_optimizer(args, model_chunks, config: OptimizerConfig) -> Offloa
     _set_cpu_threads(args, model_chunks)
     offload_config = offload_config_from_args(args)
     groups = shard_groups(model_chunks, config)
-    if offload_config.gpu_budget_auto and offload_config.on_cuda and len(groups) == 1:
+    on_cuda = next(model_chunks[0].parameters()).device.type == "cuda"  # (the config's device is set per shard)
+    if offload_config.gpu_budget_auto and on_cuda and len(groups) == 1:
         offload_config = _with_starting_gpu_tier(args, model_chunks, offload_config, groups[0])
     return OffloadDistributedOptimizer(config, offload_config, model_chunks, groups,
                                        token_store=job_store(offload_config))
