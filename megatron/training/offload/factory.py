@@ -46,7 +46,9 @@ def _with_starting_gpu_tier(args, model_chunks, offload_config: OffloadConfig, g
     the device: they start empty and learn it)."""
     if offload_config.gpu_budget_bytes is not None:
         return offload_config
-    free, _ = torch.cuda.mem_get_info()
+    # free on the device plus what torch's allocator caches unused (the model's initialisation left
+    # ~37 GiB there at 20.68 B: free alone said 22.7 GiB)
+    free = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
     start = starting_gpu_tier_bytes(args, model_chunks[0].config, free, offload_config.gpu_margin_bytes,
                                     groups.dp_group.size())
     if not start:
