@@ -54,8 +54,12 @@ class HostMemory:
             # each block up to a power of two, which nearly doubled a large budget's footprint.
             # Not inherited by the rank's children (data workers, checkpoint writers): each would
             # otherwise cost a copy of what the update rewrites, or of all of it once pinned.
-            raw = unforked_empty(nbytes + ALIGN)
+            raw = unforked_empty(nbytes + ALIGN, huge_pages=self.pin)
             if self.pin:
+                # Faulted in by torch's threads first: cudaHostRegister faulting them itself ran at
+                # 2.2 GB/s on an H200 machine, this at 12 GB/s, and 20 with huge pages
+                # (benchmarks/experiments/pinning.py, docs/benchmarks.md §11).
+                raw.zero_()
                 self._register(raw)
         except (RuntimeError, OSError) as err:  # OSError: the mapping was refused
             kind = "pinned " if self.pin else ""
