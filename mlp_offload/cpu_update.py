@@ -12,35 +12,26 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .device_update import Segment
+from .device_update import DONE
 from .kernels.fused_update import hyper_of
 from .gradients import GradientSource
 from .pipeline import StateViews
 from .kernels.remainders import ParamHighSource
 from .subgroups import Subgroup
-from .telemetry import StepRecord
 from .trace import Trace
-from .kernels.update import AdamKernel, Fp32Working
-
-
-def adam_piece(kernel: AdamKernel, param_groups: Sequence[dict], param, grad, exp_avg, exp_avg_sq, g: int,
-               span, step: int) -> None:
-    """AdamW on one piece of one param group with that group's current hyperparameters (a scheduler
-    may have changed them since the last step)."""
-    group = param_groups[g]
-    beta1, beta2 = group["betas"]
-    kernel(param, grad, exp_avg, exp_avg_sq, step=step, lr=group["lr"], beta1=beta1, beta2=beta2,
-           eps=group["eps"], weight_decay=group["weight_decay"], span=span if param.device.type == "cpu" else None)
+from .kernels.update import AdamKernel, Fp32Working, adam_piece
+from .param_groups import Segment
+from .step_context import StepContext
 
 
 class CpuUpdate:
     """The CPU's subgroups of one step, in the order ``begin`` was given."""
 
     def __init__(self, subgroups: Sequence[Subgroup], segments: Sequence[Sequence[Segment]],
-                 param_groups: Sequence[dict], adam: AdamKernel, working: Fp32Working, grad_source: GradientSource,
+                 adam: AdamKernel, working: Fp32Working, grad_source: GradientSource,
                  scratch, high: Optional[torch.Tensor], param_high: Optional[ParamHighSource],
                  on_params_updated: Optional[Callable], trace: Optional[Trace]):
-        self.subgroups, self.segments, self.param_groups, self.adam = subgroups, segments, param_groups, adam
+        self.subgroups, self.segments, self.adam = subgroups, segments, adam
         self.working, self.grad_source, self.scratch = working, grad_source, scratch
         self.high, self.param_high, self.on_params_updated, self.trace = high, param_high, on_params_updated, trace
         # A verified one-pass kernel (``cpu_one_pass.verified_cpu_one_pass``) in place of widen, Adam
@@ -48,16 +39,21 @@ class CpuUpdate:
         self.one_pass: Optional[Callable] = None
         self._high_fence = None  # the last subgroup's bf16 params may still be copied out of ``high``
         self._order, self._turn = [], {}
+        self.ctx: Optional[StepContext] = None
 
-    def begin(self, order: Sequence[int], unscale, clip_coef) -> None:
+    def begin(self, ctx: StepContext, order: Sequence[int]) -> None:
         """A step's CPU subgroups in update order; the first one's gradients start arriving now."""
+        self.ctx = ctx
         self._order, self._turn = list(order), {i: k for k, i in enumerate(order)}
         if self._order:
             first = self.subgroups[self._order[0]]
-            self.grad_source.start(first.start, first.end, self.scratch[0][: first.numel], unscale, clip_coef)
+            self.grad_source.start(first.start, first.end, self.scratch[0][: first.numel], ctx.unscale, ctx.clip_coef)
 
-    def update(self, i: int, views: StateViews, step: int, unscale, clip_coef, rec: StepRecord) -> None:
-        """Subgroup ``i`` (its state in ``views``): gradients, Adam, params out; times into ``rec``."""
+    def update(self, i: int, views: StateViews):
+        """Subgroup ``i`` (its state in ``views``): gradients, Adam, params out; times into the step's
+        record. Done when it returns (its fence is ``DONE``)."""
+        ctx = self.ctx
+        step, unscale, clip_coef, rec = ctx.step, ctx.unscale, ctx.clip_coef, ctx.record
         sg, source, scratch = self.subgroups[i], self.grad_source, self.scratch
         k = self._turn[i]
         t0 = time.perf_counter()
@@ -77,11 +73,11 @@ class CpuUpdate:
         if self.one_pass is not None:  # on the stored views, each param group's piece in one pass
             for lo, hi, g, _ in self.segments[i]:
                 self.one_pass([t[lo:hi] for t in stored], grad[lo:hi], None if high is None else high[lo:hi],
-                              hyper_of(self.param_groups[g]), step)
+                              hyper_of(ctx.groups[g]), step)
         else:
             param, exp_avg, exp_avg_sq = wide = self.working.widen(stored, high)
             for lo, hi, g, span in self.segments[i]:
-                adam_piece(self.adam, self.param_groups, param[lo:hi], grad[lo:hi], exp_avg[lo:hi],
+                adam_piece(self.adam, ctx.groups, param[lo:hi], grad[lo:hi], exp_avg[lo:hi],
                            exp_avg_sq[lo:hi], g, span, step)
             self.working.round_back(stored, wide, high)
         t2 = time.perf_counter()
@@ -98,3 +94,4 @@ class CpuUpdate:
         rec.convert_s += t1 - t0
         rec.adam_s += t2 - t1
         rec.callback_s += t3 - t2
+        return DONE

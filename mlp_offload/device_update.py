@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from .kernels.fused_update import AdamHyper, FusedAdamW
+from .kernels.fused_update import AdamHyper, FusedAdamW, hyper_of
+from .param_groups import Segment
+from .step_context import StepContext
 from .subgroups import Subgroup
-from .kernels.update import Fp32Working
+from .kernels.update import AdamKernel, Fp32Working, adam_piece
 
-Segment = Tuple[int, int, int, Tuple[int, int]]  # (lo, hi, param group, span): param_groups.segments_of
 
 
 class _Done:
@@ -199,6 +200,48 @@ class DeviceUpdate:
             if a < b:
                 self.fused([t[a - c0:b - c0] for t in chunk], grad[a:b],
                            None if high is None else high[a - c0:b - c0], hyper(g), step)
+
+
+class DeviceSide:
+    """The device's share of a step, as the engine's step loop sees both sides (``step_context``):
+    ``DeviceUpdate`` with what each subgroup's update needs, built once."""
+
+    def __init__(self, device_update: DeviceUpdate, subgroups: Sequence[Subgroup],
+                 segments: Sequence[Sequence[Segment]], grad_source, adam: AdamKernel,
+                 on_params, param_high, in_device_memory: Callable[[int], bool], trace=None):
+        self.device_update, self.subgroups, self.segments = device_update, subgroups, segments
+        self.grad_source, self.adam, self.on_params, self.param_high = grad_source, adam, on_params, param_high
+        self.in_device_memory, self.trace = in_device_memory, trace  # (where the placement has it now)
+        self.streams = device_update.streams
+        self.ctx: Optional[StepContext] = None
+
+    def begin(self, ctx: StepContext, order: Sequence[int] = ()) -> None:
+        """Its streams see what the caller's stream did (backward's grads, the params)."""
+        self.ctx = ctx
+        self.streams.after_caller()
+
+    def end(self) -> None:
+        """The caller's stream sees the params the update wrote (not for a deferred step)."""
+        self.streams.before_caller()
+
+    def update(self, i: int, views) -> object:
+        """Queue subgroup ``i``'s update (in place where it lives in device memory, else streamed
+        through it); returns the fence of its last copy."""
+        ctx, sg = self.ctx, self.subgroups[i]
+        groups, step, unscale, clip_coef = ctx.groups, ctx.step, ctx.unscale, ctx.clip_coef
+        views.sync_fence()  # a copy of its params from this buffer may still run (host state)
+        t0 = time.perf_counter()
+        fence = self.device_update.update(
+            sg, list(views.narrow(sg.numel)), self.in_device_memory(i), self.segments[i],
+            lambda out: self.grad_source.to_device(sg.start, sg.end, out, unscale, clip_coef),
+            lambda p, g, m, v, group, span: adam_piece(self.adam, groups, p, g, m, v, group, span, step),
+            self.on_params, self.param_high.to_device if self.param_high is not None else None,
+            hyper=lambda g: hyper_of(groups[g]), step=step)
+        t1 = time.perf_counter()
+        ctx.record.device_s += t1 - t0
+        if self.trace is not None:
+            self.trace.compute("device update queued", t0, t1, subgroup=i, step=step, elements=sg.numel)
+        return fence
 
 
 class DeferredWork:

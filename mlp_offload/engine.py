@@ -16,28 +16,30 @@ import atexit
 import logging
 import time
 import weakref
-from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
+from types import MappingProxyType
+from typing import Callable, Dict, Iterator, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 from .config import GPU_TIER, OffloadConfig, OffloadConfigError
 from .kernels.cpu_one_pass import cpu_one_pass_for_device, verified_cpu_one_pass
-from .cpu_update import CpuUpdate, adam_piece
-from .device_update import DeferredWork, DeviceUpdate
-from .kernels.fused_update import hyper_of, verified_fused_update
+from .cpu_update import CpuUpdate
+from .device_update import DeferredWork, DeviceSide, DeviceUpdate
+from .kernels.fused_update import verified_fused_update
 from .faults import fault_point
 from .gradients import GradientSource, HostGradients, gradient_host_bytes, scratch_buffers
 from .param_groups import Range, build_groups, segments_of
 from .plan.placement import CPU, DEVICE, Placement
 from .plan.prediction import Prediction
 from .startup import describe_tiers, start_up
-from .pipeline import OffloadStateError, SlotPipeline, StateViews, fill_params
+from .pipeline import OffloadStateError, SlotPipeline, StateViews, file_key, fill_params
 from .relocation import Relocation
 from .kernels.remainders import ParamHighSource, RemainderMaster
 from .plan.schedule import StepSchedule, step_schedule
 from .snapshot import StateSnapshot
 from .state_access import StateAccess
 from .state_dtypes import bytes_per_param, torch_dtypes
+from .step_context import StepContext
 from .subgroups import Subgroup, partition
 from .telemetry import StepRecord, TrafficCounters
 from .tiers.base import ResidentTier, StreamedTier
@@ -165,6 +167,7 @@ class OffloadedAdamW:
         self.host, self.rates, self.tokens_per_tier = plan.host, plan.rates, plan.tokens_per_tier
         self.adam_rate, self.convert_rate, self.devices = plan.adam_rate, plan.convert_rate, plan.devices
         self.update_rates = plan.update_rates
+        self._start_up = plan  # its rates price every later placement (repredict)
         self.placement: Placement = plan.placement
         self.prediction: Prediction = plan.prediction
 
@@ -185,11 +188,16 @@ class OffloadedAdamW:
         self.grad_source = grad_source
         high = (self.host.allocate(high_bytes, "param high halves", counted=False).view(torch.bfloat16)
                 if cfg.param_remainders else None)
-        self._cpu_update = CpuUpdate(
-            self.subgroups, self._segments, self.param_groups, self.adam, working,
+        # The two update sides (step_context.UpdateSide), built once with what they need.
+        self._cpu_side = CpuUpdate(
+            self.subgroups, self._segments, self.adam, working,
             grad_source, scratch_buffers(not isinstance(grad_source, HostGradients), largest, self.host.allocate),
             high, self.param_high, self.on_params_updated, self.trace)
-        self._cpu_update.one_pass = self._cpu_one_pass
+        self._cpu_side.one_pass = self._cpu_one_pass
+        self._device_side = None if self._device_update is None else DeviceSide(
+            self._device_update, self.subgroups, self._segments, grad_source, self.device_adam,
+            self.on_params_updated, self.param_high if cfg.param_remainders else None,
+            lambda i: self.placement.tier_of[i] == GPU_TIER, self.trace)
         self._resident: Dict[int, StateViews] = {}
         # Pinning tens of GB takes a while: a line before and after, with size and rate.
         kind = "pinned " if self.host.pin else ""
@@ -273,96 +281,83 @@ class OffloadedAdamW:
         if skip:
             return StepRecord(step=self.steps_done, skipped=True, tiers=self._counters.take())
         t_start = time.perf_counter()
-        defer = self._deferred is not None
-        sched = self._pipeline.schedule
-        step = self.steps_done + 1
-        sides = self.placement.update_on
-        rec = StepRecord(step=step, streamed=len(sched.streamed), resident=len(self._resident),
-                         predicted_update_s=self.prediction.update_s, predicted_adam_s=self.prediction.adam_s,
-                         predicted_device_s=self.prediction.device_s, device_updated=sides.count(DEVICE),
-                         cpu_updated=sides.count(CPU))
-        if defer:
-            rec.predicted_deferred_s, rec.predicted_serial_s = self.prediction.deferred_s, self.prediction.serial_s
-        halfway = sched.order[len(sched.order) // 2]
-        # The CPU's subgroups take turns in two scratch buffers (cpu_update); the device's
-        # gradients come straight into device memory.
-        self._cpu_update.begin([i for i in sched.order if sides[i] == CPU], unscale, clip_coef)
-        if self._device_update is not None:
-            self._device_update.streams.after_caller()
-        pending = []  # device-updated subgroups whose copy-out may still run: (index, fence)
-        # The device's subgroups held in memory (gpu or host tier) are queued first: the device then
-        # works through them while the CPU runs its own share below. Queued one by one as the loop
-        # reached them, the device idled during each CPU Adam.
-        queued = {i for i in sched.order if sides[i] == DEVICE and i in self._resident}
+        sched, on = self._pipeline.schedule, self.placement.update_on
+        ctx = self._step_context(unscale, clip_coef, sched)
+        sides = {CPU: self._cpu_side, DEVICE: self._device_side}
+        self._cpu_side.begin(ctx, [i for i in sched.order if on[i] == CPU])
+        if self._device_side is not None:
+            self._device_side.begin(ctx)
+        # The device's subgroups held in memory (gpu or host tier) go first, all of them: the device
+        # works through them while the CPU runs its share below (queued as the loop reached them, the
+        # device idled during each CPU Adam). Deferred, they are queued as the next forward needs them.
+        held = [i for i in sched.order if on[i] == DEVICE and i in self._resident]
+        in_flight = []  # device-updated subgroups whose last copy may still run: (index, fence)
 
-        # This step's hyperparameters: a deferred launch may come after the scheduler changed them.
-        groups = [dict(group) for group in self.param_groups]
-
-        def launch(i):
+        def update(i, views):
             if self._snapshot is not None:
-                self._snapshot.before_update(i)
-            return self._device_step(i, self._resident[i], step, unscale, clip_coef, rec, groups)
+                self._snapshot.before_update(i)  # a checkpoint writer may still need it as it is
+            return sides[on[i]].update(i, views)
         try:
-            if defer:  # in the next forward's order, queued as it needs them (DeferredWork)
-                rec.deferred_device_s = self._deferred.take_seconds()
-                self._deferred.begin(sorted(queued, reverse=True), launch)
+            if self._deferred is not None:
+                ctx.record.deferred_device_s = self._deferred.take_seconds()
+                self._deferred.begin(sorted(held, reverse=True), lambda i: update(i, self._resident[i]))
             else:
-                pending = [(i, launch(i)) for i in sched.order if i in queued]
+                in_flight = [(i, update(i, self._resident[i])) for i in held]
+            halfway = sched.order[len(sched.order) // 2]
             for i in sched.order:
                 if i == halfway:
                     fault_point("update")
-                if defer:
+                if self._deferred is not None:
                     self._deferred.keep_busy()
-                if i in queued:
-                    continue
-                if i in self._resident:
-                    views = self._resident[i]
-                    views.sync_fence()
-                else:
-                    if i not in self._pipeline.slot_of:  # its read may need a buffer they hold
-                        self._finish_device(pending, rec, keep=0)
-                    views, hit = self._pipeline.await_state(i, rec)
-                    rec.cache_hits += hit
-                if self._snapshot is not None:
-                    self._snapshot.before_update(i)  # a checkpoint writer may still need it as it is
-                if sides[i] == DEVICE:
-                    pending.append((i, self._device_step(i, views, step, unscale, clip_coef, rec, groups)))
-                    self._finish_device(pending, rec, keep=1)  # the device works on while the next is set up
-                    continue
-                self._cpu_update.update(i, views, step, unscale, clip_coef, rec)
-                if i not in self._resident:
-                    self._pipeline.release(i)
-            # Streamed subgroups' host buffers go back to the pipeline now; deferred ones stay queued.
-            self._finish_device(pending, rec, keep=0)
-            if not defer and self._device_update is not None:
-                self._device_update.streams.before_caller()
+                if on[i] == DEVICE and i in self._resident:
+                    continue  # (above)
+                views = self._acquire(i, in_flight, ctx.record)
+                self._release(i, update(i, views), in_flight, ctx.record)
+            self._finish_device(in_flight, ctx.record, keep=0)  # streamed buffers back to the pipeline
+            if self._deferred is None and self._device_side is not None:
+                self._device_side.end()
         except BaseException as err:
             self._pipeline.failure = err
             raise
-        self.steps_done = step
-        self._pipeline.begin(self._schedule_for(step))  # its first reads run under forward/backward
-        rec.update_s = time.perf_counter() - t_start
-        rec.tiers = self._counters.take()
-        self._relocation.observe_step(rec)  # the update split, re-chosen from what this step measured
-        return rec
+        self.steps_done = ctx.step
+        self._pipeline.begin(self._schedule_for(ctx.step))  # its first reads run under forward/backward
+        ctx.record.update_s = time.perf_counter() - t_start
+        ctx.record.tiers = self._counters.take()
+        self._relocation.observe_step(ctx.record)  # the update split, re-chosen from what this step measured
+        return ctx.record
 
-    def _device_step(self, i: int, views: StateViews, step: int, unscale, clip_coef, rec, groups):
-        """Queue subgroup ``i``'s update on the device (in place where it lives there, else streamed
-        through it) with the param ``groups``' hyperparameters; returns the fence of its last copy."""
-        sg = self.subgroups[i]
-        views.sync_fence()  # a copy of its params from this buffer may still run (host state)
-        t0 = time.perf_counter()
-        fence = self._device_update.update(
-            sg, list(views.narrow(sg.numel)), self.placement.tier_of[i] == GPU_TIER, self._segments[i],
-            lambda out: self.grad_source.to_device(sg.start, sg.end, out, unscale, clip_coef),
-            lambda p, g, m, v, group, span: adam_piece(self.device_adam, groups, p, g, m, v, group, span, step),
-            self.on_params_updated, self.param_high.to_device if self.config.param_remainders else None,
-            hyper=lambda g: hyper_of(groups[g]), step=step)
-        t1 = time.perf_counter()
-        rec.device_s += t1 - t0
-        if self.trace is not None:
-            self.trace.compute("device update queued", t0, t1, subgroup=i, step=step, elements=sg.numel)
-        return fence
+    def _step_context(self, unscale, clip_coef, sched: StepSchedule) -> StepContext:
+        on, pred = self.placement.update_on, self.prediction
+        rec = StepRecord(step=self.steps_done + 1, streamed=len(sched.streamed), resident=len(self._resident),
+                         predicted_update_s=pred.update_s, predicted_adam_s=pred.adam_s,
+                         predicted_device_s=pred.device_s, device_updated=on.count(DEVICE),
+                         cpu_updated=on.count(CPU))
+        if self._deferred is not None:
+            rec.predicted_deferred_s, rec.predicted_serial_s = pred.deferred_s, pred.serial_s
+        # copies: a deferred launch may come after the caller's scheduler changed the groups
+        return StepContext(rec.step, unscale, clip_coef, [dict(group) for group in self.param_groups], rec)
+
+    def _acquire(self, i: int, in_flight, rec: StepRecord) -> StateViews:
+        """Subgroup ``i``'s state: where it is held, or read into a pipeline buffer (waiting for the
+        device's streamed updates where the read needs a buffer they hold)."""
+        if i in self._resident:
+            views = self._resident[i]
+            views.sync_fence()
+            return views
+        if i not in self._pipeline.slot_of:
+            self._finish_device(in_flight, rec, keep=0)
+        views, hit = self._pipeline.await_state(i, rec)
+        rec.cache_hits += hit
+        return views
+
+    def _release(self, i: int, fence, in_flight, rec: StepRecord) -> None:
+        """After subgroup ``i``'s update was issued: a device update keeps its buffer until its fence
+        (the device works on while the next is set up); a CPU one is done, its buffer goes back."""
+        if self.placement.update_on[i] == DEVICE:
+            in_flight.append((i, fence))
+            self._finish_device(in_flight, rec, keep=1)
+        elif i not in self._resident:
+            self._pipeline.release(i)
 
     def _finish_device(self, pending, rec, keep: int) -> None:
         """Wait for the oldest device updates until ``keep`` remain; their host buffers are then free."""
@@ -385,6 +380,52 @@ class OffloadedAdamW:
         updated state); a no-op otherwise."""
         if self._deferred is not None:
             self._deferred.settle()
+
+    # -- placement changes while it lives (relocation decides, these carry it out) ------------------
+    @property
+    def file_tiers(self) -> Mapping[str, StreamedTier]:
+        """The file tiers by name (read only)."""
+        return MappingProxyType(self._tiers)
+
+    def repredict(self, update_rates=None) -> None:
+        """The prediction for today's placement and split, at the start-up's rates or ``update_rates``."""
+        self.prediction = self._start_up.predict(self.subgroups, self.placement, update_rates)
+
+    def restart_reads(self) -> None:
+        """The next step's reads, begun anew for today's placement."""
+        self._pipeline.begin(self._schedule_for(self.steps_done))
+
+    def move_state(self, moves: Dict[int, str]) -> None:
+        """Each subgroup in ``moves`` to its new tier, state and all (between steps, settled)."""
+        pipe, tier_of = self._pipeline, self.placement.tier_of
+        pipe.persist_buffers()  # every buffered copy on its tier: the buffers' holders may change
+        for i, dest in moves.items():
+            sg, source = self.subgroups[i], tier_of[i]
+            old = self._resident.pop(i, None)
+            views = old
+            if views is None:  # streamed: from its file (or its first materialization)
+                views = self._scratch_views()
+                pipe.fill_from_tier(i, views)
+            if dest in self.memory:
+                new = StateViews.over(self.memory[dest].allocate(sg.state_bytes, f"subgroup {i}"), sg,
+                                      self.state_dtypes)
+                for dst, src in zip(new.narrow(sg.numel), views.narrow(sg.numel)):
+                    dst.copy_(src)
+                self._resident[i] = new
+            else:
+                if source == GPU_TIER:  # file I/O needs aligned host bytes
+                    scratch = self._scratch_views()
+                    for dst, src in zip(scratch.narrow(sg.numel), views.narrow(sg.numel)):
+                        dst.copy_(src)
+                    views = scratch
+                tier_of[i] = dest
+                pipe.write_now(i, views)
+            tier_of[i] = dest
+            pipe.fresh.discard(i)
+            if old is not None:
+                self.memory[source].release(old.buf)
+            elif source in self._tiers:
+                self._tiers[source].forget(file_key(i))
 
     # -- the device tier's size (auto) ---------------------------------------------------------
     def observe_device_memory(self, peak_bytes: int, capacity_bytes: int) -> Optional[str]:

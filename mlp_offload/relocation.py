@@ -12,9 +12,7 @@ import math
 from typing import Dict, Optional
 
 from .config import GPU_TIER, HOST_TIER
-from .pipeline import StateViews, file_key
 from .plan.placement import split_updates
-from .plan.prediction import predict_update
 from .plan.split import SideRates, UpdateSplit
 from .units import GiB
 
@@ -66,7 +64,7 @@ class Relocation:
         on_device = [i for i, t in enumerate(tier_of) if t == GPU_TIER]
         if change > 0:
             # Those streamed from files first (they save I/O too), then host-resident ones.
-            below = ([i for i, t in enumerate(tier_of) if t in eng._tiers]
+            below = ([i for i, t in enumerate(tier_of) if t in eng.file_tiers]
                      + [i for i, t in enumerate(tier_of) if t == HOST_TIER])
             moves = {i: GPU_TIER for i in below[:change]}
         elif change < 0:
@@ -101,43 +99,13 @@ class Relocation:
             pending = sum(eng.subgroups[i].state_bytes for i, t in planned.items() if t == HOST_TIER)
             if host.budget_bytes is None or host.used_bytes + pending + nbytes <= host.budget_bytes:
                 return HOST_TIER
-        fits = [(tier.free_bytes(), name) for name, tier in eng._tiers.items() if tier.free_bytes() > nbytes]
+        fits = [(tier.free_bytes(), name) for name, tier in eng.file_tiers.items() if tier.free_bytes() > nbytes]
         return max(fits)[1] if fits else None
 
     def move(self, moves: Dict[int, str]) -> None:
         """Give each subgroup in ``moves`` its new tier, state and all; then re-plan the update split
         and the prediction, and start the next step's reads."""
-        eng = self.engine
-        pipe = eng._pipeline
-        pipe.persist_buffers()  # every buffered copy on its tier: the buffers' holders may change
-        tier_of = eng.placement.tier_of
-        for i, dest in moves.items():
-            sg, source = eng.subgroups[i], tier_of[i]
-            old = eng._resident.pop(i, None)
-            views = old
-            if views is None:  # streamed: from its file (or its first materialization)
-                views = eng._state._scratch_views()
-                pipe.fill_from_tier(i, views)
-            if dest in eng.memory:
-                new = StateViews.over(eng.memory[dest].allocate(sg.state_bytes, f"subgroup {i}"), sg,
-                                      eng.state_dtypes)
-                for dst, src in zip(new.narrow(sg.numel), views.narrow(sg.numel)):
-                    dst.copy_(src)
-                eng._resident[i] = new
-                tier_of[i] = dest
-            else:
-                if source == GPU_TIER:  # file I/O needs aligned host bytes
-                    scratch = eng._state._scratch_views()
-                    for dst, src in zip(scratch.narrow(sg.numel), views.narrow(sg.numel)):
-                        dst.copy_(src)
-                    views = scratch
-                tier_of[i] = dest
-                pipe.write_now(i, views)
-            pipe.fresh.discard(i)
-            if old is not None:
-                eng.memory[source].release(old.buf)
-            elif source in eng._tiers:
-                eng._tiers[source].forget(file_key(i))
+        self.engine.move_state(moves)
         self._replan()
 
     def _replan(self) -> None:
@@ -153,14 +121,9 @@ class Relocation:
             p.update_on = split_updates(eng.subgroups, p.tier_of, eng.config.update_on, eng.update_rates,
                                         eng.config.defer_device_wait)
         self._predict()
-        eng._pipeline.begin(eng._schedule_for(eng.steps_done))
+        eng.restart_reads()
 
     def _predict(self) -> None:
         """The engine's prediction for its placement and split, at the measured rates once there are some."""
-        eng = self.engine
-        rates = self.split.rates.as_update_rates() if self.split is not None and self.split.learnt \
-            else eng.update_rates
-        eng.prediction = predict_update(eng.subgroups, eng.placement, eng.rates, eng.adam_rate, eng.convert_rate,
-                                        eng.devices, ranks_sharing=eng.config.resolved_ranks_sharing_node(),
-                                        tokens=eng.tokens_per_tier, cache_alternating=eng.config.cache_alternating,
-                                        update_rates=rates)
+        learnt = self.split is not None and self.split.learnt
+        self.engine.repredict(self.split.rates.as_update_rates() if learnt else None)

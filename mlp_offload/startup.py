@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 from .config import HOST_TIER, OffloadConfig, TierBandwidth
 from .plan.placement import Placement, UpdateRates, plan_placement, tokens_for
@@ -37,9 +37,21 @@ class StartUp:
     prediction: Prediction
     update_rates: UpdateRates
 
+    ranks_sharing: int = 1
+    cache_alternating: bool = True
+
     @property
     def host(self) -> HostMemory:
         return self.memory[HOST_TIER]
+
+    def predict(self, subgroups: Sequence[Subgroup], placement: Placement,
+                update_rates: Optional[UpdateRates] = None) -> Prediction:
+        """The update predicted for ``placement`` at the rates measured here (or ``update_rates``,
+        those the steps showed since): the one call start-up and every later re-placement make."""
+        return predict_update(subgroups, placement, self.rates, self.adam_rate, self.convert_rate, self.devices,
+                              ranks_sharing=self.ranks_sharing, tokens=self.tokens_per_tier,
+                              cache_alternating=self.cache_alternating,
+                              update_rates=update_rates or self.update_rates)
 
 
 def start_up(cfg: OffloadConfig, subgroups: List[Subgroup], adam, tiers: Dict[str, StreamedTier],
@@ -90,11 +102,10 @@ def start_up(cfg: OffloadConfig, subgroups: List[Subgroup], adam, tiers: Dict[st
     free = {name: tier.free_bytes() for name, tier in tiers.items()}
     devices = {name: tier.device for name, tier in tiers.items()}
     placement = plan_placement(subgroups, cfg, rates, free, devices, update_rates)
-    prediction = predict_update(subgroups, placement, rates, adam_rate, convert_rate, devices,
-                                ranks_sharing=sharing, tokens=tokens_per_tier, cache_alternating=cfg.cache_alternating,
-                                update_rates=update_rates)
-    return StartUp(memory, rates, adam_rate, convert_rate, tokens_per_tier, devices, placement, prediction,
-                   update_rates)
+    found = StartUp(memory, rates, adam_rate, convert_rate, tokens_per_tier, devices, placement, None, update_rates,
+                    sharing, cfg.cache_alternating)
+    found.prediction = found.predict(subgroups, placement)
+    return found
 
 
 def _probe(cfg: OffloadConfig, name: str, host: HostMemory) -> TierBandwidth:

@@ -280,7 +280,7 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
         _print_rank0("> --moe-grouped-gemm: no grouped GEMM kernel here (the grouped_gemm package, or "
                      "transformer-engine on CUDA): megatron-core's sequential experts run, the same arithmetic")
     iteration, consumed = 0, 0
-    fresh_auto_resume = args.load and args.load == args.save and not os.path.isdir(args.load)
+    fresh_auto_resume = args.load and args.load == args.save and not _is_dir_on_rank0(args.load)
     if fresh_auto_resume:  # --save X --load X in a batch script: the first job starts fresh
         _print_rank0(f"> no checkpoint in {args.load} yet: starting from scratch")
     elif args.load:
@@ -376,6 +376,15 @@ def _save(args, iteration, model, optimizer, scheduler, consumed, background) ->
     # The start line only: save_checkpoint's own line at the end gives the bytes and rates.
     _print_rank0(f"> saving checkpoint at iteration {iteration} to {args.save} ...")
     checkpointing.save_checkpoint(args.save, iteration, model, optimizer, scheduler, consumed, args)
+
+
+def _is_dir_on_rank0(path: str) -> bool:
+    """Whether ``path`` is a directory, as rank 0 saw it, on every rank: another rank may be creating
+    it (a --tensorboard-dir inside --load), and a rank that decided otherwise would skip the load's
+    collectives and hang the job."""
+    seen = [os.path.isdir(path) if torch.distributed.get_rank() == 0 else None]
+    torch.distributed.broadcast_object_list(seen, src=0)
+    return bool(seen[0])
 
 
 def _load(args, model, optimizer, scheduler):

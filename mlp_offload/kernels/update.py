@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 from torch.optim.adam import adam as _functional_adam
@@ -163,3 +163,13 @@ class Fp32Working:
                 split_(w, t, high)
             else:
                 t.copy_(w)
+
+
+def adam_piece(kernel: AdamKernel, param_groups: Sequence[dict], param, grad, exp_avg, exp_avg_sq, g: int,
+               span, step: int) -> None:
+    """AdamW on one piece of one param group with the hyperparameters ``param_groups`` give it (the
+    step's own: a scheduler may have changed them since the last step)."""
+    group = param_groups[g]
+    beta1, beta2 = group["betas"]
+    kernel(param, grad, exp_avg, exp_avg_sq, step=step, lr=group["lr"], beta1=beta1, beta2=beta2,
+           eps=group["eps"], weight_decay=group["weight_decay"], span=span if param.device.type == "cpu" else None)
