@@ -152,6 +152,19 @@ RUNS = {
         compute_alone_s=5.9005 - 0.0043,
         compute_miss="10.24 B's TFLOP/s plans 7.83 s of compute for 5.90 s measured: 60.4 B at TP2 x PP2 ran "
                      "its FLOPs 1.33x faster"),
+    # The README command with --offload-overlap-forward, unfused attention: iteration 3 (settled, in series)
+    # 2.6678 s, update 1.5389 s; iteration 4 (compute alone) 1.0929 s, update 3.0 ms; iterations 5-7
+    # (overlapped) 2.3762, 2.3907, 2.3718 s; last auto line: peak 131.84 GiB with 85 subgroups (47.37 GiB), then 86
+    "20.68B unfused overlapped, one H200": Recorded(
+        "gpu_2026-11-26b/20b_overlap.log",
+        ["read 1.91 GB/s, write 2.42 GB/s", "adam 4.08 Gelem/s", "adam 103.79 Gelem/s resident, 8.27 streamed",
+         "(beside the CPU: streamed 7.32, cpu 0.14)", "peak 131.84 GiB", "the gpu tier holds 85 (47.37 GiB)",
+         "the gpu tier holds 86 (47.93 GiB)"],
+        f"{ONE_H200} --offload-bandwidths nvme=1.91:2.42 --adam-gelems 4.08 --gpu-adam-gelems 103.79 "
+        f"--gpu-streamed-gelems 8.27 --gpu-streamed-beside-gelems 7.32 --cpu-beside-gelems 0.14 "
+        f"{LLAMA} {BF16_MOMENTS} {LLAMA_20B} {OVERLAP}",
+        update_s=1.5389, iteration_s=2.3796, gpu_subgroups=86, peak_in_use_gib=131.84 - 47.37,
+        compute_alone_s=1.0929 - 0.0030),
     # iterations 4-6: 2.1970, 2.1988, 2.2187 s, update 1.4725, 1.4747, 1.4886 s; last auto line: peak
     # 131.85 GiB with the tier at 90 subgroups (50.17 GiB), then 91
     "20.68B SDPA in series, one H200": Recorded(
@@ -295,3 +308,13 @@ def test_the_sdpa_tflops_is_its_calibration_run():
     """H200_SDPA_TFLOPS reproduces the SDPA run of call6's command: its iteration less its update."""
     got = plan(planner(), RUNS["10.24B bf16 moments, one H200"].flags, tflops=100)
     assert 100 * got["predicted_compute_s"] / (0.49335 - 0.10945) == pytest.approx(H200_SDPA_TFLOPS, rel=0.005)
+
+
+def test_the_overlap_is_off_above_one_data_parallel_rank(tool):
+    """As in training (the params' all-gather follows the whole update): the flag plans the serial iteration."""
+    flags = RUNS["13.0B TP2xPP2 host state streamed, four H200s"].flags.replace("--gpus-per-node 4",
+                                                                              "--gpus-per-node 8")
+    serial, overlapped = plan(tool, flags), plan(tool, f"{flags} {OVERLAP}")
+    assert not overlapped["overlaps_forward"]
+    assert overlapped["predicted_iteration_s"] == serial["predicted_iteration_s"]
+    assert plan(tool, flags.replace("--gpus-per-node 8", "--gpus-per-node 4") + f" {OVERLAP}")["overlaps_forward"]
