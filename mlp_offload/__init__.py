@@ -13,7 +13,7 @@ from .engine import PER_NODE, OffloadedAdamW, OffloadStateError
 from .faults import configure as configure_faults, fault_point
 from .plan.placement import PlacementError, UpdateRates
 from .plan.node_share import streamed_elems_per_s
-from .plan.prediction import device_seconds, predict_iteration
+from .plan.prediction import device_seconds, first_forward_share, predict_iteration
 from .plan.path_rates import measure_update_paths
 from .plan.rates import measure_adam_rate, measure_convert_rate
 from .kernels.remainders import merge as merge_remainders, split as split_remainders
@@ -45,7 +45,7 @@ __all__ = [
     "start_background_save", "fsync_path",
     # planning and measuring without an engine (tools/plan_offload.py, benchmarks/)
     "EnginePlan", "plan_engine", "probe_tier", "measure_adam_rate", "measure_convert_rate", "device_seconds",
-    "measure_update_paths", "predict_iteration", "UpdateRates", "streamed_elems_per_s",
+    "measure_update_paths", "predict_iteration", "first_forward_share", "UpdateRates", "streamed_elems_per_s",
     "AdamKernel", "HostMemory", "check_host_memory", "own_pss_bytes", "FileTier", "JobTokens", "TierTokens", "meminfo_bytes",
     # process housekeeping and crash-test fault points
     "scan_namespaces", "release_swap_namespaces", "tree_bytes", "fault_point", "configure_faults",

@@ -314,8 +314,10 @@ def describe(plan, args, machine, flags, rates) -> str:
                          f"{tokens} I/O token(s)")
         for kind, e in plan.engines.items():
             lines.append(e.prediction.describe() + ("" if len(plan.engines) == 1 else f" [{kind}]"))
-    update = f" + update {plan.update_s:.3f} s" if plan.update_s is not None else ""
-    lines.append(f"predicted iteration {plan.iteration_s:.3f} s = compute {plan.compute_s:.3f} s "
+    update, joins = (f" + update {plan.update_s:.3f} s" if plan.update_s is not None else ""), "="
+    if plan.overlaps_forward:  # --offload-overlap-forward: not a sum (mlp_offload.predict_iteration)
+        update, joins = f" and update {plan.update_s:.3f} s, its device share under the next forward", "from"
+    lines.append(f"predicted iteration {plan.iteration_s:.3f} s {joins} compute {plan.compute_s:.3f} s "
                  f"(at {machine.gpu_tflops:g} TFLOP/s per GPU){update}; bottleneck: {plan.bottleneck}")
     lines.append("tokens/s by global batch size: "
                  + ", ".join(f"{gbs}: {tps:,.0f}" for gbs, tps in plan.tokens_per_s.items()))

@@ -131,6 +131,13 @@ def device_seconds(tier_seconds: Dict[str, float], devices: Optional[Dict[str, o
     return total
 
 
+def first_forward_share(micro_batches: int, recompute_full: bool) -> float:
+    """The first micro-batch's forward as a share of a step's compute (``predict_iteration``'s
+    ``first_forward_s`` over ``compute_s``): the forward is a third of forward and backward, a quarter
+    where the backward recomputes it, and the step runs ``micro_batches`` of them per rank."""
+    return 1.0 / ((4 if recompute_full else 3) * max(1, micro_batches))
+
+
 def predict_iteration(compute_s: float, update_s: float, deferred_s: float = 0.0, serial_s: float = 0.0,
                       first_forward_s: float = 0.0) -> float:
     """One iteration: forward/backward (``compute_s``, measured without the update beside it) and the

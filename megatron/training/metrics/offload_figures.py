@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
 
-from mlp_offload import GB, StepRecord, TierTraffic, predict_iteration
+from mlp_offload import GB, StepRecord, TierTraffic, first_forward_share, predict_iteration
 
 
 def step_scalars(record: StepRecord, state_bytes: Optional[Dict[str, int]] = None) -> Dict[str, float]:
@@ -47,9 +47,7 @@ class IterationModel:
     overlap's first steps), with the engine's update prediction (``predict_iteration``)."""
 
     def __init__(self, micro_batches: int, recompute_full: bool):
-        # the first micro-batch's forward, as a share of the compute: forward is a third of forward and
-        # backward, a quarter where backward recomputes it
-        self.first_forward_share = 1.0 / ((4 if recompute_full else 3) * max(1, micro_batches))
+        self.first_forward_share = first_forward_share(micro_batches, recompute_full)
         self.compute_s: Optional[float] = None
         self._ran_alone = False  # the previous step left nothing of its update under this iteration
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from mlp_offload import PlacementError, TierBandwidth, UpdateRates, streamed_elems_per_s
+from mlp_offload import first_forward_share, predict_iteration
 from mlp_offload import EnginePlan, plan_engine
 from mlp_offload import STATE_TENSORS, FP32_BYTES, GPU_TIER
 from mlp_offload import HostMemoryError, check_host_memory
@@ -84,6 +85,7 @@ class Plan:
     params_active: int = 0  # of params_total, those one token uses (top-k routed experts)
     shard_numels: Dict[str, int] = field(default_factory=dict)  # per distributed optimizer
     tier_rates: Dict[str, TierBandwidth] = field(default_factory=dict)  # each file tier's, as planned with
+    overlaps_forward: bool = False  # the iteration counts the update under the next forward
 
     def placement_counts(self, kind: Optional[str] = None) -> Dict[str, int]:
         """Subgroups per tier, as the engine logs them at start-up (host first, then the file tiers),
@@ -100,7 +102,8 @@ class Plan:
         return {"optimizer_state_elements_per_rank": self.shard_numels[kind],
                 "optimizer_state_bytes_per_rank": e.state_bytes, "subgroups": len(e.subgroups),
                 "placement": self.placement_counts(kind), "tier_bytes_per_rank": dict(e.stored_bytes),
-                "predicted_update_s": pred.update_s,
+                "predicted_update_s": pred.update_s, "predicted_deferred_s": pred.deferred_s,
+                "predicted_serial_s": pred.serial_s,
                 "io_bytes_per_rank_per_step": {t: {"read": pred.read_bytes[t], "write": pred.write_bytes[t]}
                                                for t in pred.tier_s}}
 
@@ -121,7 +124,8 @@ class Plan:
             "gpu_bytes_per_rank": self.gpu_bytes, "host_bytes_per_node": self.host_bytes_per_node,
             "tier_bytes_per_node": self.tier_bytes_per_node,
             "predicted_compute_s": self.compute_s, "predicted_update_s": self.update_s,
-            "predicted_iteration_s": self.iteration_s, "bottleneck": self.bottleneck,
+            "predicted_iteration_s": self.iteration_s, "overlaps_forward": self.overlaps_forward,
+            "bottleneck": self.bottleneck,
             "tokens_per_s": {str(k): v for k, v in self.tokens_per_s.items()},
             "placement": self.placement_counts() if engines else None,
             "subgroups": sum(len(e.subgroups) for e in engines) if engines else None,
@@ -277,6 +281,29 @@ def plan_engines(args, machine: Machine, offload_config, ranks: RankShards, rate
     return engines
 
 
+def overlaps_forward(args, cfg, machine: Machine) -> bool:
+    """--offload-overlap-forward as the training applies it: off above one data-parallel rank (dense or
+    expert), where the params' all-gather follows the whole update."""
+    if not getattr(args, "offload_overlap_forward", False):
+        return False
+    tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
+    expert_ranks = (cfg.expert_model_parallel_size or 1) * (cfg.expert_tensor_parallel_size or tp)
+    return machine.world == tp * pp and (cfg.num_moe_experts is None or machine.world == expert_ranks * pp)
+
+
+def iteration_seconds(compute_s: float, engines: Dict[str, EnginePlan], overlap: bool, micro_batches: int,
+                      recompute_full: bool) -> float:
+    """The engine's own iteration model (``predict_iteration``): the update in series, or with the
+    overlap its deferred device share under the next step's first forward. The step updates the
+    engines one after the other (the dense one first), so their shares add up."""
+    preds = [e.prediction for e in engines.values()]
+    update_s = sum(p.update_s for p in preds)
+    if not overlap:
+        return compute_s + update_s
+    return predict_iteration(compute_s, update_s, sum(p.deferred_s for p in preds), sum(p.serial_s for p in preds),
+                             compute_s * first_forward_share(micro_batches, recompute_full))
+
+
 def make_plan(args, cfg, machine: Machine, offload_config, rates: Dict[str, TierBandwidth],
               capacity_bytes: Dict[str, int], adam_elems_per_s: float, convert_elems_per_s: float,
               batch_sizes: List[int]) -> Plan:
@@ -359,10 +386,14 @@ def make_plan(args, cfg, machine: Machine, offload_config, rates: Dict[str, Tier
         bubble = 1 + (pp - 1) / (max(m, 1) * (vp or 1))
         return flops_per_iteration(shape, global_batch) / machine.world / (machine.gpu_tflops * 1e12) * bubble
 
+    def iteration(global_batch: int) -> float:
+        return iteration_seconds(compute_seconds(global_batch), engines, overlap,
+                                 global_batch // (args.micro_batch_size * dp), args.recompute_granularity == "full")
+
+    overlap = overlaps_forward(args, cfg, machine)
     compute_s = compute_seconds(args.global_batch_size)
-    # The step updates the engines one after the other (the dense one first).
     update_s = sum(e.prediction.update_s for e in engines.values()) if engines else None
-    iteration_s = compute_s + (update_s or 0.0)
+    iteration_s = iteration(args.global_batch_size)
     parts = {"compute": compute_s}
     for e in engines.values():
         parts["cpu adam"] = parts.get("cpu adam", 0.0) + e.prediction.adam_s
@@ -370,9 +401,9 @@ def make_plan(args, cfg, machine: Machine, offload_config, rates: Dict[str, Tier
         for t, seconds in e.prediction.tier_s.items():
             parts[f"{t} I/O"] = parts.get(f"{t} I/O", 0.0) + e.prediction.ranks_sharing * seconds
     bottleneck = max(parts, key=parts.get)
-    tokens = {g: g * args.seq_length / (compute_seconds(g) + (update_s or 0.0)) for g in batch_sizes}
+    tokens = {g: g * args.seq_length / iteration(g) for g in batch_sizes}
     expert_ranks = (cfg.expert_model_parallel_size or 1) * (cfg.expert_tensor_parallel_size or tp)
     total = model_params(stages, tp, expert_ranks)
     return Plan(not problems, problems, total, per_rank, shard, gpu, host_per_node, tiers_per_node, compute_s,
                 update_s, iteration_s, bottleneck, tokens, engines, params_active=active_params(cfg, total),
-                shard_numels=dict(ranks.shards))
+                shard_numels=dict(ranks.shards), overlaps_forward=overlap)
