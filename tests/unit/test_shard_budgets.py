@@ -68,8 +68,11 @@ def test_a_host_budget_too_small_for_either_engine_is_refused_in_one_line(dense,
     line = str(err.value)
     assert "\n" not in line and line.startswith(f"--offload-host-cache-gb {flag_figure(budget, GiB)} is too small")
     experts_share = budget * experts // (dense + experts)
-    assert f"dense {(budget - experts_share) / GiB:.3g} GiB ({dense} elements" in line
-    assert f"/ experts {experts_share / GiB:.3g} GiB ({experts} elements" in line
+    for kind, share, n in (("dense", budget - experts_share, dense), ("experts", experts_share, experts)):
+        figure, need = re.search(rf"{kind} ([0-9.e+-]+) GiB \({n} elements, needs ([0-9.e+-]+)\)", line).groups()
+        assert float(figure) == pytest.approx(share / GiB, rel=5e-3)  # 3 significant digits or more
+        if not engines_start(config, {kind: n}, share):  # an engine short of its share says so in figures
+            assert float(figure) < float(need)
     suggested = int(float(re.search(r"; --offload-host-cache-gb ([0-9.]+) starts both", line).group(1)) * GiB)
     assert engines_start(config, numels, suggested)
     # and not much more than the least that starts both (1/1000: the figure keeps 4 significant digits, rounded up)

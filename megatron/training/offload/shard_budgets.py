@@ -60,12 +60,20 @@ def check_host_split(config: OffloadConfig, numels: Dict[str, int]) -> None:
     total = sum(numels.values())
     # Each engine's share of this is at least its minimum (the dense one's rounding only adds).
     least = max(-(-floors[k] * total // n) for k, n in numels.items())
-    split = " / ".join(f"{k} {shares[k] / GiB:.3g} GiB ({n} elements, needs {floors[k] / GiB:.3g})"
-                       for k, n in numels.items())
+    split = " / ".join(f"{k} {share_and_need(shares[k], floors[k], n)}" for k, n in numels.items())
     other = "lower --offload-subgroup-size" if config.file_tiers else "add a file tier"
     raise UserError(f"{HOST_FLAG} {flag_figure(budget, GiB)} is too small for the {' and '.join(numels)} "
                     f"engines together: split by optimizer state elements it gives {split}; {HOST_FLAG} "
                     f"{gib_at_least(least)} starts both (or {other})")
+
+
+def share_and_need(share: int, need: int, numel: int) -> str:
+    """One engine's share of the budget and its minimum in GiB, to 3 significant digits, or as many
+    more as show a share below its minimum as less (not "0.000557 GiB ..., needs 0.000557")."""
+    digits = 3
+    while share < need and f"{share / GiB:.{digits}g}" == f"{need / GiB:.{digits}g}" and digits < 12:
+        digits += 1
+    return f"{share / GiB:.{digits}g} GiB ({numel} elements, needs {need / GiB:.{digits}g})"
 
 
 def gib_at_least(nbytes: int, digits: int = 4) -> str:
