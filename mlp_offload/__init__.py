@@ -44,7 +44,8 @@ __all__ = [
     "CheckpointDataError", "CheckpointSaveError", "BackgroundStateWrite", "save_engine_state",
     "start_background_save", "fsync_path",
     # planning and measuring without an engine (tools/plan_offload.py, benchmarks/)
-    "EnginePlan", "plan_engine", "min_host_budget_bytes", "probe_tier", "measure_adam_rate", "measure_convert_rate", "device_seconds",
+    "EnginePlan", "plan_engine", "min_host_budget_bytes", "probe_tier", "measure_adam_rate", "measure_convert_rate",
+    "device_seconds",
     "measure_update_paths", "predict_iteration", "UpdateRates", "streamed_elems_per_s",
     "AdamKernel", "HostMemory", "check_host_memory", "own_pss_bytes", "FileTier", "JobTokens", "TierTokens", "meminfo_bytes",
     # process housekeeping and crash-test fault points
