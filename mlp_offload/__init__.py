@@ -11,7 +11,7 @@ from .checkpoint_write import BackgroundStateWrite, save_engine_state, start_bac
 from .config import GPU_TIER, OffloadConfig, OffloadConfigError, TierBandwidth, parse_bandwidths
 from .engine import PER_NODE, OffloadedAdamW, OffloadStateError
 from .faults import configure as configure_faults, fault_point
-from .plan.placement import PlacementError, UpdateRates
+from .plan.placement import PlacementError, UpdateRates, min_host_budget_bytes
 from .plan.node_share import streamed_elems_per_s
 from .plan.prediction import device_seconds, first_forward_share, predict_iteration
 from .plan.path_rates import measure_update_paths
@@ -44,8 +44,9 @@ __all__ = [
     "CheckpointDataError", "CheckpointSaveError", "BackgroundStateWrite", "save_engine_state",
     "start_background_save", "fsync_path",
     # planning and measuring without an engine (tools/plan_offload.py, benchmarks/)
-    "EnginePlan", "plan_engine", "probe_tier", "measure_adam_rate", "measure_convert_rate", "device_seconds",
-    "measure_update_paths", "predict_iteration", "first_forward_share", "UpdateRates", "streamed_elems_per_s",
+    "EnginePlan", "plan_engine", "min_host_budget_bytes", "probe_tier", "measure_adam_rate", "measure_convert_rate",
+    "device_seconds", "measure_update_paths", "predict_iteration", "first_forward_share", "UpdateRates",
+    "streamed_elems_per_s",
     "AdamKernel", "HostMemory", "check_host_memory", "own_pss_bytes", "FileTier", "JobTokens", "TierTokens", "meminfo_bytes",
     # process housekeeping and crash-test fault points
     "scan_namespaces", "release_swap_namespaces", "tree_bytes", "fault_point", "configure_faults",

@@ -46,7 +46,7 @@ from .tiers.base import ResidentTier, StreamedTier
 from .tiers.host import check_host_memory
 from .trace import Trace, open_trace
 from .kernels.update import AdamKernel, Fp32Working, fused_vector_width
-from .units import GiB
+from .units import GB, GiB
 
 log = logging.getLogger("mlp_offload")
 PER_NODE = "mlp_offload_per_node"  # set on log records that say the same on every rank of a node
@@ -201,7 +201,7 @@ class OffloadedAdamW:
         self._resident: Dict[int, StateViews] = {}
         # Pinning tens of GB takes a while: a line before and after, with size and rate.
         kind = "pinned " if self.host.pin else ""
-        state_gb = self.placement.host_state_bytes / 1e9
+        state_gb = self.placement.host_state_bytes / GB
         log.info("allocating %.3f GB of %shost memory for optimizer state ...", state_gb, kind)
         started = time.perf_counter()
         for i, tier in enumerate(self.placement.tier_of):

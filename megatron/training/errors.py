@@ -124,12 +124,24 @@ def in_flags(message: str) -> str:
         flag, scale = FLAG_OF_FIELD[match.group(1)]
         if match.group(2) is None:
             return flag
-        return f"{flag} {float(match.group(2)) / scale:g}"
+        return f"{flag} {flag_figure(float(match.group(2)), scale)}"
 
     message = _PATH.sub(r"--offload-\1-path", message)
     message = _BANDWIDTHS.sub("--offload-bandwidths", message)
     message = _TOKEN_SCOPE.sub(r"--offload-token-scope \1", message)
     return _FIELD.sub(field, message)
+
+
+def flag_figure(value: float, scale: int) -> str:
+    """``value`` in a flag's unit of ``scale`` bytes, as the user typed it: the shortest figure of up to
+    6 significant digits that the flag reads back as ``value`` (it keeps ``int(figure * scale)``:
+    --offload-host-cache-gb 0.001 is 1073741 bytes, which ``:g`` shows as 0.000999999); else ``:g``."""
+    if scale != 1 and value == int(value):
+        for digits in range(1, 7):
+            figure = f"{value / scale:.{digits}g}"
+            if int(float(figure) * scale) == value:
+                return figure
+    return f"{value / scale:g}"
 
 
 # value types of command-line flags

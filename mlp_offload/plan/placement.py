@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 from ..config import GPU_TIER, HOST_TIER, RESIDENT_TIERS, OffloadConfig, TierBandwidth
-from ..subgroups import Subgroup
+from ..subgroups import Subgroup, partition
 from ..units import GiB
 
 log = logging.getLogger("mlp_offload")
@@ -19,6 +19,8 @@ log = logging.getLogger("mlp_offload")
 class PlacementError(RuntimeError):
     """The state does not fit the given host budget and tier capacities."""
 
+
+MIN_PIPELINE_SLOTS = 2  # with file tiers: one subgroup in the update while the next one is read
 
 # Below this fraction of one rank's mixed rate, the node's ranks streaming at once are taken to
 # thrash the device, and they take turns instead.
@@ -134,11 +136,7 @@ def plan_placement(
     """
     n = len(subgroups)
     slot_bytes = max(sg.state_bytes for sg in subgroups)
-    gpu_set: List[int] = []
-    if GPU_TIER in config.tiers:
-        gpu_budget = config.budget_of(GPU_TIER) if gpu_budget_bytes is None else gpu_budget_bytes
-        # Counted at the largest subgroup's size, so the set never exceeds the budget.
-        gpu_set = spread(range(n), min(n, gpu_budget // slot_bytes))
+    gpu_set = _gpu_resident(subgroups, config, gpu_budget_bytes)
     rest = [i for i in range(n) if i not in set(gpu_set)]
     placement = _place_below_device(subgroups, rest, config, rates, free_bytes, devices, slot_bytes)
     for i in gpu_set:
@@ -149,6 +147,35 @@ def plan_placement(
     placement.update_on = split_updates(subgroups, placement.tier_of, config.update_on, update_rates,
                                         config.defer_device_wait)
     return placement
+
+
+def _gpu_resident(subgroups: Sequence[Subgroup], config: OffloadConfig, gpu_budget_bytes: Optional[int]) -> List[int]:
+    """The subgroups the device tier holds, spread over the update order."""
+    if GPU_TIER not in config.tiers:
+        return []
+    n = len(subgroups)
+    gpu_budget = config.budget_of(GPU_TIER) if gpu_budget_bytes is None else gpu_budget_bytes
+    # Counted at the largest subgroup's size, so the set never exceeds the budget.
+    return spread(range(n), min(n, gpu_budget // max(sg.state_bytes for sg in subgroups)))
+
+
+def _host_floor(subgroups: Sequence[Subgroup], rest: Sequence[int], config: OffloadConfig) -> int:
+    """The least host budget for the subgroups ``rest`` below the device tier: all their state
+    without a file tier, else the pipeline's minimum of buffers at the largest subgroup's size."""
+    if not rest:
+        return 0
+    if not config.file_tiers:
+        return sum(subgroups[i].state_bytes for i in rest)
+    return MIN_PIPELINE_SLOTS * max(sg.state_bytes for sg in subgroups)
+
+
+def min_host_budget_bytes(numel: int, config: OffloadConfig, gpu_budget_bytes: Optional[int] = None) -> int:
+    """The least ``host_budget_bytes`` a shard of ``numel`` elements starts with under ``config``
+    (its own host budget aside): what ``plan_placement`` refuses below. 0 where the device tier
+    holds it all."""
+    subgroups = partition(numel, config.subgroup_size, config.state_itemsizes)
+    gpu_set = set(_gpu_resident(subgroups, config, gpu_budget_bytes))
+    return _host_floor(subgroups, [i for i in range(len(subgroups)) if i not in gpu_set], config)
 
 
 def _place_below_device(subgroups: Sequence[Subgroup], rest: List[int], config: OffloadConfig,
@@ -168,8 +195,9 @@ def _place_below_device(subgroups: Sequence[Subgroup], rest: List[int], config: 
             f"budget holds only {(n - len(rest))} of {n} subgroups ({(n - len(rest)) * slot_bytes / GiB:.3f} GiB, "
             f"gpu_budget_bytes); raise gpu_budget_bytes or add 'host' or a file tier")
 
+    floor = _host_floor(subgroups, rest, config)
     if not file_tiers:
-        if budget is not None and budget < rest_state:
+        if budget is not None and budget < floor:
             raise PlacementError(
                 f"host-only offload: the optimizer state needs {rest_state / GiB:.3f} GiB but the "
                 f"host budget is {budget / GiB:.3f} GiB (host_budget_bytes={budget}); raise "
@@ -178,13 +206,12 @@ def _place_below_device(subgroups: Sequence[Subgroup], rest: List[int], config: 
         return Placement(tier_of, 0, 0, {HOST_TIER: rest_state})
 
     wanted_slots = config.prefetch_depth * len(file_tiers) + 1
-    min_slots = 2  # one subgroup in the update while the next one is read
     if budget is None:
         budget = wanted_slots * slot_bytes  # no "host" tier: just the pipeline's buffers
-    if budget < min_slots * slot_bytes:
+    if budget < floor:
         raise PlacementError(
             f"host budget {budget / GiB:.3f} GiB (host_budget_bytes={budget}) is below the pipeline's "
-            f"minimum of {min_slots} subgroup buffers ({min_slots * slot_bytes / GiB:.3f} GiB at subgroup size "
+            f"minimum of {MIN_PIPELINE_SLOTS} subgroup buffers ({floor / GiB:.3f} GiB at subgroup size "
             f"{config.subgroup_size}); raise host_budget_bytes or lower subgroup_size"
         )
     pipeline_slots = min(wanted_slots, budget // slot_bytes)

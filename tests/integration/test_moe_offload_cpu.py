@@ -16,8 +16,10 @@ import re
 
 import pytest
 
-from helpers import MOE, assert_same_state, copy_checkpoint, global_offload_state, half_away_megatron, plan_json
-from launch import TINY_SEQ, run_pretrain
+from helpers import (MOE, assert_same_state, copy_checkpoint, global_offload_state, half_away_megatron, offload_args,
+                     plan_json)
+from launch import TINY_MODEL, TINY_SEQ, run_pretrain
+from mlp_offload import GiB
 
 OFFLOAD = ["--offload-tiers", "host", "--offload-adam-kernel", "single", "--offload-subgroup-size", "6000",
            "--no-store-param-remainders"]  # megatron-core's model params round to nearest even
@@ -71,8 +73,6 @@ def test_moe_offload_matches_megatron_bit_for_bit(ep2_runs):
 def test_the_plan_is_what_the_moe_run_did(ep2_runs):
     """tools/plan_offload.py on the same flags: the logged parameter count, and each engine's shard
     as the run's engines logged it (dense over DP 2, experts over expert-DP 1)."""
-    from launch import TINY_MODEL
-
     tmp, _, _ = ep2_runs
     out = (tmp / "off" / "loss-0.out").read_text()
     plan = plan_json("--gpus-per-node", "2", "--adam-gelems", "1", "--convert-gelems", "1", *TINY_MODEL, *MOE, *EP2,
@@ -161,3 +161,40 @@ def test_moe_with_remainders_matches_half_away_megatron_core(tmp_path):
     assert [r["iteration"] for r in reference] == list(range(1, ITERS + 1))
     assert offload == reference
     assert "state 10.0 B/param (rem16/fp32/fp32)" in (tmp_path / "rem" / "loss-0.out").read_text()
+
+
+def test_a_host_budget_too_small_for_the_two_engines_is_refused_in_one_line(tmp_path):
+    """2 layers, EP 2, one subgroup per engine: --offload-host-cache-gb 0.001 is refused before the
+    first iteration in one line that names 0.001 (each engine alone saw only its share), the split by
+    state elements and the least budget; that budget then trains."""
+    model = list(TINY_MODEL)
+    model[model.index("--num-layers") + 1] = "2"
+
+    def flags(budget_gb):
+        return [*MOE, *EP2, *offload_args(tmp_path, ("host", "nvme"), budget_gb, subgroup="100000000")]
+
+    refused = run_pretrain(tmp_path / "refused", flags("0.001"), train_iters=1, model_args=model,
+                           expect_success=False)[0]
+    assert refused["returncode"] != 0
+    errors = [line for line in refused["output"].splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in refused["output"], refused["output"][-3000:]
+    assert "iteration        1/" not in refused["output"]
+    least = re.search(r"; --offload-host-cache-gb ([0-9.]+) starts both", errors[0]).group(1)
+
+    run_pretrain(tmp_path / "least", flags(least), train_iters=1, model_args=model)
+    out = (tmp_path / "least" / "loss-0.out").read_text()
+    dense, experts = (int(n) for n in re.findall(r"offload rank 0: (\d+) params in", out))
+    assert experts == 2 * 2 * 3 * 64 * 128  # 2 layers x 2 local experts of SwiGLU (h 64, ffn 128)
+    # The reference: state elements split the bytes the flag keeps; an engine of one subgroup with a
+    # file tier needs 2 buffers of its state, 3 fp32 regions each padded to 4096 B (O_DIRECT).
+    budget, total = int(0.001 * GiB), dense + experts
+    shares = {"dense": budget - budget * experts // total, "experts": budget * experts // total}
+    needs = {k: 2 * 3 * -(-4 * n // 4096) * 4096 for k, n in (("dense", dense), ("experts", experts))}
+    assert errors[0] == (
+        f"error: --offload-host-cache-gb 0.001 is too small for the dense and experts engines together: split by "
+        f"optimizer state elements it gives dense {shares['dense'] / GiB:.3g} GiB ({dense} elements, needs "
+        f"{needs['dense'] / GiB:.3g}) / experts {shares['experts'] / GiB:.3g} GiB ({experts} elements, needs "
+        f"{needs['experts'] / GiB:.3g}); --offload-host-cache-gb {least} starts both (or lower "
+        f"--offload-subgroup-size)")
+    exact = max(-(-needs[k] * total // n) for k, n in (("dense", dense), ("experts", experts)))
+    assert exact <= int(float(least) * GiB) <= exact * 1.001  # 1/1000: 4 significant digits, rounded up

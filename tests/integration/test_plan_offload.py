@@ -197,6 +197,23 @@ def test_moe_numbers_against_a_hand_calculation(tmp_path):
     assert "optimizer state per rank (experts):" in text.getvalue()
 
 
+def test_moe_host_budget_too_small_for_the_two_engines(tmp_path):
+    """The planner refuses what the training refuses (shard_budgets.check_host_split), in the same
+    line: the budget as typed and its split; the budget that line suggests fits."""
+    def planned(budget_gb, expect):
+        flags = offload_args(tmp_path, ("host", "nvme"), budget_gb, subgroup="100000000")
+        return plan_json("--gpus-per-node", "2", "--gpu-tflops", "100", "--adam-gelems", "1", "--convert-gelems",
+                         "1", "--offload-nvme-capacity-gb", "1", *MOE_PLAN, *flags, expect=expect)
+
+    refused = planned("0.001", 1)
+    line = next(p for p in refused["problems"] if "starts both" in p)
+    assert line.startswith("--offload-host-cache-gb 0.001 is too small for the dense and experts engines together: "
+                           "split by optimizer state elements it gives dense "), line
+    assert len(refused["problems"]) == 1  # not the engines' own lines after it, naming their shares
+    least = re.search(r"--offload-host-cache-gb ([0-9.]+) starts both", line).group(1)
+    assert set(planned(least, 0)["engines"]) == {"dense", "experts"}
+
+
 def test_moe_expert_grid_must_divide_the_world():
     err = io.StringIO()
     with contextlib.redirect_stderr(err), pytest.raises(SystemExit):

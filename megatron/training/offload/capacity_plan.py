@@ -28,8 +28,8 @@ from megatron.training.runtime.host_memory import PROCESS_BYTES_CPU, PROCESS_BYT
 
 from megatron.training.model.flops import GptShape, flops_per_iteration
 from megatron.training.model.sizes import StageParams, active_params, model_params, stage_params
-from megatron.training.offload.shard_budgets import config_for_kind
-from megatron.training.errors import in_flags
+from megatron.training.offload.shard_budgets import check_host_split, config_for_kind
+from megatron.training.errors import UserError, in_flags
 
 # CUDA context, cuBLAS workspaces, kernels: device memory torch's allocator cannot reach. On an H200
 # (140.4 GiB) it could reach 136.4-136.9 GiB (free + reserved; the gpu tier auto lines of
@@ -264,6 +264,11 @@ def plan_engines(args, machine: Machine, offload_config, ranks: RankShards, rate
     at_start = {} if at_start is None else at_start
     space = dict(capacity_bytes)
     update_rates = update_rates_for(offload_config, machine, adam_elems_per_s, convert_elems_per_s)
+    try:
+        check_host_split(offload_config, ranks.shards)  # the training's refusal, before either engine
+    except UserError as err:
+        problems.append(str(err))
+        return engines
     for kind, shard in ranks.shards.items():
         config = config_for_kind(offload_config, kind, ranks.shards)
         plan = functools.partial(plan_engine, shard, config, rates, space, adam_elems_per_s, convert_elems_per_s,

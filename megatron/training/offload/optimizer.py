@@ -18,7 +18,7 @@ import dataclasses
 import logging
 import time
 
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from megatron.core import parallel_state
@@ -27,7 +27,7 @@ from megatron.core.optimizer.optimizer_config import OptimizerConfig
 
 from megatron.training.checkpoint.offloaded_state import StateWrites
 from megatron.training.offload.shard import OffloadShard, ShardGroups
-from megatron.training.offload.shard_budgets import config_for_kind
+from megatron.training.offload.shard_budgets import check_host_split, config_for_kind
 from megatron.training.runtime.optimizer_interface import (HoldsResources, OffloadedOptimizerCheckpoint,
                                                            ReportsIteration, TrainingOptimizer)
 from mlp_offload import OffloadConfig
@@ -57,7 +57,9 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
                      max(g.dp_group.size() for g in shard_groups))
             offload_config = dataclasses.replace(offload_config, defer_device_wait=False)
         self.overlap_forward = offload_config.defer_device_wait
-        self.shards = [OffloadShard(config, config_for_shard(offload_config, groups, shard_groups), model_chunks,
+        numels = shard_numels(shard_groups)
+        check_host_split(offload_config, numels)  # one line for both engines, before either starts
+        self.shards = [OffloadShard(config, config_for_kind(offload_config, groups.kind, numels), model_chunks,
                                     groups, token_store) for groups in shard_groups]
         first = self.shards[0]
         # The first (dense) shard's, as megatron-core's ChainedOptimizer answers with its first.
@@ -255,12 +257,11 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
             shard.engine.close()
 
 
-def config_for_shard(config: OffloadConfig, groups: ShardGroups, every: List[ShardGroups]) -> OffloadConfig:
-    """Each shard's engine config (``shard_budgets``), by the optimizer state it holds on this rank:
+def shard_numels(every: List[ShardGroups]) -> Dict[str, int]:
+    """The optimizer state each shard holds on this rank (what ``shard_budgets`` splits budgets by):
     its buckets' share over its own data-parallel group (DP for the dense one, expert-DP for experts)."""
-    numels = {g.kind: sum(bucket.grad_data.numel() // g.dp_group.size() for buffers in g.buffers.values()
-                          for buffer in buffers for bucket in buffer.buckets) for g in every}
-    return config_for_kind(config, groups.kind, numels)
+    return {g.kind: sum(bucket.grad_data.numel() // g.dp_group.size() for buffers in g.buffers.values()
+                        for buffer in buffers for bucket in buffer.buckets) for g in every}
 
 
 def _cuda_memory_figures() -> Tuple[int, int]:
