@@ -48,7 +48,7 @@ from megatron.training.metrics.sinks import OffloadTelemetry, TensorBoard, WandB
 from megatron.training.model.sizes import params_l2_norm
 from megatron.training.offload.flags import per_rank_path
 from megatron.training.runtime.optimizer_interface import HoldsResources, ReportsIteration, TrainingOptimizer
-from megatron.training.runtime.progress import reported_step
+from megatron.training.runtime.progress import StartUpPhases, reported_step
 from megatron.training.runtime.signals import StopCheck
 from megatron.training.metrics.timers import LoopTimers
 from megatron.training.model.virtual_pipeline import chunk_roles, per_chunk
@@ -254,14 +254,18 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
     started = time.time()  # --exit-duration-in-mins counts from here, as Megatron-LM's start time
     args = parse_args(argv)
     device = initialize(args)
+    phases = StartUpPhases(started)
     fault_injection.install_from_env()  # the crash tests' points (RANK is set by now, srun included)
     args.device_obj = device
     tokenizer = build_tokenizer(args)
     args.padded_vocab_size = padded_vocab_size(args, tokenizer)
 
     config = transformer_config(args)
+    phases.done("initialize")
     model = build_model(args, config, model_provider, device)
-    optimizer = build_optimizer(args, model)
+    phases.done("model")
+    optimizer = build_optimizer(args, model)  # the offload engine's probes and pinned host memory
+    phases.done("optimizer")
     job_facts.report(optimizer)
     scheduler = build_scheduler(args, optimizer)
     _wire_model_hooks(config, model, optimizer, args)
@@ -288,6 +292,7 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
         _print_rank0(f"> loaded checkpoint from {args.load} at iteration {iteration}" if iteration else
                      f"> no complete checkpoint in {args.load}: starting from scratch")
 
+    phases.done("checkpoint")
     eval_runs = 0 if not args.eval_interval else (args.train_iters // args.eval_interval + 1)
     train_ds, valid_ds = datasets_provider(
         args, tokenizer, train_samples=args.train_samples_total,
@@ -296,6 +301,8 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
     train_iter = per_chunk(micro_batches(train_ds, consumed, args.micro_batch_size, dp_rank, dp_size,
                                          args.num_workers, args.seed), len(model))
     hooks = IterationHooks(args, torch.distributed.get_rank(), device)
+    phases.done("data")
+    _print_rank0(phases.line())
 
     timers = config.timers = LoopTimers(args.timing_log_level, args.timing_log_option, device)
     if getattr(optimizer, "zeroes_grads_itself", False):  # the update runs under the next forward

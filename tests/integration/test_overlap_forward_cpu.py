@@ -28,6 +28,11 @@ def test_overlapped_update_matches_megatron_bit_for_bit(tmp_path, tiers, extra):
     assert overlapped == baseline
     out = (tmp_path / "ovl" / "loss-0.out").read_text()
     assert "the update runs under the next forward" in out
+    # where the time to the first step went, phase by phase, and their sum
+    phases = re.search(r"> start-up \(s\): initialize ([0-9.]+) \| model ([0-9.]+) \| optimizer ([0-9.]+) \| "
+                       r"checkpoint ([0-9.]+) \| data ([0-9.]+) \| total ([0-9.]+)", out)
+    # (six figures each rounded to 0.1 s: their sum may differ from the total by 6 x 0.05)
+    assert phases and sum(map(float, phases.groups()[:5])) == pytest.approx(float(phases.group(6)), abs=0.31)
     # the device's time, measured from its queue to done, beside the host's share (from iteration 2 on)
     device_ms = [float(x) for x in re.findall(r"offload device update time \(ms\): ([0-9.]+)", out)]
     assert len(device_ms) == 5 and all(ms > 0 for ms in device_ms)

@@ -65,3 +65,21 @@ def _status_kb(field: str) -> Optional[int]:
     except OSError:
         pass
     return None
+
+
+class StartUpPhases:
+    """How long each start-up phase took, for one line before the first iteration: where the time to
+    the first step goes (on a GPU mostly the optimizer's: its probes and pinning host memory)."""
+
+    def __init__(self, started: float):
+        self._started = self._last = started
+        self.phases = []
+
+    def done(self, phase: str) -> None:
+        now = time.time()
+        self.phases.append((phase, now - self._last))
+        self._last = now
+
+    def line(self) -> str:
+        parts = " | ".join(f"{phase} {seconds:.1f}" for phase, seconds in self.phases)
+        return f"> start-up (s): {parts} | total {self._last - self._started:.1f}"
