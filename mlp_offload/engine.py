@@ -32,7 +32,7 @@ from .param_groups import Range, build_groups, segments_of
 from .plan.placement import CPU, DEVICE, Placement
 from .plan.prediction import Prediction
 from .startup import describe_tiers, start_up
-from .pipeline import OffloadStateError, SlotPipeline, StateViews, file_key, fill_params
+from .pipeline import OffloadStateError, SlotPipeline, StateViews, fill_params
 from .relocation import Relocation
 from .kernels.remainders import ParamHighSource, RemainderMaster
 from .plan.schedule import StepSchedule, step_schedule
@@ -397,35 +397,7 @@ class OffloadedAdamW:
 
     def move_state(self, moves: Dict[int, str]) -> None:
         """Each subgroup in ``moves`` to its new tier, state and all (between steps, settled)."""
-        pipe, tier_of = self._pipeline, self.placement.tier_of
-        pipe.persist_buffers()  # every buffered copy on its tier: the buffers' holders may change
-        for i, dest in moves.items():
-            sg, source = self.subgroups[i], tier_of[i]
-            old = self._resident.pop(i, None)
-            views = old
-            if views is None:  # streamed: from its file (or its first materialization)
-                views = self._scratch_views()
-                pipe.fill_from_tier(i, views)
-            if dest in self.memory:
-                new = StateViews.over(self.memory[dest].allocate(sg.state_bytes, f"subgroup {i}"), sg,
-                                      self.state_dtypes)
-                for dst, src in zip(new.narrow(sg.numel), views.narrow(sg.numel)):
-                    dst.copy_(src)
-                self._resident[i] = new
-            else:
-                if source == GPU_TIER:  # file I/O needs aligned host bytes
-                    scratch = self._scratch_views()
-                    for dst, src in zip(scratch.narrow(sg.numel), views.narrow(sg.numel)):
-                        dst.copy_(src)
-                    views = scratch
-                tier_of[i] = dest
-                pipe.write_now(i, views)
-            tier_of[i] = dest
-            pipe.fresh.discard(i)
-            if old is not None:
-                self.memory[source].release(old.buf)
-            elif source in self._tiers:
-                self._tiers[source].forget(file_key(i))
+        self._state.move(moves, self.placement.tier_of, self.memory, self._tiers, self.state_dtypes)
 
     # -- the device tier's size (auto) ---------------------------------------------------------
     def observe_device_memory(self, peak_bytes: int, capacity_bytes: int) -> Optional[str]:

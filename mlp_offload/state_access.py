@@ -10,6 +10,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from .config import GPU_TIER
 from .pipeline import SlotPipeline, StateViews, file_key
 from .kernels.remainders import RemainderMaster
 from .snapshot import StateSnapshot, TierCopy
@@ -124,6 +125,36 @@ class StateAccess:
             self._device_stage = self._make_scratch()
         return self._device_stage
 
+    def move(self, moves: Dict[int, str], tier_of: List[str], memory: Dict[str, object],
+             file_tiers: Dict[str, object], dtypes) -> None:
+        """Each subgroup in ``moves`` to its new tier (a memory tier's own buffer, or written to a file
+        tier), ``tier_of`` updated; streamed ones pass through the one scratch buffer."""
+        pipe = self.pipeline
+        pipe.persist_buffers()  # every buffered copy on its tier: the buffers' holders may change
+        for i, dest in moves.items():
+            sg, source = self.subgroups[i], tier_of[i]
+            old = self.resident.pop(i, None)
+            views = old
+            if views is None:  # streamed: from its file (or its first materialization)
+                views = self._scratch_views()
+                pipe.fill_from_tier(i, views)
+            if dest in memory:
+                new = StateViews.over(memory[dest].allocate(sg.state_bytes, f"subgroup {i}"), sg, dtypes)
+                _copy(views, new, sg.numel)
+                self.resident[i] = new
+                tier_of[i] = dest
+            else:
+                if source == GPU_TIER:  # file I/O needs aligned host bytes
+                    _copy(views, self._scratch_views(), sg.numel)
+                    views = self._scratch_views()
+                tier_of[i] = dest
+                pipe.write_now(i, views)
+            pipe.fresh.discard(i)
+            if old is not None:
+                memory[source].release(old.buf)
+            elif source in file_tiers:
+                file_tiers[source].forget(file_key(i))
+
     def _scratch_views(self) -> StateViews:
         if self._scratch is None:
             self._scratch = self._make_scratch()
@@ -133,3 +164,8 @@ class StateAccess:
 def _copy(dst: StateViews, src: StateViews, numel: int) -> None:
     for d, s in zip(dst.narrow(numel), src.narrow(numel)):
         d.copy_(s)
+
+
+def _copy(src: StateViews, dst: StateViews, numel: int) -> None:
+    for d, t in zip(dst.narrow(numel), src.narrow(numel)):
+        d.copy_(t)

@@ -116,6 +116,8 @@ def test_auto_promotes_into_spare_memory_and_hands_back_under_pressure(tmp_path)
     opt = torch.optim.AdamW([ref], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
     with OffloadedAdamW(init.clone(), cfg, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD) as eng:
         assert eng.placement.subgroups_on("gpu") == []  # auto starts empty: nothing is known yet
+        allocate, buffers = eng.host.allocate, []
+        eng.host.allocate = lambda n, what, **kw: buffers.append(what) or allocate(n, what, **kw)
         figures = [(slot, 5 * slot), (0, 1 * slot), (0, 0), (2 * slot, slot)]
         on_gpu = []
         for peak, capacity in figures:
@@ -131,6 +133,8 @@ def test_auto_promotes_into_spare_memory_and_hands_back_under_pressure(tmp_path)
         # nothing; then short by 0.5 -> one handed back; then short by 1.5 -> the other two handed back
         assert on_gpu == [3, 3, 2, 0]
         assert eng.memory["gpu"].used_bytes == 0
+        # the streamed subgroups moved pass through one scratch buffer, not one new buffer each
+        assert buffers.count("checkpoint buffer") == 1, buffers
         # device-resident subgroups were updated on the device side, all others by the CPU
         params, exp_avg, exp_avg_sq = engine_state(eng)
     assert torch.equal(params, ref.detach())
