@@ -27,6 +27,10 @@ free -g | head -2; df -h "$DISK" | tail -1
 source benchmarks/experiments/memory_watch.sh
 watch_memory "largest" "$OUT/largest_peaks.txt"
 sleep 1
+# Each line prefixed by the seconds since launch: the time to the first steady iteration (issue 31).
+since_launch() { python3 -u -c 'import sys, time
+t0 = time.time()
+for line in sys.stdin: sys.stdout.write(f"[{time.time() - t0:7.1f} s] {line}")'; }
 timeout ${LIMIT_S:-420} torchrun --nproc_per_node 1 --master_port ${PORT:-29517} pretrain_gpt.py $SHAPE \
   --group-query-attention --swiglu --normalization RMSNorm --position-embedding-type rope \
   --untie-embeddings-and-output-weights --disable-bias-linear --hidden-dropout 0 --attention-dropout 0 \
@@ -34,10 +38,10 @@ timeout ${LIMIT_S:-420} torchrun --nproc_per_node 1 --master_port ${PORT:-29517}
   --adam-beta2 0.95 --weight-decay 0.1 --clip-grad 1.0 --bf16 --grad-reduce-in-bf16 --mock-data --seed 1234 \
   --recompute-granularity full --recompute-method uniform --recompute-num-layers 1 $DEVICE --log-interval 1 \
   $PREC --offload-tiers $TIERS --offload-nvme-path "$DISK" --offload-subgroup-size $SUB --offload-io-threads 8 \
-  --offload-telemetry-log "$OUT/largest_telemetry.jsonl" ${EXTRA:-} > "$OUT/.largest.log" 2>&1
-echo "exit $?"
+  --offload-telemetry-log "$OUT/largest_telemetry.jsonl" ${EXTRA:-} 2>&1 | since_launch > "$OUT/.largest.log"
+echo "exit ${PIPESTATUS[0]}"
 rm -f "$OUT/.watch"; sleep 2
-grep -v -i warn "$OUT/.largest.log" | grep -E "model parameters|offload rank|gpu tier auto|host memory|predicted|iteration |rror|Killed|refus|overlap" \
+grep -v -i warn "$OUT/.largest.log" | grep -E "model parameters|offload rank|gpu tier auto|host memory|pinned|start-up|predicted|iteration |rror|Killed|refus|overlap" \
   | cut -c1-1000 | tee "$OUT/largest.log"
 cat "$OUT/largest_peaks.txt"; du -sh "$DISK" | cat; free -g | head -2
 rm -rf "$DISK" "$OUT/.largest.log"

@@ -37,7 +37,7 @@ from megatron.training.model import kernels as optional_kernels
 from megatron.training.model.sdpa_attention import admitted_cuda_kernels
 from megatron.training.runtime import fault_injection
 from megatron.training.runtime.core_private import reset_grad_accumulation
-from mlp_offload import tree_bytes
+from mlp_offload import build_cpu_kernel_in_background, tree_bytes
 from megatron.training.runtime.iteration_hooks import IterationHooks
 from megatron.training.data.lr_schedule import build_param_scheduler
 from megatron.training.initialize import initialize
@@ -254,6 +254,8 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
     started = time.time()  # --exit-duration-in-mins counts from here, as Megatron-LM's start time
     args = parse_args(argv)
     device = initialize(args)
+    if args.offload_tiers is not None and not args.offload_no_cpu_one_pass:
+        build_cpu_kernel_in_background()  # a first build's compile runs while the model is built
     phases = StartUpPhases(started)
     fault_injection.install_from_env()  # the crash tests' points (RANK is set by now, srun included)
     args.device_obj = device

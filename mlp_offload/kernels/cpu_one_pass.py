@@ -29,6 +29,7 @@ import hashlib
 import itertools
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
@@ -130,11 +131,29 @@ def _import_built(name: str):
     return module
 
 
-@functools.lru_cache(maxsize=None)
+_background: Optional[threading.Thread] = None
+
+
+def build_in_background() -> None:
+    """Start building (or importing) the extension on a thread of its own: on a node that has not
+    built it yet the compile takes about 20 s, which then runs while the caller builds its model."""
+    global _background
+    if _background is None:
+        _background = threading.Thread(target=_extension, name="mlp_offload cpu kernel build", daemon=True)
+        _background.start()
+
+
 def extension():
     """The compiled extension, built once per CPU (cached under torch's extensions directory; its
     build directory is locked while a process builds, so concurrent processes build it once), or
-    None where it cannot be built (the reason in ``build_error()``)."""
+    None where it cannot be built (the reason in ``build_error()``). Waits for a background build."""
+    if _background is not None and _background is not threading.current_thread():
+        _background.join()
+    return _extension()
+
+
+@functools.lru_cache(maxsize=None)
+def _extension():
     global _build_error
     name = _name()
     try:

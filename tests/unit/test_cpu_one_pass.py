@@ -197,7 +197,7 @@ def test_a_failed_build_warns_once_and_keeps_the_multi_pass_path(monkeypatch, ca
     monkeypatch.setattr(cop, "_import_built", lambda name: None)
     monkeypatch.setattr(cop, "_build", no_compiler)
     monkeypatch.setattr(cop, "_warned", False)
-    cop.extension.cache_clear()
+    cop._extension.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger="mlp_offload"):
             eng = OffloadedAdamW(torch.randn(1000), OffloadConfig(tiers=["host"], pin_memory=False,
@@ -213,8 +213,35 @@ def test_a_failed_build_warns_once_and_keeps_the_multi_pass_path(monkeypatch, ca
         assert len(warnings) == 1 and "c++: not found" in warnings[0].getMessage()
     finally:
         monkeypatch.undo()
-        cop.extension.cache_clear()
+        cop._extension.cache_clear()
     assert cop.extension() is not None
+
+
+def test_a_background_build_is_waited_for_and_built_once(monkeypatch):
+    """The training layer starts the build before building its model; the engine's later call waits for
+    that build instead of starting a second one."""
+    import threading
+    import time
+
+    builds, started = [], threading.Event()
+
+    def slow_build(name):
+        started.set()
+        time.sleep(0.3)
+        builds.append(threading.current_thread().name)
+        return "the module"
+    monkeypatch.setattr(cop, "_import_built", lambda name: None)
+    monkeypatch.setattr(cop, "_build", slow_build)
+    monkeypatch.setattr(cop, "_background", None)
+    cop._extension.cache_clear()
+    try:
+        cop.build_in_background()
+        assert started.wait(5)
+        assert cop.extension() == "the module" and cop.extension() == "the module"
+        assert builds == ["mlp_offload cpu kernel build"]
+    finally:
+        monkeypatch.undo()
+        cop._extension.cache_clear()
 
 
 def _run(setup, root, moments, remainders, one_pass, seed):

@@ -16,7 +16,7 @@ from hypothesis import given, settings, strategies as st
 
 from tests.profiles import examples
 
-from mlp_offload import OffloadConfig, OffloadConfigError, OffloadedAdamW
+from mlp_offload import ModelParamsAsMaster, OffloadConfig, OffloadConfigError, OffloadedAdamW
 from mlp_offload.checkpoint import CheckpointDataError, RangeReader, load_engine_state, read_footer
 from mlp_offload.checkpoint_write import save_engine_state
 from mlp_offload.kernels.remainders import merge, round_half_away, split
@@ -82,15 +82,22 @@ def _whole(pieces, numel, value):
     return out
 
 
-def _engine(init_bf16, cfg, model, groups=None):
-    return OffloadedAdamW(init_bf16.clone(), cfg, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, groups=groups,
-                          on_params_updated=model.on_params, param_high=model.source)
+def _engine(init_bf16, cfg, model, groups=None, fills=None):
+    """``fills``: a list: the initial params then come as the model's own (``ModelParamsAsMaster``,
+    as the Megatron layer gives them), each call of the fill function appended to it."""
+    params = init_bf16.clone()
+    if fills is not None:
+        params = ModelParamsAsMaster(lambda start, end, out: (fills.append((start, end)),
+                                                              out.copy_(init_bf16[start:end])))
+    return OffloadedAdamW(params, cfg, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, groups=groups,
+                          numel=init_bf16.numel(), on_params_updated=model.on_params, param_high=model.source)
 
 
 @settings(max_examples=examples(60), deadline=None, derandomize=True, print_blob=True)
 @given(case=device_setups(), moments=st.tuples(st.sampled_from(["fp32", "bf16"]), st.sampled_from(["fp32", "bf16"])),
-       seed=st.integers(0, 3))
-def test_engine_with_remainders_matches_fp32_master_adamw_bit_for_bit(case, moments, seed):
+       seed=st.integers(0, 3), from_model=st.booleans())
+def test_engine_with_remainders_matches_fp32_master_adamw_bit_for_bit(case, moments, seed, from_model):
+    """``from_model``: the initial masters said to be the model's params (zero remainders, never filled)."""
     setup, extra, relocate = case
     gen = torch.Generator().manual_seed(seed)
     init = torch.randn(setup.numel, generator=gen).to(torch.bfloat16)  # the model's params
@@ -101,7 +108,9 @@ def test_engine_with_remainders_matches_fp32_master_adamw_bit_for_bit(case, mome
     with tempfile.TemporaryDirectory() as root:
         cfg = dataclasses.replace(device_config(setup, extra, root), param_remainders=True,
                                   state_dtypes=("fp32", *moments))
-        with _engine(init, cfg, model, setup.groups) as eng:
+        fills = [] if from_model else None
+        with _engine(init, cfg, model, setup.groups, fills) as eng:
+            assert not fills  # zeros by construction: the model's params are never read for them
             for step in range(3):
                 grad = (torch.randn(setup.numel, generator=gen) * 10).to(torch.bfloat16)
                 eng.grad_buffer.copy_(grad)

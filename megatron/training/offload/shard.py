@@ -24,7 +24,7 @@ from megatron.training.checkpoint.offloaded_state import OffloadedStateFiles, Sh
 from megatron.training.offload.param_high import ModelParamHigh
 from megatron.training.offload.shard_layout import ShardLayout
 from megatron.training.runtime.core_private import optimizer_group_ranges
-from mlp_offload import OffloadConfig, OffloadedAdamW
+from mlp_offload import ModelParamsAsMaster, OffloadConfig, OffloadedAdamW
 from mlp_offload import torch_dtypes
 
 
@@ -78,7 +78,7 @@ class OffloadShard:
         # on CPU they go through the engine's low-precision host buffer (the CPU twin of that path).
         self._device_grads = DeviceGradients(self.layout, self.copy_stream, largest) if self._cuda else None
         self.engine = OffloadedAdamW(
-            self._fill_initial_params, offload_config, numel=self.layout.numel,
+            ModelParamsAsMaster(self._fill_initial_params), offload_config, numel=self.layout.numel,
             lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
             weight_decay=config.weight_decay, groups=engine_groups,
             grad_dtype=self.layout.pieces[0].buffer.grad_dtype, on_params_updated=self._copy_params_to_device,
