@@ -2,7 +2,7 @@
 queued (on a CPU their fences are already done, so this checks the bookkeeping: grads zeroed by the
 update as it reads them instead of by the training loop, a skipped step's grads zeroed, no param
 all-gather issued, state settled before checkpoints), and the losses must stay bit-identical to
-megatron-core without offload; above data-parallel size 1 the overlap is off, with a line saying so."""
+megatron-core without offload; above data-parallel size 1 each bucket's all-gather follows its update."""
 
 import json
 import re
@@ -76,10 +76,29 @@ def test_pipeline_stages_and_experts_with_the_overlap_match_megatron(tmp_path, l
     assert "the update runs under the next forward" in (tmp_path / "ovl" / "loss-0.out").read_text()
 
 
-def test_above_one_data_parallel_rank_the_overlap_is_off_and_says_so(tmp_path):
-    baseline = run_pretrain(tmp_path / "base", [], nproc=2, train_iters=3)
-    run = run_pretrain(tmp_path / "ovl", [*offload_args(tmp_path, tiers=("host",)), "--offload-update", "gpu",
-                                          *OVERLAP], nproc=2, train_iters=3)
+GATHER = ["--overlap-grad-reduce", "--overlap-param-gather"]
+
+
+@pytest.mark.parametrize("layout", ["dp2", "pp2dp2", "moe_ep2"])
+def test_above_one_data_parallel_rank_each_bucket_is_gathered_after_its_update(tmp_path, layout):
+    """Data-parallel size 2: each rank updates its shard under the forward, and megatron-core's
+    per-bucket all-gather (its forward hooks, with --overlap-param-gather) must follow this rank's
+    update of that bucket. On the CPU twin a deferred subgroup is updated when the gate asks for it:
+    a bucket gathered before its gate asked would gather stale params, and the losses would differ.
+    Small buckets (--overlap-grad-reduce's) and several subgroups per bucket; unowned grads zeroed."""
+    extra, nproc = {"dp2": (GATHER, 2), "pp2dp2": ([*GATHER, "--pipeline-model-parallel-size", "2"], 4),
+                    "moe_ep2": ([*GATHER, *MOE, "--expert-model-parallel-size", "2"], 4)}[layout]
+    baseline = run_pretrain(tmp_path / "base", extra, nproc=nproc, train_iters=6)  # 3 settled steps first
+    run = run_pretrain(tmp_path / "ovl", [*extra, *offload_args(tmp_path, tiers=("host",), subgroup="500"),
+                                          "--offload-update", "gpu", *OVERLAP], nproc=nproc, train_iters=6)
     assert run == baseline
-    out = (tmp_path / "ovl" / "loss-0.out").read_text()
-    assert "--offload-overlap-forward: off (data-parallel size 2; the overlap needs 1)" in out
+    assert "the update runs under the next forward" in (tmp_path / "ovl" / "loss-0.out").read_text()
+
+
+def test_above_one_data_parallel_rank_the_overlap_needs_the_per_bucket_gather(tmp_path):
+    [run] = run_pretrain(tmp_path / "ovl", [*offload_args(tmp_path, tiers=("host",)), "--offload-update", "gpu",
+                                            *OVERLAP], nproc=2, train_iters=2, expect_success=False)
+    assert run["returncode"] != 0
+    line = "--offload-overlap-forward at data-parallel size 2 needs --overlap-param-gather"
+    assert run["output"].count(line) == 1
+    assert "Traceback" not in run["output"]

@@ -88,7 +88,8 @@ def add_groups(parser) -> None:
     g.add_argument("--offload-no-cache", action="store_true")
     g.add_argument("--offload-overlap-forward", action="store_true",
                    help="the next iteration's forward starts while the GPU still updates: each layer waits "
-                        "only for its own params (data parallel size 1; ignored, with a line saying so, above)")
+                        "only for its own params (above data-parallel size 1 with --overlap-param-gather: each "
+                        "bucket's all-gather follows this rank's update of it)")
     g.add_argument("--offload-no-one-pass-update", action="store_true",
                    help="device updates widen, step and round back in separate passes (as before the one-pass kernel)")
     g.add_argument("--offload-no-cpu-one-pass", action="store_true",

@@ -287,13 +287,15 @@ def plan_engines(args, machine: Machine, offload_config, ranks: RankShards, rate
 
 
 def overlaps_forward(args, cfg, machine: Machine) -> bool:
-    """--offload-overlap-forward as the training applies it: off above one data-parallel rank (dense or
-    expert), where the params' all-gather follows the whole update."""
+    """--offload-overlap-forward where the training runs it: at one data-parallel rank (dense and
+    expert), and above it with --overlap-param-gather outside the interleaved pipeline (else refused)."""
     if not getattr(args, "offload_overlap_forward", False):
         return False
     tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
     expert_ranks = (cfg.expert_model_parallel_size or 1) * (cfg.expert_tensor_parallel_size or tp)
-    return machine.world == tp * pp and (cfg.num_moe_experts is None or machine.world == expert_ranks * pp)
+    one_rank = machine.world == tp * pp and (cfg.num_moe_experts is None or machine.world == expert_ranks * pp)
+    interleaved = (getattr(args, "virtual_pipeline_model_parallel_size", None) or 1) > 1
+    return one_rank or (bool(getattr(args, "overlap_param_gather", False)) and not interleaved)
 
 
 def iteration_seconds(compute_s: float, engines: Dict[str, EnginePlan], overlap: bool, micro_batches: int,

@@ -14,7 +14,6 @@ into the device param buffer; then megatron-core's param all-gather runs as usua
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 
@@ -26,6 +25,7 @@ from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 
 from megatron.training.checkpoint.offloaded_state import StateWrites
+from megatron.training.errors import UserError
 from megatron.training.offload.shard import OffloadShard, ShardGroups
 from megatron.training.offload.shard_budgets import check_host_split, config_for_kind
 from megatron.training.runtime.optimizer_interface import (HoldsResources, OffloadedOptimizerCheckpoint,
@@ -51,11 +51,9 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
         self.ddp_config = model_chunks[0].ddp_config
         # The group megatron-core reduces grad statistics over for its distributed optimizers (both).
         self.grad_stats_parallel_group = parallel_state.get_intra_distributed_optimizer_instance_group()
-        if offload_config.defer_device_wait and any(g.dp_group.size() > 1 for g in shard_groups):
-            # Above one data-parallel rank the params' all-gather follows the whole update: nothing to gain.
-            log.info("--offload-overlap-forward: off (data-parallel size %s; the overlap needs 1)",
-                     max(g.dp_group.size() for g in shard_groups))
-            offload_config = dataclasses.replace(offload_config, defer_device_wait=False)
+        self.data_parallel = max(g.dp_group.size() for g in shard_groups)
+        if offload_config.defer_device_wait and self.data_parallel > 1:
+            _check_gathered_overlap(self.ddp_config, self.data_parallel, len(model_chunks))
         self.overlap_forward = offload_config.defer_device_wait
         numels = shard_numels(shard_groups)
         check_host_split(offload_config, numels)  # one line for both engines, before either starts
@@ -99,6 +97,9 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
                 found_inf = bool(found.item())
                 shard.grad_scaler.update(found_inf)
                 found_any = found_any or found_inf
+        if self.overlap_forward:  # the norms have read theirs; the update zeroes this rank's shard only
+            for shard in self.shards:
+                shard.zero_unowned_grads()
         if found_any:
             self.last_record = [shard.engine.step(skip=True) for shard in self.shards][0]
             if self.overlap_forward:  # the training loop left the zeroing to an update that did not run
@@ -128,8 +129,8 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
             for engine in auto:  # each engine sees the same device; the first to promote takes the room
                 engine.observe_device_memory(*figures)
         if not self.ddp_config.overlap_param_gather and not self.overlap_forward:
-            # (with the overlap the data-parallel size is 1: each rank's params are its own already, and
-            # a gather issued now would follow, or race, the update still running)
+            # (with the overlap: at data-parallel size 1 each rank's params are its own already; above it
+            # megatron-core's forward hooks gather each bucket once the gate saw its update done)
             for chunk in self.model_chunks:
                 chunk.start_param_sync()  # dense and expert buckets both
         return True, grad_norm, None  # no zeros counted (--log-num-zeros-in-grad is megatron-core's)
@@ -153,8 +154,23 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
     def _gate_forward_on_updated_params(self) -> None:
         """A forward pre-hook on every module holding params: the caller's stream waits for the events
         of the subgroups holding them (the deferred update's order is the forward's), so layer k's
-        forward starts as soon as layer k's params are updated. Recomputed forwards wait on events long done."""
+        forward starts as soon as layer k's params are updated. Recomputed forwards wait on events long done.
+        Above one data-parallel rank the params come from megatron-core's per-bucket all-gather, which
+        DDP's own pre-hook (run after this one) starts for the module's bucket group and the next: the
+        wait is then for this rank's shard of both groups' buckets, before either all-gather is issued."""
         shard_of = {param: shard for shard in self.shards for param in shard.layout.param_flat_range}
+        bucket_owner = {bucket: shard for shard in self.shards for bucket in shard.layout.bucket_flat}
+
+        def subgroups_needed(chunk, params):
+            if self.data_parallel == 1:
+                return {(id(shard_of[p].engine), i) for p in params if p in shard_of for i in shard_of[p].subgroups_of(p)}
+            needed = set()
+            for group in {chunk.param_to_bucket_group[p] for p in params if p in chunk.param_to_bucket_group}:
+                for gathered in (group, group.next_param_gather_bucket_group):
+                    for bucket in gathered.buckets if gathered is not None else ():
+                        shard = bucket_owner[bucket]
+                        needed |= {(id(shard.engine), i) for i in shard.subgroups_in(*shard.layout.bucket_flat[bucket])}
+            return needed
 
         def gate(needs):
             def wait_for_params(module, _inputs):
@@ -171,10 +187,11 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
         engines = {id(shard.engine): shard.engine for shard in self.shards}
         for chunk in self.model_chunks:
             for module in chunk.modules():
-                needs = sorted({(id(shard_of[p].engine), i) for p in module.parameters(recurse=False)
-                                if p in shard_of for i in shard_of[p].subgroups_of(p)})
-                if needs:
-                    module.register_forward_pre_hook(gate([(engines[e], i) for e, i in needs]))
+                # (all its params: above data-parallel size 1, one held wholly by another rank still
+                # starts a gather of buckets holding this rank's shard)
+                needs = sorted(subgroups_needed(chunk, list(module.parameters(recurse=False))))
+                if needs:  # before DDP's own hook, which issues the all-gathers
+                    module.register_forward_pre_hook(gate([(engines[e], i) for e, i in needs]), prepend=True)
 
     @property
     def zeroes_grads_itself(self) -> bool:
@@ -255,6 +272,18 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
     def close(self):
         for shard in self.shards:
             shard.engine.close()
+
+
+def _check_gathered_overlap(ddp_config, data_parallel: int, chunks: int) -> None:
+    """Above one data-parallel rank each bucket's all-gather must follow that bucket's update: the
+    overlap hooks into megatron-core's per-bucket gather in the forward, which its schedule for the
+    interleaved pipeline replaces by gathering whole model chunks up front."""
+    if not ddp_config.overlap_param_gather:
+        raise UserError(f"--offload-overlap-forward at data-parallel size {data_parallel} needs "
+                        f"--overlap-param-gather (each bucket's param all-gather follows its own update, in the forward)")
+    if chunks > 1:
+        raise UserError(f"--offload-overlap-forward at data-parallel size {data_parallel}: not with the interleaved "
+                        f"pipeline ({chunks} model chunks, whose params its schedule gathers before their forward)")
 
 
 def shard_numels(every: List[ShardGroups]) -> Dict[str, int]:

@@ -153,9 +153,17 @@ class OffloadShard:
         for _, _, view in self.layout.views(0, self.layout.numel, "grad"):
             view.zero_()
 
+    def zero_unowned_grads(self) -> None:
+        """Zero the grads other ranks reduce (the update zeroes only this rank's shard as it reads it)."""
+        for view in self.layout.unowned_grads():
+            view.zero_()
+
     def subgroups_of(self, param) -> List[int]:
         """The engine's subgroups holding (this rank's part of) ``param``."""
-        start, end = self.layout.param_flat_range[param]
+        return self.subgroups_in(*self.layout.param_flat_range[param])
+
+    def subgroups_in(self, start: int, end: int) -> List[int]:
+        """The engine's subgroups overlapping flat elements [start, end)."""
         return [i for i, sg in enumerate(self.engine.subgroups) if sg.start < end and start < sg.end]
 
     def _copy_params_to_device(self, start: int, end: int, params: torch.Tensor):

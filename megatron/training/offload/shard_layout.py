@@ -32,6 +32,8 @@ class ShardLayout:
         self.gbuf_ranges = []  # megatron-core's own range maps, same order as its optimizer
         self.param_flat_range: Dict[torch.nn.Parameter, Tuple[int, int]] = {}
         self.param_slice: Dict[torch.nn.Parameter, int] = {}  # where this rank's piece starts in the param
+        self.bucket_flat: Dict[object, Tuple[int, int]] = {}  # each DDP bucket's shard in the flat space
+        self._buckets: List[object] = []  # each piece's bucket
         flat = 0
         for buffers in per_model_buffers.values():
             for buffer in buffers:
@@ -42,6 +44,8 @@ class ShardLayout:
                     shard = bucket.grad_data.numel() // dp_size
                     piece = _Piece(buffer, bucket.offset + dp_rank * shard, flat, shard)
                     self.pieces.append(piece)
+                    self._buckets.append(bucket)
+                    self.bucket_flat[bucket] = (flat, flat + shard)
                     for param, ranges in bucket_map["param_map"].items():
                         world = ranges["gbuf_world"]
                         start = flat + world.start - piece.buffer_start
@@ -58,6 +62,15 @@ class ShardLayout:
                 data = p.buffer.param_data if kind == "param" else p.buffer.grad_data
                 offset = p.buffer_start + lo - p.flat_start
                 yield lo, hi, data[offset: offset + hi - lo]
+
+    def unowned_grads(self):
+        """Each bucket's grads outside this rank's shard (other ranks' shards, before their
+        reduce-scatter): read by nothing after it; empty at data-parallel size 1."""
+        for p, bucket in zip(self.pieces, self._buckets):
+            end = bucket.offset + bucket.grad_data.numel()
+            for lo, hi in ((bucket.offset, p.buffer_start), (p.buffer_start + p.numel, end)):
+                if lo < hi:
+                    yield p.buffer.grad_data[lo:hi]
 
     def flat_ranges(self, params: Iterable[torch.nn.Parameter]) -> List[Tuple[int, int]]:
         """The params' flat ranges, sorted, adjacent ones merged."""
