@@ -9,6 +9,9 @@
 #       starts node.sh twice (node ranks 0 and 1), each node with its own TMPDIR and CUDA_VISIBLE_DEVICES
 #       (0,1 and 2,3: FAKE_NODE_GPUS), as SLURM's GPU binding does; two torchrun agents, --nnodes 2.
 # Prints a PASS/FAIL line and rank 0's job and node lines (hosts, I/O tokens per node / per job).
+# Why TP2 x DP2: each TP and DP collective has two members, so its sums are the same bits whatever algorithm
+# NCCL picks for the two layouts (in TWO each process sees only its node's two GPUs). The grad norm's
+# all-reduce spans all four ranks: on a FAIL, see whether the grad norms part first (they are printed).
 #   bash benchmarks/run_gpu.sh two_nodes_gpu      (device tool, kind nvidia-h200-x4, carry [".whl"]; about 3 min)
 #   DRY_RUN=1 bash benchmarks/experiments/two_nodes_gpu.sh      (tiny shape, 2 x 2 CPU processes)
 set -u
