@@ -89,5 +89,10 @@ print(f"{'PASS' if ok else 'FAIL'}: {save} (iterations {sorted(s)}) + {resume} r
       "bit-identical to the uninterrupted U" if ok else "differ from U or are missing")
 PY
 done
+echo "== save and load lines (for docs/benchmarks.md)"
+for name in S R A RA; do
+  [ -f "$OUT/ckpt_scale_$name.log" ] || continue
+  grep -E "saved checkpoint|training held|loading checkpoint.*done" "$OUT/ckpt_scale_$name.log" | sed "s/^/$name: /"
+done | cut -c1-400 | tee "$OUT/ckpt_scale_summary.txt"
 rm -f "$OUT/.run.log"; rm -rf "$DISK"; df -h "${DISK%/*}" | cat
 echo "ckpt_scale.sh: $(( SECONDS - T0 )) s"
