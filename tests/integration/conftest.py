@@ -113,6 +113,6 @@ def offload_saved(tmp_path_factory, offload_baseline):
     tmp = tmp_path_factory.mktemp("saved")
     ckpt = tmp / "ckpt"
     losses = run_pretrain(tmp, [*offload_args(tmp), "--save", str(ckpt), "--save-interval", str(SAVE_EVERY)],
-                          train_iters=BASELINE_ITERS)
+                          train_iters=BASELINE_ITERS, loss_log=tmp / "run.jsonl")
     assert losses == offload_baseline
-    return {"ckpt": ckpt, "losses": losses}
+    return {"ckpt": ckpt, "losses": losses, "output": (tmp / "run.out").read_text()}

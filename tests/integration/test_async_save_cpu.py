@@ -8,6 +8,7 @@ background write leaves that checkpoint unfinished, and the restart resumes from
 exactly as a run that never stopped."""
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -117,3 +118,24 @@ def test_every_save_is_finalized_before_exit(chain):
     assert (ckpt / integrity.TRACKER).read_text() == "6"
     assert {n: integrity.status(p).state for n, p in integrity.iteration_dirs(str(ckpt)).items()} == \
         {n: integrity.COMPLETE_STATE for n in (2, 4, 6)}
+
+
+def _bytes_on_disk(path) -> int:
+    """What a complete checkpoint directory holds, but its proof (which the save writes last)."""
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file() and f.name != integrity.COMPLETE)
+
+
+def test_each_sync_save_and_each_load_prints_bytes_seconds_and_rate(sync_saved, chain):
+    """One line per synchronous save and per load (rank 0): bytes, seconds and GB/s; the bytes are
+    the checkpoint's on disk (to the printed 3 decimals of a GB)."""
+    number = r"([0-9]+\.[0-9]+)"
+    for n in (2, 4, 6):
+        lines = re.findall(rf"> saved checkpoint at iteration {n} to {sync_saved['ckpt']}: {number} GB in "
+                           rf"{number} s \({number} GB/s\); offloaded optimizer state", sync_saved["output"])
+        assert len(lines) == 1, sync_saved["output"][-3000:]
+        gb = float(lines[0][0])
+        assert abs(gb - _bytes_on_disk(integrity.checkpoint_dir(sync_saved["ckpt"], n)) / 1e9) <= 0.0005
+    loads = re.findall(rf"> loading checkpoint from {chain['ckpt']}: done, {number} GB in {number} s \({number} GB/s\)",
+                       chain["resumed_output"])
+    assert len(loads) == 1, chain["resumed_output"][-3000:]
+    assert abs(float(loads[0][0]) - _bytes_on_disk(integrity.checkpoint_dir(chain["ckpt"], 2)) / 1e9) <= 0.0005

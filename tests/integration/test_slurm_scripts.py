@@ -16,44 +16,8 @@ from megatron.training.args.arguments import parse_args
 from megatron.training.runtime.slurm_env import job_port
 
 SCRIPTS = REPO / "examples" / "slurm"
-
-FAKE_SRUN = r'''
-import json, os, subprocess, sys
-args = sys.argv[1:]
-options = []
-while args[0].startswith("-"):
-    options.append(args.pop(0))
-log = os.environ["FAKE_SLURM_LOG"]
-with open(os.path.join(log, "srun.json"), "w") as f:
-    json.dump({"options": options, "command": args, "env": dict(os.environ)}, f)
-nodes = int(dict(o.split("=", 1) for o in options if "=" in o)["--nodes"])
-procs = []
-for n in range(nodes):
-    tmp = os.path.join(os.environ["FAKE_NODE_ROOT"], f"node{n}")
-    os.makedirs(tmp, exist_ok=True)
-    env = dict(os.environ, SLURM_PROCID=str(n), SLURM_NODEID=str(n), SLURM_LOCALID="0", SLURM_NTASKS=str(nodes),
-               SLURM_STEP_ID="0", TMPDIR=tmp)
-    procs.append(subprocess.Popen(args, env=env))
-codes = [p.wait() for p in procs]
-sys.exit(next((c for c in codes if c), 0))
-'''
-
-FAKE_SCONTROL = r'''
-import re, sys
-assert sys.argv[1:3] == ["show", "hostnames"], sys.argv
-for item in re.findall(r"[^,\[]+(?:\[[^\]]*\])?", sys.argv[3]):
-    m = re.fullmatch(r"(.+)\[(\d+)-(\d+)\]", item)
-    if m:
-        for i in range(int(m.group(2)), int(m.group(3)) + 1):
-            print(m.group(1) + str(i).zfill(len(m.group(2))))
-    else:
-        print(item)
-'''
-
-FAKE_SQUEUE = r'''
-import os
-print(os.environ.get("FAKE_RUNNING_JOBS", "").replace(",", "\n"))
-'''
+# srun, scontrol and squeue stand-ins, shared with benchmarks/experiments/two_nodes_gpu.sh
+FAKE_SLURM = Path(__file__).parent / "fake_slurm"
 
 FAKE_TORCHRUN = r'''
 import json, os, sys
@@ -74,12 +38,9 @@ sys.exit(code)
 def _fake_bin(tmp_path, with_torchrun):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    fakes = {"srun": FAKE_SRUN, "scontrol": FAKE_SCONTROL, "squeue": FAKE_SQUEUE}
     if with_torchrun:
-        fakes["torchrun"] = FAKE_TORCHRUN
-    for name, body in fakes.items():
-        path = bin_dir / name
-        path.write_text(f"#!{sys.executable}\n{body}")
+        path = bin_dir / "torchrun"
+        path.write_text(f"#!{sys.executable}\n{FAKE_TORCHRUN}")
         path.chmod(0o755)
     return bin_dir
 
@@ -90,7 +51,7 @@ def _job_env(tmp_path, with_torchrun, nodes=2, **extra):
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_STEP_ID"):
         env.pop(var, None)
     path = os.pathsep.join([str(_fake_bin(tmp_path, with_torchrun)), os.path.dirname(sys.executable),
-                            env.get("PATH", "")])
+                            str(FAKE_SLURM), env.get("PATH", "")])
     env.update({"PATH": path, "MLP_OFFLOAD_NO_SETUP": "1", "MLP_OFFLOAD_REPO": str(REPO),
                 "SLURM_SUBMIT_DIR": str(tmp_path / "submit"), "SLURM_JOB_ID": "4242",
                 "SLURM_JOB_NAME": "gpt-offload", "SLURM_JOB_NUM_NODES": str(nodes), "SLURM_NNODES": str(nodes),
@@ -126,7 +87,8 @@ def test_multi_node_script_commands_and_environment(tmp_path):
     pfs = tmp_path / "pfs"
     crashed = _namespace(pfs, "999.0", "othernode")  # a job of the chain that died: squeue lists it no more
     running = _namespace(pfs, "555.0", "othernode")  # another job still running
-    env = _job_env(tmp_path, with_torchrun=True)
+    # Each node's GPUs as SLURM binds them (CUDA_VISIBLE_DEVICES per node): node.sh and torchrun keep them.
+    env = _job_env(tmp_path, with_torchrun=True, FAKE_NODE_GPUS="0,1,2,3 4,5,6,7")
     code, output = run_group([(["bash", str(SCRIPTS / "multi_node.sbatch"), "--train-iters", "700"], env)], 120,
                              tmp_path / "job.out")
     assert code == 0, output
@@ -157,6 +119,7 @@ def test_multi_node_script_commands_and_environment(tmp_path):
         assert local == str(tmp_path / "nodes" / f"node{node}" / "mlp_offload.4242")  # the node's scratch
         assert run["local_dir_existed"] and not os.path.exists(local)  # made before, removed after
         assert run["env"]["SLURM_JOB_ID"] == "4242" and run["env"]["SLURM_STEP_ID"] == "0"
+        assert run["env"]["CUDA_VISIBLE_DEVICES"] == ("0,1,2,3", "4,5,6,7")[node]
         local_dirs.append(local)
     assert len(set(local_dirs)) == 2
 

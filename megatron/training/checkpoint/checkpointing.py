@@ -113,8 +113,8 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, cons
         if offload_bytes > 0:
             offload = (f"; offloaded optimizer state {human_bytes(offload_bytes)} per rank at "
                        f"{offload_bytes / max(offload_s, 1e-9) / 1e9:.2f} GB/s")
-        print_rank0(f"> saved checkpoint at iteration {iteration} to {root}: {human_bytes(total)} in "
-                     f"{time.perf_counter() - started:.1f} s{offload}")
+        print_rank0(f"> saved checkpoint at iteration {iteration} to {root}: "
+                     f"{gb_and_rate(total, time.perf_counter() - started)}{offload}")
         return path
     on_written = _BackgroundCompletion(root, path, iteration, started, offload_write, model)
     background.schedule(request, on_written, offload_write)
