@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Mixture of experts on four GPUs (issue 27 item 2): a scaled Mixtral at EP2 and EP4 bit for bit against megatron-core, then Mixtral 8x7B's shape with offload.
 #   bash benchmarks/run_gpu.sh moe_gpu        (device tool, kind nvidia-h200-x4, carry [".whl"]; ~8 min for both parts)
-#   PART=parity bash benchmarks/run_gpu.sh moe_gpu      PART=large LIMIT_LARGE=540 bash benchmarks/run_gpu.sh moe_gpu
+#   PART=parity bash benchmarks/run_gpu.sh moe_gpu      PART=large LIMIT_LARGE=560 bash benchmarks/run_gpu.sh moe_gpu
 #   DRY_RUN=1 bash benchmarks/experiments/moe_gpu.sh    (tiny shapes, 4 CPU processes on gloo; the parity is checked too)
 # PART="parity large" (the default runs both):
 #   parity  4 layers, hidden 1024, FFN 3584, 16 heads / 4 KV groups, 8 experts top-2, SwiGLU, RMSNorm, RoPE, seq 2048,
@@ -15,16 +15,21 @@
 #           megatron-core, a check of the device's determinism should a pair FAIL.
 #   large   Mixtral 8x7B's shape (32 layers, hidden 4096, FFN 14336, 32 heads / 8 KV groups, 8 experts top-2, vocab
 #           32000, seq SEQ=4096) at EP4 x DP4 (expert-DP 1), global batch 8, 5 iterations, bf16 moments with
-#           remainders, --grad-reduce-in-bf16, gpu,host,nvme with the gpu tier auto and HOST_GB (80) GiB of host
+#           remainders, --grad-reduce-in-bf16, gpu,host,nvme with the gpu tier auto and HOST_GB (100) GiB of host
 #           per rank, full recompute (RECOMPUTE=selective for the planner's pick). Iteration times, tokens/s,
-#           peak host/GPU memory (the busiest card), the experts' module line and the gpu tier's moves.
-# What tools/plan_offload.py says for the large shape (CPU, --gpus-per-node 4 --gpu-memory-gb 139 --host-memory-gb 503
-# --recommend, the flags below with --offload-host-cache-gb 105): EP4 fits, 46.703 G parameters, 12.880 G active per
-# token; per rank parameters 24.0 GiB, gradients 24.0 GiB, the experts' state 63.0 GiB + dense 2.2 GiB all in the
-# gpu tier; compute 4.66 s at 140 TFLOP/s, update 0.13 s, 6,836 tokens/s. EP2 also fits (parameters 45 GiB per rank,
-# 68 of 113 expert subgroups left in host memory, update 1.8 s: 5,067 tokens/s). It recommends selective recompute
-# (8,158 tokens/s at EP4), but it estimates an MoE layer's activations as a dense layer's, and top-2 routing keeps
+#           TFLOP/s, peak host/GPU memory (card 0 and the busiest card), the experts' module line and the gpu
+#           tier's moves; nvcc and grouped_gemm's presence are printed first (megatron-core's GroupedMLP needs it).
+# tools/plan_offload.py on the large part's flags (--gpus-per-node 4 --gpu-memory-gb 139 --host-memory-gb 503
+# --adam-gelems 0.5 --convert-gelems 1 --recommend, nvme=1.7:1.9 GB/s as this machine's disk probed): fits at EP4,
+# 46.703 G parameters, 12.880 G active per token; per rank parameters 24.0 GiB, gradients 24.0 GiB, the state
+# (experts 63.0 GiB in 113 subgroups, dense 2.2 GiB in 5) all in the gpu tier: 130.5 of 139 GiB; compute 4.66 s at
+# 140 TFLOP/s, update 0.13 s: 4.79 s, 6,836 tokens/s. At EP2 it also fits (parameters 45 GiB per rank, 68 of 113
+# expert subgroups stay in host memory, update 1.8 s: 5,067 tokens/s). It recommends selective recompute (4.02 s,
+# 8,158 tokens/s at EP4), but it estimates an MoE layer's activations as a dense layer's, and top-2 routing keeps
 # about twice the MLP's; full recompute is the default here so that the whole state can sit in HBM.
+# The host budget is split between the two engines by state elements: at 100 GiB the dense engine's 3.4% share
+# holds 3 of its 5 subgroups (2 go to nvme until the gpu tier takes them after iteration 1), while the experts'
+# share is a third unused (only what is placed is pinned: ~66 GiB per rank).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-$PWD}
@@ -47,8 +52,8 @@ else
   L_SHAPE="--num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 --num-query-groups 8
     --seq-length $SEQ --max-position-embeddings $SEQ --vocab-size 32000"
   # ~107 M state elements per rank at either EP (12 B each with the fp32 master): 0.6 GiB is about half
-  DEVICE="--device cuda"; GPU_GB=${GPU_GB:-0.6}; P_SUB=5000000; P_LIMIT=${LIMIT_PARITY:-75}; L_LIMIT=${LIMIT_LARGE:-330}
-  L_TIERS="gpu,host,nvme --offload-gpu-cache-gb auto --offload-host-cache-gb ${HOST_GB:-80} --offload-subgroup-size 100000000"
+  DEVICE="--device cuda"; GPU_GB=${GPU_GB:-0.6}; P_SUB=5000000; P_LIMIT=${LIMIT_PARITY:-100}; L_LIMIT=${LIMIT_LARGE:-360}
+  L_TIERS="gpu,host,nvme --offload-gpu-cache-gb auto --offload-host-cache-gb ${HOST_GB:-100} --offload-subgroup-size 100000000"
 fi
 command -v nvcc >/dev/null && echo "nvcc: $(nvcc --version | tail -1)" || echo "nvcc: none (no grouped_gemm build here)"
 $PY -c "import grouped_gemm" 2>/dev/null && echo "grouped_gemm: importable" || echo "grouped_gemm: not importable"
