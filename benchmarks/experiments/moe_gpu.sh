@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Mixture of experts on four GPUs (issue 27 item 2): a scaled Mixtral at EP2 and EP4 bit for bit against megatron-core, then Mixtral 8x7B's shape with offload.
-#   bash benchmarks/run_gpu.sh moe_gpu        (device tool, kind nvidia-h200-x4, carry [".whl"]; ~8 min for both parts)
+#   bash benchmarks/run_gpu.sh moe_gpu        (device tool, kind nvidia-h200-x4, carry [".whl"]; both parts estimated at 6-9 min: limits 4 x 100 s + 360 s, LIMIT_PARITY, LIMIT_LARGE)
 #   PART=parity bash benchmarks/run_gpu.sh moe_gpu      PART=large LIMIT_LARGE=560 bash benchmarks/run_gpu.sh moe_gpu
 #   DRY_RUN=1 bash benchmarks/experiments/moe_gpu.sh    (tiny shapes, 4 CPU processes on gloo; the parity is checked too)
 # PART="parity large" (the default runs both):
