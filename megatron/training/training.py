@@ -281,6 +281,9 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
     _print_rank0(optional_kernels.attention_line(args, admitted_cuda_kernels(config, device) if cuda_sdpa else None))
     if args.num_experts is not None:
         _print_rank0(moe_metrics.moe_summary(args, config, total_params, torch.distributed.get_world_size()))
+        experts = moe_metrics.experts_line(model)
+        if experts:  # rank 0's stage may hold dense layers only
+            _print_rank0(experts)
 
     if getattr(args, "moe_grouped_gemm_kernel", None) == "sequential":
         _print_rank0("> --moe-grouped-gemm: no grouped GEMM kernel here (the grouped_gemm package, or "

@@ -62,6 +62,8 @@ def test_moe_offload_matches_megatron_bit_for_bit(ep2_runs):
     active = int(re.search(r"active parameters per token: (\d+)", out).group(1))
     assert total - active == 4 * (4 - 2) * 3 * h * ffn
     assert "4 experts, top-2, in 4 of 4 layers | EP=2 ETP=1 expert-DP=1" in out
+    # No grouped GEMM asked for: megatron-core's local spec builds sequential experts, 4 / EP 2 per rank.
+    assert "> experts module: megatron.core.transformer.moe.experts.SequentialMLP, 2 local experts per rank" in out
     # FLOPs as Megatron-LM counts an MoE layer (top-2 experts per token), as the checkpoint keeps them.
     from megatron.core import dist_checkpointing
 

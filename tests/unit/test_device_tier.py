@@ -214,3 +214,32 @@ def test_gpu_only_budget_below_the_state_names_the_budget():
     with pytest.raises(PlacementError, match="gpu_budget_bytes"):
         OffloadedAdamW(torch.zeros(50_000), OffloadConfig(tiers=["gpu"], gpu_budget_bytes=1 << 16,
                                                           subgroup_size=10_000, **RATES)).close()
+
+
+def test_two_engines_on_one_device_share_its_spare_memory():
+    """An MoE model's dense and expert engines learn one device's gpu tier together: memory one of
+    them takes (or hands back) counts in the peak the other sees, never taken twice."""
+    from megatron.training.offload.optimizer import share_device_memory
+
+    sub = 10_000
+    slot = partition(4 * sub, sub)[0].state_bytes
+    engines = []
+    for name, numel in (("dense", 4 * sub), ("experts", 3 * sub)):
+        cfg = OffloadConfig(tiers=["gpu", "host"], subgroup_size=sub, gpu_budget_auto=True, gpu_margin_bytes=0,
+                            run_id=f"share-{name}", pin_memory=False, adam_kernel="single", update_on="cpu",
+                            **RATES)
+        engines.append(OffloadedAdamW(torch.zeros(numel), cfg, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD))
+    try:
+        held = []
+        # 5 subgroups of room: the dense engine takes its 4, the experts' the 1 left; then the peak with
+        # both tiers in it leaves none; then a peak 2 over: the dense engine hands back 2, enough for both
+        for peak, capacity in ((slot, 6 * slot), (6 * slot, 6 * slot), (8 * slot, 6 * slot)):
+            for eng in engines:
+                eng.step()
+            share_device_memory(engines, peak, capacity)
+            held.append([len(eng.placement.subgroups_on("gpu")) for eng in engines])
+        assert held == [[4, 1], [4, 1], [2, 1]]
+        assert [eng.memory["gpu"].used_bytes for eng in engines] == [2 * slot, slot]
+    finally:
+        for eng in engines:
+            eng.close()

@@ -8,7 +8,7 @@ that through megatron-core's own ``track_moe_metrics`` (a collective: every rank
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Optional
 
 from megatron.training.model.moe import moe_layers, tracked_losses
 
@@ -46,3 +46,17 @@ def moe_summary(args, config, total_params: int, world: int) -> str:
     return (f"> mixture of experts: {args.num_experts} experts, top-{args.moe_router_topk}, in {sum(pattern)} of "
             f"{args.num_layers} layers | EP={ep} ETP={etp} expert-DP={world // (ep * etp * pp)} | "
             f"active parameters per token: {active} ({100 * active / total_params:.1f}% of {total_params})")
+
+
+def experts_line(model_chunks) -> Optional[str]:
+    """The start-up line naming the module megatron-core built for this rank's experts (SequentialMLP,
+    GroupedMLP or TEGroupedMLP: which kernels run them), None where this rank's stage has no MoE layer."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    for chunk in model_chunks:
+        for module in chunk.modules():
+            if isinstance(module, MoELayer):
+                kind = type(module.experts)
+                return (f"> experts module: {kind.__module__}.{kind.__name__}, "
+                        f"{module.num_local_experts} local experts per rank")
+    return None

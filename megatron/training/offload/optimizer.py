@@ -30,7 +30,7 @@ from megatron.training.offload.shard import OffloadShard, ShardGroups
 from megatron.training.offload.shard_budgets import check_host_split, config_for_kind
 from megatron.training.runtime.optimizer_interface import (HoldsResources, OffloadedOptimizerCheckpoint,
                                                            ReportsIteration, TrainingOptimizer)
-from mlp_offload import OffloadConfig
+from mlp_offload import GPU_TIER, OffloadConfig
 
 log = logging.getLogger("mlp_offload")
 
@@ -125,9 +125,7 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
                 torch.cuda.current_stream().wait_stream(shard.copy_stream)
         auto = [shard.engine for shard in self.shards if shard.engine.config.gpu_budget_auto]
         if auto and self.device_memory_figures is not None:
-            figures = self.device_memory_figures()
-            for engine in auto:  # each engine sees the same device; the first to promote takes the room
-                engine.observe_device_memory(*figures)
+            share_device_memory(auto, *self.device_memory_figures())
         if not self.ddp_config.overlap_param_gather and not self.overlap_forward:
             # (with the overlap: at data-parallel size 1 each rank's params are its own already; above it
             # megatron-core's forward hooks gather each bucket once the gate saw its update done)
@@ -291,6 +289,15 @@ def shard_numels(every: List[ShardGroups]) -> Dict[str, int]:
     its buckets' share over its own data-parallel group (DP for the dense one, expert-DP for experts)."""
     return {g.kind: sum(bucket.grad_data.numel() // g.dp_group.size() for buffers in g.buffers.values()
                         for buffer in buffers for bucket in buffer.buckets) for g in every}
+
+
+def share_device_memory(engines, peak: int, capacity: int) -> None:
+    """Auto gpu tiers of one device (dense and experts) fitted in turn: what one engine moves in or
+    hands back counts in the peak the next sees, so two never take the same spare memory."""
+    for engine in engines:
+        before = engine.state_bytes_per_tier().get(GPU_TIER, 0)
+        engine.observe_device_memory(peak, capacity)
+        peak += engine.state_bytes_per_tier().get(GPU_TIER, 0) - before
 
 
 def _cuda_memory_figures() -> Tuple[int, int]:
