@@ -27,10 +27,7 @@ free -g | head -2; df -h "$DISK" | tail -1
 source benchmarks/experiments/memory_watch.sh
 watch_memory "largest" "$OUT/largest_peaks.txt"
 sleep 1
-# Each line prefixed by the seconds since launch: the time to the first steady iteration (issue 31).
-since_launch() { python3 -u -c 'import sys, time
-t0 = time.time()
-for line in sys.stdin: sys.stdout.write(f"[{time.time() - t0:7.1f} s] {line}")'; }
+source benchmarks/experiments/timestamps.sh  # since_launch: each line prefixed by the seconds since launch
 timeout ${LIMIT_S:-420} torchrun --nproc_per_node 1 --master_port ${PORT:-29517} pretrain_gpt.py $SHAPE \
   --group-query-attention --swiglu --normalization RMSNorm --position-embedding-type rope \
   --untie-embeddings-and-output-weights --disable-bias-linear --hidden-dropout 0 --attention-dropout 0 \

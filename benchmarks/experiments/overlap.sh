@@ -47,6 +47,7 @@ for part in ${PART:-queue}; do
       for variant in ${VARIANTS60:-overlap}; do
         echo "== 60b $variant"
         source benchmarks/experiments/memory_watch.sh
+        source benchmarks/experiments/timestamps.sh
         watch_memory "60b" "$OUT/60b_${variant}_peaks.txt"
         timeout $LIMIT torchrun --nproc_per_node 4 --master_port ${PORT:-29523} pretrain_gpt.py $SHAPE \
           --group-query-attention --swiglu --normalization RMSNorm --position-embedding-type rope \
@@ -57,10 +58,10 @@ for part in ${PART:-queue}; do
           --recompute-granularity full --recompute-method uniform --recompute-num-layers 1 $DEVICE \
           --use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16 \
           --offload-tiers $TIERS --offload-nvme-path "$DISK" --offload-subgroup-size $SUB --offload-io-threads 8 \
-          $(flag_of $variant) > "$OUT/.60b.log" 2>&1
-        echo "60b $variant exit $?"
+          $(flag_of $variant) 2>&1 | since_launch > "$OUT/.60b.log"
+        echo "60b $variant exit ${PIPESTATUS[0]}"
         rm -f "$OUT/.watch"; sleep 2
-        grep -v -i warn "$OUT/.60b.log" | grep -E "model parameters|offload rank|gpu tier auto|host memory|pinned|predicted|iteration +[0-9]|rror|Killed|refus|overlap" \
+        grep -v -i warn "$OUT/.60b.log" | grep -E "model parameters|offload rank|gpu tier auto|host memory|pinned|start-up|kernel ready|predicted|iteration +[0-9]|rror|Killed|refus|overlap" \
           | cut -c1-1200 > "$OUT/60b_$variant.log"
         grep -E "iteration +[0-9]" "$OUT/60b_$variant.log" | grep -o "iteration *[0-9]*/\|elapsed time per iteration (ms): [0-9.]*\|offload update time (ms): [0-9.]*\|offload predicted iteration time (ms): [0-9.]*\|offload forward wait (ms): [0-9.]*\|offload device update time (ms): [0-9.]*" | paste -sd' ' | sed 's/iteration /\n&/g'
         cat "$OUT/60b_${variant}_peaks.txt" 2>/dev/null
