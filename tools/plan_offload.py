@@ -315,7 +315,7 @@ def describe(plan, args, machine, flags, rates) -> str:
         for kind, e in plan.engines.items():
             lines.append(e.prediction.describe() + ("" if len(plan.engines) == 1 else f" [{kind}]"))
     update, joins = (f" + update {plan.update_s:.3f} s" if plan.update_s is not None else ""), "="
-    if plan.overlaps_forward:  # --offload-overlap-forward: not a sum (mlp_offload.predict_iteration)
+    if plan.overlaps_forward and plan.update_s is not None:  # not a sum (mlp_offload.predict_iteration)
         update, joins = f" and update {plan.update_s:.3f} s, its device share under the next forward", "from"
     lines.append(f"predicted iteration {plan.iteration_s:.3f} s {joins} compute {plan.compute_s:.3f} s "
                  f"(at {machine.gpu_tflops:g} TFLOP/s per GPU){update}; bottleneck: {plan.bottleneck}")

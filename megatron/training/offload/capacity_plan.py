@@ -255,11 +255,12 @@ def gpu_tier_hint(gpu: Dict[str, int], machine: Machine, offload_config) -> str:
 def plan_engines(args, machine: Machine, offload_config, ranks: RankShards, rates: Dict[str, TierBandwidth],
                  capacity_bytes: Dict[str, int], adam_elems_per_s: float, convert_elems_per_s: float,
                  problems: List[str], gpu_spare_bytes: int = 0,
-                 at_start: Optional[Dict[str, EnginePlan]] = None) -> Dict[str, EnginePlan]:
+                 at_start: Optional[Dict[str, EnginePlan]] = None, gpu_start_bytes: int = 0) -> Dict[str, EnginePlan]:
     """One engine per distributed optimizer, as the training builds them (``shard_budgets``); the
     experts' engine gets the file tiers' space the dense one leaves, and with an auto gpu tier the
     spare device memory (``gpu_spare_bytes``) the dense one leaves. ``at_start`` is filled with each
-    engine as it starts: an auto gpu tier starts empty, so host memory and disk hold more then."""
+    engine as it starts: an auto gpu tier starts at ``gpu_start_bytes`` (``gpu_tier_start``; 0 with
+    two engines), so host memory and disk hold more then."""
     engines: Dict[str, EnginePlan] = {}
     at_start = {} if at_start is None else at_start
     space = dict(capacity_bytes)
@@ -274,7 +275,7 @@ def plan_engines(args, machine: Machine, offload_config, ranks: RankShards, rate
         plan = functools.partial(plan_engine, shard, config, rates, space, adam_elems_per_s, convert_elems_per_s,
                                  machine.gpus_per_node, host_grad_itemsize(args), update_rates)
         try:
-            at_start[kind] = plan()
+            at_start[kind] = plan(gpu_start_bytes) if config.gpu_budget_auto and gpu_start_bytes else plan()
             engines[kind] = plan(gpu_spare_bytes) if config.gpu_budget_auto else at_start[kind]
         except PlacementError as err:
             problems.append(in_flags(str(err)))
@@ -284,6 +285,18 @@ def plan_engines(args, machine: Machine, offload_config, ranks: RankShards, rate
             held = max(engines[kind].stored_bytes[t], at_start[kind].stored_bytes[t])
             space[t] = max(0, space[t] - machine.gpus_per_node * held)
     return engines
+
+
+def starting_gpu_tier(args, cfg, machine: Machine, offload_config, gpu: Dict[str, int], engines: int,
+                      data_parallel: int) -> int:
+    """Where the training starts an auto gpu tier (``offload.factory``: one engine on a GPU, from the
+    device memory the model and its gradient buffers leave free); 0 where it starts empty."""
+    from megatron.training.offload.gpu_tier_start import starting_gpu_tier_bytes  # it imports this module
+
+    if not offload_config.gpu_budget_auto or engines != 1 or machine.device_rates is None:
+        return 0
+    free = machine.gpu_memory_bytes - gpu["cuda_reserve"] - gpu["parameters"] - gpu["gradients"]
+    return starting_gpu_tier_bytes(args, cfg, free, offload_config.gpu_margin_bytes, data_parallel)
 
 
 def overlaps_forward(args, cfg, machine: Machine) -> bool:
@@ -345,7 +358,8 @@ def make_plan(args, cfg, machine: Machine, offload_config, rates: Dict[str, Tier
         spare = max(0, machine.gpu_memory_bytes - sum(gpu.values()) - offload_config.gpu_margin_bytes)
         at_start: Dict[str, EnginePlan] = {}
         engines = plan_engines(args, machine, offload_config, ranks, rates, capacity_bytes, adam_elems_per_s,
-                               convert_elems_per_s, problems, spare, at_start)
+                               convert_elems_per_s, problems, spare, at_start,
+                               starting_gpu_tier(args, cfg, machine, offload_config, gpu, len(ranks.shards), dp))
         if GPU_TIER in offload_config.tiers:
             gpu["optimizer_state_gpu_tier"] = sum(e.stored_bytes.get(GPU_TIER, 0) for e in engines.values())
         if len(engines) == len(ranks.shards):
