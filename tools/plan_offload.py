@@ -107,6 +107,17 @@ def split_capacities(rest):
     return capacities, flags
 
 
+def _host_budget_missing(flags) -> bool:
+    """Host memory and a file tier in --offload-tiers, and no --offload-host-cache-gb."""
+    names = [f.split("=", 1)[0] for f in flags]
+    if "--offload-host-cache-gb" in names or "--offload-tiers" not in names:
+        return False
+    i = names.index("--offload-tiers")
+    value = flags[i].split("=", 1)[1] if "=" in flags[i] else (flags[i + 1] if i + 1 < len(flags) else "")
+    tiers = value.split(",")
+    return "host" in tiers and any(t not in ("host", "gpu") for t in tiers)
+
+
 def pretrain_args(flags, machine):
     """pretrain_gpt.py's own parser; flags that do not change the plan are filled in if missing."""
     from megatron.training.args.arguments import parse_args
@@ -120,7 +131,12 @@ def pretrain_args(flags, machine):
         flags += ["--lr", "1e-4"]
     if not any(f.split("=")[0] == "--offload-adam-kernel" for f in flags):
         flags += ["--offload-adam-kernel", "fused"]  # a GPU job's default (this machine may have no GPU)
+    suggest_budget = _host_budget_missing(flags)
+    if suggest_budget:  # the training refuses host + file tiers without a budget: plan_for suggests one
+        flags += ["--offload-host-cache-gb", "1"]
     args = parse_args(flags)
+    if suggest_budget:
+        args.offload_host_cache_gb = None
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if machine.world % (tp * pp):
         raise UserError(f"--nnodes {machine.nnodes} x --gpus-per-node {machine.gpus_per_node} = {machine.world} "

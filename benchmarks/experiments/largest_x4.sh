@@ -3,10 +3,11 @@
 #   PART=b100  101.9 B: 76 layers, hidden 10240, FFN 35840, 80 heads, 8 KV groups; bf16 moments, 16-bit remainders
 #   PART=l70   70.7 B: 82 layers, hidden 8192, FFN 28672, 64 heads, 8 KV groups; fp32 moments, remainders
 #              (the state lossless; both reduce gradients in bf16: fp32 ones leave too little HBM for the gpu tier)
-# Both: seq 2048, vocab 32000, gpu,host,nvme, gpu tier auto, host HOST_GB (99: the planner's 80% of 503 GiB over 4
-# ranks). First tools/plan_offload.py --recommend --layouts auto at global batch 8 on this node (its disk's free
-# space, the disk rates this machine kind probed: nvme=1.69:1.95) picks TP x PP, recompute, micro-batch and gpu
-# tier; its plan of that choice at GB 8 and 64 is printed (where every byte lives), then the training runs it:
+# Both: seq 2048, vocab 32000, gpu,host,nvme, gpu tier auto, host per rank as the planner suggests (80% of this
+# node's memory over 4 ranks, less gradient scratch: 99 GiB of 503) unless HOST_GB is given.
+# First tools/plan_offload.py --recommend --layouts auto at global batch 8 on this node (its disk's free space,
+# the disk rates this machine kind probed: nvme=1.69:1.95) picks TP x PP, recompute, micro-batch and gpu tier;
+# its plan of that choice at GB 8 and 64 is printed (where every byte lives), then the training runs it:
 # ITERS8 (default 3) iterations at GB 8 and, if ITERS64 > 0, a second launch at GB 64. Each launch under
 # `timeout LIMIT` (default 420 s): start-up (pinning ~400 GiB, the state's first write to disk) takes minutes.
 # Run: PART="b100 l70" bash benchmarks/run_gpu.sh largest_x4  (device tool, kind nvidia-h200-x4, carry [".whl"]);
@@ -25,7 +26,7 @@ if [ "${DRY_RUN:-0}" = 1 ]; then
 else
   SHAPE_b100="--num-layers 76 --hidden-size 10240 --ffn-hidden-size 35840 --num-attention-heads 80 --num-query-groups 8"
   SHAPE_l70="--num-layers 82 --hidden-size 8192 --ffn-hidden-size 28672 --num-attention-heads 64 --num-query-groups 8"
-  SEQ=2048; DEVICE="--device cuda"; TIERS="gpu,host,nvme --offload-gpu-cache-gb auto"; HOST_GB=${HOST_GB:-99}
+  SEQ=2048; DEVICE="--device cuda"; TIERS="gpu,host,nvme --offload-gpu-cache-gb auto"; HOST_GB=${HOST_GB:-}
   SUB=100000000; LIMIT=${LIMIT:-420}
   # 139 GiB usable of an H200; disk rates as the engine probed them on this kind (docs/results/gpu_2026-11-26b);
   # compute at the TFLOP/s the 60.4 B TP2 x PP2 run reached (its FLOPs over its 5.90 s of compute alone)
@@ -46,7 +47,7 @@ for part in ${PART:-b100 l70}; do
     --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --lr 3e-4 --adam-beta2 0.95 --weight-decay 0.1
     --clip-grad 1.0 --bf16 --grad-reduce-in-bf16 --mock-data --seed 1234 --log-interval 1
     --recompute-granularity full --recompute-method uniform --recompute-num-layers 1 $DEVICE $PREC
-    --offload-tiers $TIERS --offload-host-cache-gb $HOST_GB --offload-nvme-path $DISK --offload-subgroup-size $SUB
+    --offload-tiers $TIERS ${HOST_GB:+--offload-host-cache-gb $HOST_GB} --offload-nvme-path $DISK --offload-subgroup-size $SUB
     --offload-io-threads 8"
   echo "== $part: the planner (global batch 8, every layout of 4 GPUs)"
   df -h "$DISK" | tail -1

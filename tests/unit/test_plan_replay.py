@@ -346,3 +346,14 @@ def test_an_overlapped_run_that_does_not_fit_prints_why(tool):
         code = tool.main(["--gpu-tflops", str(H200_SDPA_TFLOPS), "--convert-gelems", "1000", *flags.split()])
     assert code == 1
     assert out.getvalue().startswith("DOES NOT FIT") and "not enough disk space" in out.getvalue()
+
+
+def test_without_a_host_budget_the_planner_suggests_one(tool):
+    """Host + disk tiers and no --offload-host-cache-gb: the plan uses 80% of the node's memory over its
+    ranks less each rank's gradient scratch (two fp32 subgroups), in whole GiB, and names it in its flags."""
+    flags = RUNS["20.68B bf16 moments, one H200"].flags.replace("--offload-host-cache-gb 97", "")
+    got = plan(tool, flags)
+    expected = int((125 * GiB * 0.8 - 2 * 100_000_000 * 4) / GiB)  # ONE_H200: 125 GiB, one rank
+    assert got["offload_host_cache_gb"] == expected
+    assert got["flags"][-2:] == ["--offload-host-cache-gb", str(expected)]
+    assert got["fits"], got["problems"]
