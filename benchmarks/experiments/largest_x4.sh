@@ -11,7 +11,8 @@
 # ITERS8 (default 3) iterations at GB 8 and, if ITERS64 > 0, a second launch at GB 64. Each launch under
 # `timeout LIMIT` (default 420 s): start-up (pinning ~400 GiB, the state's first write to disk) takes minutes.
 # Run: PART="b100 l70" bash benchmarks/run_gpu.sh largest_x4  (device tool, kind nvidia-h200-x4, carry [".whl"]);
-#      DRY_RUN=1 runs tiny shapes on CPU (4 processes).
+#      DRY_RUN=1 runs tiny shapes on CPU (4 processes). PLAN_EXTRA: more planner flags (e.g. elsewhere, the x4 node's
+#      "--host-memory-gb 503 --offload-nvme-capacity-gb 200"; ITERS8=0 then plans only).
 set -u -o pipefail  # a planner that chose nothing stops its part
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-$PWD}
@@ -51,13 +52,13 @@ for part in ${PART:-b100 l70}; do
     --offload-io-threads 8"
   echo "== $part: the planner (global batch 8, every layout of 4 GPUs)"
   df -h "$DISK" | tail -1
-  $PY tools/plan_offload.py --gpus-per-node 4 $MACHINE --recommend --layouts auto --json $FLAGS \
+  $PY tools/plan_offload.py --gpus-per-node 4 $MACHINE ${PLAN_EXTRA:-} --recommend --layouts auto --json $FLAGS \
     > "$OUT/.plan.json" 2> "$OUT/.plan.err"
   $PY benchmarks/experiments/planner_choice.py "$OUT/.plan.json" "$OUT/.chosen" | tee "$OUT/${part}_plan.txt" \
     || { head -c 600 "$OUT/.plan.err"; continue; }
   mapfile -t CHOSEN < "$OUT/.chosen"
   # The chosen flags' plan at both batch sizes: where every byte lives, the iteration predicted
-  $PY tools/plan_offload.py --gpus-per-node 4 $MACHINE --global-batch-sizes 8,64 "${CHOSEN[@]}" \
+  $PY tools/plan_offload.py --gpus-per-node 4 $MACHINE ${PLAN_EXTRA:-} --global-batch-sizes 8,64 "${CHOSEN[@]}" \
     --global-batch-size 8 2>&1 | grep -v "^flags:" | cut -c1-700 | tee -a "$OUT/${part}_plan.txt"
   for gb in 8 64; do
     iters=$([ $gb = 8 ] && echo ${ITERS8:-3} || echo ${ITERS64:-0})

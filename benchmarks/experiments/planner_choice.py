@@ -39,7 +39,7 @@ def main(plan_path, flags_out, top=6):
                 if plan["fits"] else "does not fit")
     chosen = advice["chosen"]
     if chosen is None:
-        print(f"planner chose nothing: no candidate fits (as given: {as_given})")
+        print(f"planner chose nothing: no candidate fits (as given: {as_given}: {'; '.join(plan['problems'])[:400]})")
         return 1
     print(f"planner chose: {chosen['candidate']}: {chosen['tokens_per_s']:,.0f} tokens/s, iteration "
           f"{chosen['predicted_iteration_s']:.3f} s (as given: {as_given})")

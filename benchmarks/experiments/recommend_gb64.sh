@@ -10,7 +10,7 @@
 # H200 with SDPA, from this command at global batch 1; docs/benchmarks.md §4), the device's and the disk's rates
 # as that run's log printed them; the CPU's conversion rate is measured here.
 # Run: bash benchmarks/run_gpu.sh recommend_gb64   (device tool, kind nvidia-h200, carry [".whl"]);
-#      DRY_RUN=1 runs a tiny shape on CPU.
+#      DRY_RUN=1 runs a tiny shape on CPU. PLAN_EXTRA: more planner flags (e.g. --host-memory-gb 125).
 set -u -o pipefail  # a planner that chose nothing stops its part
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-$PWD}
@@ -38,7 +38,7 @@ FLAGS="$SHAPE --group-query-attention --swiglu --normalization RMSNorm --positio
   --use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16 --offload-tiers $TIERS
   --offload-host-cache-gb $HOST_GB --offload-nvme-path $DISK --offload-subgroup-size $SUB --offload-io-threads 8"
 echo "== the planner at global batch $GB"
-$PY tools/plan_offload.py --gpus-per-node 1 $MACHINE --recommend --json $FLAGS --global-batch-size $GB \
+$PY tools/plan_offload.py --gpus-per-node 1 $MACHINE ${PLAN_EXTRA:-} --recommend --json $FLAGS --global-batch-size $GB \
   > "$OUT/recommend_plan.json" 2> "$OUT/.plan.err"
 $PY benchmarks/experiments/planner_choice.py "$OUT/recommend_plan.json" "$OUT/.chosen" 8 | tee "$OUT/recommend_plan.txt" \
   || { head -c 600 "$OUT/.plan.err"; exit 1; }
