@@ -80,6 +80,9 @@ def machine_parser() -> argparse.ArgumentParser:
     p.add_argument("--recommend", action="store_true",
                    help="also plan every recompute granularity x micro-batch size x gpu tier (auto or none) for the "
                         "run's global batch size and name the fastest that fits")
+    p.add_argument("--layouts", type=str, default=None,
+                   help="with --recommend, also try these tensor x pipeline parallel sizes: 'auto' (every TP within "
+                        "a node x PP dividing the layers) or a comma list of TPxPP, e.g. 4x1,2x2")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -104,6 +107,17 @@ def split_capacities(rest):
     return capacities, flags
 
 
+def _host_budget_missing(flags) -> bool:
+    """Host memory and a file tier in --offload-tiers, and no --offload-host-cache-gb."""
+    names = [f.split("=", 1)[0] for f in flags]
+    if "--offload-host-cache-gb" in names or "--offload-tiers" not in names:
+        return False
+    i = names.index("--offload-tiers")
+    value = flags[i].split("=", 1)[1] if "=" in flags[i] else (flags[i + 1] if i + 1 < len(flags) else "")
+    tiers = value.split(",")
+    return "host" in tiers and any(t not in ("host", "gpu") for t in tiers)
+
+
 def pretrain_args(flags, machine):
     """pretrain_gpt.py's own parser; flags that do not change the plan are filled in if missing."""
     from megatron.training.args.arguments import parse_args
@@ -117,7 +131,12 @@ def pretrain_args(flags, machine):
         flags += ["--lr", "1e-4"]
     if not any(f.split("=")[0] == "--offload-adam-kernel" for f in flags):
         flags += ["--offload-adam-kernel", "fused"]  # a GPU job's default (this machine may have no GPU)
+    suggest_budget = _host_budget_missing(flags)
+    if suggest_budget:  # the training refuses host + file tiers without a budget: plan_for suggests one
+        flags += ["--offload-host-cache-gb", "1"]
     args = parse_args(flags)
+    if suggest_budget:
+        args.offload_host_cache_gb = None
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if machine.world % (tp * pp):
         raise UserError(f"--nnodes {machine.nnodes} x --gpus-per-node {machine.gpus_per_node} = {machine.world} "
@@ -212,8 +231,33 @@ def parse(argv):
                         *((f, getattr(opts, f[2:].replace("-", "_"))) for f, _, _ in DEVICE_FLAGS)):
         if value is not None and not 0 < value < float("inf"):
             raise UserError(f"argument {flag}: must be a positive number, got {value}")
+    if opts.layouts is not None and not opts.recommend:
+        raise UserError(f"argument --layouts {opts.layouts}: needs --recommend (it lists the candidates to plan)")
+    opts.layouts = parse_layouts(opts.layouts)
     capacities, flags = split_capacities(rest)
     return opts, capacities, flags
+
+
+def parse_layouts(text):
+    """--layouts: 'auto', or a comma list of TPxPP as (TP, PP) pairs."""
+    if text in (None, "auto"):
+        return text
+    try:
+        pairs = [tuple(int(n) for n in item.split("x")) for item in text.split(",")]
+        assert all(len(pair) == 2 and min(pair) >= 1 for pair in pairs)
+    except (ValueError, AssertionError):
+        raise UserError(f"argument --layouts: expected 'auto' or a comma list of TPxPP (e.g. 4x1,2x2), "
+                        f"got {text!r}") from None
+    return pairs
+
+
+def layouts_to_try(opts, args, machine):
+    """--layouts as (TP, PP) pairs; [None] (the layout as given) without it."""
+    from megatron.training.offload.plan_candidates import layouts
+
+    if opts.layouts == "auto":
+        return layouts(machine.world, machine.gpus_per_node, args.num_layers)
+    return opts.layouts or [None]
 
 
 def plan_for(opts, capacities, flags, measured, gpu_tflops=None, batch_sizes=None):
@@ -315,7 +359,7 @@ def describe(plan, args, machine, flags, rates) -> str:
         for kind, e in plan.engines.items():
             lines.append(e.prediction.describe() + ("" if len(plan.engines) == 1 else f" [{kind}]"))
     update, joins = (f" + update {plan.update_s:.3f} s" if plan.update_s is not None else ""), "="
-    if plan.overlaps_forward:  # --offload-overlap-forward: not a sum (mlp_offload.predict_iteration)
+    if plan.overlaps_forward and plan.update_s is not None:  # not a sum (mlp_offload.predict_iteration)
         update, joins = f" and update {plan.update_s:.3f} s, its device share under the next forward", "from"
     lines.append(f"predicted iteration {plan.iteration_s:.3f} s {joins} compute {plan.compute_s:.3f} s "
                  f"(at {machine.gpu_tflops:g} TFLOP/s per GPU){update}; bottleneck: {plan.bottleneck}")
@@ -338,10 +382,15 @@ def recommend(opts, capacities, flags, args, machine, measured):
     own = recompute_work(args.recompute_granularity, args.recompute_method, args.recompute_num_layers,
                          args.num_layers // pp)
     tiers = args.offload_tiers or []
+    given_layout = (args.tensor_model_parallel_size, pp)
     given = (args.recompute_granularity or "none", args.micro_batch_size,
              "none" if "gpu" not in tiers else getattr(args, "offload_gpu_cache_gb", None))
-    rows = []
-    for c in candidates(args.global_batch_size // dp, args.offload_tiers, args.device != "cpu"):
+    rows, grid = [], []
+    for layout in layouts_to_try(opts, args, machine):
+        share = dp if layout is None else machine.world // (layout[0] * layout[1])
+        if args.global_batch_size % share == 0:  # else the layout's data-parallel size does not divide the batch
+            grid += candidates(args.global_batch_size // share, args.offload_tiers, args.device != "cpu", layout)
+    for c in grid:
         cand_flags = candidate_flags(flags, args.offload_tiers, c, args.global_batch_size)
         tflops = opts.gpu_tflops * own / recompute_work(c.recompute)
         try:
@@ -349,7 +398,8 @@ def recommend(opts, capacities, flags, args, machine, measured):
         except UserError as err:  # a combination the training would refuse: not a candidate
             rows.append({"candidate": c.describe(), "fits": False, "problems": [str(err)]})
             continue
-        changed = (c.recompute != given[0]) + (c.micro_batch_size != given[1]) + (c.gpu_tier not in (AS_GIVEN, given[2]))
+        changed = ((c.recompute != given[0]) + (c.micro_batch_size != given[1])
+                   + (c.gpu_tier not in (AS_GIVEN, given[2])) + (c.layout not in (None, given_layout)))
         rows.append({"candidate": c.describe(), "changes": own_flags(c, args.offload_tiers), "changed": changed,
                      "fits": plan.fits, "problems": plan.problems,
                      "predicted_iteration_s": plan.iteration_s, "tokens_per_s": plan.tokens_per_s[args.global_batch_size],

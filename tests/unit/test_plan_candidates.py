@@ -9,10 +9,10 @@ import json
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from megatron.training.offload.plan_candidates import RECOMPUTE, recompute_work, without
+from megatron.training.offload.plan_candidates import RECOMPUTE, layouts, recompute_work, without
 from tests.profiles import examples
 
-from .test_plan_replay import H200_TFLOPS, RUNS, plan, planner
+from .test_plan_replay import FOUR_H200, H200_TFLOPS, LLAMA, LLAMA_13B_TP2PP2, RUNS, plan, planner
 
 RUN_20B = RUNS["20.68B bf16 moments, one H200"].flags
 NO_RECOMPUTE_20B = RUN_20B.replace("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
@@ -87,3 +87,41 @@ def test_a_run_that_overflows_the_gpu_names_flags_that_fit(tool):
     assert "--recompute-granularity" in changes
     code, fixed = run(tool, f"{NO_RECOMPUTE_20B} {changes}")
     assert code == 0 and fixed["fits"], fixed["problems"]
+
+
+@settings(max_examples=examples(100))
+@given(nodes=st.integers(1, 3), per_node=st.integers(1, 8), num_layers=st.integers(1, 24))
+def test_layouts_are_every_tp_within_a_node_and_pp_dividing_the_layers(nodes, per_node, num_layers):
+    """Against a brute-force walk of every TP x PP pair the world could take."""
+    world = nodes * per_node
+    expected = {(t, p) for t in range(1, world + 1) for p in range(1, world + 1)
+                if world % (t * p) == 0 and per_node % t == 0 and num_layers % p == 0}
+    got = layouts(world, per_node, num_layers)
+    assert len(got) == len(set(got)) and set(got) == expected
+
+
+def test_layout_candidates_are_planned_as_their_own_flags(tool):
+    """--layouts 4x1,2x2: each layout's candidates are the plans of their own flags (TP and PP replaced),
+    at the global batch size given; the chosen one is the fastest that fits."""
+    flags = (f"{FOUR_H200} --adam-gelems 4.62 {LLAMA} {LLAMA_13B_TP2PP2} --offload-tiers gpu,host "
+             "--offload-gpu-cache-gb auto --gpu-tflops 216.7").replace("--global-batch-size 8", "--global-batch-size 2")
+    code, got = run(tool, f"--recommend --layouts 4x1,2x2 {flags}")
+    rows = got["recommendation"]["candidates"]
+    # Data-parallel size 1 at both layouts: micro-batch 1 or 2, three recompute settings, gpu tier auto or none.
+    assert len(rows) == 2 * 2 * len(RECOMPUTE) * 2
+    assert {r["candidate"].split(",")[0] for r in rows} == {"TP 4 x PP 1", "TP 2 x PP 2"}
+    fitting = [r for r in rows if r["fits"]]
+    assert got["recommendation"]["chosen"]["tokens_per_s"] == max(r["tokens_per_s"] for r in fitting)
+    for layout in ("TP 4 x PP 1", "TP 2 x PP 2"):
+        row = next(r for r in fitting if r["candidate"].startswith(layout) and "recompute full" in r["candidate"])
+        alone = plan(tool, " ".join(flags.split() + row["changes"]), tflops=216.7)
+        assert alone["tokens_per_s"]["2"] == pytest.approx(row["tokens_per_s"], rel=1e-9)
+
+
+@pytest.mark.parametrize("bad", ["4", "2x0", "ax1", "2x2x1"])
+def test_bad_layouts_get_one_line(tool, bad, capsys):
+    flags = f"{FOUR_H200} {LLAMA} {LLAMA_13B_TP2PP2} --offload-tiers gpu,host --offload-gpu-cache-gb auto"
+    with pytest.raises(SystemExit):
+        run(tool, f"--recommend --layouts {bad} {flags}")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--layouts" in err[0] and repr(bad) in err[0]

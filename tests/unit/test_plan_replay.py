@@ -318,3 +318,42 @@ def test_the_overlap_is_off_above_one_data_parallel_rank(tool):
     assert not overlapped["overlaps_forward"]
     assert overlapped["predicted_iteration_s"] == serial["predicted_iteration_s"]
     assert plan(tool, flags.replace("--gpus-per-node 8", "--gpus-per-node 4") + f" {OVERLAP}")["overlaps_forward"]
+
+
+def test_disk_at_start_counts_the_auto_gpu_tier_start(tool):
+    """An auto gpu tier starts at half the device memory the activation estimate leaves (gpu_tier_start),
+    so the disk holds less at start-up than with the tier empty: the 20.68 B README run (host 84 GiB)
+    started gpu 46, host 147, nvme 14 of 207 subgroups (docs/results/gpu_2026-11-26d/20b_overlap.log)."""
+    text = (RESULTS / "gpu_2026-11-26d" / "20b_overlap.log").read_text()
+    assert "placement {'gpu': 46, 'host': 147, 'nvme': 14}" in text and "starts at 25.85 GiB" in text
+    flags = RUNS["20.68B SDPA overlapped, one H200"].flags.replace("--offload-host-cache-gb 97",
+                                                                   "--offload-host-cache-gb 84")
+    got = plan(tool, flags, H200_SDPA_TFLOPS)
+    subgroup = 100_000_000 * 6  # bytes of one subgroup's state at 6 B/param
+    assert got["placement"]["nvme"] == 0  # the steady placement: the disk holds only the start-up's spill
+    # The start estimate is an estimate (the log's free memory was 61.24 GiB): one subgroup either way.
+    assert abs(got["tier_bytes_per_node"]["nvme"] - 14 * subgroup) <= subgroup
+
+
+def test_an_overlapped_run_that_does_not_fit_prints_why(tool):
+    """With --offload-overlap-forward and no engine planned (the disk too small), the text names the problem
+    (it raised a TypeError on the missing update)."""
+    flags = RUNS["20.68B SDPA overlapped, one H200"].flags.replace("--offload-nvme-capacity-gb 60",
+                                                                   "--offload-nvme-capacity-gb 1")
+    flags = flags.replace("--offload-host-cache-gb 97", "--offload-host-cache-gb 84")  # 8 GiB to the disk
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = tool.main(["--gpu-tflops", str(H200_SDPA_TFLOPS), "--convert-gelems", "1000", *flags.split()])
+    assert code == 1
+    assert out.getvalue().startswith("DOES NOT FIT") and "not enough disk space" in out.getvalue()
+
+
+def test_without_a_host_budget_the_planner_suggests_one(tool):
+    """Host + disk tiers and no --offload-host-cache-gb: the plan uses 80% of the node's memory over its
+    ranks less each rank's gradient scratch (two fp32 subgroups), in whole GiB, and names it in its flags."""
+    flags = RUNS["20.68B bf16 moments, one H200"].flags.replace("--offload-host-cache-gb 97", "")
+    got = plan(tool, flags)
+    expected = int((125 * GiB * 0.8 - 2 * 100_000_000 * 4) / GiB)  # ONE_H200: 125 GiB, one rank
+    assert got["offload_host_cache_gb"] == expected
+    assert got["flags"][-2:] == ["--offload-host-cache-gb", str(expected)]
+    assert got["fits"], got["problems"]

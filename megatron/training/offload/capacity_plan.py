@@ -7,13 +7,12 @@ data-parallel group);
 the optimizer state's placement and the update time from the engine's own planning
 (``mlp_offload.plan.capacity``); compute time from Megatron-LM's FLOP count at a sustained TFLOP/s
 per GPU. Activation memory is an estimate (Korthikanti et al., "Reducing Activation Recomputation
-in Large Transformer Models", 2022); everything else is counted.
+in Large Transformer Models", 2022; ``activation_memory``); everything else is counted.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -28,6 +27,9 @@ from megatron.training.runtime.host_memory import PROCESS_BYTES_CPU, PROCESS_BYT
 
 from megatron.training.model.flops import GptShape, flops_per_iteration
 from megatron.training.model.sizes import StageParams, active_params, model_params, stage_params
+from megatron.training.offload.activation_memory import (activation_bytes, backward_workspace_bytes,
+                                                          microbatches_in_flight)
+from megatron.training.offload.gpu_tier_start import starting_gpu_tier_bytes
 from megatron.training.offload.shard_budgets import check_host_split, config_for_kind
 from megatron.training.errors import UserError, in_flags
 
@@ -135,51 +137,6 @@ class Plan:
         }
 
 
-def activation_bytes(args, cfg, microbatches_in_flight: int) -> int:
-    """Activations one rank of the first pipeline stage keeps (the stage that holds the most
-    micro-batches under 1F1B), by Korthikanti et al.'s per-layer counts for 16-bit training,
-    plus the fp32 logits of the last stage when it is also the first."""
-    s, b, h, a = args.seq_length, args.micro_batch_size, cfg.hidden_size, cfg.num_attention_heads
-    t = cfg.tensor_model_parallel_size
-    layers = cfg.num_layers // cfg.pipeline_model_parallel_size
-    scores = 5 * a * s / h / t  # attention scores and softmax: gone with selective recompute
-    if cfg.recompute_granularity == "full":
-        kept = 2 * s * b * h / (t if cfg.sequence_parallel else 1)  # each layer's input only
-        per_layer_full = s * b * h * (34 / t + scores) if cfg.sequence_parallel else s * b * h * (10 + 24 / t + scores)
-        per_microbatch = layers * kept + per_layer_full
-    else:
-        if cfg.recompute_granularity == "selective":
-            scores = 0.0
-        per_layer = s * b * h * (34 / t + scores) if cfg.sequence_parallel else s * b * h * (10 + 24 / t + scores)
-        per_microbatch = layers * per_layer
-    total = per_microbatch * microbatches_in_flight
-    if cfg.pipeline_model_parallel_size == 1:
-        total += s * b * args.padded_vocab_size / t * FP32_BYTES
-    return int(total)
-
-
-def microbatches_in_flight(pp: int, vp: Optional[int], microbatches: int) -> int:
-    """Micro-batches whose activations the first pipeline stage holds at once: PP under 1F1B (fewer
-    where the step has fewer); with V chunks per rank the interleaved schedule's longer warm-up
-    holds ceil((1 + (PP-1)/(PP*V)) * PP), as Megatron-LM's memory estimate counts it."""
-    if not vp:
-        return min(pp, microbatches)
-    return math.ceil((1 + (pp - 1) / (pp * vp)) * pp)
-
-
-def backward_workspace_bytes(args, cfg) -> int:
-    """What the backward of one layer and of the loss hold beside the stored activations, with
-    megatron-core's local attention (scores materialized): the softmax in fp32 and the gradients of
-    scores and probabilities (12 bytes per score), and the logits' fp32 softmax and gradient. With
-    the stored counts above it matched the peaks in use of the 10.24 B and 20.68 B runs on one H200
-    within 3% (tests/unit/test_plan_replay.py)."""
-    s, b, a = args.seq_length, args.micro_batch_size, cfg.num_attention_heads
-    t = cfg.tensor_model_parallel_size
-    scores = 12 * a * s * s * b / t
-    logits = 2 * s * b * args.padded_vocab_size / t * FP32_BYTES
-    return int(scores + logits)
-
-
 def gradient_itemsize(args) -> int:
     """Bytes per element of megatron-core's gradient buffer, as ``training.build_model`` configures its
     DDP: fp32 (main_grad) unless the grads are reduced in 16 bits (fp16, or bf16 with --grad-reduce-in-bf16)."""
@@ -255,11 +212,12 @@ def gpu_tier_hint(gpu: Dict[str, int], machine: Machine, offload_config) -> str:
 def plan_engines(args, machine: Machine, offload_config, ranks: RankShards, rates: Dict[str, TierBandwidth],
                  capacity_bytes: Dict[str, int], adam_elems_per_s: float, convert_elems_per_s: float,
                  problems: List[str], gpu_spare_bytes: int = 0,
-                 at_start: Optional[Dict[str, EnginePlan]] = None) -> Dict[str, EnginePlan]:
+                 at_start: Optional[Dict[str, EnginePlan]] = None, gpu_start_bytes: int = 0) -> Dict[str, EnginePlan]:
     """One engine per distributed optimizer, as the training builds them (``shard_budgets``); the
     experts' engine gets the file tiers' space the dense one leaves, and with an auto gpu tier the
     spare device memory (``gpu_spare_bytes``) the dense one leaves. ``at_start`` is filled with each
-    engine as it starts: an auto gpu tier starts empty, so host memory and disk hold more then."""
+    engine as it starts: an auto gpu tier starts at ``gpu_start_bytes`` (``gpu_tier_start``; 0 with
+    two engines), so host memory and disk hold more then."""
     engines: Dict[str, EnginePlan] = {}
     at_start = {} if at_start is None else at_start
     space = dict(capacity_bytes)
@@ -274,7 +232,7 @@ def plan_engines(args, machine: Machine, offload_config, ranks: RankShards, rate
         plan = functools.partial(plan_engine, shard, config, rates, space, adam_elems_per_s, convert_elems_per_s,
                                  machine.gpus_per_node, host_grad_itemsize(args), update_rates)
         try:
-            at_start[kind] = plan()
+            at_start[kind] = plan(gpu_start_bytes) if config.gpu_budget_auto and gpu_start_bytes else plan()
             engines[kind] = plan(gpu_spare_bytes) if config.gpu_budget_auto else at_start[kind]
         except PlacementError as err:
             problems.append(in_flags(str(err)))
@@ -284,6 +242,16 @@ def plan_engines(args, machine: Machine, offload_config, ranks: RankShards, rate
             held = max(engines[kind].stored_bytes[t], at_start[kind].stored_bytes[t])
             space[t] = max(0, space[t] - machine.gpus_per_node * held)
     return engines
+
+
+def starting_gpu_tier(args, cfg, machine: Machine, offload_config, gpu: Dict[str, int], engines: int,
+                      data_parallel: int) -> int:
+    """Where the training starts an auto gpu tier (``offload.factory``: one engine on a GPU, from the
+    device memory the model and its gradient buffers leave free); 0 where it starts empty."""
+    if not offload_config.gpu_budget_auto or engines != 1 or machine.device_rates is None:
+        return 0
+    free = machine.gpu_memory_bytes - gpu["cuda_reserve"] - gpu["parameters"] - gpu["gradients"]
+    return starting_gpu_tier_bytes(args, cfg, free, offload_config.gpu_margin_bytes, data_parallel)
 
 
 def overlaps_forward(args, cfg, machine: Machine) -> bool:
@@ -347,7 +315,8 @@ def make_plan(args, cfg, machine: Machine, offload_config, rates: Dict[str, Tier
         spare = max(0, machine.gpu_memory_bytes - sum(gpu.values()) - offload_config.gpu_margin_bytes)
         at_start: Dict[str, EnginePlan] = {}
         engines = plan_engines(args, machine, offload_config, ranks, rates, capacity_bytes, adam_elems_per_s,
-                               convert_elems_per_s, problems, spare, at_start)
+                               convert_elems_per_s, problems, spare, at_start,
+                               starting_gpu_tier(args, cfg, machine, offload_config, gpu, len(ranks.shards), dp))
         if GPU_TIER in offload_config.tiers:
             gpu["optimizer_state_gpu_tier"] = sum(e.stored_bytes.get(GPU_TIER, 0) for e in engines.values())
         if len(engines) == len(ranks.shards):

@@ -10,8 +10,8 @@ measurement after iteration 1 then promotes or hands back from there (engine.obs
 
 from __future__ import annotations
 
-from megatron.training.offload.capacity_plan import (activation_bytes, backward_workspace_bytes,
-                                                     microbatches_in_flight)
+from megatron.training.offload.activation_memory import (activation_bytes, backward_workspace_bytes,
+                                                          microbatches_in_flight)
 
 START_SHARE = 0.5
 

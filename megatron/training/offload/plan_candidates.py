@@ -1,12 +1,12 @@
 """The configurations the planner tries for one global batch size (``tools/plan_offload.py
---recommend``): recompute granularity, micro-batch size, the gpu tier (auto or none), each as the
-user's flags with those few changed, and the compute time each would take at the TFLOP/s the user
-measured with their own recompute setting."""
+--recommend``): recompute granularity, micro-batch size, the gpu tier (auto or none) and, with
+``--layouts``, the tensor x pipeline parallel sizes, each as the user's flags with those few changed,
+and the compute time each would take at the TFLOP/s the user measured with their own recompute setting."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 RECOMPUTE = {  # name -> the flags that ask for it
     "full": ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"],
@@ -16,6 +16,7 @@ RECOMPUTE = {  # name -> the flags that ask for it
 _RECOMPUTE_FLAGS = {"--recompute-granularity": 1, "--recompute-method": 1, "--recompute-num-layers": 1,
                     "--recompute-activations": 0}
 _GPU_TIER_FLAGS = {"--offload-gpu-cache-gb": 1, "--offload-tiers": 1}
+_LAYOUT_FLAGS = {"--tensor-model-parallel-size": 1, "--pipeline-model-parallel-size": 1}
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
 
 
@@ -27,9 +28,12 @@ class Candidate:
     recompute: str  # a key of RECOMPUTE
     micro_batch_size: int
     gpu_tier: str  # "auto", "none", or AS_GIVEN (no offload, or no tier below the gpu to fall back on)
+    layout: Optional[Tuple[int, int]] = None  # (TP, PP); None: as given
 
     def describe(self) -> str:
         parts = [f"recompute {self.recompute}", f"micro-batch {self.micro_batch_size}"]
+        if self.layout:
+            parts.insert(0, f"TP {self.layout[0]} x PP {self.layout[1]}")
         if self.gpu_tier != AS_GIVEN:
             parts.append("gpu tier auto" if self.gpu_tier == "auto" else "no gpu tier")
         return ", ".join(parts)
@@ -62,18 +66,28 @@ def without(flags: Sequence[str], names: dict) -> List[str]:
     return out
 
 
-def candidates(micro_batches_per_dp: int, tiers: Optional[Sequence[str]], on_gpu: bool) -> List[Candidate]:
+def candidates(micro_batches_per_dp: int, tiers: Optional[Sequence[str]], on_gpu: bool,
+               layout: Optional[Tuple[int, int]] = None) -> List[Candidate]:
     """Every recompute setting x micro-batch size dividing the global batch's share of a data-parallel
-    rank x (where the run offloads on a GPU) the gpu tier auto or none."""
+    rank x (where the run offloads on a GPU) the gpu tier auto or none, at one layout."""
     sizes = [m for m in MICRO_BATCH_SIZES if micro_batches_per_dp % m == 0]
     below = [t for t in tiers or () if t != "gpu"]
     tier_options = ["auto", "none"] if below and on_gpu else [AS_GIVEN]
-    return [Candidate(r, m, g) for r in RECOMPUTE for m in sizes for g in tier_options]
+    return [Candidate(r, m, g, layout) for r in RECOMPUTE for m in sizes for g in tier_options]
+
+
+def layouts(world: int, gpus_per_node: int, num_layers: int) -> List[Tuple[int, int]]:
+    """Every (TP, PP) the world holds: TP within one node (its all-reduces stay on the node's links),
+    PP dividing the layers; TP x PP divides the world (the rest is data parallel)."""
+    return [(t, p) for t in range(1, gpus_per_node + 1) if gpus_per_node % t == 0
+            for p in range(1, world // t + 1) if world % (t * p) == 0 and num_layers % p == 0]
 
 
 def own_flags(c: Candidate, tiers: Optional[Sequence[str]]) -> List[str]:
     """The flags that make the candidate what it is."""
     out = RECOMPUTE[c.recompute] + ["--micro-batch-size", str(c.micro_batch_size)]
+    if c.layout:
+        out += ["--tensor-model-parallel-size", str(c.layout[0]), "--pipeline-model-parallel-size", str(c.layout[1])]
     if c.gpu_tier != AS_GIVEN:
         below = [t for t in tiers if t != "gpu"]
         out += ["--offload-tiers", ",".join((["gpu"] if c.gpu_tier == "auto" else []) + below)]
@@ -87,5 +101,5 @@ def candidate_flags(flags: Sequence[str], tiers: Optional[Sequence[str]], c: Can
     """The user's flags with the candidate's recompute, micro-batch size and gpu tier in place of theirs,
     at the run's global batch size (without the flag, it would follow the micro-batch size)."""
     replaced = {**_RECOMPUTE_FLAGS, "--micro-batch-size": 1, "--global-batch-size": 1,
-                **(_GPU_TIER_FLAGS if c.gpu_tier != AS_GIVEN else {})}
+                **(_GPU_TIER_FLAGS if c.gpu_tier != AS_GIVEN else {}), **(_LAYOUT_FLAGS if c.layout else {})}
     return without(flags, replaced) + own_flags(c, tiers) + ["--global-batch-size", str(global_batch_size)]

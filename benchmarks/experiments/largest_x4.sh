@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# The largest dense Llama on one node of four H200s (issue 27 item 1), in the layout the planner recommends.
+#   PART=b100  101.9 B: 76 layers, hidden 10240, FFN 35840, 80 heads, 8 KV groups; bf16 moments, 16-bit remainders
+#   PART=l70   70.7 B: 82 layers, hidden 8192, FFN 28672, 64 heads, 8 KV groups; fp32 moments, remainders
+#              (the state lossless; both reduce gradients in bf16: fp32 ones leave too little HBM for the gpu tier)
+# Both: seq 2048, vocab 32000, gpu,host,nvme, gpu tier auto, host per rank as the planner suggests (80% of this
+# node's memory over 4 ranks, less gradient scratch: 99 GiB of 503) unless HOST_GB is given.
+# First tools/plan_offload.py --recommend --layouts auto at global batch 8 on this node (its disk's free space,
+# the disk rates this machine kind probed: nvme=1.69:1.95) picks TP x PP, recompute, micro-batch and gpu tier;
+# its plan of that choice at GB 8 and 64 is printed (where every byte lives), then the training runs it:
+# ITERS8 (default 3) iterations at GB 8 and, if ITERS64 > 0, a second launch at GB 64. Each launch under
+# `timeout LIMIT` (default 420 s): start-up (pinning ~400 GiB, the state's first write to disk) takes minutes.
+# Run: PART="b100 l70" bash benchmarks/run_gpu.sh largest_x4  (device tool, kind nvidia-h200-x4, carry [".whl"]);
+#      DRY_RUN=1 runs tiny shapes on CPU (4 processes). PLAN_EXTRA: more planner flags (e.g. elsewhere, the x4 node's
+#      "--host-memory-gb 503 --offload-nvme-capacity-gb 200"; ITERS8=0 then plans only).
+set -u -o pipefail  # a planner that chose nothing stops its part
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-$PWD}
+PY=${PYTHON:-python3}
+DISK=${DISK:-/var/tmp/offload_x4}
+BF16="--use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16"
+if [ "${DRY_RUN:-0}" = 1 ]; then
+  SHAPE_b100="--num-layers 4 --hidden-size 64 --ffn-hidden-size 224 --num-attention-heads 4 --num-query-groups 2"
+  SHAPE_l70="--num-layers 4 --hidden-size 64 --ffn-hidden-size 160 --num-attention-heads 4 --num-query-groups 2"
+  SEQ=64; DEVICE="--device cpu"; TIERS="host,nvme"; HOST_GB=0.0005; SUB=20000; LIMIT=${LIMIT:-300}
+  MACHINE="--gpu-memory-gb 8 --host-memory-gb 16 --adam-gelems 1 --convert-gelems 1 --offload-bandwidths nvme=1:1"
+else
+  SHAPE_b100="--num-layers 76 --hidden-size 10240 --ffn-hidden-size 35840 --num-attention-heads 80 --num-query-groups 8"
+  SHAPE_l70="--num-layers 82 --hidden-size 8192 --ffn-hidden-size 28672 --num-attention-heads 64 --num-query-groups 8"
+  SEQ=2048; DEVICE="--device cuda"; TIERS="gpu,host,nvme --offload-gpu-cache-gb auto"; HOST_GB=${HOST_GB:-}
+  SUB=100000000; LIMIT=${LIMIT:-420}
+  # 139 GiB usable of an H200; disk rates as the engine probed them on this kind (docs/results/gpu_2026-11-26b);
+  # compute at the TFLOP/s the 60.4 B TP2 x PP2 run reached (its FLOPs over its 5.90 s of compute alone)
+  MACHINE="--gpu-memory-gb 139 --gpu-tflops ${TFLOPS:-287} --offload-bandwidths nvme=${NVME_RATES:-1.69:1.95}"
+fi
+source benchmarks/experiments/memory_watch.sh
+source benchmarks/experiments/iteration_lines.sh
+for part in ${PART:-b100 l70}; do
+  case $part in
+    b100) SHAPE=${SHAPE_b100}; PREC=$BF16;;
+    l70) SHAPE=${SHAPE_l70}; PREC="";;
+    *) echo "PART $part: expected b100 or l70"; continue;;
+  esac
+  rm -rf "$DISK"; mkdir -p "$DISK"
+  FLAGS="$SHAPE --seq-length $SEQ --max-position-embeddings $SEQ --group-query-attention --swiglu
+    --normalization RMSNorm --position-embedding-type rope --untie-embeddings-and-output-weights --disable-bias-linear
+    --hidden-dropout 0 --attention-dropout 0 --vocab-size 32000 --micro-batch-size 1 --global-batch-size 8
+    --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --lr 3e-4 --adam-beta2 0.95 --weight-decay 0.1
+    --clip-grad 1.0 --bf16 --grad-reduce-in-bf16 --mock-data --seed 1234 --log-interval 1
+    --recompute-granularity full --recompute-method uniform --recompute-num-layers 1 $DEVICE $PREC
+    --offload-tiers $TIERS ${HOST_GB:+--offload-host-cache-gb $HOST_GB} --offload-nvme-path $DISK --offload-subgroup-size $SUB
+    --offload-io-threads 8"
+  echo "== $part: the planner (global batch 8, every layout of 4 GPUs)"
+  df -h "$DISK" | tail -1
+  $PY tools/plan_offload.py --gpus-per-node 4 $MACHINE ${PLAN_EXTRA:-} --recommend --layouts auto --json $FLAGS \
+    > "$OUT/.plan.json" 2> "$OUT/.plan.err"
+  $PY benchmarks/experiments/planner_choice.py "$OUT/.plan.json" "$OUT/.chosen" | tee "$OUT/${part}_plan.txt" \
+    || { head -c 600 "$OUT/.plan.err"; continue; }
+  mapfile -t CHOSEN < "$OUT/.chosen"
+  # The chosen flags' plan at both batch sizes: where every byte lives, the iteration predicted
+  $PY tools/plan_offload.py --gpus-per-node 4 $MACHINE ${PLAN_EXTRA:-} --global-batch-sizes 8,64 "${CHOSEN[@]}" \
+    --global-batch-size 8 2>&1 | grep -v "^flags:" | cut -c1-700 | tee -a "$OUT/${part}_plan.txt"
+  for gb in 8 64; do
+    iters=$([ $gb = 8 ] && echo ${ITERS8:-3} || echo ${ITERS64:-0})
+    [ "$iters" -gt 0 ] || continue
+    echo "== $part global batch $gb, $iters iterations"
+    rm -rf "$DISK"/*
+    watch_memory "$part gb$gb" "$OUT/${part}_gb${gb}_peaks.txt" "$DISK"
+    timeout $LIMIT torchrun --nproc_per_node 4 --master_port ${PORT:-29531} pretrain_gpt.py "${CHOSEN[@]}" \
+      --global-batch-size $gb --train-iters $iters > "$OUT/.run.log" 2>&1
+    echo "$part gb$gb exit $?"
+    rm -f "$OUT/.watch"; sleep 2
+    grep -v -i warn "$OUT/.run.log" | grep -E "model parameters|offload rank 0|gpu tier auto|start-up \(s\)|pinned|iteration +[0-9]|rror|Killed|refus" \
+      | cut -c1-1000 > "$OUT/${part}_gb$gb.log"
+    grep -E "start-up \(s\)" "$OUT/${part}_gb$gb.log" | head -1
+    iteration_lines "$OUT/${part}_gb$gb.log"
+    grep -E "rror|Killed|refus" "$OUT/${part}_gb$gb.log" | head -3
+    cat "$OUT/${part}_gb${gb}_peaks.txt" 2>/dev/null; echo
+    echo "disk after the run: $(df -h "$DISK" | tail -1)"
+  done
+  rm -rf "$DISK" "$OUT/.run.log" "$OUT/.plan.json" "$OUT/.plan.err" "$OUT/.chosen"
+done
