@@ -334,6 +334,7 @@ class OffloadedAdamW:
                          cpu_updated=on.count(CPU))
         if self._deferred is not None:
             rec.predicted_deferred_s, rec.predicted_serial_s = pred.deferred_s, pred.serial_s
+            rec.predicted_deferred_in_hbm_s = pred.deferred_in_hbm_s
         # copies: a deferred launch may come after the caller's scheduler changed the groups
         return StepContext(rec.step, unscale, clip_coef, [dict(group) for group in self.param_groups], rec)
 

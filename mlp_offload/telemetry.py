@@ -79,6 +79,7 @@ class StepRecord:
     # defer_device_wait: the prediction's device share left queued past the step, and the share the
     # step itself waits for (the CPU's, the file tiers', streamed subgroups'); see predict_iteration
     predicted_deferred_s: float = 0.0
+    predicted_deferred_in_hbm_s: float = 0.0
     predicted_serial_s: float = 0.0
     # Set by the caller: how long its stream waited for the previous step's deferred params, and
     # whether it settled this step's device work before going on (the next iteration then runs

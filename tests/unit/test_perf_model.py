@@ -307,3 +307,7 @@ def test_the_iteration_model_learns_compute_only_from_iterations_without_the_upd
     # deferred work beyond the first forward adds to the compute; none: compute plus update in series
     assert predict_iteration(2.0, 0.5, 0.4, 0.1, 0.1) == pytest.approx(0.1 + 2.0 + 0.3, rel=1e-12)  # float sums
     assert predict_iteration(2.0, 0.5) == 2.5
+    # deferred work on state in device memory runs beside the forward and lengthens it by its own time
+    assert predict_iteration(2.0, 0.5, 0.4, 0.1, 0.1, in_hbm_s=0.15) == pytest.approx(0.1 + 2.0 + 0.15 + 0.15,
+                                                                                        rel=1e-12)
+    assert predict_iteration(2.0, 0.5, 0.4, 0.1, 0.3, in_hbm_s=0.4) == pytest.approx(0.1 + 2.0 + 0.4, rel=1e-12)

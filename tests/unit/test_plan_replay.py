@@ -268,7 +268,7 @@ def test_the_overlap_model_on_the_runs_own_compute(tool, name):
     e = got["engines"]["dense"]
     assert got["predicted_iteration_s"] == predict_iteration(
         compute, e["predicted_update_s"], e["predicted_deferred_s"], e["predicted_serial_s"],
-        compute / (4 * micro_batches))
+        compute / (4 * micro_batches), e["predicted_deferred_in_hbm_s"])
     assert 0 < e["predicted_deferred_s"] <= e["predicted_update_s"]  # the overlap had device work to defer
     assert got["predicted_iteration_s"] == pytest.approx(run.iteration_s, rel=TOLERANCE)
 
@@ -311,13 +311,15 @@ def test_the_sdpa_tflops_is_its_calibration_run():
 
 
 def test_the_overlap_is_off_above_one_data_parallel_rank(tool):
-    """As in training (the params' all-gather follows the whole update): the flag plans the serial iteration."""
+    """As in training: above data-parallel size 1 without --overlap-param-gather the run is refused, and the
+    flag plans the serial iteration; with it, the overlapped one."""
     flags = RUNS["13.0B TP2xPP2 host state streamed, four H200s"].flags.replace("--gpus-per-node 4",
                                                                               "--gpus-per-node 8")
     serial, overlapped = plan(tool, flags), plan(tool, f"{flags} {OVERLAP}")
     assert not overlapped["overlaps_forward"]
     assert overlapped["predicted_iteration_s"] == serial["predicted_iteration_s"]
     assert plan(tool, flags.replace("--gpus-per-node 8", "--gpus-per-node 4") + f" {OVERLAP}")["overlaps_forward"]
+    assert plan(tool, f"{flags} {OVERLAP} --overlap-grad-reduce --overlap-param-gather")["overlaps_forward"]
 
 
 def test_disk_at_start_counts_the_auto_gpu_tier_start(tool):

@@ -105,7 +105,7 @@ class Plan:
                 "optimizer_state_bytes_per_rank": e.state_bytes, "subgroups": len(e.subgroups),
                 "placement": self.placement_counts(kind), "tier_bytes_per_rank": dict(e.stored_bytes),
                 "predicted_update_s": pred.update_s, "predicted_deferred_s": pred.deferred_s,
-                "predicted_serial_s": pred.serial_s,
+                "predicted_deferred_in_hbm_s": pred.deferred_in_hbm_s, "predicted_serial_s": pred.serial_s,
                 "io_bytes_per_rank_per_step": {t: {"read": pred.read_bytes[t], "write": pred.write_bytes[t]}
                                                for t in pred.tier_s}}
 
@@ -276,7 +276,8 @@ def iteration_seconds(compute_s: float, engines: Dict[str, EnginePlan], overlap:
     if not overlap:
         return compute_s + update_s
     return predict_iteration(compute_s, update_s, sum(p.deferred_s for p in preds), sum(p.serial_s for p in preds),
-                             compute_s * first_forward_share(micro_batches, recompute_full))
+                             compute_s * first_forward_share(micro_batches, recompute_full),
+                             sum(p.deferred_in_hbm_s for p in preds))
 
 
 def make_plan(args, cfg, machine: Machine, offload_config, rates: Dict[str, TierBandwidth],
