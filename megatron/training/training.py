@@ -96,19 +96,22 @@ def stage_params_on_host(chunks, ddp_config) -> bool:
     H200s: 47 GiB of bf16 params each time, out of memory). Where that would not fit, the params wait in
     host memory meanwhile (a copy each way, seconds); the values are the same bits."""
     params = [p for chunk in chunks for p in chunk.parameters()]
-    if not params or not params[0].is_cuda:
+    forced = os.environ.get("MLP_OFFLOAD_STAGE_PARAMS") == "1"  # the path run where it is not needed (its tests)
+    on_cuda = bool(params) and params[0].is_cuda
+    if not params or not (on_cuda or forced):
         return False
     param_bytes = sum(p.numel() * p.element_size() for p in params)
     grad_bytes = sum(p.numel() for p in params) * (4 if ddp_config.grad_reduce_in_fp32 else params[0].element_size())
-    free, _ = torch.cuda.mem_get_info()
-    if ddp_buffers_fit(param_bytes, grad_bytes, free):
+    free = torch.cuda.mem_get_info()[0] if on_cuda else 0
+    if ddp_buffers_fit(param_bytes, grad_bytes, free) and not forced:
         return False
     _print_rank0(f"> model: {param_bytes / GiB:.1f} GiB of params per rank staged in host memory while DDP builds "
                  f"its param and grad buffers ({(param_bytes + grad_bytes) / GiB:.1f} GiB beside "
                  f"{free / GiB:.1f} GiB free)")
     for chunk in chunks:
         chunk.cpu()
-    torch.cuda.empty_cache()
+    if on_cuda:
+        torch.cuda.empty_cache()
     return True
 
 

@@ -50,3 +50,12 @@ def test_repeat_and_resume_from_checkpoint_are_bit_identical(layout, tmp_path):
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "5"
     resumed = run_pretrain(tmp_path, [*args, "--load", str(ckpt)], loss_log=log)
     assert resumed == records, name
+
+
+def test_params_staged_in_host_memory_while_ddp_builds_give_the_same_run(tmp_path):
+    """build_model's staging (forced here; on a GPU it happens where DDP's buffers would not fit beside the
+    params): the params leave the device before DDP copies them into its buffer, the rest follows after."""
+    baseline = run_pretrain(tmp_path / "base", [], nproc=2, train_iters=3)
+    staged = run_pretrain(tmp_path / "staged", [], nproc=2, train_iters=3, env={"MLP_OFFLOAD_STAGE_PARAMS": "1"})
+    assert losses(staged) == losses(baseline)
+    assert "of params per rank staged in host memory while DDP builds" in (tmp_path / "staged" / "loss-0.out").read_text()
