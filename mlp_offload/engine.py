@@ -32,7 +32,7 @@ from .param_groups import Range, build_groups, segments_of
 from .plan.placement import CPU, DEVICE, Placement
 from .plan.prediction import Prediction
 from .startup import describe_tiers, start_up
-from .pipeline import OffloadStateError, SlotPipeline, StateViews, fill_params
+from .pipeline import OffloadStateError, SlotPipeline, StateViews, fill_params, starts_at_zero
 from .relocation import Relocation
 from .kernels.remainders import ParamHighSource, RemainderMaster
 from .plan.schedule import StepSchedule, step_schedule
@@ -207,11 +207,16 @@ class OffloadedAdamW:
         for i, tier in enumerate(self.placement.tier_of):
             if tier in self.memory:
                 sg = self.subgroups[i]
+                # Fresh host memory is zeros already: moments (and remainders of masters that start as
+                # the model's params) need no second pass over tens of GB.
+                zeroed = getattr(self.memory[tier], "hands_out_zeros", False)
                 views = StateViews.over(self.memory[tier].allocate(sg.state_bytes, f"subgroup {i}"), sg,
                                         self.state_dtypes)
-                fill_params(params, sg, views.param[: sg.numel])
-                views.exp_avg.zero_()
-                views.exp_avg_sq.zero_()
+                if not (zeroed and starts_at_zero(params, views.param)):
+                    fill_params(params, sg, views.param[: sg.numel])
+                if not zeroed:
+                    views.exp_avg.zero_()
+                    views.exp_avg_sq.zero_()
                 self._resident[i] = views
         slot_sg = max(self.subgroups, key=lambda sg: sg.numel)
         buffers = [StateViews.over(self.host.allocate(slot_sg.state_bytes, f"pipeline buffer {k}"),

@@ -91,11 +91,16 @@ class ModelParamsAsMaster:
         self.fill(start, end, out)
 
 
+def starts_at_zero(source, out: torch.Tensor) -> bool:
+    """Whether ``fill_params(source, ..., out)`` writes zeros: remainders of masters that start as the model's params."""
+    return out.dtype == torch.int16 and isinstance(source, ModelParamsAsMaster)
+
+
 def fill_params(source, sg: Subgroup, out: torch.Tensor) -> None:
     """The initial fp32 master of a subgroup, from the caller's tensor or fill function. Stored as
     remainders (int16 ``out``): its low halves; the model holds the high halves (its bf16 params,
     which make remainders of zero)."""
-    if out.dtype == torch.int16 and isinstance(source, ModelParamsAsMaster):
+    if starts_at_zero(source, out):
         out.zero_()
         return
     if out.dtype == torch.int16:

@@ -16,8 +16,8 @@ def align_down(nbytes: int, align: int = ALIGN) -> int:
 
 def aligned_empty(nbytes: int) -> torch.Tensor:
     """An uninitialised uint8 buffer of ``nbytes`` starting on an ALIGN boundary."""
-    from .no_fork import unforked_empty
+    from .no_fork import unforked_zeros
 
-    raw = unforked_empty(nbytes + ALIGN)  # state snapshots: no child of the rank reads them
+    raw = unforked_zeros(nbytes + ALIGN)  # state snapshots: no child of the rank reads them
     shift = (-raw.data_ptr()) % ALIGN
     return raw[shift: shift + nbytes]

@@ -8,7 +8,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from .align import ALIGN
-from .no_fork import unforked_empty
+from .no_fork import unforked_zeros
 from ..units import GiB
 
 log = logging.getLogger("mlp_offload")
@@ -31,6 +31,7 @@ class HostMemory:
 
     kind = "resident"  # tiers.base.ResidentTier
     name = "host"
+    hands_out_zeros = True  # fresh anonymous pages: state starting at zero needs no pass of its own
 
     def __init__(self, budget_bytes: Optional[int], pin: Optional[bool] = None):
         self.budget_bytes = budget_bytes
@@ -42,7 +43,7 @@ class HostMemory:
         self._counted = {}  # data_ptr of a handed-out buffer -> (its raw allocation, counted bytes)
 
     def allocate(self, nbytes: int, what: str, counted: bool = True) -> torch.Tensor:
-        """An ALIGN-aligned uint8 buffer of ``nbytes``; ``counted`` ones count against the budget."""
+        """An ALIGN-aligned, zero-filled uint8 buffer of ``nbytes``; ``counted`` ones count against the budget."""
         if counted and self.budget_bytes is not None and self.used_bytes + nbytes > self.budget_bytes:
             raise HostMemoryError(
                 f"host budget exceeded allocating {what}: {nbytes / GiB:.3f} GiB needed, "
@@ -54,7 +55,7 @@ class HostMemory:
             # each block up to a power of two, which nearly doubled a large budget's footprint.
             # Not inherited by the rank's children (data workers, checkpoint writers): each would
             # otherwise cost a copy of what the update rewrites, or of all of it once pinned.
-            raw = unforked_empty(nbytes + ALIGN, huge_pages=self.pin)
+            raw = unforked_zeros(nbytes + ALIGN, huge_pages=self.pin)
             if self.pin:
                 # Faulted in by torch's threads first: cudaHostRegister faulting them itself ran at
                 # 2.2 GB/s on an H200 machine, this at 12 GB/s, and 20 with huge pages

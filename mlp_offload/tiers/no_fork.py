@@ -18,13 +18,13 @@ import sys
 import torch
 
 
-def unforked_empty(nbytes: int, huge_pages: bool = False) -> torch.Tensor:
-    """An uninitialised, page-aligned uint8 buffer of ``nbytes`` that forked children do not get
-    (they must never touch it). Freed when the last tensor viewing it is. Linux only; elsewhere
-    ordinary memory. ``huge_pages``: ask the kernel for transparent huge pages (where it grants them
-    on request: fewer pages to fault in and to pin)."""
+def unforked_zeros(nbytes: int, huge_pages: bool = False) -> torch.Tensor:
+    """A zero-filled (the kernel's fresh anonymous pages), page-aligned uint8 buffer of ``nbytes`` that
+    forked children do not get (they must never touch it). Freed when the last tensor viewing it is.
+    Linux only; elsewhere ordinary memory. ``huge_pages``: ask the kernel for transparent huge pages
+    (where it grants them on request: fewer pages to fault in and to pin)."""
     if not sys.platform.startswith("linux") or nbytes == 0:
-        return torch.empty(nbytes, dtype=torch.uint8)
+        return torch.zeros(nbytes, dtype=torch.uint8)
     region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     region.madvise(mmap.MADV_DONTFORK)
     if huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):

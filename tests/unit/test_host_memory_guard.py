@@ -67,8 +67,21 @@ def test_without_a_file_tier_the_line_says_a_lower_budget_needs_one():
 def test_the_engine_counts_what_the_rank_holds_beside_it_before_allocating(tmp_path, monkeypatch):
     monkeypatch.setattr(host_module, "_cgroup_limit_bytes", lambda: 64 << 20)
     allocated = []
-    monkeypatch.setattr(host_module, "unforked_empty", lambda n: allocated.append(n) or torch.empty(n, dtype=torch.uint8))
+    monkeypatch.setattr(host_module, "unforked_zeros", lambda n: allocated.append(n) or torch.zeros(n, dtype=torch.uint8))
     cfg = fast_config(tmp_path, tiers=["host"], host_bytes_beside={"data workers": GiB})
     with pytest.raises(HostMemoryError, match=r"data workers 1.00 GiB.* more than the 0.06 GiB of this job's memory"):
         OffloadedAdamW(torch.randn(10_000), cfg)
     assert not allocated
+
+
+def test_host_buffers_come_zero_filled_so_the_engine_skips_zeroing_its_state():
+    """The engine leaves moments (and a model-started master's remainders) as allocated: they must be zeros."""
+    from mlp_offload import HostMemory
+
+    memory = HostMemory(None, pin=False)
+    assert memory.hands_out_zeros
+    first = memory.allocate(3 << 20, "a")
+    first.fill_(7)
+    memory.release(first)
+    again = memory.allocate(3 << 20, "b")  # not the released buffer's bytes
+    assert not again.any()
