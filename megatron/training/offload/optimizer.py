@@ -26,6 +26,7 @@ from megatron.core.optimizer.optimizer_config import OptimizerConfig
 
 from megatron.training.checkpoint.offloaded_state import StateWrites
 from megatron.training.errors import UserError
+from megatron.training.offload.overlap_choice import OverlapChoice
 from megatron.training.offload.shard import OffloadShard, ShardGroups
 from megatron.training.offload.shard_budgets import check_host_split, config_for_kind
 from megatron.training.runtime.optimizer_interface import (HoldsResources, OffloadedOptimizerCheckpoint,
@@ -71,6 +72,7 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
         self.is_stub_optimizer = False
         self._stalls = []  # (start, end) events around each forward wait for deferred params
         self._deferred_steps = 0
+        self._overlap_choice = OverlapChoice()
         if self.overlap_forward:
             for shard in self.shards:
                 if shard._device_grads is not None:
@@ -82,6 +84,10 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
     # -- the step ------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self):
+        if self.overlap_forward:
+            line = self._overlap_choice.step_started(time.perf_counter())
+            if line:
+                log.info(line)
         if self.overlap_forward:  # a subgroup no forward asked for (an expert without tokens) is queued
             for shard in self.shards:  # now: the norms below must not read its unzeroed grads
                 shard.engine.settle()
@@ -102,6 +108,8 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
                 shard.zero_unowned_grads()
         if found_any:
             self.last_record = [shard.engine.step(skip=True) for shard in self.shards][0]
+            if self.overlap_forward:
+                self._overlap_choice.step_ended(None)  # no update: the next iteration times neither way
             if self.overlap_forward:  # the training loop left the zeroing to an update that did not run
                 for shard in self.shards:
                     shard.zero_grads()
@@ -142,12 +150,15 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
             stalls[-1][1].synchronize()  # the forward's, long done
         record.forward_wait_s = sum(start.elapsed_time(end) for start, end in stalls) / 1000.0
         self._deferred_steps += 1
-        if self._deferred_steps <= SETTLED_STEPS:
+        if self._deferred_steps <= SETTLED_STEPS or not self._overlap_choice.overlap_on:
             t0 = time.perf_counter()
             for shard in self.shards:
                 shard.engine.settle()
             record.update_s += time.perf_counter() - t0
             record.settled = True
+            if self._deferred_steps > SETTLED_STEPS:  # the overlap was turned off: predicted in series too
+                record.predicted_deferred_s = record.predicted_deferred_in_hbm_s = 0.0
+        self._overlap_choice.step_ended(record.settled)
 
     def _gate_forward_on_updated_params(self) -> None:
         """A forward pre-hook on every module holding params: the caller's stream waits for the events
