@@ -152,6 +152,18 @@ RUNS = {
         compute_alone_s=5.9005 - 0.0043,
         compute_miss="10.24 B's TFLOP/s plans 7.83 s of compute for 5.90 s measured: 60.4 B at TP2 x PP2 ran "
                      "its FLOPs 1.33x faster"),
+    # The same with SDPA (2026-11-26, third session): iteration 3 (settled, in series) 5.3461 s, update 0.7849 s;
+    # iteration 4 (compute alone) 4.5081 s, update 3.4 ms; iteration 5 (overlapped) 6.0664 s; rank 0's auto line
+    # after iteration 1: peak 97.69 GiB with the tier at its start (64 subgroups, 35.76 GiB), then holds 124 (69.29 GiB)
+    "60.4B TP2xPP2 SDPA overlapped, four H200s": Recorded(
+        "x4_2026-11-26c/60b_overlap.log",
+        ["read 1.71 GB/s, write 1.82 GB/s", "adam 2.46 Gelem/s", "adam 104.50 Gelem/s resident, 7.71 streamed",
+         "(beside the CPU: streamed 5.20, cpu 0.08)", "peak 97.69 GiB", "the gpu tier holds 124 (69.29 GiB)"],
+        f"{FOUR_H200} --offload-bandwidths nvme=1.71:1.82 --adam-gelems 2.46 --gpu-adam-gelems 104.50 "
+        f"--gpu-streamed-gelems 7.71 --gpu-streamed-beside-gelems 5.20 --cpu-beside-gelems 0.08 "
+        f"{LLAMA} {BF16_MOMENTS} {LLAMA_60B_TP2PP2} {OVERLAP}",
+        update_s=0.7849, iteration_s=6.0664, gpu_subgroups=124, peak_in_use_gib=97.69 - 35.76,
+        attention="sdpa", compute_alone_s=4.5081 - 0.0034),
     # The README command with --offload-overlap-forward, unfused attention: iteration 3 (settled, in series)
     # 2.6678 s, update 1.5389 s; iteration 4 (compute alone) 1.0929 s, update 3.0 ms; iterations 5-7
     # (overlapped) 2.3762, 2.3907, 2.3718 s; last auto line: peak 131.84 GiB with 85 subgroups (47.37 GiB), then 86
