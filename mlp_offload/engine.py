@@ -32,7 +32,8 @@ from .param_groups import Range, build_groups, segments_of
 from .plan.placement import CPU, DEVICE, Placement
 from .plan.prediction import Prediction
 from .startup import describe_tiers, start_up
-from .pipeline import OffloadStateError, SlotPipeline, StateViews, fill_params, starts_at_zero
+from .initial_state import allocate_initial_state
+from .pipeline import OffloadStateError, SlotPipeline, StateViews
 from .relocation import Relocation
 from .kernels.remainders import ParamHighSource, RemainderMaster
 from .plan.schedule import StepSchedule, step_schedule
@@ -46,7 +47,7 @@ from .tiers.base import ResidentTier, StreamedTier
 from .tiers.host import check_host_memory
 from .trace import Trace, open_trace
 from .kernels.update import AdamKernel, Fp32Working, fused_vector_width
-from .units import GB, GiB
+from .units import GiB
 
 log = logging.getLogger("mlp_offload")
 PER_NODE = "mlp_offload_per_node"  # set on log records that say the same on every rank of a node
@@ -198,32 +199,9 @@ class OffloadedAdamW:
             self._device_update, self.subgroups, self._segments, grad_source, self.device_adam,
             self.on_params_updated, self.param_high if cfg.param_remainders else None,
             lambda i: self.placement.tier_of[i] == GPU_TIER, self.trace)
-        self._resident: Dict[int, StateViews] = {}
-        # Pinning tens of GB takes a while: a line before and after, with size and rate.
-        kind = "pinned " if self.host.pin else ""
-        state_gb = self.placement.host_state_bytes / GB
-        log.info("allocating %.3f GB of %shost memory for optimizer state ...", state_gb, kind)
-        started = time.perf_counter()
-        for i, tier in enumerate(self.placement.tier_of):
-            if tier in self.memory:
-                sg = self.subgroups[i]
-                # Fresh host memory is zeros already: moments (and remainders of masters that start as
-                # the model's params) need no second pass over tens of GB.
-                zeroed = getattr(self.memory[tier], "hands_out_zeros", False)
-                views = StateViews.over(self.memory[tier].allocate(sg.state_bytes, f"subgroup {i}"), sg,
-                                        self.state_dtypes)
-                if not (zeroed and starts_at_zero(params, views.param)):
-                    fill_params(params, sg, views.param[: sg.numel])
-                if not zeroed:
-                    views.exp_avg.zero_()
-                    views.exp_avg_sq.zero_()
-                self._resident[i] = views
-        slot_sg = max(self.subgroups, key=lambda sg: sg.numel)
-        buffers = [StateViews.over(self.host.allocate(slot_sg.state_bytes, f"pipeline buffer {k}"),
-                                   slot_sg, self.state_dtypes) for k in range(self.placement.slots)]
-        seconds = time.perf_counter() - started
-        log.info("allocated %.3f GB of %shost memory for optimizer state in %.1f s (%.2f GB/s)", state_gb, kind,
-                 seconds, state_gb / max(seconds, 1e-9))
+        self._resident, buffers = allocate_initial_state(
+            self.subgroups, self.placement.tier_of, self.memory, self.host, params, self.state_dtypes,
+            self.placement.slots, self.placement.host_state_bytes)
         self._pipeline = SlotPipeline(self.subgroups, self.placement.tier_of, self._tiers, buffers,
                                       cfg.prefetch_depth, self._counters, params, self.trace)
         master = (RemainderMaster(self.param_high, self.on_params_updated, largest)

@@ -34,10 +34,11 @@ from megatron.training.data.datasets import micro_batches
 from megatron.training.errors import reported_once
 from megatron.training.model.flops import GptShape, flops_per_iteration
 from megatron.training.model import kernels as optional_kernels
+from megatron.training.model.ddp_staging import stage_params_on_host
 from megatron.training.model.sdpa_attention import admitted_cuda_kernels
 from megatron.training.runtime import fault_injection
 from megatron.training.runtime.core_private import reset_grad_accumulation
-from mlp_offload import GiB, build_cpu_kernel_in_background, tree_bytes
+from mlp_offload import build_cpu_kernel_in_background, tree_bytes
 from megatron.training.runtime.iteration_hooks import IterationHooks
 from megatron.training.data.lr_schedule import build_param_scheduler
 from megatron.training.initialize import initialize
@@ -80,6 +81,8 @@ def build_model(args, config, model_provider: Callable, device) -> List[torch.nn
     if args.bf16 or args.fp16:
         chunks = [Float16Module(config, chunk) for chunk in chunks]
     staged = stage_params_on_host(chunks, ddp_config)
+    if staged:
+        _print_rank0(staged)
     # As upstream: chunks after the first are one bucket each (their reduction overlaps compute anyway).
     chunks = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
               for i, chunk in enumerate(chunks)]
@@ -88,40 +91,6 @@ def build_model(args, config, model_provider: Callable, device) -> List[torch.nn
     for chunk in chunks:
         chunk.broadcast_params()  # identical replicas across DP ranks from the start
     return chunks
-
-
-def stage_params_on_host(chunks, ddp_config) -> bool:
-    """DDP copies the params into a device buffer of its own and allocates the grad buffer beside it before
-    the params' own memory goes: the device holds the params about three times over (101.9 B at TP4 on
-    H200s: 47 GiB of bf16 params each time, out of memory). Where that would not fit, the params wait in
-    host memory meanwhile (a copy each way, seconds); the values are the same bits."""
-    params = [p for chunk in chunks for p in chunk.parameters()]
-    forced = os.environ.get("MLP_OFFLOAD_STAGE_PARAMS") == "1"  # the path run where it is not needed (its tests)
-    on_cuda = bool(params) and params[0].is_cuda
-    if not params or not (on_cuda or forced):
-        return False
-    param_bytes = sum(p.numel() * p.element_size() for p in params)
-    grad_bytes = sum(p.numel() for p in params) * (4 if ddp_config.grad_reduce_in_fp32 else params[0].element_size())
-    free = torch.cuda.mem_get_info()[0] if on_cuda else 0
-    if ddp_buffers_fit(param_bytes, grad_bytes, free) and not forced:
-        return False
-    _print_rank0(f"> model: {param_bytes / GiB:.1f} GiB of params per rank staged in host memory while DDP builds "
-                 f"its param and grad buffers ({(param_bytes + grad_bytes) / GiB:.1f} GiB beside "
-                 f"{free / GiB:.1f} GiB free)")
-    for chunk in chunks:
-        chunk.cpu()
-    if on_cuda:
-        torch.cuda.empty_cache()
-    return True
-
-
-# Left free beside DDP's buffers while they are built (allocator rounding, CUDA's own use).
-STAGING_MARGIN_BYTES = 2 * GiB
-
-
-def ddp_buffers_fit(param_bytes: int, grad_bytes: int, free_bytes: int) -> bool:
-    """Whether DDP's param and grad buffers fit beside the params already on the device."""
-    return param_bytes + grad_bytes + STAGING_MARGIN_BYTES <= free_bytes
 
 
 def build_optimizer(args, model_chunks) -> TrainingOptimizer:

@@ -3,7 +3,7 @@ DDP allocates a param buffer and a grad buffer on the device while the params' o
 
 from mlp_offload import GiB
 
-from megatron.training.training import STAGING_MARGIN_BYTES, ddp_buffers_fit
+from megatron.training.model.ddp_staging import STAGING_MARGIN_BYTES, ddp_buffers_fit
 
 
 def test_the_101_b_case_that_ran_out_of_memory_is_staged():

@@ -88,8 +88,9 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
             line = self._overlap_choice.step_started(time.perf_counter())
             if line:
                 log.info(line)
-        if self.overlap_forward:  # a subgroup no forward asked for (an expert without tokens) is queued
-            for shard in self.shards:  # now: the norms below must not read its unzeroed grads
+            # a subgroup no forward asked for (an expert without tokens) is queued now: the norms below
+            # must not read its unzeroed grads
+            for shard in self.shards:
                 shard.engine.settle()
         inv_scales = [shard.inv_scale() for shard in self.shards]
         norms, found_any = [], False

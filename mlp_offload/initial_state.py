@@ -1,0 +1,49 @@
+"""The optimizer state where the placement puts it in memory, at its start values, and the pipeline's
+host buffers for the subgroups streamed from file tiers (their start values are written on first read)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Dict, List, Mapping, Sequence, Tuple
+
+import torch
+
+from .pipeline import StateViews, fill_params, starts_at_zero
+from .subgroups import Subgroup
+from .units import GB
+
+log = logging.getLogger("mlp_offload")
+
+
+def allocate_initial_state(subgroups: Sequence[Subgroup], tier_of: Sequence[str], memory: Mapping[str, object],
+                           host, params, dtypes: Sequence[torch.dtype], slots: int,
+                           host_state_bytes: int) -> Tuple[Dict[int, StateViews], List[StateViews]]:
+    """(the views of each subgroup held in a memory tier, the pipeline's buffers). Pinning tens of GB
+    takes a while: a line before and after, with size and rate."""
+    kind = "pinned " if host.pin else ""
+    state_gb = host_state_bytes / GB
+    log.info("allocating %.3f GB of %shost memory for optimizer state ...", state_gb, kind)
+    started = time.perf_counter()
+    resident: Dict[int, StateViews] = {}
+    for i, tier in enumerate(tier_of):
+        if tier not in memory:
+            continue
+        sg = subgroups[i]
+        # Fresh host memory is zeros already: moments (and remainders of masters that start as the
+        # model's params) need no second pass over tens of GB.
+        zeroed = getattr(memory[tier], "hands_out_zeros", False)
+        views = StateViews.over(memory[tier].allocate(sg.state_bytes, f"subgroup {i}"), sg, dtypes)
+        if not (zeroed and starts_at_zero(params, views.param)):
+            fill_params(params, sg, views.param[: sg.numel])
+        if not zeroed:
+            views.exp_avg.zero_()
+            views.exp_avg_sq.zero_()
+        resident[i] = views
+    slot_sg = max(subgroups, key=lambda sg: sg.numel)
+    buffers = [StateViews.over(host.allocate(slot_sg.state_bytes, f"pipeline buffer {k}"), slot_sg, dtypes)
+               for k in range(slots)]
+    seconds = time.perf_counter() - started
+    log.info("allocated %.3f GB of %shost memory for optimizer state in %.1f s (%.2f GB/s)", state_gb, kind,
+             seconds, state_gb / max(seconds, 1e-9))
+    return resident, buffers
