@@ -128,7 +128,7 @@ class DeviceUpdate:
     def update(self, sg: Subgroup, stored: List[torch.Tensor], resident: bool, segments: Sequence[Segment],
                fill_grads: Callable[[torch.Tensor], None], adam: Callable, on_params,
                fill_high: Optional[Callable[[int, int, torch.Tensor], None]] = None,
-               hyper: Optional[Callable[[int], AdamHyper]] = None, step: int = 0) -> object:
+               hyper: Optional[Callable[[int], AdamHyper]] = None, step: int = 0, pre_read=None) -> object:
         """``stored``: the subgroup's (param, exp_avg, exp_avg_sq) in their stored dtypes, on the
         device (``resident``: updated in place) or in host memory (streamed through the chunk
         buffers). ``fill_grads(out)`` writes its fp32 grads into a device tensor; ``adam(p, g, m, v,
@@ -136,7 +136,9 @@ class DeviceUpdate:
         master params on the device (on the compute stream), or is None. With the master stored as
         remainders, ``fill_high(start, end, out)`` writes the model's bf16 params of shard elements
         [start, end) into a device tensor (on the compute stream), and ``on_params`` gets the updated
-        bf16 params. With the one-pass kernel, ``hyper(group)`` and ``step`` replace ``adam``."""
+        bf16 params. With the one-pass kernel, ``hyper(group)`` and ``step`` replace ``adam``.
+        ``pre_read`` (``read_ahead.PreRead``): host state already copied in; its update waits for that
+        copy and then only copies the state back out."""
         s, n = self.streams, sg.numel
         one_pass = (lambda *a: self._one_pass(*a, hyper, step)) if self.fused is not None and hyper else None
         grad = self.grad[:n]
@@ -149,14 +151,17 @@ class DeviceUpdate:
                     self._compute(sg, [t[c0:c1] for t in stored], grad, c0, c1, segments, adam, on_params,
                                   fill_high, one_pass)
                 continue
-            b = self._turn % 2
-            self._turn += 1
-            dev = [buf[: c1 - c0] for buf in self._buffers[b]]
-            with s.on(s.copy_in):
-                s.wait(s.copy_in, self._free[b])
-                for d, h in zip(dev, stored):
-                    d.copy_(h[c0:c1], non_blocking=True)
-                arrived = s.record(s.copy_in)
+            if pre_read is not None:
+                dev, arrived = [t[c0:c1] for t in pre_read.tensors], pre_read.arrived
+            else:
+                b = self._turn % 2
+                self._turn += 1
+                dev = [buf[: c1 - c0] for buf in self._buffers[b]]
+                with s.on(s.copy_in):
+                    s.wait(s.copy_in, self._free[b])
+                    for d, h in zip(dev, stored):
+                        d.copy_(h[c0:c1], non_blocking=True)
+                    arrived = s.record(s.copy_in)
             with s.on(s.compute):
                 s.wait(s.compute, arrived)
                 self._compute(sg, dev, grad, c0, c1, segments, adam, on_params, fill_high, one_pass)
@@ -165,7 +170,9 @@ class DeviceUpdate:
                 s.wait(s.copy_out, computed)
                 for d, h in zip(dev, stored):
                     h[c0:c1].copy_(d, non_blocking=True)
-                self._free[b] = s.record(s.copy_out)
+                copied_out = s.record(s.copy_out)
+                if pre_read is None:
+                    self._free[b] = copied_out
         return s.record(s.compute if resident else s.copy_out)
 
     def _compute(self, sg: Subgroup, chunk: List[torch.Tensor], grad: torch.Tensor, c0: int, c1: int,
@@ -208,8 +215,9 @@ class DeviceSide:
 
     def __init__(self, device_update: DeviceUpdate, subgroups: Sequence[Subgroup],
                  segments: Sequence[Sequence[Segment]], grad_source, adam: AdamKernel,
-                 on_params, param_high, in_device_memory: Callable[[int], bool], trace=None):
+                 on_params, param_high, in_device_memory: Callable[[int], bool], trace=None, read_ahead=None):
         self.device_update, self.subgroups, self.segments = device_update, subgroups, segments
+        self.read_ahead = read_ahead  # read_ahead.ReadAhead, or None
         self.grad_source, self.adam, self.on_params, self.param_high = grad_source, adam, on_params, param_high
         self.in_device_memory, self.trace = in_device_memory, trace  # (where the placement has it now)
         self.streams = device_update.streams
@@ -230,13 +238,18 @@ class DeviceSide:
         ctx, sg = self.ctx, self.subgroups[i]
         groups, step, unscale, clip_coef = ctx.groups, ctx.step, ctx.unscale, ctx.clip_coef
         views.sync_fence()  # a copy of its params from this buffer may still run (host state)
+        resident = self.in_device_memory(i)
+        pre = self.read_ahead.take(i) if self.read_ahead is not None and not resident else None
         t0 = time.perf_counter()
         fence = self.device_update.update(
-            sg, list(views.narrow(sg.numel)), self.in_device_memory(i), self.segments[i],
+            sg, list(views.narrow(sg.numel)), resident, self.segments[i],
             lambda out: self.grad_source.to_device(sg.start, sg.end, out, unscale, clip_coef),
             lambda p, g, m, v, group, span: adam_piece(self.adam, groups, p, g, m, v, group, span, step),
             self.on_params, self.param_high.to_device if self.param_high is not None else None,
-            hyper=lambda g: hyper_of(groups[g]), step=step)
+            hyper=lambda g: hyper_of(groups[g]), step=step, pre_read=pre)
+        if pre is not None:
+            self.read_ahead.returned(pre, fence)
+            ctx.record.read_ahead += 1
         t1 = time.perf_counter()
         ctx.record.device_s += t1 - t0
         if self.trace is not None:
@@ -263,16 +276,19 @@ class DeferredWork:
         self._position = {}
         self._next = 0
         self._launch: Optional[Callable[[int], object]] = None
+        self._after_last: Optional[Callable[[dict], None]] = None
         self._fences = []
         self._start = None
         self._span = None
         self.last_seconds = 0.0  # the device time of the last settled step (taken once)
 
-    def begin(self, order: Sequence[int], launch: Callable[[int], object]) -> None:
+    def begin(self, order: Sequence[int], launch: Callable[[int], object],
+              after_last: Optional[Callable[[dict], None]] = None) -> None:
         """A step's subgroups to update on the device, in order; ``launch(i)`` queues one and
-        returns the fence of its last copy. Queues the first ``ahead`` now."""
+        returns the fence of its last copy; ``after_last(fences)`` is called once the last is queued,
+        with each subgroup's fence. Queues the first ``ahead`` now."""
         self.ready, self._fences, self._span = {}, [], None
-        self._todo, self._next, self._launch = list(order), 0, launch
+        self._todo, self._next, self._launch, self._after_last = list(order), 0, launch, after_last
         self._position = {i: k for k, i in enumerate(self._todo)}
         self._start = self.streams.timed_mark(self.streams.compute)
         self._queue_until(self.ahead)
@@ -310,6 +326,8 @@ class DeferredWork:
             self.ready[i] = self.streams.record(self.streams.compute)
             if self._next == len(self._todo):  # the span ends with the last one queued
                 self._span = (self._start, self.streams.timed_mark(self.streams.compute))
+                if self._after_last is not None:
+                    self._after_last(dict(self._fences))
 
     def settle(self) -> None:
         """Queue what is left, then wait for all of it."""

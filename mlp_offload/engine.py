@@ -34,6 +34,7 @@ from .plan.prediction import Prediction
 from .startup import describe_tiers, start_up
 from .initial_state import allocate_initial_state
 from .pipeline import OffloadStateError, SlotPipeline, StateViews
+from .read_ahead import read_ahead_for
 from .relocation import Relocation
 from .kernels.remainders import ParamHighSource, RemainderMaster
 from .plan.schedule import StepSchedule, step_schedule
@@ -132,6 +133,7 @@ class OffloadedAdamW:
         self.closed = False
         self._snapshot: Optional[StateSnapshot] = None  # being written while the engine steps on
         self._deferred: Optional[DeferredWork] = None  # defer_device_wait: what a step left queued
+        self._read_ahead = None  # read_ahead.ReadAhead with device_read_ahead_bytes
         self._tiers: Dict[str, StreamedTier] = {}  # file tiers, by name
         self.memory: Dict[str, ResidentTier] = {}  # memory tiers, by name, fastest first
         self._counters = TrafficCounters(config.file_tiers)
@@ -195,10 +197,12 @@ class OffloadedAdamW:
             grad_source, scratch_buffers(not isinstance(grad_source, HostGradients), largest, self.host.allocate),
             high, self.param_high, self.on_params_updated, self.trace)
         self._cpu_side.one_pass = self._cpu_one_pass
+        self._read_ahead = read_ahead_for(cfg, self._device_update, self.state_dtypes, largest,
+                                          len(self.subgroups))
         self._device_side = None if self._device_update is None else DeviceSide(
             self._device_update, self.subgroups, self._segments, grad_source, self.device_adam,
             self.on_params_updated, self.param_high if cfg.param_remainders else None,
-            lambda i: self.placement.tier_of[i] == GPU_TIER, self.trace)
+            lambda i: self.placement.tier_of[i] == GPU_TIER, self.trace, self._read_ahead)
         self._resident, buffers = allocate_initial_state(
             self.subgroups, self.placement.tier_of, self.memory, self.host, params, self.state_dtypes,
             self.placement.slots, self.placement.host_state_bytes)
@@ -245,11 +249,13 @@ class OffloadedAdamW:
         r = self.update_rates
         if self._device_update is None:
             return ""
+        ahead = (f"; read-ahead {self._read_ahead.slots} subgroups ({self._read_ahead.nbytes / GiB:.2f} GiB of "
+                 f"device memory)" if self._read_ahead is not None else "")
         shared = (f" (beside the CPU: streamed {r.streamed_shared / 1e9:.2f}, cpu {r.cpu_shared / 1e9:.2f})"
                   if r.streamed_shared else "")
         return (f"; device {self.config.device} adam {r.device_resident / 1e9:.2f} Gelem/s resident, "
                 f"{r.device_streamed / 1e9:.2f} streamed ({self.config.resolved_device_adam_kernel}, "
-                f"{self._device_update.fused_how}){shared}")
+                f"{self._device_update.fused_how}){shared}{ahead}")
 
     # -- the update ----------------------------------------------------------------------------
     def step(self, *, unscale: Optional[float] = None, clip_coef: Optional[float] = None,
@@ -273,7 +279,9 @@ class OffloadedAdamW:
         # The device's subgroups held in memory (gpu or host tier) go first, all of them: the device
         # works through them while the CPU runs its share below (queued as the loop reached them, the
         # device idled during each CPU Adam). Deferred, they are queued as the next forward needs them.
-        held = [i for i in sched.order if on[i] == DEVICE and i in self._resident]
+        held = self._device_held_order(sched)
+        if self._read_ahead is not None:
+            self._read_ahead.keep_only(held)
         in_flight = []  # device-updated subgroups whose last copy may still run: (index, fence)
 
         def update(i, views):
@@ -283,7 +291,7 @@ class OffloadedAdamW:
         try:
             if self._deferred is not None:
                 ctx.record.deferred_device_s = self._deferred.take_seconds()
-                self._deferred.begin(sorted(held, reverse=True), lambda i: update(i, self._resident[i]))
+                self._deferred.begin(held, lambda i: update(i, self._resident[i]), self._read_next_step_ahead)
             else:
                 in_flight = [(i, update(i, self._resident[i])) for i in held]
             halfway = sched.order[len(sched.order) // 2]
@@ -304,10 +312,29 @@ class OffloadedAdamW:
             raise
         self.steps_done = ctx.step
         self._pipeline.begin(self._schedule_for(ctx.step))  # its first reads run under forward/backward
+        if self._deferred is None:
+            self._read_next_step_ahead({})  # the copies in run under the next forward and backward
         ctx.record.update_s = time.perf_counter() - t_start
         ctx.record.tiers = self._counters.take()
         self._relocation.observe_step(ctx.record)  # the update split, re-chosen from what this step measured
         return ctx.record
+
+    def _device_held_order(self, sched: StepSchedule):
+        """The subgroups held in memory (gpu or host tier) the device updates, in the order it takes
+        them: a deferred step in the next forward's order (descending), else the schedule's."""
+        on = self.placement.update_on
+        held = [i for i in sched.order if on[i] == DEVICE and i in self._resident]
+        return sorted(held, reverse=True) if self._deferred is not None else held
+
+    def _read_next_step_ahead(self, written: Mapping[int, object]) -> None:
+        """With a read-ahead: the next step's first host-held device subgroups copied in now, each after
+        ``written[i]`` (the fence of the copy out that last wrote it, where one may still run)."""
+        if self._read_ahead is None:
+            return
+        held = self._device_held_order(self._pipeline.schedule)
+        picks = [(i, self._resident[i].narrow(self.subgroups[i].numel), written.get(i))
+                 for i in held if self.placement.tier_of[i] != GPU_TIER]
+        self._read_ahead.issue(picks)
 
     def _step_context(self, unscale, clip_coef, sched: StepSchedule) -> StepContext:
         on, pred = self.placement.update_on, self.prediction
@@ -317,7 +344,7 @@ class OffloadedAdamW:
                          cpu_updated=on.count(CPU))
         if self._deferred is not None:
             rec.predicted_deferred_s, rec.predicted_serial_s = pred.deferred_s, pred.serial_s
-            rec.predicted_deferred_in_hbm_s = pred.deferred_in_hbm_s
+            rec.predicted_deferred_in_hbm_s, rec.predicted_read_ahead_s = pred.deferred_in_hbm_s, pred.read_ahead_s
         # copies: a deferred launch may come after the caller's scheduler changed the groups
         return StepContext(rec.step, unscale, clip_coef, [dict(group) for group in self.param_groups], rec)
 
@@ -359,6 +386,11 @@ class OffloadedAdamW:
         not deferred: the caller's stream then already follows the whole update)."""
         return self._deferred.need(i) if self._deferred is not None else None
 
+    def _drop_read_ahead(self) -> None:
+        """The host state may change outside a step: no copy read ahead of it stays."""
+        if self._read_ahead is not None:
+            self._read_ahead.drop()
+
     def settle(self) -> None:
         """Wait for the device work a deferred step left queued (its state in memory is then the
         updated state); a no-op otherwise."""
@@ -377,10 +409,12 @@ class OffloadedAdamW:
 
     def restart_reads(self) -> None:
         """The next step's reads, begun anew for today's placement."""
+        self._drop_read_ahead()
         self._pipeline.begin(self._schedule_for(self.steps_done))
 
     def move_state(self, moves: Dict[int, str]) -> None:
         """Each subgroup in ``moves`` to its new tier, state and all (between steps, settled)."""
+        self._drop_read_ahead()
         self._state.move(moves, self.placement.tier_of, self.memory, self._tiers, self.state_dtypes)
 
     # -- the device tier's size (auto) ---------------------------------------------------------
@@ -435,6 +469,7 @@ class OffloadedAdamW:
         self._check_usable()
         self.settle()
         self.wait_for_snapshot()
+        self._drop_read_ahead()
         self._state.load_state(fill, stored)
         self.steps_done = steps_done
         self._pipeline.begin(self._schedule_for(steps_done))
@@ -445,6 +480,7 @@ class OffloadedAdamW:
         self._check_usable()
         self.settle()
         self.wait_for_snapshot()
+        self._drop_read_ahead()
         self._state.modify_state(edit)
 
     def snapshot(self, link_files: bool = True, staging_bytes: Optional[int] = None) -> StateSnapshot:

@@ -71,6 +71,7 @@ class StepRecord:
     device_s: float = 0.0  # queueing device updates and waiting for their copies
     cpu_updated: int = 0  # subgroups updated by the CPU / on the device this step
     device_updated: int = 0
+    read_ahead: int = 0  # of the device's subgroups: those whose state was copied in before the step
     predicted_adam_s: float = 0.0  # the prediction's CPU share
     predicted_device_s: float = 0.0  # the prediction's device share
     # defer_device_wait: the previous step's device work, from queued to done (its update_s is then
@@ -80,6 +81,7 @@ class StepRecord:
     # step itself waits for (the CPU's, the file tiers', streamed subgroups'); see predict_iteration
     predicted_deferred_s: float = 0.0
     predicted_deferred_in_hbm_s: float = 0.0
+    predicted_read_ahead_s: float = 0.0
     predicted_serial_s: float = 0.0
     # Set by the caller: how long its stream waited for the previous step's deferred params, and
     # whether it settled this step's device work before going on (the next iteration then runs
@@ -98,6 +100,8 @@ class StepRecord:
             parts.append(f"split cpu {self.cpu_updated}/device {self.device_updated} "
                          f"(cpu {self.adam_s + self.convert_s:.3f}s pred {self.predicted_adam_s:.3f}s, "
                          f"device waits {self.device_s:.3f}s pred {self.predicted_device_s:.3f}s)")
+        if self.read_ahead:
+            parts.append(f"read ahead {self.read_ahead}")
         for name, t in self.tiers.items():
             parts.append(
                 f"{name} r {_size(t.read_bytes)}@{t.read_gbps:.2f}GB/s "

@@ -4,6 +4,7 @@
 #   PART=20b     the 20.68 B README command (largest_model.sh), VARIANTS="overlap serial" (with/without the flag)
 #   PART=peers3b 3.0 B host only: ours (with --offload-overlap-forward) against megatron-core's CPU offload and
 #                the same model without offload (compute and update on the GPU, the state in HBM), one call
+#   PART=peers3b_ra  ours alone as in peers3b, with --offload-read-ahead-gb RA3B (default 8)
 #   PART=60b     60.4 B Llama on four GPUs (kind nvidia-h200-x4), TP2 x PP2, bf16 moments, gpu,host,nvme auto,
 #                host 60 GiB per rank, global batch GB60 (default 8); VARIANTS60 (default "overlap")
 # Run: PART=... bash benchmarks/run_gpu.sh overlap   (device tool, carry [".whl"]); DRY_RUN=1 runs tiny shapes on CPU.
@@ -25,13 +26,15 @@ for part in ${PART:-queue}; do
         mv "$OUT/largest_telemetry.jsonl" "$OUT/20b_${variant}_telemetry.jsonl" 2>/dev/null
       done;;
     peers3b)
-      SHAPE3B=${SHAPE3B:---layers 28 --hidden 3072 --ffn 8192 --heads 24 --kv-heads 8}
+      SHAPE3B=${SHAPE3B:---layers 28 --hidden 3072 --ffn 8192 --heads 24 --kv-heads 8}; OURS3B=${OURS3B:-}
       DEV=""; [ "${DRY_RUN:-0}" = 1 ] && { SHAPE3B="--layers 2 --hidden 64 --ffn 128 --heads 4 --kv-heads 2 --seq 64"; DEV="--device cpu"; }
       $PY benchmarks/peers.py --systems ${SYSTEMS3B:-afg} $SHAPE3B --micro-batch 1 --host-budget-gb 5.96 \
         --iters ${ITERS3B:-5} --disk-dir /var/tmp/offload_cmp --shm-dir /dev/shm/offload_cmp --out "$OUT" \
-        --budget-s ${BUDGET3B:-400} --ours-flags="--offload-overlap-forward" $DEV 2>&1 | grep -v -i warn | tail -25 \
+        --budget-s ${BUDGET3B:-400} --ours-flags="--offload-overlap-forward $OURS3B" $DEV 2>&1 | grep -v -i warn | tail -25 \
         | tee "$OUT/peers3b_overlap.txt"
       rm -rf /var/tmp/offload_cmp /dev/shm/offload_cmp "$OUT"/logs.tar.gz;;
+    peers3b_ra)  # ours alone with the host state read ahead (RA3B GiB of GPU memory) under the compute before each step
+      OUT="$OUT/read_ahead" PART=peers3b SYSTEMS3B=a OURS3B="--offload-read-ahead-gb ${RA3B:-8}" bash "$0";;
     60b)
       DISK=${DISK:-/var/tmp/offload_60b}; rm -rf "$DISK"; mkdir -p "$DISK"
       if [ "${DRY_RUN:-0}" = 1 ]; then

@@ -98,6 +98,7 @@ FLAG_OF_FIELD = {
     "gpu_budget_bytes": ("--offload-gpu-cache-gb", GiB),
     "gpu_budget_auto": ("--offload-gpu-cache-gb auto", 1),
     "gpu_margin_bytes": ("--offload-gpu-margin-gb", GiB),
+    "device_read_ahead_bytes": ("--offload-read-ahead-gb", GiB),
     "update_on": ("--offload-update", 1),
     "subgroup_size": ("--offload-subgroup-size", 1),
     "prefetch_depth": ("--offload-prefetch-depth", 1),

@@ -89,6 +89,12 @@ class OffloadConfig:
     device_chunk_elems: int = 100_000_000
     """Elements per chunk of a streamed device update (copy-in, Adam, copy-out overlap per chunk)."""
 
+    device_read_ahead_bytes: int = 0
+    """Device memory for reading host-held subgroups the device updates into it before their step
+    (``read_ahead``): their copies in run under the forward and backward before it, while the host
+    link idles, and the update waits only for their Adam and copies out. 0: none. At least one
+    subgroup's stored state where not 0."""
+
     device_adam_elems_per_s: Optional[float] = None
     """Device Adam rate on resident state (elements/s) to use instead of measuring it."""
 
@@ -295,6 +301,9 @@ class OffloadConfig:
             raise OffloadConfigError(f"device adam kernel (device_adam_kernel) must be 'fused', 'foreach' or "
                                      f"'single', got {self.device_adam_kernel!r}")
         positive("device_chunk_elems", self.device_chunk_elems)
+        if not is_int(self.device_read_ahead_bytes) or self.device_read_ahead_bytes < 0:
+            raise OffloadConfigError(f"device read-ahead (device_read_ahead_bytes) must be a whole number of bytes "
+                                     f">= 0, got {self.device_read_ahead_bytes!r}")
         for name in ("device_adam_elems_per_s", "device_streamed_elems_per_s"):
             rate = getattr(self, name)
             if rate is not None and not positive_finite(rate):
@@ -312,7 +321,9 @@ class OffloadConfig:
     def budget_of(self, tier: str) -> Optional[int]:
         """A resident tier's byte budget (None: unbounded, or learnt for the auto gpu tier)."""
         if tier == GPU_TIER:
-            return self.gpu_budget_bytes or (0 if self.gpu_budget_auto else None)
+            if self.gpu_budget_bytes is not None:  # 0 is a budget too (the tier listed, holding nothing)
+                return self.gpu_budget_bytes
+            return 0 if self.gpu_budget_auto else None
         if tier == HOST_TIER:
             return self.host_budget_bytes
         raise KeyError(tier)
@@ -338,6 +349,10 @@ class OffloadConfig:
     @property
     def state_itemsizes(self) -> Tuple[int, int, int]:
         return itemsizes(self.stored_dtypes)
+
+    def read_ahead_slots(self, largest_numel: int) -> int:
+        """Whole subgroups of ``largest_numel`` elements that ``device_read_ahead_bytes`` holds."""
+        return self.device_read_ahead_bytes // (largest_numel * sum(self.state_itemsizes))
 
     @property
     def file_tiers(self) -> List[str]:

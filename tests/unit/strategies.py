@@ -108,13 +108,15 @@ DEVICE_RATES = dict(adam_elems_per_s=1e9, device_adam_elems_per_s=4e9, device_st
 @st.composite
 def device_setups(draw):
     """A valid set-up of ``setups`` with the gpu tier put in front (or not), its budget (fixed, or
-    auto with a relocation after a step), the update side and the device chunk size:
+    auto with a relocation after a step), the update side, the device chunk size and read-ahead:
     ``(setup, extra options, relocate)`` (helpers.device_config applies the options)."""
     setup = draw(setups(tier_mixes=TIER_MIXES, probe=False, max_numel=60_000))
     subgroups = partition(setup.numel, setup.options["subgroup_size"])
     slot, n = subgroups[0].state_bytes, len(subgroups)
     extra = dict(update_on=draw(st.sampled_from(["cpu", "device", "auto"])),
                  device_chunk_elems=draw(st.integers(1, setup.options["subgroup_size"] + 10)), **DEVICE_RATES)
+    # Host-held device subgroups read ahead into up to n buffers (12 bytes an element holds any stored dtypes)
+    extra["device_read_ahead_bytes"] = draw(st.integers(0, n)) * subgroups[0].numel * 12
     relocate = None
     if draw(st.booleans()):
         if draw(st.booleans()) and setup.tiers != ["host"] or "host" in setup.tiers:

@@ -90,6 +90,9 @@ def add_groups(parser) -> None:
                    help="the next iteration's forward starts while the GPU still updates: each layer waits "
                         "only for its own params (above data-parallel size 1 with --overlap-param-gather: each "
                         "bucket's all-gather follows this rank's update of it)")
+    g.add_argument("--offload-read-ahead-gb", type=non_negative_float, default=0.0,
+                   help="GPU memory for host-held state the GPU updates, copied in under the forward and backward "
+                        "before its step while the host link idles (whole subgroups; 0: none)")
     g.add_argument("--offload-no-one-pass-update", action="store_true",
                    help="device updates widen, step and round back in separate passes (as before the one-pass kernel)")
     g.add_argument("--offload-no-cpu-one-pass", action="store_true",

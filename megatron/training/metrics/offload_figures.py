@@ -59,7 +59,7 @@ class IterationModel:
         if self.compute_s is not None:
             predicted = predict_iteration(self.compute_s, record.predicted_update_s, record.predicted_deferred_s,
                                           record.predicted_serial_s, self.compute_s * self.first_forward_share,
-                                          record.predicted_deferred_in_hbm_s)
+                                          record.predicted_deferred_in_hbm_s, record.predicted_read_ahead_s)
         if self._ran_alone and not first_of_run:
             self.compute_s = max(0.0, elapsed_s - record.update_s)
         self._ran_alone = record.settled or not record.predicted_deferred_s
@@ -77,6 +77,7 @@ class OffloadInterval:
         self.update_s = self.predicted_s = self.adam_s = self.read_wait_s = self.deferred_s = 0.0
         self.deferred = 0
         self.forward_wait_s = 0.0
+        self.read_ahead = 0  # subgroups whose state was copied in before their step
         self.iteration_s = self.predicted_iteration_s = 0.0  # over the iterations with a prediction
         self.predicted_iterations = 0
         self.cache_hits = self.streamed = 0
@@ -99,6 +100,7 @@ class OffloadInterval:
                 self.deferred += 1
                 self.deferred_s += record.deferred_device_s
             self.forward_wait_s += record.forward_wait_s
+            self.read_ahead += record.read_ahead
             self.cache_hits += record.cache_hits
             self.streamed += record.streamed
         for name, t in record.tiers.items():
@@ -124,6 +126,8 @@ class OffloadInterval:
         if self.deferred:  # --offload-overlap-forward: update time is the host's share; the device's here
             pairs.append(("offload device update time (ms)", f"{self.deferred_s / self.deferred * 1000:.1f}"))
             pairs.append(("offload forward wait (ms)", f"{self.forward_wait_s / per_update * 1000:.1f}"))
+        if self.read_ahead:
+            pairs.append(("offload subgroups read ahead", f"{self.read_ahead / per_update:.1f}"))
         if self.predicted_iterations:
             pairs.append(("offload predicted iteration time (ms)",
                           f"{self.predicted_iteration_s / self.predicted_iterations * 1000:.1f}"))

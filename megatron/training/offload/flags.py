@@ -36,6 +36,7 @@ def config_from_args(args, rank: int) -> OffloadConfig:
         cache_alternating=not args.offload_no_cache,
         device_one_pass=not getattr(args, "offload_no_one_pass_update", False),
         defer_device_wait=bool(getattr(args, "offload_overlap_forward", False)),
+        device_read_ahead_bytes=int(getattr(args, "offload_read_ahead_gb", 0.0) * GiB),
         cpu_one_pass=not getattr(args, "offload_no_cpu_one_pass", False),
         bandwidths=parse_bandwidths(args.offload_bandwidths or ""),
         adam_kernel=args.offload_adam_kernel,
