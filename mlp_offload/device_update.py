@@ -100,8 +100,8 @@ class DeviceUpdate:
         self.chunk = max(1, min(chunk_elems, largest))
         self.streams = Streams(self.device)
         # Two chunk buffers in the stored dtypes: chunk k+1 arrives while chunk k is computed.
-        self._buffers = [[torch.empty(self.chunk, dtype=d, device=self.device) for d in self.dtypes]
-                         for _ in range(2)]
+        # (made at their first use: with a read-ahead's buffers as the ring they may never be)
+        self._buffers: Optional[List[List[torch.Tensor]]] = None
         self._free = [None, None]  # per buffer: its last copy-out (the next copy-in waits for it)
         # fp32 working copies for the multi-pass path only: made at its first use, so that with the
         # one-pass kernel their 1.2 GB (three fp32 chunks of 1e8) stay free for the gpu tier.
@@ -121,6 +121,7 @@ class DeviceUpdate:
     def nbytes(self) -> int:
         """Device memory it holds beside the device tier's budget."""
         per = sum(torch.empty(0, dtype=d).element_size() for d in self.dtypes) * self.chunk
+        per = 0 if self._buffers is None else per
         high = 0 if self._high is None else self._high.numel() * 2
         working = 0 if self._working is None else self._working.nbytes
         return 2 * per + working + self.grad.numel() * 4 + high
@@ -156,6 +157,9 @@ class DeviceUpdate:
             else:
                 b = self._turn % 2
                 self._turn += 1
+                if self._buffers is None:
+                    self._buffers = [[torch.empty(self.chunk, dtype=d, device=self.device) for d in self.dtypes]
+                                     for _ in range(2)]
                 dev = [buf[: c1 - c0] for buf in self._buffers[b]]
                 with s.on(s.copy_in):
                     s.wait(s.copy_in, self._free[b])
@@ -239,7 +243,11 @@ class DeviceSide:
         groups, step, unscale, clip_coef = ctx.groups, ctx.step, ctx.unscale, ctx.clip_coef
         views.sync_fence()  # a copy of its params from this buffer may still run (host state)
         resident = self.in_device_memory(i)
-        pre = self.read_ahead.take(i) if self.read_ahead is not None and not resident else None
+        pre = ahead = None
+        if self.read_ahead is not None and not resident:
+            pre = ahead = self.read_ahead.take(i)
+            if pre is None:  # through the read-ahead's buffers as a ring, where one is free
+                pre = self.read_ahead.stream_in(list(views.narrow(sg.numel)))
         t0 = time.perf_counter()
         fence = self.device_update.update(
             sg, list(views.narrow(sg.numel)), resident, self.segments[i],
@@ -249,7 +257,7 @@ class DeviceSide:
             hyper=lambda g: hyper_of(groups[g]), step=step, pre_read=pre)
         if pre is not None:
             self.read_ahead.returned(pre, fence)
-            ctx.record.read_ahead += 1
+            ctx.record.read_ahead += ahead is not None
         t1 = time.perf_counter()
         ctx.record.device_s += t1 - t0
         if self.trace is not None:

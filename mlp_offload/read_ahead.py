@@ -39,6 +39,7 @@ class ReadAhead:
         self.largest = largest
         self._buffers = [[torch.empty(largest, dtype=d, device=device) for d in dtypes] for _ in range(slots)]
         self._free_after: List[object] = [None] * slots  # per buffer: the copy out of its last update
+        self._released: List[int] = list(range(slots))  # buffers in the order their last copy out was queued
         self._held: Dict[int, Tuple[int, object, int]] = {}  # subgroup -> (buffer, arrival, numel)
 
     @property
@@ -53,23 +54,39 @@ class ReadAhead:
     def held(self) -> List[int]:
         return list(self._held)
 
+    def _free_slots(self) -> List[int]:
+        """Buffers holding no copy read ahead, the one whose last copy out was queued first, first."""
+        in_use = {slot for slot, _, _ in self._held.values()}
+        return [k for k in self._released if k not in in_use]
+
+    def _copy_in(self, slot: int, host: Sequence[torch.Tensor], written) -> object:
+        s, numel = self.streams, host[0].numel()
+        if numel > self.largest:
+            raise ValueError(f"{numel} elements are more than a read-ahead buffer's {self.largest}")
+        self._released.remove(slot)
+        self._released.append(slot)  # (until it is given back: last in line)
+        with s.on(s.copy_in):
+            s.wait(s.copy_in, self._free_after[slot])
+            s.wait(s.copy_in, written)
+            for dev, src in zip(self._buffers[slot], host):
+                dev[:numel].copy_(src, non_blocking=True)
+            return s.record(s.copy_in)
+
     def issue(self, picks: Sequence[Tuple[int, Sequence[torch.Tensor], object]]) -> None:
         """Copy in ``(subgroup, host tensors, written)`` in order while buffers are free; ``written``
         is the event of the last copy that wrote those host tensors (None: nothing pending)."""
-        s = self.streams
-        in_use = {slot for slot, _, _ in self._held.values()}
-        free = [k for k in range(self.slots) if k not in in_use]
-        for (i, host, written), slot in zip([p for p in picks if p[0] not in self._held], free):
-            numel = host[0].numel()
-            if numel > self.largest:
-                raise ValueError(f"subgroup {i} has {numel} elements, more than a read-ahead buffer's {self.largest}")
-            with s.on(s.copy_in):
-                s.wait(s.copy_in, self._free_after[slot])
-                s.wait(s.copy_in, written)
-                for dev, src in zip(self._buffers[slot], host):
-                    dev[:numel].copy_(src, non_blocking=True)
-                arrived = s.record(s.copy_in)
-            self._held[i] = (slot, arrived, numel)
+        for (i, host, written), slot in zip([p for p in picks if p[0] not in self._held], self._free_slots()):
+            self._held[i] = (slot, self._copy_in(slot, host, written), host[0].numel())
+
+    def stream_in(self, host: Sequence[torch.Tensor]) -> Optional[PreRead]:
+        """A subgroup not read ahead, copied in now through a free buffer (the buffers are then the
+        streamed update's ring: a copy in waits only for the copy out that last used its buffer, not
+        for every copy out queued before it); None where every buffer holds a copy read ahead."""
+        free = self._free_slots()
+        if not free:
+            return None
+        numel = host[0].numel()
+        return PreRead([t[:numel] for t in self._buffers[free[0]]], self._copy_in(free[0], host, None), free[0])
 
     def take(self, i: int) -> Optional[PreRead]:
         """Subgroup ``i``'s copy, where one was read ahead (then no longer held)."""
@@ -82,6 +99,8 @@ class ReadAhead:
     def returned(self, pre: PreRead, copied_out) -> None:
         """The update that read ``pre`` queued its copy out: the buffer is free after ``copied_out``."""
         self._free_after[pre.slot] = copied_out
+        self._released.remove(pre.slot)
+        self._released.append(pre.slot)
 
     def keep_only(self, wanted: Sequence[int]) -> None:
         """Forget copies of subgroups not in ``wanted`` (the step no longer updates them on the

@@ -31,9 +31,10 @@ from megatron.training.errors import UserError, reported_once  # noqa: E402
 from mlp_offload import GiB
 
 # Sustained bf16 TFLOP/s per GPU (as Megatron-LM counts FLOPs) our training reached on one H200 with
-# megatron-core's local layers and full recompute: 144 at 1.03 G and 200 at 8.77 G parameters
-# (docs/benchmarks.md, "Will it fit?"): give --gpu-tflops from your own short run's log instead.
-DEFAULT_GPU_TFLOPS = 140.0
+# megatron-core's local layers and full recompute, by the attention kernel that runs: 10.24 B at global batch 1,
+# its iteration less its update (tests/unit/test_plan_replay.py derives both from the logs). Used where
+# --gpu-tflops is not given; smaller models reach less (3.0 B: about 170), so a short run's own figure is better.
+MEASURED_H200_TFLOPS = {"unfused": 216.7, "sdpa": 334.5}
 # The device update's rates where no run of yours gave them, from one-pass runs on H200 machines
 # (docs/benchmarks.md §10, docs/results/gpu_2026-11-26/): resident 86-104 G elements/s; one GPU's
 # host link ~100 GB/s both ways together (streamed 8.37, 5.00, 4.2 G elements/s at 6, 10, 12 stored
@@ -67,8 +68,10 @@ def machine_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus-per-node", type=int, default=1, help="ranks per node")
     p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory of one GPU, GiB")
     p.add_argument("--host-memory-gb", type=float, default=None, help="memory of one node, GiB (default: this node's)")
-    p.add_argument("--gpu-tflops", type=float, default=DEFAULT_GPU_TFLOPS,
-                   help="sustained TFLOP/s per GPU for this model (from a short run's log)")
+    p.add_argument("--gpu-tflops", type=float, default=None,
+                   help="sustained TFLOP/s per GPU for this model (from a short run's log); default: what one "
+                        "H200 reached at 10.24 B with the attention kernel the flags run (unfused 216.7, "
+                        "torch SDPA 334.5, also taken for transformer-engine's)")
     p.add_argument("--adam-gelems", type=float, default=None,
                    help="CPU Adam rate of one rank in G elements/s (default: measured on this CPU)")
     p.add_argument("--convert-gelems", type=float, default=None,
@@ -238,6 +241,11 @@ def parse(argv):
     return opts, capacities, flags
 
 
+def measured_tflops(args) -> float:
+    """--gpu-tflops where it is not given: the H200's figure for the attention kernel the flags run."""
+    return MEASURED_H200_TFLOPS["unfused" if getattr(args, "core_attention", "sdpa") == "unfused" else "sdpa"]
+
+
 def parse_layouts(text):
     """--layouts: 'auto', or a comma list of TPxPP as (TP, PP) pairs."""
     if text in (None, "auto"):
@@ -269,8 +277,9 @@ def plan_for(opts, capacities, flags, measured, gpu_tflops=None, batch_sizes=Non
     from megatron.training.model.configs import transformer_config
 
     machine = Machine(opts.nnodes, opts.gpus_per_node, int(opts.gpu_memory_gb * GiB),
-                      _host_memory_bytes(opts.host_memory_gb), gpu_tflops or opts.gpu_tflops)
+                      _host_memory_bytes(opts.host_memory_gb), gpu_tflops or opts.gpu_tflops or 0.0)
     args = pretrain_args(flags, machine)
+    machine.gpu_tflops = machine.gpu_tflops or measured_tflops(args)
     if args.device != "cpu":  # a GPU job: the engine may update on the device
         machine.device_rates = device_rates(opts)
     args.padded_vocab_size = padded_vocab_size(args, build_tokenizer(args))
@@ -295,6 +304,7 @@ def plan_for(opts, capacities, flags, measured, gpu_tflops=None, batch_sizes=Non
                      batch_sizes or table_batch_sizes(opts, args, machine))
     plan.host_cache_gb = cache_gb
     plan.tier_rates = rates
+    plan.tflops_given = bool(gpu_tflops or opts.gpu_tflops)  # else the H200's figure for its attention
     return plan, args, machine
 
 
@@ -361,8 +371,10 @@ def describe(plan, args, machine, flags, rates) -> str:
     update, joins = (f" + update {plan.update_s:.3f} s" if plan.update_s is not None else ""), "="
     if plan.overlaps_forward and plan.update_s is not None:  # not a sum (mlp_offload.predict_iteration)
         update, joins = f" and update {plan.update_s:.3f} s, its device share under the next forward", "from"
+    tflops_source = "" if plan.tflops_given else (", one H200's with this attention kernel: --gpu-tflops from "
+                                                  "a short run of yours is better")
     lines.append(f"predicted iteration {plan.iteration_s:.3f} s {joins} compute {plan.compute_s:.3f} s "
-                 f"(at {machine.gpu_tflops:g} TFLOP/s per GPU){update}; bottleneck: {plan.bottleneck}")
+                 f"(at {machine.gpu_tflops:g} TFLOP/s per GPU{tflops_source}){update}; bottleneck: {plan.bottleneck}")
     lines.append("tokens/s by global batch size: "
                  + ", ".join(f"{gbs}: {tps:,.0f}" for gbs, tps in plan.tokens_per_s.items()))
     lines.append("flags: " + shlex.join(suggested_flags(plan, args, flags)))
@@ -392,7 +404,7 @@ def recommend(opts, capacities, flags, args, machine, measured):
             grid += candidates(args.global_batch_size // share, args.offload_tiers, args.device != "cpu", layout)
     for c in grid:
         cand_flags = candidate_flags(flags, args.offload_tiers, c, args.global_batch_size)
-        tflops = opts.gpu_tflops * own / recompute_work(c.recompute)
+        tflops = (opts.gpu_tflops or measured_tflops(args)) * own / recompute_work(c.recompute)
         try:
             plan, _, _ = plan_for(opts, capacities, cand_flags, measured, tflops, [args.global_batch_size])
         except UserError as err:  # a combination the training would refuse: not a candidate
@@ -442,7 +454,8 @@ def main(argv=None) -> int:
         own = plan.tokens_per_s.get(args.global_batch_size) if plan.fits else None
         if opts.json:
             extra = {"recommendation": advice} if advice else {}
-            print(json.dumps({**plan.as_json(), "flags": suggested_flags(plan, args, flags), **extra}, indent=1))
+            print(json.dumps({**plan.as_json(), "gpu_tflops": machine.gpu_tflops, "flags": suggested_flags(plan, args, flags),
+                              **extra}, indent=1))
         else:
             print(describe(plan, args, machine, flags, plan.tier_rates))
             if advice:

@@ -371,3 +371,17 @@ def test_without_a_host_budget_the_planner_suggests_one(tool):
     assert got["offload_host_cache_gb"] == expected
     assert got["flags"][-2:] == ["--offload-host-cache-gb", str(expected)]
     assert got["fits"], got["problems"]
+
+
+def test_without_gpu_tflops_the_plan_takes_the_calibrated_figure_of_its_attention_kernel(tool):
+    """No --gpu-tflops: the H200 figures this file derives from the logs, by the attention kernel the flags run
+    (torch SDPA by default without transformer-engine; megatron-core's unfused with --attention-backend local)."""
+    assert tool.MEASURED_H200_TFLOPS == {"unfused": H200_TFLOPS, "sdpa": H200_SDPA_TFLOPS}
+    flags = RUNS["20.68B SDPA overlapped, one H200"].flags
+    for extra, figure in (("", H200_SDPA_TFLOPS), (" --attention-backend local", H200_TFLOPS)):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            tool.main(["--json", "--convert-gelems", "1000", *(flags + extra).split()])
+        got = json.loads(out.getvalue())
+        assert got["gpu_tflops"] == figure
+        assert got["predicted_compute_s"] == pytest.approx(plan(tool, flags + extra, figure)["predicted_compute_s"])
