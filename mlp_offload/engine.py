@@ -31,7 +31,7 @@ from .gradients import GradientSource, HostGradients, gradient_host_bytes, scrat
 from .param_groups import Range, build_groups, segments_of
 from .plan.placement import Placement
 from .plan.prediction import Prediction
-from .startup import describe_tiers, start_up
+from .startup import describe_device_rates, describe_tiers, start_up
 from .initial_state import allocate_initial_state
 from .pipeline import OffloadStateError, SlotPipeline, StateViews
 from .read_ahead import read_ahead_for
@@ -246,19 +246,9 @@ class OffloadedAdamW:
             cfg.rank, self.numel, len(self.subgroups), counts, p.slots, p.cache_slots,
             ", ".join(f"{t} {b / GiB:.2f} GiB" for t, b in p.resident_bytes.items()),
             bytes_per_param(cfg.stored_dtypes), "/".join(cfg.stored_dtypes), self.adam_rate / 1e9,
-            self.cpu_one_pass_how, self._describe_device_rates(), self.prediction.describe())
-
-    def _describe_device_rates(self) -> str:
-        r = self.update_rates
-        if self._device_update is None:
-            return ""
-        ahead = (f"; read-ahead {self._read_ahead.slots} subgroups ({self._read_ahead.nbytes / GiB:.2f} GiB of "
-                 f"device memory)" if self._read_ahead is not None else "")
-        shared = (f" (beside the CPU: streamed {r.streamed_shared / 1e9:.2f}, cpu {r.cpu_shared / 1e9:.2f})"
-                  if r.streamed_shared else "")
-        return (f"; device {self.config.device} adam {r.device_resident / 1e9:.2f} Gelem/s resident, "
-                f"{r.device_streamed / 1e9:.2f} streamed ({self.config.resolved_device_adam_kernel}, "
-                f"{self._device_update.fused_how}){shared}{ahead}")
+            self.cpu_one_pass_how,
+            describe_device_rates(self.update_rates, self._device_update, self._read_ahead, cfg),
+            self.prediction.describe())
 
     # -- the update ----------------------------------------------------------------------------
     def step(self, *, unscale: Optional[float] = None, clip_coef: Optional[float] = None,
