@@ -273,10 +273,11 @@ class OffloadedAdamW:
         self._relocation.observe_step(rec)  # the update split, re-chosen from what this step measured
         return rec
 
-    def _device_held_order(self, sched: StepSchedule):
+    def _device_held_order(self, sched: StepSchedule):  # the read-ahead's tests ask the engine
         return self._loop.device_held_order(sched)
 
     def _guard_snapshot(self, i: int) -> None:
+        """Before subgroup ``i``'s update: the snapshot's writer may still need its state as it is."""
         if self._snapshot is not None:
             self._snapshot.before_update(i)
 
