@@ -4,9 +4,10 @@ subgroup with reads prefetched ahead and writes behind.
 Data flow: plan (rates -> placement -> prediction) -> tiers (host memory, files) -> this engine. The caller (the
 Megatron adapter, a test, a benchmark) copies low-precision gradients into ``grad_buffer`` (or
 gives a ``GradientSource``) and calls ``step()``; each updated subgroup's master parameters (in their stored dtype) are
-handed to ``on_params_updated``. The engine wires the pieces: ``pipeline`` (slots streaming the
-file-backed subgroups), ``schedule`` (the per-step traffic model), ``cpu_update`` and ``device_update``
-(each side's share of a step), ``state_access`` (checkpoints), ``gradients``, ``param_groups`` and
+handed to ``on_params_updated``. The engine is the torch-shaped front and wires the pieces:
+``step_loop`` (one step over the subgroups), ``pipeline`` (slots streaming the file-backed
+subgroups), ``schedule`` (the per-step traffic model), ``cpu_update`` and ``device_update`` (each
+side's share of a step), ``state_access`` (checkpoints), ``gradients``, ``param_groups`` and
 ``update`` (the Adam kernels).
 """
 
@@ -26,12 +27,11 @@ from .kernels.cpu_one_pass import cpu_one_pass_for_device, verified_cpu_one_pass
 from .cpu_update import CpuUpdate
 from .device_update import DeferredWork, DeviceSide, DeviceUpdate
 from .kernels.fused_update import verified_fused_update
-from .faults import fault_point
 from .gradients import GradientSource, HostGradients, gradient_host_bytes, scratch_buffers
 from .param_groups import Range, build_groups, segments_of
-from .plan.placement import CPU, DEVICE, Placement
+from .plan.placement import Placement
 from .plan.prediction import Prediction
-from .startup import describe_tiers, start_up
+from .startup import describe_device_rates, describe_tiers, start_up
 from .initial_state import allocate_initial_state
 from .pipeline import OffloadStateError, SlotPipeline, StateViews
 from .read_ahead import read_ahead_for
@@ -41,7 +41,7 @@ from .plan.schedule import StepSchedule, step_schedule
 from .snapshot import StateSnapshot
 from .state_access import StateAccess
 from .state_dtypes import bytes_per_param, torch_dtypes
-from .step_context import StepContext
+from .step_loop import StepLoop
 from .subgroups import Subgroup, partition
 from .telemetry import StepRecord, TrafficCounters
 from .tiers.base import ResidentTier, StreamedTier
@@ -212,6 +212,9 @@ class OffloadedAdamW:
                   if cfg.param_remainders else None)
         self._state = StateAccess(self.subgroups, self._resident, self._pipeline, self._scratch_views, master)
         self._relocation = Relocation(self)
+        self._loop = StepLoop(self.subgroups, self.placement, self._cpu_side, self._device_side, self._pipeline,
+                              self._resident, self._deferred, self._read_ahead, lambda: self.prediction,
+                              self._guard_snapshot)
         self.log_placement()
         self._pipeline.begin(self._schedule_for(0))
 
@@ -243,19 +246,9 @@ class OffloadedAdamW:
             cfg.rank, self.numel, len(self.subgroups), counts, p.slots, p.cache_slots,
             ", ".join(f"{t} {b / GiB:.2f} GiB" for t, b in p.resident_bytes.items()),
             bytes_per_param(cfg.stored_dtypes), "/".join(cfg.stored_dtypes), self.adam_rate / 1e9,
-            self.cpu_one_pass_how, self._describe_device_rates(), self.prediction.describe())
-
-    def _describe_device_rates(self) -> str:
-        r = self.update_rates
-        if self._device_update is None:
-            return ""
-        ahead = (f"; read-ahead {self._read_ahead.slots} subgroups ({self._read_ahead.nbytes / GiB:.2f} GiB of "
-                 f"device memory)" if self._read_ahead is not None else "")
-        shared = (f" (beside the CPU: streamed {r.streamed_shared / 1e9:.2f}, cpu {r.cpu_shared / 1e9:.2f})"
-                  if r.streamed_shared else "")
-        return (f"; device {self.config.device} adam {r.device_resident / 1e9:.2f} Gelem/s resident, "
-                f"{r.device_streamed / 1e9:.2f} streamed ({self.config.resolved_device_adam_kernel}, "
-                f"{self._device_update.fused_how}){shared}{ahead}")
+            self.cpu_one_pass_how,
+            describe_device_rates(self.update_rates, self._device_update, self._read_ahead, cfg),
+            self.prediction.describe())
 
     # -- the update ----------------------------------------------------------------------------
     def step(self, *, unscale: Optional[float] = None, clip_coef: Optional[float] = None,
@@ -270,115 +263,23 @@ class OffloadedAdamW:
         if skip:
             return StepRecord(step=self.steps_done, skipped=True, tiers=self._counters.take())
         t_start = time.perf_counter()
-        sched, on = self._pipeline.schedule, self.placement.update_on
-        ctx = self._step_context(unscale, clip_coef, sched)
-        sides = {CPU: self._cpu_side, DEVICE: self._device_side}
-        self._cpu_side.begin(ctx, [i for i in sched.order if on[i] == CPU])
-        if self._device_side is not None:
-            self._device_side.begin(ctx)
-        # The device's subgroups held in memory (gpu or host tier) go first, all of them: the device
-        # works through them while the CPU runs its share below (queued as the loop reached them, the
-        # device idled during each CPU Adam). Deferred, they are queued as the next forward needs them.
-        held = self._device_held_order(sched)
-        if self._read_ahead is not None:
-            self._read_ahead.keep_only(held)
-        in_flight = []  # device-updated subgroups whose last copy may still run: (index, fence)
-
-        def update(i, views):
-            if self._snapshot is not None:
-                self._snapshot.before_update(i)  # a checkpoint writer may still need it as it is
-            return sides[on[i]].update(i, views)
-        try:
-            if self._deferred is not None:
-                ctx.record.deferred_device_s = self._deferred.take_seconds()
-                self._deferred.begin(held, lambda i: update(i, self._resident[i]), self._read_next_step_ahead)
-            else:
-                in_flight = [(i, update(i, self._resident[i])) for i in held]
-            halfway = sched.order[len(sched.order) // 2]
-            for i in sched.order:
-                if i == halfway:
-                    fault_point("update")
-                if self._deferred is not None:
-                    self._deferred.keep_busy()
-                if on[i] == DEVICE and i in self._resident:
-                    continue  # (above)
-                views = self._acquire(i, in_flight, ctx.record)
-                self._release(i, update(i, views), in_flight, ctx.record)
-            self._finish_device(in_flight, ctx.record, keep=0)  # streamed buffers back to the pipeline
-            if self._deferred is None and self._device_side is not None:
-                self._device_side.end()
-        except BaseException as err:
-            self._pipeline.failure = err
-            raise
-        self.steps_done = ctx.step
-        self._pipeline.begin(self._schedule_for(ctx.step))  # its first reads run under forward/backward
+        rec = self._loop.run(self.steps_done + 1, unscale, clip_coef, self.param_groups)
+        self.steps_done = rec.step
+        self._pipeline.begin(self._schedule_for(rec.step))  # its first reads run under forward/backward
         if self._deferred is None:
-            self._read_next_step_ahead({})  # the copies in run under the next forward and backward
-        ctx.record.update_s = time.perf_counter() - t_start
-        ctx.record.tiers = self._counters.take()
-        self._relocation.observe_step(ctx.record)  # the update split, re-chosen from what this step measured
-        return ctx.record
+            self._loop.read_next_step_ahead({})  # the copies in run under the next forward and backward
+        rec.update_s = time.perf_counter() - t_start
+        rec.tiers = self._counters.take()
+        self._relocation.observe_step(rec)  # the update split, re-chosen from what this step measured
+        return rec
 
-    def _device_held_order(self, sched: StepSchedule):
-        """The subgroups held in memory (gpu or host tier) the device updates, in the order it takes
-        them: a deferred step in the next forward's order (descending), else the schedule's."""
-        on = self.placement.update_on
-        held = [i for i in sched.order if on[i] == DEVICE and i in self._resident]
-        return sorted(held, reverse=True) if self._deferred is not None else held
+    def _device_held_order(self, sched: StepSchedule):  # the read-ahead's tests ask the engine
+        return self._loop.device_held_order(sched)
 
-    def _read_next_step_ahead(self, written: Mapping[int, object]) -> None:
-        """With a read-ahead: the next step's first host-held device subgroups copied in now, each after
-        ``written[i]`` (the fence of the copy out that last wrote it, where one may still run)."""
-        if self._read_ahead is None:
-            return
-        held = self._device_held_order(self._pipeline.schedule)
-        picks = [(i, self._resident[i].narrow(self.subgroups[i].numel), written.get(i))
-                 for i in held if self.placement.tier_of[i] != GPU_TIER]
-        self._read_ahead.issue(picks)
-
-    def _step_context(self, unscale, clip_coef, sched: StepSchedule) -> StepContext:
-        on, pred = self.placement.update_on, self.prediction
-        rec = StepRecord(step=self.steps_done + 1, streamed=len(sched.streamed), resident=len(self._resident),
-                         predicted_update_s=pred.update_s, predicted_adam_s=pred.adam_s,
-                         predicted_device_s=pred.device_s, device_updated=on.count(DEVICE),
-                         cpu_updated=on.count(CPU))
-        if self._deferred is not None:
-            rec.predicted_deferred_s, rec.predicted_serial_s = pred.deferred_s, pred.serial_s
-            rec.predicted_deferred_in_hbm_s, rec.predicted_read_ahead_s = pred.deferred_in_hbm_s, pred.read_ahead_s
-        # copies: a deferred launch may come after the caller's scheduler changed the groups
-        return StepContext(rec.step, unscale, clip_coef, [dict(group) for group in self.param_groups], rec)
-
-    def _acquire(self, i: int, in_flight, rec: StepRecord) -> StateViews:
-        """Subgroup ``i``'s state: where it is held, or read into a pipeline buffer (waiting for the
-        device's streamed updates where the read needs a buffer they hold)."""
-        if i in self._resident:
-            views = self._resident[i]
-            views.sync_fence()
-            return views
-        if i not in self._pipeline.slot_of:
-            self._finish_device(in_flight, rec, keep=0)
-        views, hit = self._pipeline.await_state(i, rec)
-        rec.cache_hits += hit
-        return views
-
-    def _release(self, i: int, fence, in_flight, rec: StepRecord) -> None:
-        """After subgroup ``i``'s update was issued: a device update keeps its buffer until its fence
-        (the device works on while the next is set up); a CPU one is done, its buffer goes back."""
-        if self.placement.update_on[i] == DEVICE:
-            in_flight.append((i, fence))
-            self._finish_device(in_flight, rec, keep=1)
-        elif i not in self._resident:
-            self._pipeline.release(i)
-
-    def _finish_device(self, pending, rec, keep: int) -> None:
-        """Wait for the oldest device updates until ``keep`` remain; their host buffers are then free."""
-        while len(pending) > keep:
-            i, fence = pending.pop(0)
-            t0 = time.perf_counter()
-            fence.synchronize()
-            rec.device_s += time.perf_counter() - t0
-            if i not in self._resident:
-                self._pipeline.release(i)
+    def _guard_snapshot(self, i: int) -> None:
+        """Before subgroup ``i``'s update: the snapshot's writer may still need its state as it is."""
+        if self._snapshot is not None:
+            self._snapshot.before_update(i)
 
     def params_ready(self, i: int):
         """The event after which subgroup ``i``'s params from the last step are in the caller's hands

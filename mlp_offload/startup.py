@@ -21,6 +21,7 @@ from .tiers.base import ResidentTier, StreamedTier
 from .tiers.factory import file_tier, resident_tiers
 from .tiers.host import HostMemory, check_budget_exists
 from .tiers.tokens import JobTokens, TierTokens
+from .units import GiB
 
 log = logging.getLogger("mlp_offload")
 
@@ -140,3 +141,16 @@ def describe_tiers(rates: Dict[str, TierBandwidth], tiers: Dict[str, StreamedTie
         + (f" r+w with all ranks' streams {r.shared_mixed_bps / 1e9:.2f}" if r.shared_mixed_bps else "")
         + " GB/s" + ("" if tiers[t].odirect else " (buffered)")
         + f", {tokens_per_tier[t]} I/O token(s) per {token_scope(cfg, t)}" for t, r in rates.items())
+
+
+def describe_device_rates(rates: UpdateRates, device_update, read_ahead, cfg: OffloadConfig) -> str:
+    """The device update's rates and read-ahead for the placement's log line ("" without a device update)."""
+    if device_update is None:
+        return ""
+    ahead = (f"; read-ahead {read_ahead.slots} subgroups ({read_ahead.nbytes / GiB:.2f} GiB of device memory)"
+             if read_ahead is not None else "")
+    shared = (f" (beside the CPU: streamed {rates.streamed_shared / 1e9:.2f}, cpu {rates.cpu_shared / 1e9:.2f})"
+              if rates.streamed_shared else "")
+    return (f"; device {cfg.device} adam {rates.device_resident / 1e9:.2f} Gelem/s resident, "
+            f"{rates.device_streamed / 1e9:.2f} streamed ({cfg.resolved_device_adam_kernel}, "
+            f"{device_update.fused_how}){shared}{ahead}")
