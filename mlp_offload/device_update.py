@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -129,7 +129,8 @@ class DeviceUpdate:
     def update(self, sg: Subgroup, stored: List[torch.Tensor], resident: bool, segments: Sequence[Segment],
                fill_grads: Callable[[torch.Tensor], None], adam: Callable, on_params,
                fill_high: Optional[Callable[[int, int, torch.Tensor], None]] = None,
-               hyper: Optional[Callable[[int], AdamHyper]] = None, step: int = 0, pre_read=None) -> object:
+               hyper: Optional[Callable[[int], AdamHyper]] = None, step: int = 0, pre_read=None,
+               written=None) -> object:
         """``stored``: the subgroup's (param, exp_avg, exp_avg_sq) in their stored dtypes, on the
         device (``resident``: updated in place) or in host memory (streamed through the chunk
         buffers). ``fill_grads(out)`` writes its fp32 grads into a device tensor; ``adam(p, g, m, v,
@@ -139,7 +140,8 @@ class DeviceUpdate:
         [start, end) into a device tensor (on the compute stream), and ``on_params`` gets the updated
         bf16 params. With the one-pass kernel, ``hyper(group)`` and ``step`` replace ``adam``.
         ``pre_read`` (``read_ahead.PreRead``): host state already copied in; its update waits for that
-        copy and then only copies the state back out."""
+        copy and then only copies the state back out. ``written``: the event of a copy out that may
+        still write ``stored`` (the copies in wait for it)."""
         s, n = self.streams, sg.numel
         one_pass = (lambda *a: self._one_pass(*a, hyper, step)) if self.fused is not None and hyper else None
         grad = self.grad[:n]
@@ -163,6 +165,7 @@ class DeviceUpdate:
                 dev = [buf[: c1 - c0] for buf in self._buffers[b]]
                 with s.on(s.copy_in):
                     s.wait(s.copy_in, self._free[b])
+                    s.wait(s.copy_in, written)
                     for d, h in zip(dev, stored):
                         d.copy_(h[c0:c1], non_blocking=True)
                     arrived = s.record(s.copy_in)
@@ -236,9 +239,10 @@ class DeviceSide:
         """The caller's stream sees the params the update wrote (not for a deferred step)."""
         self.streams.before_caller()
 
-    def update(self, i: int, views) -> object:
+    def update(self, i: int, views, written=None) -> object:
         """Queue subgroup ``i``'s update (in place where it lives in device memory, else streamed
-        through it); returns the fence of its last copy."""
+        through it); returns the fence of its last copy. ``written``: the fence of a copy out that
+        may still write its host state (its copy in follows it)."""
         ctx, sg = self.ctx, self.subgroups[i]
         groups, step, unscale, clip_coef = ctx.groups, ctx.step, ctx.unscale, ctx.clip_coef
         views.sync_fence()  # a copy of its params from this buffer may still run (host state)
@@ -247,14 +251,14 @@ class DeviceSide:
         if self.read_ahead is not None and not resident:
             pre = ahead = self.read_ahead.take(i)
             if pre is None:  # through the read-ahead's buffers as a ring, where one is free
-                pre = self.read_ahead.stream_in(list(views.narrow(sg.numel)))
+                pre = self.read_ahead.stream_in(list(views.narrow(sg.numel)), written)
         t0 = time.perf_counter()
         fence = self.device_update.update(
             sg, list(views.narrow(sg.numel)), resident, self.segments[i],
             lambda out: self.grad_source.to_device(sg.start, sg.end, out, unscale, clip_coef),
             lambda p, g, m, v, group, span: adam_piece(self.adam, groups, p, g, m, v, group, span, step),
             self.on_params, self.param_high.to_device if self.param_high is not None else None,
-            hyper=lambda g: hyper_of(groups[g]), step=step, pre_read=pre)
+            hyper=lambda g: hyper_of(groups[g]), step=step, pre_read=pre, written=written)
         if pre is not None:
             self.read_ahead.returned(pre, fence)
             ctx.record.read_ahead += ahead is not None
@@ -286,6 +290,7 @@ class DeferredWork:
         self._launch: Optional[Callable[[int], object]] = None
         self._after_last: Optional[Callable[[dict], None]] = None
         self._fences = []
+        self._written: Dict[int, object] = {}  # released fences not yet waited for, by subgroup
         self._start = None
         self._span = None
         self.last_seconds = 0.0  # the device time of the last settled step (taken once)
@@ -338,15 +343,33 @@ class DeferredWork:
                     self._after_last(dict(self._fences))
 
     def settle(self) -> None:
-        """Queue what is left, then wait for all of it."""
+        """Queue what is left, then wait for all of it (and for what ``release`` handed on)."""
+        for fence in self.release().values():
+            fence.synchronize()
+        self._written = {}
+
+    def release(self) -> Dict[int, object]:
+        """Queue what is left and hand on, without waiting, each subgroup's fence: the copy out of its
+        state, which may still run. The next step waits only where it touches that state (its copy in
+        follows the fence on the device; the CPU synchronizes it before reading), so the device's copies
+        out finish under the next step's start instead of holding the host. The fences stay in hand
+        until a ``settle``."""
         self._queue_until(len(self._todo))
         fences, self._fences = self._fences, []
-        for _, fence in fences:
-            fence.synchronize()
-        if self._span is not None:
+        self._written.update(fences)
+        if self._span is not None:  # (its end follows the last params, which the forward waited for)
             self.last_seconds = self.streams.seconds_between(*self._span)
             self._span = None
         self._todo, self._next, self._position, self._launch = [], 0, {}, None
+        return dict(self._written)
+
+    def queue_rest(self) -> None:
+        """Queue what no forward asked for (an expert without tokens), and make the caller's stream
+        follow the device's compute: what reads the gradients after this (the norms) comes after the
+        update's reads of them."""
+        self._queue_until(len(self._todo))
+        if self.streams.cuda:
+            torch.cuda.current_stream().wait_stream(self.streams.compute)
 
     def take_seconds(self) -> float:
         seconds, self.last_seconds = self.last_seconds, 0.0
@@ -354,5 +377,5 @@ class DeferredWork:
 
     def forget(self) -> None:
         """At close: a device-wide synchronize covers what is pending (nothing more is queued)."""
-        self._fences, self._span = [], None
+        self._fences, self._span, self._written = [], None, {}
         self._todo, self._next, self._position, self._launch = [], 0, {}, None

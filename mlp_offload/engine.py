@@ -259,11 +259,13 @@ class OffloadedAdamW:
         ``skip`` (found inf/nan) leaves all state untouched.
         """
         self._check_usable()
-        self.settle()
+        # The last deferred step's copies out may still run: its fences go to the loop, which waits only
+        # where it touches that state (the host does not wait for the whole update here).
+        written = self._deferred.release() if self._deferred is not None else {}
         if skip:
             return StepRecord(step=self.steps_done, skipped=True, tiers=self._counters.take())
         t_start = time.perf_counter()
-        rec = self._loop.run(self.steps_done + 1, unscale, clip_coef, self.param_groups)
+        rec = self._loop.run(self.steps_done + 1, unscale, clip_coef, self.param_groups, written)
         self.steps_done = rec.step
         self._pipeline.begin(self._schedule_for(rec.step))  # its first reads run under forward/backward
         if self._deferred is None:
@@ -291,6 +293,12 @@ class OffloadedAdamW:
         """The host state may change outside a step: no copy read ahead of it stays."""
         if self._read_ahead is not None:
             self._read_ahead.drop()
+
+    def queue_deferred(self) -> None:
+        """Queue what the last deferred step left unqueued (subgroups no forward asked for); the
+        caller's stream then follows the update's reads of the gradients. Nothing waits on the host."""
+        if self._deferred is not None:
+            self._deferred.queue_rest()
 
     def settle(self) -> None:
         """Wait for the device work a deferred step left queued (its state in memory is then the

@@ -78,7 +78,7 @@ class ReadAhead:
         for (i, host, written), slot in zip([p for p in picks if p[0] not in self._held], self._free_slots()):
             self._held[i] = (slot, self._copy_in(slot, host, written), host[0].numel())
 
-    def stream_in(self, host: Sequence[torch.Tensor]) -> Optional[PreRead]:
+    def stream_in(self, host: Sequence[torch.Tensor], written=None) -> Optional[PreRead]:
         """A subgroup not read ahead, copied in now through a free buffer (the buffers are then the
         streamed update's ring: a copy in waits only for the copy out that last used its buffer, not
         for every copy out queued before it); None where every buffer holds a copy read ahead."""
@@ -86,7 +86,7 @@ class ReadAhead:
         if not free:
             return None
         numel = host[0].numel()
-        return PreRead([t[:numel] for t in self._buffers[free[0]]], self._copy_in(free[0], host, None), free[0])
+        return PreRead([t[:numel] for t in self._buffers[free[0]]], self._copy_in(free[0], host, written), free[0])
 
     def take(self, i: int) -> Optional[PreRead]:
         """Subgroup ``i``'s copy, where one was read ahead (then no longer held)."""

@@ -13,6 +13,7 @@ update. The engine builds one loop at start-up and calls ``run`` each step; what
 from __future__ import annotations
 
 import time
+from types import MappingProxyType
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .config import GPU_TIER
@@ -45,12 +46,14 @@ class StepLoop:
         self.deferred, self.read_ahead = deferred, read_ahead
         self.prediction, self.before_update = prediction, before_update
 
-    def run(self, step: int, unscale, clip_coef, groups: Sequence[dict]) -> StepRecord:
+    def run(self, step: int, unscale, clip_coef, groups: Sequence[dict],
+            written: Mapping[int, Fence] = MappingProxyType({})) -> StepRecord:
         """Update step ``step`` over every subgroup; its record (the caller adds the totals). A failure
-        is stored on the pipeline: the engine refuses to go on after it."""
+        is stored on the pipeline: the engine refuses to go on after it. ``written``: per subgroup, the
+        fence of the last deferred step's copy out of its state, which may still run (``DeferredWork.
+        release``): a device update's copy in follows it, the CPU waits for it before reading."""
         sched, on = self.pipeline.schedule, self.placement.update_on
         ctx = self._context(step, unscale, clip_coef, groups, sched)
-        sides = {CPU: self.cpu_side, DEVICE: self.device_side}
         self.cpu_side.begin(ctx, [i for i in sched.order if on[i] == CPU])
         if self.device_side is not None:
             self.device_side.begin(ctx)
@@ -61,7 +64,12 @@ class StepLoop:
 
         def update(i, views):
             self.before_update(i)  # a checkpoint writer may still need it as it is
-            return sides[on[i]].update(i, views)
+            fence = written.get(i)
+            if on[i] == DEVICE:
+                return self.device_side.update(i, views, fence)
+            if fence is not None:
+                fence.synchronize()
+            return self.cpu_side.update(i, views)
         try:
             if self.deferred is not None:
                 ctx.record.deferred_device_s = self.deferred.take_seconds()

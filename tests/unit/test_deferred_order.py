@@ -49,3 +49,61 @@ def test_lazily_queued_deferred_steps_equal_adamw_with_a_changing_lr():
     assert torch.equal(params, ref.detach())
     assert torch.equal(exp_avg, state["exp_avg"])
     assert torch.equal(exp_avg_sq, state["exp_avg_sq"])
+
+
+class _Fence:
+    """A device fence that says when the host waited for it."""
+
+    def __init__(self, index):
+        self.index, self.waited = index, False
+
+    def synchronize(self):
+        self.waited = True
+
+    def query(self):
+        return True
+
+
+def test_the_next_step_follows_each_subgroups_last_copy_out_without_the_host_waiting(monkeypatch):
+    """A deferred step's fences (its copies out) go to the next step: each device update of a subgroup is
+    given that subgroup's own fence (its copy in follows it on the device) and the host waits for none of
+    them; a subgroup the split gives the CPU instead is waited for before the CPU reads it; settle() waits
+    for the rest."""
+    from mlp_offload.device_update import DeviceUpdate
+    from mlp_offload.plan.placement import CPU
+
+    made, given = [], []
+    real = DeviceUpdate.update
+
+    def update(self, sg, *args, written=None, **kwargs):
+        real(self, sg, *args, written=written, **kwargs)
+        given.append((sg.index, written))
+        made.append(_Fence(sg.index))
+        return made[-1]
+
+    monkeypatch.setattr(DeviceUpdate, "update", update)
+    cfg = OffloadConfig(tiers=["host"], subgroup_size=SUBGROUP, update_on="device", defer_device_wait=True)
+    eng = OffloadedAdamW(torch.zeros(NUMEL), cfg, lr=LRS[0], grad_dtype=torch.bfloat16)
+    try:
+        n = len(eng.subgroups)
+        made.clear(), given.clear()  # (the start-up timed the device update on a sample)
+        eng.grad_buffer.fill_(1)
+        eng.step()
+        eng.grad_buffer.fill_(1)
+        eng.step()  # queues the first step's rest, then this step's first subgroups
+        first = {f.index: f for f in made[:n]}
+        assert all(written is None for _, written in given[:n])
+        second = given[n:]
+        assert second and all(written is first[i] for i, written in second)
+        assert not any(f.waited for f in made)  # the host waited for no copy out
+        eng.queue_deferred()
+        fences = {f.index: f for f in made[n:]}
+        to_cpu = n - 1  # the split hands the CPU one subgroup the device updated last step
+        eng.placement.update_on[to_cpu] = CPU
+        eng.grad_buffer.fill_(1)
+        eng.step()
+        assert fences[to_cpu].waited and sum(f.waited for f in made) == 1
+        eng.settle()  # waits for every subgroup's last copy out (one stream: it follows the ones before)
+        assert all(f.waited for f in made[2 * n:]) and len(made) == 3 * n - 1
+    finally:
+        eng.close()

@@ -89,9 +89,10 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
             if line:
                 log.info(line)
             # a subgroup no forward asked for (an expert without tokens) is queued now: the norms below
-            # must not read its unzeroed grads
+            # must not read its unzeroed grads (they follow its reads on the device; the copies out of the
+            # update's state may still run: the engine's step waits only where it touches that state)
             for shard in self.shards:
-                shard.engine.settle()
+                shard.engine.queue_deferred()
         inv_scales = [shard.inv_scale() for shard in self.shards]
         norms, found_any = [], False
         for shard, inv_scale in zip(self.shards, inv_scales):  # megatron-core's prepare_grads, one by one
