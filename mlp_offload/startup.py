@@ -40,7 +40,6 @@ class StartUp:
 
     ranks_sharing: int = 1
     cache_alternating: bool = True
-    read_ahead_slots: int = 0  # subgroups the device reads ahead before a step (read_ahead)
 
     @property
     def host(self) -> HostMemory:
@@ -53,7 +52,7 @@ class StartUp:
         return predict_update(subgroups, placement, self.rates, self.adam_rate, self.convert_rate, self.devices,
                               ranks_sharing=self.ranks_sharing, tokens=self.tokens_per_tier,
                               cache_alternating=self.cache_alternating,
-                              update_rates=update_rates or self.update_rates, read_ahead_slots=self.read_ahead_slots)
+                              update_rates=update_rates or self.update_rates)
 
 
 def start_up(cfg: OffloadConfig, subgroups: List[Subgroup], adam, tiers: Dict[str, StreamedTier],
@@ -105,8 +104,7 @@ def start_up(cfg: OffloadConfig, subgroups: List[Subgroup], adam, tiers: Dict[st
     devices = {name: tier.device for name, tier in tiers.items()}
     placement = plan_placement(subgroups, cfg, rates, free, devices, update_rates)
     found = StartUp(memory, rates, adam_rate, convert_rate, tokens_per_tier, devices, placement, None, update_rates,
-                    sharing, cfg.cache_alternating,
-                    cfg.read_ahead_slots(max(sg.numel for sg in subgroups)) if device_update is not None else 0)
+                    sharing, cfg.cache_alternating)
     found.prediction = found.predict(subgroups, placement)
     return found
 

@@ -119,7 +119,7 @@ class StepLoop:
                          cpu_updated=on.count(CPU))
         if self.deferred is not None:
             rec.predicted_deferred_s, rec.predicted_serial_s = pred.deferred_s, pred.serial_s
-            rec.predicted_deferred_in_hbm_s, rec.predicted_read_ahead_s = pred.deferred_in_hbm_s, pred.read_ahead_s
+            rec.predicted_deferred_in_hbm_s = pred.deferred_in_hbm_s
         # copies: a deferred launch may come after the caller's scheduler changed the groups
         return StepContext(step, unscale, clip_coef, [dict(group) for group in groups], rec)
 

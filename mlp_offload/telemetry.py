@@ -81,7 +81,6 @@ class StepRecord:
     # step itself waits for (the CPU's, the file tiers', streamed subgroups'); see predict_iteration
     predicted_deferred_s: float = 0.0
     predicted_deferred_in_hbm_s: float = 0.0
-    predicted_read_ahead_s: float = 0.0
     predicted_serial_s: float = 0.0
     # Set by the caller: how long its stream waited for the previous step's deferred params, and
     # whether it settled this step's device work before going on (the next iteration then runs

@@ -53,8 +53,7 @@ def plan_engine(numel: int, config: OffloadConfig, rates: Dict[str, TierBandwidt
     tokens = {t: config.tokens_per_tier or tokens_for(rates[t], ranks_per_node) for t in config.file_tiers}
     prediction = predict_update(subgroups, placement, rates, adam_elems_per_s, convert_elems_per_s,
                                 ranks_sharing=ranks_per_node, tokens=tokens,
-                                cache_alternating=config.cache_alternating, update_rates=update_rates,
-                                read_ahead_slots=config.read_ahead_slots(max(sg.numel for sg in subgroups)))
+                                cache_alternating=config.cache_alternating, update_rates=update_rates)
     stored = {t: sum(subgroups[i].state_bytes for i in placement.subgroups_on(t)) for t in config.file_tiers}
     stored = {**placement.resident_bytes, **stored}
     largest = max(sg.numel for sg in subgroups)

@@ -24,8 +24,6 @@ class Prediction:
     # which they slow by about their own time instead of hiding under it (predict_iteration).
     deferred_in_hbm_s: float = 0.0
     serial_s: float = 0.0
-    # Of deferred_s, the streamed subgroups read ahead (read_ahead): their copies in run before the step.
-    read_ahead_s: float = 0.0
     cpu_subgroups: int = 0
     device_subgroups: int = 0
     tier_s: Dict[str, float] = field(default_factory=dict)
@@ -57,7 +55,6 @@ def predict_update(
     tokens: Optional[Dict[str, int]] = None,
     cache_alternating: bool = True,
     update_rates: Optional[UpdateRates] = None,
-    read_ahead_slots: int = 0,
 ) -> Prediction:
     """Predicted steady-state update time: compute and each device's I/O overlap, the slowest wins.
 
@@ -71,9 +68,6 @@ def predict_update(
     Bytes come from ``schedule.step_schedule``, the traffic model the engine executes: hits skip
     their read, kept subgroups their write; the two order directions are averaged. The first
     streamed read after the hits is not hidden.
-
-    ``read_ahead_slots``: host-held device subgroups copied in before the step (the first ones of the
-    device's order), whose share of the streamed time ``read_ahead_s`` gives.
     """
     sides = placement.update_on or [CPU] * len(subgroups)
     numel = sum(sg.numel for sg, side in zip(subgroups, sides) if side == CPU)
@@ -87,16 +81,11 @@ def predict_update(
     deferred_s = device_seconds_of(subgroups, placement.tier_of, sides, update_rates, only=held)
     in_hbm_s = device_seconds_of(subgroups, placement.tier_of, sides, update_rates,
                                  only=[t == GPU_TIER for t in placement.tier_of])
-    host_held = [k for k, (t, side) in enumerate(zip(placement.tier_of, sides)) if t in RESIDENT_TIERS
-                 and t != GPU_TIER and side == DEVICE]
-    read_ahead = set(sorted(host_held, reverse=True)[:read_ahead_slots])
-    read_ahead_s = device_seconds_of(subgroups, placement.tier_of, sides, update_rates,
-                                     only=[k in read_ahead for k in range(len(subgroups))])
     # The engine's own schedule of the two order directions (steady state), averaged.
     both = [step_schedule(k, placement.tier_of, placement.slots, placement.cache_slots, cache_alternating)
             for k in (0, 1)]
     pred = Prediction(update_s=max(adam_s, device_s), adam_s=adam_s, device_s=device_s, deferred_s=deferred_s,
-                      deferred_in_hbm_s=in_hbm_s, serial_s=max(adam_s, device_s - deferred_s), read_ahead_s=read_ahead_s,
+                      deferred_in_hbm_s=in_hbm_s, serial_s=max(adam_s, device_s - deferred_s),
                       cpu_subgroups=sides.count(CPU), device_subgroups=sides.count(DEVICE),
                       cache_hits=len(both[0].hits))
     for tier in dict.fromkeys(t for t in placement.tier_of if t not in RESIDENT_TIERS):
@@ -155,7 +144,7 @@ def first_forward_share(micro_batches: int, recompute_full: bool) -> float:
 
 
 def predict_iteration(compute_s: float, update_s: float, deferred_s: float = 0.0, serial_s: float = 0.0,
-                      first_forward_s: float = 0.0, in_hbm_s: float = 0.0, read_ahead_s: float = 0.0) -> float:
+                      first_forward_s: float = 0.0, in_hbm_s: float = 0.0) -> float:
     """One iteration: forward/backward (``compute_s``, measured without the update beside it) and the
     update. In series without the overlap (``deferred_s`` 0). With it (defer_device_wait) the step
     waits for its ``serial_s`` share only; the deferred device work runs under the next forward, which
@@ -166,13 +155,8 @@ def predict_iteration(compute_s: float, update_s: float, deferred_s: float = 0.0
     lengthens the forward by its own time (10.24 B on an H200, all state in HBM: 0.38 s of compute alone,
     0.49-0.50 s with 0.13 s of it beside); only the streamed rest, bound by PCIe, hides.
 
-    ``read_ahead_s``: of the streamed rest, the subgroups whose copies in ran before the step, under
-    the rest of the compute (as much as that lasts): the forward waits only for the others' copies in.
-    Their copies out still run, each direction of the host link busy for the whole streamed time once
-    per iteration, so the iteration is never shorter than that."""
+    A read-ahead (``read_ahead``) is not credited: on an H200 it moved the copies in under the backward
+    but not the iteration, which the copies out of the whole streamed state bound (docs/benchmarks.md §13)."""
     if not deferred_s:
         return compute_s + update_s
-    streamed = max(0.0, deferred_s - in_hbm_s)
-    hidden = min(read_ahead_s, max(0.0, compute_s - first_forward_s))
-    waits = max(0.0, streamed - hidden - first_forward_s)
-    return serial_s + max(compute_s + in_hbm_s + waits, in_hbm_s + streamed)
+    return serial_s + compute_s + in_hbm_s + max(0.0, deferred_s - in_hbm_s - first_forward_s)

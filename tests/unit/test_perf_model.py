@@ -311,9 +311,3 @@ def test_the_iteration_model_learns_compute_only_from_iterations_without_the_upd
     assert predict_iteration(2.0, 0.5, 0.4, 0.1, 0.1, in_hbm_s=0.15) == pytest.approx(0.1 + 2.0 + 0.15 + 0.15,
                                                                                         rel=1e-12)
     assert predict_iteration(2.0, 0.5, 0.4, 0.1, 0.3, in_hbm_s=0.4) == pytest.approx(0.1 + 2.0 + 0.4, rel=1e-12)
-    # read ahead: those copies in ran under the compute before; the forward waits for the others only
-    assert predict_iteration(0.24, 0.68, 0.68, 0.0, 0.06, read_ahead_s=0.16) == pytest.approx(0.24 + 0.46, rel=1e-12)
-    # as much as the rest of the compute lasts; never below the streamed time (each direction of the link)
-    assert predict_iteration(0.24, 0.68, 0.68, 0.0, 0.06, read_ahead_s=0.5) == pytest.approx(0.68, rel=1e-12)
-    # in series it changes nothing: the copies out keep the update as long
-    assert predict_iteration(0.24, 0.68, read_ahead_s=0.5) == pytest.approx(0.92, rel=1e-12)

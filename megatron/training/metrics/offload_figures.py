@@ -59,7 +59,7 @@ class IterationModel:
         if self.compute_s is not None:
             predicted = predict_iteration(self.compute_s, record.predicted_update_s, record.predicted_deferred_s,
                                           record.predicted_serial_s, self.compute_s * self.first_forward_share,
-                                          record.predicted_deferred_in_hbm_s, record.predicted_read_ahead_s)
+                                          record.predicted_deferred_in_hbm_s)
         if self._ran_alone and not first_of_run:
             self.compute_s = max(0.0, elapsed_s - record.update_s)
         self._ran_alone = record.settled or not record.predicted_deferred_s

@@ -277,7 +277,7 @@ def iteration_seconds(compute_s: float, engines: Dict[str, EnginePlan], overlap:
         return compute_s + update_s
     return predict_iteration(compute_s, update_s, sum(p.deferred_s for p in preds), sum(p.serial_s for p in preds),
                              compute_s * first_forward_share(micro_batches, recompute_full),
-                             sum(p.deferred_in_hbm_s for p in preds), sum(p.read_ahead_s for p in preds))
+                             sum(p.deferred_in_hbm_s for p in preds))
 
 
 def make_plan(args, cfg, machine: Machine, offload_config, rates: Dict[str, TierBandwidth],
