@@ -34,7 +34,10 @@ from mlp_offload import GiB
 # megatron-core's local layers and full recompute, by the attention kernel that runs: 10.24 B at global batch 1,
 # its iteration less its update (tests/unit/test_plan_replay.py derives both from the logs). Used where
 # --gpu-tflops is not given; smaller models reach less (3.0 B: about 170), so a short run's own figure is better.
-MEASURED_H200_TFLOPS = {"unfused": 216.7, "sdpa": 334.5}
+# Mixture-of-experts models: what Mixtral 8x7B's shape reached on four H200s at EP4 with megatron-core's
+# SequentialMLP experts (the experts' module without transformer-engine's grouped GEMM) and SDPA, iterations 3-5 of
+# docs/results/x4_2026-11-26d/moe_large_iterations.txt (180.4, 169.0, 174.9 as the log counts them, update 5-8 ms).
+MEASURED_H200_TFLOPS = {"unfused": 216.7, "sdpa": 334.5, "sequential_experts": 174.8}
 # The device update's rates where no run of yours gave them, from one-pass runs on H200 machines
 # (docs/benchmarks.md §10, docs/results/gpu_2026-11-26/): resident 86-104 G elements/s; one GPU's
 # host link ~100 GB/s both ways together (streamed 8.37, 5.00, 4.2 G elements/s at 6, 10, 12 stored
@@ -71,7 +74,8 @@ def machine_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-tflops", type=float, default=None,
                    help="sustained TFLOP/s per GPU for this model (from a short run's log); default: what one "
                         "H200 reached at 10.24 B with the attention kernel the flags run (unfused 216.7, "
-                        "torch SDPA 334.5, also taken for transformer-engine's)")
+                        "torch SDPA 334.5, also taken for transformer-engine's); for an MoE model, 174.8 (Mixtral "
+                        "8x7B's shape at EP4 with megatron-core's sequential experts)")
     p.add_argument("--adam-gelems", type=float, default=None,
                    help="CPU Adam rate of one rank in G elements/s (default: measured on this CPU)")
     p.add_argument("--convert-gelems", type=float, default=None,
@@ -242,7 +246,10 @@ def parse(argv):
 
 
 def measured_tflops(args) -> float:
-    """--gpu-tflops where it is not given: the H200's figure for the attention kernel the flags run."""
+    """--gpu-tflops where it is not given: the H200's figure for the experts' kernel (an MoE model) or the
+    attention kernel the flags run."""
+    if getattr(args, "num_experts", None):
+        return MEASURED_H200_TFLOPS["sequential_experts"]
     return MEASURED_H200_TFLOPS["unfused" if getattr(args, "core_attention", "sdpa") == "unfused" else "sdpa"]
 
 
@@ -371,7 +378,7 @@ def describe(plan, args, machine, flags, rates) -> str:
     update, joins = (f" + update {plan.update_s:.3f} s" if plan.update_s is not None else ""), "="
     if plan.overlaps_forward and plan.update_s is not None:  # not a sum (mlp_offload.predict_iteration)
         update, joins = f" and update {plan.update_s:.3f} s, its device share under the next forward", "from"
-    tflops_source = "" if plan.tflops_given else (", one H200's with this attention kernel: --gpu-tflops from "
+    tflops_source = "" if plan.tflops_given else (", one H200's with these kernels: --gpu-tflops from "
                                                   "a short run of yours is better")
     lines.append(f"predicted iteration {plan.iteration_s:.3f} s {joins} compute {plan.compute_s:.3f} s "
                  f"(at {machine.gpu_tflops:g} TFLOP/s per GPU{tflops_source}){update}; bottleneck: {plan.bottleneck}")

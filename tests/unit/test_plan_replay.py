@@ -18,6 +18,7 @@ import contextlib
 import importlib.util
 import io
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional
@@ -376,7 +377,7 @@ def test_without_a_host_budget_the_planner_suggests_one(tool):
 def test_without_gpu_tflops_the_plan_takes_the_calibrated_figure_of_its_attention_kernel(tool):
     """No --gpu-tflops: the H200 figures this file derives from the logs, by the attention kernel the flags run
     (torch SDPA by default without transformer-engine; megatron-core's unfused with --attention-backend local)."""
-    assert tool.MEASURED_H200_TFLOPS == {"unfused": H200_TFLOPS, "sdpa": H200_SDPA_TFLOPS}
+    assert {k: tool.MEASURED_H200_TFLOPS[k] for k in TFLOPS} == TFLOPS
     flags = RUNS["20.68B SDPA overlapped, one H200"].flags
     for extra, figure in (("", H200_SDPA_TFLOPS), (" --attention-backend local", H200_TFLOPS)):
         out = io.StringIO()
@@ -385,3 +386,12 @@ def test_without_gpu_tflops_the_plan_takes_the_calibrated_figure_of_its_attentio
         got = json.loads(out.getvalue())
         assert got["gpu_tflops"] == figure
         assert got["predicted_compute_s"] == pytest.approx(plan(tool, flags + extra, figure)["predicted_compute_s"])
+
+
+def test_the_experts_tflops_is_its_calibration_run(tool):
+    """The MoE default reproduces the one MoE run it came from (Mixtral 8x7B's shape, four H200s, EP4): the mean
+    of the TFLOP/s its log printed for iterations 3-5, whose update took 5-8 ms of 3.6-3.9 s."""
+    text = (RESULTS / "x4_2026-11-26d" / "moe_large_iterations.txt").read_text()
+    figures = [float(x) for x in re.findall(r"iteration [345]: .*?TFLOP/s/GPU\) ([0-9.]+)", text)]
+    assert len(figures) == 3
+    assert tool.MEASURED_H200_TFLOPS["sequential_experts"] == pytest.approx(sum(figures) / 3, abs=0.05)
