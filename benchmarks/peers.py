@@ -350,10 +350,16 @@ def parse_ours(args, logs: dict, log_path: str) -> dict:
                 rec["token_wait_s"] = [sum(v.get("token_wait_s", 0.0) for v in o["tiers"].values()) for o in others]
                 rec["engine_update_s_ranks"] = [o["update_s"] for o in others]
         iterations.append(rec)
-    params = None
     with open(log_path, errors="replace") as f:
-        m = re.search(r"> model parameters \(all stages, one replica\): (\d+)", f.read())
-        params = int(m.group(1)) if m else None
+        text = f.read()
+    m = re.search(r"> model parameters \(all stages, one replica\): (\d+)", text)
+    params = int(m.group(1)) if m else None
+    # The iteration the training predicted beside each measured one (its console line, log interval 1)
+    predicted = {int(it): float(ms) / 1000 for it, ms in re.findall(
+        r"iteration +(\d+)/.*?offload predicted iteration time \(ms\): ([0-9.]+)", text)}
+    for rec in iterations:
+        if rec["iteration"] in predicted:
+            rec["predicted_iteration_s"] = predicted[rec["iteration"]]
     return {"parameters": params, "iterations": iterations}
 
 
@@ -388,6 +394,9 @@ def summarize(result: dict) -> None:
     for key in ("forward_s", "backward_s", "engine_update_s", "predicted_update_s", "adam_s"):
         if all(key in r for r in steady):
             result["median"][key] = med(key)
+    predicted = [r["predicted_iteration_s"] for r in steady if "predicted_iteration_s" in r]
+    if predicted:
+        result["median"]["predicted_iteration_s"] = statistics.median(predicted)
     if all("token_wait_s" in r for r in steady):  # --nproc > 1: waiting for another rank's I/O token
         result["median"]["token_wait_s_mean_rank"] = statistics.median(
             sum(r["token_wait_s"]) / len(r["token_wait_s"]) for r in steady)
@@ -426,7 +435,8 @@ def _summary_text(r: dict) -> str:
     m = r.get("median")
     if not m:
         return "no iterations parsed"
-    return f"iteration {m['iteration_s']:.2f} s, fwd+bwd {m['fb_s']:.2f} s, update {m['update_s']:.2f} s"
+    pred = f" (predicted {m['predicted_iteration_s']:.2f} s)" if "predicted_iteration_s" in m else ""
+    return f"iteration {m['iteration_s']:.2f} s{pred}, fwd+bwd {m['fb_s']:.2f} s, update {m['update_s']:.2f} s"
 
 
 def print_table(results: dict, order: str, title: str = "") -> str:
