@@ -5,8 +5,8 @@ Data flow: plan (rates -> placement -> prediction) -> tiers (host memory, files)
 Megatron adapter, a test, a benchmark) copies low-precision gradients into ``grad_buffer`` (or
 gives a ``GradientSource``) and calls ``step()``; each updated subgroup's master parameters (in their stored dtype) are
 handed to ``on_params_updated``. The engine is the torch-shaped front and wires the pieces:
-``step_loop`` (one step over the subgroups), ``pipeline`` (slots streaming the file-backed
-subgroups), ``schedule`` (the per-step traffic model), ``cpu_update`` and ``device_update`` (each
+``step.loop`` (one step over the subgroups), ``pipeline`` (slots streaming the file-backed
+subgroups), ``schedule`` (the per-step traffic model), ``step.cpu_side`` and ``step.device_side`` (each
 side's share of a step), ``state_access`` (checkpoints), ``gradients``, ``param_groups`` and
 ``update`` (the Adam kernels).
 """
@@ -24,8 +24,8 @@ import torch
 
 from .config import GPU_TIER, OffloadConfig, OffloadConfigError
 from .kernels.cpu_one_pass import cpu_one_pass_for_device, verified_cpu_one_pass
-from .cpu_update import CpuUpdate
-from .device_update import DeferredWork, DeviceSide, DeviceUpdate
+from .step.cpu_side import CpuUpdate
+from .step.device_side import DeferredWork, DeviceSide, DeviceUpdate
 from .kernels.fused_update import verified_fused_update
 from .gradients import GradientSource, HostGradients, gradient_host_bytes, scratch_buffers
 from .param_groups import Range, build_groups, segments_of
@@ -34,14 +34,14 @@ from .plan.prediction import Prediction
 from .startup import describe_device_rates, describe_tiers, start_up
 from .initial_state import allocate_initial_state
 from .pipeline import OffloadStateError, SlotPipeline, StateViews
-from .read_ahead import read_ahead_for
+from .step.read_ahead import read_ahead_for
 from .relocation import Relocation
 from .kernels.remainders import ParamHighSource, RemainderMaster
 from .plan.schedule import StepSchedule, step_schedule
 from .snapshot import StateSnapshot
 from .state_access import StateAccess
 from .state_dtypes import bytes_per_param, torch_dtypes
-from .step_loop import StepLoop
+from .step.loop import StepLoop
 from .subgroups import Subgroup, partition
 from .telemetry import StepRecord, TrafficCounters
 from .tiers.base import ResidentTier, StreamedTier
@@ -133,7 +133,7 @@ class OffloadedAdamW:
         self.closed = False
         self._snapshot: Optional[StateSnapshot] = None  # being written while the engine steps on
         self._deferred: Optional[DeferredWork] = None  # defer_device_wait: what a step left queued
-        self._read_ahead = None  # read_ahead.ReadAhead with device_read_ahead_bytes
+        self._read_ahead = None  # step.read_ahead.ReadAhead with device_read_ahead_bytes
         self._tiers: Dict[str, StreamedTier] = {}  # file tiers, by name
         self.memory: Dict[str, ResidentTier] = {}  # memory tiers, by name, fastest first
         self._counters = TrafficCounters(config.file_tiers)
@@ -191,7 +191,7 @@ class OffloadedAdamW:
         self.grad_source = grad_source
         high = (self.host.allocate(high_bytes, "param high halves", counted=False).view(torch.bfloat16)
                 if cfg.param_remainders else None)
-        # The two update sides (step_context.UpdateSide), built once with what they need.
+        # The two update sides (step.context.UpdateSide), built once with what they need.
         self._cpu_side = CpuUpdate(
             self.subgroups, self._segments, self.adam, working,
             grad_source, scratch_buffers(not isinstance(grad_source, HostGradients), largest, self.host.allocate),
@@ -274,9 +274,6 @@ class OffloadedAdamW:
         rec.tiers = self._counters.take()
         self._relocation.observe_step(rec)  # the update split, re-chosen from what this step measured
         return rec
-
-    def _device_held_order(self, sched: StepSchedule):  # the read-ahead's tests ask the engine
-        return self._loop.device_held_order(sched)
 
     def _guard_snapshot(self, i: int) -> None:
         """Before subgroup ``i``'s update: the snapshot's writer may still need its state as it is."""

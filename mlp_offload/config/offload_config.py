@@ -350,10 +350,6 @@ class OffloadConfig:
     def state_itemsizes(self) -> Tuple[int, int, int]:
         return itemsizes(self.stored_dtypes)
 
-    def read_ahead_slots(self, largest_numel: int) -> int:
-        """Whole subgroups of ``largest_numel`` elements that ``device_read_ahead_bytes`` holds."""
-        return self.device_read_ahead_bytes // (largest_numel * sum(self.state_itemsizes))
-
     @property
     def file_tiers(self) -> List[str]:
         return [t for t in self.tiers if t not in RESIDENT_TIERS]

@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..kernels.cpu_one_pass import verified_cpu_one_pass
-from ..device_update import DeviceUpdate
+from ..step.device_side import DeviceUpdate
 from ..kernels.fused_update import verified_fused_update
 from ..kernels.update import AdamKernel
 from .rates import measure_cpu_update_rate, measure_device_rates

@@ -69,7 +69,7 @@ def test_the_next_step_follows_each_subgroups_last_copy_out_without_the_host_wai
     given that subgroup's own fence (its copy in follows it on the device) and the host waits for none of
     them; a subgroup the split gives the CPU instead is waited for before the CPU reads it; settle() waits
     for the rest."""
-    from mlp_offload.device_update import DeviceUpdate
+    from mlp_offload.step.device_side import DeviceUpdate
     from mlp_offload.plan.placement import CPU
 
     made, given = [], []

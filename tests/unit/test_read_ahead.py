@@ -37,7 +37,8 @@ def test_read_ahead_steps_equal_adamw_with_edits_loads_and_split_changes(slots, 
     eng = _engine(init, slots, deferred, gpu)
     try:
         n = len(eng.subgroups)
-        host_held = n - gpu
+        on_device = eng.placement.tier_of.count("host")  # host-held subgroups (the device updates them all)
+        held = 0  # copies read ahead of the next step, as the events below leave them
         for step, event in enumerate(between):
             grad = (torch.randn(NUMEL, generator=gen) * 10).to(torch.bfloat16)
             eng.settle()
@@ -46,11 +47,12 @@ def test_read_ahead_steps_equal_adamw_with_edits_loads_and_split_changes(slots, 
             ref.grad = grad.float()
             opt.step()
             eng.settle()  # the deferred work queued (its read-ahead for the next step issued with the last)
-            expected = 0 if step == 0 else min(slots, host_held)  # nothing was read ahead of the first step
-            assert rec.read_ahead == expected or event == "to_cpu" or between[step - 1] != "none"
+            assert rec.read_ahead == held  # the step took every copy still held, and only those
+            held = min(slots, on_device)  # read ahead of the next step: its first host-held device subgroups
             if event == "edit":  # the host state changes under the copies read ahead: they must go
                 eng.modify_state(lambda sg, p, m, v: m.mul_(0.5))
                 opt.state[ref]["exp_avg"].mul_(0.5)
+                held = 0
             elif event == "load":
                 params, exp_avg, exp_avg_sq = (t + 0.25 for t in engine_state(eng))
                 eng.load_state(lambda sg, p, m, v: (p.copy_(params[sg.start:sg.end]), m.copy_(exp_avg[sg.start:sg.end]),
@@ -59,9 +61,12 @@ def test_read_ahead_steps_equal_adamw_with_edits_loads_and_split_changes(slots, 
                     ref.add_(0.25)
                     opt.state[ref]["exp_avg"].add_(0.25)
                     opt.state[ref]["exp_avg_sq"].add_(0.25)
-            elif event == "to_cpu":  # the split gives the CPU the subgroup read ahead first
-                first = eng._device_held_order(eng._pipeline.schedule)[-1 if not deferred else 0]
+                held = 0
+            elif event == "to_cpu" and on_device:  # the split gives the CPU the subgroup read ahead first
+                order = eng._loop.device_held_order(eng._pipeline.schedule)
+                first = next(i for i in order if eng.placement.tier_of[i] != "gpu")
                 eng.placement.update_on[first] = CPU
+                on_device, held = on_device - 1, held - 1
             elif event == "forward_half" and deferred:
                 for i in range(n - 1, n // 2, -1):
                     eng.params_ready(i)
@@ -81,7 +86,7 @@ def test_read_ahead_covers_the_first_subgroups_of_the_next_steps_order(deferred)
         eng.grad_buffer.copy_(torch.ones(NUMEL, dtype=torch.bfloat16))
         eng.step()
         eng.settle()
-        order = eng._device_held_order(eng._pipeline.schedule)
+        order = eng._loop.device_held_order(eng._pipeline.schedule)
         assert sorted(eng._read_ahead.held) == sorted(order[:3])
         eng.grad_buffer.copy_(torch.ones(NUMEL, dtype=torch.bfloat16))
         assert eng.step().read_ahead == 3

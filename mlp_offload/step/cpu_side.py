@@ -2,7 +2,7 @@
 scratch buffers (the next subgroup's arrive in the other during this one's Adam), its stored state
 widened to fp32, AdamW, rounded back (or all three in one pass, ``cpu_one_pass``), and the updated
 params handed to the caller.
-``device_update`` is the device's share of a step; the engine decides which subgroup goes where.
+``device_side`` is the device's share of a step; the engine decides which subgroup goes where.
 """
 
 from __future__ import annotations
@@ -12,16 +12,16 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .device_update import DONE
-from .kernels.fused_update import hyper_of
-from .gradients import GradientSource
-from .pipeline import StateViews
-from .kernels.remainders import ParamHighSource
-from .subgroups import Subgroup
-from .trace import Trace
-from .kernels.update import AdamKernel, Fp32Working, adam_piece
-from .param_groups import Segment
-from .step_context import StepContext
+from .device_side import DONE
+from ..kernels.fused_update import hyper_of
+from ..gradients import GradientSource
+from ..pipeline import StateViews
+from ..kernels.remainders import ParamHighSource
+from ..subgroups import Subgroup
+from ..trace import Trace
+from ..kernels.update import AdamKernel, Fp32Working, adam_piece
+from ..param_groups import Segment
+from .context import StepContext
 
 
 class CpuUpdate:

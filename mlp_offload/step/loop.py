@@ -4,7 +4,7 @@ The device's subgroups held in memory (gpu or host tier) go first, all of them: 
 through them while the CPU runs its share (queued as the loop reached them, the device idled during
 each CPU Adam). Deferred (``defer_device_wait``), they are handed to ``DeferredWork``, which queues
 them as the next forward needs them. Then every other subgroup in the schedule's order: its state
-where it is held, or read into a pipeline buffer; the side that updates it (``step_context.UpdateSide``);
+where it is held, or read into a pipeline buffer; the side that updates it (``context.UpdateSide``);
 its buffer back once the side's fence allows. A checkpoint writer's snapshot is guarded before each
 update. The engine builds one loop at start-up and calls ``run`` each step; what surrounds a step
 (settling, skipping, the next step's reads, the record's totals) stays in the engine.
@@ -16,17 +16,17 @@ import time
 from types import MappingProxyType
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from .config import GPU_TIER
-from .device_update import DeferredWork
-from .faults import fault_point
-from .pipeline import SlotPipeline, StateViews
-from .plan.placement import CPU, DEVICE, Placement
-from .plan.prediction import Prediction
-from .plan.schedule import StepSchedule
+from ..config import GPU_TIER
+from .device_side import DeferredWork
+from ..faults import fault_point
+from ..pipeline import SlotPipeline, StateViews
+from ..plan.placement import CPU, DEVICE, Placement
+from ..plan.prediction import Prediction
+from ..plan.schedule import StepSchedule
 from .read_ahead import ReadAhead
-from .step_context import Fence, StepContext, UpdateSide
-from .subgroups import Subgroup
-from .telemetry import StepRecord
+from .context import Fence, StepContext, UpdateSide
+from ..subgroups import Subgroup
+from ..telemetry import StepRecord
 
 InFlight = List[Tuple[int, Fence]]  # device-updated subgroups whose last copy may still run
 

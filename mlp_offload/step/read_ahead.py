@@ -20,8 +20,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .config import OffloadConfigError
-from .device_update import Streams
+from ..config import OffloadConfigError
+from .device_side import Streams
 
 
 @dataclass
@@ -126,9 +126,9 @@ def read_ahead_for(config, device_update, dtypes: Sequence[torch.dtype], largest
     update or without the bytes."""
     if device_update is None or not config.device_read_ahead_bytes:
         return None
-    slots = config.read_ahead_slots(largest)
+    per_subgroup = largest * sum(config.state_itemsizes)  # one subgroup's stored state, whole
+    slots = config.device_read_ahead_bytes // per_subgroup
     if slots < 1:
-        per_subgroup = largest * sum(config.state_itemsizes)
         raise OffloadConfigError(
             f"device read-ahead device_read_ahead_bytes={config.device_read_ahead_bytes} holds no subgroup: one "
             f"subgroup's stored state takes {per_subgroup / 2**30:.3f} GiB ({largest} elements); give 0 or at least that")

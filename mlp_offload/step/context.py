@@ -1,5 +1,5 @@
 """What both update sides share: one step's context, and the interface each side offers the engine's
-step loop (``cpu_update.CpuUpdate``, ``device_update.DeviceSide``).
+step loop (``cpu_side.CpuUpdate``, ``device_side.DeviceSide``).
 
 A side is built once with what it needs for every step (subgroups, their param-group pieces, the
 gradient source, the params' way back); each step it is given the ``StepContext`` and then one
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Protocol, Sequence
 
-from .telemetry import StepRecord
+from ..telemetry import StepRecord
 
 
 @dataclass(frozen=True)

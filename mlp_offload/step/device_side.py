@@ -18,11 +18,11 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from .kernels.fused_update import AdamHyper, FusedAdamW, hyper_of
-from .param_groups import Segment
-from .step_context import StepContext
-from .subgroups import Subgroup
-from .kernels.update import AdamKernel, Fp32Working, adam_piece
+from ..kernels.fused_update import AdamHyper, FusedAdamW, hyper_of
+from ..param_groups import Segment
+from .context import StepContext
+from ..subgroups import Subgroup
+from ..kernels.update import AdamKernel, Fp32Working, adam_piece
 
 
 
@@ -117,15 +117,6 @@ class DeviceUpdate:
         self.fused: Optional[FusedAdamW] = None
         self.fused_how = "multi-pass"
 
-    @property
-    def nbytes(self) -> int:
-        """Device memory it holds beside the device tier's budget."""
-        per = sum(torch.empty(0, dtype=d).element_size() for d in self.dtypes) * self.chunk
-        per = 0 if self._buffers is None else per
-        high = 0 if self._high is None else self._high.numel() * 2
-        working = 0 if self._working is None else self._working.nbytes
-        return 2 * per + working + self.grad.numel() * 4 + high
-
     def update(self, sg: Subgroup, stored: List[torch.Tensor], resident: bool, segments: Sequence[Segment],
                fill_grads: Callable[[torch.Tensor], None], adam: Callable, on_params,
                fill_high: Optional[Callable[[int, int, torch.Tensor], None]] = None,
@@ -217,7 +208,7 @@ class DeviceUpdate:
 
 
 class DeviceSide:
-    """The device's share of a step, as the engine's step loop sees both sides (``step_context``):
+    """The device's share of a step, as the engine's step loop sees both sides (``context``):
     ``DeviceUpdate`` with what each subgroup's update needs, built once."""
 
     def __init__(self, device_update: DeviceUpdate, subgroups: Sequence[Subgroup],
