@@ -158,20 +158,39 @@ def _makedirs_beside_releases(path: str, attempts: int = 5) -> None:
                 raise
 
 
-def release(path: str) -> None:
+def release(path: str, passes: int = 20) -> None:
     """Remove a namespace this process claimed: its files first, its OWNER.json last, so a removal
-    cut short (SIGKILL) still leaves a namespace that start-up recognises as a dead run's."""
+    cut short (SIGKILL) still leaves a namespace that start-up recognises as a dead run's.
+
+    On SIGTERM this runs while the engine's I/O threads may still be writing: a file they create after
+    a pass looked is removed by the next pass (up to ``passes``), until a pass finds none."""
     with _owned_lock:
         _owned.discard(path)
-        for dirpath, dirs, files in os.walk(path, topdown=False):
-            for name in files:
-                if not (dirpath == path and name == OWNER_FILE):
-                    _unlink(os.path.join(dirpath, name))
-            for name in dirs:
-                _rmdir(os.path.join(dirpath, name))
+        for _ in range(passes):
+            if not _remove_contents(path):
+                break
         _unlink(os.path.join(path, OWNER_FILE))
-        for directory in (path, os.path.dirname(path), os.path.dirname(os.path.dirname(path))):
+        for _ in range(passes):
+            _rmdir(path)
+            if not os.path.exists(path) or not _remove_contents(path, keep_owner=False):
+                break
+        for directory in (os.path.dirname(path), os.path.dirname(os.path.dirname(path))):
             _rmdir(directory)  # the run's and the base directory go once empty
+
+
+def _remove_contents(path: str, keep_owner: bool = True) -> int:
+    """One pass over a namespace: its files (but its OWNER.json where ``keep_owner``) and its
+    sub-directories removed; how many entries it found to remove."""
+    found = 0
+    for dirpath, dirs, files in os.walk(path, topdown=False):
+        for name in files:
+            if not (keep_owner and dirpath == path and name == OWNER_FILE):
+                _unlink(os.path.join(dirpath, name))
+                found += 1
+        for name in dirs:
+            _rmdir(os.path.join(dirpath, name))
+            found += 1
+    return found
 
 
 def release_all() -> None:

@@ -80,3 +80,25 @@ def test_recycled_pid_is_dead(tmp_path):
     record = owner_record()
     record["start_ticks"] = (record["start_ticks"] or 0) + 1  # our pid, but another process's start
     assert owner_alive(record) is False
+
+
+def test_release_removes_files_an_io_thread_creates_while_it_runs(tmp_path, monkeypatch):
+    """On SIGTERM the release runs beside I/O threads still writing: a state file created after its first
+    look (here: by the first removal, as a write landing then) is removed too, and the namespace goes."""
+    from mlp_offload.tiers import housekeeping
+
+    path = claim(str(tmp_path), "run", 0, "--offload-nvme-path")
+    for k in range(3):
+        (tmp_path / "mlp_offload" / "run" / "rank00000" / f"sg{k:06d}.state").write_bytes(b"x" * 4096)
+    real_unlink, landed = housekeeping._unlink, []
+
+    def unlink_while_a_write_lands(target):
+        real_unlink(target)
+        if not landed:
+            landed.append(os.path.join(path, "sg000099.state"))
+            with open(landed[0], "wb") as f:  # a write the walk has already passed
+                f.write(b"y" * 4096)
+    monkeypatch.setattr(housekeeping, "_unlink", unlink_while_a_write_lands)
+    housekeeping.release(path)
+    assert landed and not os.path.exists(path)
+    assert not (tmp_path / "mlp_offload").exists()  # the run's and the base directory went once empty
