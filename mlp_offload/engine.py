@@ -27,7 +27,7 @@ from .kernels.cpu_one_pass import cpu_one_pass_for_device, verified_cpu_one_pass
 from .step.cpu_side import CpuUpdate
 from .step.device_side import DeferredWork, DeviceSide, DeviceUpdate
 from .kernels.fused_update import verified_fused_update
-from .gradients import GradientSource, HostGradients, gradient_host_bytes, scratch_buffers
+from .gradients import GradientSource, HostGradients, ModelBuffers, gradient_host_bytes, scratch_buffers
 from .param_groups import Range, build_groups, segments_of
 from .plan.placement import Placement
 from .plan.prediction import Prediction
@@ -160,6 +160,12 @@ class OffloadedAdamW:
             self._device_update.fused, self._device_update.fused_how = verified_fused_update(
                 cfg.device, self.state_dtypes, self.device_adam)
         fused = self._device_update.fused if self._device_update is not None else None
+        # The one-pass kernel on the model's own grads and params, where both sources give views
+        # (the engine's own grad buffer does; set before the rates are measured: they time it).
+        on_model = (fused is not None and fused.on_model_ok and cfg.device_model_buffers and self.on_params_updated is not None
+                    and hasattr(self.param_high, "views") and (grad_source is None or hasattr(grad_source, "views")))
+        if on_model:
+            self._device_update.on_model_buffers = True
         self._cpu_one_pass, self.cpu_one_pass_how = None, "multi-pass"
         if cfg.cpu_one_pass and fused is not None and cfg.on_cuda:  # the CPU's subgroups get the device's bits
             self._cpu_one_pass, self.cpu_one_pass_how = cpu_one_pass_for_device(fused, self.state_dtypes, cfg.device)
@@ -202,7 +208,8 @@ class OffloadedAdamW:
         self._device_side = None if self._device_update is None else DeviceSide(
             self._device_update, self.subgroups, self._segments, grad_source, self.device_adam,
             self.on_params_updated, self.param_high if cfg.param_remainders else None,
-            lambda i: self.placement.tier_of[i] == GPU_TIER, self.trace, self._read_ahead)
+            lambda i: self.placement.tier_of[i] == GPU_TIER, self.trace, self._read_ahead,
+            ModelBuffers.of(grad_source, self.param_high) if on_model else None)
         self._resident, buffers = allocate_initial_state(
             self.subgroups, self.placement.tier_of, self.memory, self.host, params, self.state_dtypes,
             self.placement.slots, self.placement.host_state_bytes)

@@ -81,6 +81,11 @@ class OffloadConfig:
     """On CUDA, update with one kernel pass per element (``fused_update``) where it is bit-identical
     to the multi-pass path on a start-up sample; False: always the multi-pass path."""
 
+    device_model_buffers: bool = True
+    """With the one-pass kernel, read the model's grads and write its params where the model keeps
+    them (the grad and param sources' ``views``), instead of through an fp32 grad copy and a bf16
+    param copy each way (about 36 bytes an element moved become 20); False: through the copies."""
+
     cpu_one_pass: bool = True
     """Update on the CPU with one pass per element (``cpu_one_pass``, a C++ kernel built at run time)
     where it is bit-identical to the multi-pass path on a start-up sample; False: always the

@@ -72,14 +72,21 @@ VARIANTS: Tuple[Variant, ...] = tuple(
 
 if triton is not None:
     @triton.jit
-    def _adamw_pass(p_ptr, high_ptr, g_ptr, m_ptr, v_ptr, n,
-                    decay, w1, beta2, w2, inv_or_bc2, eps, neg_step_size,
+    def _adamw_pass(p_ptr, high_ptr, g_ptr, m_ptr, v_ptr, out_ptr, n,
+                    decay, w1, beta2, w2, inv_or_bc2, eps, neg_step_size, unscale, clip,
                     REMAINDERS: tl.constexpr, DECAY: tl.constexpr, LERP_SMALL: tl.constexpr,
                     FMA_LERP: tl.constexpr, FMA_ADDCMUL: tl.constexpr, FMA_ADDCDIV: tl.constexpr,
-                    RECIPROCAL: tl.constexpr, BLOCK: tl.constexpr):
+                    RECIPROCAL: tl.constexpr, UNSCALE: tl.constexpr, CLIP: tl.constexpr,
+                    ZERO_GRAD: tl.constexpr, PARAM_OUT: tl.constexpr, BLOCK: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
+        # The grads in their training dtype, widened and multiplied as gradients.convert_grads does
+        # (two rounded fp32 multiplies: the loss unscale, then the clip coefficient)
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if UNSCALE:
+            g = g * unscale
+        if CLIP:
+            g = g * clip
         if REMAINDERS:  # fp32 master = bf16 high half << 16 + int16 remainder (remainders.merge)
             high = tl.load(high_ptr + offs, mask=mask, other=0.0).to(tl.int16, bitcast=True).to(tl.int32)
             rem = tl.load(p_ptr + offs, mask=mask, other=0).to(tl.int32)
@@ -124,9 +131,37 @@ if triton is not None:
             tl.store(p_ptr + offs, (bits - (h << 16)).to(tl.int16), mask=mask)
             tl.store(high_ptr + offs, h.to(tl.int16).to(tl.bfloat16, bitcast=True), mask=mask)
         else:
-            tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+            kept = p.to(p_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+            tl.store(p_ptr + offs, kept, mask=mask)
+            if PARAM_OUT:  # the model's param: the stored master cast as a copy_ casts (to nearest even)
+                wide = kept.to(tl.float32)  # (exact; Triton rounds only from fp32: an fp16 master via it)
+                tl.store(out_ptr + offs, wide.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
         tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
         tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+        if ZERO_GRAD:  # the training loop leaves zeroing the grads to the update that reads them (a store
+            # before the other loads made it 3x slower: they could no longer be issued ahead of it)
+            tl.store(g_ptr + offs, tl.zeros_like(g).to(g_ptr.dtype.element_ty), mask=mask)
+
+
+@dataclass(frozen=True, eq=False)
+class ModelPass:
+    """What a kernel call does beyond AdamW where it works on the model's own buffers: the grads
+    are the model's (multiplied by ``unscale``, then ``clip_coef``, each as an fp32 multiply, and
+    zeroed after the read with ``zero_grad``), and ``param_out`` (an fp32 master's model param, any
+    float dtype) receives the updated param cast to nearest even. A remainders master's ``high`` is
+    then the model's bf16 param itself."""
+
+    unscale: Optional[float] = None
+    clip_coef: Optional[float] = None
+    zero_grad: bool = False
+    param_out: Optional[torch.Tensor] = None
+
+
+PLAIN = ModelPass()
+
+
+def _scales(factor: Optional[float]) -> bool:
+    return factor is not None and factor != 1.0  # (convert_grads skips a factor of 1 too)
 
 
 def _f32(x: float) -> float:
@@ -144,11 +179,14 @@ class FusedAdamW:
         if triton is None:
             raise RuntimeError("the fused device update needs Triton (torch's CUDA builds ship it)")
         self.variant = variant
+        self.on_model_ok = False  # bit-identical on the model's own buffers too (verified_fused_update)
 
     def __call__(self, stored: Sequence[torch.Tensor], grad: torch.Tensor, high: Optional[torch.Tensor],
-                 hyper: AdamHyper, step: int) -> None:
+                 hyper: AdamHyper, step: int, model: "ModelPass" = None) -> None:
         """``stored``: (param or remainders, exp_avg, exp_avg_sq), updated in place; ``grad`` fp32;
-        ``high``: the bf16 high halves of a remainders master (read and updated in place)."""
+        ``high``: the bf16 high halves of a remainders master (read and updated in place). With
+        ``model``, ``grad`` is the model's own (any training dtype) and what ``model`` says applies."""
+        model = model or PLAIN
         p, m, v = stored
         n = p.numel()
         if n == 0:
@@ -163,25 +201,36 @@ class FusedAdamW:
         # torch's CUDA division by a CPU scalar multiplies by its fp32 reciprocal
         divisor = 1.0 / _f32(bc2_sqrt) if var.reciprocal_div else bc2_sqrt
         grid = (triton.cdiv(n, self.BLOCK),)
+        out = model.param_out if model.param_out is not None and not remainders else None
         _adamw_pass[grid](
-            p, high if remainders else p, grad, m, v, n,
+            p, high if remainders else p, grad, m, v, p if out is None else out, n,
             _f32(1 - hyper.lr * hyper.weight_decay), _f32(w1), _f32(hyper.beta2), _f32(1 - hyper.beta2),
             _f32(divisor), _f32(hyper.eps), _f32((hyper.lr / bc1) * -1),
+            _f32(model.unscale or 1.0), _f32(model.clip_coef or 1.0),
             REMAINDERS=remainders, DECAY=hyper.weight_decay != 0, LERP_SMALL=abs(_f32(w1)) < 0.5,
             FMA_LERP=var.fma_lerp, FMA_ADDCMUL=var.fma_addcmul, FMA_ADDCDIV=var.fma_addcdiv,
-            RECIPROCAL=var.reciprocal_div, BLOCK=self.BLOCK, num_warps=8, enable_fp_fusion=False)
+            RECIPROCAL=var.reciprocal_div, UNSCALE=_scales(model.unscale), CLIP=_scales(model.clip_coef),
+            ZERO_GRAD=model.zero_grad, PARAM_OUT=out is not None, BLOCK=self.BLOCK, num_warps=8,
+            enable_fp_fusion=False)
 
 
 def multi_pass_step(adam_kernel, dtypes: Sequence[torch.dtype], stored: Sequence[torch.Tensor], grad: torch.Tensor,
-                    high: Optional[torch.Tensor], hyper: AdamHyper, step: int) -> None:
-    """The reference the fused kernel must equal: widen to fp32, the engine's AdamW, round back."""
-    from .update import Fp32Working
+                    high: Optional[torch.Tensor], hyper: AdamHyper, step: int, model: ModelPass = PLAIN) -> None:
+    """The reference the fused kernel must equal: the grads converted (``model``), widen to fp32,
+    the engine's AdamW, round back, then the model's grads zeroed and its param written."""
+    from .update import Fp32Working, convert_grads
 
+    wide_grad = torch.empty(grad.numel(), dtype=torch.float32, device=grad.device)
+    convert_grads(grad, wide_grad, model.unscale, model.clip_coef)
     working = Fp32Working(list(dtypes), stored[0].numel(), stored[0].device)
     wide = working.widen(list(stored), high)
-    adam_kernel(wide[0], grad, wide[1], wide[2], step=step, lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2,
+    adam_kernel(wide[0], wide_grad, wide[1], wide[2], step=step, lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2,
                 eps=hyper.eps, weight_decay=hyper.weight_decay)
     working.round_back(list(stored), wide, high)
+    if model.zero_grad:
+        grad.zero_()
+    if model.param_out is not None and high is None:
+        model.param_out.copy_(stored[0])
 
 
 def sample_state(dtypes: Sequence[torch.dtype], numel: int, device, seed: int = 0):
@@ -203,16 +252,29 @@ SAMPLE_HYPERS = (AdamHyper(3e-4, 0.9, 0.95, 1e-8, 0.1), AdamHyper(1e-3, 0.9, 0.9
 
 
 def matches(fused: Callable, adam_kernel, dtypes: Sequence[torch.dtype], device, numel: int = 1 << 20,
-            steps: int = 3) -> bool:
+            steps: int = 3, on_model: bool = False) -> bool:
     """Whether ``fused`` gives the multi-pass path's bits on random state, over ``steps`` steps of
-    each sample hyperparameter set (weight decay on and off)."""
+    each sample hyperparameter set (weight decay on and off). ``on_model``: called as on the model's
+    own buffers (bf16 grads unscaled and clipped, then zeroed; an fp32 master's bf16 param written)."""
     for seed, hyper in enumerate(SAMPLE_HYPERS):
         ours, grad, high_ours = sample_state(dtypes, numel, device, seed)
         ref = [t.clone() for t in ours]
         high_ref = high_ours.clone()
+        grad_ours = grad_ref = grad
+        outs = [None, None]
+        if on_model:
+            outs = [torch.zeros(numel, dtype=torch.bfloat16, device=grad.device) for _ in range(2)]
         for step in range(1, steps + 1):
-            fused(ours, grad, high_ours, hyper, step)
-            multi_pass_step(adam_kernel, dtypes, ref, grad, high_ref, hyper, step)
+            if on_model:  # (the grads are zeroed by each step: fresh ones for each)
+                grad_ours, grad_ref = grad.to(torch.bfloat16) * step, grad.to(torch.bfloat16) * step
+            high = None if dtypes[0] != torch.int16 else high_ours
+            passes = [ModelPass(1 / 1000, 0.7, True, out) if on_model else PLAIN for out in outs]
+            fused(ours, grad_ours, high, hyper, step, *([passes[0]] if on_model else []))
+            multi_pass_step(adam_kernel, dtypes, ref, grad_ref, high_ref if high is not None else None, hyper, step,
+                            passes[1])
+            if on_model and not (torch.equal(grad_ours, grad_ref) and torch.equal(outs[0].view(torch.int16),
+                                                                                   outs[1].view(torch.int16))):
+                return False
         same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(ours, ref))
         if not same or not torch.equal(high_ours.view(torch.int16), high_ref.view(torch.int16)):
             return False
@@ -222,7 +284,9 @@ def matches(fused: Callable, adam_kernel, dtypes: Sequence[torch.dtype], device,
 def verified_fused_update(device, dtypes: Sequence[torch.dtype], adam_kernel,
                           variants: Sequence[Variant] = VARIANTS) -> Tuple[Optional[FusedAdamW], str]:
     """The fused kernel in the first variant bit-identical to the multi-pass path with
-    ``adam_kernel`` on this device, or None (the multi-pass path stays); and a phrase for the log."""
+    ``adam_kernel`` on this device, or None (the multi-pass path stays); and a phrase for the log.
+    Its ``on_model_ok`` says whether it was bit-identical on the model's own buffers too (else the
+    device update goes through copies of the grads and params)."""
     device = torch.device(device)
     if device.type != "cuda":
         return None, "multi-pass (CPU device)"
@@ -234,24 +298,33 @@ def verified_fused_update(device, dtypes: Sequence[torch.dtype], adam_kernel,
     for variant in variants:
         fused = FusedAdamW(variant)
         try:
-            if matches(fused, adam_kernel, dtypes, device):
-                return fused, f"one pass ({variant.describe()}; bit-identical to the multi-pass path on a sample)"
+            if not matches(fused, adam_kernel, dtypes, device):
+                tried.append(variant.describe())
+                continue
         except Exception as err:  # a Triton that cannot build it: the multi-pass path is always there
             log.warning("fused device update unavailable (%s: %s); using the multi-pass path",
                         type(err).__name__, err)
             return None, "multi-pass (fused kernel failed to build)"
-        tried.append(variant.describe())
+        how = f"one pass ({variant.describe()}; bit-identical to the multi-pass path on a sample"
+        try:
+            fused.on_model_ok = matches(fused, adam_kernel, dtypes, device, on_model=True)
+        except Exception as err:
+            log.warning("fused device update on the model's buffers unavailable (%s: %s); through copies",
+                        type(err).__name__, err)
+        return fused, how + ("" if fused.on_model_ok else "; through copies of the grads and params") + ")"
     return None, f"multi-pass (no fused variant was bit-identical: tried {len(tried)})"
 
 
 class ReferenceOnePass:
     """The one-pass interface over the multi-pass arithmetic: the fused kernel's stand-in where
     there is no GPU, so the CPU tests run the device update's one-pass slicing (chunks, param
-    group pieces, high halves) and compare it with the multi-pass path."""
+    group pieces, high halves, the model's own buffers) and compare it with the multi-pass path."""
+
+    on_model_ok = True
 
     def __init__(self, adam_kernel, dtypes: Sequence[torch.dtype]):
         self.adam_kernel, self.dtypes = adam_kernel, list(dtypes)
 
     def __call__(self, stored: Sequence[torch.Tensor], grad: torch.Tensor, high: Optional[torch.Tensor],
-                 hyper: AdamHyper, step: int) -> None:
-        multi_pass_step(self.adam_kernel, self.dtypes, stored, grad, high, hyper, step)
+                 hyper: AdamHyper, step: int, model: ModelPass = PLAIN) -> None:
+        multi_pass_step(self.adam_kernel, self.dtypes, stored, grad, high, hyper, step, model or PLAIN)

@@ -63,6 +63,9 @@ class ParamHighSource(Protocol):
     def to_device(self, start: int, end: int, out: torch.Tensor) -> None:
         """Write them into ``out`` on the update's device, in the current stream's order."""
 
+    # Optional (``gradients.ModelBuffers``): ``views(start, end)``, the params of [start, end) where
+    # the model keeps them, as (flat start, flat end, view) pieces.
+
 
 class HostParamHigh:
     """The params in one bf16 tensor on the update's device (the CPU on a CPU run)."""
@@ -75,6 +78,9 @@ class HostParamHigh:
 
     def to_device(self, start: int, end: int, out: torch.Tensor) -> None:
         out.copy_(self.params[start:end])
+
+    def views(self, start: int, end: int):
+        yield start, end, self.params[start:end]
 
 
 OnParams = Callable[[int, int, torch.Tensor], object]

@@ -25,6 +25,7 @@ class PathRates:
     cpu_how: str
     device_multi: Optional[tuple] = None  # (resident, streamed)
     device_one: Optional[tuple] = None
+    device_on_model: Optional[tuple] = None  # the one pass on the model's own grads and params
     device_how: str = ""
 
     def describe(self, threads: int) -> str:
@@ -34,6 +35,9 @@ class PathRates:
             (rm, sm), (ro, so) = self.device_multi, self.device_one
             line += (f"\n  device: multi-pass resident {rm / 1e9:.2f} G elem/s, streamed {sm / 1e9:.2f}; one pass "
                      f"resident {ro / 1e9:.2f}, streamed {so / 1e9:.2f} ({self.device_how})")
+            if self.device_on_model is not None:
+                rd, sd = self.device_on_model
+                line += f"; on the model's buffers resident {rd / 1e9:.2f}, streamed {sd / 1e9:.2f}"
         return line
 
 
@@ -55,6 +59,9 @@ def measure_update_paths(dtypes: Sequence[torch.dtype], numel: int) -> PathRates
     updater.fused, rates.device_how = verified_fused_update("cuda", dtypes, kernel)
     rates.device_one = (measure_device_rates(updater, device_step, dtypes, numel) if updater.fused is not None
                         else (NAN, NAN))
+    if updater.fused is not None and updater.fused.on_model_ok:
+        updater.on_model_buffers = True
+        rates.device_on_model = measure_device_rates(updater, device_step, dtypes, numel)
     del updater
     torch.cuda.empty_cache()
     return rates

@@ -13,7 +13,9 @@ import torch
 from . import probe_cache
 from ..config import TierBandwidth, probe_piece_bytes
 from ..subgroups import Subgroup
+from ..gradients import HostGradients, ModelBuffers
 from ..kernels.fused_update import AdamHyper
+from ..kernels.remainders import HostParamHigh
 from ..kernels.update import Fp32Working
 from ..tiers.align import ALIGN, align_down
 from ..tiers.files import FileTier, fsync_path
@@ -180,13 +182,16 @@ def measure_device_rates(updater, adam_step, dtypes, numel: int, repeats: int = 
     def params_back(start, end, params):
         params_out[start:end].copy_(params)
 
+    # Or, with the one-pass kernel on the model's buffers, those same two tensors read and written in place.
+    model = _probe_model(updater, grads16, params16 if dtypes[0] == torch.int16 else params_out)
+
     def run_k(stored, resident, k):
         def once(_):
             for _ in range(k):
                 fence = updater.update(sg, stored, resident, segments, lambda out: out.copy_(grads16[: out.numel()]),
                                        adam, params_back,
                                        lambda start, end, out: out.copy_(params16[start:end]),
-                                       hyper=_measuring_hyper, step=1)
+                                       hyper=_measuring_hyper, step=1, model=model)
             fence.synchronize()
         return _best_of(once, repeats)
 
@@ -197,6 +202,14 @@ def measure_device_rates(updater, adam_step, dtypes, numel: int, repeats: int = 
         short, long = run_k(stored, resident, 1), run_k(stored, resident, 4)
         return 3 * numel / max(long - short, 1e-9) if long > short else 4 * numel / long
     return run(dev, True), run(host, False)
+
+
+def _probe_model(updater, grads: torch.Tensor, params: torch.Tensor):
+    """The model's buffers for a probe of ``updater``: ``grads`` and ``params`` where it uses them in
+    place (``on_model_buffers``), else None."""
+    if not updater.on_model_buffers:
+        return None
+    return ModelBuffers(HostGradients(grads), HostParamHigh(params))
 
 
 def _measuring_hyper(group: int) -> AdamHyper:
@@ -250,6 +263,8 @@ def measure_shared_rates(updater, cpu_step, adam_step, dtypes, numel: int, piece
     params_host = torch.empty(piece, dtype=up_dtype, pin_memory=True)
     grads_dev = torch.full((piece,), 1e-3, device=updater.device)
     params_dev = torch.full((piece,), 0.5, dtype=up_dtype, device=updater.device)
+    stream_model = _probe_model(updater, torch.full((numel,), 1e-3, dtype=torch.bfloat16, device=updater.device),
+                                torch.full((numel,), 0.5, dtype=up_dtype, device=updater.device))
     side = torch.cuda.Stream(updater.device)
     in_a_row = 8  # long enough that the CPU's pieces (~1 ms each) time it within a few percent
 
@@ -263,7 +278,8 @@ def measure_shared_rates(updater, cpu_step, adam_step, dtypes, numel: int, piece
         start = time.perf_counter()
         for _ in range(in_a_row):
             fence = updater.update(sg, host, False, segments, lambda out: out.fill_(1e-3), adam, None,
-                                   lambda start, end, out: out.fill_(0.5), hyper=_measuring_hyper, step=1)
+                                   lambda start, end, out: out.fill_(0.5), hyper=_measuring_hyper, step=1,
+                                   model=stream_model)
         cpu_elems, step = 0, 0
         while not fence.query():
             with torch.cuda.stream(side):  # the CPU path's PCIe traffic: its grads down, its params up

@@ -18,7 +18,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from ..kernels.fused_update import AdamHyper, FusedAdamW, hyper_of
+from ..gradients import ModelBuffers
+from ..kernels.fused_update import AdamHyper, FusedAdamW, ModelPass, hyper_of
 from ..param_groups import Segment
 from .context import StepContext
 from ..subgroups import Subgroup
@@ -108,20 +109,24 @@ class DeviceUpdate:
         self._working: Optional[Fp32Working] = None
         # A master stored as remainders: its chunk's bf16 high halves (read from the model, and
         # the updated ones handed back), on the device.
-        self._high = (torch.empty(self.chunk, dtype=torch.bfloat16, device=self.device)
-                      if self.dtypes[0] == torch.int16 else None)
-        self.grad = torch.empty(largest, dtype=torch.float32, device=self.device)
+        # (made at first use: the one-pass kernel on the model's buffers needs neither)
+        self._high: Optional[torch.Tensor] = None
+        self._grad: Optional[torch.Tensor] = None
+        self.largest = largest
         self._turn = 0
         # The one-pass kernel (fused_update), where it was verified bit-identical on this device;
         # None: widen, Adam and round back as separate passes.
         self.fused: Optional[FusedAdamW] = None
         self.fused_how = "multi-pass"
+        # Whether the one-pass kernel works on the model's own grads and params (``ModelBuffers``,
+        # where the engine's sources give them): set by the engine, read by the rate probe.
+        self.on_model_buffers = False
 
     def update(self, sg: Subgroup, stored: List[torch.Tensor], resident: bool, segments: Sequence[Segment],
                fill_grads: Callable[[torch.Tensor], None], adam: Callable, on_params,
                fill_high: Optional[Callable[[int, int, torch.Tensor], None]] = None,
                hyper: Optional[Callable[[int], AdamHyper]] = None, step: int = 0, pre_read=None,
-               written=None) -> object:
+               written=None, model: Optional[ModelBuffers] = None, grad_scale=(None, None)) -> object:
         """``stored``: the subgroup's (param, exp_avg, exp_avg_sq) in their stored dtypes, on the
         device (``resident``: updated in place) or in host memory (streamed through the chunk
         buffers). ``fill_grads(out)`` writes its fp32 grads into a device tensor; ``adam(p, g, m, v,
@@ -132,18 +137,28 @@ class DeviceUpdate:
         bf16 params. With the one-pass kernel, ``hyper(group)`` and ``step`` replace ``adam``.
         ``pre_read`` (``read_ahead.PreRead``): host state already copied in; its update waits for that
         copy and then only copies the state back out. ``written``: the event of a copy out that may
-        still write ``stored`` (the copies in wait for it)."""
+        still write ``stored`` (the copies in wait for it). ``model``: with the one-pass kernel, the
+        model's grads (times ``grad_scale``: unscale, clip coefficient) and params are used where they
+        are, and ``fill_grads``, ``fill_high`` and ``on_params`` are not called."""
         s, n = self.streams, sg.numel
         one_pass = (lambda *a: self._one_pass(*a, hyper, step)) if self.fused is not None and hyper else None
-        grad = self.grad[:n]
-        with s.on(s.compute):
-            fill_grads(grad)
+        if one_pass is not None and model is not None:
+            def compute(chunk, c0, c1):
+                self._on_model(sg, chunk, c0, c1, segments, hyper, step, model, grad_scale)
+        else:
+            if self._grad is None:
+                self._grad = torch.empty(self.largest, dtype=torch.float32, device=self.device)
+            grad = self._grad[:n]
+            with s.on(s.compute):
+                fill_grads(grad)
+
+            def compute(chunk, c0, c1):
+                self._compute(sg, chunk, grad, c0, c1, segments, adam, on_params, fill_high, one_pass)
         for c0 in range(0, n, self.chunk):
             c1 = min(n, c0 + self.chunk)
             if resident:
                 with s.on(s.compute):
-                    self._compute(sg, [t[c0:c1] for t in stored], grad, c0, c1, segments, adam, on_params,
-                                  fill_high, one_pass)
+                    compute([t[c0:c1] for t in stored], c0, c1)
                 continue
             if pre_read is not None:
                 dev, arrived = [t[c0:c1] for t in pre_read.tensors], pre_read.arrived
@@ -162,7 +177,7 @@ class DeviceUpdate:
                     arrived = s.record(s.copy_in)
             with s.on(s.compute):
                 s.wait(s.compute, arrived)
-                self._compute(sg, dev, grad, c0, c1, segments, adam, on_params, fill_high, one_pass)
+                compute(dev, c0, c1)
                 computed = s.record(s.compute)
             with s.on(s.copy_out):
                 s.wait(s.copy_out, computed)
@@ -176,7 +191,9 @@ class DeviceUpdate:
     def _compute(self, sg: Subgroup, chunk: List[torch.Tensor], grad: torch.Tensor, c0: int, c1: int,
                  segments: Sequence[Segment], adam: Callable, on_params, fill_high, one_pass=None) -> None:
         high = None
-        if self._high is not None:
+        if self.dtypes[0] == torch.int16:
+            if self._high is None:
+                self._high = torch.empty(self.chunk, dtype=torch.bfloat16, device=self.device)
             high = self._high[: c1 - c0]
             fill_high(sg.start + c0, sg.start + c1, high)
         if one_pass is not None:
@@ -207,14 +224,38 @@ class DeviceUpdate:
                            None if high is None else high[a - c0:b - c0], hyper(g), step)
 
 
+    def _on_model(self, sg: Subgroup, chunk: List[torch.Tensor], c0: int, c1: int, segments: Sequence[Segment],
+                  hyper: Callable[[int], AdamHyper], step: int, model: ModelBuffers, grad_scale) -> None:
+        """The chunk's param-group pieces in one kernel pass each, on the model's grads and params
+        where they lie (a piece of the model's buffers and of one group at a time)."""
+        base, remainders, zero = sg.start, self.dtypes[0] == torch.int16, model.zero_grads
+        for lo, hi, grad, param in model.pieces(base + c0, base + c1):
+            covered = lo
+            for s_lo, s_hi, g, _ in segments:
+                a, b = max(lo, base + s_lo), min(hi, base + s_hi)
+                if a >= b:
+                    continue
+                if zero and covered < a:  # elements of no group (padding): zeroed as a read would
+                    grad[covered - lo: a - lo].zero_()
+                covered = b
+                pieces = [t[a - base - c0: b - base - c0] for t in chunk]
+                this = param[a - lo: b - lo]
+                self.fused(pieces, grad[a - lo: b - lo], this if remainders else None, hyper(g), step,
+                           ModelPass(grad_scale[0], grad_scale[1], zero, None if remainders else this))
+            if zero and covered < hi:
+                grad[covered - lo:].zero_()
+
+
 class DeviceSide:
     """The device's share of a step, as the engine's step loop sees both sides (``context``):
     ``DeviceUpdate`` with what each subgroup's update needs, built once."""
 
     def __init__(self, device_update: DeviceUpdate, subgroups: Sequence[Subgroup],
                  segments: Sequence[Sequence[Segment]], grad_source, adam: AdamKernel,
-                 on_params, param_high, in_device_memory: Callable[[int], bool], trace=None, read_ahead=None):
+                 on_params, param_high, in_device_memory: Callable[[int], bool], trace=None, read_ahead=None,
+                 model: Optional[ModelBuffers] = None):
         self.device_update, self.subgroups, self.segments = device_update, subgroups, segments
+        self.model = model  # the model's grads and params, where the one-pass kernel uses them in place
         self.read_ahead = read_ahead  # read_ahead.ReadAhead, or None
         self.grad_source, self.adam, self.on_params, self.param_high = grad_source, adam, on_params, param_high
         self.in_device_memory, self.trace = in_device_memory, trace  # (where the placement has it now)
@@ -249,7 +290,8 @@ class DeviceSide:
             lambda out: self.grad_source.to_device(sg.start, sg.end, out, unscale, clip_coef),
             lambda p, g, m, v, group, span: adam_piece(self.adam, groups, p, g, m, v, group, span, step),
             self.on_params, self.param_high.to_device if self.param_high is not None else None,
-            hyper=lambda g: hyper_of(groups[g]), step=step, pre_read=pre, written=written)
+            hyper=lambda g: hyper_of(groups[g]), step=step, pre_read=pre, written=written, model=self.model,
+            grad_scale=(unscale, clip_coef))
         if pre is not None:
             self.read_ahead.returned(pre, fence)
             ctx.record.read_ahead += ahead is not None

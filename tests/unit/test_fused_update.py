@@ -15,7 +15,7 @@ from hypothesis import given, settings, strategies as st
 
 from mlp_offload import OffloadedAdamW
 from mlp_offload import engine as engine_module
-from mlp_offload.kernels.fused_update import (SAMPLE_HYPERS, VARIANTS, AdamHyper, ReferenceOnePass, matches, multi_pass_step,
+from mlp_offload.kernels.fused_update import (PLAIN, SAMPLE_HYPERS, VARIANTS, AdamHyper, ReferenceOnePass, matches, multi_pass_step,
                                       sample_state, verified_fused_update)
 from mlp_offload.kernels.update import AdamKernel
 
@@ -26,9 +26,9 @@ from tests.profiles import examples
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _run(setup, extra, moments, remainders, one_pass, seed, root):
+def _run(setup, extra, moments, remainders, one_pass, seed, root, on_model=True):
     cfg = dataclasses.replace(device_config(setup, extra, root), param_remainders=remainders,
-                              state_dtypes=("fp32", *moments))
+                              state_dtypes=("fp32", *moments), device_model_buffers=on_model)
     state, model, _ = _run_config(setup, cfg, remainders, one_pass, seed)
     return state, model
 
@@ -54,9 +54,11 @@ def _run_config(setup, cfg, remainders, one_pass, seed=0):
                             **kwargs) as eng:
             if one_pass and eng._device_update is not None and eng.device_adam.kind != "fused":
                 assert used and eng._device_update.fused is not None
-            for _ in range(3):
+                # the model's buffers where the model is given (remainders) and the config lets it
+                assert eng._device_update.on_model_buffers == (remainders and cfg.device_model_buffers)
+            for k in range(3):
                 eng.grad_buffer.copy_((torch.randn(setup.numel, generator=gen) * 10).to(torch.bfloat16))
-                eng.step()
+                eng.step(unscale=(None, 1 / 1000, 1.0)[k], clip_coef=(0.37, None, 0.61)[k])
             return [t.clone() for t in engine_state(eng)], model.params, bool(used)
     finally:
         engine_module.verified_fused_update = real
@@ -64,12 +66,14 @@ def _run_config(setup, cfg, remainders, one_pass, seed=0):
 
 @settings(max_examples=examples(30), deadline=None, derandomize=True, print_blob=True)
 @given(case=device_setups(), moments=st.tuples(st.sampled_from(list(DTYPES)), st.sampled_from(list(DTYPES))),
-       remainders=st.booleans(), seed=st.integers(0, 3))
-def test_one_pass_slicing_gives_the_multi_pass_bits(case, moments, remainders, seed):
+       remainders=st.booleans(), seed=st.integers(0, 3), on_model=st.booleans())
+def test_one_pass_slicing_gives_the_multi_pass_bits(case, moments, remainders, seed, on_model):
+    """(``on_model``: with remainders, the kernel on the model's params and the engine's grad buffer
+    in place, else through copies of them)"""
     setup, extra, _ = case
     with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
         ref_state, ref_model = _run(setup, extra, moments, remainders, False, seed, a)
-        state, model = _run(setup, extra, moments, remainders, True, seed, b)
+        state, model = _run(setup, extra, moments, remainders, True, seed, b, on_model)
     for got, want in zip(state, ref_state):
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     assert torch.equal(model.view(torch.uint8), ref_model.view(torch.uint8))
@@ -82,11 +86,37 @@ def test_the_start_up_check_rejects_a_kernel_one_ulp_off(dtypes):
     reference = ReferenceOnePass(kernel, dtypes)
     assert matches(reference, kernel, dtypes, "cpu", numel=4096)
 
-    def one_ulp_off(stored, grad, high, hyper, step):
-        reference(stored, grad, high, hyper, step)
+    def one_ulp_off(stored, grad, high, hyper, step, model=PLAIN):
+        reference(stored, grad, high, hyper, step, model)
         m = stored[1]
         m.view(torch.int16 if m.dtype == torch.bfloat16 else torch.int32)[7] += 1
     assert not matches(one_ulp_off, kernel, dtypes, "cpu", numel=4096)
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32, torch.float32),
+                                    (torch.int16, torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("fault", ["no clip", "clip first", "grads kept", "param not written"])
+def test_the_start_up_check_rejects_a_kernel_wrong_on_the_model_buffers(dtypes, fault):
+    """The check covers the model's own buffers too: unscale then clip, grads zeroed, the fp32
+    master's param written (a kernel right only on fp32 grad copies is refused)."""
+    kernel = AdamKernel("single")
+    reference = ReferenceOnePass(kernel, dtypes)
+    if fault == "param not written" and dtypes[0] == torch.int16:
+        pytest.skip("a remainders master's param is its high half, updated in place")
+
+    def wrong(stored, grad, high, hyper, step, model=PLAIN):
+        if model is not PLAIN:
+            if fault == "no clip":
+                model = dataclasses.replace(model, clip_coef=None)
+            elif fault == "clip first":  # the two multiplies in the other order round differently
+                model = dataclasses.replace(model, unscale=model.clip_coef, clip_coef=model.unscale)
+            elif fault == "grads kept":
+                model = dataclasses.replace(model, zero_grad=False)
+            else:
+                model = dataclasses.replace(model, param_out=None)
+        reference(stored, grad, high, hyper, step, model)
+    assert matches(reference, kernel, dtypes, "cpu", numel=4096, on_model=True)
+    assert not matches(wrong, kernel, dtypes, "cpu", numel=4096, on_model=True)
 
 
 def test_variants_are_distinct_and_a_cpu_device_keeps_the_multi_pass_path():
@@ -105,6 +135,7 @@ def test_fused_kernel_is_bit_identical_on_cuda(master, moments):
     dtypes = [torch.int16 if master == "rem16" else DTYPES[master], *(DTYPES[m] for m in moments)]
     fused, how = verified_fused_update("cuda", dtypes, kernel)
     assert fused is not None, how
+    assert fused.on_model_ok, how  # also on the model's own buffers
     # Independent of the engine's path: torch.optim.AdamW on the fp32 state, rounded as stored.
     for seed, hyper in enumerate(SAMPLE_HYPERS):
         stored, grad, high = sample_state(dtypes, 1 << 20, "cuda", seed + 10)

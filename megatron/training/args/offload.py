@@ -95,6 +95,9 @@ def add_groups(parser) -> None:
                         "before its step while the host link idles (whole subgroups; 0: none)")
     g.add_argument("--offload-no-one-pass-update", action="store_true",
                    help="device updates widen, step and round back in separate passes (as before the one-pass kernel)")
+    g.add_argument("--offload-no-update-in-model-buffers", action="store_true",
+                   help="the device's one-pass update takes the grads as an fp32 copy and hands the params back as "
+                        "a copy, instead of reading and writing them in the model's buffers")
     g.add_argument("--offload-no-cpu-one-pass", action="store_true",
                    help="CPU updates widen, step and round back in separate passes (no run-time built C++ kernel)")
     g.add_argument("--offload-no-odirect", action="store_true")

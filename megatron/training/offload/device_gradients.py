@@ -47,6 +47,10 @@ class DeviceGradients:
     def wait(self, start: int) -> None:
         self.events.pop(start).synchronize()
 
+    def views(self, start: int, end: int):
+        """The grads of [start, end) in the DDP buffers (the device update's one-pass kernel reads them there)."""
+        return self.layout.views(start, end, "grad")
+
     def to_device(self, start: int, end: int, out: torch.Tensor, unscale, clip_coef) -> None:
         """For subgroups updated on the GPU: the same cast and multiplies into ``out`` on the
         current stream (the engine's compute stream); nothing crosses PCIe."""

@@ -35,6 +35,7 @@ def config_from_args(args, rank: int) -> OffloadConfig:
         verify_checksums=not args.offload_no_checksums,
         cache_alternating=not args.offload_no_cache,
         device_one_pass=not getattr(args, "offload_no_one_pass_update", False),
+        device_model_buffers=not getattr(args, "offload_no_update_in_model_buffers", False),
         defer_device_wait=bool(getattr(args, "offload_overlap_forward", False)),
         device_read_ahead_bytes=int(getattr(args, "offload_read_ahead_gb", 0.0) * GiB),
         cpu_one_pass=not getattr(args, "offload_no_cpu_one_pass", False),

@@ -26,6 +26,10 @@ class ModelParamHigh:
             self.to_device(start, end, out, non_blocking=True)
         self.copy_stream.synchronize()
 
+    def views(self, start: int, end: int):
+        """The params of [start, end) in the DDP buffers (the device update writes them there in place)."""
+        return self.layout.views(start, end, "param")
+
     def to_device(self, start: int, end: int, out: torch.Tensor, non_blocking: bool = False) -> None:
         for lo, hi, view in self.layout.views(start, end, "param"):
             out[lo - start: hi - start].copy_(view, non_blocking=non_blocking)

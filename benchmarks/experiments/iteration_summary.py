@@ -1,0 +1,26 @@
+"""One line per iteration of a training log: the iteration, its time, the offload update time and the
+predicted iteration, where the console line gives them.
+  python benchmarks/experiments/iteration_summary.py LOG"""
+
+import re
+import sys
+
+FIELDS = {"elapsed time per iteration (ms)": "iter", "offload update time (ms)": "update",
+          "offload device update time (ms)": "device", "offload predicted iteration time (ms)": "predicted"}
+
+
+def main(path: str) -> None:
+    for line in open(path, errors="replace"):
+        head = re.search(r"iteration\s+(\d+)/\s*(\d+)", line)
+        if not head:
+            continue
+        parts = [f"it {head.group(1)}"]
+        for field, short in FIELDS.items():
+            found = re.search(re.escape(field) + r":\s*([0-9.]+)", line)
+            if found:
+                parts.append(f"{short} {found.group(1)}")
+        print(" | ".join(parts))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
