@@ -39,10 +39,11 @@ from mlp_offload import GiB
 # docs/results/x4_2026-11-26d/moe_large_iterations.txt (180.4, 169.0, 174.9 as the log counts them, update 5-8 ms).
 MEASURED_H200_TFLOPS = {"unfused": 216.7, "sdpa": 334.5, "sequential_experts": 174.8}
 # The device update's rates where no run of yours gave them, from one-pass runs on H200 machines
-# (docs/benchmarks.md §10, docs/results/gpu_2026-11-26/): resident 86-104 G elements/s; one GPU's
+# (docs/benchmarks.md §10 and §14): resident 200 G elements/s, what the 10.24 B steps ran with the kernel on the
+# model's own grads and params (10.24 G elements in 50 ms; its start-up probe read 241); one GPU's
 # host link ~100 GB/s both ways together (streamed 8.37, 5.00, 4.2 G elements/s at 6, 10, 12 stored
 # bytes each); four GPUs of one node streamed ~186 GB/s together (call8_x4_tp2pp2.log).
-DEFAULT_GPU_ADAM_GELEMS = 90.0
+DEFAULT_GPU_ADAM_GELEMS = 200.0
 DEFAULT_GPU_LINK_GBPS = 100.0
 DEFAULT_NODE_HOST_GBPS = 186.0
 DEVICE_FLAGS = (  # (flag, default, help): the device update's rates, positive numbers

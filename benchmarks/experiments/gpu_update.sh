@@ -55,6 +55,8 @@ for kind in $KINDS; do
     gpurem) FLAGS="--offload-tiers gpu,host --offload-gpu-cache-gb $GPU_GB --offload-update cpu";;
     streamrem) FLAGS="--offload-tiers host --offload-update gpu --offload-subgroup-size $SUB";;
     splitrem) FLAGS="--offload-tiers host --offload-update auto --offload-subgroup-size 2000000";;
+    gpuremov) FLAGS="--offload-tiers gpu,host --offload-gpu-cache-gb $GPU_GB --offload-update cpu --offload-overlap-forward";;
+    streamremov) FLAGS="--offload-tiers host --offload-update gpu --offload-subgroup-size $SUB --offload-overlap-forward";;
   esac
   SCRIPT=$SCRIPT run "small-$kind" $LIMIT_A $SMALL --train-iters $ITERS_A $FLAGS --loss-log "$OUT/.loss_$kind.jsonl"
   grep -E "offload rank|predicted|iteration |update split" "$OUT/.run.log" | grep -v -i warn | cut -c1-400 >> "$OUT/correctness.log"
@@ -63,14 +65,16 @@ done
 $PY - "$OUT" <<'PY' | tee "$OUT/correctness_losses.txt"
 import json, sys, pathlib
 out = pathlib.Path(sys.argv[1])
-kinds = ("mcore", "gpu", "stream", "mcorehalf", "gpurem", "streamrem", "splitrem")
+kinds = ("mcore", "gpu", "stream", "mcorehalf", "gpurem", "streamrem", "splitrem", "gpuremov", "streamremov")
 runs = {k: {r["iteration"]: r["loss"] for r in map(json.loads, (out / f".loss_{k}.jsonl").read_text().splitlines())}
         if (out / f".loss_{k}.jsonl").exists() else {} for k in kinds}
 print("iteration  " + "  ".join(f"{k:24}" for k in kinds))
-for it in sorted(runs["mcore"]):
+for it in sorted(runs["mcore"] or runs["mcorehalf"]):
     print(f"{it:9d}  " + "  ".join(f"{runs[k].get(it, float('nan'))!r:24}" for k in kinds))
 for k, ref in (("gpu", "mcore"), ("stream", "mcore"), ("gpurem", "mcorehalf"), ("streamrem", "mcorehalf"),
-               ("splitrem", "mcorehalf")):
+               ("splitrem", "mcorehalf"), ("gpuremov", "mcorehalf"), ("streamremov", "mcorehalf")):
+    if not runs[k]:
+        continue  # (not run this time)
     same = runs[k] == runs[ref] and runs[k] != {}
     print(f"{k}: {'BIT-IDENTICAL' if same else 'DIFFERENT'} to {ref} ({len(runs[k])} iterations)")
 PY

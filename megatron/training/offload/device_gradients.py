@@ -24,11 +24,18 @@ class DeviceGradients:
         # (it would race the update's reads): each range is zeroed here right after it was read.
         self.zero_after_read = False
         self.stream = stream
-        self.staging = [torch.empty(largest, dtype=torch.float32, device=stream.device) for _ in range(2)]
+        # Two fp32 buffers for the CPU's subgroups, made when the CPU first gets one (0.8 GB at subgroups of
+        # 1e8 that the gpu tier keeps where the split gives the CPU nothing, as on an H200).
+        self.largest = largest
+        self.staging = None
         self.events: Dict[int, object] = {}
         self._turn = 0
 
     def start(self, start: int, end: int, out: torch.Tensor, unscale, clip_coef) -> None:
+        if self.staging is None:
+            with torch.cuda.stream(self.stream):
+                self.staging = [torch.empty(self.largest, dtype=torch.float32, device=self.stream.device)
+                                for _ in range(2)]
         buf = self.staging[self._turn % 2][: end - start]
         self._turn += 1
         with torch.cuda.stream(self.stream):
