@@ -17,11 +17,13 @@ multi-pass path is the CPU twin, and the CPU tests run it.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 log = logging.getLogger("mlp_offload")
@@ -165,8 +167,22 @@ def _scales(factor: Optional[float]) -> bool:
 
 
 def _f32(x: float) -> float:
-    """``x`` rounded to fp32, as torch rounds a Python scalar for an fp32 kernel."""
-    return torch.tensor(x, dtype=torch.float32).item()
+    """``x`` rounded to fp32 (to nearest even), as torch rounds a Python scalar for an fp32 kernel."""
+    return float(np.float32(x))
+
+
+@functools.lru_cache(maxsize=256)
+def _kernel_scalars(hyper: AdamHyper, step: int, reciprocal: bool, unscale: Optional[float],
+                    clip_coef: Optional[float]) -> Tuple[float, ...]:
+    """The kernel's fp32 scalars for one param group's step: computed once a step, not per launch (a step's
+    few hundred launches spent more host time on them than the device on its small pieces)."""
+    bc1 = 1 - hyper.beta1 ** step
+    bc2_sqrt = (1 - hyper.beta2 ** step) ** 0.5
+    # torch's CUDA division by a CPU scalar multiplies by its fp32 reciprocal
+    divisor = 1.0 / _f32(bc2_sqrt) if reciprocal else bc2_sqrt
+    return (_f32(1 - hyper.lr * hyper.weight_decay), _f32(1 - hyper.beta1), _f32(hyper.beta2),
+            _f32(1 - hyper.beta2), _f32(divisor), _f32(hyper.eps), _f32((hyper.lr / bc1) * -1),
+            _f32(unscale or 1.0), _f32(clip_coef or 1.0))
 
 
 class FusedAdamW:
@@ -194,20 +210,13 @@ class FusedAdamW:
         remainders = p.dtype == torch.int16
         if remainders and high is None:
             raise ValueError("a master stored as remainders needs its bf16 high halves")
-        bc1 = 1 - hyper.beta1 ** step
-        bc2_sqrt = (1 - hyper.beta2 ** step) ** 0.5
-        w1 = 1 - hyper.beta1
         var = self.variant
-        # torch's CUDA division by a CPU scalar multiplies by its fp32 reciprocal
-        divisor = 1.0 / _f32(bc2_sqrt) if var.reciprocal_div else bc2_sqrt
+        scalars = _kernel_scalars(hyper, step, var.reciprocal_div, model.unscale, model.clip_coef)
         grid = (triton.cdiv(n, self.BLOCK),)
         out = model.param_out if model.param_out is not None and not remainders else None
         _adamw_pass[grid](
-            p, high if remainders else p, grad, m, v, p if out is None else out, n,
-            _f32(1 - hyper.lr * hyper.weight_decay), _f32(w1), _f32(hyper.beta2), _f32(1 - hyper.beta2),
-            _f32(divisor), _f32(hyper.eps), _f32((hyper.lr / bc1) * -1),
-            _f32(model.unscale or 1.0), _f32(model.clip_coef or 1.0),
-            REMAINDERS=remainders, DECAY=hyper.weight_decay != 0, LERP_SMALL=abs(_f32(w1)) < 0.5,
+            p, high if remainders else p, grad, m, v, p if out is None else out, n, *scalars,
+            REMAINDERS=remainders, DECAY=hyper.weight_decay != 0, LERP_SMALL=abs(scalars[1]) < 0.5,
             FMA_LERP=var.fma_lerp, FMA_ADDCMUL=var.fma_addcmul, FMA_ADDCDIV=var.fma_addcdiv,
             RECIPROCAL=var.reciprocal_div, UNSCALE=_scales(model.unscale), CLIP=_scales(model.clip_coef),
             ZERO_GRAD=model.zero_grad, PARAM_OUT=out is not None, BLOCK=self.BLOCK, num_warps=8,
