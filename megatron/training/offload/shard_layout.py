@@ -6,6 +6,7 @@ builder), so the engine updates exactly the elements megatron-core's optimizer w
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Tuple
 
@@ -53,10 +54,15 @@ class ShardLayout:
                         self.param_slice[param] = ranges["param"].start
                     flat += shard
         self.numel = flat
+        self._flat_starts = [p.flat_start for p in self.pieces]  # ascending: pieces are laid out in order
 
     def views(self, start: int, end: int, kind: str):
         """(flat_start, flat_end, device view) for the pieces overlapping [start, end)."""
-        for p in self.pieces:
+        # (from the first piece that may overlap: with many DDP buckets a step asks this per subgroup and per param)
+        first = max(0, bisect.bisect_right(self._flat_starts, start) - 1)
+        for p in self.pieces[first:]:
+            if p.flat_start >= end:
+                break
             lo, hi = max(start, p.flat_start), min(end, p.flat_start + p.numel)
             if lo < hi:
                 data = p.buffer.param_data if kind == "param" else p.buffer.grad_data
