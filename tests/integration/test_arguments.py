@@ -169,6 +169,18 @@ def test_param_remainders_default_on_with_bf16_and_an_fp32_master(extra, remaind
     assert config.stored_dtypes[0] == ("rem16" if remainders else config.state_dtypes[0])
 
 
+@pytest.mark.parametrize("flags, on_model, one_pass", [
+    ([], True, True),
+    (["--offload-no-update-in-model-buffers"], False, True),
+    (["--offload-no-one-pass-update"], True, False),  # (the model's buffers are the one-pass kernel's: unused then)
+])
+def test_the_device_update_paths_follow_their_flags(flags, on_model, one_pass):
+    from megatron.training.offload.flags import config_from_args
+
+    config = config_from_args(parse_args(BASE + ["--offload-tiers", "host", *flags]), rank=0)
+    assert (config.device_model_buffers, config.device_one_pass) == (on_model, one_pass)
+
+
 def test_no_store_param_remainders_reaches_megatron_core_where_it_honours_it():
     """megatron-core keeps remainders only in transformer-engine's FusedAdam of the precision-aware
     optimizer: there the flag is passed; elsewhere its OptimizerConfig default stays."""
