@@ -43,12 +43,14 @@ MEASURED_H200_TFLOPS = {"unfused": 216.7, "sdpa": 334.5, "sequential_experts": 1
 # model's own grads and params (10.24 G elements in 50 ms; its start-up probe read 241); one GPU's
 # host link ~100 GB/s both ways together (streamed 8.37, 5.00, 4.2 G elements/s at 6, 10, 12 stored
 # bytes each); four GPUs of one node streamed ~186 GB/s together (call8_x4_tp2pp2.log).
-DEFAULT_GPU_ADAM_GELEMS = 200.0
+DEFAULT_GPU_ADAM_GELEMS = 200.0  # for rem16/bf16/bf16 state (18 bytes an element moves): scaled for others
 DEFAULT_GPU_LINK_GBPS = 100.0
 DEFAULT_NODE_HOST_GBPS = 186.0
 DEVICE_FLAGS = (  # (flag, default, help): the device update's rates, positive numbers
-    ("--gpu-adam-gelems", DEFAULT_GPU_ADAM_GELEMS,
-     "device update of state kept in HBM, G elements/s (the start-up line's 'resident')"),
+    ("--gpu-adam-gelems", None,
+     f"device update of state kept in HBM, G elements/s (the start-up line's 'resident'; default "
+     f"{DEFAULT_GPU_ADAM_GELEMS:.0f} for 16-bit remainders and bf16 moments, less for wider state: by the bytes an "
+     f"element moves)"),
     ("--gpu-streamed-gelems", None, "host state streamed through one GPU alone, G elements/s (the start-up "
      "line's 'streamed'; default: --gpu-link-gbps over twice the stored bytes per element)"),
     ("--gpu-link-gbps", DEFAULT_GPU_LINK_GBPS, "one GPU's host link, GB/s both directions together"),
@@ -219,11 +221,25 @@ def cpu_rates(opts, config):
     return adam_rate, convert_rate
 
 
-def device_rates(opts):
+def moved_bytes(stored) -> int:
+    """Bytes the device's one-pass kernel moves per element of state in HBM, on the model's buffers: the bf16
+    grad read; a remainders master's low and high halves read and written, or a master read and written and
+    its bf16 param written; both moments read and written."""
+    master, m, v = (4 if name == "fp32" else 2 for name in stored)  # (fp32, or a 16-bit dtype or remainders)
+    return 2 + (8 if stored[0] == "rem16" else 2 * master + 2) + 2 * (m + v)
+
+
+def default_resident_gelems(stored) -> float:
+    """``DEFAULT_GPU_ADAM_GELEMS`` (measured at 18 bytes an element) at ``stored``'s bytes."""
+    return DEFAULT_GPU_ADAM_GELEMS * moved_bytes(("rem16", "bf16", "bf16")) / moved_bytes(stored)
+
+
+def device_rates(opts, stored=("rem16", "bf16", "bf16")):
     from megatron.training.offload.capacity_plan import DeviceRates
 
     g = lambda x: None if x is None else x * 1e9  # noqa: E731
-    return DeviceRates(opts.gpu_adam_gelems * 1e9, opts.gpu_link_gbps * 1e9, opts.node_host_gbps * 1e9,
+    resident = opts.gpu_adam_gelems or default_resident_gelems(stored)
+    return DeviceRates(resident * 1e9, opts.gpu_link_gbps * 1e9, opts.node_host_gbps * 1e9,
                        g(opts.gpu_streamed_gelems), g(opts.cpu_beside_gelems), g(opts.gpu_streamed_beside_gelems))
 
 
@@ -288,8 +304,6 @@ def plan_for(opts, capacities, flags, measured, gpu_tflops=None, batch_sizes=Non
                       _host_memory_bytes(opts.host_memory_gb), gpu_tflops or opts.gpu_tflops or 0.0)
     args = pretrain_args(flags, machine)
     machine.gpu_tflops = machine.gpu_tflops or measured_tflops(args)
-    if args.device != "cpu":  # a GPU job: the engine may update on the device
-        machine.device_rates = device_rates(opts)
     args.padded_vocab_size = padded_vocab_size(args, build_tokenizer(args))
     cfg = transformer_config(args)
     config, rates, space, adam_rate, convert_rate, cache_gb = None, {}, {}, 0.0, 0.0, None
@@ -308,6 +322,8 @@ def plan_for(opts, capacities, flags, measured, gpu_tflops=None, batch_sizes=Non
             measured["cpu"] = cpu_rates(opts, config)
         rates, space = measured["tiers"]
         adam_rate, convert_rate = measured["cpu"]
+    if args.device != "cpu":  # a GPU job: the engine may update on the device
+        machine.device_rates = device_rates(opts, *([config.stored_dtypes] if config is not None else []))
     plan = make_plan(args, cfg, machine, config, rates, space, adam_rate, convert_rate,
                      batch_sizes or table_batch_sizes(opts, args, machine))
     plan.host_cache_gb = cache_gb

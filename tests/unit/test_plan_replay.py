@@ -431,3 +431,16 @@ def test_the_experts_tflops_is_its_calibration_run(tool):
     figures = [float(x) for x in re.findall(r"iteration [345]: .*?TFLOP/s/GPU\) ([0-9.]+)", text)]
     assert len(figures) == 3
     assert tool.MEASURED_H200_TFLOPS["sequential_experts"] == pytest.approx(sum(figures) / 3, abs=0.05)
+
+
+def test_the_default_resident_rate_is_the_10b_steps_and_scales_with_the_bytes_moved(tool):
+    """Without --gpu-adam-gelems: 200 G elements/s for remainders and bf16 moments, which plans the 10.24 B run on
+    the model's buffers at its measured 50 ms; wider state moves more bytes an element and gets less."""
+    run = RUNS["10.24B bf16 moments, model buffers, SDPA, one H200"]
+    flags = re.sub(r"--gpu-adam-gelems [0-9.]+ ", "", run.flags)
+    assert "--gpu-adam-gelems" not in flags
+    got = plan(tool, flags, TFLOPS[run.attention])
+    assert got["predicted_update_s"] == pytest.approx(run.update_s, rel=0.05)
+    rates = [tool.default_resident_gelems(s) for s in (("rem16", "bf16", "bf16"), ("fp32", "bf16", "bf16"),
+                                                        ("rem16", "fp32", "fp32"), ("fp32", "fp32", "fp32"))]
+    assert rates[0] == tool.DEFAULT_GPU_ADAM_GELEMS and rates == sorted(rates, reverse=True)
