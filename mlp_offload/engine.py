@@ -23,10 +23,9 @@ from typing import Callable, Dict, Iterator, Mapping, Optional, Sequence, Tuple
 import torch
 
 from .config import GPU_TIER, OffloadConfig, OffloadConfigError
-from .kernels.cpu_one_pass import cpu_one_pass_for_device, verified_cpu_one_pass
 from .step.cpu_side import CpuUpdate
-from .step.device_side import DeferredWork, DeviceSide, DeviceUpdate
-from .kernels.fused_update import verified_fused_update
+from .step.device_side import DeferredWork, DeviceSide
+from .step.update_paths import choose_update_paths
 from .gradients import GradientSource, HostGradients, ModelBuffers, gradient_host_bytes, scratch_buffers
 from .param_groups import Range, build_groups, segments_of
 from .plan.placement import Placement
@@ -150,27 +149,12 @@ class OffloadedAdamW:
     def _setup(self, params: torch.Tensor, grad_dtype: torch.dtype, grad_source: Optional[GradientSource]) -> None:
         cfg = self.config
         largest = max(sg.numel for sg in self.subgroups)
-        # The device update exists where the device may update anything: a gpu tier, or host state
-        # streamed through it. On a CPU run the "device" is the CPU (the twin the tests run).
-        self._device_update = (DeviceUpdate(cfg.device, self.state_dtypes, cfg.device_chunk_elems, largest)
-                               if GPU_TIER in cfg.tiers or cfg.update_on != "cpu" else None)
-        if self._device_update is not None and cfg.defer_device_wait:
-            self._deferred = DeferredWork(self._device_update.streams)
-        if self._device_update is not None and cfg.device_one_pass:  # before the rates are measured: they time it
-            self._device_update.fused, self._device_update.fused_how = verified_fused_update(
-                cfg.device, self.state_dtypes, self.device_adam)
-        fused = self._device_update.fused if self._device_update is not None else None
-        # The one-pass kernel on the model's own grads and params, where both sources give views
-        # (the engine's own grad buffer does; set before the rates are measured: they time it).
-        on_model = (fused is not None and fused.on_model_ok and cfg.device_model_buffers and self.on_params_updated is not None
-                    and hasattr(self.param_high, "views") and (grad_source is None or hasattr(grad_source, "views")))
-        if on_model:
-            self._device_update.on_model_buffers = True
-        self._cpu_one_pass, self.cpu_one_pass_how = None, "multi-pass"
-        if cfg.cpu_one_pass and fused is not None and cfg.on_cuda:  # the CPU's subgroups get the device's bits
-            self._cpu_one_pass, self.cpu_one_pass_how = cpu_one_pass_for_device(fused, self.state_dtypes, cfg.device)
-        if cfg.cpu_one_pass and self._cpu_one_pass is None:
-            self._cpu_one_pass, self.cpu_one_pass_how = verified_cpu_one_pass(self.state_dtypes, self.adam)
+        sources_give_views = (self.on_params_updated is not None and hasattr(self.param_high, "views")
+                              and (grad_source is None or hasattr(grad_source, "views")))  # (HostGradients does)
+        paths = choose_update_paths(cfg, self.state_dtypes, largest, self.adam, self.device_adam, sources_give_views)
+        self._device_update, self._deferred = paths.device_update, paths.deferred
+        self._cpu_one_pass, self.cpu_one_pass_how = paths.cpu_one_pass, paths.cpu_one_pass_how
+        on_model = paths.on_model_buffers
         plan = start_up(cfg, self.subgroups, self.adam, self._tiers, self.token_store, self.memory,
                         self._device_update, self.device_adam, self._cpu_one_pass)
         self.host, self.rates, self.tokens_per_tier = plan.host, plan.rates, plan.tokens_per_tier

@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from mlp_offload import OffloadedAdamW
-from mlp_offload import engine as engine_module
+from mlp_offload.step import update_paths as paths_module
 from mlp_offload.kernels.fused_update import (PLAIN, SAMPLE_HYPERS, VARIANTS, AdamHyper, ReferenceOnePass, matches, multi_pass_step,
                                       sample_state, verified_fused_update)
 from mlp_offload.kernels.update import AdamKernel
@@ -41,14 +41,14 @@ def _run_config(setup, cfg, remainders, one_pass, seed=0):
     model = ModelParams(init.clone())
     kwargs = dict(on_params_updated=model.on_params, param_high=model.source) if remainders else {}
     used = []
-    real = engine_module.verified_fused_update
+    real = paths_module.verified_fused_update
 
     def stand_in(device, dtypes, kernel):
         if kernel.kind == "fused":  # as on CUDA: torch's fused kernel keeps the multi-pass path
             return None, "multi-pass"
         used.append(True)
         return ReferenceOnePass(kernel, dtypes), "one pass (CPU stand-in)"
-    engine_module.verified_fused_update = stand_in if one_pass else real
+    paths_module.verified_fused_update = stand_in if one_pass else real
     try:
         with OffloadedAdamW(init.clone(), cfg, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, groups=setup.groups,
                             **kwargs) as eng:
@@ -61,7 +61,7 @@ def _run_config(setup, cfg, remainders, one_pass, seed=0):
                 eng.step(unscale=(None, 1 / 1000, 1.0)[k], clip_coef=(0.37, None, 0.61)[k])
             return [t.clone() for t in engine_state(eng)], model.params, bool(used)
     finally:
-        engine_module.verified_fused_update = real
+        paths_module.verified_fused_update = real
 
 
 @settings(max_examples=examples(30), deadline=None, derandomize=True, print_blob=True)
