@@ -24,7 +24,8 @@ import torch
 
 from .config import GPU_TIER, OffloadConfig, OffloadConfigError
 from .step.cpu_side import CpuUpdate
-from .step.device_side import DeferredWork, DeviceSide
+from .step.deferred import DeferredWork
+from .step.device_side import DeviceSide
 from .step.update_paths import choose_update_paths
 from .gradients import GradientSource, HostGradients, ModelBuffers, gradient_host_bytes, scratch_buffers
 from .param_groups import Range, build_groups, segments_of
@@ -149,8 +150,9 @@ class OffloadedAdamW:
     def _setup(self, params: torch.Tensor, grad_dtype: torch.dtype, grad_source: Optional[GradientSource]) -> None:
         cfg = self.config
         largest = max(sg.numel for sg in self.subgroups)
-        sources_give_views = (self.on_params_updated is not None and hasattr(self.param_high, "views")
-                              and (grad_source is None or hasattr(grad_source, "views")))  # (HostGradients does)
+        # (without a grad source the engine makes a HostGradients below)
+        sources_give_views = (self.on_params_updated is not None
+                              and ModelBuffers.available(grad_source or HostGradients, self.param_high))
         paths = choose_update_paths(cfg, self.state_dtypes, largest, self.adam, self.device_adam, sources_give_views)
         self._device_update, self._deferred = paths.device_update, paths.deferred
         self._cpu_one_pass, self.cpu_one_pass_how = paths.cpu_one_pass, paths.cpu_one_pass_how

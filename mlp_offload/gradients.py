@@ -72,9 +72,14 @@ class ModelBuffers:
     def __init__(self, grads, params):
         self.grads, self.params = grads, params
 
+    @staticmethod
+    def available(grads, params) -> bool:
+        """Whether both sources (instances, or a source's class) give ``views``."""
+        return hasattr(grads, "views") and hasattr(params, "views")
+
     @classmethod
     def of(cls, grads, params) -> Optional["ModelBuffers"]:
-        return cls(grads, params) if hasattr(grads, "views") and hasattr(params, "views") else None
+        return cls(grads, params) if cls.available(grads, params) else None
 
     @property
     def zero_grads(self) -> bool:

@@ -17,7 +17,7 @@ from types import MappingProxyType
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..config import GPU_TIER
-from .device_side import DeferredWork
+from .deferred import DeferredWork
 from ..faults import fault_point
 from ..pipeline import SlotPipeline, StateViews
 from ..plan.placement import CPU, DEVICE, Placement

@@ -13,7 +13,8 @@ import torch
 from ..config import GPU_TIER, OffloadConfig
 from ..kernels.cpu_one_pass import cpu_one_pass_for_device, verified_cpu_one_pass
 from ..kernels.fused_update import verified_fused_update
-from .device_side import DeferredWork, DeviceUpdate
+from .deferred import DeferredWork
+from .device_side import DeviceUpdate
 
 
 @dataclass
