@@ -1,4 +1,4 @@
-"""What a deferred step (``defer_device_wait``, --offload-overlap-forward) leaves for the device: its
+"""What a deferred step (``defer_device_wait``: the update under the next forward) leaves for the device: its
 subgroups queued lazily in the next forward's order, each one's params event for the forward to wait on,
 and the fences of its copies out handed to the next step."""
 

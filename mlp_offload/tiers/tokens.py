@@ -50,7 +50,10 @@ class LockDir:
 
     def _join(self) -> int:
         while True:
-            os.makedirs(self.path, exist_ok=True)
+            try:
+                os.makedirs(self.path, exist_ok=True)
+            except FileNotFoundError:
+                continue  # the last user removed the parent between makedirs' two mkdirs
             users = os.path.join(self.path, USERS)
             try:
                 fd = os.open(users, os.O_RDWR | os.O_CREAT, 0o600)
