@@ -111,14 +111,17 @@ class StateAccess:
                 views = self._scratch_views()
                 if fill_missing:
                     self.pipeline.fill_from_tier(i, views)
-            if views.buf.device.type == "cpu":
+            # Decided by the tier, not by where the buffer is: on a CPU run the gpu tier's stand-in
+            # lives in host memory, and it must take the same host copy as on a GPU, or the CPU tests
+            # never run this path (a reversed copy here once passed them and broke resume on GPUs).
+            if self.pipeline.tier_of[i] != GPU_TIER:
                 yield i, sg, views
                 continue
             home, views = views, self._stage()
-            _copy(views, home, sg.numel)
+            _copy(home, views, sg.numel)
             yield i, sg, views
             if write_back:
-                _copy(home, views, sg.numel)
+                _copy(views, home, sg.numel)
 
     def _stage(self) -> StateViews:
         if self._device_stage is None:
@@ -161,11 +164,7 @@ class StateAccess:
         return self._scratch
 
 
-def _copy(dst: StateViews, src: StateViews, numel: int) -> None:
+def _copy(src: StateViews, dst: StateViews, numel: int) -> None:
+    """``src``'s first ``numel`` elements of each state tensor into ``dst`` (either may be on the device)."""
     for d, s in zip(dst.narrow(numel), src.narrow(numel)):
         d.copy_(s)
-
-
-def _copy(src: StateViews, dst: StateViews, numel: int) -> None:
-    for d, t in zip(dst.narrow(numel), src.narrow(numel)):
-        d.copy_(t)
