@@ -1,0 +1,330 @@
+"""The GPU suite: does a saved and resumed run continue bit for bit on a real GPU, over the tiers,
+update paths and masters a user can pick, and do the CUDA unit tests pass? One PASS/FAIL line per
+case, then a summary; run by ``bash benchmarks/run_gpu.sh gpu_suite`` (gpu_suite.sh says how).
+
+Every case compares against an independent reference run of the same model and data: megatron-core's
+own DistributedOptimizer without offload (fp32 master: ``--no-store-param-remainders``), or the
+same with its bf16 copy rounded half away from zero (tests/integration/half_away_megatron.py; the
+default 16-bit remainders), over 4 iterations. A case passes when its run up to the save matches the
+reference there and the resumed run matches it after (iterations, loss, lr and grad norm, bit for bit).
+
+Part 1 (one GPU): the tiers {gpu,host,nvme; gpu,host; gpu; host,nvme} x update {device on the model's
+buffers; device through copies; cpu; split} x master {remainders; fp32}, four cases drawn so that
+every value appears (the seed is printed: SEED=N draws them again); --async-save;
+--offload-overlap-forward; --offload-read-ahead-gb; a rank SIGKILLed during the update and during an
+async save, then resumed from the last complete checkpoint; the gpu tier's auto size (subgroups
+promoted after iteration 1) across a save; the unit tests that run on CUDA. Launches run PAR at a
+time on the one GPU (each is small).
+Part 2 (two GPUs): data-parallel resharding with the gpu tier (DP2 saves, DP1 loads and saves at
+once, DP2 loads that and must continue as the uninterrupted DP2 run) and MoE at EP2 saved and resumed.
+DRY_RUN=1: the same cases with tiny shapes on the CPU (the gpu tier's stand-in), two at a time.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+REPO = Path(__file__).resolve().parents[2]
+DRY = os.environ.get("DRY_RUN") == "1"
+PART = os.environ.get("PART", "1")
+OUT = Path(os.environ.get("OUT", "/tmp/out"))
+WORK = Path(os.environ.get("DISK", "/var/tmp/gpu_suite"))
+SEED = int(os.environ.get("SEED") or random.SystemRandom().randrange(1, 10**6))
+PAR = int(os.environ.get("PAR", "2" if DRY else "6"))
+LIMIT = int(os.environ.get("LIMIT", "400" if DRY else "200"))  # seconds per launch
+ITERS = 4
+
+if DRY:
+    SHAPE = ("--num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 --group-query-attention "
+             "--num-query-groups 2 --seq-length 64 --max-position-embeddings 64 --vocab-size 1024 --device cpu")
+    SUB, GPU_GB, HOST_GB, READ_AHEAD_GB, ALL_GPU_GB = "6000", "0.0004", "0.0005", "0.0002", "0.01"
+else:  # about 110 M params: 28 subgroups of 4 M, about 10 in HBM, 8 in host memory, the rest on disk
+    SHAPE = ("--num-layers 4 --hidden-size 1024 --ffn-hidden-size 2816 --num-attention-heads 16 "
+             "--group-query-attention --num-query-groups 4 --seq-length 512 --max-position-embeddings 512 "
+             "--vocab-size 32000 --device cuda")
+    SUB, GPU_GB, HOST_GB, READ_AHEAD_GB, ALL_GPU_GB = "4000000", "0.4", "0.45", "0.15", "4"
+COMMON = (SHAPE + " --attention-backend local --swiglu --normalization RMSNorm --position-embedding-type rope"
+          " --untie-embeddings-and-output-weights --disable-bias-linear --hidden-dropout 0 --attention-dropout 0"
+          " --micro-batch-size 1 --global-batch-size 4 --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine"
+          " --lr-warmup-iters 1 --adam-beta2 0.95 --weight-decay 0.1 --clip-grad 1.0 --bf16 --mock-data"
+          f" --seed 1234 --log-interval 1 --train-iters {ITERS}").split()
+
+TIERS = {"gpu,host,nvme": f"--offload-gpu-cache-gb {GPU_GB} --offload-host-cache-gb {HOST_GB}",
+         "gpu,host": f"--offload-gpu-cache-gb {GPU_GB}",
+         "gpu": f"--offload-gpu-cache-gb {ALL_GPU_GB}",
+         "host,nvme": f"--offload-host-cache-gb {HOST_GB}"}
+UPDATES = {"device-model-buffers": "--offload-update gpu",
+           "device-copies": "--offload-update gpu --offload-no-update-in-model-buffers",
+           "cpu": "--offload-update cpu",
+           "split": "--offload-update auto"}
+MASTERS = {"remainders": "", "fp32": "--no-store-param-remainders"}
+
+
+@dataclass
+class Case:
+    name: str
+    tiers: str
+    update: str
+    master: str
+    extra: str = ""
+    kind: str = "resume"  # resume: save at 2 and exit, then resume; kill: a fault stops it, then resume
+    fault: str = ""  # MLP_OFFLOAD_FAULT of the killed run
+    delay: str = ""  # MLP_OFFLOAD_DELAY of the killed run
+    save_every: int = 2
+    nproc: int = 1
+    reference: str = ""  # another reference than the master's own (part 2)
+    must_log: str = ""  # on the device, the saving run's log must show this (what the case is about happened)
+    result: str = "FAIL"
+    detail: str = ""
+    launches: List[str] = field(default_factory=list)
+
+    def offload_flags(self, home: Path) -> List[str]:
+        flags = ["--offload-tiers", self.tiers, "--offload-subgroup-size", SUB, "--offload-probe-mb", "64",
+                 "--offload-io-threads", "4", *TIERS[self.tiers].split(), *UPDATES[self.update].split(),
+                 *MASTERS[self.master].split(), *self.extra.split()]
+        if "nvme" in self.tiers:
+            (home / "nvme").mkdir(parents=True, exist_ok=True)
+            flags += ["--offload-nvme-path", str(home / "nvme")]
+        return flags
+
+
+_ports = itertools.count(29610)
+_port_lock = threading.Lock()
+
+
+def launch(name: str, args: List[str], nproc: int = 1, env: Optional[Dict[str, str]] = None,
+           script: str = "pretrain_gpt.py") -> dict:
+    """One torchrun of ``script``; its loss records and the tail of its output."""
+    with _port_lock:
+        port = next(_ports)
+    loss_log = WORK / f"{name}.jsonl"
+    loss_log.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(port),
+           script, *COMMON, *args, "--loss-log", str(loss_log)]
+    started = time.time()
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, **(env or {})}, capture_output=True, text=True,
+                              timeout=LIMIT)
+        code, output = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as err:
+        code, output = "timeout", (err.stdout or b"").decode(errors="replace") + (err.stderr or b"").decode(errors="replace")
+    (WORK / f"{name}.log").write_text(output)
+    records = [json.loads(line) for line in loss_log.read_text().splitlines()] if loss_log.exists() else []
+    return {"name": name, "code": code, "records": records, "seconds": time.time() - started, "output": output}
+
+
+def lines_of(result: dict, *needles: str) -> str:
+    return " | ".join(line.strip()[:200] for line in result["output"].splitlines()
+                      if any(n in line for n in needles) and "Warn" not in line)[:600]
+
+
+REFERENCES: Dict[str, dict] = {}
+
+
+def reference(name: str, nproc: int = 1, extra: str = "") -> dict:
+    """megatron-core's own optimizer, no offload: fp32 ('fp32') or with half-away bf16 params ('remainders')."""
+    script = "tests/integration/half_away_megatron.py" if name.startswith("remainders") else "pretrain_gpt.py"
+    return launch(f"ref_{name}", ["--use-distributed-optimizer", *extra.split()], nproc, script=script)
+
+
+def run_case(case: Case) -> None:
+    home = WORK / case.name
+    shutil.rmtree(home, ignore_errors=True)
+    home.mkdir(parents=True)
+    ckpt = str(home / "ckpt")
+    flags = [*case.offload_flags(home), "--save", ckpt]
+    if case.kind == "resume":
+        first = launch(f"{case.name}_save", [*flags, "--exit-interval", "2"], case.nproc)
+        if first["code"] != 0:
+            case.detail = f"the saving run exited {first['code']}: {tail(first)}"
+            return
+        second = launch(f"{case.name}_resume", [*flags, "--load", ckpt], case.nproc)
+    else:
+        env = {"MLP_OFFLOAD_FAULT": case.fault, **({"MLP_OFFLOAD_DELAY": case.delay} if case.delay else {})}
+        first = launch(f"{case.name}_killed", [*flags, "--load", ckpt, "--save-interval", str(case.save_every)],
+                       case.nproc, env)
+        if first["code"] == 0:
+            case.detail = f"the fault {case.fault} did not stop the run"
+            return
+        second = launch(f"{case.name}_resume", [*flags, "--load", ckpt, "--save-interval", str(case.save_every)],
+                        case.nproc)
+    case.launches = [f"{r['name']} {r['seconds']:.0f} s exit {r['code']}" for r in (first, second)]
+    if second["code"] != 0:
+        case.detail = f"the resumed run exited {second['code']}: {tail(second)}"
+        return
+    case.first, case.second = first["records"], second["records"]
+    case.resume_line = lines_of(second, "resuming", "loaded checkpoint", "loading checkpoint", "removed incomplete")
+    case.placement = lines_of(first, "placement", "gpu tier auto:", "update split")
+    case.saw_log = not case.must_log or DRY or case.must_log in first["output"]
+
+
+def tail(result: dict) -> str:
+    lines = [ln for ln in result["output"].splitlines() if ln.strip() and "Warn" not in ln]
+    return " / ".join(lines[-4:])[-500:]
+
+
+def judge(case: Case, ref: List[dict]) -> None:
+    if not hasattr(case, "second"):
+        return
+    want = {r["iteration"]: r for r in ref}
+    if sorted(want) != list(range(1, ITERS + 1)):
+        case.detail = f"the reference has iterations {sorted(want)}"
+        return
+    resumed_at = case.second[0]["iteration"] - 1 if case.second else ITERS
+    before = [r for r in case.first if r["iteration"] <= resumed_at]
+    got = before + case.second
+    diffs = [f"iteration {r['iteration']}: loss {r['loss']!r} vs {want[r['iteration']]['loss']!r}"
+             for r in got if r != want.get(r["iteration"])]
+    its = [r["iteration"] for r in got]
+    if its != list(range(1, ITERS + 1)):
+        diffs.append(f"iterations {its} (resumed after {resumed_at})")
+    if case.kind == "kill" and resumed_at < 1:
+        diffs.append("nothing was resumed (no complete checkpoint found)")
+    if not getattr(case, "saw_log", True):
+        diffs.append(f"the saving run's log never says {case.must_log!r}")
+    case.result = "PASS" if not diffs else "FAIL"
+    case.detail = (f"resumed after iteration {resumed_at}; " + ("; ".join(diffs[:3]) if diffs else
+                   f"iterations 1-{ITERS} equal the reference, last loss {got[-1]['loss']!r}"))
+
+
+def part1_cases() -> List[Case]:
+    rng = random.Random(SEED)
+    tiers, updates = list(TIERS), list(UPDATES)
+    rng.shuffle(tiers)
+    rng.shuffle(updates)
+    masters = ["remainders", "fp32"] * 2
+    rng.shuffle(masters)
+    cases = [Case(f"m{k}_{t.replace(',', '-')}_{u}_{m}", t, u, m) for k, (t, u, m) in
+             enumerate(zip(tiers, updates, masters))]
+    master = rng.choice(list(MASTERS))
+    cases += [
+        Case("async_save", "gpu,host,nvme", "split", master, "--async-save"),
+        Case("overlap_forward", "gpu,host,nvme", "device-model-buffers", rng.choice(list(MASTERS)),
+             "--offload-overlap-forward"),
+        Case("read_ahead", "host,nvme", "device-model-buffers", rng.choice(list(MASTERS)),
+             f"--offload-read-ahead-gb {READ_AHEAD_GB}"),
+        Case("kill_in_update", "gpu,host,nvme", rng.choice(list(UPDATES)), rng.choice(list(MASTERS)),
+             kind="kill", fault="update#3", save_every=2),
+        # The save of iteration 1 completes when the next one starts; the second one's background write
+        # is slowed and killed just after it starts, so the resume must take iteration 1's.
+        Case("kill_in_async_save", "gpu,host,nvme", "split", rng.choice(list(MASTERS)), "--async-save",
+             kind="kill", fault="save-scheduled#2", delay="save-offload=0.05", save_every=1),
+        Case("gpu_auto", "gpu,host,nvme", rng.choice(list(UPDATES)), rng.choice(list(MASTERS))),
+    ]
+    cases[-1].extra = "--offload-gpu-cache-gb auto"  # after TIERS' fixed size: the later flag wins
+    cases[-1].must_log = "promoted"
+    return cases
+
+
+def part2_cases() -> List[Case]:
+    moe = ("--num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2 --expert-model-parallel-size 2"
+           " --moe-token-dispatcher-type alltoall")
+    return [Case("moe_ep2", "gpu,host,nvme", "device-model-buffers", "fp32", moe, nproc=2, reference="fp32_moe")]
+
+
+def unit_tests() -> dict:
+    """The unit tests that have a CUDA side (they skip it without a GPU)."""
+    files = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests" / "unit").glob("test_*.py")
+                   if "cuda.is_available()" in p.read_text())
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore", *files]
+    started = time.time()
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=LIMIT * 2)
+    summary = [ln for ln in proc.stdout.splitlines() if " passed" in ln or " failed" in ln or "error" in ln.lower()]
+    (WORK / "unit_tests.log").write_text(proc.stdout + proc.stderr)
+    return {"files": files, "code": proc.returncode, "summary": (summary or ["no summary"])[-1],
+            "seconds": time.time() - started}
+
+
+def dp_reshard() -> Case:
+    """DP2 saves at 2; DP1 loads it and saves at once; DP2 loads that and must go on as the uninterrupted DP2."""
+    case = Case("dp2_dp1_dp2", "gpu,host,nvme", "device-model-buffers", "fp32", nproc=2, reference="fp32_dp2")
+    home = WORK / case.name
+    shutil.rmtree(home, ignore_errors=True)
+    home.mkdir(parents=True)
+    runs = []
+    for name, nproc, extra in (("dp2_save", 2, ["--save", str(home / "a"), "--exit-interval", "2"]),
+                               ("dp1_load_save", 1, ["--load", str(home / "a"), "--save", str(home / "b"),
+                                                     "--train-iters", "2"]),
+                               ("dp2_resume", 2, ["--load", str(home / "b")])):
+        result = launch(f"{case.name}_{name}", [*case.offload_flags(home / name), *extra], nproc)
+        runs.append(result)
+        if result["code"] != 0:
+            case.detail = f"{name} exited {result['code']}: {tail(result)}"
+            return case
+    case.launches = [f"{r['name']} {r['seconds']:.0f} s exit {r['code']}" for r in runs]
+    case.first, case.second = runs[0]["records"], runs[2]["records"]
+    case.resume_line = lines_of(runs[2], "resuming", "loaded checkpoint")
+    case.placement = lines_of(runs[0], "placement")
+    return case
+
+
+def main() -> int:
+    if WORK.exists():
+        shutil.rmtree(WORK)
+    WORK.mkdir(parents=True)
+    OUT.mkdir(parents=True, exist_ok=True)
+    commit = os.environ.get("SUITE_COMMIT", "unknown")
+    header = (f"gpu_suite part {PART} at commit {commit}, seed {SEED} (SEED={SEED} draws the same cases), "
+              f"{'DRY RUN on the CPU' if DRY else 'device'}, {PAR} launches at a time, {time.strftime('%Y-%m-%d %H:%M:%S')}")
+    print(header, flush=True)
+    started = time.time()
+    with concurrent.futures.ThreadPoolExecutor(PAR) as pool:
+        if PART == "1":
+            cases = part1_cases()
+            refs = {m: pool.submit(reference, m) for m in MASTERS}
+            units = pool.submit(unit_tests)
+            for case, _ in zip(cases, pool.map(run_case, cases)):
+                print(f"  ran {case.name}: {', '.join(case.launches) or case.detail}", flush=True)
+            refs = {m: f.result() for m, f in refs.items()}
+            unit = units.result()
+        else:
+            cases = part2_cases()
+            refs = {"fp32_dp2": pool.submit(reference, "fp32_dp2", 2),
+                    "fp32_moe": pool.submit(reference, "fp32_moe", 2, cases[0].extra)}
+            reshard = pool.submit(dp_reshard)
+            list(pool.map(run_case, cases))
+            cases.append(reshard.result())
+            refs = {m: f.result() for m, f in refs.items()}
+            unit = None
+    for name, ref in refs.items():
+        print(f"  reference {name}: exit {ref['code']}, {ref['seconds']:.0f} s, "
+              f"losses {[r['loss'] for r in ref['records']]}", flush=True)
+    lines = [header]
+    for case in cases:
+        judge(case, refs[case.reference or case.master]["records"])
+        what = f"tiers {case.tiers}, update {case.update}, master {case.master}" + (f", {case.extra}" if case.extra else "")
+        if case.fault:
+            what += f", fault {case.fault}"
+        lines.append(f"{case.result} {case.name} ({what}): {case.detail}")
+        for attr in ("placement", "resume_line"):
+            if getattr(case, attr, ""):
+                lines.append(f"     {attr}: {getattr(case, attr)}")
+    if unit is not None:
+        ok = unit["code"] == 0
+        cases.append(Case("unit", "", "", "", result="PASS" if ok else "FAIL"))
+        lines.append(f"{'PASS' if ok else 'FAIL'} cuda_unit_tests ({len(unit['files'])} files, {unit['seconds']:.0f} s): "
+                     f"{unit['summary']}")
+    passed = sum(c.result == "PASS" for c in cases)
+    lines.append(f"SUMMARY gpu_suite part {PART}: {passed}/{len(cases)} PASS"
+                 f"{'' if passed == len(cases) else ' -- FAILED: ' + ', '.join(c.name for c in cases if c.result != 'PASS')}"
+                 f" in {time.time() - started:.0f} s, seed {SEED}, commit {commit}")
+    text = "\n".join(lines) + "\n"
+    print(text, end="")
+    (OUT / f"gpu_suite_part{PART}.txt").write_text(text)
+    return 0 if passed == len(cases) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
