@@ -81,6 +81,9 @@ class HostMemory:
         raw, nbytes = self._counted.pop(buf.data_ptr(), (None, 0))
         self.used_bytes -= nbytes
         if raw is not None and self._registered.pop(raw.data_ptr(), None) is not None:
+            # A relocation follows the step at once, and the step's end may have queued read-ahead
+            # copies out of this very buffer: none may still read it once it is unpinned and freed.
+            torch.cuda.synchronize()
             torch.cuda.cudart().cudaHostUnregister(raw.data_ptr())
 
     def _register(self, raw: torch.Tensor) -> None:

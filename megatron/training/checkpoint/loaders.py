@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from megatron.core import dist_checkpointing
 
 from megatron.training.checkpoint.across_ranks import print_rank0, slowest_rank
@@ -55,6 +57,10 @@ def _optimizer_template(plan: LoadPlan, optimizer, model_template: dict, metadat
 
 
 def load_optimizer(plan: LoadPlan, optimizer, model, state: dict, args) -> None:
+    if torch.cuda.is_available():
+        # The model's weights were just copied in on the current stream; the offload engine reads and
+        # writes them (the masters' high halves) on a stream of its own, which must see them landed.
+        torch.cuda.synchronize()
     if plan.optimizer is None:
         optimizer.reload_model_params()  # the master copy starts from the loaded weights
     elif plan.optimizer == SAME_FORM:
