@@ -1,7 +1,10 @@
 """An auto gpu tier starts at half of what the activation estimate leaves free after the model, so the
 first iteration no longer streams from disk what HBM could hold; never above what the run later learnt."""
 
+import pytest
+
 from megatron.training.args.arguments import parse_args
+from megatron.training.errors import UserError
 from megatron.training.model.configs import transformer_config
 from megatron.training.offload.gpu_tier_start import starting_gpu_tier_bytes
 from mlp_offload import GiB
@@ -37,3 +40,18 @@ def test_nothing_where_activations_and_margin_take_the_free_memory():
     # more free memory never starts smaller
     sizes = [starting_gpu_tier_bytes(args, cfg, f * GiB, 4 * GiB, data_parallel=1) for f in range(0, 80, 10)]
     assert sizes == sorted(sizes)
+
+
+def test_the_start_flag_sets_the_start_and_needs_the_auto_tier():
+    args, cfg = _args()
+    args.offload_gpu_start_gb = 0.25
+    assert starting_gpu_tier_bytes(args, cfg, 100 * GiB, 4 * GiB, data_parallel=1) == GiB // 4
+    args.offload_gpu_start_gb = 0.0  # empty: every subgroup waits for the measured peak
+    assert starting_gpu_tier_bytes(args, cfg, 100 * GiB, 4 * GiB, data_parallel=1) == 0
+    offload = ["--offload-tiers", "gpu,host", "--offload-gpu-start-gb", "1"]
+    assert parse_args([*LARGEST, *offload, "--offload-gpu-cache-gb", "auto"]).offload_gpu_start_gb == 1.0
+    for fixed, given in ((["--offload-gpu-cache-gb", "8"], "8.0"), ([], "None")):
+        with pytest.raises(UserError) as err:
+            parse_args([*LARGEST, *offload, *fixed])
+        assert str(err.value) == (f"argument --offload-gpu-start-gb: sizes an auto gpu tier; it needs "
+                                  f"--offload-gpu-cache-gb auto (given: {given})")

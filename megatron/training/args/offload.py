@@ -65,6 +65,9 @@ def add_groups(parser) -> None:
                    help="with 'gpu' in --offload-tiers: device memory for optimizer state, updated in place; "
                         "'auto' learns the spare memory from the real peak after each iteration, keeps "
                         "--offload-gpu-margin-gb free and hands subgroups back to lower tiers if it shrinks")
+    g.add_argument("--offload-gpu-start-gb", type=non_negative_float, default=None,
+                   help="--offload-gpu-cache-gb auto: the gpu tier's size until the peak after iteration 1 is "
+                        "measured (0: empty); default: half of what the activation estimate and the margin leave")
     g.add_argument("--offload-gpu-margin-gb", type=non_negative_float, default=4.0,
                    help="--offload-gpu-cache-gb auto: device memory left free beside the peak")
     g.add_argument("--offload-update", choices=["auto", "cpu", "gpu"], default=None,
@@ -178,6 +181,9 @@ def _validate_engine_flags(parser, args) -> None:
         if given:
             parser.error(f"argument {given[0]}: requires --offload-tiers")
         return
+    if args.offload_gpu_start_gb is not None and args.offload_gpu_cache_gb != "auto":
+        parser.error(f"argument --offload-gpu-start-gb: sizes an auto gpu tier; it needs --offload-gpu-cache-gb "
+                     f"auto (given: {args.offload_gpu_cache_gb})")
     if args.offload_adam_kernel is None:
         args.offload_adam_kernel = default_adam_kernel(on_cpu=_on_cpu(args))
     if args.offload_update is None:

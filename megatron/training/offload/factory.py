@@ -53,8 +53,10 @@ def _with_starting_gpu_tier(args, model_chunks, offload_config: OffloadConfig, g
                                     groups.dp_group.size())
     if not start:
         return offload_config
-    log.info("gpu tier auto: starts at %.2f GiB, half of what the activation estimate and the margin leave of "
-             "the %.2f GiB free; learnt from the measured peak after iteration 1", start / GiB, free / GiB)
+    how = ("as --offload-gpu-start-gb says" if args.offload_gpu_start_gb is not None else
+           "half of what the activation estimate and the margin leave")
+    log.info("gpu tier auto: starts at %.2f GiB, %s of the %.2f GiB free; learnt from the measured peak after "
+             "iteration 1", start / GiB, how, free / GiB)
     return dataclasses.replace(offload_config, gpu_budget_bytes=start)
 
 

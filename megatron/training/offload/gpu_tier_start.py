@@ -6,10 +6,13 @@ disk (20.68 B on one H200: 43 s; 60.4 B on four: 173 s) before the measured peak
 Half, because the first iteration's peak ran above the steady one (20.68 B: 115.6 GiB against
 101.2 GiB) and the activation estimate counts the unfused attention's scores; the engine's own
 measurement after iteration 1 then promotes or hands back from there (engine.observe_device_memory).
+``--offload-gpu-start-gb`` sets the start instead (0: empty), for a run whose activations the
+estimate misjudges, or to see the promotions after iteration 1 on a model that fits at once.
 """
 
 from __future__ import annotations
 
+from mlp_offload import GiB
 from megatron.training.offload.activation_memory import (activation_bytes, backward_workspace_bytes,
                                                           microbatches_in_flight)
 
@@ -19,6 +22,9 @@ START_SHARE = 0.5
 def starting_gpu_tier_bytes(args, cfg, free_bytes: int, margin_bytes: int, data_parallel: int) -> int:
     """Bytes of optimizer state an auto gpu tier may take at start-up, where ``free_bytes`` of the
     device are free with the model and its gradient buffers in place."""
+    given = getattr(args, "offload_gpu_start_gb", None)
+    if given is not None:
+        return int(given * GiB)
     microbatches = max(1, args.global_batch_size // (args.micro_batch_size * data_parallel))
     in_flight = microbatches_in_flight(cfg.pipeline_model_parallel_size,
                                        cfg.virtual_pipeline_model_parallel_size, microbatches)
