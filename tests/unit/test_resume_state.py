@@ -52,8 +52,9 @@ class Case:
             tiers=list(tiers), paths=paths, subgroup_size=self.subgroup_size, run_id=name, pin_memory=False,
             device=device, gpu_budget_bytes=(10**9 if only_gpu else gpu_slots * slot) if "gpu" in tiers else None,
             host_budget_bytes=3 * slot if "host" in tiers and paths else None,
+            # every rate given: nothing is probed per engine (on CUDA the probes cost seconds each)
             bandwidths={t: (2e9, 1e9) for t in paths}, adam_kernel="single", adam_elems_per_s=1e9,
-            device_adam_elems_per_s=1e9, update_on=self.update_on, device_chunk_elems=3_000,
+            device_adam_elems_per_s=1e9, device_streamed_elems_per_s=1e9, update_on=self.update_on, device_chunk_elems=3_000,
             param_remainders=self.remainders, state_dtypes=("fp32", self.moments, self.moments))
 
 
