@@ -17,6 +17,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import re
 import resource
 import signal
 import socket
@@ -37,6 +38,11 @@ WARM_SERVER_START_S = 300.0
 LAUNCH_MARKER = "MLP_OFFLOAD_TEST_LAUNCH"  # environment variable: which launch a process belongs to
 LAUNCH_LOG = "MLP_OFFLOAD_TEST_LAUNCH_LOG"  # tests/conftest.py: one line per launch (test, seconds)
 SURVIVOR_GRACE_S = 2.0
+# torchrun's own report of a failed rank: its traceback (indented frames only) ending in
+# ChildFailedError, then its summary between two rules (the failures, the root cause).
+TORCHRUN_REPORT = re.compile(r"^Traceback \(most recent call last\):\n(?:[ \t].*\n)*"
+                             r"torch\.distributed\.elastic\.multiprocessing\.errors\.ChildFailedError:.*\n"
+                             r"=+\n(?:.*\n)*?=+$", re.M)
 STACKS_OF = "--- threads of"
 STACK_DUMP_WAIT_S = 1.0  # a hung launch's ranks print their stacks, one after another, before they are killed
 
@@ -355,6 +361,13 @@ def _survivors(launch_id: str, pid_files: Sequence[str]) -> List[Tuple[int, str]
         if not alive or time.monotonic() >= deadline:
             return alive
         time.sleep(0.05)
+
+
+def ranks_output(output: str) -> str:
+    """A launch's output without torchrun's own report of a failed rank (under warm_ranks there is
+    none): what is left is what the ranks printed, where a bad flag's one line must show once and no
+    traceback at all."""
+    return TORCHRUN_REPORT.sub("", output)
 
 
 def losses(records: List[Dict]) -> List[float]:
