@@ -71,7 +71,7 @@ def cases(draw):
 
 
 def _engine(case, cfg, model):
-    init = model.params.clone()
+    init = model.params.to("cpu", copy=True)
     return OffloadedAdamW(init.float() if not case.remainders else init, cfg, lr=LR, betas=BETAS, eps=EPS,
                           weight_decay=WD, numel=case.numel, on_params_updated=model.on_params,
                           param_high=model.source if case.remainders else None)
@@ -84,7 +84,7 @@ def _steps(eng, grads):
 
 
 def _state(eng, model):
-    return [t.clone() for t in engine_state(eng)] + [model.params.clone()]
+    return [t.clone() for t in engine_state(eng)] + [model.params.to("cpu", copy=True)]
 
 
 def _assert_same(want, got, what):
@@ -106,17 +106,18 @@ def test_a_resumed_engine_continues_as_the_uninterrupted_one(device, case, seed)
     saving = (case.save_tiers, case.save_gpu_slots, device)
     reference = (["host"], 0, "cpu") if device == "cpu" else saving
     loading = (case.load_tiers, case.load_gpu_slots, device) if device == "cpu" else saving
+    on = torch.device(device)  # the model's params live where the update runs (the kernel writes them there)
     with tempfile.TemporaryDirectory() as root:
         def run(name, setup, model, steps):
             with _engine(case, case.config(root, name, *setup), model) as eng:
                 _steps(eng, steps)
 
-        ref_model = ModelParams(init.clone())
+        ref_model = ModelParams(init.to(reference[2], copy=True))
         with _engine(case, case.config(root, "ref", *reference), ref_model) as ref:
             _steps(ref, grads)
             want = _state(ref, ref_model)
 
-        model = ModelParams(init.clone())
+        model = ModelParams(init.to(on, copy=True))
         path = f"{root}/state.offload"
         with _engine(case, case.config(root, "save", *saving), model) as eng:
             assert "gpu" in eng.placement.tier_of
@@ -132,9 +133,9 @@ def test_a_resumed_engine_continues_as_the_uninterrupted_one(device, case, seed)
             _assert_same(want, _state(eng, model), "the engine that saved")
 
         # The model checkpoint of the save's step: the params as the reference had them then.
-        mid_model = ModelParams(init.clone())
+        mid_model = ModelParams(init.to(reference[2], copy=True))
         run("mid", reference, mid_model, grads[:case.saved_after])
-        model = ModelParams(mid_model.params.clone())
+        model = ModelParams(mid_model.params.to(on, copy=True))
         with _engine(case, case.config(root, "load", *loading), model) as eng:
             load_engine_state(eng, path)
             assert eng.steps_done == case.saved_after
@@ -146,7 +147,7 @@ def test_a_resumed_engine_continues_as_the_uninterrupted_one(device, case, seed)
 @pytest.mark.parametrize("tiers", [["gpu"], ["gpu", "host", "nvme"]])
 def test_edits_of_the_state_reach_the_gpu_tier_and_nothing_else_changes(tmp_path, device, tiers):
     case = Case(30_000, 4_000, False, "fp32", tiers, 3, tiers, 3, 1, "cpu", False)
-    model = ModelParams(torch.randn(case.numel).to(torch.bfloat16))
+    model = ModelParams(torch.randn(case.numel).to(device=device, dtype=torch.bfloat16))
     with _engine(case, case.config(str(tmp_path), "e", tiers, 3, device), model) as eng:
         _steps(eng, [torch.randn(case.numel).to(torch.bfloat16)])
         before = _state(eng, model)
