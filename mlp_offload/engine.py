@@ -152,7 +152,7 @@ class OffloadedAdamW:
         largest = max(sg.numel for sg in self.subgroups)
         # (without a grad source the engine makes a HostGradients below)
         sources_give_views = (self.on_params_updated is not None
-                              and ModelBuffers.available(grad_source or HostGradients, self.param_high))
+                              and ModelBuffers.available(grad_source or HostGradients, self.param_high, cfg.device))
         paths = choose_update_paths(cfg, self.state_dtypes, largest, self.adam, self.device_adam, sources_give_views)
         self._device_update, self._deferred = paths.device_update, paths.deferred
         self._cpu_one_pass, self.cpu_one_pass_how = paths.cpu_one_pass, paths.cpu_one_pass_how
@@ -195,7 +195,7 @@ class OffloadedAdamW:
             self._device_update, self.subgroups, self._segments, grad_source, self.device_adam,
             self.on_params_updated, self.param_high if cfg.param_remainders else None,
             lambda i: self.placement.tier_of[i] == GPU_TIER, self.trace, self._read_ahead,
-            ModelBuffers.of(grad_source, self.param_high) if on_model else None)
+            ModelBuffers.of(grad_source, self.param_high, cfg.device) if on_model else None)
         self._resident, buffers = allocate_initial_state(
             self.subgroups, self.placement.tier_of, self.memory, self.host, params, self.state_dtypes,
             self.placement.slots, self.placement.host_state_bytes)

@@ -39,6 +39,8 @@ class HostGradients:
     """``buffer``: the shard's gradients in their training dtype, filled by the caller; converted
     into ``out`` when waited for (so one fp32 scratch serves every subgroup)."""
 
+    views_on_host = True  # (ModelBuffers: a device's kernel cannot read them in place)
+
     def __init__(self, buffer: torch.Tensor):
         self.buffer = buffer
         self._pending = {}
@@ -73,13 +75,16 @@ class ModelBuffers:
         self.grads, self.params = grads, params
 
     @staticmethod
-    def available(grads, params) -> bool:
-        """Whether both sources (instances, or a source's class) give ``views``."""
+    def available(grads, params, device: str) -> bool:
+        """Whether both sources (instances, or a source's class) give ``views`` the update on
+        ``device`` can read: a HostGradients' are host memory, which a CUDA kernel cannot."""
+        if getattr(grads, "views_on_host", False) and torch.device(device).type != "cpu":
+            return False
         return hasattr(grads, "views") and hasattr(params, "views")
 
     @classmethod
-    def of(cls, grads, params) -> Optional["ModelBuffers"]:
-        return cls(grads, params) if cls.available(grads, params) else None
+    def of(cls, grads, params, device: str) -> Optional["ModelBuffers"]:
+        return cls(grads, params) if cls.available(grads, params, device) else None
 
     @property
     def zero_grads(self) -> bool:

@@ -113,7 +113,7 @@ def free_port() -> int:
 
 
 def launch(name: str, args: List[str], nproc: int = 1, env: Optional[Dict[str, str]] = None,
-           script: str = "pretrain_gpt.py") -> dict:
+           script: str = "pretrain_gpt.py", _retried: bool = False) -> dict:
     """One torchrun of ``script``; its loss records and the tail of its output."""
     if "--save" not in args:  # a run that saves nothing takes no save flags (refused without --save)
         args = [a for a in args if a != "--async-save"]
@@ -130,6 +130,8 @@ def launch(name: str, args: List[str], nproc: int = 1, env: Optional[Dict[str, s
         code, output = proc.returncode, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as err:
         code, output = "timeout", (err.stdout or b"").decode(errors="replace") + (err.stderr or b"").decode(errors="replace")
+    if code != 0 and "EADDRINUSE" in output and not _retried:  # another launch took the port meanwhile
+        return launch(name, args, nproc, env, script, _retried=True)
     (WORK / f"{name}.log").write_text(output)
     records = [json.loads(line) for line in loss_log.read_text().splitlines()] if loss_log.exists() else []
     return {"name": name, "code": code, "records": records, "seconds": time.time() - started, "output": output}

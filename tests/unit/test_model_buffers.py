@@ -14,7 +14,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from mlp_offload.gradients import ModelBuffers
+from mlp_offload.gradients import HostGradients, ModelBuffers
 from mlp_offload.kernels.fused_update import AdamHyper, ReferenceOnePass, verified_fused_update
 from mlp_offload.kernels.remainders import split
 from mlp_offload.kernels.update import AdamKernel, convert_grads
@@ -140,8 +140,11 @@ def test_without_views_there_are_no_model_buffers():
         pass
 
     grads = PiecedSource(torch.zeros(4), [])
-    assert ModelBuffers.of(grads, NoViews()) is None and ModelBuffers.of(NoViews(), grads) is None
-    assert ModelBuffers.of(grads, grads) is not None
+    assert ModelBuffers.of(grads, NoViews(), "cpu") is None and ModelBuffers.of(NoViews(), grads, "cpu") is None
+    assert ModelBuffers.of(grads, grads, "cpu") is not None
+    # the engine's own host gradients: readable in place by the CPU's update, never by a device's kernel
+    host = HostGradients(torch.zeros(8, dtype=torch.bfloat16))
+    assert not ModelBuffers.available(host, grads, "cuda") and not ModelBuffers.available(HostGradients, grads, "cuda:0")
 
 
 def test_pieces_cut_where_either_buffer_is_cut():
