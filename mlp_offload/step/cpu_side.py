@@ -69,6 +69,9 @@ class CpuUpdate:
             high = self.high[: sg.numel]
             self.param_high.fill(sg.start, sg.end, high)
         t1 = time.perf_counter()
+        # The last step's copy of these params to the model (its fence) may still read the buffer this
+        # Adam rewrites: a cache hit reuses the buffer without the pipeline's wait before a read.
+        views.sync_fence()
         stored = views.narrow(sg.numel)
         if self.one_pass is not None:  # on the stored views, each param group's piece in one pass
             for lo, hi, g, _ in self.segments[i]:
