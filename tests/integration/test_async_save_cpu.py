@@ -139,3 +139,17 @@ def test_each_sync_save_and_each_load_prints_bytes_seconds_and_rate(sync_saved, 
                        chain["resumed_output"])
     assert len(loads) == 1, chain["resumed_output"][-3000:]
     assert abs(float(loads[0][0]) - _bytes_on_disk(integrity.checkpoint_dir(chain["ckpt"], 2)) / 1e9) <= 0.0005
+
+
+def test_a_save_that_finds_the_last_one_unfinished_waits_and_says_how_long(async_saved):
+    """Checkpoint 2's slowed writer (about 2 s) is still going when iteration 4 saves: that save waits
+    for it, within the time training was held, and its line says how long."""
+    output = async_saved["output"]
+    assert output.index("> checkpoint at iteration 4: training held") < output.index("> saved checkpoint at iteration 4 ")
+    line = re.search(r"> checkpoint at iteration 4: training held ([0-9.]+) s \(([0-9.]+) s of it for the previous "
+                     r"save to finish\)", output)
+    assert line, [ln for ln in output.splitlines() if "checkpoint at iteration" in ln]
+    held_s, waited_s = float(line.group(1)), float(line.group(2))
+    assert 0 < waited_s <= held_s, line.group(0)
+    # and it waited for the previous save's end: checkpoint 2 was finalized before checkpoint 4 began writing
+    assert output.index("> saved checkpoint at iteration 2 ") < line.start()
