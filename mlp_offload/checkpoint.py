@@ -23,10 +23,11 @@ import json
 import os
 import struct
 import zlib
-from typing import Dict, Optional, Set, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 
+from .direct_reader import DirectReads
 from .engine import OffloadedAdamW
 from .kernels.remainders import merge as merge_remainders  # what a file's rem16 param needs to be read
 from .state_dtypes import FP32_STATE, REMAINDERS, STORED_DTYPES, itemsizes, torch_dtypes
@@ -60,6 +61,7 @@ class StateFile:
 
     def __init__(self, path: str):
         self.path = path
+        self._readers: List["RangeReader"] = []
         try:
             self.file = open(path, "rb")
         except FileNotFoundError:
@@ -82,9 +84,14 @@ class StateFile:
         return self.footer.get("metadata", {})
 
     def ranges(self, cache_bytes: Optional[int] = None) -> "RangeReader":
-        return RangeReader(self.path, self.footer["subgroups"], stored_dtypes(self.footer), cache_bytes, self.file)
+        reader = RangeReader(self.path, self.footer["subgroups"], stored_dtypes(self.footer), cache_bytes, self.file)
+        self._readers.append(reader)
+        return reader
 
     def close(self) -> None:
+        for reader in self._readers:
+            reader.close()
+        self._readers = []
         self.file.close()
 
     def __enter__(self):
@@ -209,6 +216,7 @@ class RangeReader:
         self.cache_bytes = cache_bytes
         self._cached: Dict[Tuple[int, int], torch.Tensor] = {}
         self._verified: Set[Tuple[int, int]] = set()
+        self._direct = DirectReads(path)
 
     def read(self, k: int, start: int, end: int, out: torch.Tensor) -> None:
         if (self.dtypes[k] == torch.int16) != (out.dtype == torch.int16):  # a remainder is no number
@@ -258,9 +266,16 @@ class RangeReader:
     def _bytes(self, e, k: int, lo: int, hi: int) -> bytearray:
         """Elements [lo, hi) of stored tensor ``k`` of subgroup entry ``e``, as stored."""
         n, itemsize = e["end"] - e["start"], self.dtypes[k].itemsize
-        buf = bytearray(itemsize * (hi - lo))
-        self.f.seek(e["offset"] + sum(d.itemsize for d in self.dtypes[:k]) * n + itemsize * (lo - e["start"]))
-        if self.f.readinto(buf) != len(buf):
+        offset = e["offset"] + sum(d.itemsize for d in self.dtypes[:k]) * n + itemsize * (lo - e["start"])
+        nbytes = itemsize * (hi - lo)
+        buf = self._direct.read(offset, nbytes)  # None without O_DIRECT: through the page cache
+        if buf is None:
+            buf = bytearray(nbytes)
+            self.f.seek(offset)
+            got = self.f.readinto(buf)
+        else:
+            got = len(buf)
+        if got != nbytes:
             raise CheckpointDataError(f"{self.path}: truncated in {NAMES[k]} of elements {e['start']}..{e['end']}")
         return buf
 
@@ -274,6 +289,7 @@ class RangeReader:
         self._cached = {}
 
     def close(self) -> None:
+        self._direct.close()
         if self._owns_file:
             self.f.close()
 

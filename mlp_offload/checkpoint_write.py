@@ -5,7 +5,8 @@ Synchronously (``save_engine_state``: training waits) or by a thread while train
 way: each subgroup at its own offset (byte offsets follow from the element ranges, so the writer
 may go in the order the next update needs and still lay the file out in element order), the
 footer, the trailer, fsync, rename. Subgroups held in files are read through their tier (their
-block CRCs checked), two at a time, so the next read overlaps this write.
+block CRCs checked), two at a time, so the next read overlaps this write; each subgroup is written by
+``direct_writer`` (O_DIRECT from a staging buffer, threads), at disk speed rather than the page cache's.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Dict, List, Optional
 import torch
 
 from .checkpoint import MAGIC, TRAILER, CheckpointSaveError, human_bytes, state_file_bytes
+from .direct_writer import DirectRegionWriter, pwrite_all
 from .engine import OffloadedAdamW
 from .faults import fault_point
 from .pipeline import StateViews
@@ -30,7 +32,6 @@ from .tiers.align import aligned_empty
 from .tiers.files import fsync_path
 
 log = logging.getLogger("mlp_offload")
-CHUNK_BYTES = 64 << 20  # a write call's size: a cancel is noticed within one
 
 
 def save_engine_state(engine: OffloadedAdamW, path: str, metadata: Optional[dict] = None) -> int:
@@ -155,50 +156,32 @@ def _write(snapshot: StateSnapshot, tmp: str, metadata: Optional[dict]) -> int:
     for sg in snapshot.subgroups:  # element order: where each subgroup's bytes go
         offsets[sg.index] = end
         end += state_file_bytes(sg.numel, snapshot.dtype_names)
-    crcs: Dict[int, List[int]] = {}
+    crcs = {}  # subgroup -> a function giving its tensors' CRC32s once the writer has them
     reads = _TierReads(snapshot)
     with open(tmp, "wb") as f:
         fd = f.fileno()
-        for i in snapshot.order:
-            snapshot.check_cancelled()
-            views = snapshot.take(i) if i in snapshot.memory else reads.get(i)
-            try:
-                crcs[i] = _put(fd, offsets[i], views.narrow(snapshot.subgroups[i].numel), snapshot)
-            finally:
-                snapshot.done_with(i)
-            fault_point("save-offload")
-        entries = [{"start": sg.start, "end": sg.end, "offset": offsets[sg.index], "crc": crcs[sg.index]}
+        writer = DirectRegionWriter(fd, tmp)
+        try:
+            for i in snapshot.order:
+                snapshot.check_cancelled()
+                views = snapshot.take(i) if i in snapshot.memory else reads.get(i)
+                try:  # the state is copied out before put returns: the update may have it back at once
+                    crcs[i] = writer.put(offsets[i], views.narrow(snapshot.subgroups[i].numel))
+                finally:
+                    snapshot.done_with(i)
+                fault_point("save-offload")
+            writer.finish()
+        finally:
+            writer.close()
+        entries = [{"start": sg.start, "end": sg.end, "offset": offsets[sg.index], "crc": crcs[sg.index]()}
                    for sg in snapshot.subgroups]
         footer = json.dumps({
             "numel": snapshot.numel, "steps_done": snapshot.steps_done, "subgroups": entries,
             "dtypes": snapshot.dtype_names, "metadata": metadata or {},
         }).encode()
-        _pwrite_all(fd, footer + TRAILER.pack(MAGIC, len(footer), zlib.crc32(footer)), end)
+        pwrite_all(fd, footer + TRAILER.pack(MAGIC, len(footer), zlib.crc32(footer)), end)
         os.fsync(fd)
         return end + len(footer) + TRAILER.size
-
-
-def _put(fd: int, offset: int, tensors, snapshot: StateSnapshot) -> List[int]:
-    """Each tensor's stored bytes, back to back from ``offset``; their CRC32s."""
-    crcs = []
-    for t in tensors:
-        view = memoryview(t.view(torch.uint8).cpu().numpy())  # device-resident state: copied out here
-        crc = 0
-        for pos in range(0, len(view), CHUNK_BYTES):
-            snapshot.check_cancelled()
-            chunk = view[pos: pos + CHUNK_BYTES]
-            _pwrite_all(fd, chunk, offset + pos)
-            crc = zlib.crc32(chunk, crc)
-        crcs.append(crc)
-        offset += len(view)
-    return crcs
-
-
-def _pwrite_all(fd: int, data, offset: int) -> None:
-    data = memoryview(data)
-    while len(data):
-        n = os.pwrite(fd, data, offset)
-        data, offset = data[n:], offset + n
 
 
 class _TierReads:
