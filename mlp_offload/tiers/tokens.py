@@ -52,8 +52,10 @@ class LockDir:
         while True:
             try:
                 os.makedirs(self.path, exist_ok=True)
-            except FileNotFoundError:
-                continue  # the last user removed the parent between makedirs' two mkdirs
+            except (FileNotFoundError, FileExistsError):
+                # The last user removed the parent between makedirs' two mkdirs, or removed the
+                # directory between makedirs' mkdir (EEXIST) and its isdir check: join again.
+                continue
             users = os.path.join(self.path, USERS)
             try:
                 fd = os.open(users, os.O_RDWR | os.O_CREAT, 0o600)

@@ -109,9 +109,12 @@ def test_eight_ranks_two_paths_with_a_killed_token_holder(tmp_path):
     assert os.listdir(locks) == []  # the killed hog's lock files too, by the last rank to leave
 
 
-def test_joining_while_the_last_user_removes_the_parent_retries(tmp_path, monkeypatch):
+@pytest.mark.parametrize("error", [FileNotFoundError(2, "No such file or directory"), FileExistsError(17, "File exists")])
+def test_joining_while_the_last_user_removes_the_parent_retries(tmp_path, monkeypatch, error):
     """makedirs creates the per-user parent, then the path's directory; the last user leaving may remove the
-    parent in between (a fresh-clone CI run of test_cluster_scope saw FileNotFoundError there): join again."""
+    parent in between (a fresh-clone CI run of test_cluster_scope saw FileNotFoundError there), or the
+    directory between makedirs' mkdir, which found it, and its isdir check, which no longer does (a later
+    fresh-clone run saw FileExistsError there): join again."""
     from mlp_offload.tiers import tokens
 
     real, raised = os.makedirs, []
@@ -119,7 +122,7 @@ def test_joining_while_the_last_user_removes_the_parent_retries(tmp_path, monkey
     def parent_gone_once(path, exist_ok=False):
         if not raised and os.path.basename(path) == tokens.path_key(str(tmp_path / "tier")):
             raised.append(path)
-            raise FileNotFoundError(2, "No such file or directory", path)
+            raise error
         return real(path, exist_ok=exist_ok)
     monkeypatch.setattr(tokens.os, "makedirs", parent_gone_once)
     with tokens.LockDir(str(tmp_path / "tier"), lock_root=str(tmp_path / "locks")) as lock_dir:
