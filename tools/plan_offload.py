@@ -44,6 +44,11 @@ MEASURED_H200_TFLOPS = {"unfused": 216.7, "sdpa": 334.5, "sequential_experts": 1
 # host link ~100 GB/s both ways together (streamed 8.37, 5.00, 4.2 G elements/s at 6, 10, 12 stored
 # bytes each); four GPUs of one node streamed ~186 GB/s together (call8_x4_tp2pp2.log).
 DEFAULT_GPU_ADAM_GELEMS = 200.0  # for rem16/bf16/bf16 state (18 bytes an element moves): scaled for others
+# A GPU job's CPU side where no run gave it: what the CPU of one H200 node (16 cores) ran, never the planning
+# machine's (a login node plans for the GPU nodes): the one-pass CPU update 3-4 G elements/s (docs/benchmarks.md
+# §12), bf16 -> fp32 conversion 34 GB/s on 16 threads (shared/reference.md: 8.5 G elements/s).
+GPU_NODE_CPU_ADAM_GELEMS = 3.5
+GPU_NODE_CONVERT_GELEMS = 8.5
 DEFAULT_GPU_LINK_GBPS = 100.0
 DEFAULT_NODE_HOST_GBPS = 186.0
 DEVICE_FLAGS = (  # (flag, default, help): the device update's rates, positive numbers
@@ -80,9 +85,11 @@ def machine_parser() -> argparse.ArgumentParser:
                         "torch SDPA 334.5, also taken for transformer-engine's); for an MoE model, 174.8 (Mixtral "
                         "8x7B's shape at EP4 with megatron-core's sequential experts)")
     p.add_argument("--adam-gelems", type=float, default=None,
-                   help="CPU Adam rate of one rank in G elements/s (default: measured on this CPU)")
+                   help=f"CPU Adam rate of one rank in G elements/s (default: measured on this CPU for a CPU job; "
+                        f"for a GPU job {GPU_NODE_CPU_ADAM_GELEMS}, what one H200 node's CPU ran)")
     p.add_argument("--convert-gelems", type=float, default=None,
-                   help="gradient conversion rate of one rank in G elements/s (default: measured on this CPU)")
+                   help=f"gradient conversion rate of one rank in G elements/s (default: measured on this CPU for "
+                        f"a CPU job; for a GPU job {GPU_NODE_CONVERT_GELEMS})")
     for flag, default, text in DEVICE_FLAGS:
         p.add_argument(flag, type=float, default=default, help=text)
     p.add_argument("--global-batch-sizes", type=str, default=None,
@@ -207,7 +214,12 @@ def tier_rates_and_capacities(config, capacities, nnodes):
     return rates, space
 
 
-def cpu_rates(opts, config):
+def cpu_rates(opts, config, gpu_job: bool):
+    """(CPU Adam, conversion) elements/s of one rank: given, else for a GPU job the GPU node's defaults
+    (this machine may be a login node), else measured here."""
+    if gpu_job:
+        return ((opts.adam_gelems or GPU_NODE_CPU_ADAM_GELEMS) * 1e9,
+                (opts.convert_gelems or GPU_NODE_CONVERT_GELEMS) * 1e9)
     if opts.adam_gelems is not None and opts.convert_gelems is not None:
         return opts.adam_gelems * 1e9, opts.convert_gelems * 1e9
     from mlp_offload import measure_adam_rate, measure_convert_rate
@@ -319,7 +331,7 @@ def plan_for(opts, capacities, flags, measured, gpu_tflops=None, batch_sizes=Non
         config = config_from_args(args, rank=0)
         if "tiers" not in measured:
             measured["tiers"] = tier_rates_and_capacities(config, capacities, machine.nnodes)
-            measured["cpu"] = cpu_rates(opts, config)
+            measured["cpu"] = cpu_rates(opts, config, gpu_job=args.device != "cpu")
         rates, space = measured["tiers"]
         adam_rate, convert_rate = measured["cpu"]
     if args.device != "cpu":  # a GPU job: the engine may update on the device
@@ -329,6 +341,7 @@ def plan_for(opts, capacities, flags, measured, gpu_tflops=None, batch_sizes=Non
     plan.host_cache_gb = cache_gb
     plan.tier_rates = rates
     plan.tflops_given = bool(gpu_tflops or opts.gpu_tflops)  # else the H200's figure for its attention
+    plan.cpu_rates_line = cpu_rates_line(opts, args, adam_rate, convert_rate, machine) if config is not None else ""
     return plan, args, machine
 
 
@@ -355,6 +368,22 @@ def suggested_flags(plan, args, flags):
     if plan.host_cache_gb is not None and "--offload-host-cache-gb" not in out:
         out += ["--offload-host-cache-gb", f"{plan.host_cache_gb:g}"]
     return out
+
+
+def cpu_rates_line(opts, args, adam_rate, convert_rate, machine) -> str:
+    """The update rates a plan assumed, and where each came from."""
+    def source(flag, given):
+        if given is not None:
+            return f"{flag}"
+        return "the GPU node's default" if args.device != "cpu" else "measured on this machine"
+    text = (f"update rates per rank: CPU Adam {adam_rate / 1e9:.2f} G elements/s ({source('--adam-gelems', opts.adam_gelems)}), "
+            f"conversion {convert_rate / 1e9:.2f} ({source('--convert-gelems', opts.convert_gelems)})")
+    d = machine.device_rates
+    if d is not None:
+        text += (f"; device resident {d.resident_elems_per_s / 1e9:.0f} G elements/s "
+                 f"({'--gpu-adam-gelems' if opts.gpu_adam_gelems else 'default'}), host link "
+                 f"{d.link_bps / 1e9:.0f} GB/s ({'default' if opts.gpu_link_gbps == DEFAULT_GPU_LINK_GBPS else '--gpu-link-gbps'})")
+    return text
 
 
 def describe(plan, args, machine, flags, rates) -> str:
@@ -392,6 +421,8 @@ def describe(plan, args, machine, flags, rates) -> str:
                          f"{tokens} I/O token(s)")
         for kind, e in plan.engines.items():
             lines.append(e.prediction.describe() + ("" if len(plan.engines) == 1 else f" [{kind}]"))
+        if getattr(plan, "cpu_rates_line", ""):
+            lines.append(plan.cpu_rates_line)
     update, joins = (f" + update {plan.update_s:.3f} s" if plan.update_s is not None else ""), "="
     if plan.overlaps_forward and plan.update_s is not None:  # not a sum (mlp_offload.predict_iteration)
         update, joins = f" and update {plan.update_s:.3f} s, its device share under the next forward", "from"

@@ -254,3 +254,31 @@ def test_moe_engines_share_the_spare_device_memory_of_an_auto_gpu_tier():
     assert engines["experts"]["placement"]["host"] > 0  # the spare holds only part of the state
     assert spare - held["dense"] - held["experts"] < 2 * max(slot.values())  # no whole subgroup left out
     assert gpu["optimizer_state_gpu_tier"] == held["dense"] + held["experts"]
+
+
+def test_a_gpu_job_is_planned_with_the_gpu_nodes_cpu_not_this_machines(monkeypatch):
+    """On a login node the planner must not time its own CPU for a GPU job (a fast login node gave the host-held
+    subgroups to "the CPU" and planned 13.7 s for a 2.0 s run): the GPU node's defaults, or the flags, and a
+    line that says which. A CPU job still measures this machine."""
+    import mlp_offload
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("the planner timed this machine's CPU")
+
+    monkeypatch.setattr(mlp_offload, "measure_adam_rate", no_timing)
+    monkeypatch.setattr(mlp_offload, "measure_convert_rate", no_timing)
+    offload = ["--offload-tiers", "host", "--gpus-per-node", "1", "--gpu-memory-gb", "80", *TINY_MODEL]
+
+    def text_of(*extra):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            planner().main([*offload, *extra])
+        return out.getvalue()
+
+    tool = planner()
+    text = text_of("--device", "cuda")
+    assert (f"update rates per rank: CPU Adam {tool.GPU_NODE_CPU_ADAM_GELEMS:.2f} G elements/s (the GPU node's "
+            f"default), conversion {tool.GPU_NODE_CONVERT_GELEMS:.2f} (the GPU node's default)") in text, text
+    assert "CPU Adam 2.00 G elements/s (--adam-gelems)" in text_of("--device", "cuda", "--adam-gelems", "2")
+    with pytest.raises(AssertionError, match="timed this machine's CPU"):
+        text_of()  # TINY_MODEL's --device cpu: a CPU job, whose CPU is this machine's
