@@ -1,5 +1,6 @@
 """Reading byte ranges of one file at disk speed: the block-aligned span around a range is read with
-O_DIRECT by a pool of threads into an aligned buffer, and the range copied out of it. Through the page
+O_DIRECT by a pool of threads into an aligned buffer of its own, and the range handed out as a view of
+it. Through the page
 cache one thread read a checkpoint at 0.28-0.30 GB/s on the CI machine, whose disk gives 1.3-1.9 GB/s
 by O_DIRECT with 8 threads. Where the file system has no O_DIRECT, ``read`` answers None and the
 caller reads through the page cache."""

@@ -45,8 +45,9 @@ MEASURED_H200_TFLOPS = {"unfused": 216.7, "sdpa": 334.5, "sequential_experts": 1
 # bytes each); four GPUs of one node streamed ~186 GB/s together (call8_x4_tp2pp2.log).
 DEFAULT_GPU_ADAM_GELEMS = 200.0  # for rem16/bf16/bf16 state (18 bytes an element moves): scaled for others
 # A GPU job's CPU side where no run gave it: what the CPU of one H200 node (16 cores) ran, never the planning
-# machine's (a login node plans for the GPU nodes): the one-pass CPU update 3-4 G elements/s (docs/benchmarks.md
-# §12), bf16 -> fp32 conversion 34 GB/s on 16 threads (shared/reference.md: 8.5 G elements/s).
+# machine's (a login node plans for the GPU nodes): CPU Adam 3.4-3.9 G elements/s on its 16 cores (shared/reference.md,
+# 2026-11-22; issue 39 says 3-4 for the one-pass kernel), and its bf16 -> fp32 copy at 34 GB/s on 16 threads
+# (shared/reference.md), taken here as 8.5 G elements/s (4 bytes written each): an assumption, not a run of ours.
 GPU_NODE_CPU_ADAM_GELEMS = 3.5
 GPU_NODE_CONVERT_GELEMS = 8.5
 DEFAULT_GPU_LINK_GBPS = 100.0
