@@ -49,6 +49,15 @@ COMMON="$SHAPE $EXACT_ATTENTION --swiglu --normalization RMSNorm --position-embe
   --offload-tiers gpu,host,nvme --offload-gpu-cache-gb $GPU_GB --offload-host-cache-gb $HOST_GB
   --offload-nvme-path $DISK/nvme --offload-subgroup-size $SUB --offload-io-threads 8"
 T0=$SECONDS
+# The disk's floor in this call (issue 38 item 4 compares save and load with it): O_DIRECT, 8 threads.
+FLOOR_GB=${FLOOR_GB:-8}; [ "${DRY_RUN:-0}" = 1 ] && FLOOR_GB=0.1
+$PY - "$DISK" "$FLOOR_GB" <<'PY' | tee "$OUT/ckpt_scale_floor.txt"
+import sys
+from benchmarks.io_floor import file_bandwidth
+f = file_bandwidth(sys.argv[1], int(float(sys.argv[2]) * 2**30))
+print(f"disk floor {f['path']}: {f['bytes'] / 1e9:.1f} GB, O_DIRECT {f['odirect']}, {f['threads']} threads: "
+      f"write {f['write_gbps']:.2f} GB/s, read {f['read_gbps']:.2f} GB/s")
+PY
 run() {  # NAME [flags]: one torchrun of four ranks; its losses in $OUT/NAME.jsonl, its lines kept
   local name=$1; shift
   # shellcheck disable=SC2086
@@ -97,5 +106,6 @@ for name in S R A RA; do
   [ -f "$OUT/ckpt_scale_$name.log" ] || continue
   grep -E "saved checkpoint|training held|loading checkpoint.*done" "$OUT/ckpt_scale_$name.log" | sed "s/^/$name: /"
 done | cut -c1-400 | tee "$OUT/ckpt_scale_summary.txt"
+cat "$OUT/ckpt_scale_floor.txt"
 rm -f "$OUT/.run.log"; rm -rf "$DISK"; df -h "${DISK%/*}" | cat
 echo "ckpt_scale.sh: $(( SECONDS - T0 )) s"
