@@ -23,13 +23,14 @@ from typing import Callable, Dict, Iterator, Mapping, Optional, Sequence, Tuple
 import torch
 
 from .config import GPU_TIER, OffloadConfig, OffloadConfigError
-from .step.cpu_side import CpuUpdate
+from .step.context import SideInputs
+from .step.cpu_side import CpuKernel, CpuUpdate
 from .step.deferred import DeferredWork
 from .step.device_side import DeviceSide
 from .step.update_paths import choose_update_paths
 from .gradients import GradientSource, HostGradients, ModelBuffers, gradient_host_bytes, scratch_buffers
 from .param_groups import Range, build_groups, segments_of
-from .plan.placement import Placement
+from .plan.placement import CPU, DEVICE, Placement
 from .plan.prediction import Prediction
 from .startup import describe_device_rates, describe_tiers, start_up
 from .initial_state import allocate_initial_state
@@ -41,7 +42,7 @@ from .plan.schedule import StepSchedule, step_schedule
 from .snapshot import StateSnapshot
 from .state_access import StateAccess
 from .state_dtypes import bytes_per_param, torch_dtypes
-from .step.loop import StepLoop
+from .step.loop import AcrossSteps, EngineHooks, StepLoop
 from .subgroups import Subgroup, partition
 from .telemetry import StepRecord, TrafficCounters
 from .tiers.base import ResidentTier, StreamedTier
@@ -183,19 +184,18 @@ class OffloadedAdamW:
         self.grad_source = grad_source
         high = (self.host.allocate(high_bytes, "param high halves", counted=False).view(torch.bfloat16)
                 if cfg.param_remainders else None)
-        # The two update sides (step.context.UpdateSide), built once with what they need.
+        # The two update sides (step.context.UpdateSide), built complete with what they need.
+        inputs = SideInputs(self.subgroups, self._segments, grad_source, self.on_params_updated,
+                            self.param_high if cfg.param_remainders else None, self.trace)
         self._cpu_side = CpuUpdate(
-            self.subgroups, self._segments, self.adam, working,
-            grad_source, scratch_buffers(not isinstance(grad_source, HostGradients), largest, self.host.allocate),
-            high, self.param_high, self.on_params_updated, self.trace)
-        self._cpu_side.one_pass = self._cpu_one_pass
+            inputs, CpuKernel(self.adam, working, self._cpu_one_pass),
+            scratch_buffers(not isinstance(grad_source, HostGradients), largest, self.host.allocate), high)
         self._read_ahead = read_ahead_for(cfg, self._device_update, self.state_dtypes, largest,
                                           len(self.subgroups))
         self._device_side = None if self._device_update is None else DeviceSide(
-            self._device_update, self.subgroups, self._segments, grad_source, self.device_adam,
-            self.on_params_updated, self.param_high if cfg.param_remainders else None,
-            lambda i: self.placement.tier_of[i] == GPU_TIER, self.trace, self._read_ahead,
-            ModelBuffers.of(grad_source, self.param_high, cfg.device) if on_model else None)
+            inputs, self._device_update, self.device_adam, lambda i: self.placement.tier_of[i] == GPU_TIER,
+            self._read_ahead, ModelBuffers.of(grad_source, self.param_high, cfg.device) if on_model else None,
+            deferred=self._deferred is not None)
         self._resident, buffers = allocate_initial_state(
             self.subgroups, self.placement.tier_of, self.memory, self.host, params, self.state_dtypes,
             self.placement.slots, self.placement.host_state_bytes)
@@ -205,9 +205,10 @@ class OffloadedAdamW:
                   if cfg.param_remainders else None)
         self._state = StateAccess(self.subgroups, self._resident, self._pipeline, self._scratch_views, master)
         self._relocation = Relocation(self)
-        self._loop = StepLoop(self.subgroups, self.placement, self._cpu_side, self._device_side, self._pipeline,
-                              self._resident, self._deferred, self._read_ahead, lambda: self.prediction,
-                              self._guard_snapshot)
+        sides = {CPU: self._cpu_side, **({DEVICE: self._device_side} if self._device_side is not None else {})}
+        self._loop = StepLoop(self.subgroups, self.placement, sides, self._pipeline, self._resident,
+                              AcrossSteps(self._deferred, self._read_ahead),
+                              EngineHooks(lambda: self.prediction, self._guard_snapshot))
         self.log_placement()
         self._pipeline.begin(self._schedule_for(0))
 

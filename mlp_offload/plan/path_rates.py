@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..kernels.cpu_one_pass import verified_cpu_one_pass
-from ..step.device_side import DeviceUpdate
+from ..step.device_side import DeviceKernel, DeviceUpdate
 from ..kernels.fused_update import verified_fused_update
 from ..kernels.update import AdamKernel
 from .rates import measure_cpu_update_rate, measure_device_rates
@@ -54,14 +54,19 @@ def measure_update_paths(dtypes: Sequence[torch.dtype], numel: int) -> PathRates
         return rates
     kernel = AdamKernel("foreach")
     device_step = lambda p, g, m, v, step: kernel(p, g, m, v, step=step)  # noqa: E731
-    updater = DeviceUpdate("cuda", dtypes, numel, numel)
-    rates.device_multi = measure_device_rates(updater, device_step, dtypes, numel)
-    updater.fused, rates.device_how = verified_fused_update("cuda", dtypes, kernel)
-    rates.device_one = (measure_device_rates(updater, device_step, dtypes, numel) if updater.fused is not None
-                        else (NAN, NAN))
-    if updater.fused is not None and updater.fused.on_model_ok:
-        updater.on_model_buffers = True
-        rates.device_on_model = measure_device_rates(updater, device_step, dtypes, numel)
+    rates.device_multi = _device_rates(DeviceKernel(), device_step, dtypes, numel)
+    fused, rates.device_how = verified_fused_update("cuda", dtypes, kernel)
+    rates.device_one = (_device_rates(DeviceKernel(fused, rates.device_how), device_step, dtypes, numel)
+                        if fused is not None else (NAN, NAN))
+    if fused is not None and fused.on_model_ok:
+        rates.device_on_model = _device_rates(DeviceKernel(fused, rates.device_how, True), device_step, dtypes, numel)
+    return rates
+
+
+def _device_rates(kernel: DeviceKernel, device_step, dtypes: Sequence[torch.dtype], numel: int) -> tuple:
+    """(resident, streamed) rates of a device update built with ``kernel``; its buffers freed after."""
+    updater = DeviceUpdate("cuda", dtypes, numel, numel, kernel)
+    rates = measure_device_rates(updater, device_step, dtypes, numel)
     del updater
     torch.cuda.empty_cache()
     return rates

@@ -17,6 +17,7 @@ from ..gradients import HostGradients, ModelBuffers
 from ..kernels.fused_update import AdamHyper
 from ..kernels.remainders import HostParamHigh
 from ..kernels.update import Fp32Working
+from ..step.device_side import DeviceIO, DeviceJob
 from ..tiers.align import ALIGN, align_down
 from ..tiers.files import FileTier, fsync_path
 
@@ -185,13 +186,13 @@ def measure_device_rates(updater, adam_step, dtypes, numel: int, repeats: int = 
     # Or, with the one-pass kernel on the model's buffers, those same two tensors read and written in place.
     model = _probe_model(updater, grads16, params16 if dtypes[0] == torch.int16 else params_out)
 
+    io = DeviceIO(lambda out: out.copy_(grads16[: out.numel()]), adam, params_back,
+                  lambda start, end, out: out.copy_(params16[start:end]), hyper=_measuring_hyper, step=1, model=model)
+
     def run_k(stored, resident, k):
         def once(_):
             for _ in range(k):
-                fence = updater.update(sg, stored, resident, segments, lambda out: out.copy_(grads16[: out.numel()]),
-                                       adam, params_back,
-                                       lambda start, end, out: out.copy_(params16[start:end]),
-                                       hyper=_measuring_hyper, step=1, model=model)
+                fence = updater.update(DeviceJob(sg, stored, resident, segments), io)
             fence.synchronize()
         return _best_of(once, repeats)
 
@@ -272,14 +273,14 @@ def measure_shared_rates(updater, cpu_step, adam_step, dtypes, numel: int, piece
         step[0] += 1
         adam_step(p, g, m, v, step=step[0])
 
+    stream_io = DeviceIO(lambda out: out.fill_(1e-3), adam, None, lambda start, end, out: out.fill_(0.5),
+                         hyper=_measuring_hyper, step=1, model=stream_model)
     best = None
     for attempt in range(3):  # the first warms up threads, pages and kernels
         torch.cuda.synchronize(updater.device)
         start = time.perf_counter()
         for _ in range(in_a_row):
-            fence = updater.update(sg, host, False, segments, lambda out: out.fill_(1e-3), adam, None,
-                                   lambda start, end, out: out.fill_(0.5), hyper=_measuring_hyper, step=1,
-                                   model=stream_model)
+            fence = updater.update(DeviceJob(sg, host, False, segments), stream_io)
         cpu_elems, step = 0, 0
         while not fence.query():
             with torch.cuda.stream(side):  # the CPU path's PCIe traffic: its grads down, its params up

@@ -75,10 +75,10 @@ def test_the_next_step_follows_each_subgroups_last_copy_out_without_the_host_wai
     made, given = [], []
     real = DeviceUpdate.update
 
-    def update(self, sg, *args, written=None, **kwargs):
-        real(self, sg, *args, written=written, **kwargs)
-        given.append((sg.index, written))
-        made.append(_Fence(sg.index))
+    def update(self, job, io):
+        real(self, job, io)
+        given.append((job.sg.index, job.written))
+        made.append(_Fence(job.sg.index))
         return made[-1]
 
     monkeypatch.setattr(DeviceUpdate, "update", update)
