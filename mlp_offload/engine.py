@@ -34,7 +34,7 @@ from .plan.placement import CPU, DEVICE, Placement
 from .plan.prediction import Prediction
 from .startup import describe_device_rates, describe_tiers, start_up
 from .initial_state import allocate_initial_state
-from .pipeline import OffloadStateError, SlotPipeline, StateViews
+from .pipeline import IoLog, OffloadStateError, SlotPipeline, StateViews
 from .step.read_ahead import read_ahead_for
 from .relocation import Relocation
 from .kernels.remainders import ParamHighSource, RemainderMaster
@@ -158,8 +158,7 @@ class OffloadedAdamW:
         self._device_update, self._deferred = paths.device_update, paths.deferred
         self._cpu_one_pass, self.cpu_one_pass_how = paths.cpu_one_pass, paths.cpu_one_pass_how
         on_model = paths.on_model_buffers
-        plan = start_up(cfg, self.subgroups, self.adam, self._tiers, self.token_store, self.memory,
-                        self._device_update, self.device_adam, self._cpu_one_pass)
+        plan = start_up(cfg, self.subgroups, paths, self._tiers, self.token_store, self.memory)
         self.host, self.rates, self.tokens_per_tier = plan.host, plan.rates, plan.tokens_per_tier
         self.adam_rate, self.convert_rate, self.devices = plan.adam_rate, plan.convert_rate, plan.devices
         self.update_rates = plan.update_rates
@@ -196,11 +195,10 @@ class OffloadedAdamW:
             inputs, self._device_update, self.device_adam, lambda i: self.placement.tier_of[i] == GPU_TIER,
             self._read_ahead, ModelBuffers.of(grad_source, self.param_high, cfg.device) if on_model else None,
             deferred=self._deferred is not None)
-        self._resident, buffers = allocate_initial_state(
-            self.subgroups, self.placement.tier_of, self.memory, self.host, params, self.state_dtypes,
-            self.placement.slots, self.placement.host_state_bytes)
+        self._resident, buffers = allocate_initial_state(self.subgroups, self.placement, self.memory, self.host,
+                                                         params, self.state_dtypes)
         self._pipeline = SlotPipeline(self.subgroups, self.placement.tier_of, self._tiers, buffers,
-                                      cfg.prefetch_depth, self._counters, params, self.trace)
+                                      cfg.prefetch_depth, params, IoLog(self._counters, self.trace))
         master = (RemainderMaster(self.param_high, self.on_params_updated, largest)
                   if cfg.param_remainders else None)
         self._state = StateAccess(self.subgroups, self._resident, self._pipeline, self._scratch_views, master)

@@ -16,6 +16,7 @@ from .plan.prediction import Prediction, predict_update
 from .plan.rates import (measure_convert_rate, measure_cpu_update_rate, measure_device_rates,
                          measure_shared_rates, probe_tier)
 from .state_dtypes import torch_dtypes
+from .step.update_paths import UpdatePaths
 from .subgroups import Subgroup
 from .tiers.base import ResidentTier, StreamedTier
 from .tiers.factory import file_tier, resident_tiers
@@ -55,13 +56,14 @@ class StartUp:
                               update_rates=update_rates or self.update_rates)
 
 
-def start_up(cfg: OffloadConfig, subgroups: List[Subgroup], adam, tiers: Dict[str, StreamedTier],
-             token_store=None, memory: Optional[Dict[str, ResidentTier]] = None, device_update=None,
-             device_adam=None, cpu_one_pass=None) -> StartUp:
+def start_up(cfg: OffloadConfig, subgroups: List[Subgroup], paths: UpdatePaths, tiers: Dict[str, StreamedTier],
+             token_store=None, memory: Optional[Dict[str, ResidentTier]] = None) -> StartUp:
     """Measure and plan. ``tiers`` is filled with the file tiers as they are built, and ``memory``
-    with the memory tiers, so the caller can close them if a later step fails. ``device_update``
-    (a ``DeviceUpdate``, with its kernel ``device_adam``) is measured where device updates may run;
-    ``cpu_one_pass``: the CPU's one-pass kernel where it replaces the multi-pass path (timed instead)."""
+    with the memory tiers, so the caller can close them if a later step fails. ``paths``: the update
+    paths chosen; its device update (with its kernel ``device_adam``) is measured where device updates
+    may run, its CPU one-pass kernel where it replaces the multi-pass path (timed instead)."""
+    adam, device_adam, device_update = paths.adam, paths.device_adam, paths.device_update
+    cpu_one_pass = paths.cpu_one_pass
     sharing = cfg.resolved_ranks_sharing_node()
     check_budget_exists(cfg.host_budget_bytes, sharing)
     memory = {} if memory is None else memory

@@ -14,12 +14,15 @@ import torch
 from ..config import GPU_TIER, OffloadConfig
 from ..kernels.cpu_one_pass import cpu_one_pass_for_device, verified_cpu_one_pass
 from ..kernels.fused_update import verified_fused_update
+from ..kernels.update import AdamKernel
 from .deferred import DeferredWork
 from .device_side import MULTI_PASS, DeviceKernel, DeviceUpdate
 
 
 @dataclass(frozen=True)
 class UpdatePaths:
+    adam: AdamKernel  # the CPU's multi-pass kernel (also what its rate is measured with)
+    device_adam: AdamKernel  # the device's multi-pass kernel
     device_update: Optional[DeviceUpdate]  # None: the CPU updates everything
     deferred: Optional[DeferredWork]  # defer_device_wait: what a step leaves queued
     cpu_one_pass: Optional[Callable]  # the CPU's one-pass kernel, or None (the multi-pass path)
@@ -31,17 +34,17 @@ class UpdatePaths:
         return self.device_update is not None and self.device_update.on_model_buffers
 
 
-def choose_update_paths(cfg: OffloadConfig, state_dtypes: Sequence[torch.dtype], largest: int, adam, device_adam,
-                        sources_give_views: bool) -> UpdatePaths:
+def choose_update_paths(cfg: OffloadConfig, state_dtypes: Sequence[torch.dtype], largest: int, adam: AdamKernel,
+                        device_adam: AdamKernel, sources_give_views: bool) -> UpdatePaths:
     """``adam``, ``device_adam``: the CPU's and the device's multi-pass kernels (``update.AdamKernel``);
     ``sources_give_views``: the grad and param sources give ``views`` and params go back to the model
     (``gradients.ModelBuffers``)."""
     if GPU_TIER not in cfg.tiers and cfg.update_on == "cpu":  # on a CPU run the "device" is the CPU (the twin)
-        return UpdatePaths(None, None, *_cpu_one_pass(cfg, state_dtypes, adam, None))
+        return UpdatePaths(adam, device_adam, None, None, *_cpu_one_pass(cfg, state_dtypes, adam, None))
     kernel = _device_kernel(cfg, state_dtypes, device_adam, sources_give_views)
     device = DeviceUpdate(cfg.device, state_dtypes, cfg.device_chunk_elems, largest, kernel)
     deferred = DeferredWork(device.streams) if cfg.defer_device_wait else None
-    return UpdatePaths(device, deferred, *_cpu_one_pass(cfg, state_dtypes, adam, kernel.fused))
+    return UpdatePaths(adam, device_adam, device, deferred, *_cpu_one_pass(cfg, state_dtypes, adam, kernel.fused))
 
 
 def _device_kernel(cfg: OffloadConfig, state_dtypes: Sequence[torch.dtype], device_adam,
