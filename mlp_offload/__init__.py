@@ -14,7 +14,7 @@ from .pipeline import ModelParamsAsMaster
 from .faults import configure as configure_faults, fault_point
 from .plan.placement import PlacementError, UpdateRates, min_host_budget_bytes
 from .plan.node_share import streamed_elems_per_s
-from .plan.prediction import device_seconds, first_forward_share, predict_iteration
+from .plan.prediction import MeasuredRates, device_seconds, first_forward_share, predict_iteration
 from .plan.path_rates import measure_update_paths
 from .plan.rates import measure_adam_rate, measure_convert_rate
 from .kernels.remainders import merge as merge_remainders, split as split_remainders
@@ -22,7 +22,7 @@ from .startup import _probe as probe_tier  # the start-up's tier probe, for the 
 from .state_dtypes import torch_dtypes
 from .subgroups import FP32_BYTES, STATE_TENSORS
 from .telemetry import StepRecord, TierTraffic
-from .tiers.files import FileTier, TierDataError, TierIOError, TierPathError, fsync_path
+from .tiers.files import FileIo, FileTier, TierDataError, TierIOError, TierOwner, TierPathError, fsync_path
 from .tiers.host import HostMemory, HostMemoryError, check_host_memory, own_pss_bytes
 from .tiers.host import _meminfo_bytes as meminfo_bytes  # /proc/meminfo fields, as the host tier reads them
 from .tiers.housekeeping import NamespaceInUseError, scan as scan_namespaces
@@ -46,10 +46,10 @@ __all__ = [
     "CheckpointDataError", "CheckpointSaveError", "BackgroundStateWrite", "save_engine_state",
     "start_background_save", "fsync_path",
     # planning and measuring without an engine (tools/plan_offload.py, benchmarks/)
-    "EnginePlan", "plan_engine", "min_host_budget_bytes", "probe_tier", "measure_adam_rate", "measure_convert_rate",
+    "EnginePlan", "plan_engine", "MeasuredRates", "min_host_budget_bytes", "probe_tier", "measure_adam_rate", "measure_convert_rate",
     "device_seconds", "measure_update_paths", "predict_iteration", "first_forward_share", "UpdateRates",
     "streamed_elems_per_s",
-    "AdamKernel", "build_cpu_kernel_in_background", "HostMemory", "check_host_memory", "own_pss_bytes", "FileTier", "JobTokens", "TierTokens", "meminfo_bytes",
+    "AdamKernel", "build_cpu_kernel_in_background", "HostMemory", "check_host_memory", "own_pss_bytes", "FileTier", "FileIo", "TierOwner", "JobTokens", "TierTokens", "meminfo_bytes",
     # process housekeeping and crash-test fault points
     "scan_namespaces", "release_swap_namespaces", "tree_bytes", "fault_point", "configure_faults",
     # byte units (mlp_offload/units.py), for every package

@@ -12,7 +12,7 @@ from typing import Dict, List, Optional, Sequence
 
 from .config import HOST_TIER, OffloadConfig, TierBandwidth
 from .plan.placement import Placement, UpdateRates, plan_placement, tokens_for
-from .plan.prediction import Prediction, predict_update
+from .plan.prediction import MeasuredRates, NodeSharing, Prediction, predict_update
 from .plan.rates import (measure_convert_rate, measure_cpu_update_rate, measure_device_rates,
                          measure_shared_rates, probe_tier)
 from .state_dtypes import torch_dtypes
@@ -50,10 +50,10 @@ class StartUp:
                 update_rates: Optional[UpdateRates] = None) -> Prediction:
         """The update predicted for ``placement`` at the rates measured here (or ``update_rates``,
         those the steps showed since): the one call start-up and every later re-placement make."""
-        return predict_update(subgroups, placement, self.rates, self.adam_rate, self.convert_rate, self.devices,
-                              ranks_sharing=self.ranks_sharing, tokens=self.tokens_per_tier,
-                              cache_alternating=self.cache_alternating,
-                              update_rates=update_rates or self.update_rates)
+        measured = MeasuredRates(self.rates, self.adam_rate, self.convert_rate, update_rates or self.update_rates)
+        return predict_update(subgroups, placement, measured,
+                              NodeSharing(self.devices, self.ranks_sharing, self.tokens_per_tier),
+                              self.cache_alternating)
 
 
 def start_up(cfg: OffloadConfig, subgroups: List[Subgroup], paths: UpdatePaths, tiers: Dict[str, StreamedTier],

@@ -175,7 +175,7 @@ def test_split_and_prediction_use_the_rates_measured_side_by_side(n, cpu, dev, s
     """Where both sides work, each is priced at the rate measured beside the other (a reference
     computed here from the sides the split chose); a side alone keeps its solo rate."""
     from mlp_offload.plan.placement import Placement
-    from mlp_offload.plan.prediction import predict_update
+    from mlp_offload.plan.prediction import MeasuredRates, predict_update
 
     subgroups = partition(n * 1000, 1000)
     tier_of = ["gpu" if i < gpu else "host" for i in range(n)]
@@ -186,7 +186,7 @@ def test_split_and_prediction_use_the_rates_measured_side_by_side(n, cpu, dev, s
     assert sides == split_updates(subgroups, tier_of, "auto", UpdateRates(
         cpu=cpu * slow, device_resident=20 * dev, device_streamed=dev * slow))
     placement = Placement(tier_of=tier_of, slots=0, cache_slots=0, resident_bytes={}, update_on=sides)
-    pred = predict_update(subgroups, placement, {}, cpu, 1e30, update_rates=rates)
+    pred = predict_update(subgroups, placement, MeasuredRates({}, cpu, 1e30, rates))
     streams = any(s == DEVICE and t == "host" for s, t in zip(sides, tier_of))
     cpu_rate = cpu * slow if streams else cpu
     stream_rate = dev * slow if CPU in sides else dev

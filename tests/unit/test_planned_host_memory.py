@@ -10,6 +10,7 @@ from pathlib import Path
 from megatron.training.runtime.host_memory import beside_engine
 from mlp_offload import OffloadConfig
 from mlp_offload.plan.capacity import plan_engine
+from mlp_offload.plan.prediction import MeasuredRates
 from tests.proc_memory import PeakSampler, tree_pss_bytes
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,7 +38,7 @@ print("done", flush=True); sys.stdin.readline()
 
 
 def test_planned_host_memory_is_the_measured_peak():
-    plan = plan_engine(NUMEL, OffloadConfig(**OPTIONS), {}, {}, 1e9, 1e9, 1, host_grad_itemsize=2)
+    plan = plan_engine(NUMEL, OffloadConfig(**OPTIONS), MeasuredRates({}, 1e9, 1e9), {}, 1, host_grad_itemsize=2)
     planned = plan.host_bytes + beside_engine(WORKERS, 0)["data workers"]
     rank = subprocess.Popen([sys.executable, "-c", RANK], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             text=True)

@@ -70,14 +70,15 @@ def _state_to_save(args, model, optimizer, scheduler, iteration, consumed_sample
     return state
 
 
-def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, consumed_samples: int, args,
-                    background=None) -> str:
-    """Save everything into ``root/iter_N`` and record it as the latest; see checkpoint_integrity for
-    the order that makes a crash at any point leave the previous checkpoint as the one to resume.
+def save_checkpoint(iteration: int, model, optimizer, scheduler, consumed_samples: int, args, background=None) -> str:
+    """Save everything into ``root/iter_N`` (root: ``args.save``, as Megatron-LM's) and record it as the
+    latest; see checkpoint_integrity for the order that makes a crash at any point leave the previous
+    checkpoint as the one to resume.
 
     With ``background`` (async_save.BackgroundSaves, --async-save) the torch_dist files are written
     by a background process and the offloaded optimizer state by a thread, from a snapshot taken
     here (mlp_offload.snapshot); the checkpoint is completed in the finalize step."""
+    root = args.save
     path = checkpoint_dir(root, iteration)
     held_from = time.perf_counter()  # training waits from here, for the previous background save too
     if background is not None:
