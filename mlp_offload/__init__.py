@@ -10,6 +10,7 @@ from .checkpoint import CheckpointDataError, CheckpointSaveError
 from .checkpoint_write import BackgroundStateWrite, save_engine_state, start_background_save
 from .config import GPU_TIER, OffloadConfig, OffloadConfigError, TierBandwidth, parse_bandwidths
 from .engine import PER_NODE, OffloadedAdamW, OffloadStateError
+from .model_link import ModelLink
 from .pipeline import ModelParamsAsMaster
 from .faults import configure as configure_faults, fault_point
 from .plan.placement import PlacementError, UpdateRates, min_host_budget_bytes
@@ -38,6 +39,7 @@ __all__ = [
     "OffloadConfig", "OffloadConfigError", "TierBandwidth", "parse_bandwidths", "GPU_TIER",
     # the optimizer, its records and errors
     "OffloadedAdamW", "ModelParamsAsMaster", "OffloadStateError", "PlacementError", "StepRecord", "TierTraffic", "PER_NODE",
+    "ModelLink",
     "TierDataError", "TierIOError", "TierPathError", "HostMemoryError", "NamespaceInUseError",
     "torch_dtypes", "STATE_TENSORS", "FP32_BYTES",
     # 16-bit master remainders: fp32 master <-> (int16 remainders, bf16 params)
@@ -49,7 +51,8 @@ __all__ = [
     "EnginePlan", "plan_engine", "MeasuredRates", "min_host_budget_bytes", "probe_tier", "measure_adam_rate", "measure_convert_rate",
     "device_seconds", "measure_update_paths", "predict_iteration", "first_forward_share", "UpdateRates",
     "streamed_elems_per_s",
-    "AdamKernel", "build_cpu_kernel_in_background", "HostMemory", "check_host_memory", "own_pss_bytes", "FileTier", "FileIo", "TierOwner", "JobTokens", "TierTokens", "meminfo_bytes",
+    "AdamKernel", "build_cpu_kernel_in_background", "HostMemory", "check_host_memory", "own_pss_bytes", "FileTier", "JobTokens", "TierTokens", "meminfo_bytes",
+    "FileIo", "TierOwner",
     # process housekeeping and crash-test fault points
     "scan_namespaces", "release_swap_namespaces", "tree_bytes", "fault_point", "configure_faults",
     # byte units (mlp_offload/units.py), for every package

@@ -29,7 +29,8 @@ from .step.deferred import DeferredWork
 from .step.device_side import DeviceSide
 from .step.update_paths import choose_update_paths
 from .gradients import GradientSource, HostGradients, ModelBuffers, gradient_host_bytes, scratch_buffers
-from .param_groups import Range, build_groups, segments_of
+from .model_link import ModelLink
+from .param_groups import Range, adamw_options, build_groups, segments_of
 from .plan.placement import CPU, DEVICE, Placement
 from .plan.prediction import Prediction
 from .startup import describe_device_rates, describe_tiers, start_up
@@ -37,7 +38,7 @@ from .initial_state import allocate_initial_state
 from .pipeline import IoLog, OffloadStateError, SlotPipeline, StateViews
 from .step.read_ahead import read_ahead_for
 from .relocation import Relocation
-from .kernels.remainders import ParamHighSource, RemainderMaster
+from .kernels.remainders import RemainderMaster
 from .plan.schedule import StepSchedule, step_schedule
 from .snapshot import StateSnapshot
 from .state_access import StateAccess
@@ -53,8 +54,7 @@ from .units import GiB
 
 log = logging.getLogger("mlp_offload")
 PER_NODE = "mlp_offload_per_node"  # set on log records that say the same on every rank of a node
-_GRAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-__all__ = ["OffloadedAdamW", "OffloadStateError", "GradientSource"]
+__all__ = ["OffloadedAdamW", "OffloadStateError", "GradientSource", "ModelLink"]
 
 
 class OffloadedAdamW:
@@ -66,37 +66,28 @@ class OffloadedAdamW:
     device), or a function ``fill(start, end, out_fp32)`` with ``numel`` given; it is read once
     per subgroup, lazily, and not kept after the first step.
 
-    Gradients come from ``grad_buffer`` (low precision, filled by the caller, converted here), or,
-    with ``grad_source``, as fp32 straight into one of two scratch buffers (e.g. cast on the GPU and
+    ``adamw``: AdamW's hyperparameters as torch.optim.AdamW names them (lr, betas, eps, weight_decay;
+    and decoupled_weight_decay, ``param_groups.ADAMW_OPTIONS``), the defaults of every group in ``groups``.
+
+    What the engine is given of the model is its ``model`` (``ModelLink``). Gradients come from
+    ``grad_buffer`` (``model.grad_dtype``, filled by the caller, converted here), or, with
+    ``model.grad_source``, as fp32 straight into one of two scratch buffers (e.g. cast on the GPU and
     copied while the previous subgroup's Adam runs); then there is no ``grad_buffer``.
 
     With ``config.param_remainders`` the master is stored as int16 remainders of the model's bf16
-    params, read per subgroup from ``param_high``; ``on_params_updated`` then gets the updated bf16
-    params (what the model must hold), and the initial master is taken as the model's (``params``
-    rounded half away; remainders of zero for bf16 values).
+    params, read per subgroup from ``model.param_high``; ``model.on_params_updated`` then gets the
+    updated bf16 params (what the model must hold), and the initial master is taken as the model's
+    (``params`` rounded half away; remainders of zero for bf16 values).
 
     ``token_store`` is the job's key-value store (a ``torch.distributed.Store``): needed where
     ``config.token_scope`` makes a tier's ranks take turns across the whole job.
     """
 
-    def __init__(
-        self,
-        params: torch.Tensor,
-        config: OffloadConfig,
-        *,
-        lr: float = 1e-3,
-        betas: Tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 1e-2,
-        decoupled_weight_decay: bool = True,
-        groups: Optional[Sequence[Tuple[Sequence[Range], dict]]] = None,
-        grad_dtype: torch.dtype = torch.bfloat16,
-        on_params_updated: Optional[Callable[[int, int, torch.Tensor], object]] = None,
-        grad_source: Optional[GradientSource] = None,
-        numel: Optional[int] = None,
-        token_store=None,
-        param_high: Optional[ParamHighSource] = None,
-    ):
+    def __init__(self, params: torch.Tensor, config: OffloadConfig, *,
+                 groups: Optional[Sequence[Tuple[Sequence[Range], dict]]] = None, numel: Optional[int] = None,
+                 model: ModelLink = ModelLink(), token_store=None, **adamw):
+        defaults, decoupled_weight_decay = adamw_options(adamw)
+        on_params_updated, param_high, grad_source = model.on_params_updated, model.param_high, model.grad_source
         if callable(params):
             if numel is None:
                 raise ValueError("numel is required when params is a fill function")
@@ -105,8 +96,6 @@ class OffloadedAdamW:
             raise ValueError(f"params must be a flat 1-D shard, got shape {tuple(params.shape)}")
         else:
             self.numel = params.numel()
-        if grad_dtype not in _GRAD_DTYPES:
-            raise ValueError(f"gradient dtype must be one of {_GRAD_DTYPES}, got {grad_dtype}")
         self.config = config
         job_scoped = [t for t, scope in config.token_scope.items() if scope == "job"]
         if job_scoped and token_store is None:
@@ -122,7 +111,6 @@ class OffloadedAdamW:
                                      "param_high (where they are read) and on_params_updated (where they go)")
         self.adam = AdamKernel(config.adam_kernel, decoupled_weight_decay)
         self.device_adam = AdamKernel(config.resolved_device_adam_kernel, decoupled_weight_decay)
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         self.param_groups = build_groups(groups, defaults, self.numel)
         self.subgroups = partition(self.numel, config.subgroup_size, config.state_itemsizes)
         self.state_dtypes = torch_dtypes(config.stored_dtypes)
@@ -140,7 +128,7 @@ class OffloadedAdamW:
         self._counters = TrafficCounters(config.file_tiers)
         self.trace: Optional[Trace] = open_trace(config.trace_path, config.rank)
         try:
-            self._setup(params, grad_dtype, grad_source)
+            self._setup(params, model.grad_dtype, grad_source)
         except BaseException:
             self.close()
             raise

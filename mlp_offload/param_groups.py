@@ -11,6 +11,22 @@ Range = Tuple[int, int]  # (start, end) element range of the shard that belongs 
 Segment = Tuple[int, int, int, Tuple[int, int]]
 
 
+# AdamW's hyperparameters as torch.optim.AdamW names them, with its defaults; ``decoupled_weight_decay``
+# False makes it Adam with L2 weight decay.
+ADAMW_OPTIONS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, decoupled_weight_decay=True)
+
+
+def adamw_options(given: dict) -> Tuple[dict, bool]:
+    """(the param groups' defaults, whether weight decay is decoupled) from AdamW's keyword arguments."""
+    unknown = sorted(set(given) - set(ADAMW_OPTIONS))
+    if unknown:
+        raise TypeError(f"unknown AdamW argument(s) {unknown}: AdamW takes {sorted(ADAMW_OPTIONS)}")
+    options = {**ADAMW_OPTIONS, **given}
+    defaults = dict(lr=options["lr"], betas=tuple(options["betas"]), eps=options["eps"],
+                    weight_decay=options["weight_decay"])
+    return defaults, options["decoupled_weight_decay"]
+
+
 def build_groups(groups: Optional[Sequence[Tuple[Sequence[Range], dict]]], defaults: dict, numel: int) -> List[dict]:
     """torch.optim-style group dicts, each with its ``ranges``; ranges must lie in the shard and not overlap."""
     if groups is None:

@@ -6,6 +6,7 @@ import shutil
 import pytest
 import torch
 
+from mlp_offload import ModelLink
 from mlp_offload import (
     OffloadConfig, OffloadConfigError, OffloadedAdamW, OffloadStateError, PlacementError, TierPathError,
     parse_bandwidths,
@@ -104,7 +105,7 @@ def test_host_only_budget_too_small():
 
 def _engine_with_files_written(tmp_path, seen):
     cfg = fast_config(tmp_path, tiers=["nvme"], subgroup_size=4_000, cache_alternating=False, prefetch_depth=1)
-    eng = OffloadedAdamW(torch.randn(20_000), cfg, on_params_updated=lambda a, b, p: seen.append(a))
+    eng = OffloadedAdamW(torch.randn(20_000), cfg, model=ModelLink(on_params_updated=lambda a, b, p: seen.append(a)))
     eng.grad_buffer.normal_()
     eng.step()
     eng.flush()

@@ -14,7 +14,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from mlp_offload import OffloadConfig, OffloadedAdamW
+from mlp_offload import ModelLink, OffloadConfig, OffloadedAdamW
 from mlp_offload.kernels import cpu_one_pass as cop
 from mlp_offload.kernels.fused_update import AdamHyper, Variant, sample_state
 from mlp_offload.kernels.update import AdamKernel
@@ -250,7 +250,7 @@ def _run(setup, root, moments, remainders, one_pass, seed):
     gen = torch.Generator().manual_seed(seed)
     init = torch.randn(setup.numel, generator=gen).to(torch.bfloat16 if remainders else torch.float32)
     model = ModelParams(init.clone())  # the bf16 params a remainders master's high halves come from
-    kwargs = dict(on_params_updated=model.on_params, param_high=model.source) if remainders else {}
+    kwargs = dict(model=ModelLink(on_params_updated=model.on_params, param_high=model.source)) if remainders else {}
     with OffloadedAdamW(init.clone(), cfg, lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
                         groups=setup.groups, **kwargs) as eng:
         assert (eng._cpu_side.one_pass is not None) == (one_pass and cfg.adam_kernel != "fused"), \

@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from mlp_offload import ModelLink
 from mlp_offload import OffloadConfig, OffloadConfigError, OffloadedAdamW, PlacementError
 from mlp_offload.checkpoint import load_engine_state
 from mlp_offload.checkpoint_write import save_engine_state
@@ -35,7 +36,7 @@ def test_tier_mixes_and_update_sides_match_torch_adamw(case, seed):
     with tempfile.TemporaryDirectory() as root:
         cfg = device_config(setup, extra, root)
         with OffloadedAdamW(init.clone(), cfg, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, groups=setup.groups,
-                            on_params_updated=lambda a, b, p: seen.append((a, b, p.clone()))) as eng:
+                            model=ModelLink(on_params_updated=lambda a, b, p: seen.append((a, b, p.clone())))) as eng:
             for step in range(3):
                 grad = (torch.randn(setup.numel, generator=gen) * 10).to(torch.bfloat16)
                 eng.grad_buffer.copy_(grad)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from mlp_offload import OffloadedAdamW
+from mlp_offload import ModelLink, OffloadedAdamW
 from mlp_offload.step import update_paths as paths_module
 from mlp_offload.kernels.fused_update import (PLAIN, SAMPLE_HYPERS, VARIANTS, AdamHyper, ReferenceOnePass, matches, multi_pass_step,
                                       sample_state, verified_fused_update)
@@ -39,7 +39,7 @@ def _run_config(setup, cfg, remainders, one_pass, seed=0):
     gen = torch.Generator().manual_seed(seed)
     init = torch.randn(setup.numel, generator=gen).to(torch.bfloat16 if remainders else torch.float32)
     model = ModelParams(init.clone())
-    kwargs = dict(on_params_updated=model.on_params, param_high=model.source) if remainders else {}
+    kwargs = dict(model=ModelLink(on_params_updated=model.on_params, param_high=model.source)) if remainders else {}
     used = []
     real = paths_module.verified_fused_update
 

@@ -22,13 +22,13 @@ RANK = f"""
 import sys, torch
 from megatron.training.data.datasets import MockGPTData
 from megatron.training.data.datasets import micro_batches
-from mlp_offload import OffloadConfig, OffloadedAdamW
+from mlp_offload import ModelLink, OffloadConfig, OffloadedAdamW
 params = torch.randn({NUMEL})  # the model's: held before the engine, as in a rank
 grads = torch.randn({NUMEL}).to(torch.bfloat16)
 print("ready", flush=True); sys.stdin.readline()
 batches = micro_batches(MockGPTData(1024, 1), 0, 4, 0, 1, num_workers={WORKERS}, seed=1)
 next(batches)
-engine = OffloadedAdamW(params, OffloadConfig(**{OPTIONS!r}), grad_dtype=torch.bfloat16)
+engine = OffloadedAdamW(params, OffloadConfig(**{OPTIONS!r}), model=ModelLink(grad_dtype=torch.bfloat16))
 for _ in range(2):
     engine.grad_buffer.copy_(grads)
     engine.step()

@@ -9,6 +9,7 @@ from hypothesis import given, settings, strategies as st
 
 from tests.profiles import examples
 
+from mlp_offload import ModelLink
 from mlp_offload import OffloadConfig, OffloadConfigError, OffloadedAdamW
 from mlp_offload.plan.placement import CPU
 
@@ -23,7 +24,8 @@ def _engine(init, read_ahead_subgroups, deferred, gpu_subgroups=0):
                         gpu_budget_bytes=gpu_subgroups * SUBGROUP * 12 if gpu_subgroups else None,
                         device_read_ahead_bytes=read_ahead_subgroups * SUBGROUP * 12, adam_kernel="single",
                         adam_elems_per_s=1e9, device_adam_elems_per_s=4e9, device_streamed_elems_per_s=2e9)
-    return OffloadedAdamW(init.clone(), cfg, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, grad_dtype=torch.bfloat16)
+    return OffloadedAdamW(init.clone(), cfg, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                          model=ModelLink(grad_dtype=torch.bfloat16))
 
 
 @settings(max_examples=examples(25), deadline=None, derandomize=True)

@@ -16,6 +16,7 @@ from hypothesis import given, settings, strategies as st
 
 from tests.profiles import examples
 
+from mlp_offload import ModelLink
 from mlp_offload import ModelParamsAsMaster, OffloadConfig, OffloadConfigError, OffloadedAdamW
 from mlp_offload.checkpoint import CheckpointDataError, RangeReader, load_engine_state, read_footer
 from mlp_offload.checkpoint_write import save_engine_state
@@ -90,7 +91,8 @@ def _engine(init_bf16, cfg, model, groups=None, fills=None):
         params = ModelParamsAsMaster(lambda start, end, out: (fills.append((start, end)),
                                                               out.copy_(init_bf16[start:end])))
     return OffloadedAdamW(params, cfg, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, groups=groups,
-                          numel=init_bf16.numel(), on_params_updated=model.on_params, param_high=model.source)
+                          numel=init_bf16.numel(),
+                          model=ModelLink(on_params_updated=model.on_params, param_high=model.source))
 
 
 @settings(max_examples=examples(60), deadline=None, derandomize=True, print_blob=True)

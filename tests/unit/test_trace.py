@@ -4,6 +4,7 @@ import json
 
 import torch
 
+from mlp_offload import ModelLink
 from mlp_offload import OffloadedAdamW
 
 from .helpers import fast_config
@@ -14,8 +15,9 @@ TIERS = ("nvme", "pfs")
 def run_steps(cfg, numel=60_000, steps=3):
     gen = torch.Generator().manual_seed(0)
     calls = []
-    eng = OffloadedAdamW(torch.randn(numel, generator=gen), cfg, grad_dtype=torch.bfloat16,
-                         on_params_updated=lambda lo, hi, p: calls.append(lo))
+    eng = OffloadedAdamW(torch.randn(numel, generator=gen), cfg,
+                         model=ModelLink(grad_dtype=torch.bfloat16,
+                                         on_params_updated=lambda lo, hi, p: calls.append(lo)))
     records = []
     try:
         for _ in range(steps):

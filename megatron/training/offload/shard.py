@@ -24,6 +24,7 @@ from megatron.training.checkpoint.offloaded_state import OffloadedStateFiles, Sh
 from megatron.training.offload.param_high import ModelParamHigh
 from megatron.training.offload.shard_layout import ShardLayout
 from megatron.training.runtime.core_private import optimizer_group_ranges
+from mlp_offload import ModelLink
 from mlp_offload import ModelParamsAsMaster, OffloadConfig, OffloadedAdamW
 from mlp_offload import torch_dtypes
 
@@ -80,10 +81,10 @@ class OffloadShard:
         self.engine = OffloadedAdamW(
             ModelParamsAsMaster(self._fill_initial_params), offload_config, numel=self.layout.numel,
             lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
-            weight_decay=config.weight_decay, groups=engine_groups,
-            grad_dtype=self.layout.pieces[0].buffer.grad_dtype, on_params_updated=self._copy_params_to_device,
-            grad_source=self._device_grads, token_store=token_store,
-            param_high=ModelParamHigh(self.layout, self.copy_stream))
+            weight_decay=config.weight_decay, groups=engine_groups, token_store=token_store,
+            model=ModelLink(grad_dtype=self.layout.pieces[0].buffer.grad_dtype,
+                            on_params_updated=self._copy_params_to_device, grad_source=self._device_grads,
+                            param_high=ModelParamHigh(self.layout, self.copy_stream)))
         self.state_files = OffloadedStateFiles(self.engine, self.layout, model_chunks, self.dp_group.size(), self.kind)
 
     def _ordered_groups(self, param_groups: List[dict]):
