@@ -23,11 +23,12 @@ import json
 import os
 import struct
 import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 
-from .direct_reader import DirectReads
+from .direct_reader import DirectReads, pread_into
 from .engine import OffloadedAdamW
 from .kernels.remainders import merge as merge_remainders  # what a file's rem16 param needs to be read
 from .state_dtypes import FP32_STATE, REMAINDERS, STORED_DTYPES, itemsizes, torch_dtypes
@@ -205,7 +206,11 @@ class RangeReader:
     of its data is used; the two most recent stored subgroups stay cached, so ascending requests (a
     plain resume) read each once, other orders (resharding) may re-read. With ``cache_bytes`` a
     stored tensor larger than a sixth of it (two subgroups of three tensors) is not cached: its CRC is
-    checked once by streaming it through a bounded buffer, then only the ranges asked for are read."""
+    checked once by streaming it through a bounded buffer, then only the ranges asked for are read.
+
+    While a stored tensor is checked and copied out, the next one in the file is read and checked on a
+    thread of its own (where the requests follow the file, as a resume's do): a load then runs at the
+    disk's pace rather than at read + CRC + copy one after the other."""
 
     def __init__(self, path: str, entries, dtypes=FP32_STATE, cache_bytes: Optional[int] = None, file=None):
         self.path = path
@@ -217,6 +222,12 @@ class RangeReader:
         self._cached: Dict[Tuple[int, int], torch.Tensor] = {}
         self._verified: Set[Tuple[int, int]] = set()
         self._direct = DirectReads(path)
+        by_offset = [(e, k) for e in sorted(self.entries, key=lambda e: e["offset"]) for k in range(3)]
+        self._successor = {(e["start"], k): nxt for (e, k), nxt in zip(by_offset, by_offset[1:])}
+        self._last: Optional[Tuple[int, int]] = None
+        self._ahead: Optional[Tuple[Tuple[int, int], Future]] = None
+        self._ahead_thread: Optional[ThreadPoolExecutor] = None
+        self.read_ahead_used = 0  # stored tensors that came from the read ahead
 
     def read(self, k: int, start: int, end: int, out: torch.Tensor) -> None:
         if (self.dtypes[k] == torch.int16) != (out.dtype == torch.int16):  # a remainder is no number
@@ -249,10 +260,43 @@ class RangeReader:
             starts = list(dict.fromkeys(kk[0] for kk in self._cached))
             if e["start"] not in starts and len(starts) >= 2:
                 self._cached = {kk: v for kk, v in self._cached.items() if kk[0] != starts[0]}
-            buf = self._bytes(e, k, e["start"], e["end"])
-            self._check(zlib.crc32(buf), e, k)
+            buf, crc = self._fetch(e, k)
+            self._check(crc, e, k)
             self._cached[key] = torch.frombuffer(buf, dtype=self.dtypes[k])
+            if self._last is None or self._follows(self._last, e, k):
+                self._read_ahead(key)
+            self._last = key
         return self._cached[key]
+
+    def _follows(self, last: Tuple[int, int], e, k: int) -> bool:
+        nxt = self._successor.get(last)
+        return nxt is not None and nxt[0] is e and nxt[1] == k
+
+    def _fetch(self, e, k: int):
+        """Stored tensor ``k`` of entry ``e`` and its CRC32: from the read ahead where it is that one."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            got = ahead[1].result()  # waited for either way: no read outlives its turn
+            if ahead[0] == (e["start"], k):
+                self.read_ahead_used += 1
+                return got
+        return self._read_and_crc(e, k)
+
+    def _read_and_crc(self, e, k: int):
+        buf = self._bytes(e, k, e["start"], e["end"])
+        return buf, zlib.crc32(buf)  # zlib lets go of the GIL for a buffer this size
+
+    def _read_ahead(self, key: Tuple[int, int]) -> None:
+        nxt = self._successor.get(key)
+        if nxt is None or (nxt[0]["start"], nxt[1]) in self._cached:
+            return
+        e, k = nxt
+        nbytes = (e["end"] - e["start"]) * self.dtypes[k].itemsize
+        if self.cache_bytes is not None and 7 * nbytes > self.cache_bytes:  # the bound holds the read ahead too
+            return
+        if self._ahead_thread is None:
+            self._ahead_thread = ThreadPoolExecutor(1, thread_name_prefix="ckpt-read-ahead")
+        self._ahead = ((e["start"], k), self._ahead_thread.submit(self._read_and_crc, e, k))
 
     def _verify(self, e, k: int) -> None:
         if (e["start"], k) in self._verified:
@@ -269,10 +313,9 @@ class RangeReader:
         offset = e["offset"] + sum(d.itemsize for d in self.dtypes[:k]) * n + itemsize * (lo - e["start"])
         nbytes = itemsize * (hi - lo)
         buf = self._direct.read(offset, nbytes)  # None without O_DIRECT: through the page cache
-        if buf is None:
+        if buf is None:  # pread: the read ahead may run beside a read of the caller's thread
             buf = bytearray(nbytes)
-            self.f.seek(offset)
-            got = self.f.readinto(buf)
+            got = pread_into(self.f.fileno(), memoryview(buf), offset)
         else:
             got = len(buf)
         if got != nbytes:
@@ -289,6 +332,9 @@ class RangeReader:
         self._cached = {}
 
     def close(self) -> None:
+        if self._ahead_thread is not None:
+            self._ahead_thread.shutdown(wait=True)
+            self._ahead_thread, self._ahead = None, None
         self._direct.close()
         if self._owns_file:
             self.f.close()
