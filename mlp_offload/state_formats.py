@@ -31,7 +31,7 @@ class StateCodec:
     elements. ``needs_high``: the format holds only part of a value, the rest is the model's bf16
     param (its "high half"), which ``unpack`` reads and ``pack`` writes."""
 
-    name: str  # the tag in checkpoint footers and start-up lines, and this registry's key
+    name: str  # what a user asks for where it is user-named; ``describe()`` is the tag saved files carry
     storage_dtype: torch.dtype  # element dtype of the stored tensor (of its values, for a blockwise one)
     bytes_per_element: int
     block: int = 0  # elements per block that carries side bytes (0: none)

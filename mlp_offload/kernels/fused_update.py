@@ -262,7 +262,7 @@ def multi_pass_step(adam_kernel, codecs: Sequence, stored: Sequence[torch.Tensor
 
 def sample_state(codecs: Sequence, numel: int, device, seed: int = 0):
     """Random state stored in ``codecs`` (``state_formats``; remainders of random fp32 masters where
-    the master's needs high halves), fp32 grads and the masters' bf16 high halves, spread over
+    its format needs the high halves), fp32 grads and the masters' bf16 high halves, spread over
     magnitudes where rounding differences show."""
     from .remainders import split
 
