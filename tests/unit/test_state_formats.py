@@ -163,3 +163,17 @@ def test_a_codec_copied_between_processes_is_the_same_format():
         assert copy == codec and hash(copy) == hash(codec)
     assert BF16 != FP16 and FP32 != REMAINDERS16
     assert FP32.is_fp32 and not any(c.is_fp32 for c in (BF16, FP16, REMAINDERS16))
+
+
+def test_the_one_pass_kernels_dispatch_on_the_codecs_and_leave_other_formats_to_the_multi_pass_path():
+    from mlp_offload.kernels.cpu_one_pass import CpuOnePass, cpu_variants, verified_cpu_one_pass
+    from mlp_offload.kernels.fused_update import one_pass_handles
+    from mlp_offload.kernels.update import AdamKernel
+
+    assert one_pass_handles((REMAINDERS16, BF16, FP16)) and one_pass_handles((FP16, FP32, BF16))
+    assert not one_pass_handles((FP32, REMAINDERS16, FP32))  # a remainder is no moment
+    unhandled = (FP32, _Blockwise8(), FP32)
+    kernel, how = verified_cpu_one_pass(unhandled, AdamKernel("single"))
+    assert kernel is None and how == "multi-pass (no one-pass kernel for fp32/toy8/fp32)"
+    with pytest.raises(ValueError, match="no one-pass kernel for fp32/toy8/fp32"):
+        CpuOnePass(cpu_variants()[0], unhandled, ext=object())
