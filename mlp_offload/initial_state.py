@@ -7,8 +7,6 @@ import logging
 import time
 from typing import Dict, List, Mapping, Sequence, Tuple
 
-import torch
-
 from .pipeline import StateViews, fill_params, starts_at_zero
 from .subgroups import Subgroup
 from .units import GB
@@ -17,7 +15,7 @@ log = logging.getLogger("mlp_offload")
 
 
 def allocate_initial_state(subgroups: Sequence[Subgroup], tier_of: Sequence[str], memory: Mapping[str, object],
-                           host, params, dtypes: Sequence[torch.dtype], slots: int,
+                           host, params, slots: int,
                            host_state_bytes: int) -> Tuple[Dict[int, StateViews], List[StateViews]]:
     """(the views of each subgroup held in a memory tier, the pipeline's buffers). Pinning tens of GB
     takes a while: a line before and after, with size and rate."""
@@ -33,15 +31,15 @@ def allocate_initial_state(subgroups: Sequence[Subgroup], tier_of: Sequence[str]
         # Fresh host memory is zeros already: moments (and remainders of masters that start as the
         # model's params) need no second pass over tens of GB.
         zeroed = getattr(memory[tier], "hands_out_zeros", False)
-        views = StateViews.over(memory[tier].allocate(sg.state_bytes, f"subgroup {i}"), sg, dtypes)
-        if not (zeroed and starts_at_zero(params, views.param)):
+        views = StateViews.over(memory[tier].allocate(sg.state_bytes, f"subgroup {i}"), sg)
+        if not (zeroed and starts_at_zero(params, sg)):
             fill_params(params, sg, views.param[: sg.numel])
         if not zeroed:
             views.exp_avg.zero_()
             views.exp_avg_sq.zero_()
         resident[i] = views
     slot_sg = max(subgroups, key=lambda sg: sg.numel)
-    buffers = [StateViews.over(host.allocate(slot_sg.state_bytes, f"pipeline buffer {k}"), slot_sg, dtypes)
+    buffers = [StateViews.over(host.allocate(slot_sg.state_bytes, f"pipeline buffer {k}"), slot_sg)
                for k in range(slots)]
     seconds = time.perf_counter() - started
     log.info("allocated %.3f GB of %shost memory for optimizer state in %.1f s (%.2f GB/s)", state_gb, kind,

@@ -22,6 +22,7 @@ from ..gradients import ModelBuffers
 from ..kernels.fused_update import AdamHyper, FusedAdamW, ModelPass, hyper_of
 from ..param_groups import Segment
 from .context import StepContext
+from ..state_formats import StateCodec
 from ..subgroups import Subgroup
 from ..kernels.update import AdamKernel, Fp32Working, adam_piece
 
@@ -95,9 +96,9 @@ class DeviceUpdate:
     """Updates one subgroup on the device; returns the fence to wait on before its host state is
     touched again (its copy-out), or ``DONE`` on the CPU twin."""
 
-    def __init__(self, device, dtypes: Sequence[torch.dtype], chunk_elems: int, largest: int):
+    def __init__(self, device, codecs: Sequence[StateCodec], chunk_elems: int, largest: int):
         self.device = torch.device(device)
-        self.dtypes = list(dtypes)
+        self.codecs = list(codecs)  # the stored formats (state_formats)
         self.chunk = max(1, min(chunk_elems, largest))
         self.streams = Streams(self.device)
         # Two chunk buffers in the stored dtypes: chunk k+1 arrives while chunk k is computed.
@@ -166,7 +167,7 @@ class DeviceUpdate:
                 b = self._turn % 2
                 self._turn += 1
                 if self._buffers is None:
-                    self._buffers = [[torch.empty(self.chunk, dtype=d, device=self.device) for d in self.dtypes]
+                    self._buffers = [[c.empty(self.chunk, self.device) for c in self.codecs]
                                      for _ in range(2)]
                 dev = [buf[: c1 - c0] for buf in self._buffers[b]]
                 with s.on(s.copy_in):
@@ -191,7 +192,7 @@ class DeviceUpdate:
     def _compute(self, sg: Subgroup, chunk: List[torch.Tensor], grad: torch.Tensor, c0: int, c1: int,
                  segments: Sequence[Segment], adam: Callable, on_params, fill_high, one_pass=None) -> None:
         high = None
-        if self.dtypes[0] == torch.int16:
+        if self.codecs[0].needs_high:
             if self._high is None:
                 self._high = torch.empty(self.chunk, dtype=torch.bfloat16, device=self.device)
             high = self._high[: c1 - c0]
@@ -202,7 +203,7 @@ class DeviceUpdate:
                 on_params(sg.start + c0, sg.start + c1, chunk[0] if high is None else high)
             return
         if self._working is None:
-            self._working = Fp32Working(self.dtypes, self.chunk, self.device)
+            self._working = Fp32Working(self.codecs, self.chunk, self.device)
         param, exp_avg, exp_avg_sq = wide = self._working.widen(chunk, high)
         for lo, hi, g, span in segments:
             a, b = max(lo, c0), min(hi, c1)
@@ -228,7 +229,7 @@ class DeviceUpdate:
                   hyper: Callable[[int], AdamHyper], step: int, model: ModelBuffers, grad_scale) -> None:
         """The chunk's param-group pieces in one kernel pass each, on the model's grads and params
         where they lie (a piece of the model's buffers and of one group at a time)."""
-        base, remainders, zero = sg.start, self.dtypes[0] == torch.int16, model.zero_grads
+        base, remainders, zero = sg.start, self.codecs[0].needs_high, model.zero_grads
         for lo, hi, grad, param in model.pieces(base + c0, base + c1):
             covered = lo
             for s_lo, s_hi, g, _ in segments:
