@@ -8,7 +8,7 @@ is the engine's inside and may change without notice (tests/unit/test_layout.py 
 from .plan.capacity import EnginePlan, plan_engine
 from .checkpoint import CheckpointDataError, CheckpointSaveError
 from .checkpoint_write import BackgroundStateWrite, save_engine_state, start_background_save
-from .config import GPU_TIER, OffloadConfig, OffloadConfigError, TierBandwidth, parse_bandwidths
+from .config import GPU_TIER, HOST_TIER, OffloadConfig, OffloadConfigError, TierBandwidth, parse_bandwidths
 from .engine import PER_NODE, OffloadedAdamW, OffloadStateError
 from .model_link import ModelLink
 from .pipeline import ModelParamsAsMaster
@@ -29,6 +29,10 @@ from .tiers.host import _meminfo_bytes as meminfo_bytes  # /proc/meminfo fields,
 from .tiers.housekeeping import NamespaceInUseError, scan as scan_namespaces
 from .tiers.housekeeping import release_all as release_swap_namespaces
 from .tiers.housekeeping import tree_bytes
+from .tiers.base import TierKind
+from .tiers.device import DEVICE_MEMORY
+from .tiers.host import HOST_MEMORY
+from .tiers.kinds import MEMORY_KINDS, kind_of
 from .tiers.tokens import JobTokens, TierTokens
 from .kernels.update import AdamKernel
 from .kernels.cpu_one_pass import build_in_background as build_cpu_kernel_in_background
@@ -36,7 +40,9 @@ from .units import GB, GiB, MiB
 
 __all__ = [
     # configuration and its errors
-    "OffloadConfig", "OffloadConfigError", "TierBandwidth", "parse_bandwidths", "GPU_TIER",
+    "OffloadConfig", "OffloadConfigError", "TierBandwidth", "parse_bandwidths", "GPU_TIER", "HOST_TIER",
+    # tier kinds: what a tier is, asked instead of its name
+    "TierKind", "kind_of", "MEMORY_KINDS", "DEVICE_MEMORY", "HOST_MEMORY",
     # the optimizer, its records and errors
     "OffloadedAdamW", "ModelParamsAsMaster", "OffloadStateError", "PlacementError", "StepRecord", "TierTraffic", "PER_NODE",
     "ModelLink",

@@ -27,8 +27,8 @@ import warnings
 warnings.simplefilter("ignore")  # megatron-core warns at import about optional packages
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.training.errors import UserError, reported_once  # noqa: E402
-from mlp_offload import GiB, MeasuredRates, codecs_for
+from megatron.training.errors import HOST_CACHE_FLAG, UserError, reported_once  # noqa: E402
+from mlp_offload import GPU_TIER, HOST_TIER, GiB, MeasuredRates, codecs_for, kind_of  # noqa: E402
 
 # Sustained bf16 TFLOP/s per GPU (as Megatron-LM counts FLOPs) our training reached on one H200 with
 # megatron-core's local layers and full recompute, by the attention kernel that runs: 10.24 B at global batch 1,
@@ -128,12 +128,12 @@ def split_capacities(rest):
 def _host_budget_missing(flags) -> bool:
     """Host memory and a file tier in --offload-tiers, and no --offload-host-cache-gb."""
     names = [f.split("=", 1)[0] for f in flags]
-    if "--offload-host-cache-gb" in names or "--offload-tiers" not in names:
+    if HOST_CACHE_FLAG in names or "--offload-tiers" not in names:
         return False
     i = names.index("--offload-tiers")
     value = flags[i].split("=", 1)[1] if "=" in flags[i] else (flags[i + 1] if i + 1 < len(flags) else "")
     tiers = value.split(",")
-    return "host" in tiers and any(t not in ("host", "gpu") for t in tiers)
+    return HOST_TIER in tiers and any(kind_of(t).needs_path for t in tiers)
 
 
 def pretrain_args(flags, machine):
@@ -151,7 +151,7 @@ def pretrain_args(flags, machine):
         flags += ["--offload-adam-kernel", "fused"]  # a GPU job's default (this machine may have no GPU)
     suggest_budget = _host_budget_missing(flags)
     if suggest_budget:  # the training refuses host + file tiers without a budget: plan_for suggests one
-        flags += ["--offload-host-cache-gb", "1"]
+        flags += [HOST_CACHE_FLAG, "1"]
     args = parse_args(flags)
     if suggest_budget:
         args.offload_host_cache_gb = None
@@ -327,7 +327,7 @@ def plan_for(opts, capacities, flags, measured, gpu_tflops=None, batch_sizes=Non
             raise UserError(f"argument --offload-{unknown[0]}-capacity-gb: {unknown[0]!r} is not one of "
                             f"--offload-tiers {','.join(args.offload_tiers)}")
         cache_gb = args.offload_host_cache_gb
-        if cache_gb is None and "host" in args.offload_tiers and len(args.offload_tiers) > 1:
+        if cache_gb is None and HOST_TIER in args.offload_tiers and len(args.offload_tiers) > 1:
             cache_gb = suggested_host_cache_gb(machine, machine.gpus_per_node, args.offload_subgroup_size)
             args.offload_host_cache_gb = cache_gb
         config = config_from_args(args, rank=0)
@@ -367,8 +367,8 @@ def table_batch_sizes(opts, args, machine):
 def suggested_flags(plan, args, flags):
     """The user's flags, with the host budget the plan used where they gave none."""
     out = list(flags)
-    if plan.host_cache_gb is not None and "--offload-host-cache-gb" not in out:
-        out += ["--offload-host-cache-gb", f"{plan.host_cache_gb:g}"]
+    if plan.host_cache_gb is not None and HOST_CACHE_FLAG not in out:
+        out += [HOST_CACHE_FLAG, f"{plan.host_cache_gb:g}"]
     return out
 
 
@@ -453,7 +453,7 @@ def recommend(opts, capacities, flags, args, machine, measured):
     tiers = args.offload_tiers or []
     given_layout = (args.tensor_model_parallel_size, pp)
     given = (args.recompute_granularity or "none", args.micro_batch_size,
-             "none" if "gpu" not in tiers else getattr(args, "offload_gpu_cache_gb", None))
+             "none" if GPU_TIER not in tiers else getattr(args, "offload_gpu_cache_gb", None))
     rows, grid = [], []
     for layout in layouts_to_try(opts, args, machine):
         share = dp if layout is None else machine.world // (layout[0] * layout[1])

@@ -24,7 +24,7 @@ import sys
 from mlp_offload import (HostMemoryError, OffloadConfigError, OffloadStateError, PlacementError, TierDataError,
                          TierIOError, TierPathError)
 from mlp_offload.checkpoint import CheckpointDataError, CheckpointSaveError
-from mlp_offload import GiB, MiB, NamespaceInUseError
+from mlp_offload import DEVICE_MEMORY, HOST_MEMORY, GiB, MiB, NamespaceInUseError
 
 EXIT_USER_ERROR = 2
 
@@ -92,12 +92,20 @@ def reported_once():
         raise SystemExit(EXIT_USER_ERROR) from None
 
 
+# The flags a user types per memory tier kind (the one place they are spelled; args.offload declares
+# them), and --offload-update's values with the engine's update_on each gives.
+HOST_CACHE_FLAG = "--offload-host-cache-gb"
+GPU_CACHE_FLAG = "--offload-gpu-cache-gb"
+GPU_START_FLAG = "--offload-gpu-start-gb"
+GPU_MARGIN_FLAG = "--offload-gpu-margin-gb"
+UPDATE_ON_OF_FLAG = {"auto": "auto", "cpu": "cpu", "gpu": "device"}
+
 # field -> (flag, bytes per flag unit); flags that switch a feature off map to the field they clear
 FLAG_OF_FIELD = {
-    "host_budget_bytes": ("--offload-host-cache-gb", GiB),
-    "gpu_budget_bytes": ("--offload-gpu-cache-gb", GiB),
-    "gpu_budget_auto": ("--offload-gpu-cache-gb auto", 1),
-    "gpu_margin_bytes": ("--offload-gpu-margin-gb", GiB),
+    HOST_MEMORY.budget_field: (HOST_CACHE_FLAG, GiB),
+    DEVICE_MEMORY.budget_field: (GPU_CACHE_FLAG, GiB),
+    "gpu_budget_auto": (f"{GPU_CACHE_FLAG} auto", 1),
+    "gpu_margin_bytes": (GPU_MARGIN_FLAG, GiB),
     "device_read_ahead_bytes": ("--offload-read-ahead-gb", GiB),
     "update_on": ("--offload-update", 1),
     "subgroup_size": ("--offload-subgroup-size", 1),

@@ -13,15 +13,18 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from ..state_formats import (FP32_STATE, REMAINDERS16, STATE_TENSORS, StateCodec, UnsupportedStateDtype, codec_named,
                              dtype_name)
 from ..tiers.align import ALIGN
+from ..tiers.device import DEVICE_MEMORY
+from ..tiers.host import HOST_MEMORY
+from ..tiers.kinds import MEMORY_KINDS, kind_of, memory_kind_names
 from .bandwidth import TierBandwidth, probe_piece_bytes
 from .checks import OffloadConfigError, is_int, positive, positive_finite
 from ..units import GiB, MiB
 
-HOST_TIER = "host"
-GPU_TIER = "gpu"  # the model's device memory (HBM; on a CPU run, the CPU's memory: the CPU twin)
+HOST_TIER = HOST_MEMORY.name
+GPU_TIER = DEVICE_MEMORY.name  # the model's device memory (HBM; on a CPU run, the CPU's memory: the CPU twin)
 # Tier names that are memory (tiers.base.ResidentTier kinds), fastest first; every other name is a
 # file path. Placement fills them in this order.
-RESIDENT_TIERS = (GPU_TIER, HOST_TIER)
+RESIDENT_TIERS = memory_kind_names()
 UPDATE_SIDES = ("cpu", "device", "auto")
 
 
@@ -212,7 +215,7 @@ class OffloadConfig:
         if isinstance(self.tiers, str):
             self.tiers = [t.strip() for t in self.tiers.split(",") if t.strip()]
         if not self.tiers:
-            raise OffloadConfigError("offload tiers: the list is empty; name at least one tier, e.g. 'host'")
+            raise OffloadConfigError(f"offload tiers: the list is empty; name at least one tier, e.g. {HOST_TIER!r}")
         if len(set(self.tiers)) != len(self.tiers):
             raise OffloadConfigError(f"offload tiers: {self.tiers} names a tier twice")
         for name in self.tiers:
@@ -291,13 +294,14 @@ class OffloadConfig:
                                      f"got {gpu!r}")
         if GPU_TIER in self.tiers:
             if gpu is None and not self.gpu_budget_auto:
-                raise OffloadConfigError("offload tier 'gpu' needs its size: give gpu_budget_bytes or gpu_budget_auto")
+                raise OffloadConfigError(f"offload tier {GPU_TIER!r} needs its size: give gpu_budget_bytes or "
+                                         f"gpu_budget_auto")
             if self.tiers == [GPU_TIER] and self.gpu_budget_auto:
-                raise OffloadConfigError("offload tiers: ['gpu'] alone with gpu_budget_auto has nowhere to keep the "
-                                         "state it has not learnt room for; add 'host' or a file tier")
+                raise OffloadConfigError(f"offload tiers: {[GPU_TIER]} alone with gpu_budget_auto has nowhere to keep "
+                                         f"the state it has not learnt room for; add {HOST_TIER!r} or a file tier")
         elif gpu is not None or self.gpu_budget_auto:
-            raise OffloadConfigError(f"gpu_budget_bytes/gpu_budget_auto are given, but 'gpu' is not one of the "
-                                     f"offload tiers {self.tiers}")
+            raise OffloadConfigError(f"gpu_budget_bytes/gpu_budget_auto are given, but {GPU_TIER!r} is not one of "
+                                     f"the offload tiers {self.tiers}")
         if not is_int(self.gpu_margin_bytes) or self.gpu_margin_bytes < 0:
             raise OffloadConfigError(f"gpu margin (gpu_margin_bytes) must be a whole number of bytes >= 0, "
                                      f"got {self.gpu_margin_bytes!r}")
@@ -322,17 +326,17 @@ class OffloadConfig:
     @property
     def resident_tiers(self) -> List[str]:
         """The listed memory tiers, fastest first (the order placement fills them)."""
-        return [t for t in RESIDENT_TIERS if t in self.tiers]
+        return [k.name for k in MEMORY_KINDS if k.name in self.tiers]
 
     def budget_of(self, tier: str) -> Optional[int]:
         """A resident tier's byte budget (None: unbounded, or learnt for the auto gpu tier)."""
-        if tier == GPU_TIER:
-            if self.gpu_budget_bytes is not None:  # 0 is a budget too (the tier listed, holding nothing)
-                return self.gpu_budget_bytes
+        kind = kind_of(tier)
+        if not kind.resident:
+            raise KeyError(tier)
+        budget = getattr(self, kind.budget_field)
+        if kind.in_device_memory and budget is None:  # 0 is a budget too (the tier listed, holding nothing)
             return 0 if self.gpu_budget_auto else None
-        if tier == HOST_TIER:
-            return self.host_budget_bytes
-        raise KeyError(tier)
+        return budget
 
     @property
     def on_cuda(self) -> bool:
@@ -360,7 +364,7 @@ class OffloadConfig:
 
     @property
     def file_tiers(self) -> List[str]:
-        return [t for t in self.tiers if t not in RESIDENT_TIERS]
+        return [t for t in self.tiers if kind_of(t).needs_path]
 
     def resolved_run_id(self) -> str:
         if self.run_id:

@@ -9,8 +9,9 @@ import logging
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
-from ..config import GPU_TIER, HOST_TIER, RESIDENT_TIERS, OffloadConfig, TierBandwidth
+from ..config import GPU_TIER, HOST_TIER, OffloadConfig, TierBandwidth
 from ..subgroups import Subgroup, partition
+from ..tiers.kinds import kind_of
 from ..units import GiB
 
 log = logging.getLogger("mlp_offload")
@@ -94,22 +95,22 @@ def split_updates(subgroups: Sequence[Subgroup], tier_of: Sequence[str], mode: s
     device each get the share that makes them end together. ``deferred`` (defer_device_wait): the
     device's work on state held in memory runs under the next forward while the CPU's share holds
     the step up, so host-held subgroups all go to the faster side alone, never split."""
-    sides = [DEVICE if t == GPU_TIER else CPU for t in tier_of]
+    sides = [DEVICE if kind_of(t).in_device_memory else CPU for t in tier_of]
     if mode == "cpu":
         return sides
     if mode == "device":
         return [DEVICE] * len(tier_of)
     if rates is None or rates.device_streamed is None:
         return sides
-    finish = {CPU: 0.0, DEVICE: sum(subgroups[i].numel for i, t in enumerate(tier_of) if t == GPU_TIER)
-              / (rates.device_resident or rates.device_streamed)}
+    on_device = sum(subgroups[i].numel for i, t in enumerate(tier_of) if kind_of(t).in_device_memory)
+    finish = {CPU: 0.0, DEVICE: on_device / (rates.device_resident or rates.device_streamed)}
     # A balanced split keeps both sides busy to the end: each is priced at its rate beside the other.
     cpu_rate, streamed_rate = rates.cpu_rate(device_streams=True), rates.streamed_rate(cpu_works=True)
     held_side = DEVICE if rates.device_streamed >= rates.cpu else CPU
     for i, t in enumerate(tier_of):
-        if t == GPU_TIER:
+        if kind_of(t).in_device_memory:
             continue
-        if deferred and t in RESIDENT_TIERS:
+        if deferred and kind_of(t).resident:
             sides[i] = held_side
             continue
         cost = {CPU: subgroups[i].numel / cpu_rate, DEVICE: subgroups[i].numel / streamed_rate}
@@ -193,7 +194,7 @@ def _place_below_device(subgroups: Sequence[Subgroup], rest: List[int], config: 
         raise PlacementError(
             f"the optimizer state needs {sum(sg.state_bytes for sg in subgroups) / GiB:.3f} GiB but the gpu "
             f"budget holds only {(n - len(rest))} of {n} subgroups ({(n - len(rest)) * slot_bytes / GiB:.3f} GiB, "
-            f"gpu_budget_bytes); raise gpu_budget_bytes or add 'host' or a file tier")
+            f"gpu_budget_bytes); raise gpu_budget_bytes or add {HOST_TIER!r} or a file tier")
 
     floor = _host_floor(subgroups, rest, config)
     if not file_tiers:

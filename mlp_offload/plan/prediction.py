@@ -6,10 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Sequence
 
-from ..config import GPU_TIER, RESIDENT_TIERS, TierBandwidth
+from ..config import TierBandwidth
 from .placement import CPU, DEVICE, Placement, UpdateRates
 from .schedule import step_schedule
 from ..subgroups import Subgroup
+from ..tiers.kinds import kind_of
 
 
 @dataclass
@@ -83,16 +84,17 @@ def predict_update(subgroups: Sequence[Subgroup], placement: Placement, measured
     devices, ranks_sharing, tokens = sharing.devices, sharing.ranks, sharing.tokens
     sides = placement.update_on or [CPU] * len(subgroups)
     numel = sum(sg.numel for sg, side in zip(subgroups, sides) if side == CPU)
-    streams = any(side == DEVICE and t != GPU_TIER for side, t in zip(sides, placement.tier_of))
+    streams = any(side == DEVICE and not kind_of(t).in_device_memory
+                  for side, t in zip(sides, placement.tier_of))
     if update_rates is not None and update_rates.cpu_shared and streams:
         adam_s = numel / update_rates.cpu_shared  # beside the device's streaming (conversion included)
     else:
         adam_s = numel / adam_elems_per_s + numel / convert_elems_per_s
     device_s = device_seconds_of(subgroups, placement.tier_of, sides, update_rates)
-    held = [t in RESIDENT_TIERS for t in placement.tier_of]
+    held = [kind_of(t).resident for t in placement.tier_of]
     deferred_s = device_seconds_of(subgroups, placement.tier_of, sides, update_rates, only=held)
     in_hbm_s = device_seconds_of(subgroups, placement.tier_of, sides, update_rates,
-                                 only=[t == GPU_TIER for t in placement.tier_of])
+                                 only=[kind_of(t).in_device_memory for t in placement.tier_of])
     # The engine's own schedule of the two order directions (steady state), averaged.
     both = [step_schedule(k, placement.tier_of, placement.slots, placement.cache_slots, cache_alternating)
             for k in (0, 1)]
@@ -100,7 +102,7 @@ def predict_update(subgroups: Sequence[Subgroup], placement: Placement, measured
                       deferred_in_hbm_s=in_hbm_s, serial_s=max(adam_s, device_s - deferred_s),
                       cpu_subgroups=sides.count(CPU), device_subgroups=sides.count(DEVICE),
                       cache_hits=len(both[0].hits))
-    for tier in dict.fromkeys(t for t in placement.tier_of if t not in RESIDENT_TIERS):
+    for tier in dict.fromkeys(t for t in placement.tier_of if not kind_of(t).resident):
         pred.read_bytes[tier] = sum(subgroups[i].state_bytes for sched in both for i in sched.reads()
                                     if placement.tier_of[i] == tier) // 2
         pred.write_bytes[tier] = sum(subgroups[i].state_bytes for sched in both for i in sched.writes()
@@ -134,7 +136,7 @@ def device_seconds_of(subgroups: Sequence[Subgroup], tier_of: Sequence[str], sid
     total = 0.0
     for k, (sg, tier, side) in enumerate(zip(subgroups, tier_of, sides)):
         if side == DEVICE and (only is None or only[k]):
-            rate = rates.device_resident if tier == GPU_TIER else streamed
+            rate = rates.device_resident if kind_of(tier).in_device_memory else streamed
             total += sg.numel / rate if rate else 0.0
     return total
 

@@ -28,7 +28,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..config import GPU_TIER
+from ..tiers.kinds import kind_of
 from .placement import CPU, DEVICE, UpdateRates, spread
 
 GAIN = 0.03  # a move must be predicted to shorten the update by more than this fraction
@@ -57,7 +57,7 @@ class SideRates:
 def sides_for(tier_of: Sequence[str], count: int) -> List[str]:
     """Device-resident subgroups on the device; ``count`` of the host-held ones, spread evenly over
     the order, on the CPU; the rest streamed through the device."""
-    held = [i for i, t in enumerate(tier_of) if t != GPU_TIER]
+    held = [i for i, t in enumerate(tier_of) if not kind_of(t).in_device_memory]
     cpu = set(spread(held, count))
     return [CPU if i in cpu else DEVICE for i in range(len(tier_of))]
 
@@ -84,9 +84,9 @@ def settled_sides(numels: Sequence[int], tier_of: Sequence[str], rates: UpdateRa
     ``UpdateSplit.plan`` pick it. Without rates measured side by side only the single sides (all
     host-held subgroups on the device, or all on the CPU) are priced: a split is credited only
     with rates measured beside each other (the steps move it back where it loses)."""
-    held = [i for i, t in enumerate(tier_of) if t != GPU_TIER]
+    held = [i for i, t in enumerate(tier_of) if not kind_of(t).in_device_memory]
     sizes = [numels[i] for i in held]
-    resident = sum(numels[i] for i, t in enumerate(tier_of) if t == GPU_TIER)
+    resident = sum(numels[i] for i, t in enumerate(tier_of) if kind_of(t).in_device_memory)
     side = SideRates.from_start_up(rates)
     counts = range(len(held) + 1) if rates.cpu_shared and rates.streamed_shared else sorted({0, len(held)})
     best = min(counts, key=lambda k: (split_times(k, sizes, resident, side)[2], k))
@@ -175,14 +175,14 @@ class UpdateSplit:
         if rec.skipped or rec.update_s <= 0:
             return None
         self._seen += 1
-        held = [i for i, t in enumerate(tier_of) if t != GPU_TIER]
+        held = [i for i, t in enumerate(tier_of) if not kind_of(t).in_device_memory]
         count = sum(sides[i] == CPU for i in held)
         if self._seen <= self.warmup_steps or not held or rec.cpu_updated != count:
             return None
         if tuple(tier_of) != self._layout:  # subgroups moved between tiers: earlier times are of another set
             self._layout, self._measured, self._proposed = tuple(tier_of), {}, None
         sizes = [numels[i] for i in held]
-        resident = sum(numels[i] for i, t in enumerate(tier_of) if t == GPU_TIER)
+        resident = sum(numels[i] for i, t in enumerate(tier_of) if kind_of(t).in_device_memory)
         cpu_elems = sum(numels[i] for i in held if sides[i] == CPU)
         seconds = StepSeconds(rec.update_s, rec.read_wait_s, rec.adam_s + rec.convert_s + rec.callback_s)
         self.rates = observed_rates(self.rates, cpu_elems, sum(sizes) - cpu_elems, resident, seconds, self.overlap)
@@ -201,8 +201,8 @@ class UpdateSplit:
 
     def plan(self, numels: Sequence[int], tier_of: Sequence[str]) -> List[str]:
         """Sides for a new layout (subgroups moved between tiers), at the rates measured so far."""
-        held = [i for i, t in enumerate(tier_of) if t != GPU_TIER]
-        resident = sum(numels[i] for i, t in enumerate(tier_of) if t == GPU_TIER)
+        held = [i for i, t in enumerate(tier_of) if not kind_of(t).in_device_memory]
+        resident = sum(numels[i] for i, t in enumerate(tier_of) if kind_of(t).in_device_memory)
         sizes = [numels[i] for i in held]
         seconds = [split_times(k, sizes, resident, self.rates, self.overlap)[2] for k in range(len(held) + 1)]
         return sides_for(tier_of, min(range(len(seconds)), key=lambda k: (seconds[k], k)))

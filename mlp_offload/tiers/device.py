@@ -1,4 +1,4 @@
-"""The model's device memory as the top resident tier (``"gpu"``): subgroups kept there are updated
+"""The model's device memory as the top resident tier (``DEVICE_MEMORY``): subgroups kept there are updated
 in place and leave the device only for checkpoints. On a CPU run the device is the CPU, and this
 is plain memory: the same code path, which the CPU tests exercise (the CPU twin)."""
 
@@ -7,8 +7,12 @@ from __future__ import annotations
 from typing import Dict, Optional
 
 import torch
+
+from .base import TierKind
 from ..units import GiB
 
+# The name users list in the config's tiers; the budget field sizes it (None with gpu_budget_auto).
+DEVICE_MEMORY = TierKind("gpu", resident=True, in_device_memory=True, budget_field="gpu_budget_bytes", order=0)
 
 
 class DeviceMemoryError(RuntimeError):
@@ -17,7 +21,7 @@ class DeviceMemoryError(RuntimeError):
 
 class DeviceMemory:
     kind = "resident"  # tiers.base.ResidentTier
-    name = "gpu"
+    name = DEVICE_MEMORY.name
 
     def __init__(self, device: str, budget_bytes: Optional[int]):
         self.device = torch.device(device)

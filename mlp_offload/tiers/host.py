@@ -8,10 +8,14 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from .align import ALIGN
+from .base import TierKind
 from .no_fork import unforked_zeros
 from ..units import GiB
 
 log = logging.getLogger("mlp_offload")
+
+# Always built (it holds the pipeline's buffers); listed in the tiers, it also keeps subgroups.
+HOST_MEMORY = TierKind("host", resident=True, budget_field="host_budget_bytes", order=1)
 
 
 class HostMemoryError(RuntimeError):
@@ -30,7 +34,7 @@ class HostMemory:
     """
 
     kind = "resident"  # tiers.base.ResidentTier
-    name = "host"
+    name = HOST_MEMORY.name
     hands_out_zeros = True  # fresh anonymous pages: state starting at zero needs no pass of its own
 
     def __init__(self, budget_bytes: Optional[int], pin: Optional[bool] = None):

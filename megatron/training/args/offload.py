@@ -10,7 +10,9 @@ import argparse
 import re
 from typing import List, Tuple
 
-from megatron.training.errors import fraction, non_negative_float, positive_int
+from megatron.training.errors import (GPU_CACHE_FLAG, GPU_MARGIN_FLAG, GPU_START_FLAG, HOST_CACHE_FLAG,
+                                      UPDATE_ON_OF_FLAG, fraction, non_negative_float, positive_int)
+from mlp_offload import GPU_TIER
 
 _PATH_FLAG = re.compile(r"^--offload-([A-Za-z0-9_]+)-path(?:=(.*))?$")
 
@@ -60,17 +62,17 @@ def add_groups(parser) -> None:
     g.add_argument("--offload-tiers", type=_tier_list, default=None,
                    help="comma list, e.g. host,nvme,pfs; default: no offload. "
                         "Each file tier XXX needs --offload-XXX-path DIR")
-    g.add_argument("--offload-host-cache-gb", type=non_negative_float, default=None)
-    g.add_argument("--offload-gpu-cache-gb", type=_gpu_cache, default=None, metavar="GB|auto",
-                   help="with 'gpu' in --offload-tiers: device memory for optimizer state, updated in place; "
-                        "'auto' learns the spare memory from the real peak after each iteration, keeps "
-                        "--offload-gpu-margin-gb free and hands subgroups back to lower tiers if it shrinks")
-    g.add_argument("--offload-gpu-start-gb", type=non_negative_float, default=None,
-                   help="--offload-gpu-cache-gb auto: the gpu tier's size until the peak after iteration 1 is "
+    g.add_argument(HOST_CACHE_FLAG, type=non_negative_float, default=None)
+    g.add_argument(GPU_CACHE_FLAG, type=_gpu_cache, default=None, metavar="GB|auto",
+                   help=f"with {GPU_TIER!r} in --offload-tiers: device memory for optimizer state, updated in place; "
+                        f"'auto' learns the spare memory from the real peak after each iteration, keeps "
+                        f"{GPU_MARGIN_FLAG} free and hands subgroups back to lower tiers if it shrinks")
+    g.add_argument(GPU_START_FLAG, type=non_negative_float, default=None,
+                   help=f"{GPU_CACHE_FLAG} auto: the gpu tier's size until the peak after iteration 1 is "
                         "measured (0: empty); default: half of what the activation estimate and the margin leave")
-    g.add_argument("--offload-gpu-margin-gb", type=non_negative_float, default=4.0,
-                   help="--offload-gpu-cache-gb auto: device memory left free beside the peak")
-    g.add_argument("--offload-update", choices=["auto", "cpu", "gpu"], default=None,
+    g.add_argument(GPU_MARGIN_FLAG, type=non_negative_float, default=4.0,
+                   help=f"{GPU_CACHE_FLAG} auto: device memory left free beside the peak")
+    g.add_argument("--offload-update", choices=list(UPDATE_ON_OF_FLAG), default=None,
                    help="where subgroups held in host memory are updated: CPU Adam, the GPU (state streamed "
                         "host->GPU->host, copies overlapped) or auto (per subgroup from the measured rates, both "
                         "at once); default: auto on a GPU, cpu on a CPU device")
@@ -172,8 +174,8 @@ def _validate_engine_flags(parser, args) -> None:
     built here once so that a bad value fails before any work, named by its flag."""
     if args.offload_tiers is None:
         given = [f"--offload-{name}-path" for name in args.offload_paths]
-        given += [flag for flag, value in (("--offload-host-cache-gb", args.offload_host_cache_gb),
-                                           ("--offload-gpu-cache-gb", args.offload_gpu_cache_gb),
+        given += [flag for flag, value in ((HOST_CACHE_FLAG, args.offload_host_cache_gb),
+                                           (GPU_CACHE_FLAG, args.offload_gpu_cache_gb),
                                            ("--offload-update", args.offload_update),
                                            ("--offload-bandwidths", args.offload_bandwidths),
                                            ("--offload-token-scope", args.offload_token_scope or None))
@@ -182,7 +184,7 @@ def _validate_engine_flags(parser, args) -> None:
             parser.error(f"argument {given[0]}: requires --offload-tiers")
         return
     if args.offload_gpu_start_gb is not None and args.offload_gpu_cache_gb != "auto":
-        parser.error(f"argument --offload-gpu-start-gb: sizes an auto gpu tier; it needs --offload-gpu-cache-gb "
+        parser.error(f"argument {GPU_START_FLAG}: sizes an auto gpu tier; it needs {GPU_CACHE_FLAG} "
                      f"auto (given: {args.offload_gpu_cache_gb})")
     if args.offload_adam_kernel is None:
         args.offload_adam_kernel = default_adam_kernel(on_cpu=_on_cpu(args))

@@ -20,7 +20,7 @@ from typing import Dict, List, Optional
 from mlp_offload import PlacementError, TierBandwidth, UpdateRates, streamed_elems_per_s
 from mlp_offload import first_forward_share, predict_iteration
 from mlp_offload import EnginePlan, MeasuredRates, plan_engine
-from mlp_offload import STATE_TENSORS, FP32_BYTES, GPU_TIER, bytes_per_param
+from mlp_offload import STATE_TENSORS, FP32_BYTES, GPU_TIER, HOST_TIER, bytes_per_param
 from mlp_offload import HostMemoryError, check_host_memory
 from mlp_offload import GB, GiB
 
@@ -32,7 +32,7 @@ from megatron.training.offload.activation_memory import (activation_bytes, backw
                                                           microbatches_in_flight)
 from megatron.training.offload.gpu_tier_start import starting_gpu_tier_bytes
 from megatron.training.offload.shard_budgets import check_host_split, config_for_kind
-from megatron.training.errors import UserError, in_flags
+from megatron.training.errors import GPU_CACHE_FLAG, UserError, in_flags
 
 # CUDA context, cuBLAS workspaces, kernels: device memory torch's allocator cannot reach. On an H200
 # (140.4 GiB) it could reach 136.4-136.9 GiB (free + reserved; the gpu tier auto lines of
@@ -94,7 +94,7 @@ class Plan:
         """Subgroups per tier, as the engine logs them at start-up (host first, then the file tiers),
         of one engine or summed over both."""
         engines = [self.engines[kind]] if kind else list(self.engines.values())
-        tiers = ["host", *self.tier_bytes_per_node]
+        tiers = [HOST_TIER, *self.tier_bytes_per_node]
         if any(e.placement.subgroups_on(GPU_TIER) for e in engines) or "optimizer_state_gpu_tier" in self.gpu_bytes:
             tiers.insert(0, GPU_TIER)
         return {t: sum(len(e.placement.subgroups_on(t)) for e in engines) for t in tiers}
@@ -207,7 +207,7 @@ def gpu_tier_hint(gpu: Dict[str, int], machine: Machine, offload_config) -> str:
     fits = (machine.gpu_memory_bytes - (sum(gpu.values()) - tier)) / GiB
     if fits <= 0:
         return ""
-    return f"; --offload-gpu-cache-gb {fits:.1f} fits (or auto)"
+    return f"; {GPU_CACHE_FLAG} {fits:.1f} fits (or auto)"
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 
-from megatron.training.errors import UserError
+from megatron.training.errors import GPU_START_FLAG, UserError
 from megatron.training.offload.optimizer import OffloadDistributedOptimizer
 from megatron.training.offload.shard import ShardGroups
 from megatron.training.offload.job_facts import PerNodeByRank0
@@ -53,7 +53,7 @@ def _with_starting_gpu_tier(args, model_chunks, offload_config: OffloadConfig, g
                                     groups.dp_group.size())
     if not start:
         return offload_config
-    how = ("as --offload-gpu-start-gb says" if args.offload_gpu_start_gb is not None else
+    how = (f"as {GPU_START_FLAG} says" if args.offload_gpu_start_gb is not None else
            "half of what the activation estimate and the margin leave")
     log.info("gpu tier auto: starts at %.2f GiB, %s of the %.2f GiB free; learnt from the measured peak after "
              "iteration 1", start / GiB, how, free / GiB)

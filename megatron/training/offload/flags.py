@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 from megatron.training.model.precision_aware import param_remainders, state_dtypes
+from megatron.training.errors import UPDATE_ON_OF_FLAG
 from mlp_offload import GiB, MiB, OffloadConfig, parse_bandwidths
 
 
@@ -16,7 +17,7 @@ def config_from_args(args, rank: int) -> OffloadConfig:
     """The engine's config from the ``--offload-*`` flags (checked by OffloadConfig itself)."""
     budget = None if args.offload_host_cache_gb is None else int(args.offload_host_cache_gb * GiB)
     gpu = getattr(args, "offload_gpu_cache_gb", None)
-    update = getattr(args, "offload_update", None) or "cpu"
+    update = getattr(args, "offload_update", None) or "cpu"  # as --offload-update spells it
     return OffloadConfig(
         tiers=list(args.offload_tiers),
         paths=dict(args.offload_paths),
@@ -24,7 +25,7 @@ def config_from_args(args, rank: int) -> OffloadConfig:
         gpu_budget_bytes=None if gpu in (None, "auto") else int(gpu * GiB),
         gpu_budget_auto=gpu == "auto",
         gpu_margin_bytes=int(getattr(args, "offload_gpu_margin_gb", 4.0) * GiB),
-        update_on="device" if update == "gpu" else update,
+        update_on=UPDATE_ON_OF_FLAG.get(update, update),
         subgroup_size=args.offload_subgroup_size,
         prefetch_depth=args.offload_prefetch_depth,
         tokens_per_tier=args.offload_tokens_per_tier,

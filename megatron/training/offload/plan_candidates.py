@@ -8,6 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
+from megatron.training.errors import GPU_CACHE_FLAG
+from mlp_offload import GPU_TIER, kind_of
+
 RECOMPUTE = {  # name -> the flags that ask for it
     "full": ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"],
     "selective": ["--recompute-granularity", "selective"],
@@ -15,7 +18,7 @@ RECOMPUTE = {  # name -> the flags that ask for it
 }
 _RECOMPUTE_FLAGS = {"--recompute-granularity": 1, "--recompute-method": 1, "--recompute-num-layers": 1,
                     "--recompute-activations": 0}
-_GPU_TIER_FLAGS = {"--offload-gpu-cache-gb": 1, "--offload-tiers": 1}
+_GPU_TIER_FLAGS = {GPU_CACHE_FLAG: 1, "--offload-tiers": 1}
 _LAYOUT_FLAGS = {"--tensor-model-parallel-size": 1, "--pipeline-model-parallel-size": 1}
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
 
@@ -71,7 +74,7 @@ def candidates(micro_batches_per_dp: int, tiers: Optional[Sequence[str]], on_gpu
     """Every recompute setting x micro-batch size dividing the global batch's share of a data-parallel
     rank x (where the run offloads on a GPU) the gpu tier auto or none, at one layout."""
     sizes = [m for m in MICRO_BATCH_SIZES if micro_batches_per_dp % m == 0]
-    below = [t for t in tiers or () if t != "gpu"]
+    below = [t for t in tiers or () if not kind_of(t).in_device_memory]
     tier_options = ["auto", "none"] if below and on_gpu else [AS_GIVEN]
     return [Candidate(r, m, g, layout) for r in RECOMPUTE for m in sizes for g in tier_options]
 
@@ -89,10 +92,10 @@ def own_flags(c: Candidate, tiers: Optional[Sequence[str]]) -> List[str]:
     if c.layout:
         out += ["--tensor-model-parallel-size", str(c.layout[0]), "--pipeline-model-parallel-size", str(c.layout[1])]
     if c.gpu_tier != AS_GIVEN:
-        below = [t for t in tiers if t != "gpu"]
-        out += ["--offload-tiers", ",".join((["gpu"] if c.gpu_tier == "auto" else []) + below)]
+        below = [t for t in tiers if not kind_of(t).in_device_memory]
+        out += ["--offload-tiers", ",".join(([GPU_TIER] if c.gpu_tier == "auto" else []) + below)]
         if c.gpu_tier == "auto":
-            out += ["--offload-gpu-cache-gb", "auto"]
+            out += [GPU_CACHE_FLAG, "auto"]
     return out
 
 

@@ -9,9 +9,7 @@ from typing import Dict, Optional
 
 from mlp_offload import GiB, OffloadConfig, min_host_budget_bytes
 
-from megatron.training.errors import UserError, flag_figure
-
-HOST_FLAG = "--offload-host-cache-gb"
+from megatron.training.errors import HOST_CACHE_FLAG, UserError, flag_figure
 
 
 def host_shares(budget: int, numels: Dict[str, int]) -> Dict[str, int]:
@@ -62,8 +60,8 @@ def check_host_split(config: OffloadConfig, numels: Dict[str, int]) -> None:
     least = max(-(-floors[k] * total // n) for k, n in numels.items())
     split = " / ".join(f"{k} {share_and_need(shares[k], floors[k], n)}" for k, n in numels.items())
     other = "lower --offload-subgroup-size" if config.file_tiers else "add a file tier"
-    raise UserError(f"{HOST_FLAG} {flag_figure(budget, GiB)} is too small for the {' and '.join(numels)} "
-                    f"engines together: split by optimizer state elements it gives {split}; {HOST_FLAG} "
+    raise UserError(f"{HOST_CACHE_FLAG} {flag_figure(budget, GiB)} is too small for the {' and '.join(numels)} "
+                    f"engines together: split by optimizer state elements it gives {split}; {HOST_CACHE_FLAG} "
                     f"{gib_at_least(least)} starts both (or {other})")
 
 
