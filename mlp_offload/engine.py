@@ -22,7 +22,7 @@ from typing import Callable, Dict, Iterator, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from .config import GPU_TIER, OffloadConfig, OffloadConfigError
+from .config import OffloadConfig, OffloadConfigError
 from .step.context import SideInputs
 from .step.cpu_side import CpuKernel, CpuUpdate
 from .step.deferred import DeferredWork
@@ -48,6 +48,7 @@ from .subgroups import Subgroup, partition
 from .telemetry import StepRecord, TrafficCounters
 from .tiers.base import ResidentTier, StreamedTier
 from .tiers.host import check_host_memory
+from .tiers.kinds import kind_of
 from .trace import Trace, open_trace
 from .kernels.update import AdamKernel, Fp32Working, fused_vector_width
 from .units import GiB
@@ -180,7 +181,8 @@ class OffloadedAdamW:
         self._read_ahead = read_ahead_for(cfg, self._device_update, self.state_codecs, largest,
                                           len(self.subgroups))
         self._device_side = None if self._device_update is None else DeviceSide(
-            inputs, self._device_update, self.device_adam, lambda i: self.placement.tier_of[i] == GPU_TIER,
+            inputs, self._device_update, self.device_adam,
+            lambda i: kind_of(self.placement.tier_of[i]).in_device_memory,
             self._read_ahead, ModelBuffers.of(grad_source, self.param_high, cfg.device) if on_model else None,
             deferred=self._deferred is not None)
         self._resident, buffers = allocate_initial_state(self.subgroups, self.placement, self.memory, self.host,

@@ -12,6 +12,7 @@ import math
 from typing import Dict, Optional
 
 from .config import GPU_TIER, HOST_TIER
+from .tiers.kinds import kind_of
 from .plan.placement import split_updates
 from .plan.split import SideRates, UpdateSplit
 from .units import GiB
@@ -61,7 +62,7 @@ class Relocation:
         slot = max(sg.state_bytes for sg in eng.subgroups)
         change = device_change(peak_bytes, capacity_bytes, eng.config.gpu_margin_bytes, slot)
         tier_of = eng.placement.tier_of
-        on_device = [i for i, t in enumerate(tier_of) if t == GPU_TIER]
+        on_device = [i for i, t in enumerate(tier_of) if kind_of(t).in_device_memory]
         if change > 0:
             # Those streamed from files first (they save I/O too), then host-resident ones.
             below = ([i for i, t in enumerate(tier_of) if t in eng.file_tiers]
@@ -82,7 +83,7 @@ class Relocation:
             return None
         eng.settle()  # a deferred step's subgroups must be updated before they move
         self.move(moves)
-        held = len([t for t in tier_of if t == GPU_TIER])
+        held = len([t for t in tier_of if kind_of(t).in_device_memory])
         what = (f"gpu tier auto: peak {peak_bytes / GiB:.2f} GiB of {capacity_bytes / GiB:.2f} GiB, margin "
                 f"{eng.config.gpu_margin_bytes / GiB:.2f} GiB -> {'promoted' if change > 0 else 'handed back'} "
                 f"{len(moves)} subgroup(s); the gpu tier holds {held} ({eng.memory[GPU_TIER].used_bytes / GiB:.2f} GiB); "

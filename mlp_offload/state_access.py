@@ -10,7 +10,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from .config import GPU_TIER
+from .tiers.kinds import kind_of
 from .pipeline import SlotPipeline, StateViews, file_key
 from .kernels.remainders import RemainderMaster
 from .snapshot import SnapshotSources, StateSnapshot, TierCopy
@@ -114,7 +114,7 @@ class StateAccess:
             # Decided by the tier, not by where the buffer is: on a CPU run the gpu tier's stand-in
             # lives in host memory, and it must take the same host copy as on a GPU, or the CPU tests
             # never run this path (a reversed copy here once passed them and broke resume on GPUs).
-            if self.pipeline.tier_of[i] != GPU_TIER:
+            if not kind_of(self.pipeline.tier_of[i]).in_device_memory:
                 yield i, sg, views
                 continue
             home, views = views, self._stage()
@@ -147,7 +147,7 @@ class StateAccess:
                 self.resident[i] = new
                 tier_of[i] = dest
             else:
-                if source == GPU_TIER:  # file I/O needs aligned host bytes
+                if kind_of(source).in_device_memory:  # file I/O needs aligned host bytes
                     _copy(views, self._scratch_views(), sg.numel)
                     views = self._scratch_views()
                 tier_of[i] = dest

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ..config import GPU_TIER
+from ..tiers.kinds import kind_of
 from .deferred import DeferredWork
 from ..faults import fault_point
 from ..pipeline import SlotPipeline, StateViews
@@ -96,7 +96,7 @@ class StepLoop:
             return
         held = self.held_first_order(self.pipeline.schedule)
         picks = [(i, self.resident[i].narrow(self.subgroups[i].numel), written.get(i))
-                 for i in held if self.placement.tier_of[i] != GPU_TIER]
+                 for i in held if not kind_of(self.placement.tier_of[i]).in_device_memory]
         self.read_ahead.issue(picks)
 
     # -- the steps of ``run`` ----------------------------------------------------------------------
