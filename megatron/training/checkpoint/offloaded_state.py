@@ -403,9 +403,11 @@ def load_offloaded_state(shards, saved: SavedOffloadState, offload_meta: dict, m
     """Each of the offload facade's shards (``kind``, ``engine``, ``layout``, ``dp_group``,
     ``grad_scaler``) from ``saved``: its grad scaler from the common state's ``offload_meta``, its
     engine from its own file as saved or each parameter slice from whichever old ranks held it."""
+    # A checkpoint saved with one shard (no experts' optimizer, or EP 1) has one scaler: the dense shard's.
     for shard, scaler in zip(shards, offload_meta["grad_scalers"]):
         if shard.grad_scaler is not None and scaler:
             shard.grad_scaler.load_state_dict(scaler)
+    for shard in shards:
         _load_engine(shard, saved)
     gather_model_params(shards, model)
 
