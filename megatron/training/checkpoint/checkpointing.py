@@ -88,11 +88,15 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, cons
     save_optimizer = not args.no_save_optim
     if not _begin_save(root, path, iteration, model, optimizer if save_optimizer else None):
         return path
+    state_from = time.perf_counter()
     state = _state_to_save(args, model, optimizer, scheduler, iteration, consumed_samples)
+    torch_dist_from = time.perf_counter()
     request, offload_bytes, offload_s, failure, offload_write = None, 0, 0.0, None, None
+    torch_dist_to = torch_dist_from
     try:
         request = dist_checkpointing.save(state, path, async_sharded_save=background is not None,
                                           **save_strategies(args))
+        torch_dist_to = time.perf_counter()  # async: its plan and its copy to host memory
         if save_optimizer and isinstance(optimizer, OffloadedOptimizerCheckpoint):  # streamed beside it, a file per rank
             t0 = time.perf_counter()
             if background is None:
@@ -102,6 +106,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, cons
             offload_s = time.perf_counter() - t0
     except (CheckpointSaveError, OSError) as err:
         failure = _save_failure(err, path)
+    offload_to = time.perf_counter()
     try:
         _fail_together(failure, root, path)  # before any background write starts: nothing to stop
     except UserError:
@@ -121,8 +126,16 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, cons
     on_written = _BackgroundCompletion(root, path, iteration, started, offload_write, model)
     background.schedule(request, on_written, offload_write)
     fault_point("save-scheduled")
-    on_written.held_s, previous_s = slowest_rank([time.perf_counter() - held_from, started - held_from], model)
-    previous = f" ({previous_s:.2f} s of it for the previous save to finish)" if previous_s >= 0.005 else ""
+    done = time.perf_counter()
+    # Where the hold went (consecutive parts: they add up to it), each on its slowest rank.
+    parts = {"for the previous save to finish": started - held_from, "marking it begun": state_from - started,
+             "the state dict": torch_dist_from - state_from,
+             "torch_dist's plan and copy to host": torch_dist_to - torch_dist_from,
+             "the offloaded state's snapshot": offload_to - torch_dist_to, "starting the writers": done - offload_to}
+    held = slowest_rank([done - held_from, *parts.values()], model)
+    on_written.held_s = held[0]
+    previous = " (" + "; ".join(f"{sec:.2f} s of it {name}" for name, sec in zip(parts, held[1:])
+                                if sec >= 0.005 or name.startswith("for")) + ")"
     what = "its torch_dist files"
     if offload_write is not None:
         what += f" and offloaded optimizer state ({human_bytes(offload_write.nbytes)} per rank)"
