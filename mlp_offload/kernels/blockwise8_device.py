@@ -26,7 +26,7 @@ except ImportError:  # pragma: no cover - exercised on CPU-only installs
 
 if triton is not None:
     @triton.jit
-    def _encode(x, mask, qmax, code_ptr, scale_ptr, block, offs, INTEGER: tl.constexpr, ROUNDING: tl.constexpr):
+    def _encode(x, mask, qmax, code_ptr, scale_ptr, block, offs, rounding, INTEGER: tl.constexpr):
         """blockwise8.encode of one block, and its scale (absmax / qmax)."""
         amax = tl.max(tl.where(mask, tl.abs(x), 0.0), axis=0)
         scale = tl.div_rn(amax, qmax)
@@ -34,7 +34,7 @@ if triton is not None:
         q = tl.where(scale > 0, tl.div_rn(x, tl.where(scale > 0, scale, 1.0)), 0.0)
         q = tl.minimum(tl.maximum(q, -qmax), qmax)
         if INTEGER:
-            q = (q + ROUNDING) - ROUNDING
+            q = (q + rounding) - rounding  # a runtime scalar: nothing to fold
             tl.store(code_ptr + offs, q.to(code_ptr.dtype.element_ty), mask=mask)
         else:
             tl.store(code_ptr + offs, q.to(code_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
@@ -69,11 +69,11 @@ if triton is not None:
         tl.store(p_ptr + offs, p, mask=mask)
         if PARAM_OUT:
             tl.store(out_ptr + offs, p.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
-        _encode(m, mask, qmax_m, mc_ptr, ms_ptr, block, offs, M_INT, rounding)
+        _encode(m, mask, qmax_m, mc_ptr, ms_ptr, block, offs, rounding, M_INT)
         if ROOT:
-            _encode(r, mask, qmax_v, vc_ptr, vs_ptr, block, offs, V_INT, rounding)
+            _encode(r, mask, qmax_v, vc_ptr, vs_ptr, block, offs, rounding, V_INT)
         else:
-            _encode(v, mask, qmax_v, vc_ptr, vs_ptr, block, offs, V_INT, rounding)
+            _encode(v, mask, qmax_v, vc_ptr, vs_ptr, block, offs, rounding, V_INT)
 
 
 def adamw_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: Quantized, exp_avg_sq: Quantized,
