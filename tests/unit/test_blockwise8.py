@@ -348,11 +348,39 @@ def test_device_kernel_gives_the_torch_paths_bits_on_the_device(scheme):
                        torch.empty(n, dtype=torch.bfloat16, device="cuda")])
     for step, hyper in enumerate(HYPERS * 2, start=1):
         g = (torch.randn(n, generator=gen) * torch.exp2(torch.randint(-30, 0, (n,), generator=gen).float())).cuda()
-        blockwise8_device.adamw_step(*states[0][:3], layout, hyper, step, param_out=states[0][3])
-        b8.adamw_step(*states[1][:3], layout, hyper, step, param_out=states[1][3])
+        (p_a, m_a, v_a, out_a), (p_b, m_b, v_b, out_b) = states
+        blockwise8_device.adamw_step(p_a, g, m_a, v_a, layout, hyper, step, param_out=out_a)
+        b8.adamw_step(p_b, g, m_b, v_b, layout, hyper, step, param_out=out_b)
     (p_a, m_a, v_a, out_a), (p_b, m_b, v_b, out_b) = states
     assert torch.equal(p_a.view(torch.int32), p_b.view(torch.int32))
     assert torch.equal(out_a.view(torch.int16), out_b.view(torch.int16))
     for a, b in ((m_a, m_b), (v_a, v_b)):
         assert torch.equal(a.codes.view(torch.uint8), b.codes.view(torch.uint8))
         assert torch.equal(a.scales.view(torch.int32), b.scales.view(torch.int32))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.describe())
+def test_the_torch_path_gives_the_same_bits_on_cpu_and_cuda(scheme):
+    """The reference arithmetic is device-independent: so a subgroup updated on the CPU and one
+    updated on the GPU carry the same bits."""
+    gen = torch.Generator().manual_seed(2)
+    layout = b8.BlockLayout([(0, 100, 3000), (3000, 0, 5000), (8000, 7, 1)], scheme.block)
+    n = layout.numel
+    p = torch.randn(n, generator=gen)
+    m0 = torch.randn(n, generator=gen) * torch.exp2(torch.randint(-30, 0, (n,), generator=gen).float())
+    states = []
+    for device in ("cpu", "cuda"):
+        states.append([p.to(device), b8.quantize(m0.to(device), layout, scheme.formats[0]),
+                       b8.quantize((m0 * m0).to(device), layout, scheme.formats[1]),
+                       torch.empty(n, dtype=torch.bfloat16, device=device)])
+    for step, hyper in enumerate(HYPERS * 2, start=1):
+        g = torch.randn(n, generator=gen) * torch.exp2(torch.randint(-30, 0, (n,), generator=gen).float())
+        for master, m, v, out in states:
+            b8.adamw_step(master, g.to(master.device), m, v, layout, hyper, step, param_out=out)
+    (p_a, m_a, v_a, out_a), (p_b, m_b, v_b, out_b) = states
+    assert torch.equal(p_a.view(torch.int32), p_b.cpu().view(torch.int32))
+    assert torch.equal(out_a.view(torch.int16), out_b.cpu().view(torch.int16))
+    for a, b in ((m_a, m_b), (v_a, v_b)):
+        assert torch.equal(a.codes.view(torch.uint8), b.codes.cpu().view(torch.uint8))
+        assert torch.equal(a.scales.view(torch.int32), b.scales.cpu().view(torch.int32))
