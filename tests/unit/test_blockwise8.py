@@ -331,32 +331,45 @@ def test_cpu_one_pass_gives_the_torch_paths_bits(cpu_kernel, shard, scheme, hype
         assert torch.equal(a.scales.view(torch.int32), b.scales.view(torch.int32))
 
 
+def _two_states(scheme, seed, devices):
+    """A shard of three param pieces, a master, 8-bit moments and a bf16 output on each of ``devices``,
+    equal; the generator draws the gradients after."""
+    gen = torch.Generator().manual_seed(seed)
+    layout = b8.BlockLayout([(0, 100, 3000), (3000, 0, 5000), (8000, 7, 1)], scheme.block)
+    n = layout.numel
+    p = torch.randn(n, generator=gen)
+    m0 = torch.randn(n, generator=gen) * torch.exp2(torch.randint(-30, 0, (n,), generator=gen).float())
+    states = [[p.to(d, copy=True), b8.quantize(m0.to(d), layout, scheme.formats[0]),
+               b8.quantize((m0 * m0).to(d), layout, scheme.formats[1]),
+               torch.empty(n, dtype=torch.bfloat16, device=d)] for d in devices]
+    return layout, gen, states
+
+
+def _assert_same_bits(a_state, b_state):
+    (p_a, m_a, v_a, out_a), (p_b, m_b, v_b, out_b) = a_state, b_state
+    assert torch.equal(p_a.cpu().view(torch.int32), p_b.cpu().view(torch.int32))
+    assert torch.equal(out_a.cpu().view(torch.int16), out_b.cpu().view(torch.int16))
+    for a, b in ((m_a, m_b), (v_a, v_b)):
+        assert torch.equal(a.codes.cpu().view(torch.uint8), b.codes.cpu().view(torch.uint8))
+        assert torch.equal(a.scales.cpu().view(torch.int32), b.scales.cpu().view(torch.int32))
+
+
+def _gradient(gen, n):
+    return torch.randn(n, generator=gen) * torch.exp2(torch.randint(-30, 0, (n,), generator=gen).float())
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel needs a CUDA device")
 @pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.describe())
 def test_device_kernel_gives_the_torch_paths_bits_on_the_device(scheme):
     from mlp_offload.kernels import blockwise8_device
 
-    gen = torch.Generator().manual_seed(1)
-    layout = b8.BlockLayout([(0, 100, 3000), (3000, 0, 5000), (8000, 7, 1)], scheme.block)
-    n = layout.numel
-    p = torch.randn(n, generator=gen)
-    m0 = torch.randn(n, generator=gen) * torch.exp2(torch.randint(-30, 0, (n,), generator=gen).float())
-    states = []
-    for _ in range(2):
-        states.append([p.cuda(), b8.quantize(m0.cuda(), layout, scheme.formats[0]),
-                       b8.quantize((m0 * m0).cuda(), layout, scheme.formats[1]),
-                       torch.empty(n, dtype=torch.bfloat16, device="cuda")])
+    layout, gen, states = _two_states(scheme, 1, ["cuda", "cuda"])
     for step, hyper in enumerate(HYPERS * 2, start=1):
-        g = (torch.randn(n, generator=gen) * torch.exp2(torch.randint(-30, 0, (n,), generator=gen).float())).cuda()
+        g = _gradient(gen, layout.numel).cuda()
         (p_a, m_a, v_a, out_a), (p_b, m_b, v_b, out_b) = states
         blockwise8_device.adamw_step(p_a, g, m_a, v_a, layout, hyper, step, param_out=out_a)
         b8.adamw_step(p_b, g, m_b, v_b, layout, hyper, step, param_out=out_b)
-    (p_a, m_a, v_a, out_a), (p_b, m_b, v_b, out_b) = states
-    assert torch.equal(p_a.view(torch.int32), p_b.view(torch.int32))
-    assert torch.equal(out_a.view(torch.int16), out_b.view(torch.int16))
-    for a, b in ((m_a, m_b), (v_a, v_b)):
-        assert torch.equal(a.codes.view(torch.uint8), b.codes.view(torch.uint8))
-        assert torch.equal(a.scales.view(torch.int32), b.scales.view(torch.int32))
+    _assert_same_bits(*states)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -364,23 +377,9 @@ def test_device_kernel_gives_the_torch_paths_bits_on_the_device(scheme):
 def test_the_torch_path_gives_the_same_bits_on_cpu_and_cuda(scheme):
     """The reference arithmetic is device-independent: so a subgroup updated on the CPU and one
     updated on the GPU carry the same bits."""
-    gen = torch.Generator().manual_seed(2)
-    layout = b8.BlockLayout([(0, 100, 3000), (3000, 0, 5000), (8000, 7, 1)], scheme.block)
-    n = layout.numel
-    p = torch.randn(n, generator=gen)
-    m0 = torch.randn(n, generator=gen) * torch.exp2(torch.randint(-30, 0, (n,), generator=gen).float())
-    states = []
-    for device in ("cpu", "cuda"):
-        states.append([p.to(device), b8.quantize(m0.to(device), layout, scheme.formats[0]),
-                       b8.quantize((m0 * m0).to(device), layout, scheme.formats[1]),
-                       torch.empty(n, dtype=torch.bfloat16, device=device)])
+    layout, gen, states = _two_states(scheme, 2, ["cpu", "cuda"])
     for step, hyper in enumerate(HYPERS * 2, start=1):
-        g = torch.randn(n, generator=gen) * torch.exp2(torch.randint(-30, 0, (n,), generator=gen).float())
+        g = _gradient(gen, layout.numel)
         for master, m, v, out in states:
             b8.adamw_step(master, g.to(master.device), m, v, layout, hyper, step, param_out=out)
-    (p_a, m_a, v_a, out_a), (p_b, m_b, v_b, out_b) = states
-    assert torch.equal(p_a.view(torch.int32), p_b.cpu().view(torch.int32))
-    assert torch.equal(out_a.view(torch.int16), out_b.cpu().view(torch.int16))
-    for a, b in ((m_a, m_b), (v_a, v_b)):
-        assert torch.equal(a.codes.view(torch.uint8), b.codes.cpu().view(torch.uint8))
-        assert torch.equal(a.scales.view(torch.int32), b.scales.cpu().view(torch.int32))
+    _assert_same_bits(*states)
