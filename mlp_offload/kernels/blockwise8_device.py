@@ -49,8 +49,9 @@ if triton is not None:
         hi = tl.load(starts_ptr + block + 1)
         offs = lo + tl.arange(0, B)
         mask = offs < hi
-        m = tl.load(mc_ptr + offs, mask=mask, other=0).to(tl.float32) * tl.load(ms_ptr + block)
-        v = tl.load(vc_ptr + offs, mask=mask, other=0).to(tl.float32) * tl.load(vs_ptr + block)
+        # no `other` for the codes (Triton casts no integer to float8); masked lanes are never used
+        m = tl.load(mc_ptr + offs, mask=mask).to(tl.float32) * tl.load(ms_ptr + block)
+        v = tl.load(vc_ptr + offs, mask=mask).to(tl.float32) * tl.load(vs_ptr + block)
         if ROOT:
             v = v * v
         p = tl.load(p_ptr + offs, mask=mask, other=0.0)
