@@ -3,9 +3,10 @@ the layout, mirroring ``blockwise8.adamw_step`` operation by operation (its CPU 
 tests run): every fp32 operation rounded once (``enable_fp_fusion=False``: no contraction into
 fused multiply-adds; ``div_rn``, ``sqrt_rn``), the block's absmax a max over its elements.
 
-Not yet run on a GPU in this tree. Before the engine uses it, a start-up sample must compare it
-with the torch path on the same device, as ``fused_update.verified_fused_update`` does; points to
-check there: Triton's fp32 -> float8 cast (``cvt.rn.satfinite`` on sm_90: nearest even, as c10's;
+Run on one H200 (2026-11-27): the same bits as the torch path for every scheme of the tests
+(``tests/unit/test_blockwise8.py``, in the GPU suite). Before the engine uses it, a start-up sample
+should still compare it with the torch path on the device at hand, as
+``fused_update.verified_fused_update`` does; what decides the bits: Triton's fp32 -> float8 cast (``cvt.rn.satfinite`` on sm_90: nearest even, as c10's;
 the quotient is clamped first, so saturation never decides) and subnormal scales (no flush to zero).
 """
 
