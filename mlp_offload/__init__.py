@@ -20,7 +20,7 @@ from .plan.path_rates import measure_update_paths
 from .plan.rates import measure_adam_rate, measure_convert_rate
 from .kernels.remainders import merge as merge_remainders, split as split_remainders
 from .startup import _probe as probe_tier  # the start-up's tier probe, for the planner tool
-from .state_dtypes import torch_dtypes
+from .state_formats import StateCodec, bytes_per_param, codec_named, codecs_for
 from .subgroups import FP32_BYTES, STATE_TENSORS
 from .telemetry import StepRecord, TierTraffic
 from .tiers.files import FileIo, FileTier, TierDataError, TierIOError, TierOwner, TierPathError, fsync_path
@@ -41,7 +41,9 @@ __all__ = [
     "OffloadedAdamW", "ModelParamsAsMaster", "OffloadStateError", "PlacementError", "StepRecord", "TierTraffic", "PER_NODE",
     "ModelLink",
     "TierDataError", "TierIOError", "TierPathError", "HostMemoryError", "NamespaceInUseError",
-    "torch_dtypes", "STATE_TENSORS", "FP32_BYTES",
+    "STATE_TENSORS", "FP32_BYTES",
+    # stored state formats: one codec each (fp32, bf16, fp16, rem16), from a user's name or a saved tag
+    "StateCodec", "codec_named", "codecs_for", "bytes_per_param",
     # 16-bit master remainders: fp32 master <-> (int16 remainders, bf16 params)
     "split_remainders", "merge_remainders",
     # checkpoints (the file format itself: mlp_offload.checkpoint)

@@ -1,8 +1,9 @@
 """One engine's offloaded state in a single checkpoint file: its format, and loading it (writing it:
 ``checkpoint_write``).
 
-Layout: the (param, exp_avg, exp_avg_sq) of each subgroup in their stored dtypes, one after the
-other, then a JSON footer (element ranges, byte offsets, CRC32 of every tensor, the dtypes, the step
+Layout: the (param, exp_avg, exp_avg_sq) of each subgroup in their stored formats, one after the
+other, then a JSON footer (element ranges, byte offsets, CRC32 of every tensor, the formats' tags
+(``state_formats``: a codec's ``describe()``, e.g. fp32, bf16, rem16), the step
 count, caller metadata), then a 24-byte trailer (magic, footer length, CRC32 of the footer). The file is written as
 ``<path>.tmp``, fsynced and renamed, so a crash leaves either the old file or no file, never a
 torn one. Nothing read from the file is used unchecked: the footer's CRC and structure are
@@ -23,14 +24,14 @@ import json
 import os
 import struct
 import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 
-from .direct_reader import DirectReads
+from .direct_reader import DirectReads, pread_into
 from .engine import OffloadedAdamW
-from .kernels.remainders import merge as merge_remainders  # what a file's rem16 param needs to be read
-from .state_dtypes import FP32_STATE, REMAINDERS, STORED_DTYPES, itemsizes, torch_dtypes
+from .state_formats import FP32_STATE, REMAINDERS16, codec_for_tag, codecs_for, state_bytes
 
 MAGIC = b"MLPOFFv2"
 TRAILER = struct.Struct("<8sQI")  # magic, footer length, CRC32 of the footer
@@ -45,14 +46,14 @@ class CheckpointSaveError(RuntimeError):
     """A checkpoint file could not be written (e.g. the file system is full); nothing partial is left."""
 
 
-def state_file_bytes(numel: int, dtypes=FP32_STATE) -> int:
+def state_file_bytes(numel: int, codecs) -> int:
     """Bytes of the tensors a state file holds (the footer, a few KB, comes on top)."""
-    return sum(itemsizes(dtypes)) * numel
+    return state_bytes(codecs, numel)
 
 
-def stored_dtypes(footer: dict) -> Tuple[str, ...]:
-    """The dtypes of a file's (param, exp_avg, exp_avg_sq)."""
-    return tuple(footer["dtypes"])
+def stored_codecs(footer: dict) -> Tuple:
+    """The stored formats (``state_formats``) of a file's (param, exp_avg, exp_avg_sq), from its footer's tags."""
+    return codecs_for(footer["dtypes"])
 
 
 class StateFile:
@@ -84,7 +85,7 @@ class StateFile:
         return self.footer.get("metadata", {})
 
     def ranges(self, cache_bytes: Optional[int] = None) -> "RangeReader":
-        reader = RangeReader(self.path, self.footer["subgroups"], stored_dtypes(self.footer), cache_bytes, self.file)
+        reader = RangeReader(self.path, self.footer["subgroups"], stored_codecs(self.footer), cache_bytes, self.file)
         self._readers.append(reader)
         return reader
 
@@ -135,8 +136,10 @@ def _check_footer(path: str, footer, data_end: int) -> None:
     if not _is_count(numel) or not _is_count(steps):
         raise bad(f"numel {numel!r}, steps_done {steps!r}")
     dtypes = footer.get("dtypes")
-    if not (isinstance(dtypes, list) and len(dtypes) == len(NAMES) and all(d in STORED_DTYPES for d in dtypes)):
+    if not (isinstance(dtypes, list) and len(dtypes) == len(NAMES)
+            and all(codec_for_tag(d) is not None for d in dtypes)):
         raise bad(f"state dtypes {str(dtypes)[:80]}")
+    codecs = codecs_for(dtypes)
     expected_start, expected_offset = 0, 0
     for e in footer["subgroups"]:
         if not (isinstance(e, dict) and all(_is_count(e.get(k)) for k in ("start", "end", "offset"))
@@ -147,7 +150,7 @@ def _check_footer(path: str, footer, data_end: int) -> None:
             raise bad(f"subgroup {e['start']}..{e['end']} at byte {e['offset']}, expected to start at element "
                       f"{expected_start} and byte {expected_offset}")
         expected_start = e["end"]
-        expected_offset += state_file_bytes(e["end"] - e["start"], dtypes)
+        expected_offset += state_file_bytes(e["end"] - e["start"], codecs)
     if expected_start != numel:
         raise bad(f"subgroups cover {expected_start} of {numel} elements")
     if expected_offset != data_end:
@@ -177,7 +180,8 @@ def fill_engine(engine: OffloadedAdamW, saved: StateFile) -> None:
     # A master saved as remainders completes the model's params loaded beside it: kept so where the
     # engine stores it so too, else merged with them. An fp32 one (engine with remainders) is split
     # by the engine, which sets the model's params from it.
-    saved_remainders = stored_dtypes(footer)[0] == REMAINDERS
+    master_codec = stored_codecs(footer)[0]
+    saved_remainders = master_codec.needs_high
     merging = saved_remainders and not engine.config.param_remainders
     if merging and engine.param_high is None:
         raise CheckpointDataError(f"{path}: the master params are stored as 16-bit remainders of the model's "
@@ -186,11 +190,11 @@ def fill_engine(engine: OffloadedAdamW, saved: StateFile) -> None:
 
     def fill(sg, param, exp_avg, exp_avg_sq):
         if merging:
-            rem = torch.empty(sg.numel, dtype=torch.int16)
+            rem = master_codec.empty(sg.numel)
             high = torch.empty(sg.numel, dtype=torch.bfloat16)
             reader.read(0, sg.start, sg.end, rem)
             engine.param_high.fill(sg.start, sg.end, high)
-            param.copy_(merge_remainders(high, rem))
+            param.copy_(master_codec.unpack(rem, high=high))
         else:
             reader.read(0, sg.start, sg.end, param)
         for k, out in ((1, exp_avg), (2, exp_avg_sq)):
@@ -205,21 +209,31 @@ class RangeReader:
     of its data is used; the two most recent stored subgroups stay cached, so ascending requests (a
     plain resume) read each once, other orders (resharding) may re-read. With ``cache_bytes`` a
     stored tensor larger than a sixth of it (two subgroups of three tensors) is not cached: its CRC is
-    checked once by streaming it through a bounded buffer, then only the ranges asked for are read."""
+    checked once by streaming it through a bounded buffer, then only the ranges asked for are read.
 
-    def __init__(self, path: str, entries, dtypes=FP32_STATE, cache_bytes: Optional[int] = None, file=None):
+    While a stored tensor is checked and copied out, the next one in the file is read and checked on a
+    thread of its own (where the requests follow the file, as a resume's do): a load then runs at the
+    disk's pace rather than at read + CRC + copy one after the other."""
+
+    def __init__(self, path: str, entries, codecs=None, cache_bytes: Optional[int] = None, file=None):
         self.path = path
         self.entries = sorted(entries, key=lambda e: e["start"])
-        self.dtypes = torch_dtypes(dtypes)
+        self.codecs = codecs_for(FP32_STATE) if codecs is None else tuple(codecs)  # how each tensor is stored
         self._owns_file = file is None  # else a StateFile's handle, closed with it
         self.f = open(path, "rb") if file is None else file
         self.cache_bytes = cache_bytes
         self._cached: Dict[Tuple[int, int], torch.Tensor] = {}
         self._verified: Set[Tuple[int, int]] = set()
         self._direct = DirectReads(path)
+        by_offset = [(e, k) for e in sorted(self.entries, key=lambda e: e["offset"]) for k in range(3)]
+        self._successor = {(e["start"], k): nxt for (e, k), nxt in zip(by_offset, by_offset[1:])}
+        self._last: Optional[Tuple[int, int]] = None
+        self._ahead: Optional[Tuple[Tuple[int, int], Future]] = None
+        self._ahead_thread: Optional[ThreadPoolExecutor] = None
+        self.read_ahead_used = 0  # stored tensors that came from the read ahead
 
     def read(self, k: int, start: int, end: int, out: torch.Tensor) -> None:
-        if (self.dtypes[k] == torch.int16) != (out.dtype == torch.int16):  # a remainder is no number
+        if self.codecs[k].needs_high != (out.dtype == REMAINDERS16.storage_dtype):  # a remainder is no number
             raise CheckpointDataError(
                 f"{self.path}: {NAMES[k]} is stored as 16-bit remainders of the model's bf16 params and cannot "
                 f"be read as {out.dtype} (merging it needs the model's params of the same elements)")
@@ -233,13 +247,13 @@ class RangeReader:
                 target.copy_(self._stored(e, k)[lo - e["start"]: hi - e["start"]])
             else:
                 self._verify(e, k)
-                target.copy_(torch.frombuffer(self._bytes(e, k, lo, hi), dtype=self.dtypes[k]))
+                target.copy_(torch.frombuffer(self._bytes(e, k, lo, hi), dtype=self.codecs[k].storage_dtype))
             pos = hi
         if pos != end:
             raise CheckpointDataError(f"{self.path}: elements {pos}..{end} are not in the checkpoint")
 
     def _cacheable(self, e, k: int) -> bool:
-        nbytes = (e["end"] - e["start"]) * self.dtypes[k].itemsize
+        nbytes = self.codecs[k].stored_bytes(e["end"] - e["start"])
         return self.cache_bytes is None or 6 * nbytes <= self.cache_bytes
 
     def _stored(self, e, k: int) -> torch.Tensor:
@@ -249,15 +263,48 @@ class RangeReader:
             starts = list(dict.fromkeys(kk[0] for kk in self._cached))
             if e["start"] not in starts and len(starts) >= 2:
                 self._cached = {kk: v for kk, v in self._cached.items() if kk[0] != starts[0]}
-            buf = self._bytes(e, k, e["start"], e["end"])
-            self._check(zlib.crc32(buf), e, k)
-            self._cached[key] = torch.frombuffer(buf, dtype=self.dtypes[k])
+            buf, crc = self._fetch(e, k)
+            self._check(crc, e, k)
+            self._cached[key] = torch.frombuffer(buf, dtype=self.codecs[k].storage_dtype)
+            if self._last is None or self._follows(self._last, e, k):
+                self._read_ahead(key)
+            self._last = key
         return self._cached[key]
+
+    def _follows(self, last: Tuple[int, int], e, k: int) -> bool:
+        nxt = self._successor.get(last)
+        return nxt is not None and nxt[0] is e and nxt[1] == k
+
+    def _fetch(self, e, k: int):
+        """Stored tensor ``k`` of entry ``e`` and its CRC32: from the read ahead where it is that one."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            got = ahead[1].result()  # waited for either way: no read outlives its turn
+            if ahead[0] == (e["start"], k):
+                self.read_ahead_used += 1
+                return got
+        return self._read_and_crc(e, k)
+
+    def _read_and_crc(self, e, k: int):
+        buf = self._bytes(e, k, e["start"], e["end"])
+        return buf, zlib.crc32(buf)  # zlib lets go of the GIL for a buffer this size
+
+    def _read_ahead(self, key: Tuple[int, int]) -> None:
+        nxt = self._successor.get(key)
+        if nxt is None or (nxt[0]["start"], nxt[1]) in self._cached:
+            return
+        e, k = nxt
+        nbytes = self.codecs[k].stored_bytes(e["end"] - e["start"])
+        if self.cache_bytes is not None and 7 * nbytes > self.cache_bytes:  # the bound holds the read ahead too
+            return
+        if self._ahead_thread is None:
+            self._ahead_thread = ThreadPoolExecutor(1, thread_name_prefix="ckpt-read-ahead")
+        self._ahead = ((e["start"], k), self._ahead_thread.submit(self._read_and_crc, e, k))
 
     def _verify(self, e, k: int) -> None:
         if (e["start"], k) in self._verified:
             return
-        crc, step = 0, max(1, (self.cache_bytes // 6) // self.dtypes[k].itemsize)
+        crc, step = 0, max(1, (self.cache_bytes // 6) // self.codecs[k].bytes_per_element)
         for lo in range(e["start"], e["end"], step):
             crc = zlib.crc32(self._bytes(e, k, lo, min(e["end"], lo + step)), crc)
         self._check(crc, e, k)
@@ -265,14 +312,14 @@ class RangeReader:
 
     def _bytes(self, e, k: int, lo: int, hi: int) -> bytearray:
         """Elements [lo, hi) of stored tensor ``k`` of subgroup entry ``e``, as stored."""
-        n, itemsize = e["end"] - e["start"], self.dtypes[k].itemsize
-        offset = e["offset"] + sum(d.itemsize for d in self.dtypes[:k]) * n + itemsize * (lo - e["start"])
+        # (element ranges of element-wise formats; a blockwise one's ranges would round to its blocks)
+        n, itemsize = e["end"] - e["start"], self.codecs[k].bytes_per_element
+        offset = e["offset"] + state_bytes(self.codecs[:k], n) + itemsize * (lo - e["start"])
         nbytes = itemsize * (hi - lo)
         buf = self._direct.read(offset, nbytes)  # None without O_DIRECT: through the page cache
-        if buf is None:
+        if buf is None:  # pread: the read ahead may run beside a read of the caller's thread
             buf = bytearray(nbytes)
-            self.f.seek(offset)
-            got = self.f.readinto(buf)
+            got = pread_into(self.f.fileno(), memoryview(buf), offset)
         else:
             got = len(buf)
         if got != nbytes:
@@ -289,6 +336,9 @@ class RangeReader:
         self._cached = {}
 
     def close(self) -> None:
+        if self._ahead_thread is not None:
+            self._ahead_thread.shutdown(wait=True)
+            self._ahead_thread, self._ahead = None, None
         self._direct.close()
         if self._owns_file:
             self.f.close()

@@ -86,7 +86,7 @@ class BackgroundStateWrite:
         self.snapshot = snapshot
         self.path = path
         self.metadata = metadata
-        self.nbytes = state_file_bytes(snapshot.numel, snapshot.dtype_names) if snapshot else 0
+        self.nbytes = state_file_bytes(snapshot.numel, snapshot.codecs) if snapshot else 0
         self.write_s = 0.0
         self.failure: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._run, name="mlp-checkpoint-writer", daemon=True)
@@ -145,7 +145,7 @@ def write_snapshot(snapshot: StateSnapshot, path: str, metadata: Optional[dict])
         if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
             raise CheckpointSaveError(
                 f"{path}: {err.strerror or err} while saving the offloaded optimizer state: "
-                f"{human_bytes(state_file_bytes(snapshot.numel, snapshot.dtype_names))} needed for this file, "
+                f"{human_bytes(state_file_bytes(snapshot.numel, snapshot.codecs))} needed for this file, "
                 f"{human_bytes(_free_bytes(path))} free; the partial file was removed") from err
         raise
     return size
@@ -155,7 +155,7 @@ def _write(snapshot: StateSnapshot, tmp: str, metadata: Optional[dict]) -> int:
     offsets, end = {}, 0
     for sg in snapshot.subgroups:  # element order: where each subgroup's bytes go
         offsets[sg.index] = end
-        end += state_file_bytes(sg.numel, snapshot.dtype_names)
+        end += state_file_bytes(sg.numel, snapshot.codecs)
     crcs = {}  # subgroup -> a function giving its tensors' CRC32s once the writer has them
     reads = _TierReads(snapshot)
     with open(tmp, "wb") as f:
@@ -177,7 +177,7 @@ def _write(snapshot: StateSnapshot, tmp: str, metadata: Optional[dict]) -> int:
                    for sg in snapshot.subgroups]
         footer = json.dumps({
             "numel": snapshot.numel, "steps_done": snapshot.steps_done, "subgroups": entries,
-            "dtypes": snapshot.dtype_names, "metadata": metadata or {},
+            "dtypes": [c.describe() for c in snapshot.codecs], "metadata": metadata or {},
         }).encode()
         pwrite_all(fd, footer + TRAILER.pack(MAGIC, len(footer), zlib.crc32(footer)), end)
         os.fsync(fd)
@@ -210,7 +210,7 @@ class _TierReads:
         self.next += 1
         if len(self.buffers) <= k % 2:
             largest = self.snapshot.largest
-            self.buffers.append(StateViews.over(aligned_empty(largest.state_bytes), largest, self.snapshot.dtypes))
+            self.buffers.append(StateViews.over(aligned_empty(largest.state_bytes), largest))
         copy = self.snapshot.on_tier[i]
         self.pending[i] = (k, copy.tier.submit_read(copy.key, self.buffers[k % 2].extents(self.snapshot.subgroups[i])))
 

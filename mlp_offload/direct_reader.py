@@ -40,7 +40,7 @@ class DirectReads:
         # a buffer of its own each time: the caller may keep what it gets (a reader caches two
         # subgroups), and handing out a view of it saves a copy the size of the range
         view = memoryview(aligned_empty(hi - lo).numpy())
-        reads = [self.pool.submit(_pread_into, self.fd, view[a - lo: min(a + CHUNK, hi) - lo], a)
+        reads = [self.pool.submit(pread_into, self.fd, view[a - lo: min(a + CHUNK, hi) - lo], a)
                  for a in range(lo, hi, CHUNK)]
         got = lo
         for a, r in zip(range(lo, hi, CHUNK), reads):
@@ -59,7 +59,7 @@ class DirectReads:
             self.fd = None
 
 
-def _pread_into(fd: int, view, offset: int) -> int:
+def pread_into(fd: int, view, offset: int) -> int:
     """Read into ``view`` from ``offset`` until it is full or the file ends; the bytes read."""
     done = 0
     while done < len(view):

@@ -42,7 +42,7 @@ from .kernels.remainders import RemainderMaster
 from .plan.schedule import StepSchedule, step_schedule
 from .snapshot import StateSnapshot
 from .state_access import StateAccess
-from .state_dtypes import bytes_per_param, torch_dtypes
+from .state_formats import bytes_per_param, describe as describe_formats
 from .step.loop import AcrossSteps, EngineHooks, StepLoop
 from .subgroups import Subgroup, partition
 from .telemetry import StepRecord, TrafficCounters
@@ -112,8 +112,8 @@ class OffloadedAdamW:
         self.adam = AdamKernel(config.adam_kernel, decoupled_weight_decay)
         self.device_adam = AdamKernel(config.resolved_device_adam_kernel, decoupled_weight_decay)
         self.param_groups = build_groups(groups, defaults, self.numel)
-        self.subgroups = partition(self.numel, config.subgroup_size, config.state_itemsizes)
-        self.state_dtypes = torch_dtypes(config.stored_dtypes)
+        self.state_codecs = config.state_codecs  # how each state tensor is stored (state_formats)
+        self.subgroups = partition(self.numel, config.subgroup_size, self.state_codecs)
         self._segments = [segments_of(sg, self.param_groups) for sg in self.subgroups]
         if config.adam_kernel == "fused" and any(span != (0, hi - lo) for segs in self._segments
                                                  for lo, hi, _, span in segs):
@@ -142,7 +142,7 @@ class OffloadedAdamW:
         # (without a grad source the engine makes a HostGradients below)
         sources_give_views = (self.on_params_updated is not None
                               and ModelBuffers.available(grad_source or HostGradients, self.param_high, cfg.device))
-        paths = choose_update_paths(cfg, self.state_dtypes, largest, self.adam, self.device_adam, sources_give_views)
+        paths = choose_update_paths(cfg, self.state_codecs, largest, self.adam, self.device_adam, sources_give_views)
         self._device_update, self._deferred = paths.device_update, paths.deferred
         self._cpu_one_pass, self.cpu_one_pass_how = paths.cpu_one_pass, paths.cpu_one_pass_how
         on_model = paths.on_model_buffers
@@ -157,7 +157,7 @@ class OffloadedAdamW:
         # Buffers: gradients (outside the state budget: the caller's gradient staging), fp32 scratch
         # for converted gradients, resident subgroups, and slots for streamed ones.
         grad_bytes = gradient_host_bytes(self.numel, largest, None if grad_source is not None else grad_dtype.itemsize)
-        working = Fp32Working(self.state_dtypes, 0 if self._cpu_one_pass else largest)  # one pass: none
+        working = Fp32Working(self.state_codecs, 0 if self._cpu_one_pass else largest)  # one pass: none
         # The CPU update's bf16 high halves of a remainders master: read in, updated, handed out.
         high_bytes = largest * 2 if cfg.param_remainders else 0
         check_host_memory({"optimizer cache": self.placement.host_state_bytes,
@@ -177,14 +177,14 @@ class OffloadedAdamW:
         self._cpu_side = CpuUpdate(
             inputs, CpuKernel(self.adam, working, self._cpu_one_pass),
             scratch_buffers(not isinstance(grad_source, HostGradients), largest, self.host.allocate), high)
-        self._read_ahead = read_ahead_for(cfg, self._device_update, self.state_dtypes, largest,
+        self._read_ahead = read_ahead_for(cfg, self._device_update, self.state_codecs, largest,
                                           len(self.subgroups))
         self._device_side = None if self._device_update is None else DeviceSide(
             inputs, self._device_update, self.device_adam, lambda i: self.placement.tier_of[i] == GPU_TIER,
             self._read_ahead, ModelBuffers.of(grad_source, self.param_high, cfg.device) if on_model else None,
             deferred=self._deferred is not None)
         self._resident, buffers = allocate_initial_state(self.subgroups, self.placement, self.memory, self.host,
-                                                         params, self.state_dtypes)
+                                                         params)
         self._pipeline = SlotPipeline(self.subgroups, self.placement.tier_of, self._tiers, buffers,
                                       cfg.prefetch_depth, params, IoLog(self._counters, self.trace))
         master = (RemainderMaster(self.param_high, self.on_params_updated, largest)
@@ -225,7 +225,7 @@ class OffloadedAdamW:
             "state per memory tier %s; state %.1f B/param (%s); adam %.2f Gelem/s (CPU %s)%s; %s",
             cfg.rank, self.numel, len(self.subgroups), counts, p.slots, p.cache_slots,
             ", ".join(f"{t} {b / GiB:.2f} GiB" for t, b in p.resident_bytes.items()),
-            bytes_per_param(cfg.stored_dtypes), "/".join(cfg.stored_dtypes), self.adam_rate / 1e9,
+            bytes_per_param(self.state_codecs), describe_formats(self.state_codecs), self.adam_rate / 1e9,
             self.cpu_one_pass_how,
             describe_device_rates(self.update_rates, self._device_update, self._read_ahead, cfg),
             self.prediction.describe())
@@ -301,7 +301,7 @@ class OffloadedAdamW:
     def move_state(self, moves: Dict[int, str]) -> None:
         """Each subgroup in ``moves`` to its new tier, state and all (between steps, settled)."""
         self._drop_read_ahead()
-        self._state.move(moves, self.placement.tier_of, self.memory, self._tiers, self.state_dtypes)
+        self._state.move(moves, self.placement.tier_of, self.memory, self._tiers)
 
     # -- the device tier's size (auto) ---------------------------------------------------------
     def observe_device_memory(self, peak_bytes: int, capacity_bytes: int) -> Optional[str]:
@@ -377,8 +377,7 @@ class OffloadedAdamW:
         self.settle()
         self.wait_for_snapshot()
         staging = self.config.save_staging_bytes if staging_bytes is None else staging_bytes
-        self._snapshot = self._state.snapshot(self.steps_done, self.state_dtypes, self.config.stored_dtypes,
-                                              link_files, staging)
+        self._snapshot = self._state.snapshot(self.steps_done, link_files, staging)
         return self._snapshot
 
     def wait_for_snapshot(self) -> None:
@@ -391,7 +390,7 @@ class OffloadedAdamW:
         # Outside the budget on purpose: used only while saving or loading a checkpoint.
         sg = max(self.subgroups, key=lambda s: s.numel)
         return StateViews.over(self.host.allocate(sg.state_bytes, "checkpoint buffer", counted=False),
-                               sg, self.state_dtypes)
+                               sg)
 
     # -- teardown --------------------------------------------------------------------------------
     def close(self, remove_files: bool = True) -> None:

@@ -7,8 +7,6 @@ import logging
 import time
 from typing import Dict, List, Mapping, Sequence, Tuple
 
-import torch
-
 from .pipeline import StateViews, fill_params, starts_at_zero
 from .plan.placement import Placement
 from .subgroups import Subgroup
@@ -18,7 +16,7 @@ log = logging.getLogger("mlp_offload")
 
 
 def allocate_initial_state(subgroups: Sequence[Subgroup], placement: Placement, memory: Mapping[str, object],
-                           host, params, dtypes: Sequence[torch.dtype]) -> Tuple[Dict[int, StateViews], List[StateViews]]:
+                           host, params) -> Tuple[Dict[int, StateViews], List[StateViews]]:
     """(the views of each subgroup ``placement`` holds in a memory tier, its pipeline buffers). Pinning
     tens of GB takes a while: a line before and after, with size and rate."""
     kind = "pinned " if host.pin else ""
@@ -34,15 +32,15 @@ def allocate_initial_state(subgroups: Sequence[Subgroup], placement: Placement, 
         # Fresh host memory is zeros already: moments (and remainders of masters that start as the
         # model's params) need no second pass over tens of GB.
         zeroed = getattr(memory[tier], "hands_out_zeros", False)
-        views = StateViews.over(memory[tier].allocate(sg.state_bytes, f"subgroup {i}"), sg, dtypes)
-        if not (zeroed and starts_at_zero(params, views.param)):
+        views = StateViews.over(memory[tier].allocate(sg.state_bytes, f"subgroup {i}"), sg)
+        if not (zeroed and starts_at_zero(params, sg)):
             fill_params(params, sg, views.param[: sg.numel])
         if not zeroed:
             views.exp_avg.zero_()
             views.exp_avg_sq.zero_()
         resident[i] = views
     slot_sg = max(subgroups, key=lambda sg: sg.numel)
-    buffers = [StateViews.over(host.allocate(slot_sg.state_bytes, f"pipeline buffer {k}"), slot_sg, dtypes)
+    buffers = [StateViews.over(host.allocate(slot_sg.state_bytes, f"pipeline buffer {k}"), slot_sg)
                for k in range(slots)]
     seconds = time.perf_counter() - started
     log.info("allocated %.3f GB of %shost memory for optimizer state in %.1f s (%.2f GB/s)", state_gb, kind,

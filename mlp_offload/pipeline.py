@@ -14,11 +14,10 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .kernels.remainders import split_
 from .plan.schedule import StepSchedule
 from .subgroups import STATE_TENSORS, Subgroup
 from .telemetry import StepRecord, TrafficCounters
@@ -37,17 +36,14 @@ class OffloadStateError(RuntimeError):
 class StateViews:
     buf: torch.Tensor  # aligned uint8 buffer holding the three regions
     layout: Subgroup  # the subgroup it was sized for: where its regions lie in ``buf``
-    param: torch.Tensor  # each in its stored dtype
+    param: torch.Tensor  # each in its stored format (layout.codecs)
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     fence: object = None  # returned by on_params_updated; synchronized before overwriting
 
     @classmethod
-    def over(cls, buf: torch.Tensor, layout: Subgroup, dtypes: Sequence[torch.dtype]) -> "StateViews":
-        views = []
-        for k, dtype in enumerate(dtypes):
-            offset = layout.region_offset(k)
-            views.append(buf[offset: offset + layout.numel * dtype.itemsize].view(dtype))
+    def over(cls, buf: torch.Tensor, layout: Subgroup) -> "StateViews":
+        views = [codec.view(buf[layout.region_offset(k):], layout.numel) for k, codec in enumerate(layout.codecs)]
         return cls(buf, layout, *views)
 
     def extents(self, sg: Subgroup) -> List[Tuple[int, torch.Tensor]]:
@@ -91,23 +87,28 @@ class ModelParamsAsMaster:
         self.fill(start, end, out)
 
 
-def starts_at_zero(source, out: torch.Tensor) -> bool:
-    """Whether ``fill_params(source, ..., out)`` writes zeros: remainders of masters that start as the model's params."""
-    return out.dtype == torch.int16 and isinstance(source, ModelParamsAsMaster)
+def starts_at_zero(source, sg: Subgroup) -> bool:
+    """Whether ``fill_params(source, sg, ...)`` writes zeros: remainders of masters that start as the model's params."""
+    return sg.codecs[0].needs_high and isinstance(source, ModelParamsAsMaster)
 
 
 def fill_params(source, sg: Subgroup, out: torch.Tensor) -> None:
-    """The initial fp32 master of a subgroup, from the caller's tensor or fill function. Stored as
-    remainders (int16 ``out``): its low halves; the model holds the high halves (its bf16 params,
-    which make remainders of zero)."""
-    if starts_at_zero(source, out):
+    """The initial fp32 master of a subgroup, from the caller's tensor or fill function, into
+    ``out`` in its stored format. Stored as remainders: its low halves; the model holds the high
+    halves (its bf16 params, which make remainders of zero)."""
+    codec = sg.codecs[0]
+    if starts_at_zero(source, sg):
         out.zero_()
         return
-    if out.dtype == torch.int16:
+    if codec.needs_high:
         master = torch.empty(sg.numel, dtype=torch.float32)
-        fill_params(source, sg, master)
-        split_(master, out, torch.empty(sg.numel, dtype=torch.bfloat16))
+        _fill_fp32(source, sg, master)
+        codec.pack_(master, out, high=torch.empty(sg.numel, dtype=torch.bfloat16))
         return
+    _fill_fp32(source, sg, out)  # copy_ rounds to a narrower float format as its codec packs
+
+
+def _fill_fp32(source, sg: Subgroup, out: torch.Tensor) -> None:
     if callable(source):
         source(sg.start, sg.end, out)
     else:

@@ -22,9 +22,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Sequence
-
-import torch
+from typing import Dict, List
 
 from .pipeline import StateViews
 from .subgroups import Subgroup
@@ -55,11 +53,10 @@ class SnapshotSources:
 
 
 class StateSnapshot:
-    def __init__(self, subgroups: List[Subgroup], dtypes: Sequence[torch.dtype], dtype_names: Sequence[str],
-                 steps_done: int, sources: SnapshotSources, update_order: List[int], staging_bytes: int):
+    def __init__(self, subgroups: List[Subgroup], steps_done: int, sources: SnapshotSources,
+                 update_order: List[int], staging_bytes: int):
         self.subgroups = subgroups
-        self.dtypes = list(dtypes)
-        self.dtype_names = list(dtype_names)
+        self.codecs = subgroups[0].codecs  # the stored formats (state_formats), every subgroup's
         self.numel = subgroups[-1].end
         self.steps_done = steps_done
         memory, on_tier = sources.memory, sources.on_tier
@@ -104,7 +101,7 @@ class StateSnapshot:
 
     def _new_staging_buffer(self) -> StateViews:
         self._staging_free -= 1
-        return StateViews.over(aligned_empty(self.largest.state_bytes), self.largest, self.dtypes)
+        return StateViews.over(aligned_empty(self.largest.state_bytes), self.largest)
 
     # -- the writer's side ----------------------------------------------------------------------
     def take(self, i: int) -> StateViews:

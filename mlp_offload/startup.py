@@ -1,5 +1,5 @@
 """Start-up: the memory tiers, the file tiers' rates (given, cached or probed), the CPU and device
-update rates (with the state's real dtypes), the I/O tokens the rates imply, then the file tiers
+update rates (with the state's real formats), the I/O tokens the rates imply, then the file tiers
 themselves (with those tokens), placement and the predicted update. Data flows one way:
 rates -> placement -> prediction. Every tier is built by ``tiers.factory``."""
 
@@ -15,7 +15,6 @@ from .plan.placement import Placement, UpdateRates, plan_placement, tokens_for
 from .plan.prediction import MeasuredRates, NodeSharing, Prediction, predict_update
 from .plan.rates import (measure_convert_rate, measure_cpu_update_rate, measure_device_rates,
                          measure_shared_rates, probe_tier)
-from .state_dtypes import torch_dtypes
 from .step.update_paths import UpdatePaths
 from .subgroups import Subgroup
 from .tiers.base import ResidentTier, StreamedTier
@@ -71,9 +70,8 @@ def start_up(cfg: OffloadConfig, subgroups: List[Subgroup], paths: UpdatePaths, 
     host = memory[HOST_TIER]
     rates = {name: cfg.bandwidths.get(name) or _probe(cfg, name, host) for name in cfg.file_tiers}
     size = min(max(sg.numel for sg in subgroups), 1 << 26)
-    dtypes = torch_dtypes(cfg.stored_dtypes)  # with a remainders master's merge and split
     adam_rate = cfg.adam_elems_per_s or measure_cpu_update_rate(
-        lambda p, g, m, v, step: adam(p, g, m, v, step=step), dtypes, numel=size, one_pass=cpu_one_pass)
+        lambda p, g, m, v, step: adam(p, g, m, v, step=step), cfg.state_codecs, numel=size, one_pass=cpu_one_pass)
     convert_rate = measure_convert_rate(size)
     update_rates = UpdateRates(1 / (1 / adam_rate + 1 / convert_rate))
     if device_update is not None:
@@ -81,13 +79,13 @@ def start_up(cfg: OffloadConfig, subgroups: List[Subgroup], paths: UpdatePaths, 
         update_rates.device_streamed = cfg.device_streamed_elems_per_s
         if update_rates.device_resident is None or update_rates.device_streamed is None:
             resident, streamed = measure_device_rates(
-                device_update, lambda p, g, m, v, step: device_adam(p, g, m, v, step=step), dtypes, size)
+                device_update, lambda p, g, m, v, step: device_adam(p, g, m, v, step=step), cfg.state_codecs, size)
             update_rates.device_resident = update_rates.device_resident or resident
             update_rates.device_streamed = update_rates.device_streamed or streamed
         if cfg.update_on == "auto" and cfg.device_streamed_elems_per_s is None:  # a split may run both at once
             try:
                 shared = measure_shared_rates(device_update, lambda p, g, m, v, step: adam(p, g, m, v, step=step),
-                                              lambda p, g, m, v, step: device_adam(p, g, m, v, step=step), dtypes,
+                                              lambda p, g, m, v, step: device_adam(p, g, m, v, step=step), cfg.state_codecs,
                                               size, cpu_one_pass=cpu_one_pass)
             except (RuntimeError, ValueError) as err:  # a measurement, not the update: say so and go on
                 log.warning("rates of the CPU and device side by side not measured (%s): the split and the "

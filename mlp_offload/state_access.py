@@ -68,7 +68,7 @@ class StateAccess:
             if views is self._scratch:  # host-resident or in a buffer: written later by the pipeline
                 self.pipeline.write_now(i, views)
 
-    def snapshot(self, steps_done: int, dtypes, dtype_names, link_files: bool, staging_bytes: int) -> StateSnapshot:
+    def snapshot(self, steps_done: int, link_files: bool, staging_bytes: int) -> StateSnapshot:
         """The state as it is now, for a writer (see snapshot). ``link_files``: the writer's copy of
         file-held subgroups survives the next updates (off for a save that nothing overtakes)."""
         self.pipeline.flush()
@@ -95,7 +95,7 @@ class StateAccess:
                 if copy.linked:
                     copy.tier.forget(copy.key)
             raise
-        return StateSnapshot(self.subgroups, dtypes, dtype_names, steps_done, SnapshotSources(memory, on_tier),
+        return StateSnapshot(self.subgroups, steps_done, SnapshotSources(memory, on_tier),
                              self.pipeline.schedule.order, staging_bytes)
 
     def _each(self, fill_missing: bool, write_back: bool = True) -> Iterator[Tuple[int, Subgroup, StateViews]]:
@@ -129,7 +129,7 @@ class StateAccess:
         return self._device_stage
 
     def move(self, moves: Dict[int, str], tier_of: List[str], memory: Dict[str, object],
-             file_tiers: Dict[str, object], dtypes) -> None:
+             file_tiers: Dict[str, object]) -> None:
         """Each subgroup in ``moves`` to its new tier (a memory tier's own buffer, or written to a file
         tier), ``tier_of`` updated; streamed ones pass through the one scratch buffer."""
         pipe = self.pipeline
@@ -142,7 +142,7 @@ class StateAccess:
                 views = self._scratch_views()
                 pipe.fill_from_tier(i, views)
             if dest in memory:
-                new = StateViews.over(memory[dest].allocate(sg.state_bytes, f"subgroup {i}"), sg, dtypes)
+                new = StateViews.over(memory[dest].allocate(sg.state_bytes, f"subgroup {i}"), sg)
                 _copy(views, new, sg.numel)
                 self.resident[i] = new
                 tier_of[i] = dest

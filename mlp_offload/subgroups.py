@@ -1,16 +1,16 @@
 """Partition of one rank's flat shard into subgroups, and the byte layout of their state.
 
 A subgroup's state is three tensors (master params, exp_avg, exp_avg_sq), each stored in its own
-dtype (fp32 by default, see ``state_dtypes``). In host buffers and in files they sit in three
+format (fp32 by default, see ``state_formats``). In host buffers and in files they sit in three
 regions, each padded to ALIGN bytes so O_DIRECT I/O can use them as-is.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import List, Sequence, Tuple
 
-from .state_dtypes import STATE_TENSORS
+from .state_formats import FP32, STATE_TENSORS, StateCodec
 from .tiers.align import align_up
 
 FP32_BYTES = 4
@@ -22,7 +22,7 @@ class Subgroup:
     index: int
     start: int  # element offset in the rank's flat shard
     end: int
-    itemsizes: Tuple[int, int, int] = (FP32_BYTES,) * 3  # bytes per element of each stored state tensor
+    codecs: Tuple[StateCodec, StateCodec, StateCodec] = (FP32,) * 3  # the stored format of each state tensor
 
     @property
     def numel(self) -> int:
@@ -30,7 +30,7 @@ class Subgroup:
 
     def region_bytes(self, k: int) -> int:
         """Bytes of state region ``k`` (STATE_TENSORS order), padded for O_DIRECT."""
-        return align_up(self.numel * self.itemsizes[k])
+        return align_up(self.codecs[k].stored_bytes(self.numel))
 
     def region_offset(self, k: int) -> int:
         """Where region ``k`` starts in the subgroup's file or host buffer."""
@@ -42,13 +42,13 @@ class Subgroup:
         return self.region_offset(len(STATE_TENSORS))
 
 
-def partition(numel: int, subgroup_size: int, itemsizes: Tuple[int, int, int] = (FP32_BYTES,) * 3) -> List[Subgroup]:
+def partition(numel: int, subgroup_size: int, codecs: Sequence[StateCodec] = (FP32,) * 3) -> List[Subgroup]:
     """Split ``numel`` elements into subgroups of ``subgroup_size`` (the last one shorter)."""
     if numel <= 0:
         raise ValueError(f"cannot partition an empty shard (numel={numel})")
     if subgroup_size <= 0:
         raise ValueError(f"subgroup size must be positive, got {subgroup_size}")
     return [
-        Subgroup(i, start, min(start + subgroup_size, numel), tuple(itemsizes))
+        Subgroup(i, start, min(start + subgroup_size, numel), tuple(codecs))
         for i, start in enumerate(range(0, numel, subgroup_size))
     ]

@@ -28,7 +28,7 @@ warnings.simplefilter("ignore")  # megatron-core warns at import about optional 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.training.errors import UserError, reported_once  # noqa: E402
-from mlp_offload import GiB, MeasuredRates
+from mlp_offload import GiB, MeasuredRates, codecs_for
 
 # Sustained bf16 TFLOP/s per GPU (as Megatron-LM counts FLOPs) our training reached on one H200 with
 # megatron-core's local layers and full recompute, by the attention kernel that runs: 10.24 B at global batch 1,
@@ -234,12 +234,13 @@ def cpu_rates(opts, config, gpu_job: bool):
     return adam_rate, convert_rate
 
 
-def moved_bytes(stored) -> int:
+def moved_bytes(stored) -> float:
     """Bytes the device's one-pass kernel moves per element of state in HBM, on the model's buffers: the bf16
-    grad read; a remainders master's low and high halves read and written, or a master read and written and
-    its bf16 param written; both moments read and written."""
-    master, m, v = (4 if name == "fp32" else 2 for name in stored)  # (fp32, or a 16-bit dtype or remainders)
-    return 2 + (8 if stored[0] == "rem16" else 2 * master + 2) + 2 * (m + v)
+    grad read; the stored master read and written, and its bf16 param (a remainders master's high half) read
+    and written, or only written; both moments read and written. ``stored``: the formats' tags."""
+    master, m, v = codecs_for(stored)
+    param = 4 if master.needs_high else 2
+    return 2 + 2 * master.bytes_per_param + param + 2 * (m.bytes_per_param + v.bytes_per_param)
 
 
 def default_resident_gelems(stored) -> float:

@@ -1,6 +1,6 @@
 """config/: the engine's configuration, a pure function of its arguments: ``OffloadConfig`` (every
 knob, validated when built: offload_config), the file tiers' bandwidths (bandwidth) and what a
-valid value is (checks). It imports only the engine's state dtypes and tier alignment; every other
+valid value is (checks). It imports only the engine's state formats and tier alignment; every other
 engine module may import it."""
 
 from .bandwidth import TierBandwidth, parse_bandwidths, probe_piece_bytes

@@ -10,7 +10,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..state_dtypes import FP32_STATE, REMAINDERS, STATE_TENSORS, UnsupportedStateDtype, dtype_name, itemsizes
+from ..state_formats import (FP32_STATE, REMAINDERS16, STATE_TENSORS, StateCodec, UnsupportedStateDtype, codec_named,
+                             dtype_name)
 from ..tiers.align import ALIGN
 from .bandwidth import TierBandwidth, probe_piece_bytes
 from .checks import OffloadConfigError, is_int, positive, positive_finite
@@ -344,16 +345,18 @@ class OffloadConfig:
         return "foreach" if self.on_cuda else self.adam_kernel
 
     @property
-    def stored_dtypes(self) -> Tuple[str, str, str]:
-        """How (param, exp_avg, exp_avg_sq) are stored: ``state_dtypes``, the master as remainders
-        (``"rem16"``) where ``param_remainders``."""
+    def state_codecs(self) -> Tuple[StateCodec, StateCodec, StateCodec]:
+        """How (param, exp_avg, exp_avg_sq) are stored (``state_formats``): ``state_dtypes``, the
+        master as remainders where ``param_remainders``."""
+        codecs = tuple(codec_named(name) for name in self.state_dtypes)
         if self.param_remainders:
-            return (REMAINDERS, *self.state_dtypes[1:])
-        return tuple(self.state_dtypes)
+            return (REMAINDERS16, *codecs[1:])
+        return codecs
 
     @property
-    def state_itemsizes(self) -> Tuple[int, int, int]:
-        return itemsizes(self.stored_dtypes)
+    def stored_dtypes(self) -> Tuple[str, str, str]:
+        """The tags of ``state_codecs``, as checkpoint footers and start-up lines give them."""
+        return tuple(c.describe() for c in self.state_codecs)
 
     @property
     def file_tiers(self) -> List[str]:

@@ -37,7 +37,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from .cpu_one_pass_source import SOURCE as _SOURCE
-from .fused_update import AdamHyper, Variant, _f32, matches
+from .fused_update import AdamHyper, Variant, _f32, _unhandled, matches, one_pass_handles
 
 log = logging.getLogger("mlp_offload")
 
@@ -191,11 +191,16 @@ def build_error() -> Optional[str]:
 
 
 class CpuOnePass:
-    """AdamW in one pass over CPU state stored in (param | int16 remainders, exp_avg, exp_avg_sq)
-    dtypes, with the signature of ``fused_update.FusedAdamW``; ``variant`` says how it rounds."""
+    """AdamW in one pass over CPU state stored in ``codecs`` (``fused_update.one_pass_handles``:
+    param or int16 remainders, exp_avg, exp_avg_sq), with the signature of
+    ``fused_update.FusedAdamW``; ``variant`` says how it rounds. (The C++ side dispatches on the
+    stored tensors' dtypes, which each handled format's storage dtype names one to one.)"""
 
-    def __init__(self, variant: CpuVariant, ext=None):
+    def __init__(self, variant: CpuVariant, codecs: Sequence, ext=None):
+        if not one_pass_handles(codecs):
+            raise ValueError(_unhandled(codecs))
         self.variant = variant
+        self.remainders = codecs[0].kernel_key == "rem16"
         self.ext = ext if ext is not None else extension()
         if self.ext is None:
             raise RuntimeError(f"the CPU one-pass kernel could not be built ({build_error()})")
@@ -207,7 +212,7 @@ class CpuOnePass:
         p, m, v = stored
         if p.numel() == 0:
             return
-        if p.dtype == torch.int16 and high is None:
+        if self.remainders and high is None:
             raise ValueError("a master stored as remainders needs its bf16 high halves")
         # The scalars as torch rounds them for its fp32 kernels (as fused_update.FusedAdamW does).
         bc1 = 1 - hyper.beta1 ** step
@@ -221,11 +226,11 @@ class CpuOnePass:
                        self.variant.flags(abs(w1) < 0.5))
 
 
-def cpu_one_pass_like(variant: Variant) -> Optional[CpuOnePass]:
+def cpu_one_pass_like(variant: Variant, codecs: Sequence) -> Optional[CpuOnePass]:
     """The CPU kernel in the device kernel's arithmetic (``variant``, as ``verified_fused_update``
     chose it), so CPU-updated subgroups get the device-updated ones' bits; None without a build."""
     ext = extension()
-    return CpuOnePass(device_variant(variant), ext) if ext is not None else None
+    return CpuOnePass(device_variant(variant), codecs, ext) if ext is not None else None
 
 
 def torch_sqrt_is_ieee(numel: int = 1 << 18) -> bool:
@@ -236,12 +241,14 @@ def torch_sqrt_is_ieee(numel: int = 1 << 18) -> bool:
     return torch.equal(x.sqrt(), x.double().sqrt().float())
 
 
-def verified_cpu_one_pass(dtypes: Sequence[torch.dtype], adam_kernel,
+def verified_cpu_one_pass(codecs: Sequence, adam_kernel,
                           variants: Optional[Sequence[CpuVariant]] = None) -> Tuple[Optional[CpuOnePass], str]:
     """The CPU kernel in the first variant bit-identical to the multi-pass path with ``adam_kernel``
     on this CPU, or None (the multi-pass path stays); and a phrase for the log."""
     if adam_kernel.kind == "fused":  # torch's fused CPU kernel: span-dependent vector/scalar paths
         return None, "multi-pass (torch's fused kernel)"
+    if not one_pass_handles(codecs):
+        return None, _unhandled(codecs)
     global _warned
     ext = extension()
     if ext is None:
@@ -252,9 +259,9 @@ def verified_cpu_one_pass(dtypes: Sequence[torch.dtype], adam_kernel,
     if variants is None:
         variants = cpu_variants(torch_sqrt_first=not torch_sqrt_is_ieee())
     for variant in variants:
-        kernel = CpuOnePass(variant, ext)
+        kernel = CpuOnePass(variant, codecs, ext)
         try:
-            if matches(kernel, adam_kernel, dtypes, "cpu", numel=1 << 18):
+            if matches(kernel, adam_kernel, codecs, "cpu", numel=1 << 18):
                 return kernel, f"one pass ({variant.describe()}; bit-identical to the multi-pass path on a sample)"
         except Exception as err:  # never a crash: the multi-pass path is always there
             log.warning("CPU one-pass AdamW failed (%s: %s); using the multi-pass path", type(err).__name__, err)
@@ -262,7 +269,7 @@ def verified_cpu_one_pass(dtypes: Sequence[torch.dtype], adam_kernel,
     return None, f"multi-pass (no CPU one-pass variant was bit-identical: tried {len(variants)})"
 
 
-def cpu_one_pass_for_device(fused, dtypes: Sequence[torch.dtype], device, numel: int = 1 << 18,
+def cpu_one_pass_for_device(fused, codecs: Sequence, device, numel: int = 1 << 18,
                             steps: int = 3) -> Tuple[Optional[CpuOnePass], str]:
     """On a GPU run: the CPU kernel in the arithmetic of the device's verified one-pass kernel
     ``fused`` (``fused_update.FusedAdamW``), checked on a sample to give its bits, so a subgroup
@@ -270,11 +277,11 @@ def cpu_one_pass_for_device(fused, dtypes: Sequence[torch.dtype], device, numel:
     device kernel reproduces them); None where it does not (then the CPU keeps its own kernel)."""
     from .fused_update import SAMPLE_HYPERS, sample_state
 
-    kernel = cpu_one_pass_like(fused.variant)
+    kernel = cpu_one_pass_like(fused.variant, codecs)
     if kernel is None:
         return None, "multi-pass (one-pass kernel failed to build)"
     for seed, hyper in enumerate(SAMPLE_HYPERS):
-        cpu_state, grad, high = sample_state(dtypes, numel, "cpu", seed)
+        cpu_state, grad, high = sample_state(codecs, numel, "cpu", seed)
         dev_state = [t.to(device, copy=True) for t in cpu_state]
         dev_grad, dev_high = grad.to(device, copy=True), high.to(device, copy=True)
         for step in range(1, steps + 1):

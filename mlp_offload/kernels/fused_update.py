@@ -185,16 +185,34 @@ def _kernel_scalars(hyper: AdamHyper, step: int, reciprocal: bool, unscale: Opti
             _f32(unscale or 1.0), _f32(clip_coef or 1.0))
 
 
+# The stored formats (``state_formats.StateCodec.kernel_key``) the one-pass kernels, this one and
+# its CPU twin ``cpu_one_pass``, read and write: a master in any of them, moments in a float one.
+# A format outside them (say 8-bit blockwise moments before their kernels) runs the multi-pass path.
+ONE_PASS_KEYS = ({"fp32", "bf16", "fp16", "rem16"}, {"fp32", "bf16", "fp16"}, {"fp32", "bf16", "fp16"})
+
+
+def one_pass_handles(codecs: Sequence) -> bool:
+    """Whether the one-pass kernels take state stored in ``codecs`` (param, exp_avg, exp_avg_sq)."""
+    return all(c.kernel_key in keys for c, keys in zip(codecs, ONE_PASS_KEYS))
+
+
+def _unhandled(codecs: Sequence) -> str:
+    return f"multi-pass (no one-pass kernel for {'/'.join(c.describe() for c in codecs)})"
+
+
 class FusedAdamW:
-    """AdamW in one pass over state stored in (param | int16 remainders, exp_avg, exp_avg_sq)
-    dtypes, on CUDA tensors; ``variant`` says how it rounds (``Variant``)."""
+    """AdamW in one pass over state stored in ``codecs`` (``one_pass_handles``: param or int16
+    remainders, exp_avg, exp_avg_sq), on CUDA tensors; ``variant`` says how it rounds (``Variant``)."""
 
     BLOCK = 2048
 
-    def __init__(self, variant: Variant):
+    def __init__(self, variant: Variant, codecs: Sequence):
         if triton is None:
             raise RuntimeError("the fused device update needs Triton (torch's CUDA builds ship it)")
+        if not one_pass_handles(codecs):
+            raise ValueError(_unhandled(codecs))
         self.variant = variant
+        self.remainders = codecs[0].kernel_key == "rem16"  # the kernel's REMAINDERS path
         self.on_model_ok = False  # bit-identical on the model's own buffers too (verified_fused_update)
 
     def __call__(self, stored: Sequence[torch.Tensor], grad: torch.Tensor, high: Optional[torch.Tensor],
@@ -207,7 +225,7 @@ class FusedAdamW:
         n = p.numel()
         if n == 0:
             return
-        remainders = p.dtype == torch.int16
+        remainders = self.remainders
         if remainders and high is None:
             raise ValueError("a master stored as remainders needs its bf16 high halves")
         var = self.variant
@@ -223,7 +241,7 @@ class FusedAdamW:
             enable_fp_fusion=False)
 
 
-def multi_pass_step(adam_kernel, dtypes: Sequence[torch.dtype], stored: Sequence[torch.Tensor], grad: torch.Tensor,
+def multi_pass_step(adam_kernel, codecs: Sequence, stored: Sequence[torch.Tensor], grad: torch.Tensor,
                     high: Optional[torch.Tensor], hyper: AdamHyper, step: int, model: ModelPass = PLAIN) -> None:
     """The reference the fused kernel must equal: the grads converted (``model``), widen to fp32,
     the engine's AdamW, round back, then the model's grads zeroed and its param written."""
@@ -231,7 +249,7 @@ def multi_pass_step(adam_kernel, dtypes: Sequence[torch.dtype], stored: Sequence
 
     wide_grad = torch.empty(grad.numel(), dtype=torch.float32, device=grad.device)
     convert_grads(grad, wide_grad, model.unscale, model.clip_coef)
-    working = Fp32Working(list(dtypes), stored[0].numel(), stored[0].device)
+    working = Fp32Working(codecs, stored[0].numel(), stored[0].device)
     wide = working.widen(list(stored), high)
     adam_kernel(wide[0], wide_grad, wide[1], wide[2], step=step, lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2,
                 eps=hyper.eps, weight_decay=hyper.weight_decay)
@@ -242,17 +260,18 @@ def multi_pass_step(adam_kernel, dtypes: Sequence[torch.dtype], stored: Sequence
         model.param_out.copy_(stored[0])
 
 
-def sample_state(dtypes: Sequence[torch.dtype], numel: int, device, seed: int = 0):
-    """Random state in ``dtypes`` (remainders of random fp32 masters where int16), fp32 grads and bf16
-    high halves, spread over magnitudes where rounding differences show."""
+def sample_state(codecs: Sequence, numel: int, device, seed: int = 0):
+    """Random state stored in ``codecs`` (``state_formats``; remainders of random fp32 masters where
+    its format needs the high halves), fp32 grads and the masters' bf16 high halves, spread over
+    magnitudes where rounding differences show."""
     from .remainders import split
 
     gen = torch.Generator().manual_seed(seed)
     master = torch.randn(numel, generator=gen) * torch.exp2(torch.randint(-8, 4, (numel,), generator=gen).float())
-    rem, high = split(master)
-    first = rem if dtypes[0] == torch.int16 else master.to(dtypes[0])
-    m = (torch.randn(numel, generator=gen) * 1e-3).to(dtypes[1])
-    v = (torch.rand(numel, generator=gen) * 1e-6).to(dtypes[2])
+    high = split(master)[1]
+    first = codecs[0].pack(master, high=high.clone()) if codecs[0].needs_high else codecs[0].pack(master)
+    m = codecs[1].pack(torch.randn(numel, generator=gen) * 1e-3)
+    v = codecs[2].pack(torch.rand(numel, generator=gen) * 1e-6)
     grad = torch.randn(numel, generator=gen) * torch.exp2(torch.randint(-12, 0, (numel,), generator=gen).float())
     return [t.to(device) for t in (first, m, v)], grad.to(device), high.to(device)
 
@@ -260,13 +279,13 @@ def sample_state(dtypes: Sequence[torch.dtype], numel: int, device, seed: int = 
 SAMPLE_HYPERS = (AdamHyper(3e-4, 0.9, 0.95, 1e-8, 0.1), AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.0))
 
 
-def matches(fused: Callable, adam_kernel, dtypes: Sequence[torch.dtype], device, numel: int = 1 << 20,
+def matches(fused: Callable, adam_kernel, codecs: Sequence, device, numel: int = 1 << 20,
             steps: int = 3, on_model: bool = False) -> bool:
     """Whether ``fused`` gives the multi-pass path's bits on random state, over ``steps`` steps of
     each sample hyperparameter set (weight decay on and off). ``on_model``: called as on the model's
     own buffers (bf16 grads unscaled and clipped, then zeroed; an fp32 master's bf16 param written)."""
     for seed, hyper in enumerate(SAMPLE_HYPERS):
-        ours, grad, high_ours = sample_state(dtypes, numel, device, seed)
+        ours, grad, high_ours = sample_state(codecs, numel, device, seed)
         ref = [t.clone() for t in ours]
         high_ref = high_ours.clone()
         grad_ours = grad_ref = grad
@@ -276,10 +295,10 @@ def matches(fused: Callable, adam_kernel, dtypes: Sequence[torch.dtype], device,
         for step in range(1, steps + 1):
             if on_model:  # (the grads are zeroed by each step: fresh ones for each)
                 grad_ours, grad_ref = grad.to(torch.bfloat16) * step, grad.to(torch.bfloat16) * step
-            high = None if dtypes[0] != torch.int16 else high_ours
+            high = high_ours if codecs[0].needs_high else None
             passes = [ModelPass(1 / 1000, 0.7, True, out) if on_model else PLAIN for out in outs]
             fused(ours, grad_ours, high, hyper, step, *([passes[0]] if on_model else []))
-            multi_pass_step(adam_kernel, dtypes, ref, grad_ref, high_ref if high is not None else None, hyper, step,
+            multi_pass_step(adam_kernel, codecs, ref, grad_ref, high_ref if high is not None else None, hyper, step,
                             passes[1])
             if on_model and not (torch.equal(grad_ours, grad_ref) and torch.equal(outs[0].view(torch.int16),
                                                                                    outs[1].view(torch.int16))):
@@ -290,7 +309,7 @@ def matches(fused: Callable, adam_kernel, dtypes: Sequence[torch.dtype], device,
     return True
 
 
-def verified_fused_update(device, dtypes: Sequence[torch.dtype], adam_kernel,
+def verified_fused_update(device, codecs: Sequence, adam_kernel,
                           variants: Sequence[Variant] = VARIANTS) -> Tuple[Optional[FusedAdamW], str]:
     """The fused kernel in the first variant bit-identical to the multi-pass path with
     ``adam_kernel`` on this device, or None (the multi-pass path stays); and a phrase for the log.
@@ -303,11 +322,13 @@ def verified_fused_update(device, dtypes: Sequence[torch.dtype], adam_kernel,
         return None, "multi-pass (no Triton)"
     if adam_kernel.kind == "fused":  # torch's fused CUDA kernel computes another formula
         return None, "multi-pass (torch's fused kernel)"
+    if not one_pass_handles(codecs):
+        return None, _unhandled(codecs)
     tried: List[str] = []
     for variant in variants:
-        fused = FusedAdamW(variant)
+        fused = FusedAdamW(variant, codecs)
         try:
-            if not matches(fused, adam_kernel, dtypes, device):
+            if not matches(fused, adam_kernel, codecs, device):
                 tried.append(variant.describe())
                 continue
         except Exception as err:  # a Triton that cannot build it: the multi-pass path is always there
@@ -316,7 +337,7 @@ def verified_fused_update(device, dtypes: Sequence[torch.dtype], adam_kernel,
             return None, "multi-pass (fused kernel failed to build)"
         how = f"one pass ({variant.describe()}; bit-identical to the multi-pass path on a sample"
         try:
-            fused.on_model_ok = matches(fused, adam_kernel, dtypes, device, on_model=True)
+            fused.on_model_ok = matches(fused, adam_kernel, codecs, device, on_model=True)
         except Exception as err:
             log.warning("fused device update on the model's buffers unavailable (%s: %s); through copies",
                         type(err).__name__, err)
@@ -331,9 +352,9 @@ class ReferenceOnePass:
 
     on_model_ok = True
 
-    def __init__(self, adam_kernel, dtypes: Sequence[torch.dtype]):
-        self.adam_kernel, self.dtypes = adam_kernel, list(dtypes)
+    def __init__(self, adam_kernel, codecs: Sequence):
+        self.adam_kernel, self.codecs = adam_kernel, list(codecs)
 
     def __call__(self, stored: Sequence[torch.Tensor], grad: torch.Tensor, high: Optional[torch.Tensor],
                  hyper: AdamHyper, step: int, model: ModelPass = PLAIN) -> None:
-        multi_pass_step(self.adam_kernel, self.dtypes, stored, grad, high, hyper, step, model or PLAIN)
+        multi_pass_step(self.adam_kernel, self.codecs, stored, grad, high, hyper, step, model or PLAIN)

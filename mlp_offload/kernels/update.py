@@ -8,7 +8,6 @@ from typing import Optional, Sequence, Tuple
 import torch
 from torch.optim.adam import adam as _functional_adam
 
-from .remainders import merge, split_
 
 
 def convert_grads(
@@ -121,48 +120,42 @@ def fused_vector_width() -> int:
 
 class Fp32Working:
     """fp32 working copies of the state tensors stored narrower than fp32: each subgroup's are
-    widened before its Adam and rounded back after it (round-to-nearest-even, ``Tensor.copy_``),
-    so the arithmetic is exactly the fp32 AdamW's. fp32-stored tensors are updated in place.
+    widened before its Adam and rounded back after it by their codecs (``state_formats``:
+    round-to-nearest-even), so the arithmetic is exactly the fp32 AdamW's. fp32-stored tensors are
+    updated in place.
 
-    A master stored as remainders (int16, see ``remainders``) is merged with its bf16 high half
-    (``high``) instead, and split back into both."""
+    A format that ``needs_high`` (the master stored as remainders) is merged with its bf16 high
+    half (``high``) instead, and split back into both."""
 
-    def __init__(self, dtypes, largest: int, device="cpu"):
-        self.scratch = [None if d == torch.float32 else torch.empty(largest, dtype=torch.float32, device=device)
-                        for d in dtypes]
-        self.remainders = dtypes[0] == torch.int16
+    def __init__(self, codecs, largest: int, device="cpu"):
+        self.codecs = list(codecs)
+        self.scratch = [None if c.is_fp32 else torch.empty(largest, dtype=torch.float32, device=device)
+                        for c in self.codecs]
+        self.remainders = self.codecs[0].needs_high
 
     @property
     def nbytes(self) -> int:
         return sum(s.numel() * 4 for s in self.scratch if s is not None)
 
     @staticmethod
-    def planned_bytes(itemsizes, largest: int) -> int:
-        """``nbytes`` of the working copies for state stored in ``itemsizes`` bytes per element."""
-        return sum(largest * 4 for size in itemsizes if size != 4)
+    def planned_bytes(codecs, largest: int) -> int:
+        """``nbytes`` of the working copies for state stored in ``codecs``."""
+        return sum(largest * 4 for c in codecs if not c.is_fp32)
 
     def widen(self, stored, high: Optional[torch.Tensor] = None):
         """``high``: the bf16 params of a master stored as remainders."""
         wide = [t if s is None else s[: t.numel()] for t, s in zip(stored, self.scratch)]
-        for k, (t, w) in enumerate(zip(stored, wide)):
-            if w is t:
-                continue
-            if k == 0 and self.remainders:
-                merge(high, t, out=w)
-            else:
-                w.copy_(t)
+        for t, w, codec in zip(stored, wide, self.codecs):
+            if w is not t:
+                codec.unpack(t, out=w, high=high if codec.needs_high else None)
         return wide
 
     def round_back(self, stored, wide, high: Optional[torch.Tensor] = None) -> None:
         """``high`` receives the bf16 params of a master stored as remainders (the working
         master is spent doing so)."""
-        for k, (t, w, s) in enumerate(zip(stored, wide, self.scratch)):
-            if s is None:
-                continue
-            if k == 0 and self.remainders:
-                split_(w, t, high)
-            else:
-                t.copy_(w)
+        for t, w, s, codec in zip(stored, wide, self.scratch, self.codecs):
+            if s is not None:
+                codec.pack_(w, t, high=high if codec.needs_high else None)
 
 
 def adam_piece(kernel: AdamKernel, param_groups: Sequence[dict], param, grad, exp_avg, exp_avg_sq, g: int,

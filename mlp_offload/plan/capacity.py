@@ -43,7 +43,7 @@ def plan_engine(numel: int, config: OffloadConfig, measured: MeasuredRates, capa
     its steps would find. With the device's rates in ``measured.update`` and ``update_on`` "auto",
     the split is the one the steps settle on (``split.settled_sides``), not the start-up's."""
     config = dataclasses.replace(config, ranks_sharing_node=ranks_per_node)
-    subgroups = partition(numel, config.subgroup_size, config.state_itemsizes)
+    subgroups = partition(numel, config.subgroup_size, config.state_codecs)
     rates = measured.tiers
     update_rates = measured.update or UpdateRates(1 / (1 / measured.adam_elems_per_s + 1 / measured.convert_elems_per_s))
     placement = plan_placement(subgroups, config, rates, capacity_bytes, update_rates=update_rates,
@@ -57,6 +57,6 @@ def plan_engine(numel: int, config: OffloadConfig, measured: MeasuredRates, capa
     stored = {**placement.resident_bytes, **stored}
     largest = max(sg.numel for sg in subgroups)
     host = (placement.host_state_bytes + gradient_host_bytes(numel, largest, host_grad_itemsize)
-            + Fp32Working.planned_bytes(config.state_itemsizes, largest)
+            + Fp32Working.planned_bytes(config.state_codecs, largest)
             + (largest * 2 if config.param_remainders else 0))  # the CPU update's bf16 params
     return EnginePlan(subgroups, placement, prediction, tokens, stored, host)

@@ -1,5 +1,5 @@
 """The update paths side by side: elements/s of the multi-pass and the one-pass update, on the CPU and
-(on CUDA) on the device, resident and streamed, for one stored-state dtype set. For benchmarks and
+(on CUDA) on the device, resident and streamed, for one set of stored-state formats. For benchmarks and
 diagnostics; the engine measures only the path it uses (``rates``)."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from ..kernels.cpu_one_pass import verified_cpu_one_pass
 from ..step.device_side import DeviceKernel, DeviceUpdate
 from ..kernels.fused_update import verified_fused_update
 from ..kernels.update import AdamKernel
+from ..state_formats import StateCodec
 from .rates import measure_cpu_update_rate, measure_device_rates
 
 NAN = float("nan")
@@ -41,32 +42,32 @@ class PathRates:
         return line
 
 
-def measure_update_paths(dtypes: Sequence[torch.dtype], numel: int) -> PathRates:
+def measure_update_paths(codecs: Sequence[StateCodec], numel: int) -> PathRates:
     """Both paths on the CPU (torch's single-tensor kernel as the reference), and on CUDA where there
     is a device (torch's foreach kernel, the engine's device kernel there)."""
     cpu_kernel = AdamKernel("single")
     step = lambda p, g, m, v, step: cpu_kernel(p, g, m, v, step=step)  # noqa: E731
-    multi = measure_cpu_update_rate(step, dtypes, numel, repeats=2)
-    one_pass, how = verified_cpu_one_pass(dtypes, cpu_kernel)
-    one = measure_cpu_update_rate(step, dtypes, numel, repeats=2, one_pass=one_pass) if one_pass else NAN
+    multi = measure_cpu_update_rate(step, codecs, numel, repeats=2)
+    one_pass, how = verified_cpu_one_pass(codecs, cpu_kernel)
+    one = measure_cpu_update_rate(step, codecs, numel, repeats=2, one_pass=one_pass) if one_pass else NAN
     rates = PathRates(multi, one, how)
     if not torch.cuda.is_available():
         return rates
     kernel = AdamKernel("foreach")
     device_step = lambda p, g, m, v, step: kernel(p, g, m, v, step=step)  # noqa: E731
-    rates.device_multi = _device_rates(DeviceKernel(), device_step, dtypes, numel)
-    fused, rates.device_how = verified_fused_update("cuda", dtypes, kernel)
-    rates.device_one = (_device_rates(DeviceKernel(fused, rates.device_how), device_step, dtypes, numel)
+    rates.device_multi = _device_rates(DeviceKernel(), device_step, codecs, numel)
+    fused, rates.device_how = verified_fused_update("cuda", codecs, kernel)
+    rates.device_one = (_device_rates(DeviceKernel(fused, rates.device_how), device_step, codecs, numel)
                         if fused is not None else (NAN, NAN))
     if fused is not None and fused.on_model_ok:
-        rates.device_on_model = _device_rates(DeviceKernel(fused, rates.device_how, True), device_step, dtypes, numel)
+        rates.device_on_model = _device_rates(DeviceKernel(fused, rates.device_how, True), device_step, codecs, numel)
     return rates
 
 
-def _device_rates(kernel: DeviceKernel, device_step, dtypes: Sequence[torch.dtype], numel: int) -> tuple:
+def _device_rates(kernel: DeviceKernel, device_step, codecs: Sequence[StateCodec], numel: int) -> tuple:
     """(resident, streamed) rates of a device update built with ``kernel``; its buffers freed after."""
-    updater = DeviceUpdate("cuda", dtypes, numel, numel, kernel)
-    rates = measure_device_rates(updater, device_step, dtypes, numel)
+    updater = DeviceUpdate("cuda", codecs, numel, numel, kernel)
+    rates = measure_device_rates(updater, device_step, codecs, numel)
     del updater
     torch.cuda.empty_cache()
     return rates

@@ -173,7 +173,7 @@ def min_host_budget_bytes(numel: int, config: OffloadConfig, gpu_budget_bytes: O
     """The least ``host_budget_bytes`` a shard of ``numel`` elements starts with under ``config``
     (its own host budget aside): what ``plan_placement`` refuses below. 0 where the device tier
     holds it all."""
-    subgroups = partition(numel, config.subgroup_size, config.state_itemsizes)
+    subgroups = partition(numel, config.subgroup_size, config.state_codecs)
     gpu_set = set(_gpu_resident(subgroups, config, gpu_budget_bytes))
     return _host_floor(subgroups, [i for i in range(len(subgroups)) if i not in gpu_set], config)
 

@@ -136,19 +136,19 @@ def measure_adam_rate(adam_step, numel: int = 1 << 24, repeats: int = 3, one_pas
     return numel / best
 
 
-def measure_cpu_update_rate(adam_step, dtypes, numel: int = 1 << 24, repeats: int = 3, one_pass=None) -> float:
-    """Elements per second of the CPU Adam on state stored in ``dtypes``: with the widening to fp32
+def measure_cpu_update_rate(adam_step, codecs, numel: int = 1 << 24, repeats: int = 3, one_pass=None) -> float:
+    """Elements per second of the CPU Adam on state stored in ``codecs``: with the widening to fp32
     and the rounding back that narrow state costs (bf16 moments made it 2.5x slower than the fp32
     figure on the GPU machine's CPU); or of ``one_pass`` (``cpu_one_pass.CpuOnePass``), the kernel
     doing all three in one pass, where the update runs that."""
-    if all(d == torch.float32 for d in dtypes):
+    if all(c.is_fp32 for c in codecs):
         return measure_adam_rate(adam_step, numel, repeats, one_pass)
-    stored = [torch.empty(numel, dtype=d).fill_(v) for d, v in zip(dtypes, (0.5, 1e-4, 1e-6))]
+    stored = [c.empty(numel).fill_(v) for c, v in zip(codecs, (0.5, 1e-4, 1e-6))]
     grads = torch.empty(numel).fill_(1e-3)
-    high = torch.empty(numel, dtype=torch.bfloat16).fill_(0.5) if dtypes[0] == torch.int16 else None
+    high = torch.empty(numel, dtype=torch.bfloat16).fill_(0.5) if codecs[0].needs_high else None
     if one_pass is not None:
         return numel / _best_of(lambda i: one_pass(stored, grads, high, _measuring_hyper(0), i), repeats)
-    working = Fp32Working(dtypes, numel)
+    working = Fp32Working(codecs, numel)
 
     def step(i):
         wide = working.widen(stored, high)
@@ -157,13 +157,13 @@ def measure_cpu_update_rate(adam_step, dtypes, numel: int = 1 << 24, repeats: in
     return numel / _best_of(step, repeats)
 
 
-def measure_device_rates(updater, adam_step, dtypes, numel: int, repeats: int = 2):
+def measure_device_rates(updater, adam_step, codecs, numel: int, repeats: int = 2):
     """(resident, streamed) elements/s of ``updater`` (a ``DeviceUpdate``): Adam on state in device
-    memory, and on host state streamed through it (copies overlapped), in the real stored dtypes.
+    memory, and on host state streamed through it (copies overlapped), in the real stored formats.
     On the CPU twin both are CPU figures."""
-    sg = Subgroup(0, 0, numel)
+    sg = Subgroup(0, 0, numel, tuple(codecs))
     pin = updater.device.type == "cuda"
-    host = [torch.empty(numel, dtype=d, pin_memory=pin).fill_(v) for d, v in zip(dtypes, (0.5, 1e-4, 1e-6))]
+    host = [c.empty(numel, pin_memory=pin).fill_(v) for c, v in zip(codecs, (0.5, 1e-4, 1e-6))]
     dev = [t.to(updater.device) for t in host]
     segments = [(0, numel, 0, (0, numel))]
 
@@ -177,14 +177,15 @@ def measure_device_rates(updater, adam_step, dtypes, numel: int, repeats: int = 
     # 10.24 B steps ran 94, H200, 2026-11-26).
     grads16 = torch.full((numel,), 1e-3, dtype=torch.bfloat16, device=updater.device)
     params16 = torch.full((numel,), 0.5, dtype=torch.bfloat16, device=updater.device)
-    out_dtype = torch.bfloat16 if dtypes[0] == torch.int16 else dtypes[0]
+    remainders = codecs[0].needs_high
+    out_dtype = torch.bfloat16 if remainders else codecs[0].storage_dtype
     params_out = torch.empty(numel, dtype=out_dtype, device=updater.device)
 
     def params_back(start, end, params):
         params_out[start:end].copy_(params)
 
     # Or, with the one-pass kernel on the model's buffers, those same two tensors read and written in place.
-    model = _probe_model(updater, grads16, params16 if dtypes[0] == torch.int16 else params_out)
+    model = _probe_model(updater, grads16, params16 if remainders else params_out)
 
     io = DeviceIO(lambda out: out.copy_(grads16[: out.numel()]), adam, params_back,
                   lambda start, end, out: out.copy_(params16[start:end]), hyper=_measuring_hyper, step=1, model=model)
@@ -241,7 +242,7 @@ def measure_convert_rate(numel: int) -> float:
     return numel / max(best, 1e-9)
 
 
-def measure_shared_rates(updater, cpu_step, adam_step, dtypes, numel: int, piece: int = 1 << 21,
+def measure_shared_rates(updater, cpu_step, adam_step, codecs, numel: int, piece: int = 1 << 21,
                          cpu_one_pass=None):
     """(CPU, streamed) elements/s while both run at once, as a split step runs them: the device
     streams host state through ``updater`` while the CPU runs ``cpu_step(p, g, m, v, step)`` (its
@@ -250,16 +251,16 @@ def measure_shared_rates(updater, cpu_step, adam_step, dtypes, numel: int, piece
     there the "device" is the same cores, nothing runs beside anything."""
     if updater.device.type != "cuda":
         return None
-    sg = Subgroup(0, 0, numel)
-    host = [torch.empty(numel, dtype=d, pin_memory=True).fill_(v) for d, v in zip(dtypes, (0.5, 1e-4, 1e-6))]
+    sg = Subgroup(0, 0, numel, tuple(codecs))
+    host = [c.empty(numel, pin_memory=True).fill_(v) for c, v in zip(codecs, (0.5, 1e-4, 1e-6))]
     segments = [(0, numel, 0, (0, numel))]
     piece = min(piece, numel)
-    cpu_state = [torch.empty(piece, dtype=d).fill_(v) for d, v in zip(dtypes, (0.5, 1e-4, 1e-6))]
-    cpu_working = Fp32Working(dtypes, piece)
+    cpu_state = [c.empty(piece).fill_(v) for c, v in zip(codecs, (0.5, 1e-4, 1e-6))]
+    cpu_working = Fp32Working(codecs, piece)
     # What crosses PCIe for a CPU-updated piece: fp32 grads down; with remainders its bf16 params
     # down (the high halves) and up, else the stored master up.
     high = torch.empty(piece, dtype=torch.bfloat16, pin_memory=True).fill_(0.5) if cpu_working.remainders else None
-    up_dtype = torch.bfloat16 if cpu_working.remainders else dtypes[0]
+    up_dtype = torch.bfloat16 if cpu_working.remainders else codecs[0].storage_dtype
     grads_host = torch.empty(piece, pin_memory=True)
     params_host = torch.empty(piece, dtype=up_dtype, pin_memory=True)
     grads_dev = torch.full((piece,), 1e-3, device=updater.device)

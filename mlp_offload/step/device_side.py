@@ -23,6 +23,7 @@ from ..gradients import ModelBuffers
 from ..kernels.fused_update import AdamHyper, FusedAdamW, ModelPass, hyper_of
 from ..param_groups import Segment
 from .context import SideInputs, StepContext
+from ..state_formats import StateCodec
 from ..subgroups import Subgroup
 from ..kernels.update import AdamKernel, Fp32Working, adam_piece
 
@@ -145,10 +146,10 @@ class DeviceUpdate:
     """Updates one subgroup on the device; returns the fence to wait on before its host state is
     touched again (its copy-out), or ``DONE`` on the CPU twin."""
 
-    def __init__(self, device, dtypes: Sequence[torch.dtype], chunk_elems: int, largest: int,
+    def __init__(self, device, codecs: Sequence[StateCodec], chunk_elems: int, largest: int,
                  kernel: DeviceKernel = MULTI_PASS):
         self.device = torch.device(device)
-        self.dtypes = list(dtypes)
+        self.codecs = list(codecs)  # the stored formats (state_formats)
         self.chunk = max(1, min(chunk_elems, largest))
         self.streams = Streams(self.device)
         self.kernel = kernel
@@ -217,7 +218,7 @@ class DeviceUpdate:
             b = self._turn % 2
             self._turn += 1
             if self._buffers is None:
-                self._buffers = [[torch.empty(self.chunk, dtype=d, device=self.device) for d in self.dtypes]
+                self._buffers = [[c.empty(self.chunk, self.device) for c in self.codecs]
                                  for _ in range(2)]
             dev = [buf[: c1 - c0] for buf in self._buffers[b]]
             with s.on(s.copy_in):
@@ -243,7 +244,7 @@ class DeviceUpdate:
         """Chunk ``span`` = [c0, c1) of the subgroup (``chunk``: its state on the device) from ``grad``."""
         (c0, c1), sg = span, job.sg
         high = None
-        if self.dtypes[0] == torch.int16:
+        if self.codecs[0].needs_high:
             if self._high is None:
                 self._high = torch.empty(self.chunk, dtype=torch.bfloat16, device=self.device)
             high = self._high[: c1 - c0]
@@ -260,7 +261,7 @@ class DeviceUpdate:
         """Widen the chunk to fp32, each param group's piece through ``adam``, round back."""
         c0, c1 = span
         if self._working is None:
-            self._working = Fp32Working(self.dtypes, self.chunk, self.device)
+            self._working = Fp32Working(self.codecs, self.chunk, self.device)
         param, exp_avg, exp_avg_sq = wide = self._working.widen(chunk, high)
         for lo, hi, g, seg_span in segments:
             a, b = max(lo, c0), min(hi, c1)
@@ -284,7 +285,7 @@ class DeviceUpdate:
         """The chunk's param-group pieces in one kernel pass each, on the model's grads and params
         where they lie (a piece of the model's buffers and of one group at a time)."""
         model, grad_scale = io.model, io.grad_scale
-        base, remainders, zero = job.sg.start, self.dtypes[0] == torch.int16, model.zero_grads
+        base, remainders, zero = job.sg.start, self.codecs[0].needs_high, model.zero_grads
         for lo, hi, grad, param in model.pieces(base + c0, base + c1):
             covered = lo
             for s_lo, s_hi, g, _ in job.segments:

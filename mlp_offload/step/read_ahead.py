@@ -21,6 +21,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..config import OffloadConfigError
+from ..state_formats import StateCodec, state_bytes
 from .device_side import Streams
 
 
@@ -34,10 +35,10 @@ class PreRead:
 
 
 class ReadAhead:
-    def __init__(self, streams: Streams, dtypes: Sequence[torch.dtype], device, slots: int, largest: int):
+    def __init__(self, streams: Streams, codecs: Sequence[StateCodec], device, slots: int, largest: int):
         self.streams = streams
         self.largest = largest
-        self._buffers = [[torch.empty(largest, dtype=d, device=device) for d in dtypes] for _ in range(slots)]
+        self._buffers = [[c.empty(largest, device) for c in codecs] for _ in range(slots)]
         self._free_after: List[object] = [None] * slots  # per buffer: the copy out of its last update
         self._released: List[int] = list(range(slots))  # buffers in the order their last copy out was queued
         self._held: Dict[int, Tuple[int, object, int]] = {}  # subgroup -> (buffer, arrival, numel)
@@ -119,17 +120,17 @@ class ReadAhead:
                 self._free_after[slot] = arrived
 
 
-def read_ahead_for(config, device_update, dtypes: Sequence[torch.dtype], largest: int,
+def read_ahead_for(config, device_update, codecs: Sequence[StateCodec], largest: int,
                    count: int) -> Optional[ReadAhead]:
     """The engine's read-ahead: as many whole subgroups of its largest size as
     ``config.device_read_ahead_bytes`` holds, at most its ``count`` subgroups; None without a device
     update or without the bytes."""
     if device_update is None or not config.device_read_ahead_bytes:
         return None
-    per_subgroup = largest * sum(config.state_itemsizes)  # one subgroup's stored state, whole
+    per_subgroup = state_bytes(codecs, largest)  # one subgroup's stored state, whole
     slots = config.device_read_ahead_bytes // per_subgroup
     if slots < 1:
         raise OffloadConfigError(
             f"device read-ahead device_read_ahead_bytes={config.device_read_ahead_bytes} holds no subgroup: one "
             f"subgroup's stored state takes {per_subgroup / 2**30:.3f} GiB ({largest} elements); give 0 or at least that")
-    return ReadAhead(device_update.streams, dtypes, device_update.device, min(slots, count), largest)
+    return ReadAhead(device_update.streams, codecs, device_update.device, min(slots, count), largest)

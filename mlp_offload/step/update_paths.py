@@ -9,12 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-import torch
-
 from ..config import GPU_TIER, OffloadConfig
 from ..kernels.cpu_one_pass import cpu_one_pass_for_device, verified_cpu_one_pass
 from ..kernels.fused_update import verified_fused_update
 from ..kernels.update import AdamKernel
+from ..state_formats import StateCodec
 from .deferred import DeferredWork
 from .device_side import MULTI_PASS, DeviceKernel, DeviceUpdate
 
@@ -34,36 +33,36 @@ class UpdatePaths:
         return self.device_update is not None and self.device_update.on_model_buffers
 
 
-def choose_update_paths(cfg: OffloadConfig, state_dtypes: Sequence[torch.dtype], largest: int, adam: AdamKernel,
+def choose_update_paths(cfg: OffloadConfig, codecs: Sequence[StateCodec], largest: int, adam: AdamKernel,
                         device_adam: AdamKernel, sources_give_views: bool) -> UpdatePaths:
     """``adam``, ``device_adam``: the CPU's and the device's multi-pass kernels (``update.AdamKernel``);
     ``sources_give_views``: the grad and param sources give ``views`` and params go back to the model
     (``gradients.ModelBuffers``)."""
     if GPU_TIER not in cfg.tiers and cfg.update_on == "cpu":  # on a CPU run the "device" is the CPU (the twin)
-        return UpdatePaths(adam, device_adam, None, None, *_cpu_one_pass(cfg, state_dtypes, adam, None))
-    kernel = _device_kernel(cfg, state_dtypes, device_adam, sources_give_views)
-    device = DeviceUpdate(cfg.device, state_dtypes, cfg.device_chunk_elems, largest, kernel)
+        return UpdatePaths(adam, device_adam, None, None, *_cpu_one_pass(cfg, codecs, adam, None))
+    kernel = _device_kernel(cfg, codecs, device_adam, sources_give_views)
+    device = DeviceUpdate(cfg.device, codecs, cfg.device_chunk_elems, largest, kernel)
     deferred = DeferredWork(device.streams) if cfg.defer_device_wait else None
-    return UpdatePaths(adam, device_adam, device, deferred, *_cpu_one_pass(cfg, state_dtypes, adam, kernel.fused))
+    return UpdatePaths(adam, device_adam, device, deferred, *_cpu_one_pass(cfg, codecs, adam, kernel.fused))
 
 
-def _device_kernel(cfg: OffloadConfig, state_dtypes: Sequence[torch.dtype], device_adam,
+def _device_kernel(cfg: OffloadConfig, codecs: Sequence[StateCodec], device_adam,
                    sources_give_views: bool) -> DeviceKernel:
     if not cfg.device_one_pass:
         return MULTI_PASS
-    fused, how = verified_fused_update(cfg.device, state_dtypes, device_adam)
+    fused, how = verified_fused_update(cfg.device, codecs, device_adam)
     on_model = fused is not None and fused.on_model_ok and cfg.device_model_buffers and sources_give_views
     return DeviceKernel(fused, how, bool(on_model))
 
 
-def _cpu_one_pass(cfg: OffloadConfig, state_dtypes: Sequence[torch.dtype], adam, device_fused):
+def _cpu_one_pass(cfg: OffloadConfig, codecs: Sequence[StateCodec], adam, device_fused):
     """(the CPU's one-pass kernel or None, how it updates): on a GPU run in the device kernel's
     arithmetic (the CPU's subgroups get the device's bits), else verified against ``adam``."""
     if not cfg.cpu_one_pass:
         return None, "multi-pass"
     one_pass, how = None, "multi-pass"
     if device_fused is not None and cfg.on_cuda:
-        one_pass, how = cpu_one_pass_for_device(device_fused, state_dtypes, cfg.device)
+        one_pass, how = cpu_one_pass_for_device(device_fused, codecs, cfg.device)
     if one_pass is None:
-        one_pass, how = verified_cpu_one_pass(state_dtypes, adam)
+        one_pass, how = verified_cpu_one_pass(codecs, adam)
     return one_pass, how

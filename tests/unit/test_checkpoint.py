@@ -189,3 +189,45 @@ def test_a_bounded_reader_reads_ranges_and_still_checks_every_tensor(tmp_path):
     with RangeReader(path, footer["subgroups"], cache_bytes=60_000) as damaged, \
             pytest.raises(CheckpointDataError, match="checksum mismatch in exp_avg of elements 20000..30000"):
         damaged.read(1, 25_000, 25_010, torch.empty(10))
+
+
+def _stored_tensor(path, footer, e, k):
+    """Stored tensor ``k`` of entry ``e`` read plainly from the file (fp32 state here)."""
+    n = e["end"] - e["start"]
+    with open(path, "rb") as f:
+        f.seek(e["offset"] + 4 * n * k)
+        return torch.frombuffer(bytearray(f.read(4 * n)), dtype=torch.float32)
+
+
+def test_the_read_ahead_serves_a_resume_in_file_order_and_checks_what_it_read(tmp_path):
+    """Read in the file's order (a resume), every stored tensor after the first comes from the read
+    ahead, with the numbers a plain read of the file gives; read backwards, none does; a damaged
+    tensor read ahead is refused when it is asked for, with its name."""
+    path = _saved(tmp_path)
+    footer = read_footer(path)
+    entries = sorted(footer["subgroups"], key=lambda e: e["offset"])
+    with RangeReader(path, footer["subgroups"]) as forward:
+        for e in entries:
+            for k in range(3):
+                got = torch.empty(e["end"] - e["start"])
+                forward.read(k, e["start"], e["end"], got)
+                assert torch.equal(got, _stored_tensor(path, footer, e, k))
+        assert forward.read_ahead_used == 3 * len(entries) - 1
+    with RangeReader(path, footer["subgroups"]) as backward:
+        for e in reversed(entries):
+            for k in reversed(range(3)):
+                got = torch.empty(e["end"] - e["start"])
+                backward.read(k, e["start"], e["end"], got)
+                assert torch.equal(got, _stored_tensor(path, footer, e, k))
+        assert backward.read_ahead_used == 0
+    second = entries[1]
+    with open(path, "r+b") as f:
+        f.seek(second["offset"] + 17)  # inside the second stored subgroup's param
+        f.write(b"\xff\xff")
+    with RangeReader(path, footer["subgroups"]) as damaged:
+        first = entries[0]
+        for k in range(3):
+            damaged.read(k, first["start"], first["end"], torch.empty(first["end"] - first["start"]))
+        with pytest.raises(CheckpointDataError, match=f"checksum mismatch in param of elements {second['start']}"):
+            damaged.read(0, second["start"], second["end"], torch.empty(second["end"] - second["start"]))
+        assert damaged.read_ahead_used == 3

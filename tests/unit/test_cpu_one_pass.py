@@ -18,6 +18,7 @@ from mlp_offload import ModelLink, OffloadConfig, OffloadedAdamW
 from mlp_offload.kernels import cpu_one_pass as cop
 from mlp_offload.kernels.fused_update import AdamHyper, Variant, sample_state
 from mlp_offload.kernels.update import AdamKernel
+from mlp_offload.state_formats import codecs_for
 
 from .helpers import ModelParams, engine_state
 from .strategies import setups
@@ -26,10 +27,8 @@ from tests.profiles import examples
 pytestmark = pytest.mark.skipif(cop.extension() is None, reason=f"no CPU one-pass build: {cop.build_error()}")
 
 F32 = np.float32
-SETS = {"fp32/fp32/fp32": (torch.float32, torch.float32, torch.float32),
-        "rem16/bf16/bf16": (torch.int16, torch.bfloat16, torch.bfloat16),
-        "rem16/fp32/fp32": (torch.int16, torch.float32, torch.float32),
-        "fp32/bf16/fp16": (torch.float32, torch.bfloat16, torch.float16)}
+SETS = {name: codecs_for(name.split("/")) for name in
+        ("fp32/fp32/fp32", "rem16/bf16/bf16", "rem16/fp32/fp32", "fp32/bf16/fp16")}
 HYPERS = [AdamHyper(3e-4, 0.9, 0.95, 1e-8, 0.1), AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.0),
           AdamHyper(2e-3, 0.3, 0.95, 1e-6, 0.05), AdamHyper(1e-2, 0.3, 0.99, 1e-8, 0.0)]
 
@@ -132,7 +131,7 @@ def _bits(t):
 @pytest.mark.parametrize("name", list(SETS))
 def test_kernel_equals_the_float32_reference(variant, name):
     dtypes = SETS[name]
-    kernel = cop.CpuOnePass(variant)
+    kernel = cop.CpuOnePass(variant, dtypes)
     numel = 2 * cop.BLOCK + 77  # blocks and a short one
     for seed, hyper in enumerate(HYPERS):
         ours, grad, high = sample_state(dtypes, numel, "cpu", seed)
@@ -151,7 +150,7 @@ def test_variants_differ_from_each_other_on_a_sample():
     for variant in cop.cpu_variants():
         stored, grad, high = sample_state(SETS["fp32/fp32/fp32"], 1 << 14, "cpu", 3)
         for step in (1, 2):
-            cop.CpuOnePass(variant)(stored, grad, high, HYPERS[step % 2], step)
+            cop.CpuOnePass(variant, SETS["fp32/fp32/fp32"])(stored, grad, high, HYPERS[step % 2], step)
         results[variant] = stored[0].numpy().tobytes() + stored[2].numpy().tobytes()
     assert len(set(results.values())) == len(results) == 48
 
@@ -159,7 +158,7 @@ def test_variants_differ_from_each_other_on_a_sample():
 @pytest.mark.parametrize("name", list(SETS))
 def test_threads_and_cuts_do_not_change_the_bits(name):
     dtypes = SETS[name]
-    kernel = cop.CpuOnePass(cop.cpu_variants()[0])
+    kernel = cop.CpuOnePass(cop.cpu_variants()[0], dtypes)
     whole, grad, high = sample_state(dtypes, 3 * cop.BLOCK + 5, "cpu", 1)
     pieces, high_p = [t.clone() for t in whole], high.clone()
     threads = torch.get_num_threads()
@@ -188,7 +187,7 @@ def test_fused_kernel_and_unmatched_variants_keep_the_multi_pass_path():
     device_like = cop.device_variant(Variant(True, True, True, False))
     kernel, how = cop.verified_cpu_one_pass(SETS["fp32/fp32/fp32"], AdamKernel("single"), [device_like])
     assert kernel is None and "tried 1" in how
-    assert cop.cpu_one_pass_like(device_like.arith).variant == device_like
+    assert cop.cpu_one_pass_like(device_like.arith, SETS["fp32/fp32/fp32"]).variant == device_like
 
 
 def test_a_failed_build_warns_once_and_keeps_the_multi_pass_path(monkeypatch, caplog):
@@ -307,7 +306,7 @@ def test_device_variant_gives_the_fused_device_kernels_bits(name):
     fused, how = verified_fused_update("cuda", dtypes, AdamKernel("foreach"))
     if fused is None:
         pytest.skip(how)
-    cpu = cop.cpu_one_pass_like(fused.variant)
+    cpu = cop.cpu_one_pass_like(fused.variant, dtypes)
     for seed, hyper in enumerate(HYPERS):
         ours, grad, high = sample_state(dtypes, 1 << 18, "cpu", seed)
         dev = [t.cuda() for t in ours]
@@ -335,9 +334,9 @@ def test_the_cpu_kernel_takes_the_device_kernels_arithmetic_only_where_it_gives_
     from mlp_offload.kernels.cpu_one_pass import cpu_one_pass_for_device, cpu_one_pass_like
     from mlp_offload.kernels.fused_update import VARIANTS
 
-    dtypes = [torch.int16, torch.bfloat16, torch.bfloat16]
+    dtypes = SETS["rem16/bf16/bf16"]
     variant = VARIANTS[0]
-    same = cpu_one_pass_like(variant)
+    same = cpu_one_pass_like(variant, dtypes)
     if same is None:
         pytest.skip("no C++ compiler: the one-pass kernel could not be built")
 

@@ -18,6 +18,7 @@ from mlp_offload.step import update_paths as paths_module
 from mlp_offload.kernels.fused_update import (PLAIN, SAMPLE_HYPERS, VARIANTS, AdamHyper, ReferenceOnePass, matches, multi_pass_step,
                                       sample_state, verified_fused_update)
 from mlp_offload.kernels.update import AdamKernel
+from mlp_offload.state_formats import FP32, codecs_for
 
 from .helpers import BETAS, EPS, LR, WD, ModelParams, device_config, engine_state
 from .strategies import device_setups
@@ -79,8 +80,8 @@ def test_one_pass_slicing_gives_the_multi_pass_bits(case, moments, remainders, s
     assert torch.equal(model.view(torch.uint8), ref_model.view(torch.uint8))
 
 
-@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32, torch.float32),
-                                    (torch.int16, torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("dtypes", [codecs_for(("fp32", "fp32", "fp32")), codecs_for(("rem16", "bf16", "bf16"))],
+                         ids=["fp32", "rem16"])
 def test_the_start_up_check_rejects_a_kernel_one_ulp_off(dtypes):
     kernel = AdamKernel("single")
     reference = ReferenceOnePass(kernel, dtypes)
@@ -93,15 +94,15 @@ def test_the_start_up_check_rejects_a_kernel_one_ulp_off(dtypes):
     assert not matches(one_ulp_off, kernel, dtypes, "cpu", numel=4096)
 
 
-@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32, torch.float32),
-                                    (torch.int16, torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("dtypes", [codecs_for(("fp32", "fp32", "fp32")), codecs_for(("rem16", "bf16", "bf16"))],
+                         ids=["fp32", "rem16"])
 @pytest.mark.parametrize("fault", ["no clip", "clip first", "grads kept", "param not written"])
 def test_the_start_up_check_rejects_a_kernel_wrong_on_the_model_buffers(dtypes, fault):
     """The check covers the model's own buffers too: unscale then clip, grads zeroed, the fp32
     master's param written (a kernel right only on fp32 grad copies is refused)."""
     kernel = AdamKernel("single")
     reference = ReferenceOnePass(kernel, dtypes)
-    if fault == "param not written" and dtypes[0] == torch.int16:
+    if fault == "param not written" and dtypes[0].needs_high:
         pytest.skip("a remainders master's param is its high half, updated in place")
 
     def wrong(stored, grad, high, hyper, step, model=PLAIN):
@@ -121,7 +122,7 @@ def test_the_start_up_check_rejects_a_kernel_wrong_on_the_model_buffers(dtypes, 
 
 def test_variants_are_distinct_and_a_cpu_device_keeps_the_multi_pass_path():
     assert len(set(VARIANTS)) == 16
-    fused, how = verified_fused_update("cpu", [torch.float32] * 3, AdamKernel("single"))
+    fused, how = verified_fused_update("cpu", [FP32] * 3, AdamKernel("single"))
     assert fused is None and "multi-pass" in how
 
 
@@ -132,7 +133,7 @@ def test_fused_kernel_is_bit_identical_on_cuda(master, moments):
     """The engine's device kernel on CUDA is foreach (torch.optim.AdamW's default there, megatron-core's)."""
     kind = "foreach"
     kernel = AdamKernel(kind)
-    dtypes = [torch.int16 if master == "rem16" else DTYPES[master], *(DTYPES[m] for m in moments)]
+    dtypes = codecs_for((master, *moments))
     fused, how = verified_fused_update("cuda", dtypes, kernel)
     assert fused is not None, how
     assert fused.on_model_ok, how  # also on the model's own buffers
@@ -191,7 +192,7 @@ def test_one_pass_engine_on_gpu_and_streamed_host_state_gives_the_multi_pass_bit
 def test_a_kernel_no_variant_reproduces_keeps_the_multi_pass_path():
     """torch's single-tensor CUDA AdamW rounds unlike every variant (H200, torch 2.11): the start-up check
     must then keep the multi-pass path, or return a kernel that really matches."""
-    dtypes = [torch.int16, torch.bfloat16, torch.bfloat16]
+    dtypes = codecs_for(("rem16", "bf16", "bf16"))
     kernel = AdamKernel("single")
     fused, how = verified_fused_update("cuda", dtypes, kernel)
     if fused is None:

@@ -18,6 +18,7 @@ from mlp_offload.gradients import HostGradients, ModelBuffers
 from mlp_offload.kernels.fused_update import AdamHyper, ReferenceOnePass, verified_fused_update
 from mlp_offload.kernels.remainders import split
 from mlp_offload.kernels.update import AdamKernel, convert_grads
+from mlp_offload.state_formats import codecs_for
 from mlp_offload.step.device_side import DeviceIO, DeviceJob, DeviceKernel, DeviceUpdate
 from mlp_offload.subgroups import Subgroup
 from tests.profiles import examples
@@ -77,7 +78,7 @@ def _state(c):
 
 
 def _run(c, on_model: bool, device: str = "cpu"):
-    dtypes = [torch.int16 if c["remainders"] else torch.float32, *(MOMENTS[m] for m in c["moments"])]
+    dtypes = codecs_for(("rem16" if c["remainders"] else "fp32", *c["moments"]))
     stored, grads, params = (x.to(device) if torch.is_tensor(x) else [t.to(device) for t in x] for x in _state(c))
     if device == "cpu":
         fused, how = ReferenceOnePass(AdamKernel("single"), dtypes), "reference"

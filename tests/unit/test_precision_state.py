@@ -14,6 +14,7 @@ from tests.profiles import examples
 from mlp_offload import OffloadConfigError, OffloadedAdamW
 from mlp_offload.checkpoint import load_engine_state
 from mlp_offload.checkpoint_write import save_engine_state
+from mlp_offload.state_formats import codecs_for
 from mlp_offload.subgroups import partition
 from mlp_offload.tiers.align import align_up
 
@@ -45,13 +46,9 @@ def reference_adamw(init, grads, dtypes, kernel):
 def _config(tmp_path, tiers, numel, subgroup_size, dtypes, **overrides):
     options = dict(subgroup_size=subgroup_size, state_dtypes=dtypes, pin_memory=False, **overrides)
     if tiers == ["host", "nvme"]:  # room for three pipeline buffers and two resident subgroups
-        slot = partition(numel, subgroup_size, options_itemsizes(dtypes))[0].state_bytes
+        slot = partition(numel, subgroup_size, codecs_for(dtypes))[0].state_bytes
         options["host_budget_bytes"] = 5 * slot
     return fast_config(tmp_path, tiers, **options)
-
-
-def options_itemsizes(dtypes):
-    return tuple(DTYPES[d].itemsize for d in dtypes)
 
 
 def run_engine(config, init, grads):
@@ -91,9 +88,9 @@ def test_file_tier_is_used_by_the_mixed_setup(tmp_path):
 
 def test_bf16_moments_store_8_bytes_per_param_plus_alignment(tmp_path, caplog):
     n = 4 * 4096  # a multiple of the alignment: padding adds nothing, so the ratio is exact
-    narrow = partition(3 * n, n, options_itemsizes(("fp32", "bf16", "bf16")))
+    narrow = partition(3 * n, n, codecs_for(("fp32", "bf16", "bf16")))
     assert [sg.state_bytes for sg in narrow] == [8 * n] * 3
-    odd = partition(1000, 1000, options_itemsizes(("fp32", "bf16", "bf16")))[0]
+    odd = partition(1000, 1000, codecs_for(("fp32", "bf16", "bf16")))[0]
     assert odd.state_bytes == align_up(4000) + 2 * align_up(2000)
     assert [odd.region_offset(k) for k in range(3)] == [0, align_up(4000), align_up(4000) + align_up(2000)]
 

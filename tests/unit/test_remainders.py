@@ -18,7 +18,7 @@ from tests.profiles import examples
 
 from mlp_offload import ModelLink
 from mlp_offload import ModelParamsAsMaster, OffloadConfig, OffloadConfigError, OffloadedAdamW
-from mlp_offload.checkpoint import CheckpointDataError, RangeReader, load_engine_state, read_footer
+from mlp_offload.checkpoint import CheckpointDataError, RangeReader, load_engine_state, read_footer, stored_codecs
 from mlp_offload.checkpoint_write import save_engine_state
 from mlp_offload.kernels.remainders import merge, round_half_away, split
 
@@ -129,7 +129,7 @@ def test_engine_with_remainders_matches_fp32_master_adamw_bit_for_bit(case, mome
             assert torch.equal(params.view(torch.int32), master.view(torch.int32))
             for got, name in ((exp_avg, "exp_avg"), (exp_avg_sq, "exp_avg_sq")):
                 assert torch.equal(got.float(), _whole(pieces, setup.numel, lambda p: opt.state[p][name]))
-            assert all(sg.itemsizes[0] == 2 for sg in eng.subgroups)
+            assert all(sg.codecs[0].stored_bytes(sg.numel) == 2 * sg.numel for sg in eng.subgroups)
 
 
 def _plain_config(tmp_path, tiers, name, **overrides):
@@ -195,7 +195,7 @@ def test_a_remainders_file_is_not_read_as_numbers(tmp_path):
     with _engine(model.params, _plain_config(tmp_path, ["host"], "a", param_remainders=True), model) as eng:
         save_engine_state(eng, path)
     footer = read_footer(path)
-    with RangeReader(path, footer["subgroups"], footer["dtypes"]) as reader:
+    with RangeReader(path, footer["subgroups"], stored_codecs(footer)) as reader:
         with pytest.raises(CheckpointDataError, match="16-bit remainders"):
             reader.read(0, 0, numel, torch.empty(numel))
     with OffloadedAdamW(torch.zeros(numel), _plain_config(tmp_path, ["host"], "b")) as eng:

@@ -64,7 +64,7 @@ class OffloadedStateFiles:
         return offload_file_path(checkpoint_dir, p, t, d, self.kind)
 
     def nbytes(self) -> int:
-        return state_file_bytes(self.engine.numel, self.engine.config.stored_dtypes)
+        return state_file_bytes(self.engine.numel, self.engine.state_codecs)
 
     def load(self, saved: SavedOffloadState) -> None:
         """Load this rank's state from the checkpoint ``saved`` indexes (its step count checked there):

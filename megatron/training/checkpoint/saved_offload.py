@@ -23,7 +23,7 @@ import torch
 from megatron.core import parallel_state
 
 from megatron.training.checkpoint.rng import rank_coordinates
-from mlp_offload.checkpoint import CheckpointDataError, RangeReader, StateFile, merge_remainders
+from mlp_offload.checkpoint import CheckpointDataError, RangeReader, StateFile
 
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")  # the order of the tensors in an offload file
 # The dense parameters' files, and the experts' (sharded over the expert grid and expert-data-parallel ranks).
@@ -105,14 +105,15 @@ class SavedPosition:
             reader, at = self._readers[i], flat - old_offset
             for k, out in enumerate(outs):
                 target = out[x - start: y - start]
-                if k == 0 and high is not None and reader.dtypes[0] == torch.int16 and out.dtype != torch.int16:
-                    rem = torch.empty(y - x, dtype=torch.int16)
+                master = reader.codecs[0]
+                if k == 0 and high is not None and master.needs_high and out.dtype != master.storage_dtype:
+                    rem = master.empty(y - x)
                     reader.read(k, at + x, at + y, rem)
                     piece_high = high[x - start: y - start].cpu()
                     if target.dtype == torch.float32 and target.is_contiguous():
-                        merge_remainders(piece_high, rem, out=target)  # no fp32 temporary per piece
+                        master.unpack(rem, out=target, high=piece_high)  # no fp32 temporary per piece
                     else:
-                        target.copy_(merge_remainders(piece_high, rem))
+                        target.copy_(master.unpack(rem, high=piece_high))
                     continue
                 reader.read(k, at + x, at + y, target)
             filled += y - x

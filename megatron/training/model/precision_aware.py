@@ -6,9 +6,9 @@ for the offload engine (``OffloadConfig.state_dtypes``, every tier).
 from __future__ import annotations
 
 from megatron.training.model.kernels import Kernels
+from mlp_offload import codec_named
 
 DTYPE_FLAGS = ("--main-params-dtype", "--exp-avg-dtype", "--exp-avg-sq-dtype")
-_TORCH_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
 def add_flags(g) -> None:
@@ -71,7 +71,7 @@ def optimizer_config_fields(args) -> dict:
               "store_param_remainders": getattr(args, "store_param_remainders", True)}
     for flag in DTYPE_FLAGS:
         value = _value(args, flag)
-        fields[flag[2:].replace("-", "_")] = torch.uint8 if value == "fp8" else getattr(torch, _TORCH_NAMES[value])
+        fields[flag[2:].replace("-", "_")] = torch.uint8 if value == "fp8" else codec_named(value).storage_dtype
     return fields
 
 

@@ -20,7 +20,7 @@ from typing import Dict, List, Optional
 from mlp_offload import PlacementError, TierBandwidth, UpdateRates, streamed_elems_per_s
 from mlp_offload import first_forward_share, predict_iteration
 from mlp_offload import EnginePlan, MeasuredRates, plan_engine
-from mlp_offload import STATE_TENSORS, FP32_BYTES, GPU_TIER
+from mlp_offload import STATE_TENSORS, FP32_BYTES, GPU_TIER, bytes_per_param
 from mlp_offload import HostMemoryError, check_host_memory
 from mlp_offload import GB, GiB
 
@@ -152,7 +152,7 @@ def update_rates_for(offload_config, machine: Machine, adam_elems_per_s: float,
     d = machine.device_rates
     if d is None:
         return None
-    state_bytes = sum(offload_config.state_itemsizes)
+    state_bytes = bytes_per_param(offload_config.state_codecs)
     alone = streamed_elems_per_s(state_bytes, d.link_bps, 1, None, d.streamed_elems_per_s)
     streamed = streamed_elems_per_s(state_bytes, d.link_bps, machine.gpus_per_node, d.node_host_bps,
                                     d.streamed_elems_per_s)

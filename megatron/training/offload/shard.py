@@ -26,7 +26,6 @@ from megatron.training.offload.shard_layout import ShardLayout
 from megatron.training.runtime.core_private import optimizer_group_ranges
 from mlp_offload import ModelLink
 from mlp_offload import ModelParamsAsMaster, OffloadConfig, OffloadedAdamW
-from mlp_offload import torch_dtypes
 
 
 @dataclass
@@ -73,7 +72,7 @@ class OffloadShard:
         # The master params cross PCIe in their stored dtype (a CPU-side cast would cost the update's time);
         # with remainders, the bf16 params themselves.
         master_dtype = (torch.bfloat16 if offload_config.param_remainders
-                        else torch_dtypes(offload_config.state_dtypes)[0])
+                        else offload_config.state_codecs[0].storage_dtype)
         self._staging = torch.empty(largest, dtype=master_dtype, device=self.device) if self._cuda else None
         # On a GPU, grads are cast to fp32 there and copied per subgroup as the update needs them;
         # on CPU they go through the engine's low-precision host buffer (the CPU twin of that path).

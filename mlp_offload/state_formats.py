@@ -1,0 +1,214 @@
+"""The stored form of each optimizer state tensor (master params, exp_avg, exp_avg_sq): one codec
+class per format, asked by every layer (the kernels' dispatch, the tiers' sizes, the checkpoint
+files, the planner, the start-up line).
+
+A format narrower than fp32 is widened to fp32 for the update and rounded back after it
+(round-to-nearest-even, as ``Tensor.to`` does): fewer bytes per parameter in every tier, the same
+fp32 AdamW arithmetic. ``unpack``/``pack`` are that widening and rounding (the multi-pass path and
+the reference every one-pass kernel is checked against); ``kernel_key`` is what the one-pass
+kernels dispatch on. Adding a format is one class here and its kernels.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Sequence, Tuple
+
+import torch
+
+from .kernels.remainders import merge, split_
+
+STATE_TENSORS = ("param", "exp_avg", "exp_avg_sq")
+FP32_STATE: Tuple[str, str, str] = ("fp32", "fp32", "fp32")
+
+
+class UnsupportedStateDtype(ValueError):
+    """A state dtype the engine cannot store (e.g. fp8)."""
+
+
+class StateCodec:
+    """One stored format. Stored size: ``bytes_per_element`` per element, plus, for a blockwise
+    format, ``side_bytes_per_block`` (e.g. an fp32 scale) for each started block of ``block``
+    elements. ``needs_high``: the format holds only part of a value, the rest is the model's bf16
+    param (its "high half"), which ``unpack`` reads and ``pack`` writes."""
+
+    name: str  # what a user asks for where it is user-named; ``describe()`` is the tag saved files carry
+    storage_dtype: torch.dtype  # element dtype of the stored tensor (of its values, for a blockwise one)
+    bytes_per_element: int
+    block: int = 0  # elements per block that carries side bytes (0: none)
+    side_bytes_per_block: int = 0
+    needs_high: bool = False
+    kernel_key: str  # what the one-pass kernels (fused_update, cpu_one_pass) dispatch on
+
+    def stored_bytes(self, numel: int) -> int:
+        """Bytes ``numel`` elements take stored (before any alignment padding)."""
+        blocks = -(-numel // self.block) if self.block else 0
+        return numel * self.bytes_per_element + blocks * self.side_bytes_per_block
+
+    @property
+    def bytes_per_param(self) -> float:
+        """Stored bytes per element, side bytes spread over their block (for the planner)."""
+        side = self.side_bytes_per_block / self.block if self.block else 0
+        return self.bytes_per_element + side
+
+    @property
+    def is_fp32(self) -> bool:
+        """Stored as the fp32 working form itself: updated in place, nothing to widen."""
+        return self.storage_dtype == torch.float32 and not self.needs_high
+
+    def describe(self) -> str:
+        """The tag a checkpoint footer and the start-up line give it (``codec_for_tag`` reads it back)."""
+        return self.name
+
+    def empty(self, numel: int, device="cpu", pin_memory: bool = False) -> torch.Tensor:
+        return torch.empty(numel, dtype=self.storage_dtype, device=device, pin_memory=pin_memory)
+
+    def view(self, raw: torch.Tensor, numel: int) -> torch.Tensor:
+        """The stored tensor of ``numel`` elements over ``raw``, a uint8 region at least that large."""
+        return raw[: self.stored_bytes(numel)].view(self.storage_dtype)
+
+    def unpack(self, stored: torch.Tensor, out: Optional[torch.Tensor] = None, *,
+               high: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The fp32 values of ``stored`` (into ``out`` where given). ``high``: the bf16 high halves
+        of a format that ``needs_high``, and only of one."""
+        self._check_high(high)
+        out = torch.empty(stored.shape, dtype=torch.float32, device=stored.device) if out is None else out
+        self._unpack(stored, out, high)
+        return out
+
+    def pack(self, fp32: torch.Tensor, out: Optional[torch.Tensor] = None, *,
+             high: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``fp32`` in the stored form (into ``out`` where given); ``fp32`` is left as it was.
+        ``high`` receives the bf16 high halves of a format that ``needs_high``."""
+        out = self.empty(fp32.numel(), fp32.device) if out is None else out
+        self.pack_(fp32.clone() if self.needs_high else fp32, out, high=high)
+        return out
+
+    def pack_(self, fp32: torch.Tensor, out: torch.Tensor, *, high: Optional[torch.Tensor] = None) -> None:
+        """``pack`` into ``out``, free to use ``fp32``'s memory as scratch (it may be garbage after):
+        the update's path, which spends its working copy."""
+        self._check_high(high)
+        self._pack(fp32, out, high)
+
+    def _check_high(self, high: Optional[torch.Tensor]) -> None:
+        if self.needs_high and high is None:
+            raise ValueError(f"state format {self.name} needs the model's bf16 params (high) to pack or unpack")
+        if not self.needs_high and high is not None:
+            raise ValueError(f"state format {self.name} takes no high halves; high was given")
+
+    def _unpack(self, stored, out, high) -> None:
+        out.copy_(stored)
+
+    def _pack(self, fp32, out, high) -> None:
+        out.copy_(fp32)  # rounds to nearest even
+
+    def __eq__(self, other) -> bool:  # by format, so a copy (e.g. unpickled) equals its original
+        return type(other) is type(self) and other.describe() == self.describe()
+
+    def __hash__(self) -> int:
+        return hash(self.describe())
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class Fp32(StateCodec):
+    name, storage_dtype, bytes_per_element, kernel_key = "fp32", torch.float32, 4, "fp32"
+
+
+class Bf16(StateCodec):
+    name, storage_dtype, bytes_per_element, kernel_key = "bf16", torch.bfloat16, 2, "bf16"
+
+
+class Fp16(StateCodec):
+    name, storage_dtype, bytes_per_element, kernel_key = "fp16", torch.float16, 2, "fp16"
+
+
+class Remainders16(StateCodec):
+    """An fp32 master stored as its int16 low halves beside the model's bf16 param, which is its
+    high half (megatron-core's ``store_param_remainders``; the bit arithmetic is ``remainders``'):
+    lossless, 2 bytes per param. Not a dtype a user names: ``param_remainders`` asks for it."""
+
+    name, storage_dtype, bytes_per_element, kernel_key = "rem16", torch.int16, 2, "rem16"
+    needs_high = True
+
+    def _unpack(self, stored, out, high) -> None:
+        merge(high, stored, out=out)
+
+    def _pack(self, fp32, out, high) -> None:
+        split_(fp32, out, high)
+
+
+FP32, BF16, FP16, REMAINDERS16 = Fp32(), Bf16(), Fp16(), Remainders16()
+
+# Every stored format, by tag (what a checkpoint footer may name), and the ones a user may ask for
+# in ``state_dtypes``. An 8-bit blockwise moment format (values int8/uint8, one fp32 scale per block:
+# ``block=B, side_bytes_per_block=4``) registers here with its kernels; until then fp8 is refused.
+_BY_TAG: Dict[str, StateCodec] = {}
+_USER_NAMED: Dict[str, StateCodec] = {}
+
+
+def register(codec: StateCodec, user_named: bool) -> None:
+    """Make ``codec`` known by its tag (checkpoint files), and by its name in ``state_dtypes`` where
+    ``user_named``."""
+    _BY_TAG[codec.describe()] = codec
+    if user_named:
+        _USER_NAMED[codec.name] = codec
+
+
+for _codec in (FP32, FP16, BF16):
+    register(_codec, user_named=True)
+register(REMAINDERS16, user_named=False)
+
+# Accepted spellings, e.g. megatron-core's torch dtypes or their names.
+_ALIASES = {"float32": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16",
+            torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def dtype_name(value) -> str:
+    """The short name (fp32, fp16, bf16) of a state dtype given as a name or a torch dtype."""
+    name = _ALIASES.get(value, value)
+    if isinstance(name, str) and name.startswith("torch."):
+        name = _ALIASES.get(name[len("torch."):], name)
+    if name not in _USER_NAMED:
+        raise UnsupportedStateDtype(f"{value!r} is not supported ({_supported()})")
+    return name
+
+
+def _supported() -> str:
+    """``fp32, fp16 or bf16`` (registration order)."""
+    names = list(_USER_NAMED)
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+
+
+def codec_named(value) -> StateCodec:
+    """The codec of a state dtype a user names (a short name, a torch dtype or its name)."""
+    return _USER_NAMED[dtype_name(value)]
+
+
+def codec_for_tag(tag) -> Optional[StateCodec]:
+    """The codec a checkpoint footer's tag names, or None where it names none known."""
+    return _BY_TAG.get(tag) if isinstance(tag, str) else None
+
+
+def codecs_for(tags: Sequence[str]) -> Tuple[StateCodec, ...]:
+    """The codecs of (param, exp_avg, exp_avg_sq) from their tags (all known: ``codec_for_tag``)."""
+    codecs = tuple(codec_for_tag(t) for t in tags)
+    if None in codecs:
+        raise UnsupportedStateDtype(f"unknown stored state format in {list(tags)!r}")
+    return codecs
+
+
+def describe(codecs: Sequence[StateCodec]) -> str:
+    """The formats of a whole state, for a start-up line (e.g. ``rem16/bf16/bf16``)."""
+    return "/".join(c.describe() for c in codecs)
+
+
+def state_bytes(codecs: Sequence[StateCodec], numel: int) -> int:
+    """Bytes the three tensors of ``numel`` elements take stored, unpadded."""
+    return sum(c.stored_bytes(numel) for c in codecs)
+
+
+def bytes_per_param(codecs: Sequence[StateCodec]) -> float:
+    """Stored bytes per parameter of a whole state (an int for element-wise formats)."""
+    total = sum(c.bytes_per_param for c in codecs)
+    return int(total) if float(total).is_integer() else total
