@@ -204,3 +204,16 @@ def test_training_modules_live_in_sub_packages():
                 doc = ast.get_docstring(ast.parse(f.read()))
             assert doc and "May import" in doc, f"{entry}/__init__.py must say what lives there and what it may import"
             assert any(entry in names.split("|") for names in LAYERS), f"{entry}/ is in no layer of LAYERS"
+
+
+ENGINE_TOP_LEVEL_MOST = 12  # .py files directly in mlp_offload/; the rest lives in its sub-packages
+ENGINE_FRONT_MOST_LINES = 350  # engine.py: the torch-shaped front; the wiring lives in startup/
+
+
+def test_the_engine_keeps_a_short_top_level_and_a_small_front():
+    folder = os.path.join(ROOT, "mlp_offload")
+    top = sorted(f for f in os.listdir(folder) if f.endswith(".py"))
+    assert "engine.py" in top and len(top) <= ENGINE_TOP_LEVEL_MOST, top
+    with open(os.path.join(folder, "engine.py"), encoding="utf-8") as f:
+        lines = len(f.read().splitlines())
+    assert lines <= ENGINE_FRONT_MOST_LINES, f"engine.py has {lines} lines"

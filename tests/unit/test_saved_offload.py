@@ -14,7 +14,7 @@ from tests.profiles import examples
 from megatron.training.checkpoint.saved_offload import SavedOffloadState, offload_file_path
 from mlp_offload import OffloadedAdamW
 from mlp_offload.checkpoint import CheckpointDataError
-from mlp_offload.checkpoint_write import save_engine_state
+from mlp_offload.checkpoint.write import save_engine_state
 
 from .helpers import fast_config
 

@@ -175,7 +175,7 @@ class _BackgroundCompletion:
 
     def __init__(self, root: str, path: str, iteration: int, started: float, offload_write, model):
         self.root, self.path, self.iteration, self.started = root, path, iteration, started
-        self.offload_write = offload_write  # mlp_offload.checkpoint_write.BackgroundStateWrite or None
+        self.offload_write = offload_write  # mlp_offload.BackgroundStateWrite or None
         self.model = model
         self.held_s = 0.0  # the save's own hold, the slowest rank's (set once the save returns)
 

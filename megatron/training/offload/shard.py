@@ -86,6 +86,12 @@ class OffloadShard:
                             param_high=ModelParamHigh(self.layout, self.copy_stream)))
         self.state_files = OffloadedStateFiles(self.engine, self.layout, model_chunks, self.dp_group.size(), self.kind)
 
+    def zero_grads_after_read(self) -> None:
+        """The update zeroes each piece of the model's grads once it has read it (with the update under
+        the next forward, nothing else zeroes them before the next backward); a CPU run has no device grads."""
+        if self._device_grads is not None:
+            self._device_grads.zero_after_read = True
+
     def _ordered_groups(self, param_groups: List[dict]):
         """Engine groups (flat ranges + hyperparameters) and the params in megatron-core's order.
 

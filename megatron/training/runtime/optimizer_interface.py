@@ -33,7 +33,7 @@ class OffloadedOptimizerCheckpoint(Protocol):
 
     def save_offloaded_state(self, checkpoint_dir: str) -> int: ...
     # --async-save: the state snapshotted now, written by a thread once start()ed
-    # (mlp_offload.checkpoint_write.BackgroundStateWrite)
+    # (mlp_offload.BackgroundStateWrite)
     def start_offloaded_save(self, checkpoint_dir: str): ...
     # from the checkpoint's offload files, given by their index (checkpoint.saved_offload.SavedOffloadState)
     def load_offloaded_state(self, saved) -> None: ...
@@ -43,7 +43,7 @@ class OffloadedOptimizerCheckpoint(Protocol):
 @runtime_checkable
 class ReportsIteration(Protocol):
     """An optimizer with figures of its own in each iteration's metrics record: the engine's
-    record of the last step (mlp_offload.telemetry.StepRecord), and the state bytes per tier."""
+    record of the last step (mlp_offload.StepRecord), and the state bytes per tier."""
 
     def last_step_record(self): ...
     def state_bytes_per_tier(self) -> dict: ...
