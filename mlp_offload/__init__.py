@@ -30,6 +30,8 @@ from .tiers.housekeeping import release_all as release_swap_namespaces
 from .tiers.housekeeping import tree_bytes
 from .tiers.tokens import JobTokens, TierTokens
 from .kernels.update import AdamKernel
+from .kernels import blockwise8  # 8-bit block-scaled moments, not yet a stored format (benchmarks)
+from .kernels.fused_update import AdamHyper
 from .kernels.cpu_one_pass import build_in_background as build_cpu_kernel_in_background
 from .config.units import GB, GiB, MiB
 
@@ -52,7 +54,7 @@ __all__ = [
     "EnginePlan", "plan_engine", "MeasuredRates", "min_host_budget_bytes", "probe_tier", "measure_adam_rate", "measure_convert_rate",
     "device_seconds", "measure_update_paths", "predict_iteration", "first_forward_share", "UpdateRates",
     "streamed_elems_per_s",
-    "AdamKernel", "build_cpu_kernel_in_background", "HostMemory", "check_host_memory", "own_pss_bytes", "FileTier", "JobTokens", "TierTokens", "meminfo_bytes",
+    "AdamKernel", "AdamHyper", "blockwise8", "build_cpu_kernel_in_background", "HostMemory", "check_host_memory", "own_pss_bytes", "FileTier", "JobTokens", "TierTokens", "meminfo_bytes",
     "FileIo", "TierOwner",
     # process housekeeping and crash-test fault points
     "scan_namespaces", "release_swap_namespaces", "tree_bytes", "fault_point", "configure_faults",

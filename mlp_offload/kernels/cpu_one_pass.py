@@ -89,7 +89,7 @@ def cpu_variants(torch_sqrt_first: bool = True) -> Tuple[CpuVariant, ...]:
     return tuple(out)
 
 
-def _cpu_fingerprint() -> str:
+def cpu_fingerprint() -> str:
     """The CPU model and flags: a -march=native build must not run on another CPU (a shared home)."""
     text = ""
     try:
@@ -112,11 +112,11 @@ _warned = False
 def _name() -> str:
     """One extension per CPU, source and flags: a cached build is never stale, so a process that
     finds it built imports it without asking ninja (about a second per process otherwise)."""
-    key = f"{_cpu_fingerprint()}\n{_SOURCE}\n{BLOCK}\n{CFLAGS}\n{torch.__version__}"
+    key = f"{cpu_fingerprint()}\n{_SOURCE}\n{BLOCK}\n{CFLAGS}\n{torch.__version__}"
     return f"mlp_offload_cpu_one_pass_{hashlib.sha1(key.encode()).hexdigest()[:12]}"
 
 
-def _import_built(name: str):
+def import_built(name: str):
     """The extension from an earlier build, or None (not built, or a build under way: its lock)."""
     import importlib.util
     from torch.utils.cpp_extension import _get_build_directory
@@ -163,7 +163,7 @@ def _extension():
     name = _name()
     try:
         try:
-            built = _import_built(name)
+            built = import_built(name)
         except Exception:  # a half-written file from a build that died: build it again
             built = None
         return built or _build(name)

@@ -193,7 +193,7 @@ def test_fused_kernel_and_unmatched_variants_keep_the_multi_pass_path():
 def test_a_failed_build_warns_once_and_keeps_the_multi_pass_path(monkeypatch, caplog):
     def no_compiler(name):
         raise RuntimeError("Error building extension: c++: not found")
-    monkeypatch.setattr(cop, "_import_built", lambda name: None)
+    monkeypatch.setattr(cop, "import_built", lambda name: None)
     monkeypatch.setattr(cop, "_build", no_compiler)
     monkeypatch.setattr(cop, "_warned", False)
     cop.forget_extension()
@@ -229,7 +229,7 @@ def test_a_background_build_is_waited_for_and_built_once(monkeypatch):
         time.sleep(0.3)
         builds.append(threading.current_thread().name)
         return "the module"
-    monkeypatch.setattr(cop, "_import_built", lambda name: None)
+    monkeypatch.setattr(cop, "import_built", lambda name: None)
     monkeypatch.setattr(cop, "_build", slow_build)
     monkeypatch.setattr(cop, "_background", None)
     cop.forget_extension()
