@@ -53,8 +53,8 @@ class OffloadedAdamW:
     device), or a function ``fill(start, end, out_fp32)`` with ``numel`` given; it is read once
     per subgroup, lazily, and not kept after the first step.
 
-    ``adamw``: AdamW's hyperparameters as torch.optim.AdamW names them (lr, betas, eps, weight_decay;
-    and decoupled_weight_decay, ``param_groups.ADAMW_OPTIONS``), the defaults of every group in ``groups``.
+    ``adamw``: AdamW's hyperparameters as torch.optim.AdamW names them (lr, betas, eps, weight_decay; and
+    decoupled_weight_decay, ``subgroups.param_groups.ADAMW_OPTIONS``), the defaults of every group in ``groups``.
 
     What the engine is given of the model is its ``model`` (``ModelLink``: where the gradients come
     from, ``grad_buffer`` or a source; where updated params go; a remainders master's high halves).
@@ -103,7 +103,8 @@ class OffloadedAdamW:
                                         EngineHooks(lambda: self.prediction, self._guard_snapshot)))
         start, paths = parts.start, parts.paths
         self._start_up = start  # its rates price every later placement
-        self.host, self.rates, self.tokens_per_tier, self.devices = start.host, start.rates, start.tokens_per_tier, start.devices
+        self.host, self.rates, self.devices = start.host, start.rates, start.devices
+        self.tokens_per_tier = start.tokens_per_tier
         self.adam_rate, self.convert_rate, self.update_rates = start.adam_rate, start.convert_rate, start.update_rates
         self.placement, self.prediction = start.placement, start.prediction  # both change as it relocates
         self._paths, self.cpu_one_pass_how, self._deferred = paths, paths.cpu_one_pass_how, paths.deferred
