@@ -32,8 +32,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from mlp_offload.kernels import blockwise8 as b8  # noqa: E402
-from mlp_offload.kernels.fused_update import AdamHyper  # noqa: E402
+from mlp_offload import AdamHyper, blockwise8 as b8  # noqa: E402
 
 
 def stdlib_bytes(limit: int) -> torch.Tensor:

@@ -28,12 +28,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def _rank(args, scope, node, rank, port, lock_root, barrier, results):
     import torch
 
-    from mlp_offload import FileTier
+    from mlp_offload import FileIo, FileTier, TierOwner
     from mlp_offload import HostMemory
     from mlp_offload import JobTokens, TierTokens
 
     torch.set_num_threads(1)
-    tier = FileTier("bench", args.path, f"scope-{scope}", rank, 8 << 20, 2, op_threads=2)
+    tier = FileTier("bench", args.path, TierOwner(f"scope-{scope}", rank), FileIo(8 << 20, 2, op_threads=2))
     if scope == "node":
         tier.tokens = TierTokens(args.path, args.tokens, lock_root=os.path.join(lock_root, f"node{node}"))
     elif scope == "job":

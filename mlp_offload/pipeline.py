@@ -19,11 +19,11 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from .plan.schedule import StepSchedule
-from .subgroups import STATE_TENSORS, Subgroup
-from .telemetry import StepRecord, TrafficCounters
+from .subgroups.partition import STATE_TENSORS, Subgroup
+from .telemetry.traffic import StepRecord, TrafficCounters
 from .tiers.base import StreamedTier
 from .tiers.files import OpResult, TierIOError
-from .trace import Trace
+from .telemetry.trace import Trace
 
 EMPTY, READING, READY, DIRTY, WRITING = "empty", "reading", "ready", "dirty", "writing"
 
@@ -115,18 +115,24 @@ def _fill_fp32(source, sg: Subgroup, out: torch.Tensor) -> None:
         out.copy_(source[sg.start:sg.end])
 
 
+@dataclass(frozen=True)
+class IoLog:
+    """Where the pipeline's I/O is recorded: byte and time totals per tier, and the trace (or None)."""
+    counters: TrafficCounters
+    trace: Optional[Trace] = None
+
+
 class SlotPipeline:
     """Streams the subgroups placed on file tiers through ``buffers``, one step's schedule at a time."""
 
     def __init__(self, subgroups: List[Subgroup], tier_of: List[str], tiers: Dict[str, StreamedTier],
-                 buffers: List[StateViews], prefetch_depth: int, counters: TrafficCounters, initial_params,
-                 trace: Optional[Trace] = None):
+                 buffers: List[StateViews], prefetch_depth: int, initial_params, log: IoLog):
         self.subgroups = subgroups
         self.tier_of = tier_of
         self.tiers = tiers
         self.prefetch_depth = prefetch_depth
-        self.counters = counters
-        self.trace = trace
+        self.counters = log.counters
+        self.trace = log.trace
         self.slots = [_Slot(k, views) for k, views in enumerate(buffers)]
         self.slot_of: Dict[int, _Slot] = {}
         # Last write of each subgroup not yet known to be done: its next read must wait for it,

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from typing import Dict, List
 
 from .pipeline import StateViews
-from .subgroups import Subgroup
-from .tiers.align import aligned_empty
+from .subgroups.partition import Subgroup
+from .tiers.no_fork import aligned_empty
 from .tiers.base import StreamedTier
 
 # What the writer has done with a memory subgroup.
@@ -44,15 +44,23 @@ class TierCopy:
     linked: bool  # a link of the snapshot's own, removed once read
 
 
+@dataclass(frozen=True)
+class SnapshotSources:
+    """Where the writer reads each subgroup: ``memory``, the views of those held in memory (the update
+    is held back until the writer has them), ``on_tier``, a tier's copy of the others."""
+    memory: Dict[int, StateViews]
+    on_tier: Dict[int, TierCopy]
+
+
 class StateSnapshot:
-    def __init__(self, subgroups: List[Subgroup], steps_done: int, memory: Dict[int, StateViews], update_order: List[int],
-                 on_tier: Dict[int, TierCopy], staging_bytes: int):
+    def __init__(self, subgroups: List[Subgroup], steps_done: int, sources: SnapshotSources,
+                 update_order: List[int], staging_bytes: int):
         self.subgroups = subgroups
         self.codecs = subgroups[0].codecs  # the stored formats (state_formats), every subgroup's
         self.numel = subgroups[-1].end
         self.steps_done = steps_done
-        self.memory = memory
-        self.on_tier = on_tier
+        memory, on_tier = sources.memory, sources.on_tier
+        self.memory, self.on_tier = memory, on_tier
         # The writer's order: what the next update will change in place first, then the files.
         self.order = [i for i in update_order if i in memory] + sorted(on_tier)
         self.largest = max(subgroups, key=lambda sg: sg.numel)

@@ -13,8 +13,8 @@ import torch
 from .config import GPU_TIER
 from .pipeline import SlotPipeline, StateViews, file_key
 from .kernels.remainders import RemainderMaster
-from .snapshot import StateSnapshot, TierCopy
-from .subgroups import Subgroup
+from .snapshot import SnapshotSources, StateSnapshot, TierCopy
+from .subgroups.partition import Subgroup
 
 StateFn = Callable[[Subgroup, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
@@ -95,8 +95,8 @@ class StateAccess:
                 if copy.linked:
                     copy.tier.forget(copy.key)
             raise
-        return StateSnapshot(self.subgroups, steps_done, memory,
-                             self.pipeline.schedule.order, on_tier, staging_bytes)
+        return StateSnapshot(self.subgroups, steps_done, SnapshotSources(memory, on_tier),
+                             self.pipeline.schedule.order, staging_bytes)
 
     def _each(self, fill_missing: bool, write_back: bool = True) -> Iterator[Tuple[int, Subgroup, StateViews]]:
         """(index, subgroup, views): its resident or buffered copy, else the scratch buffer (filled

@@ -28,7 +28,7 @@ warnings.simplefilter("ignore")  # megatron-core warns at import about optional 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.training.errors import UserError, reported_once  # noqa: E402
-from mlp_offload import GiB, codecs_for
+from mlp_offload import GiB, MeasuredRates, codecs_for
 
 # Sustained bf16 TFLOP/s per GPU (as Megatron-LM counts FLOPs) our training reached on one H200 with
 # megatron-core's local layers and full recompute, by the attention kernel that runs: 10.24 B at global batch 1,
@@ -338,7 +338,7 @@ def plan_for(opts, capacities, flags, measured, gpu_tflops=None, batch_sizes=Non
         adam_rate, convert_rate = measured["cpu"]
     if args.device != "cpu":  # a GPU job: the engine may update on the device
         machine.device_rates = device_rates(opts, *([config.stored_dtypes] if config is not None else []))
-    plan = make_plan(args, cfg, machine, config, rates, space, adam_rate, convert_rate,
+    plan = make_plan(args, cfg, machine, config, MeasuredRates(rates, adam_rate, convert_rate), space,
                      batch_sizes or table_batch_sizes(opts, args, machine))
     plan.host_cache_gb = cache_gb
     plan.tier_rates = rates

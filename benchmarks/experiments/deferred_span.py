@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from mlp_offload import ModelLink
 from mlp_offload import OffloadConfig, OffloadedAdamW
 
 
@@ -61,8 +62,9 @@ def run(defer, zero, model, args):
 
     def on_params(start, end, out):
         params[start:end].copy_(out)
-    eng = OffloadedAdamW(params, cfg, numel=numel, grad_source=ModelGrads(grads, zero), param_high=source,
-                         on_params_updated=on_params)
+    eng = OffloadedAdamW(params, cfg, numel=numel,
+                         model=ModelLink(grad_source=ModelGrads(grads, zero), param_high=source,
+                                         on_params_updated=on_params))
     times = []
     try:
         for _ in range(args.steps):
@@ -76,7 +78,7 @@ def run(defer, zero, model, args):
             if dev == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t)
-        how = eng._device_update.on_model_buffers
+        how = eng.update_paths.on_model_buffers
     finally:
         eng.close()
     ms = statistics.median(times[1:]) * 1e3

@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from mlp_offload import ModelLink
 from mlp_offload import OffloadConfig, OffloadedAdamW
 
 
@@ -47,7 +48,8 @@ def run(kind, moments, args):
                         gpu_budget_bytes=budget if kind == "resident" else None,
                         adam_kernel="fused" if args.device == "cuda" else "single")
     grads = (torch.randn(numel, device=args.device) * 1e-3).to(torch.bfloat16)
-    eng = OffloadedAdamW(lambda s, e, out: out.fill_(0.01), cfg, numel=numel, grad_source=DeviceBf16Grads(grads))
+    eng = OffloadedAdamW(lambda s, e, out: out.fill_(0.01), cfg, numel=numel,
+                         model=ModelLink(grad_source=DeviceBf16Grads(grads)))
     times = []
     try:
         for _ in range(args.steps):

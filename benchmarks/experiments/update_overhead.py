@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from mlp_offload import ModelLink
 from mlp_offload import OffloadConfig, OffloadedAdamW
 
 HIDDEN, FFN, KV, LAYERS, VOCAB = 5120, 13824, 1024, 36, 32000
@@ -74,9 +75,10 @@ def main():
     grads = torch.full((numel,), 1e-3, dtype=torch.bfloat16, device=dev)
     params = torch.full((numel,), 0.01, dtype=torch.bfloat16, device=dev)
     source = Flat(params)
-    eng = OffloadedAdamW(source.fill, cfg, numel=numel, grad_source=Flat(grads), param_high=source,
-                         on_params_updated=lambda s, e, out: params[s:e].copy_(out),
-                         groups=[(decay, {}), (plain, {"weight_decay": 0.0})], weight_decay=0.1)
+    eng = OffloadedAdamW(source.fill, cfg, numel=numel,
+                         groups=[(decay, {}), (plain, {"weight_decay": 0.0})], weight_decay=0.1,
+                         model=ModelLink(grad_source=Flat(grads), param_high=source,
+                                         on_params_updated=lambda s, e, out: params[s:e].copy_(out)))
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     times = []
     for _ in range(args.steps):
@@ -86,7 +88,7 @@ def main():
         sync()
         times.append(time.perf_counter() - t)
     print(f"{numel / 1e9:.2f} G elements, {len(eng.subgroups)} subgroups, on the model's buffers: "
-          f"{eng._device_update.on_model_buffers}; step {statistics.median(times[1:]) * 1e3:.1f} ms "
+          f"{eng.update_paths.on_model_buffers}; step {statistics.median(times[1:]) * 1e3:.1f} ms "
           f"(min {min(times[1:]) * 1e3:.1f}); engine's predicted update {eng.prediction.update_s * 1e3:.1f} ms", flush=True)
     if cuda:
         from torch.profiler import ProfilerActivity, profile

@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 import os
 import time
-from typing import Callable, List, Optional
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Tuple
 
 import torch
 from megatron.core import parallel_state
@@ -183,7 +184,16 @@ def _with_fault_points(forward_step_func):
     return forward_step
 
 
-def train_step(args, forward_step_func, data_iterator, model, optimizer, scheduler, timers, hooks=None):
+@dataclass(frozen=True)
+class Trained:
+    """What a training step changes: the model's chunks, the optimizer, the learning-rate scheduler."""
+    model: list
+    optimizer: object
+    scheduler: object
+
+
+def train_step(args, forward_step_func, data_iterator, trained: Trained, timers, hooks=None):
+    model, optimizer, scheduler = trained.model, trained.optimizer, trained.scheduler
     for chunk in model:
         if getattr(optimizer, "zeroes_grads_itself", False):
             reset_grad_accumulation(chunk)  # the update zeroes each grad as it reads it
@@ -322,6 +332,7 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
     shape = GptShape.from_config(config, args.seq_length, args.padded_vocab_size)
     offload_state_bytes = optimizer.state_bytes_per_tier() if isinstance(optimizer, ReportsIteration) else {}
     first_of_run = True
+    trained = Trained(model, optimizer, scheduler)
     stop = StopCheck(args.sigterm_watcher, args.exit_duration_in_mins, started)
     background = BackgroundSaves(device) if args.async_save else None
     try:
@@ -329,8 +340,8 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
             batch_schedule.advance(args, consumed)
             hooks.before(iteration)
             start = time.perf_counter()
-            loss, lr, grad_norm, num_zeros, ok = train_step(args, forward_step_func, train_iter, model,
-                                                            optimizer, scheduler, timers, hooks)
+            loss, lr, grad_norm, num_zeros, ok = train_step(args, forward_step_func, train_iter, trained, timers,
+                                                            hooks)
             loss = loss.item() if loss is not None else None
             elapsed = time.perf_counter() - start
             iteration += 1
@@ -356,7 +367,7 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
                 offload_state_bytes=offload_state_bytes, first_of_run=first_of_run, moe_losses=moe_losses))
             first_of_run = False
             if args.eval_interval and valid_ds is not None and iteration % args.eval_interval == 0:
-                _run_eval(args, forward_step_func, model, valid_ds, iteration, consumed, dp_rank, dp_size, metrics)
+                _run_eval(args, forward_step_func, model, valid_ds, (iteration, consumed), metrics)
                 timers.take_iteration()  # evaluation's forwards are not the next iteration's
             if background is not None:
                 background.poll()  # completes the last background save once every rank's write has ended
@@ -389,11 +400,11 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
 
 def _save(args, iteration, model, optimizer, scheduler, consumed, background) -> None:
     if background is not None:  # save_checkpoint says what it wrote now and, later, when it is complete
-        checkpointing.save_checkpoint(args.save, iteration, model, optimizer, scheduler, consumed, args, background)
+        checkpointing.save_checkpoint(iteration, model, optimizer, scheduler, consumed, args, background)
         return
     # The start line only: save_checkpoint's own line at the end gives the bytes and rates.
     _print_rank0(f"> saving checkpoint at iteration {iteration} to {args.save} ...")
-    checkpointing.save_checkpoint(args.save, iteration, model, optimizer, scheduler, consumed, args)
+    checkpointing.save_checkpoint(iteration, model, optimizer, scheduler, consumed, args)
 
 
 def _is_dir_on_rank0(path: str) -> bool:
@@ -413,7 +424,10 @@ def _load(args, model, optimizer, scheduler):
     return iteration, consumed
 
 
-def _run_eval(args, forward_step_func, model, valid_ds, iteration, consumed, dp_rank, dp_size, metrics):
+def _run_eval(args, forward_step_func, model, valid_ds, progress: Tuple[int, int], metrics):
+    """``progress``: (iterations, samples consumed) so far."""
+    iteration, consumed = progress
+    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     # Each evaluation reads its own slice of the validation set, so results are reproducible on resume.
     first = (iteration // args.eval_interval) * args.eval_iters * args.global_batch_size
     it = per_chunk(micro_batches(valid_ds, first, args.micro_batch_size, dp_rank, dp_size, args.num_workers,

@@ -12,10 +12,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..state_formats import (FP32_STATE, REMAINDERS16, STATE_TENSORS, StateCodec, UnsupportedStateDtype, codec_named,
                              dtype_name)
-from ..tiers.align import ALIGN
+from .align import ALIGN
 from .bandwidth import TierBandwidth, probe_piece_bytes
 from .checks import OffloadConfigError, is_int, positive, positive_finite
-from ..units import GiB, MiB
+from .units import GiB, MiB
 
 HOST_TIER = "host"
 GPU_TIER = "gpu"  # the model's device memory (HBM; on a CPU run, the CPU's memory: the CPU twin)

@@ -41,10 +41,9 @@ import functools
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence, Tuple
 
-import numpy as np
 import torch
 
-from .fused_update import AdamHyper
+from .fused_update import AdamHyper, f32
 
 # Adding then subtracting this rounds a float of magnitude below 2**22 to an integer, to nearest even.
 ROUNDER = 12582912.0  # 1.5 * 2**23
@@ -269,12 +268,8 @@ class StepScalars:
 def step_scalars(hyper: AdamHyper, step: int) -> StepScalars:
     bc1 = 1 - hyper.beta1 ** step
     bc2_sqrt = (1 - hyper.beta2 ** step) ** 0.5
-    return StepScalars(_f32(1 - hyper.lr * hyper.weight_decay), _f32(1 - hyper.beta1), _f32(hyper.beta2),
-                       _f32(1 - hyper.beta2), _f32(1.0 / _f32(bc2_sqrt)), _f32(hyper.eps), _f32(-(hyper.lr / bc1)))
-
-
-def _f32(x: float) -> float:
-    return float(np.float32(x))
+    return StepScalars(f32(1 - hyper.lr * hyper.weight_decay), f32(1 - hyper.beta1), f32(hyper.beta2),
+                       f32(1 - hyper.beta2), f32(1.0 / f32(bc2_sqrt)), f32(hyper.eps), f32(-(hyper.lr / bc1)))
 
 
 def adamw_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: Quantized, exp_avg_sq: Quantized,
@@ -302,7 +297,7 @@ def adamw_fp32(master: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: tor
     if decay:
         master.mul_(s.decay)
     d = grad - m
-    m = m + d * s.w1 if s.small_lerp else grad - d * _f32(1.0 - s.w1)
+    m = m + d * s.w1 if s.small_lerp else grad - d * f32(1.0 - s.w1)
     v = v * s.beta2 + (grad * grad) * s.w2
     root = ieee_sqrt(v)
     denom = root * s.inv_bc2 + s.eps

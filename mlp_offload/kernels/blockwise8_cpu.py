@@ -10,14 +10,14 @@ from typing import Optional
 
 import torch
 
-from .blockwise8 import BlockLayout, Quantized, _f32, step_scalars
+from .blockwise8 import BlockLayout, Quantized, step_scalars
 from .blockwise8_cpu_source import SOURCE
-from .cpu_one_pass import CFLAGS, _cpu_fingerprint, _import_built
-from .fused_update import AdamHyper
+from .cpu_one_pass import CFLAGS, cpu_fingerprint, import_built
+from .fused_update import AdamHyper, f32
 
 
 def _name() -> str:
-    key = f"{_cpu_fingerprint()}\n{SOURCE}\n{CFLAGS}\n{torch.__version__}"
+    key = f"{cpu_fingerprint()}\n{SOURCE}\n{CFLAGS}\n{torch.__version__}"
     return f"mlp_offload_blockwise8_{hashlib.sha1(key.encode()).hexdigest()[:12]}"
 
 
@@ -28,7 +28,7 @@ def extension():
 
     name = _name()
     try:
-        built = _import_built(name)
+        built = import_built(name)
     except Exception:  # a half-written file from a build that died: build it again
         built = None
     return built or load_inline(name=name, cpp_sources=SOURCE, functions=["adamw8"], extra_cflags=CFLAGS,
@@ -41,7 +41,7 @@ def adamw_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: Quantized, exp
     if exp_avg.fmt.root:
         raise ValueError(f"exp_avg format {exp_avg.fmt.name!r}: the first moment cannot be a root format")
     s = step_scalars(hyper, step)
-    scalars = [s.decay, s.w1, _f32(1.0 - s.w1), s.beta2, s.w2, s.inv_bc2, s.eps, s.neg_step,
+    scalars = [s.decay, s.w1, f32(1.0 - s.w1), s.beta2, s.w2, s.inv_bc2, s.eps, s.neg_step,
                exp_avg.fmt.qmax, exp_avg_sq.fmt.qmax]
     flags = (s.small_lerp | (hyper.weight_decay != 0) << 1 | exp_avg_sq.fmt.root << 2
              | (param_out is not None) << 3)

@@ -16,8 +16,8 @@ from typing import Optional
 
 import torch
 
-from .blockwise8 import ROUNDER, BlockLayout, Quantized, _f32, step_scalars
-from .fused_update import AdamHyper
+from .blockwise8 import ROUNDER, BlockLayout, Quantized, step_scalars
+from .fused_update import AdamHyper, f32
 
 try:  # Triton ships with torch's CUDA builds; the CPU build has none
     import triton
@@ -91,7 +91,7 @@ def adamw_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: Quantized, exp
     _adamw8_block[(layout.blocks,)](
         master, grad, exp_avg.codes, exp_avg.scales, exp_avg_sq.codes, exp_avg_sq.scales,
         layout.starts_on(master.device), master if param_out is None else param_out,
-        s.decay, s.w1, _f32(1.0 - s.w1), s.beta2, s.w2, s.inv_bc2, s.eps, s.neg_step, fm.qmax, fv.qmax, ROUNDER,
+        s.decay, s.w1, f32(1.0 - s.w1), s.beta2, s.w2, s.inv_bc2, s.eps, s.neg_step, fm.qmax, fv.qmax, ROUNDER,
         SMALL=s.small_lerp, DECAY=hyper.weight_decay != 0, ROOT=fv.root, M_INT=fm.integer, V_INT=fv.integer,
         PARAM_OUT=param_out is not None, B=layout.block, num_warps=max(1, min(8, layout.block // 64)),
         enable_fp_fusion=False)

@@ -9,12 +9,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
-from ..config import OffloadConfig, TierBandwidth
+from ..config import OffloadConfig
 from .placement import Placement, UpdateRates, plan_placement, tokens_for
-from .prediction import Prediction, predict_update
+from .prediction import MeasuredRates, NodeSharing, Prediction, predict_update
 from .split import settled_sides
 from ..gradients import gradient_host_bytes
-from ..subgroups import Subgroup, partition
+from ..subgroups.partition import Subgroup, partition
 from ..kernels.update import Fp32Working
 
 
@@ -32,28 +32,27 @@ class EnginePlan:
         return sum(sg.state_bytes for sg in self.subgroups)
 
 
-def plan_engine(numel: int, config: OffloadConfig, rates: Dict[str, TierBandwidth],
-                capacity_bytes: Dict[str, int], adam_elems_per_s: float, convert_elems_per_s: float,
+def plan_engine(numel: int, config: OffloadConfig, measured: MeasuredRates, capacity_bytes: Dict[str, int],
                 ranks_per_node: int, host_grad_itemsize: Optional[int] = None,
-                update_rates: Optional[UpdateRates] = None, gpu_budget_bytes: Optional[int] = None) -> EnginePlan:
-    """Plan one rank's shard of ``numel`` elements; ``capacity_bytes`` is each file tier's space as
-    the node's ``ranks_per_node`` ranks share it. Raises ``PlacementError`` where it does not fit.
+                gpu_budget_bytes: Optional[int] = None) -> EnginePlan:
+    """Plan one rank's shard of ``numel`` elements at the ``measured`` rates; ``capacity_bytes`` is each
+    file tier's space as the node's ``ranks_per_node`` ranks share it. Raises ``PlacementError`` where it does not fit.
     ``host_grad_itemsize``: the gradients' bytes per element where they come through host memory
     (a CPU run); None where a GPU converts and sends them per subgroup. ``gpu_budget_bytes``: the
     device tier's size where the config's is learnt (``gpu_budget_auto``): the spare device memory
-    its steps would find. With the device's rates in ``update_rates`` and ``update_on`` "auto",
+    its steps would find. With the device's rates in ``measured.update`` and ``update_on`` "auto",
     the split is the one the steps settle on (``split.settled_sides``), not the start-up's."""
     config = dataclasses.replace(config, ranks_sharing_node=ranks_per_node)
     subgroups = partition(numel, config.subgroup_size, config.state_codecs)
-    update_rates = update_rates or UpdateRates(1 / (1 / adam_elems_per_s + 1 / convert_elems_per_s))
+    rates = measured.tiers
+    update_rates = measured.update or UpdateRates(1 / (1 / measured.adam_elems_per_s + 1 / measured.convert_elems_per_s))
     placement = plan_placement(subgroups, config, rates, capacity_bytes, update_rates=update_rates,
                                gpu_budget_bytes=gpu_budget_bytes)
     if config.update_on == "auto" and update_rates.device_streamed:
         placement.update_on = settled_sides([sg.numel for sg in subgroups], placement.tier_of, update_rates)
     tokens = {t: config.tokens_per_tier or tokens_for(rates[t], ranks_per_node) for t in config.file_tiers}
-    prediction = predict_update(subgroups, placement, rates, adam_elems_per_s, convert_elems_per_s,
-                                ranks_sharing=ranks_per_node, tokens=tokens,
-                                cache_alternating=config.cache_alternating, update_rates=update_rates)
+    prediction = predict_update(subgroups, placement, dataclasses.replace(measured, update=update_rates),
+                                NodeSharing(None, ranks_per_node, tokens), config.cache_alternating)
     stored = {t: sum(subgroups[i].state_bytes for i in placement.subgroups_on(t)) for t in config.file_tiers}
     stored = {**placement.resident_bytes, **stored}
     largest = max(sg.numel for sg in subgroups)

@@ -9,7 +9,7 @@ from typing import Dict, Optional, Sequence
 from ..config import GPU_TIER, RESIDENT_TIERS, TierBandwidth
 from .placement import CPU, DEVICE, Placement, UpdateRates
 from .schedule import step_schedule
-from ..subgroups import Subgroup
+from ..subgroups.partition import Subgroup
 
 
 @dataclass
@@ -44,31 +44,43 @@ class Prediction:
                 f"(adam {self.adam_s:.3f}s{split}{', ' + tiers if tiers else ''}{shared})")
 
 
-def predict_update(
-    subgroups: Sequence[Subgroup],
-    placement: Placement,
-    rates: Dict[str, TierBandwidth],
-    adam_elems_per_s: float,
-    convert_elems_per_s: float,
-    devices: Optional[Dict[str, object]] = None,
-    ranks_sharing: int = 1,
-    tokens: Optional[Dict[str, int]] = None,
-    cache_alternating: bool = True,
-    update_rates: Optional[UpdateRates] = None,
-) -> Prediction:
+@dataclass(frozen=True)
+class MeasuredRates:
+    """The rates a placement is priced at: each file tier's bandwidth, the CPU's Adam and gradient
+    conversion (elements/s), and the update sides' rates (``update``; None: the CPU's two alone)."""
+    tiers: Dict[str, TierBandwidth]
+    adam_elems_per_s: float
+    convert_elems_per_s: float
+    update: Optional[UpdateRates] = None
+
+
+@dataclass(frozen=True)
+class NodeSharing:
+    """How this rank shares its file tiers on the node: each tier's device (tiers on one device add
+    up; None: each its own), the ranks whose I/O goes to the same devices, and each tier's I/O tokens."""
+    devices: Optional[Dict[str, object]] = None
+    ranks: int = 1
+    tokens: Optional[Dict[str, int]] = None
+
+
+def predict_update(subgroups: Sequence[Subgroup], placement: Placement, measured: MeasuredRates,
+                   sharing: NodeSharing = NodeSharing(), cache_alternating: bool = True) -> Prediction:
     """Predicted steady-state update time: compute and each device's I/O overlap, the slowest wins.
 
     Tiers on one device add up (they share it); reads and writes of a device are counted one
     after the other, which matched a single disk within 10% (docs/benchmarks.md). The node's
-    ``ranks_sharing`` ranks move equal shards through the same paths in the same phase, so each
+    ``sharing.ranks`` ranks move equal shards through the same paths in the same phase, so each
     device's time is multiplied by that count (data parallelism makes every rank wait for the
-    node's slowest): at one rank's rate where they take turns (fewer ``tokens`` than ranks), at
+    node's slowest): at one rank's rate where they take turns (fewer ``sharing.tokens`` than ranks), at
     the probed all-ranks rate where they stream at once.
 
     Bytes come from ``schedule.step_schedule``, the traffic model the engine executes: hits skip
     their read, kept subgroups their write; the two order directions are averaged. The first
     streamed read after the hits is not hidden.
     """
+    rates, update_rates = measured.tiers, measured.update
+    adam_elems_per_s, convert_elems_per_s = measured.adam_elems_per_s, measured.convert_elems_per_s
+    devices, ranks_sharing, tokens = sharing.devices, sharing.ranks, sharing.tokens
     sides = placement.update_on or [CPU] * len(subgroups)
     numel = sum(sg.numel for sg, side in zip(subgroups, sides) if side == CPU)
     streams = any(side == DEVICE and t != GPU_TIER for side, t in zip(sides, placement.tier_of))

@@ -121,13 +121,22 @@ def choose_split(current: int, sizes: Sequence[int], resident_elems: int, rates:
     return Choice(current, seconds)
 
 
-def observed_rates(prior: SideRates, cpu_elems: int, streamed_elems: int, resident_elems: int, update_s: float,
-                   read_wait_s: float, cpu_s: float, overlap: bool = True) -> SideRates:
-    """``prior`` with the rates one step showed: the CPU's from its own time ``cpu_s``; the
+@dataclass(frozen=True)
+class StepSeconds:
+    """What one step's record says of its time: the whole update, its waits for reads, the CPU's share."""
+    update_s: float
+    read_wait_s: float
+    cpu_s: float
+
+
+def observed_rates(prior: SideRates, cpu_elems: int, streamed_elems: int, resident_elems: int, seconds: StepSeconds,
+                   overlap: bool = True) -> SideRates:
+    """``prior`` with the rates one step showed: the CPU's from its own time ``seconds.cpu_s``; the
     device's streamed rate from the step's time less read waits (less the CPU's share where the
     sides ran one after the other) and less its resident share at the resident rate."""
     rates = dataclasses.replace(prior)
-    compute_s = update_s - read_wait_s
+    cpu_s = seconds.cpu_s
+    compute_s = seconds.update_s - seconds.read_wait_s
     # Where the sides do not overlap (the CPU twin), "alone" and "beside" are the same rate.
     if cpu_elems and cpu_s > 0:
         if streamed_elems or not overlap:
@@ -175,8 +184,8 @@ class UpdateSplit:
         sizes = [numels[i] for i in held]
         resident = sum(numels[i] for i, t in enumerate(tier_of) if t == GPU_TIER)
         cpu_elems = sum(numels[i] for i in held if sides[i] == CPU)
-        self.rates = observed_rates(self.rates, cpu_elems, sum(sizes) - cpu_elems, resident, rec.update_s,
-                                    rec.read_wait_s, rec.adam_s + rec.convert_s + rec.callback_s, self.overlap)
+        seconds = StepSeconds(rec.update_s, rec.read_wait_s, rec.adam_s + rec.convert_s + rec.callback_s)
+        self.rates = observed_rates(self.rates, cpu_elems, sum(sizes) - cpu_elems, resident, seconds, self.overlap)
         self.learnt = True
         self._measured[count] = (rec.step, rec.update_s - rec.read_wait_s)
         self._measured = {k: v for k, v in self._measured.items() if rec.step - v[0] < self.memory_steps}

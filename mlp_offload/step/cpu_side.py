@@ -8,35 +8,39 @@ params handed to the caller.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
 
 from .device_side import DONE
 from ..kernels.fused_update import hyper_of
-from ..gradients import GradientSource
 from ..pipeline import StateViews
-from ..kernels.remainders import ParamHighSource
-from ..subgroups import Subgroup
-from ..trace import Trace
 from ..kernels.update import AdamKernel, Fp32Working, adam_piece
-from ..param_groups import Segment
-from .context import StepContext
+from .context import SideInputs, StepContext
+
+
+@dataclass(frozen=True)
+class CpuKernel:
+    """How the CPU updates a subgroup (``update_paths`` chooses): ``one_pass``, a verified one-pass
+    kernel (``cpu_one_pass.verified_cpu_one_pass``, with the signature of ``fused_update.FusedAdamW``)
+    in place of widen, Adam and round back; None: ``adam`` on fp32 copies made in ``working``."""
+    adam: AdamKernel
+    working: Fp32Working
+    one_pass: Optional[Callable] = None
 
 
 class CpuUpdate:
-    """The CPU's subgroups of one step, in the order ``begin`` was given."""
+    """The CPU's subgroups of one step, in the order ``begin`` was given. ``scratch``: two fp32 buffers
+    for the gradients; ``high``: a host buffer for a remainders master's bf16 high halves, else None."""
 
-    def __init__(self, subgroups: Sequence[Subgroup], segments: Sequence[Sequence[Segment]],
-                 adam: AdamKernel, working: Fp32Working, grad_source: GradientSource,
-                 scratch, high: Optional[torch.Tensor], param_high: Optional[ParamHighSource],
-                 on_params_updated: Optional[Callable], trace: Optional[Trace]):
-        self.subgroups, self.segments, self.adam = subgroups, segments, adam
-        self.working, self.grad_source, self.scratch = working, grad_source, scratch
-        self.high, self.param_high, self.on_params_updated, self.trace = high, param_high, on_params_updated, trace
-        # A verified one-pass kernel (``cpu_one_pass.verified_cpu_one_pass``) in place of widen, Adam
-        # and round back, with the signature of ``fused_update.FusedAdamW``; None: the multi-pass path.
-        self.one_pass: Optional[Callable] = None
+    asynchronous = False  # done when ``update`` returns
+
+    def __init__(self, inputs: SideInputs, kernel: CpuKernel, scratch, high: Optional[torch.Tensor]):
+        self.subgroups, self.segments, self.grad_source = inputs.subgroups, inputs.segments, inputs.grad_source
+        self.param_high, self.on_params_updated, self.trace = inputs.param_high, inputs.on_params, inputs.trace
+        self.adam, self.working, self.one_pass = kernel.adam, kernel.working, kernel.one_pass
+        self.scratch, self.high = scratch, high
         self._high_fence = None  # the last subgroup's bf16 params may still be copied out of ``high``
         self._order, self._turn = [], {}
         self.ctx: Optional[StepContext] = None
@@ -49,10 +53,17 @@ class CpuUpdate:
             first = self.subgroups[self._order[0]]
             self.grad_source.start(first.start, first.end, self.scratch[0][: first.numel], ctx.unscale, ctx.clip_coef)
 
+    def end(self) -> None:
+        """Nothing left: each update was done when it returned."""
+
     def update(self, i: int, views: StateViews):
         """Subgroup ``i`` (its state in ``views``): gradients, Adam, params out; times into the step's
-        record. Done when it returns (its fence is ``DONE``)."""
+        record. Done when it returns (its fence is ``DONE``). A deferred device step's copy out of
+        this state (``ctx.written``) is waited for first."""
         ctx = self.ctx
+        written = ctx.written.get(i)
+        if written is not None:
+            written.synchronize()
         step, unscale, clip_coef, rec = ctx.step, ctx.unscale, ctx.clip_coef, ctx.record
         sg, source, scratch = self.subgroups[i], self.grad_source, self.scratch
         k = self._turn[i]

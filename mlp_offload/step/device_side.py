@@ -14,18 +14,18 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
-from typing import Callable, List, Optional, Sequence
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..gradients import ModelBuffers
 from ..kernels.fused_update import AdamHyper, FusedAdamW, ModelPass, hyper_of
-from ..param_groups import Segment
-from .context import StepContext
+from ..subgroups.param_groups import Segment
+from .context import SideInputs, StepContext
 from ..state_formats import StateCodec
-from ..subgroups import Subgroup
+from ..subgroups.partition import Subgroup
 from ..kernels.update import AdamKernel, Fp32Working, adam_piece
-
 
 
 class _Done:
@@ -92,15 +92,67 @@ class Streams:
             torch.cuda.current_stream().wait_stream(self.compute)
 
 
+@dataclass(frozen=True)
+class DeviceKernel:
+    """How the device updates a subgroup (``update_paths`` chooses): ``fused``, the one-pass kernel
+    (``fused_update``) where it was verified bit-identical on this device, None: widen, Adam and round
+    back as separate passes; ``on_model_buffers``: the one-pass kernel works on the model's own grads
+    and params (``ModelBuffers``, where the engine's sources give them)."""
+    fused: Optional[FusedAdamW] = None
+    how: str = "multi-pass"
+    on_model_buffers: bool = False
+
+
+MULTI_PASS = DeviceKernel()
+
+
+@dataclass(frozen=True)
+class DeviceJob:
+    """One subgroup's update on the device: ``stored``, its (param, exp_avg, exp_avg_sq) in their stored
+    dtypes, on the device (``resident``: updated in place) or in host memory (streamed through the chunk
+    buffers). ``pre_read`` (``read_ahead.PreRead``): host state already copied in; its update waits
+    for that copy and then only copies the state back out. ``written``: the event of a copy out that
+    may still write ``stored`` (the copies in wait for it)."""
+    sg: Subgroup
+    stored: List[torch.Tensor]
+    resident: bool
+    segments: Sequence[Segment]
+    pre_read: object = None
+    written: object = None
+
+
+@dataclass(frozen=True)
+class DeviceIO:
+    """Where a device update's inputs come from and its results go. ``fill_grads(out)`` writes the
+    fp32 grads into a device tensor; ``adam(p, g, m, v, group, span)`` is the multi-pass step;
+    ``on_params(start, end, params)`` gets each chunk's updated master params on the device (on the
+    compute stream), or is None. With the master stored as remainders, ``fill_high(start, end, out)``
+    writes the model's bf16 params of shard elements [start, end) into a device tensor (on the
+    compute stream), and ``on_params`` gets the updated bf16 params. With the one-pass kernel,
+    ``hyper(group)`` and ``step`` replace ``adam``; ``model``: there the model's grads (times
+    ``grad_scale``: unscale, clip coefficient) and params are used where they are, and
+    ``fill_grads``, ``fill_high`` and ``on_params`` are not called."""
+    fill_grads: Callable[[torch.Tensor], None]
+    adam: Optional[Callable]
+    on_params: Optional[Callable]
+    fill_high: Optional[Callable[[int, int, torch.Tensor], None]] = None
+    hyper: Optional[Callable[[int], AdamHyper]] = None
+    step: int = 0
+    model: Optional[ModelBuffers] = None
+    grad_scale: Tuple[Optional[float], Optional[float]] = (None, None)
+
+
 class DeviceUpdate:
     """Updates one subgroup on the device; returns the fence to wait on before its host state is
     touched again (its copy-out), or ``DONE`` on the CPU twin."""
 
-    def __init__(self, device, codecs: Sequence[StateCodec], chunk_elems: int, largest: int):
+    def __init__(self, device, codecs: Sequence[StateCodec], chunk_elems: int, largest: int,
+                 kernel: DeviceKernel = MULTI_PASS):
         self.device = torch.device(device)
         self.codecs = list(codecs)  # the stored formats (state_formats)
         self.chunk = max(1, min(chunk_elems, largest))
         self.streams = Streams(self.device)
+        self.kernel = kernel
         # Two chunk buffers in the stored dtypes: chunk k+1 arrives while chunk k is computed.
         # (made at their first use: with a read-ahead's buffers as the ring they may never be)
         self._buffers: Optional[List[List[torch.Tensor]]] = None
@@ -115,124 +167,128 @@ class DeviceUpdate:
         self._grad: Optional[torch.Tensor] = None
         self.largest = largest
         self._turn = 0
-        # The one-pass kernel (fused_update), where it was verified bit-identical on this device;
-        # None: widen, Adam and round back as separate passes.
-        self.fused: Optional[FusedAdamW] = None
-        self.fused_how = "multi-pass"
-        # Whether the one-pass kernel works on the model's own grads and params (``ModelBuffers``,
-        # where the engine's sources give them): set by the engine, read by the rate probe.
-        self.on_model_buffers = False
 
-    def update(self, sg: Subgroup, stored: List[torch.Tensor], resident: bool, segments: Sequence[Segment],
-               fill_grads: Callable[[torch.Tensor], None], adam: Callable, on_params,
-               fill_high: Optional[Callable[[int, int, torch.Tensor], None]] = None,
-               hyper: Optional[Callable[[int], AdamHyper]] = None, step: int = 0, pre_read=None,
-               written=None, model: Optional[ModelBuffers] = None, grad_scale=(None, None)) -> object:
-        """``stored``: the subgroup's (param, exp_avg, exp_avg_sq) in their stored dtypes, on the
-        device (``resident``: updated in place) or in host memory (streamed through the chunk
-        buffers). ``fill_grads(out)`` writes its fp32 grads into a device tensor; ``adam(p, g, m, v,
-        group, span)`` is the step; ``on_params(start, end, params)`` gets each chunk's updated
-        master params on the device (on the compute stream), or is None. With the master stored as
-        remainders, ``fill_high(start, end, out)`` writes the model's bf16 params of shard elements
-        [start, end) into a device tensor (on the compute stream), and ``on_params`` gets the updated
-        bf16 params. With the one-pass kernel, ``hyper(group)`` and ``step`` replace ``adam``.
-        ``pre_read`` (``read_ahead.PreRead``): host state already copied in; its update waits for that
-        copy and then only copies the state back out. ``written``: the event of a copy out that may
-        still write ``stored`` (the copies in wait for it). ``model``: with the one-pass kernel, the
-        model's grads (times ``grad_scale``: unscale, clip coefficient) and params are used where they
-        are, and ``fill_grads``, ``fill_high`` and ``on_params`` are not called."""
-        s, n = self.streams, sg.numel
-        one_pass = (lambda *a: self._one_pass(*a, hyper, step)) if self.fused is not None and hyper else None
-        if one_pass is not None and model is not None:
+    @property
+    def fused(self) -> Optional[FusedAdamW]:
+        return self.kernel.fused
+
+    @property
+    def fused_how(self) -> str:
+        return self.kernel.how
+
+    @property
+    def on_model_buffers(self) -> bool:
+        """Whether the one-pass kernel works on the model's own grads and params (read by the rate probe)."""
+        return self.kernel.on_model_buffers
+
+    def update(self, job: DeviceJob, io: DeviceIO) -> object:
+        """Queue ``job`` (its chunks through the chunk buffers unless resident); returns the fence of
+        its last copy (the compute stream's for a resident one)."""
+        s, n = self.streams, job.sg.numel
+        if self._one_pass_on(io) and io.model is not None:
             def compute(chunk, c0, c1):
-                self._on_model(sg, chunk, c0, c1, segments, hyper, step, model, grad_scale)
+                self._on_model(job, io, chunk, c0, c1)
         else:
             if self._grad is None:
                 self._grad = torch.empty(self.largest, dtype=torch.float32, device=self.device)
             grad = self._grad[:n]
             with s.on(s.compute):
-                fill_grads(grad)
+                io.fill_grads(grad)
 
             def compute(chunk, c0, c1):
-                self._compute(sg, chunk, grad, c0, c1, segments, adam, on_params, fill_high, one_pass)
+                self._compute(job, io, chunk, grad, (c0, c1))
         for c0 in range(0, n, self.chunk):
             c1 = min(n, c0 + self.chunk)
-            if resident:
+            if job.resident:
                 with s.on(s.compute):
-                    compute([t[c0:c1] for t in stored], c0, c1)
+                    compute([t[c0:c1] for t in job.stored], c0, c1)
                 continue
-            if pre_read is not None:
-                dev, arrived = [t[c0:c1] for t in pre_read.tensors], pre_read.arrived
-            else:
-                b = self._turn % 2
-                self._turn += 1
-                if self._buffers is None:
-                    self._buffers = [[c.empty(self.chunk, self.device) for c in self.codecs]
-                                     for _ in range(2)]
-                dev = [buf[: c1 - c0] for buf in self._buffers[b]]
-                with s.on(s.copy_in):
-                    s.wait(s.copy_in, self._free[b])
-                    s.wait(s.copy_in, written)
-                    for d, h in zip(dev, stored):
-                        d.copy_(h[c0:c1], non_blocking=True)
-                    arrived = s.record(s.copy_in)
-            with s.on(s.compute):
-                s.wait(s.compute, arrived)
-                compute(dev, c0, c1)
-                computed = s.record(s.compute)
-            with s.on(s.copy_out):
-                s.wait(s.copy_out, computed)
-                for d, h in zip(dev, stored):
-                    h[c0:c1].copy_(d, non_blocking=True)
-                copied_out = s.record(s.copy_out)
-                if pre_read is None:
-                    self._free[b] = copied_out
-        return s.record(s.compute if resident else s.copy_out)
+            self._stream_chunk(job, c0, c1, compute)
+        return s.record(s.compute if job.resident else s.copy_out)
 
-    def _compute(self, sg: Subgroup, chunk: List[torch.Tensor], grad: torch.Tensor, c0: int, c1: int,
-                 segments: Sequence[Segment], adam: Callable, on_params, fill_high, one_pass=None) -> None:
+    def _one_pass_on(self, io: DeviceIO) -> bool:
+        return self.kernel.fused is not None and io.hyper is not None
+
+    def _stream_chunk(self, job: DeviceJob, c0: int, c1: int, compute: Callable) -> None:
+        """Chunk [c0, c1) of host state: copied in (or read ahead), computed, copied back out."""
+        s, pre_read = self.streams, job.pre_read
+        if pre_read is not None:
+            dev, arrived = [t[c0:c1] for t in pre_read.tensors], pre_read.arrived
+        else:
+            b = self._turn % 2
+            self._turn += 1
+            if self._buffers is None:
+                self._buffers = [[c.empty(self.chunk, self.device) for c in self.codecs]
+                                 for _ in range(2)]
+            dev = [buf[: c1 - c0] for buf in self._buffers[b]]
+            with s.on(s.copy_in):
+                s.wait(s.copy_in, self._free[b])
+                s.wait(s.copy_in, job.written)
+                for d, h in zip(dev, job.stored):
+                    d.copy_(h[c0:c1], non_blocking=True)
+                arrived = s.record(s.copy_in)
+        with s.on(s.compute):
+            s.wait(s.compute, arrived)
+            compute(dev, c0, c1)
+            computed = s.record(s.compute)
+        with s.on(s.copy_out):
+            s.wait(s.copy_out, computed)
+            for d, h in zip(dev, job.stored):
+                h[c0:c1].copy_(d, non_blocking=True)
+            copied_out = s.record(s.copy_out)
+            if pre_read is None:
+                self._free[b] = copied_out
+
+    def _compute(self, job: DeviceJob, io: DeviceIO, chunk: List[torch.Tensor], grad: torch.Tensor,
+                 span: Tuple[int, int]) -> None:
+        """Chunk ``span`` = [c0, c1) of the subgroup (``chunk``: its state on the device) from ``grad``."""
+        (c0, c1), sg = span, job.sg
         high = None
         if self.codecs[0].needs_high:
             if self._high is None:
                 self._high = torch.empty(self.chunk, dtype=torch.bfloat16, device=self.device)
             high = self._high[: c1 - c0]
-            fill_high(sg.start + c0, sg.start + c1, high)
-        if one_pass is not None:
-            one_pass(chunk, grad, high, c0, c1, segments)
-            if on_params is not None:
-                on_params(sg.start + c0, sg.start + c1, chunk[0] if high is None else high)
-            return
+            io.fill_high(sg.start + c0, sg.start + c1, high)
+        if self._one_pass_on(io):
+            self._one_pass(chunk, grad, high, span, job.segments, io)
+        else:
+            self._multi_pass(chunk, grad, high, span, job.segments, io.adam)
+        if io.on_params is not None:
+            io.on_params(sg.start + c0, sg.start + c1, chunk[0] if high is None else high)
+
+    def _multi_pass(self, chunk: List[torch.Tensor], grad: torch.Tensor, high: Optional[torch.Tensor],
+                    span: Tuple[int, int], segments: Sequence[Segment], adam: Callable) -> None:
+        """Widen the chunk to fp32, each param group's piece through ``adam``, round back."""
+        c0, c1 = span
         if self._working is None:
             self._working = Fp32Working(self.codecs, self.chunk, self.device)
         param, exp_avg, exp_avg_sq = wide = self._working.widen(chunk, high)
-        for lo, hi, g, span in segments:
+        for lo, hi, g, seg_span in segments:
             a, b = max(lo, c0), min(hi, c1)
             if a >= b:
                 continue
-            piece_span = (span[0] + (a - lo), span[1])  # where this piece lies in its range
+            piece_span = (seg_span[0] + (a - lo), seg_span[1])  # where this piece lies in its range
             adam(param[a - c0:b - c0], grad[a:b], exp_avg[a - c0:b - c0], exp_avg_sq[a - c0:b - c0], g, piece_span)
         self._working.round_back(chunk, wide, high)
-        if on_params is not None:
-            on_params(sg.start + c0, sg.start + c1, chunk[0] if high is None else high)
 
-    def _one_pass(self, chunk: List[torch.Tensor], grad: torch.Tensor, high: Optional[torch.Tensor], c0: int, c1: int,
-                  segments: Sequence[Segment], hyper: Callable[[int], AdamHyper], step: int) -> None:
+    def _one_pass(self, chunk: List[torch.Tensor], grad: torch.Tensor, high: Optional[torch.Tensor],
+                  span: Tuple[int, int], segments: Sequence[Segment], io: DeviceIO) -> None:
         """Each param group's piece of the chunk in one kernel pass (no fp32 working copies)."""
+        c0, c1 = span
         for lo, hi, g, _ in segments:
             a, b = max(lo, c0), min(hi, c1)
             if a < b:
-                self.fused([t[a - c0:b - c0] for t in chunk], grad[a:b],
-                           None if high is None else high[a - c0:b - c0], hyper(g), step)
+                self.kernel.fused([t[a - c0:b - c0] for t in chunk], grad[a:b],
+                                  None if high is None else high[a - c0:b - c0], io.hyper(g), io.step)
 
-
-    def _on_model(self, sg: Subgroup, chunk: List[torch.Tensor], c0: int, c1: int, segments: Sequence[Segment],
-                  hyper: Callable[[int], AdamHyper], step: int, model: ModelBuffers, grad_scale) -> None:
+    def _on_model(self, job: DeviceJob, io: DeviceIO, chunk: List[torch.Tensor], c0: int, c1: int) -> None:
         """The chunk's param-group pieces in one kernel pass each, on the model's grads and params
         where they lie (a piece of the model's buffers and of one group at a time)."""
-        base, remainders, zero = sg.start, self.codecs[0].needs_high, model.zero_grads
+        model, grad_scale = io.model, io.grad_scale
+        base, remainders, zero = job.sg.start, self.codecs[0].needs_high, model.zero_grads
         for lo, hi, grad, param in model.pieces(base + c0, base + c1):
             covered = lo
-            for s_lo, s_hi, g, _ in segments:
+            for s_lo, s_hi, g, _ in job.segments:
                 a, b = max(lo, base + s_lo), min(hi, base + s_hi)
                 if a >= b:
                     continue
@@ -241,63 +297,74 @@ class DeviceUpdate:
                 covered = b
                 pieces = [t[a - base - c0: b - base - c0] for t in chunk]
                 this = param[a - lo: b - lo]
-                self.fused(pieces, grad[a - lo: b - lo], this if remainders else None, hyper(g), step,
-                           ModelPass(grad_scale[0], grad_scale[1], zero, None if remainders else this))
+                self.kernel.fused(pieces, grad[a - lo: b - lo], this if remainders else None, io.hyper(g), io.step,
+                                  ModelPass(grad_scale[0], grad_scale[1], zero, None if remainders else this))
             if zero and covered < hi:
                 grad[covered - lo:].zero_()
 
 
 class DeviceSide:
     """The device's share of a step, as the engine's step loop sees both sides (``context``):
-    ``DeviceUpdate`` with what each subgroup's update needs, built once."""
+    ``DeviceUpdate`` with what each subgroup's update needs, built once. ``adam``: the device's
+    multi-pass kernel; ``in_device_memory(i)``: where the placement has subgroup i now; ``read_ahead``
+    (``read_ahead.ReadAhead``) or None; ``model``: the model's grads and params, where the one-pass
+    kernel uses them in place; ``deferred``: a step's work is left queued past it (``DeferredWork``),
+    so ``end`` leaves the caller's stream as it is."""
 
-    def __init__(self, device_update: DeviceUpdate, subgroups: Sequence[Subgroup],
-                 segments: Sequence[Sequence[Segment]], grad_source, adam: AdamKernel,
-                 on_params, param_high, in_device_memory: Callable[[int], bool], trace=None, read_ahead=None,
-                 model: Optional[ModelBuffers] = None):
-        self.device_update, self.subgroups, self.segments = device_update, subgroups, segments
-        self.model = model  # the model's grads and params, where the one-pass kernel uses them in place
-        self.read_ahead = read_ahead  # read_ahead.ReadAhead, or None
-        self.grad_source, self.adam, self.on_params, self.param_high = grad_source, adam, on_params, param_high
-        self.in_device_memory, self.trace = in_device_memory, trace  # (where the placement has it now)
+    asynchronous = True  # ``update`` queues the work on the device's streams
+
+    def __init__(self, inputs: SideInputs, device_update: DeviceUpdate, adam: AdamKernel,
+                 in_device_memory: Callable[[int], bool], read_ahead=None, model: Optional[ModelBuffers] = None,
+                 deferred: bool = False):
+        self.device_update, self.subgroups, self.segments = device_update, inputs.subgroups, inputs.segments
+        self.grad_source, self.on_params, self.param_high = inputs.grad_source, inputs.on_params, inputs.param_high
+        self.trace, self.adam, self.model = inputs.trace, adam, model
+        self.read_ahead, self.deferred = read_ahead, deferred
+        self.in_device_memory = in_device_memory
         self.streams = device_update.streams
         self.ctx: Optional[StepContext] = None
 
-    def begin(self, ctx: StepContext, order: Sequence[int] = ()) -> None:
+    def begin(self, ctx: StepContext, order: Sequence[int]) -> None:
         """Its streams see what the caller's stream did (backward's grads, the params)."""
         self.ctx = ctx
         self.streams.after_caller()
 
     def end(self) -> None:
-        """The caller's stream sees the params the update wrote (not for a deferred step)."""
-        self.streams.before_caller()
+        """The caller's stream sees the params the update wrote (a deferred step: left to the
+        deferral, which the next forward waits on subgroup by subgroup)."""
+        if not self.deferred:
+            self.streams.before_caller()
 
-    def update(self, i: int, views, written=None) -> object:
+    def update(self, i: int, views) -> object:
         """Queue subgroup ``i``'s update (in place where it lives in device memory, else streamed
-        through it); returns the fence of its last copy. ``written``: the fence of a copy out that
-        may still write its host state (its copy in follows it)."""
+        through it); returns the fence of its last copy. A deferred step's copy out that may still
+        write its host state (``ctx.written``) is followed by its copy in."""
         ctx, sg = self.ctx, self.subgroups[i]
-        groups, step, unscale, clip_coef = ctx.groups, ctx.step, ctx.unscale, ctx.clip_coef
         views.sync_fence()  # a copy of its params from this buffer may still run (host state)
         resident = self.in_device_memory(i)
+        written = ctx.written.get(i)
         pre = ahead = None
         if self.read_ahead is not None and not resident:
             pre = ahead = self.read_ahead.take(i)
             if pre is None:  # through the read-ahead's buffers as a ring, where one is free
                 pre = self.read_ahead.stream_in(list(views.narrow(sg.numel)), written)
         t0 = time.perf_counter()
-        fence = self.device_update.update(
-            sg, list(views.narrow(sg.numel)), resident, self.segments[i],
-            lambda out: self.grad_source.to_device(sg.start, sg.end, out, unscale, clip_coef),
-            lambda p, g, m, v, group, span: adam_piece(self.adam, groups, p, g, m, v, group, span, step),
-            self.on_params, self.param_high.to_device if self.param_high is not None else None,
-            hyper=lambda g: hyper_of(groups[g]), step=step, pre_read=pre, written=written, model=self.model,
-            grad_scale=(unscale, clip_coef))
+        job = DeviceJob(sg, list(views.narrow(sg.numel)), resident, self.segments[i], pre, written)
+        fence = self.device_update.update(job, self._io(ctx, sg))
         if pre is not None:
             self.read_ahead.returned(pre, fence)
             ctx.record.read_ahead += ahead is not None
         t1 = time.perf_counter()
         ctx.record.device_s += t1 - t0
         if self.trace is not None:
-            self.trace.compute("device update queued", t0, t1, subgroup=i, step=step, elements=sg.numel)
+            self.trace.compute("device update queued", t0, t1, subgroup=i, step=ctx.step, elements=sg.numel)
         return fence
+
+    def _io(self, ctx: StepContext, sg: Subgroup) -> DeviceIO:
+        """Subgroup ``sg``'s grads, kernel and params' way back for this step."""
+        groups, step, unscale, clip_coef = ctx.groups, ctx.step, ctx.unscale, ctx.clip_coef
+        return DeviceIO(
+            lambda out: self.grad_source.to_device(sg.start, sg.end, out, unscale, clip_coef),
+            lambda p, g, m, v, group, span: adam_piece(self.adam, groups, p, g, m, v, group, span, step),
+            self.on_params, self.param_high.to_device if self.param_high is not None else None,
+            hyper=lambda g: hyper_of(groups[g]), step=step, model=self.model, grad_scale=(unscale, clip_coef))

@@ -1,18 +1,21 @@
 """The step loop: one AdamW update over every subgroup, each through acquire -> side.update -> release.
 
-The device's subgroups held in memory (gpu or host tier) go first, all of them: the device works
-through them while the CPU runs its share (queued as the loop reached them, the device idled during
-each CPU Adam). Deferred (``defer_device_wait``), they are handed to ``DeferredWork``, which queues
-them as the next forward needs them. Then every other subgroup in the schedule's order: its state
-where it is held, or read into a pipeline buffer; the side that updates it (``context.UpdateSide``);
-its buffer back once the side's fence allows. A checkpoint writer's snapshot is guarded before each
-update. The engine builds one loop at start-up and calls ``run`` each step; what surrounds a step
-(settling, skipping, the next step's reads, the record's totals) stays in the engine.
+Each subgroup's update runs on the side the placement names (``context.UpdateSide``, one per value of
+``placement.update_on``); the loop never asks which side it holds, only whether a side is
+asynchronous. An asynchronous side's subgroups held in memory (gpu or host tier) go first, all of
+them: it works through them while the host runs the rest (queued as the loop reached them).
+Deferred (``defer_device_wait``), they are handed to ``DeferredWork``, which queues them as the next
+forward needs them. Then every other subgroup in the schedule's order: its state where it is held,
+or read into a pipeline buffer; its side's update; its buffer back once the side's fence allows. A
+checkpoint writer's snapshot is guarded before each update. The engine builds one loop at start-up
+and calls ``run`` each step; what surrounds a step (settling, skipping, the next step's reads, the
+record's totals) stays in the engine.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -25,26 +28,39 @@ from ..plan.prediction import Prediction
 from ..plan.schedule import StepSchedule
 from .read_ahead import ReadAhead
 from .context import Fence, StepContext, UpdateSide
-from ..subgroups import Subgroup
-from ..telemetry import StepRecord
+from ..subgroups.partition import Subgroup
+from ..telemetry.traffic import StepRecord
 
-InFlight = List[Tuple[int, Fence]]  # device-updated subgroups whose last copy may still run
+InFlight = List[Tuple[int, Fence]]  # asynchronous updates whose last copy may still run
+
+
+@dataclass(frozen=True)
+class AcrossSteps:
+    """The device's work that reaches past one step: ``deferred`` (``defer_device_wait``: the update
+    left queued under the next forward) and ``read_ahead`` (the next step's copies in, begun early)."""
+    deferred: Optional[DeferredWork] = None
+    read_ahead: Optional[ReadAhead] = None
+
+
+@dataclass(frozen=True)
+class EngineHooks:
+    """What the loop asks the engine each step: its ``prediction`` now (it changes as the engine
+    re-plans) and ``before_update(i)``, the checkpoint writer's guard of subgroup i."""
+    prediction: Callable[[], Prediction]
+    before_update: Callable[[int], None]
 
 
 class StepLoop:
     """Built once with what every step needs. ``placement`` is the engine's (changed in place between
-    steps); ``prediction`` and ``before_update`` are asked each step, as the engine's change."""
+    steps); ``sides``: per value of its ``update_on``, the side that updates those subgroups;
+    ``resident``: the views of the subgroups held in memory."""
 
-    def __init__(self, subgroups: Sequence[Subgroup], placement: Placement,
-                 cpu_side: UpdateSide, device_side: Optional[UpdateSide], pipeline: SlotPipeline,
-                 resident: Dict[int, StateViews], deferred: Optional[DeferredWork],
-                 read_ahead: Optional[ReadAhead], prediction: Callable[[], Prediction],
-                 before_update: Callable[[int], None]):
-        self.subgroups, self.placement = subgroups, placement
-        self.cpu_side, self.device_side = cpu_side, device_side
+    def __init__(self, subgroups: Sequence[Subgroup], placement: Placement, sides: Mapping[str, UpdateSide],
+                 pipeline: SlotPipeline, resident: Dict[int, StateViews], across: AcrossSteps, hooks: EngineHooks):
+        self.subgroups, self.placement, self.sides = subgroups, placement, dict(sides)
         self.pipeline, self.resident = pipeline, resident
-        self.deferred, self.read_ahead = deferred, read_ahead
-        self.prediction, self.before_update = prediction, before_update
+        self.deferred, self.read_ahead = across.deferred, across.read_ahead
+        self.hooks = hooks
 
     def run(self, step: int, unscale, clip_coef, groups: Sequence[dict],
             written: Mapping[int, Fence] = MappingProxyType({})) -> StepRecord:
@@ -52,53 +68,25 @@ class StepLoop:
         is stored on the pipeline: the engine refuses to go on after it. ``written``: per subgroup, the
         fence of the last deferred step's copy out of its state, which may still run (``DeferredWork.
         release``): a device update's copy in follows it, the CPU waits for it before reading."""
-        sched, on = self.pipeline.schedule, self.placement.update_on
-        ctx = self._context(step, unscale, clip_coef, groups, sched)
-        self.cpu_side.begin(ctx, [i for i in sched.order if on[i] == CPU])
-        if self.device_side is not None:
-            self.device_side.begin(ctx)
-        held = self.device_held_order(sched)
-        if self.read_ahead is not None:
-            self.read_ahead.keep_only(held)
-        in_flight: InFlight = []
-
-        def update(i, views):
-            self.before_update(i)  # a checkpoint writer may still need it as it is
-            fence = written.get(i)
-            if on[i] == DEVICE:
-                return self.device_side.update(i, views, fence)
-            if fence is not None:
-                fence.synchronize()
-            return self.cpu_side.update(i, views)
+        sched = self.pipeline.schedule
+        ctx = self._context(step, unscale, clip_coef, groups, written)
+        self._begin_sides(ctx, sched)
         try:
-            if self.deferred is not None:
-                ctx.record.deferred_device_s = self.deferred.take_seconds()
-                self.deferred.begin(held, lambda i: update(i, self.resident[i]), self.read_next_step_ahead)
-            else:
-                in_flight = [(i, update(i, self.resident[i])) for i in held]
-            halfway = sched.order[len(sched.order) // 2]
-            for i in sched.order:
-                if i == halfway:
-                    fault_point("update")
-                if self.deferred is not None:
-                    self.deferred.keep_busy()
-                if on[i] == DEVICE and i in self.resident:
-                    continue  # (above)
-                views = self._acquire(i, in_flight, ctx.record)
-                self._release(i, update(i, views), in_flight, ctx.record)
-            self._finish_device(in_flight, ctx.record, keep=0)  # streamed buffers back to the pipeline
-            if self.deferred is None and self.device_side is not None:
-                self.device_side.end()
+            in_flight = self._update_held_first(ctx, sched)
+            self._update_in_order(ctx, sched, in_flight)
+            self._finish(in_flight, ctx.record, keep=0)  # streamed buffers back to the pipeline
+            for side in self.sides.values():
+                side.end()
         except BaseException as err:
             self.pipeline.failure = err
             raise
         return ctx.record
 
-    def device_held_order(self, sched: StepSchedule) -> List[int]:
-        """The subgroups held in memory (gpu or host tier) the device updates, in the order it takes
-        them: a deferred step in the next forward's order (descending), else the schedule's."""
-        on = self.placement.update_on
-        held = [i for i in sched.order if on[i] == DEVICE and i in self.resident]
+    def held_first_order(self, sched: StepSchedule) -> List[int]:
+        """The subgroups held in memory (gpu or host tier) that an asynchronous side updates, in the
+        order it takes them: a deferred step in the next forward's order (descending), else the
+        schedule's."""
+        held = [i for i in sched.order if i in self.resident and self._side_of(i).asynchronous]
         return sorted(held, reverse=True) if self.deferred is not None else held
 
     def read_next_step_ahead(self, written: Mapping[int, object]) -> None:
@@ -106,13 +94,62 @@ class StepLoop:
         ``written[i]`` (the fence of the copy out that last wrote it, where one may still run)."""
         if self.read_ahead is None:
             return
-        held = self.device_held_order(self.pipeline.schedule)
+        held = self.held_first_order(self.pipeline.schedule)
         picks = [(i, self.resident[i].narrow(self.subgroups[i].numel), written.get(i))
                  for i in held if self.placement.tier_of[i] != GPU_TIER]
         self.read_ahead.issue(picks)
 
-    def _context(self, step: int, unscale, clip_coef, groups: Sequence[dict], sched: StepSchedule) -> StepContext:
-        on, pred = self.placement.update_on, self.prediction()
+    # -- the steps of ``run`` ----------------------------------------------------------------------
+    def _side_of(self, i: int) -> UpdateSide:
+        return self.sides[self.placement.update_on[i]]
+
+    def _begin_sides(self, ctx: StepContext, sched: StepSchedule) -> None:
+        """Each side is told the step and its subgroups in update order."""
+        on = self.placement.update_on
+        for kind, side in self.sides.items():
+            side.begin(ctx, [i for i in sched.order if on[i] == kind])
+
+    def _update(self, side: UpdateSide, i: int, views: StateViews) -> Fence:
+        self.hooks.before_update(i)  # a checkpoint writer may still need it as it is
+        return side.update(i, views)
+
+    def _update_held_first(self, ctx: StepContext, sched: StepSchedule) -> InFlight:
+        """The asynchronous sides' subgroups held in memory, queued now (or handed to the deferral);
+        their fences, where they are waited for in this step."""
+        held = self.held_first_order(sched)
+        if self.read_ahead is not None:
+            self.read_ahead.keep_only(held)
+        sides = {i: self._side_of(i) for i in held}  # (a deferred launch may come after a re-placement)
+        if self.deferred is None:
+            return [(i, self._update(sides[i], i, self.resident[i])) for i in held]
+        ctx.record.deferred_device_s = self.deferred.take_seconds()
+        self.deferred.begin(held, lambda i: self._update(sides[i], i, self.resident[i]), self.read_next_step_ahead)
+        return []
+
+    def _update_in_order(self, ctx: StepContext, sched: StepSchedule, in_flight: InFlight) -> None:
+        """Every subgroup not taken first, in the schedule's order: acquired, updated, released."""
+        first = set(self.held_first_order(sched))
+        halfway = sched.order[len(sched.order) // 2]
+        for i in sched.order:
+            if i == halfway:
+                fault_point("update")
+            if self.deferred is not None:
+                self.deferred.keep_busy()
+            if i in first:
+                continue
+            side = self._side_of(i)
+            views = self._acquire(i, in_flight, ctx.record)
+            self._release(i, side, self._update(side, i, views), in_flight, ctx.record)
+
+    def _context(self, step: int, unscale, clip_coef, groups: Sequence[dict],
+                 written: Mapping[int, Fence]) -> StepContext:
+        rec = self._record(step, self.pipeline.schedule)
+        # copies: a deferred launch may come after the caller's scheduler changed the groups
+        return StepContext(step, unscale, clip_coef, [dict(group) for group in groups], rec, written)
+
+    def _record(self, step: int, sched: StepSchedule) -> StepRecord:
+        """The step's record, with its counts and the prediction's figures."""
+        on, pred = self.placement.update_on, self.hooks.prediction()
         rec = StepRecord(step=step, streamed=len(sched.streamed), resident=len(self.resident),
                          predicted_update_s=pred.update_s, predicted_adam_s=pred.adam_s,
                          predicted_device_s=pred.device_s, device_updated=on.count(DEVICE),
@@ -120,33 +157,32 @@ class StepLoop:
         if self.deferred is not None:
             rec.predicted_deferred_s, rec.predicted_serial_s = pred.deferred_s, pred.serial_s
             rec.predicted_deferred_in_hbm_s = pred.deferred_in_hbm_s
-        # copies: a deferred launch may come after the caller's scheduler changed the groups
-        return StepContext(step, unscale, clip_coef, [dict(group) for group in groups], rec)
+        return rec
 
     def _acquire(self, i: int, in_flight: InFlight, rec: StepRecord) -> StateViews:
         """Subgroup ``i``'s state: where it is held, or read into a pipeline buffer (waiting for the
-        device's streamed updates where the read needs a buffer they hold)."""
+        asynchronous updates where the read needs a buffer they hold)."""
         if i in self.resident:
             views = self.resident[i]
             views.sync_fence()
             return views
         if i not in self.pipeline.slot_of:
-            self._finish_device(in_flight, rec, keep=0)
+            self._finish(in_flight, rec, keep=0)
         views, hit = self.pipeline.await_state(i, rec)
         rec.cache_hits += hit
         return views
 
-    def _release(self, i: int, fence: Fence, in_flight: InFlight, rec: StepRecord) -> None:
-        """After subgroup ``i``'s update was issued: a device update keeps its buffer until its fence
-        (the device works on while the next is set up); a CPU one is done, its buffer goes back."""
-        if self.placement.update_on[i] == DEVICE:
+    def _release(self, i: int, side: UpdateSide, fence: Fence, in_flight: InFlight, rec: StepRecord) -> None:
+        """After subgroup ``i``'s update was issued: an asynchronous side keeps its buffer until its
+        fence (it works on while the next is set up); otherwise it is done, its buffer goes back."""
+        if side.asynchronous:
             in_flight.append((i, fence))
-            self._finish_device(in_flight, rec, keep=1)
+            self._finish(in_flight, rec, keep=1)
         elif i not in self.resident:
             self.pipeline.release(i)
 
-    def _finish_device(self, pending: InFlight, rec: StepRecord, keep: int) -> None:
-        """Wait for the oldest device updates until ``keep`` remain; their host buffers are then free."""
+    def _finish(self, pending: InFlight, rec: StepRecord, keep: int) -> None:
+        """Wait for the oldest asynchronous updates until ``keep`` remain; their host buffers are then free."""
         while len(pending) > keep:
             i, fence = pending.pop(0)
             t0 = time.perf_counter()

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Dict, Optional
 
 import torch
-from ..units import GiB
+from ..config.units import GiB
 
 
 

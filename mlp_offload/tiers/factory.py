@@ -8,7 +8,7 @@ from typing import Dict, Optional
 from ..config import GPU_TIER, HOST_TIER, OffloadConfig
 from .base import ResidentTier
 from .device import DeviceMemory
-from .files import FileTier
+from .files import FileIo, FileTier, TierOwner
 from .host import HostMemory
 from .tokens import TierTokens
 
@@ -26,10 +26,10 @@ def resident_tiers(cfg: OffloadConfig) -> Dict[str, ResidentTier]:
 
 def file_tier(cfg: OffloadConfig, name: str, tokens: Optional[TierTokens]) -> FileTier:
     try:
-        return FileTier(name, cfg.paths[name], cfg.resolved_run_id(), cfg.rank, cfg.io_block_bytes,
-                        cfg.io_threads, op_threads=cfg.prefetch_depth + 2, use_odirect=cfg.use_odirect,
-                        verify_checksums=cfg.verify_checksums, tokens=tokens, lock_root=cfg.lock_dir,
-                        reports_stale=cfg.local_rank == 0)
+        return FileTier(name, cfg.paths[name], TierOwner(cfg.resolved_run_id(), cfg.rank, cfg.local_rank == 0),
+                        FileIo(cfg.io_block_bytes, cfg.io_threads, op_threads=cfg.prefetch_depth + 2,
+                               use_odirect=cfg.use_odirect, verify_checksums=cfg.verify_checksums),
+                        tokens=tokens, lock_root=cfg.lock_dir)
     except BaseException:
         if tokens is not None:
             tokens.close()

@@ -21,10 +21,10 @@ from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
-from .align import ALIGN
+from ..config.align import ALIGN
 from .housekeeping import claim, release
 from .tokens import TierTokens
-from ..units import GiB
+from ..config.units import GiB
 
 log = logging.getLogger("mlp_offload")
 
@@ -64,52 +64,59 @@ def check_tier_dir(name: str, path: str) -> str:
     return os.path.realpath(path)
 
 
+@dataclass(frozen=True)
+class TierOwner:
+    """Whose files a tier holds: the run and the rank (``<root>/mlp_offload/<run_id>/rank<r>/``);
+    ``reports_stale``: whether this rank lists other runs' stale namespaces (the node's first)."""
+    run_id: str
+    rank: int
+    reports_stale: bool = True
+
+
+@dataclass(frozen=True)
+class FileIo:
+    """How a tier moves its files: blocks of ``block_bytes`` on ``io_threads`` threads, whole
+    operations on ``op_threads``; O_DIRECT where the file system has it; block checksums checked."""
+    block_bytes: int
+    io_threads: int
+    op_threads: int
+    use_odirect: bool = True
+    verify_checksums: bool = True
+
+
 class FileTier:
     """Subgroup files of one rank under ``<root>/mlp_offload/<run_id>/rank<r>/`` (a
     ``tiers.base.StreamedTier``). ``tokens`` are the node-wide turns on this path; None only for
-    the bandwidth probe, which holds the path's probe lock (under ``lock_root``) instead.
-    ``reports_stale``: whether this rank lists other runs' stale namespaces (the node's first)."""
+    the bandwidth probe, which holds the path's probe lock (under ``lock_root``) instead."""
 
     kind = "streamed"
 
-    def __init__(
-        self,
-        name: str,
-        root: str,
-        run_id: str,
-        rank: int,
-        block_bytes: int,
-        io_threads: int,
-        op_threads: int,
-        use_odirect: bool = True,
-        verify_checksums: bool = True,
-        tokens: Optional[TierTokens] = None,
-        lock_root: Optional[str] = None,
-        reports_stale: bool = True,
-    ):
+    def __init__(self, name: str, root: str, owner: TierOwner, io: FileIo, tokens: Optional[TierTokens] = None,
+                 lock_root: Optional[str] = None):
         self.name = name
         self.root = check_tier_dir(name, root)
         try:
-            self.dir = claim(self.root, run_id, rank, field=f"paths[{name!r}]", reports_stale=reports_stale)
+            self.dir = claim(self.root, owner.run_id, owner.rank, field=f"paths[{name!r}]",
+                             reports_stale=owner.reports_stale)
         except OSError as err:
             raise TierPathError(f"paths[{name!r}] {root}: cannot create this rank's directory: {err}") from err
         self.device = os.stat(self.root).st_dev  # tiers on one device share its bandwidth
-        self.block_bytes = block_bytes
-        self.io_threads = io_threads
-        self.verify_checksums = verify_checksums
+        self.block_bytes = io.block_bytes
+        self.io_threads = io.io_threads
+        self.verify_checksums = io.verify_checksums
         self.tokens = tokens
         self.lock_root = lock_root  # the node-local lock files' directory (None: tokens.default_lock_root)
-        self.odirect = use_odirect and self._odirect_supported()
-        if use_odirect and not self.odirect:
+        self.odirect = io.use_odirect and self._odirect_supported()
+        if io.use_odirect and not self.odirect:
             log.warning(
                 "tier %s (%s): the file system does not support O_DIRECT (tmpfs?); "
                 "using buffered I/O, so bandwidths include the page cache",
                 name,
                 self.root,
             )
-        self._blocks = ThreadPoolExecutor(io_threads, thread_name_prefix=f"mlp-io-{name}")
-        self._ops = ThreadPoolExecutor(op_threads, thread_name_prefix=f"mlp-op-{name}")
-        self._op_threads = op_threads
+        self._blocks = ThreadPoolExecutor(io.io_threads, thread_name_prefix=f"mlp-io-{name}")
+        self._ops = ThreadPoolExecutor(io.op_threads, thread_name_prefix=f"mlp-op-{name}")
+        self._op_threads = io.op_threads
         self._crcs: Dict[str, List[int]] = {}
         self._sizes: Dict[str, int] = {}
         # Keys whose file has a second name (a checkpoint snapshot's link): their next write goes to
@@ -224,11 +231,11 @@ class FileTier:
             try:
                 os.unlink(path)
             except OSError as err:
-                raise self._io_error("unlink", path, err) from err
+                raise self.io_error("unlink", path, err) from err
         try:
             fd = self._open(path, os.O_WRONLY | os.O_CREAT)
         except OSError as err:
-            raise self._io_error("open for writing", path, err) from err
+            raise self.io_error("open for writing", path, err) from err
         try:
             blocks = list(self._blocks_of(extents))
             futures = [self._blocks.submit(_pwrite_block, fd, off, mv, self.verify_checksums) for off, mv in blocks]
@@ -246,7 +253,7 @@ class FileTier:
         try:
             fd = self._open(path, os.O_RDONLY)
         except OSError as err:
-            raise self._io_error("open for reading", path, err) from err
+            raise self.io_error("open for reading", path, err) from err
         try:
             blocks = list(self._blocks_of(extents))
             futures = [self._blocks.submit(_pread_block, fd, off, mv, self.verify_checksums) for off, mv in blocks]
@@ -274,12 +281,13 @@ class FileTier:
             elif isinstance(err, TierDataError):
                 raise TierDataError(f"tier {self.name}: {path}: {err}") from err
             elif isinstance(err, OSError):
-                raise self._io_error(what, path, err) from err
+                raise self.io_error(what, path, err) from err
             else:
                 raise err
         return results
 
-    def _io_error(self, what: str, path: str, err: OSError) -> TierIOError:
+    def io_error(self, what: str, path: str, err: OSError) -> TierIOError:
+        """The error a failed ``what`` on ``path`` raises: the tier, the file and the likely cause."""
         hint = {
             errno.ENOSPC: f"the file system is full ({self.free_bytes() / GiB:.2f} GiB free); "
             f"free space, use another paths[{self.name!r}], or raise host_budget_bytes",

@@ -6,6 +6,7 @@ import shutil
 import pytest
 import torch
 
+from mlp_offload import ModelLink
 from mlp_offload import (
     OffloadConfig, OffloadConfigError, OffloadedAdamW, OffloadStateError, PlacementError, TierPathError,
     parse_bandwidths,
@@ -104,7 +105,7 @@ def test_host_only_budget_too_small():
 
 def _engine_with_files_written(tmp_path, seen):
     cfg = fast_config(tmp_path, tiers=["nvme"], subgroup_size=4_000, cache_alternating=False, prefetch_depth=1)
-    eng = OffloadedAdamW(torch.randn(20_000), cfg, on_params_updated=lambda a, b, p: seen.append(a))
+    eng = OffloadedAdamW(torch.randn(20_000), cfg, model=ModelLink(on_params_updated=lambda a, b, p: seen.append(a)))
     eng.grad_buffer.normal_()
     eng.step()
     eng.flush()
@@ -115,7 +116,7 @@ def _damage_then_step(eng, seen, damage):
     seen.clear()
     # Damage a subgroup that is not already prefetched for the next step.
     victim = eng.subgroups[-1]
-    path = eng._tiers["nvme"].path_of(f"sg{victim.index:06d}.state")
+    path = eng.file_tiers["nvme"].path_of(f"sg{victim.index:06d}.state")
     damage(path)
     with pytest.raises(OffloadStateError) as info:
         eng.step()
@@ -156,7 +157,7 @@ def test_tier_directory_disappears(tmp_path):
     seen = []
     eng = _engine_with_files_written(tmp_path, seen)
     try:
-        shutil.rmtree(eng._tiers["nvme"].dir)
+        shutil.rmtree(eng.file_tiers["nvme"].dir)
         with pytest.raises(OffloadStateError, match="subgroup 4.*disappeared|No such file"):
             eng.step()
     finally:

@@ -12,7 +12,7 @@ import torch
 
 from mlp_offload.plan import probe_cache
 from mlp_offload.plan.rates import probe_tier
-from mlp_offload.tiers.files import FileTier
+from mlp_offload.tiers.files import FileIo, FileTier, TierOwner
 from mlp_offload.tiers.host import HostMemory
 from mlp_offload.tiers.tokens import JobTokens, JobTokensStalled, TierTokens, path_key
 
@@ -56,7 +56,7 @@ def test_the_adapter_reads_the_environment_into_the_config(monkeypatch, env, loc
 
 
 def _probe(root, lock_root=None):
-    tier = FileTier("pfs", str(root), "probe", 0, 64 * 1024, 2, op_threads=4, lock_root=lock_root)
+    tier = FileTier("pfs", str(root), TierOwner("probe", 0), FileIo(64 * 1024, 2, op_threads=4), lock_root=lock_root)
     try:
         return probe_tier(tier, HostMemory(None, pin=False).allocate(4 << 20, "probe", counted=False))
     finally:
@@ -159,7 +159,7 @@ def test_job_scope_is_checked_when_the_engine_is_built(tmp_path):
     store, _ = _store()
     with OffloadedAdamW(torch.zeros(30_000), fast_config(tmp_path, tiers=["nvme"], token_scope={"nvme": "job"}),
                         token_store=store) as eng:
-        assert isinstance(eng._tiers["nvme"].tokens, JobTokens)
+        assert isinstance(eng.file_tiers["nvme"].tokens, JobTokens)
         eng.grad_buffer.fill_(1)
         eng.step()
         eng.step()

@@ -5,6 +5,7 @@ torch.optim.AdamW's bit for bit."""
 
 import torch
 
+from mlp_offload import ModelLink
 from mlp_offload import OffloadConfig, OffloadedAdamW
 
 from .helpers import engine_state
@@ -20,9 +21,9 @@ def test_lazily_queued_deferred_steps_equal_adamw_with_a_changing_lr():
     opt = torch.optim.AdamW([ref], lr=LRS[0], betas=BETAS, eps=EPS, weight_decay=WD, fused=True)
     cfg = OffloadConfig(tiers=["host"], subgroup_size=SUBGROUP, update_on="device", defer_device_wait=True)
     eng = OffloadedAdamW(init.clone(), cfg, lr=LRS[0], betas=BETAS, eps=EPS, weight_decay=WD,
-                         grad_dtype=torch.bfloat16)
+                         model=ModelLink(grad_dtype=torch.bfloat16))
     try:
-        deferred = eng._deferred
+        deferred = eng.update_paths.deferred
         n = len(eng.subgroups)
         assert n == NUMEL // SUBGROUP
         for step, lr in enumerate(LRS):
@@ -75,15 +76,15 @@ def test_the_next_step_follows_each_subgroups_last_copy_out_without_the_host_wai
     made, given = [], []
     real = DeviceUpdate.update
 
-    def update(self, sg, *args, written=None, **kwargs):
-        real(self, sg, *args, written=written, **kwargs)
-        given.append((sg.index, written))
-        made.append(_Fence(sg.index))
+    def update(self, job, io):
+        real(self, job, io)
+        given.append((job.sg.index, job.written))
+        made.append(_Fence(job.sg.index))
         return made[-1]
 
     monkeypatch.setattr(DeviceUpdate, "update", update)
     cfg = OffloadConfig(tiers=["host"], subgroup_size=SUBGROUP, update_on="device", defer_device_wait=True)
-    eng = OffloadedAdamW(torch.zeros(NUMEL), cfg, lr=LRS[0], grad_dtype=torch.bfloat16)
+    eng = OffloadedAdamW(torch.zeros(NUMEL), cfg, lr=LRS[0], model=ModelLink(grad_dtype=torch.bfloat16))
     try:
         n = len(eng.subgroups)
         made.clear(), given.clear()  # (the start-up timed the device update on a sample)

@@ -8,12 +8,13 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from mlp_offload import ModelLink
 from mlp_offload import OffloadConfig, OffloadConfigError, OffloadedAdamW, PlacementError
 from mlp_offload.checkpoint import load_engine_state
-from mlp_offload.checkpoint_write import save_engine_state
+from mlp_offload.checkpoint.write import save_engine_state
 from mlp_offload.plan.placement import CPU, DEVICE, UpdateRates, split_updates
 from mlp_offload.relocation import device_change
-from mlp_offload.subgroups import partition
+from mlp_offload.subgroups.partition import partition
 
 from .helpers import BETAS, EPS, LR, WD, adamw_reference, assert_state_equals_reference, device_config, engine_state
 from .strategies import DEVICE_RATES as RATES, device_setups
@@ -35,7 +36,7 @@ def test_tier_mixes_and_update_sides_match_torch_adamw(case, seed):
     with tempfile.TemporaryDirectory() as root:
         cfg = device_config(setup, extra, root)
         with OffloadedAdamW(init.clone(), cfg, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, groups=setup.groups,
-                            on_params_updated=lambda a, b, p: seen.append((a, b, p.clone()))) as eng:
+                            model=ModelLink(on_params_updated=lambda a, b, p: seen.append((a, b, p.clone())))) as eng:
             for step in range(3):
                 grad = (torch.randn(setup.numel, generator=gen) * 10).to(torch.bfloat16)
                 eng.grad_buffer.copy_(grad)
@@ -175,7 +176,7 @@ def test_split_and_prediction_use_the_rates_measured_side_by_side(n, cpu, dev, s
     """Where both sides work, each is priced at the rate measured beside the other (a reference
     computed here from the sides the split chose); a side alone keeps its solo rate."""
     from mlp_offload.plan.placement import Placement
-    from mlp_offload.plan.prediction import predict_update
+    from mlp_offload.plan.prediction import MeasuredRates, predict_update
 
     subgroups = partition(n * 1000, 1000)
     tier_of = ["gpu" if i < gpu else "host" for i in range(n)]
@@ -186,7 +187,7 @@ def test_split_and_prediction_use_the_rates_measured_side_by_side(n, cpu, dev, s
     assert sides == split_updates(subgroups, tier_of, "auto", UpdateRates(
         cpu=cpu * slow, device_resident=20 * dev, device_streamed=dev * slow))
     placement = Placement(tier_of=tier_of, slots=0, cache_slots=0, resident_bytes={}, update_on=sides)
-    pred = predict_update(subgroups, placement, {}, cpu, 1e30, update_rates=rates)
+    pred = predict_update(subgroups, placement, MeasuredRates({}, cpu, 1e30, rates))
     streams = any(s == DEVICE and t == "host" for s, t in zip(sides, tier_of))
     cpu_rate = cpu * slow if streams else cpu
     stream_rate = dev * slow if CPU in sides else dev

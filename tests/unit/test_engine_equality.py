@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from mlp_offload import ModelLink
 from mlp_offload import OffloadConfig, OffloadedAdamW
 
 from .helpers import BETAS, EPS, LR, WD, engine_state, fast_config
@@ -17,7 +18,7 @@ def assert_equals_adamw(cfg, numel, grad_dtype, steps=5, seed=0, unscale=None, c
     opt = torch.optim.AdamW([ref], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
                             fused=kernel_fused, foreach=False if not kernel_fused else None)
     eng = OffloadedAdamW(init.clone(), cfg, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
-                         grad_dtype=grad_dtype)
+                         model=ModelLink(grad_dtype=grad_dtype))
     records = []
     try:
         for _ in range(steps):
@@ -146,7 +147,7 @@ def test_callback_sees_every_updated_subgroup_once(tmp_path):
         seen.append((start, end))
         out[start:end].copy_(params)
 
-    with OffloadedAdamW(torch.randn(17_000), cfg, on_params_updated=copy_back) as eng:
+    with OffloadedAdamW(torch.randn(17_000), cfg, model=ModelLink(on_params_updated=copy_back)) as eng:
         for step in range(3):
             seen.clear()
             eng.grad_buffer.normal_()
@@ -196,7 +197,8 @@ def test_gradient_source_double_buffering(tmp_path, tiers):
     ref = torch.nn.Parameter(init.clone())
     opt = torch.optim.AdamW([ref], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True)
     cfg = fast_config(tmp_path, tiers=tiers, subgroup_size=7_000)
-    with OffloadedAdamW(init.clone(), cfg, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, grad_source=source) as eng:
+    with OffloadedAdamW(init.clone(), cfg, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                        model=ModelLink(grad_source=source)) as eng:
         assert eng.grad_buffer is None
         for _ in range(4):
             source.grads = (torch.randn(numel) * 3).to(torch.bfloat16)

@@ -14,10 +14,11 @@ from hypothesis import strategies as st
 
 from tests.profiles import examples
 
+from mlp_offload import ModelLink
 from mlp_offload import (
     HostMemoryError, OffloadConfigError, OffloadedAdamW, PlacementError, TierPathError, parse_bandwidths,
 )
-from mlp_offload.subgroups import partition
+from mlp_offload.subgroups.partition import partition
 
 from .helpers import BETAS, EPS, LR, WD, adamw_reference, assert_state_equals_reference
 from .strategies import TIER_MIXES, MiB, Setup, fixed_setup, setups
@@ -47,7 +48,7 @@ def test_valid_configurations_start_and_match_torch_adamw(setup, grad_dtype, sca
     unscale, clip = scaling
     with tempfile.TemporaryDirectory() as root:
         with OffloadedAdamW(init.clone(), setup.config(root), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
-                            groups=setup.groups, grad_dtype=grad_dtype) as eng:
+                            groups=setup.groups, model=ModelLink(grad_dtype=grad_dtype)) as eng:
             for _ in range(3):
                 grad = (torch.randn(setup.numel, generator=gen) * 10).to(grad_dtype)
                 eng.grad_buffer.copy_(grad)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from mlp_offload import OffloadedAdamW
+from mlp_offload import ModelLink, OffloadedAdamW
 from mlp_offload.step import update_paths as paths_module
 from mlp_offload.kernels.fused_update import (PLAIN, SAMPLE_HYPERS, VARIANTS, AdamHyper, ReferenceOnePass, matches, multi_pass_step,
                                       sample_state, verified_fused_update)
@@ -40,7 +40,7 @@ def _run_config(setup, cfg, remainders, one_pass, seed=0):
     gen = torch.Generator().manual_seed(seed)
     init = torch.randn(setup.numel, generator=gen).to(torch.bfloat16 if remainders else torch.float32)
     model = ModelParams(init.clone())
-    kwargs = dict(on_params_updated=model.on_params, param_high=model.source) if remainders else {}
+    kwargs = dict(model=ModelLink(on_params_updated=model.on_params, param_high=model.source)) if remainders else {}
     used = []
     real = paths_module.verified_fused_update
 
@@ -53,10 +53,10 @@ def _run_config(setup, cfg, remainders, one_pass, seed=0):
     try:
         with OffloadedAdamW(init.clone(), cfg, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, groups=setup.groups,
                             **kwargs) as eng:
-            if one_pass and eng._device_update is not None and eng.device_adam.kind != "fused":
-                assert used and eng._device_update.fused is not None
+            if one_pass and eng.update_paths.device_update is not None and eng.device_adam.kind != "fused":
+                assert used and eng.update_paths.device_update.fused is not None
                 # the model's buffers where the model is given (remainders) and the config lets it
-                assert eng._device_update.on_model_buffers == (remainders and cfg.device_model_buffers)
+                assert eng.update_paths.device_update.on_model_buffers == (remainders and cfg.device_model_buffers)
             for k in range(3):
                 eng.grad_buffer.copy_((torch.randn(setup.numel, generator=gen) * 10).to(torch.bfloat16))
                 eng.step(unscale=(None, 1 / 1000, 1.0)[k], clip_coef=(0.37, None, 0.61)[k])

@@ -216,3 +216,16 @@ def test_the_checkpoint_package_stays_small():
     assert len(files) <= CHECKPOINT_FILES_AT_MOST, (
         f"megatron/training/checkpoint/ holds {len(files)} .py files, at most {CHECKPOINT_FILES_AT_MOST} "
         f"(__init__.py counted): fold the new one into the module whose job it serves: {files}")
+
+
+ENGINE_TOP_LEVEL_MOST = 12  # .py files directly in mlp_offload/; the rest lives in its sub-packages
+ENGINE_FRONT_MOST_LINES = 350  # engine.py: the torch-shaped front; the wiring lives in startup/
+
+
+def test_the_engine_keeps_a_short_top_level_and_a_small_front():
+    folder = os.path.join(ROOT, "mlp_offload")
+    top = sorted(f for f in os.listdir(folder) if f.endswith(".py"))
+    assert "engine.py" in top and len(top) <= ENGINE_TOP_LEVEL_MOST, top
+    with open(os.path.join(folder, "engine.py"), encoding="utf-8") as f:
+        lines = len(f.read().splitlines())
+    assert lines <= ENGINE_FRONT_MOST_LINES, f"engine.py has {lines} lines"

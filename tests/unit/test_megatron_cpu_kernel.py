@@ -18,6 +18,7 @@ from tests.profiles import examples
 
 from megatron.training.args.arguments import parse_args
 from megatron.training.offload.flags import config_from_args
+from mlp_offload import ModelLink
 from mlp_offload import OffloadedAdamW
 
 from .helpers import engine_state
@@ -52,7 +53,7 @@ def test_default_cpu_engine_equals_megatron_cores_torch_adamw(vocab, hidden, bia
                             lr=LR, weight_decay=WD, betas=BETAS, eps=EPS)
     groups = [([(0, embedding)], {}), ([(embedding, numel)], {"weight_decay": 0.0})]
     eng = OffloadedAdamW(init.clone(), CONFIG, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
-                         groups=groups, grad_dtype=torch.bfloat16)
+                         groups=groups, model=ModelLink(grad_dtype=torch.bfloat16))
     try:
         for _ in range(4):
             grad = torch.randn(numel, generator=gen) * 1e-2

@@ -19,8 +19,8 @@ from mlp_offload.kernels.fused_update import AdamHyper, ReferenceOnePass, verifi
 from mlp_offload.kernels.remainders import split
 from mlp_offload.kernels.update import AdamKernel, convert_grads
 from mlp_offload.state_formats import codecs_for
-from mlp_offload.step.device_side import DeviceUpdate
-from mlp_offload.subgroups import Subgroup
+from mlp_offload.step.device_side import DeviceIO, DeviceJob, DeviceKernel, DeviceUpdate
+from mlp_offload.subgroups.partition import Subgroup
 from tests.profiles import examples
 
 MOMENTS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -80,12 +80,12 @@ def _state(c):
 def _run(c, on_model: bool, device: str = "cpu"):
     dtypes = codecs_for(("rem16" if c["remainders"] else "fp32", *c["moments"]))
     stored, grads, params = (x.to(device) if torch.is_tensor(x) else [t.to(device) for t in x] for x in _state(c))
-    update = DeviceUpdate(device, dtypes, c["chunk"], c["numel"])
     if device == "cpu":
-        update.fused = ReferenceOnePass(AdamKernel("single"), dtypes)
+        fused, how = ReferenceOnePass(AdamKernel("single"), dtypes), "reference"
     else:  # the Triton kernel in the variant that matches torch's foreach AdamW here
-        update.fused, how = verified_fused_update(device, dtypes, AdamKernel("foreach"))
-        assert update.fused is not None, how
+        fused, how = verified_fused_update(device, dtypes, AdamKernel("foreach"))
+        assert fused is not None, how
+    update = DeviceUpdate(device, dtypes, c["chunk"], c["numel"], DeviceKernel(fused, how, on_model))
     sg = Subgroup(0, c["base"], c["base"] + c["numel"])
     model = ModelBuffers(PiecedSource(grads, c["grad_cuts"], c["zero"]), PiecedSource(params, c["param_cuts"]))
 
@@ -100,9 +100,9 @@ def _run(c, on_model: bool, device: str = "cpu"):
     def fill_high(start, end, out):
         out.copy_(params[start:end])
 
-    update.update(sg, stored, c["resident"], c["segments"], fill_grads, None, on_params, fill_high,
-                  hyper=lambda g: HYPERS[g], step=c["step"], model=model if on_model else None,
-                  grad_scale=(c["unscale"], c["clip"]))
+    update.update(DeviceJob(sg, stored, c["resident"], c["segments"]),
+                  DeviceIO(fill_grads, None, on_params, fill_high, hyper=lambda g: HYPERS[g], step=c["step"],
+                           model=model if on_model else None, grad_scale=(c["unscale"], c["clip"])))
     if device != "cpu":
         torch.cuda.synchronize()  # (the update's streams are not the one the comparison runs on)
     return stored, grads, params

@@ -6,6 +6,7 @@ copy is done when the callback returns; a recording fence shows whether the wait
 
 import torch
 
+from mlp_offload import ModelLink
 from mlp_offload import OffloadConfig, OffloadedAdamW
 
 from .helpers import BETAS, EPS, LR, WD
@@ -45,7 +46,7 @@ def test_each_cpu_update_waits_for_its_buffers_last_params_copy(tmp_path):
                         adam_elems_per_s=1e9, update_on="cpu", cache_alternating=True, run_id="fence")
     gen = torch.Generator().manual_seed(5)
     with OffloadedAdamW(torch.randn(NUMEL, generator=gen), cfg, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
-                        on_params_updated=on_params) as eng:
+                        model=ModelLink(on_params_updated=on_params)) as eng:
         hits = 0
         for _ in range(STEPS):
             eng.grad_buffer.copy_(torch.randn(NUMEL, generator=gen).to(torch.bfloat16))

@@ -17,11 +17,11 @@ from mlp_offload import OffloadConfigError, OffloadedAdamW
 from mlp_offload.config import OffloadConfig, TierBandwidth
 from mlp_offload.plan import probe_cache
 from mlp_offload.plan.placement import plan_placement, tokens_for
-from mlp_offload.plan.prediction import predict_update
+from mlp_offload.plan.prediction import MeasuredRates, NodeSharing, predict_update
 from mlp_offload.plan.rates import probe_tier
 from mlp_offload.plan.schedule import step_schedule
-from mlp_offload.subgroups import partition
-from mlp_offload.tiers.files import FileTier
+from mlp_offload.subgroups.partition import partition
+from mlp_offload.tiers.files import FileIo, FileTier, TierOwner
 from mlp_offload.tiers.host import HostMemory
 
 from .helpers import fast_config
@@ -47,8 +47,8 @@ def test_tiers_on_one_device_share_its_time(tmp_path):
     free = {"a": 1 << 40, "b": 1 << 40}
     apart = plan_placement(subgroups, _config(tmp_path), rates, free, {"a": 1, "b": 2})
     shared = plan_placement(subgroups, _config(tmp_path), rates, free, {"a": 1, "b": 1})
-    t_apart = predict_update(subgroups, apart, rates, 1e12, 1e12, {"a": 1, "b": 2}).update_s
-    t_shared = predict_update(subgroups, shared, rates, 1e12, 1e12, {"a": 1, "b": 1}).update_s
+    t_apart = predict_update(subgroups, apart, MeasuredRates(rates, 1e12, 1e12), NodeSharing({"a": 1, "b": 2})).update_s
+    t_shared = predict_update(subgroups, shared, MeasuredRates(rates, 1e12, 1e12), NodeSharing({"a": 1, "b": 1})).update_s
     assert t_shared > 1.8 * t_apart  # one device moves both tiers' bytes
     assert apart.tier_of.count("a") == apart.tier_of.count("b")
 
@@ -58,15 +58,15 @@ def test_ranks_sharing_a_device_multiply_its_time(tmp_path):
     subgroups = partition(20_000, 1000)
     rates = {"a": TierBandwidth(1e9, 1e9), "b": TierBandwidth(1e9, 1e9)}
     plan = plan_placement(subgroups, _config(tmp_path), rates, {"a": 1 << 40, "b": 1 << 40}, {"a": 1, "b": 1})
-    alone = predict_update(subgroups, plan, rates, 1e12, 1e12, {"a": 1, "b": 1})
-    four = predict_update(subgroups, plan, rates, 1e12, 1e12, {"a": 1, "b": 1}, ranks_sharing=4)
+    alone = predict_update(subgroups, plan, MeasuredRates(rates, 1e12, 1e12), NodeSharing({"a": 1, "b": 1}))
+    four = predict_update(subgroups, plan, MeasuredRates(rates, 1e12, 1e12), NodeSharing({"a": 1, "b": 1}, ranks=4))
     moved = sum(alone.read_bytes.values()) + sum(alone.write_bytes.values())
     fill = alone.update_s - moved / 1e9  # the first read, not hidden; the same for one rank or four
     assert fill >= 0
     assert four.update_s == pytest.approx(4 * moved / 1e9 + fill)  # approx: float seconds summed in another order
     assert "shared by 4 ranks" in four.describe()
     # Compute-bound: the shared disk is not the limit, so sharing changes nothing.
-    slow_adam = predict_update(subgroups, plan, rates, 1e3, 1e12, {"a": 1, "b": 1}, ranks_sharing=4)
+    slow_adam = predict_update(subgroups, plan, MeasuredRates(rates, 1e3, 1e12), NodeSharing({"a": 1, "b": 1}, ranks=4))
     assert slow_adam.update_s == pytest.approx(slow_adam.adam_s)
 
 
@@ -78,7 +78,7 @@ def test_faster_tier_gets_more_subgroups(tmp_path):
 
 
 def test_probe_measures_three_phases_and_is_cached(tmp_path):
-    tier = FileTier("nvme", str(tmp_path), "probe", 0, 64 * 1024, 2, op_threads=4)
+    tier = FileTier("nvme", str(tmp_path), TierOwner("probe", 0), FileIo(64 * 1024, 2, op_threads=4))
     try:
         buf = HostMemory(None, pin=False).allocate(8 << 20, "probe")  # aligned, for O_DIRECT
         first = probe_tier(tier, buf)
@@ -183,7 +183,7 @@ def test_tokens_follow_what_the_probe_saw_with_all_ranks_streaming():
 
 
 def test_probe_with_ranks_sharing_measures_their_streams_too(tmp_path):
-    tier = FileTier("t", str(tmp_path), "probe", 0, 64 * 1024, 2, op_threads=4)
+    tier = FileTier("t", str(tmp_path), TierOwner("probe", 0), FileIo(64 * 1024, 2, op_threads=4))
     buf = HostMemory(None, pin=False).allocate(8 << 20, "probe", counted=False)
     try:
         alone = probe_tier(tier, buf, concurrency=2)
@@ -204,7 +204,7 @@ def test_engine_takes_its_tokens_from_the_rates(tmp_path, shared_bps, tokens):
     eng = OffloadedAdamW(torch.zeros(50_000), cfg, lr=1e-3)
     try:
         assert eng.tokens_per_tier == {"nvme": tokens}
-        assert len(eng._tiers["nvme"].tokens._fds) == tokens  # the lock files ranks contend for
+        assert eng.file_tiers["nvme"].tokens.lock_files == tokens  # the lock files ranks contend for
         # The node's I/O time: both ranks' bytes at the all-ranks rate, or one rank's time twice over.
         moved = eng.prediction.read_bytes["nvme"] + eng.prediction.write_bytes["nvme"]
         at_once = 2 * moved / shared_bps
@@ -223,7 +223,7 @@ def test_engine_takes_its_tokens_from_the_rates(tmp_path, shared_bps, tokens):
 
 
 def test_a_tiny_probe_with_many_ranks_still_measures(tmp_path):
-    tier = FileTier("t", str(tmp_path), "probe", 0, 64 * 1024, 2, op_threads=4)
+    tier = FileTier("t", str(tmp_path), TierOwner("probe", 0), FileIo(64 * 1024, 2, op_threads=4))
     buf = HostMemory(None, pin=False).allocate(1 << 20, "probe", counted=False)
     try:
         rate = probe_tier(tier, buf, concurrency=2, ranks_sharing=512)  # more ranks than pages
@@ -240,7 +240,7 @@ def test_a_tiny_probe_with_many_ranks_still_measures(tmp_path):
     (1 << 20, 4096, 128, 1),  # the smallest files: two pages each
 ])
 def test_probe_reads_back_what_it_wrote_at_any_size(tmp_path, probe_bytes, block, depth, sharing):
-    tier = FileTier("t", str(tmp_path), "probe", 0, block, 2, op_threads=depth + 2)
+    tier = FileTier("t", str(tmp_path), TierOwner("probe", 0), FileIo(block, 2, op_threads=depth + 2))
     buf = HostMemory(None, pin=False).allocate(probe_bytes, "probe", counted=False)
     try:
         rate = probe_tier(tier, buf, concurrency=depth, ranks_sharing=sharing)
@@ -263,7 +263,7 @@ def test_a_probe_too_small_for_its_files_names_the_settings(tmp_path):
         OffloadConfig(tiers=["nvme"], paths=paths, probe_bytes=1 << 20, prefetch_depth=129)
     # Nothing is probed where the rates are given.
     OffloadConfig(tiers=["nvme"], paths=paths, probe_bytes=1 << 20, prefetch_depth=129, bandwidths={"nvme": (1e9, 1e9)})
-    tier = FileTier("t", str(tmp_path), "probe", 0, 4096, 1, op_threads=2)
+    tier = FileTier("t", str(tmp_path), TierOwner("probe", 0), FileIo(4096, 1, op_threads=2))
     try:
         with pytest.raises(OffloadConfigError, match="prefetch_depth=129"):
             probe_tier(tier, HostMemory(None, pin=False).allocate(1 << 20, "probe", counted=False), concurrency=129)
@@ -272,7 +272,7 @@ def test_a_probe_too_small_for_its_files_names_the_settings(tmp_path):
 
 
 def test_a_probe_cached_before_the_whole_file_reads_is_measured_again(tmp_path):
-    tier = FileTier("t", str(tmp_path), "probe", 0, 64 * 1024, 2, op_threads=4)
+    tier = FileTier("t", str(tmp_path), TierOwner("probe", 0), FileIo(64 * 1024, 2, op_threads=4))
     buf = HostMemory(None, pin=False).allocate(1 << 20, "probe", counted=False)
     old = {"bytes": 1 << 20, "block_bytes": 64 * 1024, "odirect": tier.odirect, "threads": 2, "concurrency": 2,
            "ranks_sharing": 1, "phases": "write,read,mixed,odirect-unflushed", "read_bps": 1.0, "write_bps": 1.0,

@@ -10,6 +10,7 @@ from pathlib import Path
 from megatron.training.runtime.host_memory import beside_engine
 from mlp_offload import OffloadConfig
 from mlp_offload.plan.capacity import plan_engine
+from mlp_offload.plan.prediction import MeasuredRates
 from tests.proc_memory import PeakSampler, tree_pss_bytes
 
 REPO = Path(__file__).resolve().parents[2]
@@ -21,13 +22,13 @@ RANK = f"""
 import sys, torch
 from megatron.training.data.datasets import MockGPTData
 from megatron.training.data.datasets import micro_batches
-from mlp_offload import OffloadConfig, OffloadedAdamW
+from mlp_offload import ModelLink, OffloadConfig, OffloadedAdamW
 params = torch.randn({NUMEL})  # the model's: held before the engine, as in a rank
 grads = torch.randn({NUMEL}).to(torch.bfloat16)
 print("ready", flush=True); sys.stdin.readline()
 batches = micro_batches(MockGPTData(1024, 1), 0, 4, 0, 1, num_workers={WORKERS}, seed=1)
 next(batches)
-engine = OffloadedAdamW(params, OffloadConfig(**{OPTIONS!r}), grad_dtype=torch.bfloat16)
+engine = OffloadedAdamW(params, OffloadConfig(**{OPTIONS!r}), model=ModelLink(grad_dtype=torch.bfloat16))
 for _ in range(2):
     engine.grad_buffer.copy_(grads)
     engine.step()
@@ -37,7 +38,7 @@ print("done", flush=True); sys.stdin.readline()
 
 
 def test_planned_host_memory_is_the_measured_peak():
-    plan = plan_engine(NUMEL, OffloadConfig(**OPTIONS), {}, {}, 1e9, 1e9, 1, host_grad_itemsize=2)
+    plan = plan_engine(NUMEL, OffloadConfig(**OPTIONS), MeasuredRates({}, 1e9, 1e9), {}, 1, host_grad_itemsize=2)
     planned = plan.host_bytes + beside_engine(WORKERS, 0)["data workers"]
     rank = subprocess.Popen([sys.executable, "-c", RANK], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             text=True)

@@ -9,6 +9,7 @@ from hypothesis import given, settings, strategies as st
 
 from tests.profiles import examples
 
+from mlp_offload import ModelLink
 from mlp_offload import OffloadConfig, OffloadConfigError, OffloadedAdamW
 from mlp_offload.plan.placement import CPU
 
@@ -23,7 +24,8 @@ def _engine(init, read_ahead_subgroups, deferred, gpu_subgroups=0):
                         gpu_budget_bytes=gpu_subgroups * SUBGROUP * 12 if gpu_subgroups else None,
                         device_read_ahead_bytes=read_ahead_subgroups * SUBGROUP * 12, adam_kernel="single",
                         adam_elems_per_s=1e9, device_adam_elems_per_s=4e9, device_streamed_elems_per_s=2e9)
-    return OffloadedAdamW(init.clone(), cfg, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, grad_dtype=torch.bfloat16)
+    return OffloadedAdamW(init.clone(), cfg, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                          model=ModelLink(grad_dtype=torch.bfloat16))
 
 
 @settings(max_examples=examples(25), deadline=None, derandomize=True)
@@ -63,7 +65,7 @@ def test_read_ahead_steps_equal_adamw_with_edits_loads_and_split_changes(slots, 
                     opt.state[ref]["exp_avg_sq"].add_(0.25)
                 held = 0
             elif event == "to_cpu" and on_device:  # the split gives the CPU the subgroup read ahead first
-                order = eng._loop.device_held_order(eng._pipeline.schedule)
+                order = eng.update_order()
                 first = next(i for i in order if eng.placement.tier_of[i] != "gpu")
                 eng.placement.update_on[first] = CPU
                 on_device, held = on_device - 1, held - 1
@@ -86,8 +88,8 @@ def test_read_ahead_covers_the_first_subgroups_of_the_next_steps_order(deferred)
         eng.grad_buffer.copy_(torch.ones(NUMEL, dtype=torch.bfloat16))
         eng.step()
         eng.settle()
-        order = eng._loop.device_held_order(eng._pipeline.schedule)
-        assert sorted(eng._read_ahead.held) == sorted(order[:3])
+        order = eng.update_order()
+        assert sorted(eng.read_ahead.held) == sorted(order[:3])
         eng.grad_buffer.copy_(torch.ones(NUMEL, dtype=torch.bfloat16))
         assert eng.step().read_ahead == 3
     finally:

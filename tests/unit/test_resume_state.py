@@ -15,10 +15,11 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from mlp_offload import ModelLink
 from mlp_offload import OffloadConfig, OffloadedAdamW
 from mlp_offload.checkpoint import load_engine_state
-from mlp_offload.checkpoint_write import save_engine_state, start_background_save
-from mlp_offload.subgroups import partition
+from mlp_offload.checkpoint.write import save_engine_state, start_background_save
+from mlp_offload.subgroups.partition import partition
 from tests.profiles import examples
 
 from .helpers import BETAS, EPS, LR, WD, ModelParams, engine_state
@@ -73,8 +74,9 @@ def cases(draw):
 def _engine(case, cfg, model):
     init = model.params.to("cpu", copy=True)
     return OffloadedAdamW(init.float() if not case.remainders else init, cfg, lr=LR, betas=BETAS, eps=EPS,
-                          weight_decay=WD, numel=case.numel, on_params_updated=model.on_params,
-                          param_high=model.source if case.remainders else None)
+                          weight_decay=WD, numel=case.numel,
+                          model=ModelLink(on_params_updated=model.on_params,
+                                          param_high=model.source if case.remainders else None))
 
 
 def _steps(eng, grads):

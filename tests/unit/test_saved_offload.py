@@ -15,7 +15,7 @@ from megatron.training.checkpoint.offload_files import offload_file_path
 from megatron.training.checkpoint.offloaded_state import SavedOffloadState
 from mlp_offload import OffloadedAdamW
 from mlp_offload.checkpoint import CheckpointDataError
-from mlp_offload.checkpoint_write import save_engine_state
+from mlp_offload.checkpoint.write import save_engine_state
 
 from .helpers import fast_config
 

@@ -13,7 +13,7 @@ from tests.profiles import examples
 
 from megatron.training.errors import UserError, flag_figure, in_flags
 from megatron.training.offload.shard_budgets import check_host_split, config_for_kind
-from mlp_offload import GiB, OffloadConfig, OffloadConfigError, PlacementError, TierBandwidth, plan_engine
+from mlp_offload import GiB, MeasuredRates, OffloadConfig, OffloadConfigError, PlacementError, TierBandwidth, plan_engine
 
 
 @settings(max_examples=examples(50), deadline=None)
@@ -43,7 +43,7 @@ def engines_start(config, numels, budget):
     try:
         whole = dataclasses.replace(config, host_budget_bytes=budget)
         for kind, n in numels.items():
-            plan_engine(n, config_for_kind(whole, kind, numels), RATES, {"nvme": 1 << 50}, 1e9, 1e9, 1)
+            plan_engine(n, config_for_kind(whole, kind, numels), MeasuredRates(RATES, 1e9, 1e9), {"nvme": 1 << 50}, 1)
     except (PlacementError, OffloadConfigError):  # a host-only share of 0 bytes: no config at all
         return False
     return True

@@ -7,6 +7,7 @@ import errno
 import pytest
 import torch
 
+from mlp_offload import ModelLink
 from mlp_offload import OffloadedAdamW, OffloadStateError, faults
 
 from .helpers import fast_config
@@ -19,9 +20,10 @@ NUMEL, SUBGROUP = 60_000, 10_000  # 6 subgroups
 def test_an_update_fault_stops_at_the_halfway_subgroup_and_the_engine_refuses_after(tmp_path, tiers, update_on):
     updated = []
     cfg = fast_config(tmp_path, tiers=tiers, subgroup_size=SUBGROUP, update_on=update_on, ranks_sharing_node=1)
-    eng = OffloadedAdamW(torch.randn(NUMEL), cfg, on_params_updated=lambda lo, hi, p: updated.append(lo))
+    eng = OffloadedAdamW(torch.randn(NUMEL), cfg,
+                         model=ModelLink(on_params_updated=lambda lo, hi, p: updated.append(lo)))
     try:
-        order = list(eng._pipeline.schedule.order)
+        order = list(eng.schedule.order)
         eng.grad_buffer.copy_(torch.randn(NUMEL).to(torch.bfloat16))
         faults.configure(fault="update#1=ENOSPC")
         with pytest.raises(OSError) as err:

@@ -4,6 +4,7 @@ import json
 
 import torch
 
+from mlp_offload import ModelLink
 from mlp_offload import OffloadedAdamW
 
 from .helpers import fast_config
@@ -14,8 +15,9 @@ TIERS = ("nvme", "pfs")
 def run_steps(cfg, numel=60_000, steps=3):
     gen = torch.Generator().manual_seed(0)
     calls = []
-    eng = OffloadedAdamW(torch.randn(numel, generator=gen), cfg, grad_dtype=torch.bfloat16,
-                         on_params_updated=lambda lo, hi, p: calls.append(lo))
+    eng = OffloadedAdamW(torch.randn(numel, generator=gen), cfg,
+                         model=ModelLink(grad_dtype=torch.bfloat16,
+                                         on_params_updated=lambda lo, hi, p: calls.append(lo)))
     records = []
     try:
         for _ in range(steps):
@@ -25,7 +27,7 @@ def run_steps(cfg, numel=60_000, steps=3):
         eng.close()
     # Reads prefetched for the next step finished during close: their bytes are in the counters
     # but in no step record yet.
-    records.append(type(records[0])(step=-1, tiers=eng._counters.take()))
+    records.append(type(records[0])(step=-1, tiers=eng.take_traffic()))
     return records, calls
 
 

@@ -10,11 +10,12 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from mlp_offload import ModelLink
 from mlp_offload import OffloadConfig, OffloadedAdamW
 from mlp_offload.plan.placement import CPU, DEVICE
 from mlp_offload.plan.placement import UpdateRates
 from mlp_offload.plan.split import SideRates, UpdateSplit, choose_split, settled_sides, sides_for
-from mlp_offload.telemetry import StepRecord
+from mlp_offload.telemetry.traffic import StepRecord
 from tests.profiles import examples
 
 from .helpers import bf16_grads, engine_state
@@ -222,8 +223,8 @@ def test_an_engine_moves_its_split_and_equals_an_all_cpu_engine(caplog):
         want = engine_state(ref)
     records = []
     with caplog.at_level(logging.INFO, logger="mlp_offload"):
-        with OffloadedAdamW(init.clone(), OffloadConfig(update_on="auto", **options), on_params_updated=params_out,
-                            **kw) as eng:
+        with OffloadedAdamW(init.clone(), OffloadConfig(update_on="auto", **options),
+                            **kw, model=ModelLink(on_params_updated=params_out)) as eng:
             first = eng.placement.update_on.count(CPU)
             assert first > 0
             for g in grads:

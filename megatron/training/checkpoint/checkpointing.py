@@ -72,14 +72,15 @@ def _state_to_save(args, model, optimizer, scheduler, iteration, consumed_sample
     return state
 
 
-def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, consumed_samples: int, args,
-                    background=None) -> str:
-    """Save everything into ``root/iter_N`` and record it as the latest; see checkpoint_integrity for
-    the order that makes a crash at any point leave the previous checkpoint as the one to resume.
+def save_checkpoint(iteration: int, model, optimizer, scheduler, consumed_samples: int, args, background=None) -> str:
+    """Save everything into ``root/iter_N`` (root: ``args.save``, as Megatron-LM's) and record it as the
+    latest; see checkpoint_integrity for the order that makes a crash at any point leave the previous
+    checkpoint as the one to resume.
 
     With ``background`` (async_save.BackgroundSaves, --async-save) the torch_dist files are written
     by a background process and the offloaded optimizer state by a thread, from a snapshot taken
     here (mlp_offload.snapshot); the checkpoint is completed in the finalize step."""
+    root = args.save
     path = checkpoint_dir(root, iteration)
     held_from = time.perf_counter()  # training waits from here, for the previous background save too
     if background is not None:
@@ -189,7 +190,7 @@ class _BackgroundCompletion:
 
     def __init__(self, root: str, path: str, iteration: int, started: float, offload_write, model):
         self.root, self.path, self.iteration, self.started = root, path, iteration, started
-        self.offload_write = offload_write  # mlp_offload.checkpoint_write.BackgroundStateWrite or None
+        self.offload_write = offload_write  # mlp_offload.BackgroundStateWrite or None
         self.model = model
         self.held_s = 0.0  # the save's own hold, the slowest rank's (set once the save returns)
 

@@ -20,10 +20,11 @@ from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
 
 class MLADotProductAttention(DotProductAttention):
-    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                 softmax_scale=None, k_channels=None, v_channels=None, cp_comm_type=None, pg_collection=None):
-        super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout=attention_dropout,
-                         softmax_scale=softmax_scale, cp_comm_type=cp_comm_type, pg_collection=pg_collection)
+    """``DotProductAttention`` (its arguments passed on as given) with MLA's ``v_channels``, which it
+    does not take; ``k_channels`` (the query-key width) changes nothing here."""
+
+    def __init__(self, *args, k_channels=None, v_channels=None, **kwargs):
+        super().__init__(*args, **kwargs)
         if v_channels is not None:  # the context is heads x v_channels wide, not heads x kv_channels
             self.hidden_size_per_attention_head = v_channels
             self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition

@@ -24,6 +24,7 @@ from megatron.core.transformer.utils import is_layer_window_attention
 
 from megatron.training.errors import UserError
 
+UNUSED_ARGUMENTS = {"cp_comm_type", "pg_collection"}
 _WHY = "torch's scaled_dot_product_attention (--attention-backend flash|auto without transformer-engine)"
 
 
@@ -32,8 +33,12 @@ class SdpaAttention(MegatronModule):
 
     def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
                  attention_type: str, attention_dropout: Optional[float] = None,
-                 softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None,
-                 pg_collection=None):
+                 softmax_scale: Optional[float] = None, **unused):
+        """``unused``: the core-attention arguments megatron-core also passes (``UNUSED_ARGUMENTS``) that
+        this module has no use for (no context parallelism; no process groups of its own)."""
+        unknown = sorted(set(unused) - UNUSED_ARGUMENTS)
+        if unknown:
+            raise TypeError(f"SdpaAttention got unexpected argument(s) {unknown}")
         super().__init__(config=config)
         _refuse_unsupported(config, layer_number)
         self.attn_mask_type = attn_mask_type

@@ -12,13 +12,14 @@ in Large Transformer Models", 2022; ``activation_memory``); everything else is c
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from mlp_offload import PlacementError, TierBandwidth, UpdateRates, streamed_elems_per_s
 from mlp_offload import first_forward_share, predict_iteration
-from mlp_offload import EnginePlan, plan_engine
+from mlp_offload import EnginePlan, MeasuredRates, plan_engine
 from mlp_offload import STATE_TENSORS, FP32_BYTES, GPU_TIER, bytes_per_param
 from mlp_offload import HostMemoryError, check_host_memory
 from mlp_offload import GB, GiB
@@ -209,31 +210,46 @@ def gpu_tier_hint(gpu: Dict[str, int], machine: Machine, offload_config) -> str:
     return f"; --offload-gpu-cache-gb {fits:.1f} fits (or auto)"
 
 
-def plan_engines(args, machine: Machine, offload_config, ranks: RankShards, rates: Dict[str, TierBandwidth],
-                 capacity_bytes: Dict[str, int], adam_elems_per_s: float, convert_elems_per_s: float,
-                 problems: List[str], gpu_spare_bytes: int = 0,
-                 at_start: Optional[Dict[str, EnginePlan]] = None, gpu_start_bytes: int = 0) -> Dict[str, EnginePlan]:
+@dataclass(frozen=True)
+class AutoGpuRoom:
+    """An auto gpu tier's device memory: ``spare_bytes``, what the training's peak leaves its steps;
+    ``start_bytes``, where it starts (``gpu_tier_start``; 0 with two engines)."""
+    spare_bytes: int = 0
+    start_bytes: int = 0
+
+
+@dataclass
+class PlannedEngines:
+    engines: Dict[str, EnginePlan]  # each engine as its steps find it
+    at_start: Dict[str, EnginePlan]  # each engine as it starts
+    problems: List[str]
+
+
+def plan_engines(args, machine: Machine, offload_config, ranks: RankShards, measured: MeasuredRates,
+                 capacity_bytes: Dict[str, int], gpu_room: AutoGpuRoom = AutoGpuRoom()) -> PlannedEngines:
     """One engine per distributed optimizer, as the training builds them (``shard_budgets``); the
     experts' engine gets the file tiers' space the dense one leaves, and with an auto gpu tier the
-    spare device memory (``gpu_spare_bytes``) the dense one leaves. ``at_start`` is filled with each
-    engine as it starts: an auto gpu tier starts at ``gpu_start_bytes`` (``gpu_tier_start``; 0 with
-    two engines), so host memory and disk hold more then."""
-    engines: Dict[str, EnginePlan] = {}
-    at_start = {} if at_start is None else at_start
+    spare device memory (``gpu_room.spare_bytes``) the dense one leaves. Each engine as it starts
+    (``at_start``): an auto gpu tier starts at ``gpu_room.start_bytes``, so host memory and disk hold
+    more then. ``measured``: the file tiers' and the CPU's rates (the device's come from ``machine``)."""
+    planned = PlannedEngines({}, {}, [])
+    engines, at_start, problems = planned.engines, planned.at_start, planned.problems
+    gpu_spare_bytes = gpu_room.spare_bytes
     space = dict(capacity_bytes)
-    update_rates = update_rates_for(offload_config, machine, adam_elems_per_s, convert_elems_per_s)
+    update_rates = update_rates_for(offload_config, machine, measured.adam_elems_per_s, measured.convert_elems_per_s)
     try:
         check_host_split(offload_config, ranks.shards)  # the training's refusal, before either engine
     except UserError as err:
         problems.append(str(err))
-        return engines
+        return planned
     for kind, shard in ranks.shards.items():
         config = config_for_kind(offload_config, kind, ranks.shards)
-        plan = functools.partial(plan_engine, shard, config, rates, space, adam_elems_per_s, convert_elems_per_s,
-                                 machine.gpus_per_node, host_grad_itemsize(args), update_rates)
+        plan = functools.partial(plan_engine, shard, config, dataclasses.replace(measured, update=update_rates),
+                                 space, machine.gpus_per_node, host_grad_itemsize(args))
         try:
-            at_start[kind] = plan(gpu_start_bytes) if config.gpu_budget_auto and gpu_start_bytes else plan()
-            engines[kind] = plan(gpu_spare_bytes) if config.gpu_budget_auto else at_start[kind]
+            at_start[kind] = (plan(gpu_budget_bytes=gpu_room.start_bytes)
+                              if config.gpu_budget_auto and gpu_room.start_bytes else plan())
+            engines[kind] = plan(gpu_budget_bytes=gpu_spare_bytes) if config.gpu_budget_auto else at_start[kind]
         except PlacementError as err:
             problems.append(in_flags(str(err)))
             break
@@ -241,7 +257,7 @@ def plan_engines(args, machine: Machine, offload_config, ranks: RankShards, rate
         for t in offload_config.file_tiers:  # what the engine holds there at start-up, or later if more
             held = max(engines[kind].stored_bytes[t], at_start[kind].stored_bytes[t])
             space[t] = max(0, space[t] - machine.gpus_per_node * held)
-    return engines
+    return planned
 
 
 def starting_gpu_tier(args, cfg, machine: Machine, offload_config, gpu: Dict[str, int], engines: int,
@@ -280,10 +296,10 @@ def iteration_seconds(compute_s: float, engines: Dict[str, EnginePlan], overlap:
                              sum(p.deferred_in_hbm_s for p in preds))
 
 
-def make_plan(args, cfg, machine: Machine, offload_config, rates: Dict[str, TierBandwidth],
-              capacity_bytes: Dict[str, int], adam_elems_per_s: float, convert_elems_per_s: float,
+def make_plan(args, cfg, machine: Machine, offload_config, measured: MeasuredRates, capacity_bytes: Dict[str, int],
               batch_sizes: List[int]) -> Plan:
-    """The whole plan. ``offload_config`` is None for a run without ``--offload-tiers``."""
+    """The whole plan. ``offload_config`` is None for a run without ``--offload-tiers``; ``measured``:
+    the file tiers' and the CPU's rates."""
     tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
     vp = cfg.virtual_pipeline_model_parallel_size
     dp = machine.world // (tp * pp)
@@ -314,10 +330,10 @@ def make_plan(args, cfg, machine: Machine, offload_config, rates: Dict[str, Tier
                                      for n in ranks.shards.values())
         # The auto gpu tier fills what the training's own peak leaves beyond the margin, as its steps find it.
         spare = max(0, machine.gpu_memory_bytes - sum(gpu.values()) - offload_config.gpu_margin_bytes)
-        at_start: Dict[str, EnginePlan] = {}
-        engines = plan_engines(args, machine, offload_config, ranks, rates, capacity_bytes, adam_elems_per_s,
-                               convert_elems_per_s, problems, spare, at_start,
-                               starting_gpu_tier(args, cfg, machine, offload_config, gpu, len(ranks.shards), dp))
+        room = AutoGpuRoom(spare, starting_gpu_tier(args, cfg, machine, offload_config, gpu, len(ranks.shards), dp))
+        planned = plan_engines(args, machine, offload_config, ranks, measured, capacity_bytes, room)
+        engines, at_start = planned.engines, planned.at_start
+        problems += planned.problems
         if GPU_TIER in offload_config.tiers:
             gpu["optimizer_state_gpu_tier"] = sum(e.stored_bytes.get(GPU_TIER, 0) for e in engines.values())
         if len(engines) == len(ranks.shards):

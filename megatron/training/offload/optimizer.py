@@ -74,8 +74,7 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
         self._overlap_choice = OverlapChoice()
         if self.overlap_forward:
             for shard in self.shards:
-                if shard._device_grads is not None:
-                    shard._device_grads.zero_after_read = True
+                shard.zero_grads_after_read()
             self._gate_forward_on_updated_params()
             log.info("--offload-overlap-forward: the update runs under the next forward; each layer waits "
                      "for its own params")

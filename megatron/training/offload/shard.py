@@ -23,6 +23,7 @@ from megatron.training.offload.device_gradients import DeviceGradients, EventFen
 from megatron.training.offload.param_high import ModelParamHigh
 from megatron.training.offload.shard_layout import ShardLayout
 from megatron.training.runtime.core_private import optimizer_group_ranges
+from mlp_offload import ModelLink
 from mlp_offload import ModelParamsAsMaster, OffloadConfig, OffloadedAdamW
 
 ShardKind = Literal["dense", "experts"]  # which of megatron-core's distributed optimizers
@@ -79,10 +80,16 @@ class OffloadShard:
         self.engine = OffloadedAdamW(
             ModelParamsAsMaster(self._fill_initial_params), offload_config, numel=self.layout.numel,
             lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
-            weight_decay=config.weight_decay, groups=engine_groups,
-            grad_dtype=self.layout.pieces[0].buffer.grad_dtype, on_params_updated=self._copy_params_to_device,
-            grad_source=self._device_grads, token_store=token_store,
-            param_high=ModelParamHigh(self.layout, self.copy_stream))
+            weight_decay=config.weight_decay, groups=engine_groups, token_store=token_store,
+            model=ModelLink(grad_dtype=self.layout.pieces[0].buffer.grad_dtype,
+                            on_params_updated=self._copy_params_to_device, grad_source=self._device_grads,
+                            param_high=ModelParamHigh(self.layout, self.copy_stream)))
+
+    def zero_grads_after_read(self) -> None:
+        """The update zeroes each piece of the model's grads once it has read it (with the update under
+        the next forward, nothing else zeroes them before the next backward); a CPU run has no device grads."""
+        if self._device_grads is not None:
+            self._device_grads.zero_after_read = True
 
     def _ordered_groups(self, param_groups: List[dict]):
         """Engine groups (flat ranges + hyperparameters) and the params in megatron-core's order.

@@ -40,7 +40,7 @@ class OffloadedOptimizerCheckpoint(Protocol):
 @runtime_checkable
 class ReportsIteration(Protocol):
     """An optimizer with figures of its own in each iteration's metrics record: the engine's
-    record of the last step (mlp_offload.telemetry.StepRecord), and the state bytes per tier."""
+    record of the last step (mlp_offload.StepRecord), and the state bytes per tier."""
 
     def last_step_record(self): ...
     def state_bytes_per_tier(self) -> dict: ...

@@ -4,11 +4,27 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence, Tuple
 
-from .subgroups import Subgroup
+from .partition import Subgroup
 
 Range = Tuple[int, int]  # (start, end) element range of the shard that belongs to one group
 # (local start, local end, group index, (offset in its range, range length)) of one subgroup piece
 Segment = Tuple[int, int, int, Tuple[int, int]]
+
+
+# AdamW's hyperparameters as torch.optim.AdamW names them, with its defaults; ``decoupled_weight_decay``
+# False makes it Adam with L2 weight decay.
+ADAMW_OPTIONS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, decoupled_weight_decay=True)
+
+
+def adamw_options(given: dict) -> Tuple[dict, bool]:
+    """(the param groups' defaults, whether weight decay is decoupled) from AdamW's keyword arguments."""
+    unknown = sorted(set(given) - set(ADAMW_OPTIONS))
+    if unknown:
+        raise TypeError(f"unknown AdamW argument(s) {unknown}: AdamW takes {sorted(ADAMW_OPTIONS)}")
+    options = {**ADAMW_OPTIONS, **given}
+    defaults = dict(lr=options["lr"], betas=tuple(options["betas"]), eps=options["eps"],
+                    weight_decay=options["weight_decay"])
+    return defaults, options["decoupled_weight_decay"]
 
 
 def build_groups(groups: Optional[Sequence[Tuple[Sequence[Range], dict]]], defaults: dict, numel: int) -> List[dict]:

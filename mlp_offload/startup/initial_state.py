@@ -7,20 +7,21 @@ import logging
 import time
 from typing import Dict, List, Mapping, Sequence, Tuple
 
-from .pipeline import StateViews, fill_params, starts_at_zero
-from .subgroups import Subgroup
-from .units import GB
+from ..pipeline import StateViews, fill_params, starts_at_zero
+from ..plan.placement import Placement
+from ..subgroups.partition import Subgroup
+from ..config.units import GB
 
 log = logging.getLogger("mlp_offload")
 
 
-def allocate_initial_state(subgroups: Sequence[Subgroup], tier_of: Sequence[str], memory: Mapping[str, object],
-                           host, params, slots: int,
-                           host_state_bytes: int) -> Tuple[Dict[int, StateViews], List[StateViews]]:
-    """(the views of each subgroup held in a memory tier, the pipeline's buffers). Pinning tens of GB
-    takes a while: a line before and after, with size and rate."""
+def allocate_initial_state(subgroups: Sequence[Subgroup], placement: Placement, memory: Mapping[str, object],
+                           host, params) -> Tuple[Dict[int, StateViews], List[StateViews]]:
+    """(the views of each subgroup ``placement`` holds in a memory tier, its pipeline buffers). Pinning
+    tens of GB takes a while: a line before and after, with size and rate."""
     kind = "pinned " if host.pin else ""
-    state_gb = host_state_bytes / GB
+    tier_of, slots = placement.tier_of, placement.slots
+    state_gb = placement.host_state_bytes / GB
     log.info("allocating %.3f GB of %shost memory for optimizer state ...", state_gb, kind)
     started = time.perf_counter()
     resident: Dict[int, StateViews] = {}
