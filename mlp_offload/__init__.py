@@ -6,8 +6,8 @@ is the engine's inside and may change without notice (tests/unit/test_layout.py 
 """
 
 from .plan.capacity import EnginePlan, plan_engine
-from .checkpoint import CheckpointDataError, CheckpointSaveError
-from .checkpoint_write import BackgroundStateWrite, save_engine_state, start_background_save
+from .checkpoint import (BackgroundStateWrite, CheckpointDataError, CheckpointSaveError, save_engine_state,
+                         start_background_save)
 from .config import GPU_TIER, HOST_TIER, OffloadConfig, OffloadConfigError, TierBandwidth, parse_bandwidths
 from .engine import PER_NODE, OffloadedAdamW, OffloadStateError
 from .model_link import ModelLink
@@ -16,27 +16,25 @@ from .faults import configure as configure_faults, fault_point
 from .plan.placement import PlacementError, UpdateRates, min_host_budget_bytes
 from .plan.node_share import streamed_elems_per_s
 from .plan.prediction import MeasuredRates, device_seconds, first_forward_share, predict_iteration
-from .plan.path_rates import measure_update_paths
+from .step.path_rates import measure_update_paths
 from .plan.rates import measure_adam_rate, measure_convert_rate
 from .kernels.remainders import merge as merge_remainders, split as split_remainders
-from .startup import _probe as probe_tier  # the start-up's tier probe, for the planner tool
+from .startup.measure import probe_file_tier as probe_tier  # the start-up's tier probe, for the planner tool
 from .state_formats import StateCodec, bytes_per_param, codec_named, codecs_for
-from .subgroups import FP32_BYTES, STATE_TENSORS
-from .telemetry import StepRecord, TierTraffic
+from .subgroups.partition import FP32_BYTES, STATE_TENSORS
+from .telemetry.traffic import StepRecord, TierTraffic
 from .tiers.files import FileIo, FileTier, TierDataError, TierIOError, TierOwner, TierPathError, fsync_path
-from .tiers.host import HostMemory, HostMemoryError, check_host_memory, own_pss_bytes
-from .tiers.host import _meminfo_bytes as meminfo_bytes  # /proc/meminfo fields, as the host tier reads them
+from .tiers.host import HostMemory, HostMemoryError, check_host_memory, meminfo_bytes, own_pss_bytes
 from .tiers.housekeeping import NamespaceInUseError, scan as scan_namespaces
 from .tiers.housekeeping import release_all as release_swap_namespaces
 from .tiers.housekeeping import tree_bytes
-from .tiers.base import TierKind
-from .tiers.device import DEVICE_MEMORY
-from .tiers.host import HOST_MEMORY
-from .tiers.kinds import MEMORY_KINDS, kind_of
+from .tiers.kinds import DEVICE_MEMORY, HOST_MEMORY, MEMORY_KINDS, TierKind, kind_of
 from .tiers.tokens import JobTokens, TierTokens
 from .kernels.update import AdamKernel
+from .kernels import blockwise8  # 8-bit block-scaled moments, not yet a stored format (benchmarks)
+from .kernels.fused_update import AdamHyper
 from .kernels.cpu_one_pass import build_in_background as build_cpu_kernel_in_background
-from .units import GB, GiB, MiB
+from .config.units import GB, GiB, MiB
 
 __all__ = [
     # configuration and its errors
@@ -59,10 +57,10 @@ __all__ = [
     "EnginePlan", "plan_engine", "MeasuredRates", "min_host_budget_bytes", "probe_tier", "measure_adam_rate", "measure_convert_rate",
     "device_seconds", "measure_update_paths", "predict_iteration", "first_forward_share", "UpdateRates",
     "streamed_elems_per_s",
-    "AdamKernel", "build_cpu_kernel_in_background", "HostMemory", "check_host_memory", "own_pss_bytes", "FileTier", "JobTokens", "TierTokens", "meminfo_bytes",
+    "AdamKernel", "AdamHyper", "blockwise8", "build_cpu_kernel_in_background", "HostMemory", "check_host_memory", "own_pss_bytes", "FileTier", "JobTokens", "TierTokens", "meminfo_bytes",
     "FileIo", "TierOwner",
     # process housekeeping and crash-test fault points
     "scan_namespaces", "release_swap_namespaces", "tree_bytes", "fault_point", "configure_faults",
-    # byte units (mlp_offload/units.py), for every package
+    # byte units (mlp_offload/config/units.py), for every package
     "MiB", "GiB", "GB",
 ]

@@ -12,7 +12,7 @@ from typing import Iterator, Optional, Protocol, Tuple
 
 import torch
 
-from .subgroups import FP32_BYTES
+from .subgroups.partition import FP32_BYTES
 from .kernels.update import convert_grads
 
 

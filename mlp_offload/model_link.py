@@ -13,11 +13,15 @@ GRAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 @dataclass(frozen=True)
 class ModelLink:
-    """``grad_dtype``: the gradients' dtype in the host buffer the caller fills (``grad_buffer``), where no
-    ``grad_source`` (``gradients.GradientSource``) gives them as fp32 instead; ``on_params_updated(start,
-    end, params)``: each subgroup's updated params (None: nobody wants them); ``param_high``
-    (``kernels.remainders.ParamHighSource``): the model's bf16 params, read as the master's high halves
-    where it is stored as remainders."""
+    """``grad_dtype``: the gradients' dtype in the host buffer the caller fills (the engine's ``grad_buffer``,
+    converted there), where no ``grad_source`` (``gradients.GradientSource``) gives them as fp32 instead,
+    straight into one of two scratch buffers (e.g. cast on the GPU and copied while the previous subgroup's
+    Adam runs; then there is no ``grad_buffer``); ``on_params_updated(start, end, params)``: each subgroup's
+    updated params (None: nobody wants them); ``param_high`` (``kernels.remainders.ParamHighSource``): the
+    model's bf16 params, read as the master's high halves where it is stored as remainders
+    (``config.param_remainders``: the master kept as int16 remainders; ``on_params_updated`` then gets the
+    updated bf16 params, what the model must hold, and the initial master is the model's, ``params``
+    rounded half away, remainders of zero for bf16 values)."""
     grad_dtype: torch.dtype = torch.bfloat16
     grad_source: Optional[object] = None
     on_params_updated: Optional[Callable[[int, int, torch.Tensor], object]] = None

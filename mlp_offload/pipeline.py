@@ -19,11 +19,11 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from .plan.schedule import StepSchedule
-from .subgroups import STATE_TENSORS, Subgroup
-from .telemetry import StepRecord, TrafficCounters
+from .subgroups.partition import STATE_TENSORS, Subgroup
+from .telemetry.traffic import StepRecord, TrafficCounters
 from .tiers.base import StreamedTier
 from .tiers.files import OpResult, TierIOError
-from .trace import Trace
+from .telemetry.trace import Trace
 
 EMPTY, READING, READY, DIRTY, WRITING = "empty", "reading", "ready", "dirty", "writing"
 

@@ -1,21 +1,28 @@
 """Moving subgroups between tiers while the engine lives: the auto mode's device tier learns its
 size from the device's real peak and promotes subgroups into spare memory, or hands them back to
-lower tiers when memory grows tight (rather than let the training crash). ``device_change`` is the
-policy (pure); ``Relocation`` moves the state, between steps, through the same tier calls the
-checkpoints use. It also moves the update split between the CPU and the device (``plan.split``,
-re-measured from each step's record) where ``update_on`` is "auto"."""
+lower tiers when memory grows tight (rather than let the training crash). It also moves the update
+split between the CPU and the device (``plan.split``, re-measured from each step's record) where
+``update_on`` is "auto".
+
+``device_change`` is the policy (pure); ``Relocation`` decides, from the placement and the room the
+tiers have, and answers a ``RelocationPlan``: which subgroups move where, and the placement's new
+update sides and bytes per memory tier. The engine applies it (between steps, through the same tier
+calls the checkpoints use); this module holds no engine and changes no placement."""
 
 from __future__ import annotations
 
 import logging
 import math
-from typing import Dict, Optional
+from dataclasses import dataclass
+from typing import Dict, List, Mapping, Optional, Sequence
 
-from .config import GPU_TIER, HOST_TIER
-from .tiers.kinds import kind_of
-from .plan.placement import split_updates
+from .config import GPU_TIER, HOST_TIER, OffloadConfig
+from .config.units import GiB
+from .plan.placement import Placement, UpdateRates, split_updates
 from .plan.split import SideRates, UpdateSplit
-from .units import GiB
+from .subgroups.partition import Subgroup
+from .tiers.base import ResidentTier, StreamedTier
+from .tiers.kinds import kind_of
 
 log = logging.getLogger("mlp_offload")
 
@@ -29,102 +36,123 @@ def device_change(peak_bytes: int, capacity_bytes: int, margin_bytes: int, subgr
     return -math.ceil(-spare / subgroup_bytes)
 
 
+@dataclass(frozen=True)
+class TierRoom:
+    """The engine's tiers as a relocation sees them: its memory tiers by name, what the host can still
+    take in bytes (None where the host holds no state; ``math.inf`` where its budget is unbounded) and
+    each file tier's free bytes."""
+    memory: Sequence[str]
+    host: Optional[float]
+    files: Dict[str, int]
+
+    @classmethod
+    def of(cls, memory: Mapping[str, ResidentTier], files: Mapping[str, StreamedTier], has_host: bool) -> "TierRoom":
+        """The room of an engine's ``memory`` and file tiers now (``has_host``: the host holds state)."""
+        host = memory[HOST_TIER]
+        host_room = (None if not has_host else math.inf if host.budget_bytes is None
+                     else host.budget_bytes - host.used_bytes)
+        return cls(list(memory), host_room, {name: tier.free_bytes() for name, tier in files.items()})
+
+
+@dataclass(frozen=True)
+class RelocationPlan:
+    """What the engine applies between steps, in this order: ``moves`` (subgroup -> its new tier; empty
+    where only the split changes), then the placement's ``update_on`` and, where given, its
+    ``resident_bytes``; the prediction priced anew at ``update_rates`` (None: the start-up's). ``what``
+    says what changed, in one line, without the new prediction (the engine adds it)."""
+    moves: Dict[int, str]
+    update_on: List[str]
+    resident_bytes: Optional[Dict[str, int]]
+    update_rates: Optional[UpdateRates]
+    what: str
+
+
 class Relocation:
-    def __init__(self, engine):
-        self.engine = engine
-        rates, device = engine.update_rates, engine._device_update
+    """``device_type``: where the device update runs (None without one). ``update_rates``: the
+    start-up's, the split's first guess and the prediction's rates until the steps show others."""
+
+    def __init__(self, subgroups: Sequence[Subgroup], config: OffloadConfig, update_rates: UpdateRates,
+                 device_type: Optional[str]):
+        self.subgroups, self.config, self.update_rates = list(subgroups), config, update_rates
         # The device and the CPU twin's "device" run at once only on a real device: on the CPU
         # they are the same cores, one after the other.
         # Deferred (defer_device_wait), a step's time is the host's share only: it cannot re-measure
         # the split, which then stays as start-up chose it (placement.split_updates).
-        self.split = (UpdateSplit(SideRates.from_start_up(rates), overlap=device.device.type != "cpu")
-                      if engine.config.update_on == "auto" and device is not None and rates.device_streamed
-                      and not engine.config.defer_device_wait else None)
+        self.split = (UpdateSplit(SideRates.from_start_up(update_rates), overlap=device_type != "cpu")
+                      if config.update_on == "auto" and device_type is not None and update_rates.device_streamed
+                      and not config.defer_device_wait else None)
 
-    def observe_step(self, rec) -> Optional[str]:
-        """After each step: re-choose the update split from the rates the step showed; returns the
-        line saying what changed (also logged), None if nothing did."""
-        eng = self.engine
+    def after_step(self, rec, placement: Placement) -> Optional[RelocationPlan]:
+        """After each step: the update split re-chosen from the rates the step showed; None to keep it."""
         if self.split is None:
             return None
-        p = eng.placement
-        change = self.split.observe(rec, [sg.numel for sg in eng.subgroups], p.tier_of, p.update_on)
+        change = self.split.observe(rec, [sg.numel for sg in self.subgroups], placement.tier_of, placement.update_on)
         if change is None:
             return None
-        p.update_on, what = change
-        self._predict()
-        what += f"; {eng.prediction.describe()}"
-        log.info(what)
-        return what
+        update_on, what = change
+        return RelocationPlan({}, update_on, None, self._learnt_rates(), what)
 
-    def fit_device(self, peak_bytes: int, capacity_bytes: int) -> Optional[str]:
-        eng = self.engine
-        slot = max(sg.state_bytes for sg in eng.subgroups)
-        change = device_change(peak_bytes, capacity_bytes, eng.config.gpu_margin_bytes, slot)
-        tier_of = eng.placement.tier_of
+    def fit_device(self, peak_bytes: int, capacity_bytes: int, placement: Placement,
+                   room: TierRoom) -> Optional[RelocationPlan]:
+        """The device tier fitted to the spare device memory: subgroups promoted into it or handed back
+        to lower tiers (``room``); None where nothing moves."""
+        margin = self.config.gpu_margin_bytes
+        slot = max(sg.state_bytes for sg in self.subgroups)
+        change = device_change(peak_bytes, capacity_bytes, margin, slot)
+        tier_of = placement.tier_of
         on_device = [i for i, t in enumerate(tier_of) if kind_of(t).in_device_memory]
         if change > 0:
             # Those streamed from files first (they save I/O too), then host-resident ones.
-            below = ([i for i, t in enumerate(tier_of) if t in eng.file_tiers]
+            below = ([i for i, t in enumerate(tier_of) if t in room.files]
                      + [i for i, t in enumerate(tier_of) if t == HOST_TIER])
             moves = {i: GPU_TIER for i in below[:change]}
         elif change < 0:
             moves = {}
             for i in reversed(on_device[len(on_device) + change:] if -change < len(on_device) else on_device):
-                dest = self._lower_home(eng.subgroups[i].state_bytes, moves)
+                dest = self._lower_home(self.subgroups[i].state_bytes, moves, room)
                 if dest is None:
                     log.warning("device memory is short by %.2f GiB but no lower tier has room for subgroup %d",
-                                (peak_bytes + eng.config.gpu_margin_bytes - capacity_bytes) / GiB, i)
+                                (peak_bytes + margin - capacity_bytes) / GiB, i)
                     break
                 moves[i] = dest
         else:
             return None
         if not moves:
             return None
-        eng.settle()  # a deferred step's subgroups must be updated before they move
-        self.move(moves)
-        held = len([t for t in tier_of if kind_of(t).in_device_memory])
+        after = [moves.get(i, t) for i, t in enumerate(tier_of)]
+        resident = self._resident_bytes(after, placement, room.memory)
+        held = len([t for t in after if kind_of(t).in_device_memory])
         what = (f"gpu tier auto: peak {peak_bytes / GiB:.2f} GiB of {capacity_bytes / GiB:.2f} GiB, margin "
-                f"{eng.config.gpu_margin_bytes / GiB:.2f} GiB -> {'promoted' if change > 0 else 'handed back'} "
-                f"{len(moves)} subgroup(s); the gpu tier holds {held} ({eng.memory[GPU_TIER].used_bytes / GiB:.2f} GiB); "
-                f"{eng.prediction.describe()}")
-        log.info(what)
-        return what
+                f"{margin / GiB:.2f} GiB -> {'promoted' if change > 0 else 'handed back'} "
+                f"{len(moves)} subgroup(s); the gpu tier holds {held} ({resident.get(GPU_TIER, 0) / GiB:.2f} GiB)")
+        return RelocationPlan(moves, self._sides(after), resident, self._learnt_rates(), what)
 
-    def _lower_home(self, nbytes: int, planned: Dict[int, str]) -> Optional[str]:
+    def _lower_home(self, nbytes: int, planned: Dict[int, str], room: TierRoom) -> Optional[str]:
         """Where a subgroup leaving the device goes: host memory within its budget, else the file
         tier with the most free space."""
-        eng = self.engine
-        host = eng.memory[HOST_TIER]
-        if eng.config.has_host:
-            pending = sum(eng.subgroups[i].state_bytes for i, t in planned.items() if t == HOST_TIER)
-            if host.budget_bytes is None or host.used_bytes + pending + nbytes <= host.budget_bytes:
+        if room.host is not None:
+            pending = sum(self.subgroups[i].state_bytes for i, t in planned.items() if t == HOST_TIER)
+            if pending + nbytes <= room.host:
                 return HOST_TIER
-        fits = [(tier.free_bytes(), name) for name, tier in eng.file_tiers.items() if tier.free_bytes() > nbytes]
+        fits = [(free, name) for name, free in room.files.items() if free > nbytes]
         return max(fits)[1] if fits else None
 
-    def move(self, moves: Dict[int, str]) -> None:
-        """Give each subgroup in ``moves`` its new tier, state and all; then re-plan the update split
-        and the prediction, and start the next step's reads."""
-        self.engine.move_state(moves)
-        self._replan()
+    def _resident_bytes(self, tier_of: Sequence[str], placement: Placement, memory: Sequence[str]) -> Dict[str, int]:
+        """Each memory tier's bytes counted against its budget with ``tier_of`` (host: + the slots)."""
+        slot = max(sg.state_bytes for sg in self.subgroups)
+        out = {}
+        for name in memory:
+            held = sum(self.subgroups[i].state_bytes for i, t in enumerate(tier_of) if t == name)
+            out[name] = held + (placement.slots * slot if name == HOST_TIER else 0)
+        return out
 
-    def _replan(self) -> None:
-        eng = self.engine
-        p = eng.placement
-        for name in eng.memory:
-            held = sum(eng.subgroups[i].state_bytes for i, t in enumerate(p.tier_of) if t == name)
-            p.resident_bytes[name] = held + (p.slots * max(sg.state_bytes for sg in eng.subgroups)
-                                             if name == HOST_TIER else 0)
-        if self.split is not None and self.split.learnt:  # at the rates the steps showed
-            p.update_on = self.split.plan([sg.numel for sg in eng.subgroups], p.tier_of)
-        else:
-            p.update_on = split_updates(eng.subgroups, p.tier_of, eng.config.update_on, eng.update_rates,
-                                        eng.config.defer_device_wait)
-        self._predict()
-        eng.restart_reads()
+    def _sides(self, tier_of: List[str]) -> List[str]:
+        """Each subgroup's update side with ``tier_of``: at the rates the steps showed, once there are some."""
+        if self.split is not None and self.split.learnt:
+            return self.split.plan([sg.numel for sg in self.subgroups], tier_of)
+        return split_updates(self.subgroups, tier_of, self.config.update_on, self.update_rates,
+                             self.config.defer_device_wait)
 
-    def _predict(self) -> None:
-        """The engine's prediction for its placement and split, at the measured rates once there are some."""
-        learnt = self.split is not None and self.split.learnt
-        self.engine.repredict(self.split.rates.as_update_rates() if learnt else None)
+    def _learnt_rates(self) -> Optional[UpdateRates]:
+        """The rates a new prediction is priced at: those the steps showed, once there are some."""
+        return self.split.rates.as_update_rates() if self.split is not None and self.split.learnt else None

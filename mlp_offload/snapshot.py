@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from typing import Dict, List
 
 from .pipeline import StateViews
-from .subgroups import Subgroup
-from .tiers.align import aligned_empty
+from .subgroups.partition import Subgroup
+from .tiers.no_fork import aligned_empty
 from .tiers.base import StreamedTier
 
 # What the writer has done with a memory subgroup.

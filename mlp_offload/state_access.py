@@ -14,7 +14,7 @@ from .tiers.kinds import kind_of
 from .pipeline import SlotPipeline, StateViews, file_key
 from .kernels.remainders import RemainderMaster
 from .snapshot import SnapshotSources, StateSnapshot, TierCopy
-from .subgroups import Subgroup
+from .subgroups.partition import Subgroup
 
 StateFn = Callable[[Subgroup, torch.Tensor, torch.Tensor, torch.Tensor], None]
 

@@ -155,6 +155,13 @@ def register(codec: StateCodec, user_named: bool) -> None:
         _USER_NAMED[codec.name] = codec
 
 
+def forget(codec: StateCodec) -> None:
+    """Make ``codec`` unknown again, by its tag and its name (a format registered for a while)."""
+    _BY_TAG.pop(codec.describe(), None)
+    if _USER_NAMED.get(codec.name) == codec:
+        del _USER_NAMED[codec.name]
+
+
 for _codec in (FP32, FP16, BF16):
     register(_codec, user_named=True)
 register(REMAINDERS16, user_named=False)

@@ -78,7 +78,7 @@ def run(defer, zero, model, args):
             if dev == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t)
-        how = eng._device_update.on_model_buffers
+        how = eng.update_paths.on_model_buffers
     finally:
         eng.close()
     ms = statistics.median(times[1:]) * 1e3

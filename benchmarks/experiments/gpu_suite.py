@@ -268,7 +268,8 @@ def unit_tests() -> dict:
     """The unit tests that run on CUDA where it is: whole files, and the CUDA cases of kernel files."""
     runs = [["tests/unit/test_resume_state.py", "tests/unit/test_sdpa_attention.py"],
             ["tests/unit/test_cpu_one_pass.py", "tests/unit/test_fused_update.py", "tests/unit/test_model_buffers.py",
-             "-k", "cuda"]]
+             "-k", "cuda"],
+            ["tests/unit/test_blockwise8.py", "-k", "cuda or device"]]  # the 8-bit Triton kernel's bits
     started, code, summaries, log = time.time(), 0, [], ""
     for args in runs:
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore", "--durations", "8", *args]
@@ -285,7 +286,7 @@ def unit_tests() -> dict:
         summary = [ln for ln in out.splitlines() if " passed" in ln or " failed" in ln or "timed out" in ln]
         summaries.append((summary or ["no summary"])[-1].strip("= "))
     (WORK / "unit_tests.log").write_text(log)
-    summaries = [f"{' '.join(a for a in r if a.endswith('.py') or a == 'cuda')}: {m}" for r, m in zip(runs, summaries)]
+    summaries = [f"{' '.join(a for a in r if a.endswith('.py') or a.startswith('cuda'))}: {m}" for r, m in zip(runs, summaries)]
     return {"files": [a for r in runs for a in r if a.endswith(".py")], "code": code,
             "summary": "; ".join(summaries), "seconds": time.time() - started}
 

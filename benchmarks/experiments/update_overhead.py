@@ -88,7 +88,7 @@ def main():
         sync()
         times.append(time.perf_counter() - t)
     print(f"{numel / 1e9:.2f} G elements, {len(eng.subgroups)} subgroups, on the model's buffers: "
-          f"{eng._device_update.on_model_buffers}; step {statistics.median(times[1:]) * 1e3:.1f} ms "
+          f"{eng.update_paths.on_model_buffers}; step {statistics.median(times[1:]) * 1e3:.1f} ms "
           f"(min {min(times[1:]) * 1e3:.1f}); engine's predicted update {eng.prediction.update_s * 1e3:.1f} ms", flush=True)
     if cuda:
         from torch.profiler import ProfilerActivity, profile

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Optional
 
-from ..tiers.align import ALIGN, align_down
+from .align import ALIGN, align_down
 from .checks import OffloadConfigError, positive_finite
 
 

@@ -12,13 +12,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..state_formats import (FP32_STATE, REMAINDERS16, STATE_TENSORS, StateCodec, UnsupportedStateDtype, codec_named,
                              dtype_name)
-from ..tiers.align import ALIGN
-from ..tiers.device import DEVICE_MEMORY
-from ..tiers.host import HOST_MEMORY
-from ..tiers.kinds import MEMORY_KINDS, kind_of, memory_kind_names
+from ..tiers.kinds import DEVICE_MEMORY, HOST_MEMORY, MEMORY_KINDS, kind_of, memory_kind_names
+from .align import ALIGN
 from .bandwidth import TierBandwidth, probe_piece_bytes
 from .checks import OffloadConfigError, is_int, positive, positive_finite
-from ..units import GiB, MiB
+from .units import GiB, MiB
 
 HOST_TIER = HOST_MEMORY.name
 GPU_TIER = DEVICE_MEMORY.name  # the model's device memory (HBM; on a CPU run, the CPU's memory: the CPU twin)

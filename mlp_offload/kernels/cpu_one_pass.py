@@ -37,7 +37,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from .cpu_one_pass_source import SOURCE as _SOURCE
-from .fused_update import AdamHyper, Variant, _f32, _unhandled, matches, one_pass_handles
+from .fused_update import AdamHyper, Variant, f32, unhandled, matches, one_pass_handles
 
 log = logging.getLogger("mlp_offload")
 
@@ -89,7 +89,7 @@ def cpu_variants(torch_sqrt_first: bool = True) -> Tuple[CpuVariant, ...]:
     return tuple(out)
 
 
-def _cpu_fingerprint() -> str:
+def cpu_fingerprint() -> str:
     """The CPU model and flags: a -march=native build must not run on another CPU (a shared home)."""
     text = ""
     try:
@@ -112,11 +112,11 @@ _warned = False
 def _name() -> str:
     """One extension per CPU, source and flags: a cached build is never stale, so a process that
     finds it built imports it without asking ninja (about a second per process otherwise)."""
-    key = f"{_cpu_fingerprint()}\n{_SOURCE}\n{BLOCK}\n{CFLAGS}\n{torch.__version__}"
+    key = f"{cpu_fingerprint()}\n{_SOURCE}\n{BLOCK}\n{CFLAGS}\n{torch.__version__}"
     return f"mlp_offload_cpu_one_pass_{hashlib.sha1(key.encode()).hexdigest()[:12]}"
 
 
-def _import_built(name: str):
+def import_built(name: str):
     """The extension from an earlier build, or None (not built, or a build under way: its lock)."""
     import importlib.util
     from torch.utils.cpp_extension import _get_build_directory
@@ -152,13 +152,18 @@ def extension():
     return _extension()
 
 
+def forget_extension() -> None:
+    """Forget the built (or failed) kernel: the next use imports or builds it again (tests of the build)."""
+    _extension.cache_clear()
+
+
 @functools.lru_cache(maxsize=None)
 def _extension():
     global _build_error
     name = _name()
     try:
         try:
-            built = _import_built(name)
+            built = import_built(name)
         except Exception:  # a half-written file from a build that died: build it again
             built = None
         return built or _build(name)
@@ -198,7 +203,7 @@ class CpuOnePass:
 
     def __init__(self, variant: CpuVariant, codecs: Sequence, ext=None):
         if not one_pass_handles(codecs):
-            raise ValueError(_unhandled(codecs))
+            raise ValueError(unhandled(codecs))
         self.variant = variant
         self.remainders = codecs[0].kernel_key == "rem16"
         self.ext = ext if ext is not None else extension()
@@ -217,11 +222,11 @@ class CpuOnePass:
         # The scalars as torch rounds them for its fp32 kernels (as fused_update.FusedAdamW does).
         bc1 = 1 - hyper.beta1 ** step
         bc2_sqrt = (1 - hyper.beta2 ** step) ** 0.5
-        w1 = _f32(1 - hyper.beta1)
-        divisor = _f32(1.0 / _f32(bc2_sqrt)) if self.variant.arith.reciprocal_div else _f32(bc2_sqrt)
-        decay = _f32(1 - hyper.lr * hyper.weight_decay) if hyper.weight_decay != 0 else 1.0
-        scalars = [decay, w1, _f32(1.0 - w1), _f32(hyper.beta2), _f32(1 - hyper.beta2), divisor, _f32(hyper.eps),
-                   _f32((hyper.lr / bc1) * -1)]
+        w1 = f32(1 - hyper.beta1)
+        divisor = f32(1.0 / f32(bc2_sqrt)) if self.variant.arith.reciprocal_div else f32(bc2_sqrt)
+        decay = f32(1 - hyper.lr * hyper.weight_decay) if hyper.weight_decay != 0 else 1.0
+        scalars = [decay, w1, f32(1.0 - w1), f32(hyper.beta2), f32(1 - hyper.beta2), divisor, f32(hyper.eps),
+                   f32((hyper.lr / bc1) * -1)]
         self.ext.adamw(p, high if high is not None else p, grad, m, v, scalars,
                        self.variant.flags(abs(w1) < 0.5))
 
@@ -248,7 +253,7 @@ def verified_cpu_one_pass(codecs: Sequence, adam_kernel,
     if adam_kernel.kind == "fused":  # torch's fused CPU kernel: span-dependent vector/scalar paths
         return None, "multi-pass (torch's fused kernel)"
     if not one_pass_handles(codecs):
-        return None, _unhandled(codecs)
+        return None, unhandled(codecs)
     global _warned
     ext = extension()
     if ext is None:

@@ -166,7 +166,7 @@ def _scales(factor: Optional[float]) -> bool:
     return factor is not None and factor != 1.0  # (convert_grads skips a factor of 1 too)
 
 
-def _f32(x: float) -> float:
+def f32(x: float) -> float:
     """``x`` rounded to fp32 (to nearest even), as torch rounds a Python scalar for an fp32 kernel."""
     return float(np.float32(x))
 
@@ -179,10 +179,10 @@ def _kernel_scalars(hyper: AdamHyper, step: int, reciprocal: bool, unscale: Opti
     bc1 = 1 - hyper.beta1 ** step
     bc2_sqrt = (1 - hyper.beta2 ** step) ** 0.5
     # torch's CUDA division by a CPU scalar multiplies by its fp32 reciprocal
-    divisor = 1.0 / _f32(bc2_sqrt) if reciprocal else bc2_sqrt
-    return (_f32(1 - hyper.lr * hyper.weight_decay), _f32(1 - hyper.beta1), _f32(hyper.beta2),
-            _f32(1 - hyper.beta2), _f32(divisor), _f32(hyper.eps), _f32((hyper.lr / bc1) * -1),
-            _f32(unscale or 1.0), _f32(clip_coef or 1.0))
+    divisor = 1.0 / f32(bc2_sqrt) if reciprocal else bc2_sqrt
+    return (f32(1 - hyper.lr * hyper.weight_decay), f32(1 - hyper.beta1), f32(hyper.beta2),
+            f32(1 - hyper.beta2), f32(divisor), f32(hyper.eps), f32((hyper.lr / bc1) * -1),
+            f32(unscale or 1.0), f32(clip_coef or 1.0))
 
 
 # The stored formats (``state_formats.StateCodec.kernel_key``) the one-pass kernels, this one and
@@ -196,7 +196,8 @@ def one_pass_handles(codecs: Sequence) -> bool:
     return all(c.kernel_key in keys for c, keys in zip(codecs, ONE_PASS_KEYS))
 
 
-def _unhandled(codecs: Sequence) -> str:
+def unhandled(codecs: Sequence) -> str:
+    """The path taken where no one-pass kernel handles ``codecs``, as the start-up line says it."""
     return f"multi-pass (no one-pass kernel for {'/'.join(c.describe() for c in codecs)})"
 
 
@@ -210,7 +211,7 @@ class FusedAdamW:
         if triton is None:
             raise RuntimeError("the fused device update needs Triton (torch's CUDA builds ship it)")
         if not one_pass_handles(codecs):
-            raise ValueError(_unhandled(codecs))
+            raise ValueError(unhandled(codecs))
         self.variant = variant
         self.remainders = codecs[0].kernel_key == "rem16"  # the kernel's REMAINDERS path
         self.on_model_ok = False  # bit-identical on the model's own buffers too (verified_fused_update)
@@ -323,7 +324,7 @@ def verified_fused_update(device, codecs: Sequence, adam_kernel,
     if adam_kernel.kind == "fused":  # torch's fused CUDA kernel computes another formula
         return None, "multi-pass (torch's fused kernel)"
     if not one_pass_handles(codecs):
-        return None, _unhandled(codecs)
+        return None, unhandled(codecs)
     tried: List[str] = []
     for variant in variants:
         fused = FusedAdamW(variant, codecs)

@@ -14,7 +14,7 @@ from .placement import Placement, UpdateRates, plan_placement, tokens_for
 from .prediction import MeasuredRates, NodeSharing, Prediction, predict_update
 from .split import settled_sides
 from ..gradients import gradient_host_bytes
-from ..subgroups import Subgroup, partition
+from ..subgroups.partition import Subgroup, partition
 from ..kernels.update import Fp32Working
 
 

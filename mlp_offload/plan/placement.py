@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 from ..config import GPU_TIER, HOST_TIER, OffloadConfig, TierBandwidth
-from ..subgroups import Subgroup, partition
+from ..subgroups.partition import Subgroup, partition
 from ..tiers.kinds import kind_of
-from ..units import GiB
+from ..config.units import GiB
 
 log = logging.getLogger("mlp_offload")
 
@@ -79,6 +79,14 @@ class Placement:
 
     def subgroups_on(self, tier: str) -> List[int]:
         return [i for i, t in enumerate(self.tier_of) if t == tier]
+
+    def state_bytes_per_tier(self, subgroups: Sequence[Subgroup], file_tiers: Sequence[str]) -> Dict[str, int]:
+        """Bytes of state each tier holds: a memory tier what its budget is charged, a file tier its
+        subgroups' files."""
+        held = dict(self.resident_bytes)
+        for tier in file_tiers:
+            held[tier] = sum(subgroups[i].state_bytes for i in self.subgroups_on(tier))
+        return held
 
 
 def spread(candidates: Sequence[int], count: int) -> List[int]:

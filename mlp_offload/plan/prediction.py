@@ -9,7 +9,7 @@ from typing import Dict, Optional, Sequence
 from ..config import TierBandwidth
 from .placement import CPU, DEVICE, Placement, UpdateRates
 from .schedule import step_schedule
-from ..subgroups import Subgroup
+from ..subgroups.partition import Subgroup
 from ..tiers.kinds import kind_of
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Callable, Mapping, Optional, Protocol, Sequence
 
-from ..telemetry import StepRecord
+from ..telemetry.traffic import StepRecord
 
 
 class Fence(Protocol):

@@ -21,10 +21,10 @@ import torch
 
 from ..gradients import ModelBuffers
 from ..kernels.fused_update import AdamHyper, FusedAdamW, ModelPass, hyper_of
-from ..param_groups import Segment
-from ..state_formats import StateCodec
+from ..subgroups.param_groups import Segment
 from .context import SideInputs, StepContext
-from ..subgroups import Subgroup
+from ..state_formats import StateCodec
+from ..subgroups.partition import Subgroup
 from ..kernels.update import AdamKernel, Fp32Working, adam_piece
 
 

@@ -28,8 +28,8 @@ from ..plan.prediction import Prediction
 from ..plan.schedule import StepSchedule
 from .read_ahead import ReadAhead
 from .context import Fence, StepContext, UpdateSide
-from ..subgroups import Subgroup
-from ..telemetry import StepRecord
+from ..subgroups.partition import Subgroup
+from ..telemetry.traffic import StepRecord
 
 InFlight = List[Tuple[int, Fence]]  # asynchronous updates whose last copy may still run
 

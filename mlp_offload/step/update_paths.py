@@ -28,6 +28,11 @@ class UpdatePaths:
     cpu_one_pass_how: str
 
     @property
+    def device_type(self) -> Optional[str]:
+        """Where the device update runs ("cuda", or "cpu" on the CPU twin); None without one."""
+        return None if self.device_update is None else self.device_update.device.type
+
+    @property
     def on_model_buffers(self) -> bool:
         """The device's kernel reads the model's grads and writes its params in place."""
         return self.device_update is not None and self.device_update.on_model_buffers

@@ -1,6 +1,5 @@
-"""The two kinds of tier. A new kind of memory is one class of either kind plus its ``TierKind``
-beside it, listed in ``tiers.kinds`` (resident kinds); a streamed tier is any other name with a
-path in ``OffloadConfig.paths``.
+"""The two kinds of tier. A new kind of memory is one class of either kind plus its ``TierKind`` in
+``tiers.kinds`` (resident kinds); a streamed tier is any other name with a path in ``OffloadConfig.paths``.
 
 - resident: a subgroup's state lives in the tier's memory between steps and is updated there
   (``tiers.device.DeviceMemory``: the model's device memory; ``tiers.host.HostMemory``: pinned
@@ -12,28 +11,11 @@ path in ``OffloadConfig.paths``.
 from __future__ import annotations
 
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Callable, ClassVar, Optional, Protocol, Sequence, Tuple
 
 import torch
 
 Extent = Tuple[int, torch.Tensor]  # (offset in the file, aligned uint8 host tensor)
-
-
-@dataclass(frozen=True)
-class TierKind:
-    """What every layer asks of a tier instead of comparing its name: config checks, placement,
-    the planner, the Megatron adapter's flags and messages (``tiers.kinds.kind_of`` gives it)."""
-    name: str  # as the config's ``tiers`` lists it
-    resident: bool  # memory, where subgroups are updated in place; else a file path, streamed
-    in_device_memory: bool = False  # the model's device memory (its subgroups update on the device)
-    budget_field: Optional[str] = None  # the OffloadConfig field sizing a memory tier (None: a file tier)
-    order: int = 0  # place among the memory tiers, fastest first (placement fills them so)
-
-    @property
-    def needs_path(self) -> bool:
-        """A file tier: its directory is ``OffloadConfig.paths[name]``."""
-        return not self.resident
 
 
 class ResidentTier(Protocol):

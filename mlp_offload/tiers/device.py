@@ -1,6 +1,6 @@
-"""The model's device memory as the top resident tier (``DEVICE_MEMORY``): subgroups kept there are updated
-in place and leave the device only for checkpoints. On a CPU run the device is the CPU, and this
-is plain memory: the same code path, which the CPU tests exercise (the CPU twin)."""
+"""The model's device memory as the top resident tier (``kinds.DEVICE_MEMORY``): subgroups kept there
+are updated in place and leave the device only for checkpoints. On a CPU run the device is the CPU,
+and this is plain memory: the same code path, which the CPU tests exercise (the CPU twin)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,8 @@ from typing import Dict, Optional
 
 import torch
 
-from .base import TierKind
-from ..units import GiB
-
-# The name users list in the config's tiers; the budget field sizes it (None with gpu_budget_auto).
-DEVICE_MEMORY = TierKind("gpu", resident=True, in_device_memory=True, budget_field="gpu_budget_bytes", order=0)
+from .kinds import DEVICE_MEMORY
+from ..config.units import GiB
 
 
 class DeviceMemoryError(RuntimeError):

@@ -21,10 +21,10 @@ from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
-from .align import ALIGN
+from ..config.align import ALIGN
 from .housekeeping import claim, release
 from .tokens import TierTokens
-from ..units import GiB
+from ..config.units import GiB
 
 log = logging.getLogger("mlp_offload")
 
@@ -231,11 +231,11 @@ class FileTier:
             try:
                 os.unlink(path)
             except OSError as err:
-                raise self._io_error("unlink", path, err) from err
+                raise self.io_error("unlink", path, err) from err
         try:
             fd = self._open(path, os.O_WRONLY | os.O_CREAT)
         except OSError as err:
-            raise self._io_error("open for writing", path, err) from err
+            raise self.io_error("open for writing", path, err) from err
         try:
             blocks = list(self._blocks_of(extents))
             futures = [self._blocks.submit(_pwrite_block, fd, off, mv, self.verify_checksums) for off, mv in blocks]
@@ -253,7 +253,7 @@ class FileTier:
         try:
             fd = self._open(path, os.O_RDONLY)
         except OSError as err:
-            raise self._io_error("open for reading", path, err) from err
+            raise self.io_error("open for reading", path, err) from err
         try:
             blocks = list(self._blocks_of(extents))
             futures = [self._blocks.submit(_pread_block, fd, off, mv, self.verify_checksums) for off, mv in blocks]
@@ -281,12 +281,13 @@ class FileTier:
             elif isinstance(err, TierDataError):
                 raise TierDataError(f"tier {self.name}: {path}: {err}") from err
             elif isinstance(err, OSError):
-                raise self._io_error(what, path, err) from err
+                raise self.io_error(what, path, err) from err
             else:
                 raise err
         return results
 
-    def _io_error(self, what: str, path: str, err: OSError) -> TierIOError:
+    def io_error(self, what: str, path: str, err: OSError) -> TierIOError:
+        """The error a failed ``what`` on ``path`` raises: the tier, the file and the likely cause."""
         hint = {
             errno.ENOSPC: f"the file system is full ({self.free_bytes() / GiB:.2f} GiB free); "
             f"free space, use another paths[{self.name!r}], or raise host_budget_bytes",

@@ -7,15 +7,12 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from .align import ALIGN
-from .base import TierKind
+from ..config.align import ALIGN
+from .kinds import HOST_MEMORY
 from .no_fork import unforked_zeros
-from ..units import GiB
+from ..config.units import GiB
 
 log = logging.getLogger("mlp_offload")
-
-# Always built (it holds the pipeline's buffers); listed in the tiers, it also keeps subgroups.
-HOST_MEMORY = TierKind("host", resident=True, budget_field="host_budget_bytes", order=1)
 
 
 class HostMemoryError(RuntimeError):
@@ -103,7 +100,8 @@ class HostMemory:
         self._counted.clear()
 
 
-def _meminfo_bytes(field: str) -> Optional[int]:
+def meminfo_bytes(field: str) -> Optional[int]:
+    """A field of /proc/meminfo in bytes (as the host tier reads it), None where it is not there."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -137,7 +135,7 @@ def check_budget_exists(budget_bytes: Optional[int], ranks: int) -> None:
     if budget_bytes is None:
         return
     need = budget_bytes * ranks
-    limit, total = _cgroup_limit_bytes(), _meminfo_bytes("MemTotal")
+    limit, total = _cgroup_limit_bytes(), meminfo_bytes("MemTotal")
     what = (f"host_budget_bytes ({budget_bytes / GiB:g} GiB per rank): {ranks} rank(s) of this node x "
             f"{budget_bytes / GiB:g} GiB = {need / GiB:.1f} GiB")
     if limit is not None and need > limit:
@@ -172,7 +170,7 @@ def node_memory() -> Optional[Tuple[int, str]]:
     limit = _cgroup_limit_bytes()
     if limit is not None:
         return limit, "this job's memory limit (cgroup)"
-    available = _meminfo_bytes("MemAvailable")
+    available = meminfo_bytes("MemAvailable")
     if available is None:
         return None
     return available, "available memory (MemAvailable, plus what the ranks hold now)"

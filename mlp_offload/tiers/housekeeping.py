@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import List, Optional
-from ..units import GiB
+from ..config.units import GiB
 
 log = logging.getLogger("mlp_offload")
 NAMESPACE_DIR = "mlp_offload"
@@ -169,7 +169,7 @@ def release(path: str, passes: int = 20) -> None:
         for _ in range(passes):
             if not _remove_contents(path):
                 break
-        _unlink(os.path.join(path, OWNER_FILE))
+        remove_file(os.path.join(path, OWNER_FILE))
         for _ in range(passes):
             _rmdir(path)
             if not os.path.exists(path) or not _remove_contents(path, keep_owner=False):
@@ -185,7 +185,7 @@ def _remove_contents(path: str, keep_owner: bool = True) -> int:
     for dirpath, dirs, files in os.walk(path, topdown=False):
         for name in files:
             if not (keep_owner and dirpath == path and name == OWNER_FILE):
-                _unlink(os.path.join(dirpath, name))
+                remove_file(os.path.join(dirpath, name))
                 found += 1
         for name in dirs:
             _rmdir(os.path.join(dirpath, name))
@@ -201,7 +201,8 @@ def release_all() -> None:
         release(path)
 
 
-def _unlink(path: str) -> None:
+def remove_file(path: str) -> None:
+    """Remove the file at ``path``; one already gone (or not removable) is left as it is."""
     try:
         os.unlink(path)
     except OSError:

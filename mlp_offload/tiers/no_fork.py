@@ -17,6 +17,8 @@ import sys
 
 import torch
 
+from ..config.align import ALIGN
+
 
 def unforked_zeros(nbytes: int, huge_pages: bool = False) -> torch.Tensor:
     """A zero-filled (the kernel's fresh anonymous pages), page-aligned uint8 buffer of ``nbytes`` that
@@ -30,3 +32,10 @@ def unforked_zeros(nbytes: int, huge_pages: bool = False) -> torch.Tensor:
     if huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
         region.madvise(mmap.MADV_HUGEPAGE)
     return torch.frombuffer(region, dtype=torch.uint8)  # holds a reference to the mapping
+
+
+def aligned_empty(nbytes: int) -> torch.Tensor:
+    """An uninitialised uint8 buffer of ``nbytes`` starting on an ALIGN boundary."""
+    raw = unforked_zeros(nbytes + ALIGN)  # state snapshots: no child of the rank reads them
+    shift = (-raw.data_ptr()) % ALIGN
+    return raw[shift: shift + nbytes]

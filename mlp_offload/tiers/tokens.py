@@ -184,6 +184,11 @@ class TierTokens(_ProcessTokens):
         self.lock_dir = self._dir.path
         self._fds: List[int] = [self._dir.open(f"token{i}.lock") for i in range(count)]
 
+    @property
+    def lock_files(self) -> int:
+        """How many token lock files this process holds open: the tokens the node's ranks contend for."""
+        return len(self._fds)
+
     def _take(self) -> int:
         # Non-blocking tries over all tokens with a short back-off: a blocking flock on one file
         # would miss another token that frees up first.

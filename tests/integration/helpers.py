@@ -59,8 +59,8 @@ def global_offload_state(iteration_dir):
     """key -> [master, exp_avg, exp_avg_sq] as whole global tensors, from every position's offload
     files of both kinds (dense and experts), placed by their recorded geometry alone. Saved copies
     of one piece (TP replicas, the tied output layer) must agree, and every element must be saved."""
-    from megatron.training.checkpoint.param_geometry import ParamGeometry
-    from megatron.training.checkpoint.saved_offload import SavedOffloadState
+    from megatron.training.checkpoint.offload_files import ParamGeometry
+    from megatron.training.checkpoint.offloaded_state import SavedOffloadState
 
     state = {}
     with SavedOffloadState(str(iteration_dir)) as saved:
@@ -70,7 +70,7 @@ def global_offload_state(iteration_dir):
                 for name, entry in files.geometry.items():
                     geometry = ParamGeometry.from_json(entry)
                     local = [torch.empty(geometry.numel) for _ in range(3)]
-                    files.read(name, 0, geometry.numel, local)
+                    files.read_by_name(name, 0, geometry.numel, local)
                     full = state.setdefault(geometry.key, [torch.full(geometry.global_shape, float("nan"))
                                                            for _ in range(3)])
                     cut = tuple(slice(o, o + n) for o, n in zip(geometry.global_offset, geometry.local_shape))

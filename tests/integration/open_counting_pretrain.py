@@ -28,15 +28,15 @@ def _count_opens(event, args):
 
 def _count_footer_reads():
     """Every footer is parsed by this one function of the file format (mlp_offload.checkpoint)."""
-    import mlp_offload.checkpoint as fmt
+    import mlp_offload.checkpoint.state_file as fmt
 
-    parse = fmt._read_trailer_and_footer
+    parse = fmt.footer_bytes
 
     def counted(path, *rest):
         footers[os.path.relpath(os.path.realpath(path), ROOT)] += 1
         return parse(path, *rest)
 
-    fmt._read_trailer_and_footer = counted
+    fmt.footer_bytes = counted
 
 
 def _write_counts():

@@ -1,5 +1,5 @@
 """A resume opens each saved offload file at most three times (its index, then its data: once for the
-footer and whatever the page cache serves, once with O_DIRECT for the tensors, direct_reader; rank 0
+footer and whatever the page cache serves, once with O_DIRECT for the tensors, tiers.direct_io; rank 0
 also checks the completeness proof, whose CRC covers the small files of the tiny model) and parses its
 footer once, in every rank: at the saved layout (DP2) and at another DP size (DP2 -> DP1).
 

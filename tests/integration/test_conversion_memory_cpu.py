@@ -61,10 +61,10 @@ def test_back_to_plain_holds_a_fraction_of_a_shard_and_loses_nothing(plain, to_o
     grown = convert(plain, "plain", plain / "to-off", plain / "to-plain", [])
     assert grown < GROWTH_LIMIT_MB, grown
     converted, original = (FlatTensorRanges(str(root / "iter_0000001")) for root in (plain / "to-plain", plain / "plain"))
-    keys = [k for k in original._items if ".bucket_idx_" in k]
-    assert keys and sorted(keys) == sorted(k for k in converted._items if ".bucket_idx_" in k)
+    keys = [k for k in original.keys() if ".bucket_idx_" in k]
+    assert keys and sorted(keys) == sorted(k for k in converted.keys() if ".bucket_idx_" in k)
     for key in keys:
-        numel = sum(count for _, count, _ in original._items[key])
+        numel = original.numel(key)
         a, b = torch.empty(numel), torch.empty(numel)
         original.read(key, 0, numel, a)
         converted.read(key, 0, numel, b)

@@ -270,9 +270,9 @@ def test_hub_names_fail_offline_past_our_checks(no_network):
     from megatron.training.data import tokenizers
 
     args = tokenizer_args("--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", HUB_NAME)
-    tokenizers._hub_offline()
+    tokenizers.hub_offline()
     with pytest.raises(Exception, match=f"Unable to instantiate HuggingFace AutoTokenizer for {HUB_NAME}"):
-        tokenizers._megatron_core_tokenizer(args)
+        tokenizers.megatron_core_tokenizer(args)
     assert os.environ["HF_HUB_OFFLINE"] == "1" and huggingface_hub.constants.is_offline_mode()
     assert no_network == []
 

@@ -7,7 +7,7 @@ from typing import List, Optional, Tuple
 from hypothesis import strategies as st
 
 from mlp_offload import MiB, OffloadConfig, TierBandwidth
-from mlp_offload.subgroups import partition
+from mlp_offload.subgroups.partition import partition
 
 TIER_MIXES = (["host"], ["nvme"], ["host", "nvme"], ["host", "nvme", "pfs"], ["nvme", "pfs"])
 

@@ -9,7 +9,7 @@ import torch
 
 from mlp_offload import OffloadedAdamW, faults
 from mlp_offload.checkpoint import CheckpointSaveError, load_engine_state
-from mlp_offload.checkpoint_write import save_engine_state, start_background_save
+from mlp_offload.checkpoint.write import save_engine_state, start_background_save
 from mlp_offload.snapshot import SnapshotCancelled
 from mlp_offload.tiers.files import FileTier
 

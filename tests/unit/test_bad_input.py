@@ -116,7 +116,7 @@ def _damage_then_step(eng, seen, damage):
     seen.clear()
     # Damage a subgroup that is not already prefetched for the next step.
     victim = eng.subgroups[-1]
-    path = eng._tiers["nvme"].path_of(f"sg{victim.index:06d}.state")
+    path = eng.file_tiers["nvme"].path_of(f"sg{victim.index:06d}.state")
     damage(path)
     with pytest.raises(OffloadStateError) as info:
         eng.step()
@@ -157,7 +157,7 @@ def test_tier_directory_disappears(tmp_path):
     seen = []
     eng = _engine_with_files_written(tmp_path, seen)
     try:
-        shutil.rmtree(eng._tiers["nvme"].dir)
+        shutil.rmtree(eng.file_tiers["nvme"].dir)
         with pytest.raises(OffloadStateError, match="subgroup 4.*disappeared|No such file"):
             eng.step()
     finally:

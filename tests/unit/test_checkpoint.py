@@ -11,7 +11,7 @@ import torch
 from mlp_offload import OffloadedAdamW, faults
 from mlp_offload.checkpoint import (MAGIC, TRAILER, CheckpointDataError, CheckpointSaveError, RangeReader,
                                     load_engine_state, read_footer)
-from mlp_offload.checkpoint_write import save_engine_state
+from mlp_offload.checkpoint.write import save_engine_state
 
 from .helpers import bf16_grads, engine_state, fast_config, run_steps
 
@@ -180,7 +180,7 @@ def test_a_bounded_reader_reads_ranges_and_still_checks_every_tensor(tmp_path):
             whole.read(k, start, end, a)
             bounded.read(k, start, end, b)
             assert torch.equal(a, b)
-    assert all(6 * t.numel() * 4 <= 60_000 for t in bounded._cached.values())  # only the 1-element tail
+    assert all(6 * n * 4 <= 60_000 for n in bounded.cached_elements)  # only the 1-element tail
     whole.close()
     bounded.close()
     with open(path, "r+b") as f:

@@ -159,7 +159,7 @@ def test_job_scope_is_checked_when_the_engine_is_built(tmp_path):
     store, _ = _store()
     with OffloadedAdamW(torch.zeros(30_000), fast_config(tmp_path, tiers=["nvme"], token_scope={"nvme": "job"}),
                         token_store=store) as eng:
-        assert isinstance(eng._tiers["nvme"].tokens, JobTokens)
+        assert isinstance(eng.file_tiers["nvme"].tokens, JobTokens)
         eng.grad_buffer.fill_(1)
         eng.step()
         eng.step()

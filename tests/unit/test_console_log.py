@@ -9,7 +9,7 @@ import pytest
 
 from megatron.training.metrics.console import Console
 from megatron.training.metrics.records import IterationRecord
-from mlp_offload.telemetry import StepRecord, TierTraffic
+from mlp_offload.telemetry.traffic import StepRecord, TierTraffic
 
 
 def _record(iteration, loss, skipped=False, nan=False, elapsed=0.1, first=False, offload=None):

@@ -193,10 +193,10 @@ def test_fused_kernel_and_unmatched_variants_keep_the_multi_pass_path():
 def test_a_failed_build_warns_once_and_keeps_the_multi_pass_path(monkeypatch, caplog):
     def no_compiler(name):
         raise RuntimeError("Error building extension: c++: not found")
-    monkeypatch.setattr(cop, "_import_built", lambda name: None)
+    monkeypatch.setattr(cop, "import_built", lambda name: None)
     monkeypatch.setattr(cop, "_build", no_compiler)
     monkeypatch.setattr(cop, "_warned", False)
-    cop._extension.cache_clear()
+    cop.forget_extension()
     try:
         with caplog.at_level(logging.WARNING, logger="mlp_offload"):
             eng = OffloadedAdamW(torch.randn(1000), OffloadConfig(tiers=["host"], pin_memory=False,
@@ -204,15 +204,15 @@ def test_a_failed_build_warns_once_and_keeps_the_multi_pass_path(monkeypatch, ca
             with eng:
                 eng.grad_buffer.copy_(torch.randn(1000).to(torch.bfloat16))
                 eng.step()
-                assert eng._cpu_side.one_pass is None and "failed to build" in eng.cpu_one_pass_how
+                assert eng.update_paths.cpu_one_pass is None and "failed to build" in eng.cpu_one_pass_how
             with OffloadedAdamW(torch.randn(10), OffloadConfig(tiers=["host"], pin_memory=False,
                                                                adam_kernel="single", adam_elems_per_s=1e9)) as again:
-                assert again._cpu_side.one_pass is None
+                assert again.update_paths.cpu_one_pass is None
         warnings = [r for r in caplog.records if "one-pass" in r.getMessage()]
         assert len(warnings) == 1 and "c++: not found" in warnings[0].getMessage()
     finally:
         monkeypatch.undo()
-        cop._extension.cache_clear()
+        cop.forget_extension()
     assert cop.extension() is not None
 
 
@@ -229,10 +229,10 @@ def test_a_background_build_is_waited_for_and_built_once(monkeypatch):
         time.sleep(0.3)
         builds.append(threading.current_thread().name)
         return "the module"
-    monkeypatch.setattr(cop, "_import_built", lambda name: None)
+    monkeypatch.setattr(cop, "import_built", lambda name: None)
     monkeypatch.setattr(cop, "_build", slow_build)
     monkeypatch.setattr(cop, "_background", None)
-    cop._extension.cache_clear()
+    cop.forget_extension()
     try:
         cop.build_in_background()
         assert started.wait(5)
@@ -240,7 +240,7 @@ def test_a_background_build_is_waited_for_and_built_once(monkeypatch):
         assert builds == ["mlp_offload cpu kernel build"]
     finally:
         monkeypatch.undo()
-        cop._extension.cache_clear()
+        cop.forget_extension()
 
 
 def _run(setup, root, moments, remainders, one_pass, seed):
@@ -252,7 +252,7 @@ def _run(setup, root, moments, remainders, one_pass, seed):
     kwargs = dict(model=ModelLink(on_params_updated=model.on_params, param_high=model.source)) if remainders else {}
     with OffloadedAdamW(init.clone(), cfg, lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
                         groups=setup.groups, **kwargs) as eng:
-        assert (eng._cpu_side.one_pass is not None) == (one_pass and cfg.adam_kernel != "fused"), \
+        assert (eng.update_paths.cpu_one_pass is not None) == (one_pass and cfg.adam_kernel != "fused"), \
             eng.cpu_one_pass_how
         for _ in range(3):
             eng.grad_buffer.copy_((torch.randn(setup.numel, generator=gen) * 10).to(torch.bfloat16))
@@ -283,7 +283,7 @@ def test_engine_one_pass_equals_torch_adamw():
     cfg = OffloadConfig(tiers=["host"], pin_memory=False, adam_kernel="single", subgroup_size=10_000,
                         adam_elems_per_s=1e9)
     with OffloadedAdamW(init.clone(), cfg, lr=lr, betas=betas, eps=eps, weight_decay=wd) as eng:
-        assert eng._cpu_side.one_pass is not None, eng.cpu_one_pass_how
+        assert eng.update_paths.cpu_one_pass is not None, eng.cpu_one_pass_how
         for _ in range(4):
             grad = (torch.randn(numel, generator=gen) * 10).to(torch.bfloat16)
             eng.grad_buffer.copy_(grad)

@@ -23,7 +23,7 @@ def test_lazily_queued_deferred_steps_equal_adamw_with_a_changing_lr():
     eng = OffloadedAdamW(init.clone(), cfg, lr=LRS[0], betas=BETAS, eps=EPS, weight_decay=WD,
                          model=ModelLink(grad_dtype=torch.bfloat16))
     try:
-        deferred = eng._deferred
+        deferred = eng.update_paths.deferred
         n = len(eng.subgroups)
         assert n == NUMEL // SUBGROUP
         for step, lr in enumerate(LRS):

@@ -11,10 +11,10 @@ from hypothesis import given, settings, strategies as st
 from mlp_offload import ModelLink
 from mlp_offload import OffloadConfig, OffloadConfigError, OffloadedAdamW, PlacementError
 from mlp_offload.checkpoint import load_engine_state
-from mlp_offload.checkpoint_write import save_engine_state
+from mlp_offload.checkpoint.write import save_engine_state
 from mlp_offload.plan.placement import CPU, DEVICE, UpdateRates, split_updates
 from mlp_offload.relocation import device_change
-from mlp_offload.subgroups import partition
+from mlp_offload.subgroups.partition import partition
 
 from .helpers import BETAS, EPS, LR, WD, adamw_reference, assert_state_equals_reference, device_config, engine_state
 from .strategies import DEVICE_RATES as RATES, device_setups

@@ -1,7 +1,7 @@
-"""The checkpoint files' direct I/O. The writer's regions (direct_writer): written in any order at any byte offset, cut into
+"""The checkpoint files' direct I/O. The writer's regions (DirectRegionWriter): written in any order at any byte offset, cut into
 pieces across a small ring of staging buffers, with O_DIRECT for whole blocks and the page cache for
 the ends (or for all of it where the file system has no O_DIRECT): the file holds exactly the bytes,
-and each tensor's CRC32 is zlib's over its bytes. The reader's ranges (direct_reader): the file's
+and each tensor's CRC32 is zlib's over its bytes. The reader's ranges (DirectReads): the file's
 bytes, short where the file ends."""
 
 import os
@@ -12,9 +12,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from mlp_offload import direct_reader, direct_writer
-from mlp_offload.direct_reader import DirectReads
-from mlp_offload.direct_writer import DirectRegionWriter
+from mlp_offload.tiers import direct_io
+from mlp_offload.tiers.direct_io import DirectReads, DirectRegionWriter
 from tests.profiles import examples
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int16, torch.uint8]
@@ -57,15 +56,15 @@ def _write_and_check(path, start, end, order):
 
 @pytest.fixture
 def small_pieces(monkeypatch):
-    monkeypatch.setattr(direct_writer, "PIECE", 3 * 4096)
-    monkeypatch.setattr(direct_writer, "RING", 3)
+    monkeypatch.setattr(direct_io, "PIECE", 3 * 4096)
+    monkeypatch.setattr(direct_io, "RING", 3)
 
 
 @pytest.fixture(scope="module")
 def small_ring():
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(direct_writer, "PIECE", 3 * 4096)
-        patch.setattr(direct_writer, "RING", 3)
+        patch.setattr(direct_io, "PIECE", 3 * 4096)
+        patch.setattr(direct_io, "RING", 3)
         yield
 
 
@@ -76,7 +75,7 @@ def test_regions_land_byte_for_byte_with_their_crcs(tmp_path_factory, small_ring
 
 
 def test_without_o_direct_everything_goes_through_the_page_cache(tmp_path, small_pieces, monkeypatch):
-    monkeypatch.setattr(direct_writer, "_open_direct", lambda path: None)
+    monkeypatch.setattr(direct_io, "open_direct", lambda path, flags: None)
     gen = random.Random(1)
     tensors = [torch.randn(gen.randint(1, 20_000)) for _ in range(3)]
     _write_and_check(tmp_path / "f", 100, 100 + sum(t.numel() * 4 for t in tensors), [(100, tensors)])
@@ -86,7 +85,7 @@ def test_a_failed_write_is_raised_to_the_writer(tmp_path, small_pieces, monkeypa
     def full(fd, data, offset):
         raise OSError(28, os.strerror(28))
 
-    monkeypatch.setattr(direct_writer, "pwrite_all", full)
+    monkeypatch.setattr(direct_io, "pwrite_all", full)
     with open(tmp_path / "f", "wb") as f:
         writer = DirectRegionWriter(f.fileno(), str(tmp_path / "f"), threads=2)
         try:
@@ -119,5 +118,5 @@ def test_direct_reads_give_the_files_bytes_and_stop_at_its_end(tmp_path_factory,
 @pytest.fixture(scope="module")
 def small_chunks():
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(direct_reader, "CHUNK", 2 * 4096)  # several reads per range, in parallel
+        patch.setattr(direct_io, "CHUNK", 2 * 4096)  # several reads per range, in parallel
         yield

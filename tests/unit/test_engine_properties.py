@@ -18,7 +18,7 @@ from mlp_offload import ModelLink
 from mlp_offload import (
     HostMemoryError, OffloadConfigError, OffloadedAdamW, PlacementError, TierPathError, parse_bandwidths,
 )
-from mlp_offload.subgroups import partition
+from mlp_offload.subgroups.partition import partition
 
 from .helpers import BETAS, EPS, LR, WD, adamw_reference, assert_state_equals_reference
 from .strategies import TIER_MIXES, MiB, Setup, fixed_setup, setups

@@ -53,10 +53,10 @@ def _run_config(setup, cfg, remainders, one_pass, seed=0):
     try:
         with OffloadedAdamW(init.clone(), cfg, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, groups=setup.groups,
                             **kwargs) as eng:
-            if one_pass and eng._device_update is not None and eng.device_adam.kind != "fused":
-                assert used and eng._device_update.fused is not None
+            if one_pass and eng.update_paths.device_update is not None and eng.device_adam.kind != "fused":
+                assert used and eng.update_paths.device_update.fused is not None
                 # the model's buffers where the model is given (remainders) and the config lets it
-                assert eng._device_update.on_model_buffers == (remainders and cfg.device_model_buffers)
+                assert eng.update_paths.device_update.on_model_buffers == (remainders and cfg.device_model_buffers)
             for k in range(3):
                 eng.grad_buffer.copy_((torch.randn(setup.numel, generator=gen) * 10).to(torch.bfloat16))
                 eng.step(unscale=(None, 1 / 1000, 1.0)[k], clip_coef=(0.37, None, 0.61)[k])

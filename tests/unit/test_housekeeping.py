@@ -90,7 +90,7 @@ def test_release_removes_files_an_io_thread_creates_while_it_runs(tmp_path, monk
     path = claim(str(tmp_path), "run", 0, "--offload-nvme-path")
     for k in range(3):
         (tmp_path / "mlp_offload" / "run" / "rank00000" / f"sg{k:06d}.state").write_bytes(b"x" * 4096)
-    real_unlink, landed = housekeeping._unlink, []
+    real_unlink, landed = housekeeping.remove_file, []
 
     def unlink_while_a_write_lands(target):
         real_unlink(target)
@@ -98,7 +98,7 @@ def test_release_removes_files_an_io_thread_creates_while_it_runs(tmp_path, monk
             landed.append(os.path.join(path, "sg000099.state"))
             with open(landed[0], "wb") as f:  # a write the walk has already passed
                 f.write(b"y" * 4096)
-    monkeypatch.setattr(housekeeping, "_unlink", unlink_while_a_write_lands)
+    monkeypatch.setattr(housekeeping, "remove_file", unlink_while_a_write_lands)
     housekeeping.release(path)
     assert landed and not os.path.exists(path)
     assert not (tmp_path / "mlp_offload").exists()  # the run's and the base directory went once empty

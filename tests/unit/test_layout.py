@@ -7,6 +7,8 @@
 - Code outside the engine imports only its face: ``mlp_offload`` and ``mlp_offload.checkpoint``.
 - ``megatron/training/`` itself holds only the loop and the base module; every other module lives
   in a sub-package.
+- ``megatron/training/checkpoint/`` holds at most CHECKPOINT_FILES_AT_MOST files (its ``__init__.py``
+  counted), so it cannot silently regrow near-synonym modules.
 - The engine reads no environment: its config is a pure function of its arguments (the adapter
   reads the environment and fills the config's fields).
 """
@@ -26,6 +28,7 @@ LAYERS = ["errors", "runtime", "model", "data", "checkpoint", "offload", "metric
 TOP_LEVEL_ALLOWED = {"__init__.py", "errors.py", "training.py", "initialize.py"}
 ENGINE_FACE = {"mlp_offload", "mlp_offload.checkpoint"}
 OUTSIDE_ENGINE = ["megatron", "tools", "benchmarks", "pretrain_gpt.py"]
+CHECKPOINT_FILES_AT_MOST = 12  # issue 40: it had grown to 18 modules with near-synonym names
 
 
 def module_files(top: str) -> Dict[str, str]:
@@ -204,3 +207,25 @@ def test_training_modules_live_in_sub_packages():
                 doc = ast.get_docstring(ast.parse(f.read()))
             assert doc and "May import" in doc, f"{entry}/__init__.py must say what lives there and what it may import"
             assert any(entry in names.split("|") for names in LAYERS), f"{entry}/ is in no layer of LAYERS"
+
+
+def test_the_checkpoint_package_stays_small():
+    folder = os.path.join(ROOT, "megatron", "training", "checkpoint")
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".py"))
+    assert "__init__.py" in files  # the count is of this package's files, not of an empty folder
+    assert len(files) <= CHECKPOINT_FILES_AT_MOST, (
+        f"megatron/training/checkpoint/ holds {len(files)} .py files, at most {CHECKPOINT_FILES_AT_MOST} "
+        f"(__init__.py counted): fold the new one into the module whose job it serves: {files}")
+
+
+ENGINE_TOP_LEVEL_MOST = 12  # .py files directly in mlp_offload/; the rest lives in its sub-packages
+ENGINE_FRONT_MOST_LINES = 350  # engine.py: the torch-shaped front; the wiring lives in startup/
+
+
+def test_the_engine_keeps_a_short_top_level_and_a_small_front():
+    folder = os.path.join(ROOT, "mlp_offload")
+    top = sorted(f for f in os.listdir(folder) if f.endswith(".py"))
+    assert "engine.py" in top and len(top) <= ENGINE_TOP_LEVEL_MOST, top
+    with open(os.path.join(folder, "engine.py"), encoding="utf-8") as f:
+        lines = len(f.read().splitlines())
+    assert lines <= ENGINE_FRONT_MOST_LINES, f"engine.py has {lines} lines"

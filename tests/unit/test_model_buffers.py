@@ -20,7 +20,7 @@ from mlp_offload.kernels.remainders import split
 from mlp_offload.kernels.update import AdamKernel, convert_grads
 from mlp_offload.state_formats import codecs_for
 from mlp_offload.step.device_side import DeviceIO, DeviceJob, DeviceKernel, DeviceUpdate
-from mlp_offload.subgroups import Subgroup
+from mlp_offload.subgroups.partition import Subgroup
 from tests.profiles import examples
 
 MOMENTS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -20,7 +20,7 @@ from mlp_offload.plan.placement import plan_placement, tokens_for
 from mlp_offload.plan.prediction import MeasuredRates, NodeSharing, predict_update
 from mlp_offload.plan.rates import probe_tier
 from mlp_offload.plan.schedule import step_schedule
-from mlp_offload.subgroups import partition
+from mlp_offload.subgroups.partition import partition
 from mlp_offload.tiers.files import FileIo, FileTier, TierOwner
 from mlp_offload.tiers.host import HostMemory
 
@@ -204,7 +204,7 @@ def test_engine_takes_its_tokens_from_the_rates(tmp_path, shared_bps, tokens):
     eng = OffloadedAdamW(torch.zeros(50_000), cfg, lr=1e-3)
     try:
         assert eng.tokens_per_tier == {"nvme": tokens}
-        assert len(eng._tiers["nvme"].tokens._fds) == tokens  # the lock files ranks contend for
+        assert eng.file_tiers["nvme"].tokens.lock_files == tokens  # the lock files ranks contend for
         # The node's I/O time: both ranks' bytes at the all-ranks rate, or one rank's time twice over.
         moved = eng.prediction.read_bytes["nvme"] + eng.prediction.write_bytes["nvme"]
         at_once = 2 * moved / shared_bps

@@ -13,10 +13,10 @@ from tests.profiles import examples
 
 from mlp_offload import OffloadConfigError, OffloadedAdamW
 from mlp_offload.checkpoint import load_engine_state
-from mlp_offload.checkpoint_write import save_engine_state
+from mlp_offload.checkpoint.write import save_engine_state
 from mlp_offload.state_formats import codecs_for
-from mlp_offload.subgroups import partition
-from mlp_offload.tiers.align import align_up
+from mlp_offload.subgroups.partition import partition
+from mlp_offload.config.align import align_up
 
 from .helpers import BETAS, EPS, LR, WD, engine_state, fast_config
 

@@ -65,7 +65,7 @@ def test_read_ahead_steps_equal_adamw_with_edits_loads_and_split_changes(slots, 
                     opt.state[ref]["exp_avg_sq"].add_(0.25)
                 held = 0
             elif event == "to_cpu" and on_device:  # the split gives the CPU the subgroup read ahead first
-                order = eng._loop.held_first_order(eng._pipeline.schedule)
+                order = eng.update_order()
                 first = next(i for i in order if eng.placement.tier_of[i] != "gpu")
                 eng.placement.update_on[first] = CPU
                 on_device, held = on_device - 1, held - 1
@@ -88,8 +88,8 @@ def test_read_ahead_covers_the_first_subgroups_of_the_next_steps_order(deferred)
         eng.grad_buffer.copy_(torch.ones(NUMEL, dtype=torch.bfloat16))
         eng.step()
         eng.settle()
-        order = eng._loop.held_first_order(eng._pipeline.schedule)
-        assert sorted(eng._read_ahead.held) == sorted(order[:3])
+        order = eng.update_order()
+        assert sorted(eng.read_ahead.held) == sorted(order[:3])
         eng.grad_buffer.copy_(torch.ones(NUMEL, dtype=torch.bfloat16))
         assert eng.step().read_ahead == 3
     finally:

@@ -19,7 +19,7 @@ from tests.profiles import examples
 from mlp_offload import ModelLink
 from mlp_offload import ModelParamsAsMaster, OffloadConfig, OffloadConfigError, OffloadedAdamW
 from mlp_offload.checkpoint import CheckpointDataError, RangeReader, load_engine_state, read_footer, stored_codecs
-from mlp_offload.checkpoint_write import save_engine_state
+from mlp_offload.checkpoint.write import save_engine_state
 from mlp_offload.kernels.remainders import merge, round_half_away, split
 
 from .helpers import BETAS, EPS, LR, WD, ModelParams, adamw_reference, device_config, engine_state
@@ -234,7 +234,7 @@ def test_bad_remainder_settings_name_the_field(tmp_path):
 def test_a_background_save_while_stepping_writes_what_a_synchronous_save_does(tmp_path, monkeypatch):
     """The stored form (int16 remainders) through the snapshot: staged copies and linked files."""
     from mlp_offload import faults
-    from mlp_offload.checkpoint_write import start_background_save
+    from mlp_offload.checkpoint.write import start_background_save
 
     numel = 70_001
     gen = torch.Generator().manual_seed(5)

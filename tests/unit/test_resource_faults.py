@@ -91,7 +91,7 @@ def test_error_hints_name_the_cause():
     tier.name, tier.root = "pfs", "/"
     for code, hint in [(errno.EDQUOT, "quota"), (errno.EACCES, "writable paths['pfs']"),
                        (errno.ENOENT, "disappeared")]:
-        err = tier._io_error("write", "/x", OSError(code, os.strerror(code)))
+        err = tier.io_error("write", "/x", OSError(code, os.strerror(code)))
         assert hint in str(err)
 
 

@@ -43,7 +43,7 @@ def test_results_pass_unchanged_and_the_server_never_loads_torch(manager):
     with pytest.raises(queue.Empty):
         results_queue.get_nowait()
     assert "libtorch" in _loaded_libraries(multiprocessing.current_process().pid)  # the check can fail
-    assert "libtorch" not in _loaded_libraries(manager._process.pid)
+    assert "libtorch" not in _loaded_libraries(manager.server_pid)
 
 
 def test_a_forked_writer_reaches_the_rank_through_it(manager):

@@ -18,8 +18,8 @@ from hypothesis import given, settings, strategies as st
 from mlp_offload import ModelLink
 from mlp_offload import OffloadConfig, OffloadedAdamW
 from mlp_offload.checkpoint import load_engine_state
-from mlp_offload.checkpoint_write import save_engine_state, start_background_save
-from mlp_offload.subgroups import partition
+from mlp_offload.checkpoint.write import save_engine_state, start_background_save
+from mlp_offload.subgroups.partition import partition
 from tests.profiles import examples
 
 from .helpers import BETAS, EPS, LR, WD, ModelParams, engine_state

@@ -1,4 +1,4 @@
-"""The index of a checkpoint's offload files (saved_offload): a parameter split over the files of
+"""The index of a checkpoint's offload files (offloaded_state): a parameter split over the files of
 several DP ranks reads back as the tensor that was split (the reference: torch.cat of the pieces),
 each file is opened once however many reads, and a set that disagrees is refused in one line."""
 
@@ -11,10 +11,11 @@ from hypothesis import strategies as st
 
 from tests.profiles import examples
 
-from megatron.training.checkpoint.saved_offload import SavedOffloadState, offload_file_path
+from megatron.training.checkpoint.offload_files import offload_file_path
+from megatron.training.checkpoint.offloaded_state import SavedOffloadState
 from mlp_offload import OffloadedAdamW
 from mlp_offload.checkpoint import CheckpointDataError
-from mlp_offload.checkpoint_write import save_engine_state
+from mlp_offload.checkpoint.write import save_engine_state
 
 from .helpers import fast_config
 
@@ -59,7 +60,7 @@ def test_a_parameter_split_over_dp_files_reads_back_and_each_file_opens_once(tmp
             position = saved.position("dense", 0, 0)
             for _ in range(2):  # a second read goes to the files already open
                 outs = [torch.empty(end - start) for _ in range(3)]
-                position.read("0.w", start, end, outs)
+                position.read_by_name("0.w", start, end, outs)
                 for out, whole in zip(outs, full):
                     assert torch.equal(out, whole[start:end])
     finally:

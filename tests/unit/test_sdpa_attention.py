@@ -264,7 +264,7 @@ def test_checkpoints_of_both_specs_are_interchangeable(restored_environment):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 
-    from megatron.training.checkpoint.format import sharding_metadata
+    from megatron.training.checkpoint.state_dict import sharding_metadata
     from megatron.training.model.attention_spec import with_core_attention
 
     sdpa = SimpleNamespace(core_attention="sdpa")

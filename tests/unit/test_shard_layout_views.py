@@ -4,7 +4,7 @@ param); it must give exactly the pieces a walk over all of them gives, empty pie
 import torch
 from hypothesis import given, settings, strategies as st
 
-from megatron.training.offload.shard_layout import ShardLayout, _Piece
+from megatron.training.offload.shard_layout import Piece, ShardLayout
 from tests.profiles import examples
 
 
@@ -16,14 +16,11 @@ class _Buffer:
 
 def _layout(sizes):
     buffer = _Buffer(sum(sizes) + 7)
-    layout = ShardLayout.__new__(ShardLayout)
-    layout.pieces, flat, offset = [], 0, 3
+    pieces, flat, offset = [], 0, 3
     for size in sizes:
-        layout.pieces.append(_Piece(buffer, offset, flat, size))
+        pieces.append(Piece(buffer, offset, flat, size))
         flat, offset = flat + size, offset + size
-    layout.numel = flat
-    layout._flat_starts = [p.flat_start for p in layout.pieces]
-    return layout
+    return ShardLayout.of_pieces(pieces)
 
 
 def _walk(layout, start, end, kind):

@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 
 from mlp_offload.state_formats import (BF16, FP16, FP32, REMAINDERS16, StateCodec, UnsupportedStateDtype,
                                        bytes_per_param, codec_for_tag, codec_named, codecs_for, dtype_name,
-                                       register, state_bytes)
+                                       forget, register, state_bytes)
 from tests.profiles import examples
 
 CODECS = (FP32, BF16, FP16, REMAINDERS16)
@@ -145,16 +145,19 @@ def test_registry_names_aliases_tags_and_refusals():
     assert [c.describe() for c in CODECS] == ["fp32", "bf16", "fp16", "rem16"]  # the tags saved files carry
 
 
-def test_a_registered_format_is_known_by_its_tag_and_where_asked_by_its_name(monkeypatch):
-    import mlp_offload.state_formats as formats
-    monkeypatch.setattr(formats, "_BY_TAG", dict(formats._BY_TAG))
-    monkeypatch.setattr(formats, "_USER_NAMED", dict(formats._USER_NAMED))
-    register(_Blockwise8(), user_named=False)
-    assert codec_for_tag("toy8") == _Blockwise8()
+def test_a_registered_format_is_known_by_its_tag_and_where_asked_by_its_name():
+    try:
+        register(_Blockwise8(), user_named=False)
+        assert codec_for_tag("toy8") == _Blockwise8()
+        with pytest.raises(UnsupportedStateDtype):
+            codec_named("toy8")
+        register(_Blockwise8(), user_named=True)
+        assert codec_named("toy8") == _Blockwise8()
+    finally:
+        forget(_Blockwise8())
+    assert codec_for_tag("toy8") is None  # forgotten: known neither by its tag nor by its name
     with pytest.raises(UnsupportedStateDtype):
         codec_named("toy8")
-    register(_Blockwise8(), user_named=True)
-    assert codec_named("toy8") == _Blockwise8()
 
 
 def test_a_codec_copied_between_processes_is_the_same_format():

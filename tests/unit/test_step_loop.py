@@ -23,7 +23,7 @@ def test_an_update_fault_stops_at_the_halfway_subgroup_and_the_engine_refuses_af
     eng = OffloadedAdamW(torch.randn(NUMEL), cfg,
                          model=ModelLink(on_params_updated=lambda lo, hi, p: updated.append(lo)))
     try:
-        order = list(eng._pipeline.schedule.order)
+        order = list(eng.schedule.order)
         eng.grad_buffer.copy_(torch.randn(NUMEL).to(torch.bfloat16))
         faults.configure(fault="update#1=ENOSPC")
         with pytest.raises(OSError) as err:

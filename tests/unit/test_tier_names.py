@@ -1,6 +1,7 @@
-"""A tier kind's name is spelled in at most three modules: beside its class (its ``TierKind``), in the
-factory of kinds, and where the flags a user types are spelled. Every other module asks the kind
-(``kind_of(name).in_device_memory``, ``.resident``, ``.budget_field``) or uses the constants built from it.
+"""A tier kind's name is spelled in at most three modules: its class's, the kinds' (``tiers.kinds``, where
+each ``TierKind`` is made; the classes take their names from it) and the flags a user types. Every other
+module asks the kind (``kind_of(name).in_device_memory``, ``.resident``, ``.budget_field``) or uses the
+constants built from it.
 
 "Spelled" means, in a string literal of the sources (docstrings and comments are prose and do not
 count): the name itself (``"gpu"``), the name quoted inside a message (``"add 'host' or ..."``), a flag
@@ -31,12 +32,12 @@ MAX_MODULES = 3
 # Where each name may be spelled, and why.
 ALLOWED: Dict[str, Dict[str, str]] = {
     "gpu": {
-        "mlp_offload/tiers/device.py": "its class's TierKind (DEVICE_MEMORY)",
+        "mlp_offload/tiers/kinds.py": "its TierKind (DEVICE_MEMORY), which tiers.device.DeviceMemory is named by",
         "megatron/training/errors.py": "the flags a user types (--offload-gpu-*, --offload-update gpu): the "
                                        "adapter's lowest layer, which every other one may import",
     },
     "host": {
-        "mlp_offload/tiers/host.py": "its class's TierKind (HOST_MEMORY)",
+        "mlp_offload/tiers/kinds.py": "its TierKind (HOST_MEMORY), which tiers.host.HostMemory is named by",
         "megatron/training/errors.py": "the flags a user types (--offload-host-cache-gb)",
     },
     "nvme": {},  # file tiers are any name with a path: nvme and pfs are only examples in prose

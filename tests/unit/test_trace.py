@@ -27,7 +27,7 @@ def run_steps(cfg, numel=60_000, steps=3):
         eng.close()
     # Reads prefetched for the next step finished during close: their bytes are in the counters
     # but in no step record yet.
-    records.append(type(records[0])(step=-1, tiers=eng._counters.take()))
+    records.append(type(records[0])(step=-1, tiers=eng.take_traffic()))
     return records, calls
 
 

@@ -15,7 +15,7 @@ from mlp_offload import OffloadConfig, OffloadedAdamW
 from mlp_offload.plan.placement import CPU, DEVICE
 from mlp_offload.plan.placement import UpdateRates
 from mlp_offload.plan.split import SideRates, UpdateSplit, choose_split, settled_sides, sides_for
-from mlp_offload.telemetry import StepRecord
+from mlp_offload.telemetry.traffic import StepRecord
 from tests.profiles import examples
 
 from .helpers import bf16_grads, engine_state

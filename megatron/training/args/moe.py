@@ -161,11 +161,11 @@ def _check_loss_types(parser, args) -> None:
 
 def _grouped_gemm_kernel(args) -> str:
     """Which grouped GEMM runs: 'te' (transformer-engine layers), 'grouped_gemm', or 'sequential'."""
-    from megatron.training.model.kernels import _installed
+    from megatron.training.model.kernels import installed
 
     if args.transformer_impl == "transformer_engine":
         return "te"
-    if _installed("grouped_gemm") and getattr(args, "device", "auto") != "cpu":
+    if installed("grouped_gemm") and getattr(args, "device", "auto") != "cpu":
         return "grouped_gemm"
     return "sequential"
 

@@ -1,5 +1,5 @@
 """--async-save: a checkpoint's torch_dist files are written by a background process, and the
-offloaded optimizer state by a thread of the rank (mlp_offload.checkpoint_write), while training
+offloaded optimizer state by a thread of the rank (mlp_offload.checkpoint), while training
 goes on; the checkpoint is completed later, in a finalize step.
 
 megatron-core's ``AsyncCallsQueue`` runs the write. Its non-persistent caller forks one process per

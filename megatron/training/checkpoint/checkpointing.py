@@ -8,8 +8,8 @@ plus the completeness proof of checkpoint_integrity. The state dict has Megatron
 per (pp, tp) position holding the list of its data-parallel ranks' states, as upstream's
 --data-parallel-random-init) and 'num_floating_point_operations_so_far'. So a Megatron-LM GPT
 checkpoint loads here and a resumed run continues bit for bit. With offload, the optimizer's
-Adam state is streamed beside it into ``iter_N/offload/`` and either form loads into either kind of
-optimizer (optimizer_state_crossing).
+Adam state is streamed beside it into ``iter_N/offload/`` (offload_files) and either form loads into
+either kind of optimizer (optimizer_state, crossing).
 """
 
 from __future__ import annotations
@@ -24,17 +24,19 @@ from typing import Optional
 import torch
 from megatron.core import dist_checkpointing, parallel_state
 
-from megatron.training.checkpoint import integrity, loaders
-from megatron.training.checkpoint.across_ranks import model_device, print_rank0, slowest_rank
-from megatron.training.checkpoint.format import save_strategies, sharding_metadata
+from megatron.training.checkpoint import integrity
 from megatron.training.checkpoint.integrity import checkpoint_dir
-from megatron.training.checkpoint.load_plan import plan_load
-from megatron.training.checkpoint.model_state import model_state
-from megatron.training.checkpoint.rng import all_data_parallel_rng_states, rng_sharded_object
+from megatron.training.checkpoint.load_plan import plan_load, resume_position
+from megatron.training.checkpoint.offload_files import (offloaded_state_bytes, save_offloaded_state,
+                                                        start_offloaded_save)
+from megatron.training.checkpoint.optimizer_state import load_optimizer, optimizer_template
 from megatron.training.checkpoint.saved_args import args_to_save
+from megatron.training.checkpoint.state_dict import (all_data_parallel_rng_states, load_model, load_rng,
+                                                     load_strategies, model_state, rng_sharded_object,
+                                                     save_strategies, sharding_metadata)
 from megatron.training.errors import UserError
 from megatron.training.runtime.optimizer_interface import OffloadedOptimizerCheckpoint
-from megatron.training.runtime.progress import gb_and_rate
+from megatron.training.runtime.progress import gb_and_rate, model_device, print_rank0, slowest_rank
 from mlp_offload.checkpoint import CheckpointSaveError, human_bytes
 from mlp_offload import fault_point
 
@@ -87,20 +89,25 @@ def save_checkpoint(iteration: int, model, optimizer, scheduler, consumed_sample
     save_optimizer = not args.no_save_optim
     if not _begin_save(root, path, iteration, model, optimizer if save_optimizer else None):
         return path
+    state_from = time.perf_counter()
     state = _state_to_save(args, model, optimizer, scheduler, iteration, consumed_samples)
+    torch_dist_from = time.perf_counter()
     request, offload_bytes, offload_s, failure, offload_write = None, 0, 0.0, None, None
+    torch_dist_to = torch_dist_from
     try:
         request = dist_checkpointing.save(state, path, async_sharded_save=background is not None,
                                           **save_strategies(args))
+        torch_dist_to = time.perf_counter()  # async: its plan and its copy to host memory
         if save_optimizer and isinstance(optimizer, OffloadedOptimizerCheckpoint):  # streamed beside it, a file per rank
             t0 = time.perf_counter()
             if background is None:
-                offload_bytes = optimizer.save_offloaded_state(path)
+                offload_bytes = save_offloaded_state(optimizer.shards, model, path)
             else:
-                offload_write = optimizer.start_offloaded_save(path)  # a snapshot, written once started
+                offload_write = start_offloaded_save(optimizer.shards, model, path)  # a snapshot, written once started
             offload_s = time.perf_counter() - t0
     except (CheckpointSaveError, OSError) as err:
         failure = _save_failure(err, path)
+    offload_to = time.perf_counter()
     try:
         _fail_together(failure, root, path)  # before any background write starts: nothing to stop
     except UserError:
@@ -120,8 +127,16 @@ def save_checkpoint(iteration: int, model, optimizer, scheduler, consumed_sample
     on_written = _BackgroundCompletion(root, path, iteration, started, offload_write, model)
     background.schedule(request, on_written, offload_write)
     fault_point("save-scheduled")
-    on_written.held_s, previous_s = slowest_rank([time.perf_counter() - held_from, started - held_from], model)
-    previous = f" ({previous_s:.2f} s of it for the previous save to finish)" if previous_s >= 0.005 else ""
+    done = time.perf_counter()
+    # Where the hold went (consecutive parts: they add up to it), each on its slowest rank.
+    parts = {"for the previous save to finish": started - held_from, "marking it begun": state_from - started,
+             "the state dict": torch_dist_from - state_from,
+             "torch_dist's plan and copy to host": torch_dist_to - torch_dist_from,
+             "the offloaded state's snapshot": offload_to - torch_dist_to, "starting the writers": done - offload_to}
+    held = slowest_rank([done - held_from, *parts.values()], model)
+    on_written.held_s = held[0]
+    previous = " (" + "; ".join(f"{sec:.2f} s of it {name}" for name, sec in zip(parts, held[1:])
+                                if sec >= 0.005 or name.startswith("for")) + ")"
     what = "its torch_dist files"
     if offload_write is not None:
         what += f" and offloaded optimizer state ({human_bytes(offload_write.nbytes)} per rank)"
@@ -175,7 +190,7 @@ class _BackgroundCompletion:
 
     def __init__(self, root: str, path: str, iteration: int, started: float, offload_write, model):
         self.root, self.path, self.iteration, self.started = root, path, iteration, started
-        self.offload_write = offload_write  # mlp_offload.checkpoint_write.BackgroundStateWrite or None
+        self.offload_write = offload_write  # mlp_offload.BackgroundStateWrite or None
         self.model = model
         self.held_s = 0.0  # the save's own hold, the slowest rank's (set once the save returns)
 
@@ -231,7 +246,7 @@ def _bytes_this_rank_saves(model, optimizer) -> int:
     if optimizer is None:  # --no-save-optim
         return weights * first_replica
     if isinstance(optimizer, OffloadedOptimizerCheckpoint):
-        return weights * first_replica + optimizer.offloaded_state_bytes()
+        return weights * first_replica + offloaded_state_bytes(optimizer.shards)
     # megatron-core's distributed optimizer: fp32 master, exp_avg and exp_avg_sq of this rank's shard
     return weights * first_replica + 12 * numel // parallel_state.get_data_parallel_world_size()
 
@@ -254,17 +269,24 @@ def load_checkpoint(root: str, model, optimizer, scheduler, args):
     """Restore what the flags ask for; returns (iteration, consumed_samples), or (0, 0) when nothing
     is saved (and with --finetune, which loads the weights only).
 
-    The plan first (which checkpoint, whether it loads here, what becomes of each kind of state, the
-    index of its offload files), then one read of the torch_dist files, then one loader per kind
-    (``loaders``); the plan's files close at the end."""
+    The plan first (which checkpoint, whether it loads here, what becomes of each kind of state),
+    then one collective read of the torch_dist files for every kind kept there (the model, the
+    optimizer in its own form, the RNG states), then each kind in turn: the optimizer's is one call
+    (optimizer_state), whichever form it is in."""
     plan = plan_load(root, optimizer, args)
     if plan is None:
         return 0, 0
-    with plan:
-        state = loaders.read_torch_dist(plan, model, optimizer, args)
-        loaders.load_model(model, state)
-        loaders.load_optimizer(plan, optimizer, model, state, args)
-        loaders.load_scheduler(plan, scheduler)
-        loaders.load_rng(plan, state)
+    metadata = sharding_metadata()
+    template = model_state(model, metadata)
+    template.update(optimizer_template(plan, optimizer, template, metadata))
+    if plan.rng:
+        template["rng_state"] = rng_sharded_object(None)
+    state = dist_checkpointing.load(template, plan.path, **load_strategies(args, plan.path))
+    load_model(model, state)
+    load_optimizer(plan, optimizer, model, state, args)
+    if plan.scheduler:
+        scheduler.load_state_dict(plan.common["opt_param_scheduler"])
+    if plan.rng:
+        load_rng(state)
     torch.distributed.barrier()
-    return loaders.resume_position(plan, args)
+    return resume_position(plan, args)

@@ -9,7 +9,7 @@ same DDP buckets, so either optimizer can resume from either form and continue b
 Memory: both directions move the state in pieces of at most ``max_bytes`` (--ckpt-convert-memory-mb),
 beside what the target optimizer holds anyway. Offload -> plain reads each parameter's slice in
 chunks straight into megatron-core's tensors, the offload files' reader caching no stored tensor
-larger than its share. Plain -> offload reads, for each subgroup the engine asks for, its elements
+larger than its share (offloaded_state). Plain -> offload reads, for each subgroup the engine asks for, its elements
 straight from the torch_dist files (torch_dist_ranges: no collective, so no rounds to agree on, and
 never a whole saved item), one chunk at a time.
 """
@@ -22,8 +22,8 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-from megatron.training.checkpoint.offload_reader import OffloadedStateReader
-from megatron.training.checkpoint.saved_offload import STATE_KEYS, SavedOffloadState
+from megatron.training.checkpoint.offload_files import STATE_KEYS
+from megatron.training.checkpoint.offloaded_state import SavedOffloadState
 from megatron.training.checkpoint.torch_dist_ranges import FlatTensorRanges
 from megatron.training.runtime.core_private import (main_param_and_optimizer_states,
                                                     set_main_param_and_optimizer_states)
@@ -49,26 +49,25 @@ def _dp_rank(kind: str) -> int:
 
 
 # -- offloaded files -> megatron-core's DistributedOptimizer -------------------------------------
-def fill_distributed_optimizer(dist_optimizers: List, model_chunks, saved: SavedOffloadState, offload_meta: dict,
+def fill_distributed_optimizer(dist_optimizers: List, saved: SavedOffloadState, offload_meta: dict,
                                max_bytes: int) -> None:
-    """Put the offloaded state ``saved`` indexes (saved at any DP, TP and PP) into megatron-core's
+    """Put the offloaded state ``saved`` holds (saved at any DP, TP and PP) into megatron-core's
     optimizer(s), ``max_bytes`` at a time: half for a piece in flight (read straight into megatron-core's
-    tensors, one state after the other), half for the files' reader."""
+    tensors, one state after the other), half for the files' readers (``saved.cache_bytes``)."""
     chunk = max(1, max_bytes // 2 // FP32)
     for opt in dist_optimizers:
         # With EP > 1 megatron-core's second optimizer holds the experts: read from the experts' files.
         kind = "experts" if any(not getattr(p, "allreduce", True) for p, _ in _param_pieces(opt)) else "dense"
-        reader = OffloadedStateReader(saved, model_chunks, kind, cache_bytes=max_bytes // 2)
         for param, piece in _param_pieces(opt):
             if getattr(opt.config, "use_precision_aware_optimizer", False):
-                _set_whole_piece(opt, reader, param, piece)  # its setter scales whole tensors
+                _set_whole_piece(opt, saved, kind, param, piece)  # its setter scales whole tensors
                 continue
             targets = main_param_and_optimizer_states(opt, param)
             for lo in range(0, piece.size, chunk):
                 hi = min(piece.size, lo + chunk)
-                reader.read(param, piece.start + lo, piece.start + hi,
-                            [targets[name].view(-1)[lo:hi] for name in STATE_KEYS])
-        reader.drop_cached()
+                saved.read(kind, param, piece.start + lo, piece.start + hi,
+                           [targets[name].view(-1)[lo:hi] for name in STATE_KEYS])
+        saved.drop_cached()
         _set_adam_step(opt, saved.steps_done)
         scalers = offload_meta["grad_scalers"]
         scaler = scalers[min(int(kind == "experts"), len(scalers) - 1)]  # each optimizer its own, as saved
@@ -85,9 +84,9 @@ def _param_pieces(opt):
                     yield param, ranges["param"]
 
 
-def _set_whole_piece(opt, reader, param, piece) -> None:
+def _set_whole_piece(opt, saved: SavedOffloadState, kind: str, param, piece) -> None:
     outs = [torch.empty(piece.size, dtype=torch.float32) for _ in STATE_KEYS]
-    reader.read(param, piece.start, piece.end, outs)
+    saved.read(kind, param, piece.start, piece.end, outs)
     set_main_param_and_optimizer_states(opt, param, dict(zip(STATE_KEYS, outs)))
 
 
@@ -100,7 +99,7 @@ def _set_adam_step(opt, steps: int) -> None:
 def saved_small_objects(facade, has_grad_scaler: bool) -> List[dict]:
     """Per shard of the offload facade, the small objects of megatron-core's matching optimizer (its
     param groups with the step, its grad scaler): a template read with the rest of the torch_dist
-    files (loaders.read_torch_dist), so the conversion makes no collective read of its own."""
+    files (checkpointing.load_checkpoint's one read), so the conversion makes no collective read of its own."""
     objects = []
     for shard in facade.shards:
         prefix = _key_prefix(shard.kind, len(facade.shards))

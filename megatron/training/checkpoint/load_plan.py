@@ -2,30 +2,30 @@
 chosen by rank 0 for all), whether its format loads here, and what becomes of each kind of state it
 holds, from the flags and its common state.
 
-The optimizer state loads in its own form, is converted between the offloaded and megatron-core's
-distributed-optimizer forms (crossing), or is skipped (--no-load-optim, --finetune: the optimizer
-then starts from the loaded weights). Where it is read from offload files, the plan holds their
-index (saved_offload), which every reader of them shares; close the plan when the load is done.
-RNG states load where the checkpoint's (pp, tp, dp) layout is this run's: they are per rank. The
-run resumes at the saved iteration and data position, or at 0 with --finetune. The loaders
-(``loaders``) then do what the plan says, one kind each.
+Only torch_dist (megatron-core dist_checkpointing, Megatron-LM's default) loads; a directory in
+another of Megatron-LM's formats is refused with one line saying which it is. The optimizer state
+loads in its own form, is converted between the offloaded and megatron-core's distributed-optimizer
+forms (crossing), or is skipped (--no-load-optim, --finetune: the optimizer then starts from the
+loaded weights). RNG states load where the checkpoint's (pp, tp, dp) layout is this run's: they are
+per rank. The run resumes at the saved iteration and data position, or at 0 with --finetune.
+``checkpointing.load_checkpoint`` then does what the plan says, one kind of state after the other.
 """
 
 from __future__ import annotations
 
+import glob
 import os
 from dataclasses import dataclass, field
 from typing import List, Optional
 
 import torch
 from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing.core import maybe_load_config
 
 from megatron.training.checkpoint import integrity
-from megatron.training.checkpoint.across_ranks import print_rank0
-from megatron.training.checkpoint.format import check_format
-from megatron.training.checkpoint.saved_offload import SavedOffloadState
 from megatron.training.errors import UserError
 from megatron.training.runtime.optimizer_interface import OffloadedOptimizerCheckpoint
+from megatron.training.runtime.progress import print_rank0
 
 SAME_FORM, FROM_OFFLOADED, FROM_DISTRIBUTED = "same form", "from offloaded", "from distributed"
 
@@ -42,21 +42,15 @@ class LoadPlan:
     iteration: int  # where the run goes on (0 without resume)
     consumed_samples: int  # the data iterator's position (0 without resume)
     notes: List[str] = field(default_factory=list)
-    offload: Optional[SavedOffloadState] = None  # the offload files' index, where the optimizer reads them
 
     @property
     def reads_offload_files(self) -> bool:
         return self.optimizer in (SAME_FORM, FROM_OFFLOADED) and saved_in_offloaded_form(self.common)
 
-    def close(self) -> None:
-        if self.offload is not None:
-            self.offload.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+    @property
+    def offload_meta(self) -> dict:
+        """The offloaded form's common state (step count, grad scalers), where the optimizer reads it."""
+        return self.common["optimizer"]["offload_meta"]
 
     @classmethod
     def make(cls, common: dict, path: str, optimizer, args) -> "LoadPlan":
@@ -99,11 +93,40 @@ def plan_load(root: str, optimizer, args) -> Optional[LoadPlan]:
     path = integrity.checkpoint_dir(root, iteration)
     check_format(path, args)
     plan = LoadPlan.make(dist_checkpointing.load_common_state_dict(path), path, optimizer, args)
-    if plan.reads_offload_files:
-        plan.offload = SavedOffloadState(path, plan.common["optimizer"]["offload_meta"].get("steps_done"))
     for note in plan.notes:
         print_rank0(f"> {note}")
     return plan
+
+
+def resume_position(plan: LoadPlan, args):
+    """(iteration, consumed samples): where the loop and the data iterator start; the count of
+    floating-point operations goes on from the saved one too (not with --finetune)."""
+    if plan.resume:
+        args.num_floating_point_operations_so_far = plan.common.get("num_floating_point_operations_so_far", 0)
+    return plan.iteration, plan.consumed_samples
+
+
+def detect_format(path: str) -> str:
+    """'torch_dist', 'torch' (legacy mp_rank_XX files), 'torch_dcp', or 'unknown'."""
+    config = maybe_load_config(path)
+    if config is not None:
+        return config.sharded_backend
+    if glob.glob(os.path.join(path, "mp_rank_*")):
+        return "torch"
+    if os.path.exists(os.path.join(path, ".metadata")):
+        return "torch_dcp"
+    return "unknown"
+
+
+def check_format(path: str, args) -> None:
+    """Refuse, in one line, a checkpoint this loader cannot read."""
+    found = detect_format(path)
+    if found == "torch_dist":
+        return
+    flag = "--auto-detect-ckpt-format found" if args.auto_detect_ckpt_format else \
+        f"--ckpt-format {args.ckpt_format}, but --load holds"
+    raise UserError(f"--load {path}: {flag} a {found} checkpoint; only torch_dist loads here: convert it with "
+                    f"Megatron-LM (--ckpt-convert-format torch_dist) first")
 
 
 def _choose(root: str):

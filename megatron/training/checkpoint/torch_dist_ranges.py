@@ -51,6 +51,14 @@ class FlatTensorRanges:
         self._data_at: Dict[Tuple[str, int], Optional[int]] = {}  # item -> its data's byte offset in the file
         self._whole: Dict[Tuple[str, int], torch.Tensor] = {}  # items that had to be loaded whole
 
+    def keys(self) -> List[str]:
+        """The names of the flat tensors the checkpoint holds ranges of."""
+        return list(self._items)
+
+    def numel(self, key: str) -> int:
+        """Elements of ``key`` the checkpoint holds, over all its stored ranges."""
+        return sum(count for _, count, _ in self._items.get(key, []))
+
     def read(self, key: str, start: int, end: int, out: torch.Tensor) -> None:
         dtype = self._dtype.get(key)
         filled = 0

@@ -76,7 +76,7 @@ def build_tokenizer(args):
 
         return ByteLevelTokenizer()
     # megatron-core's tokenizer libraries import transformers whichever one is used.
-    _hub_offline()
+    hub_offline()
     if kind == "GPT2BPETokenizer":
         vocab = _existing_file("--vocab-file", args.vocab_file, kind)
         merges = _existing_file("--merge-file", args.merge_file, kind)
@@ -92,7 +92,7 @@ def build_tokenizer(args):
             if given is not None:
                 _existing_file(flag, given, kind)
         _needs_transformers(kind)
-        tokenizer = _readable(kind, "--tokenizer-model", path, lambda: _megatron_core_tokenizer(args))
+        tokenizer = _readable(kind, "--tokenizer-model", path, lambda: megatron_core_tokenizer(args))
         if tokenizer.eod is None:
             raise UserError(f"--tokenizer-model: {path} names no end-of-document token: set \"eos_token\" "
                             "in its tokenizer_config.json")
@@ -101,7 +101,7 @@ def build_tokenizer(args):
         raise UserError("--vocab-size: required with --tokenizer-type NullTokenizer")
     if kind in SENTENCEPIECE_TYPES or kind == "TikTokenizer":
         _existing_file("--tokenizer-model", args.tokenizer_model, kind)
-    return _readable(kind, "--tokenizer-model", args.tokenizer_model, lambda: _megatron_core_tokenizer(args))
+    return _readable(kind, "--tokenizer-model", args.tokenizer_model, lambda: megatron_core_tokenizer(args))
 
 
 def vocab_size_before_padding(args, tokenizer) -> int:
@@ -130,7 +130,7 @@ def padded_vocab_size(args, tokenizer) -> int:
                                    args.tensor_model_parallel_size)
 
 
-def _megatron_core_tokenizer(args):
+def megatron_core_tokenizer(args):
     """megatron-core's own builder, given just the attributes it reads (its 0.16 names)."""
     from megatron.core.tokenizers.text.utils.build_tokenizer import build_tokenizer as build_mcore
 
@@ -171,7 +171,7 @@ def _gpt2_bpe_tokenizer(args, vocab: str, merges: str):
     return tokenizer
 
 
-def _hub_offline() -> None:
+def hub_offline() -> None:
     """HuggingFace Hub offline mode, for this process and the ones it starts: local files only."""
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["TRANSFORMERS_OFFLINE"] = "1"

@@ -1,7 +1,7 @@
 """The offload engine's figures in the metrics record: per iteration as named scalars (TensorBoard,
 W&B), and per log interval as ``key: value`` pairs for the console line.
 
-Figures come from the engine's ``StepRecord`` (mlp_offload.telemetry): the update's time and its
+Figures come from the engine's ``StepRecord`` (mlp_offload): the update's time and its
 prediction, the read wait, bytes and busy time per file tier, token waits, cache hits; plus the
 state bytes each tier holds.
 """

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 
-def _installed(module: str) -> bool:
+def installed(module: str) -> bool:
+    """Whether ``module`` can be imported here (found, not imported)."""
     try:
         return importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):
@@ -37,8 +38,8 @@ class Kernels:
             cuda = torch.cuda.is_available()
         else:
             cuda = device == "cuda"
-        return cls(cuda=cuda, transformer_engine=_installed("transformer_engine"),
-                   apex=_installed("apex"), grad_accum_kernel=_installed("fused_weight_gradient_mlp_cuda"))
+        return cls(cuda=cuda, transformer_engine=installed("transformer_engine"),
+                   apex=installed("apex"), grad_accum_kernel=installed("fused_weight_gradient_mlp_cuda"))
 
     @property
     def te_layers(self) -> bool:

@@ -24,7 +24,6 @@ from megatron.core import parallel_state
 from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 
-from megatron.training.checkpoint.offloaded_state import StateWrites
 from megatron.training.errors import UserError
 from megatron.training.offload.overlap_choice import OverlapChoice
 from megatron.training.offload.shard import OffloadShard, ShardGroups
@@ -58,8 +57,8 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
         self.overlap_forward = offload_config.defer_device_wait
         numels = shard_numels(shard_groups)
         check_host_split(offload_config, numels)  # one line for both engines, before either starts
-        self.shards = [OffloadShard(config, config_for_kind(offload_config, groups.kind, numels), model_chunks,
-                                    groups, token_store) for groups in shard_groups]
+        self.shards = [OffloadShard(config, config_for_kind(offload_config, groups.kind, numels), groups, token_store)
+                       for groups in shard_groups]
         first = self.shards[0]
         # The first (dense) shard's, as megatron-core's ChainedOptimizer answers with its first.
         self.layout, self.engine, self.grad_scaler, self.device = first.layout, first.engine, first.grad_scaler, first.device
@@ -75,8 +74,7 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
         self._overlap_choice = OverlapChoice()
         if self.overlap_forward:
             for shard in self.shards:
-                if shard._device_grads is not None:
-                    shard._device_grads.zero_after_read = True
+                shard.zero_grads_after_read()
             self._gate_forward_on_updated_params()
             log.info("--offload-overlap-forward: the update runs under the next forward; each layer waits "
                      "for its own params")
@@ -230,7 +228,8 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
         for shard in self.shards:
             shard.reload_model_params()
 
-    # -- checkpoints: metadata through dist_checkpointing, the state streamed beside it ----------
+    # -- checkpoints: metadata through dist_checkpointing; checkpointing streams the engines' state
+    # beside it from ``shards`` (OffloadedOptimizerCheckpoint)
     def sharded_state_dict(self, model_sharded_state_dict=None, is_loading: bool = False, **unused):
         # The same on every rank: common (non-sharded) state, so it loads under any layout.
         scalers = [shard.grad_scaler.state_dict() if shard.grad_scaler else None for shard in self.shards]
@@ -245,30 +244,8 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
                 shard.grad_scaler.load_state_dict(scaler)
 
     def state_dict(self):
-        raise NotImplementedError("the offloaded optimizer saves through sharded_state_dict() and save_offloaded_state()")
-
-    def save_offloaded_state(self, checkpoint_dir: str) -> int:
-        return sum(shard.state_files.save(checkpoint_dir) for shard in self.shards)
-
-    def start_offloaded_save(self, checkpoint_dir: str):
-        return StateWrites([shard.state_files.start_save(checkpoint_dir) for shard in self.shards])
-
-    def offloaded_state_bytes(self) -> int:
-        return sum(shard.state_files.nbytes() for shard in self.shards)
-
-    def load_offloaded_state(self, saved) -> None:
-        """From the index of a checkpoint's offload files (it checks their step count against the
-        common state's)."""
-        for shard in self.shards:
-            shard.state_files.load(saved)
-        self.gather_model_params()
-
-    def gather_model_params(self) -> None:
-        """After a load: where masters are stored as remainders, a load from an fp32 master set this
-        rank's shard of the model's params from it (half-away rounding); every rank gets them."""
-        if any(shard.engine.config.param_remainders for shard in self.shards):
-            for chunk in self.model_chunks:
-                chunk.start_param_sync(force_sync=True)
+        raise NotImplementedError("the offloaded optimizer saves through sharded_state_dict() and its shards' "
+                                  "engines (checkpoint/offload_files.py)")
 
     def last_step_record(self):
         return self.last_record  # the dense engine's (its telemetry); the experts' engine logs its own

@@ -1,4 +1,4 @@
-"""One of megatron-core's distributed optimizers, offloaded: its shard, engine, grad scaler and files.
+"""One of megatron-core's distributed optimizers, offloaded: its shard, engine and grad scaler.
 
 megatron-core builds one DistributedOptimizer for the dense parameters, sharded over the
 data-parallel group, and, for a mixture-of-experts model, a second for the expert parameters,
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Literal, Optional
 
 import torch
 from megatron.core import parallel_state, tensor_parallel
@@ -20,12 +20,13 @@ from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.transformer.module import param_is_not_shared
 
 from megatron.training.offload.device_gradients import DeviceGradients, EventFence
-from megatron.training.checkpoint.offloaded_state import OffloadedStateFiles, ShardKind
 from megatron.training.offload.param_high import ModelParamHigh
 from megatron.training.offload.shard_layout import ShardLayout
 from megatron.training.runtime.core_private import optimizer_group_ranges
 from mlp_offload import ModelLink
 from mlp_offload import ModelParamsAsMaster, OffloadConfig, OffloadedAdamW
+
+ShardKind = Literal["dense", "experts"]  # which of megatron-core's distributed optimizers
 
 
 @dataclass
@@ -52,8 +53,7 @@ class OffloadShard:
     """One distributed optimizer's shard in an engine; each has its own grad scaler, as each of
     megatron-core's chained optimizers has."""
 
-    def __init__(self, config: OptimizerConfig, offload_config: OffloadConfig, model_chunks, groups: ShardGroups,
-                 token_store=None):
+    def __init__(self, config: OptimizerConfig, offload_config: OffloadConfig, groups: ShardGroups, token_store=None):
         self.config = config
         self.kind = groups.kind
         self.dp_group = groups.dp_group
@@ -84,7 +84,12 @@ class OffloadShard:
             model=ModelLink(grad_dtype=self.layout.pieces[0].buffer.grad_dtype,
                             on_params_updated=self._copy_params_to_device, grad_source=self._device_grads,
                             param_high=ModelParamHigh(self.layout, self.copy_stream)))
-        self.state_files = OffloadedStateFiles(self.engine, self.layout, model_chunks, self.dp_group.size(), self.kind)
+
+    def zero_grads_after_read(self) -> None:
+        """The update zeroes each piece of the model's grads once it has read it (with the update under
+        the next forward, nothing else zeroes them before the next backward); a CPU run has no device grads."""
+        if self._device_grads is not None:
+            self._device_grads.zero_after_read = True
 
     def _ordered_groups(self, param_groups: List[dict]):
         """Engine groups (flat ranges + hyperparameters) and the params in megatron-core's order.

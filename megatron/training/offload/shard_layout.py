@@ -16,7 +16,7 @@ from megatron.training.runtime.core_private import gbuf_range_map
 
 
 @dataclass
-class _Piece:
+class Piece:
     """This rank's shard of one DDP bucket: a contiguous range of one buffer."""
 
     buffer: object  # megatron-core _ParamAndGradBuffer
@@ -29,7 +29,7 @@ class ShardLayout:
     """The engine's flat index space laid over this rank's bucket shards, in buffer order."""
 
     def __init__(self, per_model_buffers: Dict[int, list], dp_rank: int, dp_size: int):
-        self.pieces: List[_Piece] = []
+        self.pieces: List[Piece] = []
         self.gbuf_ranges = []  # megatron-core's own range maps, same order as its optimizer
         self.param_flat_range: Dict[torch.nn.Parameter, Tuple[int, int]] = {}
         self.param_slice: Dict[torch.nn.Parameter, int] = {}  # where this rank's piece starts in the param
@@ -43,7 +43,7 @@ class ShardLayout:
                 (bucket_maps,) = range_map.values()
                 for bucket, bucket_map in zip(buffer.buckets, bucket_maps):
                     shard = bucket.grad_data.numel() // dp_size
-                    piece = _Piece(buffer, bucket.offset + dp_rank * shard, flat, shard)
+                    piece = Piece(buffer, bucket.offset + dp_rank * shard, flat, shard)
                     self.pieces.append(piece)
                     self._buckets.append(bucket)
                     self.bucket_flat[bucket] = (flat, flat + shard)
@@ -54,12 +54,20 @@ class ShardLayout:
                         self.param_slice[param] = ranges["param"].start
                     flat += shard
         self.numel = flat
-        self._flat_starts = [p.flat_start for p in self.pieces]  # ascending: pieces are laid out in order
+        self.flat_starts = [p.flat_start for p in self.pieces]  # ascending: pieces are laid out in order
+
+    @classmethod
+    def of_pieces(cls, pieces: List[Piece]) -> "ShardLayout":
+        """A layout of the given pieces alone, in flat order (no model's ranges behind them): their views."""
+        layout = cls.__new__(cls)
+        layout.pieces, layout.numel = list(pieces), sum(p.numel for p in pieces)
+        layout.flat_starts = [p.flat_start for p in layout.pieces]
+        return layout
 
     def views(self, start: int, end: int, kind: str):
         """(flat_start, flat_end, device view) for the pieces overlapping [start, end)."""
         # (from the first piece that may overlap: with many DDP buckets a step asks this per subgroup and per param)
-        first = max(0, bisect.bisect_right(self._flat_starts, start) - 1)
+        first = max(0, bisect.bisect_right(self.flat_starts, start) - 1)
         for p in self.pieces[first:]:
             if p.flat_start >= end:
                 break

@@ -28,22 +28,19 @@ class TrainingOptimizer(Protocol):
 
 @runtime_checkable
 class OffloadedOptimizerCheckpoint(Protocol):
-    """An optimizer whose state lives outside megatron-core's sharded state dict: streamed into
-    ``iter_N/offload/`` beside it."""
+    """An optimizer whose state lives outside megatron-core's sharded state dict, in offload engines
+    that checkpointing streams into ``iter_N/offload/`` beside it and back, through the engine's face.
+    It hands in its shards, one per distributed optimizer megatron-core would build, each with its
+    ``kind`` ("dense" or "experts"), ``engine``, ``layout`` (the engine's flat index space over the
+    shard's parameters), ``dp_group`` (what the state is sharded over) and ``grad_scaler``."""
 
-    def save_offloaded_state(self, checkpoint_dir: str) -> int: ...
-    # --async-save: the state snapshotted now, written by a thread once start()ed
-    # (mlp_offload.checkpoint_write.BackgroundStateWrite)
-    def start_offloaded_save(self, checkpoint_dir: str): ...
-    # from the checkpoint's offload files, given by their index (checkpoint.saved_offload.SavedOffloadState)
-    def load_offloaded_state(self, saved) -> None: ...
-    def offloaded_state_bytes(self) -> int: ...
+    shards: list
 
 
 @runtime_checkable
 class ReportsIteration(Protocol):
     """An optimizer with figures of its own in each iteration's metrics record: the engine's
-    record of the last step (mlp_offload.telemetry.StepRecord), and the state bytes per tier."""
+    record of the last step (mlp_offload.StepRecord), and the state bytes per tier."""
 
     def last_step_record(self): ...
     def state_bytes_per_tier(self) -> dict: ...

@@ -1,5 +1,6 @@
 """Progress of long set-up and checkpoint steps: a line as each starts and one as it ends, with
-its size in GB and rate in GB/s, so a job that seems stuck shows what it is moving and how fast."""
+its size in GB and rate in GB/s, so a job that seems stuck shows what it is moving and how fast;
+and what such a step tells once for all ranks (the slowest rank's figures, a line from rank 0)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,30 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Optional
 
+import torch
+
 from mlp_offload import GB
 
 
 def gb_and_rate(nbytes: float, seconds: float) -> str:
     return f"{nbytes / GB:.3f} GB in {seconds:.1f} s ({nbytes / GB / max(seconds, 1e-9):.2f} GB/s)"
+
+
+def model_device(model) -> torch.device:
+    """Where collectives over figures run: NCCL reduces no CPU tensors."""
+    return next(model[0].parameters()).device
+
+
+def slowest_rank(figures, model) -> list:
+    """Each figure's maximum over all ranks."""
+    figures = torch.tensor(figures, dtype=torch.float64, device=model_device(model))
+    torch.distributed.all_reduce(figures, op=torch.distributed.ReduceOp.MAX)
+    return figures.tolist()
+
+
+def print_rank0(line: str) -> None:
+    if torch.distributed.get_rank() == 0:
+        print(line, flush=True)
 
 
 class Step:

@@ -43,5 +43,10 @@ class PickledQueueProxy(BaseProxy):
 class ResultsManager(SyncManager):
     """A SyncManager that also serves ``PickledQueue()``."""
 
+    @property
+    def server_pid(self) -> int:
+        """The process id of the manager's server (multiprocessing keeps it as its own ``_process``)."""
+        return self._process.pid
+
 
 ResultsManager.register("PickledQueue", _BytesQueue, PickledQueueProxy)

@@ -1,5 +1,5 @@
 """One engine's offloaded state in a single checkpoint file: its format, and loading it (writing it:
-``checkpoint_write``).
+``checkpoint.write``).
 
 Layout: the (param, exp_avg, exp_avg_sq) of each subgroup in their stored formats, one after the
 other, then a JSON footer (element ranges, byte offsets, CRC32 of every tensor, the formats' tags
@@ -29,9 +29,9 @@ from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 
-from .direct_reader import DirectReads, pread_into
-from .engine import OffloadedAdamW
-from .state_formats import FP32_STATE, REMAINDERS16, codec_for_tag, codecs_for, state_bytes
+from ..tiers.direct_io import DirectReads, pread_into
+from ..engine import OffloadedAdamW
+from ..state_formats import FP32_STATE, REMAINDERS16, codec_for_tag, codecs_for, state_bytes
 
 MAGIC = b"MLPOFFv2"
 TRAILER = struct.Struct("<8sQI")  # magic, footer length, CRC32 of the footer
@@ -69,7 +69,7 @@ class StateFile:
             raise CheckpointDataError(f"{path}: the offloaded optimizer state is missing") from None
         try:
             size = os.fstat(self.file.fileno()).st_size
-            raw = _read_trailer_and_footer(path, self.file, size)
+            raw = footer_bytes(path, self.file, size)
             try:
                 footer = json.loads(raw)
             except (ValueError, UnicodeDecodeError) as err:
@@ -108,7 +108,7 @@ def read_footer(path: str) -> dict:
         return saved.footer
 
 
-def _read_trailer_and_footer(path: str, f, size: int) -> bytes:
+def footer_bytes(path: str, f, size: int) -> bytes:
     """The footer's bytes, its checksum verified (every footer a load uses is parsed here, once)."""
     if size >= TRAILER.size:
         f.seek(size - TRAILER.size)
@@ -231,6 +231,11 @@ class RangeReader:
         self._ahead: Optional[Tuple[Tuple[int, int], Future]] = None
         self._ahead_thread: Optional[ThreadPoolExecutor] = None
         self.read_ahead_used = 0  # stored tensors that came from the read ahead
+
+    @property
+    def cached_elements(self) -> List[int]:
+        """Elements of each stored tensor the reader keeps for later reads (``cache_bytes`` bounds them)."""
+        return [t.numel() for t in self._cached.values()]
 
     def read(self, k: int, start: int, end: int, out: torch.Tensor) -> None:
         if self.codecs[k].needs_high != (out.dtype == REMAINDERS16.storage_dtype):  # a remainder is no number

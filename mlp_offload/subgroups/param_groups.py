@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence, Tuple
 
-from .subgroups import Subgroup
+from .partition import Subgroup
 
 Range = Tuple[int, int]  # (start, end) element range of the shard that belongs to one group
 # (local start, local end, group index, (offset in its range, range length)) of one subgroup piece

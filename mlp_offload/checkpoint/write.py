@@ -1,4 +1,4 @@
-"""Writing one engine's state into a checkpoint file (the format: ``checkpoint``), from a snapshot.
+"""Writing one engine's state into a checkpoint file (the format: ``checkpoint.state_file``), from a snapshot.
 
 Synchronously (``save_engine_state``: training waits) or by a thread while training goes on
 (``start_background_save`` -> ``BackgroundStateWrite``). Both write a ``StateSnapshot`` the same
@@ -6,7 +6,7 @@ way: each subgroup at its own offset (byte offsets follow from the element range
 may go in the order the next update needs and still lay the file out in element order), the
 footer, the trailer, fsync, rename. Subgroups held in files are read through their tier (their
 block CRCs checked), two at a time, so the next read overlaps this write; each subgroup is written by
-``direct_writer`` (O_DIRECT from a staging buffer, threads), at disk speed rather than the page cache's.
+``tiers.direct_io`` (O_DIRECT from a staging buffer, threads), at disk speed rather than the page cache's.
 """
 
 from __future__ import annotations
@@ -22,14 +22,14 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .checkpoint import MAGIC, TRAILER, CheckpointSaveError, human_bytes, state_file_bytes
-from .direct_writer import DirectRegionWriter, pwrite_all
-from .engine import OffloadedAdamW
-from .faults import fault_point
-from .pipeline import StateViews
-from .snapshot import StateSnapshot
-from .tiers.align import aligned_empty
-from .tiers.files import fsync_path
+from .state_file import MAGIC, TRAILER, CheckpointSaveError, human_bytes, state_file_bytes
+from ..tiers.direct_io import DirectRegionWriter, pwrite_all
+from ..engine import OffloadedAdamW
+from ..faults import fault_point
+from ..pipeline import StateViews
+from ..snapshot import StateSnapshot
+from ..tiers.no_fork import aligned_empty
+from ..tiers.files import fsync_path
 
 log = logging.getLogger("mlp_offload")
 

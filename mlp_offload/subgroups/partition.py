@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Sequence, Tuple
 
-from .state_formats import FP32, STATE_TENSORS, StateCodec
-from .tiers.align import align_up
+from ..state_formats import FP32, STATE_TENSORS, StateCodec
+from ..config.align import align_up
 
 FP32_BYTES = 4
 __all__ = ["STATE_TENSORS", "FP32_BYTES", "Subgroup", "partition"]

@@ -7,10 +7,10 @@ import logging
 import time
 from typing import Dict, List, Mapping, Sequence, Tuple
 
-from .pipeline import StateViews, fill_params, starts_at_zero
-from .plan.placement import Placement
-from .subgroups import Subgroup
-from .units import GB
+from ..pipeline import StateViews, fill_params, starts_at_zero
+from ..plan.placement import Placement
+from ..subgroups.partition import Subgroup
+from ..config.units import GB
 
 log = logging.getLogger("mlp_offload")
 

@@ -6,7 +6,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Dict, List
 
-from .tiers.files import OpResult
+from ..tiers.files import OpResult
 
 
 @dataclass

@@ -10,18 +10,19 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
-from .config import HOST_TIER, OffloadConfig, TierBandwidth
-from .plan.placement import Placement, UpdateRates, plan_placement, tokens_for
-from .plan.prediction import MeasuredRates, NodeSharing, Prediction, predict_update
-from .plan.rates import (measure_convert_rate, measure_cpu_update_rate, measure_device_rates,
-                         measure_shared_rates, probe_tier)
-from .step.update_paths import UpdatePaths
-from .subgroups import Subgroup
-from .tiers.base import ResidentTier, StreamedTier
-from .tiers.factory import file_tier, resident_tiers
-from .tiers.host import HostMemory, check_budget_exists
-from .tiers.tokens import JobTokens, TierTokens
-from .units import GiB
+from ..config import HOST_TIER, OffloadConfig, TierBandwidth
+from ..plan.placement import Placement, UpdateRates, plan_placement, tokens_for
+from ..plan.prediction import MeasuredRates, NodeSharing, Prediction, predict_update
+from ..plan.rates import measure_convert_rate, measure_cpu_update_rate, probe_tier
+from ..step.path_rates import measure_device_rates, measure_shared_rates
+from ..state_formats import bytes_per_param, describe as describe_formats
+from ..step.update_paths import UpdatePaths
+from ..subgroups.partition import Subgroup
+from ..tiers.base import ResidentTier, StreamedTier
+from ..tiers.factory import file_tier, resident_tiers
+from ..tiers.host import HostMemory, check_budget_exists
+from ..tiers.tokens import JobTokens, TierTokens
+from ..config.units import GiB
 
 log = logging.getLogger("mlp_offload")
 
@@ -68,7 +69,7 @@ def start_up(cfg: OffloadConfig, subgroups: List[Subgroup], paths: UpdatePaths, 
     memory = {} if memory is None else memory
     memory.update(resident_tiers(cfg))
     host = memory[HOST_TIER]
-    rates = {name: cfg.bandwidths.get(name) or _probe(cfg, name, host) for name in cfg.file_tiers}
+    rates = {name: cfg.bandwidths.get(name) or probe_file_tier(cfg, name, host) for name in cfg.file_tiers}
     size = min(max(sg.numel for sg in subgroups), 1 << 26)
     adam_rate = cfg.adam_elems_per_s or measure_cpu_update_rate(
         lambda p, g, m, v, step: adam(p, g, m, v, step=step), cfg.state_codecs, numel=size, one_pass=cpu_one_pass)
@@ -109,7 +110,7 @@ def start_up(cfg: OffloadConfig, subgroups: List[Subgroup], paths: UpdatePaths, 
     return found
 
 
-def _probe(cfg: OffloadConfig, name: str, host: HostMemory) -> TierBandwidth:
+def probe_file_tier(cfg: OffloadConfig, name: str, host: HostMemory) -> TierBandwidth:
     """Through a short-lived tier of its own: the training tier is built after, with the turns the
     probe implies (the probe holds the path's probe lock instead of tokens)."""
     probe = file_tier(cfg, name, tokens=None)
@@ -152,3 +153,18 @@ def describe_device_rates(rates: UpdateRates, device_update, read_ahead, cfg: Of
     return (f"; device {cfg.device} adam {rates.device_resident / 1e9:.2f} Gelem/s resident, "
             f"{rates.device_streamed / 1e9:.2f} streamed ({cfg.resolved_device_adam_kernel}, "
             f"{device_update.fused_how}){shared}{ahead}")
+
+
+def describe_placement(cfg: OffloadConfig, subgroups: Sequence[Subgroup], start: StartUp, paths: UpdatePaths,
+                       read_ahead) -> str:
+    """The start-up's line of one rank: its subgroups, where they live, the host buffers, the state's
+    bytes per memory tier and per param, the update's rates and the predicted update."""
+    p, codecs = start.placement, cfg.state_codecs
+    counts = {t: len(p.subgroups_on(t)) for t in [*start.memory, *cfg.file_tiers]}
+    return (f"offload rank {cfg.rank}: {subgroups[-1].end} params in {len(subgroups)} subgroups; placement {counts}; "
+            f"{p.slots} host buffers ({p.cache_slots} cache); state per memory tier "
+            + ", ".join(f"{t} {b / GiB:.2f} GiB" for t, b in p.resident_bytes.items())
+            + f"; state {bytes_per_param(codecs):.1f} B/param ({describe_formats(codecs)}); adam "
+            f"{start.adam_rate / 1e9:.2f} Gelem/s (CPU {paths.cpu_one_pass_how})"
+            f"{describe_device_rates(start.update_rates, paths.device_update, read_ahead, cfg)}; "
+            f"{start.prediction.describe()}")

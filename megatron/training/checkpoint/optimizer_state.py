@@ -1,0 +1,126 @@
+"""The optimizer's part of a load, in whichever form the load plan found it:
+
+- its own form: megatron-core's optimizer from the torch_dist files (read with the rest), or the
+  offload engines from the offload files (offloaded_state), one call either way;
+- converted from the other form (crossing), in pieces of at most --ckpt-convert-memory-mb;
+- not at all (--no-load-optim, --finetune): the optimizer starts from the loaded weights.
+
+megatron-core's own optimizers load without apex or transformer-engine here: the torch Adam(W)
+step count needs two fix-ups then (``prepare_fresh_optimizer_for_load``, ``restore_adam_steps``).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from megatron.core.optimizer import ChainedOptimizer, MegatronOptimizer
+
+from megatron.training.checkpoint.crossing import fill_distributed_optimizer, load_into_engine, saved_small_objects
+from megatron.training.checkpoint.load_plan import FROM_DISTRIBUTED, FROM_OFFLOADED, SAME_FORM, LoadPlan
+from megatron.training.checkpoint.offloaded_state import SavedOffloadState, gather_model_params, load_offloaded_state
+from megatron.training.runtime.progress import MemoryGrowth, print_rank0, slowest_rank
+
+
+def optimizer_template(plan: LoadPlan, optimizer, model_template: dict, metadata) -> dict:
+    """What the optimizer takes from the torch_dist files. Its own form is read with the rest; from
+    megatron-core's form, only the small objects (the step, the grad scaler): the conversion reads
+    the large tensors by itself, in pieces."""
+    if plan.optimizer == FROM_DISTRIBUTED:
+        saved = plan.common.get("args")
+        scaled = bool(getattr(saved, "fp16", False) or getattr(saved, "loss_scale", None))
+        return {"plain_optimizer": saved_small_objects(optimizer, scaled and optimizer.grad_scaler is not None)}
+    if plan.optimizer != SAME_FORM:
+        return {}
+    if not plan.run_offloaded:
+        prepare_fresh_optimizer_for_load(optimizer)
+    return {"optimizer": optimizer.sharded_state_dict(model_template, is_loading=True, metadata=metadata)}
+
+
+def load_optimizer(plan: LoadPlan, optimizer, model, state: dict, args) -> None:
+    """Do what the plan says for the optimizer, ``state`` being what the torch_dist read gave."""
+    if torch.cuda.is_available():
+        # The model's weights were just copied in on the current stream; the offload engine reads and
+        # writes them (the masters' high halves) on a stream of its own, which must see them landed.
+        torch.cuda.synchronize()
+    if plan.optimizer is None:
+        optimizer.reload_model_params()  # the master copy starts from the loaded weights
+    elif plan.optimizer == SAME_FORM and not plan.run_offloaded:
+        optimizer.load_state_dict(state["optimizer"])
+        restore_adam_steps(optimizer, state["optimizer"])
+    elif plan.optimizer == SAME_FORM:
+        with SavedOffloadState(plan.path, plan.offload_meta.get("steps_done"), model) as saved:
+            load_offloaded_state(optimizer.shards, saved, state["optimizer"]["offload_meta"], model)
+    elif plan.optimizer == FROM_OFFLOADED:
+        prepare_fresh_optimizer_for_load(optimizer)  # the target's own state: allocated before the conversion
+        max_bytes = args.ckpt_convert_memory_mb << 20
+        # half of the pieces' memory for the offload files' reader, half for a piece in flight
+        with SavedOffloadState(plan.path, plan.offload_meta.get("steps_done"), model, max_bytes // 2) as saved:
+            _convert("the offloaded form", plan.path, args, model, lambda: fill_distributed_optimizer(
+                megatron_optimizers(optimizer), saved, plan.offload_meta, max_bytes))
+    else:  # FROM_DISTRIBUTED
+        _convert("megatron-core's distributed optimizer form", plan.path, args, model,
+                 lambda: load_into_engine(optimizer, plan.path, state["plain_optimizer"],
+                                          args.ckpt_convert_memory_mb << 20))
+        gather_model_params(optimizer.shards, model)  # with remainders the split may have set this rank's params
+
+
+def _convert(source: str, path: str, args, model, conversion) -> None:
+    """Run ``conversion()`` and say how long it took and how much memory it added at most."""
+    started, growth = time.perf_counter(), MemoryGrowth()
+    conversion()
+    grown = growth.peak_bytes()
+    seconds, grown_mb = slowest_rank([time.perf_counter() - started, -1 if grown is None else grown / 2**20], model)
+    memory = "" if grown_mb < 0 else f"; memory grew by at most {grown_mb:.0f} MB on any rank meanwhile"
+    print_rank0(f"> optimizer state converted from {source} in {path} in {seconds:.1f} s, in pieces of at most "
+                f"{args.ckpt_convert_memory_mb} MB (--ckpt-convert-memory-mb){memory}")
+
+
+# -- megatron-core's own optimizers, without apex or transformer-engine ------------------------------
+def megatron_optimizers(optimizer) -> list:
+    """megatron-core's optimizers in ``optimizer``: a ChainedOptimizer's parts, or itself; none for
+    the offload facade, whose state is no torch optimizer's."""
+    if isinstance(optimizer, ChainedOptimizer):
+        return optimizer.chained_optimizers
+    return [optimizer] if isinstance(optimizer, MegatronOptimizer) else []
+
+
+def prepare_fresh_optimizer_for_load(optimizer) -> None:
+    """Give a never-stepped torch Adam(W) the 'step' entries its state_dict() asserts on.
+
+    Without apex/transformer-engine, megatron-core's init_state_fn creates exp_avg/exp_avg_sq but
+    no 'step', and DistributedOptimizer.state_dict() then fails while building the load template.
+    The placeholder value is overwritten by load_state_dict from the checkpoint.
+    """
+    for opt in megatron_optimizers(optimizer):
+        inner = opt.optimizer
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)) or opt.init_state_fn is None:
+            continue
+        opt.init_state_fn(inner, opt.config)
+        for state in inner.state.values():
+            state.setdefault("step", torch.tensor(0.0))
+
+
+def restore_adam_steps(optimizer, loaded) -> None:
+    """Put the checkpoint's Adam step back, one tensor per param, after a load.
+
+    Without apex/TE two things go wrong in DistributedOptimizer's load path: the dp_reshardable
+    param state carries 'step' as a LocalNonpersistentObject, so load copies the *template's*
+    placeholder step over the restored one; and load_state_dict puts ONE step tensor in every
+    param's state, which torch keeps aliased, so each step would bump it once per param.
+    The true step is in the loaded param_groups.
+    """
+    chained = megatron_optimizers(optimizer)
+    states = [loaded] if len(chained) == 1 else [loaded[k] for k in sorted(loaded)]
+    for opt, opt_state in zip(chained, states):
+        inner = opt.optimizer
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        groups = opt_state.get("optimizer", {}).get("param_groups", []) if isinstance(opt_state, dict) else []
+        steps = {g["step"] for g in groups if "step" in g}
+        if len(steps) != 1:
+            continue
+        step = float(steps.pop())
+        for state in inner.state.values():
+            if "step" in state:
+                state["step"] = torch.tensor(step, dtype=torch.float32)

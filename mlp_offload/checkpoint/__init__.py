@@ -1,0 +1,15 @@
+"""checkpoint/: one engine's offloaded state in a single checkpoint file. The file's format and its
+loading (``state_file``), writing it from a snapshot, synchronously or by a thread (``write``).
+
+This package is a face of the engine: code outside it imports these names from here. May import the
+engine's other modules (the engine itself only for its type); none of them imports this package."""
+
+from ..kernels.remainders import merge as merge_remainders
+from .state_file import (MAGIC, TRAILER, CheckpointDataError, CheckpointSaveError, RangeReader, StateFile,
+                         fill_engine, human_bytes, load_engine_state, read_footer, state_file_bytes, stored_codecs)
+from .write import BackgroundStateWrite, save_engine_state, start_background_save, write_snapshot
+
+__all__ = ["MAGIC", "TRAILER", "CheckpointDataError", "CheckpointSaveError", "RangeReader", "StateFile",
+           "fill_engine", "human_bytes", "load_engine_state", "read_footer", "state_file_bytes", "stored_codecs",
+           "BackgroundStateWrite", "save_engine_state", "start_background_save", "write_snapshot",
+           "merge_remainders"]
