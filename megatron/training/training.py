@@ -29,7 +29,6 @@ from megatron.training.metrics import moe as moe_metrics
 from megatron.training.checkpoint.async_save import BackgroundSaves
 from megatron.training.args.arguments import parse_args
 from megatron.training.checkpoint.integrity import checkpoint_dir
-from megatron.training.metrics.console import Console
 from megatron.training.data.datasets import build_tokenizer, padded_vocab_size
 from megatron.training.data.datasets import micro_batches
 from megatron.training.errors import reported_once
@@ -44,11 +43,9 @@ from megatron.training.runtime.iteration_hooks import IterationHooks
 from megatron.training.data.lr_schedule import build_param_scheduler
 from megatron.training.initialize import initialize
 from megatron.training.model.configs import optimizer_config, transformer_config
-from megatron.training.metrics.records import (IterationRecord, LossLog, Metrics, TimingLog, ValidationRecord,
-                                               is_last_rank)
-from megatron.training.metrics.sinks import OffloadTelemetry, TensorBoard, WandB
-from megatron.training.model.sizes import params_l2_norm
-from megatron.training.offload.flags import per_rank_path
+from megatron.training.metrics.records import IterationRecord, ValidationRecord
+from megatron.training.metrics.run_metrics import build_metrics
+from megatron.training.model.sizes import counted_params, params_l2_norm
 from megatron.training.runtime.optimizer_interface import HoldsResources, ReportsIteration, TrainingOptimizer
 from megatron.training.runtime.progress import StartUpPhases, reported_step
 from megatron.training.runtime.signals import StopCheck
@@ -143,29 +140,6 @@ def _print_rank0(msg: str) -> None:
         print(msg, flush=True)
 
 
-def build_metrics(args, optimizer, timers: LoopTimers, resume_iteration: int) -> Metrics:
-    """This rank's sinks: the run logs everywhere they apply; console, TensorBoard and W&B on the
-    last rank. megatron-core's timers are written to TensorBoard/W&B through the same writers."""
-    world_size = torch.distributed.get_world_size()
-    sinks = [LossLog(args.loss_log, resume_iteration), TimingLog(args.timing_log, resume_iteration)]
-    telemetry_path = per_rank_path(getattr(args, "offload_telemetry_log", None), torch.distributed.get_rank())
-    if telemetry_path and isinstance(optimizer, ReportsIteration):
-        sinks.append(OffloadTelemetry(telemetry_path))
-    tensorboard = wandb = None
-    if is_last_rank():
-        sinks.append(Console(args, world_size))
-        if args.tensorboard_dir:
-            tensorboard = TensorBoard(args, world_size)
-            sinks.append(tensorboard)
-        if args.wandb_project:
-            wandb = WandB(args, world_size)
-            sinks.append(wandb)
-    timer_writers = None
-    if args.log_timers_to_tensorboard:  # one entry per writer on every rank: writing gathers across ranks
-        timer_writers = [tensorboard.writer if tensorboard else None, wandb.wandb if wandb else None]
-    return Metrics(sinks, timers, args.log_interval, timer_writers)
-
-
 # ----------------------------------------------------------------------------- train / evaluate
 
 def _with_fault_points(forward_step_func):
@@ -240,24 +214,6 @@ def evaluate(args, forward_step_func, data_iterator, model) -> Optional[float]:
     return None if total is None else (total / count).item()
 
 
-def _num_params(model) -> int:
-    """The whole model's parameters (one replica): dense ones summed over the model-parallel group,
-    experts over the expert grid (ETP x EP x PP), where each rank holds its own experts."""
-    first = next(model[0].parameters())
-    params = [p for chunk in model for p in chunk.parameters()]
-    # On the parameters' device: NCCL has no CPU backend.
-    dense = torch.tensor([sum(p.numel() for p in params if getattr(p, "allreduce", True))], dtype=torch.long,
-                         device=first.device)
-    experts = torch.tensor([sum(p.numel() for p in params if not getattr(p, "allreduce", True))],
-                           dtype=torch.long, device=first.device)
-    torch.distributed.all_reduce(dense, group=parallel_state.get_model_parallel_group())
-    if parallel_state.get_expert_model_parallel_world_size() * parallel_state.get_expert_tensor_parallel_world_size() > 1:
-        torch.distributed.all_reduce(experts, group=parallel_state.get_expert_tensor_model_pipeline_parallel_group())
-    else:
-        torch.distributed.all_reduce(experts, group=parallel_state.get_model_parallel_group())
-    return int(dense.item() + experts.item())
-
-
 def pretrain(model_provider: Callable, datasets_provider: Callable, forward_step_func: Callable,
              argv: Optional[List[str]] = None) -> None:
     """Parse args, initialize, build everything, train, evaluate, save. A user error (flag, path,
@@ -287,7 +243,7 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
     job_facts.report(optimizer)
     scheduler = build_scheduler(args, optimizer)
     _wire_model_hooks(config, model, optimizer, args)
-    total_params = _num_params(model)
+    total_params = counted_params(model)
     _print_rank0(f"> model parameters (all stages, one replica): {total_params} | "
                  f"TP={args.tensor_model_parallel_size} PP={args.pipeline_model_parallel_size} "
                  f"{f'VPP={len(model)} ' if len(model) > 1 else ''}"
