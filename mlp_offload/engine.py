@@ -32,8 +32,9 @@ from .startup.wiring import EngineHolds, EngineModel, check_engine_inputs, shard
 from .step.loop import EngineHooks
 from .step.read_ahead import ReadAhead
 from .step.update_paths import UpdatePaths
-from .subgroups.param_groups import Range, adamw_options, build_groups, segments_of
-from .subgroups.partition import Subgroup, partition
+from .subgroups.param_groups import Range, adamw_options, build_groups
+from .subgroups.cut import cut_shard
+from .subgroups.partition import Subgroup
 from .telemetry.traffic import StepRecord, TierTraffic, TrafficCounters
 from .telemetry.trace import Trace, open_trace
 from .tiers.base import ResidentTier, StreamedTier
@@ -77,8 +78,8 @@ class OffloadedAdamW:
         self.device_adam = AdamKernel(config.resolved_device_adam_kernel, decoupled_weight_decay)
         self.param_groups = build_groups(groups, defaults, self.numel)
         self.state_codecs = config.state_codecs  # how each state tensor is stored (state_formats)
-        self.subgroups = partition(self.numel, config.subgroup_size, self.state_codecs)
-        self._segments = [segments_of(sg, self.param_groups) for sg in self.subgroups]
+        self.subgroups, self._segments, self.blocks = cut_shard(  # (8-bit moments: blocks, else None)
+            self.numel, config.subgroup_size, self.state_codecs, self.param_groups, model.param_segments)
         self.steps_done = 0  # AdamW's step count (skipped steps do not count)
         self.closed = False
         self._snapshot: Optional[StateSnapshot] = None  # being written while the engine steps on
@@ -98,7 +99,7 @@ class OffloadedAdamW:
     # -- setup ---------------------------------------------------------------------------------
     def _setup(self, params, model: ModelLink) -> None:
         parts = wire_engine(self.config, EngineModel(params, self.numel, model, self.subgroups, self._segments,
-                                                     self.adam, self.device_adam),
+                                                     self.adam, self.device_adam, self.blocks),
                             EngineHolds(self._tiers, self.memory, IoLog(self._counters, self.trace), self.token_store,
                                         EngineHooks(lambda: self.prediction, self._guard_snapshot)))
         start, paths = parts.start, parts.paths

@@ -4,7 +4,7 @@ params go, and the model's bf16 params (a remainders master's high halves)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
@@ -21,11 +21,15 @@ class ModelLink:
     model's bf16 params, read as the master's high halves where it is stored as remainders
     (``config.param_remainders``: the master kept as int16 remainders; ``on_params_updated`` then gets the
     updated bf16 params, what the model must hold, and the initial master is the model's, ``params``
-    rounded half away, remainders of zero for bf16 values)."""
+    rounded half away, remainders of zero for bf16 values). ``param_segments``: where the model's params
+    lie in the shard, ``(shard_start, param_start, length)`` each (``subgroups.blocks.ShardParams``):
+    8-bit moments take their blocks from each param's own indices; None: each param-group range is
+    one param from its first element."""
     grad_dtype: torch.dtype = torch.bfloat16
     grad_source: Optional[object] = None
     on_params_updated: Optional[Callable[[int, int, torch.Tensor], object]] = None
     param_high: Optional[object] = None
+    param_segments: Optional[Sequence[Tuple[int, int, int]]] = None
 
     def __post_init__(self):
         if self.grad_dtype not in GRAD_DTYPES:

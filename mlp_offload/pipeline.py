@@ -43,7 +43,8 @@ class StateViews:
 
     @classmethod
     def over(cls, buf: torch.Tensor, layout: Subgroup) -> "StateViews":
-        views = [codec.view(buf[layout.region_offset(k):], layout.numel) for k, codec in enumerate(layout.codecs)]
+        views = [codec.view(buf[layout.region_offset(k):], layout.numel, layout.blocks)
+                 for k, codec in enumerate(layout.codecs)]
         return cls(buf, layout, *views)
 
     def extents(self, sg: Subgroup) -> List[Tuple[int, torch.Tensor]]:
@@ -56,8 +57,9 @@ class StateViews:
             self.fence.synchronize()
             self.fence = None
 
-    def narrow(self, numel: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.param[:numel], self.exp_avg[:numel], self.exp_avg_sq[:numel]
+    def narrow(self, sg: Subgroup) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Subgroup ``sg``'s stored tensors (the buffer may be sized for a larger one)."""
+        return tuple(sg.narrow(k, t) for k, t in enumerate((self.param, self.exp_avg, self.exp_avg_sq)))
 
 
 class _Slot:
@@ -349,7 +351,7 @@ class SlotPipeline:
     def _materialize(self, i: int, views: StateViews, buffer_free: Callable):
         buffer_free()
         sg = self.subgroups[i]
-        param, exp_avg, exp_avg_sq = views.narrow(sg.numel)
+        param, exp_avg, exp_avg_sq = views.narrow(sg)
         fill_params(self.source, sg, param)
         exp_avg.zero_()
         exp_avg_sq.zero_()

@@ -20,7 +20,7 @@ from .config import GPU_TIER, HOST_TIER, OffloadConfig
 from .config.units import GiB
 from .plan.placement import Placement, UpdateRates, split_updates
 from .plan.split import SideRates, UpdateSplit
-from .subgroups.partition import Subgroup
+from .subgroups.partition import Subgroup, slot_subgroup
 from .tiers.base import ResidentTier, StreamedTier
 from .tiers.kinds import kind_of
 
@@ -97,7 +97,7 @@ class Relocation:
         """The device tier fitted to the spare device memory: subgroups promoted into it or handed back
         to lower tiers (``room``); None where nothing moves."""
         margin = self.config.gpu_margin_bytes
-        slot = max(sg.state_bytes for sg in self.subgroups)
+        slot = slot_subgroup(self.subgroups).state_bytes
         change = device_change(peak_bytes, capacity_bytes, margin, slot)
         tier_of = placement.tier_of
         on_device = [i for i, t in enumerate(tier_of) if kind_of(t).in_device_memory]
@@ -139,7 +139,7 @@ class Relocation:
 
     def _resident_bytes(self, tier_of: Sequence[str], placement: Placement, memory: Sequence[str]) -> Dict[str, int]:
         """Each memory tier's bytes counted against its budget with ``tier_of`` (host: + the slots)."""
-        slot = max(sg.state_bytes for sg in self.subgroups)
+        slot = slot_subgroup(self.subgroups).state_bytes
         out = {}
         for name in memory:
             held = sum(self.subgroups[i].state_bytes for i, t in enumerate(tier_of) if t == name)

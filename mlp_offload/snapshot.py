@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Dict, List
 
 from .pipeline import StateViews
-from .subgroups.partition import Subgroup
+from .subgroups.partition import Subgroup, slot_subgroup
 from .tiers.no_fork import aligned_empty
 from .tiers.base import StreamedTier
 
@@ -63,7 +63,7 @@ class StateSnapshot:
         self.memory, self.on_tier = memory, on_tier
         # The writer's order: what the next update will change in place first, then the files.
         self.order = [i for i in update_order if i in memory] + sorted(on_tier)
-        self.largest = max(subgroups, key=lambda sg: sg.numel)
+        self.largest = slot_subgroup(subgroups)
         self._cond = threading.Condition()
         self._progress = {i: PENDING for i in memory}
         self._staged: Dict[int, StateViews] = {}
@@ -90,8 +90,8 @@ class StateSnapshot:
             else:
                 self.paused_s += time.perf_counter() - started
                 return
-        numel = self.subgroups[i].numel
-        for dst, src in zip(stage.narrow(numel), self.memory[i].narrow(numel)):
+        sg = self.subgroups[i]
+        for dst, src in zip(stage.narrow(sg), self.memory[i].narrow(sg)):
             dst.copy_(src)
         with self._cond:
             self._staged[i] = stage

@@ -33,7 +33,7 @@ class StateAccess:
     def iter_state(self) -> Iterator[Tuple[Subgroup, torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Each subgroup's (param, exp_avg, exp_avg_sq); valid until the next item is requested."""
         for i, sg, views in self._each(fill_missing=True, write_back=False):
-            param, exp_avg, exp_avg_sq = views.narrow(sg.numel)
+            param, exp_avg, exp_avg_sq = views.narrow(sg)
             if self.master is not None:
                 param = self.master.widen(sg.start, sg.end, param)
             yield sg, param, exp_avg, exp_avg_sq
@@ -44,7 +44,7 @@ class StateAccess:
         self.pipeline.flush()
         self.pipeline.forget_buffers()  # the in-memory copies are about to be stale
         for i, sg, views in self._each(fill_missing=False):
-            param, exp_avg, exp_avg_sq = views.narrow(sg.numel)
+            param, exp_avg, exp_avg_sq = views.narrow(sg)
             if self.master is None or stored:
                 fill(sg, param, exp_avg, exp_avg_sq)
             else:
@@ -58,7 +58,7 @@ class StateAccess:
     def modify_state(self, edit: StateFn) -> None:
         """Stream each subgroup's state through ``edit`` (in place); the result goes back where it lives."""
         for i, sg, views in self._each(fill_missing=True):
-            param, exp_avg, exp_avg_sq = views.narrow(sg.numel)
+            param, exp_avg, exp_avg_sq = views.narrow(sg)
             if self.master is None:
                 edit(sg, param, exp_avg, exp_avg_sq)
             else:
@@ -118,10 +118,10 @@ class StateAccess:
                 yield i, sg, views
                 continue
             home, views = views, self._stage()
-            _copy(home, views, sg.numel)
+            _copy(home, views, sg)
             yield i, sg, views
             if write_back:
-                _copy(views, home, sg.numel)
+                _copy(views, home, sg)
 
     def _stage(self) -> StateViews:
         if self._device_stage is None:
@@ -143,12 +143,12 @@ class StateAccess:
                 pipe.fill_from_tier(i, views)
             if dest in memory:
                 new = StateViews.over(memory[dest].allocate(sg.state_bytes, f"subgroup {i}"), sg)
-                _copy(views, new, sg.numel)
+                _copy(views, new, sg)
                 self.resident[i] = new
                 tier_of[i] = dest
             else:
                 if kind_of(source).in_device_memory:  # file I/O needs aligned host bytes
-                    _copy(views, self._scratch_views(), sg.numel)
+                    _copy(views, self._scratch_views(), sg)
                     views = self._scratch_views()
                 tier_of[i] = dest
                 pipe.write_now(i, views)
@@ -164,7 +164,7 @@ class StateAccess:
         return self._scratch
 
 
-def _copy(src: StateViews, dst: StateViews, numel: int) -> None:
-    """``src``'s first ``numel`` elements of each state tensor into ``dst`` (either may be on the device)."""
-    for d, s in zip(dst.narrow(numel), src.narrow(numel)):
+def _copy(src: StateViews, dst: StateViews, sg: Subgroup) -> None:
+    """Subgroup ``sg``'s state tensors from ``src`` into ``dst`` (either may be on the device)."""
+    for d, s in zip(dst.narrow(sg), src.narrow(sg)):
         d.copy_(s)

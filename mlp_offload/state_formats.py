@@ -15,6 +15,7 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
+from .kernels.blockwise8 import FORMATS, CodeFormat, Quantized
 from .kernels.remainders import merge, split_
 
 STATE_TENSORS = ("param", "exp_avg", "exp_avg_sq")
@@ -39,10 +40,10 @@ class StateCodec:
     needs_high: bool = False
     kernel_key: str  # what the one-pass kernels (fused_update, cpu_one_pass) dispatch on
 
-    def stored_bytes(self, numel: int) -> int:
-        """Bytes ``numel`` elements take stored (before any alignment padding)."""
-        blocks = -(-numel // self.block) if self.block else 0
-        return numel * self.bytes_per_element + blocks * self.side_bytes_per_block
+    def stored_bytes(self, numel: int, blocks: Optional[int] = None) -> int:
+        """Bytes ``numel`` elements take stored (before any alignment padding); ``blocks``: how
+        many blocks a blockwise format's elements make (their layout's; default: whole blocks)."""
+        return numel * self.bytes_per_element
 
     @property
     def bytes_per_param(self) -> float:
@@ -59,31 +60,37 @@ class StateCodec:
         """The tag a checkpoint footer and the start-up line give it (``codec_for_tag`` reads it back)."""
         return self.name
 
-    def empty(self, numel: int, device="cpu", pin_memory: bool = False) -> torch.Tensor:
-        return torch.empty(numel, dtype=self.storage_dtype, device=device, pin_memory=pin_memory)
+    def empty(self, numel: int, device="cpu", pin_memory: bool = False, blocks: Optional[int] = None) -> torch.Tensor:
+        return torch.empty(self.stored_bytes(numel, blocks) // self.storage_dtype.itemsize, dtype=self.storage_dtype,
+                           device=device, pin_memory=pin_memory)
 
-    def view(self, raw: torch.Tensor, numel: int) -> torch.Tensor:
+    def view(self, raw: torch.Tensor, numel: int, blocks: Optional[int] = None) -> torch.Tensor:
         """The stored tensor of ``numel`` elements over ``raw``, a uint8 region at least that large."""
-        return raw[: self.stored_bytes(numel)].view(self.storage_dtype)
+        return raw[: self.stored_bytes(numel, blocks)].view(self.storage_dtype)
+
+    def narrow(self, stored: torch.Tensor, numel: int, blocks: Optional[int] = None) -> torch.Tensor:
+        """The first ``numel`` elements' stored tensor, of a stored tensor sized for at least as many."""
+        return stored[:numel]
 
     def unpack(self, stored: torch.Tensor, out: Optional[torch.Tensor] = None, *,
-               high: Optional[torch.Tensor] = None) -> torch.Tensor:
+               high: Optional[torch.Tensor] = None, layout=None) -> torch.Tensor:
         """The fp32 values of ``stored`` (into ``out`` where given). ``high``: the bf16 high halves
-        of a format that ``needs_high``, and only of one."""
+        of a format that ``needs_high``, and only of one; ``layout``: a blockwise format's blocks."""
         self._check_high(high)
         out = torch.empty(stored.shape, dtype=torch.float32, device=stored.device) if out is None else out
         self._unpack(stored, out, high)
         return out
 
     def pack(self, fp32: torch.Tensor, out: Optional[torch.Tensor] = None, *,
-             high: Optional[torch.Tensor] = None) -> torch.Tensor:
+             high: Optional[torch.Tensor] = None, layout=None) -> torch.Tensor:
         """``fp32`` in the stored form (into ``out`` where given); ``fp32`` is left as it was.
         ``high`` receives the bf16 high halves of a format that ``needs_high``."""
         out = self.empty(fp32.numel(), fp32.device) if out is None else out
         self.pack_(fp32.clone() if self.needs_high else fp32, out, high=high)
         return out
 
-    def pack_(self, fp32: torch.Tensor, out: torch.Tensor, *, high: Optional[torch.Tensor] = None) -> None:
+    def pack_(self, fp32: torch.Tensor, out: torch.Tensor, *, high: Optional[torch.Tensor] = None,
+              layout=None) -> None:
         """``pack`` into ``out``, free to use ``fp32``'s memory as scratch (it may be garbage after):
         the update's path, which spends its working copy."""
         self._check_high(high)
@@ -138,11 +145,82 @@ class Remainders16(StateCodec):
         split_(fp32, out, high)
 
 
+class Blockwise8(StateCodec):
+    """An Adam moment in 8 bits with one fp32 scale per block of ``block`` elements of each param
+    (``kernels.blockwise8``: the arithmetic, the formats, the block layout). Stored as one uint8
+    region: the codes, one byte per element at the element's own position, then (from the next
+    multiple of 4 bytes) the blocks' scales in shard order. How many blocks a subgroup's elements
+    make depends on where its params start and end (``subgroups.blocks``), so the sizes take
+    ``blocks``; without it, whole blocks from the first element (one param). Not widened and rounded
+    back as the element-wise formats are: the update's kernels read and write codes and scales in
+    one pass (``step.eight_bit``); ``unpack``/``pack`` need the ``layout``."""
+
+    storage_dtype, bytes_per_element, side_bytes_per_block, kernel_key = torch.uint8, 1, 4, "blockwise8"
+    name = "fp8"  # megatron-core's flags name it so (--exp-avg-dtype fp8 --exp-avg-sq-dtype fp8)
+
+    def __init__(self, fmt: str, block: int = 128):
+        if fmt not in FORMATS:
+            raise ValueError(f"8-bit moment format {fmt!r}: expected one of {', '.join(FORMATS)}")
+        self.fmt: CodeFormat = FORMATS[fmt]
+        self.block = block
+
+    def describe(self) -> str:
+        return f"{self.fmt.name}-b{self.block}"
+
+    def stored_bytes(self, numel: int, blocks: Optional[int] = None) -> int:
+        blocks = -(-numel // self.block) if blocks is None else blocks
+        return _scales_at(numel) + blocks * self.side_bytes_per_block
+
+    @property
+    def is_fp32(self) -> bool:
+        return False
+
+    def narrow(self, stored, numel, blocks=None):
+        return stored[: self.stored_bytes(numel, blocks)]
+
+    def split(self, stored: torch.Tensor, numel: int, blocks: Optional[int] = None) -> Quantized:
+        """Codes and scales (views) of the stored region of ``numel`` elements in ``blocks`` blocks."""
+        blocks = -(-numel // self.block) if blocks is None else blocks
+        at = _scales_at(numel)
+        return Quantized(stored[:numel].view(self.fmt.dtype), stored[at: at + 4 * blocks].view(torch.float32),
+                         self.fmt)
+
+    def unpack(self, stored, out=None, *, high=None, layout=None):
+        from .kernels.blockwise8 import dequantize
+        self._check_layout(layout)
+        value = dequantize(self.split(stored, layout.numel, layout.blocks), layout)
+        return value if out is None else out.copy_(value)
+
+    def pack(self, fp32, out=None, *, high=None, layout=None):
+        from .kernels.blockwise8 import quantize
+        self._check_layout(layout)
+        out = self.empty(layout.numel, fp32.device, blocks=layout.blocks) if out is None else out
+        quantize(fp32, layout, self.fmt, out=self.split(out, layout.numel, layout.blocks))
+        return out
+
+    def pack_(self, fp32, out, *, high=None, layout=None):
+        self.pack(fp32, out, layout=layout)
+
+    def _check_layout(self, layout) -> None:
+        if layout is None:
+            raise ValueError(f"state format {self.describe()} needs its block layout to pack or unpack")
+
+    def __repr__(self) -> str:
+        return f"Blockwise8({self.fmt.name!r}, {self.block})"
+
+
+def _scales_at(numel: int) -> int:
+    """Where a blockwise region's scales start: after the codes, on a multiple of 4 bytes."""
+    return (numel + 3) // 4 * 4
+
+
 FP32, BF16, FP16, REMAINDERS16 = Fp32(), Bf16(), Fp16(), Remainders16()
+# megatron-core's fp8 for each moment: e4m3 codes of the first, e4m3 codes of the second's root
+# (half its exponent range), blocks of 128 (docs/design.md, "Adam moments in 8 bits").
+FP8_MOMENTS = {"exp_avg": Blockwise8("e4m3"), "exp_avg_sq": Blockwise8("sqrt-e4m3")}
 
 # Every stored format, by tag (what a checkpoint footer may name), and the ones a user may ask for
-# in ``state_dtypes``. An 8-bit blockwise moment format (values int8/uint8, one fp32 scale per block:
-# ``block=B, side_bytes_per_block=4``) registers here with its kernels; until then fp8 is refused.
+# in ``state_dtypes`` (fp8: the moment's own ``FP8_MOMENTS`` codec, ``codec_named``).
 _BY_TAG: Dict[str, StateCodec] = {}
 _USER_NAMED: Dict[str, StateCodec] = {}
 
@@ -165,10 +243,14 @@ def forget(codec: StateCodec) -> None:
 for _codec in (FP32, FP16, BF16):
     register(_codec, user_named=True)
 register(REMAINDERS16, user_named=False)
+for _codec in FP8_MOMENTS.values():
+    register(_codec, user_named=False)
+_USER_NAMED["fp8"] = FP8_MOMENTS["exp_avg"]  # a name users give; which codec: by the moment (codec_named)
 
 # Accepted spellings, e.g. megatron-core's torch dtypes or their names.
 _ALIASES = {"float32": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16",
-            torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+            torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
+            torch.uint8: "fp8", "uint8": "fp8"}  # megatron-core's OptimizerConfig says fp8 moments as uint8
 
 
 def dtype_name(value) -> str:
@@ -187,9 +269,20 @@ def _supported() -> str:
     return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
 
 
-def codec_named(value) -> StateCodec:
-    """The codec of a state dtype a user names (a short name, a torch dtype or its name)."""
-    return _USER_NAMED[dtype_name(value)]
+def codec_named(value, tensor: str = "exp_avg") -> StateCodec:
+    """The codec of a state dtype a user names (a short name, a torch dtype or its name) for
+    ``tensor`` (STATE_TENSORS): fp8 is a moment's own blockwise format, and no master's."""
+    name = dtype_name(value)
+    if name == "fp8":
+        if tensor not in FP8_MOMENTS:
+            raise UnsupportedStateDtype(f"fp8 is for the Adam moments only, not the {tensor}")
+        return FP8_MOMENTS[tensor]
+    return _USER_NAMED[name]
+
+
+def is_blockwise(codecs: Sequence[StateCodec]) -> bool:
+    """Whether the moments are stored blockwise (then both are: ``check_moments``)."""
+    return any(c.block for c in codecs)
 
 
 def codec_for_tag(tag) -> Optional[StateCodec]:
@@ -210,9 +303,9 @@ def describe(codecs: Sequence[StateCodec]) -> str:
     return "/".join(c.describe() for c in codecs)
 
 
-def state_bytes(codecs: Sequence[StateCodec], numel: int) -> int:
+def state_bytes(codecs: Sequence[StateCodec], numel: int, blocks: Optional[int] = None) -> int:
     """Bytes the three tensors of ``numel`` elements take stored, unpadded."""
-    return sum(c.stored_bytes(numel) for c in codecs)
+    return sum(c.stored_bytes(numel, blocks) for c in codecs)
 
 
 def bytes_per_param(codecs: Sequence[StateCodec]) -> float:

@@ -166,7 +166,7 @@ def _write(snapshot: StateSnapshot, tmp: str, metadata: Optional[dict]) -> int:
                 snapshot.check_cancelled()
                 views = snapshot.take(i) if i in snapshot.memory else reads.get(i)
                 try:  # the state is copied out before put returns: the update may have it back at once
-                    crcs[i] = writer.put(offsets[i], views.narrow(snapshot.subgroups[i].numel))
+                    crcs[i] = writer.put(offsets[i], views.narrow(snapshot.subgroups[i]))
                 finally:
                     snapshot.done_with(i)
                 fault_point("save-offload")

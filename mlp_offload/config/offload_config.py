@@ -350,7 +350,7 @@ class OffloadConfig:
     def state_codecs(self) -> Tuple[StateCodec, StateCodec, StateCodec]:
         """How (param, exp_avg, exp_avg_sq) are stored (``state_formats``): ``state_dtypes``, the
         master as remainders where ``param_remainders``."""
-        codecs = tuple(codec_named(name) for name in self.state_dtypes)
+        codecs = tuple(codec_named(name, tensor) for name, tensor in zip(self.state_dtypes, STATE_TENSORS))
         if self.param_remainders:
             return (REMAINDERS16, *codecs[1:])
         return codecs
@@ -386,8 +386,12 @@ def _state_dtype_names(values) -> Tuple[str, str, str]:
     for tensor, value in zip(STATE_TENSORS, values):
         try:
             names.append(dtype_name(value))
+            codec_named(value, tensor)
         except UnsupportedStateDtype as err:
             raise OffloadConfigError(f"state dtype of {tensor} (state_dtypes): {err}") from None
+    if (names[1] == "fp8") != (names[2] == "fp8"):
+        raise OffloadConfigError(f"state dtypes (state_dtypes) {names[1]}/{names[2]} for the moments: fp8 moments "
+                                 f"are updated together in one kernel, so both are fp8 or neither is")
     return tuple(names)
 
 

@@ -123,9 +123,13 @@ class BlockLayout:
             pieces.append(_segment_lengths(param_start, length, block))
             at += length
         self.numel = at
-        self.lengths = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
-        self.starts = torch.cat([torch.zeros(1, dtype=torch.int64), self.lengths.cumsum(0)])
+        lengths = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
+        self.starts = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])  # kept alone: 8 B a block
         self._cached = {}
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.starts.diff()
 
     @classmethod
     def whole(cls, numel: int, block: int) -> "BlockLayout":
@@ -134,11 +138,11 @@ class BlockLayout:
 
     @property
     def blocks(self) -> int:
-        return self.lengths.numel()
+        return self.starts.numel() - 1
 
     def block_index(self, device) -> torch.Tensor:
-        """Each element's block (int64), kept per device."""
-        return self._on(device, "index", lambda: torch.repeat_interleave(torch.arange(self.blocks), self.lengths))
+        """Each element's block (int64; made per call: 8 bytes per element is too much to keep for a shard)."""
+        return torch.repeat_interleave(torch.arange(self.blocks, device=device), self.lengths.to(device))
 
     def starts_on(self, device) -> torch.Tensor:
         """``starts`` on ``device``, kept per device (the one-pass kernels read it)."""

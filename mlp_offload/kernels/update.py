@@ -140,7 +140,7 @@ class Fp32Working:
     @staticmethod
     def planned_bytes(codecs, largest: int) -> int:
         """``nbytes`` of the working copies for state stored in ``codecs``."""
-        return sum(largest * 4 for c in codecs if not c.is_fp32)
+        return sum(largest * 4 for c in codecs if not c.is_fp32 and not c.block)  # 8-bit moments: no copies
 
     def widen(self, stored, high: Optional[torch.Tensor] = None):
         """``high``: the bf16 params of a master stored as remainders."""

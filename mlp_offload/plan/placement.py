@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 from ..config import GPU_TIER, HOST_TIER, OffloadConfig, TierBandwidth
-from ..subgroups.partition import Subgroup, partition
+from ..subgroups.partition import Subgroup, partition, slot_subgroup
 from ..tiers.kinds import kind_of
 from ..config.units import GiB
 
@@ -144,7 +144,7 @@ def plan_placement(
     mode's learnt size).
     """
     n = len(subgroups)
-    slot_bytes = max(sg.state_bytes for sg in subgroups)
+    slot_bytes = slot_subgroup(subgroups).state_bytes
     gpu_set = _gpu_resident(subgroups, config, gpu_budget_bytes)
     rest = [i for i in range(n) if i not in set(gpu_set)]
     placement = _place_below_device(subgroups, rest, config, rates, free_bytes, devices, slot_bytes)
@@ -165,7 +165,7 @@ def _gpu_resident(subgroups: Sequence[Subgroup], config: OffloadConfig, gpu_budg
     n = len(subgroups)
     gpu_budget = config.budget_of(GPU_TIER) if gpu_budget_bytes is None else gpu_budget_bytes
     # Counted at the largest subgroup's size, so the set never exceeds the budget.
-    return spread(range(n), min(n, gpu_budget // max(sg.state_bytes for sg in subgroups)))
+    return spread(range(n), min(n, gpu_budget // slot_subgroup(subgroups).state_bytes))
 
 
 def _host_floor(subgroups: Sequence[Subgroup], rest: Sequence[int], config: OffloadConfig) -> int:
@@ -175,7 +175,7 @@ def _host_floor(subgroups: Sequence[Subgroup], rest: Sequence[int], config: Offl
         return 0
     if not config.file_tiers:
         return sum(subgroups[i].state_bytes for i in rest)
-    return MIN_PIPELINE_SLOTS * max(sg.state_bytes for sg in subgroups)
+    return MIN_PIPELINE_SLOTS * slot_subgroup(subgroups).state_bytes
 
 
 def min_host_budget_bytes(numel: int, config: OffloadConfig, gpu_budget_bytes: Optional[int] = None) -> int:

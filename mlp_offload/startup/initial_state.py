@@ -9,7 +9,7 @@ from typing import Dict, List, Mapping, Sequence, Tuple
 
 from ..pipeline import StateViews, fill_params, starts_at_zero
 from ..plan.placement import Placement
-from ..subgroups.partition import Subgroup
+from ..subgroups.partition import Subgroup, slot_subgroup
 from ..config.units import GB
 
 log = logging.getLogger("mlp_offload")
@@ -39,7 +39,7 @@ def allocate_initial_state(subgroups: Sequence[Subgroup], placement: Placement, 
             views.exp_avg.zero_()
             views.exp_avg_sq.zero_()
         resident[i] = views
-    slot_sg = max(subgroups, key=lambda sg: sg.numel)
+    slot_sg = slot_subgroup(subgroups)
     buffers = [StateViews.over(host.allocate(slot_sg.state_bytes, f"pipeline buffer {k}"), slot_sg)
                for k in range(slots)]
     seconds = time.perf_counter() - started

@@ -25,7 +25,8 @@ from ..step.loop import AcrossSteps, EngineHooks, StepLoop
 from ..step.read_ahead import ReadAhead, read_ahead_for
 from ..step.update_paths import UpdatePaths, choose_update_paths
 from ..subgroups.param_groups import Segment
-from ..subgroups.partition import Subgroup
+from ..subgroups.blocks import SubgroupBlocks
+from ..subgroups.partition import Subgroup, slot_subgroup
 from ..tiers.base import ResidentTier, StreamedTier
 from ..tiers.host import HostMemory, check_host_memory
 from ..tiers.kinds import kind_of
@@ -45,6 +46,7 @@ class EngineModel:
     segments: List[List[Segment]]
     adam: AdamKernel
     device_adam: AdamKernel
+    blocks: Optional[SubgroupBlocks] = None  # 8-bit moments: each subgroup's pieces with their blocks
 
 
 @dataclass(frozen=True)
@@ -98,12 +100,14 @@ def check_engine_inputs(cfg: OffloadConfig, link: ModelLink, token_store) -> Non
 def wire_engine(cfg: OffloadConfig, model: EngineModel, holds: EngineHolds) -> EngineParts:
     subgroups, link = model.subgroups, model.link
     largest = max(sg.numel for sg in subgroups)
+    largest_blocks = slot_subgroup(subgroups).blocks  # None without 8-bit moments
     if cfg.adam_kernel == "fused" and any(span != (0, hi - lo) for segs in model.segments for lo, hi, _, span in segs):
         fused_vector_width()  # measured now, with the other rates, not inside the first step
     # (without a grad source the engine makes a HostGradients below)
     sources_give_views = (link.on_params_updated is not None
                           and ModelBuffers.available(link.grad_source or HostGradients, link.param_high, cfg.device))
-    paths = choose_update_paths(cfg, cfg.state_codecs, largest, model.adam, model.device_adam, sources_give_views)
+    paths = choose_update_paths(cfg, cfg.state_codecs, largest, model.adam, model.device_adam, sources_give_views,
+                                largest_blocks)
     start = start_up(cfg, subgroups, paths, holds.tiers, holds.token_store, holds.memory)
     host, placement = start.host, start.placement
 
@@ -112,10 +116,11 @@ def wire_engine(cfg: OffloadConfig, model: EngineModel, holds: EngineHolds) -> E
     grad_bytes = gradient_host_bytes(model.numel, largest,
                                      None if link.grad_source is not None else link.grad_dtype.itemsize)
     working = Fp32Working(cfg.state_codecs, 0 if paths.cpu_one_pass else largest)  # one pass: none
+    eight_bit_bytes = paths.cpu_eight_bit.working_bytes if paths.cpu_eight_bit is not None else 0
     # The CPU update's bf16 high halves of a remainders master: read in, updated, handed out.
     high_bytes = largest * 2 if cfg.param_remainders else 0
     check_host_memory({"optimizer cache": placement.host_state_bytes,
-                       "gradient staging": grad_bytes + working.nbytes + high_bytes},
+                       "gradient staging": grad_bytes + working.nbytes + eight_bit_bytes + high_bytes},
                       cfg.resolved_ranks_sharing_node(), dict(cfg.host_bytes_beside), bool(cfg.file_tiers))
     grad_buffer, grad_source = None, link.grad_source
     if grad_source is None:
@@ -126,10 +131,10 @@ def wire_engine(cfg: OffloadConfig, model: EngineModel, holds: EngineHolds) -> E
             if cfg.param_remainders else None)
     # The two update sides (step.context.UpdateSide), built complete with what they need.
     inputs = SideInputs(subgroups, model.segments, grad_source, link.on_params_updated,
-                        link.param_high if cfg.param_remainders else None, holds.io.trace)
-    cpu_side = CpuUpdate(inputs, CpuKernel(model.adam, working, paths.cpu_one_pass),
+                        link.param_high if cfg.param_remainders else None, holds.io.trace, model.blocks)
+    cpu_side = CpuUpdate(inputs, CpuKernel(model.adam, working, paths.cpu_one_pass, paths.cpu_eight_bit),
                          scratch_buffers(not isinstance(grad_source, HostGradients), largest, host.allocate), high)
-    read_ahead = read_ahead_for(cfg, paths.device_update, cfg.state_codecs, largest, len(subgroups))
+    read_ahead = read_ahead_for(cfg, paths.device_update, cfg.state_codecs, largest, len(subgroups), largest_blocks)
     device_side = None if paths.device_update is None else DeviceSide(
         inputs, paths.device_update, model.device_adam, lambda i: kind_of(placement.tier_of[i]).in_device_memory,
         read_ahead,
@@ -150,5 +155,5 @@ def wire_engine(cfg: OffloadConfig, model: EngineModel, holds: EngineHolds) -> E
 def checkpoint_scratch(host: HostMemory, subgroups: List[Subgroup]) -> StateViews:
     """A buffer for the largest subgroup's state. Outside the budget on purpose: used only while saving or
     loading a checkpoint."""
-    sg = max(subgroups, key=lambda s: s.numel)
+    sg = slot_subgroup(subgroups)
     return StateViews.over(host.allocate(sg.state_bytes, "checkpoint buffer", counted=False), sg)

@@ -46,6 +46,7 @@ class SideInputs:
     on_params: Optional[Callable]  # (start, end, params) -> fence or None; None: nobody wants them
     param_high: object = None  # kernels.remainders.ParamHighSource of a master stored as remainders, else None
     trace: object = None  # trace.Trace, or None
+    blocks: object = None  # 8-bit moments: subgroups.blocks.SubgroupBlocks (each subgroup's pieces), else None
 
 
 class UpdateSide(Protocol):

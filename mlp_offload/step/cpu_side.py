@@ -28,6 +28,7 @@ class CpuKernel:
     adam: AdamKernel
     working: Fp32Working
     one_pass: Optional[Callable] = None
+    eight_bit: Optional[Callable] = None  # 8-bit moments: ``eight_bit.EightBitUpdate`` (then the others are unused)
 
 
 class CpuUpdate:
@@ -39,7 +40,9 @@ class CpuUpdate:
     def __init__(self, inputs: SideInputs, kernel: CpuKernel, scratch, high: Optional[torch.Tensor]):
         self.subgroups, self.segments, self.grad_source = inputs.subgroups, inputs.segments, inputs.grad_source
         self.param_high, self.on_params_updated, self.trace = inputs.param_high, inputs.on_params, inputs.trace
-        self.adam, self.working, self.one_pass = kernel.adam, kernel.working, kernel.one_pass
+        self.adam, self.working, self.one_pass, self.eight_bit = kernel.adam, kernel.working, kernel.one_pass, \
+            kernel.eight_bit
+        self.blocks = inputs.blocks
         self.scratch, self.high = scratch, high
         self._high_fence = None  # the last subgroup's bf16 params may still be copied out of ``high``
         self._order, self._turn = [], {}
@@ -83,8 +86,10 @@ class CpuUpdate:
         # The last step's copy of these params to the model (its fence) may still read the buffer this
         # Adam rewrites: a cache hit reuses the buffer without the pipeline's wait before a read.
         views.sync_fence()
-        stored = views.narrow(sg.numel)
-        if self.one_pass is not None:  # on the stored views, each param group's piece in one pass
+        stored = views.narrow(sg)
+        if self.eight_bit is not None:
+            self.eight_bit(sg, stored, grad, high, self.blocks.pieces(i), lambda g: hyper_of(ctx.groups[g]), step)
+        elif self.one_pass is not None:  # on the stored views, each param group's piece in one pass
             for lo, hi, g, _ in self.segments[i]:
                 self.one_pass([t[lo:hi] for t in stored], grad[lo:hi], None if high is None else high[lo:hi],
                               hyper_of(ctx.groups[g]), step)

@@ -119,6 +119,7 @@ class DeviceJob:
     segments: Sequence[Segment]
     pre_read: object = None
     written: object = None
+    pieces: Sequence = ()  # 8-bit moments: its param-group pieces with their blocks (``blocks.BlockPiece``)
 
 
 @dataclass(frozen=True)
@@ -147,10 +148,14 @@ class DeviceUpdate:
     touched again (its copy-out), or ``DONE`` on the CPU twin."""
 
     def __init__(self, device, codecs: Sequence[StateCodec], chunk_elems: int, largest: int,
-                 kernel: DeviceKernel = MULTI_PASS):
+                 kernel: DeviceKernel = MULTI_PASS, eight_bit=None, largest_blocks: Optional[int] = None):
         self.device = torch.device(device)
         self.codecs = list(codecs)  # the stored formats (state_formats)
-        self.chunk = max(1, min(chunk_elems, largest))
+        # 8-bit moments (``eight_bit.EightBitUpdate``): a subgroup in one chunk (its blocks' scales
+        # follow its codes; the two buffers still overlap one subgroup's copies with another's update)
+        self.eight_bit = eight_bit
+        self.largest_blocks = largest_blocks
+        self.chunk = largest if eight_bit is not None else max(1, min(chunk_elems, largest))
         self.streams = Streams(self.device)
         self.kernel = kernel
         # Two chunk buffers in the stored dtypes: chunk k+1 arrives while chunk k is computed.
@@ -201,7 +206,7 @@ class DeviceUpdate:
             c1 = min(n, c0 + self.chunk)
             if job.resident:
                 with s.on(s.compute):
-                    compute([t[c0:c1] for t in job.stored], c0, c1)
+                    compute(self._chunk_of(job.stored, c0, c1), c0, c1)
                 continue
             self._stream_chunk(job, c0, c1, compute)
         return s.record(s.compute if job.resident else s.copy_out)
@@ -212,20 +217,21 @@ class DeviceUpdate:
     def _stream_chunk(self, job: DeviceJob, c0: int, c1: int, compute: Callable) -> None:
         """Chunk [c0, c1) of host state: copied in (or read ahead), computed, copied back out."""
         s, pre_read = self.streams, job.pre_read
+        host = self._chunk_of(job.stored, c0, c1)
         if pre_read is not None:
-            dev, arrived = [t[c0:c1] for t in pre_read.tensors], pre_read.arrived
+            dev, arrived = self._chunk_of(pre_read.tensors, c0, c1), pre_read.arrived
         else:
             b = self._turn % 2
             self._turn += 1
             if self._buffers is None:
-                self._buffers = [[c.empty(self.chunk, self.device) for c in self.codecs]
+                self._buffers = [[c.empty(self.chunk, self.device, blocks=self.largest_blocks) for c in self.codecs]
                                  for _ in range(2)]
-            dev = [buf[: c1 - c0] for buf in self._buffers[b]]
+            dev = [buf[: h.numel()] for buf, h in zip(self._buffers[b], host)]
             with s.on(s.copy_in):
                 s.wait(s.copy_in, self._free[b])
                 s.wait(s.copy_in, job.written)
-                for d, h in zip(dev, job.stored):
-                    d.copy_(h[c0:c1], non_blocking=True)
+                for d, h in zip(dev, host):
+                    d.copy_(h, non_blocking=True)
                 arrived = s.record(s.copy_in)
         with s.on(s.compute):
             s.wait(s.compute, arrived)
@@ -233,11 +239,15 @@ class DeviceUpdate:
             computed = s.record(s.compute)
         with s.on(s.copy_out):
             s.wait(s.copy_out, computed)
-            for d, h in zip(dev, job.stored):
-                h[c0:c1].copy_(d, non_blocking=True)
+            for d, h in zip(dev, host):
+                h.copy_(d, non_blocking=True)
             copied_out = s.record(s.copy_out)
             if pre_read is None:
                 self._free[b] = copied_out
+
+    def _chunk_of(self, stored: Sequence[torch.Tensor], c0: int, c1: int) -> List[torch.Tensor]:
+        """Elements [c0, c1) of each stored tensor (8-bit moments: always the whole subgroup)."""
+        return list(stored) if self.eight_bit is not None else [t[c0:c1] for t in stored]
 
     def _compute(self, job: DeviceJob, io: DeviceIO, chunk: List[torch.Tensor], grad: torch.Tensor,
                  span: Tuple[int, int]) -> None:
@@ -249,7 +259,9 @@ class DeviceUpdate:
                 self._high = torch.empty(self.chunk, dtype=torch.bfloat16, device=self.device)
             high = self._high[: c1 - c0]
             io.fill_high(sg.start + c0, sg.start + c1, high)
-        if self._one_pass_on(io):
+        if self.eight_bit is not None:
+            self.eight_bit(sg, chunk, grad, high, job.pieces, io.hyper, io.step)
+        elif self._one_pass_on(io):
             self._one_pass(chunk, grad, high, span, job.segments, io)
         else:
             self._multi_pass(chunk, grad, high, span, job.segments, io.adam)
@@ -318,7 +330,7 @@ class DeviceSide:
                  deferred: bool = False):
         self.device_update, self.subgroups, self.segments = device_update, inputs.subgroups, inputs.segments
         self.grad_source, self.on_params, self.param_high = inputs.grad_source, inputs.on_params, inputs.param_high
-        self.trace, self.adam, self.model = inputs.trace, adam, model
+        self.trace, self.adam, self.model, self.blocks = inputs.trace, adam, model, inputs.blocks
         self.read_ahead, self.deferred = read_ahead, deferred
         self.in_device_memory = in_device_memory
         self.streams = device_update.streams
@@ -347,9 +359,10 @@ class DeviceSide:
         if self.read_ahead is not None and not resident:
             pre = ahead = self.read_ahead.take(i)
             if pre is None:  # through the read-ahead's buffers as a ring, where one is free
-                pre = self.read_ahead.stream_in(list(views.narrow(sg.numel)), written)
+                pre = self.read_ahead.stream_in(list(views.narrow(sg)), written)
         t0 = time.perf_counter()
-        job = DeviceJob(sg, list(views.narrow(sg.numel)), resident, self.segments[i], pre, written)
+        job = DeviceJob(sg, list(views.narrow(sg)), resident, self.segments[i], pre, written,
+                        self.blocks.pieces(i) if self.blocks is not None else ())
         fence = self.device_update.update(job, self._io(ctx, sg))
         if pre is not None:
             self.read_ahead.returned(pre, fence)

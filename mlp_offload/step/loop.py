@@ -95,7 +95,7 @@ class StepLoop:
         if self.read_ahead is None:
             return
         held = self.held_first_order(self.pipeline.schedule)
-        picks = [(i, self.resident[i].narrow(self.subgroups[i].numel), written.get(i))
+        picks = [(i, self.resident[i].narrow(self.subgroups[i]), written.get(i))
                  for i in held if not kind_of(self.placement.tier_of[i]).in_device_memory]
         self.read_ahead.issue(picks)
 

@@ -35,13 +35,14 @@ class PreRead:
 
 
 class ReadAhead:
-    def __init__(self, streams: Streams, codecs: Sequence[StateCodec], device, slots: int, largest: int):
+    def __init__(self, streams: Streams, codecs: Sequence[StateCodec], device, slots: int, largest: int,
+                 largest_blocks: Optional[int] = None):
         self.streams = streams
         self.largest = largest
-        self._buffers = [[c.empty(largest, device) for c in codecs] for _ in range(slots)]
+        self._buffers = [[c.empty(largest, device, blocks=largest_blocks) for c in codecs] for _ in range(slots)]
         self._free_after: List[object] = [None] * slots  # per buffer: the copy out of its last update
         self._released: List[int] = list(range(slots))  # buffers in the order their last copy out was queued
-        self._held: Dict[int, Tuple[int, object, int]] = {}  # subgroup -> (buffer, arrival, numel)
+        self._held: Dict[int, Tuple[int, object, List[int]]] = {}  # subgroup -> (buffer, arrival, sizes)
 
     @property
     def slots(self) -> int:
@@ -61,23 +62,23 @@ class ReadAhead:
         return [k for k in self._released if k not in in_use]
 
     def _copy_in(self, slot: int, host: Sequence[torch.Tensor], written) -> object:
-        s, numel = self.streams, host[0].numel()
-        if numel > self.largest:
-            raise ValueError(f"{numel} elements are more than a read-ahead buffer's {self.largest}")
+        s = self.streams
+        if any(h.numel() > b.numel() for h, b in zip(host, self._buffers[slot])):
+            raise ValueError(f"{host[0].numel()} elements are more than a read-ahead buffer's {self.largest}")
         self._released.remove(slot)
         self._released.append(slot)  # (until it is given back: last in line)
         with s.on(s.copy_in):
             s.wait(s.copy_in, self._free_after[slot])
             s.wait(s.copy_in, written)
             for dev, src in zip(self._buffers[slot], host):
-                dev[:numel].copy_(src, non_blocking=True)
+                dev[:src.numel()].copy_(src, non_blocking=True)
             return s.record(s.copy_in)
 
     def issue(self, picks: Sequence[Tuple[int, Sequence[torch.Tensor], object]]) -> None:
         """Copy in ``(subgroup, host tensors, written)`` in order while buffers are free; ``written``
         is the event of the last copy that wrote those host tensors (None: nothing pending)."""
         for (i, host, written), slot in zip([p for p in picks if p[0] not in self._held], self._free_slots()):
-            self._held[i] = (slot, self._copy_in(slot, host, written), host[0].numel())
+            self._held[i] = (slot, self._copy_in(slot, host, written), [h.numel() for h in host])
 
     def stream_in(self, host: Sequence[torch.Tensor], written=None) -> Optional[PreRead]:
         """A subgroup not read ahead, copied in now through a free buffer (the buffers are then the
@@ -86,16 +87,17 @@ class ReadAhead:
         free = self._free_slots()
         if not free:
             return None
-        numel = host[0].numel()
-        return PreRead([t[:numel] for t in self._buffers[free[0]]], self._copy_in(free[0], host, written), free[0])
+        sizes = [h.numel() for h in host]
+        return PreRead([t[:n] for t, n in zip(self._buffers[free[0]], sizes)], self._copy_in(free[0], host, written),
+                       free[0])
 
     def take(self, i: int) -> Optional[PreRead]:
         """Subgroup ``i``'s copy, where one was read ahead (then no longer held)."""
         entry = self._held.pop(i, None)
         if entry is None:
             return None
-        slot, arrived, numel = entry
-        return PreRead([t[:numel] for t in self._buffers[slot]], arrived, slot)
+        slot, arrived, sizes = entry
+        return PreRead([t[:n] for t, n in zip(self._buffers[slot], sizes)], arrived, slot)
 
     def returned(self, pre: PreRead, copied_out) -> None:
         """The update that read ``pre`` queued its copy out: the buffer is free after ``copied_out``."""
@@ -121,16 +123,16 @@ class ReadAhead:
 
 
 def read_ahead_for(config, device_update, codecs: Sequence[StateCodec], largest: int,
-                   count: int) -> Optional[ReadAhead]:
+                   count: int, largest_blocks: Optional[int] = None) -> Optional[ReadAhead]:
     """The engine's read-ahead: as many whole subgroups of its largest size as
     ``config.device_read_ahead_bytes`` holds, at most its ``count`` subgroups; None without a device
     update or without the bytes."""
     if device_update is None or not config.device_read_ahead_bytes:
         return None
-    per_subgroup = state_bytes(codecs, largest)  # one subgroup's stored state, whole
+    per_subgroup = state_bytes(codecs, largest, largest_blocks)  # one subgroup's stored state, whole
     slots = config.device_read_ahead_bytes // per_subgroup
     if slots < 1:
         raise OffloadConfigError(
             f"device read-ahead device_read_ahead_bytes={config.device_read_ahead_bytes} holds no subgroup: one "
             f"subgroup's stored state takes {per_subgroup / 2**30:.3f} GiB ({largest} elements); give 0 or at least that")
-    return ReadAhead(device_update.streams, codecs, device_update.device, min(slots, count), largest)
+    return ReadAhead(device_update.streams, codecs, device_update.device, min(slots, count), largest, largest_blocks)

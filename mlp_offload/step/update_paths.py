@@ -9,13 +9,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
+import torch
+
 from ..config import GPU_TIER, OffloadConfig
 from ..kernels.cpu_one_pass import cpu_one_pass_for_device, verified_cpu_one_pass
 from ..kernels.fused_update import verified_fused_update
 from ..kernels.update import AdamKernel
-from ..state_formats import StateCodec
+from ..state_formats import StateCodec, is_blockwise
 from .deferred import DeferredWork
 from .device_side import MULTI_PASS, DeviceKernel, DeviceUpdate
+from .eight_bit import EightBitUpdate, choose_kernel
 
 
 @dataclass(frozen=True)
@@ -26,6 +29,7 @@ class UpdatePaths:
     deferred: Optional[DeferredWork]  # defer_device_wait: what a step leaves queued
     cpu_one_pass: Optional[Callable]  # the CPU's one-pass kernel, or None (the multi-pass path)
     cpu_one_pass_how: str
+    cpu_eight_bit: Optional[EightBitUpdate] = None  # 8-bit moments: the CPU's update (then also ``cpu_one_pass``)
 
     @property
     def device_type(self) -> Optional[str]:
@@ -39,16 +43,35 @@ class UpdatePaths:
 
 
 def choose_update_paths(cfg: OffloadConfig, codecs: Sequence[StateCodec], largest: int, adam: AdamKernel,
-                        device_adam: AdamKernel, sources_give_views: bool) -> UpdatePaths:
+                        device_adam: AdamKernel, sources_give_views: bool,
+                        largest_blocks: Optional[int] = None) -> UpdatePaths:
     """``adam``, ``device_adam``: the CPU's and the device's multi-pass kernels (``update.AdamKernel``);
     ``sources_give_views``: the grad and param sources give ``views`` and params go back to the model
     (``gradients.ModelBuffers``)."""
+    if is_blockwise(codecs):
+        return _eight_bit_paths(cfg, codecs, largest, adam, device_adam, largest_blocks)
     if GPU_TIER not in cfg.tiers and cfg.update_on == "cpu":  # on a CPU run the "device" is the CPU (the twin)
         return UpdatePaths(adam, device_adam, None, None, *_cpu_one_pass(cfg, codecs, adam, None))
     kernel = _device_kernel(cfg, codecs, device_adam, sources_give_views)
     device = DeviceUpdate(cfg.device, codecs, cfg.device_chunk_elems, largest, kernel)
     deferred = DeferredWork(device.streams) if cfg.defer_device_wait else None
     return UpdatePaths(adam, device_adam, device, deferred, *_cpu_one_pass(cfg, codecs, adam, kernel.fused))
+
+
+def _eight_bit_paths(cfg: OffloadConfig, codecs: Sequence[StateCodec], largest: int, adam, device_adam,
+                     largest_blocks: Optional[int]) -> UpdatePaths:
+    """8-bit moments: every side runs the 8-bit kernels (``eight_bit``), whatever the one-pass settings;
+    the CPU's doubles as its one-pass kernel for the rate probes. Not on the model's buffers: the
+    device's grads are converted into its own buffer first."""
+    cpu = EightBitUpdate(choose_kernel("cpu", codecs), codecs, largest, "cpu")
+    if GPU_TIER not in cfg.tiers and cfg.update_on == "cpu":
+        return UpdatePaths(adam, device_adam, None, None, cpu.whole, cpu.how, cpu)
+    on_device = cpu if torch.device(cfg.device).type == "cpu" else EightBitUpdate(
+        choose_kernel(cfg.device, codecs), codecs, largest, cfg.device)
+    device = DeviceUpdate(cfg.device, codecs, cfg.device_chunk_elems, largest,
+                          DeviceKernel(None, on_device.how, False), eight_bit=on_device, largest_blocks=largest_blocks)
+    deferred = DeferredWork(device.streams) if cfg.defer_device_wait else None
+    return UpdatePaths(adam, device_adam, device, deferred, cpu.whole, cpu.how, cpu)
 
 
 def _device_kernel(cfg: OffloadConfig, codecs: Sequence[StateCodec], device_adam,

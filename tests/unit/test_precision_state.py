@@ -130,6 +130,6 @@ def test_checkpoint_loads_into_other_state_dtypes_by_rounding_or_widening(tmp_pa
         assert torch.equal(a, b.to(DTYPES[dtype]).float())
 
 
-def test_fp8_state_is_refused_with_one_line():
-    with pytest.raises(OffloadConfigError, match=r"state dtype of exp_avg \(state_dtypes\): 'fp8' is not supported"):
+def test_fp8_for_one_moment_only_is_refused_with_one_line():
+    with pytest.raises(OffloadConfigError, match=r"state dtypes \(state_dtypes\) fp8/fp32 for the moments"):
         fast_config(None, ["host"], state_dtypes=("fp32", "fp8", "fp32"))

@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from mlp_offload.state_formats import (BF16, FP16, FP32, REMAINDERS16, StateCodec, UnsupportedStateDtype,
+from mlp_offload.state_formats import (BF16, FP16, FP32, FP8_MOMENTS, REMAINDERS16, StateCodec, UnsupportedStateDtype,
                                        bytes_per_param, codec_for_tag, codec_named, codecs_for, dtype_name,
                                        forget, register, state_bytes)
 from tests.profiles import examples
@@ -120,24 +120,35 @@ def test_stored_bytes_are_the_packed_tensors_bytes(numel, which):
 
 
 class _Blockwise8(StateCodec):
-    """A stand-in for an 8-bit blockwise format: one byte an element, an fp32 scale per 256."""
+    """A stand-in for another blockwise format: one byte an element, an fp32 scale per 256."""
     name, storage_dtype, bytes_per_element, kernel_key = "toy8", torch.uint8, 1, "toy8"
     block, side_bytes_per_block = 256, 4
 
 
-@pytest.mark.parametrize("numel,expected", [(0, 0), (1, 5), (256, 260), (257, 265), (1000, 1016)])
-def test_a_blockwise_format_counts_one_scale_per_started_block(numel, expected):
-    assert _Blockwise8().stored_bytes(numel) == expected
-    assert _Blockwise8().bytes_per_param == 1 + 4 / 256
+@pytest.mark.parametrize("numel,blocks,expected", [(0, None, 0), (1, None, 8), (128, None, 132), (129, None, 140),
+                                                   (1000, None, 1032), (300, 5, 320), (3, 3, 16)])
+def test_an_8_bit_moment_stores_codes_then_one_scale_per_block(numel, blocks, expected):
+    codec = FP8_MOMENTS["exp_avg"]
+    assert codec.stored_bytes(numel, blocks) == expected  # codes padded to 4 bytes, then the scales
+    assert codec.bytes_per_param == 1 + 4 / 128
+    region = torch.zeros(expected + 64, dtype=torch.uint8)
+    q = codec.split(region, numel, blocks)
+    assert q.codes.numel() == numel and q.scales.numel() == (blocks if blocks is not None else -(-numel // 128))
+    assert codec.narrow(region, numel, blocks).numel() == expected
 
 
 def test_registry_names_aliases_tags_and_refusals():
     for value, name in (("fp32", "fp32"), ("float32", "fp32"), (torch.float32, "fp32"), ("torch.float32", "fp32"),
                         ("bfloat16", "bf16"), (torch.bfloat16, "bf16"), ("half", "fp16"), (torch.float16, "fp16")):
         assert dtype_name(value) == name and codec_named(value).name == name
-    for value in ("fp8", torch.uint8, "rem16", "int8"):  # rem16 is a stored form, not a dtype a user names
-        with pytest.raises(UnsupportedStateDtype, match=r"is not supported \(fp32, fp16 or bf16\)$"):
+    for value in ("rem16", "int8"):  # rem16 is a stored form, not a dtype a user names
+        with pytest.raises(UnsupportedStateDtype, match=r"is not supported \(fp32, fp16, bf16 or fp8\)$"):
             codec_named(value)
+    for value in ("fp8", torch.uint8):  # megatron-core's name and its OptimizerConfig's dtype for it
+        assert codec_named(value, "exp_avg") == FP8_MOMENTS["exp_avg"]
+        assert codec_named(value, "exp_avg_sq") == FP8_MOMENTS["exp_avg_sq"]
+    with pytest.raises(UnsupportedStateDtype, match="fp8 is for the Adam moments only, not the param"):
+        codec_named("fp8", "param")
     assert codecs_for(["rem16", "bf16", "fp32"]) == (REMAINDERS16, BF16, FP32)
     assert codec_for_tag("fp8") is None and codec_for_tag(["fp32"]) is None
     with pytest.raises(UnsupportedStateDtype, match="unknown stored state format"):

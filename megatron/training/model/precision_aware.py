@@ -1,6 +1,10 @@
 """Megatron-LM's precision-aware optimizer flags: the stored dtype of the master params and of
 Adam's two moments, for megatron-core's optimizer (transformer-engine's FusedAdam does the work) or
 for the offload engine (``OffloadConfig.state_dtypes``, every tier).
+
+fp8 moments differ between the two: transformer-engine's FusedAdam keeps one scale per tensor; the
+offload engine keeps one fp32 scale per block of 128 elements of each param, the first moment as
+e4m3 codes and the second as e4m3 codes of its square root (``mlp_offload.state_formats.FP8_MOMENTS``).
 """
 
 from __future__ import annotations
@@ -32,9 +36,10 @@ def validate(parser, args) -> None:
             parser.error(f"argument {given[0][0]}: requires --use-precision-aware-optimizer")
         return
     if args.offload_tiers:
-        for flag, value in given:
-            if value == "fp8":
-                parser.error(f"argument {flag}: fp8 is not supported by the offload engine (fp32, fp16 or bf16)")
+        moments = (_value(args, "--exp-avg-dtype"), _value(args, "--exp-avg-sq-dtype"))
+        if "fp8" in moments and moments != ("fp8", "fp8"):
+            parser.error(f"argument --exp-avg-dtype/--exp-avg-sq-dtype: {moments[0]}/{moments[1]}: the offload engine's "
+                         f"8-bit moments are updated together, so give fp8 for both or for neither")
         return
     if not args.use_distributed_optimizer:
         parser.error("argument --use-precision-aware-optimizer: requires the distributed optimizer "

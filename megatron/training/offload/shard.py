@@ -83,7 +83,8 @@ class OffloadShard:
             weight_decay=config.weight_decay, groups=engine_groups, token_store=token_store,
             model=ModelLink(grad_dtype=self.layout.pieces[0].buffer.grad_dtype,
                             on_params_updated=self._copy_params_to_device, grad_source=self._device_grads,
-                            param_high=ModelParamHigh(self.layout, self.copy_stream)))
+                            param_high=ModelParamHigh(self.layout, self.copy_stream),
+                            param_segments=self.layout.param_segments()))
 
     def zero_grads_after_read(self) -> None:
         """The update zeroes each piece of the model's grads once it has read it (with the update under

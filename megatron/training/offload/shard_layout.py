@@ -56,6 +56,12 @@ class ShardLayout:
         self.numel = flat
         self.flat_starts = [p.flat_start for p in self.pieces]  # ascending: pieces are laid out in order
 
+    def param_segments(self) -> List[Tuple[int, int, int]]:
+        """Where each param's piece lies: ``(flat_start, its first element's index in the param,
+        length)`` in flat order, what the engine's 8-bit moments take their blocks from."""
+        return sorted((start, self.param_slice[p], end - start) for p, (start, end) in self.param_flat_range.items()
+                      if end > start)
+
     @classmethod
     def of_pieces(cls, pieces: List[Piece]) -> "ShardLayout":
         """A layout of the given pieces alone, in flat order (no model's ranges behind them): their views."""

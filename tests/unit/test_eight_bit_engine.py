@@ -1,0 +1,145 @@
+"""8-bit Adam moments in the engine (``--exp-avg-dtype fp8 --exp-avg-sq-dtype fp8``): over tier
+mixes, the gpu tier, update sides, chunk sizes, read-ahead, relocations, param groups and params
+cut anywhere by the shard, the engine's master params, codes and scales equal a plain numpy
+reference (``test_blockwise8.ref_step``) bit for bit; subgroups end on block starts whatever
+``subgroup_size`` is; bad combinations are refused in one line."""
+
+import tempfile
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from tests.profiles import examples
+
+from mlp_offload import ModelLink, OffloadConfig, OffloadConfigError, OffloadedAdamW
+from mlp_offload.kernels.fused_update import AdamHyper
+from mlp_offload.state_formats import FP8_MOMENTS
+from mlp_offload.subgroups.blocks import ShardParams
+
+from .helpers import BETAS, EPS, LR, WD, device_config
+from .strategies import device_setups
+from .test_blockwise8 import F32, bits, ref_blocks, ref_step
+
+FP8 = ("fp32", "fp8", "fp8")
+CODECS = (FP8_MOMENTS["exp_avg"], FP8_MOMENTS["exp_avg_sq"])
+
+
+@st.composite
+def param_segments(draw, numel, group_ranges):
+    """Params tiling the shard, each group range cut into params at random points; a param may
+    start inside the param it belongs to (the shard's edge cut it)."""
+    cuts = set()
+    for a, b in group_ranges:
+        cuts |= {a, b}
+        cuts |= set(draw(st.sets(st.integers(a + 1, max(a + 1, b - 1)), max_size=3))) - {b} if b - a > 1 else set()
+    bounds = sorted(cuts | {0, numel})
+    return [(a, draw(st.sampled_from([0, 0, 1, 77, 300])), b - a) for a, b in zip(bounds, bounds[1:])]
+
+
+def engine_moments(eng):
+    """(master, per moment: codes as uint8, each element's scale) of the whole shard."""
+    masters, out = [], [([], []), ([], [])]
+    params = eng.blocks.params
+    for sg, p, m, v in eng.iter_state():
+        masters.append(p.clone())
+        from mlp_offload.kernels.blockwise8 import BlockLayout
+        layout = BlockLayout(params.clipped(sg.start, sg.end), CODECS[0].block)
+        for k, (codec, t) in enumerate(zip(CODECS, (m, v))):
+            q = codec.split(t, sg.numel, sg.blocks)
+            out[k][0].append(q.codes.view(torch.uint8).clone())
+            out[k][1].append(q.scales[layout.block_index("cpu")].clone())
+    return torch.cat(masters), [(torch.cat(c), torch.cat(s)) for c, s in out]
+
+
+class Reference:
+    """The shard's state in numpy, stepped by ``ref_step`` group piece by group piece."""
+
+    def __init__(self, init, segments, groups, numel):
+        self.p = init.numpy().copy()
+        self.blocks = ref_blocks(segments, CODECS[0].block)
+        nb = int(self.blocks.max()) + 1
+        self.m = (np.zeros(numel, np.uint8), np.zeros(nb, F32))
+        self.v = (np.zeros(numel, np.uint8), np.zeros(nb, F32))
+        self.pieces = [((a, b), {"lr": LR, "weight_decay": WD, **opts}) for ranges, opts in (groups or [([(0, numel)], {})])
+                       for a, b in ranges]
+
+    def step(self, grad, step):
+        for (a, b), o in self.pieces:
+            blocks = self.blocks[a:b]
+            lo, hi = int(blocks.min()), int(blocks.max()) + 1
+            local = blocks - lo
+            p, m, v = ref_step(self.p[a:b], grad[a:b], (self.m[0][a:b], self.m[1][lo:hi]),
+                               (self.v[0][a:b], self.v[1][lo:hi]), local, (CODECS[0].fmt, CODECS[1].fmt),
+                               AdamHyper(o["lr"], BETAS[0], BETAS[1], EPS, o["weight_decay"]), step)
+            self.p[a:b] = p
+            for mine, new in ((self.m, m), (self.v, v)):
+                mine[0][a:b], mine[1][lo:hi] = new
+
+    def per_element(self, q):
+        return q[0], q[1][self.blocks]
+
+
+@settings(max_examples=examples(40), deadline=None, derandomize=True, print_blob=True)
+@given(case=device_setups(), seed=st.integers(0, 3), data=st.data())
+def test_engine_with_8_bit_moments_matches_the_reference_bit_for_bit(case, seed, data):
+    setup, extra, relocate = case
+    numel = setup.numel
+    # (sized there for any element-wise formats: 12 bytes an element; a short subgroup's 8-bit state
+    # takes more per element, its codes and scales padded to 4 bytes)
+    extra = {**extra, "device_read_ahead_bytes": 4 * extra["device_read_ahead_bytes"]}
+    ranges = sorted(r for rs, _ in (setup.groups or [([(0, numel)], {})]) for r in rs)
+    segments = data.draw(param_segments(numel, ranges))
+    gen = torch.Generator().manual_seed(seed)
+    init = torch.randn(numel, generator=gen)
+    ref = Reference(init, segments, setup.groups, numel)
+    with tempfile.TemporaryDirectory() as root:
+        cfg = device_config(setup, extra, root)
+        cfg = OffloadConfig(**{**cfg.__dict__, "state_dtypes": FP8})
+        with OffloadedAdamW(init.clone(), cfg, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, groups=setup.groups,
+                            model=ModelLink(param_segments=segments)) as eng:
+            for sg in eng.subgroups[:-1]:  # every cut on a block start of its param
+                assert ShardParams(segments, numel).is_block_start(sg.end, CODECS[0].block)
+            for step in range(1, 4):
+                grad = (torch.randn(numel, generator=gen) * 10).to(torch.bfloat16)
+                eng.grad_buffer.copy_(grad)
+                eng.step()
+                ref.step(grad.float().numpy(), step)
+                if relocate and step < 3:
+                    eng.observe_device_memory(*relocate[step - 1])
+            master, moments = engine_moments(eng)
+    assert np.array_equal(bits(master), ref.p.view(np.uint32))
+    for (codes, scales), mine in zip(moments, (ref.m, ref.v)):
+        ref_codes, ref_scales = ref.per_element(mine)
+        assert np.array_equal(bits(codes), ref_codes)
+        assert np.array_equal(bits(scales), ref_scales.view(np.uint32))
+
+
+def test_state_bytes_count_codes_and_block_scales():
+    numel, segments = 10_000, [(0, 0, 3000), (3000, 100, 2500), (5500, 0, 4500)]
+    cfg = OffloadConfig(tiers=["host"], subgroup_size=1500, state_dtypes=FP8, pin_memory=False, run_id="t8",
+                        adam_elems_per_s=1e9)
+    with OffloadedAdamW(torch.zeros(numel), cfg, model=ModelLink(param_segments=segments)) as eng:
+        blocks = sum(sg.blocks for sg in eng.subgroups)
+        assert blocks == len(np.unique(ref_blocks(segments, 128)))  # 24 + 21 + 36
+        for sg in eng.subgroups:
+            assert sg.region_bytes(1) >= sg.numel + 4 * sg.blocks
+        assert "fp32/e4m3-b128/sqrt-e4m3-b128" in eng.describe_state() if hasattr(eng, "describe_state") else True
+
+
+@pytest.mark.parametrize("dtypes,message", [
+    (("fp8", "fp32", "fp32"), "fp8 is for the Adam moments only"),
+    (("fp32", "fp8", "bf16"), "both are fp8 or neither is"),
+])
+def test_bad_fp8_combinations_are_refused_in_one_line(dtypes, message):
+    with pytest.raises(OffloadConfigError, match=message) as err:
+        OffloadConfig(tiers=["host"], state_dtypes=dtypes)
+    assert "\n" not in str(err.value)
+
+
+def test_a_group_edge_inside_a_params_block_is_refused():
+    cfg = OffloadConfig(tiers=["host"], state_dtypes=FP8, pin_memory=False, run_id="t8e", adam_elems_per_s=1e9)
+    with pytest.raises(ValueError, match="inside a param's block of 128"):
+        OffloadedAdamW(torch.zeros(1000), cfg, groups=[([(0, 500)], {}), ([(500, 1000)], {})],
+                       model=ModelLink(param_segments=[(0, 0, 1000)]))
