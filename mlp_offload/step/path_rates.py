@@ -13,12 +13,14 @@ from typing import Optional, Sequence
 import torch
 
 from ..gradients import HostGradients, ModelBuffers
+from ..kernels.blockwise8 import BlockLayout
 from ..kernels.cpu_one_pass import verified_cpu_one_pass
 from ..kernels.fused_update import verified_fused_update
 from ..kernels.remainders import HostParamHigh
 from ..kernels.update import AdamKernel, Fp32Working
 from ..plan.rates import best_of, measure_cpu_update_rate, measuring_hyper
 from ..state_formats import StateCodec
+from ..subgroups.blocks import BlockPiece
 from ..subgroups.partition import Subgroup
 from .device_side import DeviceIO, DeviceJob, DeviceKernel, DeviceUpdate
 
@@ -112,10 +114,12 @@ def measure_device_rates(updater, adam_step, codecs, numel: int, repeats: int = 
     io = DeviceIO(lambda out: out.copy_(grads16[: out.numel()]), adam, params_back,
                   lambda start, end, out: out.copy_(params16[start:end]), hyper=measuring_hyper, step=1, model=model)
 
+    pieces = whole_param_pieces(updater, numel)
+
     def run_k(stored, resident, k):
         def once(_):
             for _ in range(k):
-                fence = updater.update(DeviceJob(sg, stored, resident, segments), io)
+                fence = updater.update(DeviceJob(sg, stored, resident, segments, pieces=pieces), io)
             fence.synchronize()
         return best_of(once, repeats)
 
@@ -126,6 +130,14 @@ def measure_device_rates(updater, adam_step, codecs, numel: int, repeats: int = 
         short, long = run_k(stored, resident, 1), run_k(stored, resident, 4)
         return 3 * numel / max(long - short, 1e-9) if long > short else 4 * numel / long
     return run(dev, True), run(host, False)
+
+
+def whole_param_pieces(updater, numel: int):
+    """A probe's subgroup as one param's blocks, where ``updater`` runs 8-bit moments (else none)."""
+    if updater.eight_bit is None:
+        return ()
+    layout = BlockLayout.whole(numel, updater.codecs[1].block)
+    return (BlockPiece(0, numel, 0, 0, layout.blocks, layout),)
 
 
 def _probe_model(updater, grads: torch.Tensor, params: torch.Tensor):
@@ -175,7 +187,8 @@ def measure_shared_rates(updater, cpu_step, adam_step, codecs, numel: int, piece
         torch.cuda.synchronize(updater.device)
         start = time.perf_counter()
         for _ in range(in_a_row):
-            fence = updater.update(DeviceJob(sg, host, False, segments), stream_io)
+            fence = updater.update(DeviceJob(sg, host, False, segments, pieces=whole_param_pieces(updater, numel)),
+                                   stream_io)
         cpu_elems, step = 0, 0
         while not fence.query():
             with torch.cuda.stream(side):  # the CPU path's PCIe traffic: its grads down, its params up

@@ -143,3 +143,38 @@ def test_a_group_edge_inside_a_params_block_is_refused():
     with pytest.raises(ValueError, match="inside a param's block of 128"):
         OffloadedAdamW(torch.zeros(1000), cfg, groups=[([(0, 500)], {}), ([(500, 1000)], {})],
                        model=ModelLink(param_segments=[(0, 0, 1000)]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the device's 8-bit update needs a CUDA device")
+@pytest.mark.parametrize("update_on", ["device", "cpu", "auto"])
+@pytest.mark.parametrize("read_ahead", [0, 3])
+def test_cuda_engine_with_8_bit_moments_matches_the_reference(tmp_path, update_on, read_ahead):
+    """On the GPU: subgroups in HBM (updated in place), in host memory and on disk (streamed through the
+    device or updated by the CPU); the Triton kernel, its CPU twin and the reference agree bit for bit."""
+    numel, sub = 120_000, 9_000
+    segments = [(0, 0, 30_000), (30_000, 500, 41_000), (71_000, 0, 49_000)]
+    groups = [([(0, 30_000), (71_000, 120_000)], {}), ([(30_000, 71_000)], {"weight_decay": 0.0, "lr": 3e-3})]
+    gen = torch.Generator().manual_seed(5)
+    init = torch.randn(numel, generator=gen)
+    ref = Reference(init, segments, groups, numel)
+    slot = 6 * sub + 4096 * 3
+    (tmp_path / "nvme").mkdir()
+    cfg = OffloadConfig(tiers=["gpu", "host", "nvme"], paths={"nvme": str(tmp_path / "nvme")}, device="cuda",
+                        subgroup_size=sub, state_dtypes=FP8, gpu_budget_bytes=4 * slot, host_budget_bytes=6 * slot,
+                        update_on=update_on, device_read_ahead_bytes=read_ahead * slot, run_id="cuda8",
+                        bandwidths={"nvme": (2e9, 1e9)}, adam_elems_per_s=1e9, device_adam_elems_per_s=4e9,
+                        device_streamed_elems_per_s=2e9)
+    with OffloadedAdamW(init.clone(), cfg, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, groups=groups,
+                        model=ModelLink(param_segments=segments)) as eng:
+        assert {"gpu", "host", "nvme"} <= set(eng.placement.tier_of)
+        for step in range(1, 4):
+            grad = (torch.randn(numel, generator=gen) * 10).to(torch.bfloat16)
+            eng.grad_buffer.copy_(grad)
+            eng.step()
+            ref.step(grad.float().numpy(), step)
+        master, moments = engine_moments(eng)
+    assert np.array_equal(bits(master.cpu()), ref.p.view(np.uint32))
+    for (codes, scales), mine in zip(moments, (ref.m, ref.v)):
+        ref_codes, ref_scales = ref.per_element(mine)
+        assert np.array_equal(bits(codes.cpu()), ref_codes)
+        assert np.array_equal(bits(scales.cpu()), ref_scales.view(np.uint32))
