@@ -18,6 +18,7 @@ from typing import Dict, List, Mapping, Optional, Sequence
 
 from .config import GPU_TIER, HOST_TIER, OffloadConfig
 from .config.units import GiB
+from .plan.overlap_split import deferred_split
 from .plan.placement import Placement, UpdateRates, split_updates
 from .plan.split import SideRates, UpdateSplit
 from .subgroups.partition import Subgroup
@@ -74,6 +75,8 @@ class Relocation:
     def __init__(self, subgroups: Sequence[Subgroup], config: OffloadConfig, update_rates: UpdateRates,
                  device_type: Optional[str]):
         self.subgroups, self.config, self.update_rates = list(subgroups), config, update_rates
+        self.overlap = device_type is not None and device_type != "cpu"
+        self.hidden_s = 0.0  # deferred: the device's time the next forward hides (known once its compute is)
         # The device and the CPU twin's "device" run at once only on a real device: on the CPU
         # they are the same cores, one after the other.
         # Deferred (defer_device_wait), a step's time is the host's share only: it cannot re-measure
@@ -91,6 +94,17 @@ class Relocation:
             return None
         update_on, what = change
         return RelocationPlan({}, update_on, None, self._learnt_rates(), what)
+
+    def hide_under_forward(self, hidden_s: float, placement: Placement) -> Optional[RelocationPlan]:
+        """Deferred (``defer_device_wait``), once the forward's length is known: the CPU's share of the
+        host-resident subgroups re-chosen where the forward hides ``hidden_s`` of the device's share
+        (``plan.overlap_split``); None where the sides stay (or nothing is deferred)."""
+        self.hidden_s = max(0.0, hidden_s)
+        split = deferred_split(self.config, self.subgroups, placement.tier_of, self.update_rates, self.hidden_s,
+                               self.overlap)
+        if split is None or split[0] == placement.update_on:
+            return None
+        return RelocationPlan({}, split[0], None, None, split[1].describe(self.update_rates, self.hidden_s))
 
     def fit_device(self, peak_bytes: int, capacity_bytes: int, placement: Placement,
                    room: TierRoom) -> Optional[RelocationPlan]:
@@ -150,6 +164,9 @@ class Relocation:
         """Each subgroup's update side with ``tier_of``: at the rates the steps showed, once there are some."""
         if self.split is not None and self.split.learnt:
             return self.split.plan([sg.numel for sg in self.subgroups], tier_of)
+        deferred = deferred_split(self.config, self.subgroups, tier_of, self.update_rates, self.hidden_s, self.overlap)
+        if deferred is not None:
+            return deferred[0]
         return split_updates(self.subgroups, tier_of, self.config.update_on, self.update_rates,
                              self.config.defer_device_wait)
 
