@@ -102,9 +102,13 @@ class Relocation:
         self.hidden_s = max(0.0, hidden_s)
         split = deferred_split(self.config, self.subgroups, placement.tier_of, self.update_rates, self.hidden_s,
                                self.overlap)
-        if split is None or split[0] == placement.update_on:
+        if split is None:
             return None
-        return RelocationPlan({}, split[0], None, None, split[1].describe(self.update_rates, self.hidden_s))
+        what = split[1].describe(self.update_rates, self.hidden_s)
+        if split[0] == placement.update_on:
+            log.info("%s; the sides stay", what)  # (the figures the forward's length gives, said once)
+            return None
+        return RelocationPlan({}, split[0], None, None, what)
 
     def fit_device(self, peak_bytes: int, capacity_bytes: int, placement: Placement,
                    room: TierRoom) -> Optional[RelocationPlan]:

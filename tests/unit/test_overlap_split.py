@@ -206,7 +206,8 @@ def test_a_deferred_engine_updates_its_cpu_share_in_the_step(share, caplog):
     assert [(r.cpu_updated, r.device_updated) for r in records] == [(min(share, n), n - min(share, n))] * STEPS
     assert all(r.adam_s > 0 for r in records)
     lines = [r.getMessage() for r in caplog.records if "update split under the overlap" in r.getMessage()]
-    assert len(lines) == 1 and f"cpu {min(share, n)} of {n} host-held subgroups (given)" in lines[0]
+    assert len(lines) == 2 and all(f"cpu {min(share, n)} of {n} host-held subgroups (given)" in x for x in lines)
+    assert "0.000 s hidden" in lines[0] and lines[1].endswith("0.500 s hidden under the forward); the sides stay")
     for w, g in zip(want, got):
         assert torch.equal(w, g)
 
