@@ -3,6 +3,7 @@ step-by-step simulation written here and against the iteration model it extends
 (``predict_iteration``), its choice against every count, and engines on the CPU twin that update
 the CPU's share in the step and still equal an all-CPU engine bit for bit."""
 
+import dataclasses
 import logging
 
 import pytest
@@ -15,6 +16,7 @@ from mlp_offload.plan.placement import CPU, DEVICE, Placement, UpdateRates, spre
 from mlp_offload.plan.split import SideRates
 from mlp_offload.relocation import Relocation
 from mlp_offload.subgroups.partition import partition
+from mlp_offload.telemetry.traffic import StepRecord
 from tests.profiles import examples
 
 from .helpers import bf16_grads, engine_state
@@ -271,3 +273,70 @@ def test_the_flag_gives_the_share_and_its_errors_name_flags():
     with pytest.raises(UserError, match=r"^the CPU's share \(--offload-cpu-share 3\) splits the deferred update: "
                                         r"it needs --offload-overlap-forward$"):
         parse_args(base[:-1] + ["--offload-cpu-share", "3"])
+
+
+# -- the CPU's rate from the steps (plan/overlap_steps.py) ---------------------------------------
+H200 = UpdateRates(cpu=3.7e9, device_resident=250e9, device_streamed=8.23e9, cpu_shared=0.2e9, streamed_shared=7.16e9)
+
+
+def deferred_relocation(n, size, rates=H200, device_type="cuda"):
+    config = OffloadConfig(tiers=["host"], subgroup_size=size, update_on="auto", defer_device_wait=True)
+    subgroups = partition(n * size, size, config.state_codecs)
+    sides, _ = overlapped_sides(subgroups, ["host"] * n, rates, 0.0, overlap=device_type != "cpu")
+    return Relocation(subgroups, config, rates, device_type), Placement(["host"] * n, 0, 0, {"host": 0}, update_on=sides)
+
+
+def record(step, sides, size, cpu_rate):
+    """A deferred step's record: its CPU share's time at ``cpu_rate``."""
+    cpu = sides.count(CPU)
+    return StepRecord(step=step, update_s=0.01 + cpu * size / cpu_rate, adam_s=cpu * size / cpu_rate,
+                      cpu_updated=cpu, device_updated=len(sides) - cpu)
+
+
+def test_a_step_times_the_cpu_the_start_up_probe_undersold():
+    """The H200's probe (0.20 G elem/s beside the device) gives the CPU nothing; one step with two
+    subgroups shows 3 G elem/s, the share moves to the model's count at that rate, then to fewer
+    once the forward hides 0.2 s, and steady steps at that rate move it no more."""
+    n, size = 40, 10**8
+    relocation, placement = deferred_relocation(n, size)
+    assert placement.update_on.count(CPU) == 0
+    probe = relocation.after_step(record(1, placement.update_on, size, 3e9), placement)
+    assert probe.update_on == [CPU if i in set(spread(range(n), 2)) else DEVICE for i in range(n)]
+    assert "cpu 2 of 40 host-held subgroups for one step, to time the CPU" in probe.what
+    placement.update_on = probe.update_on
+    # a re-placement between steps (the gpu tier fitted) keeps the probe's sides
+    assert relocation.deferred.sides(placement.tier_of)[0] == probe.update_on
+    learnt = relocation.after_step(record(2, placement.update_on, size, 3e9), placement)
+    fast = SideRates.from_start_up(dataclasses.replace(H200, cpu_shared=3e9))
+    want = choose_overlapped_count([size] * n, SideWork(), fast, 0.0).count
+    assert learnt.update_on.count(CPU) == want > 2 and learnt.update_rates.cpu_shared == pytest.approx(3e9)
+    assert "3 G elem/s beside the device" in learnt.what and "from the step (2 on the cpu)" in learnt.what
+    placement.update_on = learnt.update_on
+    hidden = relocation.hide_under_forward(0.2, placement)
+    fewer = choose_overlapped_count([size] * n, SideWork(), fast, 0.2).count
+    assert hidden.update_on.count(CPU) == fewer < want
+    placement.update_on = hidden.update_on
+    for step in range(3, 8):
+        assert relocation.after_step(record(step, placement.update_on, size, 3e9), placement) is None
+
+
+def test_a_slow_cpu_gives_its_share_back_and_is_not_timed_again():
+    n, size = 40, 10**8
+    relocation, placement = deferred_relocation(n, size)
+    placement.update_on = relocation.after_step(record(1, placement.update_on, size, 0.2e9), placement).update_on
+    back = relocation.after_step(record(2, placement.update_on, size, 0.2e9), placement)
+    assert back.update_on == [DEVICE] * n
+    placement.update_on = back.update_on
+    for step in range(3, 6):
+        assert relocation.after_step(record(step, placement.update_on, size, 0.2e9), placement) is None
+
+
+@pytest.mark.parametrize("rates,device_type", [
+    (H200, "cpu"),  # the CPU twin: nothing beside anything
+    (dataclasses.replace(H200, cpu=0.3e9), "cuda"),  # even as fast beside the device as alone it gets nothing
+    (dataclasses.replace(H200, streamed_shared=None), "cuda"),  # no rates measured side by side
+])
+def test_no_step_is_spent_timing_a_cpu_that_could_not_win(rates, device_type):
+    n, size = 40, 10**8
+    relocation, placement = deferred_relocation(n, size, rates, device_type)
+    assert relocation.after_step(record(1, placement.update_on, size, 3e9), placement) is None
