@@ -3,11 +3,13 @@
 #   VARIANTS (default "off model share"), each the README command (largest_model.sh, HOST_GB 97) with
 #   --offload-overlap-forward --offload-update auto and:
 #     off    --offload-cpu-share 0: every host-held subgroup through the GPU (what the overlap did before)
-#     model  the time model's choice (mlp_offload/plan/overlap_split.py), re-chosen once the forward is timed
+#     model  the time model's choice (mlp_offload/plan/overlap_split.py): where the start-up probe gives the CPU
+#            nothing, step 2 times a share of 2 (plan/overlap_steps.py); re-chosen at step 4 once the forward is
+#            timed, so iterations 5-8 are its steady ones
 #     share  --offload-cpu-share SHARE (default 24): a share forced, so the steps show the CPU's rate beside
 #            the streaming GPU under the overlap (the start-up probe's figure, 0.20 G elem/s on an H200, is
 #            what the model prices; "offload adam time" over the share's elements is the steps' own)
-#   ITERS (default 6) iterations per run, LIMIT_S (default 150) seconds per run.
+#   ITERS (default 8) iterations per run, LIMIT_S (default 150) seconds per run (a run takes about 80 s).
 # Writes $OUT/cpu_share_2026-11-27/ (copy it to docs/results/): per variant <v>.log (the run's filtered log),
 #   <v>_iterations.txt (per iteration: time, host update, CPU Adam, device update, forward wait, predicted
 #   iteration), <v>_split.txt (the start-up placement, the split lines with their predicted figures),
@@ -19,7 +21,7 @@ OUT=${OUT:-/tmp/out}
 RESULTS="$OUT/cpu_share_2026-11-27"; mkdir -p "$RESULTS"
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-$PWD}
 PY=${PYTHON:-python3}
-if [ "${DRY_RUN:-0}" = 1 ]; then ITERS=${ITERS:-2}; LIMIT_S=${LIMIT_S:-300}; else ITERS=${ITERS:-6}; LIMIT_S=${LIMIT_S:-150}; fi
+if [ "${DRY_RUN:-0}" = 1 ]; then ITERS=${ITERS:-2}; LIMIT_S=${LIMIT_S:-300}; else ITERS=${ITERS:-8}; LIMIT_S=${LIMIT_S:-150}; fi
 share_flags() {
   case $1 in
     off) echo "--offload-cpu-share 0";;
