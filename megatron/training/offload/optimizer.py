@@ -92,6 +92,7 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
                 log.info(line)
             if self._deferred_steps == SETTLED_STEPS and self._settled_update_s is not None:
                 self._hide_under_forward(now - self._last_start - self._settled_update_s)
+                self._settled_update_s = None  # once (a skipped step here would time nothing new)
             self._last_start = now
             # a subgroup no forward asked for (an expert without tokens) is queued now: the norms below
             # must not read its unzeroed grads (they follow its reads on the device; the copies out of the
