@@ -155,9 +155,7 @@ class OffloadedAdamW:
             self._loop.read_next_step_ahead({})  # the copies in run under the next forward and backward
         rec.update_s = time.perf_counter() - t_start
         rec.tiers = self._counters.take()
-        plan = self._relocation.after_step(rec, self.placement)  # the split, re-chosen from what this step showed
-        if plan is not None:
-            self._apply(plan)
+        self._apply(self._relocation.after_step(rec, self.placement))  # the split, re-chosen from what it showed
         return rec
 
     def _guard_snapshot(self, i: int) -> None:
@@ -183,8 +181,7 @@ class OffloadedAdamW:
             self._deferred.queue_rest()
 
     def settle(self) -> None:
-        """Wait for the device work a deferred step left queued (its state in memory is then the
-        updated state); a no-op otherwise."""
+        """Wait for the device work a deferred step left queued (its state in memory is then updated); else a no-op."""
         if self._deferred is not None:
             self._deferred.settle()
 
@@ -196,8 +193,7 @@ class OffloadedAdamW:
 
     @property
     def update_paths(self) -> UpdatePaths:
-        """The update paths it runs (``step.update_paths``): the CPU's one-pass kernel, the device update
-        with its kernel, a deferred step's work."""
+        """The update paths it runs (``step.update_paths``): CPU one-pass kernel, device update, deferred work."""
         return self._paths
 
     @property
@@ -231,11 +227,16 @@ class OffloadedAdamW:
         # No settle() here: it would make a deferred step's caller wait for the whole update after
         # every step; the relocation settles only where it moves something.
         room = TierRoom.of(self.memory, self._tiers, self.config.has_host)
-        plan = self._relocation.fit_device(peak_bytes, capacity_bytes, self.placement, room)
-        return None if plan is None else self._apply(plan)
+        return self._apply(self._relocation.fit_device(peak_bytes, capacity_bytes, self.placement, room))
 
-    def _apply(self, plan: RelocationPlan) -> str:
-        """Carry out a relocation's plan (between steps); the line that says what changed, also logged."""
+    def hide_under_forward(self, hidden_s: float) -> Optional[str]:
+        """Deferred: the next forward hides ``hidden_s`` s of the device's work; the CPU's share re-chosen for it."""
+        return self._apply(self._relocation.hide_under_forward(hidden_s, self.placement))
+
+    def _apply(self, plan: Optional[RelocationPlan]) -> Optional[str]:
+        """Carry out a relocation's plan (between steps; None: none); the line saying what changed, also logged."""
+        if plan is None:
+            return None
         if plan.moves:
             self.settle()  # a deferred step's subgroups must be updated before they move
             self._drop_read_ahead()

@@ -18,6 +18,7 @@ from typing import Dict, List, Mapping, Optional, Sequence
 
 from .config import GPU_TIER, HOST_TIER, OffloadConfig
 from .config.units import GiB
+from .plan.overlap_steps import DeferredSteps
 from .plan.placement import Placement, UpdateRates, split_updates
 from .plan.split import SideRates, UpdateSplit
 from .subgroups.partition import Subgroup, slot_subgroup
@@ -74,6 +75,9 @@ class Relocation:
     def __init__(self, subgroups: Sequence[Subgroup], config: OffloadConfig, update_rates: UpdateRates,
                  device_type: Optional[str]):
         self.subgroups, self.config, self.update_rates = list(subgroups), config, update_rates
+        # Deferred (defer_device_wait): the CPU's share of the host state, from the steps and the forward.
+        self.deferred = (DeferredSteps(subgroups, config, update_rates, device_type not in (None, "cpu"))
+                         if config.defer_device_wait else None)
         # The device and the CPU twin's "device" run at once only on a real device: on the CPU
         # they are the same cores, one after the other.
         # Deferred (defer_device_wait), a step's time is the host's share only: it cannot re-measure
@@ -84,12 +88,29 @@ class Relocation:
 
     def after_step(self, rec, placement: Placement) -> Optional[RelocationPlan]:
         """After each step: the update split re-chosen from the rates the step showed; None to keep it."""
-        if self.split is None:
+        if self.split is not None:
+            change = self.split.observe(rec, [sg.numel for sg in self.subgroups], placement.tier_of,
+                                        placement.update_on)
+        elif self.deferred is not None:
+            change = self.deferred.observe(rec, placement.tier_of, placement.update_on)
+        else:
             return None
-        change = self.split.observe(rec, [sg.numel for sg in self.subgroups], placement.tier_of, placement.update_on)
         if change is None:
             return None
         update_on, what = change
+        return RelocationPlan({}, update_on, None, self._learnt_rates(), what)
+
+    def hide_under_forward(self, hidden_s: float, placement: Placement) -> Optional[RelocationPlan]:
+        """Deferred (``defer_device_wait``), once the forward's length is known: the CPU's share of the
+        host-resident subgroups re-chosen where the forward hides ``hidden_s`` of the device's share
+        (``plan.overlap_split``); None where the sides stay (or nothing is deferred)."""
+        change = None if self.deferred is None else self.deferred.hide(hidden_s, placement.tier_of)
+        if change is None:
+            return None
+        update_on, what = change
+        if update_on == placement.update_on:
+            log.info("%s; the sides stay", what)  # (the figures the forward's length gives, said once)
+            return None
         return RelocationPlan({}, update_on, None, self._learnt_rates(), what)
 
     def fit_device(self, peak_bytes: int, capacity_bytes: int, placement: Placement,
@@ -150,9 +171,14 @@ class Relocation:
         """Each subgroup's update side with ``tier_of``: at the rates the steps showed, once there are some."""
         if self.split is not None and self.split.learnt:
             return self.split.plan([sg.numel for sg in self.subgroups], tier_of)
+        deferred = None if self.deferred is None else self.deferred.sides(tier_of)
+        if deferred is not None:
+            return deferred[0]
         return split_updates(self.subgroups, tier_of, self.config.update_on, self.update_rates,
                              self.config.defer_device_wait)
 
     def _learnt_rates(self) -> Optional[UpdateRates]:
         """The rates a new prediction is priced at: those the steps showed, once there are some."""
+        if self.deferred is not None and self.deferred.learnt:
+            return self.deferred.rates
         return self.split.rates.as_update_rates() if self.split is not None and self.split.learnt else None

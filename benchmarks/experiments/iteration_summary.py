@@ -1,4 +1,5 @@
-"""One line per iteration of a training log: the iteration, its time, the offload update time and the
+"""One line per iteration of a training log: the iteration, its time, the offload update time (the host's
+share under the overlap), the CPU's Adam, the device's update, the forward's wait for it and the
 predicted iteration, where the console line gives them.
   python benchmarks/experiments/iteration_summary.py LOG"""
 
@@ -6,7 +7,8 @@ import re
 import sys
 
 FIELDS = {"elapsed time per iteration (ms)": "iter", "offload update time (ms)": "update",
-          "offload device update time (ms)": "device", "offload predicted iteration time (ms)": "predicted"}
+          "offload adam time (ms)": "adam", "offload device update time (ms)": "device",
+          "offload forward wait (ms)": "forward wait", "offload predicted iteration time (ms)": "predicted"}
 
 
 def main(path: str) -> None:

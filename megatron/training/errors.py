@@ -108,6 +108,8 @@ FLAG_OF_FIELD = {
     "gpu_margin_bytes": (GPU_MARGIN_FLAG, GiB),
     "device_read_ahead_bytes": ("--offload-read-ahead-gb", GiB),
     "update_on": ("--offload-update", 1),
+    "cpu_share_subgroups": ("--offload-cpu-share", 1),
+    "defer_device_wait": ("--offload-overlap-forward", 1),
     "subgroup_size": ("--offload-subgroup-size", 1),
     "prefetch_depth": ("--offload-prefetch-depth", 1),
     "tokens_per_tier": ("--offload-tokens-per-tier", 1),

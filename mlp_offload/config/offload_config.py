@@ -79,6 +79,12 @@ class OffloadConfig:
     state access and the next step call first). The caller must also not change the gradients the
     update reads before it has read them (the Megatron adapter zeroes them as they are read)."""
 
+    cpu_share_subgroups: Optional[int] = None
+    """With ``defer_device_wait`` and ``update_on`` "auto": how many of the subgroups resident in host
+    memory the CPU updates (spread over the order; at most all of them), whatever the time model
+    predicts; 0: none, all streamed through the device. None: the model's choice
+    (``plan.overlap_split``: a share only where the update the iteration sees is predicted shorter)."""
+
     device_one_pass: bool = True
     """On CUDA, update with one kernel pass per element (``fused_update``) where it is bit-identical
     to the multi-pass path on a start-up sample; False: always the multi-pass path."""
@@ -309,6 +315,17 @@ class OffloadConfig:
             raise OffloadConfigError(f"device adam kernel (device_adam_kernel) must be 'fused', 'foreach' or "
                                      f"'single', got {self.device_adam_kernel!r}")
         positive("device_chunk_elems", self.device_chunk_elems)
+        share = self.cpu_share_subgroups
+        if share is not None:
+            if not is_int(share) or share < 0:
+                raise OffloadConfigError(f"the CPU's share (cpu_share_subgroups) must be a whole number of "
+                                         f"subgroups >= 0 or None, got {share!r}")
+            if not self.defer_device_wait:
+                raise OffloadConfigError(f"the CPU's share (cpu_share_subgroups={share}) splits the deferred update: "
+                                         f"it needs defer_device_wait")
+            if self.update_on != "auto":
+                raise OffloadConfigError(f"the CPU's share (cpu_share_subgroups={share}) splits the deferred update: "
+                                         f"it needs update_on 'auto', not {self.update_on!r}")
         if not is_int(self.device_read_ahead_bytes) or self.device_read_ahead_bytes < 0:
             raise OffloadConfigError(f"device read-ahead (device_read_ahead_bytes) must be a whole number of bytes "
                                      f">= 0, got {self.device_read_ahead_bytes!r}")

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
 from ..config import HOST_TIER, OffloadConfig, TierBandwidth
+from ..plan.overlap_split import deferred_split
 from ..plan.placement import Placement, UpdateRates, plan_placement, tokens_for
 from ..plan.prediction import MeasuredRates, NodeSharing, Prediction, predict_update
 from ..plan.rates import measure_convert_rate, measure_cpu_update_rate, probe_tier
@@ -104,6 +105,12 @@ def start_up(cfg: OffloadConfig, subgroups: List[Subgroup], paths: UpdatePaths, 
     free = {name: tier.free_bytes() for name, tier in tiers.items()}
     devices = {name: tier.device for name, tier in tiers.items()}
     placement = plan_placement(subgroups, cfg, rates, free, devices, update_rates)
+    # Deferred, the next forward hides some of the device's share; how much is not known before its
+    # compute is measured (the engine re-plans then: ``Relocation.hide_under_forward``).
+    deferred = deferred_split(cfg, subgroups, placement.tier_of, update_rates, 0.0, paths.device_type != "cpu")
+    if deferred is not None:
+        placement.update_on = deferred[0]
+        log.info(deferred[1].describe(update_rates, 0.0))
     found = StartUp(memory, rates, adam_rate, convert_rate, tokens_per_tier, devices, placement, None, update_rates,
                     sharing, cfg.cache_alternating)
     found.prediction = found.predict(subgroups, placement)

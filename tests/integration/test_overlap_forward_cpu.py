@@ -40,6 +40,18 @@ def test_overlapped_update_matches_megatron_bit_for_bit(tmp_path, tiers, extra):
     assert len(re.findall(r"offload predicted iteration time \(ms\): [0-9.]+", out)) == 4
 
 
+def test_a_cpu_share_under_the_overlap_matches_megatron_bit_for_bit(tmp_path):
+    """--offload-update auto with --offload-cpu-share: the CPU updates that many host-held subgroups in
+    the step, the device twin the rest from the queue; the losses stay bit-identical. After the
+    settled steps the optimizer tells the engine the forward's length (a given share stays)."""
+    baseline = run_pretrain(tmp_path / "base", [], nproc=1, train_iters=6)
+    args = [*offload_args(tmp_path, tiers=("host",)), "--offload-update", "auto", "--offload-cpu-share", "2", *OVERLAP]
+    assert run_pretrain(tmp_path / "ovl", args, nproc=1, train_iters=6) == baseline
+    out = (tmp_path / "ovl" / "loss-0.out").read_text()
+    assert re.search(r"update split under the overlap: cpu 2 of [0-9]+ host-held subgroups \(given\)", out), out[-3000:]
+    assert "split cpu 2/device" in out  # the start-up prediction prices that split
+
+
 def test_skipped_fp16_steps_stay_exact(tmp_path):
     """fp16 from a loss scale that overflows: the first steps are skipped, and their grads must still
     be zeroed (the update that would have zeroed them did not run)."""

@@ -11,7 +11,8 @@ import re
 from typing import List, Tuple
 
 from megatron.training.errors import (GPU_CACHE_FLAG, GPU_MARGIN_FLAG, GPU_START_FLAG, HOST_CACHE_FLAG,
-                                      UPDATE_ON_OF_FLAG, fraction, non_negative_float, positive_int)
+                                      UPDATE_ON_OF_FLAG, fraction, non_negative_float, non_negative_int,
+                                      positive_int)
 from mlp_offload import GPU_TIER
 
 _PATH_FLAG = re.compile(r"^--offload-([A-Za-z0-9_]+)-path(?:=(.*))?$")
@@ -95,6 +96,10 @@ def add_groups(parser) -> None:
                    help="the next iteration's forward starts while the GPU still updates: each layer waits "
                         "only for its own params (above data-parallel size 1 with --overlap-param-gather: each "
                         "bucket's all-gather follows this rank's update of it)")
+    g.add_argument("--offload-cpu-share", type=non_negative_int, default=None, metavar="SUBGROUPS",
+                   help="with --offload-overlap-forward and --offload-update auto: how many of the subgroups held in "
+                        "host memory the CPU updates in the step while the GPU updates the rest under the next "
+                        "forward (0: none); default: where the update the iteration sees is predicted shorter")
     g.add_argument("--offload-read-ahead-gb", type=non_negative_float, default=0.0,
                    help="GPU memory for host-held state the GPU updates, copied in under the forward and backward "
                         "before its step while the host link idles (whole subgroups; 0: none)")

@@ -21,6 +21,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from megatron.core import parallel_state
+from megatron.core.num_microbatches_calculator import get_num_microbatches
 from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 
@@ -30,7 +31,7 @@ from megatron.training.offload.shard import OffloadShard, ShardGroups
 from megatron.training.offload.shard_budgets import check_host_split, config_for_kind
 from megatron.training.runtime.optimizer_interface import (HoldsResources, OffloadedOptimizerCheckpoint,
                                                            ReportsIteration, TrainingOptimizer)
-from mlp_offload import GPU_TIER, OffloadConfig
+from mlp_offload import GPU_TIER, OffloadConfig, first_forward_share
 
 log = logging.getLogger("mlp_offload")
 
@@ -72,6 +73,8 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
         self._stalls = []  # (start, end) events around each forward wait for deferred params
         self._deferred_steps = 0
         self._overlap_choice = OverlapChoice()
+        self._last_start: Optional[float] = None  # the last step's start
+        self._settled_update_s: Optional[float] = None  # the last settled step's update (settle included)
         if self.overlap_forward:
             for shard in self.shards:
                 shard.zero_grads_after_read()
@@ -83,9 +86,14 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
     @torch.no_grad()
     def step(self):
         if self.overlap_forward:
-            line = self._overlap_choice.step_started(time.perf_counter())
+            now = time.perf_counter()
+            line = self._overlap_choice.step_started(now)
             if line:
                 log.info(line)
+            if self._deferred_steps == SETTLED_STEPS and self._settled_update_s is not None:
+                self._hide_under_forward(now - self._last_start - self._settled_update_s)
+                self._settled_update_s = None  # once (a skipped step here would time nothing new)
+            self._last_start = now
             # a subgroup no forward asked for (an expert without tokens) is queued now: the norms below
             # must not read its unzeroed grads (they follow its reads on the device; the copies out of the
             # update's state may still run: the engine's step waits only where it touches that state)
@@ -156,9 +164,21 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
                 shard.engine.settle()
             record.update_s += time.perf_counter() - t0
             record.settled = True
+            self._settled_update_s = record.update_s
             if self._deferred_steps > SETTLED_STEPS:  # the overlap was turned off: predicted in series too
                 record.predicted_deferred_s = record.predicted_deferred_in_hbm_s = 0.0
         self._overlap_choice.step_ended(record.settled)
+
+    def _hide_under_forward(self, compute_s: float) -> None:
+        """Once, at the first step that leaves its update under the next forward: ``compute_s``, the
+        iteration after the last settled step less that step's update (the compute alone), tells
+        each engine how much of its device work the first micro-batch's forward hides, and the
+        engines re-choose the CPU's share of the host-held state for it (logged where it changes)."""
+        micro_batches = get_num_microbatches()
+        recompute_full = getattr(getattr(self.model_chunks[0], "config", None), "recompute_granularity", None) == "full"
+        hidden_s = max(0.0, compute_s) * first_forward_share(micro_batches, recompute_full)
+        for shard in self.shards:
+            shard.engine.hide_under_forward(hidden_s)
 
     def _gate_forward_on_updated_params(self) -> None:
         """A forward pre-hook on every module holding params: the caller's stream waits for the events
