@@ -71,8 +71,7 @@ class OffloadedAdamW:
         self.numel = shard_numel(params, numel)
         check_engine_inputs(config, model, token_store)
         self.config, self.token_store, self.on_params_updated = config, token_store, model.on_params_updated
-        # The model's bf16 params: the masters' high halves where they are stored as remainders
-        # (also read to load a checkpoint stored so into an engine that is not).
+        # The model's bf16 params: a remainders master's high halves (also read to load such a checkpoint)
         self.param_high = model.param_high
         self.adam = AdamKernel(config.adam_kernel, decoupled_weight_decay)
         self.device_adam = AdamKernel(config.resolved_device_adam_kernel, decoupled_weight_decay)
