@@ -40,22 +40,28 @@ def final(directory: str, variant: str) -> Optional[Tuple[int, float]]:
 
 
 def summary(directory: str, variants: List[str]) -> List[str]:
-    finals: Dict[str, Optional[Tuple[int, float]]] = {v: final(directory, v) for v in variants}
+    """Each variant's last validation loss, and the gaps at the last iteration every variant reached (a run cut
+    short is compared where the others were then, and said so)."""
+    points = {v: dict(validation_losses(directory, v)) for v in variants}
+    reached = [set(p) for p in points.values() if p]
+    common = max(set.intersection(*reached)) if reached and set.intersection(*reached) else None
     lines = []
     for v in variants:
         train = training_losses(directory, v)
         bad = [it for it, loss in train if not math.isfinite(loss)]
-        if finals[v] is None:
+        if not points[v]:
             lines.append(f"{v}: no validation loss (the run failed or did not reach an evaluation); "
                          f"{len(train)} training steps logged")
             continue
-        it, loss = finals[v]
-        text = f"{v}: final validation loss {loss:.4f} at iteration {it}, {len(train)} steps logged"
+        it = max(points[v])
+        text = f"{v}: final validation loss {points[v][it]:.4f} at iteration {it}, {len(train)} steps logged"
         if bad:
             text += f"; NON-FINITE training loss at iterations {bad[:5]}"
-        for ref in ("bf16", "fp32"):
-            if ref != v and finals.get(ref):
-                text += f"; {100 * (loss / finals[ref][1] - 1):+.2f}% vs {ref}"
+        if common is not None:
+            gaps = [f"{100 * (points[v][common] / points[ref][common] - 1):+.2f}% vs {ref}"
+                    for ref in ("bf16", "fp32") if ref != v and points.get(ref)]
+            if gaps:
+                text += f"; at iteration {common} (the last all reached) {points[v][common]:.4f}: " + ", ".join(gaps)
         lines.append(text)
     return lines
 
