@@ -44,6 +44,7 @@ from typing import Iterable, Optional, Sequence, Tuple
 import torch
 
 from .fused_update import AdamHyper, f32
+from .remainders import merge, split_
 
 # Adding then subtracting this rounds a float of magnitude below 2**22 to an integer, to nearest even.
 ROUNDER = 12582912.0  # 1.5 * 2**23
@@ -276,12 +277,22 @@ def step_scalars(hyper: AdamHyper, step: int) -> StepScalars:
                        f32(1 - hyper.beta2), f32(1.0 / f32(bc2_sqrt)), f32(hyper.eps), f32(-(hyper.lr / bc1)))
 
 
+TAKES_REMAINDERS = True  # ``high``: a master stored as remainders (merged before, split after)
+
+
 def adamw_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: Quantized, exp_avg_sq: Quantized,
-               layout: BlockLayout, hyper: AdamHyper, step: int, param_out: Optional[torch.Tensor] = None) -> None:
+               layout: BlockLayout, hyper: AdamHyper, step: int, param_out: Optional[torch.Tensor] = None,
+               high: Optional[torch.Tensor] = None) -> None:
     """One AdamW step (``step`` counts from 1) on an fp32 ``master`` with 8-bit moments, all in place:
     dequantize, the fp32 AdamW (``fused_update``'s arithmetic with no fused multiply-adds and the
     reciprocal of the bias correction's root), quantize again. ``param_out`` (any float dtype)
-    receives the updated master cast to nearest even."""
+    receives the updated master cast to nearest even. ``high``: ``master`` is the int16 remainders of
+    the fp32 master whose bf16 high halves ``high`` holds (``remainders``); both are updated."""
+    if high is not None:
+        wide = merge(high, master)
+        adamw_step(wide, grad, exp_avg, exp_avg_sq, layout, hyper, step)
+        split_(wide, master, high)
+        return
     for name, t in (("master", master), ("grad", grad)):
         if t.dtype != torch.float32 or t.numel() != layout.numel:
             raise ValueError(f"adamw_step: {name} must be fp32 with {layout.numel} elements "

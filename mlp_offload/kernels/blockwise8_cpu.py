@@ -35,15 +35,22 @@ def extension():
                                 extra_ldflags=["-fopenmp"], verbose=False)
 
 
+TAKES_REMAINDERS = True  # ``high``: a master stored as remainders, merged and split in the pass
+
+
 def adamw_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: Quantized, exp_avg_sq: Quantized,
-               layout: BlockLayout, hyper: AdamHyper, step: int, param_out: Optional[torch.Tensor] = None) -> None:
-    """``blockwise8.adamw_step`` on CPU tensors, in one pass (the same bits)."""
+               layout: BlockLayout, hyper: AdamHyper, step: int, param_out: Optional[torch.Tensor] = None,
+               high: Optional[torch.Tensor] = None) -> None:
+    """``blockwise8.adamw_step`` on CPU tensors, in one pass (the same bits). ``high``: ``master`` is
+    the int16 remainders of the fp32 master whose bf16 high halves these are (``remainders``); both
+    are updated in place."""
     if exp_avg.fmt.root:
         raise ValueError(f"exp_avg format {exp_avg.fmt.name!r}: the first moment cannot be a root format")
     s = step_scalars(hyper, step)
     scalars = [s.decay, s.w1, f32(1.0 - s.w1), s.beta2, s.w2, s.inv_bc2, s.eps, s.neg_step,
                exp_avg.fmt.qmax, exp_avg_sq.fmt.qmax]
     flags = (s.small_lerp | (hyper.weight_decay != 0) << 1 | exp_avg_sq.fmt.root << 2
-             | (param_out is not None) << 3)
+             | (param_out is not None) << 3 | (high is not None) << 4)
+    out = high if high is not None else param_out if param_out is not None else master
     extension().adamw8(master, grad, exp_avg.codes, exp_avg.scales, exp_avg_sq.codes, exp_avg_sq.scales,
-                       layout.starts, param_out if param_out is not None else master, scalars, flags)
+                       layout.starts, out, scalars, flags)

@@ -17,6 +17,7 @@ import torch
 from ..kernels import blockwise8
 from ..kernels.blockwise8 import BlockLayout, Quantized
 from ..kernels.fused_update import AdamHyper, hyper_of
+from ..kernels.remainders import split
 from ..state_formats import StateCodec
 from ..subgroups.blocks import BlockPiece
 
@@ -28,6 +29,7 @@ Step8 = Callable  # blockwise8.adamw_step's signature
 class EightBitKernel:
     step: Step8
     how: str
+    takes_remainders: bool = False  # ``step`` merges and splits a remainders master itself (``high=``)
 
 
 def choose_kernel(device, codecs: Sequence[StateCodec]) -> EightBitKernel:
@@ -42,28 +44,32 @@ def choose_kernel(device, codecs: Sequence[StateCodec]) -> EightBitKernel:
         name = "C++ one pass"
     try:
         if same_bits(compiled.adamw_step, device, codecs):
-            return EightBitKernel(compiled.adamw_step, f"8-bit {name}")
+            takes = getattr(compiled, "TAKES_REMAINDERS", False) and same_bits(compiled.adamw_step, device, codecs, True)
+            return EightBitKernel(compiled.adamw_step, f"8-bit {name}", takes)
         why = "it differs from the torch path on a sample"
     except Exception as err:  # a build or launch failure: the torch path still gives the bits
         why = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
     log.warning("8-bit moments: the %s is not used on %s (%s); the torch path runs instead (same bits, slower)",
                 name, device.type, why)
-    return EightBitKernel(blockwise8.adamw_step, "8-bit torch path")
+    return EightBitKernel(blockwise8.adamw_step, "8-bit torch path", True)
 
 
-def same_bits(step: Step8, device, codecs: Sequence[StateCodec], numel: int = 5000) -> bool:
-    """Whether ``step`` gives ``blockwise8.adamw_step``'s bits on a sample of three params over two steps."""
+def same_bits(step: Step8, device, codecs: Sequence[StateCodec], remainders: bool = False, numel: int = 5000) -> bool:
+    """Whether ``step`` gives ``blockwise8.adamw_step``'s bits on a sample of three params over two
+    steps (``remainders``: a master stored as int16 remainders beside its bf16 high halves)."""
     layout = BlockLayout([(0, 37, 1000), (1000, 0, 3000), (4000, 200, 1000)], codecs[1].block)
     hyper = AdamHyper(1e-2, 0.9, 0.95, 1e-8, 0.1)
     runs = []
     for fn in (blockwise8.adamw_step, step):
-        g2 = torch.Generator().manual_seed(8)
-        master = torch.randn(numel, generator=g2).to(device)
+        gen = torch.Generator().manual_seed(8)
+        master = torch.randn(numel, generator=gen).to(device)
+        rem, high = split(master) if remainders else (master, None)
         m, v = (Quantized.zeros(layout, c.fmt, device) for c in codecs[1:])
         for k in (1, 2):
-            grad = (torch.randn(numel, generator=g2) * 10.0 ** -k).to(device)
-            fn(master, grad, m, v, layout, hyper, k)
-        runs.append((master, m.codes.view(torch.uint8), m.scales, v.codes.view(torch.uint8), v.scales))
+            grad = (torch.randn(numel, generator=gen) * 10.0 ** -k).to(device)
+            fn(rem, grad, m, v, layout, hyper, k, **({"high": high} if remainders else {}))
+        runs.append((rem, m.codes.view(torch.uint8), m.scales, v.codes.view(torch.uint8), v.scales,
+                     *(() if high is None else (high,))))
     return all(torch.equal(a, b) for a, b in zip(*runs))
 
 
@@ -90,6 +96,11 @@ class EightBitUpdate:
         params of a master stored as remainders (updated in place with it)."""
         n, master_codec = sg.numel, self.codecs[0]
         m, v = (c.split(t, n, sg.blocks) for c, t in zip(self.codecs[1:], stored[1:]))
+        if master_codec.needs_high and self.kernel.takes_remainders:  # merged and split inside the pass
+            for p in pieces:
+                self.kernel.step(stored[0][p.lo:p.hi], grad[p.lo:p.hi], _piece(m, p), _piece(v, p), p.layout,
+                                 hyper(p.g), step, high=high[p.lo:p.hi])
+            return
         if master_codec.is_fp32:
             master = stored[0]
         else:

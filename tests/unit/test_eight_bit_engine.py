@@ -18,7 +18,10 @@ from mlp_offload.kernels.fused_update import AdamHyper
 from mlp_offload.state_formats import FP8_MOMENTS
 from mlp_offload.subgroups.blocks import ShardParams
 
-from .helpers import BETAS, EPS, LR, WD, device_config
+from mlp_offload.kernels.blockwise8 import BlockLayout
+from mlp_offload.kernels.remainders import round_half_away
+
+from .helpers import BETAS, EPS, LR, WD, ModelParams, device_config
 from .strategies import device_setups
 from .test_blockwise8 import F32, bits, ref_blocks, ref_step
 
@@ -44,7 +47,6 @@ def engine_moments(eng):
     params = eng.blocks.params
     for sg, p, m, v in eng.iter_state():
         masters.append(p.clone())
-        from mlp_offload.kernels.blockwise8 import BlockLayout
         layout = BlockLayout(params.clipped(sg.start, sg.end), CODECS[0].block)
         for k, (codec, t) in enumerate(zip(CODECS, (m, v))):
             q = codec.split(t, sg.numel, sg.blocks)
@@ -82,8 +84,10 @@ class Reference:
 
 
 @settings(max_examples=examples(40), deadline=None, derandomize=True, print_blob=True)
-@given(case=device_setups(), seed=st.integers(0, 3), data=st.data())
-def test_engine_with_8_bit_moments_matches_the_reference_bit_for_bit(case, seed, data):
+@given(case=device_setups(), seed=st.integers(0, 3), remainders=st.booleans(), data=st.data())
+def test_engine_with_8_bit_moments_matches_the_reference_bit_for_bit(case, seed, remainders, data):
+    """With ``remainders`` the master is stored as int16 remainders beside the model's bf16 params (the
+    default with --bf16): the reference then steps the merged fp32 master, which starts as the bf16 params."""
     setup, extra, relocate = case
     numel = setup.numel
     # (sized there for any element-wise formats: 12 bytes an element; a short subgroup's 8-bit state
@@ -93,12 +97,18 @@ def test_engine_with_8_bit_moments_matches_the_reference_bit_for_bit(case, seed,
     segments = data.draw(param_segments(numel, ranges))
     gen = torch.Generator().manual_seed(seed)
     init = torch.randn(numel, generator=gen)
+    model = None
+    if remainders:  # a bf16 model: the master starts as its params
+        init = init.to(torch.bfloat16).float()
+        model = ModelParams(init.to(torch.bfloat16))
     ref = Reference(init, segments, setup.groups, numel)
     with tempfile.TemporaryDirectory() as root:
         cfg = device_config(setup, extra, root)
-        cfg = OffloadConfig(**{**cfg.__dict__, "state_dtypes": FP8})
+        cfg = OffloadConfig(**{**cfg.__dict__, "state_dtypes": FP8, "param_remainders": remainders})
+        link = (ModelLink(param_segments=segments) if model is None else
+                ModelLink(param_segments=segments, param_high=model.source, on_params_updated=model.on_params))
         with OffloadedAdamW(init.clone(), cfg, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, groups=setup.groups,
-                            model=ModelLink(param_segments=segments)) as eng:
+                            model=link) as eng:
             for sg in eng.subgroups[:-1]:  # every cut on a block start of its param
                 assert ShardParams(segments, numel).is_block_start(sg.end, CODECS[0].block)
             for step in range(1, 4):
@@ -110,6 +120,8 @@ def test_engine_with_8_bit_moments_matches_the_reference_bit_for_bit(case, seed,
                     eng.observe_device_memory(*relocate[step - 1])
             master, moments = engine_moments(eng)
     assert np.array_equal(bits(master), ref.p.view(np.uint32))
+    if model is not None:  # the model holds the master rounded half away from zero
+        assert torch.equal(model.params, round_half_away(torch.from_numpy(ref.p)))
     for (codes, scales), mine in zip(moments, (ref.m, ref.v)):
         ref_codes, ref_scales = ref.per_element(mine)
         assert np.array_equal(bits(codes), ref_codes)
