@@ -331,6 +331,31 @@ def test_cpu_one_pass_gives_the_torch_paths_bits(cpu_kernel, shard, scheme, hype
         assert torch.equal(a.scales.view(torch.int32), b.scales.view(torch.int32))
 
 
+@settings(max_examples=examples(40), deadline=None)
+@given(shard=shards(max_param=3000), scheme=st.sampled_from(SCHEMES), hyper=st.sampled_from(HYPERS), data=st.data())
+def test_cpu_one_pass_on_a_remainders_master_gives_the_fp32_masters_bits(cpu_kernel, shard, scheme, hyper, data):
+    """A master stored as int16 remainders beside its bf16 high halves, merged and split inside the pass:
+    the same as the fp32 master's step (torch path), split afterwards (``remainders.split``)."""
+    from mlp_offload.kernels.remainders import split
+    segments, _ = shard
+    layout = b8.BlockLayout(segments, scheme.block)
+    n = layout.numel
+    p = torch.from_numpy(values_like(data.draw, n, extremes=False))
+    m0 = torch.from_numpy(values_like(data.draw, n, extremes=False)) * 1e-2
+    fp32 = [p.clone(), b8.quantize(m0, layout, scheme.formats[0]), b8.quantize(m0 * m0, layout, scheme.formats[1])]
+    rem, high = split(p)
+    stored = [rem] + [b8.Quantized(q.codes.clone(), q.scales.clone(), q.fmt) for q in fp32[1:]]
+    for step in (1, 2, 3):
+        g = torch.from_numpy(values_like(data.draw, n, extremes=False))
+        cpu_kernel.adamw_step(stored[0], g, stored[1], stored[2], layout, hyper, step, high=high)
+        b8.adamw_step(fp32[0], g, fp32[1], fp32[2], layout, hyper, step)
+    want_rem, want_high = split(fp32[0])
+    assert torch.equal(stored[0], want_rem) and torch.equal(high.view(torch.int16), want_high.view(torch.int16))
+    for a, b in zip(stored[1:], fp32[1:]):
+        assert torch.equal(a.codes.view(torch.uint8), b.codes.view(torch.uint8))
+        assert torch.equal(a.scales.view(torch.int32), b.scales.view(torch.int32))
+
+
 def _two_states(scheme, seed, devices):
     """A shard of three param pieces, a master, 8-bit moments and a bf16 output on each of ``devices``,
     equal; the generator draws the gradients after."""
