@@ -38,19 +38,21 @@ def choose_kernel(device, codecs: Sequence[StateCodec]) -> EightBitKernel:
     device = torch.device(device)
     if device.type == "cuda":
         from ..kernels import blockwise8_device as compiled
-        name = "Triton one pass"
+        tries = [(compiled.adamw_step, "Triton one pass")]
     else:
         from ..kernels import blockwise8_cpu as compiled
-        name = "C++ one pass"
-    try:
-        if same_bits(compiled.adamw_step, device, codecs):
-            takes = getattr(compiled, "TAKES_REMAINDERS", False) and same_bits(compiled.adamw_step, device, codecs, True)
-            return EightBitKernel(compiled.adamw_step, f"8-bit {name}", takes)
-        why = "it differs from the torch path on a sample"
-    except Exception as err:  # a build or launch failure: the torch path still gives the bits
-        why = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-    log.warning("8-bit moments: the %s is not used on %s (%s); the torch path runs instead (same bits, slower)",
-                name, device.type, why)
+        tries = [(compiled.adamw_step, "C++ one pass")]
+    whys = []
+    for step, name in tries:
+        try:
+            if same_bits(step, device, codecs):
+                takes = getattr(compiled, "TAKES_REMAINDERS", False) and same_bits(step, device, codecs, True)
+                return EightBitKernel(step, f"8-bit {name}", takes)
+            whys.append(f"the {name} differs from the torch path on a sample")
+        except Exception as err:  # a build or launch failure: the next one, or the torch path, still gives the bits
+            whys.append(f"the {name}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
+    log.warning("8-bit moments on %s: %s; the torch path runs instead (same bits, slower)", device.type,
+                "; ".join(whys))
     return EightBitKernel(blockwise8.adamw_step, "8-bit torch path", True)
 
 
