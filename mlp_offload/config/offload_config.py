@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from ..state_formats import (FP32_STATE, REMAINDERS16, STATE_TENSORS, StateCodec, UnsupportedStateDtype, codec_named,
                              dtype_name)
@@ -79,10 +79,12 @@ class OffloadConfig:
     state access and the next step call first). The caller must also not change the gradients the
     update reads before it has read them (the Megatron adapter zeroes them as they are read)."""
 
-    cpu_share_subgroups: Optional[int] = None
+    cpu_share_subgroups: Union[int, str, None] = None
     """With ``defer_device_wait`` and ``update_on`` "auto": how many of the subgroups resident in host
     memory the CPU updates (spread over the order; at most all of them), whatever the time model
-    predicts; 0: none, all streamed through the device. None: the model's choice
+    predicts; None or 0: none, all streamed through the device (the default: on an H200 the model's
+    share of 20 of 116 made the 20.68 B iteration 5% slower, the CPU's work slowing the device's
+    streaming more than the model counts, docs/benchmarks.md §17); "auto": the model's choice
     (``plan.overlap_split``: a share only where the update the iteration sees is predicted shorter)."""
 
     device_one_pass: bool = True
@@ -317,9 +319,9 @@ class OffloadConfig:
         positive("device_chunk_elems", self.device_chunk_elems)
         share = self.cpu_share_subgroups
         if share is not None:
-            if not is_int(share) or share < 0:
+            if share != "auto" and (not is_int(share) or share < 0):
                 raise OffloadConfigError(f"the CPU's share (cpu_share_subgroups) must be a whole number of "
-                                         f"subgroups >= 0 or None, got {share!r}")
+                                         f"subgroups >= 0, 'auto' or None, got {share!r}")
             if not self.defer_device_wait:
                 raise OffloadConfigError(f"the CPU's share (cpu_share_subgroups={share}) splits the deferred update: "
                                          f"it needs defer_device_wait")

@@ -160,4 +160,6 @@ def deferred_split(config, subgroups: Sequence[Subgroup], tier_of: Sequence[str]
     decides alone)."""
     if not (config.defer_device_wait and config.update_on == "auto" and rates is not None and rates.device_streamed):
         return None
-    return overlapped_sides(subgroups, tier_of, rates, hidden_s, overlap, config.cpu_share_subgroups)
+    share = config.cpu_share_subgroups
+    return overlapped_sides(subgroups, tier_of, rates, hidden_s, overlap,
+                            None if share == "auto" else (share or 0))  # default: none (measured, see the config)

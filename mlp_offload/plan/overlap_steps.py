@@ -44,7 +44,7 @@ class DeferredSteps:
     @property
     def learns(self) -> bool:
         """Whether the steps time the CPU here: on a device, the share not given, rates measured side by side."""
-        return (self.overlap and self.config.update_on == "auto" and self.config.cpu_share_subgroups is None
+        return (self.overlap and self.config.update_on == "auto" and self.config.cpu_share_subgroups == "auto"
                 and bool(self.rates.device_streamed and self.rates.streamed_shared))
 
     def sides(self, tier_of: Sequence[str]) -> Optional[Tuple[List[str], OverlapChoice]]:

@@ -222,7 +222,7 @@ def test_a_deferred_engine_gives_the_faster_cpu_the_host_state():
     grads = bf16_grads(8, STEPS, NUMEL)
     want = all_cpu_state(init, grads)
     options = dict(OPTIONS, adam_elems_per_s=1e12, device_streamed_elems_per_s=1e8)
-    with OffloadedAdamW(init.clone(), OffloadConfig(update_on="auto", defer_device_wait=True, **options), **KW) as eng:
+    with OffloadedAdamW(init.clone(), OffloadConfig(update_on="auto", defer_device_wait=True, cpu_share_subgroups="auto", **options), **KW) as eng:
         assert eng.placement.update_on == [CPU] * len(eng.subgroups)
         for g in grads:
             eng.grad_buffer.copy_(g)
@@ -237,7 +237,7 @@ def test_the_cpu_share_field_is_checked():
         OffloadConfig(tiers=["host"], update_on="auto", cpu_share_subgroups=3)
     with pytest.raises(OffloadConfigError, match=r"needs update_on 'auto', not 'device'"):
         OffloadConfig(tiers=["host"], update_on="device", defer_device_wait=True, cpu_share_subgroups=3)
-    with pytest.raises(OffloadConfigError, match=r"whole number of subgroups >= 0 or None, got -1"):
+    with pytest.raises(OffloadConfigError, match=r"whole number of subgroups >= 0, 'auto' or None, got -1"):
         OffloadConfig(tiers=["host"], update_on="auto", defer_device_wait=True, cpu_share_subgroups=-1)
 
 
@@ -245,7 +245,8 @@ def test_the_forward_s_length_re_chooses_the_share():
     """``Relocation.hide_under_forward`` on a real device: the start-up's count (nothing hidden) moves
     to the count the model picks for the forward's length, once; the same length again moves nothing."""
     n, size = 40, 10**8
-    config = OffloadConfig(tiers=["host"], subgroup_size=size, update_on="auto", defer_device_wait=True)
+    config = OffloadConfig(tiers=["host"], subgroup_size=size, update_on="auto", defer_device_wait=True,
+                           cpu_share_subgroups="auto")
     subgroups = partition(n * size, size, config.state_codecs)
     rates = UpdateRates(cpu=3.7e9, device_resident=250e9, device_streamed=8.23e9, cpu_shared=3e9, streamed_shared=7.16e9)
     relocation = Relocation(subgroups, config, rates, "cuda")
@@ -270,6 +271,7 @@ def test_the_flag_gives_the_share_and_its_errors_name_flags():
             "--offload-update", "auto", "--offload-overlap-forward"]
     assert config_from_args(parse_args(base), 0).cpu_share_subgroups is None
     assert config_from_args(parse_args(base + ["--offload-cpu-share", "3"]), 0).cpu_share_subgroups == 3
+    assert config_from_args(parse_args(base + ["--offload-cpu-share", "auto"]), 0).cpu_share_subgroups == "auto"
     with pytest.raises(UserError, match=r"^the CPU's share \(--offload-cpu-share 3\) splits the deferred update: "
                                         r"it needs --offload-overlap-forward$"):
         parse_args(base[:-1] + ["--offload-cpu-share", "3"])
@@ -280,7 +282,8 @@ H200 = UpdateRates(cpu=3.7e9, device_resident=250e9, device_streamed=8.23e9, cpu
 
 
 def deferred_relocation(n, size, rates=H200, device_type="cuda"):
-    config = OffloadConfig(tiers=["host"], subgroup_size=size, update_on="auto", defer_device_wait=True)
+    config = OffloadConfig(tiers=["host"], subgroup_size=size, update_on="auto", defer_device_wait=True,
+                           cpu_share_subgroups="auto")
     subgroups = partition(n * size, size, config.state_codecs)
     sides, _ = overlapped_sides(subgroups, ["host"] * n, rates, 0.0, overlap=device_type != "cpu")
     return Relocation(subgroups, config, rates, device_type), Placement(["host"] * n, 0, 0, {"host": 0}, update_on=sides)
