@@ -309,7 +309,6 @@ class OffloadedAdamW:
         self.wait_for_snapshot()
         staging = self.config.save_staging_bytes if staging_bytes is None else staging_bytes
         self._snapshot = self._state.snapshot(self.steps_done, link_files, staging)
-        self._snapshot.shard_params = self.blocks.params if self.blocks is not None else None
         return self._snapshot
 
     def wait_for_snapshot(self) -> None:

@@ -212,8 +212,9 @@ def load_engine_state(engine: OffloadedAdamW, path: str) -> dict:
         return saved.metadata
 
 
-def fill_engine(engine: OffloadedAdamW, saved: StateFile) -> None:
-    """Fill the engine with the whole of an opened state file (the same shard, saved at this layout)."""
+def fill_engine(engine: OffloadedAdamW, saved: StateFile, notice: bool = True) -> None:
+    """Fill the engine with the whole of an opened state file (the same shard, saved at this layout).
+    ``notice``: warn in one line where the moments change format (a caller of many ranks says it once)."""
     footer, path = saved.footer, saved.path
     if footer["numel"] != engine.numel:
         raise CheckpointDataError(
@@ -230,7 +231,8 @@ def fill_engine(engine: OffloadedAdamW, saved: StateFile) -> None:
                                   f"bf16 params, and this engine was given no param_high to merge them with")
     reader = saved.ranges()
     codecs = engine.state_codecs
-    note_moments_change(path, reader.codecs, codecs)
+    if notice:
+        note_moments_change(path, reader.codecs, codecs)
     # 8-bit moments saved at this very shard move as stored (codes and scales, byte for byte); any
     # other pair of formats moves as values (``read`` dequantizes, ``values_fill`` quantizes).
     as_stored = is_blockwise(codecs) and reader.codecs[1:] == codecs[1:] and saved.blocks.same_as(

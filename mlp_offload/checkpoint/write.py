@@ -38,7 +38,7 @@ log = logging.getLogger("mlp_offload")
 def save_engine_state(engine: OffloadedAdamW, path: str, metadata: Optional[dict] = None) -> int:
     """Stream the engine's state into ``path`` now; returns bytes written. On failure the partial
     ``.tmp`` file is removed and a file already at ``path`` is left as it was."""
-    snapshot = engine.snapshot(link_files=False)  # nothing changes the state before this returns
+    snapshot = _snapshot(engine, link_files=False)  # nothing changes the state before this returns
     try:
         return write_snapshot(snapshot, path, metadata)
     finally:
@@ -50,7 +50,7 @@ def start_background_save(engine: OffloadedAdamW, path: str, metadata: Optional[
     ``path`` once ``start()``ed, while the engine goes on stepping. Where the tier's file system
     has no hard links the state is written now instead (the handle is then already done)."""
     try:
-        snapshot = engine.snapshot(link_files=True)
+        snapshot = _snapshot(engine, link_files=True)
     except OSError as err:
         if err.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
             raise
@@ -63,6 +63,13 @@ def start_background_save(engine: OffloadedAdamW, path: str, metadata: Optional[
         log.warning("%s: the offloaded state is written synchronously", short)
         return BackgroundStateWrite.finished_now(engine, path, metadata)
     return BackgroundStateWrite(snapshot, path, metadata)
+
+
+def _snapshot(engine: OffloadedAdamW, link_files: bool) -> StateSnapshot:
+    """The engine's snapshot, with where its shard's params lie (8-bit moments' blocks, for the footer)."""
+    snapshot = engine.snapshot(link_files=link_files)
+    snapshot.shard_params = engine.blocks.params if engine.blocks is not None else None
+    return snapshot
 
 
 def _tier_short_of_space(snapshot: StateSnapshot, ranks: int) -> Optional[str]:

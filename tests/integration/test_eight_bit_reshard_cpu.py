@@ -52,16 +52,33 @@ def cut_blocks(iteration_dir):
     return {key: mask.view(-1) for key, mask in masks.items()}, cut_any
 
 
+@pytest.fixture(scope="module")
+def fp8_run(tmp_path_factory):
+    """Per hidden size, made once: (the flags of a leg by its name, the uninterrupted DP2 run's
+    records, its checkpoint at iteration 2 alone)."""
+    runs = {}
+
+    def make(hidden: int):
+        if hidden not in runs:
+            tmp = tmp_path_factory.mktemp(f"fp8-h{hidden}")
+
+            def args(name, moments=FP8):
+                return [*NO_DROPOUT, "--hidden-size", str(hidden), *moments,
+                        *offload_args(tmp / name, tiers=("host", "nvme"))]
+
+            whole = run_pretrain(tmp / "a", [*args("a"), "--save", str(tmp / "a-ckpt"), "--save-interval",
+                                             str(SAVED_AT)], train_iters=ITERS)
+            runs[hidden] = (args, whole, copy_checkpoint(tmp / "a-ckpt", [SAVED_AT], tmp / "fp8-ckpt"))
+        return runs[hidden]
+
+    return make
+
+
 # The tiny GPT's DP2 cuts all fall on multiples of 128 of their params; at hidden size 48 one cuts
 # a block of linear_fc1 (megatron-core's shard cuts are multiples of 64 in a param: either may happen).
 @pytest.mark.parametrize("hidden,cut_inside", [(64, False), (48, True)], ids=["cuts-on-blocks", "a-cut-in-a-block"])
-def test_fp8_moments_go_dp2_to_dp1_and_back(tmp_path, hidden, cut_inside):
-    def args(name):
-        return [*NO_DROPOUT, "--hidden-size", str(hidden), *FP8, *offload_args(tmp_path / name, tiers=("host", "nvme"))]
-
-    whole = run_pretrain(tmp_path / "a", [*args("a"), "--save", str(tmp_path / "a-ckpt"),
-                                          "--save-interval", str(SAVED_AT)], train_iters=ITERS)
-    at2 = copy_checkpoint(tmp_path / "a-ckpt", [SAVED_AT], tmp_path / "dp2-ckpt")
+def test_fp8_moments_go_dp2_to_dp1_and_back(tmp_path, fp8_run, hidden, cut_inside):
+    args, whole, at2 = fp8_run(hidden)
     run_pretrain(tmp_path / "b", [*args("b"), "--load", str(at2), "--save", str(tmp_path / "dp1-ckpt")],
                  nproc=1, train_iters=SAVED_AT)
     assert "offloaded state resharded from data-parallel size 2 to 1" in (tmp_path / "b" / "loss-0.out").read_text()
@@ -91,17 +108,12 @@ def test_fp8_moments_go_dp2_to_dp1_and_back(tmp_path, hidden, cut_inside):
             assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-4)
 
 
-def test_fp8_moments_convert_to_megatron_cores_form_and_back(tmp_path):
+def test_fp8_moments_convert_to_megatron_cores_form_and_back(tmp_path, fp8_run):
     """Offloaded fp8 -> megatron-core's own optimizer (fp32 moments: dequantized) -> offloaded
     fp8 again (quantized under the same blocks: the blocks' codes come back, bar the rare block whose
     scale does not survive ``absmax / qmax`` of its dequantized values). Each direction says so in
     one line; the run continues within 1e-4 of the uninterrupted one (measured: the same losses)."""
-    def offload(name):
-        return [*NO_DROPOUT, *FP8, *offload_args(tmp_path / name, tiers=("host", "nvme"))]
-
-    whole = run_pretrain(tmp_path / "a", [*offload(name="a"), "--save", str(tmp_path / "a-ckpt"),
-                                          "--save-interval", str(SAVED_AT)], train_iters=ITERS)
-    at2 = copy_checkpoint(tmp_path / "a-ckpt", [SAVED_AT], tmp_path / "fp8-ckpt")
+    offload, whole, at2 = fp8_run(64)
     run_pretrain(tmp_path / "b", [*NO_DROPOUT, "--load", str(at2), "--save", str(tmp_path / "plain-ckpt")],
                  train_iters=SAVED_AT)
     run_pretrain(tmp_path / "c", [*offload("c"), "--load", str(tmp_path / "plain-ckpt"), "--save",
@@ -121,6 +133,21 @@ def test_fp8_moments_convert_to_megatron_cores_form_and_back(tmp_path):
     resumed = run_pretrain(tmp_path / "d", [*offload("d"), "--load", str(tmp_path / "back-ckpt")], train_iters=ITERS)
     for mine, theirs in zip(resumed, whole[SAVED_AT:]):
         assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-4)
+
+
+def test_fp8_checkpoint_resumes_with_bf16_moments_after_one_notice(tmp_path, fp8_run):
+    """Another --exp-avg-dtype at resume: the moments are dequantized into bf16, said once (rank 0),
+    and training goes on: iteration 3's loss (before any step) is the uninterrupted run's, the next
+    one within bf16's rounding of the moments."""
+    args, whole, at2 = fp8_run(64)
+    bf16 = ["--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"]
+    resumed = run_pretrain(tmp_path / "e", [*args("e", moments=bf16), "--load", str(at2)], train_iters=ITERS)
+    output = (tmp_path / "e" / "loss-0.out").read_text()
+    notices = [line for line in output.splitlines() if "Adam moments are stored as" in line]
+    assert len(notices) == 1 and "e4m3-b128/sqrt-e4m3-b128" in notices[0] and "bf16/bf16" in notices[0] \
+        and "dequantized" in notices[0], notices
+    assert resumed[0] == whole[SAVED_AT]
+    assert resumed[1]["loss"] == pytest.approx(whole[SAVED_AT + 1]["loss"], rel=1e-3)
 
 
 if __name__ == "__main__":

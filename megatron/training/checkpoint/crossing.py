@@ -34,8 +34,7 @@ from megatron.training.checkpoint.torch_dist_ranges import FlatTensorRanges
 from megatron.training.runtime.core_private import (main_param_and_optimizer_states,
                                                     set_main_param_and_optimizer_states)
 from megatron.training.runtime.progress import print_rank0
-from mlp_offload.checkpoint import CheckpointDataError, values_fill
-from mlp_offload.state_formats import describe, is_blockwise
+from mlp_offload.checkpoint import CheckpointDataError, describe_formats, is_blockwise, values_fill
 
 FP32 = 4
 
@@ -87,7 +86,7 @@ def fill_distributed_optimizer(dist_optimizers: List, saved: SavedOffloadState, 
 def eight_bit_crossing(codecs, what: str) -> None:
     """The one line a conversion of 8-bit moments gives (nothing for other formats)."""
     if is_blockwise(codecs):
-        print_rank0(f"> the offloaded Adam moments are 8-bit ({describe(codecs[1:])}: one fp32 scale per "
+        print_rank0(f"> the offloaded Adam moments are 8-bit ({describe_formats(codecs[1:])}: one fp32 scale per "
                     f"{max(c.block for c in codecs)} elements of each param; megatron-core keeps fp32 moments, or "
                     f"through transformer-engine fp8 ones with one scale per tensor): {what}, rounding them once")
 

@@ -29,10 +29,8 @@ import torch
 from megatron.training.checkpoint.offload_files import (FILE_NAME, SUBDIRS, ParamGeometry, param_geometries,
                                                         param_names, shard_coordinates, volume)
 from megatron.training.checkpoint.state_dict import sharding_metadata
-from mlp_offload.checkpoint import (CheckpointDataError, RangeReader, StateFile, fill_engine, moments_change,
-                                    stored_codecs)
-from mlp_offload.kernels.blockwise8 import BlockLayout, Quantized, quantize
-from mlp_offload.state_formats import is_blockwise
+from mlp_offload.checkpoint import (BlockLayout, CheckpointDataError, Quantized, RangeReader, StateFile, fill_engine,
+                                    is_blockwise, moments_change, quantize, stored_codecs)
 
 log = logging.getLogger("mlp_offload")
 
@@ -485,12 +483,15 @@ def load_offloaded_state(shards, saved: SavedOffloadState, offload_meta: dict, m
 def _load_engine(shard, saved: SavedOffloadState) -> None:
     dp_size = shard.dp_group.size()
     own = saved.whole_file(shard.kind, dp_size)
+    first = torch.distributed.get_rank() == 0
+    notice = moments_change(saved.saved_codecs(shard.kind), shard.engine.state_codecs)
     if own is not None:
-        fill_engine(shard.engine, own)
+        fill_engine(shard.engine, own, notice=False)
+        if notice and first:
+            log.warning("offloaded %sstate: %s", "expert " if shard.kind == "experts" else "", notice)
         return
     layout = shard.layout
     mine = sorted((a, b, layout.param_slice[param], param) for param, (a, b) in layout.param_flat_range.items())
-    notice = moments_change(saved.saved_codecs(shard.kind), shard.engine.state_codecs)
 
     def fill(sg, *outs):
         for out in outs:
@@ -503,7 +504,7 @@ def _load_engine(shard, saved: SavedOffloadState) -> None:
 
     eight_bit = is_blockwise(shard.engine.state_codecs)
     shard.engine.load_state(_eight_bit_fill(shard, saved, mine) if eight_bit else fill, steps_done=saved.steps_done)
-    if torch.distributed.get_rank() == 0:
+    if first:
         log.info("offloaded %sstate resharded from %s%s", "expert " if shard.kind == "experts" else "",
                  saved.describe_change(shard.kind, dp_size), f" ({notice})" if notice else "")
 
