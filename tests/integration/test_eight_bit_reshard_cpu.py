@@ -108,6 +108,24 @@ def test_fp8_moments_go_dp2_to_dp1_and_back(tmp_path, fp8_run, hidden, cut_insid
             assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-4)
 
 
+def test_fp8_moments_go_to_pp2_and_back_unchanged(tmp_path, fp8_run):
+    """Another PP size reads by global region; each parameter is the same tensor there, so its codes and
+    scales move as by name: the PP2 checkpoint holds the DP2 one's bits (the tiny GPT's DP2 cuts are on
+    blocks), and back at PP1 DP2 the run continues bit for bit. (Requantizing an unchanged block gives its
+    bits back too, so these bits cannot tell the two paths apart; test_eight_bit_reshard tells them by reads.)"""
+    args, whole, at2 = fp8_run(64)
+    run_pretrain(tmp_path / "p", [*args("p"), "--pipeline-model-parallel-size", "2", "--load", str(at2), "--save",
+                                  str(tmp_path / "pp2-ckpt")], train_iters=SAVED_AT)
+    assert "resharded from TP=1 PP=1 DP=2 to TP=1 PP=2 DP=1" in (tmp_path / "p" / "loss-0.out").read_text()
+    name = f"iter_{SAVED_AT:07d}"
+    before, after = global_offload_state(at2 / name), global_offload_state(tmp_path / "pp2-ckpt" / name)
+    assert sorted(before) == sorted(after)
+    for key in before:
+        assert all(torch.equal(a, b) for a, b in zip(after[key], before[key])), key
+    resumed = run_pretrain(tmp_path / "q", [*args("q"), "--load", str(tmp_path / "pp2-ckpt")], train_iters=ITERS)
+    assert resumed == whole[SAVED_AT:]
+
+
 def test_fp8_moments_convert_to_megatron_cores_form_and_back(tmp_path, fp8_run):
     """Offloaded fp8 -> megatron-core's own optimizer (fp32 moments: dequantized) -> offloaded
     fp8 again (quantized under the same blocks: the blocks' codes come back, bar the rare block whose

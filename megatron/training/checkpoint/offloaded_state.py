@@ -211,12 +211,19 @@ class SavedOffloadState:
         """As ``read``, for an engine with 8-bit moments: the master into ``master`` (float32), the
         moments into ``moments`` (codes and scales laid out by ``layout``). By name, block-aligned
         stretches keep their codes and scales (``_PositionFiles.read_moments_by_name``); by region
-        (another TP/PP), a parameter is another tensor and its moments are quantized from values."""
+        (another TP/PP/EP), so too where a saved piece is this very tensor (the same global place and
+        shape: e.g. another PP size only), else the parameter is another tensor with other blocks and
+        its moments are quantized from values."""
         run = self._run_shard(kind)
         if run.by_name:
             self.read(kind, param, start, end, [master])
             position = self.position(kind, *run.place[:2], cache_bytes=self.cache_bytes)
             position.read_moments_by_name(self._param_names()[param], start, end, moments, layout)
+            return
+        same = self._same_piece(param)
+        if same is not None:
+            self.read(kind, param, start, end, [master])
+            same.position.read_moments_by_name(same.name, start, end, moments, layout)
             return
         values = [torch.empty(end - start, dtype=torch.float32) for _ in moments]
         self.read(kind, param, start, end, [master, *values])
@@ -414,6 +421,18 @@ class SavedOffloadState:
         for out, region in zip(outs, rows):
             out.copy_(region.view(-1)[start - skip: end - skip])
         self._keep_warm(used)
+
+    def _same_piece(self, param) -> Optional["_SavedPiece"]:
+        """A saved piece that is ``param``'s very local tensor (its elements in the same flat order), if any."""
+        target = self._geometries().get(param)
+        if target is None:
+            return None
+        for piece in self._regions.get(target.key, []):
+            saved = piece.geometry
+            if (saved.global_shape, saved.global_offset, saved.local_shape) == \
+                    (target.global_shape, target.global_offset, target.local_shape):
+                return piece
+        return None
 
     def _saved_shape(self, target: ParamGeometry) -> Tuple[int, ...]:
         saved = self._shapes.get(target.key)
