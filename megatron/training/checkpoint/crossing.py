@@ -62,10 +62,11 @@ def fill_distributed_optimizer(dist_optimizers: List, saved: SavedOffloadState, 
     optimizer(s), ``max_bytes`` at a time: half for a piece in flight (read straight into megatron-core's
     tensors, one state after the other), half for the files' readers (``saved.cache_bytes``)."""
     chunk = max(1, max_bytes // 2 // FP32)
+    # (one line for all: a save stores every kind's moments alike)
+    eight_bit_crossing(saved.saved_codecs("dense"), "dequantized for megatron-core's optimizer")
     for opt in dist_optimizers:
         # With EP > 1 megatron-core's second optimizer holds the experts: read from the experts' files.
         kind = "experts" if any(not getattr(p, "allreduce", True) for p, _ in _param_pieces(opt)) else "dense"
-        eight_bit_crossing(saved.saved_codecs(kind), "dequantized for megatron-core's optimizer")
         for param, piece in _param_pieces(opt):
             if getattr(opt.config, "use_precision_aware_optimizer", False):
                 _set_whole_piece(opt, saved, kind, param, piece)  # its setter scales whole tensors
@@ -186,10 +187,10 @@ def load_into_engine(facade, checkpoint_dir: str, small_objects: List[dict], max
     """Fill each of the offload facade's engines (and grad scalers) from a plain checkpoint's
     optimizer state: the dense one, and with EP > 1 the experts' one from megatron-core's second.
     ``small_objects``: what ``saved_small_objects`` asked for, as loaded."""
+    eight_bit_crossing(facade.shards[0].engine.state_codecs, "quantized from megatron-core's saved moments")
     for shard, loaded in zip(facade.shards, small_objects):
         steps, scaler = _steps_and_scaler(loaded)
         source = PlainShardSource(shard.layout, checkpoint_dir, max_bytes, shard.kind, len(facade.shards))
-        eight_bit_crossing(shard.engine.state_codecs, "quantized from megatron-core's saved moments")
         try:
             shard.engine.load_state(values_fill(shard.engine, source.fill), steps_done=steps)
         finally:
