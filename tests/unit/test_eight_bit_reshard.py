@@ -88,7 +88,7 @@ def cuts_and_piece(draw):
     return cuts, ends[0], ends[1]
 
 
-@settings(max_examples=examples(40), deadline=None, derandomize=True)
+@settings(max_examples=examples(30), deadline=None, derandomize=True)
 @given(case=cuts_and_piece(), fp8=st.booleans(), seed=st.integers(0, 3))
 def test_moments_read_by_name_keep_whole_blocks_and_requantize_only_cut_ones(tmp_path_factory, case, fp8, seed):
     cuts, start, end = case
