@@ -3,7 +3,8 @@ the gpu tier's CPU twin included) and loaded at the same shard, a run continues 
 numpy reference of an uninterrupted one, whatever the loading engine's tiers and subgroup size; the
 file's regions are its codes and scales byte for byte; a reader gives any range as values and a
 block-aligned one as codes and scales; a footer that misstates blocks is refused; a load across
-moment formats dequantizes or quantizes once and says so in one line."""
+moment formats dequantizes or quantizes once and says so in one line, and a file of other param segments
+loads requantized under the engine's blocks."""
 
 import dataclasses
 import json
@@ -165,6 +166,16 @@ def test_a_reader_gives_any_range_as_values_and_block_aligned_ones_as_stored(tmp
         assert (reader.cached_elements == []) == bounded
 
 
+def assert_quantized_from(moments, values, segments):
+    """``moments`` (``engine_moments``' codes and scales) are ``values`` quantized under the blocks of ``segments``."""
+    blocks = ref_blocks(segments, 128)
+    for (codes, scales), value, codec in zip(moments, values, CODECS):
+        stored = np.sqrt(value.astype(np.float64)).astype(np.float32) if codec.fmt.root else value
+        want_codes, want_scales = ref_quantize(stored, blocks, codec.fmt)
+        assert np.array_equal(bits(codes), want_codes)
+        assert np.array_equal(bits(scales), want_scales[blocks].view(np.uint32))
+
+
 def _resigned(path, edit):
     data = open(path, "rb").read()
     _, length, _ = TRAILER.unpack(data[-TRAILER.size:])
@@ -210,10 +221,18 @@ def test_fp8_moments_load_into_fp32_ones_dequantized_and_back_quantized_with_one
             load_engine_state(back, str(tmp_path / "fp32.offload"))
             got_master, got = engine_moments(back)
     assert torch.equal(got_master, master)
-    blocks = ref_blocks(SEGMENTS, 128)
-    for (codes, scales), value, codec in zip(got, values, CODECS):
-        stored = np.sqrt(value.astype(np.float64)).astype(np.float32) if codec.fmt.root else value
-        want_codes, want_scales = ref_quantize(stored, blocks, codec.fmt)
-        assert np.array_equal(bits(codes), want_codes)
-        assert np.array_equal(bits(scales), want_scales[blocks].view(np.uint32))
+    assert_quantized_from(got, values, SEGMENTS)
     assert any("quantized as they load" in r.getMessage() for r in caplog.records)
+
+
+def test_fp8_moments_saved_under_other_param_segments_load_requantized_under_the_engines(tmp_path):
+    """A file whose param segments differ from the engine's (same size): its blocks are not the
+    engine's, so the moments load as values, quantized under the engine's blocks."""
+    path, master, moments = _saved_fp8(tmp_path)
+    values = _values(moments)
+    other = [(0, 0, 5000), (5000, 0, NUMEL - 5000)]
+    with fp8_engine(torch.zeros(NUMEL), fast_config(tmp_path / "o", tiers=["host"], subgroup_size=3000), other) as eng:
+        load_engine_state(eng, path)
+        got_master, got = engine_moments(eng)
+    assert torch.equal(got_master, master)
+    assert_quantized_from(got, values, other)
