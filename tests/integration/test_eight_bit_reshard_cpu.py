@@ -1,5 +1,6 @@
 """8-bit Adam moments (--exp-avg-dtype fp8 --exp-avg-sq-dtype fp8) through a DP2 -> DP1 -> DP2 hand-over,
-and converted to megatron-core's own optimizer and back (CPU processes, the tiny GPT on host and nvme tiers).
+and at the same layout, at PP2, converted to megatron-core's own optimizer and back, and resumed with bf16
+moments (CPU processes, the tiny GPT on host and nvme tiers).
 
 A DP2 run saves at iteration 2 and goes on to 4. Its checkpoint is loaded at DP1 and saved at once,
 then loaded back at DP2 and trained to 4. Where megatron-core's DP2 shard cuts a parameter at a
@@ -72,6 +73,15 @@ def fp8_run(tmp_path_factory):
         return runs[hidden]
 
     return make
+
+
+def test_fp8_moments_resume_at_the_same_layout_bit_for_bit(tmp_path, fp8_run):
+    """Each rank's own file, as saved: codes and scales copied byte for byte, no notice."""
+    args, whole, at2 = fp8_run(64)
+    resumed = run_pretrain(tmp_path / "s", [*args("s"), "--load", str(at2)], train_iters=ITERS)
+    assert resumed == whole[SAVED_AT:]
+    output = (tmp_path / "s" / "loss-0.out").read_text()
+    assert "resharded" not in output and "Adam moments are stored as" not in output
 
 
 # The tiny GPT's DP2 cuts all fall on multiples of 128 of their params; at hidden size 48 one cuts
