@@ -58,6 +58,7 @@ class StateSnapshot:
         self.subgroups = subgroups
         self.codecs = subgroups[0].codecs  # the stored formats (state_formats), every subgroup's
         self.numel = subgroups[-1].end
+        self.shard_params = None  # where the shard's params lie (8-bit moments' blocks; set for a file's writer)
         self.steps_done = steps_done
         memory, on_tier = sources.memory, sources.on_tier
         self.memory, self.on_tier = memory, on_tier

@@ -10,6 +10,13 @@ torn one. Nothing read from the file is used unchecked: the footer's CRC and str
 verified before any offset in it is followed, and every tensor's CRC before its data is used. A
 reader opens a file once (``StateFile``): its footer, then its data through the same handle.
 
+8-bit moments (``Blockwise8``: codes, then from the next multiple of 4 bytes one fp32 scale per
+block) are saved as their regions, byte for byte; the footer then records the shard's param segments
+and block size and each subgroup's block count (``file_blocks``), from which every region's size and
+every range's blocks follow. A reader gives a range's codes and scales where both its ends are block
+boundaries (``RangeReader.read_quantized``), and fp32 values of any range (``read``: the blocks
+around it dequantized).
+
 A master stored as remainders (``remainders``) is saved so (tagged ``rem16`` in the footer's
 dtypes): the model checkpoint of the same step holds its high halves, the bf16 params.
 
@@ -31,7 +38,9 @@ import torch
 
 from ..tiers.direct_io import DirectReads, pread_into
 from ..engine import OffloadedAdamW
-from ..state_formats import FP32_STATE, REMAINDERS16, codec_for_tag, codecs_for, state_bytes
+from ..kernels.blockwise8 import Quantized, dequantize
+from ..state_formats import FP32_STATE, REMAINDERS16, codec_for_tag, codecs_for, is_blockwise, state_bytes
+from .file_blocks import FileBlocks, note_moments_change, values_fill
 
 MAGIC = b"MLPOFFv2"
 TRAILER = struct.Struct("<8sQI")  # magic, footer length, CRC32 of the footer
@@ -46,9 +55,15 @@ class CheckpointSaveError(RuntimeError):
     """A checkpoint file could not be written (e.g. the file system is full); nothing partial is left."""
 
 
-def state_file_bytes(numel: int, codecs) -> int:
-    """Bytes of the tensors a state file holds (the footer, a few KB, comes on top)."""
-    return state_bytes(codecs, numel)
+def state_file_bytes(numel: int, codecs, blocks: Optional[int] = None) -> int:
+    """Bytes of the tensors a state file holds (the footer, a few KB, comes on top); ``blocks``: the
+    blocks of 8-bit moments (their layout's; default whole blocks from element 0)."""
+    return state_bytes(codecs, numel, blocks)
+
+
+def subgroups_file_bytes(subgroups) -> int:
+    """Bytes of the tensors of a file holding ``subgroups`` (each with its own codecs and blocks)."""
+    return sum(state_bytes(sg.codecs, sg.numel, sg.blocks) for sg in subgroups)
 
 
 def stored_codecs(footer: dict) -> Tuple:
@@ -79,13 +94,15 @@ class StateFile:
             self.file.close()
             raise
         self.footer: dict = footer
+        self.blocks: Optional[FileBlocks] = FileBlocks.of_footer(footer)  # 8-bit moments' blocks
 
     @property
     def metadata(self) -> dict:
         return self.footer.get("metadata", {})
 
     def ranges(self, cache_bytes: Optional[int] = None) -> "RangeReader":
-        reader = RangeReader(self.path, self.footer["subgroups"], stored_codecs(self.footer), cache_bytes, self.file)
+        reader = RangeReader(self.path, self.footer["subgroups"], stored_codecs(self.footer), cache_bytes, self.file,
+                             self.blocks)
         self._readers.append(reader)
         return reader
 
@@ -140,6 +157,7 @@ def _check_footer(path: str, footer, data_end: int) -> None:
             and all(codec_for_tag(d) is not None for d in dtypes)):
         raise bad(f"state dtypes {str(dtypes)[:80]}")
     codecs = codecs_for(dtypes)
+    blocks = _footer_blocks(footer, codecs, bad)
     expected_start, expected_offset = 0, 0
     for e in footer["subgroups"]:
         if not (isinstance(e, dict) and all(_is_count(e.get(k)) for k in ("start", "end", "offset"))
@@ -149,14 +167,38 @@ def _check_footer(path: str, footer, data_end: int) -> None:
         if e["start"] != expected_start or e["end"] <= e["start"] or e["offset"] != expected_offset:
             raise bad(f"subgroup {e['start']}..{e['end']} at byte {e['offset']}, expected to start at element "
                       f"{expected_start} and byte {expected_offset}")
+        if blocks is not None:
+            _check_entry_blocks(e, blocks, bad)
         expected_start = e["end"]
-        expected_offset += state_file_bytes(e["end"] - e["start"], codecs)
+        expected_offset += state_file_bytes(e["end"] - e["start"], codecs, e.get("blocks"))
     if expected_start != numel:
         raise bad(f"subgroups cover {expected_start} of {numel} elements")
     if expected_offset != data_end:
         raise bad(f"the tensors end at byte {expected_offset} but the footer starts at byte {data_end}; truncated?")
     if not isinstance(footer.get("metadata", {}), dict):
         raise bad("metadata is not a mapping")
+
+
+def _footer_blocks(footer: dict, codecs, bad) -> Optional[FileBlocks]:
+    """The footer's blocks, required with 8-bit moments (and their block size the codecs')."""
+    try:
+        blocks = FileBlocks.of_footer(footer)
+    except ValueError as err:
+        raise bad(str(err)) from None
+    if is_blockwise(codecs) != (blocks is not None) or (
+            blocks is not None and any(c.block not in (0, blocks.block) for c in codecs)):
+        raise bad(f"8-bit moments {[c.describe() for c in codecs]} with blocks {str(footer.get('blocks'))[:60]}")
+    return blocks
+
+
+def _check_entry_blocks(e: dict, blocks: FileBlocks, bad) -> None:
+    """A subgroup of 8-bit moments ends on block starts and records the blocks its param segments make."""
+    if not (blocks.is_boundary(e["start"]) and blocks.is_boundary(e["end"])):
+        raise bad(f"subgroup {e['start']}..{e['end']} does not start and end on block starts")
+    expected = blocks.count(e["start"], e["end"])
+    if e.get("blocks") != expected:
+        raise bad(f"subgroup {e['start']}..{e['end']} records {e.get('blocks')!r} blocks, its param segments "
+                  f"make {expected}")
 
 
 def _is_count(value) -> bool:
@@ -170,8 +212,9 @@ def load_engine_state(engine: OffloadedAdamW, path: str) -> dict:
         return saved.metadata
 
 
-def fill_engine(engine: OffloadedAdamW, saved: StateFile) -> None:
-    """Fill the engine with the whole of an opened state file (the same shard, saved at this layout)."""
+def fill_engine(engine: OffloadedAdamW, saved: StateFile, notice: bool = True) -> None:
+    """Fill the engine with the whole of an opened state file (the same shard, saved at this layout).
+    ``notice``: warn in one line where the moments change format (a caller of many ranks says it once)."""
     footer, path = saved.footer, saved.path
     if footer["numel"] != engine.numel:
         raise CheckpointDataError(
@@ -187,6 +230,13 @@ def fill_engine(engine: OffloadedAdamW, saved: StateFile) -> None:
         raise CheckpointDataError(f"{path}: the master params are stored as 16-bit remainders of the model's "
                                   f"bf16 params, and this engine was given no param_high to merge them with")
     reader = saved.ranges()
+    codecs = engine.state_codecs
+    if notice:
+        note_moments_change(path, reader.codecs, codecs)
+    # 8-bit moments saved at this very shard move as stored (codes and scales, byte for byte); any
+    # other pair of formats moves as values (``read`` dequantizes, ``values_fill`` quantizes).
+    as_stored = is_blockwise(codecs) and reader.codecs[1:] == codecs[1:] and saved.blocks.same_as(
+        engine.blocks.params, engine.blocks.block)
 
     def fill(sg, param, exp_avg, exp_avg_sq):
         if merging:
@@ -198,9 +248,13 @@ def fill_engine(engine: OffloadedAdamW, saved: StateFile) -> None:
         else:
             reader.read(0, sg.start, sg.end, param)
         for k, out in ((1, exp_avg), (2, exp_avg_sq)):
-            reader.read(k, sg.start, sg.end, out)
+            if as_stored:
+                reader.read_quantized(k, sg.start, sg.end, codecs[k].split(out, sg.numel, sg.blocks))
+            else:
+                reader.read(k, sg.start, sg.end, out)
 
-    engine.load_state(fill, steps_done=footer["steps_done"], stored=saved_remainders)
+    engine.load_state(fill if as_stored else values_fill(engine, fill), steps_done=footer["steps_done"],
+                      stored=saved_remainders)
 
 
 class RangeReader:
@@ -211,14 +265,21 @@ class RangeReader:
     stored tensor larger than a sixth of it (two subgroups of three tensors) is not cached: its CRC is
     checked once by streaming it through a bounded buffer, then only the ranges asked for are read.
 
+    8-bit moments (``blocks``: the file's ``FileBlocks``): ``read`` gives fp32 values (the blocks
+    around the range dequantized), ``read_quantized`` a block-aligned range's codes and scales.
+
     While a stored tensor is checked and copied out, the next one in the file is read and checked on a
     thread of its own (where the requests follow the file, as a resume's do): a load then runs at the
     disk's pace rather than at read + CRC + copy one after the other."""
 
-    def __init__(self, path: str, entries, codecs=None, cache_bytes: Optional[int] = None, file=None):
+    def __init__(self, path: str, entries, codecs=None, cache_bytes: Optional[int] = None, file=None,
+                 blocks: Optional[FileBlocks] = None):
         self.path = path
         self.entries = sorted(entries, key=lambda e: e["start"])
         self.codecs = codecs_for(FP32_STATE) if codecs is None else tuple(codecs)  # how each tensor is stored
+        self.blocks = blocks
+        if is_blockwise(self.codecs) and blocks is None:
+            raise ValueError(f"{path}: 8-bit moments need the file's blocks to be read")
         self._owns_file = file is None  # else a StateFile's handle, closed with it
         self.f = open(path, "rb") if file is None else file
         self.cache_bytes = cache_bytes
@@ -237,29 +298,94 @@ class RangeReader:
         """Elements of each stored tensor the reader keeps for later reads (``cache_bytes`` bounds them)."""
         return [t.numel() for t in self._cached.values()]
 
+    def is_block_boundary(self, pos: int) -> bool:
+        """Whether 8-bit moments may be cut at shard element ``pos`` without quantizing again."""
+        return self.blocks is not None and self.blocks.is_boundary(pos)
+
     def read(self, k: int, start: int, end: int, out: torch.Tensor) -> None:
-        if self.codecs[k].needs_high != (out.dtype == REMAINDERS16.storage_dtype):  # a remainder is no number
+        codec = self.codecs[k]
+        if codec.needs_high != (out.dtype == REMAINDERS16.storage_dtype):  # a remainder is no number
             raise CheckpointDataError(
                 f"{self.path}: {NAMES[k]} is stored as 16-bit remainders of the model's bf16 params and cannot "
                 f"be read as {out.dtype} (merging it needs the model's params of the same elements)")
+        if codec.block and not out.dtype.is_floating_point:
+            raise CheckpointDataError(f"{self.path}: {NAMES[k]} is stored in 8-bit blocks ({codec.describe()}): "
+                                      f"read it as float values or with read_quantized, not as {out.dtype}")
+        for e, lo, hi in self._pieces(start, end):
+            target = out[lo - start: hi - start]
+            if codec.block:
+                target.copy_(self._dequantized(e, k, lo, hi))
+            elif self._cacheable(e, k):
+                target.copy_(self._stored(e, k)[lo - e["start"]: hi - e["start"]])
+            else:
+                self._verify(e, k)
+                target.copy_(torch.frombuffer(self._bytes(e, k, lo, hi), dtype=codec.storage_dtype))
+
+    def read_quantized(self, k: int, start: int, end: int, out: Quantized) -> None:
+        """Codes and scales of 8-bit moment ``k``'s elements ``[start, end)``, both ends block
+        boundaries of the file, into ``out`` (as many elements and blocks), unchanged."""
+        if not self.codecs[k].block:
+            raise CheckpointDataError(f"{self.path}: {NAMES[k]} is stored as {self.codecs[k].describe()}, not in "
+                                      f"8-bit blocks")
+        for end_ in (start, end):
+            if not self.is_block_boundary(end_):
+                raise CheckpointDataError(f"{self.path}: element {end_} is inside a block of {NAMES[k]}: its codes "
+                                          f"cannot move unchanged")
+        block_at = 0
+        for e, lo, hi in self._pieces(start, end):
+            first, last, part = self._quantized_blocks(e, k, lo, hi)
+            n = last - first
+            if part.codes.numel() != hi - lo or block_at + n > out.scales.numel():
+                raise CheckpointDataError(f"{self.path}: elements {lo}..{hi} of {NAMES[k]} do not fit the blocks "
+                                          f"asked for")
+            out.codes[lo - start: hi - start].copy_(part.codes)
+            out.scales[block_at: block_at + n].copy_(part.scales)
+            block_at += n
+        if block_at != out.scales.numel():
+            raise CheckpointDataError(f"{self.path}: elements {start}..{end} of {NAMES[k]} make {block_at} blocks "
+                                      f"in the file, {out.scales.numel()} were asked for")
+
+    def _pieces(self, start: int, end: int):
+        """(entry, lo, hi): the stored subgroups' parts of elements ``[start, end)``, in order."""
         pos = start
         for e in self.entries:
             lo, hi = max(pos, e["start"]), min(end, e["end"])
             if lo >= hi:
                 continue
-            target = out[lo - start: hi - start]
-            if self._cacheable(e, k):
-                target.copy_(self._stored(e, k)[lo - e["start"]: hi - e["start"]])
-            else:
-                self._verify(e, k)
-                target.copy_(torch.frombuffer(self._bytes(e, k, lo, hi), dtype=self.codecs[k].storage_dtype))
+            yield e, lo, hi
             pos = hi
         if pos != end:
             raise CheckpointDataError(f"{self.path}: elements {pos}..{end} are not in the checkpoint")
 
+    def _dequantized(self, e, k: int, lo: int, hi: int) -> torch.Tensor:
+        """fp32 values of elements ``[lo, hi)`` of entry ``e``'s 8-bit moment ``k``."""
+        first, last, part = self._quantized_blocks(e, k, lo, hi)
+        layout = self.blocks.layout(e["start"], e["end"])
+        at = int(layout.starts[first])
+        return dequantize(part, layout.span(first, last))[lo - e["start"] - at: hi - e["start"] - at]
+
+    def _quantized_blocks(self, e, k: int, lo: int, hi: int) -> Tuple[int, int, Quantized]:
+        """The blocks ``[first, last)`` of entry ``e`` that hold elements ``[lo, hi)``, as stored."""
+        layout = self.blocks.layout(e["start"], e["end"])
+        starts = layout.starts
+        first = int(torch.searchsorted(starts, lo - e["start"], right=True)) - 1
+        last = int(torch.searchsorted(starts, hi - e["start"], right=False))
+        a, b = int(starts[first]), int(starts[last])
+        codec, n = self.codecs[k], e["end"] - e["start"]
+        if self._cacheable(e, k):
+            whole = codec.split(self._stored(e, k), n, e["blocks"])
+            return first, last, Quantized(whole.codes[a:b], whole.scales[first:last], whole.fmt)
+        self._verify(e, k)
+        codes = self._raw(e, k, a, b - a)
+        scales = self._raw(e, k, codec.stored_bytes(n, 0) + 4 * first, 4 * (last - first))
+        return first, last, Quantized(torch.frombuffer(codes, dtype=codec.fmt.dtype),
+                                      torch.frombuffer(scales, dtype=torch.float32), codec.fmt)
+
+    def _region_bytes(self, e, k: int) -> int:
+        return self.codecs[k].stored_bytes(e["end"] - e["start"], e.get("blocks"))
+
     def _cacheable(self, e, k: int) -> bool:
-        nbytes = self.codecs[k].stored_bytes(e["end"] - e["start"])
-        return self.cache_bytes is None or 6 * nbytes <= self.cache_bytes
+        return self.cache_bytes is None or 6 * self._region_bytes(e, k) <= self.cache_bytes
 
     def _stored(self, e, k: int) -> torch.Tensor:
         key = (e["start"], k)
@@ -291,7 +417,7 @@ class RangeReader:
         return self._read_and_crc(e, k)
 
     def _read_and_crc(self, e, k: int):
-        buf = self._bytes(e, k, e["start"], e["end"])
+        buf = self._raw(e, k, 0, self._region_bytes(e, k))
         return buf, zlib.crc32(buf)  # zlib lets go of the GIL for a buffer this size
 
     def _read_ahead(self, key: Tuple[int, int]) -> None:
@@ -299,8 +425,7 @@ class RangeReader:
         if nxt is None or (nxt[0]["start"], nxt[1]) in self._cached:
             return
         e, k = nxt
-        nbytes = self.codecs[k].stored_bytes(e["end"] - e["start"])
-        if self.cache_bytes is not None and 7 * nbytes > self.cache_bytes:  # the bound holds the read ahead too
+        if self.cache_bytes is not None and 7 * self._region_bytes(e, k) > self.cache_bytes:  # the bound holds it too
             return
         if self._ahead_thread is None:
             self._ahead_thread = ThreadPoolExecutor(1, thread_name_prefix="ckpt-read-ahead")
@@ -309,18 +434,23 @@ class RangeReader:
     def _verify(self, e, k: int) -> None:
         if (e["start"], k) in self._verified:
             return
-        crc, step = 0, max(1, (self.cache_bytes // 6) // self.codecs[k].bytes_per_element)
-        for lo in range(e["start"], e["end"], step):
-            crc = zlib.crc32(self._bytes(e, k, lo, min(e["end"], lo + step)), crc)
+        crc, size = 0, self._region_bytes(e, k)
+        step = max(self.codecs[k].bytes_per_element, self.cache_bytes // 6)
+        step -= step % self.codecs[k].bytes_per_element
+        for at in range(0, size, step):
+            crc = zlib.crc32(self._raw(e, k, at, min(size, at + step) - at), crc)
         self._check(crc, e, k)
         self._verified.add((e["start"], k))
 
     def _bytes(self, e, k: int, lo: int, hi: int) -> bytearray:
-        """Elements [lo, hi) of stored tensor ``k`` of subgroup entry ``e``, as stored."""
-        # (element ranges of element-wise formats; a blockwise one's ranges would round to its blocks)
-        n, itemsize = e["end"] - e["start"], self.codecs[k].bytes_per_element
-        offset = e["offset"] + state_bytes(self.codecs[:k], n) + itemsize * (lo - e["start"])
-        nbytes = itemsize * (hi - lo)
+        """Elements [lo, hi) of element-wise stored tensor ``k`` of subgroup entry ``e``, as stored."""
+        itemsize = self.codecs[k].bytes_per_element
+        return self._raw(e, k, itemsize * (lo - e["start"]), itemsize * (hi - lo))
+
+    def _raw(self, e, k: int, at: int, nbytes: int) -> bytearray:
+        """Bytes ``[at, at + nbytes)`` of stored tensor ``k``'s region in subgroup entry ``e``."""
+        n = e["end"] - e["start"]
+        offset = e["offset"] + state_bytes(self.codecs[:k], n, e.get("blocks")) + at
         buf = self._direct.read(offset, nbytes)  # None without O_DIRECT: through the page cache
         if buf is None:  # pread: the read ahead may run beside a read of the caller's thread
             buf = bytearray(nbytes)

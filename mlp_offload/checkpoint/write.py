@@ -22,7 +22,8 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .state_file import MAGIC, TRAILER, CheckpointSaveError, human_bytes, state_file_bytes
+from .file_blocks import snapshot_blocks
+from .state_file import MAGIC, TRAILER, CheckpointSaveError, human_bytes, state_file_bytes, subgroups_file_bytes
 from ..tiers.direct_io import DirectRegionWriter, pwrite_all
 from ..engine import OffloadedAdamW
 from ..faults import fault_point
@@ -37,7 +38,7 @@ log = logging.getLogger("mlp_offload")
 def save_engine_state(engine: OffloadedAdamW, path: str, metadata: Optional[dict] = None) -> int:
     """Stream the engine's state into ``path`` now; returns bytes written. On failure the partial
     ``.tmp`` file is removed and a file already at ``path`` is left as it was."""
-    snapshot = engine.snapshot(link_files=False)  # nothing changes the state before this returns
+    snapshot = _snapshot(engine, link_files=False)  # nothing changes the state before this returns
     try:
         return write_snapshot(snapshot, path, metadata)
     finally:
@@ -49,7 +50,7 @@ def start_background_save(engine: OffloadedAdamW, path: str, metadata: Optional[
     ``path`` once ``start()``ed, while the engine goes on stepping. Where the tier's file system
     has no hard links the state is written now instead (the handle is then already done)."""
     try:
-        snapshot = engine.snapshot(link_files=True)
+        snapshot = _snapshot(engine, link_files=True)
     except OSError as err:
         if err.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
             raise
@@ -62,6 +63,13 @@ def start_background_save(engine: OffloadedAdamW, path: str, metadata: Optional[
         log.warning("%s: the offloaded state is written synchronously", short)
         return BackgroundStateWrite.finished_now(engine, path, metadata)
     return BackgroundStateWrite(snapshot, path, metadata)
+
+
+def _snapshot(engine: OffloadedAdamW, link_files: bool) -> StateSnapshot:
+    """The engine's snapshot, with where its shard's params lie (8-bit moments' blocks, for the footer)."""
+    snapshot = engine.snapshot(link_files=link_files)
+    snapshot.shard_params = engine.blocks.params if engine.blocks is not None else None
+    return snapshot
 
 
 def _tier_short_of_space(snapshot: StateSnapshot, ranks: int) -> Optional[str]:
@@ -86,7 +94,7 @@ class BackgroundStateWrite:
         self.snapshot = snapshot
         self.path = path
         self.metadata = metadata
-        self.nbytes = state_file_bytes(snapshot.numel, snapshot.codecs) if snapshot else 0
+        self.nbytes = subgroups_file_bytes(snapshot.subgroups) if snapshot else 0
         self.write_s = 0.0
         self.failure: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._run, name="mlp-checkpoint-writer", daemon=True)
@@ -145,7 +153,7 @@ def write_snapshot(snapshot: StateSnapshot, path: str, metadata: Optional[dict])
         if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
             raise CheckpointSaveError(
                 f"{path}: {err.strerror or err} while saving the offloaded optimizer state: "
-                f"{human_bytes(state_file_bytes(snapshot.numel, snapshot.codecs))} needed for this file, "
+                f"{human_bytes(subgroups_file_bytes(snapshot.subgroups))} needed for this file, "
                 f"{human_bytes(_free_bytes(path))} free; the partial file was removed") from err
         raise
     return size
@@ -155,7 +163,7 @@ def _write(snapshot: StateSnapshot, tmp: str, metadata: Optional[dict]) -> int:
     offsets, end = {}, 0
     for sg in snapshot.subgroups:  # element order: where each subgroup's bytes go
         offsets[sg.index] = end
-        end += state_file_bytes(sg.numel, snapshot.codecs)
+        end += state_file_bytes(sg.numel, sg.codecs, sg.blocks)
     crcs = {}  # subgroup -> a function giving its tensors' CRC32s once the writer has them
     reads = _TierReads(snapshot)
     with open(tmp, "wb") as f:
@@ -175,10 +183,14 @@ def _write(snapshot: StateSnapshot, tmp: str, metadata: Optional[dict]) -> int:
             writer.close()
         entries = [{"start": sg.start, "end": sg.end, "offset": offsets[sg.index], "crc": crcs[sg.index]()}
                    for sg in snapshot.subgroups]
-        footer = json.dumps({
-            "numel": snapshot.numel, "steps_done": snapshot.steps_done, "subgroups": entries,
-            "dtypes": [c.describe() for c in snapshot.codecs], "metadata": metadata or {},
-        }).encode()
+        fields = {"numel": snapshot.numel, "steps_done": snapshot.steps_done, "subgroups": entries,
+                  "dtypes": [c.describe() for c in snapshot.codecs], "metadata": metadata or {}}
+        blocks = snapshot_blocks(snapshot)
+        if blocks is not None:  # 8-bit moments: what rebuilds every region's size and blocks
+            fields["blocks"] = blocks.to_json()
+            for entry, sg in zip(entries, snapshot.subgroups):
+                entry["blocks"] = sg.blocks
+        footer = json.dumps(fields).encode()
         pwrite_all(fd, footer + TRAILER.pack(MAGIC, len(footer), zlib.crc32(footer)), end)
         os.fsync(fd)
         return end + len(footer) + TRAILER.size

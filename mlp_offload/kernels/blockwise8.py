@@ -155,6 +155,14 @@ class BlockLayout:
             self._cached[key] = make().to(device)
         return self._cached[key]
 
+    def span(self, first: int, last: int) -> "BlockLayout":
+        """Blocks ``[first, last)`` as a layout of their own (from their first element)."""
+        part = object.__new__(BlockLayout)
+        part.block, part._cached = self.block, {}
+        part.starts = self.starts[first: last + 1] - self.starts[first]
+        part.numel = int(part.starts[-1])
+        return part
+
     def block_span(self, start: int, stop: int) -> Tuple[int, int]:
         """The blocks that elements ``[start, stop)`` make up exactly; a ValueError where an end
         falls inside a block (those elements cannot move without quantizing again)."""

@@ -74,6 +74,10 @@ class ShardParams:
                 out.append((lo - start, param_start + lo - shard_start, hi - lo))
         return out
 
+    def layout(self, start: int, end: int, block: int) -> BlockLayout:
+        """The block layout of elements ``[start, end)`` (both ends block starts), from ``start``."""
+        return BlockLayout(self.clipped(start, end), block)
+
     def blocks_in(self, start: int, end: int, block: int) -> int:
         """Blocks the elements ``[start, end)`` make (both ends block starts)."""
         return sum((p + n + block - 1) // block - p // block for _, p, n in self.clipped(start, end))

@@ -195,7 +195,8 @@ def test_no_store_param_remainders_reaches_megatron_core_where_it_honours_it():
 @pytest.mark.parametrize("extra, message", [
     (["--exp-avg-dtype", "bf16"], "argument --exp-avg-dtype: requires --use-precision-aware-optimizer"),
     (["--use-precision-aware-optimizer", "--offload-tiers", "host", "--exp-avg-sq-dtype", "fp8"],
-     "argument --exp-avg-sq-dtype: fp8 is not supported by the offload engine"),
+     "argument --exp-avg-dtype/--exp-avg-sq-dtype: fp32/fp8: the offload engine's 8-bit moments are updated "
+     "together, so give fp8 for both or for neither"),
     (["--use-precision-aware-optimizer", "--device", "cpu", "--use-distributed-optimizer"],
      "argument --use-precision-aware-optimizer: megatron-core's optimizer needs transformer-engine's FusedAdam"),
 ])

@@ -12,6 +12,12 @@ chunks straight into megatron-core's tensors, the offload files' reader caching 
 larger than its share (offloaded_state). Plain -> offload reads, for each subgroup the engine asks for, its elements
 straight from the torch_dist files (torch_dist_ranges: no collective, so no rounds to agree on, and
 never a whole saved item), one chunk at a time.
+
+8-bit moments (the engine's fp8: one fp32 scale per 128 elements of each param) have no counterpart
+there: megatron-core keeps fp32 moments, or with transformer-engine fp8 ones with one scale per
+tensor. Offloaded -> plain dequantizes them to fp32 (its setter rounds them into its own format);
+plain -> offloaded quantizes each subgroup's fp32 moments under its blocks: one rounding either way,
+said in one line (``eight_bit_crossing``).
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ from megatron.training.checkpoint.offloaded_state import SavedOffloadState
 from megatron.training.checkpoint.torch_dist_ranges import FlatTensorRanges
 from megatron.training.runtime.core_private import (main_param_and_optimizer_states,
                                                     set_main_param_and_optimizer_states)
-from mlp_offload.checkpoint import CheckpointDataError
+from megatron.training.runtime.progress import print_rank0
+from mlp_offload.checkpoint import CheckpointDataError, describe_formats, is_blockwise, values_fill
 
 FP32 = 4
 
@@ -55,6 +62,8 @@ def fill_distributed_optimizer(dist_optimizers: List, saved: SavedOffloadState, 
     optimizer(s), ``max_bytes`` at a time: half for a piece in flight (read straight into megatron-core's
     tensors, one state after the other), half for the files' readers (``saved.cache_bytes``)."""
     chunk = max(1, max_bytes // 2 // FP32)
+    # (one line for all: a save stores every kind's moments alike)
+    eight_bit_crossing(saved.saved_codecs("dense"), "dequantized for megatron-core's optimizer")
     for opt in dist_optimizers:
         # With EP > 1 megatron-core's second optimizer holds the experts: read from the experts' files.
         kind = "experts" if any(not getattr(p, "allreduce", True) for p, _ in _param_pieces(opt)) else "dense"
@@ -73,6 +82,14 @@ def fill_distributed_optimizer(dist_optimizers: List, saved: SavedOffloadState, 
         scaler = scalers[min(int(kind == "experts"), len(scalers) - 1)]  # each optimizer its own, as saved
         if opt.grad_scaler is not None and scaler:
             opt.grad_scaler.load_state_dict(scaler)
+
+
+def eight_bit_crossing(codecs, what: str) -> None:
+    """The one line a conversion of 8-bit moments gives (nothing for other formats)."""
+    if is_blockwise(codecs):
+        print_rank0(f"> the offloaded Adam moments are 8-bit ({describe_formats(codecs[1:])}: one fp32 scale per "
+                    f"{max(c.block for c in codecs)} elements of each param; megatron-core keeps fp32 moments, or "
+                    f"through transformer-engine fp8 ones with one scale per tensor): {what}, rounding them once")
 
 
 def _param_pieces(opt):
@@ -170,11 +187,12 @@ def load_into_engine(facade, checkpoint_dir: str, small_objects: List[dict], max
     """Fill each of the offload facade's engines (and grad scalers) from a plain checkpoint's
     optimizer state: the dense one, and with EP > 1 the experts' one from megatron-core's second.
     ``small_objects``: what ``saved_small_objects`` asked for, as loaded."""
+    eight_bit_crossing(facade.shards[0].engine.state_codecs, "quantized from megatron-core's saved moments")
     for shard, loaded in zip(facade.shards, small_objects):
         steps, scaler = _steps_and_scaler(loaded)
         source = PlainShardSource(shard.layout, checkpoint_dir, max_bytes, shard.kind, len(facade.shards))
         try:
-            shard.engine.load_state(source.fill, steps_done=steps)
+            shard.engine.load_state(values_fill(shard.engine, source.fill), steps_done=steps)
         finally:
             source.close()
         if shard.grad_scaler is not None and scaler:

@@ -30,7 +30,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTenso
 
 from megatron.training.checkpoint.state_dict import rank_coordinates, sharding_metadata
 from mlp_offload import BackgroundStateWrite, save_engine_state, start_background_save
-from mlp_offload.checkpoint import state_file_bytes
+from mlp_offload.checkpoint import subgroups_file_bytes
 
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")  # the order of the tensors in an offload file
 # The dense parameters' files, and the experts' (sharded over the expert grid and expert-data-parallel ranks).
@@ -182,7 +182,7 @@ def start_offloaded_save(shards, model_chunks, checkpoint_dir: str) -> "StateWri
 
 def offloaded_state_bytes(shards) -> int:
     """What ``save_offloaded_state`` writes on this rank."""
-    return sum(state_file_bytes(shard.engine.numel, shard.engine.state_codecs) for shard in shards)
+    return sum(subgroups_file_bytes(shard.engine.subgroups) for shard in shards)
 
 
 def _file_and_metadata(shard, model_chunks, checkpoint_dir: str):

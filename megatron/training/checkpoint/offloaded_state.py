@@ -29,7 +29,8 @@ import torch
 from megatron.training.checkpoint.offload_files import (FILE_NAME, SUBDIRS, ParamGeometry, param_geometries,
                                                         param_names, shard_coordinates, volume)
 from megatron.training.checkpoint.state_dict import sharding_metadata
-from mlp_offload.checkpoint import CheckpointDataError, RangeReader, StateFile, fill_engine
+from mlp_offload.checkpoint import (BlockLayout, CheckpointDataError, Quantized, RangeReader, StateFile, fill_engine,
+                                    is_blockwise, moments_change, quantize, stored_codecs)
 
 log = logging.getLogger("mlp_offload")
 
@@ -70,19 +71,14 @@ class _PositionFiles:
     def param_names(self):
         return self._held.keys()
 
-    def read_by_name(self, name: str, start: int, end: int, outs, high: Optional[torch.Tensor] = None) -> None:
-        """Elements [start, end) of parameter ``name`` into ``outs`` (one tensor per STATE_KEYS entry).
-        ``high``: the model's bf16 values of these elements, which complete a master saved as 16-bit
-        remainders into fp32 (without it such a file is refused)."""
-        if self._readers is None:
-            self._readers = [saved.ranges(self._share) for saved in self.files]
+    def read_by_name(self, name: str, start: int, end: int, outs, high: Optional[torch.Tensor] = None,
+                     keys: Sequence[int] = (0, 1, 2)) -> None:
+        """Elements [start, end) of parameter ``name`` into ``outs`` (one tensor per STATE_KEYS entry,
+        or per entry of ``keys``). ``high``: the model's bf16 values of these elements, which complete a
+        master saved as 16-bit remainders into fp32 (without it such a file is refused)."""
         filled = 0
-        for old_offset, length, flat, i in self._held.get(name, []):
-            x, y = max(start, old_offset), min(end, old_offset + length)
-            if x >= y:
-                continue
-            reader, at = self._readers[i], flat - old_offset
-            for k, out in enumerate(outs):
+        for x, y, reader, at in self._holdings(name, start, end):
+            for k, out in zip(keys, outs):
                 target = out[x - start: y - start]
                 master = reader.codecs[0]
                 if k == 0 and high is not None and master.needs_high and out.dtype != master.storage_dtype:
@@ -99,6 +95,55 @@ class _PositionFiles:
         if filled != end - start:
             raise CheckpointDataError(f"{self.where}: elements {start}..{end} of {name} are in no offload file "
                                       f"(another model or TP/PP layout?)")
+
+    def _holdings(self, name: str, start: int, end: int):
+        """(x, y, reader, at): elements [x, y) of [start, end) of parameter ``name`` are in ``reader``'s
+        file from its element ``at + x`` on."""
+        if self._readers is None:
+            self._readers = [saved.ranges(self._share) for saved in self.files]
+        for old_offset, length, flat, i in self._held.get(name, []):
+            x, y = max(start, old_offset), min(end, old_offset + length)
+            if x < y:
+                yield x, y, self._readers[i], flat - old_offset
+
+    def read_moments_by_name(self, name: str, start: int, end: int, targets: Sequence[Quantized],
+                             layout: BlockLayout) -> None:
+        """8-bit moments (exp_avg, exp_avg_sq) of elements [start, end) of parameter ``name`` into
+        ``targets``, whose blocks ``layout`` gives (this run's: multiples of its block in the
+        parameter, and the range's ends). A stretch whose both ends are block boundaries in the saved
+        file and in ``layout`` moves as its codes and scales, unchanged; the blocks around any other
+        cut are dequantized and quantized again under ``layout`` (one more rounding, there only)."""
+        block, moved = layout.block, []
+
+        def ours(pos: int) -> bool:
+            return pos in (start, end) or pos % block == 0
+
+        for x, y, reader, at in self._holdings(name, start, end):
+            if any(c.block != block or getattr(c, "fmt", None) != t.fmt for c, t in zip(reader.codecs[1:], targets)):
+                continue  # saved in other formats or blocks: as values, below
+
+            def both(pos: int) -> bool:
+                return ours(pos) and reader.is_block_boundary(at + pos)
+
+            a = x if both(x) else min(y, -(-x // block) * block)
+            b = y if both(y) else y // block * block
+            if a >= b or not (both(a) and both(b)):
+                continue
+            first, last = layout.block_span(a - start, b - start)
+            for k, target in enumerate(targets, 1):
+                reader.read_quantized(k, at + a, at + b, Quantized(
+                    target.codes[a - start: b - start], target.scales[first:last], target.fmt))
+            moved.append((a, b))
+        pos = start
+        for a, b in sorted(moved) + [(end, end)]:
+            if pos < a:  # whole blocks of ``layout`` between moved stretches: through their values
+                values = [torch.empty(a - pos, dtype=torch.float32) for _ in targets]
+                self.read_by_name(name, pos, a, values, keys=(1, 2))
+                first, last = layout.block_span(pos - start, a - start)
+                for value, target in zip(values, targets):
+                    quantize(value, layout.span(first, last), target.fmt, out=Quantized(
+                        target.codes[pos - start: a - start], target.scales[first:last], target.fmt))
+            pos = b
 
     def drop_cached(self) -> None:
         """Forget the stored subgroups kept for the next read (bounds memory over many positions)."""
@@ -160,6 +205,35 @@ class SavedOffloadState:
                                       f"{self._param_names()[param]}, so its offloaded state cannot be resharded "
                                       f"across TP/PP")
         self._read_region(geometry, start, end, outs)
+
+    def read_eight_bit(self, kind: str, param, start: int, end: int, master: torch.Tensor,
+                       moments: Sequence[Quantized], layout: BlockLayout) -> None:
+        """As ``read``, for an engine with 8-bit moments: the master into ``master`` (float32), the
+        moments into ``moments`` (codes and scales laid out by ``layout``). By name, block-aligned
+        stretches keep their codes and scales (``_PositionFiles.read_moments_by_name``); by region
+        (another TP/PP/EP), so too where a saved piece is this very tensor (the same global place and
+        shape: e.g. another PP size only), else the parameter is another tensor with other blocks and
+        its moments are quantized from values."""
+        run = self._run_shard(kind)
+        if run.by_name:
+            self.read(kind, param, start, end, [master])
+            position = self.position(kind, *run.place[:2], cache_bytes=self.cache_bytes)
+            position.read_moments_by_name(self._param_names()[param], start, end, moments, layout)
+            return
+        same = self._same_piece(param)
+        if same is not None:
+            self.read(kind, param, start, end, [master])
+            same.position.read_moments_by_name(same.name, start, end, moments, layout)
+            return
+        values = [torch.empty(end - start, dtype=torch.float32) for _ in moments]
+        self.read(kind, param, start, end, [master, *values])
+        for value, target in zip(values, moments):
+            quantize(value, layout, target.fmt, out=target)
+
+    def saved_codecs(self, kind: str):
+        """How the files this run's ``kind`` reads store (master, exp_avg, exp_avg_sq) (one save: all alike)."""
+        grid = self._grid(self._run_shard(kind).saved_layout.kind)
+        return stored_codecs(self.file(min(path for files in grid.values() for path in files.values())).footer)
 
     def whole_file(self, kind: str, dp_size: int) -> Optional[StateFile]:
         """This rank's own file of ``kind`` where it was saved at this very layout and DP size, else None."""
@@ -348,6 +422,18 @@ class SavedOffloadState:
             out.copy_(region.view(-1)[start - skip: end - skip])
         self._keep_warm(used)
 
+    def _same_piece(self, param) -> Optional["_SavedPiece"]:
+        """A saved piece that is ``param``'s very local tensor (its elements in the same flat order), if any."""
+        target = self._geometries().get(param)
+        if target is None:
+            return None
+        for piece in self._regions.get(target.key, []):
+            saved = piece.geometry
+            if (saved.global_shape, saved.global_offset, saved.local_shape) == \
+                    (target.global_shape, target.global_offset, target.local_shape):
+                return piece
+        return None
+
     def _saved_shape(self, target: ParamGeometry) -> Tuple[int, ...]:
         saved = self._shapes.get(target.key)
         if saved is None:
@@ -416,8 +502,12 @@ def load_offloaded_state(shards, saved: SavedOffloadState, offload_meta: dict, m
 def _load_engine(shard, saved: SavedOffloadState) -> None:
     dp_size = shard.dp_group.size()
     own = saved.whole_file(shard.kind, dp_size)
+    first = torch.distributed.get_rank() == 0
+    notice = moments_change(saved.saved_codecs(shard.kind), shard.engine.state_codecs)
     if own is not None:
-        fill_engine(shard.engine, own)
+        fill_engine(shard.engine, own, notice=False)
+        if notice and first:
+            log.warning("offloaded %sstate: %s", "expert " if shard.kind == "experts" else "", notice)
         return
     layout = shard.layout
     mine = sorted((a, b, layout.param_slice[param], param) for param, (a, b) in layout.param_flat_range.items())
@@ -431,10 +521,34 @@ def _load_engine(shard, saved: SavedOffloadState) -> None:
                 saved.read(shard.kind, param, offset + lo - a, offset + hi - a,
                            [out[lo - sg.start: hi - sg.start] for out in outs])
 
-    shard.engine.load_state(fill, steps_done=saved.steps_done)
-    if torch.distributed.get_rank() == 0:
-        log.info("offloaded %sstate resharded from %s", "expert " if shard.kind == "experts" else "",
-                 saved.describe_change(shard.kind, dp_size))
+    eight_bit = is_blockwise(shard.engine.state_codecs)
+    shard.engine.load_state(_eight_bit_fill(shard, saved, mine) if eight_bit else fill, steps_done=saved.steps_done)
+    if first:
+        log.info("offloaded %sstate resharded from %s%s", "expert " if shard.kind == "experts" else "",
+                 saved.describe_change(shard.kind, dp_size), f" ({notice})" if notice else "")
+
+
+def _eight_bit_fill(shard, saved: SavedOffloadState, mine):
+    """The engine's load callback for 8-bit moments: each parameter's piece of a subgroup through
+    ``saved.read_eight_bit``, into the subgroup's codes and scales under its own blocks."""
+    engine = shard.engine
+    codecs, params, block = engine.state_codecs, engine.blocks.params, engine.blocks.block
+
+    def fill(sg, master, *moments):
+        for out in (master, *moments):
+            out.zero_()  # bucket padding holds no parameter (codes and scales of zero: zeros)
+        layout = params.layout(sg.start, sg.end, block)
+        targets = [codec.split(raw, sg.numel, sg.blocks) for raw, codec in zip(moments, codecs[1:])]
+        for a, b, offset, param in mine:
+            lo, hi = max(a, sg.start), min(b, sg.end)
+            if lo < hi:
+                first, last = layout.block_span(lo - sg.start, hi - sg.start)
+                pieces = [Quantized(t.codes[lo - sg.start: hi - sg.start], t.scales[first:last], t.fmt)
+                          for t in targets]
+                saved.read_eight_bit(shard.kind, param, offset + lo - a, offset + hi - a,
+                                     master[lo - sg.start: hi - sg.start], pieces, layout.span(first, last))
+
+    return fill
 
 
 def gather_model_params(shards, model) -> None:
