@@ -112,10 +112,16 @@ class BlockLayout:
     """The blocks of one flat shard: ``lengths`` (int64, one per block, in shard order) and
     ``starts`` (their first elements; one more entry, the shard's size). See the module's docstring."""
 
-    def __init__(self, segments: Iterable[Tuple[int, int, int]], block: int):
+    def __init__(self, segments: Iterable[Tuple[int, int, int]], block: int,
+                 starts: Optional[torch.Tensor] = None):
+        """``starts``: the blocks' starts themselves (from 0), in place of ``segments`` (``span``)."""
         if block < 1:
             raise ValueError(f"block {block}: must be positive")
         self.block = block
+        self._cached = {}
+        if starts is not None:
+            self.starts, self.numel = starts, int(starts[-1])
+            return
         pieces, at = [], 0
         for shard_start, param_start, length in segments:
             if shard_start != at or param_start < 0 or length < 1:
@@ -126,7 +132,6 @@ class BlockLayout:
         self.numel = at
         lengths = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
         self.starts = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])  # kept alone: 8 B a block
-        self._cached = {}
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -157,11 +162,7 @@ class BlockLayout:
 
     def span(self, first: int, last: int) -> "BlockLayout":
         """Blocks ``[first, last)`` as a layout of their own (from their first element)."""
-        part = object.__new__(BlockLayout)
-        part.block, part._cached = self.block, {}
-        part.starts = self.starts[first: last + 1] - self.starts[first]
-        part.numel = int(part.starts[-1])
-        return part
+        return BlockLayout((), self.block, starts=self.starts[first: last + 1] - self.starts[first])
 
     def block_span(self, start: int, stop: int) -> Tuple[int, int]:
         """The blocks that elements ``[start, stop)`` make up exactly; a ValueError where an end
