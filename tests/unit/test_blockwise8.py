@@ -309,16 +309,24 @@ def cpu_kernel():
     return blockwise8_cpu
 
 
+def _drawn_state(shard, scheme, data):
+    """(layout, [fp32 master, m, v]) of a drawn shard: values over many magnitudes, moments quantized."""
+    layout = b8.BlockLayout(shard[0], scheme.block)
+    p = torch.from_numpy(values_like(data.draw, layout.numel, extremes=False))
+    m0 = torch.from_numpy(values_like(data.draw, layout.numel, extremes=False)) * 1e-2
+    return layout, [p, b8.quantize(m0, layout, scheme.formats[0]), b8.quantize(m0 * m0, layout, scheme.formats[1])]
+
+
+def _copied(state):
+    return [state[0].clone()] + [b8.Quantized(q.codes.clone(), q.scales.clone(), q.fmt) for q in state[1:]]
+
+
 @settings(max_examples=examples(60), deadline=None)
 @given(shard=shards(max_param=3000), scheme=st.sampled_from(SCHEMES), hyper=st.sampled_from(HYPERS), data=st.data())
 def test_cpu_one_pass_gives_the_torch_paths_bits(cpu_kernel, shard, scheme, hyper, data):
-    segments, _ = shard
-    layout = b8.BlockLayout(segments, scheme.block)
+    layout, ours = _drawn_state(shard, scheme, data)
     n = layout.numel
-    p = torch.from_numpy(values_like(data.draw, n, extremes=False))
-    m0 = torch.from_numpy(values_like(data.draw, n, extremes=False)) * 1e-2
-    ours = [p.clone(), b8.quantize(m0, layout, scheme.formats[0]), b8.quantize(m0 * m0, layout, scheme.formats[1])]
-    theirs = [p.clone()] + [b8.Quantized(q.codes.clone(), q.scales.clone(), q.fmt) for q in ours[1:]]
+    theirs = _copied(ours)
     outs = [torch.empty(n, dtype=torch.bfloat16) for _ in range(2)]
     for step in (1, 2, 3):
         g = torch.from_numpy(values_like(data.draw, n, extremes=False))
@@ -337,14 +345,10 @@ def test_cpu_one_pass_on_a_remainders_master_gives_the_fp32_masters_bits(cpu_ker
     """A master stored as int16 remainders beside its bf16 high halves, merged and split inside the pass:
     the same as the fp32 master's step (torch path), split afterwards (``remainders.split``)."""
     from mlp_offload.kernels.remainders import split
-    segments, _ = shard
-    layout = b8.BlockLayout(segments, scheme.block)
+    layout, fp32 = _drawn_state(shard, scheme, data)
     n = layout.numel
-    p = torch.from_numpy(values_like(data.draw, n, extremes=False))
-    m0 = torch.from_numpy(values_like(data.draw, n, extremes=False)) * 1e-2
-    fp32 = [p.clone(), b8.quantize(m0, layout, scheme.formats[0]), b8.quantize(m0 * m0, layout, scheme.formats[1])]
-    rem, high = split(p)
-    stored = [rem] + [b8.Quantized(q.codes.clone(), q.scales.clone(), q.fmt) for q in fp32[1:]]
+    rem, high = split(fp32[0])
+    stored = [rem] + _copied(fp32)[1:]
     for step in (1, 2, 3):
         g = torch.from_numpy(values_like(data.draw, n, extremes=False))
         cpu_kernel.adamw_step(stored[0], g, stored[1], stored[2], layout, hyper, step, high=high)

@@ -30,7 +30,7 @@ from mlp_offload.kernels.blockwise8 import Quantized
 from .helpers import BETAS, EPS, LR, WD, device_config, engine_state, fast_config
 from .strategies import device_setups
 from .test_blockwise8 import bits, ref_blocks, ref_dequantize, ref_quantize
-from .test_eight_bit_engine import CODECS, FP8, Reference, engine_moments, param_segments
+from .test_eight_bit_engine import CODECS, FP8, Reference, draw_case, engine_moments
 
 FP32_MOMENTS = ("fp32", "fp32", "fp32")
 
@@ -55,13 +55,8 @@ def assert_like_reference(eng, ref):
        data=st.data())
 def test_saved_and_loaded_at_the_same_shard_continues_bit_for_bit(case, seed, background, load_subgroup,
                                                                   load_tiers, data):
-    setup, extra, _ = case
+    setup, extra, _, segments, init, gen = draw_case(case, seed, data)
     numel = setup.numel
-    extra = {**extra, "device_read_ahead_bytes": 4 * extra["device_read_ahead_bytes"]}
-    ranges = sorted(r for rs, _ in (setup.groups or [([(0, numel)], {})]) for r in rs)
-    segments = data.draw(param_segments(numel, ranges))
-    gen = torch.Generator().manual_seed(seed)
-    init = torch.randn(numel, generator=gen)
     grads = [(torch.randn(numel, generator=gen) * 10).to(torch.bfloat16) for _ in range(4)]
     ref = Reference(init, segments, setup.groups, numel)
     with tempfile.TemporaryDirectory() as root:

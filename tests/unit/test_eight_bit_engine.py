@@ -4,6 +4,7 @@ cut anywhere by the shard, the engine's master params, codes and scales equal a 
 reference (``test_blockwise8.ref_step``) bit for bit; subgroups end on block starts whatever
 ``subgroup_size`` is; bad combinations are refused in one line."""
 
+import logging
 import tempfile
 
 import numpy as np
@@ -39,6 +40,19 @@ def param_segments(draw, numel, group_ranges):
         cuts |= set(draw(st.sets(st.integers(a + 1, max(a + 1, b - 1)), max_size=3))) - {b} if b - a > 1 else set()
     bounds = sorted(cuts | {0, numel})
     return [(a, draw(st.sampled_from([0, 0, 1, 77, 300])), b - a) for a, b in zip(bounds, bounds[1:])]
+
+
+def draw_case(case, seed, data):
+    """(setup, its device options, relocations, param segments, init, generator) of a drawn
+    ``device_setups`` case with 8-bit moments: the read-ahead sized for their state (the strategy sizes
+    it for element-wise formats, 12 bytes an element; a short subgroup's 8-bit state takes more per
+    element, its codes and scales padded to 4 bytes), params cut inside the param-group ranges."""
+    setup, extra, relocate = case
+    extra = {**extra, "device_read_ahead_bytes": 4 * extra["device_read_ahead_bytes"]}
+    ranges = sorted(r for rs, _ in (setup.groups or [([(0, setup.numel)], {})]) for r in rs)
+    segments = data.draw(param_segments(setup.numel, ranges))
+    gen = torch.Generator().manual_seed(seed)
+    return setup, extra, relocate, segments, torch.randn(setup.numel, generator=gen), gen
 
 
 def engine_moments(eng):
@@ -88,15 +102,8 @@ class Reference:
 def test_engine_with_8_bit_moments_matches_the_reference_bit_for_bit(case, seed, remainders, data):
     """With ``remainders`` the master is stored as int16 remainders beside the model's bf16 params (the
     default with --bf16): the reference then steps the merged fp32 master, which starts as the bf16 params."""
-    setup, extra, relocate = case
+    setup, extra, relocate, segments, init, gen = draw_case(case, seed, data)
     numel = setup.numel
-    # (sized there for any element-wise formats: 12 bytes an element; a short subgroup's 8-bit state
-    # takes more per element, its codes and scales padded to 4 bytes)
-    extra = {**extra, "device_read_ahead_bytes": 4 * extra["device_read_ahead_bytes"]}
-    ranges = sorted(r for rs, _ in (setup.groups or [([(0, numel)], {})]) for r in rs)
-    segments = data.draw(param_segments(numel, ranges))
-    gen = torch.Generator().manual_seed(seed)
-    init = torch.randn(numel, generator=gen)
     model = None
     if remainders:  # a bf16 model: the master starts as its params
         init = init.to(torch.bfloat16).float()
@@ -128,16 +135,18 @@ def test_engine_with_8_bit_moments_matches_the_reference_bit_for_bit(case, seed,
         assert np.array_equal(bits(scales), ref_scales.view(np.uint32))
 
 
-def test_state_bytes_count_codes_and_block_scales():
+def test_state_bytes_count_codes_and_block_scales(caplog):
     numel, segments = 10_000, [(0, 0, 3000), (3000, 100, 2500), (5500, 0, 4500)]
     cfg = OffloadConfig(tiers=["host"], subgroup_size=1500, state_dtypes=FP8, pin_memory=False, run_id="t8",
                         adam_elems_per_s=1e9)
-    with OffloadedAdamW(torch.zeros(numel), cfg, model=ModelLink(param_segments=segments)) as eng:
-        blocks = sum(sg.blocks for sg in eng.subgroups)
-        assert blocks == len(np.unique(ref_blocks(segments, 128)))  # 24 + 21 + 36
-        for sg in eng.subgroups:
-            assert sg.region_bytes(1) >= sg.numel + 4 * sg.blocks
-        assert "fp32/e4m3-b128/sqrt-e4m3-b128" in eng.describe_state() if hasattr(eng, "describe_state") else True
+    with caplog.at_level(logging.INFO, logger="mlp_offload"):
+        with OffloadedAdamW(torch.zeros(numel), cfg, model=ModelLink(param_segments=segments)) as eng:
+            blocks = sum(sg.blocks for sg in eng.subgroups)
+            assert blocks == len(np.unique(ref_blocks(segments, 128))) == 24 + 21 + 36
+            for sg in eng.subgroups:
+                assert sg.region_bytes(1) >= sg.numel + 4 * sg.blocks
+    # the start-up line: 4 + 2 * (1 + 4/128) bytes a param, and the formats' tags
+    assert any("state 6.1 B/param (fp32/e4m3-b128/sqrt-e4m3-b128)" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.parametrize("dtypes,message", [
