@@ -8,6 +8,7 @@
 #   bash benchmarks/run_gpu.sh converge_moments        (device tool, one H200, carry [".whl"]; ~2-3 min a variant)
 #   VARIANTS="fp32 bf16 fp8" ITERS=2000 ...             (defaults)
 #   DRY_RUN=1 bash benchmarks/experiments/converge_moments.sh   (tiny model, 20 steps, 2 CPU processes)
+#   CORPUS_ONLY=1 ...                                   builds the corpus in WORK and stops
 # Writes $OUT/converge_<variant>.jsonl (per-step losses), $OUT/converge_<variant>.log (console: validation lines)
 # and $OUT/converge_summary.txt; benchmarks/plot_convergence.py draws the PNG from them.
 set -u
@@ -54,6 +55,7 @@ PY
   $PY tools/preprocess_data.py --input "$WORK/corpus.jsonl" --output-prefix "$WORK/corpus" \
     --tokenizer-type ByteLevelTokenizer --append-eod --workers 4 | tail -2
 fi
+[ "${CORPUS_ONLY:-0}" = 1 ] && { echo "corpus ready in $WORK ($(( SECONDS - T0 )) s)"; exit 0; }
 COMMON="$MODEL --swiglu --normalization RMSNorm --position-embedding-type rope --untie-embeddings-and-output-weights
   --disable-bias-linear --hidden-dropout 0 --attention-dropout 0 --micro-batch-size $MB --global-batch-size $GBS
   --train-iters $ITERS --lr 6e-4 --min-lr 6e-5 --lr-decay-style cosine --lr-warmup-iters $(( ITERS / 20 ))
