@@ -478,7 +478,7 @@ def recommend(opts, capacities, flags, args, machine, measured):
         rows.append({"candidate": c.describe(), "changes": own_flags(c, args.offload_tiers), "changed": changed,
                      "fits": plan.fits, "problems": plan.problems,
                      "predicted_iteration_s": plan.iteration_s, "tokens_per_s": plan.tokens_per_s[args.global_batch_size],
-                     "flags": suggested_flags(plan, args, cand_flags)})
+                     "gpu_tflops": tflops, "flags": suggested_flags(plan, args, cand_flags)})
     fitting = [r for r in rows if r["fits"]]
     # Ties go to the candidate closest to the flags as given.
     chosen = max(fitting, key=lambda r: (r["tokens_per_s"], -r["changed"])) if fitting else None

@@ -16,7 +16,8 @@
 # `timeout LIMIT` (default 420 s): start-up (pinning ~400 GiB, the state's first write to disk) takes minutes.
 # Run: PART="b100 l70" bash benchmarks/run_gpu.sh largest_x4  (device tool, kind nvidia-h200-x4, carry [".whl"]);
 #      DRY_RUN=1 runs tiny shapes on CPU (4 processes). PLAN_EXTRA: more planner flags (e.g. elsewhere, the x4 node's
-#      "--host-memory-gb 503 --offload-nvme-capacity-gb 200"; ITERS8=0 then plans only).
+#      "--host-memory-gb 503 --offload-nvme-capacity-gb 200"; ITERS8=0 then plans only). FLAGS_EXTRA: more training
+#      flags, planned and run (e.g. "--offload-gpu-margin-gb 8").
 set -u -o pipefail  # a planner that chose nothing stops its part
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-$PWD}
@@ -60,7 +61,7 @@ for part in ${PART:-b100 l70}; do
     --clip-grad 1.0 --bf16 --grad-reduce-in-bf16 --mock-data --seed 1234 --log-interval 1 --log-throughput
     --recompute-granularity full --recompute-method uniform --recompute-num-layers 1 $DEVICE $PREC
     --offload-tiers $TIERS ${HOST_GB:+--offload-host-cache-gb $HOST_GB} --offload-nvme-path $DISK --offload-subgroup-size $SUB
-    --offload-io-threads 8"
+    --offload-io-threads 8 ${FLAGS_EXTRA:-}"
   echo "== $part: the planner (global batch $plan_gb, layouts $layouts of 4 GPUs, ${MOMENTS:-$moments} moments)"
   df -h "$DISK" | tail -1
   $PY tools/plan_offload.py --gpus-per-node 4 $MACHINE ${PLAN_EXTRA:-} --recommend --layouts $layouts --json $FLAGS \
@@ -68,8 +69,10 @@ for part in ${PART:-b100 l70}; do
   $PY benchmarks/experiments/planner_choice.py "$OUT/.plan.json" "$OUT/.chosen" | tee "$OUT/${part}_plan.txt" \
     || { head -c 600 "$OUT/.plan.err"; continue; }
   mapfile -t CHOSEN < "$OUT/.chosen"
-  # The chosen flags' plan at both batch sizes: where every byte lives, the iteration predicted
-  $PY tools/plan_offload.py --gpus-per-node 4 $MACHINE ${PLAN_EXTRA:-} --global-batch-sizes 8,64 "${CHOSEN[@]}" \
+  # The chosen flags' plan at both batch sizes: where every byte lives, the iteration predicted (at the TFLOP/s
+  # the planner gave the chosen recompute: --gpu-tflops is the full-recompute figure)
+  $PY tools/plan_offload.py --gpus-per-node 4 $MACHINE ${PLAN_EXTRA:-} --gpu-tflops "$(cat "$OUT/.chosen.tflops")" \
+    --global-batch-sizes 8,64 "${CHOSEN[@]}" \
     --global-batch-size $plan_gb 2>&1 | grep -v "^flags:" | cut -c1-700 | tee -a "$OUT/${part}_plan.txt"
   for gb in 8 64; do
     iters=$([ $gb = 8 ] && echo ${ITERS8:-3} || echo ${ITERS64:-0})
@@ -89,5 +92,5 @@ for part in ${PART:-b100 l70}; do
     cat "$OUT/${part}_gb${gb}_peaks.txt" 2>/dev/null; echo
     echo "disk after the run: $(df -h "$DISK" | tail -1)"
   done
-  rm -rf "$DISK" "$OUT/.run.log" "$OUT/.plan.json" "$OUT/.plan.err" "$OUT/.chosen"
+  rm -rf "$DISK" "$OUT/.run.log" "$OUT/.plan.json" "$OUT/.plan.err" "$OUT/.chosen" "$OUT/.chosen.tflops"
 done

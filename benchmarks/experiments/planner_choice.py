@@ -5,7 +5,9 @@
 PLAN.json is ``tools/plan_offload.py --recommend --json`` output. Prints the TOP (default 6) fastest
 candidates that fit, the chosen one beside the flags as given, and writes the chosen flags to FLAGS_OUT
 one per line (for bash's ``mapfile``), less --global-batch-size (the script sets it) and
---offload-bandwidths (the training's engine probes its own disk). Exit 1 where nothing fits.
+--offload-bandwidths (the training's engine probes its own disk), and to FLAGS_OUT.tflops the TFLOP/s the
+candidate was planned at (--gpu-tflops scaled by its recompute's work), which planning the chosen flags
+again needs: --gpu-tflops as given holds for the flags as given. Exit 1 where nothing fits.
 """
 
 import json
@@ -45,6 +47,8 @@ def main(plan_path, flags_out, top=6):
           f"{chosen['predicted_iteration_s']:.3f} s (as given: {as_given})")
     with open(flags_out, "w") as f:
         f.write("\n".join(chosen_flags(chosen["flags"])) + "\n")
+    with open(flags_out + ".tflops", "w") as f:
+        f.write(f"{chosen['gpu_tflops']:.6g}\n")
     return 0
 
 

@@ -78,4 +78,4 @@ for side, label in (("default", "recompute full, micro-batch 1, tiers as given")
     guess = f"{predicted[side]:,.0f}" if predicted[side] else "does not fit"
     print(f"  {side} ({label}): {measured}, predicted {guess}")
 PY
-rm -rf "$DISK" "$OUT/.run.log" "$OUT/.peak" "$OUT/.plan.err" "$OUT/.chosen"
+rm -rf "$DISK" "$OUT/.run.log" "$OUT/.peak" "$OUT/.plan.err" "$OUT/.chosen" "$OUT/.chosen.tflops"

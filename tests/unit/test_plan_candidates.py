@@ -69,6 +69,8 @@ def test_every_candidate_is_planned_as_its_own_flags_and_the_fastest_fitting_is_
     for row in fitting:  # each row is the plan of its own flags (at its recompute's scaled TFLOP/s)
         recompute = row["candidate"].split(",")[0].split()[1]
         tflops = H200_TFLOPS * (4 / 3) / recompute_work(recompute)  # the replay's TFLOP/s was measured with full
+        # (the row names its TFLOP/s: an experiment plans the chosen flags again at it, beside the run)
+        assert row["gpu_tflops"] == pytest.approx(tflops, rel=1e-12)
         alone = plan(tool, " ".join(base + row["changes"]), tflops=tflops)
         assert alone["tokens_per_s"]["1"] == pytest.approx(row["tokens_per_s"], rel=1e-9)
     # The run as recorded is among the candidates, with the figures of the plain plan.
