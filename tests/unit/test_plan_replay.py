@@ -44,6 +44,7 @@ LLAMA = ("--swiglu --normalization RMSNorm --position-embedding-type rope --unti
          "--bf16 --recompute-granularity full --recompute-method uniform --recompute-num-layers 1 --device cuda "
          "--offload-subgroup-size 100000000")
 BF16_MOMENTS = "--use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16"
+FP8_MOMENTS = "--use-precision-aware-optimizer --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8"
 # benchmarks/experiments/gpu_update.sh (BIG) and largest_model.sh, one H200 (140.4 GiB, 125 GiB host)
 LLAMA_10B = ("--num-layers 36 --hidden-size 5120 --ffn-hidden-size 13824 --num-attention-heads 40 "
              "--group-query-attention --num-query-groups 8 --seq-length 2048 --max-position-embeddings 2048 "
@@ -230,6 +231,27 @@ RUNS = {
         f"{LLAMA} {BF16_MOMENTS} {LLAMA_20B} {OVERLAP}",
         update_s=1.4260, iteration_s=2.0173, gpu_subgroups=92, peak_in_use_gib=123.47 - 42.34, attention="sdpa",
         compute_alone_s=0.7288 - 0.0046),
+    # fp8 moments, the README command in series on one H200 of a four-H200 node (benchmarks/experiments/
+    # one_gpu_each.sh, 2026-11-28; other runs on the node's other GPUs at the same time): iterations 4-12
+    # 1.858-2.046 s (mean 1.9372), update 1.052-1.184 s (mean 1.1131); auto: peak 124.97 GiB with 113 (42.75 GiB),
+    # then 132
+    "20.68B fp8 moments SDPA in series, one H200": Recorded(
+        "one_gpu_each_2026-11-28/20b_fp8_serial/largest.log",
+        ["read 1.31 GB/s, write 0.63 GB/s", "adam 1.00 Gelem/s", "adam 32.02 Gelem/s resident, 11.18 streamed",
+         "(beside the CPU: streamed 0.78, cpu 0.00)", "peak 124.97 GiB", "the gpu tier holds 113 (42.75 GiB)",
+         "the gpu tier holds 132 (49.94 GiB)"],
+        f"{ONE_H200} --offload-bandwidths nvme=1.31:0.63 --adam-gelems 1.00 --gpu-adam-gelems 32.02 "
+        f"--gpu-streamed-gelems 11.18 {LLAMA} {FP8_MOMENTS} {LLAMA_20B}",
+        update_s=1.1131, iteration_s=1.9372, gpu_subgroups=132, peak_in_use_gib=124.97 - 42.75, attention="sdpa"),
+    # The same at 64 layers (25.36 B), after the 20.68 B runs on its GPU: iterations 4-10 2.757-2.955 s (mean
+    # 2.8594), update 1.839-1.957 s (mean 1.8909); auto: peak 134.61 GiB with 89 subgroups (33.67 GiB), then 83
+    "25.36B fp8 moments SDPA in series, one H200": Recorded(
+        "one_gpu_each_2026-11-28/25b_fp8_serial/largest.log",
+        ["read 1.46 GB/s, write 1.69 GB/s", "adam 0.96 Gelem/s", "adam 32.11 Gelem/s resident, 11.07 streamed",
+         "peak 134.61 GiB", "the gpu tier holds 89 (33.67 GiB)", "the gpu tier holds 83 (31.40 GiB)"],
+        f"{ONE_H200} --offload-bandwidths nvme=1.46:1.69 --adam-gelems 0.96 --gpu-adam-gelems 32.11 "
+        f"--gpu-streamed-gelems 11.07 {LLAMA} {FP8_MOMENTS} {LLAMA_20B} --num-layers 64",
+        update_s=1.8909, iteration_s=2.8594, gpu_subgroups=83, peak_in_use_gib=134.61 - 33.67, attention="sdpa"),
     # iterations 2-3: 26.30, 26.64 s, update 26.04, 26.39 s. The disk's rates are the call's own floor probe
     # (read, then write, 2 GiB O_DIRECT), not the engine's probe, whose figures this log did not keep; the
     # prediction counts reads and writes one after the other (14% over here; the 2026-11-24 call's floor
