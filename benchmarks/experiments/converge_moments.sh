@@ -9,6 +9,9 @@
 #   VARIANTS="fp32 bf16 fp8" ITERS=2000 ...             (defaults)
 #   DRY_RUN=1 bash benchmarks/experiments/converge_moments.sh   (tiny model, 20 steps, 2 CPU processes)
 #   CORPUS_ONLY=1 ...                                   builds the corpus in WORK and stops
+#   CHAIN=1 ...   each variant saves where it stops (--exit-duration-in-mins: LIMIT less 60 s for the save) in
+#                 WORK/ckpt_<variant> and resumes from there when run again on the same machine (a warm one keeps
+#                 /var/tmp): 2,000 steps over calls of 600 s. Logs continue; the resume is bit-exact (GPU suite)
 # Writes $OUT/converge_<variant>.jsonl (per-step losses), $OUT/converge_<variant>.log (console: validation lines)
 # and $OUT/converge_summary.txt; benchmarks/plot_convergence.py draws the PNG from them.
 set -u
@@ -71,10 +74,18 @@ run_variant() {  # $1: variant, $2: port
     *) echo "error: VARIANTS='$VARIANTS': each one of fp32, bf16, fp8"; return 2;;
   esac
   started=$SECONDS
+  : > "$OUT/converge_$variant.log"
+  if [ "${CHAIN:-0}" = 1 ]; then
+    flags="$flags --save $WORK/ckpt_$variant --load $WORK/ckpt_$variant
+      --exit-duration-in-mins $(python3 -c "print(max(0.5, (${LIMIT:-280} - 60) / 60))")"
+    # the logs so far (the device tool empties OUT before each call; WORK stays while the machine is warm)
+    cp "$WORK/converge_$variant.jsonl" "$WORK/converge_$variant.log" "$OUT/" 2>/dev/null
+  fi
   # shellcheck disable=SC2086
   timeout "${LIMIT:-280}" torchrun --nproc_per_node $NPROC --master_port "$2" pretrain_gpt.py $COMMON $flags \
-    --loss-log "$OUT/converge_$variant.jsonl" > "$OUT/converge_$variant.log" 2>&1
+    --loss-log "$OUT/converge_$variant.jsonl" >> "$OUT/converge_$variant.log" 2>&1
   rc=$?
+  [ "${CHAIN:-0}" = 1 ] && cp "$OUT/converge_$variant.jsonl" "$OUT/converge_$variant.log" "$WORK/"
   echo "$variant: exit $rc in $(( SECONDS - started )) s"
   grep -E "offload rank 0:.*bytes|^error|Error:" "$OUT/converge_$variant.log" | grep -v -i warn | head -5 | cut -c1-300
   grep -E "validation loss at iteration" "$OUT/converge_$variant.log" | cut -c1-120 | tail -3
