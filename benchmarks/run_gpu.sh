@@ -2,9 +2,12 @@
 # The one GPU runner: installs the carried wheels once, then runs a named experiment.
 #   bash benchmarks/run_gpu.sh NAME [args...]     runs benchmarks/experiments/NAME.sh with args
 #   bash benchmarks/run_gpu.sh                    lists the experiments
-# From the repo root on the GPU machine, with the wheels (megatron-core, psutil; deepspeed and its
-# deps for the peers) carried in .whl/ (the device tool's carry list: [".whl"], plus ".deb" for the
-# peers' libaio and what an experiment's header names). Results go to $OUT (default /tmp/out).
+# From the repo root on the GPU machine, with the wheels (megatron-core; deepspeed and its deps for the
+# peers in .whl/peers/, installed by peer_env.sh alone) carried in .whl/ (the device tool's carry list:
+# [".whl"], plus ".deb" for the peers' libaio and what an experiment's header names). Results go to $OUT
+# (default /tmp/out). Getting them, where pip and apt reach an index: `pip download` (README of the device
+# tool) for megatron-core; `DS_BUILD_OPS=0 pip wheel --no-deps deepspeed==0.19.8 -w .whl/peers` and its
+# dependencies' cp312 wheels; `apt-get download libaio1 libaio-dev` in .deb/.
 set -u
 cd "$(dirname "$0")/.."
 if [ $# -lt 1 ]; then

@@ -13,6 +13,12 @@ fi
 export CPATH=/tmp/libaio/usr/include${CPATH:+:$CPATH}
 export LIBRARY_PATH=$_aio_lib${LIBRARY_PATH:+:$LIBRARY_PATH}
 export LD_LIBRARY_PATH=$_aio_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+# The peers' wheels (deepspeed 0.19.8 built with DS_BUILD_OPS=0, and what it needs that the image lacks) sit in
+# .whl/peers/, apart from .whl/*.whl, which every experiment installs: only the peers' runs take them.
+if ls "$_repo"/.whl/peers/*.whl >/dev/null 2>&1 && [ ! -f /tmp/site/.peers_installed ]; then
+    python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target /tmp/site "$_repo"/.whl/peers/*.whl \
+        && touch /tmp/site/.peers_installed || return 1
+fi
 export PYTHONPATH=/tmp/site:$_repo${PYTHONPATH:+:$PYTHONPATH}
 export TORCH_CUDA_ARCH_LIST=9.0 DS_BUILD_OPS=0 PYTHONUNBUFFERED=1
 echo "setup_gpu_peer: wheels in /tmp/site, libaio in $_aio_lib ($(ls "$_aio_lib" | tr '\n' ' '))"

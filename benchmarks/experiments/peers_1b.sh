@@ -3,6 +3,10 @@
 # (NVMe, CPU), megatron-core's CPU offload and no offload, same ~1.03 B Llama shape, floor first.
 # Needs `.whl` (megatron-core, deepspeed + deps) and `.deb` (libaio) in the device tool's carry list.
 #   bash benchmarks/run_gpu.sh peers_1b [compare_offload.py flags, e.g. --layers 16 --iters 4]
+# The 3.0 B comparison with fp8 moments (issue 39), ours host 5.96 GB + disk against DeepSpeed ZeRO-3 NVMe:
+#   bash benchmarks/run_gpu.sh peers_1b --systems bd --layers 28 --hidden 3072 --ffn 8192 --heads 24 --kv-heads 8 \
+#     --micro-batch 1 --host-budget-gb 5.96 --iters 4 \
+#     --ours-flags="--use-precision-aware-optimizer --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8"
 # Stays within LIMIT_S seconds (default 525) from its own start, setup and plot included.
 set -u
 T0=$SECONDS
