@@ -257,7 +257,7 @@ def default_resident_gelems(stored) -> float:
 
 
 def device_rates(opts, stored=("rem16", "bf16", "bf16")):
-    from megatron.training.offload.capacity_plan import DeviceRates
+    from megatron.training.offload.plan_types import DeviceRates
 
     g = lambda x: None if x is None else x * 1e9  # noqa: E731
     resident = opts.gpu_adam_gelems or default_resident_gelems(stored)
@@ -317,7 +317,8 @@ def layouts_to_try(opts, args, machine):
 def plan_for(opts, capacities, flags, measured, gpu_tflops=None, batch_sizes=None):
     """One plan. ``measured`` keeps the tiers' and the CPU's rates of a first call for the next ones
     (they do not change with the flags a recommendation varies); ``gpu_tflops`` replaces --gpu-tflops."""
-    from megatron.training.offload.capacity_plan import Machine, make_plan, suggested_host_cache_gb
+    from megatron.training.offload.capacity_plan import make_plan, suggested_host_cache_gb
+    from megatron.training.offload.plan_types import Machine
     from megatron.training.data.datasets import build_tokenizer, padded_vocab_size
     from megatron.training.offload.flags import config_from_args
     from megatron.training.model.configs import transformer_config
