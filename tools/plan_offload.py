@@ -286,10 +286,18 @@ def parse(argv):
 
 def measured_tflops(args) -> float:
     """--gpu-tflops where it is not given: the H200's figure for the experts' kernel (an MoE model) or the
-    attention kernel the flags run."""
+    attention kernel the flags run. Each was measured with full recompute (Megatron-LM counts the model's
+    FLOPs, not the recompute's): for the flags' own recompute it is scaled by the device work each does
+    (selective: 4/3 of it), as --recommend scales a figure measured with the flags as given."""
+    from megatron.training.offload.plan_candidates import recompute_work
+
     if getattr(args, "num_experts", None):
-        return MEASURED_H200_TFLOPS["sequential_experts"]
-    return MEASURED_H200_TFLOPS["unfused" if getattr(args, "core_attention", "sdpa") == "unfused" else "sdpa"]
+        figure = MEASURED_H200_TFLOPS["sequential_experts"]
+    else:
+        figure = MEASURED_H200_TFLOPS["unfused" if getattr(args, "core_attention", "sdpa") == "unfused" else "sdpa"]
+    own = recompute_work(args.recompute_granularity, args.recompute_method, args.recompute_num_layers,
+                         args.num_layers // args.pipeline_model_parallel_size)
+    return figure * (recompute_work("full") / own)
 
 
 def parse_layouts(text):

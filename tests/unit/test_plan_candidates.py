@@ -127,3 +127,22 @@ def test_bad_layouts_get_one_line(tool, bad, capsys):
         run(tool, f"--recommend --layouts {bad} {flags}")
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--layouts" in err[0] and repr(bad) in err[0]
+
+
+def test_the_default_tflops_follows_the_flags_recompute(tool):
+    """The default TFLOP/s figures were measured with full recompute (the FLOPs counted without it): the
+    same run planned with selective recompute and no --gpu-tflops computes at 4/3 of the figure, and
+    --recommend plans every candidate alike whichever recompute the flags came with."""
+    selective = NO_RECOMPUTE_20B + " --recompute-granularity selective"
+    _, full = run(tool, RUN_20B)
+    _, sel = run(tool, selective)
+    assert sel["predicted_compute_s"] == pytest.approx(full["predicted_compute_s"] * 3 / 4, rel=1e-9)
+    _, a = run(tool, f"--recommend {RUN_20B}")
+    _, b = run(tool, f"--recommend {selective}")
+    rows_a = {r["candidate"]: r.get("tokens_per_s") for r in a["recommendation"]["candidates"]}
+    rows_b = {r["candidate"]: r.get("tokens_per_s") for r in b["recommendation"]["candidates"]}
+    assert rows_a.keys() == rows_b.keys()
+    for name, tokens in rows_a.items():
+        assert (tokens is None) == (rows_b[name] is None)
+        if tokens is not None:
+            assert rows_b[name] == pytest.approx(tokens, rel=1e-9), name
