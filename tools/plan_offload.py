@@ -89,7 +89,8 @@ def machine_parser() -> argparse.ArgumentParser:
                    help="sustained TFLOP/s per GPU for this model (from a short run's log); default: what one "
                         "H200 reached at 10.24 B with the attention kernel the flags run (unfused 216.7, "
                         "torch SDPA 334.5, also taken for transformer-engine's); for an MoE model, 174.8 (Mixtral "
-                        "8x7B's shape at EP4 with megatron-core's sequential experts)")
+                        "8x7B's shape at EP4 with megatron-core's sequential experts); each with full recompute, "
+                        "scaled to the flags' own (selective or none: 4/3 of it)")
     p.add_argument("--adam-gelems", type=float, default=None,
                    help=f"CPU Adam rate of one rank in G elements/s (default: measured on this CPU for a CPU job; "
                         f"for a GPU job {GPU_NODE_CPU_ADAM_GELEMS}, what one H200 node's CPU ran)")
