@@ -8,7 +8,8 @@
 # beside the figures. Each run has its own OUT folder, disk folder and port; at the end one tar.gz holds them.
 #   bash benchmarks/run_gpu.sh one_gpu_each      (device tool, kind nvidia-h200-x4, carry [".whl"])
 #   DRY_RUN=1 bash benchmarks/experiments/one_gpu_each.sh   (tiny shapes on CPU, no CUDA_VISIBLE_DEVICES)
-# CONVERGE_LIMIT (default 530 s) and RUN_LIMIT (default 170 s a 20.68 B run, 200 s the 25 B one) bound each run.
+# CONVERGE_LIMIT (default 530 s), RUN_LIMIT (each 20.68 B run, default 170 s) and RUN25_LIMIT (the 25 B run, default
+# 200 s) bound each run.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-$PWD}
