@@ -273,7 +273,8 @@ def unit_tests() -> dict:
     runs = [["tests/unit/test_resume_state.py", "tests/unit/test_sdpa_attention.py"],
             ["tests/unit/test_cpu_one_pass.py", "tests/unit/test_fused_update.py", "tests/unit/test_model_buffers.py",
              "-k", "cuda"],
-            ["tests/unit/test_blockwise8.py", "tests/unit/test_eight_bit_engine.py", "-k", "cuda or device"]]  # 8-bit moments
+            ["tests/unit/test_blockwise8.py", "tests/unit/test_eight_bit_engine.py",
+             "tests/unit/test_eight_bit_model_buffers.py", "-k", "cuda or device"]]  # 8-bit moments
     started, code, summaries, log = time.time(), 0, [], ""
     for args in runs:
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore", "--durations", "8", *args]

@@ -43,7 +43,7 @@ from typing import Iterable, Optional, Sequence, Tuple
 
 import torch
 
-from .fused_update import AdamHyper, f32
+from .fused_update import AdamHyper, ModelPass, f32
 from .remainders import merge, split_
 
 # Adding then subtracting this rounds a float of magnitude below 2**22 to an integer, to nearest even.
@@ -312,6 +312,26 @@ def adamw_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: Quantized, exp
     _quantize_values(root if exp_avg_sq.fmt.root else v, layout, exp_avg_sq.fmt, exp_avg_sq)
     if param_out is not None:
         param_out.copy_(master)
+
+
+def adamw_step_model(master: torch.Tensor, grad: torch.Tensor, exp_avg: Quantized, exp_avg_sq: Quantized,
+                     layout: BlockLayout, hyper: AdamHyper, step: int, high: Optional[torch.Tensor],
+                     model: ModelPass, step_fn=None) -> None:
+    """``adamw_step`` (or ``step_fn``, one of its twins) on the model's own buffers, in passes: the
+    model's grads (any training dtype) converted to fp32 as ``update.convert_grads`` does (unscale,
+    then the clip coefficient), the step (``high``: the model's bf16 params, a remainders master's
+    high halves, updated in place), then the grads zeroed where ``model.zero_grad`` and an fp32
+    master's update cast into ``model.param_out``. What the device's one pass must equal."""
+    from .update import convert_grads
+
+    wide = torch.empty(grad.numel(), dtype=torch.float32, device=grad.device)
+    convert_grads(grad, wide, model.unscale, model.clip_coef)
+    (step_fn or adamw_step)(master, wide, exp_avg, exp_avg_sq, layout, hyper, step,
+                            **({} if high is None else {"high": high}))
+    if model.zero_grad:
+        grad.zero_()
+    if model.param_out is not None and high is None:
+        model.param_out.copy_(master)
 
 
 def adamw_fp32(master: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: StepScalars,

@@ -162,7 +162,7 @@ class ModelPass:
 PLAIN = ModelPass()
 
 
-def _scales(factor: Optional[float]) -> bool:
+def factor_applies(factor: Optional[float]) -> bool:
     return factor is not None and factor != 1.0  # (convert_grads skips a factor of 1 too)
 
 
@@ -237,7 +237,7 @@ class FusedAdamW:
             p, high if remainders else p, grad, m, v, p if out is None else out, n, *scalars,
             REMAINDERS=remainders, DECAY=hyper.weight_decay != 0, LERP_SMALL=abs(scalars[1]) < 0.5,
             FMA_LERP=var.fma_lerp, FMA_ADDCMUL=var.fma_addcmul, FMA_ADDCDIV=var.fma_addcdiv,
-            RECIPROCAL=var.reciprocal_div, UNSCALE=_scales(model.unscale), CLIP=_scales(model.clip_coef),
+            RECIPROCAL=var.reciprocal_div, UNSCALE=factor_applies(model.unscale), CLIP=factor_applies(model.clip_coef),
             ZERO_GRAD=model.zero_grad, PARAM_OUT=out is not None, BLOCK=self.BLOCK, num_warps=8,
             enable_fp_fusion=False)
 

@@ -52,7 +52,8 @@ def plan_engine(numel: int, config: OffloadConfig, measured: MeasuredRates, capa
         placement.update_on = settled_sides([sg.numel for sg in subgroups], placement.tier_of, update_rates)
     tokens = {t: config.tokens_per_tier or tokens_for(rates[t], ranks_per_node) for t in config.file_tiers}
     prediction = predict_update(subgroups, placement, dataclasses.replace(measured, update=update_rates),
-                                NodeSharing(None, ranks_per_node, tokens), config.cache_alternating)
+                                NodeSharing(None, ranks_per_node, tokens), config.cache_alternating,
+                                host_grad_itemsize is None and config.interleaves_on_device)
     stored = {t: sum(subgroups[i].state_bytes for i in placement.subgroups_on(t)) for t in config.file_tiers}
     stored = {**placement.resident_bytes, **stored}
     largest = max(sg.numel for sg in subgroups)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Dict, Optional, Sequence
 
 from ..config import TierBandwidth
+from .device_share import device_share_seconds
 from .placement import CPU, DEVICE, Placement, UpdateRates
 from .schedule import step_schedule
 from ..subgroups.partition import Subgroup
@@ -65,7 +66,8 @@ class NodeSharing:
 
 
 def predict_update(subgroups: Sequence[Subgroup], placement: Placement, measured: MeasuredRates,
-                   sharing: NodeSharing = NodeSharing(), cache_alternating: bool = True) -> Prediction:
+                   sharing: NodeSharing = NodeSharing(), cache_alternating: bool = True,
+                   interleaved: bool = True) -> Prediction:
     """Predicted steady-state update time: compute and each device's I/O overlap, the slowest wins.
 
     Tiers on one device add up (they share it); reads and writes of a device are counted one
@@ -77,7 +79,8 @@ def predict_update(subgroups: Sequence[Subgroup], placement: Placement, measured
 
     Bytes come from ``schedule.step_schedule``, the traffic model the engine executes: hits skip
     their read, kept subgroups their write; the two order directions are averaged. The first
-    streamed read after the hits is not hidden.
+    streamed read after the hits is not hidden. ``interleaved``: the device's held subgroups are
+    updated spread between each other on a GPU's streams (``device_share``); else in turn.
     """
     rates, update_rates = measured.tiers, measured.update
     adam_elems_per_s, convert_elems_per_s = measured.adam_elems_per_s, measured.convert_elems_per_s
@@ -90,16 +93,18 @@ def predict_update(subgroups: Sequence[Subgroup], placement: Placement, measured
         adam_s = numel / update_rates.cpu_shared  # beside the device's streaming (conversion included)
     else:
         adam_s = numel / adam_elems_per_s + numel / convert_elems_per_s
-    device_s = device_seconds_of(subgroups, placement.tier_of, sides, update_rates)
     held = [kind_of(t).resident for t in placement.tier_of]
+    in_turn_s = device_seconds_of(subgroups, placement.tier_of, sides, update_rates)
     deferred_s = device_seconds_of(subgroups, placement.tier_of, sides, update_rates, only=held)
+    device_s = in_turn_s - deferred_s + held_device_seconds(subgroups, placement.tier_of, sides, update_rates,
+                                                            interleaved)
     in_hbm_s = device_seconds_of(subgroups, placement.tier_of, sides, update_rates,
                                  only=[kind_of(t).in_device_memory for t in placement.tier_of])
     # The engine's own schedule of the two order directions (steady state), averaged.
     both = [step_schedule(k, placement.tier_of, placement.slots, placement.cache_slots, cache_alternating)
             for k in (0, 1)]
     pred = Prediction(update_s=max(adam_s, device_s), adam_s=adam_s, device_s=device_s, deferred_s=deferred_s,
-                      deferred_in_hbm_s=in_hbm_s, serial_s=max(adam_s, device_s - deferred_s),
+                      deferred_in_hbm_s=in_hbm_s, serial_s=max(adam_s, in_turn_s - deferred_s),
                       cpu_subgroups=sides.count(CPU), device_subgroups=sides.count(DEVICE),
                       cache_hits=len(both[0].hits))
     for tier in dict.fromkeys(t for t in placement.tier_of if not kind_of(t).resident):
@@ -139,6 +144,19 @@ def device_seconds_of(subgroups: Sequence[Subgroup], tier_of: Sequence[str], sid
             rate = rates.device_resident if kind_of(tier).in_device_memory else streamed
             total += sg.numel / rate if rate else 0.0
     return total
+
+
+def held_device_seconds(subgroups: Sequence[Subgroup], tier_of: Sequence[str], sides: Sequence[str],
+                        rates: Optional[UpdateRates], interleaved: bool) -> float:
+    """The device's share of the subgroups held in memory (gpu tier in place, host tier streamed), as
+    the step loop orders them (``device_share``)."""
+    if rates is None or DEVICE not in sides:
+        return 0.0
+    on_device = [(sg.numel, kind_of(t)) for sg, t, side in zip(subgroups, tier_of, sides) if side == DEVICE]
+    hbm = sum(n for n, kind in on_device if kind.in_device_memory)
+    host = sum(n for n, kind in on_device if kind.resident and not kind.in_device_memory)
+    return device_share_seconds(hbm, host, rates.device_resident, rates.streamed_rate(cpu_works=CPU in sides),
+                                interleaved)
 
 
 def device_seconds(tier_seconds: Dict[str, float], devices: Optional[Dict[str, object]]) -> Dict[object, float]:

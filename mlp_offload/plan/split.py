@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..tiers.kinds import kind_of
+from .device_share import device_share_seconds, streamed_seconds_within
 from .placement import CPU, DEVICE, UpdateRates, spread
 
 GAIN = 0.03  # a move must be predicted to shorten the update by more than this fraction
@@ -72,9 +73,8 @@ def split_times(count: int, sizes: Sequence[int], resident_elems: int, rates: Si
     cpu_elems = sum(sizes[j] for j in on_cpu)
     streamed = sum(sizes) - cpu_elems
     cpu_s = cpu_elems / (rates.cpu_beside if streamed else rates.cpu_alone) if cpu_elems else 0.0
-    device_s = resident_elems / rates.resident if resident_elems and rates.resident else 0.0
-    if streamed:
-        device_s += streamed / (rates.streamed_beside if cpu_elems else rates.streamed_alone)
+    device_s = device_share_seconds(resident_elems, streamed, rates.resident,
+                                    rates.streamed_beside if cpu_elems else rates.streamed_alone, overlap)
     return cpu_s, device_s, (max(cpu_s, device_s) if overlap else cpu_s + device_s)
 
 
@@ -133,7 +133,7 @@ def observed_rates(prior: SideRates, cpu_elems: int, streamed_elems: int, reside
                    overlap: bool = True) -> SideRates:
     """``prior`` with the rates one step showed: the CPU's from its own time ``seconds.cpu_s``; the
     device's streamed rate from the step's time less read waits (less the CPU's share where the
-    sides ran one after the other) and less its resident share at the resident rate."""
+    sides ran one after the other), its in-HBM share taken out as ``device_share`` models it."""
     rates = dataclasses.replace(prior)
     cpu_s = seconds.cpu_s
     compute_s = seconds.update_s - seconds.read_wait_s
@@ -144,10 +144,9 @@ def observed_rates(prior: SideRates, cpu_elems: int, streamed_elems: int, reside
         if not streamed_elems or not overlap:
             rates.cpu_alone = cpu_elems / cpu_s
     if streamed_elems:
-        device_s = compute_s - (0.0 if overlap else cpu_s)
-        if resident_elems and prior.resident:
-            device_s -= resident_elems / prior.resident
-        if device_s > 0:
+        device_s = streamed_seconds_within(compute_s - (0.0 if overlap else cpu_s), resident_elems, streamed_elems,
+                                           prior.resident, overlap)
+        if device_s:
             if cpu_elems or not overlap:
                 rates.streamed_beside = streamed_elems / device_s
             if not cpu_elems or not overlap:

@@ -42,6 +42,7 @@ class StartUp:
 
     ranks_sharing: int = 1
     cache_alternating: bool = True
+    interleaved: bool = False  # the device's held subgroups spread on a GPU's streams (``plan.device_share``)
 
     @property
     def host(self) -> HostMemory:
@@ -54,7 +55,7 @@ class StartUp:
         measured = MeasuredRates(self.rates, self.adam_rate, self.convert_rate, update_rates or self.update_rates)
         return predict_update(subgroups, placement, measured,
                               NodeSharing(self.devices, self.ranks_sharing, self.tokens_per_tier),
-                              self.cache_alternating)
+                              self.cache_alternating, self.interleaved)
 
 
 def start_up(cfg: OffloadConfig, subgroups: List[Subgroup], paths: UpdatePaths, tiers: Dict[str, StreamedTier],
@@ -112,7 +113,7 @@ def start_up(cfg: OffloadConfig, subgroups: List[Subgroup], paths: UpdatePaths, 
         placement.update_on = deferred[0]
         log.info(deferred[1].describe(update_rates, 0.0))
     found = StartUp(memory, rates, adam_rate, convert_rate, tokens_per_tier, devices, placement, None, update_rates,
-                    sharing, cfg.cache_alternating)
+                    sharing, cfg.cache_alternating, paths.device_type == "cuda" and cfg.interleaves_on_device)
     found.prediction = found.predict(subgroups, placement)
     return found
 

@@ -190,9 +190,14 @@ class DeviceUpdate:
         """Queue ``job`` (its chunks through the chunk buffers unless resident); returns the fence of
         its last copy (the compute stream's for a resident one)."""
         s, n = self.streams, job.sg.numel
+        plan8 = self._eight_bit_plan(job, io)
         if self._one_pass_on(io) and io.model is not None:
             def compute(chunk, c0, c1):
                 self._on_model(job, io, chunk, c0, c1)
+        elif plan8 is not None:
+            def compute(chunk, c0, c1):
+                self.eight_bit.run_on_model(job.sg, chunk, plan8, io.hyper, io.step, io.grad_scale,
+                                            io.model.zero_grads)
         else:
             if self._grad is None:
                 self._grad = torch.empty(self.largest, dtype=torch.float32, device=self.device)
@@ -213,6 +218,13 @@ class DeviceUpdate:
 
     def _one_pass_on(self, io: DeviceIO) -> bool:
         return self.kernel.fused is not None and io.hyper is not None
+
+    def _eight_bit_plan(self, job: DeviceJob, io: DeviceIO):
+        """8-bit moments on the model's buffers: the subgroup's launches there (``eight_bit.ModelStep``),
+        or None (through copies: no such pass, or a buffer's edge inside one of its blocks)."""
+        if self.eight_bit is None or not self.kernel.on_model_buffers or io.model is None or io.hyper is None:
+            return None
+        return self.eight_bit.model_step(job.sg, job.pieces, io.model)
 
     def _stream_chunk(self, job: DeviceJob, c0: int, c1: int, compute: Callable) -> None:
         """Chunk [c0, c1) of host state: copied in (or read ahead), computed, copied back out."""

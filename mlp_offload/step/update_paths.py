@@ -49,7 +49,7 @@ def choose_update_paths(cfg: OffloadConfig, codecs: Sequence[StateCodec], larges
     ``sources_give_views``: the grad and param sources give ``views`` and params go back to the model
     (``gradients.ModelBuffers``)."""
     if is_blockwise(codecs):
-        return _eight_bit_paths(cfg, codecs, largest, adam, device_adam, largest_blocks)
+        return _eight_bit_paths(cfg, codecs, largest, adam, device_adam, largest_blocks, sources_give_views)
     if GPU_TIER not in cfg.tiers and cfg.update_on == "cpu":  # on a CPU run the "device" is the CPU (the twin)
         return UpdatePaths(adam, device_adam, None, None, *_cpu_one_pass(cfg, codecs, adam, None))
     kernel = _device_kernel(cfg, codecs, device_adam, sources_give_views)
@@ -59,17 +59,20 @@ def choose_update_paths(cfg: OffloadConfig, codecs: Sequence[StateCodec], larges
 
 
 def _eight_bit_paths(cfg: OffloadConfig, codecs: Sequence[StateCodec], largest: int, adam, device_adam,
-                     largest_blocks: Optional[int]) -> UpdatePaths:
+                     largest_blocks: Optional[int], sources_give_views: bool) -> UpdatePaths:
     """8-bit moments: every side runs the 8-bit kernels (``eight_bit``), whatever the one-pass settings;
-    the CPU's doubles as its one-pass kernel for the rate probes. Not on the model's buffers: the
-    device's grads are converted into its own buffer first."""
+    the CPU's doubles as its one-pass kernel for the rate probes. The device's on the model's own grads
+    and params where its kernel has that pass and the sources give views (else through copies)."""
     cpu = EightBitUpdate(choose_kernel("cpu", codecs), codecs, largest, "cpu")
     if GPU_TIER not in cfg.tiers and cfg.update_on == "cpu":
         return UpdatePaths(adam, device_adam, None, None, cpu.whole, cpu.how, cpu)
     on_device = cpu if torch.device(cfg.device).type == "cpu" else EightBitUpdate(
         choose_kernel(cfg.device, codecs), codecs, largest, cfg.device)
+    on_model = on_device.on_model and cfg.device_model_buffers and sources_give_views
     device = DeviceUpdate(cfg.device, codecs, cfg.device_chunk_elems, largest,
-                          DeviceKernel(None, on_device.how, False), eight_bit=on_device, largest_blocks=largest_blocks)
+                          DeviceKernel(None, on_device.how + ("; on the model's buffers" if on_model else ""),
+                                       on_model),
+                          eight_bit=on_device, largest_blocks=largest_blocks)
     deferred = DeferredWork(device.streams) if cfg.defer_device_wait else None
     return UpdatePaths(adam, device_adam, device, deferred, cpu.whole, cpu.how, cpu)
 

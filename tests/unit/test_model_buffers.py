@@ -89,7 +89,17 @@ def _run(c, on_model: bool, device: str = "cpu"):
     sg = Subgroup(0, c["base"], c["base"] + c["numel"])
     model = ModelBuffers(PiecedSource(grads, c["grad_cuts"], c["zero"]), PiecedSource(params, c["param_cuts"]))
 
-    def fill_grads(out):  # the path through copies: the adapter's DeviceGradients.to_device, on the CPU
+    update.update(DeviceJob(sg, stored, c["resident"], c["segments"]),
+                  copies_io(grads, params, sg, c, HYPERS, c["step"], model if on_model else None))
+    if device != "cpu":
+        torch.cuda.synchronize()  # (the update's streams are not the one the comparison runs on)
+    return stored, grads, params
+
+
+def copies_io(grads, params, sg, c, hypers, step, model) -> DeviceIO:
+    """The update's IO over the model's ``grads`` and ``params`` (flat tensors): through copies (the
+    adapter's DeviceGradients.to_device, its params' high halves in and out), and ``model`` where given."""
+    def fill_grads(out):
         convert_grads(grads[sg.start: sg.end], out, c["unscale"], c["clip"])
         if c["zero"]:
             grads[sg.start: sg.end].zero_()
@@ -100,12 +110,8 @@ def _run(c, on_model: bool, device: str = "cpu"):
     def fill_high(start, end, out):
         out.copy_(params[start:end])
 
-    update.update(DeviceJob(sg, stored, c["resident"], c["segments"]),
-                  DeviceIO(fill_grads, None, on_params, fill_high, hyper=lambda g: HYPERS[g], step=c["step"],
-                           model=model if on_model else None, grad_scale=(c["unscale"], c["clip"])))
-    if device != "cpu":
-        torch.cuda.synchronize()  # (the update's streams are not the one the comparison runs on)
-    return stored, grads, params
+    return DeviceIO(fill_grads, None, on_params, fill_high, hyper=lambda g: hypers[g], step=step, model=model,
+                    grad_scale=(c["unscale"], c["clip"]))
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

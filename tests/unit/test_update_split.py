@@ -25,12 +25,17 @@ rate = st.floats(1e6, 1e10)
 
 def reference_time(on_cpu, sizes, resident, r: SideRates, overlap: bool) -> float:
     """Update seconds where the host-held subgroups whose flag in ``on_cpu`` is set go to the CPU:
-    each side priced at its rate alone, or beside the other where the other has host work."""
+    each side priced at its rate alone, or beside the other where the other has host work. On a GPU
+    (``overlap``) the device's compute stream updates the in-HBM subgroups and the streamed ones (at the
+    resident rate) while the link streams: the longer wins; on the CPU twin everything adds up."""
     cpu = sum(s for s, c in zip(sizes, on_cpu) if c)
     streamed = sum(s for s, c in zip(sizes, on_cpu) if not c)
     t_cpu = cpu / (r.cpu_beside if streamed > 0 else r.cpu_alone)
-    t_dev = resident / r.resident if resident else 0.0
-    t_dev += streamed / (r.streamed_beside if cpu > 0 else r.streamed_alone)
+    t_link = streamed / (r.streamed_beside if cpu > 0 else r.streamed_alone)
+    if overlap and resident and streamed:
+        t_dev = max(t_link, (resident + streamed) / r.resident)
+    else:
+        t_dev = (resident / r.resident if resident else 0.0) + t_link
     return max(t_cpu, t_dev) if overlap else t_cpu + t_dev
 
 

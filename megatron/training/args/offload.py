@@ -114,6 +114,10 @@ def add_groups(parser) -> None:
     g.add_argument("--offload-no-update-in-model-buffers", action="store_true",
                    help="the device's one-pass update takes the grads as an fp32 copy and hands the params back as "
                         "a copy, instead of reading and writing them in the model's buffers")
+    g.add_argument("--offload-no-interleave", action="store_true",
+                   help="the GPU updates its subgroups held in memory in the schedule's order, the ones in HBM in a "
+                        "run of their own, instead of spread between those streamed from host memory (an A/B of "
+                        "the overlap of the HBM updates with the host link's copies)")
     g.add_argument("--offload-no-cpu-one-pass", action="store_true",
                    help="CPU updates widen, step and round back in separate passes (no run-time built C++ kernel)")
     g.add_argument("--offload-no-odirect", action="store_true")

@@ -38,6 +38,7 @@ def config_from_args(args, rank: int) -> OffloadConfig:
         device_one_pass=not getattr(args, "offload_no_one_pass_update", False),
         device_model_buffers=not getattr(args, "offload_no_update_in_model_buffers", False),
         defer_device_wait=bool(getattr(args, "offload_overlap_forward", False)),
+        interleave_device_updates=not getattr(args, "offload_no_interleave", False),
         cpu_share_subgroups=getattr(args, "offload_cpu_share", None),
         device_read_ahead_bytes=int(getattr(args, "offload_read_ahead_gb", 0.0) * GiB),
         cpu_one_pass=not getattr(args, "offload_no_cpu_one_pass", False),
