@@ -44,11 +44,14 @@ class SideRates:
     streamed_alone: float  # host state streamed through the device, the CPU idle
     streamed_beside: float  # ... while the CPU updates its share
     resident: Optional[float] = None  # device Adam on state held in device memory
+    # The device's in-HBM updates run beside its streaming (``device_share``: the engine interleaves them;
+    # the config's interleave_device_updates), where the sides overlap at all
+    interleaved: bool = True
 
     @classmethod
-    def from_start_up(cls, rates: UpdateRates) -> "SideRates":
+    def from_start_up(cls, rates: UpdateRates, interleaved: bool = True) -> "SideRates":
         return cls(rates.cpu, rates.cpu_rate(device_streams=True), rates.device_streamed,
-                   rates.streamed_rate(cpu_works=True), rates.device_resident)
+                   rates.streamed_rate(cpu_works=True), rates.device_resident, interleaved)
 
     def as_update_rates(self) -> UpdateRates:
         return UpdateRates(cpu=self.cpu_alone, device_resident=self.resident, device_streamed=self.streamed_alone,
@@ -74,11 +77,13 @@ def split_times(count: int, sizes: Sequence[int], resident_elems: int, rates: Si
     streamed = sum(sizes) - cpu_elems
     cpu_s = cpu_elems / (rates.cpu_beside if streamed else rates.cpu_alone) if cpu_elems else 0.0
     device_s = device_share_seconds(resident_elems, streamed, rates.resident,
-                                    rates.streamed_beside if cpu_elems else rates.streamed_alone, overlap)
+                                    rates.streamed_beside if cpu_elems else rates.streamed_alone,
+                                    overlap and rates.interleaved)
     return cpu_s, device_s, (max(cpu_s, device_s) if overlap else cpu_s + device_s)
 
 
-def settled_sides(numels: Sequence[int], tier_of: Sequence[str], rates: UpdateRates) -> List[str]:
+def settled_sides(numels: Sequence[int], tier_of: Sequence[str], rates: UpdateRates,
+                  interleaved: bool = True) -> List[str]:
     """The split the steps settle on where they show ``rates``: the CPU's count of host-held
     subgroups with the least predicted update (``split_times``), as ``choose_split`` and
     ``UpdateSplit.plan`` pick it. Without rates measured side by side only the single sides (all
@@ -87,7 +92,7 @@ def settled_sides(numels: Sequence[int], tier_of: Sequence[str], rates: UpdateRa
     held = [i for i, t in enumerate(tier_of) if not kind_of(t).in_device_memory]
     sizes = [numels[i] for i in held]
     resident = sum(numels[i] for i, t in enumerate(tier_of) if kind_of(t).in_device_memory)
-    side = SideRates.from_start_up(rates)
+    side = SideRates.from_start_up(rates, interleaved)
     counts = range(len(held) + 1) if rates.cpu_shared and rates.streamed_shared else sorted({0, len(held)})
     best = min(counts, key=lambda k: (split_times(k, sizes, resident, side)[2], k))
     return sides_for(tier_of, best)
@@ -145,7 +150,7 @@ def observed_rates(prior: SideRates, cpu_elems: int, streamed_elems: int, reside
             rates.cpu_alone = cpu_elems / cpu_s
     if streamed_elems:
         device_s = streamed_seconds_within(compute_s - (0.0 if overlap else cpu_s), resident_elems, streamed_elems,
-                                           prior.resident, overlap)
+                                           prior.resident, overlap and prior.interleaved)
         if device_s:
             if cpu_elems or not overlap:
                 rates.streamed_beside = streamed_elems / device_s

@@ -5,7 +5,7 @@ nothing after."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, List, Optional
 
 import torch
@@ -148,7 +148,7 @@ def wire_engine(cfg: OffloadConfig, model: EngineModel, holds: EngineHolds) -> E
     state = StateAccess(subgroups, resident, pipeline, lambda: checkpoint_scratch(host, subgroups), master)
     sides = {CPU: cpu_side, **({DEVICE: device_side} if device_side is not None else {})}
     loop = StepLoop(subgroups, placement, sides, pipeline, resident, AcrossSteps(paths.deferred, read_ahead),
-                    holds.hooks, cfg.interleave_device_updates)
+                    replace(holds.hooks, interleave=cfg.interleave_device_updates))
     return EngineParts(start, paths, grad_buffer, grad_source, read_ahead, pipeline, state, loop)
 
 

@@ -45,9 +45,11 @@ class AcrossSteps:
 @dataclass(frozen=True)
 class EngineHooks:
     """What the loop asks the engine each step: its ``prediction`` now (it changes as the engine
-    re-plans) and ``before_update(i)``, the checkpoint writer's guard of subgroup i."""
+    re-plans) and ``before_update(i)``, the checkpoint writer's guard of subgroup i; ``interleave``:
+    the order of the held subgroups (``interleaved``; the config's interleave_device_updates)."""
     prediction: Callable[[], Prediction]
     before_update: Callable[[int], None]
+    interleave: bool = True
 
 
 class StepLoop:
@@ -56,10 +58,8 @@ class StepLoop:
     ``resident``: the views of the subgroups held in memory."""
 
     def __init__(self, subgroups: Sequence[Subgroup], placement: Placement, sides: Mapping[str, UpdateSide],
-                 pipeline: SlotPipeline, resident: Dict[int, StateViews], across: AcrossSteps, hooks: EngineHooks,
-                 interleave: bool = True):
+                 pipeline: SlotPipeline, resident: Dict[int, StateViews], across: AcrossSteps, hooks: EngineHooks):
         self.subgroups, self.placement, self.sides = subgroups, placement, dict(sides)
-        self.interleave = interleave  # ``interleaved``: the config's interleave_device_updates
         self.pipeline, self.resident = pipeline, resident
         self.deferred, self.read_ahead = across.deferred, across.read_ahead
         self.hooks = hooks
@@ -88,11 +88,11 @@ class StepLoop:
         """The subgroups held in memory (gpu or host tier) that an asynchronous side updates, in the
         order it takes them: a deferred step in the next forward's order (descending), else the
         schedule's, with the ones in device memory spread between the streamed ones (``interleaved``)
-        unless ``interleave`` is off."""
+        unless the hooks' ``interleave`` is off."""
         held = [i for i in sched.order if i in self.resident and self._side_of(i).asynchronous]
         if self.deferred is not None:
             return sorted(held, reverse=True)
-        if not self.interleave:
+        if not self.hooks.interleave:
             return held
         return interleaved(held, lambda i: kind_of(self.placement.tier_of[i]).in_device_memory)
 

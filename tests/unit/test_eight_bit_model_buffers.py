@@ -25,7 +25,7 @@ from mlp_offload.subgroups.blocks import ShardParams, pieces_of
 from mlp_offload.subgroups.partition import Subgroup
 from tests.profiles import examples
 
-from .test_model_buffers import PiecedSource, _same, copies_io
+from .test_model_buffers import PiecedSource, copies_io, same_bits
 
 HYPERS = (AdamHyper(3e-4, 0.9, 0.95, 1e-8, 0.1), AdamHyper(1e-3, 0.8, 0.999, 1e-6, 0.0))
 
@@ -106,9 +106,9 @@ def _check(c, device):
     want_state, want_grads, want_params, _ = _run(c, False, device)
     got_state, got_grads, got_params, plan = _run(c, True, device)
     for got, want in zip(got_state, want_state):
-        assert _same(got, want)
-    assert _same(got_params, want_params)
-    assert _same(got_grads, want_grads)  # zeroed where read (padding too), untouched outside the subgroup
+        assert same_bits(got, want)
+    assert same_bits(got_params, want_params)
+    assert same_bits(got_grads, want_grads)  # zeroed where read (padding too), untouched outside the subgroup
     assert (plan is None) == _cut_inside_a_block(c)
     if plan is not None:  # every element of a group in exactly one launch, in the group's own hyperparameters
         covered = sorted((L.piece.lo, L.piece.hi, L.piece.g) for L in plan.launches)

@@ -114,7 +114,7 @@ def copies_io(grads, params, sg, c, hypers, step, model) -> DeviceIO:
                     grad_scale=(c["unscale"], c["clip"]))
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
@@ -124,13 +124,13 @@ def test_the_model_buffers_path_leaves_what_the_copies_path_leaves(c):
     want_state, want_grads, want_params = _run(c, on_model=False)
     got_state, got_grads, got_params = _run(c, on_model=True)
     for got, want in zip(got_state, want_state):
-        assert _same(got, want)
-    assert _same(got_params, want_params)
-    assert _same(got_grads, want_grads)  # zeroed where read (padding too), untouched outside the subgroup
+        assert same_bits(got, want)
+    assert same_bits(got_params, want_params)
+    assert same_bits(got_grads, want_grads)  # zeroed where read (padding too), untouched outside the subgroup
     untouched = _state(c)
     if not any(lo < hi for lo, hi, *_ in c["segments"]):
         return
-    assert not _same(got_state[1], untouched[0][1])  # the update did run
+    assert not same_bits(got_state[1], untouched[0][1])  # the update did run
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel needs a CUDA device")
@@ -138,8 +138,8 @@ def test_the_model_buffers_path_leaves_what_the_copies_path_leaves(c):
 @given(c=cases())
 def test_on_cuda_the_kernel_on_the_model_buffers_leaves_what_the_copies_path_leaves(c):
     want, got = _run(c, False, "cuda"), _run(c, True, "cuda")
-    assert all(_same(a, b) for a, b in zip(got[0], want[0]))
-    assert _same(got[1], want[1]) and _same(got[2], want[2])
+    assert all(same_bits(a, b) for a, b in zip(got[0], want[0]))
+    assert same_bits(got[1], want[1]) and same_bits(got[2], want[2])
 
 
 def test_without_views_there_are_no_model_buffers():
@@ -170,6 +170,6 @@ def test_the_grads_are_unscaled_then_clipped_as_megatron_core_orders_them():
              remainders=False, moments=("fp32", "fp32"), grad_dtype=torch.bfloat16, unscale=1 / 1000, clip=0.37,
              zero=False, step=1, seed=1, grad_cuts=[], param_cuts=[])
     want, got = _run(c, on_model=False), _run(c, on_model=True)
-    assert all(_same(a, b) for a, b in zip(got[0], want[0]))
+    assert all(same_bits(a, b) for a, b in zip(got[0], want[0]))
     swapped = _run(dict(c, unscale=c["clip"], clip=c["unscale"]), on_model=True)
-    assert not _same(swapped[0][1], want[0][1])  # the case tells the two orders apart
+    assert not same_bits(swapped[0][1], want[0][1])  # the case tells the two orders apart

@@ -26,13 +26,13 @@ rate = st.floats(1e6, 1e10)
 def reference_time(on_cpu, sizes, resident, r: SideRates, overlap: bool) -> float:
     """Update seconds where the host-held subgroups whose flag in ``on_cpu`` is set go to the CPU:
     each side priced at its rate alone, or beside the other where the other has host work. On a GPU
-    (``overlap``) the device's compute stream updates the in-HBM subgroups and the streamed ones (at the
-    resident rate) while the link streams: the longer wins; on the CPU twin everything adds up."""
+    (``overlap``), interleaved, the device's compute stream updates the in-HBM subgroups and the streamed
+    ones (at the resident rate) while the link streams: the longer wins; on the CPU twin everything adds up."""
     cpu = sum(s for s, c in zip(sizes, on_cpu) if c)
     streamed = sum(s for s, c in zip(sizes, on_cpu) if not c)
     t_cpu = cpu / (r.cpu_beside if streamed > 0 else r.cpu_alone)
     t_link = streamed / (r.streamed_beside if cpu > 0 else r.streamed_alone)
-    if overlap and resident and streamed:
+    if overlap and r.interleaved and resident and streamed:
         t_dev = max(t_link, (resident + streamed) / r.resident)
     else:
         t_dev = (resident / r.resident if resident else 0.0) + t_link
@@ -52,7 +52,7 @@ def cases(draw, equal_sizes=False):
     if not equal_sizes and draw(st.booleans()):
         sizes[-1] = draw(st.integers(1, size))  # partition's shorter last subgroup
     resident = draw(st.sampled_from([0, size, 3 * size]))
-    rates = SideRates(draw(rate), draw(rate), draw(rate), draw(rate), draw(rate))
+    rates = SideRates(draw(rate), draw(rate), draw(rate), draw(rate), draw(rate), draw(st.booleans()))
     return sizes, resident, rates, draw(st.booleans()), draw(st.integers(0, n))
 
 
@@ -82,10 +82,11 @@ def test_the_planned_split_is_the_best_the_steps_can_reach(case, beside):
     numels = [resident] * (1 if resident else 0) + sizes
     rates = UpdateRates(r.cpu_alone, r.resident, r.streamed_alone, r.cpu_beside if beside else None,
                         r.streamed_beside if beside else None)
-    sides = settled_sides(numels, tier_of, rates)
+    sides = settled_sides(numels, tier_of, rates, r.interleaved)
     flags = [side == CPU for side, t in zip(sides, tier_of) if t == "host"]
     assert all(side == DEVICE for side, t in zip(sides, tier_of) if t == "gpu")
-    priced = r if beside else SideRates(r.cpu_alone, r.cpu_alone, r.streamed_alone, r.streamed_alone, r.resident)
+    priced = r if beside else SideRates(r.cpu_alone, r.cpu_alone, r.streamed_alone, r.streamed_alone, r.resident,
+                                        r.interleaved)
     got = reference_time(flags, sizes, resident, priced, overlap=True)
     if beside:
         options = itertools.product([False, True], repeat=n)
