@@ -45,10 +45,12 @@ MEASURED_H200_TFLOPS = {"unfused": 216.7, "sdpa": 334.5, "sequential_experts": 1
 # bytes each); four GPUs of one node streamed ~186 GB/s together (call8_x4_tp2pp2.log).
 DEFAULT_GPU_ADAM_GELEMS = 200.0  # for rem16/bf16/bf16 state (18 bytes an element moves): scaled for others
 # 8-bit moments run their own kernel (decode, AdamW, block absmax, encode): alone on 1.34e8 elements in HBM it ran
-# 95 G elements/s (one H100, docs/benchmarks.md §17), but inside the engine, on a model's params and grads, the
-# start-up probe read 31.2-34.1 on H200s in six runs of 2026-11-28 (20.68 B to 115.2 B) and the 20.68 B steady update
-# matched it (docs/benchmarks.md §18): that is the rate a job gets. Not scaled by bytes: it is not bound by them.
-DEFAULT_GPU_ADAM_8BIT_GELEMS = 32.0
+# 95 G elements/s (one H100, docs/benchmarks.md §17). On the model's own grads and params (the default since
+# 2026-11-28) the engine's start-up probe read 88.7-94.1 on an H200 in four runs (20.68 B and 25.36 B,
+# docs/benchmarks.md §19), and the 20.68 B steady update matched the plan made with it; through copies of the grads
+# and params (--offload-no-update-in-model-buffers) it reads 31-34: give --gpu-adam-gelems 32 for that path.
+# Not scaled by bytes: it is not bound by them.
+DEFAULT_GPU_ADAM_8BIT_GELEMS = 93.0
 # A GPU job's CPU side where no run gave it: what the CPU of one H200 node (16 cores) ran, never the planning
 # machine's (a login node plans for the GPU nodes): CPU Adam 3.4-3.9 G elements/s on its 16 cores (shared/reference.md,
 # 2026-11-22; issue 39 says 3-4 for the one-pass kernel), and its bf16 -> fp32 copy at 34 GB/s on 16 threads

@@ -90,6 +90,22 @@ def reported_once():
             raise
         report(in_flags(str(err)))  # the engine names its config fields; the user typed flags
         raise SystemExit(EXIT_USER_ERROR) from None
+    except Exception as err:  # a failure a layer above can name the flag for (``explain_failures_with``)
+        line = next((said for said in (hint(err) for hint in _FAILURE_HINTS) if said), None)
+        if line is None or os.environ.get("MLP_OFFLOAD_TRACEBACK"):
+            raise
+        report(line)
+        raise SystemExit(EXIT_USER_ERROR) from None
+
+
+_FAILURE_HINTS = []  # (exception) -> one line naming the flag that avoids it, or None
+
+
+def explain_failures_with(hint) -> None:
+    """``hint(err)``: the line for a failure that is no user error as raised (NCCL's, say) where the layer
+    that registers it knows which flag avoids it; None where it does not. Registered once per process."""
+    if hint not in _FAILURE_HINTS:
+        _FAILURE_HINTS.append(hint)
 
 
 # The flags a user types per memory tier kind (the one place they are spelled; args.offload declares

@@ -278,6 +278,28 @@ RUNS = {
         f"{ONE_H200} --offload-bandwidths nvme=1.46:1.69 --adam-gelems 0.96 --gpu-adam-gelems 32.11 "
         f"--gpu-streamed-gelems 11.07 {LLAMA} {FP8_MOMENTS} {LLAMA_20B} --num-layers 64",
         update_s=1.8909, iteration_s=2.8594, gpu_subgroups=83, peak_in_use_gib=134.61 - 33.67, attention="sdpa"),
+    # The same README command with the held subgroups interleaved and the 8-bit kernel on the model's buffers
+    # (benchmarks/experiments/eight_bit_speed.sh, one H200 of its own, 2026-11-28): iterations 3-8 1.3387-1.3529 s
+    # (mean 1.3460), update 0.6183-0.6225 s (mean 0.6202); auto: peak 124.06 GiB with 113 (42.75 GiB), then 135
+    "20.68B fp8 moments interleaved, model buffers, one H200": Recorded(
+        "eight_bit_2026-11-28/20b_fp8/largest.log",
+        ["read 1.85 GB/s, write 2.06 GB/s", "adam 1.30 Gelem/s", "adam 93.04 Gelem/s resident, 11.86 streamed",
+         "peak 124.06 GiB", "the gpu tier holds 113 (42.75 GiB)", "the gpu tier holds 135 (51.08 GiB)"],
+        f"{ONE_H200} --offload-bandwidths nvme=1.85:2.06 --adam-gelems 1.30 --gpu-adam-gelems 93.04 "
+        f"--gpu-streamed-gelems 11.86 {LLAMA} {FP8_MOMENTS} {LLAMA_20B}",
+        update_s=0.6202, iteration_s=1.3460, gpu_subgroups=135, peak_in_use_gib=124.06 - 42.75, attention="sdpa",
+        in_turn=False),
+    # 25.36 B the same way with --offload-gpu-margin-gb 8 (nccl_margin_25b.sh; the default margin's run failed in
+    # NCCL after the tier grew, docs/benchmarks.md §19): iterations 4-8 2.5014-2.8285 s (mean 2.6557), update
+    # 1.5995-1.6274 s (mean 1.6168); auto: peak 112.52 GiB with 39, then 82, 75, 74, 75
+    "25.36B fp8 moments interleaved, margin 8, one H200": Recorded(
+        "eight_bit_2026-11-28/25b_margin8/largest.log",
+        ["read 1.55 GB/s, write 1.93 GB/s", "adam 1.03 Gelem/s", "adam 93.98 Gelem/s resident, 11.70 streamed",
+         "peak 112.52 GiB", "margin 8.00 GiB", "the gpu tier holds 75 (28.38 GiB)"],
+        f"{ONE_H200} --offload-bandwidths nvme=1.55:1.93 --adam-gelems 1.03 --gpu-adam-gelems 93.98 "
+        f"--gpu-streamed-gelems 11.70 {LLAMA} {FP8_MOMENTS} {LLAMA_20B} --num-layers 64 --offload-gpu-margin-gb 8",
+        update_s=1.6168, iteration_s=2.6557, gpu_subgroups=75, peak_in_use_gib=112.52 - 14.76, attention="sdpa",
+        in_turn=False),
     # fp8 moments on four H200s, the planner's pick (benchmarks/experiments/largest_x4.sh PART=b100 MOMENTS=fp8,
     # 2026-11-28): TP4, selective recompute, micro-batch 1, global batch 8. Iterations 3-4 11.7096, 10.8697 s,
     # update 4.7165, 4.6062 s (iteration 5, 13.27 s, ran 34 host-held subgroups on the CPU: the split the engine

@@ -26,6 +26,7 @@ from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 
 from megatron.training.errors import UserError
+from megatron.training.offload import tier_growth
 from megatron.training.offload.overlap_choice import OverlapChoice
 from megatron.training.offload.shard import OffloadShard, ShardGroups
 from megatron.training.offload.shard_budgets import check_host_split, config_for_kind
@@ -307,7 +308,9 @@ def share_device_memory(engines, peak: int, capacity: int) -> None:
     for engine in engines:
         before = engine.state_bytes_per_tier().get(GPU_TIER, 0)
         engine.observe_device_memory(peak, capacity)
-        peak += engine.state_bytes_per_tier().get(GPU_TIER, 0) - before
+        after = engine.state_bytes_per_tier().get(GPU_TIER, 0)
+        peak += after - before
+        tier_growth.observed(before, after, capacity - peak, engine.config.gpu_margin_bytes)
 
 
 def _cuda_memory_figures() -> Tuple[int, int]:

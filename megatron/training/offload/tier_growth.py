@@ -1,0 +1,56 @@
+"""The auto gpu tier's last growth (--offload-gpu-cache-gb auto), for the one line a job prints where NCCL fails
+soon after: NCCL's buffers are allocated outside torch's allocator, so the margin the tier leaves beside the
+training's peak (--offload-gpu-margin-gb) is all the room they find. On 2026-11-28 the 25.36 B README-shaped run on
+one H200 and 115.2 B on four H200s failed in NCCL ("unhandled cuda error") in the step right after the tier grew to
+within the default 4 GiB; with 8 GiB the 25.36 B run trained its 8 iterations (115.2 B's was cut by the session's
+time in that step; docs/benchmarks.md §18-19). Process-wide: one device per rank."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron.training.errors import GPU_MARGIN_FLAG, explain_failures_with
+
+RECENT_STEPS = 2  # a failure this many steps after a growth is named with it; later ones are not
+
+
+@dataclass
+class Growth:
+    tier_gib: float  # the tier after it grew
+    left_gib: float  # the device's capacity less the peak the tier was sized against and the tier
+    margin_gib: float  # --offload-gpu-margin-gb
+    steps_since: int = 0
+
+
+_last: Optional[Growth] = None
+
+
+def observed(before_bytes: int, after_bytes: int, left_bytes: int, margin_bytes: int) -> None:
+    """One step's fit of the auto tier: it grew from ``before_bytes`` to ``after_bytes``, leaving ``left_bytes``."""
+    global _last
+    if after_bytes > before_bytes:
+        _last = Growth(after_bytes / 2**30, left_bytes / 2**30, margin_bytes / 2**30)
+    elif _last is not None:
+        _last.steps_since += 1
+
+
+def forget() -> None:
+    global _last
+    _last = None
+
+
+def nccl_hint(err: BaseException, margin_flag: str = GPU_MARGIN_FLAG) -> Optional[str]:
+    """The line for an NCCL failure within ``RECENT_STEPS`` steps of the tier growing, else None."""
+    text = str(err)
+    if _last is None or _last.steps_since > RECENT_STEPS or "NCCL" not in text:
+        return None
+    first = text.strip().splitlines()[0] if text.strip() else type(err).__name__
+    margin = _last.margin_gib
+    return (f"NCCL failed ({first}) {_last.steps_since + 1} step(s) after the auto gpu tier grew to "
+            f"{_last.tier_gib:.2f} GiB, leaving {_last.left_gib:.2f} GiB beside the training's peak "
+            f"({margin_flag} {margin:g}): NCCL allocates outside torch's allocator and found no room; "
+            f"rerun with {margin_flag} {2 * margin:g}")
+
+
+explain_failures_with(nccl_hint)
