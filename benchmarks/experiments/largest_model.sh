@@ -40,5 +40,7 @@ echo "exit ${PIPESTATUS[0]}"
 rm -f "$OUT/.watch"; sleep 2
 grep -v -i warn "$OUT/.largest.log" | grep -E "model parameters|offload rank|gpu tier auto|host memory|pinned|start-up|predicted|iteration |rror|Killed|refus|overlap" \
   | cut -c1-1000 | tee "$OUT/largest.log"
+[ -n "${NCCL_DEBUG:-}" ] && grep -E "NCCL (WARN|INFO)" "$OUT/.largest.log" | grep -iE "alloc|fail|error|mem|cuda" \
+  | tail -60 > "$OUT/nccl.txt"  # with NCCL_DEBUG set: NCCL's allocations and failures
 cat "$OUT/largest_peaks.txt"; du -sh "$DISK" | cat; free -g | head -2
 rm -rf "$DISK" "$OUT/.largest.log"
