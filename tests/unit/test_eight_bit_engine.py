@@ -20,7 +20,8 @@ from mlp_offload.state_formats import FP8_MOMENTS
 from mlp_offload.subgroups.blocks import ShardParams
 
 from mlp_offload.kernels.blockwise8 import BlockLayout
-from mlp_offload.kernels.remainders import round_half_away
+from mlp_offload.kernels.remainders import HostParamHigh, round_half_away
+from mlp_offload.kernels.update import convert_grads
 
 from .helpers import BETAS, EPS, LR, WD, ModelParams, device_config
 from .strategies import device_setups
@@ -195,6 +196,77 @@ def test_cuda_engine_with_8_bit_moments_matches_the_reference(tmp_path, update_o
             ref.step(grad.float().numpy(), step)
         master, moments = engine_moments(eng)
     assert np.array_equal(bits(master.cpu()), ref.p.view(np.uint32))
+    for (codes, scales), mine in zip(moments, (ref.m, ref.v)):
+        ref_codes, ref_scales = ref.per_element(mine)
+        assert np.array_equal(bits(codes.cpu()), ref_codes)
+        assert np.array_equal(bits(scales.cpu()), ref_scales.view(np.uint32))
+
+
+class DeviceGrads:
+    """The model's grads in one tensor on the update's device, as the Megatron adapter's source gives them:
+    converted into the update's buffer, or read where they lie (``views``)."""
+
+    def __init__(self, grads: torch.Tensor):
+        self.grads = grads
+
+    def start(self, start, end, out, unscale, clip_coef):
+        convert_grads(self.grads[start:end], out, unscale, clip_coef)
+
+    def wait(self, start):
+        pass
+
+    def to_device(self, start, end, out, unscale, clip_coef):
+        convert_grads(self.grads[start:end], out, unscale, clip_coef)
+
+    def views(self, start, end):
+        yield start, end, self.grads[start:end]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the Triton kernel needs a CUDA device"))])
+@pytest.mark.parametrize("remainders", [False, True])
+def test_an_engine_on_the_model_buffers_matches_the_reference(device, remainders):
+    """The device's 8-bit update on the model's own grads and params (gpu and host tiers, the in-HBM subgroups
+    interleaved with the streamed ones): the master, codes and scales equal the numpy reference bit for bit, and
+    the model's params are the master rounded (half away from zero with remainders, else to nearest even)."""
+    numel, sub = 120_000, 9_000
+    segments = [(0, 0, 30_000), (30_000, 500, 41_000), (71_000, 0, 49_000)]
+    groups = [([(0, 30_000), (71_000, 120_000)], {}), ([(30_000, 71_000)], {"weight_decay": 0.0, "lr": 3e-3})]
+    gen = torch.Generator().manual_seed(11)
+    init = torch.randn(numel, generator=gen)
+    if remainders:  # a bf16 model: the master starts as its params
+        init = init.to(torch.bfloat16).float()
+    params = init.to(torch.bfloat16).to(device)
+    grads = torch.zeros(numel, dtype=torch.bfloat16, device=device)
+    ref = Reference(init, segments, groups, numel)
+    slot = 6 * sub + 4096 * 3
+    cfg = OffloadConfig(tiers=["gpu", "host"], device=device, subgroup_size=sub, state_dtypes=FP8,
+                        gpu_budget_bytes=5 * slot, host_budget_bytes=16 * slot, update_on="device",
+                        param_remainders=remainders, run_id="model8", adam_elems_per_s=1e9,
+                        device_adam_elems_per_s=4e9, device_streamed_elems_per_s=2e9)
+    handed = []  # subgroups whose params came back as a copy: none, on the model's buffers
+
+    def on_params(start, end, p):
+        handed.append(start)
+        params[start:end].copy_(p)
+
+    link = ModelLink(param_segments=segments, grad_source=DeviceGrads(grads), param_high=HostParamHigh(params),
+                     on_params_updated=on_params)
+    with OffloadedAdamW(init.clone(), cfg, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, groups=groups,
+                        model=link) as eng:
+        assert eng.update_paths.on_model_buffers, eng.update_paths.device_update.fused_how
+        assert {"gpu", "host"} <= set(eng.placement.tier_of)
+        for step in range(1, 4):
+            grad = (torch.randn(numel, generator=gen) * 10).to(torch.bfloat16)
+            grads.copy_(grad)
+            eng.step()
+            ref.step(grad.float().numpy(), step)
+        assert handed == []
+        master, moments = engine_moments(eng)
+    assert np.array_equal(bits(master.cpu()), ref.p.view(np.uint32))
+    want = torch.from_numpy(ref.p)
+    want = round_half_away(want) if remainders else want.to(torch.bfloat16)
+    assert torch.equal(params.cpu().view(torch.int16), want.view(torch.int16))
     for (codes, scales), mine in zip(moments, (ref.m, ref.v)):
         ref_codes, ref_scales = ref.per_element(mine)
         assert np.array_equal(bits(codes.cpu()), ref_codes)

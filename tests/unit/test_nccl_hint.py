@@ -84,3 +84,13 @@ def test_the_optimizer_records_what_the_auto_tier_did(capsys):
     share_device_memory([Engine(0)], 100 * GiB, 120 * GiB)
     with pytest.raises(torch.distributed.DistBackendError):
         raised_in_a_run(torch.distributed.DistBackendError(NCCL))
+
+
+def test_a_growth_says_the_allocators_reserve_of_the_step_it_was_fitted_to(caplog):
+    tier_growth.allocator_figures(130 * GiB, 114 * GiB)
+    with caplog.at_level("INFO", logger="mlp_offload"):
+        tier_growth.observed(10 * GiB, 20 * GiB, 4 * GiB, 4 * GiB)
+        tier_growth.observed(20 * GiB, 20 * GiB, 4 * GiB, 4 * GiB)  # no growth: nothing said
+    said = [r.getMessage() for r in caplog.records if "gpu tier grew" in r.getMessage()]
+    assert said == ["gpu tier grew: in the step it was fitted to, torch's allocator reserved up to 130.00 GiB "
+                    "while at most 114.00 GiB was in use"]

@@ -321,5 +321,6 @@ def _cuda_memory_figures() -> Tuple[int, int]:
     peak = torch.cuda.max_memory_allocated()
     free, _ = torch.cuda.mem_get_info()
     capacity = free + torch.cuda.memory_reserved()
+    tier_growth.allocator_figures(torch.cuda.max_memory_reserved(), peak)  # said where the tier grows next
     torch.cuda.reset_peak_memory_stats()
     return peak, capacity

@@ -7,11 +7,13 @@ time in that step; docs/benchmarks.md §18-19). Process-wide: one device per ran
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Optional
 
 from megatron.training.errors import GPU_MARGIN_FLAG, explain_failures_with
 
+log = logging.getLogger("mlp_offload")
 RECENT_STEPS = 2  # a failure this many steps after a growth is named with it; later ones are not
 
 
@@ -24,6 +26,14 @@ class Growth:
 
 
 _last: Optional[Growth] = None
+_allocator = None  # (reserved peak, in-use peak) bytes of the step the tier was last fitted to, on a GPU
+
+
+def allocator_figures(reserved_peak: int, in_use_peak: int) -> None:
+    """The caching allocator's peaks of the step just measured: where its reserve exceeds what was in use by more
+    than the margin, the margin is not free for NCCL (one cause the 2026-11-28 failures leave open)."""
+    global _allocator
+    _allocator = (reserved_peak, in_use_peak)
 
 
 def observed(before_bytes: int, after_bytes: int, left_bytes: int, margin_bytes: int) -> None:
@@ -31,13 +41,16 @@ def observed(before_bytes: int, after_bytes: int, left_bytes: int, margin_bytes:
     global _last
     if after_bytes > before_bytes:
         _last = Growth(after_bytes / 2**30, left_bytes / 2**30, margin_bytes / 2**30)
+        if _allocator is not None:
+            log.info("gpu tier grew: in the step it was fitted to, torch's allocator reserved up to %.2f GiB while "
+                     "at most %.2f GiB was in use", _allocator[0] / 2**30, _allocator[1] / 2**30)
     elif _last is not None:
         _last.steps_since += 1
 
 
 def forget() -> None:
-    global _last
-    _last = None
+    global _last, _allocator
+    _last = _allocator = None
 
 
 def nccl_hint(err: BaseException, margin_flag: str = GPU_MARGIN_FLAG) -> Optional[str]:
