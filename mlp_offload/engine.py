@@ -135,11 +135,11 @@ class OffloadedAdamW:
         log.info(describe_placement(self.config, self.subgroups, self._start_up, self._paths, self._read_ahead))
 
     # -- the update ----------------------------------------------------------------------------
-    def step(self, *, unscale: Optional[float] = None, clip_coef: Optional[float] = None,
-             skip: bool = False) -> StepRecord:
+    def step(self, *, unscale: Optional[float] = None, clip_coef: Optional[float] = None, skip: bool = False,
+             in_series: bool = False) -> StepRecord:
         """One AdamW step over the whole shard from the gradient source (``grad_buffer`` by default).
-        ``unscale`` (1/loss-scale) and ``clip_coef`` multiply the fp32 gradients in that order; ``skip``
-        (found inf/nan) leaves all state untouched."""
+        ``unscale`` (1/loss-scale) and ``clip_coef`` multiply the fp32 gradients in that order; ``skip`` (found
+        inf/nan) leaves all state untouched; ``in_series``: a deferred step the caller waits for (``settle``)."""
         self._check_usable()
         # The last deferred step's copies out may still run: its fences go to the loop, which waits only
         # where it touches that state (the host does not wait for the whole update here).
@@ -147,7 +147,7 @@ class OffloadedAdamW:
         if skip:
             return StepRecord(step=self.steps_done, skipped=True, tiers=self._counters.take())
         t_start = time.perf_counter()
-        rec = self._loop.run(self.steps_done + 1, unscale, clip_coef, self.param_groups, written)
+        rec = self._loop.run(self.steps_done + 1, unscale, clip_coef, self.param_groups, written, in_series)
         self.steps_done = rec.step
         self._pipeline.begin(self._schedule_for(rec.step))  # its first reads run under forward/backward
         if self._deferred is None:
@@ -205,9 +205,9 @@ class OffloadedAdamW:
         """The traffic plan (``plan.schedule``) of the step the pipeline reads for now."""
         return self._pipeline.schedule
 
-    def update_order(self) -> List[int]:
+    def update_order(self, in_series: bool = False) -> List[int]:
         """The order the next step updates its subgroups in (an asynchronous side's held ones first)."""
-        return self._loop.held_first_order(self._pipeline.schedule)
+        return self._loop.held_first_order(self._pipeline.schedule, in_series)
 
     def take_traffic(self) -> Dict[str, TierTraffic]:
         """Each file tier's traffic since the last step's record took it (e.g. reads finished at close)."""

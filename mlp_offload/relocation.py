@@ -82,7 +82,7 @@ class Relocation:
         # they are the same cores, one after the other.
         # Deferred (defer_device_wait), a step's time is the host's share only: it cannot re-measure
         # the split, which then stays as start-up chose it (placement.split_updates).
-        self.split = (UpdateSplit(SideRates.from_start_up(update_rates, config.interleaves_on_device),
+        self.split = (UpdateSplit(SideRates.from_start_up(update_rates, config.interleave_device_updates),
                                   overlap=device_type != "cpu")
                       if config.update_on == "auto" and device_type is not None and update_rates.device_streamed
                       and not config.defer_device_wait else None)

@@ -100,8 +100,8 @@ class OffloadConfig:
     """On a GPU, the device's subgroups held in memory are queued with the in-HBM ones spread between
     the streamed ones (``step.loop.interleaved``): the compute stream works while the host link copies,
     and the update takes the longer of the two instead of their sum; False: the schedule's order (a
-    run of in-HBM updates holds the link's copies back). Not with ``defer_device_wait`` (the next
-    forward's order)."""
+    run of in-HBM updates holds the link's copies back). With ``defer_device_wait`` only in the steps
+    the caller waits for (``step(in_series=True)``); the others run in the next forward's order."""
 
     cpu_one_pass: bool = True
     """Update on the CPU with one pass per element (``cpu_one_pass``, a C++ kernel built at run time)
@@ -361,11 +361,6 @@ class OffloadConfig:
         if kind.in_device_memory and budget is None:  # 0 is a budget too (the tier listed, holding nothing)
             return 0 if self.gpu_budget_auto else None
         return budget
-
-    @property
-    def interleaves_on_device(self) -> bool:
-        """The step loop spreads the device's in-HBM updates between its streamed ones (on a GPU)."""
-        return self.interleave_device_updates and not self.defer_device_wait
 
     @property
     def on_cuda(self) -> bool:

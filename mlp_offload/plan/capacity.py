@@ -48,7 +48,7 @@ def plan_engine(numel: int, config: OffloadConfig, measured: MeasuredRates, capa
     update_rates = measured.update or UpdateRates(1 / (1 / measured.adam_elems_per_s + 1 / measured.convert_elems_per_s))
     placement = plan_placement(subgroups, config, rates, capacity_bytes, update_rates=update_rates,
                                gpu_budget_bytes=gpu_budget_bytes)
-    interleaved = host_grad_itemsize is None and config.interleaves_on_device  # a GPU's order (plan.device_share)
+    interleaved = host_grad_itemsize is None and config.interleave_device_updates  # a GPU's order (plan.device_share)
     if config.update_on == "auto" and update_rates.device_streamed:
         placement.update_on = settled_sides([sg.numel for sg in subgroups], placement.tier_of, update_rates,
                                             interleaved)

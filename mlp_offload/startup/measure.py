@@ -113,7 +113,7 @@ def start_up(cfg: OffloadConfig, subgroups: List[Subgroup], paths: UpdatePaths, 
         placement.update_on = deferred[0]
         log.info(deferred[1].describe(update_rates, 0.0))
     found = StartUp(memory, rates, adam_rate, convert_rate, tokens_per_tier, devices, placement, None, update_rates,
-                    sharing, cfg.cache_alternating, paths.device_type == "cuda" and cfg.interleaves_on_device)
+                    sharing, cfg.cache_alternating, paths.device_type == "cuda" and cfg.interleave_device_updates)
     found.prediction = found.predict(subgroups, placement)
     return found
 

@@ -34,6 +34,9 @@ class StepContext:
     # Per subgroup: the fence of the last deferred step's copy out of its state, which may still run
     # (``DeferredWork.release``): a device update's copy in follows it, the CPU waits for it first.
     written: Mapping[int, Fence] = field(default_factory=lambda: MappingProxyType({}))
+    # A deferred step the caller waits for before the next forward (the overlap's settled steps, or the
+    # overlap turned off): queued in a step in series' order, not the next forward's (``loop.held_first_order``)
+    in_series: bool = False
 
 
 @dataclass(frozen=True)

@@ -65,13 +65,14 @@ class StepLoop:
         self.hooks = hooks
 
     def run(self, step: int, unscale, clip_coef, groups: Sequence[dict],
-            written: Mapping[int, Fence] = MappingProxyType({})) -> StepRecord:
+            written: Mapping[int, Fence] = MappingProxyType({}), in_series: bool = False) -> StepRecord:
         """Update step ``step`` over every subgroup; its record (the caller adds the totals). A failure
         is stored on the pipeline: the engine refuses to go on after it. ``written``: per subgroup, the
         fence of the last deferred step's copy out of its state, which may still run (``DeferredWork.
-        release``): a device update's copy in follows it, the CPU waits for it before reading."""
+        release``): a device update's copy in follows it, the CPU waits for it before reading. ``in_series``:
+        a deferred step the caller waits for (``StepContext.in_series``)."""
         sched = self.pipeline.schedule
-        ctx = self._context(step, unscale, clip_coef, groups, written)
+        ctx = self._context(step, unscale, clip_coef, groups, written, in_series)
         self._begin_sides(ctx, sched)
         try:
             in_flight = self._update_held_first(ctx, sched)
@@ -84,13 +85,13 @@ class StepLoop:
             raise
         return ctx.record
 
-    def held_first_order(self, sched: StepSchedule) -> List[int]:
+    def held_first_order(self, sched: StepSchedule, in_series: bool = False) -> List[int]:
         """The subgroups held in memory (gpu or host tier) that an asynchronous side updates, in the
-        order it takes them: a deferred step in the next forward's order (descending), else the
-        schedule's, with the ones in device memory spread between the streamed ones (``interleaved``)
-        unless the hooks' ``interleave`` is off."""
+        order it takes them: a deferred step in the next forward's order (descending) unless the caller
+        waits for it (``in_series``), else the schedule's, with the ones in device memory spread between
+        the streamed ones (``interleaved``) unless the hooks' ``interleave`` is off."""
         held = [i for i in sched.order if i in self.resident and self._side_of(i).asynchronous]
-        if self.deferred is not None:
+        if self.deferred is not None and not in_series:
             return sorted(held, reverse=True)
         if not self.hooks.interleave:
             return held
@@ -123,7 +124,7 @@ class StepLoop:
     def _update_held_first(self, ctx: StepContext, sched: StepSchedule) -> InFlight:
         """The asynchronous sides' subgroups held in memory, queued now (or handed to the deferral);
         their fences, where they are waited for in this step."""
-        held = self.held_first_order(sched)
+        held = self.held_first_order(sched, ctx.in_series)
         if self.read_ahead is not None:
             self.read_ahead.keep_only(held)
         sides = {i: self._side_of(i) for i in held}  # (a deferred launch may come after a re-placement)
@@ -148,11 +149,11 @@ class StepLoop:
             views = self._acquire(i, in_flight, ctx.record)
             self._release(i, side, self._update(side, i, views), in_flight, ctx.record)
 
-    def _context(self, step: int, unscale, clip_coef, groups: Sequence[dict],
-                 written: Mapping[int, Fence]) -> StepContext:
+    def _context(self, step: int, unscale, clip_coef, groups: Sequence[dict], written: Mapping[int, Fence],
+                 in_series: bool) -> StepContext:
         rec = self._record(step, self.pipeline.schedule)
         # copies: a deferred launch may come after the caller's scheduler changed the groups
-        return StepContext(step, unscale, clip_coef, [dict(group) for group in groups], rec, written)
+        return StepContext(step, unscale, clip_coef, [dict(group) for group in groups], rec, written, in_series)
 
     def _record(self, step: int, sched: StepSchedule) -> StepRecord:
         """The step's record, with its counts and the prediction's figures."""

@@ -292,7 +292,8 @@ RUNS = {
     # The same with --offload-overlap-forward, same call: iteration 3 (settled) 1.5468 s, update 0.8330 s; iteration 4
     # (compute alone) 0.7122 s, update 2.8 ms; iterations 5-8 (overlapped) 1.4621-1.4727 s (mean 1.4650), the forward
     # waiting 0.50 s: slower than in series (1.3460). The model plans it at 1.29 s, under the run in series: the
-    # deferred update runs in the next forward's order, in turn (0.85 s on the device, modelled 0.75 s).
+    # deferred update runs in the next forward's order, in turn (0.85 s on the device, modelled 0.75 s). Its
+    # settled steps ran in that order too (in turn), before they took a step in series' order.
     "20.68B fp8 moments overlapped, model buffers, one H200": Recorded(
         "eight_bit_2026-11-28/20b_fp8_overlap/largest.log",
         ["read 1.72 GB/s, write 1.88 GB/s", "adam 1.34 Gelem/s", "adam 88.72 Gelem/s resident, 11.93 streamed",
@@ -300,7 +301,7 @@ RUNS = {
         f"{ONE_H200} --offload-bandwidths nvme=1.72:1.88 --adam-gelems 1.34 --gpu-adam-gelems 88.72 "
         f"--gpu-streamed-gelems 11.93 {LLAMA} {FP8_MOMENTS} {LLAMA_20B} {OVERLAP}",
         update_s=0.8330, iteration_s=1.4650, gpu_subgroups=135, peak_in_use_gib=124.06 - 42.75, attention="sdpa",
-        compute_alone_s=0.7122 - 0.0028, in_turn=False),
+        compute_alone_s=0.7122 - 0.0028),
     # 25.36 B the same way with --offload-gpu-margin-gb 8 (nccl_margin_25b.sh; the default margin's run failed in
     # NCCL after the tier grew, docs/benchmarks.md §19): iterations 4-8 2.5014-2.8285 s (mean 2.6557), update
     # 1.5995-1.6274 s (mean 1.6168); auto: peak 112.52 GiB with 39, then 82, 75, 74, 75

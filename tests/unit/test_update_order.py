@@ -10,6 +10,8 @@ from mlp_offload import OffloadConfig, OffloadedAdamW
 from mlp_offload.step.loop import interleaved
 from tests.profiles import examples
 
+from .helpers import engine_state
+
 
 @settings(max_examples=examples(300), deadline=None)
 @given(flags=st.lists(st.booleans(), max_size=40), seed=st.randoms(use_true_random=False))
@@ -58,3 +60,33 @@ def test_the_engine_queues_its_held_subgroups_interleaved_unless_told_not_to(tmp
             assert order == list(eng.schedule.order), (order, eng.schedule.order)
         if interleave:
             assert order != list(eng.schedule.order)  # (the schedule starts with an in-HBM subgroup here)
+
+
+def test_a_deferred_step_runs_the_next_forwards_order_unless_the_caller_waits_for_it():
+    """defer_device_wait: the held subgroups in the next forward's order (descending); a step its caller waits for
+    (the overlap's settled steps, ``in_series``) in a step in series' order, the in-HBM ones interleaved; both
+    leave the bits an engine in series leaves."""
+    numel, sub = 80_000, 10_000
+    gen = torch.Generator().manual_seed(4)
+    init = torch.randn(numel, generator=gen)
+    options = dict(tiers=["gpu", "host"], subgroup_size=sub, update_on="device", run_id="order2",
+                   gpu_budget_bytes=3 * sub * 12, host_budget_bytes=8 * sub * 12, adam_elems_per_s=1e9)
+    engines = [OffloadedAdamW(init.clone(), OffloadConfig(**options, defer_device_wait=deferred), lr=1e-3)
+               for deferred in (True, False)]
+    try:
+        deferred = engines[0]
+        tiers = deferred.placement.tier_of
+        assert deferred.update_order() == sorted(deferred.update_order(), reverse=True)
+        kinds = "".join("g" if tiers[i] == "gpu" else "h" for i in deferred.update_order(in_series=True))
+        assert kinds[0] == "h" and "gg" not in kinds, kinds
+        for step in range(4):
+            grad = (torch.randn(numel, generator=gen) * 10).to(torch.bfloat16)
+            for eng in engines:
+                eng.settle()
+                eng.grad_buffer.copy_(grad)
+                eng.step(in_series=step % 2 == 0)
+        got, want = (engine_state(eng) for eng in engines)
+    finally:
+        for eng in engines:
+            eng.close()
+    assert all(torch.equal(a, b) for a, b in zip(got, want))

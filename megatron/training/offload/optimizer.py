@@ -132,11 +132,14 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
             grad_norm = get_grad_norm_fp32(norms, grad_stats_parallel_group=self.grad_stats_parallel_group)
             coef = self.config.clip_grad / (grad_norm + 1.0e-6)
             clip_coef = coef if coef < 1.0 else None
-        records = [shard.engine.step(unscale=inv_scale, clip_coef=clip_coef)
+        # A step the overlap waits for (its first steps, or the overlap turned off) runs in a step in series'
+        # order: the in-HBM updates beside the streamed ones, not behind them in the next forward's order.
+        settles = self.overlap_forward and (self._deferred_steps < SETTLED_STEPS or not self._overlap_choice.overlap_on)
+        records = [shard.engine.step(unscale=inv_scale, clip_coef=clip_coef, in_series=settles)
                    for shard, inv_scale in zip(self.shards, inv_scales)]
         self.last_record = records[0]
         if self.overlap_forward:
-            self._after_deferred_step(records[0])
+            self._after_deferred_step(records[0], settles)
         if self._cuda:
             for shard in self.shards:
                 torch.cuda.current_stream().wait_stream(shard.copy_stream)
@@ -150,7 +153,7 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
                 chunk.start_param_sync()  # dense and expert buckets both
         return True, grad_norm, None  # no zeros counted (--log-num-zeros-in-grad is megatron-core's)
 
-    def _after_deferred_step(self, record) -> None:
+    def _after_deferred_step(self, record, settles: bool) -> None:
         """The forward's wait for the last deferred params, into ``record``; and in the first
         ``SETTLED_STEPS`` steps (while the gpu tier settles in) the device's work is waited for here,
         so the next iteration's compute runs alone once: the iteration prediction's compute time."""
@@ -159,7 +162,7 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
             stalls[-1][1].synchronize()  # the forward's, long done
         record.forward_wait_s = sum(start.elapsed_time(end) for start, end in stalls) / 1000.0
         self._deferred_steps += 1
-        if self._deferred_steps <= SETTLED_STEPS or not self._overlap_choice.overlap_on:
+        if settles:
             t0 = time.perf_counter()
             for shard in self.shards:
                 shard.engine.settle()
