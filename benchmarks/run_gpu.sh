@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 if [ $# -lt 1 ]; then
     echo "usage: bash benchmarks/run_gpu.sh NAME [args...]; NAME is one of:"
     for f in benchmarks/experiments/*.sh; do
-        case "$(basename "$f")" in peer_env.sh|upstream_flags.sh|memory_watch.sh|timestamps.sh|iteration_lines.sh) continue ;; esac
+        case "$(basename "$f")" in peer_env.sh|upstream_flags.sh|memory_watch.sh|timestamps.sh|iteration_lines.sh|run_summary.sh) continue ;; esac
         printf '  %-22s %s\n' "$(basename "$f" .sh)" "$(sed -n 2p "$f" | sed 's/^# *//')"
     done
     exit 2

@@ -39,9 +39,6 @@ for name in ${RUNS:-20b_fp8 20b_fp8_before 25b_fp8 20b_fp8_overlap}; do
   esac
 done
 stamp "all done"
-for f in "$OUT"/*.console; do
-  name=$(basename "$f" .console); echo "=== $name"
-  grep -v -i warn "$f" | grep -E "^exit|offload rank 0:|device cuda|rror|Killed" | cut -c1-700 | tail -4
-  [ -f "$OUT/$name/largest.log" ] && python3 benchmarks/experiments/iteration_summary.py "$OUT/$name/largest.log"
-done
-tar czf /tmp/eight_bit_speed.tgz -C "$OUT" . && mv /tmp/eight_bit_speed.tgz "$OUT/" && ls -la "$OUT/eight_bit_speed.tgz"
+source benchmarks/experiments/run_summary.sh
+summarize_runs "^exit|offload rank 0:|device cuda|rror|Killed" 700 4
+pack_runs eight_bit_speed

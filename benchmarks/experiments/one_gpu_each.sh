@@ -41,9 +41,6 @@ for i in 0 1; do
 done
 wait
 stamp "all done"
-for f in "$OUT"/*.console; do
-  name=$(basename "$f" .console); echo "=== $name"
-  grep -v -i warn "$f" | grep -E "^exit|: exit|offload rank 0:|start-up \(s\)|validation loss|final|rror|Killed|corpus" | cut -c1-420 | tail -8
-  [ -f "$OUT/$name/largest.log" ] && python3 benchmarks/experiments/iteration_summary.py "$OUT/$name/largest.log"
-done
-tar czf /tmp/one_gpu_each.tgz -C "$OUT" . && mv /tmp/one_gpu_each.tgz "$OUT/" && ls -la "$OUT/one_gpu_each.tgz"
+source benchmarks/experiments/run_summary.sh
+summarize_runs "^exit|: exit|offload rank 0:|start-up \(s\)|validation loss|final|rror|Killed|corpus" 420 8
+pack_runs one_gpu_each
