@@ -33,6 +33,12 @@ from .device_share import device_share_seconds, streamed_seconds_within
 from .placement import CPU, DEVICE, UpdateRates, spread
 
 GAIN = 0.03  # a move must be predicted to shorten the update by more than this fraction
+# The device's rate beside the CPU rises above what it knew only from a step where the CPU worked at least this
+# share of it: beside a short CPU share the device streams mostly alone (20.68 B and 25.36 B with fp8 moments on an
+# H200, 2026-11-28: 8.4-11 G elem/s "beside" one CPU subgroup, then 4.2-7.6 beside 11-17 of them, which the split
+# had moved to on the first figure and moved back from a step later, that step 30-40% slower). A lower figure
+# counts from any step: the CPU's share only slows it.
+BESIDE_SHARE = 0.5
 
 
 @dataclass
@@ -138,7 +144,8 @@ def observed_rates(prior: SideRates, cpu_elems: int, streamed_elems: int, reside
                    overlap: bool = True) -> SideRates:
     """``prior`` with the rates one step showed: the CPU's from its own time ``seconds.cpu_s``; the
     device's streamed rate from the step's time less read waits (less the CPU's share where the
-    sides ran one after the other), its in-HBM share taken out as ``device_share`` models it."""
+    sides ran one after the other), its in-HBM share taken out as ``device_share`` models it; its
+    rate beside the CPU raised only where the CPU worked ``BESIDE_SHARE`` of the step or more."""
     rates = dataclasses.replace(prior)
     cpu_s = seconds.cpu_s
     compute_s = seconds.update_s - seconds.read_wait_s
@@ -152,8 +159,9 @@ def observed_rates(prior: SideRates, cpu_elems: int, streamed_elems: int, reside
         device_s = streamed_seconds_within(compute_s - (0.0 if overlap else cpu_s), resident_elems, streamed_elems,
                                            prior.resident, overlap and prior.interleaved)
         if device_s:
-            if cpu_elems or not overlap:
-                rates.streamed_beside = streamed_elems / device_s
+            beside = streamed_elems / device_s
+            if not overlap or (cpu_elems and (beside < prior.streamed_beside or cpu_s >= BESIDE_SHARE * compute_s)):
+                rates.streamed_beside = beside
             if not cpu_elems or not overlap:
                 rates.streamed_alone = streamed_elems / device_s
     return rates

@@ -14,7 +14,8 @@ from mlp_offload import ModelLink
 from mlp_offload import OffloadConfig, OffloadedAdamW
 from mlp_offload.plan.placement import CPU, DEVICE
 from mlp_offload.plan.placement import UpdateRates
-from mlp_offload.plan.split import SideRates, UpdateSplit, choose_split, settled_sides, sides_for
+from mlp_offload.plan.split import (SideRates, StepSeconds, UpdateSplit, choose_split, observed_rates, settled_sides,
+                                     sides_for)
 from mlp_offload.telemetry.traffic import StepRecord
 from tests.profiles import examples
 
@@ -245,3 +246,22 @@ def test_an_engine_moves_its_split_and_equals_an_all_cpu_engine(caplog):
     assert "slower than the device alone" in lines[0] and "split cpu 0/device 12" in lines[0]
     for w, g in zip(want, got):
         assert torch.equal(w, g)
+
+
+def test_a_short_cpu_share_does_not_raise_the_devices_rate_beside_it():
+    """The 25.36 B case (fp8 moments, one H200, 2026-11-28): one CPU subgroup of 179 host-held ones took 83 ms of a
+    1.55 s step; the device streamed the rest at 11 G elem/s, nearly its rate alone (11.7), where with 17 on the CPU
+    it fell to 7.6. The start-up's rate beside (6.16, the CPU busy throughout) stays: no move to a larger share.
+    A step whose CPU share is most of it, or one that shows the device slower, still sets it."""
+    size, held = 100_000_000, 179
+    prior = SideRates(cpu_alone=1.03e9, cpu_beside=0.05e9, streamed_alone=11.7e9, streamed_beside=6.16e9,
+                      resident=94e9)
+    short = StepSeconds(update_s=1.55, read_wait_s=0.0, cpu_s=0.083)
+    got = observed_rates(prior, size, (held - 1) * size, 75 * size, short)
+    assert got.streamed_beside == prior.streamed_beside
+    assert got.cpu_beside == pytest.approx(size / 0.083)
+    assert choose_split(1, [size] * held, 75 * size, got, gain=0.03).count in (0, 1)
+    long_share = StepSeconds(update_s=1.55, read_wait_s=0.0, cpu_s=0.9)
+    assert observed_rates(prior, 9 * size, (held - 9) * size, 75 * size, long_share).streamed_beside > 6.16e9
+    slower = StepSeconds(update_s=3.0, read_wait_s=0.0, cpu_s=0.083)
+    assert observed_rates(prior, size, (held - 1) * size, 75 * size, slower).streamed_beside < 6.16e9
