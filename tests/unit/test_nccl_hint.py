@@ -76,12 +76,12 @@ def test_the_optimizer_records_what_the_auto_tier_did(capsys):
         def observe_device_memory(self, peak, capacity):
             self.tier += self.grow
 
-    share_device_memory([Engine(6 * GiB)], 100 * GiB, 120 * GiB)
+    assert share_device_memory([Engine(6 * GiB)], 100 * GiB, 120 * GiB)  # it grew: the caller empties the cache
     with pytest.raises(SystemExit):
         raised_in_a_run(torch.distributed.DistBackendError(NCCL))
     assert "grew to 16.00 GiB, leaving 14.00 GiB" in capsys.readouterr().err  # 120 - (100 + 6)
     tier_growth.forget()
-    share_device_memory([Engine(0)], 100 * GiB, 120 * GiB)
+    assert not share_device_memory([Engine(0)], 100 * GiB, 120 * GiB)
     with pytest.raises(torch.distributed.DistBackendError):
         raised_in_a_run(torch.distributed.DistBackendError(NCCL))
 

@@ -145,7 +145,10 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
                 torch.cuda.current_stream().wait_stream(shard.copy_stream)
         auto = [shard.engine for shard in self.shards if shard.engine.config.gpu_budget_auto]
         if auto and self.device_memory_figures is not None:
-            share_device_memory(auto, *self.device_memory_figures())
+            if share_device_memory(auto, *self.device_memory_figures()) and self._cuda:
+                # The allocator's cached blocks back to the driver: NCCL allocates outside it, lazily, and found
+                # nothing left after the tier grew (25.36 B on one H200, 115.2 B on four; tier_growth.py)
+                torch.cuda.empty_cache()
         if not self.ddp_config.overlap_param_gather and not self.overlap_forward:
             # (with the overlap: at data-parallel size 1 each rank's params are its own already; above it
             # megatron-core's forward hooks gather each bucket once the gate saw its update done)
@@ -305,15 +308,18 @@ def shard_numels(every: List[ShardGroups]) -> Dict[str, int]:
                         for buffer in buffers for bucket in buffer.buckets) for g in every}
 
 
-def share_device_memory(engines, peak: int, capacity: int) -> None:
+def share_device_memory(engines, peak: int, capacity: int) -> bool:
     """Auto gpu tiers of one device (dense and experts) fitted in turn: what one engine moves in or
-    hands back counts in the peak the next sees, so two never take the same spare memory."""
+    hands back counts in the peak the next sees, so two never take the same spare memory. Whether a tier grew."""
+    grew = False
     for engine in engines:
         before = engine.state_bytes_per_tier().get(GPU_TIER, 0)
         engine.observe_device_memory(peak, capacity)
         after = engine.state_bytes_per_tier().get(GPU_TIER, 0)
         peak += after - before
+        grew = grew or after > before
         tier_growth.observed(before, after, capacity - peak, engine.config.gpu_margin_bytes)
+    return grew
 
 
 def _cuda_memory_figures() -> Tuple[int, int]:

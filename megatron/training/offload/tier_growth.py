@@ -3,7 +3,10 @@ soon after: NCCL's buffers are allocated outside torch's allocator, so the margi
 training's peak (--offload-gpu-margin-gb) is all the room they find. On 2026-11-28 the 25.36 B README-shaped run on
 one H200 and 115.2 B on four H200s failed in NCCL ("unhandled cuda error") in the step right after the tier grew to
 within the default 4 GiB; with 8 GiB the 25.36 B run trained its 8 iterations (115.2 B's was cut by the session's
-time in that step; docs/benchmarks.md §18-19). Process-wide: one device per rank."""
+time in that step; docs/benchmarks.md §18-19). The same failure elsewhere ("Failed to CUDA calloc 8388608 bytes":
+torch's allocator keeps freed blocks cached, and NCCL, allocating lazily outside it, finds the driver empty;
+pytorch/torchtitan#660, THUDM/slime#1086) is met by emptying the cache: the optimizer does so after each growth.
+Process-wide: one device per rank."""
 
 from __future__ import annotations
 
