@@ -16,6 +16,7 @@ from ..tiers.kinds import DEVICE_MEMORY, HOST_MEMORY, MEMORY_KINDS, kind_of, mem
 from .align import ALIGN
 from .bandwidth import TierBandwidth, probe_piece_bytes
 from .checks import OffloadConfigError, is_int, positive, positive_finite
+from .device_checks import UPDATE_SIDES, check_device_fields
 from .units import GiB, MiB
 
 HOST_TIER = HOST_MEMORY.name
@@ -23,7 +24,6 @@ GPU_TIER = DEVICE_MEMORY.name  # the model's device memory (HBM; on a CPU run, t
 # Tier names that are memory (tiers.base.ResidentTier kinds), fastest first; every other name is a
 # file path. Placement fills them in this order.
 RESIDENT_TIERS = memory_kind_names()
-UPDATE_SIDES = ("cpu", "device", "auto")
 
 
 @dataclass
@@ -261,7 +261,7 @@ class OffloadConfig:
                 f"host-only offload needs a positive host budget (host_budget_bytes), or none at all; got {budget}")
         if budget is not None and budget < 0:
             raise OffloadConfigError(f"host budget (host_budget_bytes) must be >= 0 bytes, got {budget}")
-        self._check_device_fields()
+        check_device_fields(self)
         positive("subgroup_size", self.subgroup_size)
         positive("prefetch_depth", self.prefetch_depth)
         if self.tokens_per_tier is not None:
@@ -299,49 +299,6 @@ class OffloadConfig:
             raise OffloadConfigError(f"Adam rate (adam_elems_per_s) must be a positive finite number, got {rate!r}")
         _check_token_scope(self.token_scope, self.file_tiers)
         _check_node_fields(self.lock_dir, self.local_rank)
-
-    def _check_device_fields(self) -> None:
-        gpu = self.gpu_budget_bytes
-        if gpu is not None and (not is_int(gpu) or gpu < 0):
-            raise OffloadConfigError(f"gpu budget (gpu_budget_bytes) must be a whole number of bytes >= 0 or None, "
-                                     f"got {gpu!r}")
-        if GPU_TIER in self.tiers:
-            if gpu is None and not self.gpu_budget_auto:
-                raise OffloadConfigError(f"offload tier {GPU_TIER!r} needs its size: give gpu_budget_bytes or "
-                                         f"gpu_budget_auto")
-            if self.tiers == [GPU_TIER] and self.gpu_budget_auto:
-                raise OffloadConfigError(f"offload tiers: {[GPU_TIER]} alone with gpu_budget_auto has nowhere to keep "
-                                         f"the state it has not learnt room for; add {HOST_TIER!r} or a file tier")
-        elif gpu is not None or self.gpu_budget_auto:
-            raise OffloadConfigError(f"gpu_budget_bytes/gpu_budget_auto are given, but {GPU_TIER!r} is not one of "
-                                     f"the offload tiers {self.tiers}")
-        if not is_int(self.gpu_margin_bytes) or self.gpu_margin_bytes < 0:
-            raise OffloadConfigError(f"gpu margin (gpu_margin_bytes) must be a whole number of bytes >= 0, "
-                                     f"got {self.gpu_margin_bytes!r}")
-        if self.update_on not in UPDATE_SIDES:
-            raise OffloadConfigError(f"update side (update_on) must be one of {UPDATE_SIDES}, got {self.update_on!r}")
-        if self.device_adam_kernel not in (None, "fused", "foreach", "single"):
-            raise OffloadConfigError(f"device adam kernel (device_adam_kernel) must be 'fused', 'foreach' or "
-                                     f"'single', got {self.device_adam_kernel!r}")
-        positive("device_chunk_elems", self.device_chunk_elems)
-        share = self.cpu_share_subgroups
-        if share is not None:
-            if share != "auto" and (not is_int(share) or share < 0):
-                raise OffloadConfigError(f"the CPU's share (cpu_share_subgroups) must be a whole number of "
-                                         f"subgroups >= 0, 'auto' or None, got {share!r}")
-            if not self.defer_device_wait:
-                raise OffloadConfigError(f"the CPU's share (cpu_share_subgroups={share}) splits the deferred update: "
-                                         f"it needs defer_device_wait")
-            if self.update_on != "auto":
-                raise OffloadConfigError(f"the CPU's share (cpu_share_subgroups={share}) splits the deferred update: "
-                                         f"it needs update_on 'auto', not {self.update_on!r}")
-        if not is_int(self.device_read_ahead_bytes) or self.device_read_ahead_bytes < 0:
-            raise OffloadConfigError(f"device read-ahead (device_read_ahead_bytes) must be a whole number of bytes "
-                                     f">= 0, got {self.device_read_ahead_bytes!r}")
-        for name in ("device_adam_elems_per_s", "device_streamed_elems_per_s"):
-            rate = getattr(self, name)
-            if rate is not None and not positive_finite(rate):
-                raise OffloadConfigError(f"{name} must be a positive finite number, got {rate!r}")
 
     @property
     def has_host(self) -> bool:
