@@ -1,5 +1,6 @@
-"""checkpoint/: one engine's offloaded state in a single checkpoint file. The file's format and its
-loading (``state_file``), writing it from a snapshot, synchronously or by a thread (``write``).
+"""checkpoint/: one engine's offloaded state in a single checkpoint file. The file's layout and its
+loading (``state_file``; its fixed parts and errors in ``file_format``, reading ranges of it in
+``range_reader``), writing it from a snapshot, synchronously or by a thread (``write``).
 
 This package is a face of the engine: code outside it imports these names from here. May import the
 engine's other modules (the engine itself only for its type); none of them imports this package."""
@@ -8,9 +9,10 @@ from ..kernels.blockwise8 import BlockLayout, Quantized, quantize
 from ..kernels.remainders import merge as merge_remainders
 from ..state_formats import describe as describe_formats, is_blockwise
 from .file_blocks import FileBlocks, moments_change, note_moments_change, values_fill
-from .state_file import (MAGIC, TRAILER, CheckpointDataError, CheckpointSaveError, RangeReader, StateFile,
-                         fill_engine, human_bytes, load_engine_state, read_footer, state_file_bytes, stored_codecs,
-                         subgroups_file_bytes)
+from .file_format import MAGIC, TRAILER, CheckpointDataError, CheckpointSaveError
+from .range_reader import RangeReader
+from .state_file import (StateFile, fill_engine, human_bytes, load_engine_state, read_footer, state_file_bytes,
+                         stored_codecs, subgroups_file_bytes)
 from .write import BackgroundStateWrite, save_engine_state, start_background_save, write_snapshot
 
 __all__ = ["MAGIC", "TRAILER", "CheckpointDataError", "CheckpointSaveError", "RangeReader", "StateFile",

@@ -23,7 +23,8 @@ from typing import Dict, List, Optional
 import torch
 
 from .file_blocks import snapshot_blocks
-from .state_file import MAGIC, TRAILER, CheckpointSaveError, human_bytes, state_file_bytes, subgroups_file_bytes
+from .file_format import MAGIC, TRAILER, CheckpointSaveError
+from .state_file import human_bytes, state_file_bytes, subgroups_file_bytes
 from ..tiers.direct_io import DirectRegionWriter, pwrite_all
 from ..engine import OffloadedAdamW
 from ..faults import fault_point

@@ -6,8 +6,8 @@ nothing of the engine); every other engine module may import it."""
 
 from .bandwidth import TierBandwidth, parse_bandwidths, probe_piece_bytes
 from .checks import OffloadConfigError
-from .offload_config import (GPU_TIER, HOST_TIER, RESIDENT_TIERS, TOKEN_SCOPES, UPDATE_SIDES,
-                             OffloadConfig)
+from .device_checks import UPDATE_SIDES
+from .offload_config import GPU_TIER, HOST_TIER, RESIDENT_TIERS, TOKEN_SCOPES, OffloadConfig
 
 __all__ = ["OffloadConfig", "OffloadConfigError", "TierBandwidth", "parse_bandwidths", "probe_piece_bytes",
            "GPU_TIER", "HOST_TIER", "RESIDENT_TIERS", "TOKEN_SCOPES", "UPDATE_SIDES"]

@@ -16,7 +16,7 @@ from ..tiers.kinds import DEVICE_MEMORY, HOST_MEMORY, MEMORY_KINDS, kind_of, mem
 from .align import ALIGN
 from .bandwidth import TierBandwidth, probe_piece_bytes
 from .checks import OffloadConfigError, is_int, positive, positive_finite
-from .device_checks import UPDATE_SIDES, check_device_fields
+from .device_checks import check_device_fields
 from .units import GiB, MiB
 
 HOST_TIER = HOST_MEMORY.name
