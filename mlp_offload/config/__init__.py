@@ -1,8 +1,9 @@
 """config/: the engine's configuration, a pure function of its arguments: ``OffloadConfig`` (every
 knob, validated when built: offload_config; its device fields in device_checks), the file tiers'
 bandwidths (bandwidth), what a valid value is (checks), the storage alignment sizes are checked
-against (align) and the byte units (units). It imports only the engine's state formats and the tiers' kinds (``tiers.kinds``, which imports
-nothing of the engine); every other engine module may import it."""
+against (align) and the byte units (units). It imports only the engine's state formats and the
+tiers' kinds (``tiers.kinds``, which imports nothing of the engine); every other engine module may
+import it."""
 
 from .bandwidth import TierBandwidth, parse_bandwidths, probe_piece_bytes
 from .checks import OffloadConfigError

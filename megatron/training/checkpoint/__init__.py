@@ -9,8 +9,8 @@
   ``crossing``: either optimizer from the other's form; ``torch_dist_ranges``: element ranges of
   the torch_dist files read straight from disk for it;
 - the offloaded optimizer state: ``offload_files`` (where the files lie, what each records, writing
-  them) and ``offloaded_state`` (``SavedOffloadState``: reading them back by this run's parameters,
-  whatever layout wrote them);
+  them, one position's read by name) and ``offloaded_state`` (``SavedOffloadState``: reading them
+  back by this run's parameters, whatever layout wrote them);
 - ``async_save``: background saves (--async-save).
 
 May import: ``errors``, ``runtime``, ``model``, ``data``, and ``mlp_offload``'s face and its

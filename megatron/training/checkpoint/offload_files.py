@@ -1,4 +1,5 @@
-"""A checkpoint's offload files: where they lie, what each records, and how they are written.
+"""A checkpoint's offload files: where they lie, what each records, how they are written, and how one (pp, tp)
+position's files are read by parameter name (``PositionFiles``).
 
 Each rank writes its shard of the engine's state as ``iter_N/offload/ppPPP_tpTTT_dpDDD.offload``
 (the experts' shard: ``offload_experts/``, "tp" its place in the stage's EP x ETP grid, "dp" its
@@ -21,7 +22,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from megatron.core import parallel_state
@@ -30,7 +31,8 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTenso
 
 from megatron.training.checkpoint.state_dict import rank_coordinates, sharding_metadata
 from mlp_offload import BackgroundStateWrite, save_engine_state, start_background_save
-from mlp_offload.checkpoint import subgroups_file_bytes
+from mlp_offload.checkpoint import (BlockLayout, CheckpointDataError, Quantized, RangeReader, StateFile, quantize,
+                                    subgroups_file_bytes)
 
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")  # the order of the tensors in an offload file
 # The dense parameters' files, and the experts' (sharded over the expert grid and expert-data-parallel ranks).
@@ -224,3 +226,103 @@ class StateWrites:
     def cancel(self) -> None:
         for w in self.writes:
             w.cancel()
+
+
+class PositionFiles:
+    """The files of one (pp, tp) position, read by (parameter name, element range). Their readers
+    are made on the first read; ``cache_bytes`` bounds what they keep (None: two subgroups a file)."""
+
+    def __init__(self, files: List[StateFile], where: str, cache_bytes: Optional[int]):
+        self.files, self.where = files, where
+        self.dp_size = len(files)
+        self.geometry: Dict[str, list] = {}  # name -> ParamGeometry as JSON; each file records its own
+        # param name -> [(offset in the param, length, offset in the file, index of the file)]
+        self._held: Dict[str, List[Tuple[int, int, int, int]]] = {}
+        for i, saved in enumerate(files):
+            self.geometry.update(saved.metadata["geometry"])
+            for name, offset, length, flat in saved.metadata["params"]:
+                self._held.setdefault(name, []).append((offset, length, flat, i))
+        self._share = None if cache_bytes is None else cache_bytes // len(files)
+        self._readers: Optional[List[RangeReader]] = None
+
+    def param_names(self):
+        return self._held.keys()
+
+    def read_by_name(self, name: str, start: int, end: int, outs, high: Optional[torch.Tensor] = None,
+                     keys: Sequence[int] = (0, 1, 2)) -> None:
+        """Elements [start, end) of parameter ``name`` into ``outs`` (one tensor per STATE_KEYS entry,
+        or per entry of ``keys``). ``high``: the model's bf16 values of these elements, which complete a
+        master saved as 16-bit remainders into fp32 (without it such a file is refused)."""
+        filled = 0
+        for x, y, reader, at in self._holdings(name, start, end):
+            for k, out in zip(keys, outs):
+                target = out[x - start: y - start]
+                master = reader.codecs[0]
+                if k == 0 and high is not None and master.needs_high and out.dtype != master.storage_dtype:
+                    rem = master.empty(y - x)
+                    reader.read(k, at + x, at + y, rem)
+                    piece_high = high[x - start: y - start].cpu()
+                    if target.dtype == torch.float32 and target.is_contiguous():
+                        master.unpack(rem, out=target, high=piece_high)  # no fp32 temporary per piece
+                    else:
+                        target.copy_(master.unpack(rem, high=piece_high))
+                    continue
+                reader.read(k, at + x, at + y, target)
+            filled += y - x
+        if filled != end - start:
+            raise CheckpointDataError(f"{self.where}: elements {start}..{end} of {name} are in no offload file "
+                                      f"(another model or TP/PP layout?)")
+
+    def _holdings(self, name: str, start: int, end: int):
+        """(x, y, reader, at): elements [x, y) of [start, end) of parameter ``name`` are in ``reader``'s
+        file from its element ``at + x`` on."""
+        if self._readers is None:
+            self._readers = [saved.ranges(self._share) for saved in self.files]
+        for old_offset, length, flat, i in self._held.get(name, []):
+            x, y = max(start, old_offset), min(end, old_offset + length)
+            if x < y:
+                yield x, y, self._readers[i], flat - old_offset
+
+    def read_moments_by_name(self, name: str, start: int, end: int, targets: Sequence[Quantized],
+                             layout: BlockLayout) -> None:
+        """8-bit moments (exp_avg, exp_avg_sq) of elements [start, end) of parameter ``name`` into
+        ``targets``, whose blocks ``layout`` gives (this run's: multiples of its block in the
+        parameter, and the range's ends). A stretch whose both ends are block boundaries in the saved
+        file and in ``layout`` moves as its codes and scales, unchanged; the blocks around any other
+        cut are dequantized and quantized again under ``layout`` (one more rounding, there only)."""
+        block, moved = layout.block, []
+
+        def ours(pos: int) -> bool:
+            return pos in (start, end) or pos % block == 0
+
+        for x, y, reader, at in self._holdings(name, start, end):
+            if any(c.block != block or getattr(c, "fmt", None) != t.fmt for c, t in zip(reader.codecs[1:], targets)):
+                continue  # saved in other formats or blocks: as values, below
+
+            def both(pos: int) -> bool:
+                return ours(pos) and reader.is_block_boundary(at + pos)
+
+            a = x if both(x) else min(y, -(-x // block) * block)
+            b = y if both(y) else y // block * block
+            if a >= b or not (both(a) and both(b)):
+                continue
+            first, last = layout.block_span(a - start, b - start)
+            for k, target in enumerate(targets, 1):
+                reader.read_quantized(k, at + a, at + b, Quantized(
+                    target.codes[a - start: b - start], target.scales[first:last], target.fmt))
+            moved.append((a, b))
+        pos = start
+        for a, b in sorted(moved) + [(end, end)]:
+            if pos < a:  # whole blocks of ``layout`` between moved stretches: through their values
+                values = [torch.empty(a - pos, dtype=torch.float32) for _ in targets]
+                self.read_by_name(name, pos, a, values, keys=(1, 2))
+                first, last = layout.block_span(pos - start, a - start)
+                for value, target in zip(values, targets):
+                    quantize(value, layout.span(first, last), target.fmt, out=Quantized(
+                        target.codes[pos - start: a - start], target.scales[first:last], target.fmt))
+            pos = b
+
+    def drop_cached(self) -> None:
+        """Forget the stored subgroups kept for the next read (bounds memory over many positions)."""
+        for reader in self._readers or []:
+            reader.drop_cached()

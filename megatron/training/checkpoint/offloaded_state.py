@@ -13,8 +13,9 @@ goes the first way that fits:
   pieces that intersect it, one parameter's rows at a time, so memory is bounded by a parameter,
   not the model. Saved copies of one global piece (TP-replicated norms, the tied output layer) are
   read once, from the first position holding them.
-The offload engines (``load_offloaded_state``, through the engine's face) and megatron-core's own
-optimizer (crossing) both fill themselves through ``read``.
+The offload engines (``optimizer_state.load_offloaded_state``, through the engine's face) and megatron-core's
+own optimizer (crossing) both fill themselves through ``read``; a position's files are an
+``offload_files.PositionFiles``.
 """
 
 from __future__ import annotations
@@ -26,11 +27,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron.training.checkpoint.offload_files import (FILE_NAME, SUBDIRS, ParamGeometry, param_geometries,
-                                                        param_names, shard_coordinates, volume)
+from megatron.training.checkpoint.offload_files import (FILE_NAME, SUBDIRS, ParamGeometry, PositionFiles,
+                                                        param_geometries, param_names, shard_coordinates, volume)
 from megatron.training.checkpoint.state_dict import sharding_metadata
-from mlp_offload.checkpoint import (BlockLayout, CheckpointDataError, Quantized, RangeReader, StateFile, fill_engine,
-                                    is_blockwise, moments_change, quantize, stored_codecs)
+from mlp_offload.checkpoint import BlockLayout, CheckpointDataError, Quantized, StateFile, quantize, stored_codecs
 
 log = logging.getLogger("mlp_offload")
 
@@ -49,106 +49,6 @@ class ModelParallelLayout:
         grid = "TP" if self.kind == "dense" else "EPxETP"
         return (f"{grid}={self.tp} PP={self.pp}" + (f" VPP={self.chunks}" if self.chunks > 1 else "")
                 + (f" EP={self.ep}" if self.ep > 1 else ""))
-
-
-class _PositionFiles:
-    """The files of one (pp, tp) position, read by (parameter name, element range). Their readers
-    are made on the first read; ``cache_bytes`` bounds what they keep (None: two subgroups a file)."""
-
-    def __init__(self, files: List[StateFile], where: str, cache_bytes: Optional[int]):
-        self.files, self.where = files, where
-        self.dp_size = len(files)
-        self.geometry: Dict[str, list] = {}  # name -> ParamGeometry as JSON; each file records its own
-        # param name -> [(offset in the param, length, offset in the file, index of the file)]
-        self._held: Dict[str, List[Tuple[int, int, int, int]]] = {}
-        for i, saved in enumerate(files):
-            self.geometry.update(saved.metadata["geometry"])
-            for name, offset, length, flat in saved.metadata["params"]:
-                self._held.setdefault(name, []).append((offset, length, flat, i))
-        self._share = None if cache_bytes is None else cache_bytes // len(files)
-        self._readers: Optional[List[RangeReader]] = None
-
-    def param_names(self):
-        return self._held.keys()
-
-    def read_by_name(self, name: str, start: int, end: int, outs, high: Optional[torch.Tensor] = None,
-                     keys: Sequence[int] = (0, 1, 2)) -> None:
-        """Elements [start, end) of parameter ``name`` into ``outs`` (one tensor per STATE_KEYS entry,
-        or per entry of ``keys``). ``high``: the model's bf16 values of these elements, which complete a
-        master saved as 16-bit remainders into fp32 (without it such a file is refused)."""
-        filled = 0
-        for x, y, reader, at in self._holdings(name, start, end):
-            for k, out in zip(keys, outs):
-                target = out[x - start: y - start]
-                master = reader.codecs[0]
-                if k == 0 and high is not None and master.needs_high and out.dtype != master.storage_dtype:
-                    rem = master.empty(y - x)
-                    reader.read(k, at + x, at + y, rem)
-                    piece_high = high[x - start: y - start].cpu()
-                    if target.dtype == torch.float32 and target.is_contiguous():
-                        master.unpack(rem, out=target, high=piece_high)  # no fp32 temporary per piece
-                    else:
-                        target.copy_(master.unpack(rem, high=piece_high))
-                    continue
-                reader.read(k, at + x, at + y, target)
-            filled += y - x
-        if filled != end - start:
-            raise CheckpointDataError(f"{self.where}: elements {start}..{end} of {name} are in no offload file "
-                                      f"(another model or TP/PP layout?)")
-
-    def _holdings(self, name: str, start: int, end: int):
-        """(x, y, reader, at): elements [x, y) of [start, end) of parameter ``name`` are in ``reader``'s
-        file from its element ``at + x`` on."""
-        if self._readers is None:
-            self._readers = [saved.ranges(self._share) for saved in self.files]
-        for old_offset, length, flat, i in self._held.get(name, []):
-            x, y = max(start, old_offset), min(end, old_offset + length)
-            if x < y:
-                yield x, y, self._readers[i], flat - old_offset
-
-    def read_moments_by_name(self, name: str, start: int, end: int, targets: Sequence[Quantized],
-                             layout: BlockLayout) -> None:
-        """8-bit moments (exp_avg, exp_avg_sq) of elements [start, end) of parameter ``name`` into
-        ``targets``, whose blocks ``layout`` gives (this run's: multiples of its block in the
-        parameter, and the range's ends). A stretch whose both ends are block boundaries in the saved
-        file and in ``layout`` moves as its codes and scales, unchanged; the blocks around any other
-        cut are dequantized and quantized again under ``layout`` (one more rounding, there only)."""
-        block, moved = layout.block, []
-
-        def ours(pos: int) -> bool:
-            return pos in (start, end) or pos % block == 0
-
-        for x, y, reader, at in self._holdings(name, start, end):
-            if any(c.block != block or getattr(c, "fmt", None) != t.fmt for c, t in zip(reader.codecs[1:], targets)):
-                continue  # saved in other formats or blocks: as values, below
-
-            def both(pos: int) -> bool:
-                return ours(pos) and reader.is_block_boundary(at + pos)
-
-            a = x if both(x) else min(y, -(-x // block) * block)
-            b = y if both(y) else y // block * block
-            if a >= b or not (both(a) and both(b)):
-                continue
-            first, last = layout.block_span(a - start, b - start)
-            for k, target in enumerate(targets, 1):
-                reader.read_quantized(k, at + a, at + b, Quantized(
-                    target.codes[a - start: b - start], target.scales[first:last], target.fmt))
-            moved.append((a, b))
-        pos = start
-        for a, b in sorted(moved) + [(end, end)]:
-            if pos < a:  # whole blocks of ``layout`` between moved stretches: through their values
-                values = [torch.empty(a - pos, dtype=torch.float32) for _ in targets]
-                self.read_by_name(name, pos, a, values, keys=(1, 2))
-                first, last = layout.block_span(pos - start, a - start)
-                for value, target in zip(values, targets):
-                    quantize(value, layout.span(first, last), target.fmt, out=Quantized(
-                        target.codes[pos - start: a - start], target.scales[first:last], target.fmt))
-            pos = b
-
-    def drop_cached(self) -> None:
-        """Forget the stored subgroups kept for the next read (bounds memory over many positions)."""
-        for reader in self._readers or []:
-            reader.drop_cached()
 
 
 @dataclass(frozen=True)
@@ -179,14 +79,14 @@ class SavedOffloadState:
         # kind -> (pp, tp) -> dp -> path: each directory listed once
         self._paths = {kind: self._list(sub) for kind, sub in SUBDIRS.items()}
         self._open: Dict[str, StateFile] = {}
-        self._positions: Dict[Tuple[str, int, int], _PositionFiles] = {}
+        self._positions: Dict[Tuple[str, int, int], PositionFiles] = {}
         self._run: Dict[str, _RunShard] = {}  # kind -> how this run's parameters of that kind are read
         self._names: Optional[Dict[torch.nn.Parameter, str]] = None
         # by region, made on the first such read: this run's params' places, the saved pieces and global shapes
         self._param_geometry: Dict[torch.nn.Parameter, ParamGeometry] = {}
         self._regions: Optional[Dict[str, List[_SavedPiece]]] = None
         self._shapes: Dict[str, Tuple[int, ...]] = {}
-        self._warm: List[_PositionFiles] = []
+        self._warm: List[PositionFiles] = []
 
     # -- reading by this run's parameters ----------------------------------------------------------
     def read(self, kind: str, param, start: int, end: int, outs) -> None:
@@ -210,7 +110,7 @@ class SavedOffloadState:
                        moments: Sequence[Quantized], layout: BlockLayout) -> None:
         """As ``read``, for an engine with 8-bit moments: the master into ``master`` (float32), the
         moments into ``moments`` (codes and scales laid out by ``layout``). By name, block-aligned
-        stretches keep their codes and scales (``_PositionFiles.read_moments_by_name``); by region
+        stretches keep their codes and scales (``PositionFiles.read_moments_by_name``); by region
         (another TP/PP/EP), so too where a saved piece is this very tensor (the same global place and
         shape: e.g. another PP size only), else the parameter is another tensor with other blocks and
         its moments are quantized from values."""
@@ -323,7 +223,7 @@ class SavedOffloadState:
         path = self._paths[kind].get((pp, tp), {}).get(dp)
         return None if path is None else self.file(path)
 
-    def position(self, kind: str, pp: int, tp: int, cache_bytes: Optional[int] = None) -> "_PositionFiles":
+    def position(self, kind: str, pp: int, tp: int, cache_bytes: Optional[int] = None) -> "PositionFiles":
         """Every DP rank's file of (pp, tp): as many as their data-parallel size says."""
         key = (kind, pp, tp)
         if key not in self._positions:
@@ -337,7 +237,7 @@ class SavedOffloadState:
                     any(f.metadata["dp_size"] != dp_size for f in files):
                 raise CheckpointDataError(f"{self.where}: found {len(files)} offload files for pp={pp} tp={tp}, "
                                           f"their data-parallel size says {dp_size}: the checkpoint is incomplete")
-            self._positions[key] = _PositionFiles(files, self.where, cache_bytes)
+            self._positions[key] = PositionFiles(files, self.where, cache_bytes)
         return self._positions[key]
 
     def file(self, path: str) -> StateFile:
@@ -443,7 +343,7 @@ class SavedOffloadState:
                                       f"model's is {list(target.global_shape)} (another model?)")
         return saved
 
-    def _keep_warm(self, used: List[_PositionFiles]) -> None:
+    def _keep_warm(self, used: List[PositionFiles]) -> None:
         """Only the positions the last read used keep their cached subgroups (the next parameter
         is most likely theirs too): memory stays that of a few subgroups, however many files."""
         for position in self._warm:
@@ -468,7 +368,7 @@ class SavedOffloadState:
 @dataclass
 class _SavedPiece:
     geometry: ParamGeometry
-    position: "_PositionFiles"
+    position: "PositionFiles"
     name: str  # the parameter's name in its files
 
 
@@ -483,78 +383,3 @@ def _copy_intersection(piece: _SavedPiece, lo, hi, box_offset, rows) -> None:
     target_cut = tuple(slice(x - o, y - o) for x, y, o in zip(lo, hi, box_offset))
     for region, data in zip(rows, saved):
         region[target_cut].copy_(data.view(last - first, *shape[1:])[source_cut])
-
-
-# -- the offload engines, from a checkpoint -----------------------------------------------------------
-def load_offloaded_state(shards, saved: SavedOffloadState, offload_meta: dict, model) -> None:
-    """Each of the offload facade's shards (``kind``, ``engine``, ``layout``, ``dp_group``,
-    ``grad_scaler``) from ``saved``: its grad scaler from the common state's ``offload_meta``, its
-    engine from its own file as saved or each parameter slice from whichever old ranks held it."""
-    # A checkpoint saved with one shard (no experts' optimizer, or EP 1) has one scaler: the dense shard's.
-    for shard, scaler in zip(shards, offload_meta["grad_scalers"]):
-        if shard.grad_scaler is not None and scaler:
-            shard.grad_scaler.load_state_dict(scaler)
-    for shard in shards:
-        _load_engine(shard, saved)
-    gather_model_params(shards, model)
-
-
-def _load_engine(shard, saved: SavedOffloadState) -> None:
-    dp_size = shard.dp_group.size()
-    own = saved.whole_file(shard.kind, dp_size)
-    first = torch.distributed.get_rank() == 0
-    notice = moments_change(saved.saved_codecs(shard.kind), shard.engine.state_codecs)
-    if own is not None:
-        fill_engine(shard.engine, own, notice=False)
-        if notice and first:
-            log.warning("offloaded %sstate: %s", "expert " if shard.kind == "experts" else "", notice)
-        return
-    layout = shard.layout
-    mine = sorted((a, b, layout.param_slice[param], param) for param, (a, b) in layout.param_flat_range.items())
-
-    def fill(sg, *outs):
-        for out in outs:
-            out.zero_()  # bucket padding holds no parameter
-        for a, b, offset, param in mine:
-            lo, hi = max(a, sg.start), min(b, sg.end)
-            if lo < hi:
-                saved.read(shard.kind, param, offset + lo - a, offset + hi - a,
-                           [out[lo - sg.start: hi - sg.start] for out in outs])
-
-    eight_bit = is_blockwise(shard.engine.state_codecs)
-    shard.engine.load_state(_eight_bit_fill(shard, saved, mine) if eight_bit else fill, steps_done=saved.steps_done)
-    if first:
-        log.info("offloaded %sstate resharded from %s%s", "expert " if shard.kind == "experts" else "",
-                 saved.describe_change(shard.kind, dp_size), f" ({notice})" if notice else "")
-
-
-def _eight_bit_fill(shard, saved: SavedOffloadState, mine):
-    """The engine's load callback for 8-bit moments: each parameter's piece of a subgroup through
-    ``saved.read_eight_bit``, into the subgroup's codes and scales under its own blocks."""
-    engine = shard.engine
-    codecs, params, block = engine.state_codecs, engine.blocks.params, engine.blocks.block
-
-    def fill(sg, master, *moments):
-        for out in (master, *moments):
-            out.zero_()  # bucket padding holds no parameter (codes and scales of zero: zeros)
-        layout = params.layout(sg.start, sg.end, block)
-        targets = [codec.split(raw, sg.numel, sg.blocks) for raw, codec in zip(moments, codecs[1:])]
-        for a, b, offset, param in mine:
-            lo, hi = max(a, sg.start), min(b, sg.end)
-            if lo < hi:
-                first, last = layout.block_span(lo - sg.start, hi - sg.start)
-                pieces = [Quantized(t.codes[lo - sg.start: hi - sg.start], t.scales[first:last], t.fmt)
-                          for t in targets]
-                saved.read_eight_bit(shard.kind, param, offset + lo - a, offset + hi - a,
-                                     master[lo - sg.start: hi - sg.start], pieces, layout.span(first, last))
-
-    return fill
-
-
-def gather_model_params(shards, model) -> None:
-    """After a load into the engines: where masters are stored as remainders, a load from an fp32
-    master set this rank's shard of the model's params from it (half-away rounding); every rank
-    gets them."""
-    if any(shard.engine.config.param_remainders for shard in shards):
-        for chunk in model:
-            chunk.start_param_sync(force_sync=True)

@@ -1,7 +1,8 @@
 """The optimizer's part of a load, in whichever form the load plan found it:
 
 - its own form: megatron-core's optimizer from the torch_dist files (read with the rest), or the
-  offload engines from the offload files (offloaded_state), one call either way;
+  offload engines from the offload files (``load_offloaded_state``, through ``offloaded_state``'s reader),
+  one call either way;
 - converted from the other form (crossing), in pieces of at most --ckpt-convert-memory-mb;
 - not at all (--no-load-optim, --finetune): the optimizer starts from the loaded weights.
 
@@ -11,6 +12,7 @@ step count needs two fix-ups then (``prepare_fresh_optimizer_for_load``, ``resto
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -18,8 +20,11 @@ from megatron.core.optimizer import ChainedOptimizer, MegatronOptimizer
 
 from megatron.training.checkpoint.crossing import fill_distributed_optimizer, load_into_engine, saved_small_objects
 from megatron.training.checkpoint.load_plan import FROM_DISTRIBUTED, FROM_OFFLOADED, SAME_FORM, LoadPlan
-from megatron.training.checkpoint.offloaded_state import SavedOffloadState, gather_model_params, load_offloaded_state
+from megatron.training.checkpoint.offloaded_state import SavedOffloadState
 from megatron.training.runtime.progress import MemoryGrowth, print_rank0, slowest_rank
+from mlp_offload.checkpoint import Quantized, fill_engine, is_blockwise, moments_change
+
+log = logging.getLogger("mlp_offload")
 
 
 def optimizer_template(plan: LoadPlan, optimizer, model_template: dict, metadata) -> dict:
@@ -124,3 +129,78 @@ def restore_adam_steps(optimizer, loaded) -> None:
         for state in inner.state.values():
             if "step" in state:
                 state["step"] = torch.tensor(step, dtype=torch.float32)
+
+
+# -- the offload engines, from a checkpoint -----------------------------------------------------------
+def load_offloaded_state(shards, saved: SavedOffloadState, offload_meta: dict, model) -> None:
+    """Each of the offload facade's shards (``kind``, ``engine``, ``layout``, ``dp_group``,
+    ``grad_scaler``) from ``saved``: its grad scaler from the common state's ``offload_meta``, its
+    engine from its own file as saved or each parameter slice from whichever old ranks held it."""
+    # A checkpoint saved with one shard (no experts' optimizer, or EP 1) has one scaler: the dense shard's.
+    for shard, scaler in zip(shards, offload_meta["grad_scalers"]):
+        if shard.grad_scaler is not None and scaler:
+            shard.grad_scaler.load_state_dict(scaler)
+    for shard in shards:
+        _load_engine(shard, saved)
+    gather_model_params(shards, model)
+
+
+def _load_engine(shard, saved: SavedOffloadState) -> None:
+    dp_size = shard.dp_group.size()
+    own = saved.whole_file(shard.kind, dp_size)
+    first = torch.distributed.get_rank() == 0
+    notice = moments_change(saved.saved_codecs(shard.kind), shard.engine.state_codecs)
+    if own is not None:
+        fill_engine(shard.engine, own, notice=False)
+        if notice and first:
+            log.warning("offloaded %sstate: %s", "expert " if shard.kind == "experts" else "", notice)
+        return
+    layout = shard.layout
+    mine = sorted((a, b, layout.param_slice[param], param) for param, (a, b) in layout.param_flat_range.items())
+
+    def fill(sg, *outs):
+        for out in outs:
+            out.zero_()  # bucket padding holds no parameter
+        for a, b, offset, param in mine:
+            lo, hi = max(a, sg.start), min(b, sg.end)
+            if lo < hi:
+                saved.read(shard.kind, param, offset + lo - a, offset + hi - a,
+                           [out[lo - sg.start: hi - sg.start] for out in outs])
+
+    eight_bit = is_blockwise(shard.engine.state_codecs)
+    shard.engine.load_state(_eight_bit_fill(shard, saved, mine) if eight_bit else fill, steps_done=saved.steps_done)
+    if first:
+        log.info("offloaded %sstate resharded from %s%s", "expert " if shard.kind == "experts" else "",
+                 saved.describe_change(shard.kind, dp_size), f" ({notice})" if notice else "")
+
+
+def _eight_bit_fill(shard, saved: SavedOffloadState, mine):
+    """The engine's load callback for 8-bit moments: each parameter's piece of a subgroup through
+    ``saved.read_eight_bit``, into the subgroup's codes and scales under its own blocks."""
+    engine = shard.engine
+    codecs, params, block = engine.state_codecs, engine.blocks.params, engine.blocks.block
+
+    def fill(sg, master, *moments):
+        for out in (master, *moments):
+            out.zero_()  # bucket padding holds no parameter (codes and scales of zero: zeros)
+        layout = params.layout(sg.start, sg.end, block)
+        targets = [codec.split(raw, sg.numel, sg.blocks) for raw, codec in zip(moments, codecs[1:])]
+        for a, b, offset, param in mine:
+            lo, hi = max(a, sg.start), min(b, sg.end)
+            if lo < hi:
+                first, last = layout.block_span(lo - sg.start, hi - sg.start)
+                pieces = [Quantized(t.codes[lo - sg.start: hi - sg.start], t.scales[first:last], t.fmt)
+                          for t in targets]
+                saved.read_eight_bit(shard.kind, param, offset + lo - a, offset + hi - a,
+                                     master[lo - sg.start: hi - sg.start], pieces, layout.span(first, last))
+
+    return fill
+
+
+def gather_model_params(shards, model) -> None:
+    """After a load into the engines: where masters are stored as remainders, a load from an fp32
+    master set this rank's shard of the model's params from it (half-away rounding); every rank
+    gets them."""
+    if any(shard.engine.config.param_remainders for shard in shards):
+        for chunk in model:
+            chunk.start_param_sync(force_sync=True)
