@@ -176,6 +176,25 @@ def _resources(args) -> dict:
     return res
 
 
+def ours_state_bytes_per_param(ours_flags: str) -> float:
+    """Stored optimizer state per parameter of our systems (b, c, t, s), from --ours-flags the way
+    pretrain_gpt.py reads them (the peers' runs are all --bf16): 10 by default (the master as bf16
+    param + 16-bit remainders), 4.1 with fp8 moments. What their disk and shm must hold at most."""
+    if REPO not in sys.path:
+        sys.path.insert(0, REPO)
+    from megatron.training.model import precision_aware
+    from mlp_offload.state_formats import REMAINDERS16, STATE_TENSORS, bytes_per_param, codec_named
+
+    parser = argparse.ArgumentParser(add_help=False)
+    precision_aware.add_flags(parser)
+    flags, _ = parser.parse_known_args(ours_flags.split())
+    flags.bf16 = True
+    codecs = [codec_named(name, tensor) for name, tensor in zip(precision_aware.state_dtypes(flags), STATE_TENSORS)]
+    if precision_aware.param_remainders(flags):
+        codecs[0] = REMAINDERS16
+    return float(bytes_per_param(codecs))
+
+
 def does_not_fit(args, system: str, res: dict):
     """A reason to skip, or None. Byte counts per parameter are the systems' own state layouts.
 
@@ -191,17 +210,18 @@ def does_not_fit(args, system: str, res: dict):
     if "gpus" in res and res["gpus"] < N:
         return f"needs {N} GPUs, {res['gpus']} visible"
     extra = 3 * (N - 1)  # host GB per further process (CUDA context, torch, model build)
+    ours = ours_state_bytes_per_param(args.ours_flags) * n
     need = {  # (host GB, disk GB, GPU GB) -- GPU: bf16 params+grads, fp32 grad buffer, activations
-        "a": (14 * n + extra, 0, 8 * n), "b": (N * args.host_budget_gb + 2 * n + extra, 12 * n, 8 * n),
-        "c": (N * args.host_budget_gb + 2 * n + extra, 12 * n, 8 * n),
-        "t": (N * args.host_budget_gb + 2 * n + extra, 12 * n, 8 * n),
-        "s": (N * args.host_budget_gb + 2 * n + extra, 12 * n, 8 * n),
+        "a": (ours + 2 * n + extra, 0, 8 * n), "b": (N * args.host_budget_gb + 2 * n + extra, ours, 8 * n),
+        "c": (N * args.host_budget_gb + 2 * n + extra, ours, 8 * n),
+        "t": (N * args.host_budget_gb + 2 * n + extra, ours, 8 * n),
+        "s": (N * args.host_budget_gb + 2 * n + extra, ours, 8 * n),
         # DeepSpeed's NVMe swapper pins buffer_count (16) sub-groups of 1e8 fp32 per rank: ~6.4 GB
         "d": (4 * n + (extra + 7 * (N - 1)), 16 * n, 4 * n / N), "e": (18 * n + extra, 0, 4 * n / N),
         "f": (23 * n + extra, 0, 8 * n), "g": (0, 0, 6 * n + 14 * n / N),
     }[system]
     if system == "c":  # the shm share is host memory too
-        need = (need[0] + 12 * n, need[1], need[2])
+        need = (need[0] + ours, need[1], need[2])
     if need[0] > host:
         return f"host memory: needs ~{need[0]:.0f} GB, {host:.0f} GB available"
     if need[1] > disk:
@@ -506,8 +526,9 @@ def main(argv=None) -> None:
         os.makedirs(args.shm_dir, exist_ok=True)
     shape = args.shape
     n = shape.num_params()
-    print(f"model {shape.as_dict()}: {n / 1e9:.3f} G params | fp32 state: ours {12 * n / 1e9:.1f} GB "
-          f"(param, m, v), DeepSpeed {16 * n / 1e9:.1f} GB (+ fp32 grads) | host budget (b, c, t) "
+    print(f"model {shape.as_dict()}: {n / 1e9:.3f} G params | state: ours "
+          f"{ours_state_bytes_per_param(args.ours_flags) * n / 1e9:.1f} GB (master, m, v as stored), DeepSpeed "
+          f"{16 * n / 1e9:.1f} GB (fp32 param, m, v, grads) | host budget (b, c, t) "
           f"{args.host_budget_gb} GB"
           + (f" PER RANK x {args.nproc} ranks = {args.nproc * args.host_budget_gb:g} GB" if args.nproc > 1 else "")
           + f" | micro-batch {args.micro_batch}, global batch {args.global_batch}, "

@@ -379,6 +379,10 @@ def main() -> int:
     text = "\n".join(lines) + "\n"
     print(text, end="")
     (OUT / f"gpu_suite_part{PART}.txt").write_text(text)
+    # The cases' checkpoints (about 30 GB) would leave the next call on this warm machine short of disk.
+    for home in WORK.iterdir():
+        if home.is_dir():
+            shutil.rmtree(home, ignore_errors=True)
     return 0 if passed == len(cases) else 1
 
 
