@@ -76,6 +76,10 @@ LLAMA_101B = ("--num-layers 76 --hidden-size 10240 --ffn-hidden-size 35840 --num
               "--global-batch-size 8 --tensor-model-parallel-size 4 --grad-reduce-in-bf16 "
               "--offload-tiers gpu,host,nvme --offload-gpu-cache-gb auto --offload-host-cache-gb 99 "
               "--offload-nvme-path /nonexistent --offload-io-threads 8 --offload-nvme-capacity-gb 200")
+# largest_x4.sh PART=b115: b100's layer shape with 86 layers, the planner's pick (TP4, full recompute); the engine's
+# host default (99.89 GiB pinned per rank)
+LLAMA_115B = (LLAMA_101B.replace("--num-layers 76", "--num-layers 86")
+              .replace("--offload-host-cache-gb 99", "--offload-host-cache-gb 100"))
 # benchmarks/peers.py's command for system b (in the run's compare_offload json), one H200
 LLAMA_3B_DISK = ("--num-layers 28 --hidden-size 3072 --ffn-hidden-size 8192 --num-attention-heads 24 "
                  "--group-query-attention --num-query-groups 8 --seq-length 2048 --max-position-embeddings 2048 "
@@ -312,6 +316,33 @@ RUNS = {
         f"{ONE_H200} --offload-bandwidths nvme=1.55:1.93 --adam-gelems 1.03 --gpu-adam-gelems 93.98 "
         f"--gpu-streamed-gelems 11.70 {LLAMA} {FP8_MOMENTS} {LLAMA_20B} --num-layers 64 --offload-gpu-margin-gb 8",
         update_s=1.6168, iteration_s=2.6557, gpu_subgroups=75, peak_in_use_gib=112.52 - 14.76, attention="sdpa",
+        in_turn=False),
+    # The same with the default margin (4 GiB), now that the optimizer empties torch's cache after the tier grows
+    # (nccl_margin_25b.sh, 2026-11-28 third session, one H200): iterations 3-8 2.3389-2.3743 s (mean 2.3524),
+    # update 1.4604-1.4810 s (mean 1.4665); auto: peak 114.41 GiB with 44 (16.65 GiB), then 92, 85, 84, 85
+    "25.36B fp8 moments interleaved, default margin, one H200": Recorded(
+        "third_2026-11-28/25b_margin4/largest.log",
+        ["read 1.68 GB/s, write 2.05 GB/s", "adam 1.43 Gelem/s", "adam 90.70 Gelem/s resident, 11.99 streamed",
+         "peak 114.41 GiB", "margin 4.00 GiB", "state per memory tier gpu 16.65 GiB",
+         "the gpu tier holds 85 (32.16 GiB)"],
+        f"{ONE_H200} --offload-bandwidths nvme=1.68:2.05 --adam-gelems 1.43 --gpu-adam-gelems 90.70 "
+        f"--gpu-streamed-gelems 11.99 {LLAMA} {FP8_MOMENTS} {LLAMA_20B} --num-layers 64",
+        update_s=1.4665, iteration_s=2.3524, gpu_subgroups=85, peak_in_use_gib=114.41 - 16.65, attention="sdpa",
+        in_turn=False),
+    # 115.2 B on four H200s with --offload-gpu-margin-gb 8 (largest_x4.sh PART=b115, 2026-11-28 third session):
+    # iterations 3-4 13.1812, 13.8482 s, update 4.2672, 4.4351 s. Rank 0's auto lines: peak 121.04 GiB with 23
+    # (8.70 GiB) after iteration 1, which grew the tier to 40 (the plan's 40 too); iteration 2 peaked at 129.92 GiB
+    # with 40 (15.13 GiB), 2.4 GiB more of the training's own, and the tier handed 7 back to keep the 8 GiB margin.
+    # The training peak held is iteration 2's; the tier's size is not held (the plan's 40 is where it went first).
+    "115.2B fp8 moments TP4, margin 8, four H200s": Recorded(
+        "third_2026-11-28/b115/b115_gb8.log",
+        ["read 1.70 GB/s, write 2.02 GB/s", "adam 0.92 Gelem/s", "adam 93.42 Gelem/s resident, 10.08 streamed",
+         "(beside the CPU: streamed 2.07, cpu 0.01)", "peak 121.04 GiB", "the gpu tier holds 40 (15.13 GiB)",
+         "peak 129.92 GiB", "the gpu tier holds 33 (12.49 GiB)"],
+        f"{FOUR_H200} --offload-bandwidths nvme=1.70:2.02 --adam-gelems 0.92 --gpu-adam-gelems 93.42 "
+        f"--gpu-streamed-gelems 10.08 --gpu-streamed-beside-gelems 2.07 --cpu-beside-gelems 0.01 "
+        f"{LLAMA} {FP8_MOMENTS} {LLAMA_115B} --offload-gpu-margin-gb 8",
+        update_s=4.3512, iteration_s=13.5147, peak_in_use_gib=129.92 - 15.13, attention="sdpa",
         in_turn=False),
     # fp8 moments on four H200s, the planner's pick (benchmarks/experiments/largest_x4.sh PART=b100 MOMENTS=fp8,
     # 2026-11-28): TP4, selective recompute, micro-batch 1, global batch 8. Iterations 3-4 11.7096, 10.8697 s,
