@@ -22,7 +22,10 @@ def _aligned(nbytes: int) -> mmap.mmap:
 
 
 def file_bandwidth(directory: str, nbytes: int, threads: int = 8, odirect: bool = True) -> dict:
-    """Write ``nbytes`` (fsync) then read them back; GB/s each way. O_DIRECT keeps the page cache out."""
+    """Write ``nbytes`` (fsync) then read them back; GB/s each way. Then half the threads read the file's
+    first half while the other half overwrite its second (``mixed_gbps``: both directions' bytes over the
+    time), as a pipelined swapper reads ahead and writes behind at once: many disks overlap the two. O_DIRECT
+    keeps the page cache out."""
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, f".floor_probe.{os.getpid()}")
     nbytes = max(BLOCK, nbytes // BLOCK * BLOCK)
@@ -57,11 +60,22 @@ def file_bandwidth(directory: str, nbytes: int, threads: int = 8, odirect: bool 
             start = time.perf_counter()
             list(pool.map(read, enumerate(offsets)))
             read_s = time.perf_counter() - start
+            # Reads of the first half beside writes of the second, their blocks interleaved in the queue, on
+            # buffers of their own (a read must not land in a buffer a write is sending).
+            half = len(offsets) // 2
+            reads = [(2 * k, off) for k, off in enumerate(offsets[:half])]
+            writes = [(2 * k + 1, off) for k, off in enumerate(offsets[half:])]
+            jobs = [job for pair in zip(reads, writes) for job in pair] + reads[len(writes):] + writes[len(reads):]
+            start = time.perf_counter()
+            list(pool.map(lambda job: (read if job[0] % 2 == 0 else write)(job), jobs))
+            os.fsync(fd)
+            mixed_s = time.perf_counter() - start
     finally:
         os.close(fd)
         os.unlink(path)
     return {"path": directory, "bytes": nbytes, "threads": threads, "odirect": bool(flags),
             "write_gbps": nbytes / write_s / 1e9, "read_gbps": nbytes / read_s / 1e9,
+            "mixed_gbps": len(jobs) * BLOCK / mixed_s / 1e9,
             "st_dev": os.stat(directory).st_dev}
 
 
@@ -102,12 +116,23 @@ def pinned_copy(nbytes: int = 1 << 30) -> dict:
     return result
 
 
+def device_seconds(read_bytes: float, write_bytes: float, bw: dict) -> float:
+    """The least time one device needs to read and write these bytes at the probed rates: one direction
+    after the other, or, where the probe measured both at once (``mixed_gbps``), no less than each
+    direction alone and both directions' bytes at the mixed rate, if that is shorter."""
+    one_then_other = read_bytes / (bw["read_gbps"] * 1e9) + write_bytes / (bw["write_gbps"] * 1e9)
+    if not bw.get("mixed_gbps"):
+        return one_then_other
+    at_once = max(read_bytes / (bw["read_gbps"] * 1e9), write_bytes / (bw["write_gbps"] * 1e9),
+                  (read_bytes + write_bytes) / (bw["mixed_gbps"] * 1e9))
+    return min(one_then_other, at_once)
+
+
 def io_seconds(traffic: dict, bandwidths: dict) -> float:
     """Time the devices need for ``traffic`` {tier: (read_bytes, write_bytes)}: tiers on one device
-    (same st_dev) add up, devices run in parallel; reads and writes of one device do not overlap."""
+    (same st_dev) add up, devices run in parallel (``device_seconds`` each)."""
     per_device = {}
     for tier, (rb, wb) in traffic.items():
         bw = bandwidths[tier]
-        t = rb / (bw["read_gbps"] * 1e9) + wb / (bw["write_gbps"] * 1e9)
-        per_device[bw["st_dev"]] = per_device.get(bw["st_dev"], 0.0) + t
+        per_device[bw["st_dev"]] = per_device.get(bw["st_dev"], 0.0) + device_seconds(rb, wb, bw)
     return max(per_device.values(), default=0.0)

@@ -505,7 +505,8 @@ def measure_floor(args) -> dict:
     fl["seconds"] = time.time() - t0
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     d, a = fl["disk"], fl["adam"]
-    print(f"floor: disk read {d['read_gbps']:.2f} write {d['write_gbps']:.2f} GB/s (O_DIRECT {d['odirect']}, "
+    print(f"floor: disk read {d['read_gbps']:.2f} write {d['write_gbps']:.2f} both at once {d['mixed_gbps']:.2f} GB/s "
+          f"(O_DIRECT {d['odirect']}, "
           f"{d['bytes'] >> 20} MiB, {d['threads']} threads)"
           + (f" | shm read {fl['shm']['read_gbps']:.2f} write {fl['shm']['write_gbps']:.2f} GB/s" if "shm" in fl else "")
           + f" | fused AdamW {a['params_per_s'] / 1e9:.2f} G params/s ({a['threads']} threads)"
