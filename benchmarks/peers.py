@@ -183,7 +183,7 @@ def ours_state_bytes_per_param(ours_flags: str) -> float:
     if REPO not in sys.path:
         sys.path.insert(0, REPO)
     from megatron.training.model import precision_aware
-    from mlp_offload.state_formats import REMAINDERS16, STATE_TENSORS, bytes_per_param, codec_named
+    from mlp_offload import STATE_TENSORS, bytes_per_param, codec_named, codecs_for
 
     parser = argparse.ArgumentParser(add_help=False)
     precision_aware.add_flags(parser)
@@ -191,7 +191,7 @@ def ours_state_bytes_per_param(ours_flags: str) -> float:
     flags.bf16 = True
     codecs = [codec_named(name, tensor) for name, tensor in zip(precision_aware.state_dtypes(flags), STATE_TENSORS)]
     if precision_aware.param_remainders(flags):
-        codecs[0] = REMAINDERS16
+        codecs[0] = codecs_for(["rem16"])[0]  # the master as 16-bit remainders beside the bf16 param
     return float(bytes_per_param(codecs))
 
 
