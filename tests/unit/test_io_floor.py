@@ -6,6 +6,7 @@ import os
 import sys
 
 import pytest
+from hypothesis import given, strategies as st
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")))
 io_floor = pytest.importorskip("io_floor")
@@ -42,3 +43,18 @@ def test_the_probe_measures_all_three_rates(tmp_path):
     assert got["bytes"] == 4 * io_floor.BLOCK
     assert min(got["read_gbps"], got["write_gbps"], got["mixed_gbps"]) > 0
     assert not any(name.startswith(".floor_probe") for name in os.listdir(tmp_path))
+
+
+rates = st.floats(0.05, 50.0)
+nbytes = st.floats(0.0, 1e12)
+
+
+@given(read=nbytes, write=nbytes, read_gbps=rates, write_gbps=rates, mixed=st.one_of(st.none(), rates))
+def test_the_floor_lies_between_one_direction_alone_and_one_after_the_other(read, write, read_gbps, write_gbps, mixed):
+    disk = {"read_gbps": read_gbps, "write_gbps": write_gbps, "mixed_gbps": mixed, "st_dev": 1}
+    alone = max(read / (read_gbps * GB), write / (write_gbps * GB))
+    sequential = read / (read_gbps * GB) + write / (write_gbps * GB)
+    got = io_floor.device_seconds(read, write, disk)
+    assert alone * (1 - 1e-12) <= got <= sequential * (1 + 1e-12)
+    if mixed is not None:
+        assert got <= max(alone, (read + write) / (mixed * GB)) * (1 + 1e-12)
