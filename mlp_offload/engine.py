@@ -110,7 +110,7 @@ class OffloadedAdamW:
         self._paths, self.cpu_one_pass_how, self._deferred = paths, paths.cpu_one_pass_how, paths.deferred
         self.grad_buffer, self.grad_source, self._read_ahead = parts.grad_buffer, parts.grad_source, parts.read_ahead
         self._pipeline, self._state, self._loop = parts.pipeline, parts.state, parts.loop
-        self._relocation = Relocation(self.subgroups, self.config, self.update_rates, paths.device_type)
+        self._relocation = Relocation(self.subgroups, self.config, self.update_rates, paths.device_type, start.rates)
         self.log_placement()
         self._pipeline.begin(self._schedule_for(0))
 
@@ -154,7 +154,7 @@ class OffloadedAdamW:
             self._loop.read_next_step_ahead({})  # the copies in run under the next forward and backward
         rec.update_s = time.perf_counter() - t_start
         rec.tiers = self._counters.take()
-        self._apply(self._relocation.after_step(rec, self.placement))  # the split, re-chosen from what it showed
+        self._apply(self._relocation.after_step(rec, self.placement, self.prediction))  # from what the step showed
         return rec
 
     def _guard_snapshot(self, i: int) -> None:
@@ -243,7 +243,7 @@ class OffloadedAdamW:
         if plan.resident_bytes is not None:
             self.placement.resident_bytes.update(plan.resident_bytes)
         self.placement.update_on = plan.update_on
-        self.prediction = self._start_up.predict(self.subgroups, self.placement, plan.update_rates)
+        self.prediction = self._start_up.predict(self.subgroups, self.placement, plan.update_rates, plan.tier_rates)
         if plan.moves:  # the next step's reads, begun anew for the new placement
             self._pipeline.begin(self._schedule_for(self.steps_done))
         what = f"{plan.what}; {self.prediction.describe()}"

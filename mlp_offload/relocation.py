@@ -16,8 +16,9 @@ import math
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence
 
-from .config import GPU_TIER, HOST_TIER, OffloadConfig
+from .config import GPU_TIER, HOST_TIER, OffloadConfig, TierBandwidth
 from .config.units import GiB
+from .plan.disk_rates import DiskRates
 from .plan.overlap_steps import DeferredSteps
 from .plan.placement import Placement, UpdateRates, split_updates
 from .plan.split import SideRates, UpdateSplit
@@ -59,13 +60,14 @@ class TierRoom:
 class RelocationPlan:
     """What the engine applies between steps, in this order: ``moves`` (subgroup -> its new tier; empty
     where only the split changes), then the placement's ``update_on`` and, where given, its
-    ``resident_bytes``; the prediction priced anew at ``update_rates`` (None: the start-up's). ``what``
-    says what changed, in one line, without the new prediction (the engine adds it)."""
+    ``resident_bytes``; the prediction priced anew at ``update_rates`` and ``tier_rates`` (None: the
+    start-up's). ``what`` says what changed, in one line, without the new prediction (the engine adds it)."""
     moves: Dict[int, str]
     update_on: List[str]
     resident_bytes: Optional[Dict[str, int]]
     update_rates: Optional[UpdateRates]
     what: str
+    tier_rates: Optional[Dict[str, TierBandwidth]] = None
 
 
 class Relocation:
@@ -73,8 +75,10 @@ class Relocation:
     start-up's, the split's first guess and the prediction's rates until the steps show others."""
 
     def __init__(self, subgroups: Sequence[Subgroup], config: OffloadConfig, update_rates: UpdateRates,
-                 device_type: Optional[str]):
+                 device_type: Optional[str], tier_rates: Optional[Dict[str, TierBandwidth]] = None):
         self.subgroups, self.config, self.update_rates = list(subgroups), config, update_rates
+        # A deferred step's measured time is only the share it waited for: no file tier's rate is read from it.
+        self.disk = DiskRates(tier_rates) if tier_rates and not config.defer_device_wait else None
         # Deferred (defer_device_wait): the CPU's share of the host state, from the steps and the forward.
         self.deferred = (DeferredSteps(subgroups, config, update_rates, device_type not in (None, "cpu"))
                          if config.defer_device_wait else None)
@@ -87,19 +91,21 @@ class Relocation:
                       if config.update_on == "auto" and device_type is not None and update_rates.device_streamed
                       and not config.defer_device_wait else None)
 
-    def after_step(self, rec, placement: Placement) -> Optional[RelocationPlan]:
-        """After each step: the update split re-chosen from the rates the step showed; None to keep it."""
+    def after_step(self, rec, placement: Placement, prediction=None) -> Optional[RelocationPlan]:
+        """After each step (priced by ``prediction``, where given): the update split re-chosen from the rates
+        the step showed, and the file tiers' rates the prediction takes; None to keep both."""
+        change = None
         if self.split is not None:
             change = self.split.observe(rec, [sg.numel for sg in self.subgroups], placement.tier_of,
                                         placement.update_on)
         elif self.deferred is not None:
             change = self.deferred.observe(rec, placement.tier_of, placement.update_on)
-        else:
+        disk = self.disk.observe(prediction, rec) if self.disk is not None and prediction is not None else None
+        if change is None and disk is None:
             return None
-        if change is None:
-            return None
-        update_on, what = change
-        return RelocationPlan({}, update_on, None, self._learnt_rates(), what)
+        update_on, what = change if change is not None else (placement.update_on, None)
+        return RelocationPlan({}, update_on, None, self._learnt_rates(), "; ".join(w for w in (what, disk) if w),
+                              self._learnt_tier_rates())
 
     def hide_under_forward(self, hidden_s: float, placement: Placement) -> Optional[RelocationPlan]:
         """Deferred (``defer_device_wait``), once the forward's length is known: the CPU's share of the
@@ -112,7 +118,7 @@ class Relocation:
         if update_on == placement.update_on:
             log.info("%s; the sides stay", what)  # (the figures the forward's length gives, said once)
             return None
-        return RelocationPlan({}, update_on, None, self._learnt_rates(), what)
+        return RelocationPlan({}, update_on, None, self._learnt_rates(), what, self._learnt_tier_rates())
 
     def fit_device(self, peak_bytes: int, capacity_bytes: int, placement: Placement,
                    room: TierRoom) -> Optional[RelocationPlan]:
@@ -147,7 +153,8 @@ class Relocation:
         what = (f"gpu tier auto: peak {peak_bytes / GiB:.2f} GiB of {capacity_bytes / GiB:.2f} GiB, margin "
                 f"{margin / GiB:.2f} GiB -> {'promoted' if change > 0 else 'handed back'} "
                 f"{len(moves)} subgroup(s); the gpu tier holds {held} ({resident.get(GPU_TIER, 0) / GiB:.2f} GiB)")
-        return RelocationPlan(moves, self._sides(after), resident, self._learnt_rates(), what)
+        return RelocationPlan(moves, self._sides(after), resident, self._learnt_rates(), what,
+                              self._learnt_tier_rates())
 
     def _lower_home(self, nbytes: int, planned: Dict[int, str], room: TierRoom) -> Optional[str]:
         """Where a subgroup leaving the device goes: host memory within its budget, else the file
@@ -177,6 +184,10 @@ class Relocation:
             return deferred[0]
         return split_updates(self.subgroups, tier_of, self.config.update_on, self.update_rates,
                              self.config.defer_device_wait)
+
+    def _learnt_tier_rates(self) -> Optional[Dict[str, TierBandwidth]]:
+        """The file tiers' rates a new prediction is priced at: those the steps showed, once there are some."""
+        return self.disk.rates if self.disk is not None and self.disk.learnt else None
 
     def _learnt_rates(self) -> Optional[UpdateRates]:
         """The rates a new prediction is priced at: those the steps showed, once there are some."""

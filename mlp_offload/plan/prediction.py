@@ -33,6 +33,7 @@ class Prediction:
     write_bytes: Dict[str, int] = field(default_factory=dict)
     cache_hits: int = 0
     ranks_sharing: int = 1  # ranks of this node whose I/O goes to the same devices
+    io_s: float = 0.0  # the file tiers' share: the busiest device's I/O (times the ranks sharing it), the first read
 
     def describe(self) -> str:
         tiers = " ".join(
@@ -123,8 +124,9 @@ def predict_update(subgroups: Sequence[Subgroup], placement: Placement, measured
         first = next((i for i in sorted(both[1].streamed) if i not in both[1].hits), None)
         fill = subgroups[first].state_bytes / rates[placement.tier_of[first]].read_bps if first is not None else 0.0
         busiest = max(device_seconds(pred.tier_s, devices).values())
-        pred.update_s = max(adam_s, device_s, ranks_sharing * busiest + fill)
-        pred.serial_s = max(pred.serial_s, ranks_sharing * busiest + fill)
+        pred.io_s = ranks_sharing * busiest + fill
+        pred.update_s = max(adam_s, device_s, pred.io_s)
+        pred.serial_s = max(pred.serial_s, pred.io_s)
         pred.ranks_sharing = ranks_sharing
     return pred
 

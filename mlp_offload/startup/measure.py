@@ -48,11 +48,12 @@ class StartUp:
     def host(self) -> HostMemory:
         return self.memory[HOST_TIER]
 
-    def predict(self, subgroups: Sequence[Subgroup], placement: Placement,
-                update_rates: Optional[UpdateRates] = None) -> Prediction:
-        """The update predicted for ``placement`` at the rates measured here (or ``update_rates``,
-        those the steps showed since): the one call start-up and every later re-placement make."""
-        measured = MeasuredRates(self.rates, self.adam_rate, self.convert_rate, update_rates or self.update_rates)
+    def predict(self, subgroups: Sequence[Subgroup], placement: Placement, update_rates: Optional[UpdateRates] = None,
+                tier_rates: Optional[Dict[str, TierBandwidth]] = None) -> Prediction:
+        """The update predicted for ``placement`` at the rates measured here (or ``update_rates`` and
+        ``tier_rates``, those the steps showed since): the one call start-up and every later re-placement make."""
+        measured = MeasuredRates(tier_rates or self.rates, self.adam_rate, self.convert_rate,
+                                 update_rates or self.update_rates)
         return predict_update(subgroups, placement, measured,
                               NodeSharing(self.devices, self.ranks_sharing, self.tokens_per_tier),
                               self.cache_alternating, self.interleaved)
