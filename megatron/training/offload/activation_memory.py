@@ -26,12 +26,35 @@ def activation_bytes(args, cfg, microbatches_in_flight: int) -> int:
     else:
         if cfg.recompute_granularity == "selective":
             scores = 0.0
-        per_layer = s * b * h * (34 / t + scores) if cfg.sequence_parallel else s * b * h * (10 + 24 / t + scores)
+        per_layer = s * b * h * (stored_per_token_layer(cfg) + scores)
         per_microbatch = layers * per_layer
     total = per_microbatch * microbatches_in_flight
     if cfg.pipeline_model_parallel_size == 1:
         total += s * b * args.padded_vocab_size / t * FP32_BYTES
     return int(total)
+
+
+def stored_per_token_layer(cfg) -> float:
+    """Bytes a layer keeps for its backward, per token and per unit of hidden size (16-bit training),
+    without the attention scores, for this layer's shape: Korthikanti et al.'s count taken through
+    megatron-core's local layers with flash-style attention. Beside each block's input and its norm's
+    output (2 + 2 of each block) and the dropout masks (1 each, kept at dropout 0 too), 10 in all, split
+    over the tensor-parallel ranks: the fused QKV output (2 (1 + 2 g/a): V is a view of it), the rotated Q
+    and K (2 + 2 g/a), the attention's output and its contiguous copy into the projection (2 + 2); the
+    MLP's first output, its activation and the second's input, 2 (2f + f + f) / h with a gated unit
+    (SwiGLU), 4 f / h without. A GPT layer (MHA, FFN 4h, GeLU) gives 10 + 30 / t, Korthikanti's 24 / t
+    counting neither the rotation nor the copy; a Llama layer of FFN 3.5 h with 8 of 80 KV groups
+    10 + 36.6 / t. The 4-GPU runs of 2026-11-28 with selective recompute (101.9 B TP4, 60.4 B TP2 x PP2)
+    kept about 10 + 40 / t, where 10 + 24 / t planned their peaks 5% and 9% under
+    (tests/unit/test_plan_replay.py)."""
+    t = cfg.tensor_model_parallel_size
+    h, f, a = cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_attention_heads
+    kv = (cfg.num_query_groups or a) / a
+    attention = 2 * (1 + 2 * kv) + (2 + 2 * kv) + 2 + 2
+    mlp = 2 * (2 * f + f + f) / h if cfg.gated_linear_unit else 2 * (f + f) / h
+    if cfg.sequence_parallel:
+        return (10 + attention + mlp) / t
+    return 10 + (attention + mlp) / t
 
 
 def microbatches_in_flight(pp: int, vp: Optional[int], microbatches: int) -> int:
