@@ -375,6 +375,21 @@ RUNS = {
         update_miss="the plan's gpu tier is now 112 subgroups (the run held 108), 44 streamed at the node-shared 5.7 G "
                     "elements/s a rank: 1.03 s, as the run's iteration 3 took (1.01 s); its iteration 2 took 0.53 s, and "
                     "the mean 0.77 is 25% under. The GPT count's plan met the mean only by holding 131 in HBM"),
+    # The same command with fp8 moments (peers.py --ours-flags, 2026-11-28 third session, same call as DeepSpeed's
+    # 54.43 s): iterations 2-4 7.7681, 7.2094, 8.2248 s, update 7.4893, 6.9816, 7.9842 s; 6.2-6.5 GB read and
+    # 6.5-7.0 GB written a step at 1.64-1.81 GB/s both ways together (its telemetry), where the engine's probe
+    # read 1.50 and wrote 1.46 GB/s (the engine planned 8.90 s).
+    "3.0B fp8 moments host 5.96 GiB + disk, vs DeepSpeed, one H200": Recorded(
+        "third_2026-11-28/peers_3b/logs/b_ours.log",
+        ["read 1.50 GB/s, write 1.46 GB/s", "adam 1.05 Gelem/s", "adam 85.79 Gelem/s resident, 12.03 streamed"],
+        f"{ONE_H200} --offload-bandwidths nvme=1.50:1.46 --adam-gelems 1.05 --gpu-adam-gelems 85.79 "
+        f"--gpu-streamed-gelems 12.03 {LLAMA} {LLAMA_3B_DISK.replace(' --no-store-param-remainders', '')} "
+        f"{FP8_MOMENTS}",
+        update_s=7.4850, iteration_s=7.7341, attention="sdpa", in_turn=False,
+        update_miss="the disk-bound update at the start-up probe's rates (9.10 s planned) is 22% over: the steps moved "
+                    "1.64-1.81 GB/s both ways together where the probe read 1.50 and wrote 1.46; the engine's "
+                    "prediction now follows the steps' disk (mlp_offload/plan/disk_rates.py), the planner cannot",
+        compute_miss="the iteration is the update's: the same miss (9.22 s planned, +19%)"),
     # iterations 2-3: 26.30, 26.64 s, update 26.04, 26.39 s. The disk's rates are the call's own floor probe
     # (read, then write, 2 GiB O_DIRECT), not the engine's probe, whose figures this log did not keep; the
     # prediction counts reads and writes one after the other (14% over here; the 2026-11-24 call's floor
