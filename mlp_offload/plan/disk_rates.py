@@ -24,6 +24,9 @@ from ..config import TierBandwidth
 STEPS = 3  # steps whose median sets the scale: one odd step moves the prediction no further than its neighbours
 IO_BOUND = 0.9  # a step is read where the prediction's file I/O is at least this share of its update
 MOVE = 0.05  # the scale changes only where the steps' median differs from it by more than this
+# Shorter steps are read as the step's fixed costs, not the disk's: a small run's 30 ms step of a few megabytes
+# would otherwise price its disk at a tenth of the probe's rate.
+MIN_STEP_S = 0.5
 
 
 def scaled(rate: TierBandwidth, scale: float) -> TierBandwidth:
@@ -56,7 +59,7 @@ class DiskRates:
         planned = sum(prediction.read_bytes.values()) + sum(prediction.write_bytes.values())
         moved = sum(t.read_bytes + t.write_bytes for t in rec.tiers.values())
         reads = sum(t.read_bytes for t in rec.tiers.values())
-        if (rec.skipped or not planned or not reads or rec.update_s <= 0
+        if (rec.skipped or not planned or not reads or rec.update_s < MIN_STEP_S
                 or prediction.io_s < IO_BOUND * prediction.update_s):
             return None
         # The scale at which the modelled I/O of the bytes this step moved takes as long as the step took.

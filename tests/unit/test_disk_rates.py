@@ -10,7 +10,8 @@ import pytest
 
 from mlp_offload import OffloadedAdamW
 from mlp_offload.config import OffloadConfig, TierBandwidth
-from mlp_offload.plan.disk_rates import MOVE, DiskRates
+from mlp_offload.plan import disk_rates
+from mlp_offload.plan.disk_rates import MIN_STEP_S, MOVE, DiskRates
 from mlp_offload.plan.placement import plan_placement
 from mlp_offload.plan.prediction import MeasuredRates, NodeSharing, predict_update
 from mlp_offload.subgroups.partition import partition
@@ -47,7 +48,7 @@ def test_the_prediction_at_the_learnt_rates_gives_the_disk_bound_step_back(tmp_p
     before = predict(disk.rates)
     measured = before.update_s * share / k  # k times the probed speed, over ``share`` of the bytes
     line = disk.observe(before, step(2, before, measured, share))
-    if abs(k - 1) <= MOVE:  # (the step's bytes count: ``share`` of them in ``share`` of the time is the probed disk)
+    if abs(k - 1) <= MOVE or measured < MIN_STEP_S:  # (the step's bytes count: ``share`` of them in ``share`` of the time is the probed disk)
         assert line is None and not disk.learnt
         return
     assert "start-up probe's" in line
@@ -55,7 +56,7 @@ def test_the_prediction_at_the_learnt_rates_gives_the_disk_bound_step_back(tmp_p
     assert after.update_s * share == pytest.approx(measured, rel=1e-4)  # (the record's bytes are whole)
 
 
-def test_a_step_bound_elsewhere_or_without_reads_teaches_nothing(tmp_path):
+def test_a_step_bound_elsewhere_short_or_without_reads_teaches_nothing(tmp_path):
     adam_bound = disk_bound(tmp_path, adam_elems_per_s=1e3)(PROBED)
     assert adam_bound.io_s < adam_bound.update_s
     disk = DiskRates(PROBED)
@@ -65,6 +66,8 @@ def test_a_step_bound_elsewhere_or_without_reads_teaches_nothing(tmp_path):
     skipped = step(2, io_bound, io_bound.update_s / 3)
     skipped.skipped = True
     assert disk.observe(io_bound, skipped) is None
+    # A small run's step: its fixed costs, not its disk (the CPU dry run of the GPU suite: "0.08x" from 30 ms).
+    assert disk.observe(io_bound, step(2, io_bound, 0.9 * MIN_STEP_S)) is None
     assert not disk.learnt and disk.rates == PROBED
 
 
@@ -77,9 +80,11 @@ def test_one_odd_step_moves_the_scale_no_further_than_its_neighbours(tmp_path):
     assert disk.scale == pytest.approx(1.2, rel=1e-6)
 
 
-def test_an_engine_prices_its_prediction_at_the_disk_its_steps_saw(tmp_path):
+def test_an_engine_prices_its_prediction_at_the_disk_its_steps_saw(tmp_path, monkeypatch):
     """On this machine's disk: rates given a thousand times too slow plan seconds of I/O a step; after
-    disk-bound steps the prediction comes to the steps' own time (the rest is Adam, which the model counts)."""
+    disk-bound steps the prediction comes to the steps' own time (the rest is Adam, which the model counts).
+    The steps here are milliseconds: the shortest step read is lowered for them."""
+    monkeypatch.setattr(disk_rates, "MIN_STEP_S", 0.0)
     slow = {"nvme": (2e6, 1e6)}
     cfg = fast_config(tmp_path, ["host", "nvme"], bandwidths=slow, host_budget_bytes=1 << 20)
     eng = OffloadedAdamW(torch.zeros(200_000), cfg, lr=1e-3)
@@ -97,7 +102,8 @@ def test_an_engine_prices_its_prediction_at_the_disk_its_steps_saw(tmp_path):
         eng.close()
 
 
-def test_steps_under_the_overlap_leave_the_rates_as_probed(tmp_path):
+def test_steps_under_the_overlap_leave_the_rates_as_probed(tmp_path, monkeypatch):
+    monkeypatch.setattr(disk_rates, "MIN_STEP_S", 0.0)
     slow = {"nvme": (2e6, 1e6)}
     cfg = fast_config(tmp_path, ["host", "nvme"], bandwidths=slow, host_budget_bytes=1 << 20,
                       defer_device_wait=True, update_on="device")
