@@ -2,7 +2,7 @@
 
 Start-up probes each file tier once, with about a gigabyte, and a shared disk's speed drifts: on one H200
 (2026-11-28, docs/benchmarks.md §20) the probe measured 1.51 GB/s with reads and writes at once and the
-steps then moved 1.64-1.81 GB/s, so the prediction of that disk-bound update was 18% over (8.90 s for
+steps then moved 1.64-1.81 GB/s, so the prediction of that disk-bound update was 11-28% over (8.90 s for
 6.98-7.98 s); on 2026-11-24 another run's was 7% under. Where a step's update was bound by file I/O in the
 prediction, the step's own time says how fast the tiers went: the median over the last ``STEPS`` such
 steps scales every file tier's probed rates, and later predictions are priced at those.

@@ -37,16 +37,16 @@ def activation_bytes(args, cfg, microbatches_in_flight: int) -> int:
 def stored_per_token_layer(cfg) -> float:
     """Bytes a layer keeps for its backward, per token and per unit of hidden size (16-bit training),
     without the attention scores, for this layer's shape: Korthikanti et al.'s count taken through
-    megatron-core's local layers with flash-style attention. Beside each block's input and its norm's
-    output (2 + 2 of each block) and the dropout masks (1 each, kept at dropout 0 too), 10 in all, split
-    over the tensor-parallel ranks: the fused QKV output (2 (1 + 2 g/a): V is a view of it), the rotated Q
-    and K (2 + 2 g/a), the attention's output and its contiguous copy into the projection (2 + 2); the
-    MLP's first output, its activation and the second's input, 2 (2f + f + f) / h with a gated unit
-    (SwiGLU), 4 f / h without. A GPT layer (MHA, FFN 4h, GeLU) gives 10 + 30 / t, Korthikanti's 24 / t
-    counting neither the rotation nor the copy; a Llama layer of FFN 3.5 h with 8 of 80 KV groups
-    10 + 36.6 / t. The 4-GPU runs of 2026-11-28 with selective recompute (101.9 B TP4, 60.4 B TP2 x PP2)
-    kept about 10 + 40 / t, where 10 + 24 / t planned their peaks 5% and 9% under
-    (tests/unit/test_plan_replay.py)."""
+    megatron-core's local layers with flash-style attention. Not split over the tensor-parallel ranks,
+    Korthikanti's 10 (each block's input and its norm's output, and two dropout masks). Split over them:
+    the fused QKV output (2 (1 + 2 g/a): V is a view of it), the rotated Q and K (2 + 2 g/a), the
+    attention's output and its contiguous copy into the projection (2 + 2); the MLP's first output, its
+    activation and the second's input, 2 (2f + f + f) / h with a gated unit (SwiGLU), 4 f / h without.
+    A GPT layer (MHA, FFN 4h, GeLU) gives 10 + 30 / t, where Korthikanti's 24 / t counts neither the
+    rotation nor the copy; a Llama layer of FFN 3.5 h with 8 of 80 KV groups 10 + 36.6 / t. Measured: the
+    4-GPU runs of 2026-11-28 with selective recompute and dropout 0 (101.9 B TP4, 60.4 B TP2 x PP2) kept
+    beyond 10 + 24 / t 87.6 and 133 MB a layer, which two unknowns fit as 10.4 + 39 / t in all; 10 + 24 / t
+    planned their peaks 5% and 9% under, this count 1-2% (tests/unit/test_plan_replay.py)."""
     t = cfg.tensor_model_parallel_size
     h, f, a = cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_attention_heads
     kv = (cfg.num_query_groups or a) / a
