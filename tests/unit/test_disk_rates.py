@@ -48,7 +48,8 @@ def test_the_prediction_at_the_learnt_rates_gives_the_disk_bound_step_back(tmp_p
     before = predict(disk.rates)
     measured = before.update_s * share / k  # k times the probed speed, over ``share`` of the bytes
     line = disk.observe(before, step(2, before, measured, share))
-    if abs(k - 1) <= MOVE or measured < MIN_STEP_S:  # (the step's bytes count: ``share`` of them in ``share`` of the time is the probed disk)
+    # The step's bytes count: ``share`` of them in ``share`` of the time is the probed disk.
+    if abs(k - 1) <= MOVE or measured < MIN_STEP_S:
         assert line is None and not disk.learnt
         return
     assert "start-up probe's" in line
@@ -139,6 +140,7 @@ def test_the_3b_runs_steps_replayed_give_the_figures_the_docs_quote():
         pred = SimpleNamespace(read_bytes={"nvme": read_gb * 1e9}, write_bytes={"nvme": write_gb * 1e9},
                                io_s=io_s, update_s=io_s)
         printed.append((r["step"], round(io_s, 2), round(r["update_s"], 2)))
-        tiers = {t: TierTraffic(read_bytes=v["read_bytes"], write_bytes=v["write_bytes"]) for t, v in r["tiers"].items()}
+        tiers = {t: TierTraffic(read_bytes=v["read_bytes"], write_bytes=v["write_bytes"])
+                 for t, v in r["tiers"].items()}
         disk.observe(pred, StepRecord(step=r["step"], update_s=r["update_s"], tiers=tiers))
     assert printed == [(1, 8.9, 6.89), (2, 8.9, 7.49), (3, 7.26, 6.98), (4, 7.26, 7.98)]
