@@ -76,6 +76,13 @@ LLAMA_101B = ("--num-layers 76 --hidden-size 10240 --ffn-hidden-size 35840 --num
               "--global-batch-size 8 --tensor-model-parallel-size 4 --grad-reduce-in-bf16 "
               "--offload-tiers gpu,host,nvme --offload-gpu-cache-gb auto --offload-host-cache-gb 99 "
               "--offload-nvme-path /nonexistent --offload-io-threads 8 --offload-nvme-capacity-gb 200")
+# largest_x4.sh PART=l70: 70.7 B, fp32 moments (lossless but for the 16-bit remainders), the planner's pick (TP4, full
+# recompute); the engine's host default (107.0 GB pinned per rank); the state spills 148 GiB to the one disk
+LLAMA_70B = ("--num-layers 82 --hidden-size 8192 --ffn-hidden-size 28672 --num-attention-heads 64 "
+             "--group-query-attention --num-query-groups 8 --seq-length 2048 --max-position-embeddings 2048 "
+             "--global-batch-size 8 --tensor-model-parallel-size 4 --grad-reduce-in-bf16 "
+             "--offload-tiers gpu,host,nvme --offload-gpu-cache-gb auto --offload-host-cache-gb 99.65 "
+             "--offload-nvme-path /nonexistent --offload-io-threads 8 --offload-nvme-capacity-gb 200")
 # largest_x4.sh PART=b115: b100's layer shape with 86 layers, the planner's pick (TP4, full recompute); the engine's
 # host default (99.89 GiB pinned per rank)
 LLAMA_115B = (LLAMA_101B.replace("--num-layers 76", "--num-layers 86")
@@ -95,6 +102,8 @@ LLAMA_60B_TP2PP2 = ("--num-layers 70 --hidden-size 8192 --ffn-hidden-size 28672 
                     "--offload-nvme-capacity-gb 200")
 OVERLAP = "--offload-overlap-forward"
 ONE_H200 = "--gpus-per-node 1 --gpu-memory-gb 140.4 --host-memory-gb 125 --offload-nvme-capacity-gb 60"
+# one GPU of the four-H200 machine (peers.py runs each system on GPU 0 there)
+X4_ONE_GPU = "--gpus-per-node 1 --gpu-memory-gb 140.4 --host-memory-gb 503 --offload-nvme-capacity-gb 200"
 FOUR_H200 = "--gpus-per-node 4 --gpu-memory-gb 140.4 --host-memory-gb 503"
 
 
@@ -390,6 +399,54 @@ RUNS = {
                     "1.64-1.81 GB/s both ways together where the probe read 1.50 and wrote 1.46; the engine's "
                     "prediction now follows the steps' disk (mlp_offload/plan/disk_rates.py), the planner cannot",
         compute_miss="the iteration is the update's: the same miss (9.22 s planned, +19%)"),
+    # The same command with fp8 moments on one GPU of the four-H200 machine (2026-11-28 fourth session, ours alone):
+    # iterations 2-6 7.3340, 7.0347, 7.6593, 7.3492, 7.5255 s, update 7.0837, 6.8351, 7.4540, 7.1484, 7.2239 s. The
+    # engine's start-up line gives the disk's mixed rate (r+w), which the planner takes as the third figure.
+    "3.0B fp8 moments host 5.96 GiB + disk, one GPU of four H200s": Recorded(
+        "fourth_2026-11-28/peers_3b/logs/b_ours.log",
+        ["nvme r 1.72 w 1.47 r+w 1.75 GB/s", "adam 1.11 Gelem/s", "adam 86.25 Gelem/s resident, 12.28 streamed"],
+        f"{X4_ONE_GPU} --offload-bandwidths nvme=1.72:1.47:1.75 --adam-gelems 1.11 --gpu-adam-gelems 86.25 "
+        f"--gpu-streamed-gelems 12.28 {LLAMA} {LLAMA_3B_DISK.replace(' --no-store-param-remainders', '')} "
+        f"{FP8_MOMENTS}",
+        update_s=7.1490, iteration_s=7.3805, attention="sdpa", in_turn=False),
+    # 70.7 B lossless on four H200s (largest_x4.sh PART=l70, 2026-11-28 fourth session): iteration 3 42.9166 s,
+    # update 35.0034 s. Iteration 1 wrote the state's 148 GiB to the disk (246 s); iteration 2 (46.55 s, update
+    # 25.87 s) carried the tier's growth by 31 subgroups (29 GiB into HBM, 13 s beside the update) and a CPU share
+    # of 37 subgroups that the engine undid after iteration 3; iteration 3 is the one without a move. Rank 0's auto
+    # lines: peak 102.68 GiB with 34 (31.67 GiB), then 132.31 GiB with 65 (60.54 GiB), settling at 63.
+    "70.7B lossless TP4, disk, four H200s": Recorded(
+        "fourth_2026-11-28/l70_gb8.log",
+        ["read 1.11 GB/s, write 1.38 GB/s", "adam 1.32 Gelem/s", "adam 90.94 Gelem/s resident, 2.40 streamed",
+         "(beside the CPU: streamed 2.17, cpu 0.02)", "peak 102.68 GiB", "the gpu tier holds 65 (60.54 GiB)",
+         "peak 132.31 GiB", "the gpu tier holds 63 (58.67 GiB)"],
+        f"{FOUR_H200} --offload-bandwidths nvme=1.11:1.38 --adam-gelems 1.32 --gpu-adam-gelems 90.94 "
+        f"--gpu-streamed-gelems 2.40 --gpu-streamed-beside-gelems 2.17 --cpu-beside-gelems 0.02 {LLAMA} {LLAMA_70B}",
+        update_s=35.0034, iteration_s=42.9166, gpu_subgroups=63, peak_in_use_gib=132.31 - 60.54, attention="sdpa",
+        in_turn=False),
+    # 101.9 B fp8 at global batch 64 (largest_x4.sh PART=b100 MOMENTS=fp8 ITERS8=0 ITERS64=3, fourth session):
+    # iterations 2-3 54.9919, 49.7090 s, update 4.1646, 4.8610 s. Rank 0's auto lines: peak 128.43 GiB with 12
+    # (4.54 GiB), then 133.71 GiB with 20 (7.57 GiB), which handed 7 back (13 held; the plan's 19 is not held).
+    "101.9B fp8 moments TP4 global batch 64, four H200s": Recorded(
+        "fourth_2026-11-28/b100_gb64.log",
+        ["read 1.80 GB/s, write 1.58 GB/s", "adam 1.15 Gelem/s", "adam 91.10 Gelem/s resident, 8.30 streamed",
+         "(beside the CPU: streamed 2.78, cpu 0.01)", "peak 128.43 GiB", "the gpu tier holds 20 (7.57 GiB)",
+         "peak 133.71 GiB"],
+        f"{FOUR_H200} --offload-bandwidths nvme=1.80:1.58 --adam-gelems 1.15 --gpu-adam-gelems 91.10 "
+        f"--gpu-streamed-gelems 8.30 --gpu-streamed-beside-gelems 2.78 --cpu-beside-gelems 0.01 "
+        f"{LLAMA_SELECTIVE} {FP8_MOMENTS} {LLAMA_101B.replace('--global-batch-size 8', '--global-batch-size 64')}",
+        update_s=4.5128, iteration_s=52.3505, peak_in_use_gib=133.71 - 7.57, attention="sdpa", in_turn=False),
+    # 115.2 B at the default 4 GiB margin (PART=b115 ITERS8=4, fourth session): iterations 3-4 14.5666, 13.4752 s,
+    # update 4.0793, 3.9281 s. Rank 0's auto lines: peak 122.94 GiB with 28 (10.59 GiB), grown to 51 (19.30 GiB);
+    # iteration 2 peaked at 134.10 GiB, and the tier handed 8 back (43 held; the plan's 51 is where it went first).
+    "115.2B fp8 moments TP4, default margin, four H200s": Recorded(
+        "fourth_2026-11-28/b115_gb8.log",
+        ["read 1.68 GB/s, write 1.61 GB/s", "adam 1.13 Gelem/s", "adam 92.78 Gelem/s resident, 6.88 streamed",
+         "(beside the CPU: streamed 4.99, cpu 0.02)", "peak 122.94 GiB", "the gpu tier holds 51 (19.30 GiB)",
+         "peak 134.10 GiB", "the gpu tier holds 43 (16.27 GiB)"],
+        f"{FOUR_H200} --offload-bandwidths nvme=1.68:1.61 --adam-gelems 1.13 --gpu-adam-gelems 92.78 "
+        f"--gpu-streamed-gelems 6.88 --gpu-streamed-beside-gelems 4.99 --cpu-beside-gelems 0.02 "
+        f"{LLAMA} {FP8_MOMENTS} {LLAMA_115B}",
+        update_s=4.0037, iteration_s=14.0209, peak_in_use_gib=134.10 - 19.30, attention="sdpa", in_turn=False),
     # iterations 2-3: 26.30, 26.64 s, update 26.04, 26.39 s. The disk's rates are the call's own floor probe
     # (read, then write, 2 GiB O_DIRECT), not the engine's probe, whose figures this log did not keep; the
     # prediction counts reads and writes one after the other (14% over here; the 2026-11-24 call's floor
