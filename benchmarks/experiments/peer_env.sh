@@ -1,18 +1,22 @@
 # Source this on the GPU machine, from the repo root: carried wheels into /tmp/site, libaio from
 # carried Debian .debs (unpacked, not installed: the image has no libaio), and the variables that
 # let DeepSpeed's JIT build of its async_io op find them.
-#   source benchmarks/experiments/peer_env.sh     (needs .whl and .deb in the device tool's carry list)
+#   source benchmarks/experiments/peer_env.sh     (needs .whl in the device tool's carry list, and .deb
+#   wherever DeepSpeed offloads to NVMe)
 _repo=$(pwd)
-mkdir -p /tmp/libaio
-for deb in "$_repo"/.deb/*.deb; do dpkg -x "$deb" /tmp/libaio || return 1; done
-_aio_lib=$(dirname "$(find /tmp/libaio -name 'libaio.so*' | head -1)")
-# libaio-dev's libaio.so link may point at an absolute /lib path: link to the unpacked runtime.
-if [ ! -e "$_aio_lib/libaio.so" ]; then
-    ln -sf "$(ls "$_aio_lib"/libaio.so.1* | head -1)" "$_aio_lib/libaio.so"
+_aio_lib=""
+if ls "$_repo"/.deb/*.deb >/dev/null 2>&1; then
+    mkdir -p /tmp/libaio
+    for deb in "$_repo"/.deb/*.deb; do dpkg -x "$deb" /tmp/libaio || return 1; done
+    _aio_lib=$(dirname "$(find /tmp/libaio -name 'libaio.so*' | head -1)")
+    # libaio-dev's libaio.so link may point at an absolute /lib path: link to the unpacked runtime.
+    if [ ! -e "$_aio_lib/libaio.so" ]; then
+        ln -sf "$(ls "$_aio_lib"/libaio.so.1* | head -1)" "$_aio_lib/libaio.so"
+    fi
+    export CPATH=/tmp/libaio/usr/include${CPATH:+:$CPATH}
+    export LIBRARY_PATH=$_aio_lib${LIBRARY_PATH:+:$LIBRARY_PATH}
+    export LD_LIBRARY_PATH=$_aio_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 fi
-export CPATH=/tmp/libaio/usr/include${CPATH:+:$CPATH}
-export LIBRARY_PATH=$_aio_lib${LIBRARY_PATH:+:$LIBRARY_PATH}
-export LD_LIBRARY_PATH=$_aio_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 # The peers' wheels (deepspeed 0.19.8 built with DS_BUILD_OPS=0, and what it needs that the image lacks) sit in
 # .whl/peers/, apart from .whl/*.whl, which every experiment installs: only the peers' runs take them.
 if ls "$_repo"/.whl/peers/*.whl >/dev/null 2>&1 && [ ! -f /tmp/site/.peers_installed ]; then
@@ -21,4 +25,8 @@ if ls "$_repo"/.whl/peers/*.whl >/dev/null 2>&1 && [ ! -f /tmp/site/.peers_insta
 fi
 export PYTHONPATH=/tmp/site:$_repo${PYTHONPATH:+:$PYTHONPATH}
 export TORCH_CUDA_ARCH_LIST=9.0 DS_BUILD_OPS=0 PYTHONUNBUFFERED=1
-echo "setup_gpu_peer: wheels in /tmp/site, libaio in $_aio_lib ($(ls "$_aio_lib" | tr '\n' ' '))"
+if [ -n "$_aio_lib" ]; then
+    echo "setup_gpu_peer: wheels in /tmp/site, libaio in $_aio_lib ($(ls "$_aio_lib" | tr '\n' ' '))"
+else
+    echo "setup_gpu_peer: wheels in /tmp/site; no .deb/*.deb carried, so no libaio (DeepSpeed's NVMe offload needs it)"
+fi
