@@ -17,6 +17,7 @@ this node, as the engine does at start-up.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -515,6 +516,37 @@ def describe_recommendation(advice, own_tokens_per_s) -> str:
     return "\n".join(lines)
 
 
+# The start-up probes of the GPU machines' disks recorded in docs/results read at 0.65-1.42x their median (25 runs,
+# tests/unit/test_plan_replay.py): 70.7 B planned at 34.7 s with one machine kind's usual rates ran 42.9 s on a disk
+# that probed at 0.66x of them. A disk-bound plan prints the iteration at these factors of the bounding tier's rates.
+DISK_RATE_FACTORS = (0.65, 1.45)
+
+
+def disk_bound_range(opts, capacities, flags, measured, plan):
+    """Where a file tier bounds the plan: the iteration at that tier's rates scaled by each factor, so that
+    a figure priced on one probe of a disk comes with what a slower or faster day gives. Empty otherwise."""
+    tier = plan.bottleneck[:-len(" I/O")] if plan.bottleneck.endswith(" I/O") else None
+    if not plan.fits or tier not in plan.tier_rates:
+        return {}
+    rates, space = measured["tiers"]
+    out = {}
+    for factor in DISK_RATE_FACTORS:
+        r = rates[tier]
+        scaled = dataclasses.replace(r, **{k: getattr(r, k) * factor for k in
+                                           ("read_bps", "write_bps", "mixed_bps", "shared_mixed_bps")
+                                           if getattr(r, k) is not None})
+        other, _, _ = plan_for(opts, capacities, flags, {"tiers": ({**rates, tier: scaled}, space),
+                                                         "cpu": measured["cpu"]})
+        out[factor] = other.iteration_s
+    return out
+
+
+def describe_disk_range(tier: str, iterations) -> str:
+    return (f"{tier} bounds this plan, and a disk's speed moves from probe to probe (0.65-1.42x on the GPU machines "
+            "measured): "
+            + ", ".join(f"at {f:g}x {tier}'s rates {s:.3f} s an iteration" for f, s in iterations.items()))
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     with reported_once():
@@ -529,12 +561,16 @@ def main(argv=None) -> int:
                                  f"predicted ({chosen['candidate']}; --recommend lists every candidate)")
         advice = advice if opts.recommend else None
         own = plan.tokens_per_s.get(args.global_batch_size) if plan.fits else None
+        disk_range = disk_bound_range(opts, capacities, flags, measured, plan)
         if opts.json:
             extra = {"recommendation": advice} if advice else {}
+            extra["iteration_s_at_disk_rates"] = {f"{f:g}": v for f, v in disk_range.items()}
             print(json.dumps({**plan.as_json(), "gpu_tflops": machine.gpu_tflops, "flags": suggested_flags(plan, args, flags),
                               **extra}, indent=1))
         else:
             print(describe(plan, args, machine, flags, plan.tier_rates))
+            if disk_range:
+                print(describe_disk_range(plan.bottleneck[:-len(" I/O")], disk_range))
             if advice:
                 print(describe_recommendation(advice, own))
     return 0 if plan.fits else 1

@@ -19,6 +19,7 @@ import importlib.util
 import io
 import json
 import re
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional
@@ -663,3 +664,43 @@ def test_the_default_resident_rate_is_the_10b_steps_and_scales_with_the_bytes_mo
     rates = [tool.default_resident_gelems(s) for s in (("rem16", "bf16", "bf16"), ("fp32", "bf16", "bf16"),
                                                         ("rem16", "fp32", "fp32"), ("fp32", "fp32", "fp32"))]
     assert rates[0] == tool.DEFAULT_GPU_ADAM_GELEMS and rates == sorted(rates, reverse=True)
+
+
+def recorded_disk_rates():
+    """The nvme read and write rates the recorded runs' start-up probes (or their calls' floor) gave."""
+    found = [re.search(r"nvme=([0-9.]+):([0-9.]+)", r.flags) for r in RUNS.values()]
+    return [(float(m[1]), float(m[2])) for m in found if m]
+
+
+def test_the_disk_factors_cover_the_recorded_probes(tool):
+    reads = [r for r, _ in recorded_disk_rates()]
+    median = statistics.median(reads)
+    low, high = tool.DISK_RATE_FACTORS
+    assert len(reads) >= 20
+    assert low <= min(reads) / median and max(reads) / median <= high, (min(reads), median, max(reads))
+
+
+def test_a_disk_bound_plan_gives_the_iteration_at_a_slower_and_a_faster_disk(tool):
+    run = RUNS["70.7B lossless TP4, disk, four H200s"]
+    # The script's default rates for this machine kind (largest_x4.sh), where the run's disk probed 1.11 / 1.38
+    flags = run.plan_flags.replace("nvme=1.11:1.38", "nvme=1.69:1.95")
+    got = plan(tool, flags, run_tflops(run))
+    assert got["bottleneck"] == "nvme I/O"
+    at = {float(k): v for k, v in got["iteration_s_at_disk_rates"].items()}
+    low, high = tool.DISK_RATE_FACTORS
+    assert at[low] > got["predicted_iteration_s"] > at[high]
+    # The run's own disk probed at 0.66 / 0.71 of those rates: its iteration lies inside the printed range, where
+    # the plan alone missed it by 31%.
+    assert at[high] < run.iteration_s < at[low] * 1.05
+    assert got["predicted_iteration_s"] < run.iteration_s * 0.85
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        tool.main(["--gpu-tflops", str(run_tflops(run)), "--convert-gelems", "1000", *flags.split()])
+    assert f"at {low:g}x nvme's rates {at[low]:.3f} s an iteration" in text.getvalue()
+
+
+def test_a_plan_not_bound_by_a_disk_gives_no_range(tool):
+    run = RUNS["115.2B fp8 moments TP4, default margin, four H200s"]
+    got = plan(tool, run.plan_flags, run_tflops(run))
+    assert got["bottleneck"] != "nvme I/O"
+    assert got["iteration_s_at_disk_rates"] == {}
