@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import re
 import shlex
@@ -547,8 +548,29 @@ def describe_disk_range(tier: str, iterations) -> str:
             + ", ".join(f"at {f:g}x {tier}'s rates {s:.3f} s an iteration" for f, s in iterations.items()))
 
 
+class OncePerMessage(logging.Filter):
+    """A recommendation plans dozens of candidates through the engine's placement, which warns about each one
+    (e.g. a shallow prefetch): each distinct warning is printed once per planning."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message in self.seen:
+            return False
+        self.seen.add(message)
+        return True
+
+
+ENGINE_LOG_ONCE = OncePerMessage()
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    ENGINE_LOG_ONCE.seen.clear()
+    logging.getLogger("mlp_offload").addFilter(ENGINE_LOG_ONCE)
     with reported_once():
         opts, capacities, flags = parse(argv)
         measured = {}

@@ -282,3 +282,14 @@ def test_a_gpu_job_is_planned_with_the_gpu_nodes_cpu_not_this_machines(monkeypat
     assert "CPU Adam 2.00 G elements/s (--adam-gelems)" in text_of("--device", "cuda", "--adam-gelems", "2")
     with pytest.raises(AssertionError, match="timed this machine's CPU"):
         text_of()  # TINY_MODEL's --device cpu: a CPU job, whose CPU is this machine's
+
+
+def test_a_recommendation_prints_each_engine_warning_once(tmp_path):
+    """--recommend plans every candidate through the engine's placement, which warns about each one alike."""
+    flags = offload_args(tmp_path, tiers=("host", "nvme"), budget_gb="0.0005", subgroup="20000")
+    done = plan("--gpus-per-node", "2", "--adam-gelems", "1", "--convert-gelems", "1", "--offload-bandwidths",
+                "nvme=1:1", "--offload-nvme-capacity-gb", "1", "--recommend", *TINY_MODEL, *flags)
+    shallow = [ln for ln in done.stderr.splitlines() if "fewer than prefetch depth" in ln]
+    assert len(shallow) == 1, done.stderr[-2000:]
+    assert len(re.findall(r"^  .*: [0-9,]+ \(iteration", done.stdout, re.M)) > 1, done.stdout  # several candidates
+    assert "recommended: " in done.stdout
