@@ -10,7 +10,8 @@
 # Both: seq 2048, vocab 32000, gpu,host,nvme, gpu tier auto, host per rank as the planner suggests (80% of this
 # node's memory over 4 ranks, less gradient scratch: 99 GiB of 503) unless HOST_GB is given.
 # First tools/plan_offload.py --recommend --layouts auto (l60: 2x2) at the part's global batch (8; l60: 64) on this node (its disk's free space,
-# the disk rates this machine kind probed: nvme=1.69:1.95) picks TP x PP, recompute, micro-batch and gpu tier;
+# and its rates as the planner probes them on DISK, as the engine does; NVME_RATES=READ:WRITE gives them instead:
+# this kind's disk probed 1.11-2.42 GB/s reads, 1.69:1.95 its usual) picks TP x PP, recompute, micro-batch and gpu tier;
 # its plan of that choice at GB 8 and 64 is printed (where every byte lives), then the training runs it:
 # ITERS8 (default 3) iterations at GB 8 and, if ITERS64 > 0, a second launch at GB 64. Each launch under
 # `timeout LIMIT` (default 420 s): start-up (pinning ~400 GiB, the state's first write to disk) takes minutes.
@@ -30,7 +31,8 @@ if [ "${DRY_RUN:-0}" = 1 ]; then
   SHAPE_b115="--num-layers 6 --hidden-size 64 --ffn-hidden-size 224 --num-attention-heads 4 --num-query-groups 2"
   SHAPE_l60="--num-layers 4 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 --num-query-groups 2"
   SEQ=64; DEVICE="--device cpu"; TIERS="host,nvme"; HOST_GB=0.0005; SUB=20000; LIMIT=${LIMIT:-300}
-  MACHINE="--gpu-memory-gb 8 --host-memory-gb 16 --adam-gelems 1 --convert-gelems 1 --offload-bandwidths nvme=1:1"
+  rates=${NVME_RATES-1:1}  # NVME_RATES= (empty): the planner probes DISK, as on the GPU machine
+  MACHINE="--gpu-memory-gb 8 --host-memory-gb 16 --adam-gelems 1 --convert-gelems 1 ${rates:+--offload-bandwidths nvme=$rates}"
 else
   SHAPE_b100="--num-layers 76 --hidden-size 10240 --ffn-hidden-size 35840 --num-attention-heads 80 --num-query-groups 8"
   SHAPE_l70="--num-layers 82 --hidden-size 8192 --ffn-hidden-size 28672 --num-attention-heads 64 --num-query-groups 8"
@@ -38,9 +40,10 @@ else
   SHAPE_l60="--num-layers 70 --hidden-size 8192 --ffn-hidden-size 28672 --num-attention-heads 64 --num-query-groups 8"
   SEQ=2048; DEVICE="--device cuda"; TIERS="gpu,host,nvme --offload-gpu-cache-gb auto"; HOST_GB=${HOST_GB:-}
   SUB=100000000; LIMIT=${LIMIT:-420}
-  # 139 GiB usable of an H200; disk rates as the engine probed them on this kind (docs/results/gpu_2026-11-26b);
-  # compute at the TFLOP/s the 60.4 B TP2 x PP2 run reached (its FLOPs over its 5.90 s of compute alone)
-  MACHINE="--gpu-memory-gb 139 --gpu-tflops ${TFLOPS:-287} --offload-bandwidths nvme=${NVME_RATES:-1.69:1.95}"
+  # 139 GiB usable of an H200; compute at the TFLOP/s the 60.4 B TP2 x PP2 run reached (its FLOPs over its 5.90 s
+  # of compute alone). The disk's rates from the planner's own probe of DISK: a fixed figure (1.69:1.95, probed on
+  # 2026-11-26) planned 70.7 B at 34.7 s where that call's disk, at 0.66x of it, ran 42.9 s (docs/benchmarks.md §21)
+  MACHINE="--gpu-memory-gb 139 --gpu-tflops ${TFLOPS:-287} ${NVME_RATES:+--offload-bandwidths nvme=$NVME_RATES}"
 fi
 source benchmarks/experiments/memory_watch.sh
 source benchmarks/experiments/iteration_lines.sh
