@@ -25,6 +25,9 @@ from pathlib import Path
 from typing import List, Optional
 
 import pytest
+from hypothesis import given, settings, strategies as st
+
+from tests.profiles import examples
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "docs" / "results"
@@ -704,3 +707,21 @@ def test_a_plan_not_bound_by_a_disk_gives_no_range(tool):
     got = plan(tool, run.plan_flags, run_tflops(run))
     assert got["bottleneck"] != "nvme I/O"
     assert got["iteration_s_at_disk_rates"] == {}
+
+
+@settings(max_examples=examples(8), deadline=None, derandomize=True, print_blob=True)
+@given(read=st.floats(0.3, 6.0), write=st.floats(0.3, 6.0), host_gb=st.sampled_from([60, 99.65, 110]))
+def test_a_slower_disk_never_plans_a_shorter_iteration(read, write, host_gb):
+    """Over the disk's rates and the host budget of the 70.7 B run's flags: where a file tier bounds the plan, the
+    range brackets the plan (a slower disk, longer; a faster one, shorter); elsewhere there is none."""
+    tool = planner()
+    run = RUNS["70.7B lossless TP4, disk, four H200s"]
+    flags = (run.plan_flags.replace("nvme=1.11:1.38", f"nvme={read:.3f}:{write:.3f}")
+             .replace("--offload-host-cache-gb 99.65", f"--offload-host-cache-gb {host_gb}"))
+    got = plan(tool, flags, run_tflops(run))
+    at = {float(k): v for k, v in got["iteration_s_at_disk_rates"].items()}
+    if got["bottleneck"] != "nvme I/O":
+        assert at == {}
+        return
+    low, high = tool.DISK_RATE_FACTORS
+    assert at[low] >= got["predicted_iteration_s"] >= at[high]
