@@ -523,11 +523,17 @@ def describe_recommendation(advice, own_tokens_per_s) -> str:
 DISK_RATE_FACTORS = (0.65, 1.45)
 
 
+def bounding_file_tier(plan):
+    """The file tier whose I/O bounds the plan (its bottleneck reads "nvme I/O"), else None."""
+    tier = plan.bottleneck[:-len(" I/O")] if plan.bottleneck.endswith(" I/O") else None
+    return tier if tier in plan.tier_rates else None
+
+
 def disk_bound_range(opts, capacities, flags, measured, plan):
     """Where a file tier bounds the plan: the iteration at that tier's rates scaled by each factor, so that
     a figure priced on one probe of a disk comes with what a slower or faster day gives. Empty otherwise."""
-    tier = plan.bottleneck[:-len(" I/O")] if plan.bottleneck.endswith(" I/O") else None
-    if not plan.fits or tier not in plan.tier_rates:
+    tier = bounding_file_tier(plan)
+    if not plan.fits or tier is None:
         return {}
     rates, space = measured["tiers"]
     out = {}
@@ -592,7 +598,7 @@ def main(argv=None) -> int:
         else:
             print(describe(plan, args, machine, flags, plan.tier_rates))
             if disk_range:
-                print(describe_disk_range(plan.bottleneck[:-len(" I/O")], disk_range))
+                print(describe_disk_range(bounding_file_tier(plan), disk_range))
             if advice:
                 print(describe_recommendation(advice, own))
     return 0 if plan.fits else 1
