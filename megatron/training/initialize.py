@@ -12,7 +12,7 @@ import torch
 
 from megatron.training.args import moe as arguments_moe
 from megatron.training.data import batch_schedule
-from megatron.training.runtime import child_processes, slurm_env
+from megatron.training.runtime import child_processes, determinism, slurm_env
 from megatron.training.errors import UserError
 from megatron.training.runtime.signals import SigtermWatcher, dump_stacks_on_sigquit
 
@@ -59,6 +59,7 @@ def initialize(args) -> torch.device:
     # Before the device: srun's tasks learn their LOCAL_RANK here. A process without torchrun or
     # srun still needs a (size-1) group for megatron-core.
     from_slurm = slurm_env.apply()
+    determinism.apply(args)  # before CUDA and NCCL read their environment
     device = select_device(args.device)
     args.device_resolved = device.type
     dump_stacks_on_sigquit()

@@ -36,7 +36,7 @@ from megatron.training.model.flops import GptShape, flops_per_iteration
 from megatron.training.model import kernels as optional_kernels
 from megatron.training.model.ddp_staging import stage_params_on_host
 from megatron.training.model.sdpa_attention import admitted_cuda_kernels
-from megatron.training.runtime import fault_injection
+from megatron.training.runtime import determinism, fault_injection
 from megatron.training.runtime.core_private import reset_grad_accumulation
 from mlp_offload import build_cpu_kernel_in_background, tree_bytes
 from megatron.training.runtime.iteration_hooks import IterationHooks
@@ -251,6 +251,8 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
                  f"device: {device}")
     cuda_sdpa = device.type == "cuda" and args.core_attention == "sdpa"
     _print_rank0(optional_kernels.attention_line(args, admitted_cuda_kernels(config, device) if cuda_sdpa else None))
+    if args.deterministic_mode:
+        _print_rank0(determinism.describe(args))
     if args.num_experts is not None:
         _print_rank0(moe_metrics.moe_summary(args, config, total_params, torch.distributed.get_world_size()))
         experts = moe_metrics.experts_line(model)

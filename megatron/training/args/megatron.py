@@ -124,6 +124,9 @@ def _add_training(p) -> None:
     g.add_argument("--manual-gc-interval", type=non_negative_int, default=0)
     g.add_argument("--empty-unused-memory-level", type=int, choices=[0, 1, 2], default=0,
                    help="empty the CUDA cache after the step (1) and after forward-backward too (2)")
+    g.add_argument("--deterministic-mode", action="store_true",
+                   help="the same command gives the same bits run after run and across a resume: deterministic "
+                        "torch kernels, SDPA without cuDNN, one NCCL algorithm; slower (docs/user_guide.md)")
     g.add_argument("--distributed-timeout-minutes", type=positive_int, default=10,
                    help="timeout of the process group's collectives")
     g.add_argument("--profile", action="store_true",

@@ -80,6 +80,7 @@ def transformer_config(args) -> TransformerConfig:
         use_cpu_initialization=False,
         deallocate_pipeline_outputs=not _sends_run_behind(args),
         qk_layernorm=args.qk_layernorm,
+        deterministic_mode=getattr(args, "deterministic_mode", False),
         **moe_fields(args),
         **rope_bias_norm_fields(args),
         **(mla_fields(args) if mla else {}),

@@ -23,6 +23,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import is_layer_window_attention
 
 from megatron.training.errors import UserError
+from megatron.training.runtime import determinism
 
 UNUSED_ARGUMENTS = {"cp_comm_type", "pg_collection"}
 _WHY = "torch's scaled_dot_product_attention (--attention-backend flash|auto without transformer-engine)"
@@ -58,7 +59,7 @@ class SdpaAttention(MegatronModule):
         # [s, b, n, d] -> [b, n, s, d], SDPA's layout
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         dropout_p = self.dropout_p if self.training else 0.0
-        with self._dropout_rng(dropout_p):
+        with self._dropout_rng(dropout_p), determinism.sdpa_backends(self.config.deterministic_mode):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal,
                                                  scale=self.softmax_scale, enable_gqa=kv_heads != heads)
         # [b, n, sq, d_v] -> [sq, b, n * d_v]
@@ -108,4 +109,6 @@ def admitted_cuda_kernels(config: TransformerConfig, device) -> List[str]:
     params = backends.SDPAParams(q, kv, kv, None, config.attention_dropout, True, groups != heads)
     checks = (("flash", "can_use_flash_attention"), ("memory-efficient", "can_use_efficient_attention"),
               ("cuDNN", "can_use_cudnn_attention"))
+    if config.deterministic_mode:  # determinism.sdpa_backends leaves cuDNN's out
+        checks = checks[:2]
     return [name for name, check in checks if hasattr(backends, check) and getattr(backends, check)(params, False)]

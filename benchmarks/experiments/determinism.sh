@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# --deterministic-mode with the default attention (SDPA) on one H200: the same command twice, a save and resume.
+# 3.0 B Llama (28 layers, hidden 3072, FFN 8192, 24 heads, 8 groups, seq 2048, mb 1, gb 8), fp8 moments,
+# gpu 4 GiB / host 4 GiB / nvme, cosine LR, clip 1.0, mock data, seed 1234, 4 iterations (issue 49's table):
+#   D1  --deterministic-mode, a synchronous save at 2 (its rate beside the disk's floor measured first)
+#   D2  --deterministic-mode again, no save: must equal D1 bit for bit
+#   DR  --deterministic-mode, resumed from D1's save at 2 (page cache dropped): iterations 3-4 must equal D1's
+#   N1, N2  without the mode, twice: the nondeterminism the mode removes, and the mode's cost at this size
+#   bash benchmarks/run_gpu.sh determinism     (device tool, kind nvidia-h200, carry [".whl"])
+#   RUNS="D1 D2 DR" ... a subset; DRY_RUN=1 bash benchmarks/experiments/determinism.sh (tiny, CPU)
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore PYTHONPATH=${PYTHONPATH:-$PWD}
+DISK=${DISK:-/var/tmp/determinism}; rm -rf "$DISK"; mkdir -p "$DISK/nvme"
+PY=${PYTHON:-python3}
+if [ "${DRY_RUN:-0}" = 1 ]; then
+  SHAPE="--num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 --num-query-groups 2
+    --seq-length 64 --max-position-embeddings 64 --device cpu"
+  TIERS="--offload-gpu-cache-gb 0.0004 --offload-host-cache-gb 0.0004"; SUB=6000; FLOOR_GB=0.05
+else
+  SHAPE="--num-layers 28 --hidden-size 3072 --ffn-hidden-size 8192 --num-attention-heads 24 --num-query-groups 8
+    --seq-length 2048 --max-position-embeddings 2048 --device cuda"
+  TIERS="--offload-gpu-cache-gb 4 --offload-host-cache-gb 4"; SUB=100000000; FLOOR_GB=${FLOOR_GB:-8}
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+fi
+COMMON="$SHAPE --group-query-attention --swiglu --normalization RMSNorm --position-embedding-type rope
+  --untie-embeddings-and-output-weights --disable-bias-linear --hidden-dropout 0 --attention-dropout 0
+  --vocab-size 32000 --micro-batch-size 1 --global-batch-size 8 --train-iters 4 --lr 3e-4 --min-lr 3e-5
+  --lr-decay-style cosine --lr-warmup-iters 1 --adam-beta2 0.95 --weight-decay 0.1 --clip-grad 1.0 --bf16
+  --mock-data --seed 1234 --log-interval 1 --recompute-granularity full --recompute-method uniform
+  --recompute-num-layers 1 --use-precision-aware-optimizer --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8
+  --offload-tiers gpu,host,nvme $TIERS --offload-nvme-path $DISK/nvme --offload-subgroup-size $SUB
+  --offload-io-threads 8"
+T0=$SECONDS
+$PY - "$DISK" "$FLOOR_GB" <<'PY' | tee "$OUT/determinism_floor.txt"
+import sys
+from benchmarks.io_floor import file_bandwidth
+f = file_bandwidth(sys.argv[1], int(float(sys.argv[2]) * 2**30))
+print(f"disk floor {f['path']}: {f['bytes'] / 1e9:.1f} GB, O_DIRECT {f['odirect']}, {f['threads']} threads: "
+      f"write {f['write_gbps']:.2f} GB/s, read {f['read_gbps']:.2f} GB/s")
+PY
+drop_page_cache() {
+  [ "${DRY_RUN:-0}" = 1 ] && return
+  sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null && echo "page cache dropped" || echo "page cache NOT dropped"
+}
+run() {  # NAME [flags]
+  local name=$1; shift
+  # shellcheck disable=SC2086
+  timeout "${RUN_LIMIT:-170}" torchrun --nproc_per_node 1 --master_port "${PORT:-29561}" pretrain_gpt.py $COMMON "$@" \
+    --loss-log "$OUT/$name.jsonl" > "$OUT/.run.log" 2>&1
+  echo "$name exit $? at $(( SECONDS - T0 )) s"
+  grep -v -i warn "$OUT/.run.log" | grep -E "deterministic|attention:|checkpoint|resume|iteration +[0-9]+/|update split|rror|Killed" \
+    | cut -c1-420 > "$OUT/determinism_$name.log"
+  grep -v "iteration  " "$OUT/determinism_$name.log" | cut -c1-300
+  source benchmarks/experiments/iteration_lines.sh; iteration_lines "$OUT/determinism_$name.log"
+}
+for name in ${RUNS:-D1 D2 DR N1 N2}; do
+  case $name in
+    D1) run D1 --deterministic-mode --save "$DISK/ckpt" --save-interval 2 ;;
+    D2) run D2 --deterministic-mode ;;
+    DR) mkdir -p "$DISK/at2" && cp -al "$DISK/ckpt/iter_0000002" "$DISK/at2/" && echo 2 > "$DISK/at2/latest_checkpointed_iteration.txt"
+        rm -rf "$DISK/ckpt/iter_0000004"; drop_page_cache
+        run DR --deterministic-mode --load "$DISK/at2" ;;
+    N1|N2) run "$name" ;;
+  esac
+done
+du -sh "$DISK/at2" 2>/dev/null | cat
+$PY - "$OUT" <<'PY' | tee "$OUT/determinism_summary.txt"
+import json, os, sys
+out = sys.argv[1]
+def losses(name):
+    path = f"{out}/{name}.jsonl"
+    return {r["iteration"]: r for r in map(json.loads, open(path))} if os.path.exists(path) else {}
+runs = {n: losses(n) for n in ("D1", "D2", "DR", "N1", "N2")}
+for it in sorted(runs["D1"] or runs["N1"]):
+    print(f"iteration {it}: " + "  ".join(f"{n} {r[it]['loss']:.6f}" for n, r in runs.items() if it in r))
+def same(a, b, its=None):
+    its = [i for i in (its or sorted(runs[a])) if i in runs[b]]
+    return bool(its) and all(runs[a][i] == runs[b][i] for i in its), its
+for a, b in (("D1", "D2"), ("D1", "DR"), ("N1", "N2"), ("D1", "N1")):
+    ok, its = same(a, b)
+    print(f"{a} vs {b} over iterations {its}: {'bit-identical (loss, lr, grad norm)' if ok else 'DIFFER'}")
+PY
+rm -rf "$DISK"
+echo "all done at $(( SECONDS - T0 )) s"
