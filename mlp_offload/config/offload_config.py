@@ -373,8 +373,9 @@ def _state_dtype_names(values) -> Tuple[str, str, str]:
         except UnsupportedStateDtype as err:
             raise OffloadConfigError(f"state dtype of {tensor} (state_dtypes): {err}") from None
     if (names[1] == "fp8") != (names[2] == "fp8"):
-        raise OffloadConfigError(f"state dtypes (state_dtypes) {names[1]}/{names[2]} for the moments: fp8 moments "
-                                 f"are updated together in one kernel, so both are fp8 or neither is")
+        raise OffloadConfigError(f"the moments' state dtypes (state_dtypes[1], state_dtypes[2]) are {names[1]}/"
+                                 f"{names[2]}: fp8 moments are updated together in one kernel, so both are fp8 "
+                                 f"or neither is")
     return tuple(names)
 
 

@@ -195,8 +195,8 @@ def test_no_store_param_remainders_reaches_megatron_core_where_it_honours_it():
 @pytest.mark.parametrize("extra, message", [
     (["--exp-avg-dtype", "bf16"], "argument --exp-avg-dtype: requires --use-precision-aware-optimizer"),
     (["--use-precision-aware-optimizer", "--offload-tiers", "host", "--exp-avg-sq-dtype", "fp8"],
-     "argument --exp-avg-dtype/--exp-avg-sq-dtype: fp32/fp8: the offload engine's 8-bit moments are updated "
-     "together, so give fp8 for both or for neither"),
+     "the moments' state dtypes (--exp-avg-dtype, --exp-avg-sq-dtype) are fp32/fp8: fp8 moments are updated "
+     "together in one kernel, so both are fp8 or neither is"),
     (["--use-precision-aware-optimizer", "--device", "cpu", "--use-distributed-optimizer"],
      "argument --use-precision-aware-optimizer: megatron-core's optimizer needs transformer-engine's FusedAdam"),
 ])

@@ -131,5 +131,5 @@ def test_checkpoint_loads_into_other_state_dtypes_by_rounding_or_widening(tmp_pa
 
 
 def test_fp8_for_one_moment_only_is_refused_with_one_line():
-    with pytest.raises(OffloadConfigError, match=r"state dtypes \(state_dtypes\) fp8/fp32 for the moments"):
+    with pytest.raises(OffloadConfigError, match=r"state dtypes \(state_dtypes\[1\], state_dtypes\[2\]\) are fp8/fp32"):
         fast_config(None, ["host"], state_dtypes=("fp32", "fp8", "fp32"))

@@ -33,12 +33,12 @@ MAX_MODULES = 3
 ALLOWED: Dict[str, Dict[str, str]] = {
     "gpu": {
         "mlp_offload/tiers/kinds.py": "its TierKind (DEVICE_MEMORY), which tiers.device.DeviceMemory is named by",
-        "megatron/training/errors.py": "the flags a user types (--offload-gpu-*, --offload-update gpu): the "
-                                       "adapter's lowest layer, which every other one may import",
+        "megatron/training/offload/options.py": "the flags a user types (--offload-gpu-*, --offload-update gpu): "
+                                                "their one table, which errors re-exports to every layer",
     },
     "host": {
         "mlp_offload/tiers/kinds.py": "its TierKind (HOST_MEMORY), which tiers.host.HostMemory is named by",
-        "megatron/training/errors.py": "the flags a user types (--offload-host-cache-gb)",
+        "megatron/training/offload/options.py": "the flags a user types (--offload-host-cache-gb)",
     },
     "nvme": {},  # file tiers are any name with a path: nvme and pfs are only examples in prose
     "pfs": {},

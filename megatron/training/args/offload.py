@@ -1,139 +1,24 @@
-"""The optimizer-offload flags: this repo's engine (``--offload-*``, their ``--offload-XXX-path DIR``
-pairs) and megatron-core's own CPU offload passed through as a peer; their checks, and the defaults
-they imply (the distributed optimizer, the engine's Adam kernel). What a value means is checked by
-the engine's own config (``offload/flags.py``: ``config_from_args``), built once here so a bad value fails
+"""The optimizer-offload flags: this repo's engine (``--offload-*``, declared once in their table,
+``offload/options.py``; the ``--offload-NAME-path DIR`` pairs taken from the unknown arguments here)
+and megatron-core's own CPU offload passed through as a peer; their checks, and the defaults they
+imply (the distributed optimizer, the engine's Adam kernel and update side). What a value means is
+checked by the engine's own config, built from the flags at parse time so that a bad value fails
 before any work, named by its flag."""
 
 from __future__ import annotations
 
-import argparse
 import re
 from typing import List, Tuple
 
-from megatron.training.errors import (GPU_CACHE_FLAG, GPU_MARGIN_FLAG, GPU_START_FLAG, HOST_CACHE_FLAG,
-                                      UPDATE_ON_OF_FLAG, fraction, non_negative_float, non_negative_int,
-                                      positive_int)
-from mlp_offload import GPU_TIER
-
-
-def cpu_share(text: str):
-    """--offload-cpu-share: a whole number of subgroups >= 0, or auto (the time model's choice)."""
-    return "auto" if text == "auto" else non_negative_int(text)
+from megatron.training.errors import GPU_CACHE_FLAG, GPU_START_FLAG, fraction
+from megatron.training.offload import options
 
 _PATH_FLAG = re.compile(r"^--offload-([A-Za-z0-9_]+)-path(?:=(.*))?$")
 
 
-def _tier_list(text: str) -> List[str]:
-    tiers = [t.strip() for t in text.split(",") if t.strip()]
-    if not tiers:
-        raise argparse.ArgumentTypeError("expected a comma-separated list of tier names, e.g. host,nvme")
-    for name in tiers:
-        if not re.fullmatch(r"[A-Za-z0-9_]+", name):
-            raise argparse.ArgumentTypeError(f"tier name {name!r} must be alphanumeric")
-    if len(set(tiers)) != len(tiers):
-        raise argparse.ArgumentTypeError(f"{text!r} names a tier twice")
-    return tiers
-
-
-def _token_scopes(text: str) -> dict:
-    scopes = {}
-    for item in text.split(","):
-        match = re.fullmatch(r"\s*([A-Za-z0-9_]+)\s*=\s*(node|job)\s*", item)
-        if not match:
-            raise argparse.ArgumentTypeError(f"{item!r}: expected TIER=node or TIER=job, e.g. pfs=job")
-        scopes[match.group(1)] = match.group(2)
-    return scopes
-
-
-def _bandwidths(text: str) -> str:
-    for item in text.split(","):
-        if not re.fullmatch(r"\s*[A-Za-z0-9_]+\s*=\s*[0-9.eE+-]+\s*:\s*[0-9.eE+-]+\s*(:\s*[0-9.eE+-]+\s*)?", item):
-            raise argparse.ArgumentTypeError(
-                f"{item!r}: expected TIER=READ_GBPS:WRITE_GBPS[:MIXED_GBPS], e.g. nvme=3.0:2.8")
-    return text
-
-
-def _gpu_cache(text: str):
-    """``auto`` or GiB (a non-negative number)."""
-    if text.strip().lower() == "auto":
-        return "auto"
-    try:
-        return non_negative_float(text)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"expected GiB (a number >= 0) or 'auto', got {text!r}") from None
-
-
 def add_groups(parser) -> None:
     g = parser.add_argument_group("optimizer offload (see mlp_offload.config.OffloadConfig)")
-    g.add_argument("--offload-tiers", type=_tier_list, default=None,
-                   help="comma list, e.g. host,nvme,pfs; default: no offload. "
-                        "Each file tier XXX needs --offload-XXX-path DIR")
-    g.add_argument(HOST_CACHE_FLAG, type=non_negative_float, default=None)
-    g.add_argument(GPU_CACHE_FLAG, type=_gpu_cache, default=None, metavar="GB|auto",
-                   help=f"with {GPU_TIER!r} in --offload-tiers: device memory for optimizer state, updated in place; "
-                        f"'auto' learns the spare memory from the real peak after each iteration, keeps "
-                        f"{GPU_MARGIN_FLAG} free and hands subgroups back to lower tiers if it shrinks")
-    g.add_argument(GPU_START_FLAG, type=non_negative_float, default=None,
-                   help=f"{GPU_CACHE_FLAG} auto: the gpu tier's size until the peak after iteration 1 is "
-                        "measured (0: empty); default: half of what the activation estimate and the margin leave")
-    g.add_argument(GPU_MARGIN_FLAG, type=non_negative_float, default=4.0,
-                   help=f"{GPU_CACHE_FLAG} auto: device memory left free beside the peak")
-    g.add_argument("--offload-update", choices=list(UPDATE_ON_OF_FLAG), default=None,
-                   help="where subgroups held in host memory are updated: CPU Adam, the GPU (state streamed "
-                        "host->GPU->host, copies overlapped) or auto (per subgroup from the measured rates, both "
-                        "at once); default: auto on a GPU, cpu on a CPU device")
-    g.add_argument("--offload-subgroup-size", type=positive_int, default=100_000_000)
-    g.add_argument("--offload-prefetch-depth", type=positive_int, default=2)
-    g.add_argument("--offload-tokens-per-tier", type=positive_int, default=None,
-                   help="ranks of one node allowed to do I/O on a tier path at once; default: 1 where "
-                        "the probe sees the device lose bandwidth with all ranks streaming, else all")
-    g.add_argument("--offload-token-scope", type=_token_scopes, default={}, metavar="TIER=node|job,...",
-                   help="who takes turns on a tier path: the ranks of each node (node, the default) or "
-                        "all ranks of the job (job: for a shared file system that does not scale with nodes)")
-    g.add_argument("--offload-io-block-mb", type=positive_int, default=8)
-    g.add_argument("--offload-io-threads", type=positive_int, default=4)
-    g.add_argument("--offload-bandwidths", type=_bandwidths, default=None)
-    g.add_argument("--offload-adam-kernel", choices=["fused", "foreach", "single"], default=None,
-                   help="default: on a CPU device 'single', the kernel megatron-core's torch.optim.AdamW "
-                        "runs there (bit-identical to it); on a GPU 'fused', the fastest")
-    g.add_argument("--offload-no-cache", action="store_true")
-    g.add_argument("--offload-overlap-forward", action="store_true",
-                   help="the next iteration's forward starts while the GPU still updates: each layer waits "
-                        "only for its own params (above data-parallel size 1 with --overlap-param-gather: each "
-                        "bucket's all-gather follows this rank's update of it)")
-    g.add_argument("--offload-cpu-share", type=cpu_share, default=None, metavar="SUBGROUPS|auto",
-                   help="with --offload-overlap-forward and --offload-update auto: how many of the subgroups held in "
-                        "host memory the CPU updates in the step while the GPU updates the rest under the next "
-                        "forward; default none (on an H200 a CPU share slowed the 20.68 B iteration by 5%%); auto: "
-                        "where the time model predicts the update the iteration sees shorter")
-    g.add_argument("--offload-read-ahead-gb", type=non_negative_float, default=0.0,
-                   help="GPU memory for host-held state the GPU updates, copied in under the forward and backward "
-                        "before its step while the host link idles (whole subgroups; 0: none)")
-    g.add_argument("--offload-no-one-pass-update", action="store_true",
-                   help="device updates widen, step and round back in separate passes (as before the one-pass kernel)")
-    g.add_argument("--offload-no-update-in-model-buffers", action="store_true",
-                   help="the device's one-pass update takes the grads as an fp32 copy and hands the params back as "
-                        "a copy, instead of reading and writing them in the model's buffers")
-    g.add_argument("--offload-no-interleave", action="store_true",
-                   help="the GPU updates its subgroups held in memory in the schedule's order, the ones in HBM in a "
-                        "run of their own, instead of spread between those streamed from host memory (an A/B of "
-                        "the overlap of the HBM updates with the host link's copies)")
-    g.add_argument("--offload-no-cpu-one-pass", action="store_true",
-                   help="CPU updates widen, step and round back in separate passes (no run-time built C++ kernel)")
-    g.add_argument("--offload-no-odirect", action="store_true")
-    g.add_argument("--offload-no-checksums", action="store_true")
-    g.add_argument("--offload-cpu-threads", type=positive_int, default=None)
-    g.add_argument("--offload-save-staging-gb", type=non_negative_float, default=4.0,
-                   help="--async-save: host memory per rank for copies of state the next update reaches first")
-    g.add_argument("--offload-probe-mb", type=positive_int, default=1024,
-                   help="size of the bandwidth probe per file tier (cached per path)")
-    g.add_argument("--offload-telemetry-log", default=None, metavar="FILE",
-                   help="per-step engine telemetry as JSON lines; '{rank}' in FILE is replaced by "
-                        "the global rank, otherwise only rank 0 writes")
-    g.add_argument("--offload-trace", default=None, metavar="FILE",
-                   help="Chrome-trace JSON (Perfetto) of the engine's reads and writes per tier, waits, "
-                        "gradients and Adam, written when training ends; '{rank}' in FILE gives one "
-                        "file per rank, otherwise only rank 0 writes. Draw it with tools/plot_timeline.py")
+    options.add_flags(g)
 
     # megatron-core's own CPU offload (HybridDeviceOptimizer), passed through as a peer to compare with.
     g = parser.add_argument_group("megatron-core CPU optimizer offload (OptimizerConfig pass-through)")
@@ -188,15 +73,9 @@ def _validate_engine_flags(parser, args) -> None:
     """Offload flags need --offload-tiers; what they say is checked by the engine's own config,
     built here once so that a bad value fails before any work, named by its flag."""
     if args.offload_tiers is None:
-        given = [f"--offload-{name}-path" for name in args.offload_paths]
-        given += [flag for flag, value in ((HOST_CACHE_FLAG, args.offload_host_cache_gb),
-                                           (GPU_CACHE_FLAG, args.offload_gpu_cache_gb),
-                                           ("--offload-update", args.offload_update),
-                                           ("--offload-bandwidths", args.offload_bandwidths),
-                                           ("--offload-token-scope", args.offload_token_scope or None))
-                  if value is not None]
+        given = options.given_without_tiers(args)
         if given:
-            parser.error(f"argument {given[0]}: requires --offload-tiers")
+            parser.error(f"argument {given}: requires --offload-tiers")
         return
     if args.offload_gpu_start_gb is not None and args.offload_gpu_cache_gb != "auto":
         parser.error(f"argument {GPU_START_FLAG}: sizes an auto gpu tier; it needs {GPU_CACHE_FLAG} "
@@ -207,12 +86,11 @@ def _validate_engine_flags(parser, args) -> None:
         args.offload_update = "cpu" if _on_cpu(args) else "auto"
     from mlp_offload import OffloadConfigError
     from megatron.training.offload.flags import config_from_args
-    from megatron.training.errors import in_flags
 
     try:
-        config_from_args(args, rank=0)
+        config_from_args(args, rank=0)  # the engine's checks, the one place its rules live
     except OffloadConfigError as err:
-        parser.error(in_flags(str(err)))
+        parser.error(options.in_flags(str(err)))
 
 
 def _validate_mcore_offload(parser, args) -> None:

@@ -35,11 +35,7 @@ def validate(parser, args) -> None:
         if given:
             parser.error(f"argument {given[0][0]}: requires --use-precision-aware-optimizer")
         return
-    if args.offload_tiers:
-        moments = (_value(args, "--exp-avg-dtype"), _value(args, "--exp-avg-sq-dtype"))
-        if "fp8" in moments and moments != ("fp8", "fp8"):
-            parser.error(f"argument --exp-avg-dtype/--exp-avg-sq-dtype: {moments[0]}/{moments[1]}: the offload engine's "
-                         f"8-bit moments are updated together, so give fp8 for both or for neither")
+    if args.offload_tiers:  # the engine's config checks the dtypes (args.offload builds it)
         return
     if not args.use_distributed_optimizer:
         parser.error("argument --use-precision-aware-optimizer: requires the distributed optimizer "

@@ -1,10 +1,10 @@
-"""Building the offload optimizer from the ``--offload-*`` flags: the engine's config, its log and
-CPU threads; the flags and environment are read here, not in the engine. (Its telemetry file is
-one of the metrics sinks: megatron.training.metrics.sinks.)"""
+"""Building the offload optimizer from the ``--offload-*`` flags: the engine's config, built once with
+what only the start-up knows (the device, the host memory beside the engine, an auto gpu tier's
+start), its log and CPU threads; the flags and environment are read here, not in the engine. (Its
+telemetry file is one of the metrics sinks: megatron.training.metrics.sinks.)"""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from typing import List
@@ -13,13 +13,13 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 
-from megatron.training.errors import GPU_START_FLAG, UserError
+from megatron.training.errors import UserError
 from megatron.training.offload.optimizer import OffloadDistributedOptimizer
 from megatron.training.offload.shard import ShardGroups
 from megatron.training.offload.job_facts import PerNodeByRank0
 from megatron.training.offload.flags import config_from_args
 from megatron.training.offload.gpu_tier_start import starting_gpu_tier_bytes
-from megatron.training.errors import in_flags
+from megatron.training.offload.options import GPU_START_FLAG, config_fields, in_flags
 from megatron.training.runtime.core_private import param_groups_and_buffers
 from megatron.training.runtime.host_memory import measured_beside_engine
 from mlp_offload import GiB, OffloadConfig
@@ -32,32 +32,32 @@ def get_offload_optimizer(args, model_chunks, config: OptimizerConfig) -> Offloa
     if not config.use_distributed_optimizer:
         raise UserError("--offload-tiers requires the distributed optimizer (--use-distributed-optimizer)")
     _set_cpu_threads(args, model_chunks)
-    offload_config = offload_config_from_args(args)
     groups = shard_groups(model_chunks, config)
-    on_cuda = next(model_chunks[0].parameters()).device.type == "cuda"  # (the config's device is set per shard)
-    if offload_config.gpu_budget_auto and on_cuda and len(groups) == 1:
-        offload_config = _with_starting_gpu_tier(args, model_chunks, offload_config, groups[0])
+    device = next(model_chunks[0].parameters()).device  # home of the gpu tier and device updates (the CPU twin on CPU)
+    offload_config = config_from_args(args, rank=_rank(), device=str(device),
+                                      host_bytes_beside=measured_beside_engine(args.num_workers),
+                                      **_starting_gpu_tier(args, model_chunks, groups, device))
     return OffloadDistributedOptimizer(config, offload_config, model_chunks, groups,
                                        token_store=job_store(offload_config))
 
 
-def _with_starting_gpu_tier(args, model_chunks, offload_config: OffloadConfig, groups: ShardGroups) -> OffloadConfig:
-    """An auto gpu tier's start (gpu_tier_start); one engine only (with experts, two engines share
-    the device: they start empty and learn it)."""
-    if offload_config.gpu_budget_bytes is not None:
-        return offload_config
-    # free on the device plus what torch's allocator caches unused (the model's initialisation left
-    # ~37 GiB there at 20.68 B: free alone said 22.7 GiB)
+def _starting_gpu_tier(args, model_chunks, groups: List[ShardGroups], device) -> dict:
+    """An auto gpu tier's start (gpu_tier_start) as the config's ``gpu_budget_bytes``; one engine only
+    (with experts, two engines share the device: they start empty and learn it)."""
+    if args.offload_gpu_cache_gb != "auto" or device.type != "cuda" or len(groups) != 1:
+        return {}
+    # free on the device plus what torch's allocator caches unused (the model's initialisation leaves
+    # much of its memory there: free alone misses it)
     free = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
-    start = starting_gpu_tier_bytes(args, model_chunks[0].config, free, offload_config.gpu_margin_bytes,
-                                    groups.dp_group.size())
+    margin = config_fields(args)["gpu_margin_bytes"]
+    start = starting_gpu_tier_bytes(args, model_chunks[0].config, free, margin, groups[0].dp_group.size())
     if not start:
-        return offload_config
+        return {}
     how = (f"as {GPU_START_FLAG} says" if args.offload_gpu_start_gb is not None else
            "half of what the activation estimate and the margin leave")
     log.info("gpu tier auto: starts at %.2f GiB, %s of the %.2f GiB free; learnt from the measured peak after "
              "iteration 1", start / GiB, how, free / GiB)
-    return dataclasses.replace(offload_config, gpu_budget_bytes=start)
+    return {"gpu_budget_bytes": start}
 
 
 def shard_groups(model_chunks, config: OptimizerConfig) -> List[ShardGroups]:
@@ -75,13 +75,6 @@ def shard_groups(model_chunks, config: OptimizerConfig) -> List[ShardGroups]:
         if param_groups:
             found.append(ShardGroups(kind, param_groups, buffers, group))
     return found
-
-
-def offload_config_from_args(args) -> OffloadConfig:
-    """The engine's config from the ``--offload-*`` flags, and what the rank holds beside the
-    engine (the process, its data workers) for the engine's start-up memory check."""
-    config = config_from_args(args, rank=_rank())
-    return dataclasses.replace(config, host_bytes_beside=measured_beside_engine(args.num_workers))
 
 
 def job_store(config: OffloadConfig):

@@ -1,60 +1,30 @@
-"""The engine's ``OffloadConfig`` from the ``--offload-*`` flags (``config_from_args``); the way
-back, an engine message in flag names, is ``errors.in_flags``. The environment is read here, never
-in the engine: the run id of the swap namespaces, the ranks sharing this node and this rank's place
-among them, and the node-local lock directory (``MLP_OFFLOAD_LOCK_DIR``)."""
+"""The engine's ``OffloadConfig``, built once per rank (``config_from_args``): the ``--offload-*``
+flags through their table (``options``), the precision-aware optimizer's dtypes, the job's environment
+and what only the start-up knows. The environment is read here, never in the engine: the run id of
+the swap namespaces, the ranks sharing this node and this rank's place among them, and the node-local
+lock directory (``MLP_OFFLOAD_LOCK_DIR``). The way back, an engine message in flag names, is
+``options.in_flags``."""
 
 from __future__ import annotations
 
 import os
 
 from megatron.training.model.precision_aware import param_remainders, state_dtypes
-from megatron.training.errors import UPDATE_ON_OF_FLAG
-from mlp_offload import GiB, MiB, OffloadConfig, parse_bandwidths
+from megatron.training.offload.options import config_fields
+from mlp_offload import OffloadConfig
 
 
-
-def config_from_args(args, rank: int) -> OffloadConfig:
-    """The engine's config from the ``--offload-*`` flags (checked by OffloadConfig itself)."""
-    budget = None if args.offload_host_cache_gb is None else int(args.offload_host_cache_gb * GiB)
-    gpu = getattr(args, "offload_gpu_cache_gb", None)
-    update = getattr(args, "offload_update", None) or "cpu"  # as --offload-update spells it
-    return OffloadConfig(
-        tiers=list(args.offload_tiers),
-        paths=dict(args.offload_paths),
-        host_budget_bytes=budget,
-        gpu_budget_bytes=None if gpu in (None, "auto") else int(gpu * GiB),
-        gpu_budget_auto=gpu == "auto",
-        gpu_margin_bytes=int(getattr(args, "offload_gpu_margin_gb", 4.0) * GiB),
-        update_on=UPDATE_ON_OF_FLAG.get(update, update),
-        subgroup_size=args.offload_subgroup_size,
-        prefetch_depth=args.offload_prefetch_depth,
-        tokens_per_tier=args.offload_tokens_per_tier,
-        token_scope=dict(args.offload_token_scope),
-        io_block_bytes=args.offload_io_block_mb * MiB,
-        io_threads=args.offload_io_threads,
-        use_odirect=not args.offload_no_odirect,
-        verify_checksums=not args.offload_no_checksums,
-        cache_alternating=not args.offload_no_cache,
-        device_one_pass=not getattr(args, "offload_no_one_pass_update", False),
-        device_model_buffers=not getattr(args, "offload_no_update_in_model_buffers", False),
-        defer_device_wait=bool(getattr(args, "offload_overlap_forward", False)),
-        interleave_device_updates=not getattr(args, "offload_no_interleave", False),
-        cpu_share_subgroups=getattr(args, "offload_cpu_share", None),
-        device_read_ahead_bytes=int(getattr(args, "offload_read_ahead_gb", 0.0) * GiB),
-        cpu_one_pass=not getattr(args, "offload_no_cpu_one_pass", False),
-        bandwidths=parse_bandwidths(args.offload_bandwidths or ""),
-        adam_kernel=args.offload_adam_kernel,
-        probe_bytes=args.offload_probe_mb * MiB,
-        save_staging_bytes=int(args.offload_save_staging_gb * GiB),
-        rank=rank,
-        trace_path=per_rank_path(args.offload_trace, rank),
-        state_dtypes=state_dtypes(args),
-        param_remainders=param_remainders(args),
-        run_id=job_run_id(),
-        ranks_sharing_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-        lock_dir=os.environ.get("MLP_OFFLOAD_LOCK_DIR") or None,
-    )
+def config_from_args(args, rank: int, **known_later) -> OffloadConfig:
+    """The engine's config from the flags and the environment, checked by OffloadConfig itself.
+    ``known_later``: fields only the start-up knows (the device, the host memory beside the engine,
+    an auto gpu tier's start), given here so that the config is built once, complete."""
+    fields = config_fields(args)
+    fields.update(trace_path=per_rank_path(fields.get("trace_path"), rank), state_dtypes=state_dtypes(args),
+                  param_remainders=param_remainders(args), rank=rank, run_id=job_run_id(),
+                  ranks_sharing_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                  local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+                  lock_dir=os.environ.get("MLP_OFFLOAD_LOCK_DIR") or None)
+    return OffloadConfig(**{**fields, **known_later})
 
 
 def job_run_id():

@@ -59,7 +59,10 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
         self.overlap_forward = offload_config.defer_device_wait
         numels = shard_numels(shard_groups)
         check_host_split(offload_config, numels)  # one line for both engines, before either starts
-        self.shards = [OffloadShard(config, config_for_kind(offload_config, groups.kind, numels), groups, token_store)
+        # Each engine's config in one step: its share of the budgets, and remainders only where its
+        # params are all bf16 (they complete a bf16 param).
+        self.shards = [OffloadShard(config, config_for_kind(offload_config, groups.kind, numels, param_remainders=(
+                           offload_config.param_remainders and groups.params_bf16)), groups, token_store)
                        for groups in shard_groups]
         first = self.shards[0]
         # The first (dense) shard's, as megatron-core's ChainedOptimizer answers with its first.

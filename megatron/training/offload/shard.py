@@ -9,7 +9,6 @@ two). An ``OffloadShard`` is one of them with the engine as its backend; the fac
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Dict, List, Literal, Optional
 
@@ -38,6 +37,12 @@ class ShardGroups:
     buffers: Dict[int, list]
     dp_group: object  # the group the optimizer state is sharded over
 
+    @property
+    def params_bf16(self) -> bool:
+        """Whether every param buffer this shard holds a piece of is bf16."""
+        return all(buffer.param_data.dtype == torch.bfloat16 for buffers in self.buffers.values()
+                   for buffer in buffers if buffer.buckets)
+
 
 def grad_scaler_for(config: OptimizerConfig):
     if config.loss_scale:
@@ -62,11 +67,6 @@ class OffloadShard:
         self.grad_scaler = grad_scaler_for(config)
         self.norm_params, engine_groups = self._ordered_groups(groups.param_groups)
         self._cuda = self.device.type == "cuda"
-        # The gpu tier and device updates live on the model's device (the CPU twin on a CPU run).
-        # Remainders complete a bf16 param: off for a shard with any other param buffer.
-        all_bf16 = all(p.buffer.param_data.dtype == torch.bfloat16 for p in self.layout.pieces)
-        offload_config = dataclasses.replace(offload_config, device=str(self.device),
-                                             param_remainders=offload_config.param_remainders and all_bf16)
         self.copy_stream = torch.cuda.Stream() if self._cuda else None
         largest = min(offload_config.subgroup_size, self.layout.numel)
         # The master params cross PCIe in their stored dtype (a CPU-side cast would cost the update's time);

@@ -26,20 +26,22 @@ def gpu_share_of(config: OffloadConfig, kind: str, numels: Dict[str, int]) -> Op
     return None if gpu is None else gpu * numels[kind] // max(1, sum(numels.values()))
 
 
-def config_for_kind(config: OffloadConfig, kind: str, numels: Dict[str, int]) -> OffloadConfig:
-    """``numels``: each engine's optimizer-state elements on this rank, dense first. The host budget
-    is shared by them (``host_shares``), a fixed gpu tier likewise, and the experts' engine gets its
-    own swap namespace (a run id of its own: namespaces are per rank) and trace file."""
-    if len(numels) == 1:
-        return config
-    budget = config.host_budget_bytes
-    host = None if budget is None else host_shares(budget, numels)[kind]
-    gpu_share = gpu_share_of(config, kind, numels)
-    if kind == "dense":
-        return dataclasses.replace(config, host_budget_bytes=host, gpu_budget_bytes=gpu_share)
-    return dataclasses.replace(config, run_id=f"{config.resolved_run_id()}.{kind}", host_budget_bytes=host,
-                               gpu_budget_bytes=gpu_share,
-                               trace_path=None if not config.trace_path else f"{config.trace_path}.{kind}")
+def config_for_kind(config: OffloadConfig, kind: str, numels: Dict[str, int], **shard_facts) -> OffloadConfig:
+    """One engine's config from the rank's, in one step. ``numels``: each engine's optimizer-state
+    elements on this rank, dense first. The host budget is shared by them (``host_shares``), a fixed
+    gpu tier likewise, and the experts' engine gets its own swap namespace (a run id of its own:
+    namespaces are per rank) and trace file. ``shard_facts``: fields the engine's shard decides
+    (``param_remainders``)."""
+    changes = dict(shard_facts)
+    if len(numels) > 1:
+        budget = config.host_budget_bytes
+        changes.update(host_budget_bytes=None if budget is None else host_shares(budget, numels)[kind],
+                       gpu_budget_bytes=gpu_share_of(config, kind, numels))
+        if kind != "dense":
+            changes.update(run_id=f"{config.resolved_run_id()}.{kind}",
+                           trace_path=None if not config.trace_path else f"{config.trace_path}.{kind}")
+    changes = {name: value for name, value in changes.items() if getattr(config, name) != value}
+    return dataclasses.replace(config, **changes) if changes else config
 
 
 def check_host_split(config: OffloadConfig, numels: Dict[str, int]) -> None:
