@@ -8,6 +8,7 @@
 #   DRY_RUN=1 bash examples/one_gpu.sh              # print the command only
 #   HOST_GB=40 MOMENTS=fp8 bash examples/one_gpu.sh --train-iters 100   # settings: examples/recipe.sh
 NAME=one_gpu NPROC=1 TP=1 PP=1
-LAYERS=${LAYERS:-36} HIDDEN=${HIDDEN:-5120} FFN=${FFN:-13824} HEADS=${HEADS:-40} KV_GROUPS=${KV_GROUPS:-8} SEQ=${SEQ:-2048}
+LAYERS=${LAYERS:-36} HIDDEN=${HIDDEN:-5120} FFN=${FFN:-13824} HEADS=${HEADS:-40}
+KV_GROUPS=${KV_GROUPS:-8} SEQ=${SEQ:-2048}
 HOST_GB=${HOST_GB:-74}
 source "$(dirname "$0")/recipe.sh"

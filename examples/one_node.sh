@@ -9,6 +9,7 @@
 #   DRY_RUN=1 bash examples/one_node.sh             # print the command only
 #   NPROC=8 TP=4 PP=2 HOST_GB=40 bash examples/one_node.sh    # settings: examples/recipe.sh
 NAME=one_node NPROC=${NPROC:-4} TP=${TP:-2} PP=${PP:-2}
-LAYERS=${LAYERS:-70} HIDDEN=${HIDDEN:-8192} FFN=${FFN:-28672} HEADS=${HEADS:-64} KV_GROUPS=${KV_GROUPS:-8} SEQ=${SEQ:-2048}
+LAYERS=${LAYERS:-70} HIDDEN=${HIDDEN:-8192} FFN=${FFN:-28672} HEADS=${HEADS:-64}
+KV_GROUPS=${KV_GROUPS:-8} SEQ=${SEQ:-2048}
 HOST_GB=${HOST_GB:-60}
 source "$(dirname "$0")/recipe.sh"

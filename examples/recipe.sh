@@ -16,7 +16,8 @@ RUN="${RUN_DIR:-$REPO/runs/$NAME}"
 MOMENTS=${MOMENTS:-bf16}
 case "$MOMENTS" in
     fp32) MOMENTS_FLAGS=() ;;  # lossless: fp32 moments, the fp32 master kept as 16-bit remainders
-    bf16 | fp8) MOMENTS_FLAGS=(--use-precision-aware-optimizer --exp-avg-dtype "$MOMENTS" --exp-avg-sq-dtype "$MOMENTS") ;;
+    bf16 | fp8)
+        MOMENTS_FLAGS=(--use-precision-aware-optimizer --exp-avg-dtype "$MOMENTS" --exp-avg-sq-dtype "$MOMENTS") ;;
     *) echo "error: MOMENTS=${MOMENTS}: expected fp32, bf16 or fp8" >&2; exit 2 ;;
 esac
 if [ -n "${DATA_PATH:-}" ]; then
@@ -43,6 +44,14 @@ ARGS=(
     "$@"
 )
 
+if [ "${DRY_RUN:-0}" != 1 ]; then
+    cd "$REPO"
+    source tools/setup_env.sh
+    if [ "${PLAN:-0}" = 1 ] && [ -z "${GPU_GB:-}" ]; then  # plan for this machine's GPU where it has one
+        GPU_GB=$(python -c "import torch; cuda = torch.cuda.is_available()
+print(torch.cuda.get_device_properties(0).total_memory / 2**30 if cuda else '')")
+    fi
+fi
 if [ "${PLAN:-0}" = 1 ]; then
     COMMAND=(python tools/plan_offload.py --gpus-per-node "$NPROC" ${GPU_GB:+--gpu-memory-gb "$GPU_GB"} "${ARGS[@]}")
 else
@@ -53,11 +62,5 @@ if [ "${DRY_RUN:-0}" = 1 ]; then
     echo
     exit 0
 fi
-cd "$REPO"
-source tools/setup_env.sh
-if [ "${PLAN:-0}" = 1 ] && [ -z "${GPU_GB:-}" ]; then  # plan for this machine's GPU where it has one
-    GPU_GB=$(python -c "import torch; print(torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else '')")
-    [ -n "$GPU_GB" ] && COMMAND=(python tools/plan_offload.py --gpus-per-node "$NPROC" --gpu-memory-gb "$GPU_GB" "${ARGS[@]}")
-fi
-mkdir -p "${DISK:-$RUN/nvme}"
+mkdir -p "${DISK:-$RUN/nvme}"  # the planner probes it too
 exec "${COMMAND[@]}"

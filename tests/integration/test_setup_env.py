@@ -61,10 +61,10 @@ def _wheel(wheelhouse, name, version, requires, files):
 
 @pytest.mark.skipif(sys.prefix == sys.base_prefix, reason="needs the tests to run inside a virtual environment")
 def test_offline_install_beside_a_venvs_torch_does_not_ask_the_wheelhouse_for_torchs_requirements(tmp_path):
-    """The README's wheelhouse recipe on a node whose python3 is a venv holding torch and its
-    requirements (setuptools >= 77 among them) but not megatron-core: the new .venv (Python 3.11's
-    venv brings its own setuptools 65) must install megatron-core from the wheelhouse alone. It
-    stopped on 'Could not find a version that satisfies the requirement setuptools>=77.0.3 (from
+    """The wheelhouse recipe of docs/user_guide.md ("Offline nodes") on a node whose python3 is a venv
+    holding torch and its requirements (setuptools >= 77 among them) but not megatron-core: the new
+    .venv (Python 3.11's venv brings its own setuptools 65) must install megatron-core from the
+    wheelhouse alone. It stopped on 'Could not find a version that satisfies the requirement setuptools>=77.0.3 (from
     torch)'. Here megatron-core is a stand-in wheel with the real one's requirements."""
     import os
 

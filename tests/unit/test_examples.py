@@ -54,7 +54,8 @@ def test_one_node_recipe_over_layouts_moments_and_data(layout, moments, data):
     nproc, tp, pp = layout
     env = dict(NPROC=str(nproc), TP=str(tp), PP=str(pp), MOMENTS=moments, RUN_DIR="/tmp/recipe")
     if data:
-        env.update(DATA_PATH="/data/corpus_text_document", TOKENIZER_ARGS="--tokenizer-type NullTokenizer --vocab-size 32000")
+        env.update(DATA_PATH="/data/corpus_text_document",
+                   TOKENIZER_ARGS="--tokenizer-type NullTokenizer --vocab-size 32000")
     launcher, flags = dry_run("one_node.sh", **env)
     assert launcher == LAUNCHER + [str(nproc), "pretrain_gpt.py"]
     args = parse_args(flags)

@@ -15,6 +15,8 @@ _spec = importlib.util.spec_from_file_location("gen_flag_reference", REPO / "too
 gen = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(gen)
 
+BASE = ["--num-layers", "2", "--hidden-size", "8", "--num-attention-heads", "2", "--seq-length", "8",
+        "--micro-batch-size", "1", "--train-iters", "2", "--lr", "1e-3", "--mock-data", "--device", "cpu"]
 _CELL = re.compile(r"(?<!\\)\|")  # a table cell's edge: a pipe not escaped
 
 
@@ -48,9 +50,7 @@ def test_every_flag_of_the_parser_is_listed_once(rendered):
     assert flags <= set(rows), sorted(flags - set(rows))
     extra = set(rows) - flags
     assert extra == {"--offload-NAME-path DIR"}, extra  # the one flag parse_args takes outside argparse
-    args = parse_args(["--num-layers", "2", "--hidden-size", "8", "--num-attention-heads", "2", "--seq-length", "8",
-                       "--micro-batch-size", "1", "--train-iters", "2", "--lr", "1e-3", "--mock-data", "--device", "cpu",
-                       "--offload-tiers", "host,burst", "--offload-burst-path", "/tmp/x",
+    args = parse_args(BASE + ["--offload-tiers", "host,burst", "--offload-burst-path", "/tmp/x",
                        "--offload-host-cache-gb", "1"])
     assert args.offload_paths == {"burst": "/tmp/x"}  # the path row's claim: any tier name works
 
@@ -58,9 +58,7 @@ def test_every_flag_of_the_parser_is_listed_once(rendered):
 def test_offload_defaults_are_what_parse_args_gives(rendered):
     """The documented defaults of the offload flags, against a parsed command that leaves them out."""
     rows = _rows(rendered)
-    args = parse_args(["--num-layers", "2", "--hidden-size", "8", "--num-attention-heads", "2", "--seq-length", "8",
-                       "--micro-batch-size", "1", "--train-iters", "2", "--lr", "1e-3", "--mock-data", "--device", "cpu",
-                       "--offload-tiers", "host"])
+    args = parse_args(BASE + ["--offload-tiers", "host"])
     parser = build_parser()
     checked = 0
     for action in parser._actions:
