@@ -151,7 +151,7 @@ OPTIONS: Tuple[Option, ...] = (
            error_names=(("gpu_budget_auto", "--offload-gpu-cache-gb auto"),)),
     Option("--offload-gpu-start-gb", "with --offload-gpu-cache-gb auto: the gpu tier's size until iteration 1's "
            "peak is measured (0: empty). Default: half of what the activation estimate leaves",
-           type=non_negative_float, default=None, metavar="GB"),
+           type=non_negative_float, default=None, metavar="GB", unit=GiB),
     Option("--offload-gpu-margin-gb", "with --offload-gpu-cache-gb auto: device memory left free beside the "
            "training's peak. Default: {default}", field="gpu_margin_bytes", type=non_negative_float,
            metavar="GB", unit=GiB),
