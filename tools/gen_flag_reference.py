@@ -24,7 +24,8 @@ REGENERATE = "python tools/gen_flag_reference.py"
 # parser no longer has stops the generator, so the list cannot silently go stale.
 ADDED_FLAGS = ("--device", "--loss-log", "--timing-log", "--ckpt-convert-memory-mb")
 
-# File tiers' directories are not argparse actions: parse_args takes them from the remaining arguments.
+# File tiers' directories are taken by parse_args from the arguments argparse leaves; where the parser has no
+# action documenting them, this row does.
 PATH_FLAG_ROW = ("`--offload-NAME-path DIR`", "directory", "–",
                  "directory of file tier NAME (one flag per file tier named in --offload-tiers; any "
                  "alphanumeric name, e.g. --offload-nvme-path, --offload-pfs-path)")
@@ -123,7 +124,7 @@ def render(parser=None) -> str:
     for title, acts in offload_groups:
         out += [f"### {title}", ""]
         rows = [_row(parser, a) for a in acts]
-        if any(a.option_strings[0] == "--offload-tiers" for a in acts):
+        if any(a.option_strings[0] == "--offload-tiers" for a in acts) and "--offload-NAME-path" not in actions:
             rows.insert(1, "| " + " | ".join(PATH_FLAG_ROW) + " |")
         out += _table(rows)
     out += ["## Other flags this stack adds", ""]
