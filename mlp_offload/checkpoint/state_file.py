@@ -199,9 +199,10 @@ def load_engine_state(engine: OffloadedAdamW, path: str) -> dict:
         return saved.metadata
 
 
-def fill_engine(engine: OffloadedAdamW, saved: StateFile, notice: bool = True) -> None:
+def fill_engine(engine: OffloadedAdamW, saved: StateFile, notice: bool = True, observe=None) -> None:
     """Fill the engine with the whole of an opened state file (the same shard, saved at this layout).
-    ``notice``: warn in one line where the moments change format (a caller of many ranks says it once)."""
+    ``notice``: warn in one line where the moments change format (a caller of many ranks says it once).
+    ``observe``: wraps the fill callback (``digest.StateDigest.observing``: what was written is digested)."""
     footer, path = saved.footer, saved.path
     if footer["numel"] != engine.numel:
         raise CheckpointDataError(
@@ -240,7 +241,8 @@ def fill_engine(engine: OffloadedAdamW, saved: StateFile, notice: bool = True) -
             else:
                 reader.read(k, sg.start, sg.end, out)
 
-    engine.load_state(fill if as_stored else values_fill(engine, fill), steps_done=footer["steps_done"],
+    callback = fill if as_stored else values_fill(engine, fill)
+    engine.load_state(callback if observe is None else observe(callback), steps_done=footer["steps_done"],
                       stored=saved_remainders)
 
 

@@ -7,6 +7,8 @@ may go in the order the next update needs and still lay the file out in element 
 footer, the trailer, fsync, rename. Subgroups held in files are read through their tier (their
 block CRCs checked), two at a time, so the next read overlaps this write; each subgroup is written by
 ``tiers.direct_io`` (O_DIRECT from a staging buffer, threads), at disk speed rather than the page cache's.
+Given a ``digest.StateDigest``, the writer adds each subgroup's tensors to it as it writes them (the
+resume check's record of the save, from what is written and nothing read again).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Dict, List, Optional
 import torch
 
 from .file_blocks import snapshot_blocks
+from .digest import StateDigest
 from .file_format import MAGIC, TRAILER, CheckpointSaveError
 from .state_file import human_bytes, state_file_bytes, subgroups_file_bytes
 from ..tiers.direct_io import DirectRegionWriter, pwrite_all
@@ -36,17 +39,19 @@ from ..tiers.files import fsync_path
 log = logging.getLogger("mlp_offload")
 
 
-def save_engine_state(engine: OffloadedAdamW, path: str, metadata: Optional[dict] = None) -> int:
+def save_engine_state(engine: OffloadedAdamW, path: str, metadata: Optional[dict] = None,
+                      digest: Optional[StateDigest] = None) -> int:
     """Stream the engine's state into ``path`` now; returns bytes written. On failure the partial
     ``.tmp`` file is removed and a file already at ``path`` is left as it was."""
     snapshot = _snapshot(engine, link_files=False)  # nothing changes the state before this returns
     try:
-        return write_snapshot(snapshot, path, metadata)
+        return write_snapshot(snapshot, path, metadata, digest)
     finally:
         snapshot.release()
 
 
-def start_background_save(engine: OffloadedAdamW, path: str, metadata: Optional[dict] = None) -> "BackgroundStateWrite":
+def start_background_save(engine: OffloadedAdamW, path: str, metadata: Optional[dict] = None,
+                          digest: Optional[StateDigest] = None) -> "BackgroundStateWrite":
     """Snapshot the engine's state now (cheap: see snapshot) for a thread that writes it into
     ``path`` once ``start()``ed, while the engine goes on stepping. Where the tier's file system
     has no hard links the state is written now instead (the handle is then already done)."""
@@ -57,13 +62,13 @@ def start_background_save(engine: OffloadedAdamW, path: str, metadata: Optional[
             raise
         log.warning("the offload tiers' file system refused a hard link (%s): the offloaded state is written "
                     "synchronously", err.strerror or err)
-        return BackgroundStateWrite.finished_now(engine, path, metadata)
+        return BackgroundStateWrite.finished_now(engine, path, metadata, digest)
     short = _tier_short_of_space(snapshot, engine.config.resolved_ranks_sharing_node())
     if short:
         snapshot.cancel()
         log.warning("%s: the offloaded state is written synchronously", short)
-        return BackgroundStateWrite.finished_now(engine, path, metadata)
-    return BackgroundStateWrite(snapshot, path, metadata)
+        return BackgroundStateWrite.finished_now(engine, path, metadata, digest)
+    return BackgroundStateWrite(snapshot, path, metadata, digest)
 
 
 def _snapshot(engine: OffloadedAdamW, link_files: bool) -> StateSnapshot:
@@ -91,20 +96,23 @@ class BackgroundStateWrite:
     """One rank's offloaded state being written by a thread. ``done()`` never blocks; ``wait()``
     joins; ``failure`` is the exception that stopped it (None once it succeeded)."""
 
-    def __init__(self, snapshot: Optional[StateSnapshot], path: str, metadata: Optional[dict]):
+    def __init__(self, snapshot: Optional[StateSnapshot], path: str, metadata: Optional[dict],
+                 digest: Optional[StateDigest] = None):
         self.snapshot = snapshot
         self.path = path
         self.metadata = metadata
+        self.digest = digest
         self.nbytes = subgroups_file_bytes(snapshot.subgroups) if snapshot else 0
         self.write_s = 0.0
         self.failure: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._run, name="mlp-checkpoint-writer", daemon=True)
 
     @classmethod
-    def finished_now(cls, engine: OffloadedAdamW, path: str, metadata: Optional[dict]) -> "BackgroundStateWrite":
-        handle = cls(None, path, metadata)
+    def finished_now(cls, engine: OffloadedAdamW, path: str, metadata: Optional[dict],
+                     digest: Optional[StateDigest] = None) -> "BackgroundStateWrite":
+        handle = cls(None, path, metadata, digest)
         started = time.perf_counter()
-        handle.nbytes = save_engine_state(engine, path, metadata)
+        handle.nbytes = save_engine_state(engine, path, metadata, digest)
         handle.write_s = time.perf_counter() - started
         return handle
 
@@ -134,7 +142,7 @@ class BackgroundStateWrite:
         started = time.perf_counter()
         self.snapshot.writer_starts()
         try:
-            self.nbytes = write_snapshot(self.snapshot, self.path, self.metadata)
+            self.nbytes = write_snapshot(self.snapshot, self.path, self.metadata, self.digest)
         except BaseException as err:  # reported by the finalize step, on every rank
             self.failure = err
         finally:
@@ -142,11 +150,13 @@ class BackgroundStateWrite:
             self.write_s = time.perf_counter() - started
 
 
-def write_snapshot(snapshot: StateSnapshot, path: str, metadata: Optional[dict]) -> int:
-    """Write ``snapshot`` into ``path`` (via ``path.tmp``, fsynced, renamed); returns its bytes."""
+def write_snapshot(snapshot: StateSnapshot, path: str, metadata: Optional[dict],
+                   digest: Optional[StateDigest] = None) -> int:
+    """Write ``snapshot`` into ``path`` (via ``path.tmp``, fsynced, renamed); returns its bytes.
+    ``digest``: each subgroup's tensors are added to it as they are written."""
     tmp = path + ".tmp"
     try:
-        size = _write(snapshot, tmp, metadata)
+        size = _write(snapshot, tmp, metadata, digest)
         os.replace(tmp, path)
         fsync_path(os.path.dirname(os.path.abspath(path)))
     except BaseException as err:
@@ -160,7 +170,7 @@ def write_snapshot(snapshot: StateSnapshot, path: str, metadata: Optional[dict])
     return size
 
 
-def _write(snapshot: StateSnapshot, tmp: str, metadata: Optional[dict]) -> int:
+def _write(snapshot: StateSnapshot, tmp: str, metadata: Optional[dict], digest: Optional[StateDigest]) -> int:
     offsets, end = {}, 0
     for sg in snapshot.subgroups:  # element order: where each subgroup's bytes go
         offsets[sg.index] = end
@@ -175,7 +185,10 @@ def _write(snapshot: StateSnapshot, tmp: str, metadata: Optional[dict]) -> int:
                 snapshot.check_cancelled()
                 views = snapshot.take(i) if i in snapshot.memory else reads.get(i)
                 try:  # the state is copied out before put returns: the update may have it back at once
-                    crcs[i] = writer.put(offsets[i], views.narrow(snapshot.subgroups[i]))
+                    tensors = views.narrow(snapshot.subgroups[i])
+                    crcs[i] = writer.put(offsets[i], tensors)
+                    if digest is not None:  # while its bytes go to disk; before the update may change them
+                        digest.add(snapshot.subgroups[i], tensors)
                 finally:
                     snapshot.done_with(i)
                 fault_point("save-offload")

@@ -31,6 +31,7 @@ from megatron.training.checkpoint.offload_files import (offloaded_state_bytes, s
                                                         start_offloaded_save)
 from megatron.training.checkpoint.optimizer_state import load_optimizer, optimizer_template
 from megatron.training.checkpoint.saved_args import args_to_save
+from megatron.training.checkpoint.state_digest import ResumeCheck, SaveDigests
 from megatron.training.checkpoint.state_dict import (all_data_parallel_rng_states, load_model, load_rng,
                                                      load_strategies, model_state, rng_sharded_object,
                                                      save_strategies, sharding_metadata)
@@ -91,6 +92,7 @@ def save_checkpoint(iteration: int, model, optimizer, scheduler, consumed_sample
         return path
     state_from = time.perf_counter()
     state = _state_to_save(args, model, optimizer, scheduler, iteration, consumed_samples)
+    digests = SaveDigests(model, optimizer if save_optimizer else None, iteration)  # the resume check's record
     torch_dist_from = time.perf_counter()
     request, offload_bytes, offload_s, failure, offload_write = None, 0, 0.0, None, None
     torch_dist_to = torch_dist_from
@@ -101,12 +103,14 @@ def save_checkpoint(iteration: int, model, optimizer, scheduler, consumed_sample
         if save_optimizer and isinstance(optimizer, OffloadedOptimizerCheckpoint):  # streamed beside it, a file per rank
             t0 = time.perf_counter()
             if background is None:
-                offload_bytes = save_offloaded_state(optimizer.shards, model, path)
-            else:
-                offload_write = start_offloaded_save(optimizer.shards, model, path)  # a snapshot, written once started
+                offload_bytes = save_offloaded_state(optimizer.shards, model, path, digests.engines)
+            else:  # a snapshot, written once started
+                offload_write = start_offloaded_save(optimizer.shards, model, path, digests.engines)
             offload_s = time.perf_counter() - t0
     except (CheckpointSaveError, OSError) as err:
         failure = _save_failure(err, path)
+    if failure is None and background is None:
+        failure = _write_digests(digests, path)
     offload_to = time.perf_counter()
     try:
         _fail_together(failure, root, path)  # before any background write starts: nothing to stop
@@ -124,7 +128,7 @@ def save_checkpoint(iteration: int, model, optimizer, scheduler, consumed_sample
         print_rank0(f"> saved checkpoint at iteration {iteration} to {root}: "
                      f"{gb_and_rate(total, time.perf_counter() - started)}{offload}")
         return path
-    on_written = _BackgroundCompletion(root, path, iteration, started, offload_write, model)
+    on_written = _BackgroundCompletion(root, path, iteration, started, offload_write, model, digests)
     background.schedule(request, on_written, offload_write)
     fault_point("save-scheduled")
     done = time.perf_counter()
@@ -153,6 +157,15 @@ def _save_failure(err: BaseException, path: str) -> str:
     if isinstance(err, OSError) and err.errno in STORAGE_ERRNOS:
         return f"rank {rank}: {path}: {err.strerror or err}"
     raise err
+
+
+def _write_digests(digests: SaveDigests, path: str) -> Optional[str]:
+    """This rank's record of the save for the resume check, once its writers are done; a failure as one line."""
+    try:
+        digests.write(path)
+    except OSError as err:
+        return _save_failure(err, path)
+    return None
 
 
 def _begin_save(root: str, path: str, iteration: int, model, optimizer) -> bool:
@@ -188,16 +201,20 @@ class _BackgroundCompletion:
     """What the finalize step of a background save does once every rank's writers have ended: all
     ranks agree it succeeded, the proof and the tracker, and the line with what training paused."""
 
-    def __init__(self, root: str, path: str, iteration: int, started: float, offload_write, model):
+    def __init__(self, root: str, path: str, iteration: int, started: float, offload_write, model,
+                 digests: SaveDigests):
         self.root, self.path, self.iteration, self.started = root, path, iteration, started
         self.offload_write = offload_write  # mlp_offload.BackgroundStateWrite or None
         self.model = model
+        self.digests = digests
         self.held_s = 0.0  # the save's own hold, the slowest rank's (set once the save returns)
 
     def __call__(self, failure: Optional[str]) -> None:
         write = self.offload_write
         if failure is None and write is not None and write.failure is not None:
             failure = _background_failure(write.failure, self.path)
+        if failure is None:
+            failure = _write_digests(self.digests, self.path)
         _fail_together(failure, self.root, self.path)
         total = _complete(self.root, self.path, self.iteration)
         line = (f"> saved checkpoint at iteration {self.iteration} to {self.root} (finalized in the background): "
@@ -281,12 +298,14 @@ def load_checkpoint(root: str, model, optimizer, scheduler, args):
     template.update(optimizer_template(plan, optimizer, template, metadata))
     if plan.rng:
         template["rng_state"] = rng_sharded_object(None)
+    check = ResumeCheck(plan.path)
     state = dist_checkpointing.load(template, plan.path, **load_strategies(args, plan.path))
     load_model(model, state)
-    load_optimizer(plan, optimizer, model, state, args)
+    load_optimizer(plan, optimizer, model, state, args, check)
     if plan.scheduler:
         scheduler.load_state_dict(plan.common["opt_param_scheduler"])
     if plan.rng:
         load_rng(state)
+    check.finish(model, optimizer_loaded=plan.optimizer is not None)
     torch.distributed.barrier()
     return resume_position(plan, args)

@@ -169,17 +169,19 @@ def _two_halves_geometry(factory: ShardedTensorFactory) -> Optional[ParamGeometr
 
 
 # -- writing them ---------------------------------------------------------------------------------
-def save_offloaded_state(shards, model_chunks, checkpoint_dir: str) -> int:
+def save_offloaded_state(shards, model_chunks, checkpoint_dir: str, digests: Optional[dict] = None) -> int:
     """Stream each shard's engine state into ``checkpoint_dir`` (a file per rank and shard); returns
-    the bytes written."""
-    return sum(save_engine_state(shard.engine, *_file_and_metadata(shard, model_chunks, checkpoint_dir))
-               for shard in shards)
+    the bytes written. ``digests``: kind -> StateDigest, which the writer adds what it writes to."""
+    digests = digests or {}
+    return sum(save_engine_state(shard.engine, *_file_and_metadata(shard, model_chunks, checkpoint_dir),
+                                 digests.get(shard.kind)) for shard in shards)
 
 
-def start_offloaded_save(shards, model_chunks, checkpoint_dir: str) -> "StateWrites":
+def start_offloaded_save(shards, model_chunks, checkpoint_dir: str, digests: Optional[dict] = None) -> "StateWrites":
     """The same files, written by a thread from a snapshot taken now, once ``start()``ed (--async-save)."""
-    return StateWrites([start_background_save(shard.engine, *_file_and_metadata(shard, model_chunks, checkpoint_dir))
-                        for shard in shards])
+    digests = digests or {}
+    return StateWrites([start_background_save(shard.engine, *_file_and_metadata(shard, model_chunks, checkpoint_dir),
+                                              digests.get(shard.kind)) for shard in shards])
 
 
 def offloaded_state_bytes(shards) -> int:
@@ -192,13 +194,19 @@ def _file_and_metadata(shard, model_chunks, checkpoint_dir: str):
     path = offload_file_path(checkpoint_dir, p, t, d, shard.kind)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     layout, names = shard.layout, param_names(model_chunks)
-    pieces = [[names[p], layout.param_slice[p], b - a, a] for p, (a, b) in layout.param_flat_range.items()]
+    pieces = shard_pieces(shard, names)
     # Where each parameter lies in its global tensor: what a run at other TP/PP sizes needs.
     geometry = {names[p]: g.to_json()  # of this shard's parameters (dense or experts)
                 for p, g in param_geometries(model_chunks, sharding_metadata()).items()
                 if p in layout.param_flat_range}
     return path, {"dp_size": shard.dp_group.size(), "params": pieces, "geometry": geometry,
                   "model_chunks": len(model_chunks), "ep_size": ep}
+
+
+def shard_pieces(shard, names: Dict[torch.nn.Parameter, str]) -> List[list]:
+    """[name, offset in the parameter, length, offset in the shard] of each parameter ``shard`` holds."""
+    layout = shard.layout
+    return [[names[p], layout.param_slice[p], b - a, a] for p, (a, b) in layout.param_flat_range.items()]
 
 
 class StateWrites:

@@ -42,8 +42,9 @@ def optimizer_template(plan: LoadPlan, optimizer, model_template: dict, metadata
     return {"optimizer": optimizer.sharded_state_dict(model_template, is_loading=True, metadata=metadata)}
 
 
-def load_optimizer(plan: LoadPlan, optimizer, model, state: dict, args) -> None:
-    """Do what the plan says for the optimizer, ``state`` being what the torch_dist read gave."""
+def load_optimizer(plan: LoadPlan, optimizer, model, state: dict, args, check) -> None:
+    """Do what the plan says for the optimizer, ``state`` being what the torch_dist read gave.
+    ``check``: the load's state_digest.ResumeCheck, which digests what the engines' fills write."""
     if torch.cuda.is_available():
         # The model's weights were just copied in on the current stream; the offload engine reads and
         # writes them (the masters' high halves) on a stream of its own, which must see them landed.
@@ -53,10 +54,12 @@ def load_optimizer(plan: LoadPlan, optimizer, model, state: dict, args) -> None:
     elif plan.optimizer == SAME_FORM and not plan.run_offloaded:
         optimizer.load_state_dict(state["optimizer"])
         restore_adam_steps(optimizer, state["optimizer"])
+        check.skip_optimizer("megatron-core's optimizer state is read by dist_checkpointing, not digested")
     elif plan.optimizer == SAME_FORM:
         with SavedOffloadState(plan.path, plan.offload_meta.get("steps_done"), model) as saved:
-            load_offloaded_state(optimizer.shards, saved, state["optimizer"]["offload_meta"], model)
+            load_offloaded_state(optimizer.shards, saved, state["optimizer"]["offload_meta"], model, check)
     elif plan.optimizer == FROM_OFFLOADED:
+        check.skip_optimizer("it was converted from the offloaded form")
         prepare_fresh_optimizer_for_load(optimizer)  # the target's own state: allocated before the conversion
         max_bytes = args.ckpt_convert_memory_mb << 20
         # half of the pieces' memory for the offload files' reader, half for a piece in flight
@@ -64,6 +67,7 @@ def load_optimizer(plan: LoadPlan, optimizer, model, state: dict, args) -> None:
             _convert("the offloaded form", plan.path, args, model, lambda: fill_distributed_optimizer(
                 megatron_optimizers(optimizer), saved, plan.offload_meta, max_bytes))
     else:  # FROM_DISTRIBUTED
+        check.skip_optimizer("it was converted from megatron-core's distributed optimizer form")
         _convert("megatron-core's distributed optimizer form", plan.path, args, model,
                  lambda: load_into_engine(optimizer, plan.path, state["plain_optimizer"],
                                           args.ckpt_convert_memory_mb << 20))
@@ -132,26 +136,27 @@ def restore_adam_steps(optimizer, loaded) -> None:
 
 
 # -- the offload engines, from a checkpoint -----------------------------------------------------------
-def load_offloaded_state(shards, saved: SavedOffloadState, offload_meta: dict, model) -> None:
+def load_offloaded_state(shards, saved: SavedOffloadState, offload_meta: dict, model, check) -> None:
     """Each of the offload facade's shards (``kind``, ``engine``, ``layout``, ``dp_group``,
     ``grad_scaler``) from ``saved``: its grad scaler from the common state's ``offload_meta``, its
-    engine from its own file as saved or each parameter slice from whichever old ranks held it."""
+    engine from its own file as saved or each parameter slice from whichever old ranks held it.
+    ``check``: a state_digest.ResumeCheck, which observes the fills of engines loaded as saved."""
     # A checkpoint saved with one shard (no experts' optimizer, or EP 1) has one scaler: the dense shard's.
     for shard, scaler in zip(shards, offload_meta["grad_scalers"]):
         if shard.grad_scaler is not None and scaler:
             shard.grad_scaler.load_state_dict(scaler)
     for shard in shards:
-        _load_engine(shard, saved)
+        _load_engine(shard, saved, check, model)
     gather_model_params(shards, model)
 
 
-def _load_engine(shard, saved: SavedOffloadState) -> None:
+def _load_engine(shard, saved: SavedOffloadState, check, model) -> None:
     dp_size = shard.dp_group.size()
     own = saved.whole_file(shard.kind, dp_size)
     first = torch.distributed.get_rank() == 0
     notice = moments_change(saved.saved_codecs(shard.kind), shard.engine.state_codecs)
     if own is not None:
-        fill_engine(shard.engine, own, notice=False)
+        fill_engine(shard.engine, own, notice=False, observe=check.observer(shard, model))
         if notice and first:
             log.warning("offloaded %sstate: %s", "expert " if shard.kind == "experts" else "", notice)
         return
@@ -167,6 +172,7 @@ def _load_engine(shard, saved: SavedOffloadState) -> None:
                 saved.read(shard.kind, param, offset + lo - a, offset + hi - a,
                            [out[lo - sg.start: hi - sg.start] for out in outs])
 
+    check.skip_optimizer(f"it was resharded from {saved.describe_change(shard.kind, dp_size)}")
     eight_bit = is_blockwise(shard.engine.state_codecs)
     shard.engine.load_state(_eight_bit_fill(shard, saved, mine) if eight_bit else fill, steps_done=saved.steps_done)
     if first:

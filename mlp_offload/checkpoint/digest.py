@@ -1,0 +1,173 @@
+"""Digests of stored state, for the resume check: computed where a save already holds each tensor and
+where a load writes it, so that nothing is read twice.
+
+A tensor's digest is a pair over its raw bits ``x`` (each element read as a signed integer of its own
+width) with ``i`` the element's index in the tensor it belongs to (a parameter's piece of a shard
+starts at that piece's offset in the parameter)::
+
+    s1 = sum(x[i]),  s2 = sum((i + 1) * x[i])   (mod 2**64)
+
+``s2`` sees order (two swapped elements, a piece shifted), ``s1`` any single changed element, and
+both add up over chunks and over ranks, so any chunking of a tensor gives the same pair. It runs on
+CPU and CUDA tensors alike, in chunks of ``CHUNK`` elements (bounded extra memory). Each chunk is seen
+as rows of ``ROW`` elements: with ``r[k]`` its row sums and ``c[j]`` its column sums,
+``sum((a + k*ROW + j + 1) * x) = (a + 1) * sum(r) + ROW * sum(k * r[k]) + sum(j * c[j])``, two
+reductions that widen the elements on the fly instead of a product per element.
+
+``StateDigest`` keeps them per parameter piece and state tensor of one engine's shard, fed a subgroup
+at a time: by the checkpoint writer from the tensors it writes, and by a load from those its fill
+callback wrote (``observing``). The master and the moments are digested as stored (a master kept as
+16-bit remainders as those, whose high halves are the model's params; 8-bit moments as their codes
+and, apart, their block scales indexed by each block's first element in the parameter).
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..state_formats import is_blockwise
+
+MASK = (1 << 64) - 1
+CHUNK = 1 << 17  # elements per chunk: its widened rows stay in cache
+ROW = 1 << 10
+_SIGNED = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+TENSORS = ("master", "exp_avg", "exp_avg_sq")
+
+
+def raw_integers(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements as the signed integers of their bits (flat; a view where ``t`` is contiguous)."""
+    return t.reshape(-1).view(_SIGNED[t.element_size()])
+
+
+def digest(t: torch.Tensor, first_index: int = 0) -> torch.Tensor:
+    """(s1, s2) of ``t`` (int64 on ``t``'s device, wrapped mod 2**64), its element ``j`` being index
+    ``first_index + j`` of the tensor it belongs to."""
+    x = raw_integers(t)
+    acc = torch.zeros(2, dtype=torch.int64, device=x.device)
+    for a in range(0, x.numel(), CHUNK):
+        chunk = x[a: a + CHUNK]
+        rows = chunk.numel() // ROW
+        at = first_index + a
+        if rows:
+            block = chunk[: rows * ROW].view(rows, ROW)
+            r = torch.sum(block, dim=1, dtype=torch.int64)
+            c = torch.sum(block, dim=0, dtype=torch.int64)
+            total = r.sum()
+            acc[0] += total
+            acc[1] += total * (at + 1) + (r * torch.arange(rows, device=x.device)).sum() * ROW \
+                + (c * torch.arange(ROW, device=x.device)).sum()
+        tail = chunk[rows * ROW:]
+        if tail.numel():
+            acc += indexed_digest(tail, torch.arange(tail.numel(), device=x.device) + (at + rows * ROW))
+    return acc
+
+
+def indexed_digest(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """(s1, s2) of ``t`` whose element ``j`` has index ``index[j]`` (int64, on ``t``'s device)."""
+    x = raw_integers(t).to(torch.int64)
+    return torch.stack([x.sum(), (x * (index.to(torch.int64) + 1)).sum()])
+
+
+def as_pair(acc: torch.Tensor) -> List[int]:
+    """A digest as two unsigned 64-bit integers (what records store and compare)."""
+    return [v & MASK for v in acc.tolist()]
+
+
+def add_pairs(a: Sequence[int], b: Sequence[int]) -> List[int]:
+    """Two digests of disjoint parts of one tensor (or of one parameter on two ranks) as one."""
+    return [(x + y) & MASK for x, y in zip(a, b)]
+
+
+class StateDigest:
+    """Digests of one engine shard's stored state per parameter piece. ``pieces``: (name, offset in
+    the parameter, length, offset in the shard) of each parameter this shard holds; ``codecs``: the
+    stored formats of (master, exp_avg, exp_avg_sq); ``blocks``: the engine's ``blocks`` (``params``,
+    ``block``) with 8-bit moments, else None. ``add`` takes each subgroup once, in any order."""
+
+    def __init__(self, pieces: Sequence[Sequence], codecs, blocks=None):
+        self.pieces = sorted((int(shard_at), int(length), int(offset), str(name))
+                             for name, offset, length, shard_at in pieces)
+        self._starts = [p[0] for p in self.pieces]
+        self.codecs = tuple(codecs)
+        self.blockwise = is_blockwise(self.codecs)
+        self.blocks = blocks if self.blockwise else None
+        self.formats = [c.describe() for c in self.codecs]
+        self.nbytes = 0
+        self._acc: Dict[Tuple[str, str], torch.Tensor] = {}
+
+    @classmethod
+    def of_engine(cls, engine, pieces: Sequence[Sequence]) -> "StateDigest":
+        return cls(pieces, engine.state_codecs, engine.blocks)
+
+    def observing(self, fill: Callable) -> Callable:
+        """``fill`` (an ``engine.load_state`` callback) that digests what it wrote, once it has."""
+        def fill_and_digest(sg, *tensors):
+            fill(sg, *tensors)
+            self.add(sg, tensors)
+
+        return fill_and_digest
+
+    def add(self, sg, tensors: Sequence[torch.Tensor]) -> None:
+        """Subgroup ``sg``'s stored (master, exp_avg, exp_avg_sq)."""
+        layout = None
+        if self.blockwise:
+            layout = self.blocks.params.layout(sg.start, sg.end, self.blocks.block)
+            block_starts = layout.starts[:-1]  # from the subgroup's start; a block is its first element's piece's
+            quantized = [codec.split(raw, sg.numel, sg.blocks) for raw, codec in zip(tensors[1:], self.codecs[1:])]
+        for shard_at, length, offset, name in self._overlapping(sg.start, sg.end):
+            lo, hi = max(shard_at, sg.start), min(shard_at + length, sg.end)
+            first = offset + lo - shard_at  # the piece's first element here, as an index of the parameter
+            a, b = lo - sg.start, hi - sg.start
+            self._add(name, TENSORS[0], digest(tensors[0][a:b], first), tensors[0][a:b])
+            if layout is None:
+                for key, t in zip(TENSORS[1:], tensors[1:]):
+                    self._add(name, key, digest(t[a:b], first), t[a:b])
+                continue
+            i, j = (int(k) for k in torch.searchsorted(block_starts, torch.tensor([a, b])))  # blocks starting in it
+            starts = (block_starts[i:j] + (offset + sg.start - shard_at)).to(tensors[1].device)
+            for key, q in zip(TENSORS[1:], quantized):
+                self._add(name, key, digest(q.codes[a:b], first), q.codes[a:b])
+                self._add(name, f"{key} scales", indexed_digest(q.scales[i:j], starts), q.scales[i:j])
+
+    def _overlapping(self, start: int, end: int):
+        k = max(0, bisect.bisect_right(self._starts, start) - 1)
+        while k < len(self.pieces) and self.pieces[k][0] < end:
+            if self.pieces[k][0] + self.pieces[k][1] > start:
+                yield self.pieces[k]
+            k += 1
+
+    def _add(self, name: str, key: str, acc: torch.Tensor, t: torch.Tensor) -> None:
+        self.nbytes += t.numel() * t.element_size()
+        held = self._acc.get((name, key))
+        self._acc[(name, key)] = acc if held is None else held + acc.to(held.device)
+
+    def result(self) -> Dict[str, Dict[str, List[int]]]:
+        """{parameter name: {state tensor: [s1, s2]}} of what was added."""
+        keys = list(self._acc)
+        pairs = as_pairs([self._acc[k] for k in keys])
+        out: Dict[str, Dict[str, List[int]]] = {}
+        for (name, key), pair in zip(keys, pairs):
+            out.setdefault(name, {})[key] = pair
+        return out
+
+
+def as_pairs(accs: Sequence[torch.Tensor]) -> List[List[int]]:
+    """Many digests as pairs, moved off their device at once."""
+    if not accs:
+        return []
+    stacked = torch.stack([a.to(accs[0].device) for a in accs]).tolist()
+    return [[v & MASK for v in row] for row in stacked]
+
+
+def find_mismatch(saved: Dict, loaded: Dict) -> Optional[Tuple[str, str, object, object]]:
+    """The first (name, tensor, saved digest, loaded digest) that differs between two ``result()``s
+    (a digest present on one side only differs too), or None."""
+    for name in sorted(set(saved) | set(loaded)):
+        a, b = saved.get(name, {}), loaded.get(name, {})
+        for key in sorted(set(a) | set(b)):
+            if a.get(key) != b.get(key):
+                return name, key, a.get(key), b.get(key)
+    return None

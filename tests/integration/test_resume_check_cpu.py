@@ -1,0 +1,72 @@
+"""The resume check across a real save and load (2 CPU processes, the shared offloaded run's
+checkpoint: host, nvme and pfs tiers): an untouched load says in one line that every rank's params
+and optimizer state match their save; state broken on purpose after the load (a model param, an
+Adam step) or in an offload file (one byte of a moment, its CRC made right) stops the run with one
+error line naming each rank and tensor. The loads stop at the saved iteration: no training step."""
+
+import re
+
+from helpers import copy_checkpoint, offload_args
+from launch import REPO, pretrain_command, pretrain_env, run_and_clean_up
+from megatron.training.checkpoint import integrity
+from mlp_offload.checkpoint import TRAILER, read_footer
+from tests.unit.test_state_digest import flip_stored_byte
+
+SAVED_AT = 4
+BREAKING = REPO / "tests" / "integration" / "resume_check_pretrain.py"
+
+
+def load(tmp, ckpt, env=None):
+    """Load ``ckpt`` with 2 ranks and stop: (exit status, output)."""
+    cmd = pretrain_command([*offload_args(tmp), "--load", str(ckpt)], 2, SAVED_AT, tmp / "loss.jsonl", warm=True,
+                           script=BREAKING)
+    return run_and_clean_up(cmd, pretrain_env({"RESUME_CHECK_BREAK": "none@-1", **(env or {})}), 240,
+                            tmp / "out.txt")
+
+
+def resign(path):
+    """The checkpoint's proof written again over what it holds now, as a save that wrote those bytes would."""
+    (path / integrity.COMPLETE).unlink()
+    integrity.mark_in_progress(str(path))
+    integrity.mark_complete(str(path), SAVED_AT)
+
+
+def offload_files(ckpt):
+    return sorted((ckpt / f"iter_{SAVED_AT:07d}" / "offload").glob("*.offload"))
+
+
+def test_an_untouched_resume_matches_its_save_in_one_line(tmp_path, offload_saved):
+    ckpt = copy_checkpoint(offload_saved["ckpt"], [SAVED_AT], tmp_path / "ckpt")
+    code, output = load(tmp_path, ckpt)
+    assert code == 0, output[-4000:]
+    lines = re.findall(r"^> resume check: .*$", output, re.M)
+    assert len(lines) == 1, output[-4000:]
+    found = re.fullmatch(rf"> resume check: params and optimizer state of 2 ranks match their save at iteration "
+                         rf"{SAVED_AT} \(digest of ([0-9.]+) MB\)", lines[0])
+    assert found, lines
+    # What was digested: both ranks' offloaded state (each file's tensors, up to its footer) and their bf16 params.
+    state = sum(p.stat().st_size - TRAILER.size - TRAILER.unpack(p.read_bytes()[-TRAILER.size:])[1]
+                for p in offload_files(ckpt))
+    params = int(re.search(r"> model parameters \(all stages, one replica\): (\d+)", output).group(1))
+    assert abs(float(found.group(1)) - (state + 2 * 2 * params) / 1e6) <= 0.005
+
+
+def test_state_broken_on_purpose_is_named_by_rank_and_tensor(tmp_path, offload_saved):
+    ckpt = copy_checkpoint(offload_saved["ckpt"], [SAVED_AT], tmp_path / "ckpt")
+    rank0 = str(offload_files(ckpt)[0])
+    footer = read_footer(rank0)
+    at = flip_stored_byte(rank0, 1, 2, 9)  # exp_avg_sq of subgroup 1, element 2 of it (fp32: byte 9)
+    element = footer["subgroups"][1]["start"] + 2
+    owner = next(name for name, _, length, flat in footer["metadata"]["params"] if flat <= element < flat + length)
+    assert at > 0
+    resign(ckpt / f"iter_{SAVED_AT:07d}")
+    code, output = load(tmp_path, ckpt, {"RESUME_CHECK_BREAK": "step@0,param@1"})
+    assert code != 0
+    errors = [line for line in output.splitlines() if "error: resume check:" in line]
+    assert len(errors) == 1, output[-4000:]
+    shown = re.sub(r"^(module\.)+", "", owner.partition(".")[2])  # as the model names it: no wrappers, no chunk 0
+    assert re.search(rf"rank 0, the Adam step count of its dense optimizer state is {SAVED_AT - 1}, its save at "
+                     rf"iteration {SAVED_AT} recorded {SAVED_AT}; rank 0, tensor {re.escape(shown)} exp_avg_sq differs "
+                     rf"from its save at iteration {SAVED_AT} \(digest [0-9a-f:]+ vs [0-9a-f:]+\); rank 1, model param "
+                     rf"embedding\.word_embeddings\.weight differs from its save", errors[0]), errors[0]
+    assert "Traceback" not in output
