@@ -1,0 +1,99 @@
+"""Our forward on imported checkpoints, as a rank of a CPU launch (launch.launch_command's script):
+each model is built by pretrain_gpt.py's provider and training's build_model from its
+``model_args.txt``, its weights loaded with ``--finetune --load CKPT`` as the training layer loads them, and
+run forward-only through megatron-core's pipeline schedule on the given tokens; the logits,
+gathered over TP, are saved by the last stage's first TP rank.
+
+    hf_forward.py OUT.pt TOKENS.pt TP PP CKPT_DIR [CKPT_DIR ...]
+
+OUT.pt: {CKPT_DIR: logits [batch, seq, padded vocab] in fp32}.
+"""
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+
+def _model_provider():
+    spec = importlib.util.spec_from_file_location("pretrain_gpt_provider", REPO / "pretrain_gpt.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.model_provider
+
+
+def logits_of(ckpt: str, tokens: torch.Tensor, tp: int, pp: int):
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron.training.args.arguments import parse_args
+    from megatron.training.checkpoint.load_plan import plan_load
+    from megatron.training.checkpoint.state_dict import load_model, model_state, sharding_metadata
+    from megatron.training.model.configs import transformer_config
+    from megatron.training.training import build_model
+
+    batch, seq = tokens.shape
+    flags = Path(ckpt, "model_args.txt").read_text().split()
+    args = parse_args([*flags, "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+                       "--micro-batch-size", str(batch), "--global-batch-size", str(batch), "--seq-length", str(seq),
+                       "--train-iters", "1", "--lr", "0", "--mock-data", "--device", "cpu", "--tokenizer-type",
+                       "NullTokenizer", "--vocab-size", "1", "--finetune", "--load", ckpt, "--transformer-impl", "local"])
+    args.device_resolved = "cpu"
+    parallel_state.initialize_model_parallel(tp, pp)
+    model_parallel_cuda_manual_seed(1234)
+    config = transformer_config(args)
+    model = build_model(args, config, _model_provider(), torch.device("cpu"))
+    plan = plan_load(ckpt, None, args)  # the loader's own choice and checks; then its model part
+    load_model(model, dist_checkpointing.load(model_state(model, sharding_metadata()), plan.path))
+    positions = torch.arange(seq).unsqueeze(0).expand(batch, seq)
+
+    def step(data_iterator, chunk):
+        next(data_iterator)
+        output = chunk(tokens, positions, None)
+        return output, lambda out: (out.sum() * 0, {"logits": out.detach()})
+
+    for chunk in model:
+        chunk.eval()
+    with torch.no_grad():
+        stored = get_forward_backward_func()(forward_step_func=step, data_iterator=iter([None]), model=model,
+                                             num_microbatches=1, seq_length=seq, micro_batch_size=batch,
+                                             forward_only=True)
+    result = None
+    if parallel_state.is_pipeline_last_stage():
+        local = stored[0]["logits"]
+        group = parallel_state.get_tensor_model_parallel_group()
+        parts = [torch.empty_like(local) for _ in range(tp)]
+        torch.distributed.all_gather(parts, local.contiguous(), group=group)
+        result = torch.cat(parts, dim=-1)
+    parallel_state.destroy_model_parallel()
+    return result
+
+
+def main(argv) -> None:
+    from megatron.training.runtime import cpu_compat
+
+    out, tokens_file, tp, pp, *ckpts = argv
+    cpu_compat.define_missing_te_names()
+    cpu_compat.apply()
+    torch.distributed.init_process_group("gloo")
+    tokens = torch.load(tokens_file)
+    results = {}
+    for ckpt in ckpts:
+        logits = logits_of(ckpt, tokens, int(tp), int(pp))
+        if logits is not None:
+            results[ckpt] = logits
+    last_stage_first_tp = torch.distributed.get_rank() == torch.distributed.get_world_size() - int(tp)
+    if last_stage_first_tp:
+        torch.save(results, out)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
