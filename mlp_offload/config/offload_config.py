@@ -82,9 +82,8 @@ class OffloadConfig:
     cpu_share_subgroups: Union[int, str, None] = None
     """With ``defer_device_wait`` and ``update_on`` "auto": how many of the subgroups resident in host
     memory the CPU updates (spread over the order; at most all of them), whatever the time model
-    predicts; None or 0: none, all streamed through the device (the default: on an H200 the model's
-    share of 20 of 116 made the 20.68 B iteration 5% slower, the CPU's work slowing the device's
-    streaming more than the model counts, docs/benchmarks.md §17); "auto": the model's choice
+    predicts; None or 0: none, all streamed through the device (the default: the CPU's work can slow
+    the device's streaming more than the model counts, docs/benchmarks.md §17); "auto": the model's choice
     (``plan.overlap_split``: a share only where the update the iteration sees is predicted shorter)."""
 
     device_one_pass: bool = True

@@ -43,10 +43,8 @@ def stored_per_token_layer(cfg) -> float:
     attention's output and its contiguous copy into the projection (2 + 2); the MLP's first output, its
     activation and the second's input, 2 (2f + f + f) / h with a gated unit (SwiGLU), 4 f / h without.
     A GPT layer (MHA, FFN 4h, GeLU) gives 10 + 30 / t, where Korthikanti's 24 / t counts neither the
-    rotation nor the copy; a Llama layer of FFN 3.5 h with 8 of 80 KV groups 10 + 36.6 / t. Measured: the
-    4-GPU runs of 2026-11-28 with selective recompute and dropout 0 (101.9 B TP4, 60.4 B TP2 x PP2) kept
-    beyond 10 + 24 / t 87.6 and 133 MB a layer, which two unknowns fit as 10.4 + 39 / t in all; 10 + 24 / t
-    planned their peaks 5% and 9% under, this count 1-2% (tests/unit/test_plan_replay.py)."""
+    rotation nor the copy. Checked against recorded runs' peaks in tests/unit/test_plan_replay.py
+    (docs/benchmarks.md §20, "the planner's activations follow the layer's shape")."""
     t = cfg.tensor_model_parallel_size
     h, f, a = cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_attention_heads
     kv = (cfg.num_query_groups or a) / a
@@ -69,9 +67,8 @@ def microbatches_in_flight(pp: int, vp: Optional[int], microbatches: int) -> int
 def backward_workspace_bytes(args, cfg) -> int:
     """What the backward of one layer and of the loss hold beside the stored activations, with
     megatron-core's local attention (scores materialized): the softmax in fp32 and the gradients of
-    scores and probabilities (12 bytes per score), and the logits' fp32 softmax and gradient. With
-    the stored counts above it matched the peaks in use of the 10.24 B and 20.68 B runs on one H200
-    within 3% (tests/unit/test_plan_replay.py)."""
+    scores and probabilities (12 bytes per score), and the logits' fp32 softmax and gradient
+    (checked with the stored counts above in tests/unit/test_plan_replay.py)."""
     s, b, a = args.seq_length, args.micro_batch_size, cfg.num_attention_heads
     t = cfg.tensor_model_parallel_size
     scores = 12 * a * s * s * b / t

@@ -35,9 +35,8 @@ from megatron.training.offload.shard_budgets import check_host_split, config_for
 from megatron.training.offload.plan_types import Machine, Plan
 from megatron.training.errors import GPU_CACHE_FLAG, UserError, in_flags
 
-# CUDA context, cuBLAS workspaces, kernels: device memory torch's allocator cannot reach. On an H200
-# (140.4 GiB) it could reach 136.4-136.9 GiB (free + reserved; the gpu tier auto lines of
-# docs/results/gpu_2026-11-26/call5_20b.log, call6_10b_bf16_onepass.log, call7_10b_lossless_onepass.log).
+# CUDA context, cuBLAS workspaces, kernels: device memory torch's allocator cannot reach (what the
+# gpu tier auto lines of the GPU runs showed it could reach: docs/benchmarks.md §8).
 CUDA_RESERVE_BYTES = int(3.5 * GiB)
 HOST_SHARE = 0.8  # of a node's memory, what optimizer state may take (the rest: OS, data loaders, pinning)
 
@@ -270,7 +269,7 @@ def make_plan(args, cfg, machine: Machine, offload_config, measured: MeasuredRat
                         + gpu_tier_hint(gpu, machine, offload_config))
     host_total = sum(host_per_node.values())
     # The start-up guard's own check (above) decides where the engines were planned: a stricter rule
-    # here refused the README's 20.68 B run (103 of 125 GiB), which the guard admits and which trained.
+    # here would refuse runs the guard admits and that train.
     if not engines and host_total > machine.host_memory_bytes * HOST_SHARE:
         problems.append(f"host memory: {host_total / GiB:.1f} GiB per node for optimizer state and scratch, more than "
                         f"{HOST_SHARE:.0%} of the node's {machine.host_memory_bytes / GiB:.1f} GiB")

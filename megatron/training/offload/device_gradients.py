@@ -24,8 +24,8 @@ class DeviceGradients:
         # (it would race the update's reads): each range is zeroed here right after it was read.
         self.zero_after_read = False
         self.stream = stream
-        # Two fp32 buffers for the CPU's subgroups, made when the CPU first gets one (0.8 GB at subgroups of
-        # 1e8 that the gpu tier keeps where the split gives the CPU nothing, as on an H200).
+        # Two fp32 buffers for the CPU's subgroups, made when the CPU first gets one: where the split gives
+        # the CPU nothing, their device memory stays the gpu tier's.
         self.largest = largest
         self.staging = None
         self.events: Dict[int, object] = {}

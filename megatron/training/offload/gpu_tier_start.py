@@ -1,11 +1,11 @@
 """Where an auto gpu tier (``--offload-gpu-cache-gb auto``) starts: half the device memory the
 planner's activation estimate leaves free after the model, instead of nothing.
 
-Started empty, the first iteration streamed the state that did not fit pinned host memory from the
-disk (20.68 B on one H200: 43 s; 60.4 B on four: 173 s) before the measured peak let the tier grow.
-Half, because the first iteration's peak ran above the steady one (20.68 B: 115.6 GiB against
-101.2 GiB) and the activation estimate counts the unfused attention's scores; the engine's own
-measurement after iteration 1 then promotes or hands back from there (engine.observe_device_memory).
+Started empty, the first iteration streams the state that does not fit pinned host memory from the
+disk before the measured peak lets the tier grow (docs/benchmarks.md §11-12). Half, because the first
+iteration's peak runs above the steady one and the activation estimate counts the unfused attention's
+scores; the engine's own measurement after iteration 1 then promotes or hands back from there
+(engine.observe_device_memory).
 ``--offload-gpu-start-gb`` sets the start instead (0: empty), for a run whose activations the
 estimate misjudges, or to see the promotions after iteration 1 on a model that fits at once.
 """

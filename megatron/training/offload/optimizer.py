@@ -149,8 +149,8 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
         auto = [shard.engine for shard in self.shards if shard.engine.config.gpu_budget_auto]
         if auto and self.device_memory_figures is not None:
             if share_device_memory(auto, *self.device_memory_figures()) and self._cuda:
-                # The allocator's cached blocks back to the driver: NCCL allocates outside it, lazily, and found
-                # nothing left after the tier grew (25.36 B on one H200, 115.2 B on four; tier_growth.py)
+                # The allocator's cached blocks back to the driver: NCCL allocates outside it, lazily, and can
+                # find nothing left after the tier grew (tier_growth.py)
                 torch.cuda.empty_cache()
         if not self.ddp_config.overlap_param_gather and not self.overlap_forward:
             # (with the overlap: at data-parallel size 1 each rank's params are its own already; above it
@@ -329,7 +329,7 @@ def _cuda_memory_figures() -> Tuple[int, int]:
     """The peak of memory in use since the last call, and the most this process could hold (what is
     free on the device plus what its allocator reserves already); the peak is reset for the next.
     In use, not reserved: blocks freed by handing subgroups back stay in the allocator's reserve,
-    so a reserved peak never fell and each step handed back more (20.7 B on an H200, 2026-11-24)."""
+    so a reserved peak would never fall and each step would hand back more."""
     peak = torch.cuda.max_memory_allocated()
     free, _ = torch.cuda.mem_get_info()
     capacity = free + torch.cuda.memory_reserved()

@@ -1,12 +1,10 @@
-"""The auto gpu tier's last growth (--offload-gpu-cache-gb auto), for the one line a job prints where NCCL fails
-soon after: NCCL's buffers are allocated outside torch's allocator, so the margin the tier leaves beside the
-training's peak (--offload-gpu-margin-gb) is all the room they find. On 2026-11-28 the 25.36 B README-shaped run on
-one H200 and 115.2 B on four H200s failed in NCCL ("unhandled cuda error") in the step right after the tier grew to
-within the default 4 GiB; with 8 GiB the 25.36 B run trained its 8 iterations (115.2 B's was cut by the session's
-time in that step; docs/benchmarks.md §18-19). The same failure elsewhere ("Failed to CUDA calloc 8388608 bytes":
-torch's allocator keeps freed blocks cached, and NCCL, allocating lazily outside it, finds the driver empty;
-pytorch/torchtitan#660, THUDM/slime#1086) is met by emptying the cache: the optimizer does so after each growth.
-Process-wide: one device per rank."""
+"""The auto gpu tier's last growth (--offload-gpu-cache-gb auto), for the one line a job prints where NCCL fails soon
+after: NCCL's buffers are allocated outside torch's allocator, so the margin the tier leaves beside the training's
+peak (--offload-gpu-margin-gb) is all the room they find: a tier grown to within the margin can leave NCCL failing
+("unhandled cuda error") in the next step (docs/benchmarks.md §18-20). The same failure elsewhere ("Failed to CUDA
+calloc 8388608 bytes": torch's allocator keeps freed blocks cached, and NCCL, allocating lazily outside it, finds
+the driver empty; pytorch/torchtitan#660, THUDM/slime#1086) is met by emptying the cache: the optimizer does so
+after each growth. Process-wide: one device per rank."""
 
 from __future__ import annotations
 
@@ -34,7 +32,7 @@ _allocator = None  # (reserved peak, in-use peak) bytes of the step the tier was
 
 def allocator_figures(reserved_peak: int, in_use_peak: int) -> None:
     """The caching allocator's peaks of the step just measured: where its reserve exceeds what was in use by more
-    than the margin, the margin is not free for NCCL (one cause the 2026-11-28 failures leave open)."""
+    than the margin, the margin is not free for NCCL (a cause of the failures above)."""
     global _allocator
     _allocator = (reserved_peak, in_use_peak)
 
