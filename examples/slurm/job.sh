@@ -9,7 +9,7 @@
 #                     mlp_offload.<job id> is made there and removed when the node's torchrun ends
 #   GPUS_PER_NODE     ranks per node (default: the allocation's $SLURM_GPUS_ON_NODE)
 #   HOST_CACHE_GB     --offload-host-cache-gb per rank (default 24)
-#   PFS_TOKEN_SCOPE   node (default) or job: who takes turns on the PFS (README, "On a SLURM cluster")
+#   PFS_TOKEN_SCOPE   node (default) or job: who takes turns on the PFS (docs/user_guide.md, "On a SLURM cluster")
 #   SIGNAL_LEAD_S     seconds between #SBATCH --signal=TERM@N and the time limit (default 600; keep equal)
 #   EXIT_SIGNAL       TERM (default) or USR1: with torch < 2.12 use USR1 and #SBATCH --signal=B:USR1@N
 #                     (torchrun < 2.12 SIGKILLs its workers 30 s after a SIGTERM, whatever the save needs)
@@ -43,7 +43,7 @@ run_job() {
     # torchrun SIGKILLs its workers this long after passing SLURM's SIGTERM on: longer than the lead
     # time, so the checkpoint save that SIGTERM starts (--exit-signal-handler) can finish. torch < 2.12
     # ignores this and allows 30 s (measured on torch 2.11: docs/benchmarks.md); there, signal the ranks
-    # alone with another signal and --exit-signal SIGUSR1 (README, "Time limits and preemption").
+    # alone with another signal and --exit-signal SIGUSR1 (docs/user_guide.md, "Time limits and preemption").
     local lead="${SIGNAL_LEAD_S:-600}"
     export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-$((lead + 60))}"
     # srun does not inherit sbatch's --cpus-per-task (SLURM >= 22.05): pass it on.
