@@ -1,10 +1,8 @@
-"""The engine's options, each declared once in ``OPTIONS``: flag, value type, default, help and the
-``OffloadConfig`` field it fills. The table lives here in the Megatron adapter, keyed by field, because
-the engine knows its fields and never the command line (data flows one way, engine -> adapter). From
-it come the ``--offload-*`` flags (``add_flags``), a config's fields from parsed flags
-(``config_fields``) and an engine message in the flags a user typed (``in_flags``). Where a flag and
-its field mean the same, the flag's default is the field's own, read from OffloadConfig in the flag's
-unit."""
+"""The engine's options, each declared once in ``OPTIONS`` (flag, type, default, help, the ``OffloadConfig``
+field it fills); the parser (``add_flags``), the config's fields (``config_fields``) and engine messages in
+flag names (``in_flags``) are made from it. It lives in the adapter, keyed by field, not in mlp_offload:
+data flows plan -> tiers -> engine -> adapter, and the engine knows fields, never flags. A flag's default
+is its field's own, read from OffloadConfig in the flag's unit, where the two mean the same."""
 
 from __future__ import annotations
 
@@ -25,6 +23,7 @@ _FROM_FIELD = object()  # Option.default: the field's default, in the flag's uni
 REMAINDERS_FLAG = "--no-store-param-remainders"
 STATE_DTYPE_FLAGS = ("--main-params-dtype", "--exp-avg-dtype", "--exp-avg-sq-dtype")
 PATH_FLAG_FORM = "--offload-NAME-path"
+GPU_START_FLAG = "--offload-gpu-start-gb"  # the adapter's own: where an auto gpu tier starts (gpu_tier_start)
 
 
 @dataclass(frozen=True)
@@ -149,7 +148,7 @@ OPTIONS: Tuple[Option, ...] = (
            "in place; auto: learnt from each iteration's peak. Default: none", field="gpu_budget_bytes",
            type=_gpu_cache, default=None, metavar="GB|auto", unit=GiB, to_field=_gpu_budget, needs_tiers=True,
            error_names=(("gpu_budget_auto", "--offload-gpu-cache-gb auto"),)),
-    Option("--offload-gpu-start-gb", "with --offload-gpu-cache-gb auto: the gpu tier's size until iteration 1's "
+    Option(GPU_START_FLAG, "with --offload-gpu-cache-gb auto: the gpu tier's size until iteration 1's "
            "peak is measured (0: empty). Default: half of what the activation estimate leaves",
            type=non_negative_float, default=None, metavar="GB", unit=GiB),
     Option("--offload-gpu-margin-gb", "with --offload-gpu-cache-gb auto: device memory left free beside the "
@@ -230,7 +229,6 @@ def _flag_of(field: str) -> str:
 # The flags other modules name in their own lines.
 HOST_CACHE_FLAG = _flag_of("host_budget_bytes")
 GPU_CACHE_FLAG = _flag_of("gpu_budget_bytes")
-GPU_START_FLAG = "--offload-gpu-start-gb"
 GPU_MARGIN_FLAG = _flag_of("gpu_margin_bytes")
 
 
@@ -259,8 +257,8 @@ def add_flags(group) -> None:
 
 
 def config_fields(args) -> Dict[str, Any]:
-    """OffloadConfig's fields from the ``--offload-*`` flags alone (a flag given to a field the table
-    does not know, or a field two flags fill, is a bug of the table: ``test_offload_options``)."""
+    """OffloadConfig's fields from the ``--offload-*`` flags alone (that each field is OffloadConfig's
+    and filled by one flag is tests/unit/test_offload_options.py's to check)."""
     fields = {}
     for option in OPTIONS:
         fields.update(option.fields(getattr(args, option.dest, option.parser_default())))
