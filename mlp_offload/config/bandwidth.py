@@ -54,7 +54,7 @@ def parse_bandwidths(spec: str) -> Dict[str, TierBandwidth]:
                 raise ValueError
         except ValueError:
             raise OffloadConfigError(
-                f"bandwidth {item!r}: expected TIER=READ_GBPS:WRITE_GBPS[:MIXED_GBPS], e.g. nvme=3.0:2.8"
+                f"bandwidths {item!r}: expected TIER=READ_GBPS:WRITE_GBPS[:MIXED_GBPS], e.g. nvme=3.0:2.8"
             ) from None
         try:
             result[name.strip()] = TierBandwidth(*values)

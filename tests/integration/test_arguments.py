@@ -48,6 +48,8 @@ def test_offload_paths_for_any_tier_name():
     (["--offload-tiers", "host,,host"], "--offload-tiers"),
     (["--offload-tiers", "nvme", "--offload-nvme-path", "/x", "--offload-bandwidths", "nvme=fast"],
      "--offload-bandwidths"),
+    (["--offload-tiers", "nvme", "--offload-nvme-path", "/x", "--offload-token-scope", "nvme=rack"],
+     "--offload-token-scope nvme must be 'node' or 'job'"),
     (["--offload-adam-kernel", "turbo"], "--offload-adam-kernel"),
     (["--offload-io-threads", "0"], "--offload-io-threads"),
     (["--offload-tiers", "host", "--offload-host-cache-gb", "inf"], "--offload-host-cache-gb"),
