@@ -4,9 +4,10 @@ each model is built by pretrain_gpt.py's provider and training's build_model fro
 run forward-only through megatron-core's pipeline schedule on the given tokens; the logits,
 gathered over TP, are saved by the last stage's first TP rank.
 
-    hf_forward.py OUT.pt TOKENS.pt TP PP CKPT_DIR [CKPT_DIR ...]
+    hf_forward.py OUT.pt TOKENS.pt CKPT_DIR:TP:PP:EP [CKPT_DIR:TP:PP:EP ...]
 
-OUT.pt: {CKPT_DIR: logits [batch, seq, padded vocab] in fp32}.
+each model at its own layout (data-parallel over the ranks TP x PP leaves; megatron-core's MoE layers
+take no TP on CPU, EP instead). OUT.pt: {"CKPT_DIR:TP:PP:EP": logits [batch, seq, padded vocab] in fp32}.
 """
 
 import importlib.util
@@ -27,7 +28,7 @@ def _model_provider():
     return module.model_provider
 
 
-def logits_of(ckpt: str, tokens: torch.Tensor, tp: int, pp: int):
+def logits_of(ckpt: str, tokens: torch.Tensor, tp: int, pp: int, ep: int):
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -41,11 +42,12 @@ def logits_of(ckpt: str, tokens: torch.Tensor, tp: int, pp: int):
     batch, seq = tokens.shape
     flags = Path(ckpt, "model_args.txt").read_text().split()
     args = parse_args([*flags, "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+                       "--expert-model-parallel-size", str(ep),
                        "--micro-batch-size", str(batch), "--global-batch-size", str(batch), "--seq-length", str(seq),
                        "--train-iters", "1", "--lr", "0", "--mock-data", "--device", "cpu", "--tokenizer-type",
                        "NullTokenizer", "--vocab-size", "1", "--finetune", "--load", ckpt, "--transformer-impl", "local"])
     args.device_resolved = "cpu"
-    parallel_state.initialize_model_parallel(tp, pp)
+    parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
     model_parallel_cuda_manual_seed(1234)
     config = transformer_config(args)
     model = build_model(args, config, _model_provider(), torch.device("cpu"))
@@ -65,12 +67,13 @@ def logits_of(ckpt: str, tokens: torch.Tensor, tp: int, pp: int):
                                              num_microbatches=1, seq_length=seq, micro_batch_size=batch,
                                              forward_only=True)
     result = None
+    saves = parallel_state.is_pipeline_last_stage() and parallel_state.get_data_parallel_rank() == 0
     if parallel_state.is_pipeline_last_stage():
         local = stored[0]["logits"]
         group = parallel_state.get_tensor_model_parallel_group()
         parts = [torch.empty_like(local) for _ in range(tp)]
         torch.distributed.all_gather(parts, local.contiguous(), group=group)
-        result = torch.cat(parts, dim=-1)
+        result = torch.cat(parts, dim=-1) if saves and parallel_state.get_tensor_model_parallel_rank() == 0 else None
     parallel_state.destroy_model_parallel()
     return result
 
@@ -78,19 +81,21 @@ def logits_of(ckpt: str, tokens: torch.Tensor, tp: int, pp: int):
 def main(argv) -> None:
     from megatron.training.runtime import cpu_compat
 
-    out, tokens_file, tp, pp, *ckpts = argv
+    out, tokens_file, *specs = argv
     cpu_compat.define_missing_te_names()
     cpu_compat.apply()
     torch.distributed.init_process_group("gloo")
     tokens = torch.load(tokens_file)
     results = {}
-    for ckpt in ckpts:
-        logits = logits_of(ckpt, tokens, int(tp), int(pp))
+    for spec in specs:
+        ckpt, tp, pp, ep = spec.rsplit(":", 3)
+        logits = logits_of(ckpt, tokens, int(tp), int(pp), int(ep))
         if logits is not None:
-            results[ckpt] = logits
-    last_stage_first_tp = torch.distributed.get_rank() == torch.distributed.get_world_size() - int(tp)
-    if last_stage_first_tp:
-        torch.save(results, out)
+            results[spec] = logits
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, results)  # each model's holder may be another rank
+    if torch.distributed.get_rank() == 0:
+        torch.save({k: v for part in gathered for k, v in part.items()}, out)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
