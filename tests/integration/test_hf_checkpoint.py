@@ -213,3 +213,63 @@ def test_finetuned_export_loads_and_matches_ours(work, imported, finetuned, ours
     assert (ref - before).abs().max() > 1e-3, "the fine-tuning changed nothing"
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)
     assert tokenizer("the") == transformers.AutoTokenizer.from_pretrained(imported["llama3"][0])("the")
+
+
+def variant(work, imported, name, config_change=None, drop=None, add=None):
+    """A copy of the llama3 model with its config.json changed, a tensor dropped or one added."""
+    from megatron.training.hf.files import SafetensorsReader, SafetensorsWriter
+
+    source = imported["llama3"][0]
+    out = work / name
+    out.mkdir()
+    config = {**json.loads((source / "config.json").read_text()), **(config_change or {})}
+    (out / "config.json").write_text(json.dumps(config))
+    reader = SafetensorsReader(str(source))
+    tensors = {n: reader.read(n) for n in reader.names() if n != drop}
+    tensors.update(add or {})
+    writer = SafetensorsWriter(str(out), {n: (t.dtype, t.shape) for n, t in tensors.items()}, 10**9)
+    for n, t in tensors.items():
+        writer.write(n, t)
+    writer.close()
+    return out
+
+
+REFUSED = {
+    "family": (dict(config_change={"model_type": "gpt2"}), "model_type 'gpt2'"),
+    "activation": (dict(config_change={"hidden_act": "gelu"}), "hidden_act 'gelu'"),
+    "rope": (dict(config_change={"rope_parameters": {"rope_type": "linear", "factor": 2.0}}), "rope_type 'linear'"),
+    "llama3_constants": (dict(config_change={"rope_parameters": {**LLAMA3_ROPE, "low_freq_factor": 2.0}}),
+                         "low_freq_factor 2.0"),
+    "sliding_window": (dict(config_change={"sliding_window": 64}), "sliding_window 64"),
+    "output_bias": (dict(config_change={"attention_bias": True}), "attention_bias"),
+    "missing_tensor": (dict(drop="model.layers.1.mlp.up_proj.weight"), "model.layers.1.mlp.up_proj.weight"),
+    "extra_tensor": (dict(add={"model.layers.1.mlp.extra.weight": torch.zeros(2)}), "model.layers.1.mlp.extra.weight"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_what_does_not_map_is_refused_in_one_line_before_anything_is_written(case, work, imported, capsys):
+    from launch import tool_module
+
+    change, named = REFUSED[case]
+    hf_dir = variant(work, imported, f"refused_{case}", **change)
+    target = work / f"refused_{case}_ckpt"
+    assert tool_module("hf_checkpoint").main(["import", str(hf_dir), str(target)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and named in err[0], err
+    assert not target.exists()
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--tensor-model-parallel-size", "3"], "--tensor-model-parallel-size"),
+    (["--pipeline-model-parallel-size", "4"], "--pipeline-model-parallel-size"),
+    (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size"),  # llama3 has no experts
+])
+def test_a_layout_the_model_does_not_split_into_is_refused(flags, named, work, imported, capsys):
+    from launch import tool_module
+
+    target = work / f"layout_{flags[0]}"
+    assert tool_module("hf_checkpoint").main(["import", str(imported["llama3"][0]), str(target), *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and named in err[0], err
+    assert not target.exists()

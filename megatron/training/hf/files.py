@@ -143,7 +143,7 @@ class SafetensorsWriter:
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         fd, offset, nbytes = self._place[name]
-        data = tensor.detach().contiguous().cpu().view(torch.uint8).reshape(-1).numpy()
+        data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
         if data.nbytes != nbytes:
             raise ValueError(f"{name}: {data.nbytes} bytes, the plan has {nbytes}")
         view = memoryview(data)
