@@ -72,24 +72,30 @@ class RelocationPlan:
 
 class Relocation:
     """``device_type``: where the device update runs (None without one). ``update_rates``: the
-    start-up's, the split's first guess and the prediction's rates until the steps show others."""
+    start-up's, the split's first guess and the prediction's rates until the steps show others.
+    ``hold_split``: the update split stays as start-up chose it, whatever the steps' timings show (a
+    deterministic run repeats its work, not only its bits); moves between tiers still re-side subgroups
+    at the start-up's rates."""
 
     def __init__(self, subgroups: Sequence[Subgroup], config: OffloadConfig, update_rates: UpdateRates,
-                 device_type: Optional[str], tier_rates: Optional[Dict[str, TierBandwidth]] = None):
+                 device_type: Optional[str], tier_rates: Optional[Dict[str, TierBandwidth]] = None,
+                 hold_split: bool = False):
         self.subgroups, self.config, self.update_rates = list(subgroups), config, update_rates
         # A deferred step's measured time is only the share it waited for: no file tier's rate is read from it.
         self.disk = DiskRates(tier_rates) if tier_rates and not config.defer_device_wait else None
         # Deferred (defer_device_wait): the CPU's share of the host state, from the steps and the forward.
-        self.deferred = (DeferredSteps(subgroups, config, update_rates, device_type not in (None, "cpu"))
+        self.deferred = (DeferredSteps(subgroups, config, update_rates, device_type not in (None, "cpu"), hold_split)
                          if config.defer_device_wait else None)
         # The device and the CPU twin's "device" run at once only on a real device: on the CPU
         # they are the same cores, one after the other.
         # Deferred (defer_device_wait), a step's time is the host's share only: it cannot re-measure
         # the split, which then stays as start-up chose it (placement.split_updates).
         self.split = (UpdateSplit(SideRates.from_start_up(update_rates, config.interleave_device_updates),
-                                  overlap=device_type != "cpu")
+                                  overlap=device_type != "cpu", frozen=hold_split)
                       if config.update_on == "auto" and device_type is not None and update_rates.device_streamed
                       and not config.defer_device_wait else None)
+        if hold_split and (self.split is not None or (self.deferred is not None and config.update_on == "auto")):
+            log.info("update split held as start-up chose it (deterministic mode): the steps' timings do not move it")
 
     def after_step(self, rec, placement: Placement, prediction=None) -> Optional[RelocationPlan]:
         """After each step (priced by ``prediction``, where given): the update split re-chosen from the rates

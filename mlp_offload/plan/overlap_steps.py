@@ -7,20 +7,23 @@ each piece's gradient and param copies queued behind the device's streamed copie
 deferred step's CPU share shows its own rate: its Adam, gradient and params time over its elements,
 while the device streams its share beside it. So where nothing has measured it yet and the start-up's
 rates give the CPU no share, one step runs with a small one (``PROBE_SUBGROUPS``; at the probe's rate
-about a second more for that step); from then on each step with a share measures it again. A move
-needs a predicted gain over ``GAIN`` (split.py's hysteresis), except the first after that probe.
-On the CPU twin nothing runs beside anything: nothing is learnt here."""
+about a second more for that step); from then on each step with a share measures it again, and the rate
+is the median of the last ``SAMPLES`` steps'. A move needs a predicted gain over ``GAIN`` and over
+``NOISE_Z`` of the measured rates' relative spread (split.py's settling), except the first after that
+probe. On the CPU twin nothing runs beside anything: nothing is learnt here; nor where ``frozen``
+(deterministic runs): the sides stay as start-up chose them."""
 
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from typing import List, Optional, Sequence, Tuple
 
 from ..subgroups.partition import Subgroup
 from ..tiers.kinds import kind_of
 from .overlap_split import OverlapChoice, deferred_split
 from .placement import CPU, DEVICE, UpdateRates, spread
-from .split import GAIN
+from .split import GAIN, NOISE_Z, SAMPLES, relative_noise
 
 PROBE_SUBGROUPS = 2  # host-held subgroups the CPU updates in the step that times it
 
@@ -32,10 +35,13 @@ def host_resident(tier_of: Sequence[str]) -> List[int]:
 
 class DeferredSteps:
     """``config``: an ``OffloadConfig`` with ``defer_device_wait``; ``rates``: the start-up's, updated with
-    the CPU's rate beside the device once a step shows it; ``overlap``: a real device (not the twin)."""
+    the CPU's rate beside the device once a step shows it; ``overlap``: a real device (not the twin);
+    ``frozen``: the sides never move from what start-up chose."""
 
-    def __init__(self, subgroups: Sequence[Subgroup], config, rates: UpdateRates, overlap: bool):
+    def __init__(self, subgroups: Sequence[Subgroup], config, rates: UpdateRates, overlap: bool, frozen: bool = False):
         self.config, self.subgroups, self.rates, self.overlap = config, list(subgroups), rates, overlap
+        self.frozen = frozen
+        self._cpu_rates: List[float] = []  # the CPU's rate beside the device in the last SAMPLES steps with a share
         self.hidden_s = 0.0  # the device's time the next forward hides (known once its compute is)
         self.learnt = False  # a step has shown the CPU's rate beside the device
         self._probing = False  # the sides hold the probe's share until a step has run with them
@@ -43,8 +49,10 @@ class DeferredSteps:
 
     @property
     def learns(self) -> bool:
-        """Whether the steps time the CPU here: on a device, the share not given, rates measured side by side."""
-        return (self.overlap and self.config.update_on == "auto" and self.config.cpu_share_subgroups == "auto"
+        """Whether the steps time the CPU here: on a device, the share not given, rates measured side by side,
+        not ``frozen``."""
+        return (not self.frozen and self.overlap and self.config.update_on == "auto"
+                and self.config.cpu_share_subgroups == "auto"
                 and bool(self.rates.device_streamed and self.rates.streamed_shared))
 
     def sides(self, tier_of: Sequence[str]) -> Optional[Tuple[List[str], OverlapChoice]]:
@@ -59,7 +67,9 @@ class DeferredSteps:
 
     def hide(self, hidden_s: float, tier_of: Sequence[str]) -> Optional[Tuple[List[str], str]]:
         """The forward hides ``hidden_s`` of the device's work from now: the sides and their line, or
-        None where nothing is deferred here."""
+        None where nothing is deferred here (or the sides are ``frozen``)."""
+        if self.frozen:
+            return None
         self.hidden_s = max(0.0, hidden_s)
         split = self.sides(tier_of)
         if split is None:
@@ -76,15 +86,16 @@ class DeferredSteps:
         cpu_s = rec.adam_s + rec.convert_s + rec.callback_s
         streams = any(s == DEVICE and not kind_of(t).in_device_memory for s, t in zip(current, tier_of))
         if cpu and streams and cpu_s > 0:
-            rate = sum(self.subgroups[i].numel for i in cpu) / cpu_s
-            self.rates = dataclasses.replace(self.rates, cpu_shared=rate)
+            self._cpu_rates = (self._cpu_rates + [sum(self.subgroups[i].numel for i in cpu) / cpu_s])[-SAMPLES:]
+            self.rates = dataclasses.replace(self.rates, cpu_shared=statistics.median(self._cpu_rates))
             first, self.learnt, self._probing = not self.learnt, True, False
             split = self.sides(tier_of)
             if split is None or split[0] == list(current):
                 return None
             sides, choice = split
             now = sum(1 for i in host if current[i] == CPU)
-            if not first and not choice.seconds[choice.count] < (1 - GAIN) * choice.seconds[min(now, len(host))]:
+            margin = max(GAIN, NOISE_Z * relative_noise({0: self._cpu_rates}))
+            if not first and not choice.seconds[choice.count] < (1 - margin) * choice.seconds[min(now, len(host))]:
                 return None
             return sides, (f"{choice.describe(self.rates, self.hidden_s)}; the CPU's rate beside the device "
                            f"from the step ({now} on the cpu)")

@@ -15,24 +15,40 @@ otherwise, so a split the model picks never looks better than the step that meas
 CPU twin the two sides run one after the other on the same cores: there the device's time is the
 rest of the step, the two shares add up, and a side's rate alone and beside the other are one.
 
-Hysteresis: a split is moved at most once per step, and only where the prediction gains over 3%
-on two steps in a row, or at once where the current split is slower than the better single side
-(predicted at the measured rates: the current split at its measured time). Every split measured
-in the last ``memory_steps`` steps is priced at no less than its measured time, so a move that
-turned out slower is not tried again (no flapping between two splits).
+Settling: steps are noisy (a quickstart-sized update takes milliseconds and varies by tens of per
+cent), so nothing is decided on one step's figures. Each count keeps its last ``SAMPLES`` measured
+updates (less read waits) and is priced by their median, never below its prediction (a count
+measured slower is not tried again); a count never measured is priced by its prediction, as much
+slower as the counts moved to turned out against what was predicted for them. The rates come from
+the median step at the current count, on top of the rates the split arrived with. The noise is the
+steps' pooled relative spread (``relative_noise``; ``NOISE_PRIOR`` until steps show one), at least
+``JITTER_S`` of the current count's time. A move must gain more than ``NOISE_Z`` times the noise; a
+split slower than the better single side (all host-held subgroups on the device, or all on the CPU)
+by that much is left at once, a move for a gain also needs ``GAIN`` on two steps in a row. The first
+``warmup_steps`` records only count. ``frozen`` (deterministic runs): the split never moves.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import statistics
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..tiers.kinds import kind_of
 from .device_share import device_share_seconds, streamed_seconds_within
 from .placement import CPU, DEVICE, UpdateRates, spread
 
 GAIN = 0.03  # a move must be predicted to shorten the update by more than this fraction
+# The relative standard deviation of a step's update assumed until steps at one count show their own (it weighs as
+# one degree of freedom against theirs): a first step 15% slower than the better single side leaves at once.
+NOISE_PRIOR = 0.05
+# A step's timing jitter whatever its length (the host's scheduling, the device's synchronisation): the noise of
+# a short step (the quickstart's update takes milliseconds) is at least this.
+JITTER_S = 0.5e-3
+NOISE_Z = 3.0  # a move must be predicted to gain more than this many of the steps' standard deviations
+SAMPLES = 8  # the recent steps kept per count: their median prices it, their spread is the noise
 # The device's rate beside the CPU rises above what it knew only from a step where the CPU worked at least this
 # share of it: beside a short CPU share the device streams mostly alone (20.68 B and 25.36 B with fp8 moments on an
 # H200, 2026-11-28: 8.4-11 G elem/s "beside" one CPU subgroup, then 4.2-7.6 beside 11-17 of them, which the split
@@ -113,23 +129,38 @@ class Choice:
 
 
 def choose_split(current: int, sizes: Sequence[int], resident_elems: int, rates: SideRates,
-                 measured: Optional[Dict[int, float]] = None, gain: float = GAIN, overlap: bool = True) -> Choice:
+                 measured: Optional[Dict[int, float]] = None, gain: float = GAIN, overlap: bool = True,
+                 margin: float = 0.0, missed: float = 0.0) -> Choice:
     """The CPU's count of host-held subgroups after a step at ``current``. Each count is judged by
-    its predicted update, or by its ``measured`` one where that was slower. The best count wins
-    where ``current`` is slower than the better single side (0: the device alone; n: the CPU for
-    all of them), or where it gains more than ``gain``; otherwise ``current`` stays."""
+    its predicted update, or by its ``measured`` one where that was slower; a count never measured
+    by its prediction ``missed`` (a fraction) slower. The best count wins where ``current`` is
+    slower than the better single side (0: the device alone; n: the CPU for all of them), or where
+    it gains more than ``gain``; otherwise ``current`` stays. ``margin``: the steps' noise, as a
+    fraction of ``current``'s time, that either must exceed."""
     n = len(sizes)
     measured = measured or {}
-    seconds = [max(split_times(k, sizes, resident_elems, rates, overlap)[2], measured.get(k, 0.0))
-               for k in range(n + 1)]
+    predicted = [split_times(k, sizes, resident_elems, rates, overlap)[2] for k in range(n + 1)]
+    seconds = [max(p, measured[k]) if k in measured else p * (1 + missed) for k, p in enumerate(predicted)]
     best = min(range(n + 1), key=lambda k: (seconds[k], k != current, k))
     single = min(seconds[0], seconds[n])
-    if seconds[current] > single:
+    if single < (1 - margin) * seconds[current]:
         side = "the device alone" if seconds[0] <= seconds[n] else "the cpu alone"
         return Choice(best, seconds, f"{'the split' if 0 < current < n else 'it'} is slower than {side}", True)
-    if seconds[best] < (1 - gain) * seconds[current]:
+    if seconds[best] < (1 - max(gain, margin)) * seconds[current]:
         return Choice(best, seconds, f"predicted {1 - seconds[best] / seconds[current]:.0%} faster")
     return Choice(current, seconds)
+
+
+def relative_noise(times: Mapping[int, Sequence[float]], prior: float = NOISE_PRIOR) -> float:
+    """The relative standard deviation of a step's time: pooled over the counts of ``times`` (each
+    count's measured seconds, about their mean), ``prior`` weighing as one more degree of freedom."""
+    squares, dof = prior ** 2, 1
+    for seen in times.values():
+        mean = sum(seen) / len(seen)
+        if len(seen) > 1 and mean > 0:
+            squares += sum((t / mean - 1) ** 2 for t in seen)
+            dof += len(seen) - 1
+    return math.sqrt(squares / dof)
 
 
 @dataclass(frozen=True)
@@ -138,6 +169,16 @@ class StepSeconds:
     update_s: float
     read_wait_s: float
     cpu_s: float
+
+    @property
+    def measured_s(self) -> float:
+        """The update less its read waits: what a count is priced by."""
+        return self.update_s - self.read_wait_s
+
+    @classmethod
+    def median(cls, steps: Sequence["StepSeconds"]) -> "StepSeconds":
+        """Each figure's median over ``steps``: a typical step, one noisy step left out."""
+        return cls(*(statistics.median(getattr(s, f.name) for s in steps) for f in dataclasses.fields(cls)))
 
 
 def observed_rates(prior: SideRates, cpu_elems: int, streamed_elems: int, resident_elems: int, seconds: StepSeconds,
@@ -168,15 +209,18 @@ def observed_rates(prior: SideRates, cpu_elems: int, streamed_elems: int, reside
 
 
 class UpdateSplit:
-    """Fed each step's record (``observe``); says when and how the split should change."""
+    """Fed each step's record (``observe``); says when and how the split should change. ``frozen``:
+    never (the steps' timings leave the split as start-up chose it)."""
 
     def __init__(self, rates: SideRates, overlap: bool = True, gain: float = GAIN, warmup_steps: int = 1,
-                 memory_steps: int = 100):
+                 memory_steps: int = 100, frozen: bool = False):
         self.rates, self.overlap, self.gain = rates, overlap, gain
-        self.warmup_steps, self.memory_steps = warmup_steps, memory_steps
+        self.warmup_steps, self.memory_steps, self.frozen = warmup_steps, memory_steps, frozen
         self.learnt = False  # whether any step has been measured
         self._seen = 0
-        self._measured: Dict[int, Tuple[int, float]] = {}  # count -> (step, measured update less read waits)
+        self._steps: Dict[int, List[Tuple[int, StepSeconds]]] = {}  # count -> its last SAMPLES (step, seconds)
+        self._arrived: Optional[Tuple[int, SideRates]] = None  # the current count and the rates it started from
+        self._promised: Dict[int, float] = {}  # count moved to -> the update it was predicted to take there
         self._layout: Optional[Tuple[str, ...]] = None
         self._proposed: Optional[int] = None  # a count the last step found worth moving to
 
@@ -184,7 +228,7 @@ class UpdateSplit:
                 sides: Sequence[str]) -> Optional[Tuple[List[str], str]]:
         """After a step (``rec``, a ``StepRecord``) run with ``sides``: the new sides and the line
         that says why, or None to keep them. The first ``warmup_steps`` records only count."""
-        if rec.skipped or rec.update_s <= 0:
+        if self.frozen or rec.skipped or rec.update_s <= 0:
             return None
         self._seen += 1
         held = [i for i, t in enumerate(tier_of) if not kind_of(t).in_device_memory]
@@ -192,24 +236,41 @@ class UpdateSplit:
         if self._seen <= self.warmup_steps or not held or rec.cpu_updated != count:
             return None
         if tuple(tier_of) != self._layout:  # subgroups moved between tiers: earlier times are of another set
-            self._layout, self._measured, self._proposed = tuple(tier_of), {}, None
+            self._layout, self._steps, self._promised = tuple(tier_of), {}, {}
+            self._proposed = self._arrived = None
+        if self._arrived is None or self._arrived[0] != count:
+            self._arrived = (count, self.rates)
         sizes = [numels[i] for i in held]
         resident = sum(numels[i] for i, t in enumerate(tier_of) if kind_of(t).in_device_memory)
         cpu_elems = sum(numels[i] for i in held if sides[i] == CPU)
-        seconds = StepSeconds(rec.update_s, rec.read_wait_s, rec.adam_s + rec.convert_s + rec.callback_s)
-        self.rates = observed_rates(self.rates, cpu_elems, sum(sizes) - cpu_elems, resident, seconds, self.overlap)
+        self._remember(count, rec.step, StepSeconds(rec.update_s, rec.read_wait_s,
+                                                    rec.adam_s + rec.convert_s + rec.callback_s))
+        # The rates of the median step here, on top of those the count started from: one noisy step moves neither.
+        typical = StepSeconds.median([seconds for _, seconds in self._steps[count]])
+        self.rates = observed_rates(self._arrived[1], cpu_elems, sum(sizes) - cpu_elems, resident, typical,
+                                    self.overlap)
         self.learnt = True
-        self._measured[count] = (rec.step, rec.update_s - rec.read_wait_s)
-        self._measured = {k: v for k, v in self._measured.items() if rec.step - v[0] < self.memory_steps}
-        choice = choose_split(count, sizes, resident, self.rates, {k: s for k, (_, s) in self._measured.items()},
-                              self.gain, self.overlap)
+        times = {k: [seconds.measured_s for _, seconds in steps] for k, steps in self._steps.items()}
+        medians = {k: statistics.median(seen) for k, seen in times.items()}
+        # How much slower than promised the counts moved to turned out: an untried count is priced that much worse.
+        missed = max([medians[k] / p - 1 for k, p in self._promised.items() if k in medians and p > 0] + [0.0])
+        noise = max(relative_noise(times), JITTER_S / medians[count])
+        choice = choose_split(count, sizes, resident, self.rates, medians, self.gain, self.overlap, NOISE_Z * noise,
+                              missed)
         # A move for a gain waits for a second step to agree (one noisy step does not move it); a
         # split slower than a single side is left at once.
         confirmed = choice.forced or choice.count == self._proposed
         self._proposed = choice.count if choice.count != count and not confirmed else None
         if choice.count == count or not confirmed:
             return None
-        return sides_for(tier_of, choice.count), self.describe(count, choice, len(held))
+        self._promised[choice.count] = choice.seconds[choice.count]
+        return sides_for(tier_of, choice.count), self.describe(count, choice, len(held), noise)
+
+    def _remember(self, count: int, step: int, seconds: StepSeconds) -> None:
+        """Keep ``seconds`` among ``count``'s last ``SAMPLES``; forget steps over ``memory_steps`` old."""
+        self._steps[count] = (self._steps.get(count, []) + [(step, seconds)])[-SAMPLES:]
+        recent = {k: [(s, t) for s, t in steps if step - s < self.memory_steps] for k, steps in self._steps.items()}
+        self._steps = {k: steps for k, steps in recent.items() if steps}
 
     def plan(self, numels: Sequence[int], tier_of: Sequence[str]) -> List[str]:
         """Sides for a new layout (subgroups moved between tiers), at the rates measured so far."""
@@ -219,7 +280,8 @@ class UpdateSplit:
         seconds = [split_times(k, sizes, resident, self.rates, self.overlap)[2] for k in range(len(held) + 1)]
         return sides_for(tier_of, min(range(len(seconds)), key=lambda k: (seconds[k], k)))
 
-    def describe(self, old: int, choice: Choice, held: int) -> str:
+    def describe(self, old: int, choice: Choice, held: int, noise: float) -> str:
+        """The line that says why the split moves (``noise``: the steps' relative standard deviation)."""
         r, new = self.rates, choice.count
 
         def name(k):
@@ -228,7 +290,7 @@ class UpdateSplit:
                 f"{r.cpu_beside / 1e9:.3g} G elem/s beside the device ({r.cpu_alone / 1e9:.3g} alone), device "
                 f"streams {r.streamed_beside / 1e9:.3g} beside the cpu ({r.streamed_alone / 1e9:.3g} alone); "
                 f"{name(new)} update predicted {_secs(choice.seconds[new])} vs "
-                f"{name(old)} {_secs(choice.seconds[old])}")
+                f"{name(old)} {_secs(choice.seconds[old])} (the steps vary by {noise:.0%})")
 
 
 def _secs(seconds: float) -> str:
