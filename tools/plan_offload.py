@@ -7,7 +7,9 @@
 
 Prints whether the run fits, where every byte goes (GPU memory, host memory, each file tier),
 the predicted iteration time and its bottleneck, tokens/s at several global batch sizes and the
-flags to use; ``--json`` prints the same as one object. ``--recommend`` also plans every recompute
+flags to use; ``--json`` prints the same as one object. ``--hf-config DIR/config.json`` takes the
+model's flags from a Hugging Face config (those tools/hf_checkpoint.py import writes to model_args.txt);
+flags given after it override them. ``--recommend`` also plans every recompute
 granularity x micro-batch size x gpu tier for the run's global batch size and names the fastest
 that fits. With ``--offload-bandwidths`` and a capacity per file tier nothing is probed and no path
 is touched, so a cluster can be planned from a laptop; without them the paths given are probed on
@@ -83,8 +85,28 @@ class _Parser(argparse.ArgumentParser):
         raise UserError(message)
 
 
+class _BothHelps(argparse.Action):
+    """-h: the planner's own flags, then pretrain_gpt.py's (model, parallelism, --offload-*) it reads."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help="show this help and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from megatron.training.args.arguments import build_parser
+
+        training = build_parser().format_help().split("\n\n", 1)[-1]
+        print(f"{parser.format_help()}\npretrain_gpt.py's flags, which the planner reads (the model, its "
+              f"parallelism, --offload-*; data, training-length and learning-rate flags it fills in if absent):"
+              f"\n\n{training}")
+        parser.exit()
+
+
 def machine_parser() -> argparse.ArgumentParser:
-    p = _Parser(description=__doc__.split("\n\n")[0], add_help=True, allow_abbrev=False)
+    p = _Parser(description=__doc__.split("\n\n")[0], add_help=False, allow_abbrev=False)
+    p.add_argument("-h", "--help", action=_BothHelps)
+    p.add_argument("--hf-config", default=None, metavar="DIR/config.json",
+                   help="the model's flags from a Hugging Face config.json (or its directory), as tools/"
+                        "hf_checkpoint.py import derives them; pretrain_gpt.py flags given too override them")
     p.add_argument("--nnodes", type=int, default=1)
     p.add_argument("--gpus-per-node", type=int, default=1, help="ranks per node")
     p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory of one GPU, GiB")
@@ -286,7 +308,22 @@ def parse(argv):
         raise UserError(f"argument --layouts {opts.layouts}: needs --recommend (it lists the candidates to plan)")
     opts.layouts = parse_layouts(opts.layouts)
     capacities, flags = split_capacities(rest)
+    if opts.hf_config:
+        flags = hf_model_flags(opts.hf_config) + flags  # argparse keeps the last: the user's win
     return opts, capacities, flags
+
+
+def hf_model_flags(path: str):
+    """The model flags of a Hugging Face config.json (the file or its directory)."""
+    from megatron.training.hf import families
+
+    directory = path if os.path.isdir(path) else os.path.dirname(path) or "."
+    if not os.path.isdir(path) and os.path.basename(path) != "config.json":
+        raise UserError(f"argument --hf-config {path}: expected a config.json or the directory holding one")
+    cfg = families.read_config(directory)
+    # Planning tokenizes nothing: a tokenizer of exactly the config's vocabulary (NullTokenizer adds
+    # its end-of-document token to --vocab-size) keeps --padded-vocab-size's check satisfied.
+    return [*families.model_flags(cfg), "--tokenizer-type", "NullTokenizer", "--vocab-size", str(cfg["vocab_size"] - 1)]
 
 
 def measured_tflops(args) -> float:

@@ -7,6 +7,7 @@ fine-tuning from an import (the imported tokenizer through preprocess_data.py, o
 state) exported and loaded by transformers, whose logits match ours; refusals in one line with
 nothing written. One 4-rank launch computes every forward of ours."""
 
+import argparse
 import json
 import math
 import os
@@ -273,3 +274,31 @@ def test_a_layout_the_model_does_not_split_into_is_refused(flags, named, work, i
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and named in err[0], err
     assert not target.exists()
+
+
+@pytest.mark.parametrize("family", ["llama3", "deepseek_v2"])
+def test_the_planner_takes_the_model_from_a_hugging_face_config(family, imported, capsys):
+    """--hf-config gives the planner the flags the import wrote; a flag given after it wins."""
+    from launch import tool_module
+
+    hf_dir, ckpt = imported[family]
+    planner = tool_module("plan_offload")
+    _, _, flags = planner.parse(["--hf-config", str(hf_dir / "config.json"), "--seq-length", "64",
+                                 "--micro-batch-size", "1", "--bf16"])
+    model_args = (ckpt / convert.MODEL_ARGS).read_text().split()
+    assert flags[: len(model_args)] == model_args
+    _, _, overridden = planner.parse(["--hf-config", str(hf_dir), "--seq-length", "64", "--micro-batch-size", "1",
+                                      "--max-position-embeddings", "64"])
+    one_gpu = argparse.Namespace(world=1, nnodes=1, gpus_per_node=1)
+    assert planner.pretrain_args(overridden, one_gpu).max_position_embeddings == 64
+
+
+def test_the_planner_help_lists_the_model_and_offload_flags(capsys):
+    from launch import tool_module
+
+    with pytest.raises(SystemExit):
+        tool_module("plan_offload").main(["--help"])
+    out = capsys.readouterr().out
+    for flag in ("--hf-config", "--gpu-memory-gb", "--num-layers", "--hidden-size", "--num-experts",
+                 "--tensor-model-parallel-size", "--offload-tiers", "--offload-host-cache-gb"):
+        assert f"  {flag}" in out, flag
