@@ -254,6 +254,8 @@ class UpdateSplit:
         medians = {k: statistics.median(seen) for k, seen in times.items()}
         # How much slower than promised the counts moved to turned out: an untried count is priced that much worse.
         missed = max([medians[k] / p - 1 for k, p in self._promised.items() if k in medians and p > 0] + [0.0])
+        if medians[count] <= 0:  # its steps only waited for reads: nothing to price the split by
+            return None
         noise = max(relative_noise(times), JITTER_S / medians[count])
         choice = choose_split(count, sizes, resident, self.rates, medians, self.gain, self.overlap, NOISE_Z * noise,
                               missed)

@@ -254,3 +254,14 @@ def test_a_held_share_under_the_overlap_is_neither_timed_nor_moved():
         hidden = relocation.hide_under_forward(0.5, placement)
         assert relocation.deferred.hidden_s == (0.0 if hold else 0.5)
         assert hidden is None or not hold
+
+
+def test_steps_that_only_waited_for_reads_move_nothing():
+    """A step whose update was all read waits (file tiers, the quickstart's) prices no split."""
+    n, size = 8, 50_000
+    split = UpdateSplit(SideRates(1e9, 1e9, 1e9, 1e9), warmup_steps=0)
+    sides = sides_for(["nvme"] * n, 4)
+    for step in range(1, 6):
+        rec = StepRecord(step=step, update_s=0.02, read_wait_s=0.02, adam_s=0.0002 * step, cpu_updated=4,
+                         device_updated=4)
+        assert split.observe(rec, [size] * n, ["nvme"] * n, sides) is None
