@@ -86,6 +86,10 @@ class OffloadConfig:
     the device's streaming more than the model counts, docs/benchmarks.md §17); "auto": the model's choice
     (``plan.overlap_split``: a share only where the update the iteration sees is predicted shorter)."""
 
+    hold_update_split: bool = False
+    """With ``update_on`` "auto": the CPU/device split stays as start-up chose it, whatever the steps'
+    timings show (a deterministic run repeats its work, not only its results)."""
+
     device_one_pass: bool = True
     """On CUDA, update with one kernel pass per element (``fused_update``) where it is bit-identical
     to the multi-pass path on a start-up sample; False: always the multi-pass path."""

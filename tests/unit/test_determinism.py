@@ -115,3 +115,15 @@ def test_the_flag_parses():
             "--mock-data", "--device", "cpu"]
     assert parse_args(base + ["--deterministic-mode"]).deterministic_mode
     assert not parse_args(base).deterministic_mode
+
+
+def test_the_mode_holds_the_engines_update_split(tmp_path):
+    from megatron.training.args.arguments import parse_args
+    from megatron.training.offload.flags import config_from_args
+
+    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+            "--max-position-embeddings", "64", "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-3",
+            "--mock-data", "--device", "cpu", "--offload-tiers", "host,nvme", "--offload-nvme-path", str(tmp_path),
+            "--offload-host-cache-gb", "0.01"]
+    assert config_from_args(parse_args(base + ["--deterministic-mode"]), rank=0).hold_update_split
+    assert not config_from_args(parse_args(base), rank=0).hold_update_split

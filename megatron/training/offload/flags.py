@@ -23,7 +23,8 @@ def config_from_args(args, rank: int, **known_later) -> OffloadConfig:
                   param_remainders=param_remainders(args), rank=rank, run_id=job_run_id(),
                   ranks_sharing_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                   local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-                  lock_dir=os.environ.get("MLP_OFFLOAD_LOCK_DIR") or None)
+                  lock_dir=os.environ.get("MLP_OFFLOAD_LOCK_DIR") or None,
+                  hold_update_split=bool(getattr(args, "deterministic_mode", False)))
     return OffloadConfig(**{**fields, **known_later})
 
 
