@@ -250,15 +250,10 @@ class UpdateSplit:
         self.rates = observed_rates(self._arrived[1], cpu_elems, sum(sizes) - cpu_elems, resident, typical,
                                     self.overlap)
         self.learnt = True
-        times = {k: [seconds.measured_s for _, seconds in steps] for k, steps in self._steps.items()}
-        medians = {k: statistics.median(seen) for k, seen in times.items()}
-        # How much slower than promised the counts moved to turned out: an untried count is priced that much worse.
-        missed = max([medians[k] / p - 1 for k, p in self._promised.items() if k in medians and p > 0] + [0.0])
-        if medians[count] <= 0:  # its steps only waited for reads: nothing to price the split by
+        priced = self._choose(count, sizes, resident)
+        if priced is None:
             return None
-        noise = max(relative_noise(times), JITTER_S / medians[count])
-        choice = choose_split(count, sizes, resident, self.rates, medians, self.gain, self.overlap, NOISE_Z * noise,
-                              missed)
+        choice, noise = priced
         # A move for a gain waits for a second step to agree (one noisy step does not move it); a
         # split slower than a single side is left at once.
         confirmed = choice.forced or choice.count == self._proposed
@@ -267,6 +262,19 @@ class UpdateSplit:
             return None
         self._promised[choice.count] = choice.seconds[choice.count]
         return sides_for(tier_of, choice.count), self.describe(count, choice, len(held), noise)
+
+    def _choose(self, count: int, sizes: Sequence[int], resident: int) -> Optional[Tuple[Choice, float]]:
+        """``choose_split`` from ``count`` at the rates and the counts' median times known now, and the
+        steps' noise it was judged by; None where the current count's steps show no time to price."""
+        times = {k: [seconds.measured_s for _, seconds in steps] for k, steps in self._steps.items()}
+        medians = {k: statistics.median(seen) for k, seen in times.items()}
+        if medians[count] <= 0:  # its steps only waited for reads
+            return None
+        # How much slower than promised the counts moved to turned out: an untried count is priced that much worse.
+        missed = max([medians[k] / p - 1 for k, p in self._promised.items() if k in medians and p > 0] + [0.0])
+        noise = max(relative_noise(times), JITTER_S / medians[count])
+        return choose_split(count, sizes, resident, self.rates, medians, self.gain, self.overlap, NOISE_Z * noise,
+                            missed), noise
 
     def _remember(self, count: int, step: int, seconds: StepSeconds) -> None:
         """Keep ``seconds`` among ``count``'s last ``SAMPLES``; forget steps over ``memory_steps`` old."""
