@@ -8,6 +8,8 @@ gathered over TP, are saved by the last stage's first TP rank.
 
 each model at its own layout (data-parallel over the ranks TP x PP leaves; megatron-core's MoE layers
 take no TP on CPU, EP instead). OUT.pt: {"CKPT_DIR:TP:PP:EP": logits [batch, seq, padded vocab] in fp32}.
+HF_FORWARD_DEVICE=cuda runs it on GPUs (benchmarks/experiments/hf_8b.sh), HF_FORWARD_FLAGS adds flags
+(e.g. --bf16).
 """
 
 import importlib.util
@@ -28,6 +30,9 @@ def _model_provider():
     return module.model_provider
 
 
+DEVICE = os.environ.get("HF_FORWARD_DEVICE", "cpu")
+
+
 def logits_of(ckpt: str, tokens: torch.Tensor, tp: int, pp: int, ep: int):
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -44,16 +49,19 @@ def logits_of(ckpt: str, tokens: torch.Tensor, tp: int, pp: int, ep: int):
     args = parse_args([*flags, "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
                        "--expert-model-parallel-size", str(ep),
                        "--micro-batch-size", str(batch), "--global-batch-size", str(batch), "--seq-length", str(seq),
-                       "--train-iters", "1", "--lr", "0", "--mock-data", "--device", "cpu", "--tokenizer-type",
-                       "NullTokenizer", "--vocab-size", "1", "--finetune", "--load", ckpt, "--transformer-impl", "local"])
-    args.device_resolved = "cpu"
+                       "--train-iters", "1", "--lr", "0", "--mock-data", "--device", DEVICE, "--tokenizer-type",
+                       "NullTokenizer", "--vocab-size", "1", "--finetune", "--load", ckpt, "--transformer-impl", "local",
+                       *os.environ.get("HF_FORWARD_FLAGS", "").split()])
+    args.device_resolved = DEVICE
     parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
     model_parallel_cuda_manual_seed(1234)
     config = transformer_config(args)
-    model = build_model(args, config, _model_provider(), torch.device("cpu"))
+    device = torch.device(DEVICE, torch.cuda.current_device()) if DEVICE == "cuda" else torch.device("cpu")
+    model = build_model(args, config, _model_provider(), device)
+    tokens = tokens.to(device)
     plan = plan_load(ckpt, None, args)  # the loader's own choice and checks; then its model part
     load_model(model, dist_checkpointing.load(model_state(model, sharding_metadata()), plan.path))
-    positions = torch.arange(seq).unsqueeze(0).expand(batch, seq)
+    positions = torch.arange(seq, device=device).unsqueeze(0).expand(batch, seq)
 
     def step(data_iterator, chunk):
         next(data_iterator)
@@ -73,7 +81,7 @@ def logits_of(ckpt: str, tokens: torch.Tensor, tp: int, pp: int, ep: int):
         group = parallel_state.get_tensor_model_parallel_group()
         parts = [torch.empty_like(local) for _ in range(tp)]
         torch.distributed.all_gather(parts, local.contiguous(), group=group)
-        result = torch.cat(parts, dim=-1) if saves and parallel_state.get_tensor_model_parallel_rank() == 0 else None
+        result = torch.cat(parts, dim=-1).float().cpu() if saves and parallel_state.get_tensor_model_parallel_rank() == 0 else None
     parallel_state.destroy_model_parallel()
     return result
 
@@ -83,8 +91,12 @@ def main(argv) -> None:
 
     out, tokens_file, *specs = argv
     cpu_compat.define_missing_te_names()
-    cpu_compat.apply()
-    torch.distributed.init_process_group("gloo")
+    if DEVICE == "cpu":
+        cpu_compat.apply()
+        torch.distributed.init_process_group("gloo")
+    else:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.distributed.init_process_group("nccl")
     tokens = torch.load(tokens_file)
     results = {}
     for spec in specs:
