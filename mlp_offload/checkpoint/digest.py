@@ -1,18 +1,21 @@
 """Digests of stored state, for the resume check: computed where a save already holds each tensor and
 where a load writes it, so that nothing is read twice.
 
-A tensor's digest is a pair over its raw bits ``x`` (each element read as a signed integer of its own
-width) with ``i`` the element's index in the tensor it belongs to (a parameter's piece of a shard
-starts at that piece's offset in the parameter)::
+A tensor's digest is a pair over its raw bits, read as 32-bit words: element ``i`` of the tensor it
+belongs to (a parameter's piece of a shard starts at that piece's offset in the parameter) is lane
+``i % L`` of word ``k = i // L`` (``L`` = 4 bytes or 2 halves to a word, 1 for wider elements), and
+adds ``v = bits << (lane * width)`` (its bits unsigned, but those of a word's top lane signed: the
+word as a signed integer; 8-byte elements signed)::
 
-    s1 = sum(x[i]),  s2 = sum((i + 1) * x[i])   (mod 2**64)
+    s1 = sum(v),  s2 = sum((k + 1) * v)   (mod 2**64)
 
-``s2`` sees order (two swapped elements, a piece shifted), ``s1`` any single changed element, and
-both add up over chunks and over ranks, so any chunking of a tensor gives the same pair. It runs on
-CPU and CUDA tensors alike, in chunks of ``CHUNK`` elements (bounded extra memory). Each chunk is seen
-as rows of ``ROW`` elements: with ``r[k]`` its row sums and ``c[j]`` its column sums,
-``sum((a + k*ROW + j + 1) * x) = (a + 1) * sum(r) + ROW * sum(k * r[k]) + sum(j * c[j])``, two
-reductions that widen the elements on the fly instead of a product per element.
+``s2`` sees order (two swapped words, a piece shifted), ``s1`` any single changed element, and both add
+up over chunks and over ranks, so any chunking of a tensor gives the same pair. Words make a digest
+of 8- and 16-bit elements cost what one of 32-bit ones does per byte. It runs on CPU and CUDA tensors
+alike, in chunks of ``CHUNK`` words (bounded extra memory), each seen as rows of ``ROW`` words: with
+``r[k]`` a chunk's row sums and ``c[j]`` its column sums,
+``sum((a + k*ROW + j + 1) * w) = (a + 1) * sum(r) + ROW * sum(k * r[k]) + sum(j * c[j])``, two
+reductions that widen the words on the fly instead of a product per word.
 
 ``StateDigest`` keeps them per parameter piece and state tensor of one engine's shard, fed a subgroup
 at a time: by the checkpoint writer from the tensors it writes, and by a load from those its fill
@@ -24,6 +27,7 @@ and, apart, their block scales indexed by each block's first element in the para
 from __future__ import annotations
 
 import bisect
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -31,7 +35,8 @@ import torch
 from ..state_formats import is_blockwise
 
 MASK = (1 << 64) - 1
-CHUNK = 1 << 17  # elements per chunk: its widened rows stay in cache
+CHUNK = 1 << 17  # words per chunk on the CPU: its widened rows stay in cache
+CUDA_CHUNK = 1 << 26  # on the GPU: few kernel launches (the widened chunk takes 512 MiB at most)
 ROW = 1 << 10
 _SIGNED = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 TENSORS = ("master", "exp_avg", "exp_avg_sq")
@@ -44,25 +49,64 @@ def raw_integers(t: torch.Tensor) -> torch.Tensor:
 
 def digest(t: torch.Tensor, first_index: int = 0) -> torch.Tensor:
     """(s1, s2) of ``t`` (int64 on ``t``'s device, wrapped mod 2**64), its element ``j`` being index
-    ``first_index + j`` of the tensor it belongs to."""
+    ``first_index + j`` of the tensor it belongs to (see the module's docstring)."""
     x = raw_integers(t)
-    acc = torch.zeros(2, dtype=torch.int64, device=x.device)
-    for a in range(0, x.numel(), CHUNK):
-        chunk = x[a: a + CHUNK]
-        rows = chunk.numel() // ROW
-        at = first_index + a
+    lanes = _lanes(x)
+    head = min(x.numel(), (-first_index) % lanes)  # elements before the first whole word
+    words = (x.numel() - head) // lanes
+    acc = _element_digest(x[:head], first_index, lanes)
+    acc = acc + _element_digest(x[head + words * lanes:], first_index + head + words * lanes, lanes)
+    span = (CUDA_CHUNK if x.is_cuda else CHUNK) * lanes
+    for a in range(head, head + words * lanes, span):  # a chunk at a time: a copy to align it stays small
+        acc = acc + _word_digest(_as_words(x[a: min(a + span, head + words * lanes)]), (first_index + a) // lanes)
+    return acc
+
+
+def _lanes(x: torch.Tensor) -> int:
+    """Elements per digested word: a 32-bit word holds 4 bytes or 2 halves; wider elements are words."""
+    return max(1, 4 // x.element_size())
+
+
+def _as_words(x: torch.Tensor) -> torch.Tensor:
+    """The 32-bit words of ``x`` (a whole number of them; copied where ``x`` does not start on a word
+    boundary in memory)."""
+    if x.element_size() >= 4:
+        return x
+    if (x.storage_offset() * x.element_size()) % 4 or x.data_ptr() % 4:
+        x = x.clone()
+    return x.view(torch.int32)
+
+
+def _word_digest(w: torch.Tensor, first_word: int) -> torch.Tensor:
+    """(sum w, sum (k + 1) w) over words ``w`` numbered from ``first_word``: row and column sums per chunk."""
+    acc = torch.zeros(2, dtype=torch.int64, device=w.device)
+    chunk = CUDA_CHUNK if w.is_cuda else CHUNK
+    for a in range(0, w.numel(), chunk):
+        part, at = w[a: a + chunk], first_word + a
+        rows = part.numel() // ROW
         if rows:
-            block = chunk[: rows * ROW].view(rows, ROW)
+            block = part[: rows * ROW].view(rows, ROW)
             r = torch.sum(block, dim=1, dtype=torch.int64)
             c = torch.sum(block, dim=0, dtype=torch.int64)
             total = r.sum()
             acc[0] += total
-            acc[1] += total * (at + 1) + (r * torch.arange(rows, device=x.device)).sum() * ROW \
-                + (c * torch.arange(ROW, device=x.device)).sum()
-        tail = chunk[rows * ROW:]
+            acc[1] += total * (at + 1) + (r * torch.arange(rows, device=w.device)).sum() * ROW \
+                + (c * torch.arange(ROW, device=w.device)).sum()
+        tail = part[rows * ROW:]
         if tail.numel():
-            acc += indexed_digest(tail, torch.arange(tail.numel(), device=x.device) + (at + rows * ROW))
+            acc += indexed_digest(tail, torch.arange(tail.numel(), device=w.device) + (at + rows * ROW))
     return acc
+
+
+def _element_digest(x: torch.Tensor, first_index: int, lanes: int) -> torch.Tensor:
+    """What elements ``x`` (a few, outside whole words) add: each as its lane of its word."""
+    index = torch.arange(x.numel(), device=x.device) + first_index
+    lane = index % lanes
+    bits = 8 * x.element_size()
+    value = x.to(torch.int64)
+    unsigned = value & ((1 << bits) - 1) if bits < 64 else value
+    value = torch.where(lane == lanes - 1, value, unsigned) << (lane * bits)  # the top lane keeps its sign
+    return torch.stack([value.sum(), (value * (index // lanes + 1)).sum()])
 
 
 def indexed_digest(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -97,18 +141,33 @@ class StateDigest:
         self.formats = [c.describe() for c in self.codecs]
         self.nbytes = 0
         self._acc: Dict[Tuple[str, str], torch.Tensor] = {}
+        self._beside: Optional[ThreadPoolExecutor] = None  # the load's digest thread (``observing``)
+        self._pending: Dict[int, Future] = {}  # buffer (storage address) -> its digest in flight
 
     @classmethod
     def of_engine(cls, engine, pieces: Sequence[Sequence]) -> "StateDigest":
         return cls(pieces, engine.state_codecs, engine.blocks)
 
     def observing(self, fill: Callable) -> Callable:
-        """``fill`` (an ``engine.load_state`` callback) that digests what it wrote, once it has."""
+        """``fill`` (an ``engine.load_state`` callback) that digests what it wrote, by a thread, beside what
+        the engine does next (the subgroup's write to its tier, the next fills); a fill into a buffer
+        still being digested waits for it first, as ``result`` waits for all."""
         def fill_and_digest(sg, *tensors):
+            buffers = {t.untyped_storage().data_ptr() for t in tensors}
+            for buffer in buffers & self._pending.keys():
+                self._pending.pop(buffer).result()
             fill(sg, *tensors)
-            self.add(sg, tensors)
+            if self._beside is None:
+                self._beside = ThreadPoolExecutor(1, thread_name_prefix="mlp-load-digest")
+            digesting = self._beside.submit(self.add, sg, tensors)
+            self._pending.update(dict.fromkeys(buffers, digesting))
 
         return fill_and_digest
+
+    def _wait(self) -> None:
+        pending, self._pending = list(self._pending.values()), {}
+        for digesting in pending:
+            digesting.result()
 
     def add(self, sg, tensors: Sequence[torch.Tensor]) -> None:
         """Subgroup ``sg``'s stored (master, exp_avg, exp_avg_sq)."""
@@ -146,6 +205,10 @@ class StateDigest:
 
     def result(self) -> Dict[str, Dict[str, List[int]]]:
         """{parameter name: {state tensor: [s1, s2]}} of what was added."""
+        self._wait()
+        if self._beside is not None:
+            self._beside.shutdown()
+            self._beside = None
         keys = list(self._acc)
         pairs = as_pairs([self._acc[k] for k in keys])
         out: Dict[str, Dict[str, List[int]]] = {}

@@ -7,8 +7,9 @@ may go in the order the next update needs and still lay the file out in element 
 footer, the trailer, fsync, rename. Subgroups held in files are read through their tier (their
 block CRCs checked), two at a time, so the next read overlaps this write; each subgroup is written by
 ``tiers.direct_io`` (O_DIRECT from a staging buffer, threads), at disk speed rather than the page cache's.
-Given a ``digest.StateDigest``, the writer adds each subgroup's tensors to it as it writes them (the
-resume check's record of the save, from what is written and nothing read again).
+Given a ``digest.StateDigest``, a thread beside the writer adds each subgroup's tensors to it while the
+writer copies them out (the resume check's record of the save, from what is written and nothing
+read again).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import os
 import threading
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional
 
 import torch
@@ -177,19 +179,22 @@ def _write(snapshot: StateSnapshot, tmp: str, metadata: Optional[dict], digest: 
         end += state_file_bytes(sg.numel, sg.codecs, sg.blocks)
     crcs = {}  # subgroup -> a function giving its tensors' CRC32s once the writer has them
     reads = _TierReads(snapshot)
-    with open(tmp, "wb") as f:
+    with open(tmp, "wb") as f, ThreadPoolExecutor(1, thread_name_prefix="mlp-checkpoint-digest") as beside:
         fd = f.fileno()
         writer = DirectRegionWriter(fd, tmp)
         try:
             for i in snapshot.order:
                 snapshot.check_cancelled()
                 views = snapshot.take(i) if i in snapshot.memory else reads.get(i)
+                digesting = None
                 try:  # the state is copied out before put returns: the update may have it back at once
                     tensors = views.narrow(snapshot.subgroups[i])
+                    if digest is not None:  # by a thread of its own, while put copies the same tensors out
+                        digesting = beside.submit(digest.add, snapshot.subgroups[i], tensors)
                     crcs[i] = writer.put(offsets[i], tensors)
-                    if digest is not None:  # while its bytes go to disk; before the update may change them
-                        digest.add(snapshot.subgroups[i], tensors)
                 finally:
+                    if digesting is not None:
+                        digesting.result()  # before the update or the next read may change the tensors
                     snapshot.done_with(i)
                 fault_point("save-offload")
             writer.finish()

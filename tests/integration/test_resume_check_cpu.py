@@ -2,7 +2,8 @@
 checkpoint: host, nvme and pfs tiers): an untouched load says in one line that every rank's params
 and optimizer state match their save; state broken on purpose after the load (a model param, an
 Adam step) or in an offload file (one byte of a moment, its CRC made right) stops the run with one
-error line naming each rank and tensor. The loads stop at the saved iteration: no training step."""
+error line naming each rank and tensor, unless --no-resume-check. The loads stop at the saved
+iteration: no training step."""
 
 import re
 
@@ -16,12 +17,12 @@ SAVED_AT = 4
 BREAKING = REPO / "tests" / "integration" / "resume_check_pretrain.py"
 
 
-def load(tmp, ckpt, env=None):
+def load(tmp, ckpt, env=None, extra=()):
     """Load ``ckpt`` with 2 ranks and stop: (exit status, output)."""
-    cmd = pretrain_command([*offload_args(tmp), "--load", str(ckpt)], 2, SAVED_AT, tmp / "loss.jsonl", warm=True,
-                           script=BREAKING)
+    cmd = pretrain_command([*offload_args(tmp), "--load", str(ckpt), *extra], 2, SAVED_AT, tmp / "loss.jsonl",
+                           warm=True, script=BREAKING)
     return run_and_clean_up(cmd, pretrain_env({"RESUME_CHECK_BREAK": "none@-1", **(env or {})}), 240,
-                            tmp / "out.txt")
+                            tmp / f"out{len(list(tmp.glob('out*.txt')))}.txt")
 
 
 def resign(path):
@@ -70,3 +71,7 @@ def test_state_broken_on_purpose_is_named_by_rank_and_tensor(tmp_path, offload_s
                      rf"from its save at iteration {SAVED_AT} \(digest [0-9a-f:]+ vs [0-9a-f:]+\); rank 1, model param "
                      rf"embedding\.word_embeddings\.weight differs from its save", errors[0]), errors[0]
     assert "Traceback" not in output
+    # --no-resume-check: the same load goes on, and says nothing of a check.
+    code, output = load(tmp_path, ckpt, {"RESUME_CHECK_BREAK": "step@0,param@1"}, ["--no-resume-check"])
+    assert code == 0, output[-4000:]
+    assert "resume check" not in output

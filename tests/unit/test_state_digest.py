@@ -31,11 +31,16 @@ SIGNED = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 
 
 def ref_digest(raw: bytes, itemsize: int, index) -> list:
-    """numpy's (sum x, sum (i + 1) x) mod 2**64 over ``raw`` read as signed integers of ``itemsize``."""
-    x = np.frombuffer(raw, dtype=SIGNED[itemsize]).astype(np.int64).astype(U64)
-    i = np.asarray(index, dtype=np.int64).astype(U64) + U64(1)
+    """numpy's digest of ``raw`` (elements of ``itemsize`` bytes at ``index``), from the definition: element
+    i is lane i % L of word i // L (L elements of 4 bytes at most), its bits unsigned but in the top lane."""
+    lanes = max(1, 4 // itemsize)
+    signed = np.frombuffer(raw, dtype=SIGNED[itemsize]).astype(np.int64)
+    unsigned = signed & ((1 << 8 * itemsize) - 1) if itemsize < 8 else signed
+    i = np.asarray(index, dtype=np.int64)
+    lane = i % lanes
+    value = np.where(lane == lanes - 1, signed, unsigned).astype(U64) << (lane * 8 * itemsize).astype(U64)
     with np.errstate(over="ignore"):
-        return [int(x.sum(dtype=U64)), int((x * i).sum(dtype=U64))]
+        return [int(value.sum(dtype=U64)), int((value * (i // lanes + 1).astype(U64)).sum(dtype=U64))]
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:

@@ -92,7 +92,10 @@ def save_checkpoint(iteration: int, model, optimizer, scheduler, consumed_sample
         return path
     state_from = time.perf_counter()
     state = _state_to_save(args, model, optimizer, scheduler, iteration, consumed_samples)
-    digests = SaveDigests(model, optimizer if save_optimizer else None, iteration)  # the resume check's record
+    digests = None  # the resume check's record (--no-resume-check: none)
+    if args.resume_check:
+        digests = SaveDigests(model, optimizer if save_optimizer else None, iteration)
+    engine_digests = digests.engines if digests is not None else None
     torch_dist_from = time.perf_counter()
     request, offload_bytes, offload_s, failure, offload_write = None, 0, 0.0, None, None
     torch_dist_to = torch_dist_from
@@ -103,9 +106,9 @@ def save_checkpoint(iteration: int, model, optimizer, scheduler, consumed_sample
         if save_optimizer and isinstance(optimizer, OffloadedOptimizerCheckpoint):  # streamed beside it, a file per rank
             t0 = time.perf_counter()
             if background is None:
-                offload_bytes = save_offloaded_state(optimizer.shards, model, path, digests.engines)
+                offload_bytes = save_offloaded_state(optimizer.shards, model, path, engine_digests)
             else:  # a snapshot, written once started
-                offload_write = start_offloaded_save(optimizer.shards, model, path, digests.engines)
+                offload_write = start_offloaded_save(optimizer.shards, model, path, engine_digests)
             offload_s = time.perf_counter() - t0
     except (CheckpointSaveError, OSError) as err:
         failure = _save_failure(err, path)
@@ -159,8 +162,10 @@ def _save_failure(err: BaseException, path: str) -> str:
     raise err
 
 
-def _write_digests(digests: SaveDigests, path: str) -> Optional[str]:
+def _write_digests(digests: Optional[SaveDigests], path: str) -> Optional[str]:
     """This rank's record of the save for the resume check, once its writers are done; a failure as one line."""
+    if digests is None:
+        return None
     try:
         digests.write(path)
     except OSError as err:
@@ -202,7 +207,7 @@ class _BackgroundCompletion:
     ranks agree it succeeded, the proof and the tracker, and the line with what training paused."""
 
     def __init__(self, root: str, path: str, iteration: int, started: float, offload_write, model,
-                 digests: SaveDigests):
+                 digests: Optional[SaveDigests]):
         self.root, self.path, self.iteration, self.started = root, path, iteration, started
         self.offload_write = offload_write  # mlp_offload.BackgroundStateWrite or None
         self.model = model
@@ -298,7 +303,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler, args):
     template.update(optimizer_template(plan, optimizer, template, metadata))
     if plan.rng:
         template["rng_state"] = rng_sharded_object(None)
-    check = ResumeCheck(plan.path)
+    check = ResumeCheck(plan.path, enabled=args.resume_check)
     state = dist_checkpointing.load(template, plan.path, **load_strategies(args, plan.path))
     load_model(model, state)
     load_optimizer(plan, optimizer, model, state, args, check)

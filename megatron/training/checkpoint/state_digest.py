@@ -87,12 +87,13 @@ class SaveDigests:
 
 class ResumeCheck:
     """One rank's side of the check at a load of ``checkpoint_dir``: its record read first, the
-    engines' fills observed (``observer``), then ``finish`` compares and reports for all ranks."""
+    engines' fills observed (``observer``), then ``finish`` compares and reports for all ranks.
+    Not ``enabled`` (--no-resume-check): nothing is read, observed or said."""
 
-    def __init__(self, checkpoint_dir: str):
-        self.where = checkpoint_dir
+    def __init__(self, checkpoint_dir: str, enabled: bool = True):
+        self.where, self.enabled = checkpoint_dir, enabled
         self.rank = torch.distributed.get_rank()
-        self.saved, self.skipped = self._read_record()
+        self.saved, self.skipped = self._read_record() if enabled else (None, "--no-resume-check")
         self.observed: Dict[str, Tuple[object, StateDigest]] = {}  # kind -> (shard, its load's digests)
         self.optimizer_skipped: Optional[str] = None
 
@@ -110,8 +111,8 @@ class ResumeCheck:
         saved_shape, saved_place = record.get("layout", [[], []])
         world = torch.distributed.get_world_size()
         if record.get("world_size") != world or saved_shape != list(shape) or saved_place != list(place):
-            return None, (f"it was saved by {record.get('world_size')} ranks at PP, TP, DP = {saved_shape}, this run "
-                          f"has {world} at {list(shape)}; digests are per rank")
+            return None, (f"it was saved by {_ranks(record.get('world_size'))} at {_layout(saved_shape)}, this run "
+                          f"has {_ranks(world)} at {_layout(shape)}; digests are per rank")
         return record, None
 
     def skip_optimizer(self, why: str) -> None:
@@ -139,6 +140,8 @@ class ResumeCheck:
     def finish(self, model, optimizer_loaded: bool) -> None:
         """Compare this rank's params and observed state with its record; then, with every rank's
         verdict: one line on rank 0, or a UserError on every rank naming the first difference."""
+        if not self.enabled:
+            return
         verdict = {"rank": self.rank, "differs": [], "bytes": 0, "skipped": self.skipped,
                    "optimizer_skipped": self.optimizer_skipped if optimizer_loaded else "it was not loaded"}
         if self.saved is not None:
@@ -188,12 +191,12 @@ class ResumeCheck:
         why_not = next((v["optimizer_skipped"] for v in compared if v["optimizer_skipped"]), None)
         if why_not:
             what = "params"
-        line = f"> resume check: {what} of {len(compared)} ranks match their save at iteration {iteration} " \
+        line = f"> resume check: {what} of {_ranks(len(compared))} match their save at iteration {iteration} " \
                f"(digest of {human_bytes(sum(v['bytes'] for v in verdicts))})"
         if why_not:
             line += f"; the optimizer state was not compared: {why_not}"
         if len(compared) < len(verdicts):
-            line += f"; {len(verdicts) - len(compared)} ranks were not compared: {verdicts[0]['skipped']}"
+            line += f"; {_ranks(len(verdicts) - len(compared))} not compared: {verdicts[0]['skipped']}"
         print_rank0(line)
 
 
@@ -203,6 +206,14 @@ def _display(name: str) -> str:
     while rest.startswith("module."):  # the wrappers' (DDP, Float16Module)
         rest = rest[len("module."):]
     return rest if chunk == "0" else f"{rest} (model chunk {chunk})"
+
+
+def _ranks(n) -> str:
+    return f"{n} rank" + ("" if n == 1 else "s")
+
+
+def _layout(shape) -> str:
+    return " ".join(f"{name}={size}" for name, size in zip(("PP", "TP", "DP"), shape)) if len(shape) == 3 else "?"
 
 
 def _hex(pair) -> str:
