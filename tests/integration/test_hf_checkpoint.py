@@ -20,6 +20,7 @@ pytest.importorskip("safetensors")
 
 from helpers import offload_args  # noqa: E402
 from launch import REPO, launch_command, losses, pretrain_env, run_and_clean_up, run_pretrain  # noqa: E402
+from tests.profiles import PROFILE  # noqa: E402
 
 from megatron.training.errors import UserError  # noqa: E402
 from megatron.training.hf import convert  # noqa: E402
@@ -51,8 +52,12 @@ TOKENS = (2, 16)  # batch, sequence
 FINETUNE_ITERS = 3
 
 
-def split_layout(family):
-    return "1:2:2" if family in MOE_FAMILIES else "2:2:1"
+def layouts(family):
+    """TP:PP:EP layouts our forward runs at: TP1 and a split one; under the thorough profile also each
+    parallelism alone (EP4 for MoE)."""
+    split = ["1:2:2"] if family in MOE_FAMILIES else ["2:2:1"]
+    more = (["1:1:2", "1:1:4"] if family in MOE_FAMILIES else ["2:1:1", "1:2:1"]) if PROFILE == "thorough" else []
+    return ["1:1:1", *split, *more]
 
 
 def build_hf_model(name, directory):
@@ -150,7 +155,7 @@ def ours(work, imported, finetuned, tokens):
     torch.save(tokens, work / "tokens.pt")
     specs = {}
     for name, (_, ckpt) in imported.items():
-        for layout in ("1:1:1", split_layout(name)):
+        for layout in layouts(name):
             specs[f"{name}@{layout}"] = f"{ckpt}:{layout}"
     specs["finetuned@1:1:1"] = f"{finetuned[0]}:1:1:1"
     cmd = launch_command([str(work / "ours.pt"), str(work / "tokens.pt"), *specs.values()], 4, warm=True,
@@ -171,7 +176,7 @@ def assert_close_to(ref, ours, what):
 def test_logits_match_transformers(family, imported, ours, tokens):
     """At TP1 and split (TP2 x PP2, or EP2 x PP2 for MoE); the padded rows are not compared."""
     ref = hf_logits(imported[family][0], tokens)
-    for layout in ("1:1:1", split_layout(family)):
+    for layout in layouts(family):
         assert_close_to(ref, ours[f"{family}@{layout}"], f"{family} at TP:PP:EP {layout}")
 
 
