@@ -112,7 +112,8 @@ def main() -> None:
     checked = ["model.embed_tokens.weight", "lm_head.weight", f"model.layers.{last}.self_attn.k_proj.weight",
                f"model.layers.{last}.mlp.up_proj.weight"]
     identical = same_bytes(hf_dir, export, checked)
-    model_gb = sum(os.path.getsize(os.path.join(hf_dir, n)) for n in os.listdir(hf_dir) if n.endswith(".safetensors")) / 1e9
+    shards = [os.path.join(hf_dir, n) for n in os.listdir(hf_dir) if n.endswith(".safetensors")]
+    model_gb = sum(os.path.getsize(path) for path in shards) / 1e9
     print(f"model {model_gb:.2f} GB | import: peak RSS {rss_in:.2f} GB, {s_in:.0f} s | export: peak RSS "
           f"{rss_out:.2f} GB, {s_out:.0f} s | exported tensors byte-identical ({len(checked)} checked): {identical}")
     if not args.keep:

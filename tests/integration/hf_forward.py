@@ -50,7 +50,8 @@ def logits_of(ckpt: str, tokens: torch.Tensor, tp: int, pp: int, ep: int):
                        "--expert-model-parallel-size", str(ep),
                        "--micro-batch-size", str(batch), "--global-batch-size", str(batch), "--seq-length", str(seq),
                        "--train-iters", "1", "--lr", "0", "--mock-data", "--device", DEVICE, "--tokenizer-type",
-                       "NullTokenizer", "--vocab-size", "1", "--finetune", "--load", ckpt, "--transformer-impl", "local",
+                       "NullTokenizer", "--vocab-size", "1", "--finetune", "--load", ckpt,
+                       "--transformer-impl", "local",
                        *os.environ.get("HF_FORWARD_FLAGS", "").split()])
     args.device_resolved = DEVICE
     parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
@@ -81,7 +82,8 @@ def logits_of(ckpt: str, tokens: torch.Tensor, tp: int, pp: int, ep: int):
         group = parallel_state.get_tensor_model_parallel_group()
         parts = [torch.empty_like(local) for _ in range(tp)]
         torch.distributed.all_gather(parts, local.contiguous(), group=group)
-        result = torch.cat(parts, dim=-1).float().cpu() if saves and parallel_state.get_tensor_model_parallel_rank() == 0 else None
+        if saves and parallel_state.get_tensor_model_parallel_rank() == 0:
+            result = torch.cat(parts, dim=-1).float().cpu()
     parallel_state.destroy_model_parallel()
     return result
 

@@ -22,7 +22,6 @@ from helpers import offload_args  # noqa: E402
 from launch import REPO, launch_command, losses, pretrain_env, run_and_clean_up, run_pretrain  # noqa: E402
 from tests.profiles import PROFILE  # noqa: E402
 
-from megatron.training.errors import UserError  # noqa: E402
 from megatron.training.hf import convert  # noqa: E402
 
 HF_FORWARD = REPO / "tests" / "integration" / "hf_forward.py"
@@ -96,7 +95,8 @@ def work(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def corpus(work):
-    texts = [json.loads(line)["text"] for line in (REPO / "examples" / "data" / "corpus.jsonl").read_text().splitlines()[:40]]
+    lines = (REPO / "examples" / "data" / "corpus.jsonl").read_text().splitlines()[:40]
+    texts = [json.loads(line)["text"] for line in lines]
     path = work / "corpus.jsonl"
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     return path, texts

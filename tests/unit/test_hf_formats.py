@@ -60,7 +60,8 @@ def test_hugging_face_tensors_come_back_bit_for_bit(shape, layer, expert, seed):
         if name == "self_attention.linear_qkv.weight" or name == "self_attention.linear_qkv.bias":
             tail = (shape.hidden,) if name.endswith("weight") else ()
             sizes = {hf_names[0]: (shape.heads * shape.head_dim, *tail),
-                     hf_names[1]: (shape.groups * shape.head_dim, *tail), hf_names[2]: (shape.groups * shape.head_dim, *tail)}
+                     hf_names[1]: (shape.groups * shape.head_dim, *tail),
+                     hf_names[2]: (shape.groups * shape.head_dim, *tail)}
         original = {n: torch.randn(s, generator=gen) for n, s in sizes.items()}
         ours = tmap.to_ours(name, layer, expert, original.__getitem__)
         back = tmap.to_hf(name, layer, expert, ours)
@@ -86,8 +87,8 @@ def test_qkv_is_megatron_core_order(shape, seed):
           "model.layers.0.self_attn.v_proj.weight": v}
     ours = TensorMap(shape).to_ours("self_attention.linear_qkv.weight", 0, None, hf.__getitem__)
     assert torch.equal(ours, torch.cat(expected))
-    fc1 = TensorMap(shape).to_ours("mlp.linear_fc1.weight", 1, None, {"model.layers.1.mlp.gate_proj.weight": q,
-                                                                      "model.layers.1.mlp.up_proj.weight": k}.__getitem__)
+    halves = {"model.layers.1.mlp.gate_proj.weight": q, "model.layers.1.mlp.up_proj.weight": k}
+    fc1 = TensorMap(shape).to_ours("mlp.linear_fc1.weight", 1, None, halves.__getitem__)
     assert torch.equal(fc1, torch.cat([q, k]))
 
 
@@ -160,6 +161,7 @@ def test_padding_rows_are_zero_in_and_dropped_out(padded):
     shape = ModelShape("llama", 1, 4, 2, 2, 2, 4, vocab=10, padded_vocab=padded, tied=False)
     tmap = TensorMap(shape)
     embed = torch.randn(10, 4)
-    ours = tmap.to_ours("embedding.word_embeddings.weight", None, None, {"model.embed_tokens.weight": embed}.__getitem__)
+    hf = {"model.embed_tokens.weight": embed}
+    ours = tmap.to_ours("embedding.word_embeddings.weight", None, None, hf.__getitem__)
     assert ours.shape == (padded, 4) and torch.equal(ours[:10], embed) and not ours[10:].any()
     assert torch.equal(tmap.to_hf("output_layer.weight", None, None, ours)["lm_head.weight"], embed)

@@ -26,7 +26,8 @@ import torch
 from megatron.training.checkpoint import integrity
 from megatron.training.errors import UserError
 from megatron.training.hf import families
-from megatron.training.hf.files import SafetensorsReader, SafetensorsWriter, TorchDistReader, TorchDistWriter, load_common
+from megatron.training.hf.files import (SafetensorsReader, SafetensorsWriter, TorchDistReader, TorchDistWriter,
+                                        load_common)
 from megatron.training.hf.layout import Piece, model_pieces, parse_model_flags, piece_of_key
 from megatron.training.hf.tensor_map import TensorMap
 
@@ -105,7 +106,8 @@ def check_layout(flags: List[str], shape: families.ModelShape, tp: int, pp: int,
     parse_model_flags(flags, ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
                               "--expert-model-parallel-size", str(ep)])
     if shape.padded_vocab % tp:
-        raise UserError(f"--tensor-model-parallel-size {tp}: does not divide the padded vocabulary {shape.padded_vocab}")
+        raise UserError(f"--tensor-model-parallel-size {tp}: does not divide the padded vocabulary "
+                        f"{shape.padded_vocab}")
     if shape.ffn % tp:
         raise UserError(f"--tensor-model-parallel-size {tp}: does not divide the FFN width {shape.ffn}")
     if ep > 1 and (not shape.experts or shape.experts % ep):
@@ -119,7 +121,8 @@ def _check_names(reader: SafetensorsReader, tmap: TensorMap, pieces: List[Piece]
         needed.update(tmap.hf_names(piece.name, piece.layer, piece.expert))
     missing = sorted(needed - set(reader.names()))
     if missing:
-        raise UserError(f"{hf_dir}: config.json's model needs {len(missing)} tensors the weights lack, e.g. {missing[0]}")
+        raise UserError(f"{hf_dir}: config.json's model needs {len(missing)} tensors the weights lack, "
+                        f"e.g. {missing[0]}")
     unused = [n for n in reader.names() if n not in needed and not n.endswith(_DERIVED)
               and not (shape.tied and n == "lm_head.weight")]
     if unused:

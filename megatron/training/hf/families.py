@@ -113,7 +113,8 @@ def _rope_flags(cfg: dict, family: str) -> List[str]:
             _refuse(f"rope_type {kind!r}: DeepSeek-V2's attention maps with default RoPE or YaRN only")
         _check_fixed(rope, MLA_YARN_FIXED, "yarn")
         return flags + ["--rope-type", "yarn", "--rotary-scaling-factor", _num(rope["factor"]),
-                        "--mscale", _num(rope.get("mscale", 1.0)), "--mscale-all-dim", _num(rope.get("mscale_all_dim", 0.0))]
+                        "--mscale", _num(rope.get("mscale", 1.0)),
+                        "--mscale-all-dim", _num(rope.get("mscale_all_dim", 0.0))]
     if kind == "default":
         return flags
     if kind == "llama3":

@@ -11,6 +11,7 @@ import contextlib
 import importlib.util
 import os
 import re
+from unittest import mock
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -114,7 +115,6 @@ def _single_rank(model_flags: List[str]):
     args = parse_model_flags(model_flags)
     args.device_resolved = "cpu"
     cpu_compat.define_missing_te_names()
-    cpu_compat.apply()  # megatron-core asks torch.cuda for a device in places (MLA's RoPE): the CPU's
     owns_group = not torch.distributed.is_initialized()
     if owns_group:
         torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
@@ -124,7 +124,9 @@ def _single_rank(model_flags: List[str]):
         # Uninitialised, and allocated through torch's default device (the meta one here), not
         # on an explicit accelerator.
         config.use_cpu_initialization, config.perform_initialization = True, False
-        with torch.device("meta"):
+        # megatron-core asks torch.cuda for the device in places (MLA's RoPE, the MoE router): the meta
+        # device there too, for this build only (no CUDA needed, no GPU memory taken where there is one).
+        with torch.device("meta"), mock.patch.object(torch.cuda, "current_device", lambda: "meta"):
             model = _model_provider()(args, config)
         real = [name for name, p in model.named_parameters() if not p.is_meta]
         if real:

@@ -85,7 +85,8 @@ class TensorMap:
         if name == "mlp.linear_fc1.weight":
             return [layer_prefix + "mlp.gate_proj.weight", layer_prefix + "mlp.up_proj.weight"], _cat, self._halves
         if name == "mlp.shared_experts.linear_fc1.weight":
-            names = [layer_prefix + "mlp.shared_experts.gate_proj.weight", layer_prefix + "mlp.shared_experts.up_proj.weight"]
+            shared = layer_prefix + "mlp.shared_experts."
+            names = [shared + "gate_proj.weight", shared + "up_proj.weight"]
             return names, _cat, self._halves
         if name.startswith("mlp.experts.experts."):
             return self._expert_rule(name, layer_prefix, expert)
