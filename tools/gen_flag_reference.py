@@ -68,10 +68,8 @@ def _value(action) -> str:
 def _default(action) -> str:
     if action.required:
         return "required"
-    if isinstance(action, argparse._StoreTrueAction):
+    if action.nargs == 0:  # a switch does its thing only where given
         return "off"
-    if isinstance(action, argparse._StoreFalseAction):
-        return "on"
     if action.default is None or action.default in ({}, [], ()):
         return "–"
     return f"`{action.default}`"
