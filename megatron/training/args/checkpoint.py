@@ -35,8 +35,8 @@ def add_flags(g) -> None:
                         "offloaded form and megatron-core's own (at load time, or tools/convert_offload_checkpoint.py)")
     g.add_argument("--no-resume-check", dest="resume_check", action="store_false",
                    help="record no digests of each rank's params and offloaded optimizer state at a save, and "
-                        "compare none at a load (the resume check: its digests take CPU time beside the "
-                        "writer and the load; see docs/benchmarks.md)")
+                        "compare none at a load (the resume check, whose digests take CPU time beside the "
+                        "checkpoint writer and the load)")
     g.add_argument("--ckpt-fully-parallel-save", dest="ckpt_fully_parallel_save", action="store_true",
                    default=True, help="spread the writing of replicated shards over data-parallel ranks (default)")
     g.add_argument("--no-ckpt-fully-parallel-save", dest="ckpt_fully_parallel_save", action="store_false")

@@ -303,7 +303,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler, args):
     template.update(optimizer_template(plan, optimizer, template, metadata))
     if plan.rng:
         template["rng_state"] = rng_sharded_object(None)
-    check = ResumeCheck(plan.path, enabled=args.resume_check)
+    check = ResumeCheck(plan.path, model, enabled=args.resume_check)
     state = dist_checkpointing.load(template, plan.path, **load_strategies(args, plan.path))
     load_model(model, state)
     load_optimizer(plan, optimizer, model, state, args, check)

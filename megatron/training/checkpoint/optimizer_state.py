@@ -172,9 +172,10 @@ def _load_engine(shard, saved: SavedOffloadState, check, model) -> None:
                 saved.read(shard.kind, param, offset + lo - a, offset + hi - a,
                            [out[lo - sg.start: hi - sg.start] for out in outs])
 
-    check.skip_optimizer(f"it was resharded from {saved.describe_change(shard.kind, dp_size)}")
     eight_bit = is_blockwise(shard.engine.state_codecs)
-    shard.engine.load_state(_eight_bit_fill(shard, saved, mine) if eight_bit else fill, steps_done=saved.steps_done)
+    callback = _eight_bit_fill(shard, saved, mine) if eight_bit else fill
+    observe = check.observer(shard, model)
+    shard.engine.load_state(callback if observe is None else observe(callback), steps_done=saved.steps_done)
     if first:
         log.info("offloaded %sstate resharded from %s%s", "expert " if shard.kind == "experts" else "",
                  saved.describe_change(shard.kind, dp_size), f" ({notice})" if notice else "")
