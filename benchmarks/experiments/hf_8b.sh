@@ -11,11 +11,14 @@
 # The disk holds at most two 16 GB copies at once (the Hugging Face directory goes once imported, the import
 # once trained from); the run saves its weights only (--no-save-optim) for the same reason. Prints each step's
 # time and peak host memory, the losses, and the logits' differences; all of it lands in $OUT/hf_8b.txt.
+# Past one call's 600 s, split it in two calls on the same (warm) machine: STOP_AFTER=train, then FROM=export.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 SHAPE=${HF_SHAPE:-8b}
-W=${HF_WORK:-/var/tmp/hf_8b}; rm -rf "$W"; mkdir -p "$W/nvme"
+W=${HF_WORK:-/var/tmp/hf_8b}
+FROM=${FROM:-build}
+[ "$FROM" = build ] && { rm -rf "$W"; mkdir -p "$W/nvme"; }
 if ! python3 -c "import sys, transformers; sys.exit(transformers.__version__ != '5.23.0')" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .whl/hf/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD
@@ -29,7 +32,7 @@ else
   TIERS="gpu,host,nvme --offload-gpu-cache-gb auto --offload-host-cache-gb ${HOST_GB:-48}"
   RECOMPUTE="--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
 fi
-exec > >(tee "$OUT/hf_8b.txt") 2>&1
+exec > >(tee -a "$OUT/hf_8b.txt") 2>&1
 [ "$DEVICE" = cuda ] && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, '| transformers', transformers.__version__)"
 free -g | head -2; df -h "$W" | tail -1
@@ -48,6 +51,7 @@ sys.exit(code)
 EOF
 }
 
+if [ "$FROM" = build ]; then
 cat > "$W/build.py" <<'EOF'
 import sys, torch, transformers
 shape, out = sys.argv[1:]
@@ -79,6 +83,8 @@ step "fine-tune $ITERS iterations from the import, offload $TIERS, fp8 moments" 
   || exit 1
 cp "$W/ckpt/model_args.txt" "$W/run/"  # our forward below builds the model from it
 rm -rf "$W/nvme"
+[ "${STOP_AFTER:-}" = train ] && { echo "stopped after training: FROM=export goes on from $W"; exit 0; }
+fi
 step "export" python3 tools/hf_checkpoint.py export "$W/run" "$W/export" || exit 1
 rm -rf "$W/ckpt"  # the export found config.json in it (the run's --load): no longer needed
 ls -la "$W/export"
