@@ -25,7 +25,7 @@ sys.path.insert(0, REPO)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     imp = commands.add_parser("import", help="a Hugging Face directory into a new checkpoint directory")
