@@ -307,3 +307,21 @@ def test_the_planner_help_lists_the_model_and_offload_flags(capsys):
     for flag in ("--hf-config", "--gpu-memory-gb", "--num-layers", "--hidden-size", "--num-experts",
                  "--tensor-model-parallel-size", "--offload-tiers", "--offload-host-cache-gb"):
         assert f"  {flag}" in out, flag
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3_moe"])
+def test_without_a_config_the_export_derives_one_from_the_saved_args(family, work, imported, tokens):
+    """A checkpoint with no config.json in reach (as a run trained from scratch): the export derives the
+    family from its args (Llama 3's RoPE scaling, Qwen3-MoE's routing); transformers' logits on it are the
+    original model's on the tokenizer's rows."""
+    import shutil
+
+    hf_dir, ckpt = imported[family]
+    bare = work / f"bare_{family}"
+    shutil.copytree(ckpt, bare, ignore=shutil.ignore_patterns("hf"))
+    out = work / f"derived_{family}"
+    convert.export_checkpoint(str(bare), str(out))
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == json.loads((hf_dir / "config.json").read_text())["model_type"]
+    derived, original = hf_logits(out, tokens), hf_logits(hf_dir, tokens)
+    assert torch.equal(derived[..., : original.shape[-1]], original)

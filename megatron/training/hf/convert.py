@@ -6,8 +6,9 @@ The import writes ``CKPT_DIR/iter_0000000`` (complete, with its proof and the tr
 the tokenizer files, for the tokenizer flags and for the export). The checkpoint's tensors are
 stored whole per layer and expert, the global form torch_dist reshards from, so ``--finetune --load``
 loads it at any TP, PP and EP; ``--tensor-model-parallel-size`` and the others given to the import
-check that the model splits that way. The export finds its config.json in ``CKPT_DIR/hf``, else in the
-checkpoint's ``--load`` (the import a fine-tuning started from), else where ``--hf-template`` says.
+check that the model splits that way. The export takes its config.json from ``--hf-template``, else
+``CKPT_DIR/hf``, else the checkpoint's ``--load`` (the import a fine-tuning started from); failing all,
+it derives one from the checkpoint's saved args (``families.config_from_args``).
 """
 
 from __future__ import annotations
@@ -178,9 +179,16 @@ def export_checkpoint(ckpt_dir: str, hf_dir: str, template: Optional[str] = None
     path, common = _chosen_checkpoint(ckpt_dir)
     saved = common.get("args")
     source = _template_dir(ckpt_dir, saved, template)
-    cfg = families.read_config(source)
+    if source is None:
+        if saved is None:
+            raise UserError(f"{path}: holds no saved args and no config.json was found: pass --hf-template DIR")
+        cfg = families.config_from_args(saved)
+        print(f"export: no config.json beside {ckpt_dir} or its run's --load: the config is derived from the "
+              f"checkpoint's args ({cfg['model_type']}), no tokenizer files", file=sys.stderr)
+    else:
+        cfg = families.read_config(source)
+        _check_same_model(cfg, saved, source, path)
     shape = families.model_shape(cfg)
-    _check_same_model(cfg, saved, source, path)
     if os.path.isdir(hf_dir) and os.listdir(hf_dir):
         raise UserError(f"{hf_dir}: not empty; the export writes a new Hugging Face directory")
     reader = TorchDistReader(path)
@@ -202,7 +210,8 @@ def export_checkpoint(ckpt_dir: str, hf_dir: str, template: Optional[str] = None
     writer.close()
     reader.close()
     dtypes = {dtype for dtype, _ in plan.values()}
-    _copy_side_files(source, hf_dir)
+    if source is not None:
+        _copy_side_files(source, hf_dir)
     _write_config(cfg, dtypes, hf_dir)
     return path
 
@@ -220,8 +229,8 @@ def _chosen_checkpoint(ckpt_dir: str):
     return path, load_common(path)
 
 
-def _template_dir(ckpt_dir: str, saved, template: Optional[str]) -> str:
-    """Where config.json (and the tokenizer files) come from."""
+def _template_dir(ckpt_dir: str, saved, template: Optional[str]) -> Optional[str]:
+    """Where config.json (and the tokenizer files) come from; None: nowhere (derived from the args)."""
     if template:
         return template
     candidates = [os.path.join(ckpt_dir, HF_FILES)]
@@ -234,8 +243,7 @@ def _template_dir(ckpt_dir: str, saved, template: Optional[str]) -> str:
     for candidate in candidates:
         if os.path.isfile(os.path.join(candidate, "config.json")):
             return candidate
-    raise UserError(f"{ckpt_dir}: no config.json to describe the model (looked in {', '.join(candidates)}); pass "
-                    "--hf-template DIR: the Hugging Face directory (or import) the checkpoint started from")
+    return None
 
 
 def _check_same_model(cfg: dict, saved, source: str, path: str) -> None:

@@ -228,3 +228,68 @@ def _moe_flags(cfg: dict, shape: ModelShape) -> List[str]:
         if cfg.get("n_shared_experts"):
             flags += ["--moe-shared-expert-intermediate-size", str(cfg["n_shared_experts"] * expert_ffn)]
     return flags
+
+
+# -- a config.json for a checkpoint that did not come from one ---------------------------------------
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                  "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+
+
+def config_from_args(saved) -> dict:
+    """A config.json for the model a checkpoint's saved args describe (a run trained from scratch): the
+    family its flags amount to, or one line naming the flag no family here has. Its vocabulary is the
+    embedding's rows (the tokenizer's own size is not in the args)."""
+    def arg(name, default=None):
+        return getattr(saved, name, default)
+
+    needed = {"--normalization RMSNorm": arg("normalization") == "RMSNorm", "--swiglu": bool(arg("swiglu")),
+              "--disable-bias-linear": bool(arg("disable_bias_linear")),
+              "--position-embedding-type rope": arg("position_embedding_type") == "rope"}
+    for flag, given in needed.items():
+        if not given:
+            raise UserError(f"the checkpoint's model was trained without {flag}: no Hugging Face family here matches; "
+                            "pass --hf-template with a config.json of the same model")
+    for flag, value, plain in (("--apply-layernorm-1p", arg("apply_layernorm_1p"), False),
+                               ("--rotary-interleaved", arg("rotary_interleaved"), False),
+                               ("--rotary-percent", arg("rotary_percent", 1.0), 1.0),
+                               ("--multi-latent-attention", arg("multi_latent_attention"), False),
+                               ("--moe-shared-expert-intermediate-size", arg("moe_shared_expert_intermediate_size"), None)):
+        if value is not None and value != plain:
+            raise UserError(f"the checkpoint's model has {flag} {value}: not derived into a config.json here; pass "
+                            "--hf-template with a config.json of the same model")
+    heads = arg("num_attention_heads")
+    experts = arg("num_experts")
+    family = ("qwen3_moe" if arg("qk_layernorm") else "mixtral") if experts else \
+        "qwen3" if arg("qk_layernorm") else "qwen2" if arg("add_qkv_bias") else "llama"
+    cfg = {"architectures": [_ARCHITECTURES[family]], "model_type": family, "hidden_act": "silu",
+           "vocab_size": arg("padded_vocab_size") or arg("vocab_size"), "hidden_size": arg("hidden_size"),
+           "intermediate_size": arg("ffn_hidden_size"), "num_hidden_layers": arg("num_layers"),
+           "num_attention_heads": heads, "num_key_value_heads": arg("num_query_groups") or heads,
+           "head_dim": arg("kv_channels") or arg("hidden_size") // heads,
+           "max_position_embeddings": arg("max_position_embeddings"), "rms_norm_eps": arg("norm_epsilon", 1e-5),
+           "tie_word_embeddings": not arg("untie_embeddings_and_output_weights"),
+           "attention_dropout": arg("attention_dropout", 0.0), "rope_theta": arg("rotary_base", 10000)}
+    if arg("use_rope_scaling"):
+        cfg["rope_scaling"] = {"rope_type": "llama3", "factor": arg("rope_scaling_factor"), **LLAMA3_FIXED}
+    if experts:
+        cfg.update(_moe_config(saved, family, experts))
+    model_shape(cfg)  # what it describes maps back (refusals in one line)
+    return cfg
+
+
+def _moe_config(saved, family: str, experts: int) -> dict:
+    from megatron.training.model.moe import moe_layers
+
+    pattern = moe_layers(saved.num_layers, getattr(saved, "moe_layer_freq", 1))
+    pre_softmax = bool(getattr(saved, "moe_router_pre_softmax", False))
+    topk = getattr(saved, "moe_router_topk", 2)
+    if family == "mixtral":
+        expert_ffn = getattr(saved, "moe_ffn_hidden_size", None)
+        if not all(pattern) or pre_softmax or expert_ffn not in (None, saved.ffn_hidden_size):
+            raise UserError("the checkpoint's mixture of experts has dense layers, --moe-router-pre-softmax or an "
+                            "expert FFN apart from --ffn-hidden-size: Mixtral's form has none of them (with "
+                            "--qk-layernorm it would be Qwen3-MoE's); pass --hf-template")
+        return {"num_local_experts": experts, "num_experts_per_tok": topk}
+    return {"num_experts": experts, "num_experts_per_tok": topk, "norm_topk_prob": not pre_softmax,
+            "moe_intermediate_size": getattr(saved, "moe_ffn_hidden_size", None) or saved.ffn_hidden_size,
+            "decoder_sparse_step": 1, "mlp_only_layers": [i for i, moe in enumerate(pattern) if not moe]}
