@@ -47,6 +47,9 @@ def record_path(checkpoint_dir: str, place) -> str:
     return os.path.join(checkpoint_dir, RECORD_DIR, f"pp{p:03d}_tp{t:03d}_dp{d:03d}.json")
 
 
+RECORD_NAME = re.compile(r"pp(\d+)_tp(\d+)_dp(\d+)\.json")
+
+
 def run_layout(model) -> dict:
     """What decides which state a rank holds: the grid's sizes, model chunks per rank, the EP size."""
     shape, _ = rank_coordinates()
@@ -122,9 +125,10 @@ class ResumeCheck:
     def _read_records(self, layout: dict) -> Optional[str]:
         """Read what this rank compares with; the reason where it compares nothing."""
         p, t, d = self.place
-        if not os.path.isdir(os.path.join(self.where, RECORD_DIR)):
+        listed = self._listed()
+        if not listed:
             return f"{self.where} records no digests (saved by an older version or another program)"
-        first = self._record((p, t, 0)) or self._record(min(self._listed()))
+        first = self._record((p, t, 0)) or self._record(listed[0])
         saved = first["layout"]
         same_grid = all(saved.get(k) == layout[k] for k in ("pp", "tp", "chunks", "ep"))
         if same_grid and saved.get("dp") == layout["dp"] and first.get("world_size") == torch.distributed.get_world_size():
@@ -139,8 +143,13 @@ class ResumeCheck:
         return None
 
     def _listed(self) -> List[Tuple[int, int, int]]:
-        names = os.listdir(os.path.join(self.where, RECORD_DIR))
-        return sorted(tuple(int(v) for v in re.findall(r"\d+", n)) for n in names if n.endswith(".json"))
+        """The positions whose records the checkpoint holds."""
+        try:
+            names = os.listdir(os.path.join(self.where, RECORD_DIR))
+        except FileNotFoundError:
+            return []
+        found = [RECORD_NAME.fullmatch(n) for n in names]
+        return sorted(tuple(int(v) for v in m.groups()) for m in found if m)
 
     def _record(self, place) -> Optional[dict]:
         path = record_path(self.where, place)
