@@ -39,8 +39,11 @@ _VALUE_TYPES = {  # megatron/training/errors.py's value types, as a reader would
 
 def build_parser() -> argparse.ArgumentParser:
     """pretrain_gpt.py's parser (parse_args builds the same one before parsing)."""
-    from megatron.training.args.arguments import build_parser as build
-
+    try:
+        from megatron.training.args.arguments import build_parser as build
+    except ModuleNotFoundError as err:
+        raise SystemExit(f"error: tools/gen_flag_reference.py: {err}; run it in the project's environment "
+                         "(source tools/setup_env.sh)") from None
     return build()
 
 
