@@ -135,7 +135,7 @@ class ResumeCheck:
             self.saved = self._record((p, t, d))
             return None if self.saved else f"the record of PP/TP/DP position {(p, t, d)} is missing"
         if not same_grid or self._record((p, t, 0)) is None:
-            return f"it was saved at {_layout(saved)}, this run is at {_layout(layout)}; digests are per rank"
+            return f"it was saved at {_layout(saved)}, this run is at {_layout(layout)}; the records name positions of that layout"
         self.saved = first
         self.position = [self._record((p, t, k)) for k in range(saved["dp"])]
         if any(record is None for record in self.position):
