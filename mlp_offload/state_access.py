@@ -118,7 +118,8 @@ class StateAccess:
                 yield i, sg, views
                 continue
             home, views = views, self._stage()
-            _copy(home, views, sg)
+            if fill_missing:  # a load writes the whole stage: copying the old state in would only race
+                _copy(home, views, sg)  # the digest thread still reading the previous subgroup's there
             yield i, sg, views
             if write_back:
                 _copy(views, home, sg)
