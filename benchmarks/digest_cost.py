@@ -55,7 +55,8 @@ def main() -> None:
                 fill_engine(eng, saved, observe=observed.observing if with_digest else None)
             load_s = time.perf_counter() - started
             same = "" if not with_digest else f", digests equal: {observed.result() == digest.result()}"
-            print(f"{label:7s} digests: save {nbytes / 1e9:.2f} GB in {save_s:.2f} s ({nbytes / 1e9 / save_s:.2f} GB/s), "
+            print(f"{label:7s} digests: save {nbytes / 1e9:.2f} GB in {save_s:.2f} s "
+                  f"({nbytes / 1e9 / save_s:.2f} GB/s), "
                   f"load in {load_s:.2f} s ({nbytes / 1e9 / load_s:.2f} GB/s){same}", flush=True)
     os.unlink(path)
 

@@ -115,11 +115,6 @@ def indexed_digest(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return torch.stack([x.sum(), (x * (index.to(torch.int64) + 1)).sum()])
 
 
-def as_pair(acc: torch.Tensor) -> List[int]:
-    """A digest as two unsigned 64-bit integers (what records store and compare)."""
-    return [v & MASK for v in acc.tolist()]
-
-
 def add_pairs(a: Sequence[int], b: Sequence[int]) -> List[int]:
     """Two digests of disjoint parts of one tensor (or of one parameter on two ranks) as one."""
     return [(x + y) & MASK for x, y in zip(a, b)]

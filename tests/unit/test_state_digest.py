@@ -104,7 +104,8 @@ def _engine(root, name, tiers, numel, subgroup, remainders, moments, segments, i
 
 
 def _pieces(segments):
-    return [[f"p{k}", param_start, length, shard_start] for k, (shard_start, param_start, length) in enumerate(segments)]
+    return [[f"p{k}", param_start, length, shard_start]
+            for k, (shard_start, param_start, length) in enumerate(segments)]
 
 
 def _block_starts(segments, block, start, end):
@@ -136,7 +137,8 @@ def file_digests(path, segments) -> dict:
         n = end - start
         regions = []
         for dtype in footer["dtypes"]:
-            size = n + (-n % 4) + 4 * entry["blocks"] if blockwise and dtype != footer["dtypes"][0] else n * sizes[dtype]
+            moment = blockwise and dtype != footer["dtypes"][0]
+            size = n + (-n % 4) + 4 * entry["blocks"] if moment else n * sizes[dtype]
             regions.append((at, dtype))
             at += size
         starts = _block_starts(segments, footer["blocks"]["block"], start, end) if blockwise else []
@@ -163,7 +165,8 @@ def cases(draw):
     bounds = [0, *cuts, numel]
     segments = [(a, draw(st.sampled_from([0, 0, 1, 300])), b - a) for a, b in zip(bounds, bounds[1:])]
     return dict(numel=numel, segments=segments, tiers=draw(st.sampled_from(TIER_SETS)),
-                subgroup=draw(st.integers(-(-numel // 6), numel)), load_subgroup=draw(st.integers(-(-numel // 6), numel)),
+                subgroup=draw(st.integers(-(-numel // 6), numel)),
+                load_subgroup=draw(st.integers(-(-numel // 6), numel)),
                 remainders=draw(st.booleans()), moments=draw(st.sampled_from(["fp32", "bf16", "fp8"])),
                 background=draw(st.booleans()), seed=draw(st.integers(0, 3)))
 

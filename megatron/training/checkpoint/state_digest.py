@@ -131,11 +131,13 @@ class ResumeCheck:
         first = self._record((p, t, 0)) or self._record(listed[0])
         saved = first["layout"]
         same_grid = all(saved.get(k) == layout[k] for k in ("pp", "tp", "chunks", "ep"))
-        if same_grid and saved.get("dp") == layout["dp"] and first.get("world_size") == torch.distributed.get_world_size():
+        world = torch.distributed.get_world_size()
+        if same_grid and saved.get("dp") == layout["dp"] and first.get("world_size") == world:
             self.saved = self._record((p, t, d))
             return None if self.saved else f"the record of PP/TP/DP position {(p, t, d)} is missing"
         if not same_grid or self._record((p, t, 0)) is None:
-            return f"it was saved at {_layout(saved)}, this run is at {_layout(layout)}; the records name positions of that layout"
+            return (f"it was saved at {_layout(saved)}, this run is at {_layout(layout)}; the records name positions "
+                    f"of that layout")
         self.saved = first
         self.position = [self._record((p, t, k)) for k in range(saved["dp"])]
         if any(record is None for record in self.position):
