@@ -36,7 +36,7 @@ from ..state_formats import is_blockwise
 
 MASK = (1 << 64) - 1
 CHUNK = 1 << 19  # words per chunk on the CPU: fewer calls beside the writer, its sums still in cache
-CUDA_CHUNK = 1 << 26  # on the GPU: few kernel launches (the widened chunk takes 512 MiB at most)
+CUDA_CHUNK = 1 << 24  # on the GPU: few kernel launches, and at most 128 MiB widened beside training
 ROW = 1 << 10
 _SIGNED = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 TENSORS = ("master", "exp_avg", "exp_avg_sq")
@@ -213,7 +213,8 @@ class StateDigest:
 
 
 def as_pairs(accs: Sequence[torch.Tensor]) -> List[List[int]]:
-    """Many digests as pairs, moved off their device at once."""
+    """Many digests as pairs of unsigned 64-bit integers (what records store and compare), moved off
+    their device at once."""
     if not accs:
         return []
     stacked = torch.stack([a.to(accs[0].device) for a in accs]).tolist()
