@@ -17,9 +17,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from mlp_offload import ModelLink, OffloadConfig, OffloadedAdamW  # noqa: E402
 from mlp_offload.checkpoint import StateFile, fill_engine  # noqa: E402
-from mlp_offload.checkpoint import digest as digests  # noqa: E402
-from mlp_offload.checkpoint.digest import StateDigest  # noqa: E402
-from mlp_offload.checkpoint.write import save_engine_state  # noqa: E402
+from mlp_offload.checkpoint import StateDigest, save_engine_state  # noqa: E402
 
 
 def main() -> None:
@@ -28,9 +26,7 @@ def main() -> None:
     parser.add_argument("--gparams", type=float, default=0.25, help="billions of parameters in the shard")
     parser.add_argument("--moments", default="fp32", choices=["fp32", "bf16", "fp8"])
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--chunk", type=int, default=digests.CHUNK, help="words per digested chunk on the CPU")
     args = parser.parse_args()
-    digests.CHUNK = args.chunk
     numel = int(args.gparams * 1e9)
     nvme = os.path.join(args.dir, "digest-cost-nvme")
     os.makedirs(nvme, exist_ok=True)

@@ -14,7 +14,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from mlp_offload.checkpoint import digest as digests  # noqa: E402
+from mlp_offload.checkpoint import tensor_digest  # noqa: E402
 
 
 def rate(t: torch.Tensor, repeats: int = 3) -> float:
@@ -23,7 +23,7 @@ def rate(t: torch.Tensor, repeats: int = 3) -> float:
         if t.is_cuda:
             torch.cuda.synchronize()
         started = time.perf_counter()
-        digests.digest(t).tolist()
+        tensor_digest(t).tolist()
         best = min(best, time.perf_counter() - started)
     return t.numel() * t.element_size() / best / 1e9
 
@@ -40,7 +40,7 @@ def main() -> None:
         line = f"{str(dtype):15s} | cpu {rate(t):5.2f} | cpu, unaligned {rate(t[1:]):5.2f}"
         if torch.cuda.is_available():
             on_gpu = t[1:].cuda()  # from an odd element: the words' lanes too
-            same = digests.digest(on_gpu, 5).tolist() == digests.digest(t[1:], 5).tolist()
+            same = tensor_digest(on_gpu, 5).tolist() == tensor_digest(t[1:], 5).tolist()
             line += f" | {torch.cuda.get_device_name()} {rate(on_gpu):7.1f} (digest as the CPU's: {same})"
         print(line + " GB/s", flush=True)
 

@@ -8,6 +8,8 @@ engine's other modules (the engine itself only for its type); none of them impor
 from ..kernels.blockwise8 import BlockLayout, Quantized, quantize
 from ..kernels.remainders import merge as merge_remainders
 from ..state_formats import describe as describe_formats, is_blockwise
+from .digest import MASK, TENSORS, StateDigest, add_pairs, as_pairs, find_mismatch
+from .digest import digest as tensor_digest  # the module keeps its name: ``digest`` stays the submodule
 from .file_blocks import FileBlocks, moments_change, note_moments_change, values_fill
 from .file_format import MAGIC, TRAILER, CheckpointDataError, CheckpointSaveError
 from .range_reader import RangeReader
@@ -19,4 +21,5 @@ __all__ = ["MAGIC", "TRAILER", "CheckpointDataError", "CheckpointSaveError", "Ra
            "fill_engine", "human_bytes", "load_engine_state", "read_footer", "state_file_bytes", "stored_codecs",
            "subgroups_file_bytes", "FileBlocks", "moments_change", "note_moments_change", "values_fill",
            "BackgroundStateWrite", "save_engine_state", "start_background_save", "write_snapshot",
-           "merge_remainders", "BlockLayout", "Quantized", "quantize", "describe_formats", "is_blockwise"]
+           "merge_remainders", "BlockLayout", "Quantized", "quantize", "describe_formats", "is_blockwise",
+           "MASK", "TENSORS", "StateDigest", "add_pairs", "as_pairs", "tensor_digest", "find_mismatch"]
