@@ -31,7 +31,8 @@ import warnings
 warnings.simplefilter("ignore")  # megatron-core warns at import about optional packages
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.training.errors import HOST_CACHE_FLAG, UserError, reported_once  # noqa: E402
+from megatron.training.errors import UserError, reported_once  # noqa: E402
+from megatron.training.offload.options import HOST_CACHE_FLAG  # noqa: E402
 from mlp_offload import GPU_TIER, HOST_TIER, GiB, MeasuredRates, codecs_for, kind_of  # noqa: E402
 
 # Sustained bf16 TFLOP/s per GPU (as Megatron-LM counts FLOPs) our training reached on one H200 with

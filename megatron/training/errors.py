@@ -6,10 +6,10 @@ rank's whole run: on a user error it prints ``error: <message>`` once for the wh
 rank to claim the job-wide slot in torch.distributed's store prints, the others stay quiet) and
 exits with status 2. ``MLP_OFFLOAD_TRACEBACK=1`` re-raises instead, with the full traceback.
 
-The engine names its config fields in errors (``host_budget_bytes=4194304``, ``paths['nvme']``);
-``in_flags`` (``offload.options``, the flags' table) rewrites such a message in the flags a user of
-``pretrain_gpt.py`` typed, values in the flags' units. The flags' value types (``positive_int``,
-``fraction``, ...) live in ``flag_types``; both are re-exported here, where the other layers import them.
+The engine names its config fields in errors (``host_budget_bytes=4194304``, ``paths['nvme']``); the
+flags' table (``offload.options``) registers ``in_flags`` here (``translate_messages_with``), which
+rewrites such a message in the flags a user of ``pretrain_gpt.py`` typed, values in the flags' units.
+The flags' value types (``positive_int``, ``fraction``, ...) live in ``flag_types``, re-exported here.
 """
 
 from __future__ import annotations
@@ -25,8 +25,6 @@ from mlp_offload import NamespaceInUseError
 
 from megatron.training.flag_types import (finite, fraction, non_negative_float, non_negative_int,  # noqa: F401
                                           positive_float, positive_int)
-from megatron.training.offload.options import (GPU_CACHE_FLAG, GPU_MARGIN_FLAG, GPU_START_FLAG,  # noqa: F401
-                                               HOST_CACHE_FLAG, UPDATE_ON_OF_FLAG, flag_figure, in_flags)
 
 EXIT_USER_ERROR = 2
 
@@ -90,7 +88,7 @@ def reported_once():
     except USER_ERRORS as err:
         if os.environ.get("MLP_OFFLOAD_TRACEBACK"):
             raise
-        report(in_flags(str(err)))  # the engine names its config fields; the user typed flags
+        report(_translated(str(err)))  # the engine names its config fields; the user typed flags
         raise SystemExit(EXIT_USER_ERROR) from None
     except Exception as err:  # a failure a layer above can name the flag for (``explain_failures_with``)
         line = next((said for said in (hint(err) for hint in _FAILURE_HINTS) if said), None)
@@ -101,6 +99,20 @@ def reported_once():
 
 
 _FAILURE_HINTS = []  # (exception) -> one line naming the flag that avoids it, or None
+_TRANSLATORS = []  # (message) -> the message in the flags the user typed
+
+
+def translate_messages_with(translate) -> None:
+    """``translate(message)``: a user error's message in the words the user typed (the flags' table
+    registers its ``in_flags``, so that this bottom layer imports no layer above it)."""
+    if translate not in _TRANSLATORS:
+        _TRANSLATORS.append(translate)
+
+
+def _translated(message: str) -> str:
+    for translate in _TRANSLATORS:
+        message = translate(message)
+    return message
 
 
 def explain_failures_with(hint) -> None:

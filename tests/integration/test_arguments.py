@@ -109,7 +109,7 @@ def test_mcore_cpu_offload_errors(extra, message):
     ("the offload tiers and their file tiers", "the offload tiers and their file tiers"),  # prose stays
 ])
 def test_engine_fields_read_as_flags(engine_says, user_reads):
-    from megatron.training.errors import in_flags
+    from megatron.training.offload.options import in_flags
 
     assert in_flags(engine_says) == user_reads
 

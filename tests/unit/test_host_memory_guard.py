@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from megatron.training.runtime.host_memory import DATA_WORKER_BYTES, beside_engine
-from megatron.training.errors import in_flags
+from megatron.training.offload.options import in_flags
 from mlp_offload import GiB, HostMemoryError, OffloadedAdamW
 from mlp_offload.tiers import host as host_module
 from mlp_offload.tiers.host import check_host_memory

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from tests.profiles import examples
 
-from megatron.training.errors import UserError, flag_figure, in_flags
+from megatron.training.errors import UserError
+from megatron.training.offload.options import flag_figure, in_flags
 from megatron.training.offload.shard_budgets import check_host_split, config_for_kind
 from mlp_offload import GiB, MeasuredRates, OffloadConfig, OffloadConfigError, PlacementError, TierBandwidth, plan_engine
 

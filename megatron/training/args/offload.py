@@ -10,7 +10,8 @@ from __future__ import annotations
 import re
 from typing import List, Tuple
 
-from megatron.training.errors import GPU_CACHE_FLAG, GPU_START_FLAG, fraction
+from megatron.training.errors import fraction
+from megatron.training.offload.options import GPU_CACHE_FLAG, GPU_START_FLAG
 from megatron.training.offload import options
 
 _PATH_FLAG = re.compile(r"^--offload-([A-Za-z0-9_]+)-path(?:=(.*))?$")

@@ -33,7 +33,8 @@ from megatron.training.offload.activation_memory import (activation_bytes, backw
 from megatron.training.offload.gpu_tier_start import starting_gpu_tier_bytes
 from megatron.training.offload.shard_budgets import check_host_split, config_for_kind
 from megatron.training.offload.plan_types import Machine, Plan
-from megatron.training.errors import GPU_CACHE_FLAG, UserError, in_flags
+from megatron.training.errors import UserError
+from megatron.training.offload.options import GPU_CACHE_FLAG, in_flags
 
 # CUDA context, cuBLAS workspaces, kernels: device memory torch's allocator cannot reach (what the
 # gpu tier auto lines of the GPU runs showed it could reach: docs/benchmarks.md §8).

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from itertools import groupby
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from megatron.training.errors import translate_messages_with
 from megatron.training.flag_types import non_negative_float, non_negative_int, positive_int
 from mlp_offload import GPU_TIER, GiB, MiB, OffloadConfig, parse_bandwidths
 
@@ -334,3 +335,6 @@ def flag_figure(value: float, scale: int) -> str:
             if int(float(figure) * scale) == value:
                 return figure
     return f"{value / scale:g}"
+
+
+translate_messages_with(in_flags)  # a user error from the engine, reported in the flags typed

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
-from megatron.training.errors import GPU_CACHE_FLAG
+from megatron.training.offload.options import GPU_CACHE_FLAG
 from mlp_offload import GPU_TIER, kind_of
 
 RECOMPUTE = {  # name -> the flags that ask for it

@@ -9,7 +9,8 @@ from typing import Dict, Optional
 
 from mlp_offload import GiB, OffloadConfig, min_host_budget_bytes
 
-from megatron.training.errors import HOST_CACHE_FLAG, UserError, flag_figure
+from megatron.training.errors import UserError
+from megatron.training.offload.options import HOST_CACHE_FLAG, flag_figure
 
 
 def host_shares(budget: int, numels: Dict[str, int]) -> Dict[str, int]:

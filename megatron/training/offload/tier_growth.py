@@ -12,7 +12,8 @@ import logging
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron.training.errors import GPU_MARGIN_FLAG, explain_failures_with
+from megatron.training.errors import explain_failures_with
+from megatron.training.offload.options import GPU_MARGIN_FLAG
 
 log = logging.getLogger("mlp_offload")
 RECENT_STEPS = 2  # a failure this many steps after a growth is named with it; later ones are not
