@@ -110,8 +110,7 @@ class OffloadedAdamW:
         self._paths, self.cpu_one_pass_how, self._deferred = paths, paths.cpu_one_pass_how, paths.deferred
         self.grad_buffer, self.grad_source, self._read_ahead = parts.grad_buffer, parts.grad_source, parts.read_ahead
         self._pipeline, self._state, self._loop = parts.pipeline, parts.state, parts.loop
-        self._relocation = Relocation(self.subgroups, self.config, self.update_rates, paths.device_type, start.rates,
-                                       hold_split=self.config.hold_update_split)
+        self._relocation = Relocation(self.subgroups, self.config, self.update_rates, paths.device_type, start.rates)
         self.log_placement()
         self._pipeline.begin(self._schedule_for(0))
 

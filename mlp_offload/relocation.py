@@ -73,14 +73,15 @@ class RelocationPlan:
 class Relocation:
     """``device_type``: where the device update runs (None without one). ``update_rates``: the
     start-up's, the split's first guess and the prediction's rates until the steps show others.
-    ``hold_split``: the update split stays as start-up chose it, whatever the steps' timings show (a
+    ``hold_split`` (default: the config's ``hold_update_split``): the update split stays as start-up chose it, whatever the steps' timings show (a
     deterministic run repeats its work, not only its bits); moves between tiers still re-side subgroups
     at the start-up's rates."""
 
     def __init__(self, subgroups: Sequence[Subgroup], config: OffloadConfig, update_rates: UpdateRates,
                  device_type: Optional[str], tier_rates: Optional[Dict[str, TierBandwidth]] = None,
-                 hold_split: bool = False):
+                 hold_split: Optional[bool] = None):
         self.subgroups, self.config, self.update_rates = list(subgroups), config, update_rates
+        hold_split = config.hold_update_split if hold_split is None else hold_split
         # A deferred step's measured time is only the share it waited for: no file tier's rate is read from it.
         self.disk = DiskRates(tier_rates) if tier_rates and not config.defer_device_wait else None
         # Deferred (defer_device_wait): the CPU's share of the host state, from the steps and the forward.

@@ -128,15 +128,24 @@ class Choice:
     forced: bool = False  # moved because ``current`` was slower than a single side (not for a gain)
 
 
+@dataclass(frozen=True)
+class Bar:
+    """What a move must clear: ``gain``, the fraction a move for a gain must shorten the update by;
+    ``margin``, the steps' noise as a fraction of the current split's time, which every move must
+    exceed; ``missed``, the fraction by which a count never measured is priced over its prediction."""
+    gain: float = GAIN
+    margin: float = 0.0
+    missed: float = 0.0
+
+
 def choose_split(current: int, sizes: Sequence[int], resident_elems: int, rates: SideRates,
-                 measured: Optional[Dict[int, float]] = None, gain: float = GAIN, overlap: bool = True,
-                 margin: float = 0.0, missed: float = 0.0) -> Choice:
+                 measured: Optional[Dict[int, float]] = None, overlap: bool = True, bar: Bar = Bar()) -> Choice:
     """The CPU's count of host-held subgroups after a step at ``current``. Each count is judged by
     its predicted update, or by its ``measured`` one where that was slower; a count never measured
-    by its prediction ``missed`` (a fraction) slower. The best count wins where ``current`` is
-    slower than the better single side (0: the device alone; n: the CPU for all of them), or where
-    it gains more than ``gain``; otherwise ``current`` stays. ``margin``: the steps' noise, as a
-    fraction of ``current``'s time, that either must exceed."""
+    by its prediction ``bar.missed`` slower. The best count wins where ``current`` is slower than the
+    better single side (0: the device alone; n: the CPU for all of them) by more than ``bar.margin``,
+    or where it gains more than ``bar.gain`` and ``bar.margin``; otherwise ``current`` stays."""
+    gain, margin, missed = bar.gain, bar.margin, bar.missed
     n = len(sizes)
     measured = measured or {}
     predicted = [split_times(k, sizes, resident_elems, rates, overlap)[2] for k in range(n + 1)]
@@ -273,8 +282,8 @@ class UpdateSplit:
         # How much slower than promised the counts moved to turned out: an untried count is priced that much worse.
         missed = max([medians[k] / p - 1 for k, p in self._promised.items() if k in medians and p > 0] + [0.0])
         noise = max(relative_noise(times), JITTER_S / medians[count])
-        return choose_split(count, sizes, resident, self.rates, medians, self.gain, self.overlap, NOISE_Z * noise,
-                            missed), noise
+        return choose_split(count, sizes, resident, self.rates, medians, self.overlap,
+                            Bar(self.gain, NOISE_Z * noise, missed)), noise
 
     def _remember(self, count: int, step: int, seconds: StepSeconds) -> None:
         """Keep ``seconds`` among ``count``'s last ``SAMPLES``; forget steps over ``memory_steps`` old."""

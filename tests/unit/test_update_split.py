@@ -14,7 +14,7 @@ from mlp_offload import ModelLink
 from mlp_offload import OffloadConfig, OffloadedAdamW
 from mlp_offload.plan.placement import CPU, DEVICE
 from mlp_offload.plan.placement import UpdateRates
-from mlp_offload.plan.split import (SideRates, StepSeconds, UpdateSplit, choose_split, observed_rates, settled_sides,
+from mlp_offload.plan.split import (Bar, SideRates, StepSeconds, UpdateSplit, choose_split, observed_rates, settled_sides,
                                      sides_for)
 from mlp_offload.telemetry.traffic import StepRecord
 from tests.profiles import examples
@@ -65,7 +65,7 @@ def test_choice_is_the_best_of_every_subset(case):
     n = len(sizes)
     best = min(reference_time(flags, sizes, resident, rates, overlap)
                for flags in itertools.product([False, True], repeat=n))
-    choice = choose_split(current, sizes, resident, rates, gain=0.0, overlap=overlap)
+    choice = choose_split(current, sizes, resident, rates, overlap=overlap, bar=Bar(gain=0.0))
     got = reference_time(count_flags(choice.count, n), sizes, resident, rates, overlap)
     # rel=1e-9 in these tests: equal splits priced by sums of float seconds in different orders
     assert got == pytest.approx(best, rel=1e-9)
@@ -109,7 +109,7 @@ def test_never_slower_than_the_better_single_side_and_moves_only_for_a_gain(case
     measured = {k: s for k, s in measured.items() if k <= n}
     judged = [max(reference_time(count_flags(k, n), sizes, resident, rates, overlap), measured.get(k, 0.0))
               for k in range(n + 1)]
-    choice = choose_split(current, sizes, resident, rates, measured, gain=gain, overlap=overlap)
+    choice = choose_split(current, sizes, resident, rates, measured, overlap=overlap, bar=Bar(gain=gain))
     assert choice.seconds == pytest.approx(judged, rel=1e-9)
     single = min(judged[0], judged[n])
     assert judged[choice.count] <= single * (1 + 1e-9)
@@ -260,7 +260,7 @@ def test_a_short_cpu_share_does_not_raise_the_devices_rate_beside_it():
     got = observed_rates(prior, size, (held - 1) * size, 75 * size, short)
     assert got.streamed_beside == prior.streamed_beside
     assert got.cpu_beside == pytest.approx(size / 0.083)
-    assert choose_split(1, [size] * held, 75 * size, got, gain=0.03).count in (0, 1)
+    assert choose_split(1, [size] * held, 75 * size, got, bar=Bar(gain=0.03)).count in (0, 1)
     long_share = StepSeconds(update_s=1.55, read_wait_s=0.0, cpu_s=0.9)
     assert observed_rates(prior, 9 * size, (held - 9) * size, 75 * size, long_share).streamed_beside > 6.16e9
     slower = StepSeconds(update_s=3.0, read_wait_s=0.0, cpu_s=0.083)
