@@ -24,12 +24,6 @@ REGENERATE = "python tools/gen_flag_reference.py"
 # parser no longer has stops the generator, so the list cannot silently go stale.
 ADDED_FLAGS = ("--device", "--loss-log", "--timing-log", "--ckpt-convert-memory-mb")
 
-# File tiers' directories are taken by parse_args from the arguments argparse leaves; where the parser has no
-# action documenting them, this row does.
-PATH_FLAG_ROW = ("`--offload-NAME-path DIR`", "directory", "–",
-                 "directory of file tier NAME (one flag per file tier named in --offload-tiers; any "
-                 "alphanumeric name, e.g. --offload-nvme-path, --offload-pfs-path)")
-
 _VALUE_TYPES = {  # megatron/training/errors.py's value types, as a reader would say them
     "positive_int": "int > 0", "non_negative_int": "int >= 0", "positive_float": "number > 0",
     "non_negative_float": "number >= 0", "finite": "number", "fraction": "number in [0, 1]",
@@ -37,14 +31,19 @@ _VALUE_TYPES = {  # megatron/training/errors.py's value types, as a reader would
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """pretrain_gpt.py's parser (parse_args builds the same one before parsing)."""
+def _arguments():
+    """megatron/training/args/arguments.py: pretrain_gpt.py's parser and the view of its options."""
     try:
-        from megatron.training.args.arguments import build_parser as build
+        from megatron.training.args import arguments
     except ModuleNotFoundError as err:
         raise SystemExit(f"error: tools/gen_flag_reference.py: {err}; run it in the project's environment "
                          "(source tools/setup_env.sh)") from None
-    return build()
+    return arguments
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """pretrain_gpt.py's parser (parse_args builds the same one before parsing)."""
+    return _arguments().build_parser()
 
 
 def _is_offload(action) -> bool:
@@ -99,19 +98,19 @@ def _table(rows) -> list:
     return ["| flag | value | default | what it does |", "| --- | --- | --- | --- |", *rows, ""]
 
 
-def _visible(group) -> list:
-    return [a for a in group._group_actions if a.help != argparse.SUPPRESS and a.option_strings
-            and not isinstance(a, argparse._HelpAction)]
+def _visible(actions) -> list:
+    is_help = _arguments().is_help
+    return [a for a in actions if a.help != argparse.SUPPRESS and a.option_strings and not is_help(a)]
 
 
 def render(parser=None) -> str:
     parser = parser or build_parser()
-    actions = {s: a for a in parser._actions for s in a.option_strings}
+    actions = {s: a for a in _arguments().declared_actions(parser) for s in a.option_strings}
     missing = [flag for flag in ADDED_FLAGS if flag not in actions]
     if missing:
         raise SystemExit(f"error: tools/gen_flag_reference.py: ADDED_FLAGS names {', '.join(missing)}, "
                          "which pretrain_gpt.py's parser no longer has; update the list")
-    groups = [(g.title, _visible(g)) for g in parser._action_groups]
+    groups = [(g.title, _visible(acts)) for g, acts in _arguments().declared_groups(parser)]
     offload_groups = [(title, acts) for title, acts in groups if any(_is_offload(a) for a in acts)]
     added = [actions[f] for f in ADDED_FLAGS]
     listed = {id(a) for _, acts in offload_groups for a in acts} | {id(a) for a in added}
@@ -124,10 +123,7 @@ def render(parser=None) -> str:
     out += ["## Offload flags (this repository's engine)", ""]
     for title, acts in offload_groups:
         out += [f"### {title}", ""]
-        rows = [_row(parser, a) for a in acts]
-        if any(a.option_strings[0] == "--offload-tiers" for a in acts) and "--offload-NAME-path" not in actions:
-            rows.insert(1, "| " + " | ".join(PATH_FLAG_ROW) + " |")
-        out += _table(rows)
+        out += _table([_row(parser, a) for a in acts])
     out += ["## Other flags this stack adds", ""]
     out += _table([_row(parser, a) for a in added])
     out += ["## Megatron-LM's flags accepted here",

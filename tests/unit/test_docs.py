@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron.training.args.arguments import build_parser, parse_args
+from megatron.training.args.arguments import build_parser, declared_actions, parse_args
 
 REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
@@ -73,7 +73,7 @@ def _section(text: str, heading: str) -> str:
 
 def test_the_flags_the_readme_names_are_the_parsers():
     text = README.read_text()
-    known = {s for a in build_parser()._actions for s in a.option_strings}
+    known = {s for a in declared_actions(build_parser()) for s in a.option_strings}
     named = set(re.findall(r"`(--[A-Za-z0-9-]+)", _section(text, "The flags that matter")))
     named |= set(re.findall(r"`(--[A-Za-z0-9-]+)", _section(text, "Checkpoints, resume and conversion")))
     assert len(named) >= 12

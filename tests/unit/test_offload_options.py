@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron.training.args.arguments import build_parser, parse_args
+from megatron.training.args.arguments import build_parser, declared_actions, parse_args
 from megatron.training.errors import UserError
 from megatron.training.model.precision_aware import DTYPE_FLAGS
 from megatron.training.offload.flags import config_from_args
@@ -28,7 +28,7 @@ CONFIG_FIELDS = {f.name for f in dataclasses.fields(OffloadConfig)}
 
 
 def _offload_actions():
-    return {s: a for a in build_parser()._actions for s in a.option_strings if s.startswith("--offload-")}
+    return {s: a for a in declared_actions(build_parser()) for s in a.option_strings if s.startswith("--offload-")}
 
 
 def _unit_named_by(flag: str) -> int:
@@ -106,7 +106,7 @@ def test_keyed_fields_and_other_groups_flags_in_engine_messages():
     assert in_flags("device_adam_kernel and the paths and bandwidths in prose") == \
         "device_adam_kernel and the paths and bandwidths in prose"
     assert STATE_DTYPE_FLAGS == DTYPE_FLAGS
-    options = {s for a in build_parser()._actions for s in a.option_strings}
+    options = {s for a in declared_actions(build_parser()) for s in a.option_strings}
     named = [n.flag.split()[0] for n in ERROR_NAMES.values() if n.say is None]
     named += [ERROR_NAMES["state_dtypes"].say(str(i)) for i in range(3)]
     assert set(named) <= options

@@ -21,11 +21,16 @@ EXTERNAL = {
     "threading._shutdown": "the standard library: the warm-rank server runs an interpreter's exit by hand",
     "atexit._run_exitfuncs": "the standard library: the warm-rank server runs an interpreter's exit by hand",
     "parser._actions": "argparse keeps a parser's declared options there and has no public list of them",
+    "parser._action_groups": "argparse keeps a parser's argument groups there and has no public list of them",
+    "group._group_actions": "argparse keeps an argument group's options there and has no public list of them",
+    "argparse._HelpAction": "argparse's class of its own -h/--help, which has no public name",
     "request._replace": "a namedtuple's public copy-with-changes (underscored so it clashes with no field)",
     "splitter._params": "nltk's trained punkt parameters, which its tokenizer takes",
     "torch.cuda._sleep": "torch's GPU spin of a given number of cycles (a benchmark of the launch queue)",
     "from torch.utils.cpp_extension import _get_build_directory": "torch's build directory of an extension",
     "from torch.distributed.distributed_c10d import _get_default_store": "torch's store of the default group",
+    "from torch.distributed.checkpoint.filesystem import _StorageInfo":
+        "torch's record of where an item lies in a checkpoint file, which its FileSystemReader reads back",
     "tokenizer._tokenizer": "megatron-core's text tokenizer keeps its library's tokenizer there",
     "from megatron.core.tokenizers.text.libraries.tiktoken_tokenizer import _PATTERN_TIKTOKEN_V2":
         "megatron-core's tiktoken pattern, which a test compares with ours",

@@ -26,6 +26,23 @@ class _Parser(argparse.ArgumentParser):
         raise UserError(message)
 
 
+# argparse lists a parser's options and groups only in private attributes: these are the one place that
+# reads them (tests/unit/test_private_reads.py names each).
+def declared_actions(parser: argparse.ArgumentParser) -> list:
+    """Every option and positional ``parser`` declares, argparse's own -h/--help included, in order."""
+    return list(parser._actions)
+
+
+def declared_groups(parser: argparse.ArgumentParser) -> list:
+    """``(group, its actions)`` for each argument group of ``parser``, in the order --help shows them."""
+    return [(group, list(group._group_actions)) for group in parser._action_groups]
+
+
+def is_help(action: argparse.Action) -> bool:
+    """Whether ``action`` is argparse's own -h/--help."""
+    return isinstance(action, argparse._HelpAction)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(description="Megatron-style GPT pretraining on megatron-core", allow_abbrev=False)
 
@@ -220,7 +237,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser = build_parser()
     from_checkpoint = "--use-checkpoint-args" in (argv if argv is not None else sys.argv[1:])
     if from_checkpoint:  # the model's shape comes from the checkpoint: its flags become optional
-        for action in parser._actions:
+        for action in declared_actions(parser):
             if action.dest in MODEL_SHAPE_ARGS + FILLED_IF_MISSING:
                 action.required = False
     args, rest = parser.parse_known_args(argv)

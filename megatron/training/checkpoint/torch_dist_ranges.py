@@ -92,7 +92,7 @@ class FlatTensorRanges:
             return None
         fd = self._file(stored.relative_path)
         try:
-            with zipfile.ZipFile(_FileSlice(fd, stored.offset, stored.length)) as archive:
+            with zipfile.ZipFile(FileSlice(fd, stored.offset, stored.length)) as archive:
                 records = [r for r in archive.infolist() if _STORAGE_RECORD.match(r.filename)]
         except zipfile.BadZipFile:
             return None
@@ -139,7 +139,7 @@ class FlatTensorRanges:
         self.close()
 
 
-class _FileSlice(io.RawIOBase):
+class FileSlice(io.RawIOBase):
     """Bytes [offset, offset + length) of an open file, as a seekable stream (for zipfile)."""
 
     def __init__(self, fd: int, offset: int, length: int):

@@ -22,7 +22,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron.training.checkpoint.torch_dist_ranges import _FileSlice
+from megatron.training.checkpoint.torch_dist_ranges import FileSlice
 from megatron.training.errors import UserError
 
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
@@ -281,7 +281,7 @@ class TorchDistReader:
         if path not in self._fds:
             self._fds[path] = os.open(path, os.O_RDONLY)
         # torch.load reads the record straight from the file: the chunk's own bytes, no copy of them
-        stream = io.BufferedReader(_FileSlice(self._fds[path], info.offset, info.length))
+        stream = io.BufferedReader(FileSlice(self._fds[path], info.offset, info.length))
         return torch.load(stream, map_location="cpu", weights_only=True)
 
     def close(self) -> None:
