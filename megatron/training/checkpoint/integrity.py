@@ -360,6 +360,13 @@ class ResumeCheck:
             self.skipped = self._read_records(run_layout(model))
         self.observed: Dict[str, Tuple[object, StateDigest]] = {}  # kind -> (shard, its load's digests)
         self.optimizer_skipped: Optional[str] = None
+        self.loaded_params: Optional[Tuple[Dict[str, Dict[str, List[int]]], int]] = None
+
+    def params_loaded(self, model) -> None:
+        """Digest the params as the load read them, before a conversion re-derives them from the masters
+        (the split into remainders rounds half away from zero, megatron-core's cast to nearest even)."""
+        if self.saved is not None:
+            self.loaded_params = param_digests(model)
 
     def _read_records(self, layout: dict) -> Optional[str]:
         """Read what this rank compares with; the reason where it compares nothing."""
@@ -444,7 +451,7 @@ class ResumeCheck:
 
     def _compare(self, model) -> Tuple[List[str], int]:
         iteration = self.saved["iteration"]
-        params, nbytes = param_digests(model)
+        params, nbytes = self.loaded_params or param_digests(model)
         differs = []
 
         def differ(what: str, saved, now) -> None:

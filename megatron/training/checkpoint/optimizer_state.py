@@ -68,6 +68,7 @@ def load_optimizer(plan: LoadPlan, optimizer, model, state: dict, args, check) -
                 megatron_optimizers(optimizer), saved, plan.offload_meta, max_bytes))
     else:  # FROM_DISTRIBUTED
         check.skip_optimizer("it was converted from megatron-core's distributed optimizer form")
+        check.params_loaded(model)  # the conversion's split may round this rank's params anew
         _convert("megatron-core's distributed optimizer form", plan.path, args, model,
                  lambda: load_into_engine(optimizer, plan.path, state["plain_optimizer"],
                                           args.ckpt_convert_memory_mb << 20))
