@@ -169,6 +169,17 @@ def _host_budget_missing(flags) -> bool:
     return HOST_TIER in tiers and any(kind_of(t).needs_path for t in tiers)
 
 
+def _flag_value(flags, name: str):
+    """The value ``flags`` give ``name`` (``--name value`` or ``--name=value``; the last one wins), or None."""
+    value = None
+    for i, flag in enumerate(flags):
+        if flag == name and i + 1 < len(flags):
+            value = flags[i + 1]
+        elif flag.startswith(name + "="):
+            value = flag.split("=", 1)[1]
+    return value
+
+
 def pretrain_args(flags, machine):
     """pretrain_gpt.py's own parser; flags that do not change the plan are filled in if missing."""
     from megatron.training.args.arguments import parse_args
@@ -180,8 +191,13 @@ def pretrain_args(flags, machine):
         flags += ["--train-iters", "1"]
     if "--lr" not in flags:
         flags += ["--lr", "1e-4"]
-    if not any(f.split("=")[0] == "--offload-adam-kernel" for f in flags):
-        flags += ["--offload-adam-kernel", "fused"]  # a GPU job's default (this machine may have no GPU)
+    gpu_job = _flag_value(flags, "--device") != "cpu"
+    # A GPU job's defaults where the flags leave them to the machine (this one may have no GPU): pretrain_gpt.py
+    # resolves them on the node that trains.
+    if _flag_value(flags, "--offload-adam-kernel") is None:
+        flags += ["--offload-adam-kernel", "fused"]
+    if gpu_job and _flag_value(flags, "--offload-tiers") and _flag_value(flags, "--offload-update") is None:
+        flags += ["--offload-update", "auto"]
     suggest_budget = _host_budget_missing(flags)
     if suggest_budget:  # the training refuses host + file tiers without a budget: plan_for suggests one
         flags += [HOST_CACHE_FLAG, "1"]
