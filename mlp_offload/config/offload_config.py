@@ -83,7 +83,7 @@ class OffloadConfig:
     """With ``defer_device_wait`` and ``update_on`` "auto": how many of the subgroups resident in host
     memory the CPU updates (spread over the order; at most all of them), whatever the time model
     predicts; None or 0: none, all streamed through the device (the default: the CPU's work can slow
-    the device's streaming more than the model counts, docs/benchmarks.md §17); "auto": the model's choice
+    the device's streaming more than the model counts, docs/benchmarks.md); "auto": the model's choice
     (``plan.overlap_split``: a share only where the update the iteration sees is predicted shorter)."""
 
     hold_update_split: bool = False

@@ -44,7 +44,7 @@ def stored_per_token_layer(cfg) -> float:
     activation and the second's input, 2 (2f + f + f) / h with a gated unit (SwiGLU), 4 f / h without.
     A GPT layer (MHA, FFN 4h, GeLU) gives 10 + 30 / t, where Korthikanti's 24 / t counts neither the
     rotation nor the copy. Checked against recorded runs' peaks in tests/unit/test_plan_replay.py
-    (docs/benchmarks.md §20, "the planner's activations follow the layer's shape")."""
+    (docs/benchmarks.md)."""
     t = cfg.tensor_model_parallel_size
     h, f, a = cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_attention_heads
     kv = (cfg.num_query_groups or a) / a

@@ -37,7 +37,7 @@ from megatron.training.errors import UserError
 from megatron.training.offload.options import GPU_CACHE_FLAG, in_flags
 
 # CUDA context, cuBLAS workspaces, kernels: device memory torch's allocator cannot reach (what the
-# gpu tier auto lines of the GPU runs showed it could reach: docs/benchmarks.md §8).
+# gpu tier auto lines of the GPU runs showed it could reach: docs/benchmarks.md).
 CUDA_RESERVE_BYTES = int(3.5 * GiB)
 HOST_SHARE = 0.8  # of a node's memory, what optimizer state may take (the rest: OS, data loaders, pinning)
 

@@ -2,7 +2,7 @@
 planner's activation estimate leaves free after the model, instead of nothing.
 
 Started empty, the first iteration streams the state that does not fit pinned host memory from the
-disk before the measured peak lets the tier grow (docs/benchmarks.md §11-12). Half, because the first
+disk before the measured peak lets the tier grow (docs/benchmarks.md). Half, because the first
 iteration's peak runs above the steady one and the activation estimate counts the unfused attention's
 scores; the engine's own measurement after iteration 1 then promotes or hands back from there
 (engine.observe_device_memory).

@@ -2,7 +2,7 @@
 
 The first steps of an overlapped run settle their update before the next forward (the update in series);
 the later ones leave it under the next forward. Beside the forward, the device's update can run slower than
-alone and slow the forward more than it hides (docs/benchmarks.md §12, 60.4 B with SDPA). The time from one
+alone and slow the forward more than it hides (docs/benchmarks.md). The time from one
 step's start to the next is an iteration: after a settled step it is the serial iteration, after a deferred
 one the overlapped iteration. Once both have ``samples`` figures, a slower overlap (the fastest of each,
 beyond ``slack``) is turned off: every later step settles.

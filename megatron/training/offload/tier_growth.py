@@ -1,7 +1,7 @@
 """The auto gpu tier's last growth (--offload-gpu-cache-gb auto), for the one line a job prints where NCCL fails soon
 after: NCCL's buffers are allocated outside torch's allocator, so the margin the tier leaves beside the training's
 peak (--offload-gpu-margin-gb) is all the room they find: a tier grown to within the margin can leave NCCL failing
-("unhandled cuda error") in the next step (docs/benchmarks.md §18-20). The same failure elsewhere ("Failed to CUDA
+("unhandled cuda error") in the next step (docs/benchmarks.md). The same failure elsewhere ("Failed to CUDA
 calloc 8388608 bytes": torch's allocator keeps freed blocks cached, and NCCL, allocating lazily outside it, finds
 the driver empty; pytorch/torchtitan#660, THUDM/slime#1086) is met by emptying the cache: the optimizer does so
 after each growth. Process-wide: one device per rank."""
