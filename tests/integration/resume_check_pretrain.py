@@ -10,7 +10,7 @@ import sys
 def _break_before_the_check():
     import torch
 
-    from megatron.training.checkpoint.integrity import ResumeCheck
+    from megatron.training.checkpoint.resume_check import ResumeCheck
 
     breaks = [item.split("@") for item in os.environ["RESUME_CHECK_BREAK"].split(",")]
     finish = ResumeCheck.finish

@@ -31,7 +31,7 @@ from megatron.training.checkpoint.offload_files import (offloaded_state_bytes, s
                                                         start_offloaded_save)
 from megatron.training.checkpoint.optimizer_state import load_optimizer, optimizer_template
 from megatron.training.checkpoint.saved_args import args_to_save
-from megatron.training.checkpoint.integrity import ResumeCheck, SaveDigests
+from megatron.training.checkpoint.resume_check import ResumeCheck, SaveDigests
 from megatron.training.checkpoint.state_dict import (all_data_parallel_rng_states, load_model, load_rng,
                                                      load_strategies, model_state, rng_sharded_object,
                                                      save_strategies, sharding_metadata)

@@ -44,7 +44,7 @@ def optimizer_template(plan: LoadPlan, optimizer, model_template: dict, metadata
 
 def load_optimizer(plan: LoadPlan, optimizer, model, state: dict, args, check) -> None:
     """Do what the plan says for the optimizer, ``state`` being what the torch_dist read gave.
-    ``check``: the load's integrity.ResumeCheck, which digests what the engines' fills write."""
+    ``check``: the load's resume_check.ResumeCheck, which digests what the engines' fills write."""
     if torch.cuda.is_available():
         # The model's weights were just copied in on the current stream; the offload engine reads and
         # writes them (the masters' high halves) on a stream of its own, which must see them landed.
@@ -141,7 +141,7 @@ def load_offloaded_state(shards, saved: SavedOffloadState, offload_meta: dict, m
     """Each of the offload facade's shards (``kind``, ``engine``, ``layout``, ``dp_group``,
     ``grad_scaler``) from ``saved``: its grad scaler from the common state's ``offload_meta``, its
     engine from its own file as saved or each parameter slice from whichever old ranks held it.
-    ``check``: a integrity.ResumeCheck, which observes the fills of engines loaded as saved."""
+    ``check``: a resume_check.ResumeCheck, which observes the fills of engines loaded as saved."""
     # A checkpoint saved with one shard (no experts' optimizer, or EP 1) has one scaler: the dense shard's.
     for shard, scaler in zip(shards, offload_meta["grad_scalers"]):
         if shard.grad_scaler is not None and scaler:
