@@ -108,7 +108,7 @@ def machine_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-config", default=None, metavar="DIR/config.json",
                    help="the model's flags from a Hugging Face config.json (or its directory), as tools/"
                         "hf_checkpoint.py import derives them; pretrain_gpt.py flags given too override them")
-    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--nnodes", type=int, default=1, help="nodes in the job (default 1)")
     p.add_argument("--gpus-per-node", type=int, default=1, help="ranks per node")
     p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory of one GPU, GiB")
     p.add_argument("--host-memory-gb", type=float, default=None, help="memory of one node, GiB (default: this node's)")
