@@ -6,6 +6,7 @@
 #   D2  --deterministic-mode again, no save: must equal D1 bit for bit
 #   DR  --deterministic-mode, resumed from D1's save at 2 (page cache dropped): iterations 3-4 must equal D1's
 #   N1, N2  without the mode, twice: the nondeterminism the mode removes, and the mode's cost at this size
+#   A1  (only when RUNS names it) --async-save at 2 and 4 of 6 iterations: each save's hold, the steps beside its writer
 #   bash benchmarks/run_gpu.sh determinism     (device tool, kind nvidia-h200, carry [".whl"])
 #   RUNS="D1 D2 DR" ... a subset; DRY_RUN=1 bash benchmarks/experiments/determinism.sh (tiny, CPU)
 set -u
@@ -62,6 +63,7 @@ for name in ${RUNS:-D1 D2 DR N1 N2}; do
         rm -rf "$DISK/ckpt/iter_0000004"; drop_page_cache
         run DR --deterministic-mode --load "$DISK/at2" ;;
     N1|N2) run "$name" ;;
+    A1) run A1 --async-save --save "$DISK/async" --save-interval 2 --train-iters 6 ;;  # holds, steps beside the writer
   esac
 done
 du -sh "$DISK/at2" 2>/dev/null | cat

@@ -12,12 +12,13 @@ from .digest import MASK, TENSORS, StateDigest, add_pairs, as_pairs, find_mismat
 from .digest import digest as tensor_digest  # the module keeps its name: ``digest`` stays the submodule
 from .file_blocks import FileBlocks, moments_change, note_moments_change, values_fill
 from .file_format import MAGIC, TRAILER, CheckpointDataError, CheckpointSaveError
+from .file_format import SUFFIX as STATE_FILE_SUFFIX
 from .range_reader import RangeReader
 from .state_file import (StateFile, fill_engine, human_bytes, load_engine_state, read_footer, state_file_bytes,
                          stored_codecs, subgroups_file_bytes)
 from .write import BackgroundStateWrite, save_engine_state, start_background_save, write_snapshot
 
-__all__ = ["MAGIC", "TRAILER", "CheckpointDataError", "CheckpointSaveError", "RangeReader", "StateFile",
+__all__ = ["MAGIC", "TRAILER", "STATE_FILE_SUFFIX", "CheckpointDataError", "CheckpointSaveError", "RangeReader", "StateFile",
            "fill_engine", "human_bytes", "load_engine_state", "read_footer", "state_file_bytes", "stored_codecs",
            "subgroups_file_bytes", "FileBlocks", "moments_change", "note_moments_change", "values_fill",
            "BackgroundStateWrite", "save_engine_state", "start_background_save", "write_snapshot",

@@ -1,7 +1,7 @@
-"""A resume opens each saved offload file at most three times (its index, then its data: once for the
-footer and whatever the page cache serves, once with O_DIRECT for the tensors, tiers.direct_io; rank 0
-also checks the completeness proof, whose CRC covers the small files of the tiny model) and parses its
-footer once, in every rank: at the saved layout (DP2) and at another DP size (DP2 -> DP1).
+"""A resume opens each saved offload file at most twice (once for the footer and whatever the page cache
+serves, once with O_DIRECT for the tensors, tiers.direct_io; the completeness proof lists its size but
+leaves its checksums to the file itself) and parses its footer once, in every rank: at the saved layout
+(DP2) and at another DP size (DP2 -> DP1).
 
 The counts are of real opens: Python's ``open`` audit events in the loading ranks
 (open_counting_pretrain.py), not calls into the checkpoint package."""
@@ -41,5 +41,5 @@ def test_each_saved_file_is_opened_at_most_twice_and_its_footer_read_once(tmp_pa
     for rank, counts in enumerate(ranks):
         print(f"rank {rank}: opens {counts['opens']}, footers read {counts['footers']}")
         assert counts["opens"], "the load opened no offload file: nothing was counted"
-        assert all(n <= 3 for n in counts["opens"].values()), (rank, counts)
+        assert all(n <= 2 for n in counts["opens"].values()), (rank, counts)
         assert all(n == 1 for n in counts["footers"].values()), (rank, counts)

@@ -104,21 +104,21 @@ def _edit_one_offset_digit(path):
 
 
 def test_edited_offload_footer_is_refused_at_another_dp_size(tmp_path, saved):
-    """One digit of a slice offset edited: the directory's proof (CRC of files up to 64 MiB) refuses
-    it; with the proof re-signed after the edit (or a file too large for the proof's CRC), the
-    offload file's own footer checksum does. Either way one line names the file; nothing changes."""
+    """One digit of a slice offset edited: the offload file's own footer checksum refuses it (the
+    directory's proof lists the file's size only, and the edit keeps it), in one line naming the file;
+    nothing changes. A small file the proof checksums (metadata), edited, is refused by the proof."""
     ckpt = saved(2)
     target = ckpt / "iter_0000002"
     victim = target / "offload" / "pp000_tp000_dp001.offload"
     _edit_one_offset_digit(victim)
     kept = tree_digest(ckpt)
     line = failed_run(tmp_path, chain_args(tmp_path, ckpt), "edited", nproc=1, train_iters=ITERS)
-    assert f"{target} is damaged ({victim} does not match its checksum)" in line and "restore it" in line
-    assert tree_digest(ckpt) == kept
-    (target / integrity.IN_PROGRESS).write_text("{}")
-    integrity.mark_complete(str(target), 2)
-    line = failed_run(tmp_path, chain_args(tmp_path, ckpt), "resigned", nproc=1, train_iters=ITERS)
     assert f"{victim}: checksum mismatch in the footer" in line
+    assert tree_digest(ckpt) == kept
+    metadata = target / "metadata.json"
+    metadata.write_bytes(metadata.read_bytes().replace(b"{", b" ", 1))  # same size, other bytes
+    line = failed_run(tmp_path, chain_args(tmp_path, ckpt), "metadata", nproc=1, train_iters=ITERS)
+    assert f"{target} is damaged ({metadata} does not match its checksum)" in line and "restore it" in line
 
 
 def test_disk_full_in_the_middle_of_a_save(tmp_path, uninterrupted, saved):

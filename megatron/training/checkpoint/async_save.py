@@ -20,10 +20,13 @@ a crash leaves the previous checkpoint as the one resumed.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Protocol
+import time
+from typing import Callable, List, Optional, Protocol, Tuple
 
 import torch
 from torch.distributed.checkpoint import CheckpointException
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories, is_main_replica
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
 
 # on_written(failure): failure is None when this rank's write succeeded, else a one-line reason.
@@ -90,6 +93,30 @@ class BackgroundSaves:
         for call in self._queue.async_calls:
             call.async_caller.close(abort=True)
         self._queue = AsyncCallsQueue(persistent=False)
+
+
+def reserve_host_copies(model_state: dict, fully_parallel: bool) -> Tuple[int, float]:
+    """Pin, then free, host memory for each GPU tensor of ``model_state`` (the model's sharded state
+    dict, as a save builds it) that a save copies to host: torch keeps freed pinned blocks cached by
+    size, so the first --async-save's copy reuses them instead of pinning memory while training
+    waits. Of replicated tensors, only the ones this rank writes (all, under fully parallel saves,
+    which pick the writer at the save). Returns (bytes, seconds); nothing on a run without CUDA."""
+    sizes = copied_tensor_sizes(model_state, fully_parallel)
+    if not sizes or not torch.cuda.is_available():
+        return 0, 0.0
+    started = time.perf_counter()
+    blocks = [torch.empty(numel, dtype=dtype, pin_memory=True) for numel, dtype in sizes]
+    nbytes = sum(block.numel() * block.element_size() for block in blocks)
+    del blocks  # into torch's cache of pinned blocks
+    return nbytes, time.perf_counter() - started
+
+
+def copied_tensor_sizes(model_state: dict, fully_parallel: bool) -> List[Tuple[int, torch.dtype]]:
+    """(numel, dtype) of each GPU tensor a save of ``model_state`` copies to host on this rank."""
+    apply_factories(model_state)  # e.g. SwiGLU's fc1 is saved as its two halves
+    return [(value.data.numel(), value.data.dtype) for value in nested_values(model_state)
+            if isinstance(value, ShardedTensor) and value.data is not None and value.data.is_cuda
+            and (fully_parallel or is_main_replica(value.replica_id))]
 
 
 def _finalize_then(finalize_fns, on_written: OnWritten):

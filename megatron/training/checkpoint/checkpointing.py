@@ -18,6 +18,7 @@ import errno
 import logging
 import os
 import shutil
+import threading
 import time
 from typing import Optional
 
@@ -25,10 +26,11 @@ import torch
 from megatron.core import dist_checkpointing, parallel_state
 
 from megatron.training.checkpoint import integrity
+from megatron.training.checkpoint.async_save import reserve_host_copies
 from megatron.training.checkpoint.integrity import checkpoint_dir
 from megatron.training.checkpoint.load_plan import plan_load, resume_position
-from megatron.training.checkpoint.offload_files import (offloaded_state_bytes, save_offloaded_state,
-                                                        start_offloaded_save)
+from megatron.training.checkpoint.offload_files import (offloaded_state_bytes, offloaded_state_writes,
+                                                        start_offloaded_save, write_offloaded_state)
 from megatron.training.checkpoint.optimizer_state import load_optimizer, optimizer_template
 from megatron.training.checkpoint.saved_args import args_to_save
 from megatron.training.checkpoint.resume_check import ResumeCheck, SaveDigests
@@ -73,6 +75,16 @@ def _state_to_save(args, model, optimizer, scheduler, iteration, consumed_sample
     return state
 
 
+def reserve_async_save_memory(model, args) -> None:
+    """--async-save: pin the host memory its copies of the weights take now, at start-up, not while the
+    first background save holds training (async_save.reserve_host_copies); one line says how much."""
+    fully_parallel = args.ckpt_fully_parallel_save and parallel_state.get_data_parallel_world_size() > 1
+    nbytes, seconds = reserve_host_copies(model_state(model, sharding_metadata()), fully_parallel)
+    if nbytes:
+        print_rank0(f"> --async-save: {human_bytes(nbytes)} of pinned host memory (rank 0) kept for the saves' copies "
+                    f"of the weights, pinned in {seconds:.1f} s")
+
+
 def save_checkpoint(iteration: int, model, optimizer, scheduler, consumed_samples: int, args, background=None) -> str:
     """Save everything into ``root/iter_N`` (root: ``args.save``, as Megatron-LM's) and record it as the
     latest; see checkpoint_integrity for the order that makes a crash at any point leave the previous
@@ -99,18 +111,24 @@ def save_checkpoint(iteration: int, model, optimizer, scheduler, consumed_sample
     torch_dist_from = time.perf_counter()
     request, offload_bytes, offload_s, failure, offload_write = None, 0, 0.0, None, None
     torch_dist_to = torch_dist_from
+    offloaded = save_optimizer and isinstance(optimizer, OffloadedOptimizerCheckpoint)  # a file per rank beside it
+    concurrent = None
     try:
+        if offloaded and background is None:  # written while torch_dist writes: the disk never waits on one
+            writes = offloaded_state_writes(optimizer.shards, model, path, engine_digests)
+            concurrent = _ConcurrentWrite(write_offloaded_state, writes)
         request = dist_checkpointing.save(state, path, async_sharded_save=background is not None,
                                           **save_strategies(args))
         torch_dist_to = time.perf_counter()  # async: its plan and its copy to host memory
-        if save_optimizer and isinstance(optimizer, OffloadedOptimizerCheckpoint):  # streamed beside it, a file per rank
+        if concurrent is not None:
+            offload_bytes, offload_s = concurrent.result()
+        elif offloaded:  # --async-save: a snapshot, written once started
             t0 = time.perf_counter()
-            if background is None:
-                offload_bytes = save_offloaded_state(optimizer.shards, model, path, engine_digests)
-            else:  # a snapshot, written once started
-                offload_write = start_offloaded_save(optimizer.shards, model, path, engine_digests)
+            offload_write = start_offloaded_save(optimizer.shards, model, path, engine_digests)
             offload_s = time.perf_counter() - t0
     except (CheckpointSaveError, OSError) as err:
+        if concurrent is not None:
+            concurrent.wait_quietly()  # it may still be writing into the directory the failure removes
         failure = _save_failure(err, path)
     if failure is None and background is None:
         failure = _write_digests(digests, path)
@@ -150,6 +168,36 @@ def save_checkpoint(iteration: int, model, optimizer, scheduler, consumed_sample
     print_rank0(f"> checkpoint at iteration {iteration}: training held {on_written.held_s:.2f} s{previous}; {what} "
                  f"are being written in the background to {path} (--async-save)")
     return path
+
+
+class _ConcurrentWrite:
+    """``fn(*args)`` on a thread of its own, on the caller's GPU; ``result()``: what it returned and its
+    seconds, or what it raised."""
+
+    def __init__(self, fn, *args):
+        self._device = torch.cuda.current_device() if torch.cuda.is_available() else None
+        self._outcome: tuple = ()
+        self._thread = threading.Thread(target=self._run, args=(fn, args), name="mlp-offload-save", daemon=True)
+        self._thread.start()
+
+    def _run(self, fn, args) -> None:
+        started = time.perf_counter()
+        try:
+            if self._device is not None:
+                torch.cuda.set_device(self._device)
+            self._outcome = (fn(*args), time.perf_counter() - started, None)
+        except BaseException as err:  # noqa: BLE001 -- handed to the caller's thread, which decides
+            self._outcome = (None, 0.0, err)
+
+    def result(self):
+        self._thread.join()
+        value, seconds, err = self._outcome
+        if err is not None:
+            raise err
+        return value, seconds
+
+    def wait_quietly(self) -> None:
+        self._thread.join()
 
 
 def _save_failure(err: BaseException, path: str) -> str:

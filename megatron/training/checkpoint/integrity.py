@@ -2,7 +2,7 @@
 
 A save marks its new ``iter_N/`` with ``SAVE_IN_PROGRESS`` before any data goes in; once every
 rank's files are on disk, rank 0 writes ``COMPLETE.json`` (the size of every file, the CRC32 of
-every small one such as metadata, and a CRC32 of itself) by rename, removes the in-progress marker,
+every small one such as metadata but the offloaded state's, which check themselves, and a CRC32 of itself) by rename, removes the in-progress marker,
 and only then updates the tracker. A directory is therefore
 
 - complete: ``COMPLETE.json`` is intact and every file it lists is there with its size (and CRC);
@@ -29,11 +29,13 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from mlp_offload import fsync_path
+from mlp_offload.checkpoint import STATE_FILE_SUFFIX
 
 TRACKER = "latest_checkpointed_iteration.txt"
 IN_PROGRESS = "SAVE_IN_PROGRESS"
 COMPLETE = "COMPLETE.json"
-CRC_LIMIT_BYTES = 64 << 20  # files up to this size (metadata, common state) get a CRC32 in the proof
+CRC_LIMIT_BYTES = 64 << 20  # files up to this size (metadata, common state) get a CRC32 in the proof,
+# but for offloaded state files, which check themselves as they load: reading one for a CRC is one more open
 _ITER_DIR = re.compile(r"^iter_(\d{7})$")
 
 COMPLETE_STATE, INCOMPLETE, DAMAGED, UNPROVEN, MISSING = "complete", "incomplete", "damaged", "unproven", "missing"
@@ -68,7 +70,8 @@ def mark_complete(path: str, iteration: int) -> int:
     """Write ``COMPLETE.json`` for what ``path`` holds now; returns the checkpoint's bytes."""
     files = {}
     for rel, size in _files(path):
-        crc = _crc_file(os.path.join(path, rel)) if size <= CRC_LIMIT_BYTES else None
+        proven = size <= CRC_LIMIT_BYTES and not rel.endswith(STATE_FILE_SUFFIX)
+        crc = _crc_file(os.path.join(path, rel)) if proven else None
         files[rel] = [size, crc]
     body = {"format": 1, "iteration": iteration, "written": time.time(), "files": files}
     _write_durably(os.path.join(path, COMPLETE), _signed(body))

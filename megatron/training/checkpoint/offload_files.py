@@ -31,8 +31,8 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTenso
 
 from megatron.training.checkpoint.state_dict import rank_coordinates, sharding_metadata
 from mlp_offload import BackgroundStateWrite, save_engine_state, start_background_save
-from mlp_offload.checkpoint import (BlockLayout, CheckpointDataError, Quantized, RangeReader, StateFile, quantize,
-                                    subgroups_file_bytes)
+from mlp_offload.checkpoint import (STATE_FILE_SUFFIX, BlockLayout, CheckpointDataError, Quantized, RangeReader,
+                                    StateFile, quantize, subgroups_file_bytes)
 
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")  # the order of the tensors in an offload file
 # The dense parameters' files, and the experts' (sharded over the expert grid and expert-data-parallel ranks).
@@ -42,7 +42,7 @@ FILE_NAME = re.compile(r"^pp(\d+)_tp(\d+)_dp(\d+)\.offload$")
 
 # -- where they lie -------------------------------------------------------------------------------
 def offload_file_path(checkpoint_dir: str, pp: int, tp: int, dp: int, kind: str = "dense") -> str:
-    return os.path.join(checkpoint_dir, SUBDIRS[kind], f"pp{pp:03d}_tp{tp:03d}_dp{dp:03d}.offload")
+    return os.path.join(checkpoint_dir, SUBDIRS[kind], f"pp{pp:03d}_tp{tp:03d}_dp{dp:03d}{STATE_FILE_SUFFIX}")
 
 
 def shard_coordinates(kind: str = "dense"):
@@ -169,12 +169,19 @@ def _two_halves_geometry(factory: ShardedTensorFactory) -> Optional[ParamGeometr
 
 
 # -- writing them ---------------------------------------------------------------------------------
-def save_offloaded_state(shards, model_chunks, checkpoint_dir: str, digests: Optional[dict] = None) -> int:
-    """Stream each shard's engine state into ``checkpoint_dir`` (a file per rank and shard); returns
-    the bytes written. ``digests``: kind -> StateDigest, which the writer adds what it writes to."""
+def offloaded_state_writes(shards, model_chunks, checkpoint_dir: str, digests: Optional[dict] = None) -> list:
+    """What ``write_offloaded_state`` writes into ``checkpoint_dir``: a file per rank and shard, its
+    metadata read from the model here, on the caller's thread. ``digests``: kind -> StateDigest, which
+    the writer adds what it writes to."""
     digests = digests or {}
-    return sum(save_engine_state(shard.engine, *_file_and_metadata(shard, model_chunks, checkpoint_dir),
-                                 digests.get(shard.kind)) for shard in shards)
+    return [(shard.engine, *_file_and_metadata(shard, model_chunks, checkpoint_dir), digests.get(shard.kind))
+            for shard in shards]
+
+
+def write_offloaded_state(writes: list) -> int:
+    """Stream each engine's state into its file (any thread: it touches the engines and the files
+    only); returns the bytes written."""
+    return sum(save_engine_state(*write) for write in writes)
 
 
 def start_offloaded_save(shards, model_chunks, checkpoint_dir: str, digests: Optional[dict] = None) -> "StateWrites":
@@ -185,7 +192,7 @@ def start_offloaded_save(shards, model_chunks, checkpoint_dir: str, digests: Opt
 
 
 def offloaded_state_bytes(shards) -> int:
-    """What ``save_offloaded_state`` writes on this rank."""
+    """What ``write_offloaded_state`` writes on this rank."""
     return sum(subgroups_file_bytes(shard.engine.subgroups) for shard in shards)
 
 
