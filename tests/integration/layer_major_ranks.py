@@ -1,0 +1,101 @@
+"""A rank of tests/integration/test_layer_major_cpu.py: one training step's forward and backward on a tiny
+GPT, by megatron-core's schedule and by the layer-major step, from the same params and batches; writes
+whether the losses and every gradient buffer agree bit for bit to OUT/rank<N>.json.
+
+    python layer_major_ranks.py OUT TP MICRO_BATCHES PRECISION   (each rank of a gloo launch on the CPU;
+                                                                 PRECISION: bf16, or fp32 for no --bf16)"""
+
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+SEQ, VOCAB = 16, 64
+
+
+def _pretrain_gpt():
+    spec = importlib.util.spec_from_file_location("pretrain_gpt_steps", REPO / "pretrain_gpt.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _batches(count: int, seed: int) -> list:
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(count):
+        tokens = torch.randint(0, VOCAB, (1, SEQ + 1), generator=generator)
+        mask = (torch.rand(1, SEQ, generator=generator) > 0.2).float()  # some tokens not counted
+        batches.append({"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": mask,
+                        "position_ids": torch.arange(SEQ).unsqueeze(0)})
+    return batches
+
+
+def _grads(chunk) -> list:
+    return [buffer.grad_data.clone() for buffer in chunk.buffers + chunk.expert_parallel_buffers]
+
+
+def main(out: str, tp: int, micro_batches: int, precision: str) -> None:
+    from megatron.training.runtime import cpu_compat
+
+    cpu_compat.define_missing_te_names()
+    cpu_compat.apply()
+    torch.distributed.init_process_group("gloo")
+    from megatron.core import parallel_state
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron.training.args.arguments import parse_args
+    from megatron.training.model.configs import transformer_config
+    from megatron.training.model.layer_major import forward_backward_layer_major
+    from megatron.training.training import build_model
+
+    args = parse_args([
+        "--num-layers", "3", "--hidden-size", "32", "--num-attention-heads", "4", "--group-query-attention",
+        "--num-query-groups", "2", "--ffn-hidden-size", "64", "--seq-length", str(SEQ),
+        "--max-position-embeddings", str(SEQ), "--swiglu", "--normalization", "RMSNorm",
+        "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+        "--hidden-dropout", "0", "--attention-dropout", "0", "--transformer-impl", "local",
+        "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+        "--tensor-model-parallel-size", str(tp), "--micro-batch-size", "1",
+        "--global-batch-size", str(micro_batches), "--train-iters", "1", "--lr", "1e-3", "--mock-data",
+        "--device", "cpu", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB),
+        "--padded-vocab-size", str(VOCAB), *(["--bf16"] if precision == "bf16" else [])])
+    args.device_resolved = "cpu"
+    parallel_state.initialize_model_parallel(tp, 1)
+    model_parallel_cuda_manual_seed(1234)
+    config = transformer_config(args)
+    steps = _pretrain_gpt()
+    model = build_model(args, config, steps.model_provider, torch.device("cpu"))
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = model[0].no_sync
+    batches = _batches(micro_batches, seed=7)
+
+    def run(schedule) -> tuple:
+        model[0].zero_grad_buffer()
+        reported = schedule(forward_step_func=steps.forward_step, data_iterator=iter(batches), model=model,
+                            num_microbatches=micro_batches, seq_length=SEQ, micro_batch_size=1, forward_only=False)
+        return [entry["lm loss"].tolist() for entry in reported], _grads(model[0])
+
+    reference_losses, reference_grads = run(get_forward_backward_func())
+    losses, grads = run(forward_backward_layer_major)
+    rank = torch.distributed.get_rank()
+    result = {
+        "losses": losses, "reference_losses": reference_losses,
+        "grads_equal": all(torch.equal(a, b) for a, b in zip(grads, reference_grads)),
+        "max_grad_difference": max(float((a.float() - b.float()).abs().max()) for a, b in zip(grads, reference_grads)),
+        "nonzero_grads": int(sum(int(torch.count_nonzero(g)) for g in grads)),
+        "grad_elements": int(sum(g.numel() for g in grads)),
+    }
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    parallel_state.destroy_model_parallel()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])

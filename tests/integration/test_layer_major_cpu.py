@@ -1,0 +1,42 @@
+"""The layer-major step (megatron/training/model/layer_major.py) against megatron-core's schedule with
+full recompute: the same losses and every gradient bit for bit, from the same params and batches, on
+the CPU at TP1 in fp32 (where each gradient's sum over micro-batches rounds, so its order shows) and at TP2
+in bf16 (layer_major_ranks.py does both passes in each rank)."""
+
+import json
+
+import pytest
+
+from launch import REPO, launch_command, pretrain_env, run_and_clean_up
+
+RANKS = REPO / "tests" / "integration" / "layer_major_ranks.py"
+
+
+@pytest.mark.parametrize("tp, micro_batches, precision", [(1, 3, "fp32"), (2, 4, "bf16")],
+                         ids=["tp1-3mb-fp32", "tp2-4mb-bf16"])
+def test_layer_major_step_equals_megatron_cores_schedule(tmp_path, tp, micro_batches, precision):
+    cmd = launch_command([str(tmp_path), str(tp), str(micro_batches), precision], tp, warm=True, script=RANKS)
+    code, output = run_and_clean_up(cmd, pretrain_env(), 240, tmp_path / "out.txt")
+    assert code == 0, output[-4000:]
+    for rank in range(tp):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert len(result["losses"]) == micro_batches
+        assert result["losses"] == result["reference_losses"], result
+        assert result["nonzero_grads"] > result["grad_elements"] // 2, result  # a real backward reached them
+        assert result["grads_equal"], result
+
+
+def test_configurations_it_cannot_run_are_refused_in_one_line():
+    from types import SimpleNamespace
+
+    from megatron.training.model.layer_major import layer_major_refusal
+
+    good = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
+                hidden_dropout=0.0, attention_dropout=0.0, fp8=None)
+    assert layer_major_refusal(SimpleNamespace(**good), 1, 1) is None
+    for change, words in ((dict(recompute_granularity="selective"), "--recompute-granularity full"),
+                          (dict(recompute_num_layers=2), "--recompute-num-layers 1"),
+                          (dict(hidden_dropout=0.1), "--hidden-dropout 0.1"), (dict(fp8="e4m3"), "fp8")):
+        line = layer_major_refusal(SimpleNamespace(**{**good, **change}), 1, 1)
+        assert words in line and "\n" not in line
+    assert "one pipeline stage" in layer_major_refusal(SimpleNamespace(**good), 1, 2)
