@@ -47,72 +47,121 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(description="Megatron-style GPT pretraining on megatron-core", allow_abbrev=False)
 
     g = p.add_argument_group("model")
-    g.add_argument("--num-layers", type=positive_int, required=True)
-    g.add_argument("--hidden-size", type=positive_int, required=True)
+    g.add_argument("--num-layers", type=positive_int, required=True, help="transformer layers in the model")
+    g.add_argument("--hidden-size", type=positive_int, required=True,
+                   help="width of the hidden states and the embeddings")
     g.add_argument("--ffn-hidden-size", type=positive_int, default=None,
                    help="default 4*hidden; with --swiglu int(8*hidden/3/64)*64, as Megatron-LM")
-    g.add_argument("--num-attention-heads", type=positive_int, required=True)
+    g.add_argument("--num-attention-heads", type=positive_int, required=True, help="attention heads per layer")
     g.add_argument("--num-query-groups", type=positive_int, default=None,
                    help="KV heads with --group-query-attention (default 1); ignored without it, as Megatron-LM")
-    g.add_argument("--seq-length", type=positive_int, required=True)
-    g.add_argument("--max-position-embeddings", type=positive_int, default=None)
-    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
-    g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--seq-length", type=positive_int, required=True, help="tokens per training sample")
+    g.add_argument("--max-position-embeddings", type=positive_int, default=None,
+                   help="longest sequence the position embeddings cover; at least --seq-length. Default: --seq-length")
+    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm",
+                   help="the layers' norm. Default: %(default)s")
+    g.add_argument("--swiglu", action="store_true",
+                   help="gated SiLU (SwiGLU) MLP instead of GeLU; changes the default --ffn-hidden-size")
     g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "yarn", "none", "mrope", "relative"],
                    default="learned_absolute", help="Megatron-LM's choices; mrope and relative are refused")
-    g.add_argument("--rotary-base", type=int, default=10000)
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    g.add_argument("--disable-bias-linear", action="store_true")
-    g.add_argument("--hidden-dropout", type=non_negative_float, default=0.1)
-    g.add_argument("--attention-dropout", type=non_negative_float, default=0.1)
-    g.add_argument("--init-method-std", type=finite, default=0.02)
-    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
-    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
-    g.add_argument("--recompute-num-layers", type=positive_int, default=None)
+    g.add_argument("--rotary-base", type=int, default=10000, help="RoPE's base (theta). Default: %(default)s")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="give the output layer its own weights instead of the input embedding's")
+    g.add_argument("--disable-bias-linear", action="store_true",
+                   help="no biases in the linear layers (a QKV bias only with --add-qkv-bias)")
+    g.add_argument("--hidden-dropout", type=non_negative_float, default=0.1,
+                   help="dropout probability on the attention and MLP outputs. Default: %(default)s")
+    g.add_argument("--attention-dropout", type=non_negative_float, default=0.1,
+                   help="dropout probability on the attention weights. Default: %(default)s")
+    g.add_argument("--init-method-std", type=finite, default=0.02,
+                   help="standard deviation of the weights' normal initialisation. Default: %(default)s")
+    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
+                   help="recompute whole layers (full) or only the attention core (selective) in backward. "
+                        "Default: none")
+    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None,
+                   help="with full recompute: uniform (all layers, in groups) or block (the first N of each stage). "
+                        "Default: uniform")
+    g.add_argument("--recompute-num-layers", type=positive_int, default=None,
+                   help="with --recompute-granularity full: layers per group (uniform) or per stage (block). "
+                        "Default: 1")
 
     g = p.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=positive_int, required=True)
-    g.add_argument("--global-batch-size", type=positive_int, default=None)
+    g.add_argument("--micro-batch-size", type=positive_int, required=True,
+                   help="samples per forward and backward pass on each data-parallel rank")
+    g.add_argument("--global-batch-size", type=positive_int, default=None,
+                   help="samples per optimizer step over all ranks (gradient accumulation). "
+                        "Default: micro-batch size x DP size")
     g.add_argument("--train-iters", type=positive_int, default=None, help="or --train-samples")
-    g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--bf16", action="store_true")
-    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--seed", type=int, default=1234,
+                   help="seeds Python, NumPy and torch (plus 100 per pipeline stage), the data order and --mock-data. "
+                        "Default: %(default)s")
+    g.add_argument("--bf16", action="store_true",
+                   help="the model in bfloat16, with fp32 master weights and fp32 gradient reduction (default: fp32)")
+    g.add_argument("--fp16", action="store_true",
+                   help="the model and gradients in float16 with loss scaling and fp32 master weights (default: fp32)")
     g.add_argument("--loss-scale", type=finite, default=None, help="fp16 static loss scale")
-    g.add_argument("--initial-loss-scale", type=finite, default=2.0**32)
-    g.add_argument("--tensor-model-parallel-size", type=positive_int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=positive_int, default=1)
-    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--initial-loss-scale", type=finite, default=2.0**32,
+                   help="with --fp16 and no --loss-scale: the dynamic loss scale's first value. Default: 2^32")
+    g.add_argument("--tensor-model-parallel-size", type=positive_int, default=1,
+                   help="ranks each layer's weights are split over (tensor parallelism). Default: %(default)s")
+    g.add_argument("--pipeline-model-parallel-size", type=positive_int, default=1,
+                   help="pipeline stages the layers are split into; must divide --num-layers. Default: %(default)s")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="with TP > 1: split the norms' and dropouts' activations along the sequence too (off at TP 1)")
     g.add_argument("--use-distributed-optimizer", dest="use_distributed_optimizer",
                    action="store_true", default=None,
                    help="shard the optimizer state over data-parallel ranks; off by default as in Megatron-LM, "
                         "implied by --offload-tiers and --optimizer-cpu-offload")
     g.add_argument("--no-use-distributed-optimizer", dest="use_distributed_optimizer",
-                   action="store_false")
-    g.add_argument("--overlap-grad-reduce", action="store_true")
-    g.add_argument("--overlap-param-gather", action="store_true")
-    g.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
+                   action="store_false",
+                   help="keep the whole optimizer state on every data-parallel rank; not allowed with --offload-tiers")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="overlap the data-parallel gradient reduction with the backward pass, in buckets")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="with the distributed optimizer: overlap the updated params' all-gather with the next forward")
+    g.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto",
+                   help="cuda (LOCAL_RANK's GPU), cpu (gloo, no CUDA kernels) or auto: cuda if one is visible. "
+                        "Default: %(default)s")
 
     g = p.add_argument_group("optimizer")
-    g.add_argument("--lr", type=non_negative_float, required=True)
-    g.add_argument("--min-lr", type=non_negative_float, default=0.0)
+    g.add_argument("--lr", type=non_negative_float, required=True,
+                   help="peak learning rate, reached after the warmup and decayed to --min-lr")
+    g.add_argument("--min-lr", type=non_negative_float, default=0.0,
+                   help="the learning rate the decay ends at. Default: %(default)s")
     g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"],
-                   default="linear")
-    g.add_argument("--lr-decay-iters", type=positive_int, default=None)
-    g.add_argument("--lr-warmup-iters", type=non_negative_int, default=0)
-    g.add_argument("--weight-decay", type=non_negative_float, default=0.01)
-    g.add_argument("--adam-beta1", type=finite, default=0.9)
-    g.add_argument("--adam-beta2", type=finite, default=0.999)
-    g.add_argument("--adam-eps", type=finite, default=1e-8)
-    g.add_argument("--clip-grad", type=non_negative_float, default=1.0)
+                   default="linear",
+                   help="how the learning rate falls from --lr to --min-lr after the warmup. Default: %(default)s")
+    g.add_argument("--lr-decay-iters", type=positive_int, default=None,
+                   help="iterations until the decay ends, warmup included. Default: --train-iters")
+    g.add_argument("--lr-warmup-iters", type=non_negative_int, default=0,
+                   help="iterations of linear warmup from --lr-warmup-init to --lr. Default: %(default)s")
+    g.add_argument("--weight-decay", type=non_negative_float, default=0.01,
+                   help="AdamW's decoupled weight decay (see --weight-decay-incr-style). Default: %(default)s")
+    g.add_argument("--adam-beta1", type=finite, default=0.9,
+                   help="Adam's decay rate of the first moment. Default: %(default)s")
+    g.add_argument("--adam-beta2", type=finite, default=0.999,
+                   help="Adam's decay rate of the second moment. Default: %(default)s")
+    g.add_argument("--adam-eps", type=finite, default=1e-8, help="added to Adam's denominator. Default: %(default)s")
+    g.add_argument("--clip-grad", type=non_negative_float, default=1.0,
+                   help="clip the gradients' global L2 norm to this; 0 turns clipping off. Default: %(default)s")
     precision_aware.add_flags(g)
 
     g = p.add_argument_group("logging, evaluation, checkpoints")
-    g.add_argument("--log-interval", type=positive_int, default=100)
-    g.add_argument("--eval-interval", type=positive_int, default=None)
-    g.add_argument("--eval-iters", type=non_negative_int, default=2)
-    g.add_argument("--save", type=str, default=None)
-    g.add_argument("--load", type=str, default=None)
-    g.add_argument("--save-interval", type=positive_int, default=None)
+    g.add_argument("--log-interval", type=positive_int, default=100,
+                   help="print the iteration line (and timers) every N iterations and for the first of a run. "
+                        "Default: %(default)s")
+    g.add_argument("--eval-interval", type=positive_int, default=None,
+                   help="validate every N iterations on --eval-iters batches. "
+                        "Default: none, no validation (Megatron-LM: 1000)")
+    g.add_argument("--eval-iters", type=non_negative_int, default=2,
+                   help="global batches per validation. Default: %(default)s (Megatron-LM: 100)")
+    g.add_argument("--save", type=str, default=None,
+                   help="checkpoint directory: saved every --save-interval and at the end. "
+                        "Default: none, no checkpoints")
+    g.add_argument("--load", type=str, default=None,
+                   help="checkpoint directory to resume from, at its latest complete checkpoint. Default: none")
+    g.add_argument("--save-interval", type=positive_int, default=None,
+                   help="with --save: also save every N iterations. Default: none, at the end only")
     g.add_argument("--exit-interval", type=positive_int, default=None,
                    help="stop (after saving, with --save) when the iteration is a multiple of this")
     g.add_argument("--exit-signal-handler", action="store_true",
@@ -140,34 +189,42 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--timing-log-option", choices=["max", "minmax", "all"], default="minmax",
                    help="how the timers are reduced across ranks when printed")
     g.add_argument("--tensorboard-dir", type=str, default=None, help="write TensorBoard events here (last rank)")
-    g.add_argument("--tensorboard-log-interval", type=positive_int, default=1)
+    g.add_argument("--tensorboard-log-interval", type=positive_int, default=1,
+                   help="write the iteration's scalars to TensorBoard and W&B every N iterations. Default: %(default)s")
     g.add_argument("--tensorboard-queue-size", type=positive_int, default=1000,
                    help="events held in memory before TensorBoard's writer flushes them to disk")
     g.add_argument("--log-timers-to-tensorboard", action="store_true",
                    help="also write iteration time, throughput and the --timing-log-level timers")
     g.add_argument("--no-log-loss-scale-to-tensorboard", dest="log_loss_scale_to_tensorboard",
-                   action="store_false", default=True)
-    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
+                   action="store_false", default=True,
+                   help="leave the loss scale out of the TensorBoard and W&B scalars (logged by default)")
+    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
+                   help="also write the validation perplexity (exp of the loss) to TensorBoard")
     g.add_argument("--log-memory-to-tensorboard", action="store_true",
                    help="device memory (CUDA) and the offload engine's bytes per tier")
     g.add_argument("--wandb-project", type=str, default=None,
                    help="log to Weights & Biases (last rank); WANDB_MODE=offline keeps it on disk")
-    g.add_argument("--wandb-exp-name", type=str, default=None)
+    g.add_argument("--wandb-exp-name", type=str, default=None, help="name of the W&B run; needed with --wandb-project")
     g.add_argument("--wandb-save-dir", type=str, default=None,
                    help="the W&B run directory's parent; default SAVE/wandb")
     arguments_checkpoint.add_flags(g)
 
     g = p.add_argument_group("data")
-    g.add_argument("--mock-data", action="store_true")
+    g.add_argument("--mock-data", action="store_true",
+                   help="train on generated, learnable byte sequences instead of --data-path")
     g.add_argument("--data-path", nargs="+", default=None,
                    help="prefixes of .bin/.idx files, optionally weighted: [W1] P1 [W2] P2 ...")
-    g.add_argument("--split", type=str, default="969,30,1")
+    g.add_argument("--split", type=str, default="969,30,1",
+                   help="train,valid,test weights over the --data-path documents (test is never read). "
+                        "Default: %(default)s")
     from megatron.training.data.tokenizers import add_tokenizer_arguments
 
     add_tokenizer_arguments(g)  # --tokenizer-type, --vocab-size, --vocab-file, ... as Megatron-LM
     g.add_argument("--num-workers", type=non_negative_int, default=2,
                    help="DataLoader worker processes per rank (default 2, as Megatron-LM; 0 loads in the rank)")
-    g.add_argument("--data-cache-path", type=str, default=None)
+    g.add_argument("--data-cache-path", type=str, default=None,
+                   help="directory for the datasets' cached sample and shuffle indices. "
+                        "Default: cache/ under each --data-path prefix")
     g.add_argument("--no-mmap-bin-files", dest="mmap_bin_files", action="store_false",
                    help="read the .bin files instead of memory-mapping them")
     g.add_argument("--no-create-attention-mask-in-dataloader", dest="create_attention_mask_in_dataloader",

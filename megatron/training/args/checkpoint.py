@@ -39,7 +39,8 @@ def add_flags(g) -> None:
                         "checkpoint writer and the load)")
     g.add_argument("--ckpt-fully-parallel-save", dest="ckpt_fully_parallel_save", action="store_true",
                    default=True, help="spread the writing of replicated shards over data-parallel ranks (default)")
-    g.add_argument("--no-ckpt-fully-parallel-save", dest="ckpt_fully_parallel_save", action="store_false")
+    g.add_argument("--no-ckpt-fully-parallel-save", dest="ckpt_fully_parallel_save", action="store_false",
+                   help="write each replicated shard from one data-parallel rank (default: spread over the ranks)")
     g.add_argument("--ckpt-fully-parallel-load", action="store_true",
                    help="each data-parallel rank reads a part of the replicated shards and they exchange them")
 

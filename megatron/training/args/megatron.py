@@ -64,7 +64,7 @@ def _add_rope_bias_and_vocab(p) -> None:
     g.add_argument("--yarn-correction-range-round-to-int", action="store_true", default=None,
                    help="with yarn: round the correction range to integers (the default)")
     g.add_argument("--no-yarn-correction-range-round-to-int", dest="yarn_correction_range_round_to_int",
-                   action="store_false")
+                   action="store_false", help="with yarn: leave the correction range unrounded")
     g.add_argument("--rotary-seq-len-interpolation-factor", type=positive_int, default=None,
                    help="divide the RoPE positions by this (linear position interpolation)")
     g.add_argument("--no-rope-freq", type=layer_pattern, default=None,
@@ -90,21 +90,34 @@ def _add_kernels(p) -> None:
                    help="with transformer-engine layers, its kernels; without them flash and auto run torch's "
                         "scaled_dot_product_attention, local and unfused megatron-core's unfused attention")
     g.add_argument("--use-flash-attn", action="store_true", help="= --attention-backend flash")
-    g.add_argument("--no-masked-softmax-fusion", dest="masked_softmax_fusion", action="store_false")
-    g.add_argument("--no-bias-gelu-fusion", dest="bias_gelu_fusion", action="store_false")
-    g.add_argument("--no-bias-swiglu-fusion", dest="bias_swiglu_fusion", action="store_false")
-    g.add_argument("--no-bias-dropout-fusion", dest="bias_dropout_fusion", action="store_false")
-    g.add_argument("--no-rope-fusion", dest="apply_rope_fusion", action="store_false")
-    g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion", action="store_false")
-    g.add_argument("--no-persist-layer-norm", action="store_true")
+    g.add_argument("--no-masked-softmax-fusion", dest="masked_softmax_fusion", action="store_false",
+                   help="no fused scaled-masked softmax (default: on with CUDA and transformer-engine or apex)")
+    g.add_argument("--no-bias-gelu-fusion", dest="bias_gelu_fusion", action="store_false",
+                   help="no fused bias + GeLU (default: on with CUDA and linear biases)")
+    g.add_argument("--no-bias-swiglu-fusion", dest="bias_swiglu_fusion", action="store_false",
+                   help="no fused bias + SwiGLU with --swiglu (default: on with CUDA and linear biases)")
+    g.add_argument("--no-bias-dropout-fusion", dest="bias_dropout_fusion", action="store_false",
+                   help="no fused bias + dropout + residual add (default: on with CUDA)")
+    g.add_argument("--no-rope-fusion", dest="apply_rope_fusion", action="store_false",
+                   help="no fused RoPE (default: on with transformer-engine layers and rope)")
+    g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion", action="store_false",
+                   help="no fused weight-gradient accumulation (default: on with CUDA and apex's kernel)")
+    g.add_argument("--no-persist-layer-norm", action="store_true",
+                   help="no persistent layer-norm kernel (default: on with CUDA and transformer-engine or apex)")
     g.add_argument("--cross-entropy-loss-fusion", action="store_true",
                    help="megatron-core's fused vocab-parallel cross entropy (CUDA; off on a CPU run)")
     g.add_argument("--fp8-format", choices=["e4m3", "hybrid"], default=None, help="needs transformer-engine on CUDA")
-    g.add_argument("--fp8-recipe", choices=["tensorwise", "delayed", "mxfp8", "blockwise"], default=None)
-    g.add_argument("--fp8-margin", type=int, default=0)
-    g.add_argument("--fp8-amax-history-len", type=positive_int, default=1)
-    g.add_argument("--fp8-amax-compute-algo", choices=["most_recent", "max"], default="most_recent")
-    g.add_argument("--fp8-param-gather", action="store_true")
+    g.add_argument("--fp8-recipe", choices=["tensorwise", "delayed", "mxfp8", "blockwise"], default=None,
+                   help="with --fp8-format: transformer-engine's FP8 scaling recipe. Default: megatron-core's, delayed")
+    g.add_argument("--fp8-margin", type=int, default=0,
+                   help="with --fp8-format: the FP8 scale is divided by 2^margin for headroom. Default: %(default)s")
+    g.add_argument("--fp8-amax-history-len", type=positive_int, default=1,
+                   help="with --fp8-format: past amax values the scale is computed from. Default: %(default)s")
+    g.add_argument("--fp8-amax-compute-algo", choices=["most_recent", "max"], default="most_recent",
+                   help="with --fp8-format: scale from the largest amax of the history (max) or the latest one. "
+                        "Default: %(default)s")
+    g.add_argument("--fp8-param-gather", action="store_true",
+                   help="with --fp8-format: keep the GEMM weights in FP8 and all-gather them in FP8")
 
 
 def _add_training(p) -> None:
@@ -121,7 +134,8 @@ def _add_training(p) -> None:
                    help="with --bf16, reduce gradients in bf16 (default: accumulate and reduce in fp32)")
     g.add_argument("--manual-gc", action="store_true",
                    help="disable Python's automatic GC; collect every --manual-gc-interval iterations")
-    g.add_argument("--manual-gc-interval", type=non_negative_int, default=0)
+    g.add_argument("--manual-gc-interval", type=non_negative_int, default=0,
+                   help="with --manual-gc: collect every N iterations (0: never while training). Default: %(default)s")
     g.add_argument("--empty-unused-memory-level", type=int, choices=[0, 1, 2], default=0,
                    help="empty the CUDA cache after the step (1) and after forward-backward too (2)")
     g.add_argument("--deterministic-mode", action="store_true",
@@ -132,33 +146,50 @@ def _add_training(p) -> None:
     g.add_argument("--profile", action="store_true",
                    help="torch.profiler over iterations --profile-step-start..--profile-step-end")
     g.add_argument("--use-pytorch-profiler", action="store_true", help="accepted: --profile uses torch.profiler")
-    g.add_argument("--profile-step-start", type=non_negative_int, default=10)
-    g.add_argument("--profile-step-end", type=non_negative_int, default=12)
-    g.add_argument("--profile-ranks", nargs="+", type=non_negative_int, default=[0])
+    g.add_argument("--profile-step-start", type=non_negative_int, default=10,
+                   help="with --profile: profiling starts after this many iterations. Default: %(default)s")
+    g.add_argument("--profile-step-end", type=non_negative_int, default=12,
+                   help="with --profile: the last iteration profiled. Default: %(default)s")
+    g.add_argument("--profile-ranks", nargs="+", type=non_negative_int, default=[0],
+                   help="with --profile: the global ranks that profile. Default: rank 0")
 
 
 def _add_scheduler(p) -> None:
     g = p.add_argument_group("learning-rate and weight-decay schedule (Megatron-LM)")
     g.add_argument("--lr-warmup-fraction", type=fraction, default=None,
                    help="warmup as a fraction of the decay length")
-    g.add_argument("--lr-warmup-samples", type=non_negative_int, default=0)
-    g.add_argument("--lr-decay-samples", type=positive_int, default=None)
-    g.add_argument("--lr-warmup-init", type=non_negative_float, default=0.0)
+    g.add_argument("--lr-warmup-samples", type=non_negative_int, default=0,
+                   help="with --train-samples: samples of linear warmup from --lr-warmup-init to --lr. "
+                        "Default: %(default)s")
+    g.add_argument("--lr-decay-samples", type=positive_int, default=None,
+                   help="with --train-samples: samples until the decay ends, warmup included. Default: --train-samples")
+    g.add_argument("--lr-warmup-init", type=non_negative_float, default=0.0,
+                   help="the learning rate the warmup starts from. Default: %(default)s")
     g.add_argument("--lr-wsd-decay-style", choices=["exponential", "linear", "cosine", "minus_sqrt"],
-                   default="exponential")
-    g.add_argument("--lr-wsd-decay-iters", type=positive_int, default=None)
-    g.add_argument("--lr-wsd-decay-samples", type=positive_int, default=None)
-    g.add_argument("--start-weight-decay", type=non_negative_float, default=None)
-    g.add_argument("--end-weight-decay", type=non_negative_float, default=None)
-    g.add_argument("--weight-decay-incr-style", choices=["constant", "linear", "cosine"], default="constant")
+                   default="exponential",
+                   help="with --lr-decay-style WSD: the shape of its final decay. Default: %(default)s")
+    g.add_argument("--lr-wsd-decay-iters", type=positive_int, default=None,
+                   help="with --lr-decay-style WSD: iterations of the final decay (held at --lr before it)")
+    g.add_argument("--lr-wsd-decay-samples", type=positive_int, default=None,
+                   help="with --lr-decay-style WSD and --train-samples: samples of the final decay")
+    g.add_argument("--start-weight-decay", type=non_negative_float, default=None,
+                   help="with --weight-decay-incr-style linear or cosine: the weight decay at the start")
+    g.add_argument("--end-weight-decay", type=non_negative_float, default=None,
+                   help="with --weight-decay-incr-style linear or cosine: the weight decay at the end")
+    g.add_argument("--weight-decay-incr-style", choices=["constant", "linear", "cosine"], default="constant",
+                   help="weight decay from --start- to --end-weight-decay over training; constant: --weight-decay. "
+                        "Default: %(default)s")
     g.add_argument("--decoupled-lr", type=non_negative_float, default=None,
                    help="learning rate of the input and output embeddings")
-    g.add_argument("--decoupled-min-lr", type=non_negative_float, default=None)
+    g.add_argument("--decoupled-min-lr", type=non_negative_float, default=None,
+                   help="with --decoupled-lr: the embeddings' minimum learning rate. Default: --min-lr")
 
 
 def _add_parallelism(p) -> None:
     g = p.add_argument_group("parallelism (Megatron-LM)")
-    g.add_argument("--context-parallel-size", type=positive_int, default=1)
+    g.add_argument("--context-parallel-size", type=positive_int, default=1,
+                   help="ranks each sequence would be split over; only 1 runs here, larger values are refused. "
+                        "Default: %(default)s")
     virtual_pipeline.add_flags(g)
 
 

@@ -66,31 +66,55 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    help="N: every N-th layer is MoE; or a 0/1 pattern per layer such as ([0]+[1]*23)")
     g.add_argument("--moe-shared-expert-intermediate-size", type=positive_int, default=None,
                    help="FFN size of the shared experts every token goes through (none by default)")
-    g.add_argument("--moe-shared-expert-overlap", action="store_true")
-    g.add_argument("--moe-router-topk", type=positive_int, default=2)
-    g.add_argument("--moe-router-load-balancing-type", nargs="+", choices=LOAD_BALANCING, default="aux_loss")
-    g.add_argument("--moe-aux-loss-coeff", nargs="+", type=non_negative_float, default=0.0)
-    g.add_argument("--moe-z-loss-coeff", type=non_negative_float, default=None)
-    g.add_argument("--moe-input-jitter-eps", type=non_negative_float, default=None)
+    g.add_argument("--moe-shared-expert-overlap", action="store_true",
+                   help="run the shared experts during the token dispatch (alltoall dispatcher only)")
+    g.add_argument("--moe-router-topk", type=positive_int, default=2,
+                   help="experts each token is routed to. Default: %(default)s")
+    g.add_argument("--moe-router-load-balancing-type", nargs="+", choices=LOAD_BALANCING, default="aux_loss",
+                   help="the router's load balancing; several types add up (one --moe-aux-loss-coeff each). "
+                        "Default: %(default)s")
+    g.add_argument("--moe-aux-loss-coeff", nargs="+", type=non_negative_float, default=0.0,
+                   help="weight of the load-balancing loss, one per --moe-router-load-balancing-type. "
+                        "Default: %(default)s")
+    g.add_argument("--moe-z-loss-coeff", type=non_negative_float, default=None,
+                   help="weight of the router's z-loss, which keeps its logits small. Default: none")
+    g.add_argument("--moe-input-jitter-eps", type=non_negative_float, default=None,
+                   help="multiply the router's input by uniform noise in [1-eps, 1+eps]. Default: none")
     g.add_argument("--moe-router-dtype", choices=["fp32", "fp64"], default=None,
                    help="the router's logits and probabilities in this precision (default the model's)")
-    g.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid"], default="softmax")
-    g.add_argument("--moe-router-pre-softmax", action="store_true")
-    g.add_argument("--moe-router-topk-scaling-factor", type=finite, default=None)
-    g.add_argument("--moe-router-num-groups", type=positive_int, default=None)
-    g.add_argument("--moe-router-group-topk", type=positive_int, default=None)
-    g.add_argument("--moe-router-enable-expert-bias", action="store_true")
-    g.add_argument("--moe-router-bias-update-rate", type=non_negative_float, default=1e-3)
-    g.add_argument("--moe-token-dispatcher-type", choices=["allgather", "alltoall", "flex"], default="allgather")
-    g.add_argument("--moe-expert-capacity-factor", type=non_negative_float, default=None)
-    g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true")
-    g.add_argument("--moe-token-drop-policy", choices=["probs", "position"], default="probs")
+    g.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid"], default="softmax",
+                   help="softmax or sigmoid of the router's logits. Default: %(default)s")
+    g.add_argument("--moe-router-pre-softmax", action="store_true",
+                   help="softmax over all experts before the top-k (default: over the top-k chosen)")
+    g.add_argument("--moe-router-topk-scaling-factor", type=finite, default=None,
+                   help="with --moe-router-pre-softmax: multiply the top-k scores by this. Default: none")
+    g.add_argument("--moe-router-num-groups", type=positive_int, default=None,
+                   help="group-limited routing: the experts form N groups (with --moe-router-group-topk)")
+    g.add_argument("--moe-router-group-topk", type=positive_int, default=None,
+                   help="group-limited routing: groups a token's experts may come from")
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true",
+                   help="aux-loss-free balancing: a per-expert bias learnt from the load steers top-k (sigmoid only)")
+    g.add_argument("--moe-router-bias-update-rate", type=non_negative_float, default=1e-3,
+                   help="with --moe-router-enable-expert-bias: the bias step per global batch. Default: %(default)s")
+    g.add_argument("--moe-token-dispatcher-type", choices=["allgather", "alltoall", "flex"], default="allgather",
+                   help="how tokens reach their experts' ranks; flex is refused (needs DeepEP or HybridEP). "
+                        "Default: %(default)s")
+    g.add_argument("--moe-expert-capacity-factor", type=non_negative_float, default=None,
+                   help="an expert takes at most this x its even share of tokens and drops the rest. "
+                        "Default: none, no dropping")
+    g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true",
+                   help="with --moe-expert-capacity-factor: pad each expert's input to its capacity (alltoall)")
+    g.add_argument("--moe-token-drop-policy", choices=["probs", "position"], default="probs",
+                   help="over capacity, drop the tokens of lowest probability (probs) or the last ones (position). "
+                        "Default: %(default)s")
     g.add_argument("--moe-grouped-gemm", action="store_true",
                    help="one grouped GEMM for a rank's experts (grouped_gemm or transformer-engine); "
                         "without them megatron-core's sequential experts, same arithmetic")
     g.add_argument("--moe-per-layer-logging", action="store_true", help="also log each MoE layer's aux losses")
-    g.add_argument("--moe-layer-recompute", action="store_true")
-    g.add_argument("--expert-model-parallel-size", type=positive_int, default=1)
+    g.add_argument("--moe-layer-recompute", action="store_true",
+                   help="recompute the MoE layers in backward (megatron-core: selective; not with full recompute)")
+    g.add_argument("--expert-model-parallel-size", type=positive_int, default=1,
+                   help="ranks the experts are spread over; must divide --num-experts. Default: %(default)s")
     g.add_argument("--expert-tensor-parallel-size", type=positive_int, default=None,
                    help="tensor parallelism inside each expert (default --tensor-model-parallel-size)")
 

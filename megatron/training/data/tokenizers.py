@@ -57,9 +57,12 @@ def add_tokenizer_arguments(group) -> None:
                        help="TikTokenizer: must include <unk> <s> </s> <mask> <pad> <cls> <sep>; "
                             "SentencePiece: needs --tokenizer-sentencepiece-legacy; "
                             "GPT2BPE/HuggingFace: added to the vocabulary where missing")
-    group.add_argument("--tiktoken-pattern", choices=["v1", "v2"], default=None)
-    group.add_argument("--tiktoken-num-special-tokens", type=_positive_int, default=1000)
-    group.add_argument("--tokenizer-sentencepiece-legacy", action="store_true")
+    group.add_argument("--tiktoken-pattern", choices=["v1", "v2"], default=None,
+                       help="TikTokenizer: the regex that splits text before BPE. Default: megatron-core's, v2")
+    group.add_argument("--tiktoken-num-special-tokens", type=_positive_int, default=1000,
+                       help="TikTokenizer: ids reserved for special tokens before the BPE ranks. Default: %(default)s")
+    group.add_argument("--tokenizer-sentencepiece-legacy", action="store_true",
+                       help="SentencePiece: megatron-core's legacy wrapper, which takes --tokenizer-special-tokens")
     group.add_argument("--tokenizer-hf-use-fast", action="store_true",
                        help="GPT2BPE/HuggingFace: AutoTokenizer's use_fast (transformers 5 has fast ones only)")
     group.add_argument("--tokenizer-hf-include-special-tokens", action="store_true",

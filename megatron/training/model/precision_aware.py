@@ -19,9 +19,15 @@ def add_flags(g) -> None:
     g.add_argument("--use-precision-aware-optimizer", action="store_true",
                    help="store master params and Adam moments in the dtypes below (fp32 math, rounded on store); "
                         "the offload engine honours it in every tier, megatron-core needs transformer-engine")
-    g.add_argument("--main-params-dtype", choices=["fp32", "fp16"], default="fp32")
-    g.add_argument("--exp-avg-dtype", choices=["fp32", "fp16", "bf16", "fp8"], default="fp32")
-    g.add_argument("--exp-avg-sq-dtype", choices=["fp32", "fp16", "bf16", "fp8"], default="fp32")
+    g.add_argument("--main-params-dtype", choices=["fp32", "fp16"], default="fp32",
+                   help="with --use-precision-aware-optimizer: the stored dtype of the master params. "
+                        "Default: %(default)s")
+    g.add_argument("--exp-avg-dtype", choices=["fp32", "fp16", "bf16", "fp8"], default="fp32",
+                   help="with --use-precision-aware-optimizer: the stored dtype of Adam's first moment. "
+                        "Default: %(default)s")
+    g.add_argument("--exp-avg-sq-dtype", choices=["fp32", "fp16", "bf16", "fp8"], default="fp32",
+                   help="with --use-precision-aware-optimizer: the stored dtype of Adam's second moment. "
+                        "Default: %(default)s")
     g.add_argument("--no-store-param-remainders", action="store_false", dest="store_param_remainders",
                    help="keep the whole fp32 master: by default, with --bf16 and an fp32 master, only its low 16 bits "
                         "are stored beside the bf16 param (lossless; offload: 10 instead of 12 B/param, 6 with "
