@@ -10,9 +10,16 @@ import pytest
 from megatron.training.args.arguments import build_parser, declared_actions, declared_groups, is_help, parse_args
 
 REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("gen_flag_reference", REPO / "tools" / "gen_flag_reference.py")
-gen = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(gen)
+
+
+def _tool(name):
+    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+gen = _tool("gen_flag_reference")
 
 BASE = ["--num-layers", "2", "--hidden-size", "8", "--num-attention-heads", "2", "--seq-length", "8",
         "--micro-batch-size", "1", "--train-iters", "2", "--lr", "1e-3", "--mock-data", "--device", "cpu"]
@@ -51,6 +58,23 @@ def test_every_flag_of_the_parser_is_listed_once(rendered):
     args = parse_args(BASE + ["--offload-tiers", "host,burst", "--offload-burst-path", "/tmp/x",
                        "--offload-host-cache-gb", "1"])
     assert args.offload_paths == {"burst": "/tmp/x"}  # the path row's claim: any tier name works
+
+
+def _flags_without_help(parser):
+    return [a.option_strings[0] for a in declared_actions(parser) if a.option_strings and not (a.help or "").strip()]
+
+
+def test_every_flag_of_pretrain_gpt_and_of_the_planner_has_help():
+    assert _flags_without_help(build_parser()) == []
+    assert _flags_without_help(_tool("plan_offload").machine_parser()) == []
+
+
+def test_a_flag_without_help_is_caught():
+    parser = build_parser()
+    group = declared_groups(parser)[-1][0]
+    group.add_argument("--bare-knob", type=int, default=1)
+    group.add_argument("--blank-knob", type=int, default=1, help=" ")
+    assert _flags_without_help(parser) == ["--bare-knob", "--blank-knob"]
 
 
 def test_offload_defaults_are_what_parse_args_gives(rendered):
