@@ -1,5 +1,6 @@
 """docs/flags.md is tools/gen_flag_reference.py's output for today's parser: every flag once, its
-default as parse_args fills it, and a stale file fails here with the command that regenerates it."""
+default as parse_args fills it, and a stale file fails here with the command that regenerates it. Every
+flag of pretrain_gpt.py and of tools/plan_offload.py has help text."""
 
 import importlib.util
 import re
