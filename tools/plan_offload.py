@@ -62,6 +62,7 @@ DEFAULT_GPU_ADAM_8BIT_GELEMS = 93.0
 # (shared/reference.md), taken here as 8.5 G elements/s (4 bytes written each): an assumption, not a run of ours.
 GPU_NODE_CPU_ADAM_GELEMS = 3.5
 GPU_NODE_CONVERT_GELEMS = 8.5
+GPU_MEMORY_DEFAULT_GB = 80.0  # an 80 GB-class GPU, GiB usable; --gpu-memory-gb for others
 DEFAULT_GPU_LINK_GBPS = 100.0
 DEFAULT_NODE_HOST_GBPS = 186.0
 DEVICE_FLAGS = (  # (flag, default, help): the device update's rates, positive numbers
@@ -110,14 +111,12 @@ def machine_parser() -> argparse.ArgumentParser:
                         "hf_checkpoint.py import derives them; pretrain_gpt.py flags given too override them")
     p.add_argument("--nnodes", type=int, default=1, help="nodes in the job (default 1)")
     p.add_argument("--gpus-per-node", type=int, default=1, help="ranks per node")
-    p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory of one GPU, GiB")
+    p.add_argument("--gpu-memory-gb", type=float, default=GPU_MEMORY_DEFAULT_GB,
+                   help=f"memory of one GPU, GiB (default: {GPU_MEMORY_DEFAULT_GB:g})")
     p.add_argument("--host-memory-gb", type=float, default=None, help="memory of one node, GiB (default: this node's)")
     p.add_argument("--gpu-tflops", type=float, default=None,
-                   help="sustained TFLOP/s per GPU for this model (from a short run's log); default: what one "
-                        "H200 reached at 10.24 B with the attention kernel the flags run (unfused 216.7, "
-                        "torch SDPA 334.5, also taken for transformer-engine's); for an MoE model, 174.8 (Mixtral "
-                        "8x7B's shape at EP4 with megatron-core's sequential experts); each with full recompute, "
-                        "scaled to the flags' own (selective or none: 4/3 of it)")
+                   help="sustained TFLOP/s per GPU for this model (from a short run's log); default: one H200's "
+                        "measured rate for the flags' attention kernel (or MoE layers), scaled to their recompute")
     p.add_argument("--adam-gelems", type=float, default=None,
                    help=f"CPU Adam rate of one rank in G elements/s (default: measured on this CPU for a CPU job; "
                         f"for a GPU job {GPU_NODE_CPU_ADAM_GELEMS}, what one H200 node's CPU ran)")
@@ -627,6 +626,18 @@ class OncePerMessage(logging.Filter):
 ENGINE_LOG_ONCE = OncePerMessage()
 
 
+def assumed_machine(opts, machine) -> str:
+    """A line naming the machine sizes the plan assumed rather than was given (the GPU's default, this
+    machine's host memory: on a login node neither is the GPU node's), or ""."""
+    assumed = []
+    if opts.gpu_memory_gb == GPU_MEMORY_DEFAULT_GB:
+        assumed.append(f"GPU memory {opts.gpu_memory_gb:g} GiB (the default; --gpu-memory-gb gives the GPUs')")
+    if opts.host_memory_gb is None:
+        assumed.append(f"host memory {machine.host_memory_bytes / GiB:.1f} GiB per node (this machine's; "
+                       "--host-memory-gb gives the GPU nodes')")
+    return "assumed: " + "; ".join(assumed) if assumed else ""
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ENGINE_LOG_ONCE.seen.clear()
@@ -651,6 +662,9 @@ def main(argv=None) -> int:
                               **extra}, indent=1))
         else:
             print(describe(plan, args, machine, flags, plan.tier_rates))
+            assumed = assumed_machine(opts, machine)
+            if assumed:
+                print(assumed)
             if disk_range:
                 print(describe_disk_range(bounding_file_tier(plan), disk_range))
             if advice:

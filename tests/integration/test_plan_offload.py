@@ -314,3 +314,19 @@ def test_a_recommendation_prints_each_engine_warning_once(tmp_path):
     assert len(shallow) == 1, done.stderr[-2000:]
     assert len(re.findall(r"^  .*: [0-9,]+ \(iteration", done.stdout, re.M)) > 1, done.stdout  # several candidates
     assert "recommended: " in done.stdout
+
+
+def test_the_text_names_the_machine_sizes_it_assumed():
+    """Planned on a login node, the GPU's memory and the node's host memory are assumptions unless given:
+    the text says which, and which flag gives them; given both, it says nothing of the kind."""
+    def text(*flags):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            planner().main(["--gpu-tflops", "100", *TINY_MODEL, *flags])
+        return [line for line in out.getvalue().splitlines() if line.startswith("assumed: ")]
+
+    (line,) = text()
+    assert "GPU memory 80 GiB (the default; --gpu-memory-gb" in line and "(this machine's; --host-memory-gb" in line
+    (line,) = text("--gpu-memory-gb", "141")
+    assert "GPU memory" not in line and "--host-memory-gb" in line
+    assert text("--gpu-memory-gb", "141", "--host-memory-gb", "128") == []
