@@ -75,7 +75,7 @@ def main(out: str, tp: int, micro_batches: int, precision: str) -> None:
     model = build_model(args, config, steps.model_provider, torch.device("cpu"))
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = model[0].no_sync
-    batches = _batches(micro_batches, seed=7)
+    batches = _batches(micro_batches, seed=7 + parallel_state.get_data_parallel_rank())  # DP ranks: their own data
 
     def run(schedule) -> tuple:
         model[0].zero_grad_buffer()

@@ -1,7 +1,8 @@
 """The layer-major step (megatron/training/model/layer_major.py) against megatron-core's schedule with
 full recompute: the same losses and every gradient bit for bit, from the same params and batches, on
-the CPU at TP1 in fp32 (where each gradient's sum over micro-batches rounds, so its order shows) and at TP2
-in bf16 (layer_major_ranks.py does both passes in each rank)."""
+the CPU at TP1 in fp32 (where each gradient's sum over micro-batches rounds, so its order shows), at TP2
+in bf16, and at DP2 with each rank's own batches, reduced by DDP as in training (layer_major_ranks.py
+does both passes in each rank)."""
 
 import json
 
@@ -12,13 +13,13 @@ from launch import REPO, launch_command, pretrain_env, run_and_clean_up
 RANKS = REPO / "tests" / "integration" / "layer_major_ranks.py"
 
 
-@pytest.mark.parametrize("tp, micro_batches, precision", [(1, 3, "fp32"), (2, 4, "bf16")],
-                         ids=["tp1-3mb-fp32", "tp2-4mb-bf16"])
-def test_layer_major_step_equals_megatron_cores_schedule(tmp_path, tp, micro_batches, precision):
-    cmd = launch_command([str(tmp_path), str(tp), str(micro_batches), precision], tp, warm=True, script=RANKS)
+@pytest.mark.parametrize("ranks, tp, micro_batches, precision", [(1, 1, 3, "fp32"), (2, 2, 4, "bf16"), (2, 1, 3, "fp32")],
+                         ids=["tp1-3mb-fp32", "tp2-4mb-bf16", "dp2-3mb-fp32"])
+def test_layer_major_step_equals_megatron_cores_schedule(tmp_path, ranks, tp, micro_batches, precision):
+    cmd = launch_command([str(tmp_path), str(tp), str(micro_batches), precision], ranks, warm=True, script=RANKS)
     code, output = run_and_clean_up(cmd, pretrain_env(), 240, tmp_path / "out.txt")
     assert code == 0, output[-4000:]
-    for rank in range(tp):
+    for rank in range(ranks):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert len(result["losses"]) == micro_batches
         assert result["losses"] == result["reference_losses"], result
