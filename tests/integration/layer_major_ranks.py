@@ -1,6 +1,7 @@
 """A rank of tests/integration/test_layer_major_cpu.py: one training step's forward and backward on a tiny
-GPT, by megatron-core's schedule and by the layer-major step, from the same params and batches; writes
-whether the losses and every gradient buffer agree bit for bit to OUT/rank<N>.json.
+GPT, by megatron-core's schedule and by the layer-major step (params resident; and params away while each
+layer is released, its inputs kept in host memory), from the same params and batches; writes whether the
+losses and every gradient buffer agree bit for bit to OUT/rank<N>.json.
 
     python layer_major_ranks.py OUT TP MICRO_BATCHES PRECISION   (each rank of a gloo launch on the CPU;
                                                                  PRECISION: bf16, or fp32 for no --bf16)"""
@@ -40,6 +41,35 @@ def _grads(chunk) -> list:
     return [buffer.grad_data.clone() for buffer in chunk.buffers + chunk.expert_parallel_buffers]
 
 
+class GuardedLayers:
+    """Params away while released, as streamed params will be: each param's data is an empty tensor until
+    ``bring_in`` puts it back, so a layer that ran while released would fail. Records the calls."""
+
+    def __init__(self, layers):
+        self.params = [list(layer.parameters()) for layer in layers]
+        self.held = [[p.data for p in params] for params in self.params]
+        self.calls = []
+        for index in range(len(layers)):
+            self._away(index)
+
+    def bring_in(self, layer: int) -> None:
+        self.calls.append(("in", layer))
+        for param, data in zip(self.params[layer], self.held[layer]):
+            param.data = data
+
+    def release(self, layer: int, after_backward: bool) -> None:
+        self.calls.append(("out", layer, after_backward))
+        self._away(layer)
+
+    def _away(self, layer: int) -> None:
+        for param in self.params[layer]:
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+
+    def restore(self) -> None:
+        for index in range(len(self.params)):
+            self.bring_in(index)
+
+
 def main(out: str, tp: int, micro_batches: int, precision: str) -> None:
     from megatron.training.runtime import cpu_compat
 
@@ -53,7 +83,7 @@ def main(out: str, tp: int, micro_batches: int, precision: str) -> None:
 
     from megatron.training.args.arguments import parse_args
     from megatron.training.model.configs import transformer_config
-    from megatron.training.model.layer_major import forward_backward_layer_major
+    from megatron.training.model.layer_major import HostKeptInputs, LayerMajorStep, forward_backward_layer_major
     from megatron.training.training import build_model
 
     args = parse_args([
@@ -85,8 +115,21 @@ def main(out: str, tp: int, micro_batches: int, precision: str) -> None:
 
     reference_losses, reference_grads = run(get_forward_backward_func())
     losses, grads = run(forward_backward_layer_major)
+    gpt = model[0]
+    while not hasattr(gpt, "decoder"):  # inside DDP (and Float16Module with bf16)
+        gpt = gpt.module
+    layers = gpt.decoder.layers
+    guard = GuardedLayers(layers)
+    streamed_losses, streamed_grads = run(LayerMajorStep(guard, lambda: HostKeptInputs(torch.device("cpu"))))
+    guard.restore()
+    count = len(layers)
+    expected_calls = [c for i in range(count) for c in (("in", i), ("out", i, False))]
+    expected_calls += [c for i in reversed(range(count)) for c in (("in", i), ("out", i, True))]
     rank = torch.distributed.get_rank()
     result = {
+        "streamed_losses": streamed_losses,
+        "streamed_grads_equal": all(torch.equal(a, b) for a, b in zip(streamed_grads, reference_grads)),
+        "calls_in_order": guard.calls[:len(expected_calls)] == expected_calls,
         "losses": losses, "reference_losses": reference_losses,
         "grads_equal": all(torch.equal(a, b) for a, b in zip(grads, reference_grads)),
         "max_grad_difference": max(float((a.float() - b.float()).abs().max()) for a, b in zip(grads, reference_grads)),

@@ -25,6 +25,10 @@ def test_layer_major_step_equals_megatron_cores_schedule(tmp_path, ranks, tp, mi
         assert result["losses"] == result["reference_losses"], result
         assert result["nonzero_grads"] > result["grad_elements"] // 2, result  # a real backward reached them
         assert result["grads_equal"], result
+        # Each layer brought in for its forward and again for its backward, its params away otherwise, its
+        # inputs kept in host memory: the same bits.
+        assert result["calls_in_order"], result
+        assert result["streamed_losses"] == result["reference_losses"] and result["streamed_grads_equal"], result
 
 
 def test_configurations_it_cannot_run_are_refused_in_one_line():

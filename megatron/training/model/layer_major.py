@@ -12,6 +12,11 @@ micro-batch count or the token count). Its model's own forward is used twice per
 decoder block's forward stood in for: once to capture the block's input and arguments (the embedding's
 graph), once to run the head (final norm, output layer, loss) on the block's output.
 
+Two seams for what moves: ``LayerResidency`` is told when each layer's params are needed (brought in
+once for the forward over every micro-batch, once for the backward) and when its gradients are complete;
+``KeptInputs`` holds each layer's inputs between its forward and its recompute (``HostKeptInputs``: in host
+memory, prefetched a layer ahead). Resident params and inputs kept in place are today's megatron-core.
+
 Limits, each refused in one line by ``layer_major_refusal``: one pipeline stage and one model chunk,
 full recompute of single layers, dropout 0 (its RNG would be drawn in another order), no fp8. With the
 embedding tied to the output layer the shared weight's gradient is summed in another order (every
@@ -22,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional, Protocol
 
 import torch
 from megatron.core.pipeline_parallel import schedules
@@ -57,65 +62,164 @@ def layer_major_refusal(config, num_model_chunks: int, pipeline_size: int) -> Op
     return None
 
 
-def forward_backward_layer_major(*, forward_step_func: Callable, data_iterator, model: list,
-                                 num_microbatches: int, forward_only: bool = False, **_unused) -> List[dict]:
-    """megatron-core's ``get_forward_backward_func()`` interface, layer-major (module docstring);
-    returns what each micro-batch's loss function reported, in micro-batch order."""
-    chunk = model[0]
-    config = get_model_config(chunk)
-    refusal = layer_major_refusal(config, len(model), 1)
-    if refusal is not None:
-        raise ValueError(refusal)
-    if forward_only:
-        raise ValueError("layer-major steps train: use megatron-core's schedule for forward-only passes")
-    iterator = data_iterator[0] if isinstance(data_iterator, list) else data_iterator
-    gpt = _unwrapped(chunk)
-    block = gpt.decoder
-    micro = [_MicroBatch(next(iterator)) for _ in range(num_microbatches)]
-    no_sync = config.no_sync_func or contextlib.nullcontext
-    last = num_microbatches - 1
+class LayerResidency(Protocol):
+    """Where a layer's params are while the step does not use them: ``bring_in`` before the layer runs
+    for the micro-batches (in the forward, and again for its recompute and backward), ``release`` after;
+    ``after_backward``: every micro-batch's gradient of the layer's params is complete."""
 
-    for mb in micro:  # the embedding, with its graph kept for the backward's end
-        mb.block_input, mb.layer_kwargs = _block_input(forward_step_func, chunk, block, mb.batch)
-        mb.hidden = mb.block_input.detach()
+    def bring_in(self, layer: int) -> None: ...
 
-    kept: List[List[torch.Tensor]] = []  # kept[l][m]: layer l's input for micro-batch m
-    with torch.no_grad():
-        for layer in block.layers:
-            kept.append([mb.hidden for mb in micro])
-            for mb in micro:
-                mb.hidden = layer(hidden_states=mb.hidden, **mb.layer_kwargs)[0]
+    def release(self, layer: int, after_backward: bool) -> None: ...
 
-    forward_data_store: list = []
-    total_tokens = torch.zeros([], dtype=torch.int, device=micro[0].hidden.device)
-    model_type = get_model_type(chunk)
-    for m, mb in enumerate(micro):  # the head: final norm, output layer, loss; its gradient into the block
-        block_output = mb.hidden.detach().requires_grad_()
-        with _sync_unless(m == last, no_sync), _stand_in(block, lambda *a, **k: _final_norm(block, block_output)):
-            output, tokens = schedules.forward_step(
-                forward_step_func, iter([mb.batch]), chunk, num_microbatches, None, forward_data_store, config,
-                1, is_first_microbatch=m == 0, current_microbatch=m)
-            total_tokens += tokens
-            schedules.backward_step(None, output, None, model_type, config)
-        mb.hidden = block_output.grad
 
-    for layer_index in reversed(range(len(block.layers))):  # each layer recomputed and backpropagated
-        layer = block.layers[layer_index]
+class ResidentLayers:
+    """Every layer's params stay where they are (in HBM, as megatron-core keeps them)."""
+
+    def bring_in(self, layer: int) -> None:
+        pass
+
+    def release(self, layer: int, after_backward: bool) -> None:
+        pass
+
+
+class KeptInputs:
+    """Each layer's inputs for its recompute, left where the forward made them."""
+
+    def __init__(self):
+        self._kept: Dict[int, List[torch.Tensor]] = {}
+
+    def put(self, layer: int, tensors: List[torch.Tensor]) -> None:
+        self._kept[layer] = list(tensors)
+
+    def take(self, layer: int) -> List[torch.Tensor]:
+        return self._kept.pop(layer)
+
+
+class HostKeptInputs(KeptInputs):
+    """Each layer's inputs in host memory (pinned with CUDA): copied out on a side stream as the forward
+    makes them, copied back for the layer's backward, the next layer's while this one computes; so the
+    GPU holds at most two layers' inputs instead of every layer's. On a CPU run, copies all the same."""
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self._device = device
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._coming: Dict[int, List[torch.Tensor]] = {}
+
+    def put(self, layer: int, tensors: List[torch.Tensor]) -> None:
+        with self._on_side_stream():
+            host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=self._stream is not None) for t in tensors]
+            for h, t in zip(host, tensors):
+                h.copy_(t, non_blocking=True)
+                if self._stream is not None:
+                    t.record_stream(self._stream)  # its memory is not reused before the copy has read it
+        super().put(layer, host)
+
+    def take(self, layer: int) -> List[torch.Tensor]:
+        self._fetch(layer)
+        tensors = self._coming.pop(layer)
+        if self._stream is not None:
+            current = torch.cuda.current_stream(self._device)
+            current.wait_stream(self._stream)
+            for t in tensors:
+                t.record_stream(current)
+        self._fetch(layer - 1)  # the next layer's, under this one's backward
+        return tensors
+
+    def _fetch(self, layer: int) -> None:
+        if layer < 0 or layer in self._coming:
+            return
+        with self._on_side_stream():
+            self._coming[layer] = [h.to(self._device, non_blocking=True) for h in super().take(layer)]
+
+    def _on_side_stream(self):
+        if self._stream is None:
+            return contextlib.nullcontext()
+        self._stream.wait_stream(torch.cuda.current_stream(self._device))  # what it copies is computed
+        return torch.cuda.stream(self._stream)
+
+
+class LayerMajorStep:
+    """megatron-core's ``get_forward_backward_func()`` interface, layer-major (module docstring), with
+    each layer's params brought in and released by ``residency`` and its inputs kept by ``kept_inputs``
+    (made per step by ``kept_inputs_factory``); returns what each micro-batch's loss function reported."""
+
+    def __init__(self, residency: Optional[LayerResidency] = None,
+                 kept_inputs_factory: Callable[[], KeptInputs] = KeptInputs):
+        self.residency = residency or ResidentLayers()
+        self.kept_inputs_factory = kept_inputs_factory
+
+    def __call__(self, *, forward_step_func: Callable, data_iterator, model: list, num_microbatches: int,
+                 forward_only: bool = False, **_unused) -> List[dict]:
+        chunk = model[0]
+        config = get_model_config(chunk)
+        refusal = layer_major_refusal(config, len(model), 1)
+        if refusal is not None:
+            raise ValueError(refusal)
+        if forward_only:
+            raise ValueError("layer-major steps train: use megatron-core's schedule for forward-only passes")
+        iterator = data_iterator[0] if isinstance(data_iterator, list) else data_iterator
+        block = _unwrapped(chunk).decoder
+        micro = [_MicroBatch(next(iterator)) for _ in range(num_microbatches)]
+        for mb in micro:  # the embedding, with its graph kept for the backward's end
+            mb.block_input, mb.layer_kwargs = _block_input(forward_step_func, chunk, block, mb.batch)
+            mb.hidden = mb.block_input.detach()
+        kept = self._forward_layers(block, micro)
+        reported, total_tokens = self._head(forward_step_func, chunk, config, micro)
+        self._backward_layers(block, micro, kept, config)
+        for m, mb in enumerate(micro):  # the embedding's backward
+            with _sync_unless(m == len(micro) - 1, config):
+                torch.autograd.backward(mb.block_input, mb.hidden)
+        if config.finalize_model_grads_func is not None:
+            config.finalize_model_grads_func([chunk], total_tokens if config.calculate_per_token_loss else None)
+        return reported
+
+    def _forward_layers(self, block, micro: List[_MicroBatch]) -> KeptInputs:
+        kept = self.kept_inputs_factory()
+        with torch.no_grad():
+            for index, layer in enumerate(block.layers):
+                kept.put(index, [mb.hidden for mb in micro])
+                self.residency.bring_in(index)
+                for mb in micro:
+                    mb.hidden = layer(hidden_states=mb.hidden, **mb.layer_kwargs)[0]
+                self.residency.release(index, after_backward=False)
+        return kept
+
+    @staticmethod
+    def _head(forward_step_func, chunk, config, micro: List[_MicroBatch]):
+        """Final norm, output layer and loss per micro-batch, through megatron-core's own forward_step and
+        backward_step (their loss scaling); each micro-batch's gradient into the block's output."""
+        block = _unwrapped(chunk).decoder
+        reported: list = []
+        total_tokens = torch.zeros([], dtype=torch.int, device=micro[0].hidden.device)
         for m, mb in enumerate(micro):
-            layer_input = kept[layer_index][m].detach().requires_grad_()
-            with _sync_unless(m == last, no_sync), torch.enable_grad():
-                layer_output = layer(hidden_states=layer_input, **mb.layer_kwargs)[0]
-                torch.autograd.backward(layer_output, mb.hidden)
-            mb.hidden = layer_input.grad
-        kept[layer_index] = []  # this layer's inputs are done with
+            block_output = mb.hidden.detach().requires_grad_()
+            with _sync_unless(m == len(micro) - 1, config), \
+                    _stand_in(block, lambda *a, **k: _final_norm(block, block_output)):
+                output, tokens = schedules.forward_step(
+                    forward_step_func, iter([mb.batch]), chunk, len(micro), None, reported, config, 1,
+                    is_first_microbatch=m == 0, current_microbatch=m)
+                total_tokens += tokens
+                schedules.backward_step(None, output, None, get_model_type(chunk), config)
+            mb.hidden = block_output.grad
+        return reported, total_tokens
 
-    for m, mb in enumerate(micro):  # the embedding's backward
-        with _sync_unless(m == last, no_sync):
-            torch.autograd.backward(mb.block_input, mb.hidden)
+    def _backward_layers(self, block, micro: List[_MicroBatch], kept: KeptInputs, config) -> None:
+        """Each layer, last first: recomputed from its kept input and backpropagated, micro-batch by
+        micro-batch, its params' gradients summed over them in order."""
+        for index in reversed(range(len(block.layers))):
+            layer, inputs = block.layers[index], kept.take(index)
+            self.residency.bring_in(index)
+            for m, mb in enumerate(micro):
+                layer_input = inputs[m].detach().requires_grad_()
+                with _sync_unless(m == len(micro) - 1, config), torch.enable_grad():
+                    layer_output = layer(hidden_states=layer_input, **mb.layer_kwargs)[0]
+                    torch.autograd.backward(layer_output, mb.hidden)
+                mb.hidden = layer_input.grad
+            self.residency.release(index, after_backward=True)
 
-    if config.finalize_model_grads_func is not None:
-        config.finalize_model_grads_func([chunk], total_tokens if config.calculate_per_token_loss else None)
-    return forward_data_store
+
+forward_backward_layer_major = LayerMajorStep()  # params resident, inputs kept where they were made
 
 
 def _block_input(forward_step_func, chunk, block, batch):
@@ -151,9 +255,9 @@ def _stand_in(block, forward):
         del block.forward
 
 
-def _sync_unless(is_last: bool, no_sync):
+def _sync_unless(is_last: bool, config):
     """DDP's gradient sync only in the last micro-batch's backward, as megatron-core's schedule does."""
-    return contextlib.nullcontext() if is_last else no_sync()
+    return contextlib.nullcontext() if is_last or config.no_sync_func is None else config.no_sync_func()
 
 
 def _unwrapped(chunk):
