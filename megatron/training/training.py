@@ -35,6 +35,7 @@ from megatron.training.errors import reported_once
 from megatron.training.model.flops import GptShape, flops_per_iteration
 from megatron.training.model import kernels as optional_kernels
 from megatron.training.model.ddp_staging import stage_params_on_host
+from megatron.training.model.layer_major import check_step_schedule, step_schedule
 from megatron.training.model.sdpa_attention import admitted_cuda_kernels
 from megatron.training.runtime import determinism, fault_injection
 from megatron.training.runtime.core_private import reset_grad_accumulation
@@ -174,7 +175,7 @@ def train_step(args, forward_step_func, data_iterator, trained: Trained, timers,
         else:
             chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    losses = get_forward_backward_func()(
+    losses = step_schedule(args, model)(
         forward_step_func=_with_fault_points(forward_step_func),
         data_iterator=data_iterator,
         model=model,
@@ -235,6 +236,7 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
     args.padded_vocab_size = padded_vocab_size(args, tokenizer)
 
     config = transformer_config(args)
+    check_step_schedule(args, config)
     phases.done("initialize")
     model = build_model(args, config, model_provider, device)
     phases.done("model")

@@ -4,7 +4,8 @@ layer is released, its inputs kept in host memory), from the same params and bat
 losses and every gradient buffer agree bit for bit to OUT/rank<N>.json.
 
     python layer_major_ranks.py OUT TP MICRO_BATCHES PRECISION   (each rank of a gloo launch on the CPU;
-                                                                 PRECISION: bf16, or fp32 for no --bf16)"""
+                                                                 PRECISION: bf16, or fp32 for no --bf16)
+LAYER_MAJOR_DEVICE=cuda runs it on GPUs (deterministic kernels: --deterministic-mode in LAYER_MAJOR_FLAGS)."""
 
 import importlib.util
 import json
@@ -17,6 +18,7 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 SEQ, VOCAB = 16, 64
+DEVICE = os.environ.get("LAYER_MAJOR_DEVICE", "cpu")  # cuda: the same passes on a GPU (nccl), for the device
 
 
 def _pretrain_gpt():
@@ -74,8 +76,13 @@ def main(out: str, tp: int, micro_batches: int, precision: str) -> None:
     from megatron.training.runtime import cpu_compat
 
     cpu_compat.define_missing_te_names()
-    cpu_compat.apply()
-    torch.distributed.init_process_group("gloo")
+    if DEVICE == "cpu":
+        cpu_compat.apply()
+        torch.distributed.init_process_group("gloo")
+    else:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.distributed.init_process_group("nccl")
+    device = torch.device(DEVICE, torch.cuda.current_device()) if DEVICE == "cuda" else torch.device("cpu")
     from megatron.core import parallel_state
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -95,14 +102,15 @@ def main(out: str, tp: int, micro_batches: int, precision: str) -> None:
         "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
         "--tensor-model-parallel-size", str(tp), "--micro-batch-size", "1",
         "--global-batch-size", str(micro_batches), "--train-iters", "1", "--lr", "1e-3", "--mock-data",
-        "--device", "cpu", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB),
-        "--padded-vocab-size", str(VOCAB), *(["--bf16"] if precision == "bf16" else [])])
-    args.device_resolved = "cpu"
+        "--device", DEVICE, "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB),
+        "--padded-vocab-size", str(VOCAB), *(["--bf16"] if precision == "bf16" else []),
+        *os.environ.get("LAYER_MAJOR_FLAGS", "").split()])  # more flags, last wins
+    args.device_resolved = DEVICE
     parallel_state.initialize_model_parallel(tp, 1)
     model_parallel_cuda_manual_seed(1234)
     config = transformer_config(args)
     steps = _pretrain_gpt()
-    model = build_model(args, config, steps.model_provider, torch.device("cpu"))
+    model = build_model(args, config, steps.model_provider, device)
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = model[0].no_sync
     batches = _batches(micro_batches, seed=7 + parallel_state.get_data_parallel_rank())  # DP ranks: their own data
@@ -120,7 +128,7 @@ def main(out: str, tp: int, micro_batches: int, precision: str) -> None:
         gpt = gpt.module
     layers = gpt.decoder.layers
     guard = GuardedLayers(layers)
-    streamed_losses, streamed_grads = run(LayerMajorStep(guard, lambda: HostKeptInputs(torch.device("cpu"))))
+    streamed_losses, streamed_grads = run(LayerMajorStep(guard, lambda: HostKeptInputs(device)))
     guard.restore()
     count = len(layers)
     expected_calls = [c for i in range(count) for c in (("in", i), ("out", i, False))]

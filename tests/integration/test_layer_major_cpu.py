@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from launch import REPO, launch_command, pretrain_env, run_and_clean_up
+from helpers import offload_args
+from launch import REPO, launch_command, pretrain_env, run_and_clean_up, run_pretrain
 
 RANKS = REPO / "tests" / "integration" / "layer_major_ranks.py"
 
@@ -45,3 +46,26 @@ def test_configurations_it_cannot_run_are_refused_in_one_line():
         line = layer_major_refusal(SimpleNamespace(**{**good, **change}), 1, 1)
         assert words in line and "\n" not in line
     assert "one pipeline stage" in layer_major_refusal(SimpleNamespace(**good), 1, 2)
+
+
+LAYER_MAJOR_RUN = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+                   "--hidden-dropout", "0", "--attention-dropout", "0",
+                   "--untie-embeddings-and-output-weights"]  # tied, the shared weight's grad rounds differently
+
+
+def test_training_with_activations_in_host_memory_repeats_the_run_without(tmp_path):
+    """pretrain_gpt.py with --offload-activations host (the layer-major step, layer inputs in host memory),
+    DP2, two micro-batches per rank, the optimizer state offloaded: every iteration's loss and grad norm
+    equal those of the same run on megatron-core's schedule, bit for bit."""
+    flags = [*LAYER_MAJOR_RUN, *offload_args(tmp_path / "state", tiers=("host",))]
+    schedule = run_pretrain(tmp_path / "schedule", flags, train_iters=3)
+    layer_major = run_pretrain(tmp_path / "layer_major", [*flags, "--offload-activations", "host"], train_iters=3)
+    assert [(r["loss"], r["grad_norm"]) for r in layer_major] == [(r["loss"], r["grad_norm"]) for r in schedule]
+    assert len(schedule) == 3 and schedule[0]["loss"] != schedule[-1]["loss"]  # it trained
+
+
+def test_a_run_it_cannot_take_stops_in_one_line_before_the_model(tmp_path):
+    output = run_pretrain(tmp_path, ["--offload-activations", "host"], train_iters=1, expect_success=False)[0]["output"]
+    lines = [line for line in output.splitlines() if "error: --offload-activations host:" in line]
+    assert len(lines) == 1 and "--recompute-granularity full" in lines[0], output[-3000:]
+    assert "Traceback" not in output

@@ -2,7 +2,7 @@
 layer runs for every micro-batch before the next layer starts, in the forward and again (recomputed,
 then backpropagated) in the backward. It is the order in which a layer whose params live off the GPU
 is brought in once per step instead of once per micro-batch (docs/design.md, "Params, grads and
-activations beyond HBM"); not yet used by pretrain_gpt.py.
+activations beyond HBM"). pretrain_gpt.py runs it with --offload-activations host (``step_schedule``).
 
 What it computes is what megatron-core's no-pipelining schedule computes with full recompute of every
 layer (``--recompute-granularity full --recompute-method uniform --recompute-num-layers 1``): the same
@@ -19,8 +19,9 @@ memory, prefetched a layer ahead). Resident params and inputs kept in place are 
 
 Limits, each refused in one line by ``layer_major_refusal``: one pipeline stage and one model chunk,
 full recompute of single layers, dropout 0 (its RNG would be drawn in another order), no fp8. With the
-embedding tied to the output layer the shared weight's gradient is summed in another order (every
-micro-batch's output-layer part, then every embedding part): equal up to rounding, not bit for bit.
+embedding tied to the output layer, the shared weight's two gradients reach its fp32 ``main_grad`` one by
+one (the output layer's in the head, the embedding's at the end), where megatron-core's single backward
+first sums them in the weight's own dtype: equal up to that rounding, not bit for bit.
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Protocol
 
 import torch
-from megatron.core.pipeline_parallel import schedules
+from megatron.core.pipeline_parallel import get_forward_backward_func, schedules
 from megatron.core.utils import get_model_config, get_model_type
+
+from megatron.training.errors import UserError
 
 
 class _BlockInputCaptured(Exception):
@@ -220,6 +223,25 @@ class LayerMajorStep:
 
 
 forward_backward_layer_major = LayerMajorStep()  # params resident, inputs kept where they were made
+
+
+def step_schedule(args, model):
+    """A training step's forward and backward: megatron-core's schedule, or with --offload-activations host
+    the layer-major step keeping layer inputs in host memory (model.layer_major)."""
+    if args.offload_activations != "host":
+        return get_forward_backward_func()
+    device = next(model[0].parameters()).device
+    return LayerMajorStep(kept_inputs_factory=lambda: HostKeptInputs(device))
+
+
+def check_step_schedule(args, config) -> None:
+    """--offload-activations host on a configuration the layer-major step cannot run: one line, before
+    the model is built."""
+    if args.offload_activations == "host":
+        refusal = layer_major_refusal(config, args.virtual_pipeline_model_parallel_size or 1,
+                                      args.pipeline_model_parallel_size)
+        if refusal is not None:
+            raise UserError(f"--offload-activations host: {refusal}")
 
 
 def _block_input(forward_step_func, chunk, block, batch):

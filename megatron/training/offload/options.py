@@ -207,6 +207,9 @@ OPTIONS: Tuple[Option, ...] = (
            metavar="GB", unit=GiB),
     Option("--offload-probe-mb", "size of the start-up bandwidth probe per file tier (its result is cached per "
            "path). Default: {default}", field="probe_bytes", type=positive_int, metavar="MB", unit=MiB),
+    Option("--offload-activations", "host: each step runs layer by layer over its micro-batches, each layer's "
+           "inputs kept in host memory until its recompute. Default: {default}", choices=("none", "host"),
+           default="none"),
     Option("--offload-telemetry-log", "per-step engine telemetry as JSON lines; {{rank}} in FILE gives one file "
            "per rank, else rank 0 writes. Default: none", default=None, metavar="FILE"),
     Option("--offload-trace", "Chrome trace of the engine's I/O, waits and Adam at the end ({{rank}} as for "
