@@ -15,8 +15,7 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 from megatron.core import parallel_state
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-from megatron.core.distributed import finalize_model_grads
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -25,12 +24,12 @@ from megatron.core.transformer.module import Float16Module
 from megatron.training.data import batch_schedule
 from megatron.training.checkpoint import checkpointing
 from megatron.training.offload import job_facts
+from megatron.training.offload.options import ACTIVATIONS_IN_HOST, activations_in_host_memory
 from megatron.training.metrics import moe as moe_metrics
 from megatron.training.checkpoint.async_save import BackgroundSaves
 from megatron.training.args.arguments import parse_args
 from megatron.training.checkpoint.integrity import checkpoint_dir
-from megatron.training.data.datasets import build_tokenizer, padded_vocab_size
-from megatron.training.data.datasets import micro_batches
+from megatron.training.data.datasets import build_tokenizer, micro_batches, padded_vocab_size
 from megatron.training.errors import reported_once
 from megatron.training.model.flops import GptShape, flops_per_iteration
 from megatron.training.model import kernels as optional_kernels
@@ -175,7 +174,7 @@ def train_step(args, forward_step_func, data_iterator, trained: Trained, timers,
         else:
             chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    losses = step_schedule(args, model)(
+    losses = step_schedule(activations_in_host_memory(args), model)(
         forward_step_func=_with_fault_points(forward_step_func),
         data_iterator=data_iterator,
         model=model,
@@ -236,7 +235,8 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
     args.padded_vocab_size = padded_vocab_size(args, tokenizer)
 
     config = transformer_config(args)
-    check_step_schedule(args, config)
+    if activations_in_host_memory(args):
+        check_step_schedule(args, config, ACTIVATIONS_IN_HOST)
     phases.done("initialize")
     model = build_model(args, config, model_provider, device)
     phases.done("model")

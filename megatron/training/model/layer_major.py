@@ -225,23 +225,22 @@ class LayerMajorStep:
 forward_backward_layer_major = LayerMajorStep()  # params resident, inputs kept where they were made
 
 
-def step_schedule(args, model):
-    """A training step's forward and backward: megatron-core's schedule, or with --offload-activations host
-    the layer-major step keeping layer inputs in host memory (model.layer_major)."""
-    if args.offload_activations != "host":
+def step_schedule(inputs_in_host_memory: bool, model):
+    """A training step's forward and backward: megatron-core's schedule, or the layer-major step keeping
+    layer inputs in host memory (--offload-activations host)."""
+    if not inputs_in_host_memory:
         return get_forward_backward_func()
     device = next(model[0].parameters()).device
     return LayerMajorStep(kept_inputs_factory=lambda: HostKeptInputs(device))
 
 
-def check_step_schedule(args, config) -> None:
-    """--offload-activations host on a configuration the layer-major step cannot run: one line, before
-    the model is built."""
-    if args.offload_activations == "host":
-        refusal = layer_major_refusal(config, args.virtual_pipeline_model_parallel_size or 1,
-                                      args.pipeline_model_parallel_size)
-        if refusal is not None:
-            raise UserError(f"--offload-activations host: {refusal}")
+def check_step_schedule(args, config, asked_by: str) -> None:
+    """A configuration the layer-major step cannot run, asked for by the flag ``asked_by``: one line,
+    before the model is built."""
+    refusal = layer_major_refusal(config, args.virtual_pipeline_model_parallel_size or 1,
+                                  args.pipeline_model_parallel_size)
+    if refusal is not None:
+        raise UserError(f"{asked_by}: {refusal}")
 
 
 def _block_input(forward_step_func, chunk, block, batch):

@@ -217,6 +217,12 @@ OPTIONS: Tuple[Option, ...] = (
            metavar="FILE"),
 )
 OPTION_OF_FLAG = {o.flag: o for o in OPTIONS}
+ACTIVATIONS_IN_HOST = "--offload-activations host"  # as messages about the layer-major step name it
+
+
+def activations_in_host_memory(args) -> bool:
+    """--offload-activations host: the layer-major step, each layer's inputs in host memory."""
+    return args.offload_activations == "host"
 
 
 def _flag_of(field: str) -> str:
