@@ -115,8 +115,8 @@ def machine_parser() -> argparse.ArgumentParser:
                    help=f"memory of one GPU, GiB (default: {GPU_MEMORY_DEFAULT_GB:g})")
     p.add_argument("--host-memory-gb", type=float, default=None, help="memory of one node, GiB (default: this node's)")
     p.add_argument("--gpu-tflops", type=float, default=None,
-                   help="sustained TFLOP/s per GPU for this model (from a short run's log); default: one H200's "
-                        "measured rate for the flags' attention kernel (or MoE layers), scaled to their recompute")
+                   help="sustained TFLOP/s per GPU for this model (from a short run's log); default: the rate measured "
+                        "for the flags' attention kernel (or MoE layers), scaled to their recompute")
     p.add_argument("--adam-gelems", type=float, default=None,
                    help=f"CPU Adam rate of one rank in G elements/s (default: measured on this CPU for a CPU job; "
                         f"for a GPU job {GPU_NODE_CPU_ADAM_GELEMS}, what one H200 node's CPU ran)")

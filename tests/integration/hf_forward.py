@@ -12,7 +12,6 @@ HF_FORWARD_DEVICE=cuda runs it on GPUs (benchmarks/experiments/hf_8b.sh), HF_FOR
 (e.g. --bf16).
 """
 
-import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -20,14 +19,8 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-
-
-def _model_provider():
-    spec = importlib.util.spec_from_file_location("pretrain_gpt_provider", REPO / "pretrain_gpt.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.model_provider
+sys.path[:0] = [str(REPO), str(Path(__file__).parent)]
+from rank_world import join, pretrain_gpt  # noqa: E402
 
 
 DEVICE = os.environ.get("HF_FORWARD_DEVICE", "cpu")
@@ -58,7 +51,7 @@ def logits_of(ckpt: str, tokens: torch.Tensor, tp: int, pp: int, ep: int):
     model_parallel_cuda_manual_seed(1234)
     config = transformer_config(args)
     device = torch.device(DEVICE, torch.cuda.current_device()) if DEVICE == "cuda" else torch.device("cpu")
-    model = build_model(args, config, _model_provider(), device)
+    model = build_model(args, config, pretrain_gpt().model_provider, device)
     tokens = tokens.to(device)
     plan = plan_load(ckpt, None, args)  # the loader's own choice and checks; then its model part
     load_model(model, dist_checkpointing.load(model_state(model, sharding_metadata()), plan.path))
@@ -89,16 +82,8 @@ def logits_of(ckpt: str, tokens: torch.Tensor, tp: int, pp: int, ep: int):
 
 
 def main(argv) -> None:
-    from megatron.training.runtime import cpu_compat
-
     out, tokens_file, *specs = argv
-    cpu_compat.define_missing_te_names()
-    if DEVICE == "cpu":
-        cpu_compat.apply()
-        torch.distributed.init_process_group("gloo")
-    else:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        torch.distributed.init_process_group("nccl")
+    join(DEVICE)
     tokens = torch.load(tokens_file)
     results = {}
     for spec in specs:

@@ -7,7 +7,6 @@ losses and every gradient buffer agree bit for bit to OUT/rank<N>.json.
                                                                  PRECISION: bf16, or fp32 for no --bf16)
 LAYER_MAJOR_DEVICE=cuda runs it on GPUs (deterministic kernels: --deterministic-mode in LAYER_MAJOR_FLAGS)."""
 
-import importlib.util
 import json
 import os
 import sys
@@ -16,16 +15,10 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(Path(__file__).parent)]
+from rank_world import join, pretrain_gpt  # noqa: E402
 SEQ, VOCAB = 16, 64
 DEVICE = os.environ.get("LAYER_MAJOR_DEVICE", "cpu")  # cuda: the same passes on a GPU (nccl), for the device
-
-
-def _pretrain_gpt():
-    spec = importlib.util.spec_from_file_location("pretrain_gpt_steps", REPO / "pretrain_gpt.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _batches(count: int, seed: int) -> list:
@@ -73,16 +66,7 @@ class GuardedLayers:
 
 
 def main(out: str, tp: int, micro_batches: int, precision: str) -> None:
-    from megatron.training.runtime import cpu_compat
-
-    cpu_compat.define_missing_te_names()
-    if DEVICE == "cpu":
-        cpu_compat.apply()
-        torch.distributed.init_process_group("gloo")
-    else:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        torch.distributed.init_process_group("nccl")
-    device = torch.device(DEVICE, torch.cuda.current_device()) if DEVICE == "cuda" else torch.device("cpu")
+    device = join(DEVICE)
     from megatron.core import parallel_state
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -109,7 +93,7 @@ def main(out: str, tp: int, micro_batches: int, precision: str) -> None:
     parallel_state.initialize_model_parallel(tp, 1)
     model_parallel_cuda_manual_seed(1234)
     config = transformer_config(args)
-    steps = _pretrain_gpt()
+    steps = pretrain_gpt()
     model = build_model(args, config, steps.model_provider, device)
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = model[0].no_sync
