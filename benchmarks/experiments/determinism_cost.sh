@@ -34,6 +34,7 @@ for name in ${RUNS:-10b 10b_det 20b 20b_det quickstart}; do
     10b_det) run 10b_det 36 5120 13824 40 74 --deterministic-mode ;;
     20b) run 20b 52 6144 16384 48 97 ;;
     20b_det) run 20b_det 52 6144 16384 48 97 --deterministic-mode ;;
+    20b_params) run 20b_params 52 6144 16384 48 56 --offload-params host ;;  # host_params.sh's: 41 GiB of params on host
     quickstart)
       stamp "start quickstart"
       RUN_DIR=/var/tmp/quickstart MLP_OFFLOAD_WHEELHOUSE=$PWD/.whl TRAIN_ITERS=20 timeout 200 \

@@ -18,13 +18,11 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
 from megatron.training.data import batch_schedule
 from megatron.training.checkpoint import checkpointing
 from megatron.training.offload import job_facts
-from megatron.training.offload.options import ACTIVATIONS_IN_HOST, activations_in_host_memory
 from megatron.training.metrics import moe as moe_metrics
 from megatron.training.checkpoint.async_save import BackgroundSaves
 from megatron.training.args.arguments import parse_args
@@ -34,10 +32,12 @@ from megatron.training.errors import reported_once
 from megatron.training.model.flops import GptShape, flops_per_iteration
 from megatron.training.model import kernels as optional_kernels
 from megatron.training.model.ddp_staging import stage_params_on_host
+from megatron.training.model.host_params import place_params_in_host_memory
+from megatron.training.offload.options import layer_major_flags, params_in_host_memory
 from megatron.training.model.layer_major import check_step_schedule, step_schedule
 from megatron.training.model.sdpa_attention import admitted_cuda_kernels
 from megatron.training.runtime import determinism, fault_injection
-from megatron.training.runtime.core_private import reset_grad_accumulation
+from megatron.training.runtime.core_private import param_buffers_in_host_memory, reset_grad_accumulation
 from mlp_offload import build_cpu_kernel_in_background, tree_bytes
 from megatron.training.runtime.iteration_hooks import IterationHooks
 from megatron.training.data.lr_schedule import build_param_scheduler
@@ -78,15 +78,19 @@ def build_model(args, config, model_provider: Callable, device) -> List[torch.nn
         chunks.append(model_provider(args, config, pre_process=pre, post_process=post, **stage).to(device))
     if args.bf16 or args.fp16:
         chunks = [Float16Module(config, chunk) for chunk in chunks]
-    staged = stage_params_on_host(chunks, ddp_config)
+    on_host = params_in_host_memory(args)
+    staged = stage_params_on_host(chunks, ddp_config, for_good=on_host)
     if staged:
         _print_rank0(staged)
     # As upstream: chunks after the first are one bucket each (their reduction overlaps compute anyway).
-    chunks = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
-              for i, chunk in enumerate(chunks)]
-    if staged:
+    with param_buffers_in_host_memory(on_host, pin=device.type == "cuda"):
+        chunks = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
+                  for i, chunk in enumerate(chunks)]
+    if on_host:
+        _print_rank0(place_params_in_host_memory(chunks, device))
+    elif staged:
         chunks = [chunk.to(device) for chunk in chunks]  # the rest (buffers); params are DDP's device views now
-    for chunk in chunks:
+    for chunk in chunks if not on_host else ():  # (params in host memory: one DP rank, nothing to broadcast)
         chunk.broadcast_params()  # identical replicas across DP ranks from the start
     return chunks
 
@@ -174,7 +178,7 @@ def train_step(args, forward_step_func, data_iterator, trained: Trained, timers,
         else:
             chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    losses = step_schedule(activations_in_host_memory(args), model)(
+    losses = step_schedule(model, **layer_major_flags(args))(
         forward_step_func=_with_fault_points(forward_step_func),
         data_iterator=data_iterator,
         model=model,
@@ -201,7 +205,7 @@ def evaluate(args, forward_step_func, data_iterator, model) -> Optional[float]:
     total, count = None, 0
     with torch.no_grad():
         for _ in range(args.eval_iters):
-            losses = get_forward_backward_func()(
+            losses = step_schedule(model, forward_only=True, **layer_major_flags(args))(
                 forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
                 num_microbatches=args.num_microbatches, seq_length=args.seq_length,
                 micro_batch_size=args.micro_batch_size, forward_only=True)
@@ -235,8 +239,7 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
     args.padded_vocab_size = padded_vocab_size(args, tokenizer)
 
     config = transformer_config(args)
-    if activations_in_host_memory(args):
-        check_step_schedule(args, config, ACTIVATIONS_IN_HOST)
+    check_step_schedule(args, config, **layer_major_flags(args))
     phases.done("initialize")
     model = build_model(args, config, model_provider, device)
     phases.done("model")

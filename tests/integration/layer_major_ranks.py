@@ -47,6 +47,12 @@ class GuardedLayers:
         for index in range(len(layers)):
             self._away(index)
 
+    def step_started(self, backward: bool) -> None:
+        self.calls.append(("start", backward))
+
+    def step_ended(self) -> None:
+        self.calls.append(("end",))
+
     def bring_in(self, layer: int) -> None:
         self.calls.append(("in", layer))
         for param, data in zip(self.params[layer], self.held[layer]):
@@ -113,15 +119,16 @@ def main(out: str, tp: int, micro_batches: int, precision: str) -> None:
     layers = gpt.decoder.layers
     guard = GuardedLayers(layers)
     streamed_losses, streamed_grads = run(LayerMajorStep(guard, lambda: HostKeptInputs(device)))
+    calls = list(guard.calls)
     guard.restore()
     count = len(layers)
-    expected_calls = [c for i in range(count) for c in (("in", i), ("out", i, False))]
-    expected_calls += [c for i in reversed(range(count)) for c in (("in", i), ("out", i, True))]
+    expected_calls = [("start", True)] + [c for i in range(count) for c in (("in", i), ("out", i, False))]
+    expected_calls += [c for i in reversed(range(count)) for c in (("in", i), ("out", i, True))] + [("end",)]
     rank = torch.distributed.get_rank()
     result = {
         "streamed_losses": streamed_losses,
         "streamed_grads_equal": all(torch.equal(a, b) for a, b in zip(streamed_grads, reference_grads)),
-        "calls_in_order": guard.calls[:len(expected_calls)] == expected_calls,
+        "calls_in_order": calls == expected_calls,
         "losses": losses, "reference_losses": reference_losses,
         "grads_equal": all(torch.equal(a, b) for a, b in zip(grads, reference_grads)),
         "max_grad_difference": max(float((a.float() - b.float()).abs().max()) for a, b in zip(grads, reference_grads)),

@@ -69,3 +69,39 @@ def test_a_run_it_cannot_take_stops_in_one_line_before_the_model(tmp_path):
     lines = [line for line in output.splitlines() if "error: --offload-activations host:" in line]
     assert len(lines) == 1 and "--recompute-granularity full" in lines[0], output[-3000:]
     assert "Traceback" not in output
+
+
+def test_training_with_params_in_host_memory_repeats_the_run_with_them_resident(tmp_path):
+    """--offload-params host (DDP's param buffer in host memory, each layer's params copied into a device
+    slot for its forward and again for its backward, the rest for the whole step) with the evaluation's
+    forward-only step too: losses, grad norms and validation losses equal those of the same layer-major run
+    with the params resident, bit for bit (on the CPU the copies go host to host: the CPU twin)."""
+    flags = [*LAYER_MAJOR_RUN, *offload_args(tmp_path / "state", tiers=("host",)), "--offload-activations", "host",
+             "--eval-interval", "2", "--eval-iters", "1", "--tensor-model-parallel-size", "2"]
+    resident = run_pretrain(tmp_path / "resident", flags, train_iters=4)
+    on_host = run_pretrain(tmp_path / "on_host", [*flags, "--offload-params", "host"], train_iters=4)
+    assert [(r["loss"], r["grad_norm"]) for r in on_host] == [(r["loss"], r["grad_norm"]) for r in resident]
+    assert len(resident) == 4 and resident[0]["loss"] != resident[3]["loss"]  # it trained
+    validation = [_validation_lines(tmp_path / run) for run in ("resident", "on_host")]
+    assert len(validation[0]) == 2 and validation[1] == validation[0], validation
+    assert "pinned" not in (tmp_path / "on_host" / "loss-0.out").read_text()  # no pinning on the CPU
+    assert "> params:" in (tmp_path / "on_host" / "loss-0.out").read_text()
+
+
+def _validation_lines(run_dir) -> list:
+    return [line.strip() for line in (run_dir / "loss-0.out").read_text().splitlines()
+            if "validation loss at iteration" in line]
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--offload-overlap-forward"], "--offload-overlap-forward"),
+    (["--tensor-model-parallel-size", "1"], "data-parallel size 1"),  # two ranks: DP2
+])
+def test_params_in_host_memory_refuse_what_they_cannot_run_in_one_line(tmp_path, flags, words):
+    base = [*LAYER_MAJOR_RUN, *offload_args(tmp_path / "state", tiers=("host",)), "--offload-params", "host"]
+    if "--tensor-model-parallel-size" not in flags:
+        base += ["--tensor-model-parallel-size", "2"]
+    output = run_pretrain(tmp_path, [*base, *flags], train_iters=1, expect_success=False)[0]["output"]
+    lines = [line for line in output.splitlines() if "error: --offload-params host:" in line]
+    assert len(lines) == 1 and words in lines[0], output[-3000:]
+    assert "Traceback" not in output

@@ -116,7 +116,7 @@ def test_keyed_fields_and_other_groups_flags_in_engine_messages():
                          ids=lambda o: o.flag)
 def test_what_needs_tiers_is_refused_without_them_naming_the_flag(option):
     value = {"--offload-gpu-cache-gb": "auto", "--offload-update": "gpu", "--offload-token-scope": "pfs=job",
-             "--offload-bandwidths": "nvme=1:1"}.get(option.flag, "1")
+             "--offload-bandwidths": "nvme=1:1"}.get(option.flag, option.choices[-1] if option.choices else "1")
     with pytest.raises(UserError, match=f"^argument {option.flag}: requires --offload-tiers$"):
         parse_args(BASE + [option.flag, value])
 

@@ -35,6 +35,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func, schedules
 from megatron.core.utils import get_model_config, get_model_type
 
 from megatron.training.errors import UserError
+from megatron.training.model.host_params import HostParams, decoder_of, host_params_refusal
 
 
 class _BlockInputCaptured(Exception):
@@ -68,20 +69,32 @@ def layer_major_refusal(config, num_model_chunks: int, pipeline_size: int) -> Op
 class LayerResidency(Protocol):
     """Where a layer's params are while the step does not use them: ``bring_in`` before the layer runs
     for the micro-batches (in the forward, and again for its recompute and backward), ``release`` after;
-    ``after_backward``: every micro-batch's gradient of the layer's params is complete."""
+    ``after_backward``: every micro-batch's gradient of the layer's params is complete. ``step_started``
+    (``backward``: whether the step has one) comes before the embedding runs, ``step_ended`` after the
+    last gradient is reduced: the params outside the layers are needed in between."""
+
+    def step_started(self, backward: bool) -> None: ...
 
     def bring_in(self, layer: int) -> None: ...
 
     def release(self, layer: int, after_backward: bool) -> None: ...
 
+    def step_ended(self) -> None: ...
+
 
 class ResidentLayers:
     """Every layer's params stay where they are (in HBM, as megatron-core keeps them)."""
+
+    def step_started(self, backward: bool) -> None:
+        pass
 
     def bring_in(self, layer: int) -> None:
         pass
 
     def release(self, layer: int, after_backward: bool) -> None:
+        pass
+
+    def step_ended(self) -> None:
         pass
 
 
@@ -96,6 +109,13 @@ class KeptInputs:
 
     def take(self, layer: int) -> List[torch.Tensor]:
         return self._kept.pop(layer)
+
+
+class NoKeptInputs(KeptInputs):
+    """A forward-only step's: nothing is recomputed, so no layer's inputs are kept."""
+
+    def put(self, layer: int, tensors: List[torch.Tensor]) -> None:
+        pass
 
 
 class HostKeptInputs(KeptInputs):
@@ -159,16 +179,24 @@ class LayerMajorStep:
         refusal = layer_major_refusal(config, len(model), 1)
         if refusal is not None:
             raise ValueError(refusal)
-        if forward_only:
-            raise ValueError("layer-major steps train: use megatron-core's schedule for forward-only passes")
         iterator = data_iterator[0] if isinstance(data_iterator, list) else data_iterator
-        block = _unwrapped(chunk).decoder
+        block = decoder_of(chunk)
         micro = [_MicroBatch(next(iterator)) for _ in range(num_microbatches)]
+        self.residency.step_started(backward=not forward_only)
+        try:
+            with torch.no_grad() if forward_only else contextlib.nullcontext():
+                return self._step(forward_step_func, chunk, config, block, micro, forward_only)
+        finally:
+            self.residency.step_ended()
+
+    def _step(self, forward_step_func, chunk, config, block, micro: List[_MicroBatch], forward_only: bool):
         for mb in micro:  # the embedding, with its graph kept for the backward's end
             mb.block_input, mb.layer_kwargs = _block_input(forward_step_func, chunk, block, mb.batch)
             mb.hidden = mb.block_input.detach()
-        kept = self._forward_layers(block, micro)
-        reported, total_tokens = self._head(forward_step_func, chunk, config, micro)
+        kept = self._forward_layers(block, micro, NoKeptInputs() if forward_only else self.kept_inputs_factory())
+        reported, total_tokens = self._head(forward_step_func, chunk, config, micro, backward=not forward_only)
+        if forward_only:
+            return reported
         self._backward_layers(block, micro, kept, config)
         for m, mb in enumerate(micro):  # the embedding's backward
             with _sync_unless(m == len(micro) - 1, config):
@@ -177,8 +205,7 @@ class LayerMajorStep:
             config.finalize_model_grads_func([chunk], total_tokens if config.calculate_per_token_loss else None)
         return reported
 
-    def _forward_layers(self, block, micro: List[_MicroBatch]) -> KeptInputs:
-        kept = self.kept_inputs_factory()
+    def _forward_layers(self, block, micro: List[_MicroBatch], kept: KeptInputs) -> KeptInputs:
         with torch.no_grad():
             for index, layer in enumerate(block.layers):
                 kept.put(index, [mb.hidden for mb in micro])
@@ -189,21 +216,22 @@ class LayerMajorStep:
         return kept
 
     @staticmethod
-    def _head(forward_step_func, chunk, config, micro: List[_MicroBatch]):
+    def _head(forward_step_func, chunk, config, micro: List[_MicroBatch], backward: bool):
         """Final norm, output layer and loss per micro-batch, through megatron-core's own forward_step and
         backward_step (their loss scaling); each micro-batch's gradient into the block's output."""
-        block = _unwrapped(chunk).decoder
+        block = decoder_of(chunk)
         reported: list = []
         total_tokens = torch.zeros([], dtype=torch.int, device=micro[0].hidden.device)
         for m, mb in enumerate(micro):
-            block_output = mb.hidden.detach().requires_grad_()
+            block_output = mb.hidden.detach().requires_grad_(backward)
             with _sync_unless(m == len(micro) - 1, config), \
                     _stand_in(block, lambda *a, **k: _final_norm(block, block_output)):
                 output, tokens = schedules.forward_step(
                     forward_step_func, iter([mb.batch]), chunk, len(micro), None, reported, config, 1,
                     is_first_microbatch=m == 0, current_microbatch=m)
                 total_tokens += tokens
-                schedules.backward_step(None, output, None, get_model_type(chunk), config)
+                if backward:
+                    schedules.backward_step(None, output, None, get_model_type(chunk), config)
             mb.hidden = block_output.grad
         return reported, total_tokens
 
@@ -225,20 +253,34 @@ class LayerMajorStep:
 forward_backward_layer_major = LayerMajorStep()  # params resident, inputs kept where they were made
 
 
-def step_schedule(inputs_in_host_memory: bool, model):
-    """A training step's forward and backward: megatron-core's schedule, or the layer-major step keeping
-    layer inputs in host memory (--offload-activations host)."""
-    if not inputs_in_host_memory:
+def step_schedule(model, inputs_in_host: bool, params_in_host: bool, asked_by: Optional[str] = None,
+                  forward_only: bool = False):
+    """A step's forward and backward (or forward only): megatron-core's schedule, or the layer-major step
+    keeping layer inputs in host memory (``inputs_in_host``) and bringing in params that live there
+    (``params_in_host``; one step object per model, whose device slots are made once)."""
+    if not params_in_host and (forward_only or not inputs_in_host):
         return get_forward_backward_func()
-    device = next(model[0].parameters()).device
-    return LayerMajorStep(kept_inputs_factory=lambda: HostKeptInputs(device))
+    step = _STEPS.get(id(model[0]))
+    if step is None:
+        device = model[0].buffers[0].grad_data.device if params_in_host else next(model[0].parameters()).device
+        inputs = (lambda: HostKeptInputs(device)) if inputs_in_host else KeptInputs
+        step = LayerMajorStep(HostParams.of_chunk(model[0], device) if params_in_host else None, inputs)
+        _STEPS[id(model[0])] = step
+    return step
 
 
-def check_step_schedule(args, config, asked_by: str) -> None:
-    """A configuration the layer-major step cannot run, asked for by the flag ``asked_by``: one line,
-    before the model is built."""
+_STEPS: Dict[int, LayerMajorStep] = {}  # by model chunk (training keeps its model for the whole run)
+
+
+def check_step_schedule(args, config, inputs_in_host: bool, params_in_host: bool, asked_by: Optional[str]) -> None:
+    """A configuration the layer-major step cannot run, asked for by the flag ``asked_by`` (params or inputs in
+    host memory): one line naming it, before the model is built."""
+    if not params_in_host and not inputs_in_host:
+        return
     refusal = layer_major_refusal(config, args.virtual_pipeline_model_parallel_size or 1,
                                   args.pipeline_model_parallel_size)
+    if refusal is None and params_in_host:
+        refusal = host_params_refusal(args)
     if refusal is not None:
         raise UserError(f"{asked_by}: {refusal}")
 
@@ -279,11 +321,3 @@ def _stand_in(block, forward):
 def _sync_unless(is_last: bool, config):
     """DDP's gradient sync only in the last micro-batch's backward, as megatron-core's schedule does."""
     return contextlib.nullcontext() if is_last or config.no_sync_func is None else config.no_sync_func()
-
-
-def _unwrapped(chunk):
-    """The GPTModel inside DDP and Float16Module wrappers."""
-    module = chunk
-    while not hasattr(module, "decoder"):
-        module = module.module
-    return module

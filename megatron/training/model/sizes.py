@@ -23,6 +23,7 @@ from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_du
 from megatron.core.transformer.module import param_is_not_shared
 
 from megatron.training.model.layer_params import expert_params, layer_params, layers_of_stage, moe_pattern
+from megatron.training.runtime.progress import model_device
 
 FFN_MULTIPLE = 64  # Megatron-LM keeps the SwiGLU FFN a multiple of 64, so each TP shard is 64/TP-aligned
 
@@ -110,8 +111,8 @@ def params_l2_norm(model_chunks) -> float:
             if param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param):
                 value = param.detach().float().square().sum()
                 squares = value if squares is None else squares + value
-    device = next(model_chunks[0].parameters()).device
-    total = (squares if squares is not None else torch.zeros((), device=device)).reshape(1)
+    device = model_device(model_chunks)  # the params may be in host memory (--offload-params host)
+    total = (squares.to(device) if squares is not None else torch.zeros((), device=device)).reshape(1)
     torch.distributed.all_reduce(total, group=parallel_state.get_model_parallel_group())
     return float(total.sqrt().item())
 

@@ -22,6 +22,7 @@ from megatron.training.offload.gpu_tier_start import starting_gpu_tier_bytes
 from megatron.training.offload.options import GPU_START_FLAG, config_fields, in_flags
 from megatron.training.runtime.core_private import param_groups_and_buffers
 from megatron.training.runtime.host_memory import measured_beside_engine
+from megatron.training.runtime.progress import model_device
 from mlp_offload import GiB, OffloadConfig
 
 log = logging.getLogger("mlp_offload")
@@ -33,7 +34,7 @@ def get_offload_optimizer(args, model_chunks, config: OptimizerConfig) -> Offloa
         raise UserError("--offload-tiers requires the distributed optimizer (--use-distributed-optimizer)")
     _set_cpu_threads(args, model_chunks)
     groups = shard_groups(model_chunks, config)
-    device = next(model_chunks[0].parameters()).device  # home of the gpu tier and device updates (the CPU twin on CPU)
+    device = model_device(model_chunks)  # home of the gpu tier and device updates (the CPU twin on CPU)
     offload_config = config_from_args(args, rank=_rank(), device=str(device),
                                       host_bytes_beside=measured_beside_engine(args.num_workers),
                                       **_starting_gpu_tier(args, model_chunks, groups, device))
@@ -110,7 +111,7 @@ def _set_cpu_threads(args, model_chunks) -> None:
     # torchrun sets OMP_NUM_THREADS=1, which would starve the CPU Adam; on a GPU node give each
     # local rank its share of the cores unless told otherwise.
     threads = args.offload_cpu_threads
-    if threads is None and next(model_chunks[0].parameters()).is_cuda:
+    if threads is None and model_device(model_chunks).type == "cuda":
         threads = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     if threads:
         torch.set_num_threads(threads)

@@ -152,9 +152,10 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
                 # The allocator's cached blocks back to the driver: NCCL allocates outside it, lazily, and can
                 # find nothing left after the tier grew (tier_growth.py)
                 torch.cuda.empty_cache()
-        if not self.ddp_config.overlap_param_gather and not self.overlap_forward:
+        if not self.ddp_config.overlap_param_gather and not self.overlap_forward and not self.shards[0].params_on_host:
             # (with the overlap: at data-parallel size 1 each rank's params are its own already; above it
-            # megatron-core's forward hooks gather each bucket once the gate saw its update done)
+            # megatron-core's forward hooks gather each bucket once the gate saw its update done; params in host
+            # memory are one data-parallel rank's, written in place)
             for chunk in self.model_chunks:
                 chunk.start_param_sync()  # dense and expert buckets both
         return True, grad_norm, None  # no zeros counted (--log-num-zeros-in-grad is megatron-core's)

@@ -210,6 +210,9 @@ OPTIONS: Tuple[Option, ...] = (
     Option("--offload-activations", "host: each step runs layer by layer over its micro-batches, each layer's "
            "inputs kept in host memory until its recompute. Default: {default}", choices=("none", "host"),
            default="none"),
+    Option("--offload-params", "host: the model's 16-bit params live in pinned host memory and reach the GPU "
+           "a layer at a time in each step (with the layer-major step). Default: none", choices=("none", "host"),
+           default="none", needs_tiers=True),
     Option("--offload-telemetry-log", "per-step engine telemetry as JSON lines; {{rank}} in FILE gives one file "
            "per rank, else rank 0 writes. Default: none", default=None, metavar="FILE"),
     Option("--offload-trace", "Chrome trace of the engine's I/O, waits and Adam at the end ({{rank}} as for "
@@ -218,11 +221,25 @@ OPTIONS: Tuple[Option, ...] = (
 )
 OPTION_OF_FLAG = {o.flag: o for o in OPTIONS}
 ACTIVATIONS_IN_HOST = "--offload-activations host"  # as messages about the layer-major step name it
+PARAMS_IN_HOST = "--offload-params host"
 
 
 def activations_in_host_memory(args) -> bool:
     """--offload-activations host: the layer-major step, each layer's inputs in host memory."""
     return args.offload_activations == "host"
+
+
+def params_in_host_memory(args) -> bool:
+    """--offload-params host: the model's params in host memory, brought in by the layer-major step."""
+    return getattr(args, "offload_params", "none") == "host"
+
+
+def layer_major_flags(args) -> dict:
+    """What the layer-major step is asked for (``model.layer_major``'s step_schedule and check_step_schedule
+    take these), and the flag that asked, for its refusals."""
+    params = params_in_host_memory(args)
+    return {"inputs_in_host": activations_in_host_memory(args), "params_in_host": params,
+            "asked_by": PARAMS_IN_HOST if params else ACTIVATIONS_IN_HOST}
 
 
 def _flag_of(field: str) -> str:
@@ -272,7 +289,7 @@ def given_without_tiers(args) -> Optional[str]:
     """The first flag, as typed, that needs --offload-tiers and is given (tiers are not); None if none."""
     for option in OPTIONS:
         value = getattr(args, option.dest, None)
-        if option.needs_tiers and value not in (None, {}, []):
+        if option.needs_tiers and value not in (None, {}, [], "none"):
             return f"--offload-{next(iter(value))}-path" if option.flag == PATH_FLAG_FORM else option.flag
     return None
 

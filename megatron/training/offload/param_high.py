@@ -13,9 +13,11 @@ from megatron.training.offload.shard_layout import ShardLayout
 
 
 class ModelParamHigh:
-    def __init__(self, layout: ShardLayout, copy_stream=None):
+    def __init__(self, layout: ShardLayout, copy_stream=None, views_on_host: bool = False):
         self.layout = layout
         self.copy_stream = copy_stream  # CUDA: the shard's copy stream, where params go back up too
+        # --offload-params host on a GPU: the device update cannot write the params in place
+        self.views_on_host = views_on_host
 
     def fill(self, start: int, end: int, out: torch.Tensor) -> None:
         if self.copy_stream is None:

@@ -63,7 +63,9 @@ class OffloadShard:
         self.kind = groups.kind
         self.dp_group = groups.dp_group
         self.layout = ShardLayout(groups.buffers, self.dp_group.rank(), self.dp_group.size())
-        self.device = self.layout.pieces[0].buffer.param_data.device
+        # The update's device is the grads': with --offload-params host the params are in host memory.
+        self.device = self.layout.pieces[0].buffer.grad_data.device
+        self.params_on_host = self.layout.pieces[0].buffer.param_data.device != self.device
         self.grad_scaler = grad_scaler_for(config)
         self.norm_params, engine_groups = self._ordered_groups(groups.param_groups)
         self._cuda = self.device.type == "cuda"
@@ -83,7 +85,7 @@ class OffloadShard:
             weight_decay=config.weight_decay, groups=engine_groups, token_store=token_store,
             model=ModelLink(grad_dtype=self.layout.pieces[0].buffer.grad_dtype,
                             on_params_updated=self._copy_params_to_device, grad_source=self._device_grads,
-                            param_high=ModelParamHigh(self.layout, self.copy_stream),
+                            param_high=ModelParamHigh(self.layout, self.copy_stream, self.params_on_host),
                             param_segments=self.layout.param_segments()))
 
     def zero_grads_after_read(self) -> None:
@@ -175,7 +177,7 @@ class OffloadShard:
     def _copy_params_to_device(self, start: int, end: int, params: torch.Tensor):
         # Updated on the device (resident or streamed; always on a CPU run): cast in place, in the
         # engine's stream order. With remainders ``params`` are the bf16 params already.
-        if not self._cuda or params.device == self.device:
+        if not self._cuda or params.device == self.device or self.params_on_host:
             for lo, hi, view in self.layout.views(start, end, "param"):
                 view.copy_(params[lo - start: hi - start])
             return None

@@ -7,7 +7,10 @@ replacing module globals, not by calling private functions.)
 
 from __future__ import annotations
 
+import contextlib
+
 from megatron.core import optimizer as _core_optimizer
+from megatron.core.distributed import param_and_grad_buffer
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
@@ -75,3 +78,43 @@ def install_timer(timers, name: str, timer, log_level: int) -> None:
     update runs on under the next forward must not, and there is no public way to give it another."""
     timers._timers[name] = timer
     timers._log_levels[name] = log_level
+
+
+@contextlib.contextmanager
+def param_buffers_in_host_memory(active: bool, pin: bool):
+    """While DDP builds its buffers: each param buffer in host memory (pinned where ``pin``), each grad
+    buffer where megatron-core puts it (--offload-params host). Why private: DDP allocates both on the
+    current device and takes no argument for where; 0.16.1 allocates a buffer's params first, then its
+    grads, with ``torch.zeros`` in ``_ParamAndGradBuffer.__init__``, so that first call is the one moved
+    (``model.host_params.check_buffers_placed`` checks the result)."""
+    if not active:
+        yield
+        return
+    module = param_and_grad_buffer
+    buffer_class, real_init, real_torch = module._ParamAndGradBuffer, module._ParamAndGradBuffer.__init__, module.torch
+    pending = {"param_data": False}
+
+    class _Torch:
+        def __getattr__(self, name):
+            return getattr(real_torch, name)
+
+        @staticmethod
+        def zeros(*args, **kwargs):
+            if pending["param_data"]:
+                pending["param_data"] = False
+                kwargs["device"] = "cpu"
+                if pin:
+                    kwargs["pin_memory"] = True
+            return real_torch.zeros(*args, **kwargs)
+
+    def init(self, *args, **kwargs):
+        ddp_config = kwargs.get("ddp_config", args[0] if args else None)
+        pending["param_data"] = bool(ddp_config.use_distributed_optimizer)
+        real_init(self, *args, **kwargs)
+        pending["param_data"] = False
+
+    module.torch, buffer_class.__init__ = _Torch(), init
+    try:
+        yield
+    finally:
+        module.torch, buffer_class.__init__ = real_torch, real_init

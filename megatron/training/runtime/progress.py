@@ -18,7 +18,11 @@ def gb_and_rate(nbytes: float, seconds: float) -> str:
 
 
 def model_device(model) -> torch.device:
-    """Where collectives over figures run: NCCL reduces no CPU tensors."""
+    """Where the model computes, and collectives over figures run (NCCL reduces no CPU tensors): its DDP grad
+    buffer's device (with --offload-params host the params are in host memory), else its params'."""
+    buffers = getattr(model[0], "buffers", None)
+    if isinstance(buffers, list) and buffers:
+        return buffers[0].grad_data.device
     return next(model[0].parameters()).device
 
 

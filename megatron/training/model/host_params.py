@@ -1,0 +1,199 @@
+"""--offload-params host: the model's 16-bit params live in pinned host memory (DDP's param buffer is made
+there) and come to the GPU only while the layer-major step uses them: the embedding, final norm and output
+layer for the whole step, each transformer layer for its forward over the step's micro-batches and again for
+its recompute and backward, the next layer's copy running on a side stream while this one computes. The GPU
+holds two layers' params instead of every layer's. The grads stay in DDP's device buffer, where the backward
+accumulates them and the offload engine reads them; the engine writes each step's updated params into the
+host buffer, and the next step copies them in again. On a CPU run the same copies go from one host tensor to
+another (the CPU twin of this path).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, List, Optional
+
+import torch
+
+from mlp_offload import GiB
+
+
+
+def host_params_refusal(args) -> Optional[str]:
+    """Why this run cannot keep its params in host memory (one line), or None."""
+    if args.data_parallel_size != 1:
+        return (f"data-parallel size 1 only so far (this run: {args.data_parallel_size}); the gather of updated "
+                "params across data-parallel ranks reads a device buffer")
+    if args.offload_overlap_forward:
+        return ("not with --offload-overlap-forward: a layer's params are copied in before the update under "
+                "the forward has written them")
+    return None
+
+
+def check_buffers_placed(chunks, device: torch.device) -> None:
+    """Every param buffer in host memory and every grad buffer on ``device`` (a megatron-core that builds
+    its buffers otherwise than ``param_buffers_in_host_memory`` expects fails here, not in the first step)."""
+    for chunk in chunks:
+        for buffer in chunk.buffers + chunk.expert_parallel_buffers:
+            if buffer.param_data is None or buffer.param_data.device.type != "cpu" \
+                    or buffer.grad_data.device != device:
+                raise RuntimeError("--offload-params host: megatron-core's DDP did not build its param buffer in "
+                                   "host memory beside a device grad buffer (megatron-core 0.16.1 does)")
+
+
+def move_all_but_params(module: torch.nn.Module, device: torch.device) -> None:
+    """The module's buffers (rotary tables, masks) to ``device``; its params stay DDP's host views."""
+    for sub in module.modules():
+        for name, value in list(sub.named_buffers(recurse=False)):
+            setattr(sub, name, value.to(device))
+
+
+class _Slot:
+    """Device memory for one group of params: a flat tensor per dtype, the copy into it and its last use
+    (CUDA events; None on a CPU run, where copies are done when they return)."""
+
+    def __init__(self, sizes: Dict[torch.dtype, int], device: torch.device):
+        self.flat = {dtype: torch.empty(numel, dtype=dtype, device=device) for dtype, numel in sizes.items()}
+        self.holds: Optional[int] = None  # the group whose params it holds now (this step)
+        self.copied = None
+        self.released = None
+
+    def views(self, params: List[torch.nn.Parameter]) -> List[torch.Tensor]:
+        offsets: Dict[torch.dtype, int] = {}
+        views = []
+        for p in params:
+            at = offsets.get(p.dtype, 0)
+            views.append(self.flat[p.dtype][at: at + p.numel()].view(p.shape))
+            offsets[p.dtype] = at + p.numel()
+        return views
+
+
+def _sizes(params: List[torch.nn.Parameter]) -> Dict[torch.dtype, int]:
+    sizes: Dict[torch.dtype, int] = {}
+    for p in params:
+        sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
+    return sizes
+
+
+def decoder_of(chunk):
+    """The decoder block of the GPTModel inside DDP and Float16Module wrappers."""
+    module = chunk
+    while not hasattr(module, "decoder"):
+        module = module.module
+    return module.decoder
+
+
+REST = -1  # the group of params outside the transformer layers (embedding, final norm, output layer)
+
+
+class HostParams:
+    """``layer_major.LayerResidency`` for params in host memory: two device slots the layers take turns in
+    (the one running, the next in the step's order copied in beside it) and one for the rest, held from
+    ``step_started`` to ``step_ended``. A slot's copy waits for the compute that last used the slot."""
+
+    def __init__(self, layers: List[List[torch.nn.Parameter]], rest: List[torch.nn.Parameter], device: torch.device):
+        self.groups = {index: params for index, params in enumerate(layers)}
+        self.groups[REST] = rest
+        self.host = {index: [p.data for p in params] for index, params in self.groups.items()}
+        self.device = device
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        largest: Dict[torch.dtype, int] = {}
+        for params in layers:
+            for dtype, numel in _sizes(params).items():
+                largest[dtype] = max(largest.get(dtype, 0), numel)
+        self._turns = [_Slot(largest, device), _Slot(largest, device)]
+        self._rest = _Slot(_sizes(rest), device)
+        self._order: List[int] = []
+        self._at = 0
+        self.copies = 0  # groups copied in, for tests and the log
+
+    @classmethod
+    def of_chunk(cls, chunk, device: torch.device) -> "HostParams":
+        layers = [list(layer.parameters()) for layer in decoder_of(chunk).layers]
+        inside = {id(p) for params in layers for p in params}
+        return cls(layers, [p for p in chunk.parameters() if id(p) not in inside], device)
+
+    def device_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for slot in (*self._turns, self._rest) for t in slot.flat.values())
+
+    # -- the layer-major step's calls ---------------------------------------------------------------
+    def step_started(self, backward: bool) -> None:
+        """The step's order of layers (forward, then backward where it has one); what the slots held is
+        stale (an update has changed the host params since)."""
+        count = len(self.groups) - 1
+        self._order = list(range(count)) + (list(reversed(range(count))) if backward else [])
+        self._at = 0
+        for slot in (*self._turns, self._rest):
+            slot.holds = None
+        self._fill(self._rest, REST)
+        self._use(self._rest, REST)
+        if self._order:
+            self._fill(self._turns[0], self._order[0])
+
+    def bring_in(self, layer: int) -> None:
+        slot = self._slot_of(layer)
+        if slot is None:  # not prefetched (a step that skipped ahead): copied now
+            slot = self._free_slot(layer)
+            self._fill(slot, layer)
+        self._use(slot, layer)
+        self._at += 1
+        upcoming = next((i for i in self._order[self._at:] if i != layer), None)
+        if upcoming is not None and self._slot_of(upcoming) is None:
+            self._fill(self._free_slot(layer), upcoming)
+
+    def release(self, layer: int, after_backward: bool) -> None:
+        self._put_back(self._slot_of(layer), layer)
+
+    def step_ended(self) -> None:
+        self._put_back(self._rest, REST)
+
+    # -- slots ------------------------------------------------------------------------------------------
+    def _slot_of(self, layer: int) -> Optional[_Slot]:
+        return next((slot for slot in self._turns if slot.holds == layer), None)
+
+    def _free_slot(self, keep: int) -> _Slot:
+        return next(slot for slot in self._turns if slot.holds != keep)
+
+    def _fill(self, slot: _Slot, group: int) -> None:
+        with self._side_stream(slot):
+            for view, host in zip(slot.views(self.groups[group]), self.host[group]):
+                view.copy_(host, non_blocking=self._stream is not None)
+            if self._stream is not None:
+                slot.copied = torch.cuda.Event()
+                slot.copied.record(self._stream)
+        slot.holds = group
+        self.copies += 1
+
+    def _use(self, slot: _Slot, group: int) -> None:
+        if slot.copied is not None:
+            torch.cuda.current_stream(self.device).wait_event(slot.copied)
+        for param, view in zip(self.groups[group], slot.views(self.groups[group])):
+            param.data = view
+
+    def _put_back(self, slot: _Slot, group: int) -> None:
+        for param, host in zip(self.groups[group], self.host[group]):
+            param.data = host
+        if self._stream is not None:
+            slot.released = torch.cuda.Event()
+            slot.released.record(torch.cuda.current_stream(self.device))
+
+    def _side_stream(self, slot: _Slot):
+        if self._stream is None:
+            return contextlib.nullcontext()
+        if slot.released is not None:
+            self._stream.wait_event(slot.released)  # the compute that read the slot last is done
+        return torch.cuda.stream(self._stream)
+
+
+def place_params_in_host_memory(chunks, device: torch.device) -> str:
+    """After DDP built its buffers under ``param_buffers_in_host_memory``: the rest of each chunk to the
+    device, and the start-up line saying where the params are."""
+    check_buffers_placed(chunks, device)
+    for chunk in chunks:
+        move_all_but_params(chunk, device)
+    host = sum(b.param_data.numel() * b.param_data.element_size()
+               for chunk in chunks for b in chunk.buffers + chunk.expert_parallel_buffers)
+    pinned = all(b.param_data.is_pinned() for chunk in chunks for b in chunk.buffers + chunk.expert_parallel_buffers) \
+        if device.type == "cuda" else False
+    return (f"> params: {host / GiB:.2f} GiB in {'pinned ' if pinned else ''}host memory (--offload-params host); "
+            f"the GPU holds two layers' and the embedding's and output layer's while a step runs")
