@@ -146,6 +146,8 @@ class HostParams:
 
     def step_ended(self) -> None:
         self._put_back(self._rest, REST)
+        if self._stream is not None:
+            self._stream.synchronize()  # no copy still reads the host params the update is about to write
 
     # -- slots ------------------------------------------------------------------------------------------
     def _slot_of(self, layer: int) -> Optional[_Slot]:

@@ -120,13 +120,12 @@ def params_l2_norm(model_chunks) -> float:
 def counted_params(model) -> int:
     """The whole model's parameters (one replica): dense ones summed over the model-parallel group,
     experts over the expert grid (ETP x EP x PP), where each rank holds its own experts."""
-    first = next(model[0].parameters())
     params = [p for chunk in model for p in chunk.parameters()]
-    # On the parameters' device: NCCL has no CPU backend.
+    device = model_device(model)  # NCCL has no CPU backend (the params may be in host memory)
     dense = torch.tensor([sum(p.numel() for p in params if getattr(p, "allreduce", True))], dtype=torch.long,
-                         device=first.device)
+                         device=device)
     experts = torch.tensor([sum(p.numel() for p in params if not getattr(p, "allreduce", True))],
-                           dtype=torch.long, device=first.device)
+                           dtype=torch.long, device=device)
     torch.distributed.all_reduce(dense, group=parallel_state.get_model_parallel_group())
     if parallel_state.get_expert_model_parallel_world_size() * parallel_state.get_expert_tensor_parallel_world_size() > 1:
         torch.distributed.all_reduce(experts, group=parallel_state.get_expert_tensor_model_pipeline_parallel_group())
