@@ -77,10 +77,8 @@ class ModelBuffers:
     @staticmethod
     def available(grads, params, device: str) -> bool:
         """Whether both sources (instances, or a source's class) give ``views`` the update on
-        ``device`` can read: a HostGradients' are host memory, which a CUDA kernel cannot (nor params a
-        caller keeps there)."""
-        on_host = getattr(grads, "views_on_host", False) or getattr(params, "views_on_host", False)
-        if on_host and torch.device(device).type != "cpu":
+        ``device`` can read: a HostGradients' are host memory, which a CUDA kernel cannot."""
+        if getattr(grads, "views_on_host", False) and torch.device(device).type != "cpu":
             return False
         return hasattr(grads, "views") and hasattr(params, "views")
 

@@ -75,6 +75,16 @@ def _sizes(params: List[torch.nn.Parameter]) -> Dict[torch.dtype, int]:
     return sizes
 
 
+def _into_main_grad(param: torch.nn.Parameter) -> None:
+    """DDP's backward hook, again: a param whose data moved to another device gets a new gradient
+    accumulator from autograd, without the hook DDP put on the old one. Whichever of the two runs first
+    adds the grad into ``main_grad`` and clears it, so the other finds nothing (a CPU run keeps DDP's)."""
+    if param.grad is not None and (not getattr(param, "grad_added_to_main_grad", False)
+                                   or getattr(param, "zero_out_wgrad", False)):
+        param.main_grad.add_(param.grad.data)
+    param.grad = None
+
+
 def decoder_of(chunk):
     """The decoder block of the GPTModel inside DDP and Float16Module wrappers."""
     module = chunk
@@ -106,6 +116,9 @@ class HostParams:
         self._order: List[int] = []
         self._at = 0
         self.copies = 0  # groups copied in, for tests and the log
+        for params in self.groups.values():
+            for param in params:
+                param.register_post_accumulate_grad_hook(_into_main_grad)
 
     @classmethod
     def of_chunk(cls, chunk, device: torch.device) -> "HostParams":

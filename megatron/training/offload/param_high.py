@@ -13,11 +13,9 @@ from megatron.training.offload.shard_layout import ShardLayout
 
 
 class ModelParamHigh:
-    def __init__(self, layout: ShardLayout, copy_stream=None, views_on_host: bool = False):
+    def __init__(self, layout: ShardLayout, copy_stream=None):
         self.layout = layout
         self.copy_stream = copy_stream  # CUDA: the shard's copy stream, where params go back up too
-        # --offload-params host on a GPU: the device update cannot write the params in place
-        self.views_on_host = views_on_host
 
     def fill(self, start: int, end: int, out: torch.Tensor) -> None:
         if self.copy_stream is None:
@@ -28,10 +26,15 @@ class ModelParamHigh:
             self.to_device(start, end, out, non_blocking=True)
         self.copy_stream.synchronize()
 
-    def views(self, start: int, end: int):
-        """The params of [start, end) in the DDP buffers (the device update writes them there in place)."""
-        return self.layout.views(start, end, "param")
-
     def to_device(self, start: int, end: int, out: torch.Tensor, non_blocking: bool = False) -> None:
         for lo, hi, view in self.layout.views(start, end, "param"):
             out[lo - start: hi - start].copy_(view, non_blocking=non_blocking)
+
+
+class ModelParamHighInPlace(ModelParamHigh):
+    """The same, with ``views``: where the update's device holds the params, it writes them there in place
+    (not with --offload-params host on a GPU: a CUDA kernel cannot write host memory)."""
+
+    def views(self, start: int, end: int):
+        """The params of [start, end) in the DDP buffers."""
+        return self.layout.views(start, end, "param")

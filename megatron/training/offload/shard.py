@@ -19,7 +19,7 @@ from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.transformer.module import param_is_not_shared
 
 from megatron.training.offload.device_gradients import DeviceGradients, EventFence
-from megatron.training.offload.param_high import ModelParamHigh
+from megatron.training.offload.param_high import ModelParamHigh, ModelParamHighInPlace
 from megatron.training.offload.shard_layout import ShardLayout
 from megatron.training.runtime.core_private import optimizer_group_ranges
 from mlp_offload import ModelLink
@@ -85,7 +85,8 @@ class OffloadShard:
             weight_decay=config.weight_decay, groups=engine_groups, token_store=token_store,
             model=ModelLink(grad_dtype=self.layout.pieces[0].buffer.grad_dtype,
                             on_params_updated=self._copy_params_to_device, grad_source=self._device_grads,
-                            param_high=ModelParamHigh(self.layout, self.copy_stream, self.params_on_host),
+                            param_high=(ModelParamHigh if self.params_on_host else ModelParamHighInPlace)(
+                                self.layout, self.copy_stream),
                             param_segments=self.layout.param_segments()))
 
     def zero_grads_after_read(self) -> None:

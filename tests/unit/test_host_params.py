@@ -1,0 +1,75 @@
+"""HostParams (megatron/training/model/host_params.py), the residency of --offload-params host, without DDP:
+the layers run on device copies of their params, each step sees the host params as they are then, and every
+gradient reaches ``main_grad`` through its own hook (DDP's is gone once a param's data changes device). On the
+CPU, and on a GPU where there is one (the GPU suite's CUDA unit tests)."""
+
+import pytest
+import torch
+
+from megatron.training.model.host_params import HostParams
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _model(device: str):
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(8, 8) for _ in range(3)]
+    head = torch.nn.Linear(8, 2)
+    for module in (*layers, head):
+        for p in module.parameters():
+            p.main_grad = torch.zeros(p.shape, device=device)
+            if device == "cuda":
+                p.data = p.data.pin_memory()
+    return layers, head
+
+
+def _step(residency: HostParams, layers, head, x):
+    residency.step_started(backward=True)
+    hidden = [x]
+    for i, layer in enumerate(layers):
+        residency.bring_in(i)
+        assert layer.weight.device == x.device and layer.weight.data_ptr() != residency.host[i][0].data_ptr()
+        hidden.append(torch.relu(layer(hidden[-1])))
+        residency.release(i, after_backward=False)
+        assert layer.weight.device.type == "cpu"
+    grad = torch.autograd.grad(head(hidden[-1]).square().sum(), hidden[-1])[0]
+    for i in reversed(range(len(layers))):
+        residency.bring_in(i)
+        inp = hidden[i].detach().requires_grad_()
+        torch.autograd.backward(torch.relu(layers[i](inp)), grad)
+        grad = inp.grad
+        residency.release(i, after_backward=True)
+    residency.step_ended()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_layers_run_on_copies_and_every_gradient_reaches_main_grad(device):
+    layers, head = _model(device)
+    reference = [torch.nn.Linear(8, 8) for _ in range(3)]
+    reference_head = torch.nn.Linear(8, 2)
+    for mine, theirs in zip((*layers, head), (*reference, reference_head)):
+        theirs.load_state_dict({k: v.detach().clone() for k, v in mine.state_dict().items()})
+    for module in (*reference, reference_head):
+        module.to(device)
+    head.to(device)  # the head stays on the device here (the residency's "rest" is empty)
+    residency = HostParams([list(layer.parameters()) for layer in layers], [], torch.device(device))
+    x = torch.randn(4, 8, device=device)
+    for step in range(2):
+        _step(residency, layers, head, x)
+        for module in reference:
+            module.zero_grad()
+        out = x
+        for module in reference:
+            out = torch.relu(module(out))
+        reference_head.to(device)
+        reference_head(out).square().sum().backward()
+        for mine, theirs in zip(layers, reference):
+            assert torch.equal(mine.weight.main_grad.cpu(), theirs.weight.grad.cpu())
+            assert mine.weight.grad is None
+            mine.weight.main_grad.zero_()
+        # an update in host memory between steps: the next step must run on it
+        with torch.no_grad():
+            for mine, theirs in zip(layers, reference):
+                mine.weight.add_(0.5)
+                theirs.weight.add_(0.5)
+    assert residency.copies > 0
