@@ -18,7 +18,8 @@ Part 1 (one GPU): the tiers {gpu,host,nvme; gpu,host; gpu; host,nvme} x update {
 buffers; device through copies; cpu; split} x master {remainders; fp32}, four cases drawn so that
 every value appears (the seed is printed: SEED=N draws them again); --async-save;
 --offload-overlap-forward; --offload-read-ahead-gb; a rank SIGKILLed during the update and during an
-async save, then resumed from the last complete checkpoint; the gpu tier's auto size (subgroups
+async save, then resumed from the last complete checkpoint; params in host memory (--offload-params host)
+saved and resumed, and killed in the backward and resumed; the gpu tier's auto size (subgroups
 promoted after iteration 1) across a save; 8-bit moments (fp8) saved and resumed (not held to
 megatron-core's losses: it has no such format without transformer-engine); the unit tests that run on CUDA. Launches run PAR at a
 time on the one GPU (each is small).
@@ -79,6 +80,8 @@ UPDATES = {"device-model-buffers": "--offload-update gpu",
            "cpu": "--offload-update cpu",
            "split": "--offload-update auto"}
 MASTERS = {"remainders": "", "fp32": "--no-store-param-remainders"}
+LAYER_MAJOR = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
+ONLY = [n for n in os.environ.get("CASES", "").split(",") if n]  # CASES=a,b: only these (a dry run of new cases)
 
 
 @dataclass
@@ -275,13 +278,19 @@ def part1_cases() -> List[Case]:
         # the default attention without the mode: no exact resume; the digest of the state must match
         Case("resume_check", "gpu,host,nvme", rng.choice(list(UPDATES)), rng.choice(list(MASTERS)),
              deterministic=False, resume_only_checked=True),
+        # params in host memory, each layer streamed in by the layer-major step (inputs in host memory too)
+        Case("params_host", "gpu,host,nvme", rng.choice(list(UPDATES)), rng.choice(list(MASTERS)),
+             f"{LAYER_MAJOR} --offload-params host --offload-activations host", must_log="in pinned host memory"),
+        # killed as the head's gradient of step 2's second micro-batch arrives, before any layer's backward
+        Case("kill_params_host_in_backward", "gpu,host,nvme", rng.choice(list(UPDATES)), rng.choice(list(MASTERS)),
+             f"{LAYER_MAJOR} --offload-params host", kind="kill", fault="backward#6", save_every=1),
     ]
     # After TIERS' fixed size (the later flag wins); a small start, so that the peak measured after
     # iteration 1 promotes subgroups (this model's state would all fit the default start at once).
     gpu_auto = next(c for c in cases if c.name == "gpu_auto")
     gpu_auto.extra = "--offload-gpu-cache-gb auto --offload-gpu-start-gb 0.1"
     gpu_auto.must_log = "promoted"
-    return cases
+    return [c for c in cases if c.name in ONLY] if ONLY else cases
 
 
 def resume_check_matched(line: str) -> bool:

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from helpers import offload_args
+from helpers import copy_checkpoint, offload_args
 from launch import REPO, launch_command, pretrain_env, run_and_clean_up, run_pretrain
 
 RANKS = REPO / "tests" / "integration" / "layer_major_ranks.py"
@@ -86,6 +86,19 @@ def test_training_with_params_in_host_memory_repeats_the_run_with_them_resident(
     assert len(validation[0]) == 2 and validation[1] == validation[0], validation
     assert "pinned" not in (tmp_path / "on_host" / "loss-0.out").read_text()  # no pinning on the CPU
     assert "> params:" in (tmp_path / "on_host" / "loss-0.out").read_text()
+
+
+def test_params_in_host_memory_save_and_resume_bit_for_bit(tmp_path):
+    """--offload-params host, state over host and disk: a run saving at 2 and going on to 4, and a resume
+    from its save at 2 alone, give iterations 3-4 bit for bit (the params come back into the host buffer)."""
+    flags = [*LAYER_MAJOR_RUN, *offload_args(tmp_path / "state", tiers=("host", "nvme")), "--offload-params", "host",
+             "--tensor-model-parallel-size", "2"]
+    whole = run_pretrain(tmp_path / "whole", [*flags, "--save", str(tmp_path / "ckpt"), "--save-interval", "2"],
+                         train_iters=4)
+    at2 = copy_checkpoint(tmp_path / "ckpt", [2], tmp_path / "at2")
+    resumed = run_pretrain(tmp_path / "resumed", [*flags, "--load", str(at2)], train_iters=4)
+    assert [r["iteration"] for r in resumed] == [3, 4]
+    assert resumed == [r for r in whole if r["iteration"] > 2]
 
 
 def _validation_lines(run_dir) -> list:
