@@ -32,7 +32,7 @@ warnings.simplefilter("ignore")  # megatron-core warns at import about optional 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.training.errors import UserError, reported_once  # noqa: E402
-from megatron.training.offload.options import HOST_CACHE_FLAG  # noqa: E402
+from megatron.training.offload.options import HOST_CACHE_FLAG, params_in_host_memory  # noqa: E402
 from mlp_offload import GPU_TIER, HOST_TIER, GiB, MeasuredRates, codecs_for, kind_of  # noqa: E402
 
 # Sustained bf16 TFLOP/s per GPU (as Megatron-LM counts FLOPs) our training reached on one H200 with
@@ -500,7 +500,10 @@ def describe(plan, args, machine, flags, rates) -> str:
             lines.append(e.prediction.describe() + ("" if len(plan.engines) == 1 else f" [{kind}]"))
         if getattr(plan, "cpu_rates_line", ""):
             lines.append(plan.cpu_rates_line)
-    update, joins = (f" + update {plan.update_s:.3f} s" if plan.update_s is not None else ""), "="
+    copies = plan.param_copies_s
+    update, joins = (f" + update {plan.update_s:.3f} s" + (f" (of it {copies:.3f} s the params' copies to and from "
+                                                           f"host memory)" if copies else "")
+                     if plan.update_s is not None else ""), "="
     if plan.overlaps_forward and plan.update_s is not None:  # not a sum (mlp_offload.predict_iteration)
         update, joins = f" and update {plan.update_s:.3f} s, its device share under the next forward", "from"
     tflops_source = "" if plan.tflops_given else (", one H200's with these kernels: --gpu-tflops from "
@@ -543,7 +546,8 @@ def recommend(opts, capacities, flags, args, machine, measured):
             rows.append({"candidate": c.describe(), "fits": False, "problems": [str(err)]})
             continue
         changed = ((c.recompute != given[0]) + (c.micro_batch_size != given[1])
-                   + (c.gpu_tier not in (AS_GIVEN, given[2])) + (c.layout not in (None, given_layout)))
+                   + (c.gpu_tier not in (AS_GIVEN, given[2])) + (c.layout not in (None, given_layout))
+                   + (c.params_in_host != params_in_host_memory(args)))
         rows.append({"candidate": c.describe(), "changes": own_flags(c, args.offload_tiers), "changed": changed,
                      "fits": plan.fits, "problems": plan.problems,
                      "predicted_iteration_s": plan.iteration_s, "tokens_per_s": plan.tokens_per_s[args.global_batch_size],

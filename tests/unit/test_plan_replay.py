@@ -306,6 +306,18 @@ RUNS = {
         f"--gpu-streamed-gelems 11.86 {LLAMA} {FP8_MOMENTS} {LLAMA_20B}",
         update_s=0.6202, iteration_s=1.3460, gpu_subgroups=135, peak_in_use_gib=124.06 - 42.75, attention="sdpa",
         in_turn=False),
+    # The same command with --offload-params host (benchmarks/experiments/host_params.sh, 2026-11-29, call 5): the
+    # params in pinned host memory, each layer copied in for its forward and its backward; the host tier 56 GiB
+    # (41 GB of params beside it). Iterations 3-6 3.8668, 3.7696, 3.7761, 3.7956 s (mean 3.8020), update 2.2750,
+    # 2.1852, 2.1971, 2.2083 s (mean 2.2164); auto: peak 89.71 GiB, the gpu tier then holds all 207 (78.24 GiB)
+    "20.68B fp8 moments, params in host memory, one H200": Recorded(
+        "host_params_2026-11-29/20b_params.log",
+        ["read 1.71 GB/s, write 1.64 GB/s", "adam 1.35 Gelem/s", "adam 32.20 Gelem/s resident, 11.24 streamed",
+         "38.51 GiB in pinned host memory", "peak 89.71 GiB", "the gpu tier holds 207 (78.24 GiB)"],
+        f"{ONE_H200} --offload-bandwidths nvme=1.71:1.64 --adam-gelems 1.35 --gpu-adam-gelems 32.20 "
+        f"--gpu-streamed-gelems 11.24 {LLAMA} {FP8_MOMENTS} "
+        f"{LLAMA_20B.replace('--offload-host-cache-gb 97', '--offload-host-cache-gb 56')} --offload-params host",
+        update_s=2.2164, iteration_s=3.8020, gpu_subgroups=207, attention="sdpa", in_turn=False),
     # The same with --offload-overlap-forward, same call: iteration 3 (settled) 1.5468 s, update 0.8330 s; iteration 4
     # (compute alone) 0.7122 s, update 2.8 ms; iterations 5-8 (overlapped) 1.4621-1.4727 s (mean 1.4650), the forward
     # waiting 0.50 s: slower than in series (1.3460). The model plans it at 1.29 s, under the run in series: the

@@ -19,12 +19,12 @@ from mlp_offload import GiB
 
 
 
-def host_params_refusal(args) -> Optional[str]:
-    """Why this run cannot keep its params in host memory (one line), or None."""
-    if args.data_parallel_size != 1:
-        return (f"data-parallel size 1 only so far (this run: {args.data_parallel_size}); the gather of updated "
+def host_params_refusal(data_parallel: int, overlap_forward: bool) -> Optional[str]:
+    """Why a run cannot keep its params in host memory (one line), or None."""
+    if data_parallel != 1:
+        return (f"data-parallel size 1 only so far (this run: {data_parallel}); the gather of updated "
                 "params across data-parallel ranks reads a device buffer")
-    if args.offload_overlap_forward:
+    if overlap_forward:
         return ("not with --offload-overlap-forward: a layer's params are copied in before the update under "
                 "the forward has written them")
     return None

@@ -280,7 +280,7 @@ def check_step_schedule(args, config, inputs_in_host: bool, params_in_host: bool
     refusal = layer_major_refusal(config, args.virtual_pipeline_model_parallel_size or 1,
                                   args.pipeline_model_parallel_size)
     if refusal is None and params_in_host:
-        refusal = host_params_refusal(args)
+        refusal = host_params_refusal(args.data_parallel_size, bool(getattr(args, "offload_overlap_forward", False)))
     if refusal is not None:
         raise UserError(f"{asked_by}: {refusal}")
 

@@ -34,7 +34,9 @@ from megatron.training.offload.gpu_tier_start import starting_gpu_tier_bytes
 from megatron.training.offload.shard_budgets import check_host_split, config_for_kind
 from megatron.training.offload.plan_types import Machine, Plan
 from megatron.training.errors import UserError
-from megatron.training.offload.options import GPU_CACHE_FLAG, in_flags
+from megatron.training.offload.options import GPU_CACHE_FLAG, PARAMS_IN_HOST, in_flags, params_in_host_memory
+from megatron.training.offload.params_streaming import (streamed_compute_seconds, streamed_params,
+                                                        streamed_params_refusal, update_copy_seconds)
 
 # CUDA context, cuBLAS workspaces, kernels: device memory torch's allocator cannot reach (what the
 # gpu tier auto lines of the GPU runs showed it could reach: docs/benchmarks.md).
@@ -216,7 +218,12 @@ def make_plan(args, cfg, machine: Machine, offload_config, measured: MeasuredRat
     param_bytes = 2 if (args.bf16 or args.fp16) else 4
     microbatches = args.global_batch_size // (args.micro_batch_size * dp)
 
-    gpu = {"parameters": per_rank * param_bytes,
+    streamed = streamed_params(cfg, per_rank, param_bytes) if params_in_host_memory(args) else None
+    if streamed is not None:
+        refusal = streamed_params_refusal(cfg, dp, bool(getattr(args, "offload_overlap_forward", False)))
+        if refusal:
+            problems.append(f"{PARAMS_IN_HOST}: {refusal}")
+    gpu = {"parameters": streamed.device_bytes if streamed else per_rank * param_bytes,
            "gradients": per_rank * gradient_itemsize(args),
            "activations": activation_bytes(args, cfg, microbatches_in_flight(pp, vp, microbatches)),
            "backward_workspace": backward_workspace_bytes(args, cfg),
@@ -250,6 +257,8 @@ def make_plan(args, cfg, machine: Machine, offload_config, measured: MeasuredRat
             # Every other host consumer the start-up guard counts: the ranks' processes, their workers.
             process = PROCESS_BYTES_GPU if host_grad_itemsize(args) is None else PROCESS_BYTES_CPU
             beside = beside_engine(getattr(args, "num_workers", 0), process)
+            if streamed is not None:
+                beside["host params"] = streamed.host_bytes  # pinned before the engine starts
             host_per_node.update({f"{k.replace(' ', '_')}": machine.gpus_per_node * v for k, v in beside.items()})
             try:  # the guard's own check, against the node's memory: DOES NOT FIT where it would refuse
                 check_host_memory({"optimizer cache": cache, "gradient staging": staging},
@@ -277,21 +286,31 @@ def make_plan(args, cfg, machine: Machine, offload_config, measured: MeasuredRat
 
     shape = GptShape.from_config(cfg, args.seq_length, args.padded_vocab_size)
 
+    link = machine.device_rates.link_bps / 2 if machine.device_rates else None  # one direction
+
     def compute_seconds(global_batch: int) -> float:
         m = global_batch // (args.micro_batch_size * dp)
         # 1F1B: the pipeline fills and drains once per step; V chunks per rank make that V times shorter
         bubble = 1 + (pp - 1) / (max(m, 1) * (vp or 1))
-        return flops_per_iteration(shape, global_batch) / machine.world / (machine.gpu_tflops * 1e12) * bubble
+        seconds = flops_per_iteration(shape, global_batch) / machine.world / (machine.gpu_tflops * 1e12) * bubble
+        return streamed_compute_seconds(seconds, streamed, link) if streamed and link else seconds
+
+    copies_s = 0.0
+    if streamed is not None and link and engines:
+        cpu, device = (sum(getattr(e.prediction, f"{side}_subgroups") for e in engines.values())
+                       for side in ("cpu", "device"))
+        copies_s = update_copy_seconds(streamed, link, device / max(1, cpu + device), offload_config.param_remainders)
 
     def iteration(global_batch: int) -> float:
-        return iteration_seconds(compute_seconds(global_batch), engines, overlap,
-                                 global_batch // (args.micro_batch_size * dp), args.recompute_granularity == "full")
+        return copies_s + iteration_seconds(compute_seconds(global_batch), engines, overlap,
+                                            global_batch // (args.micro_batch_size * dp),
+                                            args.recompute_granularity == "full")
 
     overlap = overlaps_forward(args, cfg, machine)
     compute_s = compute_seconds(args.global_batch_size)
-    update_s = sum(e.prediction.update_s for e in engines.values()) if engines else None
+    update_s = copies_s + sum(e.prediction.update_s for e in engines.values()) if engines else None
     iteration_s = iteration(args.global_batch_size)
-    parts = {"compute": compute_s}
+    parts = {"compute": compute_s, **({"param copies in the update": copies_s} if copies_s else {})}
     for e in engines.values():
         parts["cpu adam"] = parts.get("cpu adam", 0.0) + e.prediction.adam_s
         parts["gpu update"] = parts.get("gpu update", 0.0) + e.prediction.device_s
@@ -303,4 +322,4 @@ def make_plan(args, cfg, machine: Machine, offload_config, measured: MeasuredRat
     total = model_params(stages, tp, expert_ranks)
     return Plan(not problems, problems, total, per_rank, shard, gpu, host_per_node, tiers_per_node, compute_s,
                 update_s, iteration_s, bottleneck, tokens, engines, params_active=active_params(cfg, total),
-                shard_numels=dict(ranks.shards), overlaps_forward=overlap)
+                shard_numels=dict(ranks.shards), overlaps_forward=overlap, param_copies_s=copies_s)

@@ -1,0 +1,63 @@
+"""The planner's model of --offload-params host (``model.host_params``): where the params take memory, and what
+their copies add to a step.
+
+- GPU: two layer slots (the largest layer's params twice) and the params outside the layers (embedding, final
+  norm, output layer), instead of every param; host memory: every param, pinned.
+- Forward and backward: each layer's params cross the host link into the GPU for its forward and again for its
+  backward, the copy of the next under the compute of this one, so each layer costs the longer of its compute
+  and its copy. With full recompute a layer's forward is a quarter of its compute (forward, recompute, and a
+  backward of twice the forward); the rest is its backward.
+- Update: where the device updates, the updated params go back to host memory across the link, and with the
+  master stored as 16-bit remainders the update first reads their high halves (the bf16 params) from there;
+  both in series with the update. A CPU update reads and writes them in host memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron.training.model.layer_params import layer_params, layers_of_stage, moe_pattern
+from megatron.training.model.host_params import host_params_refusal
+from megatron.training.model.layer_major import layer_major_refusal
+
+FORWARD_SHARE_FULL_RECOMPUTE = 0.25
+
+
+@dataclass(frozen=True)
+class StreamedParams:
+    device_bytes: int  # two layer slots and the params outside the layers
+    host_bytes: int  # every param of the rank
+    layers: int
+    layer_bytes: int  # the average layer's params (what one copy moves)
+
+
+def streamed_params(cfg, params_per_rank: int, param_bytes: int) -> StreamedParams:
+    """The rank's params with the layers streamed (one pipeline stage: stage 0 holds every layer)."""
+    pattern = moe_pattern(cfg)
+    sizes = [sum(vars(layer_params(cfg, bool(pattern[i]))).values()) for i in layers_of_stage(cfg, 0)]
+    in_layers = sum(sizes)
+    rest = max(0, params_per_rank - in_layers)
+    return StreamedParams(device_bytes=(2 * max(sizes) + rest) * param_bytes, host_bytes=params_per_rank * param_bytes,
+                          layers=len(sizes), layer_bytes=in_layers * param_bytes // max(1, len(sizes)))
+
+
+def streamed_compute_seconds(compute_s: float, streamed: StreamedParams, link_bytes_per_s: float) -> float:
+    """The forward and backward with every layer brought in twice (``link_bytes_per_s``: one direction)."""
+    per_layer = compute_s / max(1, streamed.layers)
+    copy = streamed.layer_bytes / link_bytes_per_s
+    forward = per_layer * FORWARD_SHARE_FULL_RECOMPUTE
+    return streamed.layers * (max(forward, copy) + max(per_layer - forward, copy))
+
+
+def update_copy_seconds(streamed: StreamedParams, link_bytes_per_s: float, device_share: float,
+                        reads_high: bool) -> float:
+    """What the update adds: the device-updated params' trips across the link (``device_share``: of the elements)."""
+    trips = 2 if reads_high else 1
+    return device_share * trips * streamed.host_bytes / link_bytes_per_s
+
+
+def streamed_params_refusal(cfg, data_parallel: int, overlap_forward: bool) -> Optional[str]:
+    """What the training refuses in one line for this layout, before it builds the model."""
+    return (layer_major_refusal(cfg, cfg.virtual_pipeline_model_parallel_size or 1, cfg.pipeline_model_parallel_size)
+            or host_params_refusal(data_parallel, overlap_forward))

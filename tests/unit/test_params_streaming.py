@@ -1,0 +1,76 @@
+"""The planner's model of --offload-params host (megatron/training/offload/params_streaming.py), against a
+reference written here: each layer's forward and backward take the longer of their compute and one copy of the
+layer's params; the update adds the device-updated params' trips across the link; the GPU keeps two layers and
+the params outside them. And the planner's recommendation tries the params in host memory and keeps them
+resident where that is faster."""
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from megatron.training.offload.params_streaming import (StreamedParams, streamed_compute_seconds,
+                                                        update_copy_seconds)
+from tests.profiles import examples
+
+from .test_plan_candidates import RUN_20B, run
+from .test_plan_replay import H200_TFLOPS, planner
+
+
+@settings(max_examples=examples(200))
+@given(compute=st.floats(1e-3, 100.0), layers=st.integers(1, 128), layer_bytes=st.integers(1, 10**10),
+       link=st.floats(1e9, 1e11))
+def test_each_layer_takes_the_longer_of_its_compute_and_its_copy(compute, layers, layer_bytes, link):
+    streamed = StreamedParams(device_bytes=0, host_bytes=layers * layer_bytes, layers=layers, layer_bytes=layer_bytes)
+    copy = layer_bytes / link
+    forward, backward = compute / layers / 4, compute / layers * 3 / 4  # full recompute: 1 of 4 passes forward
+    reference = sum(max(forward, copy) + max(backward, copy) for _ in range(layers))
+    got = streamed_compute_seconds(compute, streamed, link)
+    assert got == pytest.approx(reference, rel=1e-9)
+    assert got >= compute * (1 - 1e-9) and got >= 2 * layers * copy * (1 - 1e-9)
+    if copy <= forward:  # every copy hides under its layer's compute
+        assert got == pytest.approx(compute, rel=1e-9)
+
+
+def test_the_update_adds_the_device_updated_params_trips():
+    streamed = StreamedParams(device_bytes=0, host_bytes=40 * 10**9, layers=40, layer_bytes=10**9)
+    assert update_copy_seconds(streamed, 50e9, 1.0, reads_high=True) == pytest.approx(1.6)  # read, then written
+    assert update_copy_seconds(streamed, 50e9, 1.0, reads_high=False) == pytest.approx(0.8)
+    assert update_copy_seconds(streamed, 50e9, 0.25, reads_high=True) == pytest.approx(0.4)  # the CPU's share: none
+    assert update_copy_seconds(streamed, 50e9, 0.0, reads_high=True) == 0.0
+
+
+@pytest.fixture(scope="module")
+def tool():
+    return planner()
+
+
+def test_the_plan_keeps_two_layers_on_the_gpu_and_every_param_in_host_memory(tool):
+    host_budget = RUN_20B.replace("--offload-host-cache-gb 97", "--offload-host-cache-gb 56")
+    code, resident = run(tool, f"--gpu-tflops {H200_TFLOPS} {RUN_20B}")
+    code_host, streamed = run(tool, f"--gpu-tflops {H200_TFLOPS} {host_budget} --offload-params host")
+    assert code == code_host == 0 and streamed["fits"], streamed["problems"]
+    per_rank = resident["params_per_rank"]
+    assert resident["gpu_bytes_per_rank"]["parameters"] == 2 * per_rank
+    # 52 equal layers: two of them and the embedding, final norm and output layer
+    layer = (per_rank - 2 * 32000 * 6144 - 6144) // 52
+    assert streamed["gpu_bytes_per_rank"]["parameters"] == 2 * (2 * layer + per_rank - 52 * layer)
+    assert streamed["host_bytes_per_node"]["host_params"] == 2 * per_rank
+    assert streamed["predicted_iteration_s"] > resident["predicted_iteration_s"]  # at gb 1 the copies show
+
+
+def test_params_in_host_memory_at_two_data_parallel_ranks_do_not_fit_in_one_line(tool):
+    two = RUN_20B.replace("--gpus-per-node 1", "--gpus-per-node 2").replace("--global-batch-size 1",
+                                                                            "--global-batch-size 2")
+    code, got = run(tool, f"--gpu-tflops {H200_TFLOPS} {two} --offload-params host")
+    assert not got["fits"]
+    assert any(p.startswith("--offload-params host: data-parallel size 1") for p in got["problems"]), got["problems"]
+
+
+def test_the_recommendation_tries_params_in_host_memory_and_picks_the_faster(tool):
+    code, got = run(tool, f"--recommend --gpu-tflops {H200_TFLOPS} {RUN_20B}")
+    rows = got["recommendation"]["candidates"]
+    in_host = [r for r in rows if "params in host memory" in r["candidate"]]
+    assert in_host and all(r["candidate"].startswith("recompute full") for r in in_host)
+    chosen = got["recommendation"]["chosen"]
+    assert "params in host memory" not in chosen["candidate"]  # resident fits and is faster here
+    fastest_in_host = max((r["tokens_per_s"] for r in in_host if r["fits"]), default=0)
+    assert chosen["tokens_per_s"] >= fastest_in_host
