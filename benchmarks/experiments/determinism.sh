@@ -8,6 +8,7 @@
 #   N1, N2  without the mode, twice: the nondeterminism the mode removes, and the mode's cost at this size
 #   S1, L1  (only when RUNS names them) --deterministic-mode without and with --offload-activations host
 #   P1  (only when RUNS names it) L1 with --offload-params host: the params in host memory, a layer at a time on the GPU
+#   P2  (only when RUNS names it) P1 with --offload-grads host: the grads in host memory too
 #   A1  (only when RUNS names it) --async-save at 2 and 4 of 6 iterations: each save's hold, the steps beside its writer
 #   bash benchmarks/run_gpu.sh determinism     (device tool, kind nvidia-h200, carry [".whl"])
 #   RUNS="D1 D2 DR" ... a subset; DRY_RUN=1 bash benchmarks/experiments/determinism.sh (tiny, CPU)
@@ -69,6 +70,7 @@ for name in ${RUNS:-D1 D2 DR N1 N2}; do
     S1) run S1 --deterministic-mode ;;  # layer_major.sh's pair
     L1) run L1 --deterministic-mode --offload-activations host ;;
     P1) run P1 --deterministic-mode --offload-activations host --offload-params host ;;
+    P2) run P2 --deterministic-mode --offload-activations host --offload-params host --offload-grads host ;;
   esac
 done
 du -sh "$DISK/at2" 2>/dev/null | cat
@@ -78,13 +80,13 @@ out = sys.argv[1]
 def losses(name):
     path = f"{out}/{name}.jsonl"
     return {r["iteration"]: r for r in map(json.loads, open(path))} if os.path.exists(path) else {}
-runs = {n: losses(n) for n in ("D1", "D2", "DR", "N1", "N2", "S1", "L1", "P1")}
+runs = {n: losses(n) for n in ("D1", "D2", "DR", "N1", "N2", "S1", "L1", "P1", "P2")}
 for it in sorted(runs["D1"] or runs["N1"]):
     print(f"iteration {it}: " + "  ".join(f"{n} {r[it]['loss']:.6f}" for n, r in runs.items() if it in r))
 def same(a, b, its=None):
     its = [i for i in (its or sorted(runs[a])) if i in runs[b]]
     return bool(its) and all(runs[a][i] == runs[b][i] for i in its), its
-for a, b in (("D1", "D2"), ("D1", "DR"), ("N1", "N2"), ("D1", "N1"), ("S1", "L1"), ("L1", "P1")):
+for a, b in (("D1", "D2"), ("D1", "DR"), ("N1", "N2"), ("D1", "N1"), ("S1", "L1"), ("L1", "P1"), ("L1", "P2")):
     ok, its = same(a, b)
     print(f"{a} vs {b} over iterations {its}: {'bit-identical (loss, lr, grad norm)' if ok else 'DIFFER'}")
 PY

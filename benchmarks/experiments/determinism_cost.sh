@@ -35,6 +35,7 @@ for name in ${RUNS:-10b 10b_det 20b 20b_det quickstart}; do
     20b) run 20b 52 6144 16384 48 97 ;;
     20b_det) run 20b_det 52 6144 16384 48 97 --deterministic-mode ;;
     20b_params) run 20b_params 52 6144 16384 48 56 --offload-params host ;;  # host_params.sh's: 41 GiB of params on host
+    20b_grads) run 20b_grads 52 6144 16384 48 16 --offload-params host --offload-grads host ;;  # and 41 GiB of grads
     quickstart)
       stamp "start quickstart"
       RUN_DIR=/var/tmp/quickstart MLP_OFFLOAD_WHEELHOUSE=$PWD/.whl TRAIN_ITERS=20 timeout 200 \

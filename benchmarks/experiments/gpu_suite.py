@@ -19,7 +19,7 @@ buffers; device through copies; cpu; split} x master {remainders; fp32}, four ca
 every value appears (the seed is printed: SEED=N draws them again); --async-save;
 --offload-overlap-forward; --offload-read-ahead-gb; a rank SIGKILLed during the update and during an
 async save, then resumed from the last complete checkpoint; params in host memory (--offload-params host)
-saved and resumed, and killed in the backward and resumed; the gpu tier's auto size (subgroups
+saved and resumed, and killed in the backward and resumed; params and grads in host memory saved and resumed; the gpu tier's auto size (subgroups
 promoted after iteration 1) across a save; 8-bit moments (fp8) saved and resumed (not held to
 megatron-core's losses: it has no such format without transformer-engine); the unit tests that run on CUDA. Launches run PAR at a
 time on the one GPU (each is small).
@@ -281,6 +281,9 @@ def part1_cases() -> List[Case]:
         # params in host memory, each layer streamed in by the layer-major step (inputs in host memory too)
         Case("params_host", "gpu,host,nvme", rng.choice(list(UPDATES)), rng.choice(list(MASTERS)),
              f"{LAYER_MAJOR} --offload-params host --offload-activations host", must_log="in pinned host memory"),
+        # the grads in host memory too: each layer's summed in a device slot during its backward
+        Case("params_grads_host", "gpu,host,nvme", rng.choice(list(UPDATES)), rng.choice(list(MASTERS)),
+             f"{LAYER_MAJOR} --offload-params host --offload-grads host", must_log="of grads there too"),
         # killed as the head's gradient of step 2's second micro-batch arrives, before any layer's backward
         Case("kill_params_host_in_backward", "gpu,host,nvme", rng.choice(list(UPDATES)), rng.choice(list(MASTERS)),
              f"{LAYER_MAJOR} --offload-params host", kind="kill", fault="backward#6", save_every=1),

@@ -33,7 +33,7 @@ from megatron.training.model.flops import GptShape, flops_per_iteration
 from megatron.training.model import kernels as optional_kernels
 from megatron.training.model.ddp_staging import stage_params_on_host
 from megatron.training.model.host_params import place_params_in_host_memory
-from megatron.training.offload.options import layer_major_flags, params_in_host_memory
+from megatron.training.offload.options import grads_in_host_memory, layer_major_flags, params_in_host_memory
 from megatron.training.model.layer_major import check_step_schedule, step_schedule
 from megatron.training.model.sdpa_attention import admitted_cuda_kernels
 from megatron.training.runtime import determinism, fault_injection
@@ -83,11 +83,11 @@ def build_model(args, config, model_provider: Callable, device) -> List[torch.nn
     if staged:
         _print_rank0(staged)
     # As upstream: chunks after the first are one bucket each (their reduction overlaps compute anyway).
-    with param_buffers_in_host_memory(on_host, pin=device.type == "cuda"):
+    with param_buffers_in_host_memory(on_host, pin=device.type == "cuda", grads_too=grads_in_host_memory(args)):
         chunks = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
                   for i, chunk in enumerate(chunks)]
     if on_host:
-        _print_rank0(place_params_in_host_memory(chunks, device))
+        _print_rank0(place_params_in_host_memory(chunks, device, grads_in_host_memory(args)))
     elif staged:
         chunks = [chunk.to(device) for chunk in chunks]  # the rest (buffers); params are DDP's device views now
     for chunk in chunks if not on_host else ():  # (params in host memory: one DP rank, nothing to broadcast)
@@ -173,8 +173,8 @@ class Trained:
 def train_step(args, forward_step_func, data_iterator, trained: Trained, timers, hooks=None):
     model, optimizer, scheduler = trained.model, trained.optimizer, trained.scheduler
     for chunk in model:
-        if getattr(optimizer, "zeroes_grads_itself", False):
-            reset_grad_accumulation(chunk)  # the update zeroes each grad as it reads it
+        if getattr(optimizer, "zeroes_grads_itself", False) or grads_in_host_memory(args):
+            reset_grad_accumulation(chunk)  # the update zeroes each grad as it reads it (in host memory: overwritten)
         else:
             chunk.zero_grad_buffer()
     optimizer.zero_grad()

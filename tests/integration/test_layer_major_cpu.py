@@ -80,19 +80,25 @@ def test_training_with_params_in_host_memory_repeats_the_run_with_them_resident(
              "--eval-interval", "2", "--eval-iters", "1", "--tensor-model-parallel-size", "2"]
     resident = run_pretrain(tmp_path / "resident", flags, train_iters=4)
     on_host = run_pretrain(tmp_path / "on_host", [*flags, "--offload-params", "host"], train_iters=4)
-    assert [(r["loss"], r["grad_norm"]) for r in on_host] == [(r["loss"], r["grad_norm"]) for r in resident]
+    # and the grads there too: each layer's summed in a slot during its backward, its norm taken there
+    grads = run_pretrain(tmp_path / "grads", [*flags, "--offload-params", "host", "--offload-grads", "host"],
+                         train_iters=4)
+    for run in (on_host, grads):
+        assert [(r["loss"], r["grad_norm"]) for r in run] == [(r["loss"], r["grad_norm"]) for r in resident]
     assert len(resident) == 4 and resident[0]["loss"] != resident[3]["loss"]  # it trained
-    validation = [_validation_lines(tmp_path / run) for run in ("resident", "on_host")]
-    assert len(validation[0]) == 2 and validation[1] == validation[0], validation
+    validation = [_validation_lines(tmp_path / run) for run in ("resident", "on_host", "grads")]
+    assert len(validation[0]) == 2 and validation[1] == validation[0] == validation[2], validation
     assert "pinned" not in (tmp_path / "on_host" / "loss-0.out").read_text()  # no pinning on the CPU
     assert "> params:" in (tmp_path / "on_host" / "loss-0.out").read_text()
+    assert "of grads there too" in (tmp_path / "grads" / "loss-0.out").read_text()
 
 
 def test_params_in_host_memory_save_and_resume_bit_for_bit(tmp_path):
-    """--offload-params host, state over host and disk: a run saving at 2 and going on to 4, and a resume
-    from its save at 2 alone, give iterations 3-4 bit for bit (the params come back into the host buffer)."""
+    """--offload-params host and --offload-grads host, state over host and disk: a run saving at 2 and going on
+    to 4, and a resume from its save at 2 alone, give iterations 3-4 bit for bit (the params come back into the
+    host buffer)."""
     flags = [*LAYER_MAJOR_RUN, *offload_args(tmp_path / "state", tiers=("host", "nvme")), "--offload-params", "host",
-             "--tensor-model-parallel-size", "2"]
+             "--offload-grads", "host", "--tensor-model-parallel-size", "2"]
     whole = run_pretrain(tmp_path / "whole", [*flags, "--save", str(tmp_path / "ckpt"), "--save-interval", "2"],
                          train_iters=4)
     at2 = copy_checkpoint(tmp_path / "ckpt", [2], tmp_path / "at2")
@@ -106,15 +112,17 @@ def _validation_lines(run_dir) -> list:
             if "validation loss at iteration" in line]
 
 
-@pytest.mark.parametrize("flags, words", [
-    (["--offload-overlap-forward"], "--offload-overlap-forward"),
-    (["--tensor-model-parallel-size", "1"], "data-parallel size 1"),  # two ranks: DP2
+@pytest.mark.parametrize("flags, words, flag", [
+    (["--offload-overlap-forward"], "--offload-overlap-forward", "--offload-params host"),
+    (["--tensor-model-parallel-size", "1"], "data-parallel size 1", "--offload-params host"),  # two ranks: DP2
+    (["--offload-grads", "host", "--offload-params", "none"], "needs --offload-params host", "--offload-grads host"),
+    (["--offload-grads", "host", "--sequence-parallel"], "--sequence-parallel", "--offload-grads host"),
 ])
-def test_params_in_host_memory_refuse_what_they_cannot_run_in_one_line(tmp_path, flags, words):
+def test_params_in_host_memory_refuse_what_they_cannot_run_in_one_line(tmp_path, flags, words, flag):
     base = [*LAYER_MAJOR_RUN, *offload_args(tmp_path / "state", tiers=("host",)), "--offload-params", "host"]
     if "--tensor-model-parallel-size" not in flags:
         base += ["--tensor-model-parallel-size", "2"]
     output = run_pretrain(tmp_path, [*base, *flags], train_iters=1, expect_success=False)[0]["output"]
-    lines = [line for line in output.splitlines() if "error: --offload-params host:" in line]
+    lines = [line for line in output.splitlines() if f"error: {flag}:" in line]
     assert len(lines) == 1 and words in lines[0], output[-3000:]
     assert "Traceback" not in output

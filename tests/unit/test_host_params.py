@@ -6,6 +6,7 @@ CPU, and on a GPU where there is one (the GPU suite's CUDA unit tests)."""
 import pytest
 import torch
 
+from megatron.training.model.host_grads import DEVICE_GRAD_NORM
 from megatron.training.model.host_params import HostParams
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -39,6 +40,7 @@ def _step(residency: HostParams, layers, head, x):
         torch.autograd.backward(torch.relu(layers[i](inp)), grad)
         grad = inp.grad
         residency.release(i, after_backward=True)
+    residency.grads_complete()
     residency.step_ended()
 
 
@@ -73,3 +75,37 @@ def test_layers_run_on_copies_and_every_gradient_reaches_main_grad(device):
                 mine.weight.add_(0.5)
                 theirs.weight.add_(0.5)
     assert residency.copies > 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_grads_in_host_memory_are_summed_in_device_slots_and_land_whole(device):
+    """--offload-grads host: main_grad is a device slot during each layer's backward and the host buffer
+    after it; the host buffer then holds the reference gradient (overwritten, not added to: it is not zeroed
+    between steps), each param carries the norm taken on the device, and NaN stops the step."""
+    layers, head = _model(device)
+    for layer in layers:
+        for p in layer.parameters():
+            p.main_grad = torch.full(p.shape, 7.0).pin_memory() if device == "cuda" else torch.full(p.shape, 7.0)
+    head.to(device)
+    residency = HostParams([list(layer.parameters()) for layer in layers], [], torch.device(device),
+                           grads_in_host=True)
+    assert not residency.ddp_grad_sync
+    x = torch.randn(4, 8, device=device)
+    reference = [torch.nn.Linear(8, 8).to(device) for _ in range(3)]
+    for mine, theirs in zip(layers, reference):
+        theirs.load_state_dict({k: v.detach().to(device) for k, v in mine.state_dict().items()})
+    out = x
+    for module in reference:
+        out = torch.relu(module(out))
+    head(out).square().sum().backward()
+    for step in range(2):  # the second step finds last step's grads in the host buffer: overwritten
+        _step(residency, layers, head, x)
+        for mine, theirs in zip(layers, reference):
+            assert mine.weight.main_grad.device.type == "cpu"
+            assert torch.equal(mine.weight.main_grad, theirs.weight.grad.cpu())
+            norm = getattr(mine.weight, DEVICE_GRAD_NORM)
+            assert norm.device.type == device and torch.equal(norm, torch.norm(theirs.weight.grad.float()).reshape(1))
+    with torch.no_grad():
+        layers[1].weight.fill_(float("nan"))
+    with pytest.raises(RuntimeError, match="NaN or inf"):
+        _step(residency, layers, head, x)

@@ -17,16 +17,19 @@ from .test_plan_replay import H200_TFLOPS, planner
 
 @settings(max_examples=examples(200))
 @given(compute=st.floats(1e-3, 100.0), layers=st.integers(1, 128), layer_bytes=st.integers(1, 10**10),
-       link=st.floats(1e9, 1e11))
-def test_each_layer_takes_the_longer_of_its_compute_and_its_copy(compute, layers, layer_bytes, link):
-    streamed = StreamedParams(device_bytes=0, host_bytes=layers * layer_bytes, layers=layers, layer_bytes=layer_bytes)
-    copy = layer_bytes / link
+       grad_bytes=st.sampled_from([0, 2, 4]), link=st.floats(1e9, 1e11))
+def test_each_layer_takes_the_longer_of_its_compute_and_its_copies(compute, layers, layer_bytes, grad_bytes, link):
+    layer_grads = layer_bytes // 2 * grad_bytes  # bf16 params: grads of grad_bytes each (0: grads resident)
+    streamed = StreamedParams(device_bytes=0, host_bytes=layers * layer_bytes, layers=layers, layer_bytes=layer_bytes,
+                              layer_grad_bytes=layer_grads)
+    copy_in, copy_out = layer_bytes / link, layer_grads / link
     forward, backward = compute / layers / 4, compute / layers * 3 / 4  # full recompute: 1 of 4 passes forward
-    reference = sum(max(forward, copy) + max(backward, copy) for _ in range(layers))
+    # the backward's copies, params in and grads out, share one side stream
+    reference = sum(max(forward, copy_in) + max(backward, copy_in + copy_out) for _ in range(layers))
     got = streamed_compute_seconds(compute, streamed, link)
     assert got == pytest.approx(reference, rel=1e-9)
-    assert got >= compute * (1 - 1e-9) and got >= 2 * layers * copy * (1 - 1e-9)
-    if copy <= forward:  # every copy hides under its layer's compute
+    assert got >= compute * (1 - 1e-9) and got >= layers * (2 * copy_in + copy_out) * (1 - 1e-9)
+    if copy_in + copy_out <= forward:  # every copy hides under its layer's compute
         assert got == pytest.approx(compute, rel=1e-9)
 
 
@@ -36,6 +39,9 @@ def test_the_update_adds_the_device_updated_params_trips():
     assert update_copy_seconds(streamed, 50e9, 1.0, reads_high=False) == pytest.approx(0.8)
     assert update_copy_seconds(streamed, 50e9, 0.25, reads_high=True) == pytest.approx(0.4)  # the CPU's share: none
     assert update_copy_seconds(streamed, 50e9, 0.0, reads_high=True) == 0.0
+    with_grads = StreamedParams(device_bytes=0, host_bytes=40 * 10**9, layers=40, layer_bytes=10**9,
+                                grad_host_bytes=80 * 10**9)  # fp32 grads in host memory: read back in too
+    assert update_copy_seconds(with_grads, 50e9, 1.0, reads_high=True) == pytest.approx(3.2)
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +61,28 @@ def test_the_plan_keeps_two_layers_on_the_gpu_and_every_param_in_host_memory(too
     assert streamed["gpu_bytes_per_rank"]["parameters"] == 2 * (2 * layer + per_rank - 52 * layer)
     assert streamed["host_bytes_per_node"]["host_params"] == 2 * per_rank
     assert streamed["predicted_iteration_s"] > resident["predicted_iteration_s"]  # at gb 1 the copies show
+
+
+def test_70b_on_one_gpu_fits_only_with_the_grads_in_host_memory_too(tool):
+    """69 B (80 layers, hidden 8192) on one GPU beside 503 GiB of host memory: the bf16 grads alone overflow
+    the GPU with the params in host memory; with the grads there too, two layers' of each stay on the GPU."""
+    shape = ("--gpus-per-node 1 --gpu-memory-gb 140.4 --host-memory-gb 503 --offload-nvme-capacity-gb 200 "
+             "--offload-bandwidths nvme=1.7:1.6 --num-layers 80 --hidden-size 8192 --ffn-hidden-size 28672 "
+             "--num-attention-heads 64 --group-query-attention --num-query-groups 8 --seq-length 2048 "
+             "--max-position-embeddings 2048 --global-batch-size 64 --micro-batch-size 1 --bf16 --grad-reduce-in-bf16 "
+             "--swiglu --normalization RMSNorm --position-embedding-type rope --untie-embeddings-and-output-weights "
+             "--disable-bias-linear --hidden-dropout 0 --attention-dropout 0 --vocab-size 32000 "
+             "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 --device cuda "
+             "--use-precision-aware-optimizer --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8 "
+             "--offload-tiers gpu,host,nvme --offload-gpu-cache-gb auto --offload-host-cache-gb 150 "
+             "--offload-nvme-path /nonexistent --offload-subgroup-size 100000000 --offload-params host")
+    _, params_only = run(tool, f"--gpu-tflops {H200_TFLOPS} {shape}")
+    _, both = run(tool, f"--gpu-tflops {H200_TFLOPS} {shape} --offload-grads host")
+    assert not params_only["fits"] and any("GPU memory" in p for p in params_only["problems"])
+    assert both["fits"], both["problems"]
+    gpu = both["gpu_bytes_per_rank"]
+    assert gpu["gradients"] == gpu["parameters"]  # bf16 grads: the same slots as the params'
+    assert both["host_bytes_per_node"]["host_grads"] == both["host_bytes_per_node"]["host_params"]
 
 
 def test_params_in_host_memory_at_two_data_parallel_ranks_do_not_fit_in_one_line(tool):

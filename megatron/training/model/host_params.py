@@ -15,6 +15,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from megatron.training.model.host_grads import HostGrads
 from mlp_offload import GiB
 
 
@@ -30,15 +31,17 @@ def host_params_refusal(data_parallel: int, overlap_forward: bool) -> Optional[s
     return None
 
 
-def check_buffers_placed(chunks, device: torch.device) -> None:
-    """Every param buffer in host memory and every grad buffer on ``device`` (a megatron-core that builds
-    its buffers otherwise than ``param_buffers_in_host_memory`` expects fails here, not in the first step)."""
+def check_buffers_placed(chunks, device: torch.device, grads_in_host: bool) -> None:
+    """Every param buffer in host memory and every grad buffer on ``device`` (or in host memory with
+    ``grads_in_host``): a megatron-core that builds its buffers otherwise than ``param_buffers_in_host_memory``
+    expects fails here, not in the first step."""
+    grads_at = torch.device("cpu") if grads_in_host else device
     for chunk in chunks:
         for buffer in chunk.buffers + chunk.expert_parallel_buffers:
             if buffer.param_data is None or buffer.param_data.device.type != "cpu" \
-                    or buffer.grad_data.device != device:
-                raise RuntimeError("--offload-params host: megatron-core's DDP did not build its param buffer in "
-                                   "host memory beside a device grad buffer (megatron-core 0.16.1 does)")
+                    or buffer.grad_data.device != grads_at:
+                raise RuntimeError("--offload-params host: megatron-core's DDP did not build its buffers where "
+                                   "asked (megatron-core 0.16.1 does)")
 
 
 def move_all_but_params(module: torch.nn.Module, device: torch.device) -> None:
@@ -101,7 +104,8 @@ class HostParams:
     (the one running, the next in the step's order copied in beside it) and one for the rest, held from
     ``step_started`` to ``step_ended``. A slot's copy waits for the compute that last used the slot."""
 
-    def __init__(self, layers: List[List[torch.nn.Parameter]], rest: List[torch.nn.Parameter], device: torch.device):
+    def __init__(self, layers: List[List[torch.nn.Parameter]], rest: List[torch.nn.Parameter], device: torch.device,
+                 grads_in_host: bool = False):
         self.groups = {index: params for index, params in enumerate(layers)}
         self.groups[REST] = rest
         self.host = {index: [p.data for p in params] for index, params in self.groups.items()}
@@ -119,15 +123,23 @@ class HostParams:
         for params in self.groups.values():
             for param in params:
                 param.register_post_accumulate_grad_hook(_into_main_grad)
+        # --offload-grads host: each group's main_grad in a device slot during its backward (host_grads)
+        self.grads = HostGrads(self.groups, REST, device, self._stream) if grads_in_host else None
+
+    @property
+    def ddp_grad_sync(self) -> bool:
+        """Whether DDP's gradient sync runs after the step: not on grads in host memory (one data-parallel rank)."""
+        return self.grads is None
 
     @classmethod
-    def of_chunk(cls, chunk, device: torch.device) -> "HostParams":
+    def of_chunk(cls, chunk, device: torch.device, grads_in_host: bool = False) -> "HostParams":
         layers = [list(layer.parameters()) for layer in decoder_of(chunk).layers]
         inside = {id(p) for params in layers for p in params}
-        return cls(layers, [p for p in chunk.parameters() if id(p) not in inside], device)
+        return cls(layers, [p for p in chunk.parameters() if id(p) not in inside], device, grads_in_host)
 
     def device_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for slot in (*self._turns, self._rest) for t in slot.flat.values())
+        slots = sum(t.numel() * t.element_size() for slot in (*self._turns, self._rest) for t in slot.flat.values())
+        return slots + (self.grads.device_bytes() if self.grads is not None else 0)
 
     # -- the layer-major step's calls ---------------------------------------------------------------
     def step_started(self, backward: bool) -> None:
@@ -140,6 +152,8 @@ class HostParams:
             slot.holds = None
         self._fill(self._rest, REST)
         self._use(self._rest, REST)
+        if self.grads is not None and backward:
+            self.grads.collect(REST, None)
         if self._order:
             self._fill(self._turns[0], self._order[0])
 
@@ -149,13 +163,24 @@ class HostParams:
             slot = self._free_slot(layer)
             self._fill(slot, layer)
         self._use(slot, layer)
+        if self.grads is not None and self._at >= len(self.groups) - 1:  # the backward's half of the order
+            self.grads.collect(layer, self._turns.index(slot))
         self._at += 1
         upcoming = next((i for i in self._order[self._at:] if i != layer), None)
         if upcoming is not None and self._slot_of(upcoming) is None:
             self._fill(self._free_slot(layer), upcoming)
 
     def release(self, layer: int, after_backward: bool) -> None:
-        self._put_back(self._slot_of(layer), layer)
+        slot = self._slot_of(layer)
+        if self.grads is not None and after_backward:
+            self.grads.hand_out(layer, self._turns.index(slot))
+        self._put_back(slot, layer)
+
+    def grads_complete(self) -> None:
+        """The step's last gradient is made (before DDP's sync would run)."""
+        if self.grads is not None:
+            self.grads.hand_out(REST, None)
+            self.grads.complete()
 
     def step_ended(self) -> None:
         self._put_back(self._rest, REST)
@@ -200,15 +225,19 @@ class HostParams:
         return torch.cuda.stream(self._stream)
 
 
-def place_params_in_host_memory(chunks, device: torch.device) -> str:
+def place_params_in_host_memory(chunks, device: torch.device, grads_in_host: bool = False) -> str:
     """After DDP built its buffers under ``param_buffers_in_host_memory``: the rest of each chunk to the
-    device, and the start-up line saying where the params are."""
-    check_buffers_placed(chunks, device)
+    device, each chunk told where it computes (``compute_device``: its buffers no longer say), and the
+    start-up line saying where the params (and grads) are."""
+    check_buffers_placed(chunks, device, grads_in_host)
     for chunk in chunks:
         move_all_but_params(chunk, device)
-    host = sum(b.param_data.numel() * b.param_data.element_size()
-               for chunk in chunks for b in chunk.buffers + chunk.expert_parallel_buffers)
-    pinned = all(b.param_data.is_pinned() for chunk in chunks for b in chunk.buffers + chunk.expert_parallel_buffers) \
-        if device.type == "cuda" else False
-    return (f"> params: {host / GiB:.2f} GiB in {'pinned ' if pinned else ''}host memory (--offload-params host); "
-            f"the GPU holds two layers' and the embedding's and output layer's while a step runs")
+        chunk.compute_device = device
+    buffers = [b for chunk in chunks for b in chunk.buffers + chunk.expert_parallel_buffers]
+    params = sum(b.param_data.numel() * b.param_data.element_size() for b in buffers)
+    grads = sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers)
+    pinned = device.type == "cuda" and all(b.param_data.is_pinned() for b in buffers)
+    where = f"{'pinned ' if pinned else ''}host memory"
+    grads_line = (f", {grads / GiB:.2f} GiB of grads there too (--offload-grads host)" if grads_in_host else "")
+    return (f"> params: {params / GiB:.2f} GiB in {where} (--offload-params host){grads_line}; the GPU holds two "
+            f"layers' and the embedding's and output layer's while a step runs")

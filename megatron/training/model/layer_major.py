@@ -35,6 +35,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func, schedules
 from megatron.core.utils import get_model_config, get_model_type
 
 from megatron.training.errors import UserError
+from megatron.training.model.host_grads import host_grads_refusal
 from megatron.training.model.host_params import HostParams, decoder_of, host_params_refusal
 
 
@@ -79,11 +80,20 @@ class LayerResidency(Protocol):
 
     def release(self, layer: int, after_backward: bool) -> None: ...
 
+    def grads_complete(self) -> None: ...
+
     def step_ended(self) -> None: ...
+
+    ddp_grad_sync: bool  # whether DDP's gradient sync runs on the grads (not where they are in host memory)
 
 
 class ResidentLayers:
     """Every layer's params stay where they are (in HBM, as megatron-core keeps them)."""
+
+    ddp_grad_sync = True
+
+    def grads_complete(self) -> None:
+        pass
 
     def step_started(self, backward: bool) -> None:
         pass
@@ -201,8 +211,10 @@ class LayerMajorStep:
         for m, mb in enumerate(micro):  # the embedding's backward
             with _sync_unless(m == len(micro) - 1, config):
                 torch.autograd.backward(mb.block_input, mb.hidden)
+        self.residency.grads_complete()
         if config.finalize_model_grads_func is not None:
-            config.finalize_model_grads_func([chunk], total_tokens if config.calculate_per_token_loss else None)
+            with contextlib.nullcontext() if self.residency.ddp_grad_sync else _no_grad_sync(chunk):
+                config.finalize_model_grads_func([chunk], total_tokens if config.calculate_per_token_loss else None)
         return reported
 
     def _forward_layers(self, block, micro: List[_MicroBatch], kept: KeptInputs) -> KeptInputs:
@@ -253,18 +265,20 @@ class LayerMajorStep:
 forward_backward_layer_major = LayerMajorStep()  # params resident, inputs kept where they were made
 
 
-def step_schedule(model, inputs_in_host: bool, params_in_host: bool, asked_by: Optional[str] = None,
-                  forward_only: bool = False):
+def step_schedule(model, inputs_in_host: bool, params_in_host: bool, grads_in_host: bool = False,
+                  asked_by: Optional[str] = None, forward_only: bool = False):
     """A step's forward and backward (or forward only): megatron-core's schedule, or the layer-major step
     keeping layer inputs in host memory (``inputs_in_host``) and bringing in params that live there
-    (``params_in_host``; one step object per model, whose device slots are made once)."""
+    (``params_in_host``, and their grads with ``grads_in_host``; one step object per model, whose device slots
+    are made once)."""
     if not params_in_host and (forward_only or not inputs_in_host):
         return get_forward_backward_func()
     step = _STEPS.get(id(model[0]))
     if step is None:
-        device = model[0].buffers[0].grad_data.device if params_in_host else next(model[0].parameters()).device
+        device = getattr(model[0], "compute_device", None) or next(model[0].parameters()).device
         inputs = (lambda: HostKeptInputs(device)) if inputs_in_host else KeptInputs
-        step = LayerMajorStep(HostParams.of_chunk(model[0], device) if params_in_host else None, inputs)
+        step = LayerMajorStep(HostParams.of_chunk(model[0], device, grads_in_host) if params_in_host else None,
+                              inputs)
         _STEPS[id(model[0])] = step
     return step
 
@@ -272,15 +286,18 @@ def step_schedule(model, inputs_in_host: bool, params_in_host: bool, asked_by: O
 _STEPS: Dict[int, LayerMajorStep] = {}  # by model chunk (training keeps its model for the whole run)
 
 
-def check_step_schedule(args, config, inputs_in_host: bool, params_in_host: bool, asked_by: Optional[str]) -> None:
-    """A configuration the layer-major step cannot run, asked for by the flag ``asked_by`` (params or inputs in
-    host memory): one line naming it, before the model is built."""
-    if not params_in_host and not inputs_in_host:
+def check_step_schedule(args, config, inputs_in_host: bool, params_in_host: bool, grads_in_host: bool,
+                        asked_by: Optional[str]) -> None:
+    """A configuration the layer-major step cannot run, asked for by the flag ``asked_by`` (grads, params or
+    inputs in host memory): one line naming it, before the model is built."""
+    if not params_in_host and not inputs_in_host and not grads_in_host:
         return
     refusal = layer_major_refusal(config, args.virtual_pipeline_model_parallel_size or 1,
                                   args.pipeline_model_parallel_size)
-    if refusal is None and params_in_host:
+    if refusal is None and (params_in_host or grads_in_host):
         refusal = host_params_refusal(args.data_parallel_size, bool(getattr(args, "offload_overlap_forward", False)))
+    if refusal is None and grads_in_host:
+        refusal = host_grads_refusal(params_in_host, config)
     if refusal is not None:
         raise UserError(f"{asked_by}: {refusal}")
 
@@ -309,13 +326,18 @@ def _final_norm(block, hidden: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _stand_in(block, forward):
-    """``block``'s forward replaced by ``forward`` for the duration (an instance attribute over the method)."""
-    block.forward = forward
+def _stand_in(obj, replacement, method: str = "forward"):
+    """``obj``'s ``method`` replaced for the duration (an instance attribute over the method)."""
+    setattr(obj, method, replacement)
     try:
         yield
     finally:
-        del block.forward
+        delattr(obj, method)
+
+
+def _no_grad_sync(chunk):
+    """DDP's gradient sync left out of the finalize (one data-parallel rank, grads in host memory)."""
+    return _stand_in(chunk, lambda *args, **kwargs: None, "finish_grad_sync")
 
 
 def _sync_unless(is_last: bool, config):

@@ -34,7 +34,8 @@ from megatron.training.offload.gpu_tier_start import starting_gpu_tier_bytes
 from megatron.training.offload.shard_budgets import check_host_split, config_for_kind
 from megatron.training.offload.plan_types import Machine, Plan
 from megatron.training.errors import UserError
-from megatron.training.offload.options import GPU_CACHE_FLAG, PARAMS_IN_HOST, in_flags, params_in_host_memory
+from megatron.training.offload.options import (GPU_CACHE_FLAG, GRADS_IN_HOST, PARAMS_IN_HOST, grads_in_host_memory,
+                                               in_flags, params_in_host_memory)
 from megatron.training.offload.params_streaming import (streamed_compute_seconds, streamed_params,
                                                         streamed_params_refusal, update_copy_seconds)
 
@@ -218,13 +219,16 @@ def make_plan(args, cfg, machine: Machine, offload_config, measured: MeasuredRat
     param_bytes = 2 if (args.bf16 or args.fp16) else 4
     microbatches = args.global_batch_size // (args.micro_batch_size * dp)
 
-    streamed = streamed_params(cfg, per_rank, param_bytes) if params_in_host_memory(args) else None
+    grads_host = grads_in_host_memory(args)
+    streamed = (streamed_params(cfg, per_rank, param_bytes, gradient_itemsize(args) if grads_host else 0)
+                if params_in_host_memory(args) or grads_host else None)
     if streamed is not None:
-        refusal = streamed_params_refusal(cfg, dp, bool(getattr(args, "offload_overlap_forward", False)))
+        refusal = streamed_params_refusal(cfg, dp, bool(getattr(args, "offload_overlap_forward", False)),
+                                          params_in_host_memory(args), grads_host)
         if refusal:
-            problems.append(f"{PARAMS_IN_HOST}: {refusal}")
+            problems.append(f"{GRADS_IN_HOST if grads_host else PARAMS_IN_HOST}: {refusal}")
     gpu = {"parameters": streamed.device_bytes if streamed else per_rank * param_bytes,
-           "gradients": per_rank * gradient_itemsize(args),
+           "gradients": streamed.grad_device_bytes if streamed and grads_host else per_rank * gradient_itemsize(args),
            "activations": activation_bytes(args, cfg, microbatches_in_flight(pp, vp, microbatches)),
            "backward_workspace": backward_workspace_bytes(args, cfg),
            "cuda_reserve": CUDA_RESERVE_BYTES}
@@ -259,6 +263,8 @@ def make_plan(args, cfg, machine: Machine, offload_config, measured: MeasuredRat
             beside = beside_engine(getattr(args, "num_workers", 0), process)
             if streamed is not None:
                 beside["host params"] = streamed.host_bytes  # pinned before the engine starts
+                if streamed.grad_host_bytes:
+                    beside["host grads"] = streamed.grad_host_bytes
             host_per_node.update({f"{k.replace(' ', '_')}": machine.gpus_per_node * v for k, v in beside.items()})
             try:  # the guard's own check, against the node's memory: DOES NOT FIT where it would refuse
                 check_host_memory({"optimizer cache": cache, "gradient staging": staging},

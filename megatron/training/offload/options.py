@@ -213,6 +213,9 @@ OPTIONS: Tuple[Option, ...] = (
     Option("--offload-params", "host: the model's 16-bit params live in pinned host memory and reach the GPU "
            "a layer at a time in each step (with the layer-major step). Default: none", choices=("none", "host"),
            default="none", needs_tiers=True),
+    Option("--offload-grads", "host: with --offload-params host, the grads live in pinned host memory too, each "
+           "layer's summed in a GPU slot during its backward. Default: none", choices=("none", "host"),
+           default="none", needs_tiers=True),
     Option("--offload-telemetry-log", "per-step engine telemetry as JSON lines; {{rank}} in FILE gives one file "
            "per rank, else rank 0 writes. Default: none", default=None, metavar="FILE"),
     Option("--offload-trace", "Chrome trace of the engine's I/O, waits and Adam at the end ({{rank}} as for "
@@ -222,6 +225,7 @@ OPTIONS: Tuple[Option, ...] = (
 OPTION_OF_FLAG = {o.flag: o for o in OPTIONS}
 ACTIVATIONS_IN_HOST = "--offload-activations host"  # as messages about the layer-major step name it
 PARAMS_IN_HOST = "--offload-params host"
+GRADS_IN_HOST = "--offload-grads host"
 
 
 def activations_in_host_memory(args) -> bool:
@@ -234,12 +238,17 @@ def params_in_host_memory(args) -> bool:
     return getattr(args, "offload_params", "none") == "host"
 
 
+def grads_in_host_memory(args) -> bool:
+    """--offload-grads host: the model's grads in host memory too, each layer's made in a device slot."""
+    return getattr(args, "offload_grads", "none") == "host"
+
+
 def layer_major_flags(args) -> dict:
     """What the layer-major step is asked for (``model.layer_major``'s step_schedule and check_step_schedule
     take these), and the flag that asked, for its refusals."""
-    params = params_in_host_memory(args)
-    return {"inputs_in_host": activations_in_host_memory(args), "params_in_host": params,
-            "asked_by": PARAMS_IN_HOST if params else ACTIVATIONS_IN_HOST}
+    params, grads = params_in_host_memory(args), grads_in_host_memory(args)
+    return {"inputs_in_host": activations_in_host_memory(args), "params_in_host": params, "grads_in_host": grads,
+            "asked_by": GRADS_IN_HOST if grads else PARAMS_IN_HOST if params else ACTIVATIONS_IN_HOST}
 
 
 def _flag_of(field: str) -> str:

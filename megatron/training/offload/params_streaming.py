@@ -10,6 +10,10 @@ their copies add to a step.
 - Update: where the device updates, the updated params go back to host memory across the link, and with the
   master stored as 16-bit remainders the update first reads their high halves (the bf16 params) from there;
   both in series with the update. A CPU update reads and writes them in host memory.
+- With --offload-grads host the grads follow: two layer slots and the rest's on the GPU, all of them in host
+  memory; each layer's grads go out after its backward on the same side stream as the next layer's params come
+  in (so a backward layer costs the longer of its compute and both copies), and the device update reads them
+  back across the link.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megatron.training.model.layer_params import layer_params, layers_of_stage, moe_pattern
+from megatron.training.model.host_grads import host_grads_refusal
 from megatron.training.model.host_params import host_params_refusal
 from megatron.training.model.layer_major import layer_major_refusal
 
@@ -30,34 +35,44 @@ class StreamedParams:
     host_bytes: int  # every param of the rank
     layers: int
     layer_bytes: int  # the average layer's params (what one copy moves)
+    grad_device_bytes: int = 0  # with the grads in host memory: their slots on the GPU
+    grad_host_bytes: int = 0  # ... and every grad, in host memory
+    layer_grad_bytes: int = 0  # ... and the average layer's grads (what one copy out moves)
 
 
-def streamed_params(cfg, params_per_rank: int, param_bytes: int) -> StreamedParams:
-    """The rank's params with the layers streamed (one pipeline stage: stage 0 holds every layer)."""
+def streamed_params(cfg, params_per_rank: int, param_bytes: int, grad_bytes: int = 0) -> StreamedParams:
+    """The rank's params with the layers streamed (one pipeline stage: stage 0 holds every layer); with
+    ``grad_bytes`` (bytes per grad) their grads too."""
     pattern = moe_pattern(cfg)
     sizes = [sum(vars(layer_params(cfg, bool(pattern[i]))).values()) for i in layers_of_stage(cfg, 0)]
     in_layers = sum(sizes)
-    rest = max(0, params_per_rank - in_layers)
-    return StreamedParams(device_bytes=(2 * max(sizes) + rest) * param_bytes, host_bytes=params_per_rank * param_bytes,
-                          layers=len(sizes), layer_bytes=in_layers * param_bytes // max(1, len(sizes)))
+    slots = 2 * max(sizes) + max(0, params_per_rank - in_layers)  # elements the GPU holds of each
+    return StreamedParams(device_bytes=slots * param_bytes, host_bytes=params_per_rank * param_bytes,
+                          layers=len(sizes), layer_bytes=in_layers * param_bytes // max(1, len(sizes)),
+                          grad_device_bytes=slots * grad_bytes, grad_host_bytes=params_per_rank * grad_bytes,
+                          layer_grad_bytes=in_layers * grad_bytes // max(1, len(sizes)))
 
 
 def streamed_compute_seconds(compute_s: float, streamed: StreamedParams, link_bytes_per_s: float) -> float:
     """The forward and backward with every layer brought in twice (``link_bytes_per_s``: one direction)."""
     per_layer = compute_s / max(1, streamed.layers)
     copy = streamed.layer_bytes / link_bytes_per_s
+    backward_copies = copy + streamed.layer_grad_bytes / link_bytes_per_s  # one side stream: in, then out
     forward = per_layer * FORWARD_SHARE_FULL_RECOMPUTE
-    return streamed.layers * (max(forward, copy) + max(per_layer - forward, copy))
+    return streamed.layers * (max(forward, copy) + max(per_layer - forward, backward_copies))
 
 
 def update_copy_seconds(streamed: StreamedParams, link_bytes_per_s: float, device_share: float,
                         reads_high: bool) -> float:
-    """What the update adds: the device-updated params' trips across the link (``device_share``: of the elements)."""
+    """What the update adds: the device-updated params' trips across the link, and the grads' way back in where
+    they are in host memory (``device_share``: of the elements)."""
     trips = 2 if reads_high else 1
-    return device_share * trips * streamed.host_bytes / link_bytes_per_s
+    return device_share * (trips * streamed.host_bytes + streamed.grad_host_bytes) / link_bytes_per_s
 
 
-def streamed_params_refusal(cfg, data_parallel: int, overlap_forward: bool) -> Optional[str]:
+def streamed_params_refusal(cfg, data_parallel: int, overlap_forward: bool, params_in_host: bool = True,
+                            grads_in_host: bool = False) -> Optional[str]:
     """What the training refuses in one line for this layout, before it builds the model."""
     return (layer_major_refusal(cfg, cfg.virtual_pipeline_model_parallel_size or 1, cfg.pipeline_model_parallel_size)
-            or host_params_refusal(data_parallel, overlap_forward))
+            or host_params_refusal(data_parallel, overlap_forward)
+            or (host_grads_refusal(params_in_host, cfg) if grads_in_host else None))

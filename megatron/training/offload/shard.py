@@ -19,6 +19,7 @@ from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.transformer.module import param_is_not_shared
 
 from megatron.training.offload.device_gradients import DeviceGradients, EventFence
+from megatron.training.model.host_grads import DEVICE_GRAD_NORM
 from megatron.training.offload.param_high import ModelParamHigh, ModelParamHighInPlace
 from megatron.training.offload.shard_layout import ShardLayout
 from megatron.training.runtime.core_private import optimizer_group_ranges
@@ -63,8 +64,9 @@ class OffloadShard:
         self.kind = groups.kind
         self.dp_group = groups.dp_group
         self.layout = ShardLayout(groups.buffers, self.dp_group.rank(), self.dp_group.size())
-        # The update's device is the grads': with --offload-params host the params are in host memory.
-        self.device = self.layout.pieces[0].buffer.grad_data.device
+        # The update's device is the model's (offload_config.device): with --offload-params host the params are in
+        # host memory, with --offload-grads host the grads too.
+        self.device = torch.device(offload_config.device)
         self.params_on_host = self.layout.pieces[0].buffer.param_data.device != self.device
         self.grad_scaler = grad_scaler_for(config)
         self.norm_params, engine_groups = self._ordered_groups(groups.param_groups)
@@ -154,7 +156,10 @@ class OffloadShard:
                 grad.mul_(inv_scale)
                 found_inf = found_inf or not bool(torch.isfinite(grad).all())
             if param_is_not_shared(param) and tensor_parallel.param_is_not_tensor_parallel_duplicate(param, tp_group):
-                norms.append(torch.norm(grad).reshape(1))
+                # --offload-grads host: the norm taken on the device before the grad left it (host_grads)
+                norm = getattr(param, DEVICE_GRAD_NORM, None) if inv_scale is None else None
+                norms.append(norm if norm is not None else torch.norm(grad).reshape(1))
+                setattr(param, DEVICE_GRAD_NORM, None)
         return norms, found_inf
 
     def zero_grads(self) -> None:

@@ -81,18 +81,18 @@ def install_timer(timers, name: str, timer, log_level: int) -> None:
 
 
 @contextlib.contextmanager
-def param_buffers_in_host_memory(active: bool, pin: bool):
-    """While DDP builds its buffers: each param buffer in host memory (pinned where ``pin``), each grad
-    buffer where megatron-core puts it (--offload-params host). Why private: DDP allocates both on the
-    current device and takes no argument for where; 0.16.1 allocates a buffer's params first, then its
-    grads, with ``torch.zeros`` in ``_ParamAndGradBuffer.__init__``, so that first call is the one moved
-    (``model.host_params.check_buffers_placed`` checks the result)."""
+def param_buffers_in_host_memory(active: bool, pin: bool, grads_too: bool = False):
+    """While DDP builds its buffers: each param buffer in host memory (pinned where ``pin``), and with
+    ``grads_too`` each grad buffer (--offload-params host, --offload-grads host); else where megatron-core puts
+    it. Why private: DDP allocates both on the current device and takes no argument for where; 0.16.1 allocates
+    a buffer's params first, then its grads, each with ``torch.zeros`` in ``_ParamAndGradBuffer.__init__``, so
+    those calls are the ones moved (``model.host_params.check_buffers_placed`` checks the result)."""
     if not active:
         yield
         return
     module = param_and_grad_buffer
     buffer_class, real_init, real_torch = module._ParamAndGradBuffer, module._ParamAndGradBuffer.__init__, module.torch
-    pending = {"param_data": False}
+    to_host: list = []  # of the coming torch.zeros calls, in order: whether each goes to host memory
 
     class _Torch:
         def __getattr__(self, name):
@@ -100,8 +100,7 @@ def param_buffers_in_host_memory(active: bool, pin: bool):
 
         @staticmethod
         def zeros(*args, **kwargs):
-            if pending["param_data"]:
-                pending["param_data"] = False
+            if to_host and to_host.pop(0):
                 kwargs["device"] = "cpu"
                 if pin:
                     kwargs["pin_memory"] = True
@@ -109,9 +108,9 @@ def param_buffers_in_host_memory(active: bool, pin: bool):
 
     def init(self, *args, **kwargs):
         ddp_config = kwargs.get("ddp_config", args[0] if args else None)
-        pending["param_data"] = bool(ddp_config.use_distributed_optimizer)
+        to_host[:] = ([True] if ddp_config.use_distributed_optimizer else []) + [grads_too]
         real_init(self, *args, **kwargs)
-        pending["param_data"] = False
+        to_host.clear()
 
     module.torch, buffer_class.__init__ = _Torch(), init
     try:

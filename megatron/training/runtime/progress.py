@@ -18,8 +18,12 @@ def gb_and_rate(nbytes: float, seconds: float) -> str:
 
 
 def model_device(model) -> torch.device:
-    """Where the model computes, and collectives over figures run (NCCL reduces no CPU tensors): its DDP grad
-    buffer's device (with --offload-params host the params are in host memory), else its params'."""
+    """Where the model computes, and collectives over figures run (NCCL reduces no CPU tensors): as its chunk
+    was told where params and grads live in host memory (``compute_device``), else its DDP grad buffer's device
+    (with --offload-params host the params are in host memory), else its params'."""
+    told = getattr(model[0], "compute_device", None)
+    if told is not None:
+        return told
     buffers = getattr(model[0], "buffers", None)
     if isinstance(buffers, list) and buffers:
         return buffers[0].grad_data.device
