@@ -48,6 +48,29 @@ def test_nothing_is_pinned_without_cuda(monkeypatch):
     assert reserve_host_copies(_model_state("meta"), False) == (0, 0.0)
 
 
+def test_host_memory_too_short_to_pin_stops_in_one_line(monkeypatch):
+    """Pinning fails as torch fails it where host memory is short: one line naming the flag, the size and a way
+    out, nothing of torch's traceback."""
+    from megatron.training.errors import UserError
+
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: t.device.type == "meta"))
+    monkeypatch.setattr(async_save.torch.cuda, "is_available", lambda: True)
+    real_empty = torch.empty
+
+    def empty(*args, pin_memory=False, **kwargs):
+        if pin_memory:
+            raise RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported")
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(async_save.torch, "empty", empty)
+    with pytest.raises(UserError) as caught:
+        reserve_host_copies(_model_state("meta"), False)
+    line = str(caught.value)
+    assert "\n" not in line and caught.value.__cause__ is None and caught.value.__suppress_context__
+    assert line.startswith("--async-save: pinning 0.01 MB of host memory") and "(CUDA error: out of memory)" in line
+    assert "--offload-host-cache-gb" in line
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host memory needs CUDA")
 def test_the_first_copy_to_host_creates_no_pinned_block():
     def copies(state):  # what megatron-core's preload does with each tensor it saves

@@ -29,6 +29,9 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories, is_main_replica
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
 
+from megatron.training.errors import UserError
+from mlp_offload.checkpoint import human_bytes
+
 # on_written(failure): failure is None when this rank's write succeeded, else a one-line reason.
 OnWritten = Callable[[Optional[str]], None]
 
@@ -100,12 +103,20 @@ def reserve_host_copies(model_state: dict, fully_parallel: bool) -> Tuple[int, f
     dict, as a save builds it) that a save copies to host: torch keeps freed pinned blocks cached by
     size, so the first --async-save's copy reuses them instead of pinning memory while training
     waits. Of replicated tensors, only the ones this rank writes (all, under fully parallel saves,
-    which pick the writer at the save). Returns (bytes, seconds); nothing on a run without CUDA."""
+    which pick the writer at the save). Returns (bytes, seconds); nothing on a run without CUDA. Host memory
+    too short to pin them stops the run here, in one line, before any step (a save would fail later)."""
     sizes = copied_tensor_sizes(model_state, fully_parallel)
     if not sizes or not torch.cuda.is_available():
         return 0, 0.0
     started = time.perf_counter()
-    blocks = [torch.empty(numel, dtype=dtype, pin_memory=True) for numel, dtype in sizes]
+    wanted = sum(numel * dtype.itemsize for numel, dtype in sizes)
+    try:
+        blocks = [torch.empty(numel, dtype=dtype, pin_memory=True) for numel, dtype in sizes]
+    except RuntimeError as err:
+        reason = (str(err).strip().splitlines() or ["no reason given"])[0]
+        raise UserError(f"--async-save: pinning {human_bytes(wanted)} of host memory for its copies of the weights "
+                        f"failed ({reason}); give the node's host memory back (a smaller --offload-host-cache-gb) or "
+                        f"save without --async-save") from None
     nbytes = sum(block.numel() * block.element_size() for block in blocks)
     del blocks  # into torch's cache of pinned blocks
     return nbytes, time.perf_counter() - started
