@@ -3,7 +3,8 @@
 ``configure(fault="point[@rank][#n][=ERRNO]")`` makes the process SIGKILL itself the n-th time (default 1) it passes ``fault_point(point)``, on that global
 rank only (default: any); with ``=ENOSPC`` (any errno name) it raises that OSError there instead,
 as a full disk would. Points: forward, backward, update, save-offload (once per subgroup written
-into a checkpoint, by the background writer with --async-save), save-scheduled (--async-save: the
+into a checkpoint, by the background writer with --async-save), save-offload-commit (a state file
+and its part files written and fsynced, the file not yet renamed), save-scheduled (--async-save: the
 background write just started, not finalized), save-complete, save-tracker, fork.
 
 ``configure(delay="point=SECONDS[,point=SECONDS...]")`` sleeps at every pass of those points

@@ -15,6 +15,7 @@ from ..kernels.blockwise8 import Quantized, dequantize
 from ..state_formats import FP32_STATE, REMAINDERS16, codecs_for, is_blockwise, state_bytes
 from .file_blocks import FileBlocks
 from .file_format import NAMES, CheckpointDataError
+from .parts import PartSources, block_crcs, part_mismatch
 
 
 class RangeReader:
@@ -30,7 +31,10 @@ class RangeReader:
 
     While a stored tensor is checked and copied out, the next one in the file is read and checked on a
     thread of its own (where the requests follow the file, as a resume's do): a load then runs at the
-    disk's pace rather than at read + CRC + copy one after the other."""
+    disk's pace rather than at read + CRC + copy one after the other.
+
+    A subgroup held in a part file (``parts``) is read from that file, each tensor's span checked
+    against the tier's block CRCs the footer records instead of one CRC of the tensor."""
 
     def __init__(self, path: str, entries, codecs=None, cache_bytes: Optional[int] = None, file=None,
                  blocks: Optional[FileBlocks] = None):
@@ -46,7 +50,9 @@ class RangeReader:
         self._cached: Dict[Tuple[int, int], torch.Tensor] = {}
         self._verified: Set[Tuple[int, int]] = set()
         self._direct = DirectReads(path)
-        by_offset = [(e, k) for e in sorted(self.entries, key=lambda e: e["offset"]) for k in range(3)]
+        self._parts = PartSources(path)
+        # a part's entry takes no bytes of the file: it sits at the next entry's offset, in element order
+        by_offset = [(e, k) for e in sorted(self.entries, key=lambda e: (e["offset"], e["start"])) for k in range(3)]
         self._successor = {(e["start"], k): nxt for (e, k), nxt in zip(by_offset, by_offset[1:])}
         self._last: Optional[Tuple[int, int]] = None
         self._ahead: Optional[Tuple[Tuple[int, int], Future]] = None
@@ -104,6 +110,12 @@ class RangeReader:
         if block_at != out.scales.numel():
             raise CheckpointDataError(f"{self.path}: elements {start}..{end} of {NAMES[k]} make {block_at} blocks "
                                       f"in the file, {out.scales.numel()} were asked for")
+
+    def stored_bytes(self, e, k: int) -> bytes:
+        """Stored tensor ``k`` of footer entry ``e`` as it lies in the checkpoint (its check passed)."""
+        buf, crc = self._read_and_crc(e, k)
+        self._check(crc, e, k)
+        return bytes(buf)
 
     def _pieces(self, start: int, end: int):
         """(entry, lo, hi): the stored subgroups' parts of elements ``[start, end)``, in order."""
@@ -177,6 +189,11 @@ class RangeReader:
         return self._read_and_crc(e, k)
 
     def _read_and_crc(self, e, k: int):
+        """The stored tensor's bytes and their check: the CRC32 of the tensor, or a part's block CRCs."""
+        if "part" in e:
+            part = e["part"]
+            buf = self._parts.read(e, k, 0, part["spans"][k][1])
+            return memoryview(buf)[: self._region_bytes(e, k)], block_crcs(buf, part["block"])
         buf = self._raw(e, k, 0, self._region_bytes(e, k))
         return buf, zlib.crc32(buf)  # zlib lets go of the GIL for a buffer this size
 
@@ -194,6 +211,13 @@ class RangeReader:
     def _verify(self, e, k: int) -> None:
         if (e["start"], k) in self._verified:
             return
+        if "part" in e:  # block by block, as the tier wrote it
+            part = e["part"]
+            span, block = part["spans"][k][1], part["block"]
+            self._check([zlib.crc32(self._parts.read(e, k, a, min(span, a + block) - a)) for a in range(0, span, block)],
+                        e, k)
+            self._verified.add((e["start"], k))
+            return
         crc, size = 0, self._region_bytes(e, k)
         step = max(self.codecs[k].bytes_per_element, self.cache_bytes // 6)
         step -= step % self.codecs[k].bytes_per_element
@@ -209,6 +233,8 @@ class RangeReader:
 
     def _raw(self, e, k: int, at: int, nbytes: int) -> bytearray:
         """Bytes ``[at, at + nbytes)`` of stored tensor ``k``'s region in subgroup entry ``e``."""
+        if "part" in e:
+            return self._parts.read(e, k, at, nbytes)
         n = e["end"] - e["start"]
         offset = e["offset"] + state_bytes(self.codecs[:k], n, e.get("blocks")) + at
         buf = self._direct.read(offset, nbytes)  # None without O_DIRECT: through the page cache
@@ -221,7 +247,15 @@ class RangeReader:
             raise CheckpointDataError(f"{self.path}: truncated in {NAMES[k]} of elements {e['start']}..{e['end']}")
         return buf
 
-    def _check(self, crc: int, e, k: int) -> None:
+    def _check(self, crc, e, k: int) -> None:
+        if "part" in e:
+            at = part_mismatch(e, k, crc)
+            if at is not None:
+                raise CheckpointDataError(
+                    f"{self._parts.path_of(e)}: checksum mismatch in {NAMES[k]} of elements {e['start']}..{e['end']} "
+                    f"(the block at byte {e['part']['spans'][k][0] + at} of this part file); the checkpoint is "
+                    f"corrupt and was not used")
+            return
         if crc != e["crc"][k]:
             raise CheckpointDataError(
                 f"{self.path}: checksum mismatch in {NAMES[k]} of elements {e['start']}..{e['end']}; "
@@ -235,6 +269,7 @@ class RangeReader:
             self._ahead_thread.shutdown(wait=True)
             self._ahead_thread, self._ahead = None, None
         self._direct.close()
+        self._parts.close()
         if self._owns_file:
             self.f.close()
 

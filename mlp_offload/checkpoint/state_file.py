@@ -17,6 +17,9 @@ every range's blocks follow. A reader gives a range's codes and scales where bot
 boundaries (``RangeReader.read_quantized``), and fp32 values of any range (``read``: the blocks
 around it dequantized).
 
+A subgroup the save took by hard link from its tier file has, instead of an offset and tensor CRCs, a
+``part``: its tensors' places in that file and the tier's block CRCs of them (``parts``).
+
 A master stored as remainders (``remainders``) is saved so (tagged ``rem16`` in the footer's
 dtypes): the model checkpoint of the same step holds its high halves, the bf16 params.
 
@@ -38,6 +41,7 @@ from ..engine import OffloadedAdamW
 from ..state_formats import codec_for_tag, codecs_for, is_blockwise, state_bytes
 from .file_blocks import FileBlocks, note_moments_change, values_fill
 from .file_format import MAGIC, NAMES, TRAILER, CheckpointDataError
+from .parts import check_part
 from .range_reader import RangeReader
 
 
@@ -147,9 +151,10 @@ def _check_footer(path: str, footer, data_end: int) -> None:
     blocks = _footer_blocks(footer, codecs, bad)
     expected_start, expected_offset = 0, 0
     for e in footer["subgroups"]:
+        in_part = isinstance(e, dict) and "part" in e  # its tensors lie in a part file (``parts``)
         if not (isinstance(e, dict) and all(_is_count(e.get(k)) for k in ("start", "end", "offset"))
-                and isinstance(e.get("crc"), list) and len(e["crc"]) == len(NAMES)
-                and all(_is_count(c) for c in e["crc"])):
+                and (in_part or (isinstance(e.get("crc"), list) and len(e["crc"]) == len(NAMES)
+                                 and all(_is_count(c) for c in e["crc"])))):
             raise bad(f"malformed subgroup entry {str(e)[:80]}")
         if e["start"] != expected_start or e["end"] <= e["start"] or e["offset"] != expected_offset:
             raise bad(f"subgroup {e['start']}..{e['end']} at byte {e['offset']}, expected to start at element "
@@ -157,7 +162,10 @@ def _check_footer(path: str, footer, data_end: int) -> None:
         if blocks is not None:
             _check_entry_blocks(e, blocks, bad)
         expected_start = e["end"]
-        expected_offset += state_file_bytes(e["end"] - e["start"], codecs, e.get("blocks"))
+        if in_part:
+            check_part(e["part"], [c.stored_bytes(e["end"] - e["start"], e.get("blocks")) for c in codecs], bad)
+        else:
+            expected_offset += state_file_bytes(e["end"] - e["start"], codecs, e.get("blocks"))
     if expected_start != numel:
         raise bad(f"subgroups cover {expected_start} of {numel} elements")
     if expected_offset != data_end:

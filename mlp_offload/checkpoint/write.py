@@ -10,6 +10,10 @@ block CRCs checked), two at a time, so the next read overlaps this write; each s
 Given a ``digest.StateDigest``, a thread beside the writer adds each subgroup's tensors to it while the
 writer copies them out (the resume check's record of the save, from what is written and nothing
 read again).
+
+With ``link_tier_files``, a file-held subgroup on the checkpoint's file system is not copied: the
+checkpoint takes its tier file by hard link (``parts``), and only its footer entry is written. A
+digest then costs a read of the linked file (no write), through the tier, its block CRCs checked.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import torch
 from .file_blocks import snapshot_blocks
 from .digest import StateDigest
 from .file_format import MAGIC, TRAILER, CheckpointSaveError
+from .parts import PartLinks
 from .state_file import human_bytes, state_file_bytes, subgroups_file_bytes
 from ..tiers.direct_io import DirectRegionWriter, pwrite_all
 from ..engine import OffloadedAdamW
@@ -42,21 +47,24 @@ log = logging.getLogger("mlp_offload")
 
 
 def save_engine_state(engine: OffloadedAdamW, path: str, metadata: Optional[dict] = None,
-                      digest: Optional[StateDigest] = None) -> int:
+                      digest: Optional[StateDigest] = None, link_tier_files: bool = False) -> int:
     """Stream the engine's state into ``path`` now; returns bytes written. On failure the partial
-    ``.tmp`` file is removed and a file already at ``path`` is left as it was."""
+    ``.tmp`` file is removed and a file already at ``path`` is left as it was. ``link_tier_files``:
+    tier files on the checkpoint's file system are taken by hard link (``parts``), not copied."""
     snapshot = _snapshot(engine, link_files=False)  # nothing changes the state before this returns
     try:
-        return write_snapshot(snapshot, path, metadata, digest)
+        return write_snapshot(snapshot, path, metadata, digest, link_tier_files)
     finally:
         snapshot.release()
 
 
 def start_background_save(engine: OffloadedAdamW, path: str, metadata: Optional[dict] = None,
-                          digest: Optional[StateDigest] = None) -> "BackgroundStateWrite":
+                          digest: Optional[StateDigest] = None,
+                          link_tier_files: bool = False) -> "BackgroundStateWrite":
     """Snapshot the engine's state now (cheap: see snapshot) for a thread that writes it into
     ``path`` once ``start()``ed, while the engine goes on stepping. Where the tier's file system
-    has no hard links the state is written now instead (the handle is then already done)."""
+    has no hard links the state is written now instead (the handle is then already done).
+    ``link_tier_files``: the snapshot's links of tier files go into the checkpoint (``parts``)."""
     try:
         snapshot = _snapshot(engine, link_files=True)
     except OSError as err:
@@ -64,13 +72,13 @@ def start_background_save(engine: OffloadedAdamW, path: str, metadata: Optional[
             raise
         log.warning("the offload tiers' file system refused a hard link (%s): the offloaded state is written "
                     "synchronously", err.strerror or err)
-        return BackgroundStateWrite.finished_now(engine, path, metadata, digest)
+        return BackgroundStateWrite.finished_now(engine, path, metadata, digest, link_tier_files)
     short = _tier_short_of_space(snapshot, engine.config.resolved_ranks_sharing_node())
     if short:
         snapshot.cancel()
         log.warning("%s: the offloaded state is written synchronously", short)
-        return BackgroundStateWrite.finished_now(engine, path, metadata, digest)
-    return BackgroundStateWrite(snapshot, path, metadata, digest)
+        return BackgroundStateWrite.finished_now(engine, path, metadata, digest, link_tier_files)
+    return BackgroundStateWrite(snapshot, path, metadata, digest, link_tier_files)
 
 
 def _snapshot(engine: OffloadedAdamW, link_files: bool) -> StateSnapshot:
@@ -99,11 +107,12 @@ class BackgroundStateWrite:
     joins; ``failure`` is the exception that stopped it (None once it succeeded)."""
 
     def __init__(self, snapshot: Optional[StateSnapshot], path: str, metadata: Optional[dict],
-                 digest: Optional[StateDigest] = None):
+                 digest: Optional[StateDigest] = None, link_tier_files: bool = False):
         self.snapshot = snapshot
         self.path = path
         self.metadata = metadata
         self.digest = digest
+        self.link_tier_files = link_tier_files
         self.nbytes = subgroups_file_bytes(snapshot.subgroups) if snapshot else 0
         self.write_s = 0.0
         self.failure: Optional[BaseException] = None
@@ -111,10 +120,10 @@ class BackgroundStateWrite:
 
     @classmethod
     def finished_now(cls, engine: OffloadedAdamW, path: str, metadata: Optional[dict],
-                     digest: Optional[StateDigest] = None) -> "BackgroundStateWrite":
+                     digest: Optional[StateDigest] = None, link_tier_files: bool = False) -> "BackgroundStateWrite":
         handle = cls(None, path, metadata, digest)
         started = time.perf_counter()
-        handle.nbytes = save_engine_state(engine, path, metadata, digest)
+        handle.nbytes = save_engine_state(engine, path, metadata, digest, link_tier_files)
         handle.write_s = time.perf_counter() - started
         return handle
 
@@ -144,7 +153,7 @@ class BackgroundStateWrite:
         started = time.perf_counter()
         self.snapshot.writer_starts()
         try:
-            self.nbytes = write_snapshot(self.snapshot, self.path, self.metadata, self.digest)
+            self.nbytes = write_snapshot(self.snapshot, self.path, self.metadata, self.digest, self.link_tier_files)
         except BaseException as err:  # reported by the finalize step, on every rank
             self.failure = err
         finally:
@@ -153,45 +162,76 @@ class BackgroundStateWrite:
 
 
 def write_snapshot(snapshot: StateSnapshot, path: str, metadata: Optional[dict],
-                   digest: Optional[StateDigest] = None) -> int:
+                   digest: Optional[StateDigest] = None, link_tier_files: bool = False) -> int:
     """Write ``snapshot`` into ``path`` (via ``path.tmp``, fsynced, renamed); returns its bytes.
-    ``digest``: each subgroup's tensors are added to it as they are written."""
+    ``digest``: each subgroup's tensors are added to it as they are written. ``link_tier_files``:
+    tier files on ``path``'s file system become part files (linked, fsynced before the rename)."""
     tmp = path + ".tmp"
+    parts = PartLinks(path, snapshot.steps_done) if link_tier_files else None
     try:
-        size = _write(snapshot, tmp, metadata, digest)
+        size = _write(snapshot, tmp, metadata, digest, parts)
+        fault_point("save-offload-commit")  # parts linked and durable, the state file not yet renamed
         os.replace(tmp, path)
         fsync_path(os.path.dirname(os.path.abspath(path)))
+        if parts is not None:
+            parts.commit_done()
     except BaseException as err:
         _remove(tmp)
+        if parts is not None:
+            parts.discard()
         if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
             raise CheckpointSaveError(
                 f"{path}: {err.strerror or err} while saving the offloaded optimizer state: "
                 f"{human_bytes(subgroups_file_bytes(snapshot.subgroups))} needed for this file, "
                 f"{human_bytes(_free_bytes(path))} free; the partial file was removed") from err
         raise
+    linked = parts.linked_bytes if parts is not None else 0
+    log.info("offloaded state %s: %s linked from the tiers' files, %s written", path, human_bytes(linked),
+             human_bytes(size))
     return size
 
 
-def _write(snapshot: StateSnapshot, tmp: str, metadata: Optional[dict], digest: Optional[StateDigest]) -> int:
+def _link_parts(snapshot: StateSnapshot, parts: Optional[PartLinks]) -> Dict[int, dict]:
+    """Subgroup -> its footer ``part``: the file-held subgroups the checkpoint takes by hard link."""
+    linked = {}
+    for i, copy in sorted(snapshot.on_tier.items()) if parts is not None else ():
+        part = parts.link(copy.tier, copy.key, snapshot.subgroups[i])
+        if part is not None:
+            linked[i] = part
+    if linked:
+        parts.sync()
+    return linked
+
+
+def _write(snapshot: StateSnapshot, tmp: str, metadata: Optional[dict], digest: Optional[StateDigest],
+           parts: Optional[PartLinks] = None) -> int:
+    linked = _link_parts(snapshot, parts)
     offsets, end = {}, 0
-    for sg in snapshot.subgroups:  # element order: where each subgroup's bytes go
+    for sg in snapshot.subgroups:  # element order: where each subgroup's bytes go (a part's: none here)
         offsets[sg.index] = end
-        end += state_file_bytes(sg.numel, sg.codecs, sg.blocks)
+        if sg.index not in linked:
+            end += state_file_bytes(sg.numel, sg.codecs, sg.blocks)
     crcs = {}  # subgroup -> a function giving its tensors' CRC32s once the writer has them
-    reads = _TierReads(snapshot)
+    # A linked subgroup is read only for the digest.
+    reads = _TierReads(snapshot, skip=() if digest is not None else linked)
     with open(tmp, "wb") as f, ThreadPoolExecutor(1, thread_name_prefix="mlp-checkpoint-digest") as beside:
         fd = f.fileno()
         writer = DirectRegionWriter(fd, tmp)
         try:
             for i in snapshot.order:
                 snapshot.check_cancelled()
+                if i in linked and digest is None:
+                    snapshot.done_with(i)
+                    fault_point("save-offload")
+                    continue
                 views = snapshot.take(i) if i in snapshot.memory else reads.get(i)
                 digesting = None
                 try:  # the state is copied out before put returns: the update may have it back at once
                     tensors = views.narrow(snapshot.subgroups[i])
                     if digest is not None:  # by a thread of its own, while put copies the same tensors out
                         digesting = beside.submit(digest.add, snapshot.subgroups[i], tensors)
-                    crcs[i] = writer.put(offsets[i], tensors)
+                    if i not in linked:
+                        crcs[i] = writer.put(offsets[i], tensors)
                 finally:
                     if digesting is not None:
                         digesting.result()  # before the update or the next read may change the tensors
@@ -200,7 +240,9 @@ def _write(snapshot: StateSnapshot, tmp: str, metadata: Optional[dict], digest: 
             writer.finish()
         finally:
             writer.close()
-        entries = [{"start": sg.start, "end": sg.end, "offset": offsets[sg.index], "crc": crcs[sg.index]()}
+        entries = [{"start": sg.start, "end": sg.end, "offset": offsets[sg.index], "part": linked[sg.index]}
+                   if sg.index in linked else
+                   {"start": sg.start, "end": sg.end, "offset": offsets[sg.index], "crc": crcs[sg.index]()}
                    for sg in snapshot.subgroups]
         fields = {"numel": snapshot.numel, "steps_done": snapshot.steps_done, "subgroups": entries,
                   "dtypes": [c.describe() for c in snapshot.codecs], "metadata": metadata or {}}
@@ -219,9 +261,9 @@ class _TierReads:
     """The file-held subgroups read through their tiers in the writer's order, the next one into
     the other of two buffers while this one is written."""
 
-    def __init__(self, snapshot: StateSnapshot):
+    def __init__(self, snapshot: StateSnapshot, skip=()):
         self.snapshot = snapshot
-        self.ids = [i for i in snapshot.order if i in snapshot.on_tier]
+        self.ids = [i for i in snapshot.order if i in snapshot.on_tier and i not in skip]
         self.buffers: List[StateViews] = []
         self.pending: Dict[int, object] = {}
         self.next = 0

@@ -172,10 +172,21 @@ class FileTier:
         self._sizes[alias] = self._sizes[key]
         self._linked.add(key)
 
+    def link_out(self, key: str, dest: str) -> None:
+        """Give file ``key`` the name ``dest`` outside the tier (a checkpoint's part file): its bytes
+        stay as they are, ``key``'s next write going to a new file. No write of ``key`` may be in flight."""
+        os.link(self.path_of(key), dest)
+        self._linked.add(key)
+
+    def block_crcs(self, key: str) -> List[int]:
+        """The CRC32 of each block of file ``key`` as last written (its regions' blocks, in order)."""
+        return list(self._crcs[key])
+
     def forget(self, key: str) -> None:
         """Delete file ``key`` and what this tier knows of it."""
         self._sizes.pop(key, None)
         self._crcs.pop(key, None)
+        self._linked.discard(key)
         try:
             os.unlink(self.path_of(key))
         except FileNotFoundError:

@@ -171,8 +171,9 @@ def cases(draw):
                 background=draw(st.booleans()), seed=draw(st.integers(0, 3)))
 
 
-def _save(root, case, steps=2):
-    """An engine after ``steps`` steps, saved with its digests; returns (path, digests, model params)."""
+def save_with_digests(root, case, steps=2, link=False):
+    """An engine after ``steps`` steps, saved with its digests; returns (path, digests, model params).
+    ``link``: the save takes the tier files on its file system by hard link (``checkpoint.parts``)."""
     gen = torch.Generator().manual_seed(case["seed"])
     init = torch.randn(case["numel"], generator=gen).to(torch.bfloat16)
     eng, model = _engine(root, "save", case["tiers"], case["numel"], case["subgroup"], case["remainders"],
@@ -184,19 +185,19 @@ def _save(root, case, steps=2):
             eng.step()
         recorded = StateDigest.of_engine(eng, _pieces(case["segments"]))
         if case["background"]:
-            write = start_background_save(eng, path, digest=recorded)
+            write = start_background_save(eng, path, digest=recorded, link_tier_files=link)
             write.start()
             eng.grad_buffer.copy_(torch.randn(case["numel"], generator=gen).to(torch.bfloat16))
             eng.step()  # the update goes on beside the writer: the record stays the snapshot's
             write.wait()
             assert write.failure is None
         else:
-            save_engine_state(eng, path, digest=recorded)
+            save_engine_state(eng, path, digest=recorded, link_tier_files=link)
         params = model.params.clone()
     return path, recorded.result(), params
 
 
-def _load(root, case, path, params, edit=None):
+def load_with_digests(root, case, path, params, edit=None):
     """A fresh engine filled from ``path`` (``edit(engine, callback)`` may wrap its fill); its load's digests."""
     eng, _ = _engine(root, "load", case["tiers"], case["numel"], case["load_subgroup"], case["remainders"],
                      case["moments"], case["segments"], params, case.get("host_slots", 3))
@@ -210,12 +211,12 @@ def _load(root, case, path, params, edit=None):
 @given(case=cases())
 def test_the_writer_records_what_it_wrote_and_a_load_sees_the_same(case):
     with tempfile.TemporaryDirectory() as root:
-        path, recorded, params = _save(root, case)
+        path, recorded, params = save_with_digests(root, case)
         assert recorded == file_digests(path, case["segments"])
-        assert _load(root, case, path, params) == recorded
+        assert load_with_digests(root, case, path, params) == recorded
 
 
-def _fixed_case(**over):
+def fixed_case(**over):
     return {**dict(numel=9_000, segments=[(0, 0, 4_000), (4_000, 300, 5_000)], tiers=["gpu", "host", "nvme"],
                    subgroup=2_000, load_subgroup=3_000, remainders=False, moments="fp8", background=False, seed=1),
             **over}
@@ -244,20 +245,20 @@ def flip_stored_byte(path, subgroup: int, tensor: int, byte: int) -> int:
 
 def test_a_moment_edited_in_the_file_with_its_crc_made_right_is_named(tmp_path):
     """What the CRCs cannot see: one byte of the second parameter's exp_avg_sq codes."""
-    case = _fixed_case()
-    path, recorded, params = _save(str(tmp_path), case)
+    case = fixed_case()
+    path, recorded, params = save_with_digests(str(tmp_path), case)
     flip_stored_byte(path, -1, 2, 5)  # the last subgroup: all of it is p1
-    loaded = _load(str(tmp_path), case, path, params)
+    loaded = load_with_digests(str(tmp_path), case, path, params)
     assert find_mismatch(recorded, loaded)[:2] == ("p1", "exp_avg_sq")
 
 
-REMAINDERS = _fixed_case(moments="fp32", remainders=True, load_subgroup=1_500, host_slots=6)
+REMAINDERS = fixed_case(moments="fp32", remainders=True, load_subgroup=1_500, host_slots=6)
 
 
 @pytest.fixture(scope="module")
 def saved_with_remainders(tmp_path_factory):
     root = tmp_path_factory.mktemp("remainders")
-    return (root, *_save(str(root), REMAINDERS))
+    return (root, *save_with_digests(str(root), REMAINDERS))
 
 
 @pytest.mark.parametrize("tier", ["gpu", "host", "nvme"])
@@ -278,6 +279,6 @@ def test_a_master_bit_flipped_as_it_enters_each_tier_is_named(saved_with_remaind
                 flipped_at.append(sg.start + 7)
         return flipped
 
-    loaded = _load(str(root), case, path, params, edit=flip_in)
+    loaded = load_with_digests(str(root), case, path, params, edit=flip_in)
     owner = next(f"p{k}" for k, (a, _, n) in enumerate(case["segments"]) if a <= flipped_at[0] < a + n)
     assert find_mismatch(recorded, loaded)[:2] == (owner, "master")
