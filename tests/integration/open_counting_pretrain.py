@@ -1,7 +1,7 @@
 """``pretrain_gpt.py`` with every real open of a saved offload file counted (a test's variant of it).
 
 Counts Python's ``open`` audit events (``open()``, ``io.open``, ``os.open``: every way this code base
-opens a file) whose path lies under $OPEN_COUNT_ROOT and ends in ``.offload``, and the footers
+opens a file) whose path lies under $OPEN_COUNT_ROOT and ends in ``.offload`` (or is one's part file), and the footers
 parsed, per file; writes them to $OPEN_COUNT_DIR/rank<RANK>.json when the run ends.
 """
 
@@ -18,7 +18,8 @@ opens, footers = collections.Counter(), collections.Counter()
 def _saved_offload_file(path) -> bool:
     if isinstance(path, bytes):
         path = os.fsdecode(path)
-    return isinstance(path, str) and path.endswith(".offload") and os.path.realpath(path).startswith(ROOT)
+    saved = isinstance(path, str) and (path.endswith(".offload") or ".offload.parts" + os.sep in path)  # or a part
+    return saved and os.path.realpath(path).startswith(ROOT)
 
 
 def _count_opens(event, args):

@@ -34,7 +34,7 @@ def load_counting_opens(tmp, ckpt, nproc):
 @pytest.mark.parametrize("nproc", [2, 1], ids=["same-layout", "dp2-to-dp1"])
 def test_each_saved_file_is_opened_at_most_twice_and_its_footer_read_once(tmp_path, offload_saved, nproc):
     ckpt = copy_checkpoint(offload_saved["ckpt"], [SAVED_AT], tmp_path / "ckpt")
-    saved = sorted(p.name for p in (ckpt / f"iter_{SAVED_AT:07d}" / "offload").iterdir())
+    saved = sorted(p.name for p in (ckpt / f"iter_{SAVED_AT:07d}" / "offload").glob("*.offload"))
     assert saved == ["pp000_tp000_dp000.offload", "pp000_tp000_dp001.offload"]
     ranks, output = load_counting_opens(tmp_path / "run", ckpt, nproc)
     assert ("offloaded state resharded from data-parallel size 2 to 1" in output) == (nproc == 1), output[-3000:]

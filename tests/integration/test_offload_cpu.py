@@ -58,7 +58,7 @@ def test_resume_on_other_tiers_is_bit_identical(tmp_path, plain_runs):
     first = run_pretrain(tmp_path / "a", [*offload_args(tmp_path / "a"), "--save", str(ckpt),
                                           "--save-interval", "5", "--exit-interval", "5"], loss_log=log)
     assert len(first) == 5
-    assert sorted(p.name for p in (ckpt / "iter_0000005" / "offload").iterdir()) == [
+    assert sorted(p.name for p in (ckpt / "iter_0000005" / "offload").glob("*.offload")) == [
         "pp000_tp000_dp000.offload", "pp000_tp000_dp001.offload"]
     resumed = run_pretrain(tmp_path / "b", [*offload_args(tmp_path / "b", tiers=("nvme",), subgroup="2500"),
                                             "--load", str(ckpt)], loss_log=log)

@@ -10,7 +10,7 @@ import re
 from helpers import copy_checkpoint, offload_args
 from launch import REPO, pretrain_command, pretrain_env, run_and_clean_up
 from megatron.training.checkpoint import integrity
-from mlp_offload.checkpoint import TRAILER, read_footer
+from mlp_offload.checkpoint import read_footer, state_file_bytes, stored_codecs
 from tests.unit.test_state_digest import flip_stored_byte
 
 SAVED_AT = 4
@@ -45,9 +45,10 @@ def test_an_untouched_resume_matches_its_save_in_one_line(tmp_path, offload_save
     found = re.fullmatch(rf"> resume check: params and optimizer state of 2 ranks match their save at iteration "
                          rf"{SAVED_AT} \(digest of ([0-9.]+) MB\)", lines[0])
     assert found, lines
-    # What was digested: both ranks' offloaded state (each file's tensors, up to its footer) and their bf16 params.
-    state = sum(p.stat().st_size - TRAILER.size - TRAILER.unpack(p.read_bytes()[-TRAILER.size:])[1]
-                for p in offload_files(ckpt))
+    # What was digested: both ranks' offloaded state (each file's tensors, in it or in its part files) and
+    # their bf16 params.
+    state = sum(state_file_bytes(e["end"] - e["start"], stored_codecs(footer), e.get("blocks"))
+                for footer in map(read_footer, map(str, offload_files(ckpt))) for e in footer["subgroups"])
     params = int(re.search(r"> model parameters \(all stages, one replica\): (\d+)", output).group(1))
     assert abs(float(found.group(1)) - (state + 2 * 2 * params) / 1e6) <= 0.005
 

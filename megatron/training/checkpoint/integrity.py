@@ -2,7 +2,8 @@
 
 A save marks its new ``iter_N/`` with ``SAVE_IN_PROGRESS`` before any data goes in; once every
 rank's files are on disk, rank 0 writes ``COMPLETE.json`` (the size of every file, the CRC32 of
-every small one such as metadata but the offloaded state's, which check themselves, and a CRC32 of itself) by rename, removes the in-progress marker,
+every small one such as metadata but the offloaded state's and its part files, which check themselves, and
+a CRC32 of itself) by rename, removes the in-progress marker,
 and only then updates the tracker. A directory is therefore
 
 - complete: ``COMPLETE.json`` is intact and every file it lists is there with its size (and CRC);
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from mlp_offload import fsync_path
-from mlp_offload.checkpoint import STATE_FILE_SUFFIX
+from mlp_offload.checkpoint import STATE_FILE_SUFFIX, is_part_path
 
 TRACKER = "latest_checkpointed_iteration.txt"
 IN_PROGRESS = "SAVE_IN_PROGRESS"
@@ -70,7 +71,7 @@ def mark_complete(path: str, iteration: int) -> int:
     """Write ``COMPLETE.json`` for what ``path`` holds now; returns the checkpoint's bytes."""
     files = {}
     for rel, size in _files(path):
-        proven = size <= CRC_LIMIT_BYTES and not rel.endswith(STATE_FILE_SUFFIX)
+        proven = size <= CRC_LIMIT_BYTES and not (rel.endswith(STATE_FILE_SUFFIX) or is_part_path(rel))
         crc = _crc_file(os.path.join(path, rel)) if proven else None
         files[rel] = [size, crc]
     body = {"format": 1, "iteration": iteration, "written": time.time(), "files": files}

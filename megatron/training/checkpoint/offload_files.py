@@ -14,7 +14,8 @@ the global tensor's key (layout-free: a pipeline stage's layer 0 is global layer
 its global shape and this rank's offset in it.
 
 The offload facade hands in its shards (``kind``, ``engine``, ``layout``, ``dp_group``); the files
-are written through the engine's face (``save_engine_state``, ``start_background_save``).
+are written through the engine's face (``save_engine_state``, ``start_background_save``), tier files on
+the checkpoint's file system taken by hard link (``mlp_offload.checkpoint.parts``).
 """
 
 from __future__ import annotations
@@ -181,14 +182,14 @@ def offloaded_state_writes(shards, model_chunks, checkpoint_dir: str, digests: O
 def write_offloaded_state(writes: list) -> int:
     """Stream each engine's state into its file (any thread: it touches the engines and the files
     only); returns the bytes written."""
-    return sum(save_engine_state(*write) for write in writes)
+    return sum(save_engine_state(*write, link_tier_files=True) for write in writes)
 
 
 def start_offloaded_save(shards, model_chunks, checkpoint_dir: str, digests: Optional[dict] = None) -> "StateWrites":
     """The same files, written by a thread from a snapshot taken now, once ``start()``ed (--async-save)."""
     digests = digests or {}
     return StateWrites([start_background_save(shard.engine, *_file_and_metadata(shard, model_chunks, checkpoint_dir),
-                                              digests.get(shard.kind)) for shard in shards])
+                                              digests.get(shard.kind), link_tier_files=True) for shard in shards])
 
 
 def offloaded_state_bytes(shards) -> int:
