@@ -32,7 +32,7 @@ from megatron.training.errors import reported_once
 from megatron.training.model.flops import GptShape, flops_per_iteration
 from megatron.training.model import kernels as optional_kernels
 from megatron.training.model.ddp_staging import stage_params_on_host
-from megatron.training.model.host_params import place_params_in_host_memory
+from megatron.training.model.host_params import broadcast_params_through, place_params_in_host_memory
 from megatron.training.offload.options import grads_in_host_memory, layer_major_flags, params_in_host_memory
 from megatron.training.model.layer_major import check_step_schedule, step_schedule
 from megatron.training.model.sdpa_attention import admitted_cuda_kernels
@@ -90,8 +90,10 @@ def build_model(args, config, model_provider: Callable, device) -> List[torch.nn
         _print_rank0(place_params_in_host_memory(chunks, device, grads_in_host_memory(args)))
     elif staged:
         chunks = [chunk.to(device) for chunk in chunks]  # the rest (buffers); params are DDP's device views now
-    for chunk in chunks if not on_host else ():  # (params in host memory: one DP rank, nothing to broadcast)
+    for chunk in chunks if not on_host else ():
         chunk.broadcast_params()  # identical replicas across DP ranks from the start
+    if on_host:
+        broadcast_params_through(chunks, device)
     return chunks
 
 

@@ -93,6 +93,18 @@ def test_training_with_params_in_host_memory_repeats_the_run_with_them_resident(
     assert "of grads there too" in (tmp_path / "grads" / "loss-0.out").read_text()
 
 
+def test_params_in_host_memory_at_two_data_parallel_ranks_repeat_the_run_with_them_resident(tmp_path):
+    """--offload-params host at DP2: each rank updates its shard of the host buffer and the shards are gathered
+    through the device (gather_params_through), the start's broadcast likewise: every iteration's loss and grad
+    norm equal the same run's with the params resident, bit for bit."""
+    flags = [*LAYER_MAJOR_RUN, *offload_args(tmp_path / "state", tiers=("host",)), "--offload-activations", "host",
+             "--global-batch-size", "8"]
+    resident = run_pretrain(tmp_path / "resident", flags, train_iters=3)
+    on_host = run_pretrain(tmp_path / "on_host", [*flags, "--offload-params", "host"], train_iters=3)
+    assert [(r["loss"], r["grad_norm"]) for r in on_host] == [(r["loss"], r["grad_norm"]) for r in resident]
+    assert len(resident) == 3 and resident[0]["loss"] != resident[2]["loss"]
+
+
 def test_params_in_host_memory_save_and_resume_bit_for_bit(tmp_path):
     """--offload-params host and --offload-grads host, state over host and disk: a run saving at 2 and going on
     to 4, and a resume from its save at 2 alone, give iterations 3-4 bit for bit (the params come back into the
@@ -114,7 +126,8 @@ def _validation_lines(run_dir) -> list:
 
 @pytest.mark.parametrize("flags, words, flag", [
     (["--offload-overlap-forward"], "--offload-overlap-forward", "--offload-params host"),
-    (["--tensor-model-parallel-size", "1"], "data-parallel size 1", "--offload-params host"),  # two ranks: DP2
+    (["--offload-grads", "host", "--tensor-model-parallel-size", "1"], "data-parallel size 1",
+     "--offload-grads host"),  # two ranks: DP2
     (["--offload-grads", "host", "--offload-params", "none"], "needs --offload-params host", "--offload-grads host"),
     (["--offload-grads", "host", "--sequence-parallel"], "--sequence-parallel", "--offload-grads host"),
 ])

@@ -68,7 +68,7 @@ def test_host_memory_too_short_to_pin_stops_in_one_line(monkeypatch):
     line = str(caught.value)
     assert "\n" not in line and caught.value.__cause__ is None and caught.value.__suppress_context__
     assert line.startswith("--async-save: pinning 0.01 MB of host memory") and "(CUDA error: out of memory)" in line
-    assert "--offload-host-cache-gb" in line
+    assert "a smaller budget of the host tier" in line
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host memory needs CUDA")

@@ -115,7 +115,7 @@ def reserve_host_copies(model_state: dict, fully_parallel: bool) -> Tuple[int, f
     except RuntimeError as err:
         reason = (str(err).strip().splitlines() or ["no reason given"])[0]
         raise UserError(f"--async-save: pinning {human_bytes(wanted)} of host memory for its copies of the weights "
-                        f"failed ({reason}); give the node's host memory back (a smaller --offload-host-cache-gb) or "
+                        f"failed ({reason}); give the node's host memory back (a smaller budget of the host tier) or "
                         f"save without --async-save") from None
     nbytes = sum(block.numel() * block.element_size() for block in blocks)
     del blocks  # into torch's cache of pinned blocks

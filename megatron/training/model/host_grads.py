@@ -21,10 +21,13 @@ import torch
 DEVICE_GRAD_NORM = "device_grad_norm"  # the attribute a param's norm is left in until the optimizer takes it
 
 
-def host_grads_refusal(params_in_host: bool, config) -> Optional[str]:
+def host_grads_refusal(params_in_host: bool, config, data_parallel: int) -> Optional[str]:
     """Why a run cannot keep its grads in host memory (one line), or None."""
     if not params_in_host:
         return "needs --offload-params host (the grads follow the params' layer slots)"
+    if data_parallel != 1:
+        return (f"data-parallel size 1 only so far (this run: {data_parallel}): the grads would be reduced across "
+                "ranks from the device slots, which is not built")
     if config.fp16:
         return "not with --fp16 (the loss scale's check reads every grad: use --bf16)"
     if config.sequence_parallel and config.tensor_model_parallel_size > 1:

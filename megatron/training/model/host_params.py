@@ -20,15 +20,58 @@ from mlp_offload import GiB
 
 
 
-def host_params_refusal(data_parallel: int, overlap_forward: bool) -> Optional[str]:
+def host_params_refusal(overlap_forward: bool) -> Optional[str]:
     """Why a run cannot keep its params in host memory (one line), or None."""
-    if data_parallel != 1:
-        return (f"data-parallel size 1 only so far (this run: {data_parallel}); the gather of updated "
-                "params across data-parallel ranks reads a device buffer")
     if overlap_forward:
         return ("not with --offload-overlap-forward: a layer's params are copied in before the update under "
                 "the forward has written them")
     return None
+
+
+def placed_in_host_memory(chunk) -> bool:
+    """Whether ``place_params_in_host_memory`` placed this chunk's params (on a CPU run too: its twin)."""
+    return getattr(chunk, "compute_device", None) is not None
+
+
+# Elements of one piece of a gather or broadcast through the device (NCCL moves device memory only).
+STAGING_ELEMENTS = 32 * 2**20
+
+
+def gather_params_through(chunks, device: torch.device) -> None:
+    """DDP's all-gather of the updated params (each data-parallel rank updated its own shard of every bucket)
+    for param buffers in host memory: each bucket's shards piece by piece through one device buffer, into the
+    same places megatron-core's gather fills in a device buffer."""
+    for chunk in chunks:
+        for group in chunk.bucket_groups + chunk.expert_parallel_bucket_groups:
+            size = group.intra_distributed_optimizer_instance_size
+            if size == 1:
+                continue
+            rank = group.intra_distributed_optimizer_instance_rank
+            for bucket in group.buckets:
+                shards = bucket.param_data.view(size, -1)  # (the bucket is padded to a multiple of the size)
+                width = shards.shape[1]
+                piece = max(1, min(width, STAGING_ELEMENTS // size))
+                staging = torch.empty(size * piece, dtype=shards.dtype, device=device)
+                for lo in range(0, width, piece):
+                    hi = min(width, lo + piece)
+                    out = staging[: size * (hi - lo)].view(size, hi - lo)
+                    out[rank].copy_(shards[rank, lo:hi])
+                    torch.distributed.all_gather_into_tensor(out.view(-1), out[rank],
+                                                             group=group.intra_distributed_optimizer_instance_group)
+                    shards[:, lo:hi].copy_(out)
+
+
+def broadcast_params_through(chunks, device: torch.device) -> None:
+    """DDP's broadcast of the params from the first data-parallel rank (``broadcast_params``), for params in
+    host memory: each through the device."""
+    for chunk in chunks:
+        for param in chunk.module.parameters():
+            group = chunk.dp_cp_group if getattr(param, "allreduce", True) else chunk.expt_dp_group
+            if group.size() == 1:
+                continue
+            staged = param.data.to(device)
+            torch.distributed.broadcast(staged, src=torch.distributed.get_global_rank(group, 0), group=group)
+            param.data.copy_(staged)
 
 
 def check_buffers_placed(chunks, device: torch.device, grads_in_host: bool) -> None:

@@ -74,5 +74,5 @@ def streamed_params_refusal(cfg, data_parallel: int, overlap_forward: bool, para
                             grads_in_host: bool = False) -> Optional[str]:
     """What the training refuses in one line for this layout, before it builds the model."""
     return (layer_major_refusal(cfg, cfg.virtual_pipeline_model_parallel_size or 1, cfg.pipeline_model_parallel_size)
-            or host_params_refusal(data_parallel, overlap_forward)
-            or (host_grads_refusal(params_in_host, cfg) if grads_in_host else None))
+            or host_params_refusal(overlap_forward)
+            or (host_grads_refusal(params_in_host, cfg, data_parallel) if grads_in_host else None))
