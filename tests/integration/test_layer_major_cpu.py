@@ -126,6 +126,7 @@ def _validation_lines(run_dir) -> list:
 
 @pytest.mark.parametrize("flags, words, flag", [
     (["--offload-overlap-forward"], "--offload-overlap-forward", "--offload-params host"),
+    (["--async-save", "--save", "ckpt"], "--async-save", "--offload-params host"),
     (["--offload-grads", "host", "--tensor-model-parallel-size", "1"], "data-parallel size 1",
      "--offload-grads host"),  # two ranks: DP2
     (["--offload-grads", "host", "--offload-params", "none"], "needs --offload-params host", "--offload-grads host"),

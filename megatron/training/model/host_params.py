@@ -20,8 +20,11 @@ from mlp_offload import GiB
 
 
 
-def host_params_refusal(overlap_forward: bool) -> Optional[str]:
+def host_params_refusal(overlap_forward: bool, async_save: bool = False) -> Optional[str]:
     """Why a run cannot keep its params in host memory (one line), or None."""
+    if async_save:
+        return ("not with --async-save yet: its writer takes the weights where they lie, and in host memory the "
+                "next updates change them under it (save without --async-save)")
     if overlap_forward:
         return ("not with --offload-overlap-forward: a layer's params are copied in before the update under "
                 "the forward has written them")

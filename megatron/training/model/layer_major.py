@@ -295,7 +295,8 @@ def check_step_schedule(args, config, inputs_in_host: bool, params_in_host: bool
     refusal = layer_major_refusal(config, args.virtual_pipeline_model_parallel_size or 1,
                                   args.pipeline_model_parallel_size)
     if refusal is None and (params_in_host or grads_in_host):
-        refusal = host_params_refusal(bool(getattr(args, "offload_overlap_forward", False)))
+        refusal = host_params_refusal(bool(getattr(args, "offload_overlap_forward", False)),
+                                      bool(getattr(args, "async_save", False)))
     if refusal is None and grads_in_host:
         refusal = host_grads_refusal(params_in_host, config, args.data_parallel_size)
     if refusal is not None:

@@ -224,7 +224,7 @@ def make_plan(args, cfg, machine: Machine, offload_config, measured: MeasuredRat
                 if params_in_host_memory(args) or grads_host else None)
     if streamed is not None:
         refusal = streamed_params_refusal(cfg, dp, bool(getattr(args, "offload_overlap_forward", False)),
-                                          params_in_host_memory(args), grads_host)
+                                          params_in_host_memory(args), grads_host, bool(getattr(args, "async_save", False)))
         if refusal:
             problems.append(f"{GRADS_IN_HOST if grads_host else PARAMS_IN_HOST}: {refusal}")
     gpu = {"parameters": streamed.device_bytes if streamed else per_rank * param_bytes,
