@@ -50,6 +50,11 @@ class GuardedLayers:
     def step_started(self, backward: bool) -> None:
         self.calls.append(("start", backward))
 
+    ddp_grad_sync = True  # the grads stay in DDP's buffer
+
+    def grads_complete(self) -> None:
+        self.calls.append(("grads",))
+
     def step_ended(self) -> None:
         self.calls.append(("end",))
 
@@ -123,7 +128,8 @@ def main(out: str, tp: int, micro_batches: int, precision: str) -> None:
     guard.restore()
     count = len(layers)
     expected_calls = [("start", True)] + [c for i in range(count) for c in (("in", i), ("out", i, False))]
-    expected_calls += [c for i in reversed(range(count)) for c in (("in", i), ("out", i, True))] + [("end",)]
+    expected_calls += [c for i in reversed(range(count)) for c in (("in", i), ("out", i, True))]
+    expected_calls += [("grads",), ("end",)]
     rank = torch.distributed.get_rank()
     result = {
         "streamed_losses": streamed_losses,
