@@ -276,14 +276,14 @@ class OffloadedAdamW:
         self.settle()
         yield from self._state.iter_state()
 
-    def load_state(self, fill: Callable[[Subgroup, torch.Tensor, torch.Tensor, torch.Tensor], None],
-                   steps_done: int, stored: bool = False) -> None:
-        """Replace the whole state: ``fill`` writes each subgroup's three tensors in place, in their
-        stored dtypes (it may copy any dtype in: ``copy_`` converts). A master stored as remainders
-        is given as fp32 and split after (the model's params set from it), or, with ``stored``, as
-        its int16 remainders (the model's params then are the ones saved with them)."""
+    def load_state(self, fill: Callable[[Subgroup, torch.Tensor, torch.Tensor, torch.Tensor], None], steps_done: int,
+                   stored: bool = False, adopt=None, read_adopted=None) -> None:
+        """Replace the whole state: ``fill`` writes each subgroup's three tensors in place, in their stored
+        dtypes (``copy_`` converts any). A master stored as remainders is given as fp32 and split after (the
+        model's params set from it), or, with ``stored``, as its int16 remainders (the model's params then are
+        the ones saved with them). ``adopt``, ``read_adopted``: see ``StateAccess.load_state``."""
         self._quiesce()
-        self._state.load_state(fill, stored)
+        self._state.load_state(fill, stored, adopt, read_adopted)
         self.steps_done = steps_done
         self._pipeline.begin(self._schedule_for(steps_done))
 

@@ -17,6 +17,7 @@ from .snapshot import SnapshotSources, StateSnapshot, TierCopy
 from .subgroups.partition import Subgroup
 
 StateFn = Callable[[Subgroup, torch.Tensor, torch.Tensor, torch.Tensor], None]
+AdoptFn = Callable[[int, Subgroup, object, str], bool]  # (index, subgroup, file tier, key) -> taken
 
 
 class StateAccess:
@@ -38,12 +39,22 @@ class StateAccess:
                 param = self.master.widen(sg.start, sg.end, param)
             yield sg, param, exp_avg, exp_avg_sq
 
-    def load_state(self, fill: StateFn, stored: bool = False) -> None:
+    def load_state(self, fill: StateFn, stored: bool = False, adopt: Optional[AdoptFn] = None,
+                   read_adopted: Optional[Callable[[StateFn], StateFn]] = None) -> None:
         """Replace the whole state: ``fill`` writes each subgroup's three tensors in place (in the
-        stored dtypes; the master as fp32 where it is stored as remainders, unless ``stored``)."""
+        stored dtypes; the master as fp32 where it is stored as remainders, unless ``stored``).
+        ``adopt(i, sg, tier, key)``, asked for each subgroup whose home is a file tier (with the
+        stored master, where it is kept as remainders): True where it has put that subgroup's state
+        into file ``key`` of ``tier`` itself (a checkpoint's part linked in), which is then neither
+        filled nor written. ``read_adopted``: such a subgroup is read back from its tier through
+        ``read_adopted(read)`` (a fill that digests what it is given), else it is not read at all."""
         self.pipeline.flush()
         self.pipeline.forget_buffers()  # the in-memory copies are about to be stale
         for i, sg, views in self._each(fill_missing=False):
+            if adopt is not None and (self.master is None or stored) and self._adopted(i, sg, adopt):
+                if read_adopted is not None:
+                    read_adopted(lambda *_: self.pipeline.fill_from_tier(i, views))(sg, *views.narrow(sg))
+                continue
             param, exp_avg, exp_avg_sq = views.narrow(sg)
             if self.master is None or stored:
                 fill(sg, param, exp_avg, exp_avg_sq)
@@ -54,6 +65,15 @@ class StateAccess:
             if i not in self.resident:
                 self.pipeline.write_now(i, views)
         self.pipeline.all_materialized()
+
+    def _adopted(self, i: int, sg: Subgroup, adopt: AdoptFn) -> bool:
+        name = self.pipeline.tier_of[i]
+        if i in self.resident or name not in self.pipeline.tiers:
+            return False
+        if not adopt(i, sg, self.pipeline.tiers[name], file_key(i)):
+            return False
+        self.pipeline.fresh.discard(i)  # its file is its state: no first materialization
+        return True
 
     def modify_state(self, edit: StateFn) -> None:
         """Stream each subgroup's state through ``edit`` (in place); the result goes back where it lives."""

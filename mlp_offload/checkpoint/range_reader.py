@@ -51,13 +51,17 @@ class RangeReader:
         self._verified: Set[Tuple[int, int]] = set()
         self._direct = DirectReads(path)
         self._parts = PartSources(path)
-        # a part's entry takes no bytes of the file: it sits at the next entry's offset, in element order
-        by_offset = [(e, k) for e in sorted(self.entries, key=lambda e: (e["offset"], e["start"])) for k in range(3)]
-        self._successor = {(e["start"], k): nxt for (e, k), nxt in zip(by_offset, by_offset[1:])}
+        self._successor = _successors(self.entries)
         self._last: Optional[Tuple[int, int]] = None
         self._ahead: Optional[Tuple[Tuple[int, int], Future]] = None
         self._ahead_thread: Optional[ThreadPoolExecutor] = None
         self.read_ahead_used = 0  # stored tensors that came from the read ahead
+
+    def leave_out(self, starts) -> None:
+        """The stored subgroups starting at ``starts`` will not be read (a load links their part files
+        in): the read ahead passes over them."""
+        skipped = set(starts)
+        self._successor = _successors([e for e in self.entries if e["start"] not in skipped])
 
     @property
     def cached_elements(self) -> List[int]:
@@ -278,3 +282,10 @@ class RangeReader:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _successors(entries) -> Dict[Tuple[int, int], Tuple[dict, int]]:
+    """(start, tensor) -> the stored tensor after it in the file, which the read ahead reads next. A
+    part's entry takes no bytes of the file: it sits at the next entry's offset, in element order."""
+    by_offset = [(e, k) for e in sorted(entries, key=lambda e: (e["offset"], e["start"])) for k in range(3)]
+    return {(e["start"], k): nxt for (e, k), nxt in zip(by_offset, by_offset[1:])}

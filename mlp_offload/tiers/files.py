@@ -178,6 +178,23 @@ class FileTier:
         os.link(self.path_of(key), dest)
         self._linked.add(key)
 
+    def link_in(self, key: str, source: str, crcs: List[int], size: int) -> None:
+        """Make file ``source`` (a checkpoint's part on this file system) file ``key`` by hard link,
+        replacing any file of that key, as if written here with block CRCs ``crcs`` and ``size``
+        bytes (reads check them); ``key``'s next write goes to a new file, so ``source`` keeps its
+        bytes. Raises the OSError of a refused link, leaving ``key`` as it was."""
+        path = self.path_of(key)
+        staged = path + ".link"  # renamed over ``key``: a crash leaves the old file or the new one
+        try:
+            os.unlink(staged)
+        except FileNotFoundError:
+            pass
+        os.link(source, staged)
+        os.replace(staged, path)
+        self._crcs[key] = list(crcs)
+        self._sizes[key] = size
+        self._linked.add(key)
+
     def block_crcs(self, key: str) -> List[int]:
         """The CRC32 of each block of file ``key`` as last written (its regions' blocks, in order)."""
         return list(self._crcs[key])
