@@ -31,6 +31,7 @@ other state dtypes (each tensor is widened or rounded to the engine's as it is c
 from __future__ import annotations
 
 import json
+import logging
 import os
 import zlib
 from typing import List, Optional, Tuple
@@ -41,9 +42,11 @@ from ..engine import OffloadedAdamW
 from ..state_formats import codec_for_tag, codecs_for, is_blockwise, state_bytes
 from .file_blocks import FileBlocks, note_moments_change, values_fill
 from .file_format import MAGIC, NAMES, TRAILER, CheckpointDataError
+from .link_in import PartsIntoTiers
 from .parts import check_part
 from .range_reader import RangeReader
 
+log = logging.getLogger("mlp_offload")
 
 
 def state_file_bytes(numel: int, codecs, blocks: Optional[int] = None) -> int:
@@ -200,17 +203,23 @@ def _is_count(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def load_engine_state(engine: OffloadedAdamW, path: str) -> dict:
-    """Fill the engine from ``path`` (CRC-checked before use); returns the saved metadata."""
+def load_engine_state(engine: OffloadedAdamW, path: str, link_parts: bool = True) -> dict:
+    """Fill the engine from ``path`` (CRC-checked before use); returns the saved metadata.
+    ``link_parts``: see ``fill_engine``."""
     with StateFile(path) as saved:
-        fill_engine(engine, saved)
+        fill_engine(engine, saved, link_parts=link_parts)
         return saved.metadata
 
 
-def fill_engine(engine: OffloadedAdamW, saved: StateFile, notice: bool = True, observe=None) -> None:
+def fill_engine(engine: OffloadedAdamW, saved: StateFile, notice: bool = True, observe=None,
+                link_parts: bool = True) -> None:
     """Fill the engine with the whole of an opened state file (the same shard, saved at this layout).
     ``notice``: warn in one line where the moments change format (a caller of many ranks says it once).
-    ``observe``: wraps the fill callback (``digest.StateDigest.observing``: what was written is digested)."""
+    ``observe``: wraps the fill callback (``digest.StateDigest.observing``: what was written is digested).
+    ``link_parts``: part files that are exactly what the engine's file tier would hold for one of its
+    subgroups become that tier's file by hard link (``link_in``), neither read nor written; with
+    ``observe`` they are still read once, from the tier, for the digest (a read, not a read and a write);
+    without, their block CRCs are checked by the tier's first read of them, not by the load."""
     footer, path = saved.footer, saved.path
     if footer["numel"] != engine.numel:
         raise CheckpointDataError(
@@ -250,8 +259,16 @@ def fill_engine(engine: OffloadedAdamW, saved: StateFile, notice: bool = True, o
                 reader.read(k, sg.start, sg.end, out)
 
     callback = fill if as_stored else values_fill(engine, fill)
+    parts = PartsIntoTiers(engine, saved) if link_parts else None
+    if parts is not None:
+        reader.leave_out(e["start"] for e in parts.planned.values())
     engine.load_state(callback if observe is None else observe(callback), steps_done=footer["steps_done"],
-                      stored=saved_remainders)
+                      stored=saved_remainders, adopt=parts.adopt if parts is not None else None,
+                      read_adopted=observe)
+    linked = parts.linked_bytes if parts is not None else 0
+    read = subgroups_file_bytes(engine.subgroups) - linked + (linked if observe is not None else 0)
+    log.info("offloaded state %s: %s linked into the tiers' files, %s read", path, human_bytes(linked),
+             human_bytes(read))
 
 
 def human_bytes(n: float) -> str:
