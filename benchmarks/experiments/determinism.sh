@@ -53,7 +53,7 @@ run() {  # NAME [flags]
   timeout "${RUN_LIMIT:-170}" torchrun --nproc_per_node 1 --master_port "${PORT:-29561}" pretrain_gpt.py $COMMON "$@" \
     --loss-log "$OUT/$name.jsonl" > "$OUT/.run.log" 2>&1
   echo "$name exit $? at $(( SECONDS - T0 )) s"
-  grep -v -i warn "$OUT/.run.log" | grep -E "deterministic|attention:|checkpoint|resume|iteration +[0-9]+/|update split|rror|Killed|> params" \
+  grep -v -i warn "$OUT/.run.log" | grep -E "deterministic|attention:|checkpoint|resume|iteration +[0-9]+/|update split|rror|Killed|> params|offloaded state .*linked" \
     | cut -c1-420 > "$OUT/determinism_$name.log"
   grep -v "iteration  " "$OUT/determinism_$name.log" | cut -c1-300
   source benchmarks/experiments/iteration_lines.sh; iteration_lines "$OUT/determinism_$name.log"
