@@ -32,12 +32,12 @@ from megatron.training.errors import reported_once
 from megatron.training.model.flops import GptShape, flops_per_iteration
 from megatron.training.model import kernels as optional_kernels
 from megatron.training.model.ddp_staging import stage_params_on_host
-from megatron.training.model.host_params import broadcast_params_through, place_params_in_host_memory
+from megatron.training.model.host_params import ddp_with_params_in_host_memory
 from megatron.training.offload.options import grads_in_host_memory, layer_major_flags, params_in_host_memory
 from megatron.training.model.layer_major import check_step_schedule, step_schedule
 from megatron.training.model.sdpa_attention import admitted_cuda_kernels
 from megatron.training.runtime import determinism, fault_injection
-from megatron.training.runtime.core_private import param_buffers_in_host_memory, reset_grad_accumulation
+from megatron.training.runtime.core_private import reset_grad_accumulation
 from mlp_offload import build_cpu_kernel_in_background, tree_bytes
 from megatron.training.runtime.iteration_hooks import IterationHooks
 from megatron.training.data.lr_schedule import build_param_scheduler
@@ -78,22 +78,18 @@ def build_model(args, config, model_provider: Callable, device) -> List[torch.nn
         chunks.append(model_provider(args, config, pre_process=pre, post_process=post, **stage).to(device))
     if args.bf16 or args.fp16:
         chunks = [Float16Module(config, chunk) for chunk in chunks]
-    on_host = params_in_host_memory(args)
-    staged = stage_params_on_host(chunks, ddp_config, for_good=on_host)
+    def ddp(chunk, i: int):  # as upstream: chunks after the first are one bucket each (their reduction overlaps compute)
+        return DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
+    if params_in_host_memory(args):  # DDP's param buffer (and grad buffer) made in host memory; a line says so
+        return ddp_with_params_in_host_memory(chunks, ddp, device, grads_in_host_memory(args))
+    staged = stage_params_on_host(chunks, ddp_config)
     if staged:
         _print_rank0(staged)
-    # As upstream: chunks after the first are one bucket each (their reduction overlaps compute anyway).
-    with param_buffers_in_host_memory(on_host, pin=device.type == "cuda", grads_too=grads_in_host_memory(args)):
-        chunks = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
-                  for i, chunk in enumerate(chunks)]
-    if on_host:
-        _print_rank0(place_params_in_host_memory(chunks, device, grads_in_host_memory(args)))
-    elif staged:
+    chunks = [ddp(chunk, i) for i, chunk in enumerate(chunks)]
+    if staged:
         chunks = [chunk.to(device) for chunk in chunks]  # the rest (buffers); params are DDP's device views now
-    for chunk in chunks if not on_host else ():
+    for chunk in chunks:
         chunk.broadcast_params()  # identical replicas across DP ranks from the start
-    if on_host:
-        broadcast_params_through(chunks, device)
     return chunks
 
 

@@ -11,7 +11,7 @@ import torch
 from mlp_offload import GiB
 
 
-def stage_params_on_host(chunks, ddp_config, for_good: bool = False) -> Optional[str]:
+def stage_params_on_host(chunks, ddp_config) -> Optional[str]:
     """DDP copies the params into a device buffer of its own and allocates the grad buffer beside it before
     the params' own memory goes: the device holds the params about three times over (101.9 B at TP4 on
     H200s: 47 GiB of bf16 params each time, out of memory). Where that would not fit, the params wait in

@@ -18,6 +18,8 @@ from typing import Dict, List, Optional
 
 import torch
 
+from megatron.training.model.device_slots import DeviceSlot, dtype_sizes, largest_sizes
+
 DEVICE_GRAD_NORM = "device_grad_norm"  # the attribute a param's norm is left in until the optimizer takes it
 
 
@@ -37,28 +39,6 @@ def host_grads_refusal(params_in_host: bool, config, data_parallel: int) -> Opti
     return None
 
 
-def _sizes(tensors: List[torch.Tensor]) -> Dict[torch.dtype, int]:
-    sizes: Dict[torch.dtype, int] = {}
-    for t in tensors:
-        sizes[t.dtype] = sizes.get(t.dtype, 0) + t.numel()
-    return sizes
-
-
-class _GradSlot:
-    def __init__(self, sizes: Dict[torch.dtype, int], device: torch.device):
-        self.flat = {dtype: torch.empty(numel, dtype=dtype, device=device) for dtype, numel in sizes.items()}
-        self.copied_out = None  # the copy of its last gradients into host memory (CUDA event)
-
-    def views(self, host: List[torch.Tensor]) -> List[torch.Tensor]:
-        offsets: Dict[torch.dtype, int] = {}
-        views = []
-        for h in host:
-            at = offsets.get(h.dtype, 0)
-            views.append(self.flat[h.dtype][at: at + h.numel()].view(h.shape))
-            offsets[h.dtype] = at + h.numel()
-        return views
-
-
 class HostGrads:
     """The grad side of ``HostParams`` (which calls it): ``collect(group, turn)`` before a group's backward,
     ``hand_out(group, turn)`` once its gradient is complete; ``turn``: which of the two layer slots, or None
@@ -70,17 +50,13 @@ class HostGrads:
         self.host = {g: [p.main_grad for p in params] for g, params in groups.items()}
         self.device = device
         self._stream = stream
-        largest: Dict[torch.dtype, int] = {}
-        for g, grads in self.host.items():
-            if g != rest_group:
-                for dtype, numel in _sizes(grads).items():
-                    largest[dtype] = max(largest.get(dtype, 0), numel)
-        self._turns = [_GradSlot(largest, device), _GradSlot(largest, device)]
-        self._rest = _GradSlot(_sizes(self.host[rest_group]), device)
+        largest = largest_sizes(grads for g, grads in self.host.items() if g != rest_group)
+        self._turns = [DeviceSlot(largest, device), DeviceSlot(largest, device)]
+        self._rest = DeviceSlot(dtype_sizes(self.host[rest_group]), device)
         self.norms: List[torch.Tensor] = []
 
     def device_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for slot in (*self._turns, self._rest) for t in slot.flat.values())
+        return sum(slot.nbytes for slot in (*self._turns, self._rest))
 
     def collect(self, group: int, turn: Optional[int]) -> None:
         slot = self._slot(turn)
@@ -120,5 +96,5 @@ class HostGrads:
             raise RuntimeError(f"--offload-grads host: a gradient is NaN or inf (the {bad + 1}th one handed out "
                                f"this step)")
 
-    def _slot(self, turn: Optional[int]) -> _GradSlot:
+    def _slot(self, turn: Optional[int]) -> DeviceSlot:
         return self._rest if turn is None else self._turns[turn]

@@ -11,11 +11,14 @@ another (the CPU twin of this path).
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, List, Optional
+from typing import Callable, List, Optional
 
 import torch
 
+from megatron.training.model.device_slots import DeviceSlot, dtype_sizes, largest_sizes
 from megatron.training.model.host_grads import HostGrads
+from megatron.training.runtime.core_private import param_buffers_in_host_memory
+from megatron.training.runtime.progress import print_rank0
 from mlp_offload import GiB
 
 
@@ -32,7 +35,7 @@ def host_params_refusal(overlap_forward: bool, async_save: bool = False) -> Opti
 
 
 def placed_in_host_memory(chunk) -> bool:
-    """Whether ``place_params_in_host_memory`` placed this chunk's params (on a CPU run too: its twin)."""
+    """Whether ``ddp_with_params_in_host_memory`` placed this chunk's params (on a CPU run too: its twin)."""
     return getattr(chunk, "compute_device", None) is not None
 
 
@@ -97,33 +100,6 @@ def move_all_but_params(module: torch.nn.Module, device: torch.device) -> None:
             setattr(sub, name, value.to(device))
 
 
-class _Slot:
-    """Device memory for one group of params: a flat tensor per dtype, the copy into it and its last use
-    (CUDA events; None on a CPU run, where copies are done when they return)."""
-
-    def __init__(self, sizes: Dict[torch.dtype, int], device: torch.device):
-        self.flat = {dtype: torch.empty(numel, dtype=dtype, device=device) for dtype, numel in sizes.items()}
-        self.holds: Optional[int] = None  # the group whose params it holds now (this step)
-        self.copied = None
-        self.released = None
-
-    def views(self, params: List[torch.nn.Parameter]) -> List[torch.Tensor]:
-        offsets: Dict[torch.dtype, int] = {}
-        views = []
-        for p in params:
-            at = offsets.get(p.dtype, 0)
-            views.append(self.flat[p.dtype][at: at + p.numel()].view(p.shape))
-            offsets[p.dtype] = at + p.numel()
-        return views
-
-
-def _sizes(params: List[torch.nn.Parameter]) -> Dict[torch.dtype, int]:
-    sizes: Dict[torch.dtype, int] = {}
-    for p in params:
-        sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
-    return sizes
-
-
 def _into_main_grad(param: torch.nn.Parameter) -> None:
     """DDP's backward hook, again: a param whose data moved to another device gets a new gradient
     accumulator from autograd, without the hook DDP put on the old one. Whichever of the two runs first
@@ -157,12 +133,9 @@ class HostParams:
         self.host = {index: [p.data for p in params] for index, params in self.groups.items()}
         self.device = device
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        largest: Dict[torch.dtype, int] = {}
-        for params in layers:
-            for dtype, numel in _sizes(params).items():
-                largest[dtype] = max(largest.get(dtype, 0), numel)
-        self._turns = [_Slot(largest, device), _Slot(largest, device)]
-        self._rest = _Slot(_sizes(rest), device)
+        largest = largest_sizes(layers)
+        self._turns = [DeviceSlot(largest, device), DeviceSlot(largest, device)]
+        self._rest = DeviceSlot(dtype_sizes(rest), device)
         self._order: List[int] = []
         self._at = 0
         self.copies = 0  # groups copied in, for tests and the log
@@ -184,7 +157,7 @@ class HostParams:
         return cls(layers, [p for p in chunk.parameters() if id(p) not in inside], device, grads_in_host)
 
     def device_bytes(self) -> int:
-        slots = sum(t.numel() * t.element_size() for slot in (*self._turns, self._rest) for t in slot.flat.values())
+        slots = sum(slot.nbytes for slot in (*self._turns, self._rest))
         return slots + (self.grads.device_bytes() if self.grads is not None else 0)
 
     # -- the layer-major step's calls ---------------------------------------------------------------
@@ -234,56 +207,66 @@ class HostParams:
             self._stream.synchronize()  # no copy still reads the host params the update is about to write
 
     # -- slots ------------------------------------------------------------------------------------------
-    def _slot_of(self, layer: int) -> Optional[_Slot]:
+    def _slot_of(self, layer: int) -> Optional[DeviceSlot]:
         return next((slot for slot in self._turns if slot.holds == layer), None)
 
-    def _free_slot(self, keep: int) -> _Slot:
+    def _free_slot(self, keep: int) -> DeviceSlot:
         return next(slot for slot in self._turns if slot.holds != keep)
 
-    def _fill(self, slot: _Slot, group: int) -> None:
+    def _fill(self, slot: DeviceSlot, group: int) -> None:
         with self._side_stream(slot):
             for view, host in zip(slot.views(self.groups[group]), self.host[group]):
                 view.copy_(host, non_blocking=self._stream is not None)
             if self._stream is not None:
-                slot.copied = torch.cuda.Event()
-                slot.copied.record(self._stream)
+                slot.copied_in = torch.cuda.Event()
+                slot.copied_in.record(self._stream)
         slot.holds = group
         self.copies += 1
 
-    def _use(self, slot: _Slot, group: int) -> None:
-        if slot.copied is not None:
-            torch.cuda.current_stream(self.device).wait_event(slot.copied)
+    def _use(self, slot: DeviceSlot, group: int) -> None:
+        if slot.copied_in is not None:
+            torch.cuda.current_stream(self.device).wait_event(slot.copied_in)
         for param, view in zip(self.groups[group], slot.views(self.groups[group])):
             param.data = view
 
-    def _put_back(self, slot: _Slot, group: int) -> None:
+    def _put_back(self, slot: DeviceSlot, group: int) -> None:
         for param, host in zip(self.groups[group], self.host[group]):
             param.data = host
         if self._stream is not None:
-            slot.released = torch.cuda.Event()
-            slot.released.record(torch.cuda.current_stream(self.device))
+            slot.used = torch.cuda.Event()
+            slot.used.record(torch.cuda.current_stream(self.device))
 
-    def _side_stream(self, slot: _Slot):
+    def _side_stream(self, slot: DeviceSlot):
         if self._stream is None:
             return contextlib.nullcontext()
-        if slot.released is not None:
-            self._stream.wait_event(slot.released)  # the compute that read the slot last is done
+        if slot.used is not None:
+            self._stream.wait_event(slot.used)  # the compute that read the slot last is done
         return torch.cuda.stream(self._stream)
 
 
-def place_params_in_host_memory(chunks, device: torch.device, grads_in_host: bool = False) -> str:
-    """After DDP built its buffers under ``param_buffers_in_host_memory``: the rest of each chunk to the
-    device, each chunk told where it computes (``compute_device``: its buffers no longer say), and the
-    start-up line saying where the params (and grads) are."""
+def ddp_with_params_in_host_memory(chunks, ddp: Callable, device: torch.device, grads_in_host: bool):
+    """Each chunk wrapped by ``ddp(chunk, index)`` with DDP's param buffer (and with ``grads_in_host`` its grad
+    buffer) in host memory, the params the first data-parallel rank's (broadcast through the device); the rest
+    of each chunk on the device, each chunk told where it computes (``compute_device``: its buffers no longer
+    say). Rank 0 prints the start-up line saying where the params (and grads) are."""
+    on_cuda = any(p.is_cuda for chunk in chunks for p in chunk.parameters())
+    for chunk in chunks:
+        chunk.cpu()  # DDP copies them into its buffer: in host memory they never take the device's
+    if on_cuda:
+        torch.cuda.empty_cache()
+    with param_buffers_in_host_memory(pin=device.type == "cuda", grads_too=grads_in_host):
+        chunks = [ddp(chunk, i) for i, chunk in enumerate(chunks)]
     check_buffers_placed(chunks, device, grads_in_host)
     for chunk in chunks:
         move_all_but_params(chunk, device)
         chunk.compute_device = device
+    broadcast_params_through(chunks, device)
     buffers = [b for chunk in chunks for b in chunk.buffers + chunk.expert_parallel_buffers]
     params = sum(b.param_data.numel() * b.param_data.element_size() for b in buffers)
     grads = sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers)
     pinned = device.type == "cuda" and all(b.param_data.is_pinned() for b in buffers)
     where = f"{'pinned ' if pinned else ''}host memory"
     grads_line = (f", {grads / GiB:.2f} GiB of grads there too (--offload-grads host)" if grads_in_host else "")
-    return (f"> params: {params / GiB:.2f} GiB in {where} (--offload-params host){grads_line}; the GPU holds two "
-            f"layers' and the embedding's and output layer's while a step runs")
+    print_rank0(f"> params: {params / GiB:.2f} GiB in {where} (--offload-params host){grads_line}; the GPU holds two "
+                f"layers' and the embedding's and output layer's while a step runs")
+    return chunks

@@ -157,9 +157,8 @@ class OffloadShard:
                 found_inf = found_inf or not bool(torch.isfinite(grad).all())
             if param_is_not_shared(param) and tensor_parallel.param_is_not_tensor_parallel_duplicate(param, tp_group):
                 # --offload-grads host: the norm taken on the device before the grad left it (host_grads)
-                norm = getattr(param, DEVICE_GRAD_NORM, None) if inv_scale is None else None
-                norms.append(norm if norm is not None else torch.norm(grad).reshape(1))
-                setattr(param, DEVICE_GRAD_NORM, None)
+                norm = vars(param).pop(DEVICE_GRAD_NORM, None)
+                norms.append(norm if norm is not None and inv_scale is None else torch.norm(grad).reshape(1))
         return norms, found_inf
 
     def zero_grads(self) -> None:

@@ -81,15 +81,12 @@ def install_timer(timers, name: str, timer, log_level: int) -> None:
 
 
 @contextlib.contextmanager
-def param_buffers_in_host_memory(active: bool, pin: bool, grads_too: bool = False):
+def param_buffers_in_host_memory(pin: bool, grads_too: bool = False):
     """While DDP builds its buffers: each param buffer in host memory (pinned where ``pin``), and with
     ``grads_too`` each grad buffer (--offload-params host, --offload-grads host); else where megatron-core puts
     it. Why private: DDP allocates both on the current device and takes no argument for where; 0.16.1 allocates
     a buffer's params first, then its grads, each with ``torch.zeros`` in ``_ParamAndGradBuffer.__init__``, so
     those calls are the ones moved (``model.host_params.check_buffers_placed`` checks the result)."""
-    if not active:
-        yield
-        return
     module = param_and_grad_buffer
     buffer_class, real_init, real_torch = module._ParamAndGradBuffer, module._ParamAndGradBuffer.__init__, module.torch
     to_host: list = []  # of the coming torch.zeros calls, in order: whether each goes to host memory
