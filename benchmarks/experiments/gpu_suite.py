@@ -34,6 +34,7 @@ import concurrent.futures
 import importlib.util
 import json
 import os
+import re
 import random
 import shutil
 import socket
@@ -191,6 +192,7 @@ def run_case(case: Case) -> None:
     bad = [r for r in runs if r["code"] != 0 and not r["name"].endswith("_killed")]
     if bad:
         case.detail = f"{bad[0]['name']} exited {bad[0]['code']}: {tail(bad[0])}"
+        (OUT / f"failed_{bad[0]['name']}.log").write_text(bad[0]["output"])  # the whole log comes back
         return
     case.whole, case.resumed = whole["records"], runs[-1]["records"]
     case.resume_line = lines_of(runs[-1], "resuming", "loaded checkpoint", "removed incomplete", "resume check")
@@ -208,8 +210,12 @@ def only_iteration(ckpt: Path, iteration: int, into: Path) -> Path:
 
 
 def tail(result: dict) -> str:
+    """The failure's own words: the first error line a rank printed (torchrun's summary comes last and says
+    only that a rank failed), else the last lines."""
     lines = [ln for ln in result["output"].splitlines() if ln.strip() and "Warn" not in ln]
-    return " / ".join(lines[-4:])[-500:]
+    errors = [ln.strip() for ln in lines if re.search(r"(Error|Exception)\b.*:|^error:|> error", ln)
+              and "elastic/errors" not in ln and "ChildFailedError" not in ln]
+    return " / ".join(errors[:2] or lines[-4:])[-500:]
 
 
 def judge(case: Case, ref: List[dict]) -> None:
@@ -282,7 +288,8 @@ def part1_cases() -> List[Case]:
         Case("params_host", "gpu,host,nvme", rng.choice(list(UPDATES)), rng.choice(list(MASTERS)),
              f"{LAYER_MAJOR} --offload-params host --offload-activations host", must_log="in pinned host memory"),
         # the grads in host memory too: each layer's summed in a device slot during its backward
-        Case("params_grads_host", "gpu,host,nvme", rng.choice(list(UPDATES)), rng.choice(list(MASTERS)),
+        # (remainders: a load then gathers the params set from the masters, through the device here)
+        Case("params_grads_host", "gpu,host,nvme", rng.choice(list(UPDATES)), "remainders",
              f"{LAYER_MAJOR} --offload-params host --offload-grads host", must_log="of grads there too"),
         # killed as the head's gradient of step 2's second micro-batch arrives, before any layer's backward
         Case("kill_params_host_in_backward", "gpu,host,nvme", rng.choice(list(UPDATES)), rng.choice(list(MASTERS)),

@@ -21,6 +21,7 @@ from megatron.core.optimizer import ChainedOptimizer, MegatronOptimizer
 from megatron.training.checkpoint.crossing import fill_distributed_optimizer, load_into_engine, saved_small_objects
 from megatron.training.checkpoint.load_plan import FROM_DISTRIBUTED, FROM_OFFLOADED, SAME_FORM, LoadPlan
 from megatron.training.checkpoint.offloaded_state import SavedOffloadState
+from megatron.training.model.host_params import gather_params
 from megatron.training.runtime.progress import MemoryGrowth, print_rank0, slowest_rank
 from mlp_offload.checkpoint import Quantized, fill_engine, is_blockwise, moments_change
 
@@ -210,5 +211,4 @@ def gather_model_params(shards, model) -> None:
     master set this rank's shard of the model's params from it (half-away rounding); every rank
     gets them."""
     if any(shard.engine.config.param_remainders for shard in shards):
-        for chunk in model:
-            chunk.start_param_sync(force_sync=True)
+        gather_params(model, force_sync=True)

@@ -67,6 +67,16 @@ def gather_params_through(chunks, device: torch.device) -> None:
                     shards[:, lo:hi].copy_(out)
 
 
+def gather_params(chunks, force_sync: bool = False) -> None:
+    """DDP's all-gather of the params each data-parallel rank updated: megatron-core's own for params on the
+    device; through the device for params in host memory (NCCL gathers device memory only, even at size 1)."""
+    if placed_in_host_memory(chunks[0]):
+        gather_params_through(chunks, chunks[0].compute_device)
+    else:
+        for chunk in chunks:
+            chunk.start_param_sync(force_sync=force_sync)  # dense and expert buckets both
+
+
 def broadcast_params_through(chunks, device: torch.device) -> None:
     """DDP's broadcast of the params from the first data-parallel rank (``broadcast_params``), for params in
     host memory: each through the device."""

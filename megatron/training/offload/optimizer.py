@@ -26,7 +26,7 @@ from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 
 from megatron.training.errors import UserError
-from megatron.training.model.host_params import gather_params_through, placed_in_host_memory
+from megatron.training.model.host_params import gather_params, placed_in_host_memory
 from megatron.training.offload import tier_growth
 from megatron.training.offload.overlap_choice import OverlapChoice
 from megatron.training.offload.shard import OffloadShard, ShardGroups
@@ -153,13 +153,11 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
                 # The allocator's cached blocks back to the driver: NCCL allocates outside it, lazily, and can
                 # find nothing left after the tier grew (tier_growth.py)
                 torch.cuda.empty_cache()
-        if placed_in_host_memory(self.model_chunks[0]):  # NCCL gathers device memory only: through a device buffer
-            gather_params_through(self.model_chunks, self.device)
-        elif not self.ddp_config.overlap_param_gather and not self.overlap_forward:
+        if placed_in_host_memory(self.model_chunks[0]) or (
+                not self.ddp_config.overlap_param_gather and not self.overlap_forward):
             # (with the overlap: at data-parallel size 1 each rank's params are its own already; above it
             # megatron-core's forward hooks gather each bucket once the gate saw its update done)
-            for chunk in self.model_chunks:
-                chunk.start_param_sync()  # dense and expert buckets both
+            gather_params(self.model_chunks)
         return True, grad_norm, None  # no zeros counted (--log-num-zeros-in-grad is megatron-core's)
 
     def _after_deferred_step(self, record, settles: bool) -> None:
