@@ -87,6 +87,8 @@ def same(a, b, its=None):
     its = [i for i in (its or sorted(runs[a])) if i in runs[b]]
     return bool(its) and all(runs[a][i] == runs[b][i] for i in its), its
 for a, b in (("D1", "D2"), ("D1", "DR"), ("N1", "N2"), ("D1", "N1"), ("S1", "L1"), ("L1", "P1"), ("L1", "P2")):
+    if not (runs[a] and runs[b]):
+        continue  # one of the pair not run (RUNS)
     ok, its = same(a, b)
     print(f"{a} vs {b} over iterations {its}: {'bit-identical (loss, lr, grad norm)' if ok else 'DIFFER'}")
 PY
