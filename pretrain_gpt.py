@@ -92,8 +92,10 @@ def loss_func(loss_mask, output_tensor):
 
 
 def forward_step(data_iterator, model):
+    from megatron.training.runtime.progress import model_device
+
     batch = next(data_iterator)
-    device = next(model.parameters()).device
+    device = model_device([model])  # (with --offload-params host a later stage's first param is in host memory)
     tokens = batch["tokens"].to(device)
     labels = batch["labels"].to(device)
     output = model(tokens, batch["position_ids"].to(device), None, labels=labels)

@@ -3,8 +3,8 @@ GPT, by megatron-core's schedule and by the layer-major step (params resident; a
 layer is released, its inputs kept in host memory), from the same params and batches; writes whether the
 losses and every gradient buffer agree bit for bit to OUT/rank<N>.json.
 
-    python layer_major_ranks.py OUT TP MICRO_BATCHES PRECISION   (each rank of a gloo launch on the CPU;
-                                                                 PRECISION: bf16, or fp32 for no --bf16)
+    python layer_major_ranks.py OUT TP MICRO_BATCHES PRECISION [PP]   (each rank of a gloo launch on the CPU;
+                                                          PRECISION: bf16, or fp32 for no --bf16; PP: stages)
 LAYER_MAJOR_DEVICE=cuda runs it on GPUs (deterministic kernels: --deterministic-mode in LAYER_MAJOR_FLAGS)."""
 
 import json
@@ -76,7 +76,7 @@ class GuardedLayers:
             self.bring_in(index)
 
 
-def main(out: str, tp: int, micro_batches: int, precision: str) -> None:
+def main(out: str, tp: int, micro_batches: int, precision: str, pp: int = 1) -> None:
     device = join(DEVICE)
     from megatron.core import parallel_state
     from megatron.core.distributed import finalize_model_grads
@@ -89,19 +89,19 @@ def main(out: str, tp: int, micro_batches: int, precision: str) -> None:
     from megatron.training.training import build_model
 
     args = parse_args([
-        "--num-layers", "3", "--hidden-size", "32", "--num-attention-heads", "4", "--group-query-attention",
+        "--num-layers", str(3 if pp == 1 else 2 * pp), "--hidden-size", "32", "--num-attention-heads", "4", "--group-query-attention",
         "--num-query-groups", "2", "--ffn-hidden-size", "64", "--seq-length", str(SEQ),
         "--max-position-embeddings", str(SEQ), "--swiglu", "--normalization", "RMSNorm",
         "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
         "--hidden-dropout", "0", "--attention-dropout", "0", "--transformer-impl", "local",
         "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
-        "--tensor-model-parallel-size", str(tp), "--micro-batch-size", "1",
+        "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp), "--micro-batch-size", "1",
         "--global-batch-size", str(micro_batches), "--train-iters", "1", "--lr", "1e-3", "--mock-data",
         "--device", DEVICE, "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB),
         "--padded-vocab-size", str(VOCAB), *(["--bf16"] if precision == "bf16" else []),
         *os.environ.get("LAYER_MAJOR_FLAGS", "").split()])  # more flags, last wins
     args.device_resolved = DEVICE
-    parallel_state.initialize_model_parallel(tp, 1)
+    parallel_state.initialize_model_parallel(tp, pp)
     model_parallel_cuda_manual_seed(1234)
     config = transformer_config(args)
     steps = pretrain_gpt()
@@ -146,4 +146,4 @@ def main(out: str, tp: int, micro_batches: int, precision: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], *map(int, sys.argv[5:6]))

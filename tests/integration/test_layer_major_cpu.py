@@ -14,15 +14,20 @@ from launch import REPO, launch_command, pretrain_env, run_and_clean_up, run_pre
 RANKS = REPO / "tests" / "integration" / "layer_major_ranks.py"
 
 
-@pytest.mark.parametrize("ranks, tp, micro_batches, precision", [(1, 1, 3, "fp32"), (2, 2, 4, "bf16"), (2, 1, 3, "fp32")],
-                         ids=["tp1-3mb-fp32", "tp2-4mb-bf16", "dp2-3mb-fp32"])
-def test_layer_major_step_equals_megatron_cores_schedule(tmp_path, ranks, tp, micro_batches, precision):
-    cmd = launch_command([str(tmp_path), str(tp), str(micro_batches), precision], ranks, warm=True, script=RANKS)
+@pytest.mark.parametrize("ranks, tp, micro_batches, precision, pp",
+                         [(1, 1, 3, "fp32", 1), (2, 2, 4, "bf16", 1), (2, 1, 3, "fp32", 1), (2, 1, 3, "fp32", 2),
+                          (4, 2, 2, "bf16", 2)],
+                         ids=["tp1-3mb-fp32", "tp2-4mb-bf16", "dp2-3mb-fp32", "pp2-3mb-fp32", "tp2pp2-2mb-bf16"])
+def test_layer_major_step_equals_megatron_cores_schedule(tmp_path, ranks, tp, micro_batches, precision, pp):
+    """With pp 2 the reference is megatron-core's 1F1B pipeline schedule; the losses are the last stage's."""
+    cmd = launch_command([str(tmp_path), str(tp), str(micro_batches), precision, str(pp)], ranks, warm=True,
+                         script=RANKS)
     code, output = run_and_clean_up(cmd, pretrain_env(), 240, tmp_path / "out.txt")
     assert code == 0, output[-4000:]
+    last_stage = range(ranks - ranks // pp, ranks)  # megatron-core's rank order: tp, then dp, then pp
     for rank in range(ranks):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert len(result["losses"]) == micro_batches
+        assert len(result["losses"]) == (micro_batches if rank in last_stage else 0), result
         assert result["losses"] == result["reference_losses"], result
         assert result["nonzero_grads"] > result["grad_elements"] // 2, result  # a real backward reached them
         assert result["grads_equal"], result
@@ -39,13 +44,13 @@ def test_configurations_it_cannot_run_are_refused_in_one_line():
 
     good = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
                 hidden_dropout=0.0, attention_dropout=0.0, fp8=None)
-    assert layer_major_refusal(SimpleNamespace(**good), 1, 1) is None
+    assert layer_major_refusal(SimpleNamespace(**good), 1) is None
     for change, words in ((dict(recompute_granularity="selective"), "--recompute-granularity full"),
                           (dict(recompute_num_layers=2), "--recompute-num-layers 1"),
                           (dict(hidden_dropout=0.1), "--hidden-dropout 0.1"), (dict(fp8="e4m3"), "fp8")):
-        line = layer_major_refusal(SimpleNamespace(**{**good, **change}), 1, 1)
+        line = layer_major_refusal(SimpleNamespace(**{**good, **change}), 1)
         assert words in line and "\n" not in line
-    assert "one pipeline stage" in layer_major_refusal(SimpleNamespace(**good), 1, 2)
+    assert "one model chunk per pipeline stage (2" in layer_major_refusal(SimpleNamespace(**good), 2)
 
 
 LAYER_MAJOR_RUN = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
@@ -103,6 +108,24 @@ def test_params_in_host_memory_at_two_data_parallel_ranks_repeat_the_run_with_th
     on_host = run_pretrain(tmp_path / "on_host", [*flags, "--offload-params", "host"], train_iters=3)
     assert [(r["loss"], r["grad_norm"]) for r in on_host] == [(r["loss"], r["grad_norm"]) for r in resident]
     assert len(resident) == 3 and resident[0]["loss"] != resident[2]["loss"]
+
+
+def test_two_pipeline_stages_layer_major_repeat_megatron_cores_pipeline_schedule(tmp_path):
+    """PP2 (two ranks, three micro-batches): megatron-core's 1F1B schedule with full recompute, the layer-major
+    step with the layer inputs in host memory, and with the params (and then the grads) there too: every
+    iteration's loss and grad norm bit for bit, and the evaluation's forward-only steps likewise."""
+    flags = [*LAYER_MAJOR_RUN, *offload_args(tmp_path / "state", tiers=("host",)), "--pipeline-model-parallel-size",
+             "2", "--num-layers", "4", "--global-batch-size", "6", "--eval-interval", "2", "--eval-iters", "1"]
+    runs = {"schedule": [], "inputs": ["--offload-activations", "host"],
+            "params": ["--offload-activations", "host", "--offload-params", "host"],
+            "grads": ["--offload-params", "host", "--offload-grads", "host"]}
+    results = {name: run_pretrain(tmp_path / name, [*flags, *extra], train_iters=3) for name, extra in runs.items()}
+    reference = [(r["loss"], r["grad_norm"]) for r in results["schedule"]]
+    assert len(reference) == 3 and reference[0][0] != reference[-1][0]  # it trained
+    for name in ("inputs", "params", "grads"):
+        assert [(r["loss"], r["grad_norm"]) for r in results[name]] == reference, name
+    validation = [_validation_lines(tmp_path / name) for name in runs]
+    assert len(validation[0]) == 1 and all(v == validation[0] for v in validation), validation
 
 
 def test_params_in_host_memory_save_and_resume_bit_for_bit(tmp_path):

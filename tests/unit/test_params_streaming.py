@@ -106,3 +106,16 @@ def test_the_recommendation_tries_params_in_host_memory_and_picks_the_faster(too
     assert "params in host memory" not in chosen["candidate"]  # resident fits and is faster here
     fastest_in_host = max((r["tokens_per_s"] for r in in_host if r["fits"]), default=0)
     assert chosen["tokens_per_s"] >= fastest_in_host
+
+
+def test_layer_major_pipeline_stages_are_priced_one_after_the_other(tool):
+    """At PP2 the layer-major step (--offload-activations host) runs stage 0's forward before stage 1's, and the
+    backwards likewise: the step's compute is both stages' (2x a stage's), where megatron-core's 1F1B over 8
+    micro-batches pays 1 + 1/8."""
+    two = (RUN_20B.replace("--gpus-per-node 1", "--gpus-per-node 2")
+           .replace("--global-batch-size 1", "--global-batch-size 8") + " --pipeline-model-parallel-size 2")
+    code, pipelined = run(tool, f"--gpu-tflops {H200_TFLOPS} {two}")
+    code_lm, layer_major = run(tool, f"--gpu-tflops {H200_TFLOPS} {two} --offload-activations host")
+    assert code == code_lm == 0
+    assert layer_major["predicted_compute_s"] == pytest.approx(pipelined["predicted_compute_s"] * 2 / (1 + 1 / 8),
+                                                               rel=1e-9)

@@ -278,5 +278,5 @@ def ddp_with_params_in_host_memory(chunks, ddp: Callable, device: torch.device, 
     where = f"{'pinned ' if pinned else ''}host memory"
     grads_line = (f", {grads / GiB:.2f} GiB of grads there too (--offload-grads host)" if grads_in_host else "")
     print_rank0(f"> params: {params / GiB:.2f} GiB in {where} (--offload-params host){grads_line}; the GPU holds two "
-                f"layers' and the embedding's and output layer's while a step runs")
+                f"layers' and those outside the layers (embedding, output layer) while a step runs (rank 0's figures)")
     return chunks

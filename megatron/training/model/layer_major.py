@@ -17,7 +17,13 @@ once for the forward over every micro-batch, once for the backward) and when its
 ``KeptInputs`` holds each layer's inputs between its forward and its recompute (``HostKeptInputs``: in host
 memory, prefetched a layer ahead). Resident params and inputs kept in place are today's megatron-core.
 
-Limits, each refused in one line by ``layer_major_refusal``: one pipeline stage and one model chunk,
+With pipeline stages (one model chunk each), each stage runs its layers layer-major over every micro-batch,
+then sends the micro-batches' outputs on (megatron-core's ``P2PCommunicator``); the backward comes back the same
+way, last stage first. Each (layer, micro-batch) operation and each gradient's sum over micro-batches 1..G is
+the one megatron-core's 1F1B schedule does; a stage waits for the one before it (GPipe's order), where 1F1B
+overlaps them.
+
+Limits, each refused in one line by ``layer_major_refusal``: one model chunk per stage (no virtual pipeline),
 full recompute of single layers, dropout 0 (its RNG would be drawn in another order), no fp8. With the
 embedding tied to the output layer, the shared weight's two gradients reach its fp32 ``main_grad`` one by
 one (the output layer's in the head, the embedding's at the end), where megatron-core's single backward
@@ -32,11 +38,12 @@ from typing import Callable, Dict, List, Optional, Protocol
 
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func, schedules
-from megatron.core.utils import get_model_config, get_model_type
+from megatron.core.utils import get_attr_wrapped_model, get_model_config, get_model_type
 
 from megatron.training.errors import UserError
 from megatron.training.model.host_grads import host_grads_refusal
 from megatron.training.model.host_params import HostParams, decoder_of, host_params_refusal
+from megatron.training.model.pipeline_stage import PipelineStage
 
 
 class _BlockInputCaptured(Exception):
@@ -51,10 +58,11 @@ class _MicroBatch:
     hidden: Optional[torch.Tensor] = None  # the current layer's input (forward) or output gradient (backward)
 
 
-def layer_major_refusal(config, num_model_chunks: int, pipeline_size: int) -> Optional[str]:
+def layer_major_refusal(config, num_model_chunks: int) -> Optional[str]:
     """Why this configuration cannot run layer-major (one line), or None."""
-    if pipeline_size != 1 or num_model_chunks != 1:
-        return f"layer-major steps need one pipeline stage and one model chunk (pipeline size {pipeline_size})"
+    if num_model_chunks != 1:
+        return (f"layer-major steps need one model chunk per pipeline stage ({num_model_chunks}: "
+                "--num-layers-per-virtual-pipeline-stage or --num-virtual-stages-per-pipeline-rank)")
     if config.recompute_granularity != "full" or config.recompute_method != "uniform" \
             or config.recompute_num_layers != 1:
         return ("layer-major steps recompute each layer in the backward: they need --recompute-granularity full "
@@ -183,34 +191,53 @@ class LayerMajorStep:
         self.kept_inputs_factory = kept_inputs_factory
 
     def __call__(self, *, forward_step_func: Callable, data_iterator, model: list, num_microbatches: int,
-                 forward_only: bool = False, **_unused) -> List[dict]:
+                 forward_only: bool = False, seq_length: Optional[int] = None, micro_batch_size: Optional[int] = None,
+                 decoder_seq_length: Optional[int] = None, **_unused) -> List[dict]:
         chunk = model[0]
         config = get_model_config(chunk)
-        refusal = layer_major_refusal(config, len(model), 1)
+        refusal = layer_major_refusal(config, len(model))
         if refusal is not None:
             raise ValueError(refusal)
+        stage = PipelineStage(config, seq_length, micro_batch_size, decoder_seq_length)
         iterator = data_iterator[0] if isinstance(data_iterator, list) else data_iterator
         block = decoder_of(chunk)
-        micro = [_MicroBatch(next(iterator)) for _ in range(num_microbatches)]
+        # (a middle pipeline stage may have no data: its forward_step_func is handed None)
+        micro = [_MicroBatch(next(iterator) if iterator is not None else None) for _ in range(num_microbatches)]
         self.residency.step_started(backward=not forward_only)
         try:
             with torch.no_grad() if forward_only else contextlib.nullcontext():
-                return self._step(forward_step_func, chunk, config, block, micro, forward_only)
+                return self._step(forward_step_func, chunk, config, block, micro, forward_only, stage)
         finally:
             self.residency.step_ended()
 
-    def _step(self, forward_step_func, chunk, config, block, micro: List[_MicroBatch], forward_only: bool):
-        for mb in micro:  # the embedding, with its graph kept for the backward's end
+    def _step(self, forward_step_func, chunk, config, block, micro: List[_MicroBatch], forward_only: bool,
+              stage: PipelineStage):
+        for mb in micro:  # the embedding (with its graph kept for the backward's end), or the stage before's output
+            received = None if stage.first else stage.receive_forward()
+            _set_input_tensor(chunk, received)  # (the model's forward takes its sequence length from it)
             mb.block_input, mb.layer_kwargs = _block_input(forward_step_func, chunk, block, mb.batch)
+            if not stage.first:
+                mb.block_input = received
             mb.hidden = mb.block_input.detach()
         kept = self._forward_layers(block, micro, NoKeptInputs() if forward_only else self.kept_inputs_factory())
-        reported, total_tokens = self._head(forward_step_func, chunk, config, micro, backward=not forward_only)
+        if stage.last:
+            reported, total_tokens = self._head(forward_step_func, chunk, config, micro, not forward_only, stage.first)
+        else:
+            reported, total_tokens = [], torch.zeros([], dtype=torch.int, device=micro[0].hidden.device)
+            for mb in micro:
+                stage.send_forward(mb.hidden)
         if forward_only:
             return reported
+        if not stage.last:
+            for mb in micro:
+                mb.hidden = stage.receive_backward()
         self._backward_layers(block, micro, kept, config)
-        for m, mb in enumerate(micro):  # the embedding's backward
-            with _sync_unless(m == len(micro) - 1, config):
-                torch.autograd.backward(mb.block_input, mb.hidden)
+        for m, mb in enumerate(micro):  # the embedding's backward, or the input's gradient to the stage before
+            if stage.first:
+                with _sync_unless(m == len(micro) - 1, config):
+                    torch.autograd.backward(mb.block_input, mb.hidden)
+            else:
+                stage.send_backward(mb.hidden)
         self.residency.grads_complete()
         if config.finalize_model_grads_func is not None:
             with contextlib.nullcontext() if self.residency.ddp_grad_sync else _no_grad_sync(chunk):
@@ -228,9 +255,11 @@ class LayerMajorStep:
         return kept
 
     @staticmethod
-    def _head(forward_step_func, chunk, config, micro: List[_MicroBatch], backward: bool):
+    def _head(forward_step_func, chunk, config, micro: List[_MicroBatch], backward: bool, first_stage: bool):
         """Final norm, output layer and loss per micro-batch, through megatron-core's own forward_step and
-        backward_step (their loss scaling); each micro-batch's gradient into the block's output."""
+        backward_step (their loss scaling); each micro-batch's gradient into the block's output. (A later
+        stage's model is handed the block's output as its input tensor: its forward sizes the rotary
+        embedding by it.)"""
         block = decoder_of(chunk)
         reported: list = []
         total_tokens = torch.zeros([], dtype=torch.int, device=micro[0].hidden.device)
@@ -239,7 +268,8 @@ class LayerMajorStep:
             with _sync_unless(m == len(micro) - 1, config), \
                     _stand_in(block, lambda *a, **k: _final_norm(block, block_output)):
                 output, tokens = schedules.forward_step(
-                    forward_step_func, iter([mb.batch]), chunk, len(micro), None, reported, config, 1,
+                    forward_step_func, iter([mb.batch]), chunk, len(micro), None if first_stage else block_output,
+                    reported, config, 1,
                     is_first_microbatch=m == 0, current_microbatch=m)
                 total_tokens += tokens
                 if backward:
@@ -292,8 +322,7 @@ def check_step_schedule(args, config, inputs_in_host: bool, params_in_host: bool
     inputs in host memory): one line naming it, before the model is built."""
     if not params_in_host and not inputs_in_host and not grads_in_host:
         return
-    refusal = layer_major_refusal(config, args.virtual_pipeline_model_parallel_size or 1,
-                                  args.pipeline_model_parallel_size)
+    refusal = layer_major_refusal(config, args.virtual_pipeline_model_parallel_size or 1)
     if refusal is None and (params_in_host or grads_in_host):
         refusal = host_params_refusal(bool(getattr(args, "offload_overlap_forward", False)),
                                       bool(getattr(args, "async_save", False)))
@@ -320,6 +349,12 @@ def _block_input(forward_step_func, chunk, block, batch):
                                                          "padding_mask")}
     layer_kwargs["inference_context"] = None
     return captured["hidden"], layer_kwargs
+
+
+def _set_input_tensor(chunk, tensor: Optional[torch.Tensor]) -> None:
+    """What megatron-core's schedule hands a later pipeline stage's model before its forward."""
+    if tensor is not None:
+        get_attr_wrapped_model(chunk, "set_input_tensor")([tensor])
 
 
 def _final_norm(block, hidden: torch.Tensor) -> torch.Tensor:

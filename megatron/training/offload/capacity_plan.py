@@ -35,7 +35,7 @@ from megatron.training.offload.shard_budgets import check_host_split, config_for
 from megatron.training.offload.plan_types import Machine, Plan
 from megatron.training.errors import UserError
 from megatron.training.offload.options import (GPU_CACHE_FLAG, GRADS_IN_HOST, PARAMS_IN_HOST, grads_in_host_memory,
-                                               in_flags, params_in_host_memory)
+                                               in_flags, layer_major_flags, params_in_host_memory)
 from megatron.training.offload.params_streaming import (streamed_compute_seconds, streamed_params,
                                                         streamed_params_refusal, update_copy_seconds)
 
@@ -293,11 +293,14 @@ def make_plan(args, cfg, machine: Machine, offload_config, measured: MeasuredRat
     shape = GptShape.from_config(cfg, args.seq_length, args.padded_vocab_size)
 
     link = machine.device_rates.link_bps / 2 if machine.device_rates else None  # one direction
+    asked = layer_major_flags(args)
+    layer_major = asked["inputs_in_host"] or asked["params_in_host"] or asked["grads_in_host"]
 
     def compute_seconds(global_batch: int) -> float:
         m = global_batch // (args.micro_batch_size * dp)
-        # 1F1B: the pipeline fills and drains once per step; V chunks per rank make that V times shorter
-        bubble = 1 + (pp - 1) / (max(m, 1) * (vp or 1))
+        # 1F1B: the pipeline fills and drains once per step; V chunks per rank make that V times shorter. The
+        # layer-major step runs its stages one after the other (GPipe's order without its overlap).
+        bubble = pp if layer_major else 1 + (pp - 1) / (max(m, 1) * (vp or 1))
         seconds = flops_per_iteration(shape, global_batch) / machine.world / (machine.gpu_tflops * 1e12) * bubble
         return streamed_compute_seconds(seconds, streamed, link) if streamed and link else seconds
 
