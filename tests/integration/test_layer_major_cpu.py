@@ -101,12 +101,17 @@ def test_training_with_params_in_host_memory_repeats_the_run_with_them_resident(
 def test_params_in_host_memory_at_two_data_parallel_ranks_repeat_the_run_with_them_resident(tmp_path):
     """--offload-params host at DP2: each rank updates its shard of the host buffer and the shards are gathered
     through the device (gather_params_through), the start's broadcast likewise: every iteration's loss and grad
-    norm equal the same run's with the params resident, bit for bit."""
+    norm equal the same run's with the params resident, bit for bit. With --offload-grads host too, each layer's
+    gradient slot is scaled and summed over the two ranks as DDP's reduce-scatter sums the bucket, and each rank's
+    norm taken over its shard's part: the same bits again."""
     flags = [*LAYER_MAJOR_RUN, *offload_args(tmp_path / "state", tiers=("host",)), "--offload-activations", "host",
              "--global-batch-size", "8"]
     resident = run_pretrain(tmp_path / "resident", flags, train_iters=3)
     on_host = run_pretrain(tmp_path / "on_host", [*flags, "--offload-params", "host"], train_iters=3)
     assert [(r["loss"], r["grad_norm"]) for r in on_host] == [(r["loss"], r["grad_norm"]) for r in resident]
+    grads = run_pretrain(tmp_path / "grads", [*flags, "--offload-params", "host", "--offload-grads", "host"],
+                         train_iters=3)
+    assert [(r["loss"], r["grad_norm"]) for r in grads] == [(r["loss"], r["grad_norm"]) for r in resident]
     assert len(resident) == 3 and resident[0]["loss"] != resident[2]["loss"]
 
 
@@ -150,13 +155,15 @@ def _validation_lines(run_dir) -> list:
 @pytest.mark.parametrize("flags, words, flag", [
     (["--offload-overlap-forward"], "--offload-overlap-forward", "--offload-params host"),
     (["--async-save", "--save", "ckpt"], "--async-save", "--offload-params host"),
-    (["--offload-grads", "host", "--tensor-model-parallel-size", "1"], "data-parallel size 1",
-     "--offload-grads host"),  # two ranks: DP2
+    (["--offload-grads", "host", "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2",
+      "--num-layers", "4"], "--untie-embeddings-and-output-weights", "--offload-grads host"),  # tied (below)
     (["--offload-grads", "host", "--offload-params", "none"], "needs --offload-params host", "--offload-grads host"),
     (["--offload-grads", "host", "--sequence-parallel"], "--sequence-parallel", "--offload-grads host"),
 ])
 def test_params_in_host_memory_refuse_what_they_cannot_run_in_one_line(tmp_path, flags, words, flag):
     base = [*LAYER_MAJOR_RUN, *offload_args(tmp_path / "state", tiers=("host",)), "--offload-params", "host"]
+    if "--pipeline-model-parallel-size" in flags:  # the embedding tied to the output layer on the other stage
+        base.remove("--untie-embeddings-and-output-weights")
     if "--tensor-model-parallel-size" not in flags:
         base += ["--tensor-model-parallel-size", "2"]
     output = run_pretrain(tmp_path, [*base, *flags], train_iters=1, expect_success=False)[0]["output"]

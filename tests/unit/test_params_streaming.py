@@ -85,16 +85,19 @@ def test_70b_on_one_gpu_fits_only_with_the_grads_in_host_memory_too(tool):
     assert both["host_bytes_per_node"]["host_grads"] == both["host_bytes_per_node"]["host_params"]
 
 
-def test_grads_in_host_memory_at_two_data_parallel_ranks_do_not_fit_in_one_line(tool):
-    """Params in host memory are gathered across data-parallel ranks through the device; grads are not reduced
-    from their device slots yet."""
+def test_grads_in_host_memory_fit_at_two_data_parallel_ranks_and_refuse_a_weight_tied_across_stages(tool):
+    """Params in host memory are gathered across data-parallel ranks through the device, and grads reduced from
+    their device slots; the embedding's weight tied to the output layer on another pipeline stage is refused (its
+    two stages' gradients would be summed in host memory)."""
     two = RUN_20B.replace("--gpus-per-node 1", "--gpus-per-node 2").replace("--global-batch-size 1",
                                                                             "--global-batch-size 2")
-    code, params = run(tool, f"--gpu-tflops {H200_TFLOPS} {two} --offload-params host")
-    assert not any(p.startswith("--offload-params host") for p in params["problems"]), params["problems"]
     code, got = run(tool, f"--gpu-tflops {H200_TFLOPS} {two} --offload-params host --offload-grads host")
+    assert not any(p.startswith("--offload-") for p in got["problems"]), got["problems"]
+    tied = two.replace("--untie-embeddings-and-output-weights", "") + " --pipeline-model-parallel-size 2"
+    code, got = run(tool, f"--gpu-tflops {H200_TFLOPS} {tied} --offload-params host --offload-grads host")
     assert not got["fits"]
-    assert any(p.startswith("--offload-grads host: data-parallel size 1") for p in got["problems"]), got["problems"]
+    assert any(p.startswith("--offload-grads host: not with the embedding tied") for p in got["problems"]), \
+        got["problems"]
 
 
 def test_the_recommendation_tries_params_in_host_memory_and_picks_the_faster(tool):

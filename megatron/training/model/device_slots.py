@@ -39,6 +39,10 @@ class DeviceSlot:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.flat.values())
 
+    def filled(self, like: List[torch.Tensor]) -> List[torch.Tensor]:
+        """The part of each dtype's flat tensor that ``views(like)`` covers."""
+        return [self.flat[dtype][:numel] for dtype, numel in dtype_sizes(like).items()]
+
     def views(self, like: List[torch.Tensor]) -> List[torch.Tensor]:
         """A view of the slot for each tensor of ``like`` (its shape and dtype), in order."""
         offsets: Dict[torch.dtype, int] = {}

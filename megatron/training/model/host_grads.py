@@ -5,16 +5,20 @@ goes into the host buffer over the side stream (a copy, which leaves the same bi
 hold), and ``main_grad`` points there again. The params outside the layers keep a slot of their own from the
 step's start until its gradients are complete.
 
-Each param's gradient norm is taken from its slot before it leaves (``DEVICE_GRAD_NORM``, read by the
-optimizer's clip instead of the host copy: the same kernel on the same bits as with the grads resident).
-DDP's own gradient sync is left out (one data-parallel rank: nothing to reduce; its collective cannot take host
-memory), so the check for NaN it does runs here instead, on those norms.
+Before it leaves, the slot goes through what DDP's gradient sync does to the buffer (``GradReduction``): scaled by
+the bucket's factor and summed (or averaged) over the data-parallel group, on the device (NCCL reduces no host
+memory). DDP reduce-scatters whole buckets; this all-reduces each layer's slot: the same sum of the same two
+values at data-parallel size 2, and above it the same up to the order of the sum. Each param's gradient norm over
+the elements this rank's shard updates is taken there too (``DEVICE_GRAD_NORM``, read by the optimizer's clip
+instead of the host copy: the same kernel on the same bits as with the grads resident). DDP's own sync is left
+out (its collective cannot take host memory), so the check for NaN it does runs here instead, on those norms.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, List, Optional
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -23,13 +27,14 @@ from megatron.training.model.device_slots import DeviceSlot, dtype_sizes, larges
 DEVICE_GRAD_NORM = "device_grad_norm"  # the attribute a param's norm is left in until the optimizer takes it
 
 
-def host_grads_refusal(params_in_host: bool, config, data_parallel: int) -> Optional[str]:
-    """Why a run cannot keep its grads in host memory (one line), or None."""
+def host_grads_refusal(params_in_host: bool, config, tied_across_stages: bool = False) -> Optional[str]:
+    """Why a run cannot keep its grads in host memory (one line), or None. ``tied_across_stages``: the embedding
+    and output layer share a weight on two pipeline stages (its grads are summed across them by a collective)."""
     if not params_in_host:
         return "needs --offload-params host (the grads follow the params' layer slots)"
-    if data_parallel != 1:
-        return (f"data-parallel size 1 only so far (this run: {data_parallel}): the grads would be reduced across "
-                "ranks from the device slots, which is not built")
+    if tied_across_stages:
+        return ("not with the embedding tied to the output layer across pipeline stages (their gradients are summed "
+                "between the stages in host memory): add --untie-embeddings-and-output-weights")
     if config.fp16:
         return "not with --fp16 (the loss scale's check reads every grad: use --bf16)"
     if config.sequence_parallel and config.tensor_model_parallel_size > 1:
@@ -39,14 +44,79 @@ def host_grads_refusal(params_in_host: bool, config, data_parallel: int) -> Opti
     return None
 
 
+def tied_across_stages(args) -> bool:
+    """Whether the embedding and the output layer share a weight that lives on two pipeline stages."""
+    return args.pipeline_model_parallel_size > 1 and not args.untie_embeddings_and_output_weights
+
+
+@dataclass
+class GradReduction:
+    """What DDP's gradient sync does to each param's gradient, for its device slot: scaled by its bucket's factor,
+    reduced with ``op`` over ``group`` (None: one rank), and the flattened elements [lo, hi) this rank's shard
+    updates (whose norm the clip takes). Params it does not name: factor 1, whole, one rank (a test's)."""
+
+    factor: Dict[int, float] = field(default_factory=dict)
+    owned: Dict[int, Tuple[int, int]] = field(default_factory=dict)
+    group: Optional[object] = None
+    op: object = None
+
+    @classmethod
+    def of_chunk(cls, chunk) -> "GradReduction":
+        """From a DDP chunk's buffers and bucket groups (megatron-core's own factors, groups and shards)."""
+        reduction = cls()
+        groups = set()
+        sharded = chunk.ddp_config.use_distributed_optimizer
+        if sharded and chunk.ddp_config.num_distributed_optimizer_instances > 1:
+            raise ValueError("--offload-grads host: one distributed-optimizer instance only")
+        for bucket_group in chunk.bucket_groups + chunk.expert_parallel_bucket_groups:
+            if sharded:  # reduce-scattered: each rank's shard of every bucket
+                group = bucket_group.intra_distributed_optimizer_instance_group
+                size, rank = bucket_group.intra_distributed_optimizer_instance_size, group.rank()
+            else:  # all-reduced: every rank holds the whole
+                group, size, rank = bucket_group.data_parallel_group, 1, 0
+            groups.add(group if group.size() > 1 else None)
+            for bucket in bucket_group.buckets:
+                shard = bucket.grad_data.numel() // size
+                lo, hi = bucket.offset + rank * shard, bucket.offset + (rank + 1) * shard
+                index_map = next(b.param_index_map for b in chunk.buffers + chunk.expert_parallel_buffers
+                                 if bucket in b.buckets)
+                for param in bucket.params:
+                    start, end, _ = index_map[param]
+                    first, last = max(start, lo), min(end, hi)
+                    reduction.owned[id(param)] = (first - start, last - start) if first < last else (0, 0)
+                    reduction.factor[id(param)] = bucket.gradient_scaling_factor
+        if len(groups) > 1:  # expert params: another group (MoE is refused with the grads in host memory)
+            raise ValueError("--offload-grads host: params reduced over more than one data-parallel group")
+        reduction.group = groups.pop() if groups else None
+        average = chunk.ddp_config.average_in_collective
+        reduction.op = torch.distributed.ReduceOp.AVG if average else torch.distributed.ReduceOp.SUM
+        return reduction
+
+    def reduce(self, params: List[torch.nn.Parameter], views: List[torch.Tensor], filled: List[torch.Tensor]) -> None:
+        """DDP's scaling of ``params``' gradients in ``views``, then their sum over the group, in one collective per
+        dtype over ``filled`` (the slot's part the views cover)."""
+        for param, view in zip(params, views):
+            factor = self.factor.get(id(param), 1.0)
+            if factor != 1.0:
+                view.mul_(factor)
+        if self.group is not None:
+            for flat in filled:
+                torch.distributed.all_reduce(flat, op=self.op, group=self.group)
+
+    def owned_part(self, param: torch.nn.Parameter, view: torch.Tensor) -> torch.Tensor:
+        lo, hi = self.owned.get(id(param), (0, view.numel()))
+        return view.reshape(-1)[lo:hi]
+
+
 class HostGrads:
     """The grad side of ``HostParams`` (which calls it): ``collect(group, turn)`` before a group's backward,
     ``hand_out(group, turn)`` once its gradient is complete; ``turn``: which of the two layer slots, or None
     for the rest's own."""
 
     def __init__(self, groups: Dict[int, List[torch.nn.Parameter]], rest_group: int, device: torch.device,
-                 stream: Optional["torch.cuda.Stream"]):
+                 stream: Optional["torch.cuda.Stream"], reduction: Optional[GradReduction] = None):
         self.groups = groups
+        self.reduction = reduction or GradReduction()
         self.host = {g: [p.main_grad for p in params] for g, params in groups.items()}
         self.device = device
         self._stream = stream
@@ -69,8 +139,9 @@ class HostGrads:
     def hand_out(self, group: int, turn: Optional[int]) -> None:
         slot = self._slot(turn)
         views = slot.views(self.host[group])
+        self.reduction.reduce(self.groups[group], views, slot.filled(self.host[group]))
         for param, view in zip(self.groups[group], views):
-            norm = torch.norm(view.float()).reshape(1)
+            norm = torch.norm(self.reduction.owned_part(param, view).float()).reshape(1)
             setattr(param, DEVICE_GRAD_NORM, norm)
             self.norms.append(norm)
         if self._stream is not None:

@@ -16,7 +16,7 @@ from typing import Callable, List, Optional
 import torch
 
 from megatron.training.model.device_slots import DeviceSlot, dtype_sizes, largest_sizes
-from megatron.training.model.host_grads import HostGrads
+from megatron.training.model.host_grads import GradReduction, HostGrads
 from megatron.training.runtime.core_private import param_buffers_in_host_memory
 from megatron.training.runtime.progress import print_rank0
 from mlp_offload import GiB
@@ -137,7 +137,7 @@ class HostParams:
     ``step_started`` to ``step_ended``. A slot's copy waits for the compute that last used the slot."""
 
     def __init__(self, layers: List[List[torch.nn.Parameter]], rest: List[torch.nn.Parameter], device: torch.device,
-                 grads_in_host: bool = False):
+                 grads_in_host: bool = False, reduction: Optional[GradReduction] = None):
         self.groups = {index: params for index, params in enumerate(layers)}
         self.groups[REST] = rest
         self.host = {index: [p.data for p in params] for index, params in self.groups.items()}
@@ -153,18 +153,19 @@ class HostParams:
             for param in params:
                 param.register_post_accumulate_grad_hook(_into_main_grad)
         # --offload-grads host: each group's main_grad in a device slot during its backward (host_grads)
-        self.grads = HostGrads(self.groups, REST, device, self._stream) if grads_in_host else None
+        self.grads = HostGrads(self.groups, REST, device, self._stream, reduction) if grads_in_host else None
 
     @property
     def ddp_grad_sync(self) -> bool:
-        """Whether DDP's gradient sync runs after the step: not on grads in host memory (one data-parallel rank)."""
+        """Whether DDP's gradient sync runs after the step: not on grads in host memory (reduced from their slots)."""
         return self.grads is None
 
     @classmethod
     def of_chunk(cls, chunk, device: torch.device, grads_in_host: bool = False) -> "HostParams":
         layers = [list(layer.parameters()) for layer in decoder_of(chunk).layers]
         inside = {id(p) for params in layers for p in params}
-        return cls(layers, [p for p in chunk.parameters() if id(p) not in inside], device, grads_in_host)
+        return cls(layers, [p for p in chunk.parameters() if id(p) not in inside], device, grads_in_host,
+                   GradReduction.of_chunk(chunk) if grads_in_host else None)
 
     def device_bytes(self) -> int:
         slots = sum(slot.nbytes for slot in (*self._turns, self._rest))

@@ -41,7 +41,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func, schedules
 from megatron.core.utils import get_attr_wrapped_model, get_model_config, get_model_type
 
 from megatron.training.errors import UserError
-from megatron.training.model.host_grads import host_grads_refusal
+from megatron.training.model.host_grads import host_grads_refusal, tied_across_stages
 from megatron.training.model.host_params import HostParams, decoder_of, host_params_refusal
 from megatron.training.model.pipeline_stage import PipelineStage
 
@@ -327,7 +327,7 @@ def check_step_schedule(args, config, inputs_in_host: bool, params_in_host: bool
         refusal = host_params_refusal(bool(getattr(args, "offload_overlap_forward", False)),
                                       bool(getattr(args, "async_save", False)))
     if refusal is None and grads_in_host:
-        refusal = host_grads_refusal(params_in_host, config, args.data_parallel_size)
+        refusal = host_grads_refusal(params_in_host, config, tied_across_stages(args))
     if refusal is not None:
         raise UserError(f"{asked_by}: {refusal}")
 

@@ -70,9 +70,9 @@ def update_copy_seconds(streamed: StreamedParams, link_bytes_per_s: float, devic
     return device_share * (trips * streamed.host_bytes + streamed.grad_host_bytes) / link_bytes_per_s
 
 
-def streamed_params_refusal(cfg, data_parallel: int, overlap_forward: bool, params_in_host: bool = True,
+def streamed_params_refusal(cfg, tied_across_stages: bool, overlap_forward: bool, params_in_host: bool = True,
                             grads_in_host: bool = False, async_save: bool = False) -> Optional[str]:
     """What the training refuses in one line for this layout, before it builds the model."""
     return (layer_major_refusal(cfg, cfg.virtual_pipeline_model_parallel_size or 1)
             or host_params_refusal(overlap_forward, async_save)
-            or (host_grads_refusal(params_in_host, cfg, data_parallel) if grads_in_host else None))
+            or (host_grads_refusal(params_in_host, cfg, tied_across_stages) if grads_in_host else None))
