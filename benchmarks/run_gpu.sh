@@ -5,9 +5,9 @@
 # From the repo root on the GPU machine, with the wheels (megatron-core; deepspeed and its deps for the
 # peers in .whl/peers/, installed by peer_env.sh alone) carried in .whl/ (the device tool's carry list:
 # [".whl"], plus ".deb" for the peers' libaio and what an experiment's header names). Results go to $OUT
-# (default /tmp/out). Getting them, where pip and apt reach an index: `pip download` (README of the device
-# tool) for megatron-core; `DS_BUILD_OPS=0 pip wheel --no-deps deepspeed==0.19.8 -w .whl/peers` and its
-# dependencies' cp312 wheels; `apt-get download libaio1 libaio-dev` in .deb/.
+# (default /tmp/out). Getting them, where pip and apt reach an index: `bash tools/fetch_device_wheels.sh`
+# fills .whl/ (megatron-core), .whl/peers/ (deepspeed built with DS_BUILD_OPS=0, its dependencies' cp312
+# wheels) and .deb/ (libaio), skipping what is there, and prints the size to carry.
 set -u
 cd "$(dirname "$0")/.."
 if [ $# -lt 1 ]; then
