@@ -24,6 +24,7 @@ if ls "$_repo"/.whl/peers/*.whl >/dev/null 2>&1 && [ ! -f /tmp/site/.peers_insta
         && touch /tmp/site/.peers_installed || return 1
 fi
 export PYTHONPATH=/tmp/site:$_repo${PYTHONPATH:+:$PYTHONPATH}
+export PATH=/tmp/site/bin:$PATH  # the carried ninja, which torch's JIT build of DeepSpeed's ops calls by name
 export TORCH_CUDA_ARCH_LIST=9.0 DS_BUILD_OPS=0 PYTHONUNBUFFERED=1
 if [ -n "$_aio_lib" ]; then
     echo "setup_gpu_peer: wheels in /tmp/site, libaio in $_aio_lib ($(ls "$_aio_lib" | tr '\n' ' '))"
