@@ -24,7 +24,8 @@ promoted after iteration 1) across a save; 8-bit moments (fp8) saved and resumed
 megatron-core's losses: it has no such format without transformer-engine); the unit tests that run on CUDA. Launches run PAR at a
 time on the one GPU (each is small).
 Part 2 (two GPUs): data-parallel resharding with the gpu tier (DP2 saves, DP1 loads and saves at
-once, DP2 loads that and must continue as the uninterrupted DP2 run) and MoE at EP2 saved and resumed.
+once, DP2 loads that and must continue as the uninterrupted DP2 run), MoE at EP2 saved and resumed, and params
+and grads in host memory at DP2 and over two pipeline stages (the layer-major step), saved and resumed.
 DRY_RUN=1: the same cases with tiny shapes on the CPU (the gpu tier's stand-in), two at a time.
 """
 
@@ -311,7 +312,15 @@ def resume_check_matched(line: str) -> bool:
 def part2_cases() -> List[Case]:
     moe = ("--num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2 --expert-model-parallel-size 2"
            " --moe-token-dispatcher-type alltoall")
-    return [Case("moe_ep2", "gpu,host,nvme", "device-model-buffers", "fp32", moe, nproc=2, reference="fp32_moe")]
+    streamed = f"{LAYER_MAJOR} --offload-params host --offload-grads host"
+    return [Case("moe_ep2", "gpu,host,nvme", "device-model-buffers", "fp32", moe, nproc=2, reference="fp32_moe"),
+            # params and grads in host memory at DP2: each layer's grad slot summed over the ranks on the GPUs
+            Case("params_grads_host_dp2", "gpu,host,nvme", "device-model-buffers", "fp32", streamed, nproc=2,
+                 reference="fp32_dp2", must_log="of grads there too"),
+            # the layer-major step over two pipeline stages, params and grads in host memory (reference: 1F1B)
+            Case("params_grads_host_pp2", "gpu,host,nvme", "split", "fp32",
+                 f"{streamed} --pipeline-model-parallel-size 2", nproc=2, reference="fp32_pp2",
+                 must_log="of grads there too")]
 
 
 def unit_tests() -> dict:
@@ -392,7 +401,8 @@ def main() -> int:
         else:
             cases = part2_cases()
             refs = {"fp32_dp2": pool.submit(reference, "fp32_dp2", 2),
-                    "fp32_moe": pool.submit(reference, "fp32_moe", 2, cases[0].extra)}
+                    "fp32_moe": pool.submit(reference, "fp32_moe", 2, cases[0].extra),
+                    "fp32_pp2": pool.submit(reference, "fp32_pp2", 2, "--pipeline-model-parallel-size 2")}
             reshard = pool.submit(dp_reshard)
             list(pool.map(run_case, cases))
             cases.append(reshard.result())
