@@ -79,6 +79,8 @@ def parse_args(argv=None):
                    help="host memory to treat as available in the fit checks (default: MemAvailable now)")
     p.add_argument("--subgroup-size", type=float, default=1e8)
     p.add_argument("--io-threads", type=int, default=8)
+    p.add_argument("--peer-offload-param", choices=["none", "cpu"], default="none",
+                   help="DeepSpeed (d, e): ZeRO-Infinity's offload_param too, the bf16 params in pinned CPU memory")
     p.add_argument("--ours-flags", default="",
                    help="extra pretrain_gpt.py flags for our systems, e.g. bf16 moments or a gpu tier "
                         "('--use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16')")
@@ -150,7 +152,8 @@ def peer_command(args, system: str, logs: dict) -> list:
             "--micro-batch", str(args.micro_batch), "--global-batch", str(args.global_batch),
             "--iters", str(args.iters), "--lr", "3e-4", "--weight-decay", "0.1", "--seed", "1234",
             "--sub-group-size", str(args.subgroup_size), "--offload", "nvme" if system == "d" else "cpu",
-            "--nvme-path", os.path.join(args.disk_dir, "deepspeed"), "--log-file", logs["peer"]]
+            "--nvme-path", os.path.join(args.disk_dir, "deepspeed"), "--log-file", logs["peer"],
+            "--offload-param", args.peer_offload_param]
 
 
 # ----------------------------------------------------------------------------- fit checks
@@ -222,6 +225,8 @@ def does_not_fit(args, system: str, res: dict):
     }[system]
     if system == "c":  # the shm share is host memory too
         need = (need[0] + ours, need[1], need[2])
+    if system in "de" and args.peer_offload_param == "cpu":  # the bf16 params leave the GPU for pinned host memory
+        need = (need[0] + 2 * n, need[1], need[2] / 2)
     if need[0] > host:
         return f"host memory: needs ~{need[0]:.0f} GB, {host:.0f} GB available"
     if need[1] > disk:

@@ -47,6 +47,8 @@ def parse_args(argv=None):
     p.add_argument("--clip-grad", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--offload", choices=["nvme", "cpu"], default="nvme")
+    p.add_argument("--offload-param", choices=["none", "cpu"], default="none",
+                   help="ZeRO-Infinity's offload_param: the bf16 params in pinned CPU memory between uses")
     p.add_argument("--nvme-path", default="/var/tmp/offload/ds")
     p.add_argument("--buffer-count", type=int, default=16, help="4 trips an assertion with pipelining")
     p.add_argument("--sub-group-size", type=float, default=1e8)
@@ -64,7 +66,8 @@ def parse_args(argv=None):
 
 
 def ds_config(args) -> dict:
-    """The DeepSpeed config: ZeRO-3, bf16, AdamW, optimizer state on NVMe (or pinned CPU memory)."""
+    """The DeepSpeed config: ZeRO-3, bf16, AdamW, optimizer state on NVMe (or pinned CPU memory), the params in
+    pinned CPU memory with --offload-param cpu."""
     if args.offload == "nvme":
         offload = {"device": "nvme", "nvme_path": args.nvme_path, "pin_memory": True,
                    "buffer_count": args.buffer_count, "pipeline_read": True, "pipeline_write": True}
@@ -82,6 +85,7 @@ def ds_config(args) -> dict:
             "stage": 3,
             "sub_group_size": int(args.sub_group_size),
             "offload_optimizer": offload,
+            **({"offload_param": {"device": "cpu", "pin_memory": True}} if args.offload_param == "cpu" else {}),
             "contiguous_gradients": True,
             "overlap_comm": True,
         },
@@ -130,6 +134,7 @@ def dry_run(args, shape, config) -> None:
     parsed = DeepSpeedConfig(config)
     zero = parsed.zero_config
     print(f"DeepSpeedConfig accepted: stage {zero.stage}, offload_optimizer {zero.offload_optimizer}, "
+          f"offload_param {zero.offload_param}, "
           f"aio {parsed.aio_config}, bf16 {parsed.bfloat16_config.enabled}, train_batch {parsed.train_batch_size}", flush=True)
     model = LlamaForCausalLM(llama_config(shape))
     n = count_params(model)
@@ -208,7 +213,8 @@ def main(argv=None) -> None:
     config = ds_config(args)
     log = open(args.log_file, "w") if args.log_file and args.rank == 0 else None
     if args.rank == 0:
-        print(f"model {shape.as_dict()} | offload_optimizer {args.offload} | world size {args.world_size}",
+        print(f"model {shape.as_dict()} | offload_optimizer {args.offload} | offload_param {args.offload_param} | "
+              f"world size {args.world_size}",
               flush=True)
     if args.dry_run:
         dry_run(args, shape, config)
