@@ -63,9 +63,12 @@ def test_the_plan_keeps_two_layers_on_the_gpu_and_every_param_in_host_memory(too
     assert streamed["predicted_iteration_s"] > resident["predicted_iteration_s"]  # at gb 1 the copies show
 
 
-def test_70b_on_one_gpu_fits_only_with_the_grads_in_host_memory_too(tool):
-    """69 B (80 layers, hidden 8192) on one GPU beside 503 GiB of host memory: the bf16 grads alone overflow
-    the GPU with the params in host memory; with the grads there too, two layers' of each stay on the GPU."""
+def test_70b_on_one_gpu_fits_only_with_grads_and_layer_inputs_in_host_memory_too(tool):
+    """69 B (80 layers, hidden 8192) on one GPU beside 503 GiB of host memory, global batch 64: the bf16 grads alone
+    overflow the GPU with the params in host memory; with the grads there too, the layer-major step's inputs of 80
+    layers x 64 micro-batches (2 s h bytes each: 160 GiB) do; with them in host memory as well it fits, two layers'
+    params and grads and two layers' inputs on the GPU, those 160 GiB beside the params, grads and state in host
+    memory."""
     shape = ("--gpus-per-node 1 --gpu-memory-gb 140.4 --host-memory-gb 503 --offload-nvme-capacity-gb 200 "
              "--offload-bandwidths nvme=1.7:1.6 --num-layers 80 --hidden-size 8192 --ffn-hidden-size 28672 "
              "--num-attention-heads 64 --group-query-attention --num-query-groups 8 --seq-length 2048 "
@@ -74,15 +77,21 @@ def test_70b_on_one_gpu_fits_only_with_the_grads_in_host_memory_too(tool):
              "--disable-bias-linear --hidden-dropout 0 --attention-dropout 0 --vocab-size 32000 "
              "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 --device cuda "
              "--use-precision-aware-optimizer --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8 "
-             "--offload-tiers gpu,host,nvme --offload-gpu-cache-gb auto --offload-host-cache-gb 150 "
+             "--offload-tiers gpu,host,nvme --offload-gpu-cache-gb auto --offload-host-cache-gb 80 "
              "--offload-nvme-path /nonexistent --offload-subgroup-size 100000000 --offload-params host")
     _, params_only = run(tool, f"--gpu-tflops {H200_TFLOPS} {shape}")
-    _, both = run(tool, f"--gpu-tflops {H200_TFLOPS} {shape} --offload-grads host")
-    assert not params_only["fits"] and any("GPU memory" in p for p in params_only["problems"])
-    assert both["fits"], both["problems"]
-    gpu = both["gpu_bytes_per_rank"]
+    _, grads = run(tool, f"--gpu-tflops {H200_TFLOPS} {shape} --offload-grads host")
+    _, inputs = run(tool, f"--gpu-tflops {H200_TFLOPS} {shape} --offload-grads host --offload-activations host")
+    for plan in (params_only, grads):
+        assert not plan["fits"] and any("GPU memory" in p for p in plan["problems"])
+    kept_inputs = 80 * 64 * 2 * 2048 * 8192
+    assert grads["gpu_bytes_per_rank"]["activations"] > kept_inputs
+    assert inputs["fits"], inputs["problems"]
+    assert inputs["host_bytes_per_node"]["host_activations"] == kept_inputs
+    assert inputs["gpu_bytes_per_rank"]["activations"] < kept_inputs / 10
+    gpu = inputs["gpu_bytes_per_rank"]
     assert gpu["gradients"] == gpu["parameters"]  # bf16 grads: the same slots as the params'
-    assert both["host_bytes_per_node"]["host_grads"] == both["host_bytes_per_node"]["host_params"]
+    assert inputs["host_bytes_per_node"]["host_grads"] == inputs["host_bytes_per_node"]["host_params"]
 
 
 def test_grads_in_host_memory_fit_at_two_data_parallel_ranks_and_refuse_a_weight_tied_across_stages(tool):
@@ -122,3 +131,26 @@ def test_layer_major_pipeline_stages_are_priced_one_after_the_other(tool):
     assert code == code_lm == 0
     assert layer_major["predicted_compute_s"] == pytest.approx(pipelined["predicted_compute_s"] * 2 / (1 + 1 / 8),
                                                                rel=1e-9)
+
+
+@settings(max_examples=examples(100))
+@given(layers=st.integers(1, 96), microbatches=st.integers(1, 128), seq=st.sampled_from([512, 2048, 4096]),
+       hidden=st.sampled_from([1024, 4096, 8192]), tp=st.sampled_from([1, 2, 4]), sp=st.booleans(),
+       pp=st.sampled_from([1, 2]))
+def test_the_layer_major_steps_inputs_go_to_host_memory_all_but_two_layers(layers, microbatches, seq, hidden, tp, sp,
+                                                                           pp):
+    """Each layer's input per micro-batch (2 s b h bytes, split over TP with sequence parallelism) is kept until its
+    recompute: on the GPU, or with --offload-activations host in host memory, where two layers' stay on the GPU."""
+    from types import SimpleNamespace
+
+    from megatron.training.offload.activation_memory import layer_major_activation_bytes
+
+    cfg = SimpleNamespace(hidden_size=hidden, num_attention_heads=16, tensor_model_parallel_size=tp,
+                          sequence_parallel=sp and tp > 1, num_layers=layers * pp, pipeline_model_parallel_size=pp)
+    args = SimpleNamespace(seq_length=seq, micro_batch_size=1, padded_vocab_size=32000)
+    kept = 2 * seq * hidden / (tp if cfg.sequence_parallel else 1)
+    on_gpu, none = layer_major_activation_bytes(args, cfg, microbatches, inputs_in_host=False)
+    gpu, host = layer_major_activation_bytes(args, cfg, microbatches, inputs_in_host=True)
+    assert none == 0
+    assert host == int(layers * microbatches * kept)
+    assert on_gpu - gpu == pytest.approx(layers * microbatches * kept - 2 * microbatches * kept, abs=2)

@@ -6,7 +6,7 @@ them, and an auto gpu tier starts from them (``gpu_tier_start``)."""
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Tuple
 
 from mlp_offload import FP32_BYTES
 
@@ -32,6 +32,26 @@ def activation_bytes(args, cfg, microbatches_in_flight: int) -> int:
     if cfg.pipeline_model_parallel_size == 1:
         total += s * b * args.padded_vocab_size / t * FP32_BYTES
     return int(total)
+
+
+def layer_major_activation_bytes(args, cfg, microbatches: int, inputs_in_host: bool) -> Tuple[int, int]:
+    """(GPU bytes, host bytes) of the layer-major step's activations on one rank of the first stage
+    (``model.layer_major``): every micro-batch's current hidden state (its output gradient in the backward) and,
+    on the first stage, the embedding's output kept with its graph until the step's end; each layer's input per
+    micro-batch kept for its recompute, on the GPU, or with ``inputs_in_host`` in host memory with at most two
+    layers' on the GPU (the one recomputed, the next fetched); one micro-batch's layer recompute and backward at a
+    time; the last stage's logits one micro-batch at a time."""
+    s, b, h, a = args.seq_length, args.micro_batch_size, cfg.hidden_size, cfg.num_attention_heads
+    t = cfg.tensor_model_parallel_size
+    layers = cfg.num_layers // cfg.pipeline_model_parallel_size
+    kept = 2 * s * b * h / (t if cfg.sequence_parallel else 1)
+    scores = 5 * a * s / h / t
+    per_layer_full = s * b * h * (34 / t + scores) if cfg.sequence_parallel else s * b * h * (10 + 24 / t + scores)
+    inputs = layers * microbatches * kept
+    gpu = 2 * microbatches * kept + (2 * microbatches * kept if inputs_in_host else inputs) + per_layer_full
+    if cfg.pipeline_model_parallel_size == 1:
+        gpu += s * b * args.padded_vocab_size / t * FP32_BYTES
+    return int(gpu), int(inputs if inputs_in_host else 0)
 
 
 def stored_per_token_layer(cfg) -> float:

@@ -30,7 +30,7 @@ from megatron.training.model.flops import GptShape, flops_per_iteration
 from megatron.training.model.host_grads import tied_across_stages
 from megatron.training.model.sizes import StageParams, active_params, model_params, stage_params
 from megatron.training.offload.activation_memory import (activation_bytes, backward_workspace_bytes,
-                                                          microbatches_in_flight)
+                                                         layer_major_activation_bytes, microbatches_in_flight)
 from megatron.training.offload.gpu_tier_start import starting_gpu_tier_bytes
 from megatron.training.offload.shard_budgets import check_host_split, config_for_kind
 from megatron.training.offload.plan_types import Machine, Plan
@@ -220,6 +220,8 @@ def make_plan(args, cfg, machine: Machine, offload_config, measured: MeasuredRat
     param_bytes = 2 if (args.bf16 or args.fp16) else 4
     microbatches = args.global_batch_size // (args.micro_batch_size * dp)
 
+    asked = layer_major_flags(args)
+    layer_major = asked["inputs_in_host"] or asked["params_in_host"] or asked["grads_in_host"]
     grads_host = grads_in_host_memory(args)
     streamed = (streamed_params(cfg, per_rank, param_bytes, gradient_itemsize(args) if grads_host else 0)
                 if params_in_host_memory(args) or grads_host else None)
@@ -234,6 +236,10 @@ def make_plan(args, cfg, machine: Machine, offload_config, measured: MeasuredRat
            "activations": activation_bytes(args, cfg, microbatches_in_flight(pp, vp, microbatches)),
            "backward_workspace": backward_workspace_bytes(args, cfg),
            "cuda_reserve": CUDA_RESERVE_BYTES}
+    activations_in_host = 0
+    if layer_major:  # every micro-batch of the step at once, layer by layer
+        gpu["activations"], activations_in_host = layer_major_activation_bytes(args, cfg, microbatches,
+                                                                               asked["inputs_in_host"])
     engines: Dict[str, EnginePlan] = {}
     tiers_per_node: Dict[str, int] = {}
     host_per_node: Dict[str, int] = {}
@@ -267,6 +273,8 @@ def make_plan(args, cfg, machine: Machine, offload_config, measured: MeasuredRat
                 beside["host params"] = streamed.host_bytes  # pinned before the engine starts
                 if streamed.grad_host_bytes:
                     beside["host grads"] = streamed.grad_host_bytes
+            if activations_in_host:
+                beside["host activations"] = activations_in_host  # each layer's inputs, every micro-batch's
             host_per_node.update({f"{k.replace(' ', '_')}": machine.gpus_per_node * v for k, v in beside.items()})
             try:  # the guard's own check, against the node's memory: DOES NOT FIT where it would refuse
                 check_host_memory({"optimizer cache": cache, "gradient staging": staging},
@@ -295,8 +303,6 @@ def make_plan(args, cfg, machine: Machine, offload_config, measured: MeasuredRat
     shape = GptShape.from_config(cfg, args.seq_length, args.padded_vocab_size)
 
     link = machine.device_rates.link_bps / 2 if machine.device_rates else None  # one direction
-    asked = layer_major_flags(args)
-    layer_major = asked["inputs_in_host"] or asked["params_in_host"] or asked["grads_in_host"]
 
     def compute_seconds(global_batch: int) -> float:
         m = global_batch // (args.micro_batch_size * dp)
