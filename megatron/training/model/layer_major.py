@@ -191,14 +191,13 @@ class LayerMajorStep:
         self.kept_inputs_factory = kept_inputs_factory
 
     def __call__(self, *, forward_step_func: Callable, data_iterator, model: list, num_microbatches: int,
-                 forward_only: bool = False, seq_length: Optional[int] = None, micro_batch_size: Optional[int] = None,
-                 decoder_seq_length: Optional[int] = None, **_unused) -> List[dict]:
+                 forward_only: bool = False, **schedule_keywords) -> List[dict]:
         chunk = model[0]
         config = get_model_config(chunk)
         refusal = layer_major_refusal(config, len(model))
         if refusal is not None:
             raise ValueError(refusal)
-        stage = PipelineStage(config, seq_length, micro_batch_size, decoder_seq_length)
+        stage = PipelineStage(config, schedule_keywords)  # (its sequence length and micro-batch size)
         iterator = data_iterator[0] if isinstance(data_iterator, list) else data_iterator
         block = decoder_of(chunk)
         # (a middle pipeline stage may have no data: its forward_step_func is handed None)

@@ -4,7 +4,7 @@ head, and its sends and receives of one micro-batch's hidden states or their gra
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict
 
 import torch
 from megatron.core import parallel_state
@@ -16,8 +16,9 @@ class PipelineStage:
     """This rank's pipeline stage: whether it runs the embedding (first) and the head (last), and its sends
     and receives of one micro-batch's hidden states or their gradients (megatron-core's own, in its shapes)."""
 
-    def __init__(self, config, seq_length: Optional[int], micro_batch_size: Optional[int],
-                 decoder_seq_length: Optional[int]):
+    def __init__(self, config, schedule_keywords: Dict[str, object]):
+        """``schedule_keywords``: what the training hands megatron-core's schedule (``seq_length``,
+        ``micro_batch_size``, ``decoder_seq_length``: the shape of what stages send)."""
         single = parallel_state.get_pipeline_model_parallel_world_size() == 1
         self.first = single or parallel_state.is_pipeline_first_stage(ignore_virtual=True)
         self.last = single or parallel_state.is_pipeline_last_stage(ignore_virtual=True)
@@ -25,7 +26,8 @@ class PipelineStage:
             return
         self.p2p = P2PCommunicator(parallel_state.get_pipeline_model_parallel_group(), config)
         self.shape = schedules.get_tensor_shapes(
-            seq_length=seq_length, micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length,
+            seq_length=schedule_keywords.get("seq_length"), micro_batch_size=schedule_keywords.get("micro_batch_size"),
+            decoder_seq_length=schedule_keywords.get("decoder_seq_length"),
             config=config, tp_group=parallel_state.get_tensor_model_parallel_group(),
             cp_group=parallel_state.get_context_parallel_group())[0]
 
