@@ -41,9 +41,11 @@ from megatron.core.pipeline_parallel import get_forward_backward_func, schedules
 from megatron.core.utils import get_attr_wrapped_model, get_model_config, get_model_type
 
 from megatron.training.errors import UserError
+from megatron.training.runtime.progress import print_rank0
 from megatron.training.model.host_grads import host_grads_refusal, tied_across_stages
 from megatron.training.model.host_params import HostParams, decoder_of, host_params_refusal
 from megatron.training.model.pipeline_stage import PipelineStage
+from megatron.training.model.sizes import kept_input_bytes
 
 
 class _BlockInputCaptured(Exception):
@@ -329,6 +331,14 @@ def check_step_schedule(args, config, inputs_in_host: bool, params_in_host: bool
         refusal = host_grads_refusal(params_in_host, config, tied_across_stages(args))
     if refusal is not None:
         raise UserError(f"{asked_by}: {refusal}")
+    layers = config.num_layers // config.pipeline_model_parallel_size
+    micro = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+    kept = kept_input_bytes(args.seq_length, args.micro_batch_size, config)
+    print_rank0(f"> layer-major step: each layer's input kept for its recompute for all {micro} micro-batches of a "
+                f"step, {layers * micro * kept / 2**30:.2f} GiB per rank in "
+                f"{'host memory (--offload-activations host)' if inputs_in_host else 'GPU memory'} ({layers} layers x "
+                f"{micro} x {kept / 2**20:.1f} MiB)" + (", pipeline stages in turn" if config.pipeline_model_parallel_size > 1
+                                                     else ""))
 
 
 def _block_input(forward_step_func, chunk, block, batch):

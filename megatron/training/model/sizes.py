@@ -132,3 +132,10 @@ def counted_params(model) -> int:
     else:
         torch.distributed.all_reduce(experts, group=parallel_state.get_model_parallel_group())
     return int(dense.item() + experts.item())
+
+
+def kept_input_bytes(seq_length: int, micro_batch_size: int, config) -> float:
+    """One layer's input for one micro-batch, kept for its recompute (16-bit; split over the tensor-parallel ranks
+    with sequence parallelism)."""
+    split = config.tensor_model_parallel_size if config.sequence_parallel else 1
+    return 2 * seq_length * micro_batch_size * config.hidden_size / split

@@ -10,6 +10,8 @@ from typing import Optional, Tuple
 
 from mlp_offload import FP32_BYTES
 
+from megatron.training.model.sizes import kept_input_bytes
+
 
 def activation_bytes(args, cfg, microbatches_in_flight: int) -> int:
     """Activations one rank of the first pipeline stage keeps (the stage that holds the most
@@ -44,7 +46,7 @@ def layer_major_activation_bytes(args, cfg, microbatches: int, inputs_in_host: b
     s, b, h, a = args.seq_length, args.micro_batch_size, cfg.hidden_size, cfg.num_attention_heads
     t = cfg.tensor_model_parallel_size
     layers = cfg.num_layers // cfg.pipeline_model_parallel_size
-    kept = 2 * s * b * h / (t if cfg.sequence_parallel else 1)
+    kept = kept_input_bytes(s, b, cfg)
     scores = 5 * a * s / h / t
     per_layer_full = s * b * h * (34 / t + scores) if cfg.sequence_parallel else s * b * h * (10 + 24 / t + scores)
     inputs = layers * microbatches * kept
