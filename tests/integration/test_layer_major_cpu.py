@@ -1,8 +1,8 @@
 """The layer-major step (megatron/training/model/layer_major.py) against megatron-core's schedule with
 full recompute: the same losses and every gradient bit for bit, from the same params and batches, on
-the CPU at TP1 in fp32 (where each gradient's sum over micro-batches rounds, so its order shows), at TP2
-in bf16, and at DP2 with each rank's own batches, reduced by DDP as in training (layer_major_ranks.py
-does both passes in each rank)."""
+the CPU over layouts of TP, PP and DP up to four ranks, in fp32 and bf16, DP ranks each with their own batches,
+reduced by DDP as in training (layer_major_ranks.py does both passes in each rank); and pretrain_gpt.py runs
+with layer inputs, params and grads in host memory against the same runs with them resident."""
 
 import json
 
@@ -10,16 +10,24 @@ import pytest
 
 from helpers import copy_checkpoint, offload_args
 from launch import REPO, launch_command, pretrain_env, run_and_clean_up, run_pretrain
+from tests.profiles import cases
 
 RANKS = REPO / "tests" / "integration" / "layer_major_ranks.py"
 
 
-@pytest.mark.parametrize("ranks, tp, micro_batches, precision, pp",
-                         [(1, 1, 3, "fp32", 1), (2, 2, 4, "bf16", 1), (2, 1, 3, "fp32", 1), (2, 1, 3, "fp32", 2),
-                          (4, 2, 2, "bf16", 2)],
-                         ids=["tp1-3mb-fp32", "tp2-4mb-bf16", "dp2-3mb-fp32", "pp2-3mb-fp32", "tp2pp2-2mb-bf16"])
+# The configuration space: every layout of at most four ranks the tiny model takes (TP divides its 2 query
+# groups), 1-3 micro-batches, fp32 (where each gradient's sum over micro-batches rounds, so its order shows) and
+# bf16. CI draws a few each run (tests/profiles.py), the thorough profile runs them all.
+LAYOUTS = [(tp, pp, dp) for tp in (1, 2) for pp in (1, 2, 4) for dp in (1, 2, 4) if tp * pp * dp <= 4]
+STEP_CASES = cases([(tp * pp * dp, tp, m, precision, pp) for tp, pp, dp in LAYOUTS for m in (1, 2, 3)
+                    for precision in ("fp32", "bf16")], ci_keep=4)
+
+
+@pytest.mark.parametrize("ranks, tp, micro_batches, precision, pp", STEP_CASES,
+                         ids=[f"tp{tp}-pp{pp}-dp{r // (tp * pp)}-{m}mb-{p}" for r, tp, m, p, pp in STEP_CASES])
 def test_layer_major_step_equals_megatron_cores_schedule(tmp_path, ranks, tp, micro_batches, precision, pp):
-    """With pp 2 the reference is megatron-core's 1F1B pipeline schedule; the losses are the last stage's."""
+    """Against megatron-core's schedule for the layout (1F1B above one pipeline stage, whose losses are the last
+    stage's); DP ranks each with their own batches."""
     cmd = launch_command([str(tmp_path), str(tp), str(micro_batches), precision, str(pp)], ranks, warm=True,
                          script=RANKS)
     code, output = run_and_clean_up(cmd, pretrain_env(), 240, tmp_path / "out.txt")
