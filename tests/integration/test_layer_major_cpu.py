@@ -141,12 +141,14 @@ def test_two_pipeline_stages_layer_major_repeat_megatron_cores_pipeline_schedule
     assert len(validation[0]) == 1 and all(v == validation[0] for v in validation), validation
 
 
-def test_params_in_host_memory_save_and_resume_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2"],
+                                    ["--pipeline-model-parallel-size", "2", "--num-layers", "4"]], ids=["tp2", "pp2"])
+def test_params_in_host_memory_save_and_resume_bit_for_bit(tmp_path, layout):
     """--offload-params host and --offload-grads host, state over host and disk: a run saving at 2 and going on
     to 4, and a resume from its save at 2 alone, give iterations 3-4 bit for bit (the params come back into the
-    host buffer)."""
+    host buffer), at TP2 and over two pipeline stages."""
     flags = [*LAYER_MAJOR_RUN, *offload_args(tmp_path / "state", tiers=("host", "nvme")), "--offload-params", "host",
-             "--offload-grads", "host", "--tensor-model-parallel-size", "2"]
+             "--offload-grads", "host", *layout]
     whole = run_pretrain(tmp_path / "whole", [*flags, "--save", str(tmp_path / "ckpt"), "--save-interval", "2"],
                          train_iters=4)
     at2 = copy_checkpoint(tmp_path / "ckpt", [2], tmp_path / "at2")
