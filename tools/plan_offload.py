@@ -32,7 +32,7 @@ warnings.simplefilter("ignore")  # megatron-core warns at import about optional 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.training.errors import UserError, reported_once  # noqa: E402
-from megatron.training.offload.options import HOST_CACHE_FLAG, params_in_host_memory  # noqa: E402
+from megatron.training.offload.options import HOST_CACHE_FLAG  # noqa: E402
 from mlp_offload import GPU_TIER, HOST_TIER, GiB, MeasuredRates, codecs_for, kind_of  # noqa: E402
 
 # Sustained bf16 TFLOP/s per GPU (as Megatron-LM counts FLOPs) our training reached on one H200 with
@@ -521,8 +521,8 @@ def recommend(opts, capacities, flags, args, machine, measured):
     and the fastest that fits. Compute is scaled from --gpu-tflops, which the user measured with their
     own recompute setting, by the device work each candidate's recompute does; the micro-batch size
     is taken not to change the TFLOP/s."""
-    from megatron.training.offload.plan_candidates import (AS_GIVEN, candidate_flags, candidates, own_flags,
-                                                           recompute_work)
+    from megatron.training.offload.plan_candidates import (AS_GIVEN, candidate_flags, candidates, in_host_of,
+                                                           own_flags, recompute_work)
 
     pp = args.pipeline_model_parallel_size
     dp = machine.world // (args.tensor_model_parallel_size * pp)
@@ -547,7 +547,7 @@ def recommend(opts, capacities, flags, args, machine, measured):
             continue
         changed = ((c.recompute != given[0]) + (c.micro_batch_size != given[1])
                    + (c.gpu_tier not in (AS_GIVEN, given[2])) + (c.layout not in (None, given_layout))
-                   + (c.params_in_host != params_in_host_memory(args)))
+                   + (c.in_host != in_host_of(args)))
         rows.append({"candidate": c.describe(), "changes": own_flags(c, args.offload_tiers), "changed": changed,
                      "fits": plan.fits, "problems": plan.problems,
                      "predicted_iteration_s": plan.iteration_s, "tokens_per_s": plan.tokens_per_s[args.global_batch_size],

@@ -94,6 +94,28 @@ def test_70b_on_one_gpu_fits_only_with_grads_and_layer_inputs_in_host_memory_too
     assert inputs["host_bytes_per_node"]["host_grads"] == inputs["host_bytes_per_node"]["host_params"]
 
 
+def test_the_recommendation_for_69b_on_one_gpu_keeps_params_grads_and_layer_inputs_in_host_memory(tool):
+    """The 69 B run as a user would first write it (everything but the state on the GPU): it does not fit, and the
+    recommendation finds the one way that does among its candidates."""
+    flags = (f"--recommend --gpu-tflops {H200_TFLOPS} --gpus-per-node 1 --gpu-memory-gb 140.4 --host-memory-gb 503 "
+             "--offload-nvme-capacity-gb 200 --offload-bandwidths nvme=1.7:1.6 --num-layers 80 --hidden-size 8192 "
+             "--ffn-hidden-size 28672 --num-attention-heads 64 --group-query-attention --num-query-groups 8 "
+             "--seq-length 2048 --max-position-embeddings 2048 --global-batch-size 64 --micro-batch-size 1 --bf16 "
+             "--grad-reduce-in-bf16 --swiglu --normalization RMSNorm --position-embedding-type rope "
+             "--untie-embeddings-and-output-weights --disable-bias-linear --hidden-dropout 0 --attention-dropout 0 "
+             "--vocab-size 32000 --recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
+             "--device cuda --use-precision-aware-optimizer --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8 "
+             "--offload-tiers gpu,host,nvme --offload-gpu-cache-gb auto --offload-host-cache-gb 80 "
+             "--offload-nvme-path /nonexistent --offload-subgroup-size 100000000")
+    _, got = run(tool, flags)
+    assert not got["fits"]
+    chosen = got["recommendation"]["chosen"]
+    assert chosen["candidate"].endswith("params, grads and layer inputs in host memory"), chosen["candidate"]
+    assert all(f in chosen["flags"] for f in ("--offload-params", "--offload-grads", "--offload-activations"))
+    fitting = [r for r in got["recommendation"]["candidates"] if r["fits"]]
+    assert fitting and all("grads and layer inputs in host memory" in r["candidate"] for r in fitting)
+
+
 def test_grads_in_host_memory_fit_at_two_data_parallel_ranks_and_refuse_a_weight_tied_across_stages(tool):
     """Params in host memory are gathered across data-parallel ranks through the device, and grads reduced from
     their device slots; the embedding's weight tied to the output layer on another pipeline stage is refused (its
@@ -110,10 +132,15 @@ def test_grads_in_host_memory_fit_at_two_data_parallel_ranks_and_refuse_a_weight
 
 
 def test_the_recommendation_tries_params_in_host_memory_and_picks_the_faster(tool):
+    """With full recompute it tries the params in host memory alone, with the layer inputs, and with the grads
+    and the layer inputs; the resident params fit and are faster for this run."""
     code, got = run(tool, f"--recommend --gpu-tflops {H200_TFLOPS} {RUN_20B}")
     rows = got["recommendation"]["candidates"]
-    in_host = [r for r in rows if "params in host memory" in r["candidate"]]
+    in_host = [r for r in rows if "in host memory" in r["candidate"]]
     assert in_host and all(r["candidate"].startswith("recompute full") for r in in_host)
+    for kind in ("params in host memory", "params and layer inputs in host memory",
+                 "params, grads and layer inputs in host memory"):
+        assert any(r["candidate"].endswith(kind) for r in in_host), kind
     chosen = got["recommendation"]["chosen"]
     assert "params in host memory" not in chosen["candidate"]  # resident fits and is faster here
     fastest_in_host = max((r["tokens_per_s"] for r in in_host if r["fits"]), default=0)

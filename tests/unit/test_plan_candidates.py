@@ -9,7 +9,7 @@ import json
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from megatron.training.offload.plan_candidates import RECOMPUTE, layouts, recompute_work, without
+from megatron.training.offload.plan_candidates import IN_HOST, RECOMPUTE, layouts, recompute_work, without
 from tests.profiles import examples
 
 from .test_plan_replay import FOUR_H200, H200_TFLOPS, LLAMA, LLAMA_13B_TP2PP2, RUNS, plan, planner
@@ -60,8 +60,8 @@ def test_every_candidate_is_planned_as_its_own_flags_and_the_fastest_fitting_is_
     advice = got["recommendation"]
     rows = advice["candidates"]
     # Global batch 1 on one GPU: micro-batch 1 only; three recompute settings x gpu tier auto or none, and with
-    # full recompute the params resident or in host memory.
-    assert len(rows) == (len(RECOMPUTE) + 1) * 2
+    # full recompute each of IN_HOST's sets (the params resident, or in host memory with what else goes there).
+    assert len(rows) == (len(RECOMPUTE) - 1 + len(IN_HOST)) * 2
     fitting = [r for r in rows if r["fits"]]
     fastest = max(r["tokens_per_s"] for r in fitting)
     assert advice["chosen"]["tokens_per_s"] == fastest  # ties: the fewest flags changed
@@ -110,9 +110,9 @@ def test_layout_candidates_are_planned_as_their_own_flags(tool):
              "--offload-gpu-cache-gb auto --gpu-tflops 216.7").replace("--global-batch-size 8", "--global-batch-size 2")
     code, got = run(tool, f"--recommend --layouts 4x1,2x2 {flags}")
     rows = got["recommendation"]["candidates"]
-    # Data-parallel size 1 at both layouts: micro-batch 1 or 2, three recompute settings (full twice: params
-    # resident or in host memory), gpu tier auto or none.
-    assert len(rows) == 2 * 2 * (len(RECOMPUTE) + 1) * 2
+    # Data-parallel size 1 at both layouts: micro-batch 1 or 2, three recompute settings (full once per IN_HOST
+    # set), gpu tier auto or none.
+    assert len(rows) == 2 * 2 * (len(RECOMPUTE) - 1 + len(IN_HOST)) * 2
     assert {r["candidate"].split(",")[0] for r in rows} == {"TP 4 x PP 1", "TP 2 x PP 2"}
     fitting = [r for r in rows if r["fits"]]
     assert got["recommendation"]["chosen"]["tokens_per_s"] == max(r["tokens_per_s"] for r in fitting)

@@ -1,6 +1,7 @@
 """The configurations the planner tries for one global batch size (``tools/plan_offload.py
 --recommend``): recompute granularity, micro-batch size, the gpu tier (auto or none), with full recompute
-on a GPU the params resident or in host memory (the layer-major step's), and, with ``--layouts``, the tensor x
+on a GPU the params resident or in host memory (the layer-major step's: alone, with the layer inputs, with the
+grads and the layer inputs), and, with ``--layouts``, the tensor x
 pipeline parallel sizes, each as the user's flags with those few changed,
 and the compute time each would take at the TFLOP/s the user measured with their own recompute setting."""
 
@@ -9,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
-from megatron.training.offload.options import GPU_CACHE_FLAG, PARAMS_IN_HOST
+from megatron.training.offload.options import (ACTIVATIONS_IN_HOST, GPU_CACHE_FLAG, GRADS_IN_HOST, PARAMS_IN_HOST,
+                                               layer_major_flags)
 from mlp_offload import GPU_TIER, kind_of
 
 RECOMPUTE = {  # name -> the flags that ask for it
@@ -21,7 +23,13 @@ _RECOMPUTE_FLAGS = {"--recompute-granularity": 1, "--recompute-method": 1, "--re
                     "--recompute-activations": 0}
 _GPU_TIER_FLAGS = {GPU_CACHE_FLAG: 1, "--offload-tiers": 1}
 _LAYOUT_FLAGS = {"--tensor-model-parallel-size": 1, "--pipeline-model-parallel-size": 1}
-_PARAMS_FLAGS = {PARAMS_IN_HOST.split()[0]: 1}
+_HOST_FLAGS = {flag.split()[0]: 1 for flag in (PARAMS_IN_HOST, GRADS_IN_HOST, ACTIVATIONS_IN_HOST)}
+# What the layer-major step can keep in host memory, as candidates try it: each set with the flags asking for it
+# (the layer inputs alone buy nothing over megatron-core's schedule, which keeps one micro-batch's).
+IN_HOST = {(): [], ("params",): PARAMS_IN_HOST.split(),
+           ("params", "layer inputs"): PARAMS_IN_HOST.split() + ACTIVATIONS_IN_HOST.split(),
+           ("params", "grads", "layer inputs"): (PARAMS_IN_HOST.split() + GRADS_IN_HOST.split()
+                                                 + ACTIVATIONS_IN_HOST.split())}
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
 
 
@@ -34,7 +42,7 @@ class Candidate:
     micro_batch_size: int
     gpu_tier: str  # "auto", "none", or AS_GIVEN (no offload, or no tier below the gpu to fall back on)
     layout: Optional[Tuple[int, int]] = None  # (TP, PP); None: as given
-    params_in_host: bool = False  # --offload-params host (full recompute only)
+    in_host: Tuple[str, ...] = ()  # a key of IN_HOST (full recompute only)
 
     def describe(self) -> str:
         parts = [f"recompute {self.recompute}", f"micro-batch {self.micro_batch_size}"]
@@ -42,8 +50,9 @@ class Candidate:
             parts.insert(0, f"TP {self.layout[0]} x PP {self.layout[1]}")
         if self.gpu_tier != AS_GIVEN:
             parts.append("gpu tier auto" if self.gpu_tier == "auto" else "no gpu tier")
-        if self.params_in_host:
-            parts.append("params in host memory")
+        if self.in_host:
+            parts.append(f"{', '.join(self.in_host[:-1]) + ' and ' if len(self.in_host) > 1 else ''}"
+                         f"{self.in_host[-1]} in host memory")
         return ", ".join(parts)
 
 
@@ -82,8 +91,15 @@ def candidates(micro_batches_per_dp: int, tiers: Optional[Sequence[str]], on_gpu
     sizes = [m for m in MICRO_BATCH_SIZES if micro_batches_per_dp % m == 0]
     below = [t for t in tiers or () if not kind_of(t).in_device_memory]
     tier_options = ["auto", "none"] if below and on_gpu else [AS_GIVEN]
-    where = {r: (False, True) if r == "full" and tiers and on_gpu else (False,) for r in RECOMPUTE}
+    where = {r: list(IN_HOST) if r == "full" and tiers and on_gpu else [()] for r in RECOMPUTE}
     return [Candidate(r, m, g, layout, host) for r in RECOMPUTE for m in sizes for g in tier_options for host in where[r]]
+
+
+def in_host_of(args) -> Tuple[str, ...]:
+    """What the flags as given keep in host memory, as a key of IN_HOST (or another set no candidate has)."""
+    asked = layer_major_flags(args)
+    return tuple(name for name, key in (("params", "params_in_host"), ("grads", "grads_in_host"),
+                                        ("layer inputs", "inputs_in_host")) if asked[key])
 
 
 def layouts(world: int, gpus_per_node: int, num_layers: int) -> List[Tuple[int, int]]:
@@ -98,8 +114,7 @@ def own_flags(c: Candidate, tiers: Optional[Sequence[str]]) -> List[str]:
     out = RECOMPUTE[c.recompute] + ["--micro-batch-size", str(c.micro_batch_size)]
     if c.layout:
         out += ["--tensor-model-parallel-size", str(c.layout[0]), "--pipeline-model-parallel-size", str(c.layout[1])]
-    if c.params_in_host:
-        out += PARAMS_IN_HOST.split()
+    out += IN_HOST[c.in_host]
     if c.gpu_tier != AS_GIVEN:
         below = [t for t in tiers if not kind_of(t).in_device_memory]
         out += ["--offload-tiers", ",".join(([GPU_TIER] if c.gpu_tier == "auto" else []) + below)]
@@ -112,6 +127,6 @@ def candidate_flags(flags: Sequence[str], tiers: Optional[Sequence[str]], c: Can
                     global_batch_size: int) -> List[str]:
     """The user's flags with the candidate's recompute, micro-batch size and gpu tier in place of theirs,
     at the run's global batch size (without the flag, it would follow the micro-batch size)."""
-    replaced = {**_RECOMPUTE_FLAGS, **_PARAMS_FLAGS, "--micro-batch-size": 1, "--global-batch-size": 1,
+    replaced = {**_RECOMPUTE_FLAGS, **_HOST_FLAGS, "--micro-batch-size": 1, "--global-batch-size": 1,
                 **(_GPU_TIER_FLAGS if c.gpu_tier != AS_GIVEN else {}), **(_LAYOUT_FLAGS if c.layout else {})}
     return without(flags, replaced) + own_flags(c, tiers) + ["--global-batch-size", str(global_batch_size)]
