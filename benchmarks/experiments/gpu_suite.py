@@ -378,12 +378,20 @@ def dp_reshard() -> Case:
     return case
 
 
+def _fingerprint() -> str:
+    """benchmarks/tree_fingerprint.py's, of the tree this ran: names the code where git metadata may be stale."""
+    spec = importlib.util.spec_from_file_location("tree_fingerprint", REPO / "benchmarks" / "tree_fingerprint.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.fingerprint(REPO)
+
+
 def main() -> int:
     if WORK.exists():
         shutil.rmtree(WORK)
     WORK.mkdir(parents=True)
     OUT.mkdir(parents=True, exist_ok=True)
-    commit = os.environ.get("SUITE_COMMIT", "unknown")
+    commit = f"{os.environ.get('SUITE_COMMIT', 'unknown')} (code fingerprint {_fingerprint()})"
     header = (f"gpu_suite part {PART} at commit {commit}, seed {SEED} (SEED={SEED} draws the same cases), "
               f"{'DRY RUN on the CPU' if DRY else 'device'}, {PAR} launches at a time, {time.strftime('%Y-%m-%d %H:%M:%S')}")
     print(header, flush=True)

@@ -5,7 +5,9 @@
 #   PART=2 bash benchmarks/run_gpu.sh gpu_suite      part 2: two GPUs (nvidia-h200-x2 or nvidia-h100-x2)
 #   CASES=sync bash benchmarks/run_gpu.sh ckpt_scale part 4 GPUs: 13 B TP2 x PP2 (nvidia-h200-x4), its own script
 #   DRY_RUN=1 bash benchmarks/experiments/gpu_suite.sh   the same cases, tiny, on the CPU (the gpu tier's stand-in)
-# SUITE_COMMIT=<hash> names the commit in the output where there is no .git (the device's copy); SEED=N draws the
+# SUITE_COMMIT=<hash> names the commit in the output where there is no .git (the device's copy: its git metadata may
+# be stale, so the output also gives the code's fingerprint, which `python benchmarks/tree_fingerprint.py` prints for
+# a checkout: the same value, the same code); SEED=N draws the
 # tier x update x master cases of an earlier run again. The summary is also written to $OUT/gpu_suite_partN.txt:
 # commit it under docs/results/ with the commit it ran at.
 set -u
