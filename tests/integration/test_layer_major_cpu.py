@@ -142,11 +142,14 @@ def test_two_pipeline_stages_layer_major_repeat_megatron_cores_pipeline_schedule
 
 
 @pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2"],
-                                    ["--pipeline-model-parallel-size", "2", "--num-layers", "4"]], ids=["tp2", "pp2"])
+                                    ["--pipeline-model-parallel-size", "2", "--num-layers", "4"],
+                                    ["--tensor-model-parallel-size", "1", "--global-batch-size", "8"]],
+                         ids=["tp2", "pp2", "dp2"])
 def test_params_in_host_memory_save_and_resume_bit_for_bit(tmp_path, layout):
     """--offload-params host and --offload-grads host, state over host and disk: a run saving at 2 and going on
     to 4, and a resume from its save at 2 alone, give iterations 3-4 bit for bit (the params come back into the
-    host buffer), at TP2 and over two pipeline stages."""
+    host buffer), at TP2, over two pipeline stages, and at DP2 (each rank's shard of the grads reduced from the
+    device slots, of the params gathered through the device)."""
     flags = [*LAYER_MAJOR_RUN, *offload_args(tmp_path / "state", tiers=("host", "nvme")), "--offload-params", "host",
              "--offload-grads", "host", *layout]
     whole = run_pretrain(tmp_path / "whole", [*flags, "--save", str(tmp_path / "ckpt"), "--save-interval", "2"],
