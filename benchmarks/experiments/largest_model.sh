@@ -38,7 +38,7 @@ timeout ${LIMIT_S:-420} torchrun --nproc_per_node 1 --master_port ${PORT:-29517}
   --offload-telemetry-log "$OUT/largest_telemetry.jsonl" ${EXTRA:-} 2>&1 | since_launch > "$OUT/.largest.log"
 echo "exit ${PIPESTATUS[0]}"
 rm -f "$OUT/.watch"; sleep 2
-grep -v -i warn "$OUT/.largest.log" | grep -E "model parameters|offload rank|gpu tier auto|host memory|pinned|start-up|predicted|iteration |rror|Killed|refus|overlap|> params" \
+grep -v -i warn "$OUT/.largest.log" | grep -E "model parameters|offload rank|gpu tier auto|host memory|pinned|start-up|predicted|iteration |rror|Killed|refus|overlap|> params|> layer-major" \
   | cut -c1-1000 | tee "$OUT/largest.log"
 [ -n "${NCCL_DEBUG:-}" ] && grep -E "NCCL (WARN|INFO)" "$OUT/.largest.log" | grep -iE "alloc|fail|error|mem|cuda" \
   | tail -60 > "$OUT/nccl.txt"  # with NCCL_DEBUG set: NCCL's allocations and failures
