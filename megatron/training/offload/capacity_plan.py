@@ -37,7 +37,7 @@ from megatron.training.offload.plan_types import Machine, Plan
 from megatron.training.errors import UserError
 from megatron.training.offload.options import (GPU_CACHE_FLAG, GRADS_IN_HOST, PARAMS_IN_HOST, grads_in_host_memory,
                                                in_flags, layer_major_flags, params_in_host_memory)
-from megatron.training.offload.params_streaming import (streamed_compute_seconds, streamed_params,
+from megatron.training.offload.params_streaming import (StreamedParams, streamed_compute_seconds, streamed_params,
                                                         streamed_params_refusal, update_copy_seconds)
 
 # CUDA context, cuBLAS workspaces, kernels: device memory torch's allocator cannot reach (what the
@@ -204,6 +204,21 @@ def iteration_seconds(compute_s: float, engines: Dict[str, EnginePlan], overlap:
                              sum(p.deferred_in_hbm_s for p in preds))
 
 
+def ddp_build_peak_problems(streamed: StreamedParams, machine: Machine) -> List[str]:
+    """Start-up with the params in host memory (``host_params.ddp_with_params_in_host_memory``): the model moves
+    to host memory, then DDP allocates its pinned buffers (params, and grads with them) and copies each param in,
+    so for a moment the node holds the params twice, before the engine takes any host memory."""
+    process = PROCESS_BYTES_GPU
+    peak = machine.gpus_per_node * (2 * streamed.host_bytes + streamed.grad_host_bytes + process)
+    if peak <= machine.host_memory_bytes:
+        return []
+    return [f"host memory at start-up: {machine.gpus_per_node} rank(s) x ({streamed.host_bytes / GiB:.1f} GiB of "
+            f"params moved to host memory + the same again as DDP's pinned buffer"
+            + (f" + {streamed.grad_host_bytes / GiB:.1f} GiB of grads" if streamed.grad_host_bytes else "")
+            + f" + {process / GiB:.1f} GiB the process) = {peak / GiB:.1f} GiB, more than the node's "
+            f"{machine.host_memory_bytes / GiB:.1f} GiB: fewer params per rank (tensor or pipeline parallel)"]
+
+
 def make_plan(args, cfg, machine: Machine, offload_config, measured: MeasuredRates, capacity_bytes: Dict[str, int],
               batch_sizes: List[int]) -> Plan:
     """The whole plan. ``offload_config`` is None for a run without ``--offload-tiers``; ``measured``:
@@ -231,6 +246,7 @@ def make_plan(args, cfg, machine: Machine, offload_config, measured: MeasuredRat
                                           params_in_host_memory(args), grads_host, bool(getattr(args, "async_save", False)))
         if refusal:
             problems.append(f"{GRADS_IN_HOST if grads_host else PARAMS_IN_HOST}: {refusal}")
+        problems += ddp_build_peak_problems(streamed, machine)
     gpu = {"parameters": streamed.device_bytes if streamed else per_rank * param_bytes,
            "gradients": streamed.grad_device_bytes if streamed and grads_host else per_rank * gradient_itemsize(args),
            "activations": activation_bytes(args, cfg, microbatches_in_flight(pp, vp, microbatches)),
