@@ -172,6 +172,8 @@ def _validation_lines(run_dir) -> list:
       "--num-layers", "4"], "--untie-embeddings-and-output-weights", "--offload-grads host"),  # tied (below)
     (["--offload-grads", "host", "--offload-params", "none"], "needs --offload-params host", "--offload-grads host"),
     (["--offload-grads", "host", "--sequence-parallel"], "--sequence-parallel", "--offload-grads host"),
+    (["--offload-grads", "host", "--calculate-per-token-loss"], "--calculate-per-token-loss", "--offload-grads host"),
+    (["--overlap-grad-reduce", "--tensor-model-parallel-size", "1"], "--overlap-grad-reduce", "--offload-params host"),
 ])
 def test_params_in_host_memory_refuse_what_they_cannot_run_in_one_line(tmp_path, flags, words, flag):
     base = [*LAYER_MAJOR_RUN, *offload_args(tmp_path / "state", tiers=("host",)), "--offload-params", "host"]

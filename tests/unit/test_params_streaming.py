@@ -162,24 +162,26 @@ def test_layer_major_pipeline_stages_are_priced_one_after_the_other(tool):
 
 @settings(max_examples=examples(100))
 @given(layers=st.integers(1, 96), microbatches=st.integers(1, 128), seq=st.sampled_from([512, 2048, 4096]),
-       hidden=st.sampled_from([1024, 4096, 8192]), tp=st.sampled_from([1, 2, 4]), sp=st.booleans(),
-       pp=st.sampled_from([1, 2]))
+       hidden=st.sampled_from([1024, 4096, 6144, 8192]), tp=st.sampled_from([1, 2, 4]), sp=st.booleans(),
+       pp=st.sampled_from([1, 2]), device=st.sampled_from(["cuda", "cpu"]))
 def test_the_layer_major_steps_inputs_go_to_host_memory_all_but_two_layers(layers, microbatches, seq, hidden, tp, sp,
-                                                                           pp):
+                                                                           pp, device):
     """Each layer's input per micro-batch (2 s b h bytes, split over TP with sequence parallelism) is kept until its
-    recompute: on the GPU, or with --offload-activations host in host memory, where two layers' stay on the GPU."""
+    recompute: on the GPU, or with --offload-activations host in host memory (on a GPU in pinned blocks, which
+    torch rounds up to a power of two), where two layers' stay on the GPU."""
     from types import SimpleNamespace
 
     from megatron.training.offload.activation_memory import layer_major_activation_bytes
 
     cfg = SimpleNamespace(hidden_size=hidden, num_attention_heads=16, tensor_model_parallel_size=tp,
                           sequence_parallel=sp and tp > 1, num_layers=layers * pp, pipeline_model_parallel_size=pp)
-    args = SimpleNamespace(seq_length=seq, micro_batch_size=1, padded_vocab_size=32000)
+    args = SimpleNamespace(seq_length=seq, micro_batch_size=1, padded_vocab_size=32000, device=device)
     kept = 2 * seq * hidden / (tp if cfg.sequence_parallel else 1)
+    block = 1 << (int(kept) - 1).bit_length() if device == "cuda" else kept
     on_gpu, none = layer_major_activation_bytes(args, cfg, microbatches, inputs_in_host=False)
     gpu, host = layer_major_activation_bytes(args, cfg, microbatches, inputs_in_host=True)
     assert none == 0
-    assert host == int(layers * microbatches * kept)
+    assert host == int(layers * microbatches * block)
     assert on_gpu - gpu == pytest.approx(layers * microbatches * kept - 2 * microbatches * kept, abs=2)
 
 

@@ -37,6 +37,9 @@ def host_grads_refusal(params_in_host: bool, config, tied_across_stages: bool = 
                 "between the stages in host memory): add --untie-embeddings-and-output-weights")
     if config.fp16:
         return "not with --fp16 (the loss scale's check reads every grad: use --bf16)"
+    if config.calculate_per_token_loss:
+        return ("not with --calculate-per-token-loss: the grads are divided by the step's token count after they "
+                "have left the GPU, and their norms were taken before")
     if config.sequence_parallel and config.tensor_model_parallel_size > 1:
         return "not with --sequence-parallel (its norm grads are reduced across tensor-parallel ranks on the GPU)"
     if config.num_moe_experts:

@@ -23,14 +23,18 @@ from mlp_offload import GiB
 
 
 
-def host_params_refusal(overlap_forward: bool, async_save: bool = False) -> Optional[str]:
-    """Why a run cannot keep its params in host memory (one line), or None."""
-    if async_save:
+def host_params_refusal(args) -> Optional[str]:
+    """Why a run with these flags cannot keep its params in host memory (one line), or None."""
+    if getattr(args, "async_save", False):
         return ("not with --async-save yet: its writer takes the weights where they lie, and in host memory the "
                 "next updates change them under it (save without --async-save)")
-    if overlap_forward:
+    if getattr(args, "offload_overlap_forward", False):
         return ("not with --offload-overlap-forward: a layer's params are copied in before the update under "
                 "the forward has written them")
+    if getattr(args, "overlap_grad_reduce", False):
+        return ("not with --overlap-grad-reduce: DDP's per-param hooks, which start each bucket's reduce, are left "
+                "behind when a layer's params move into their device slot (the gradients are reduced after the "
+                "backward instead)")
     return None
 
 

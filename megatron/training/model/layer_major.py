@@ -217,9 +217,8 @@ class LayerMajorStep:
             received = None if stage.first else stage.receive_forward()
             _set_input_tensor(chunk, received)  # (the model's forward takes its sequence length from it)
             mb.block_input, mb.layer_kwargs = _block_input(forward_step_func, chunk, block, mb.batch)
-            if not stage.first:
-                mb.block_input = received
-            mb.hidden = mb.block_input.detach()
+            # (a later stage's block input is what came in: kept only as layer 0's input, where the step keeps it)
+            mb.hidden = (mb.block_input if stage.first else received).detach()
         kept = self._forward_layers(block, micro, NoKeptInputs() if forward_only else self.kept_inputs_factory())
         if stage.last:
             reported, total_tokens = self._head(forward_step_func, chunk, config, micro, not forward_only, stage.first)
@@ -325,8 +324,7 @@ def check_step_schedule(args, config, inputs_in_host: bool, params_in_host: bool
         return
     refusal = layer_major_refusal(config, args.virtual_pipeline_model_parallel_size or 1)
     if refusal is None and (params_in_host or grads_in_host):
-        refusal = host_params_refusal(bool(getattr(args, "offload_overlap_forward", False)),
-                                      bool(getattr(args, "async_save", False)))
+        refusal = host_params_refusal(args)
     if refusal is None and grads_in_host:
         refusal = host_grads_refusal(params_in_host, config, tied_across_stages(args))
     if refusal is not None:

@@ -37,7 +37,7 @@ def activation_bytes(args, cfg, microbatches_in_flight: int) -> int:
 
 
 def layer_major_activation_bytes(args, cfg, microbatches: int, inputs_in_host: bool) -> Tuple[int, int]:
-    """(GPU bytes, host bytes) of the layer-major step's activations on one rank of the first stage
+    """(GPU bytes, host bytes) of the layer-major step's activations on one rank of the stage that holds the most
     (``model.layer_major``): every micro-batch's current hidden state (its output gradient in the backward) and,
     on the first stage, the embedding's output kept with its graph until the step's end; each layer's input per
     micro-batch kept for its recompute, on the GPU, or with ``inputs_in_host`` in host memory with at most two
@@ -50,10 +50,14 @@ def layer_major_activation_bytes(args, cfg, microbatches: int, inputs_in_host: b
     scores = 5 * a * s / h / t
     per_layer_full = s * b * h * (34 / t + scores) if cfg.sequence_parallel else s * b * h * (10 + 24 / t + scores)
     inputs = layers * microbatches * kept
+    # The first stage's embedding outputs or the last stage's logits, whichever the stage has: both, to be safe
+    # for either (every stage holds all the micro-batches at once, not only the first).
     gpu = 2 * microbatches * kept + (2 * microbatches * kept if inputs_in_host else inputs) + per_layer_full
-    if cfg.pipeline_model_parallel_size == 1:
-        gpu += s * b * args.padded_vocab_size / t * FP32_BYTES
-    return int(gpu), int(inputs if inputs_in_host else 0)
+    gpu += s * b * args.padded_vocab_size / t * FP32_BYTES
+    # In host memory each layer's inputs are pinned blocks on a GPU, which torch's caching host allocator rounds up
+    # to a power of two.
+    pinned = 2 ** math.ceil(math.log2(kept)) if getattr(args, "device", "cuda") == "cuda" and kept >= 1 else kept
+    return int(gpu), int(layers * microbatches * pinned if inputs_in_host else 0)
 
 
 def stored_per_token_layer(cfg) -> float:

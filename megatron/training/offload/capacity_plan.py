@@ -27,7 +27,6 @@ from mlp_offload import GiB
 from megatron.training.runtime.host_memory import PROCESS_BYTES_CPU, PROCESS_BYTES_GPU, beside_engine
 
 from megatron.training.model.flops import GptShape, flops_per_iteration
-from megatron.training.model.host_grads import tied_across_stages
 from megatron.training.model.sizes import StageParams, active_params, model_params, stage_params
 from megatron.training.offload.activation_memory import (activation_bytes, backward_workspace_bytes,
                                                          layer_major_activation_bytes, microbatches_in_flight)
@@ -241,9 +240,7 @@ def make_plan(args, cfg, machine: Machine, offload_config, measured: MeasuredRat
     streamed = (streamed_params(cfg, per_rank, param_bytes, gradient_itemsize(args) if grads_host else 0)
                 if params_in_host_memory(args) or grads_host else None)
     if streamed is not None:
-        refusal = streamed_params_refusal(cfg, tied_across_stages(args),
-                                          bool(getattr(args, "offload_overlap_forward", False)),
-                                          params_in_host_memory(args), grads_host, bool(getattr(args, "async_save", False)))
+        refusal = streamed_params_refusal(cfg, args, params_in_host_memory(args), grads_host)
         if refusal:
             problems.append(f"{GRADS_IN_HOST if grads_host else PARAMS_IN_HOST}: {refusal}")
         problems += ddp_build_peak_problems(streamed, machine)

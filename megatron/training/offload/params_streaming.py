@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megatron.training.model.layer_params import layer_params, layers_of_stage, moe_pattern
-from megatron.training.model.host_grads import host_grads_refusal
+from megatron.training.model.host_grads import host_grads_refusal, tied_across_stages
 from megatron.training.model.host_params import host_params_refusal
 from megatron.training.model.layer_major import layer_major_refusal
 
@@ -70,9 +70,8 @@ def update_copy_seconds(streamed: StreamedParams, link_bytes_per_s: float, devic
     return device_share * (trips * streamed.host_bytes + streamed.grad_host_bytes) / link_bytes_per_s
 
 
-def streamed_params_refusal(cfg, tied_across_stages: bool, overlap_forward: bool, params_in_host: bool = True,
-                            grads_in_host: bool = False, async_save: bool = False) -> Optional[str]:
-    """What the training refuses in one line for this layout, before it builds the model."""
+def streamed_params_refusal(cfg, args, params_in_host: bool = True, grads_in_host: bool = False) -> Optional[str]:
+    """What the training refuses in one line for this layout and these flags, before it builds the model."""
     return (layer_major_refusal(cfg, cfg.virtual_pipeline_model_parallel_size or 1)
-            or host_params_refusal(overlap_forward, async_save)
-            or (host_grads_refusal(params_in_host, cfg, tied_across_stages) if grads_in_host else None))
+            or host_params_refusal(args)
+            or (host_grads_refusal(params_in_host, cfg, tied_across_stages(args)) if grads_in_host else None))
