@@ -26,7 +26,7 @@ MEGATRON_CORE=0.16.1
 DEEPSPEED=0.19.8
 # DeepSpeed 0.19.8's requirements (einops hjson msgpack ninja numpy packaging psutil py-cpuinfo pydantic
 # torch tqdm, plus nvidia-ml-py for CUDA builds) less torch and numpy, with pydantic's own dependencies,
-# pinned to what pip resolved for cp312 on 2026-11-29.
+# pinned to the versions pip resolved for cp312 when this list was written.
 PEER_DEPS="einops==0.8.2 hjson==3.1.0 msgpack==1.2.4 ninja==1.13.2 packaging==26.4 psutil==7.2.2
 py-cpuinfo==9.0.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
 typing-extensions==4.16.0 tqdm==4.70.1 nvidia-ml-py==13.615.71"

@@ -15,6 +15,21 @@ from .test_plan_candidates import RUN_20B, run
 from .test_plan_replay import H200_TFLOPS, planner
 
 
+# 69 B (80 layers, hidden 8192) on one GPU of the x4 node (503 GiB host, 200 GiB disk), gb 64, fp8 moments, full
+# recompute, a host tier of 80 GiB: everything but the optimizer state on the GPU, as a user would first write it.
+RUN_69B_ONE_GPU = (
+    "--gpus-per-node 1 --gpu-memory-gb 140.4 --host-memory-gb 503 --offload-nvme-capacity-gb 200 "
+    "--offload-bandwidths nvme=1.7:1.6 --num-layers 80 --hidden-size 8192 --ffn-hidden-size 28672 "
+    "--num-attention-heads 64 --group-query-attention --num-query-groups 8 --seq-length 2048 "
+    "--max-position-embeddings 2048 --global-batch-size 64 --micro-batch-size 1 --bf16 --grad-reduce-in-bf16 "
+    "--swiglu --normalization RMSNorm --position-embedding-type rope --untie-embeddings-and-output-weights "
+    "--disable-bias-linear --hidden-dropout 0 --attention-dropout 0 --vocab-size 32000 "
+    "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 --device cuda "
+    "--use-precision-aware-optimizer --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8 "
+    "--offload-tiers gpu,host,nvme --offload-gpu-cache-gb auto --offload-host-cache-gb 80 "
+    "--offload-nvme-path /nonexistent --offload-subgroup-size 100000000")
+
+
 @settings(max_examples=examples(200))
 @given(compute=st.floats(1e-3, 100.0), layers=st.integers(1, 128), layer_bytes=st.integers(1, 10**10),
        grad_bytes=st.sampled_from([0, 2, 4]), link=st.floats(1e9, 1e11))
@@ -69,16 +84,7 @@ def test_70b_on_one_gpu_fits_only_with_grads_and_layer_inputs_in_host_memory_too
     layers x 64 micro-batches (2 s h bytes each: 160 GiB) do; with them in host memory as well it fits, two layers'
     params and grads and two layers' inputs on the GPU, those 160 GiB beside the params, grads and state in host
     memory."""
-    shape = ("--gpus-per-node 1 --gpu-memory-gb 140.4 --host-memory-gb 503 --offload-nvme-capacity-gb 200 "
-             "--offload-bandwidths nvme=1.7:1.6 --num-layers 80 --hidden-size 8192 --ffn-hidden-size 28672 "
-             "--num-attention-heads 64 --group-query-attention --num-query-groups 8 --seq-length 2048 "
-             "--max-position-embeddings 2048 --global-batch-size 64 --micro-batch-size 1 --bf16 --grad-reduce-in-bf16 "
-             "--swiglu --normalization RMSNorm --position-embedding-type rope --untie-embeddings-and-output-weights "
-             "--disable-bias-linear --hidden-dropout 0 --attention-dropout 0 --vocab-size 32000 "
-             "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 --device cuda "
-             "--use-precision-aware-optimizer --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8 "
-             "--offload-tiers gpu,host,nvme --offload-gpu-cache-gb auto --offload-host-cache-gb 80 "
-             "--offload-nvme-path /nonexistent --offload-subgroup-size 100000000 --offload-params host")
+    shape = f"{RUN_69B_ONE_GPU} --offload-params host"
     _, params_only = run(tool, f"--gpu-tflops {H200_TFLOPS} {shape}")
     _, grads = run(tool, f"--gpu-tflops {H200_TFLOPS} {shape} --offload-grads host")
     _, inputs = run(tool, f"--gpu-tflops {H200_TFLOPS} {shape} --offload-grads host --offload-activations host")
@@ -97,16 +103,7 @@ def test_70b_on_one_gpu_fits_only_with_grads_and_layer_inputs_in_host_memory_too
 def test_the_recommendation_for_69b_on_one_gpu_keeps_params_grads_and_layer_inputs_in_host_memory(tool):
     """The 69 B run as a user would first write it (everything but the state on the GPU): it does not fit, and the
     recommendation finds the one way that does among its candidates."""
-    flags = (f"--recommend --gpu-tflops {H200_TFLOPS} --gpus-per-node 1 --gpu-memory-gb 140.4 --host-memory-gb 503 "
-             "--offload-nvme-capacity-gb 200 --offload-bandwidths nvme=1.7:1.6 --num-layers 80 --hidden-size 8192 "
-             "--ffn-hidden-size 28672 --num-attention-heads 64 --group-query-attention --num-query-groups 8 "
-             "--seq-length 2048 --max-position-embeddings 2048 --global-batch-size 64 --micro-batch-size 1 --bf16 "
-             "--grad-reduce-in-bf16 --swiglu --normalization RMSNorm --position-embedding-type rope "
-             "--untie-embeddings-and-output-weights --disable-bias-linear --hidden-dropout 0 --attention-dropout 0 "
-             "--vocab-size 32000 --recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
-             "--device cuda --use-precision-aware-optimizer --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8 "
-             "--offload-tiers gpu,host,nvme --offload-gpu-cache-gb auto --offload-host-cache-gb 80 "
-             "--offload-nvme-path /nonexistent --offload-subgroup-size 100000000")
+    flags = f"--recommend --gpu-tflops {H200_TFLOPS} {RUN_69B_ONE_GPU}"
     _, got = run(tool, flags)
     assert not got["fits"]
     chosen = got["recommendation"]["chosen"]

@@ -21,10 +21,8 @@ def activation_bytes(args, cfg, microbatches_in_flight: int) -> int:
     t = cfg.tensor_model_parallel_size
     layers = cfg.num_layers // cfg.pipeline_model_parallel_size
     scores = 5 * a * s / h / t  # attention scores and softmax: gone with selective recompute
-    if cfg.recompute_granularity == "full":
-        kept = 2 * s * b * h / (t if cfg.sequence_parallel else 1)  # each layer's input only
-        per_layer_full = s * b * h * (34 / t + scores) if cfg.sequence_parallel else s * b * h * (10 + 24 / t + scores)
-        per_microbatch = layers * kept + per_layer_full
+    if cfg.recompute_granularity == "full":  # each layer's input only, and one layer recomputed at a time
+        per_microbatch = layers * kept_input_bytes(s, b, cfg) + recomputed_layer_bytes(args, cfg)
     else:
         if cfg.recompute_granularity == "selective":
             scores = 0.0
@@ -43,21 +41,27 @@ def layer_major_activation_bytes(args, cfg, microbatches: int, inputs_in_host: b
     micro-batch kept for its recompute, on the GPU, or with ``inputs_in_host`` in host memory with at most two
     layers' on the GPU (the one recomputed, the next fetched); one micro-batch's layer recompute and backward at a
     time; the last stage's logits one micro-batch at a time."""
-    s, b, h, a = args.seq_length, args.micro_batch_size, cfg.hidden_size, cfg.num_attention_heads
-    t = cfg.tensor_model_parallel_size
+    s, b, t = args.seq_length, args.micro_batch_size, cfg.tensor_model_parallel_size
     layers = cfg.num_layers // cfg.pipeline_model_parallel_size
     kept = kept_input_bytes(s, b, cfg)
-    scores = 5 * a * s / h / t
-    per_layer_full = s * b * h * (34 / t + scores) if cfg.sequence_parallel else s * b * h * (10 + 24 / t + scores)
     inputs = layers * microbatches * kept
     # The first stage's embedding outputs or the last stage's logits, whichever the stage has: both, to be safe
     # for either (every stage holds all the micro-batches at once, not only the first).
-    gpu = 2 * microbatches * kept + (2 * microbatches * kept if inputs_in_host else inputs) + per_layer_full
+    gpu = (2 * microbatches * kept + (2 * microbatches * kept if inputs_in_host else inputs)
+           + recomputed_layer_bytes(args, cfg))
     gpu += s * b * args.padded_vocab_size / t * FP32_BYTES
     # In host memory each layer's inputs are pinned blocks on a GPU, which torch's caching host allocator rounds up
     # to a power of two.
     pinned = 2 ** math.ceil(math.log2(kept)) if getattr(args, "device", "cuda") == "cuda" and kept >= 1 else kept
     return int(gpu), int(layers * microbatches * pinned if inputs_in_host else 0)
+
+
+def recomputed_layer_bytes(args, cfg) -> float:
+    """One layer's activations while it is recomputed and backpropagated for one micro-batch (full recompute)."""
+    s, b, h, a = args.seq_length, args.micro_batch_size, cfg.hidden_size, cfg.num_attention_heads
+    t = cfg.tensor_model_parallel_size
+    scores = 5 * a * s / h / t
+    return s * b * h * (34 / t + scores) if cfg.sequence_parallel else s * b * h * (10 + 24 / t + scores)
 
 
 def stored_per_token_layer(cfg) -> float:
