@@ -147,6 +147,8 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
         if self._cuda:
             for shard in self.shards:
                 torch.cuda.current_stream().wait_stream(shard.copy_stream)
+                if shard.params_on_host:  # read next from the host (saves) or on another stream (the layers' copies)
+                    shard.copy_back.wait()
         auto = [shard.engine for shard in self.shards if shard.engine.config.gpu_budget_auto]
         if auto and self.device_memory_figures is not None:
             if share_device_memory(auto, *self.device_memory_figures()) and self._cuda:

@@ -26,7 +26,9 @@ class ModelParamHigh:
             self.to_device(start, end, out, non_blocking=True)
         self.copy_stream.synchronize()
 
-    def to_device(self, start: int, end: int, out: torch.Tensor, non_blocking: bool = False) -> None:
+    def to_device(self, start: int, end: int, out: torch.Tensor, non_blocking: bool = True) -> None:
+        # (On the update's stream: from pinned host memory the host need not wait. The only writer of a range,
+        # its copy back after its update, is ordered after this read on the device.)
         for lo, hi, view in self.layout.views(start, end, "param"):
             out[lo - start: hi - start].copy_(view, non_blocking=non_blocking)
 

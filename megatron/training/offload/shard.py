@@ -18,6 +18,7 @@ from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradS
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.transformer.module import param_is_not_shared
 
+from megatron.training.offload.copy_back import CopyBack
 from megatron.training.offload.device_gradients import DeviceGradients, EventFence
 from megatron.training.model.host_grads import DEVICE_GRAD_NORM
 from megatron.training.offload.param_high import ModelParamHigh, ModelParamHighInPlace
@@ -72,6 +73,7 @@ class OffloadShard:
         self.norm_params, engine_groups = self._ordered_groups(groups.param_groups)
         self._cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream() if self._cuda else None
+        self.copy_back = CopyBack(self.copy_stream)  # (with the params in host memory)
         largest = min(offload_config.subgroup_size, self.layout.numel)
         # The master params cross PCIe in their stored dtype (a CPU-side cast would cost the update's time);
         # with remainders, the bf16 params themselves.
@@ -182,6 +184,10 @@ class OffloadShard:
     def _copy_params_to_device(self, start: int, end: int, params: torch.Tensor):
         # Updated on the device (resident or streamed; always on a CPU run): cast in place, in the
         # engine's stream order. With remainders ``params`` are the bf16 params already.
+        if self.params_on_host and params.is_cuda:  # back into host memory beside the next piece's update
+            self.copy_back.put(params, [(view, lo - start, hi - start)
+                                        for lo, hi, view in self.layout.views(start, end, "param")])
+            return None
         if not self._cuda or params.device == self.device or self.params_on_host:
             for lo, hi, view in self.layout.views(start, end, "param"):
                 view.copy_(params[lo - start: hi - start])
