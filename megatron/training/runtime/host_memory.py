@@ -14,8 +14,7 @@ from typing import Dict
 import torch
 
 from megatron.training.errors import UserError
-from mlp_offload import MiB, GiB, own_pss_bytes
-from mlp_offload.tiers.no_fork import unforked_zeros
+from mlp_offload import MiB, GiB, own_pss_bytes, unforked_zeros
 
 DATA_WORKER_BYTES = 32 * MiB
 # The planner's figure for a rank process on a GPU node before the engine allocates (torch, the
