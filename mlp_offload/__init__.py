@@ -25,6 +25,7 @@ from .subgroups.partition import FP32_BYTES, STATE_TENSORS
 from .telemetry.traffic import StepRecord, TierTraffic
 from .tiers.files import FileIo, FileTier, TierDataError, TierIOError, TierOwner, TierPathError, fsync_path
 from .tiers.host import HostMemory, HostMemoryError, check_host_memory, meminfo_bytes, own_pss_bytes
+from .tiers.no_fork import unforked_zeros
 from .tiers.housekeeping import NamespaceInUseError, scan as scan_namespaces
 from .tiers.housekeeping import release_all as release_swap_namespaces
 from .tiers.housekeeping import tree_bytes
@@ -53,6 +54,8 @@ __all__ = [
     # checkpoints (the file format itself: mlp_offload.checkpoint)
     "CheckpointDataError", "CheckpointSaveError", "BackgroundStateWrite", "save_engine_state",
     "start_background_save", "fsync_path",
+    # host memory children of the rank do not inherit, committed as it is written (pinned where the caller asks)
+    "unforked_zeros",
     # planning and measuring without an engine (tools/plan_offload.py, benchmarks/)
     "EnginePlan", "plan_engine", "MeasuredRates", "min_host_budget_bytes", "probe_tier", "measure_adam_rate", "measure_convert_rate",
     "device_seconds", "measure_update_paths", "predict_iteration", "first_forward_share", "UpdateRates",

@@ -182,19 +182,15 @@ def test_the_layer_major_steps_inputs_go_to_host_memory_all_but_two_layers(layer
     assert on_gpu - gpu == pytest.approx(layers * microbatches * kept - 2 * microbatches * kept, abs=2)
 
 
-def test_params_in_host_memory_pass_through_it_twice_at_start_up(tool):
-    """The model moves to host memory and DDP then copies it into its pinned buffer: for a moment the params are
-    there twice. 35.11 B (89 layers of the 20.68 B shape) on one H200 machine (125 GiB): 2 x 65.4 GiB plus the
-    process does not fit; 31.6 B (80 layers) does."""
+def test_params_in_host_memory_are_there_once_at_start_up(tool):
+    """DDP copies the params into a buffer committed as it is written and pinned in place after: at start-up the
+    node holds them once. 35.11 B (89 layers of the 20.68 B shape) fits one H200 machine (125 GiB); with the
+    params moved there twice (2 x 65.4 GiB) it would not."""
     machine = ("--gpus-per-node 1 --gpu-memory-gb 140.4 --host-memory-gb 125 --offload-nvme-capacity-gb 60 "
                "--offload-bandwidths nvme=1.7:1.6 --gpu-adam-gelems 32.2 --gpu-streamed-gelems 11.2")
     model = RUN_20B[RUN_20B.index("--swiglu"):].replace("--exp-avg-dtype bf16 --exp-avg-sq-dtype bf16",
                                                         "--exp-avg-dtype fp8 --exp-avg-sq-dtype fp8")
     model = model.replace("--offload-host-cache-gb 97", "--offload-host-cache-gb 52") + " --offload-params host"
     _, big = run(tool, f"--gpu-tflops {H200_TFLOPS} {machine} {model.replace('--num-layers 52', '--num-layers 89')}")
-    _, fits = run(tool, f"--gpu-tflops {H200_TFLOPS} {machine} {model.replace('--num-layers 52', '--num-layers 80')}")
-    assert not big["fits"] and any(p.startswith("host memory at start-up") for p in big["problems"]), big["problems"]
-    twice = 2 * big["host_bytes_per_node"]["host_params"] / 2**30
-    assert f"{big['host_bytes_per_node']['host_params'] / 2**30:.1f} GiB of params" in big["problems"][0]
-    assert twice > 125 - 4
-    assert fits["fits"], fits["problems"]
+    assert big["fits"], big["problems"]
+    assert 2 * big["host_bytes_per_node"]["host_params"] / 2**30 > 125 - 4

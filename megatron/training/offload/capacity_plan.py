@@ -205,15 +205,15 @@ def iteration_seconds(compute_s: float, engines: Dict[str, EnginePlan], overlap:
 
 def ddp_build_peak_problems(streamed: StreamedParams, machine: Machine) -> List[str]:
     """Start-up with the params in host memory (``host_params.ddp_with_params_in_host_memory``): the model moves
-    to host memory, then DDP allocates its pinned buffers (params, and grads with them) and copies each param in,
-    so for a moment the node holds the params twice, before the engine takes any host memory."""
+    to host memory, then DDP copies each param into its buffer (host memory committed as it is written, each old
+    copy freed after it, pinned in place after the last: ``runtime.host_memory.pin_in_place``), so the node holds
+    the params once, and the grads with them, before the engine takes any host memory."""
     process = PROCESS_BYTES_GPU
-    peak = machine.gpus_per_node * (2 * streamed.host_bytes + streamed.grad_host_bytes + process)
+    peak = machine.gpus_per_node * (streamed.host_bytes + streamed.grad_host_bytes + process)
     if peak <= machine.host_memory_bytes:
         return []
     return [f"host memory at start-up: {machine.gpus_per_node} rank(s) x ({streamed.host_bytes / GiB:.1f} GiB of "
-            f"params moved to host memory + the same again as DDP's pinned buffer"
-            + (f" + {streamed.grad_host_bytes / GiB:.1f} GiB of grads" if streamed.grad_host_bytes else "")
+            f"params" + (f" + {streamed.grad_host_bytes / GiB:.1f} GiB of grads" if streamed.grad_host_bytes else "")
             + f" + {process / GiB:.1f} GiB the process) = {peak / GiB:.1f} GiB, more than the node's "
             f"{machine.host_memory_bytes / GiB:.1f} GiB: fewer params per rank (tensor or pipeline parallel)"]
 

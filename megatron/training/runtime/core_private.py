@@ -14,6 +14,8 @@ from megatron.core.distributed import param_and_grad_buffer
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
+from megatron.training.runtime.host_memory import host_zeros_to_pin, pin_in_place
+
 
 def gbuf_range_map(buffer):
     """A DDP buffer's per-bucket shard ranges for this data-parallel rank. Why private: the offload
@@ -90,6 +92,7 @@ def param_buffers_in_host_memory(pin: bool, grads_too: bool = False):
     module = param_and_grad_buffer
     buffer_class, real_init, real_torch = module._ParamAndGradBuffer, module._ParamAndGradBuffer.__init__, module.torch
     to_host: list = []  # of the coming torch.zeros calls, in order: whether each goes to host memory
+    to_pin: list = []  # host buffers to pin once DDP has copied the params in
 
     class _Torch:
         def __getattr__(self, name):
@@ -98,9 +101,10 @@ def param_buffers_in_host_memory(pin: bool, grads_too: bool = False):
         @staticmethod
         def zeros(*args, **kwargs):
             if to_host and to_host.pop(0):
+                if pin:  # pinned in place after the copies in: the params are never in host memory twice
+                    to_pin.append(host_zeros_to_pin(args[0], kwargs["dtype"]))
+                    return to_pin[-1]
                 kwargs["device"] = "cpu"
-                if pin:
-                    kwargs["pin_memory"] = True
             return real_torch.zeros(*args, **kwargs)
 
     def init(self, *args, **kwargs):
@@ -108,6 +112,9 @@ def param_buffers_in_host_memory(pin: bool, grads_too: bool = False):
         to_host[:] = ([True] if ddp_config.use_distributed_optimizer else []) + [grads_too]
         real_init(self, *args, **kwargs)
         to_host.clear()
+        for buffer in to_pin:
+            pin_in_place(buffer, "--offload-params host")
+        to_pin.clear()
 
     module.torch, buffer_class.__init__ = _Torch(), init
     try:

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from typing import Dict
 
-from mlp_offload import MiB, GiB, own_pss_bytes
+import torch
+
+from megatron.training.errors import UserError
+from mlp_offload import MiB, GiB, own_pss_bytes, unforked_zeros
 
 DATA_WORKER_BYTES = 32 * MiB
 # The planner's figure for a rank process on a GPU node before the engine allocates (torch, the
@@ -27,3 +30,21 @@ def beside_engine(num_workers: int, process_bytes: int) -> Dict[str, int]:
 def measured_beside_engine(num_workers: int) -> Dict[str, int]:
     """This rank's figures now: its own proportional memory, and its workers to come."""
     return beside_engine(num_workers, own_pss_bytes())
+
+
+def host_zeros_to_pin(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """``numel`` zeros of ``dtype`` in host memory that is committed only as it is written (the kernel's fresh
+    anonymous pages), to be pinned in place once filled (``pin_in_place``): params copied in one by one, each old
+    copy freed after it, never hold the node's memory twice, as a pinned allocation up front would."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    return unforked_zeros(numel * itemsize).view(dtype)
+
+
+def pin_in_place(tensor: torch.Tensor, what: str) -> None:
+    """Page-lock ``tensor``'s host memory where it lies (cudaHostRegister), for copies to and from the GPU that do
+    not hold the host; a failure (the locked-memory limit, the node's memory) stops the run in one line."""
+    nbytes = tensor.numel() * tensor.element_size()
+    code = int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0))
+    if code != 0 or not tensor.is_pinned():
+        raise UserError(f"{what}: pinning {nbytes / GiB:.2f} GiB of host memory failed (CUDA error {code}); raise "
+                        f"the locked-memory limit (ulimit -l) or free host memory")
