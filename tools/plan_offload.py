@@ -501,8 +501,8 @@ def describe(plan, args, machine, flags, rates) -> str:
         if getattr(plan, "cpu_rates_line", ""):
             lines.append(plan.cpu_rates_line)
     copies = plan.param_copies_s
-    update, joins = (f" + update {plan.update_s:.3f} s" + (f" (of it {copies:.3f} s copies across the host link: the "
-                                                           f"params, and grads in host memory)" if copies else "")
+    update, joins = (f" + update {plan.update_s:.3f} s" + (f" (of it {copies:.3f} s the copies across the host link "
+                                                           f"add: the params, and grads in host memory)" if copies else "")
                      if plan.update_s is not None else ""), "="
     if plan.overlaps_forward and plan.update_s is not None:  # not a sum (mlp_offload.predict_iteration)
         update, joins = f" and update {plan.update_s:.3f} s, its device share under the next forward", "from"

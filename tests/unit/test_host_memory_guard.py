@@ -85,3 +85,23 @@ def test_host_buffers_come_zero_filled_so_the_engine_skips_zeroing_its_state():
     memory.release(first)
     again = memory.allocate(3 << 20, "b")  # not the released buffer's bytes
     assert not again.any()
+
+
+def test_on_a_gpu_the_guard_counts_theprocess_at_its_peak_beside_the_model_in_host_memory():
+    """Measured at start-up the process is smaller than in its steps (a 35.11 B run the guard admitted at a host
+    tier of 52 GiB was killed for host memory in its first step): on a GPU it counts at least the model's buffers
+    in host memory plus the process's measured peak beside them; a CPU run counts what it measures."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from megatron.training.offload.factory import process_at_its_peak
+    from megatron.training.runtime.host_memory import PROCESS_BYTES_GPU, measured_beside_engine
+
+    params, grads = torch.zeros(1000, dtype=torch.bfloat16), torch.zeros(1000, dtype=torch.float32)
+    chunk = SimpleNamespace(buffers=[SimpleNamespace(param_data=params, grad_data=grads)], expert_parallel_buffers=[])
+    assert process_at_its_peak([chunk], torch.device("cuda")) == 2000 + 4000 + PROCESS_BYTES_GPU
+    assert process_at_its_peak([chunk], torch.device("cpu")) == 0
+    now = measured_beside_engine(0)["process"]
+    assert measured_beside_engine(0, at_least=now + 10 * GiB)["process"] == now + 10 * GiB
+    assert measured_beside_engine(0, at_least=1)["process"] > 10 * 2**20  # the measured figure, when larger

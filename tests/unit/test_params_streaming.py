@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from megatron.training.offload.params_streaming import (StreamedParams, streamed_compute_seconds,
-                                                        update_copy_seconds)
+                                                        update_copies)
 from tests.profiles import examples
 
 from .test_plan_candidates import RUN_20B, run
@@ -16,7 +16,7 @@ from .test_plan_replay import H200_TFLOPS, planner
 
 
 # 69 B (80 layers, hidden 8192) on one GPU of the x4 node (503 GiB host, 200 GiB disk), gb 64, fp8 moments, full
-# recompute, a host tier of 80 GiB: everything but the optimizer state on the GPU, as a user would first write it.
+# recompute, a host tier of 75 GiB: everything but the optimizer state on the GPU, as a user would first write it.
 RUN_69B_ONE_GPU = (
     "--gpus-per-node 1 --gpu-memory-gb 140.4 --host-memory-gb 503 --offload-nvme-capacity-gb 200 "
     "--offload-bandwidths nvme=1.7:1.6 --num-layers 80 --hidden-size 8192 --ffn-hidden-size 28672 "
@@ -26,7 +26,7 @@ RUN_69B_ONE_GPU = (
     "--disable-bias-linear --hidden-dropout 0 --attention-dropout 0 --vocab-size 32000 "
     "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 --device cuda "
     "--use-precision-aware-optimizer --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8 "
-    "--offload-tiers gpu,host,nvme --offload-gpu-cache-gb auto --offload-host-cache-gb 80 "
+    "--offload-tiers gpu,host,nvme --offload-gpu-cache-gb auto --offload-host-cache-gb 75 "
     "--offload-nvme-path /nonexistent --offload-subgroup-size 100000000")
 
 
@@ -48,15 +48,19 @@ def test_each_layer_takes_the_longer_of_its_compute_and_its_copies(compute, laye
         assert got == pytest.approx(compute, rel=1e-9)
 
 
-def test_the_update_adds_the_device_updated_params_trips():
+def test_the_update_reads_the_params_in_series_and_writes_them_back_beside_it():
     streamed = StreamedParams(device_bytes=0, host_bytes=40 * 10**9, layers=40, layer_bytes=10**9)
-    assert update_copy_seconds(streamed, 50e9, 1.0, reads_high=True) == pytest.approx(1.6)  # read, then written
-    assert update_copy_seconds(streamed, 50e9, 1.0, reads_high=False) == pytest.approx(0.8)
-    assert update_copy_seconds(streamed, 50e9, 0.25, reads_high=True) == pytest.approx(0.4)  # the CPU's share: none
-    assert update_copy_seconds(streamed, 50e9, 0.0, reads_high=True) == 0.0
+    copies = update_copies(streamed, 50e9, 1.0, reads_high=True)
+    assert (copies.in_series, copies.beside) == (pytest.approx(0.8), pytest.approx(0.8))
+    assert copies.added_to(0.3) == pytest.approx(0.8 + 0.5)  # the way back outlasts the update by 0.5 s
+    assert copies.added_to(5.0) == pytest.approx(0.8)  # a disk-bound update hides the way back
+    without_high = update_copies(streamed, 50e9, 1.0, reads_high=False)
+    assert without_high.in_series == 0.0 and without_high.added_to(0.0) == pytest.approx(0.8)
+    assert update_copies(streamed, 50e9, 0.25, reads_high=True).added_to(0.0) == pytest.approx(0.4)  # CPU's: none
+    assert update_copies(streamed, 50e9, 0.0, reads_high=True).added_to(0.0) == 0.0
     with_grads = StreamedParams(device_bytes=0, host_bytes=40 * 10**9, layers=40, layer_bytes=10**9,
-                                grad_host_bytes=80 * 10**9)  # fp32 grads in host memory: read back in too
-    assert update_copy_seconds(with_grads, 50e9, 1.0, reads_high=True) == pytest.approx(3.2)
+                                grad_host_bytes=80 * 10**9)  # fp32 grads in host memory: read back in, in series
+    assert update_copies(with_grads, 50e9, 1.0, reads_high=True).in_series == pytest.approx(2.4)
 
 
 @pytest.fixture(scope="module")
@@ -184,13 +188,19 @@ def test_the_layer_major_steps_inputs_go_to_host_memory_all_but_two_layers(layer
 
 def test_params_in_host_memory_are_there_once_at_start_up(tool):
     """DDP copies the params into a buffer committed as it is written and pinned in place after: at start-up the
-    node holds them once. 35.11 B (89 layers of the 20.68 B shape) fits one H200 machine (125 GiB); with the
-    params moved there twice (2 x 65.4 GiB) it would not."""
+    node holds them once. 35.11 B (89 layers of the 20.68 B shape) fits one H200 machine (125 GiB) with a host tier
+    of 44 GiB, as it trained; with the params moved there twice (2 x 65.4 GiB) it would not. At 52 GiB the run was
+    killed for host memory in its first step: the plan says DOES NOT FIT."""
     machine = ("--gpus-per-node 1 --gpu-memory-gb 140.4 --host-memory-gb 125 --offload-nvme-capacity-gb 60 "
                "--offload-bandwidths nvme=1.7:1.6 --gpu-adam-gelems 32.2 --gpu-streamed-gelems 11.2")
     model = RUN_20B[RUN_20B.index("--swiglu"):].replace("--exp-avg-dtype bf16 --exp-avg-sq-dtype bf16",
                                                         "--exp-avg-dtype fp8 --exp-avg-sq-dtype fp8")
-    model = model.replace("--offload-host-cache-gb 97", "--offload-host-cache-gb 52") + " --offload-params host"
-    _, big = run(tool, f"--gpu-tflops {H200_TFLOPS} {machine} {model.replace('--num-layers 52', '--num-layers 89')}")
+    model = model.replace("--num-layers 52", "--num-layers 89") + " --offload-params host"
+    trained = model.replace("--offload-gpu-cache-gb auto --offload-host-cache-gb 97",
+                            "--offload-gpu-cache-gb 40 --offload-host-cache-gb 44")
+    _, killed = run(tool, f"--gpu-tflops {H200_TFLOPS} {machine} "
+                          f"{model.replace('--offload-host-cache-gb 97', '--offload-host-cache-gb 52')}")
+    assert not killed["fits"] and any(p.startswith("host memory:") for p in killed["problems"]), killed["problems"]
+    _, big = run(tool, f"--gpu-tflops {H200_TFLOPS} {machine} {trained}")
     assert big["fits"], big["problems"]
     assert 2 * big["host_bytes_per_node"]["host_params"] / 2**30 > 125 - 4

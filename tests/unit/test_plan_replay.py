@@ -306,18 +306,32 @@ RUNS = {
         f"--gpu-streamed-gelems 11.86 {LLAMA} {FP8_MOMENTS} {LLAMA_20B}",
         update_s=0.6202, iteration_s=1.3460, gpu_subgroups=135, peak_in_use_gib=124.06 - 42.75, attention="sdpa",
         in_turn=False),
-    # The same command with --offload-params host (benchmarks/experiments/host_params.sh, 2026-11-29, call 5): the
-    # params in pinned host memory, each layer copied in for its forward and its backward; the host tier 56 GiB
-    # (41 GB of params beside it). Iterations 3-6 3.8668, 3.7696, 3.7761, 3.7956 s (mean 3.8020), update 2.2750,
-    # 2.1852, 2.1971, 2.2083 s (mean 2.2164); auto: peak 89.71 GiB, the gpu tier then holds all 207 (78.24 GiB)
+    # The same command with --offload-params host and the updated params copied back beside the update
+    # (benchmarks/experiments/host_params.sh PARTS=20b, 2026-11-29 fifth session): the params in pinned host memory,
+    # each layer copied in for its forward and its backward; host tier 56 GiB. Iterations 3-6 3.1330, 3.1341,
+    # 3.1317, 3.1385 s (mean 3.1343), update 1.5431, 1.5401, 1.5376, 1.5467 s (mean 1.5419); auto: peak 89.71 GiB,
+    # the gpu tier then holds all 207 (78.24 GiB)
     "20.68B fp8 moments, params in host memory, one H200": Recorded(
-        "host_params_2026-11-29/20b_params.log",
-        ["read 1.71 GB/s, write 1.64 GB/s", "adam 1.35 Gelem/s", "adam 32.20 Gelem/s resident, 11.24 streamed",
+        "device_2026-11-29f/host_params_20b/20b_params/largest.log",
+        ["read 1.43 GB/s, write 1.26 GB/s", "adam 1.04 Gelem/s", "adam 32.34 Gelem/s resident, 11.14 streamed",
          "38.51 GiB in pinned host memory", "peak 89.71 GiB", "the gpu tier holds 207 (78.24 GiB)"],
-        f"{ONE_H200} --offload-bandwidths nvme=1.71:1.64 --adam-gelems 1.35 --gpu-adam-gelems 32.20 "
-        f"--gpu-streamed-gelems 11.24 {LLAMA} {FP8_MOMENTS} "
+        f"{ONE_H200} --offload-bandwidths nvme=1.43:1.26 --adam-gelems 1.04 --gpu-adam-gelems 32.34 "
+        f"--gpu-streamed-gelems 11.14 {LLAMA} {FP8_MOMENTS} "
         f"{LLAMA_20B.replace('--offload-host-cache-gb 97', '--offload-host-cache-gb 56')} --offload-params host",
-        update_s=2.2164, iteration_s=3.8020, gpu_subgroups=207, attention="sdpa", in_turn=False),
+        update_s=1.5419, iteration_s=3.1343, gpu_subgroups=207, attention="sdpa", in_turn=False),
+    # 35.11 B (89 layers of that shape) with --offload-params host, gpu tier 40 GiB, host tier 44 GiB, the rest on
+    # the disk (largest_model.sh, same session; the host tier at 52 GiB was killed for host memory): iterations
+    # 2-3 58.4307, 59.9912 s, update 55.5778, 57.2428 s; 53 GB read and written a step
+    "35.11B fp8 moments, params in host memory, state on the disk, one H200": Recorded(
+        "device_2026-11-29f/largest_35b_host44/largest.log",
+        ["read 1.89 GB/s, write 1.69 GB/s", "adam 1.46 Gelem/s", "adam 32.19 Gelem/s resident, 11.24 streamed",
+         "65.40 GiB in pinned host memory", "state per memory tier gpu 39.73 GiB, host 43.89 GiB"],
+        f"{ONE_H200} --offload-bandwidths nvme=1.89:1.69 --adam-gelems 1.46 --gpu-adam-gelems 32.19 "
+        f"--gpu-streamed-gelems 11.24 {LLAMA} {FP8_MOMENTS} --offload-params host "
+        + LLAMA_20B.replace("--num-layers 52", "--num-layers 89").replace(
+            "--offload-gpu-cache-gb auto --offload-host-cache-gb 97", "--offload-gpu-cache-gb 40 --offload-host-cache-gb 44"),
+        # (a fixed gpu tier prints no "peak" line: the watcher's 122.1 GiB is nvidia-smi's, allocator cache included)
+        update_s=56.4103, iteration_s=59.2110, attention="sdpa", in_turn=False),
     # The same with --offload-overlap-forward, same call: iteration 3 (settled) 1.5468 s, update 0.8330 s; iteration 4
     # (compute alone) 0.7122 s, update 2.8 ms; iterations 5-8 (overlapped) 1.4621-1.4727 s (mean 1.4650), the forward
     # waiting 0.50 s: slower than in series (1.3460). The model plans it at 1.29 s, under the run in series: the

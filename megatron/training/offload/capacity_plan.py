@@ -37,7 +37,7 @@ from megatron.training.errors import UserError
 from megatron.training.offload.options import (GPU_CACHE_FLAG, GRADS_IN_HOST, PARAMS_IN_HOST, grads_in_host_memory,
                                                in_flags, layer_major_flags, params_in_host_memory)
 from megatron.training.offload.params_streaming import (StreamedParams, streamed_compute_seconds, streamed_params,
-                                                        streamed_params_refusal, update_copy_seconds)
+                                                        streamed_params_refusal, update_copies)
 
 # CUDA context, cuBLAS workspaces, kernels: device memory torch's allocator cannot reach (what the
 # gpu tier auto lines of the GPU runs showed it could reach: docs/benchmarks.md).
@@ -329,7 +329,8 @@ def make_plan(args, cfg, machine: Machine, offload_config, measured: MeasuredRat
     if streamed is not None and link and engines:
         cpu, device = (sum(getattr(e.prediction, f"{side}_subgroups") for e in engines.values())
                        for side in ("cpu", "device"))
-        copies_s = update_copy_seconds(streamed, link, device / max(1, cpu + device), offload_config.param_remainders)
+        copies = update_copies(streamed, link, device / max(1, cpu + device), offload_config.param_remainders)
+        copies_s = copies.added_to(sum(e.prediction.update_s for e in engines.values()))
 
     def iteration(global_batch: int) -> float:
         return copies_s + iteration_seconds(compute_seconds(global_batch), engines, overlap,

@@ -21,7 +21,7 @@ from megatron.training.offload.flags import config_from_args
 from megatron.training.offload.gpu_tier_start import starting_gpu_tier_bytes
 from megatron.training.offload.options import GPU_START_FLAG, config_fields, in_flags
 from megatron.training.runtime.core_private import param_groups_and_buffers
-from megatron.training.runtime.host_memory import measured_beside_engine
+from megatron.training.runtime.host_memory import PROCESS_BYTES_GPU, measured_beside_engine
 from megatron.training.runtime.progress import model_device
 from mlp_offload import GiB, OffloadConfig
 
@@ -36,10 +36,25 @@ def get_offload_optimizer(args, model_chunks, config: OptimizerConfig) -> Offloa
     groups = shard_groups(model_chunks, config)
     device = model_device(model_chunks)  # home of the gpu tier and device updates (the CPU twin on CPU)
     offload_config = config_from_args(args, rank=_rank(), device=str(device),
-                                      host_bytes_beside=measured_beside_engine(args.num_workers),
+                                      host_bytes_beside=measured_beside_engine(
+                                          args.num_workers, process_at_its_peak(model_chunks, device)),
                                       **_starting_gpu_tier(args, model_chunks, groups, device))
     return OffloadDistributedOptimizer(config, offload_config, model_chunks, groups,
                                        token_store=job_store(offload_config))
+
+
+def process_at_its_peak(model_chunks, device) -> int:
+    """On a GPU: the model's buffers in host memory (--offload-params/--offload-grads host) and the process's
+    peak beside them, which its first steps reach after this start-up (0 on a CPU run: measured is right)."""
+    if device.type != "cuda":
+        return 0
+    in_host = 0
+    for chunk in model_chunks:
+        for buffer in list(getattr(chunk, "buffers", [])) + list(getattr(chunk, "expert_parallel_buffers", [])):
+            for data in (buffer.param_data, buffer.grad_data):
+                if data is not None and data.device.type == "cpu":
+                    in_host += data.numel() * data.element_size()
+    return in_host + PROCESS_BYTES_GPU
 
 
 def _starting_gpu_tier(args, model_chunks, groups: List[ShardGroups], device) -> dict:

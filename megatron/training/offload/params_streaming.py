@@ -7,9 +7,10 @@ their copies add to a step.
   backward, the copy of the next under the compute of this one, so each layer costs the longer of its compute
   and its copy. With full recompute a layer's forward is a quarter of its compute (forward, recompute, and a
   backward of twice the forward); the rest is its backward.
-- Update: where the device updates, the updated params go back to host memory across the link, and with the
-  master stored as 16-bit remainders the update first reads their high halves (the bf16 params) from there;
-  both in series with the update. A CPU update reads and writes them in host memory.
+- Update: where the device updates, with the master stored as 16-bit remainders the update first reads the
+  params' high halves (the bf16 params) from host memory, in series with it; the updated params go back on a
+  side stream (``offload.copy_back``), beside the next piece's read and update, so the way back costs only what
+  it takes beyond the update's own time. A CPU update reads and writes them in host memory.
 - With --offload-grads host the grads follow: two layer slots and the rest's on the GPU, all of them in host
   memory; each layer's grads go out after its backward on the same side stream as the next layer's params come
   in (so a backward layer costs the longer of its compute and both copies), and the device update reads them
@@ -62,12 +63,25 @@ def streamed_compute_seconds(compute_s: float, streamed: StreamedParams, link_by
     return streamed.layers * (max(forward, copy) + max(per_layer - forward, backward_copies))
 
 
-def update_copy_seconds(streamed: StreamedParams, link_bytes_per_s: float, device_share: float,
-                        reads_high: bool) -> float:
-    """What the update adds: the device-updated params' trips across the link, and the grads' way back in where
-    they are in host memory (``device_share``: of the elements)."""
-    trips = 2 if reads_high else 1
-    return device_share * (trips * streamed.host_bytes + streamed.grad_host_bytes) / link_bytes_per_s
+@dataclass(frozen=True)
+class UpdateCopies:
+    """What the device update's params (and grads in host memory) take across the link: ``in_series`` with the
+    update (the params' high halves and the grads read in), and ``beside`` it (the updated params' way back)."""
+    in_series: float
+    beside: float
+
+    def added_to(self, update_s: float) -> float:
+        """What the copies add to an update of ``update_s`` on its own."""
+        return self.in_series + max(0.0, self.beside - update_s)
+
+
+def update_copies(streamed: StreamedParams, link_bytes_per_s: float, device_share: float,
+                  reads_high: bool) -> UpdateCopies:
+    """The device-updated share's copies (``device_share``: of the elements; ``link_bytes_per_s``: one
+    direction)."""
+    read_in = (streamed.host_bytes if reads_high else 0) + streamed.grad_host_bytes
+    return UpdateCopies(in_series=device_share * read_in / link_bytes_per_s,
+                        beside=device_share * streamed.host_bytes / link_bytes_per_s)
 
 
 def streamed_params_refusal(cfg, args, params_in_host: bool = True, grads_in_host: bool = False) -> Optional[str]:

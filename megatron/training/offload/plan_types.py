@@ -58,7 +58,7 @@ class Plan:
     shard_numels: Dict[str, int] = field(default_factory=dict)  # per distributed optimizer
     tier_rates: Dict[str, TierBandwidth] = field(default_factory=dict)  # each file tier's, as planned with
     overlaps_forward: bool = False  # the iteration counts the update under the next forward
-    param_copies_s: float = 0.0  # of update_s, the copies of params (and grads) in host memory across the host link
+    param_copies_s: float = 0.0  # of update_s, what the copies of params (and grads) in host memory add to it
 
     def placement_counts(self, kind: Optional[str] = None) -> Dict[str, int]:
         """Subgroups per tier, as the engine logs them at start-up (host first, then the file tiers),

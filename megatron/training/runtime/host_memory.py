@@ -17,9 +17,10 @@ from megatron.training.errors import UserError
 from mlp_offload import MiB, GiB, own_pss_bytes, unforked_zeros
 
 DATA_WORKER_BYTES = 32 * MiB
-# The planner's figure for a rank process on a GPU node before the engine allocates (torch, the
-# CUDA context's host side, NCCL buffers): the guard measures it instead.
-PROCESS_BYTES_GPU = 4 * GiB
+# A rank process on a GPU node at its peak in the steps, beside the engine's buffers and the model's host memory
+# (torch, the CUDA context's host side, NCCL buffers, the kernels' first use): the largest measured, with the
+# node's own use (docs/benchmarks.md, section 28). The start-up guard counts the process as at least this.
+PROCESS_BYTES_GPU = 9 * GiB
 PROCESS_BYTES_CPU = GiB // 2  # a CPU rank after its imports (about 0.33 GiB measured), model aside
 
 
@@ -27,9 +28,11 @@ def beside_engine(num_workers: int, process_bytes: int) -> Dict[str, int]:
     return {"process": int(process_bytes), "data workers": int(num_workers) * DATA_WORKER_BYTES}
 
 
-def measured_beside_engine(num_workers: int) -> Dict[str, int]:
-    """This rank's figures now: its own proportional memory, and its workers to come."""
-    return beside_engine(num_workers, own_pss_bytes())
+def measured_beside_engine(num_workers: int, at_least: int = 0) -> Dict[str, int]:
+    """This rank's figures now: its own proportional memory, and its workers to come. ``at_least``: what the
+    process will hold in its steps where that is more (on a GPU: its peak beside what it holds of the model now;
+    measured at start-up, before the first step, the process is smaller than it grows)."""
+    return beside_engine(num_workers, max(own_pss_bytes(), at_least))
 
 
 def host_zeros_to_pin(numel: int, dtype: torch.dtype) -> torch.Tensor:
