@@ -3,6 +3,11 @@
 The reference: a disk k times as fast as probed moves the step's bytes in 1/k of the modelled I/O time, so the
 prediction priced at the learnt rates gives the step's measured time back."""
 
+import itertools
+import statistics
+import sys
+from types import SimpleNamespace
+
 import torch
 from hypothesis import given, strategies as st
 
@@ -10,7 +15,6 @@ import pytest
 
 from mlp_offload import OffloadedAdamW
 from mlp_offload.config import OffloadConfig, TierBandwidth
-from mlp_offload.plan import disk_rates
 from mlp_offload.plan.disk_rates import MIN_STEP_S, MOVE, DiskRates
 from mlp_offload.plan.placement import plan_placement
 from mlp_offload.plan.prediction import MeasuredRates, NodeSharing, predict_update
@@ -81,37 +85,55 @@ def test_one_odd_step_moves_the_scale_no_further_than_its_neighbours(tmp_path):
     assert disk.scale == pytest.approx(1.2, rel=1e-6)
 
 
-def test_an_engine_prices_its_prediction_at_the_disk_its_steps_saw(tmp_path, monkeypatch):
-    """On this machine's disk: rates given a thousand times too slow plan seconds of I/O a step; after
-    disk-bound steps the prediction comes to the steps' own time (the rest is Adam, which the model counts).
-    The steps here are milliseconds: the shortest step read is lowered for them."""
-    monkeypatch.setattr(disk_rates, "MIN_STEP_S", 0.0)
-    slow = {"nvme": (2e6, 1e6)}
-    cfg = fast_config(tmp_path, ["host", "nvme"], bandwidths=slow, host_budget_bytes=1 << 20)
-    eng = OffloadedAdamW(torch.zeros(200_000), cfg, lr=1e-3)
+def steps_taking(monkeypatch, seconds) -> None:
+    """The engine's steps from now on take ``seconds`` (one figure a step) by the engine's clock: the rule
+    is read from each step's bytes and time, so its figures may not hang on how loaded this machine is."""
+    # The step reads the clock at its start and its end, once each.
+    ticks = itertools.accumulate(x for s in seconds for x in (0.0, s))
+    monkeypatch.setattr(sys.modules["mlp_offload.engine"], "time", SimpleNamespace(perf_counter=lambda: next(ticks)))
+
+
+def slow_disk_engine(tmp_path, **overrides):
+    """An engine whose one file tier is given a thousand times too slow: seconds of I/O planned a step."""
+    cfg = fast_config(tmp_path, ["host", "nvme"], bandwidths={"nvme": (2e6, 1e6)}, host_budget_bytes=1 << 20,
+                      **overrides)
+    return OffloadedAdamW(torch.zeros(200_000), cfg, lr=1e-3)
+
+
+@pytest.mark.parametrize("k", [0.5, 3.0])
+def test_an_engine_prices_its_prediction_at_the_disk_its_steps_saw(tmp_path, monkeypatch, k):
+    """A disk k times as fast as given, then a quarter of that: the prediction comes to the planned bytes at
+    the median of the speeds (bytes over seconds) the steps that read showed. The first step mostly writes
+    (nothing is on the disk yet), and a subgroup read ahead may count in the step before its own: each
+    step's speed is taken from its own record. Each reading moves the median by over ``MOVE``, and is
+    priced at the scale the one before it left."""
+    eng = slow_disk_engine(tmp_path)
     try:
-        planned = eng.prediction.update_s
-        assert planned > 1.0
-        for _ in range(2):
+        planned = eng.prediction
+        planned_bytes = sum(planned.read_bytes.values()) + sum(planned.write_bytes.values())
+        assert planned.io_s == planned.update_s > 1.0 > 1000 * planned.adam_s
+        seconds = [planned.update_s / k] * 2 + [4 * planned.update_s / k]
+        steps_taking(monkeypatch, seconds)
+        records = []
+        for _ in seconds:
             eng.grad_buffer.normal_()
-            rec = eng.step()
-        assert rec.update_s < planned / 10
-        learnt = eng.prediction.update_s
-        assert learnt < planned / 10
-        assert learnt == pytest.approx(rec.update_s, rel=1.0)  # a noisy 2-core disk: within a factor of two
+            records.append(eng.step())
+        assert [r.update_s for r in records] == pytest.approx(seconds)
+        speeds = [sum(t.read_bytes + t.write_bytes for t in r.tiers.values()) / r.update_s
+                  for r in records if any(t.read_bytes for t in r.tiers.values())]
+        assert len(speeds) >= 2
+        assert eng.prediction.update_s == pytest.approx(planned_bytes / statistics.median(speeds), rel=1e-9)
     finally:
         eng.close()
 
 
 def test_steps_under_the_overlap_leave_the_rates_as_probed(tmp_path, monkeypatch):
-    monkeypatch.setattr(disk_rates, "MIN_STEP_S", 0.0)
-    slow = {"nvme": (2e6, 1e6)}
-    cfg = fast_config(tmp_path, ["host", "nvme"], bandwidths=slow, host_budget_bytes=1 << 20,
-                      defer_device_wait=True, update_on="device")
-    eng = OffloadedAdamW(torch.zeros(200_000), cfg, lr=1e-3)
+    """Deferred, a step's time is only the share it waited for: steps three times as fast as planned move nothing."""
+    eng = slow_disk_engine(tmp_path, defer_device_wait=True, update_on="device")
     try:
         planned = eng.prediction.update_s
-        for _ in range(2):
+        steps_taking(monkeypatch, [planned / 3] * 3)
+        for _ in range(3):
             eng.grad_buffer.normal_()
             eng.step()
         eng.settle()
