@@ -100,7 +100,7 @@ class OffloadShard:
         if not self.params_on_host:
             return
         buffer = self.layout.pieces[0].buffer
-        grad_itemsize = buffer.grad_data.element_size() if buffer.grad_data.device != self.device else 0
+        grad_itemsize = buffer.grad_data.element_size() if buffer.grad_data.device.type == "cpu" else 0
         updated = record.cpu_updated + record.device_updated
         record.predicted_update_s = update_with_copies_s(
             record.predicted_update_s, self.layout.numel * buffer.param_data.element_size(),
