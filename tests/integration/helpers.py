@@ -93,15 +93,21 @@ def assert_same_state(a, b):
             assert torch.equal(x[common], y[common]), key
 
 
-def half_away_megatron(tmp, extra, train_iters):
-    """megatron-core's optimizer, its main -> model param copy rounding half away (half_away_megatron.py,
-    launched on 2 ranks as run_pretrain launches pretrain_gpt.py): the reference of the remainders."""
+def run_variant(script, tmp, extra, train_iters, nproc=2):
+    """``script``, a test's variant of pretrain_gpt.py, launched on ``nproc`` ranks as run_pretrain launches
+    pretrain_gpt.py: its loss-log records."""
     tmp.mkdir(parents=True, exist_ok=True)
     loss_log = tmp / "loss.jsonl"
-    cmd = pretrain_command(extra, 2, train_iters, loss_log, warm=True, script=HALF_AWAY)
+    cmd = pretrain_command(extra, nproc, train_iters, loss_log, warm=True, script=script)
     code, output = run_and_clean_up(cmd, pretrain_env(), 240, tmp / "out.txt")
     assert code == 0, output[-4000:]
     return read_loss_log(loss_log)
+
+
+def half_away_megatron(tmp, extra, train_iters):
+    """megatron-core's optimizer, its main -> model param copy rounding half away (half_away_megatron.py):
+    the reference of the remainders."""
+    return run_variant(HALF_AWAY, tmp, extra, train_iters)
 
 
 def planner():
