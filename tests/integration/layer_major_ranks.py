@@ -7,6 +7,7 @@ losses and every gradient buffer agree bit for bit to OUT/rank<N>.json.
                                                           PRECISION: bf16, or fp32 for no --bf16; PP: stages)
 LAYER_MAJOR_DEVICE=cuda runs it on GPUs (deterministic kernels: --deterministic-mode in LAYER_MAJOR_FLAGS)."""
 
+import contextlib
 import json
 import os
 import sys
@@ -50,7 +51,8 @@ class GuardedLayers:
     def step_started(self, backward: bool) -> None:
         self.calls.append(("start", backward))
 
-    ddp_grad_sync = True  # the grads stay in DDP's buffer
+    def finalizing(self, chunk):
+        return contextlib.nullcontext()  # the grads stay in DDP's buffer
 
     def grads_complete(self) -> None:
         self.calls.append(("grads",))

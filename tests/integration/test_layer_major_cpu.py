@@ -2,17 +2,19 @@
 full recompute: the same losses and every gradient bit for bit, from the same params and batches, on
 the CPU over layouts of TP, PP and DP up to four ranks, in fp32 and bf16, DP ranks each with their own batches,
 reduced by DDP as in training (layer_major_ranks.py does both passes in each rank); and pretrain_gpt.py runs
-with layer inputs, params and grads in host memory against the same runs with them resident."""
+with layer inputs, params and grads in host memory against the same runs with them resident (with
+--sequence-parallel through sequence_parallel_pretrain.py, its CPU variant)."""
 
 import json
 
 import pytest
 
-from helpers import copy_checkpoint, offload_args
-from launch import REPO, launch_command, pretrain_env, run_and_clean_up, run_pretrain
+from helpers import copy_checkpoint, offload_args, run_variant
+from launch import PRETRAIN, REPO, launch_command, pretrain_env, run_and_clean_up, run_pretrain
 from tests.profiles import cases
 
 RANKS = REPO / "tests" / "integration" / "layer_major_ranks.py"
+SEQUENCE_PARALLEL = REPO / "tests" / "integration" / "sequence_parallel_pretrain.py"  # SP on the CPU
 
 
 # The configuration space: every layout of at most four ranks the tiny model takes (TP divides its 2 query
@@ -160,6 +162,28 @@ def test_params_in_host_memory_save_and_resume_bit_for_bit(tmp_path, layout):
     assert resumed == [r for r in whole if r["iteration"] > 2]
 
 
+# Grads megatron-core's finalize sums over the tensor-parallel ranks: the norms' under --sequence-parallel (at DP1
+# and DP2) and the query and key norms'. CI draws one a run.
+TP_SUMMED = cases([("tp2-sp", 2, "--sequence-parallel"), ("tp2-sp-dp2", 4, "--sequence-parallel"),
+                   ("tp2-qk-layernorm", 2, "--qk-layernorm")], ci_keep=1)
+
+
+@pytest.mark.parametrize("name, nproc, flag", TP_SUMMED, ids=[name for name, _, _ in TP_SUMMED])
+def test_grads_in_host_memory_summed_over_tensor_parallel_ranks_repeat_megatron_core(tmp_path, name, nproc, flag):
+    """--offload-grads host where the finalize sums grads over the tensor-parallel ranks: each layer's are summed in
+    its slot after the data-parallel sum and hidden from the finalize. Every iteration's loss and grad norm equal
+    those of megatron-core's schedule with everything resident, bit for bit (left in host memory for the finalize,
+    the grad norms differ from the first iteration; summed twice, the losses from the second)."""
+    script = SEQUENCE_PARALLEL if flag == "--sequence-parallel" else PRETRAIN
+    flags = [*LAYER_MAJOR_RUN, *offload_args(tmp_path / "state", tiers=("host",)), "--tensor-model-parallel-size",
+             "2", flag]
+    resident = run_variant(script, tmp_path / "resident", flags, 3, nproc)
+    grads = run_variant(script, tmp_path / "grads", [*flags, "--offload-params", "host", "--offload-grads", "host"], 3,
+                        nproc)
+    assert [(r["loss"], r["grad_norm"]) for r in grads] == [(r["loss"], r["grad_norm"]) for r in resident]
+    assert len(resident) == 3 and resident[0]["loss"] != resident[2]["loss"]  # it trained
+
+
 def _validation_lines(run_dir) -> list:
     return [line.strip() for line in (run_dir / "loss-0.out").read_text().splitlines()
             if "validation loss at iteration" in line]
@@ -171,7 +195,6 @@ def _validation_lines(run_dir) -> list:
     (["--offload-grads", "host", "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2",
       "--num-layers", "4"], "--untie-embeddings-and-output-weights", "--offload-grads host"),  # tied (below)
     (["--offload-grads", "host", "--offload-params", "none"], "needs --offload-params host", "--offload-grads host"),
-    (["--offload-grads", "host", "--sequence-parallel"], "--sequence-parallel", "--offload-grads host"),
     (["--offload-grads", "host", "--calculate-per-token-loss"], "--calculate-per-token-loss", "--offload-grads host"),
     (["--overlap-grad-reduce", "--tensor-model-parallel-size", "1"], "--overlap-grad-reduce", "--offload-params host"),
 ])

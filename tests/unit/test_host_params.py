@@ -89,7 +89,6 @@ def test_grads_in_host_memory_are_summed_in_device_slots_and_land_whole(device):
     head.to(device)
     residency = HostParams([list(layer.parameters()) for layer in layers], [], torch.device(device),
                            grads_in_host=True)
-    assert not residency.ddp_grad_sync
     x = torch.randn(4, 8, device=device)
     reference = [torch.nn.Linear(8, 8).to(device) for _ in range(3)]
     for mine, theirs in zip(layers, reference):
@@ -109,3 +108,27 @@ def test_grads_in_host_memory_are_summed_in_device_slots_and_land_whole(device):
         layers[1].weight.fill_(float("nan"))
     with pytest.raises(RuntimeError, match="NaN or inf"):
         _step(residency, layers, head, x)
+
+
+class _Chunk:
+    def finish_grad_sync(self, *args, **kwargs):
+        raise AssertionError("DDP's sync ran on grads in host memory")
+
+
+def test_the_finalize_leaves_out_what_the_slots_reduced():
+    """With the grads in host memory megatron-core's finalize runs without DDP's sync, and finds the grads summed
+    over the tensor-parallel ranks from their slots hidden (``main_grad`` None, which it skips); both come back."""
+    layers, _ = _model("cpu")
+    residency = HostParams([list(layer.parameters()) for layer in layers], [], torch.device("cpu"),
+                           grads_in_host=True)
+    norm_grad = layers[1].bias.main_grad
+    residency.grads.reduction.tensor_parallel = {id(layers[1].bias)}
+    chunk = _Chunk()
+    with residency.finalizing(chunk):
+        chunk.finish_grad_sync()
+        assert layers[1].bias.main_grad is None and layers[1].weight.main_grad is not None
+    assert layers[1].bias.main_grad is norm_grad
+    with pytest.raises(AssertionError, match="DDP's sync"):
+        chunk.finish_grad_sync()
+    with HostParams([list(layer.parameters()) for layer in layers], [], torch.device("cpu")).finalizing(chunk):
+        assert layers[1].bias.main_grad is norm_grad  # grads resident: the finalize as it is

@@ -12,15 +12,22 @@ values at data-parallel size 2, and above it the same up to the order of the sum
 the elements this rank's shard updates is taken there too (``DEVICE_GRAD_NORM``, read by the optimizer's clip
 instead of the host copy: the same kernel on the same bits as with the grads resident). DDP's own sync is left
 out (its collective cannot take host memory), so the check for NaN it does runs here instead, on those norms.
+
+After the data-parallel sum comes what megatron-core's finalize does next: the gradients of the norms under
+sequence parallelism (each tensor-parallel rank's covers its part of the sequence) and of the query and key norms
+(its heads) summed over the tensor-parallel ranks; the finalize then finds them hidden (``finalizing``), so none
+is summed twice. Two ranks' sum is the same bits in either order.
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import torch
+from megatron.core import parallel_state
+from megatron.core.utils import get_model_config
 
 from megatron.training.model.device_slots import DeviceSlot, dtype_sizes, largest_sizes
 
@@ -40,11 +47,17 @@ def host_grads_refusal(params_in_host: bool, config, tied_across_stages: bool = 
     if config.calculate_per_token_loss:
         return ("not with --calculate-per-token-loss: the grads are divided by the step's token count after they "
                 "have left the GPU, and their norms were taken before")
-    if config.sequence_parallel and config.tensor_model_parallel_size > 1:
-        return "not with --sequence-parallel (its norm grads are reduced across tensor-parallel ranks on the GPU)"
     if config.num_moe_experts:
         return "not with MoE layers yet"
     return None
+
+
+def summed_across_tensor_parallel(config, name: str, param: torch.nn.Parameter) -> bool:
+    """Whether megatron-core's finalize sums this param's gradient over the tensor-parallel ranks (its rule)."""
+    if not param.requires_grad or getattr(param, "average_gradients_across_tp_domain", False):
+        return False
+    return bool(config.sequence_parallel and getattr(param, "sequence_parallel", False)) or \
+        bool(config.qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name))
 
 
 def tied_across_stages(args) -> bool:
@@ -56,12 +69,15 @@ def tied_across_stages(args) -> bool:
 class GradReduction:
     """What DDP's gradient sync does to each param's gradient, for its device slot: scaled by its bucket's factor,
     reduced with ``op`` over ``group`` (None: one rank), and the flattened elements [lo, hi) this rank's shard
-    updates (whose norm the clip takes). Params it does not name: factor 1, whole, one rank (a test's)."""
+    updates (whose norm the clip takes); then, for the params in ``tensor_parallel``, the finalize's sum over
+    ``tensor_parallel_group``. Params it does not name: factor 1, whole, one rank (a test's)."""
 
     factor: Dict[int, float] = field(default_factory=dict)
     owned: Dict[int, Tuple[int, int]] = field(default_factory=dict)
     group: Optional[object] = None
     op: object = None
+    tensor_parallel: Set[int] = field(default_factory=set)
+    tensor_parallel_group: Optional[object] = None
 
     @classmethod
     def of_chunk(cls, chunk) -> "GradReduction":
@@ -93,6 +109,12 @@ class GradReduction:
         reduction.group = groups.pop() if groups else None
         average = chunk.ddp_config.average_in_collective
         reduction.op = torch.distributed.ReduceOp.AVG if average else torch.distributed.ReduceOp.SUM
+        tp_group = parallel_state.get_tensor_model_parallel_group()  # the finalize's, as training calls it
+        if tp_group.size() > 1:
+            config = get_model_config(chunk)
+            reduction.tensor_parallel = {id(p) for name, p in chunk.named_parameters()
+                                         if summed_across_tensor_parallel(config, name, p)}
+            reduction.tensor_parallel_group = tp_group
         return reduction
 
     def reduce(self, params: List[torch.nn.Parameter], views: List[torch.Tensor], filled: List[torch.Tensor]) -> None:
@@ -105,6 +127,13 @@ class GradReduction:
         if self.group is not None:
             for flat in filled:
                 torch.distributed.all_reduce(flat, op=self.op, group=self.group)
+        summed = [view for param, view in zip(params, views) if id(param) in self.tensor_parallel]
+        for dtype in {view.dtype for view in summed}:  # one collective per dtype, as the finalize coalesces
+            same = [view for view in summed if view.dtype == dtype]
+            flat = torch.cat([view.reshape(-1) for view in same])
+            torch.distributed.all_reduce(flat, group=self.tensor_parallel_group)
+            for view, part in zip(same, flat.split([view.numel() for view in same])):
+                view.copy_(part.view_as(view))
 
     def owned_part(self, param: torch.nn.Parameter, view: torch.Tensor) -> torch.Tensor:
         lo, hi = self.owned.get(id(param), (0, view.numel()))
@@ -169,6 +198,22 @@ class HostGrads:
             bad = next(i for i, n in enumerate(norms) if not bool(torch.isfinite(n).all()))
             raise RuntimeError(f"--offload-grads host: a gradient is NaN or inf (the {bad + 1}th one handed out "
                                f"this step)")
+
+    @contextlib.contextmanager
+    def finalizing(self, chunk):
+        """megatron-core's finalize of grads reduced here: DDP's sync left out, and the grads summed over the
+        tensor-parallel ranks hidden from it (a ``main_grad`` of None, which it skips) so it sums none again."""
+        hidden = [p for params in self.groups.values() for p in params if id(p) in self.reduction.tensor_parallel]
+        grads = [p.main_grad for p in hidden]
+        chunk.finish_grad_sync = lambda *args, **kwargs: None  # (an instance attribute over DDP's method)
+        for param in hidden:
+            param.main_grad = None
+        try:
+            yield
+        finally:
+            del chunk.finish_grad_sync
+            for param, grad in zip(hidden, grads):
+                param.main_grad = grad
 
     def _slot(self, turn: Optional[int]) -> DeviceSlot:
         return self._rest if turn is None else self._turns[turn]

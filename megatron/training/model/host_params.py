@@ -159,10 +159,9 @@ class HostParams:
         # --offload-grads host: each group's main_grad in a device slot during its backward (host_grads)
         self.grads = HostGrads(self.groups, REST, device, self._stream, reduction) if grads_in_host else None
 
-    @property
-    def ddp_grad_sync(self) -> bool:
-        """Whether DDP's gradient sync runs after the step: not on grads in host memory (reduced from their slots)."""
-        return self.grads is None
+    def finalizing(self, chunk):
+        """megatron-core's finalize as it is, or leaving out what the grads in host memory had from their slots."""
+        return self.grads.finalizing(chunk) if self.grads is not None else contextlib.nullcontext()
 
     @classmethod
     def of_chunk(cls, chunk, device: torch.device, grads_in_host: bool = False) -> "HostParams":

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Protocol
+from typing import Callable, ContextManager, Dict, List, Optional, Protocol
 
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func, schedules
@@ -82,7 +82,8 @@ class LayerResidency(Protocol):
     for the micro-batches (in the forward, and again for its recompute and backward), ``release`` after;
     ``after_backward``: every micro-batch's gradient of the layer's params is complete. ``step_started``
     (``backward``: whether the step has one) comes before the embedding runs, ``step_ended`` after the
-    last gradient is reduced: the params outside the layers are needed in between."""
+    last gradient is reduced: the params outside the layers are needed in between. ``finalizing(chunk)``: the
+    context megatron-core's finalize runs in (leaving out what the residency reduced itself)."""
 
     def step_started(self, backward: bool) -> None: ...
 
@@ -94,13 +95,14 @@ class LayerResidency(Protocol):
 
     def step_ended(self) -> None: ...
 
-    ddp_grad_sync: bool  # whether DDP's gradient sync runs on the grads (not where they are in host memory)
+    def finalizing(self, chunk) -> ContextManager: ...
 
 
 class ResidentLayers:
     """Every layer's params stay where they are (in HBM, as megatron-core keeps them)."""
 
-    ddp_grad_sync = True
+    def finalizing(self, chunk) -> ContextManager:
+        return contextlib.nullcontext()
 
     def grads_complete(self) -> None:
         pass
@@ -240,7 +242,7 @@ class LayerMajorStep:
                 stage.send_backward(mb.hidden)
         self.residency.grads_complete()
         if config.finalize_model_grads_func is not None:
-            with contextlib.nullcontext() if self.residency.ddp_grad_sync else _no_grad_sync(chunk):
+            with self.residency.finalizing(chunk):
                 config.finalize_model_grads_func([chunk], total_tokens if config.calculate_per_token_loss else None)
         return reported
 
@@ -376,11 +378,6 @@ def _stand_in(obj, replacement, method: str = "forward"):
         yield
     finally:
         delattr(obj, method)
-
-
-def _no_grad_sync(chunk):
-    """DDP's gradient sync left out of the finalize (one data-parallel rank, grads in host memory)."""
-    return _stand_in(chunk, lambda *args, **kwargs: None, "finish_grad_sync")
 
 
 def _sync_unless(is_last: bool, config):
