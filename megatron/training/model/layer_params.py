@@ -106,10 +106,36 @@ def moe_pattern(cfg) -> List[int]:
     return moe_layers(cfg.num_layers, cfg.moe_layer_freq)
 
 
+def stage_layer_counts(cfg) -> List[int]:
+    """Transformer layers each pipeline rank builds (all its chunks), split as megatron-core's
+    get_num_layers_to_build splits them: the first and the last rank's own counts where the config gives
+    them and the rest evenly over the ranks between; else evenly, where the embedding and the loss may
+    each take a layer's place on their rank. (Fake configs of tests may leave the uneven fields out.)"""
+    pp = cfg.pipeline_model_parallel_size
+    first = getattr(cfg, "num_layers_in_first_pipeline_stage", None)
+    last = getattr(cfg, "num_layers_in_last_pipeline_stage", None)
+    if first is not None or last is not None:
+        given = [n for n in (first, last) if n is not None]
+        between = pp - len(given)
+        counts = [(cfg.num_layers - sum(given)) // between if between else 0] * pp
+        counts[0] = counts[0] if first is None else first
+        counts[-1] = counts[-1] if last is None else last
+        return counts
+    embedding = bool(getattr(cfg, "account_for_embedding_in_pipeline_split", False))
+    loss = bool(getattr(cfg, "account_for_loss_in_pipeline_split", False))
+    counts = [(cfg.num_layers + embedding + loss) // pp] * pp
+    counts[0] -= embedding
+    counts[-1] -= loss
+    return counts
+
+
 def layers_of_stage(cfg, stage: int) -> List[int]:
-    """The layer numbers (from 0) pipeline rank ``stage`` builds: one contiguous run, or with V
-    chunks per rank (the interleaved pipeline) chunks stage, stage + PP, ... of PP x V equal runs."""
+    """The layer numbers (from 0) pipeline rank ``stage`` builds: one contiguous run (``stage_layer_counts``),
+    or with V chunks per rank (the interleaved pipeline) chunks stage, stage + PP, ... of PP x V equal runs."""
     pp = cfg.pipeline_model_parallel_size
     chunks = cfg.virtual_pipeline_model_parallel_size or 1
+    if chunks == 1:
+        counts = stage_layer_counts(cfg)
+        return list(range(sum(counts[:stage]), sum(counts[:stage + 1])))
     per_chunk = cfg.num_layers // (pp * chunks)
     return [(v * pp + stage) * per_chunk + i for v in range(chunks) for i in range(per_chunk)]

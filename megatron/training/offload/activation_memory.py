@@ -10,6 +10,7 @@ from typing import Optional, Tuple
 
 from mlp_offload import FP32_BYTES
 
+from megatron.training.model.layer_params import stage_layer_counts
 from megatron.training.model.sizes import kept_input_bytes
 
 
@@ -36,13 +37,14 @@ def activation_bytes(args, cfg, microbatches_in_flight: int) -> int:
 
 def layer_major_activation_bytes(args, cfg, microbatches: int, inputs_in_host: bool) -> Tuple[int, int]:
     """(GPU bytes, host bytes) of the layer-major step's activations on one rank of the stage that holds the most
-    (``model.layer_major``): every micro-batch's current hidden state (its output gradient in the backward) and,
-    on the first stage, the embedding's output kept with its graph until the step's end; each layer's input per
-    micro-batch kept for its recompute, on the GPU, or with ``inputs_in_host`` in host memory with at most two
-    layers' on the GPU (the one recomputed, the next fetched); one micro-batch's layer recompute and backward at a
-    time; the last stage's logits one micro-batch at a time."""
+    (``model.layer_major``; where megatron-core's split is uneven, the stage with the most layers): every
+    micro-batch's current hidden state (its output gradient in the backward) and, on the first stage, the
+    embedding's output kept with its graph until the step's end; each layer's input per micro-batch kept for its
+    recompute, on the GPU, or with ``inputs_in_host`` in host memory with at most two layers' on the GPU (the one
+    recomputed, the next fetched); one micro-batch's layer recompute and backward at a time; the last stage's
+    logits one micro-batch at a time."""
     s, b, t = args.seq_length, args.micro_batch_size, cfg.tensor_model_parallel_size
-    layers = cfg.num_layers // cfg.pipeline_model_parallel_size
+    layers = max(stage_layer_counts(cfg))  # every stage holds all its micro-batches: the most layers bind
     kept = kept_input_bytes(s, b, cfg)
     inputs = layers * microbatches * kept
     # The first stage's embedding outputs or the last stage's logits, whichever the stage has: both, to be safe
