@@ -48,7 +48,7 @@ class GuardedLayers:
         for index in range(len(layers)):
             self._away(index)
 
-    def step_started(self, backward: bool) -> None:
+    def step_started(self, backward: bool, passes: int = 1) -> None:
         self.calls.append(("start", backward))
 
     def finalizing(self, chunk):

@@ -208,3 +208,31 @@ def test_params_in_host_memory_refuse_what_they_cannot_run_in_one_line(tmp_path,
     lines = [line for line in output.splitlines() if f"error: {flag}:" in line]
     assert len(lines) == 1 and words in lines[0], output[-3000:]
     assert "Traceback" not in output
+
+
+# Passes of a group of micro-batches (of 2 samples): at DP2 (two ranks, 5 micro-batches each: passes of 2, 2, 1) and
+# over two pipeline stages (6 micro-batches: passes of 4 and 2); CI draws one, the thorough profile runs both.
+GROUP_LAYOUTS = cases([("dp2", ["--global-batch-size", "20"], "2"),
+                       ("pp2", ["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--global-batch-size", "12"],
+                        "4")], ci_keep=1)
+
+
+@pytest.mark.parametrize("name, layout, group", GROUP_LAYOUTS, ids=[name for name, _, _ in GROUP_LAYOUTS])
+def test_the_step_in_passes_of_a_group_of_micro_batches_repeats_megatron_core(tmp_path, name, layout, group):
+    """--offload-microbatch-group N: each layer runs for N micro-batches before the next, the step in passes (the
+    last one shorter where N does not divide the step's micro-batches); each gradient still sums the step's
+    micro-batches in their order (with the grads in host memory each pass's partial sums go out and come back for
+    the next pass): every iteration's loss and grad norm equal megatron-core's schedule's, bit for bit, with the
+    layer inputs, the params and the grads in host memory."""
+    flags = [*LAYER_MAJOR_RUN, *offload_args(tmp_path / "state", tiers=("host",)), *layout]
+    grouped = ["--offload-microbatch-group", group]
+    runs = {"schedule": [], "inputs": ["--offload-activations", "host", *grouped],
+            "params": ["--offload-activations", "host", "--offload-params", "host", *grouped],
+            "grads": ["--offload-params", "host", "--offload-grads", "host", *grouped]}
+    results = {run: run_pretrain(tmp_path / run, [*flags, *extra], train_iters=3) for run, extra in runs.items()}
+    reference = [(r["loss"], r["grad_norm"]) for r in results["schedule"]]
+    assert len(reference) == 3 and reference[0][0] != reference[-1][0]  # it trained
+    for run in ("inputs", "params", "grads"):
+        assert [(r["loss"], r["grad_norm"]) for r in results[run]] == reference, run
+    startup = (tmp_path / "grads" / "loss-0.out").read_text()
+    assert f"for {group} micro-batches at a time" in startup, startup[-2000:]

@@ -48,6 +48,24 @@ def test_each_layer_takes_the_longer_of_its_compute_and_its_copies(compute, laye
         assert got == pytest.approx(compute, rel=1e-9)
 
 
+
+@settings(max_examples=examples(200))
+@given(compute=st.floats(1e-3, 100.0), layers=st.integers(1, 64), layer_bytes=st.integers(1, 10**10),
+       grad_bytes=st.sampled_from([0, 2, 4]), link=st.floats(1e9, 1e11), passes=st.integers(1, 8))
+def test_in_passes_each_layer_comes_in_twice_a_pass_and_its_grads_back_after_the_first(
+        compute, layers, layer_bytes, grad_bytes, link, passes):
+    layer_grads = layer_bytes // 2 * grad_bytes
+    streamed = StreamedParams(device_bytes=0, host_bytes=layers * layer_bytes, layers=layers, layer_bytes=layer_bytes,
+                              layer_grad_bytes=layer_grads)
+    copy_in, copy_out = layer_bytes / link, layer_grads / link
+    forward, backward = compute / passes / layers / 4, compute / passes / layers * 3 / 4  # a pass's share
+    one_pass = sum(max(forward, copy_in) + max(backward, copy_in + copy_out) for _ in range(layers))
+    # after the first pass each layer's partial grads come back in, before its backward sums on them
+    reference = passes * one_pass + (passes - 1) * layers * copy_out
+    got = streamed_compute_seconds(compute, streamed, link, passes)
+    assert got == pytest.approx(reference, rel=1e-9)
+    assert got >= streamed_compute_seconds(compute, streamed, link) * (1 - 1e-9)  # never cheaper than one pass
+
 def test_the_update_reads_the_params_in_series_and_writes_them_back_beside_it():
     streamed = StreamedParams(device_bytes=0, host_bytes=40 * 10**9, layers=40, layer_bytes=10**9)
     copies = update_copies(streamed, 50e9, 1.0, reads_high=True)
@@ -204,3 +222,18 @@ def test_params_in_host_memory_are_there_once_at_start_up(tool):
     _, big = run(tool, f"--gpu-tflops {H200_TFLOPS} {machine} {trained}")
     assert big["fits"], big["problems"]
     assert 2 * big["host_bytes_per_node"]["host_params"] / 2**30 > 125 - 4
+
+
+def test_70b_at_global_batch_64_in_passes_of_32_keeps_half_the_layer_inputs_and_frees_host_memory_for_state(tool):
+    """--offload-microbatch-group 32 at global batch 64: each layer's inputs for 32 micro-batches at a time (80 GiB
+    in host memory instead of 160), so a host tier of 150 GiB fits beside them; the layers' params cross twice a
+    pass (under 32 micro-batches' compute) and their grads come back once."""
+    shape = (f"{RUN_69B_ONE_GPU} --offload-params host --offload-grads host --offload-activations host"
+             .replace("--offload-host-cache-gb 75", "--offload-host-cache-gb 150"))
+    _, one_pass = run(tool, f"--gpu-tflops {H200_TFLOPS} {shape}")
+    _, halves = run(tool, f"--gpu-tflops {H200_TFLOPS} {shape} --offload-microbatch-group 32")
+    kept_inputs = 80 * 64 * 2 * 2048 * 8192
+    assert not one_pass["fits"] and any(p.startswith("host memory:") for p in one_pass["problems"])
+    assert halves["fits"], halves["problems"]
+    assert halves["host_bytes_per_node"]["host_activations"] == kept_inputs // 2
+    assert halves["predicted_compute_s"] > one_pass["predicted_compute_s"] * 0.999  # passes add copies, never less

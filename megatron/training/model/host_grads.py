@@ -160,22 +160,38 @@ class HostGrads:
     def device_bytes(self) -> int:
         return sum(slot.nbytes for slot in (*self._turns, self._rest))
 
-    def collect(self, group: int, turn: Optional[int]) -> None:
+    def collect(self, group: int, turn: Optional[int], resume: bool = False) -> None:
+        """``group``'s grads into the slot: zeros, or with ``resume`` what earlier passes of the step summed
+        (in the same dtype, so the sum goes on as in one buffer)."""
         slot = self._slot(turn)
         if slot.copied_out is not None:  # the slot's last gradients are out before it is zeroed
             torch.cuda.current_stream(self.device).wait_event(slot.copied_out)
-        for param, view in zip(self.groups[group], slot.views(self.host[group])):
-            view.zero_()
+        if resume and self._stream is not None:  # the earlier pass's copy out of these grads has landed
+            torch.cuda.current_stream(self.device).wait_stream(self._stream)
+        for param, view, host in zip(self.groups[group], slot.views(self.host[group]), self.host[group]):
+            if resume:
+                view.copy_(host)
+            else:
+                view.zero_()
             param.main_grad = view
 
-    def hand_out(self, group: int, turn: Optional[int]) -> None:
+    def hand_out(self, group: int, turn: Optional[int], complete: bool = True) -> None:
+        """``group``'s grads out of the slot into host memory: a partial sum, or once ``complete`` reduced as DDP
+        would and their norms taken first."""
         slot = self._slot(turn)
         views = slot.views(self.host[group])
+        if complete:
+            self._reduced(group, slot, views)
+        self._copy_out(group, slot, views)
+
+    def _reduced(self, group: int, slot, views: List[torch.Tensor]) -> None:
         self.reduction.reduce(self.groups[group], views, slot.filled(self.host[group]))
         for param, view in zip(self.groups[group], views):
             norm = torch.norm(self.reduction.owned_part(param, view).float()).reshape(1)
             setattr(param, DEVICE_GRAD_NORM, norm)
             self.norms.append(norm)
+
+    def _copy_out(self, group: int, slot, views: List[torch.Tensor]) -> None:
         if self._stream is not None:
             computed = torch.cuda.Event()
             computed.record(torch.cuda.current_stream(self.device))

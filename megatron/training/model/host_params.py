@@ -151,6 +151,8 @@ class HostParams:
         self._turns = [DeviceSlot(largest, device), DeviceSlot(largest, device)]
         self._rest = DeviceSlot(dtype_sizes(rest), device)
         self._order: List[int] = []
+        self._visits: List[tuple] = []  # (layer, in its backward, pass) in the step's order
+        self._passes = self._pass = 0
         self._at = 0
         self.copies = 0  # groups copied in, for tests and the log
         for params in self.groups.values():
@@ -175,11 +177,15 @@ class HostParams:
         return slots + (self.grads.device_bytes() if self.grads is not None else 0)
 
     # -- the layer-major step's calls ---------------------------------------------------------------
-    def step_started(self, backward: bool) -> None:
-        """The step's order of layers (forward, then backward where it has one); what the slots held is
-        stale (an update has changed the host params since)."""
+    def step_started(self, backward: bool, passes: int = 1) -> None:
+        """The step's order of layers (forward, then backward where it has one; once per pass over a group of
+        micro-batches); what the slots held is stale (an update has changed the host params since)."""
         count = len(self.groups) - 1
-        self._order = list(range(count)) + (list(reversed(range(count))) if backward else [])
+        one_pass = [(i, False) for i in range(count)] + ([(i, True) for i in reversed(range(count))] if backward
+                                                         else [])
+        self._visits = [(layer, in_backward, p) for p in range(passes) for layer, in_backward in one_pass]
+        self._order = [layer for layer, _, _ in self._visits]
+        self._passes = passes
         self._at = 0
         for slot in (*self._turns, self._rest):
             slot.holds = None
@@ -196,8 +202,9 @@ class HostParams:
             slot = self._free_slot(layer)
             self._fill(slot, layer)
         self._use(slot, layer)
-        if self.grads is not None and self._at >= len(self.groups) - 1:  # the backward's half of the order
-            self.grads.collect(layer, self._turns.index(slot))
+        _, in_backward, self._pass = self._visits[self._at]
+        if self.grads is not None and in_backward:  # (after the first pass, on from what the passes before summed)
+            self.grads.collect(layer, self._turns.index(slot), resume=self._pass > 0)
         self._at += 1
         upcoming = next((i for i in self._order[self._at:] if i != layer), None)
         if upcoming is not None and self._slot_of(upcoming) is None:
@@ -206,7 +213,7 @@ class HostParams:
     def release(self, layer: int, after_backward: bool) -> None:
         slot = self._slot_of(layer)
         if self.grads is not None and after_backward:
-            self.grads.hand_out(layer, self._turns.index(slot))
+            self.grads.hand_out(layer, self._turns.index(slot), complete=self._pass == self._passes - 1)
         self._put_back(slot, layer)
 
     def grads_complete(self) -> None:

@@ -80,12 +80,13 @@ def layer_major_refusal(config, num_model_chunks: int) -> Optional[str]:
 class LayerResidency(Protocol):
     """Where a layer's params are while the step does not use them: ``bring_in`` before the layer runs
     for the micro-batches (in the forward, and again for its recompute and backward), ``release`` after;
-    ``after_backward``: every micro-batch's gradient of the layer's params is complete. ``step_started``
-    (``backward``: whether the step has one) comes before the embedding runs, ``step_ended`` after the
+    ``after_backward``: the layer's backward over the pass's micro-batches is done (its gradient complete after
+    the last pass). ``step_started`` (``backward``: whether the step has one; ``passes``: how many times the step
+    runs the layers, once per group of micro-batches) comes before the embedding runs, ``step_ended`` after the
     last gradient is reduced: the params outside the layers are needed in between. ``finalizing(chunk)``: the
     context megatron-core's finalize runs in (leaving out what the residency reduced itself)."""
 
-    def step_started(self, backward: bool) -> None: ...
+    def step_started(self, backward: bool, passes: int = 1) -> None: ...
 
     def bring_in(self, layer: int) -> None: ...
 
@@ -107,7 +108,7 @@ class ResidentLayers:
     def grads_complete(self) -> None:
         pass
 
-    def step_started(self, backward: bool) -> None:
+    def step_started(self, backward: bool, passes: int = 1) -> None:
         pass
 
     def bring_in(self, layer: int) -> None:
@@ -190,9 +191,10 @@ class LayerMajorStep:
     (made per step by ``kept_inputs_factory``); returns what each micro-batch's loss function reported."""
 
     def __init__(self, residency: Optional[LayerResidency] = None,
-                 kept_inputs_factory: Callable[[], KeptInputs] = KeptInputs):
+                 kept_inputs_factory: Callable[[], KeptInputs] = KeptInputs, group: Optional[int] = None):
         self.residency = residency or ResidentLayers()
         self.kept_inputs_factory = kept_inputs_factory
+        self.group = group  # micro-batches per pass over the layers (None: every micro-batch of the step)
 
     def __call__(self, *, forward_step_func: Callable, data_iterator, model: list, num_microbatches: int,
                  forward_only: bool = False, **schedule_keywords) -> List[dict]:
@@ -206,15 +208,31 @@ class LayerMajorStep:
         block = decoder_of(chunk)
         # (a middle pipeline stage may have no data: its forward_step_func is handed None)
         micro = [_MicroBatch(next(iterator) if iterator is not None else None) for _ in range(num_microbatches)]
-        self.residency.step_started(backward=not forward_only)
+        size = self.group or num_microbatches
+        passes = [micro[start:start + size] for start in range(0, num_microbatches, size)]
+        self.residency.step_started(backward=not forward_only, passes=len(passes))
         try:
             with torch.no_grad() if forward_only else contextlib.nullcontext():
-                return self._step(forward_step_func, chunk, config, block, micro, forward_only, stage)
+                reported, total_tokens = [], None
+                for first, group in zip(range(0, num_microbatches, size), passes):
+                    run = _Pass(micro, first, group, reported)
+                    tokens = self._pass(forward_step_func, chunk, config, block, run, forward_only, stage)
+                    total_tokens = tokens if total_tokens is None else total_tokens + tokens
+                if not forward_only:
+                    self.residency.grads_complete()
+                    if config.finalize_model_grads_func is not None:
+                        with self.residency.finalizing(chunk):
+                            config.finalize_model_grads_func(
+                                [chunk], total_tokens if config.calculate_per_token_loss else None)
+                return reported
         finally:
             self.residency.step_ended()
 
-    def _step(self, forward_step_func, chunk, config, block, micro: List[_MicroBatch], forward_only: bool,
-              stage: PipelineStage):
+    def _pass(self, forward_step_func, chunk, config, block, run: "_Pass", forward_only: bool,
+              stage: PipelineStage) -> torch.Tensor:
+        """The layers' forward, the head and the layers' backward over one group of the step's micro-batches
+        (its gradients summed into those of the passes before); returns its tokens."""
+        micro = run.group
         for mb in micro:  # the embedding (with its graph kept for the backward's end), or the stage before's output
             received = None if stage.first else stage.receive_forward()
             _set_input_tensor(chunk, received)  # (the model's forward takes its sequence length from it)
@@ -223,28 +241,26 @@ class LayerMajorStep:
             mb.hidden = (mb.block_input if stage.first else received).detach()
         kept = self._forward_layers(block, micro, NoKeptInputs() if forward_only else self.kept_inputs_factory())
         if stage.last:
-            reported, total_tokens = self._head(forward_step_func, chunk, config, micro, not forward_only, stage.first)
+            total_tokens = self._head(forward_step_func, chunk, config, run, not forward_only, stage.first)
         else:
-            reported, total_tokens = [], torch.zeros([], dtype=torch.int, device=micro[0].hidden.device)
+            total_tokens = torch.zeros([], dtype=torch.int, device=micro[0].hidden.device)
             for mb in micro:
                 stage.send_forward(mb.hidden)
         if forward_only:
-            return reported
+            return total_tokens
         if not stage.last:
             for mb in micro:
                 mb.hidden = stage.receive_backward()
-        self._backward_layers(block, micro, kept, config)
-        for m, mb in enumerate(micro):  # the embedding's backward, or the input's gradient to the stage before
+        self._backward_layers(block, run, kept, config)
+        for m, mb in zip(run.indices, micro):  # the embedding's backward, or the input's gradient to the stage before
             if stage.first:
-                with _sync_unless(m == len(micro) - 1, config):
+                with _sync_unless(run.is_last(m), config):
                     torch.autograd.backward(mb.block_input, mb.hidden)
             else:
                 stage.send_backward(mb.hidden)
-        self.residency.grads_complete()
-        if config.finalize_model_grads_func is not None:
-            with self.residency.finalizing(chunk):
-                config.finalize_model_grads_func([chunk], total_tokens if config.calculate_per_token_loss else None)
-        return reported
+        for mb in micro:  # what the pass kept of its micro-batches is not needed by the next
+            mb.block_input = mb.hidden = mb.layer_kwargs = None
+        return total_tokens
 
     def _forward_layers(self, block, micro: List[_MicroBatch], kept: KeptInputs) -> KeptInputs:
         with torch.no_grad():
@@ -257,52 +273,73 @@ class LayerMajorStep:
         return kept
 
     @staticmethod
-    def _head(forward_step_func, chunk, config, micro: List[_MicroBatch], backward: bool, first_stage: bool):
+    def _head(forward_step_func, chunk, config, run: "_Pass", backward: bool, first_stage: bool) -> torch.Tensor:
         """Final norm, output layer and loss per micro-batch, through megatron-core's own forward_step and
-        backward_step (their loss scaling); each micro-batch's gradient into the block's output. (A later
-        stage's model is handed the block's output as its input tensor: its forward sizes the rotary
-        embedding by it.)"""
+        backward_step (their loss scaling by the step's micro-batch count); each micro-batch's gradient into the
+        block's output. (A later stage's model is handed the block's output as its input tensor: its forward
+        sizes the rotary embedding by it.)"""
         block = decoder_of(chunk)
-        reported: list = []
-        total_tokens = torch.zeros([], dtype=torch.int, device=micro[0].hidden.device)
-        for m, mb in enumerate(micro):
+        total_tokens = torch.zeros([], dtype=torch.int, device=run.group[0].hidden.device)
+        for m, mb in zip(run.indices, run.group):
             block_output = mb.hidden.detach().requires_grad_(backward)
-            with _sync_unless(m == len(micro) - 1, config), \
+            with _sync_unless(run.is_last(m), config), \
                     _stand_in(block, lambda *a, **k: _final_norm(block, block_output)):
                 output, tokens = schedules.forward_step(
-                    forward_step_func, iter([mb.batch]), chunk, len(micro), None if first_stage else block_output,
-                    reported, config, 1,
+                    forward_step_func, iter([mb.batch]), chunk, run.step_size, None if first_stage else block_output,
+                    run.reported, config, 1,
                     is_first_microbatch=m == 0, current_microbatch=m)
                 total_tokens += tokens
                 if backward:
                     schedules.backward_step(None, output, None, get_model_type(chunk), config)
             mb.hidden = block_output.grad
-        return reported, total_tokens
+        return total_tokens
 
-    def _backward_layers(self, block, micro: List[_MicroBatch], kept: KeptInputs, config) -> None:
+    def _backward_layers(self, block, run: "_Pass", kept: KeptInputs, config) -> None:
         """Each layer, last first: recomputed from its kept input and backpropagated, micro-batch by
         micro-batch, its params' gradients summed over them in order."""
         for index in reversed(range(len(block.layers))):
             layer, inputs = block.layers[index], kept.take(index)
             self.residency.bring_in(index)
-            for m, mb in enumerate(micro):
-                layer_input = inputs[m].detach().requires_grad_()
-                with _sync_unless(m == len(micro) - 1, config), torch.enable_grad():
+            for m, input_, mb in zip(run.indices, inputs, run.group):
+                layer_input = input_.detach().requires_grad_()
+                with _sync_unless(run.is_last(m), config), torch.enable_grad():
                     layer_output = layer(hidden_states=layer_input, **mb.layer_kwargs)[0]
                     torch.autograd.backward(layer_output, mb.hidden)
                 mb.hidden = layer_input.grad
             self.residency.release(index, after_backward=True)
 
 
+@dataclass
+class _Pass:
+    """One pass over the layers: the step's micro-batches ``micro`` from ``first`` on, ``group`` of them; what the
+    loss function reports goes on ``reported``, the step's."""
+    micro: List[_MicroBatch]
+    first: int
+    group: List[_MicroBatch]
+    reported: list
+
+    @property
+    def indices(self) -> range:
+        return range(self.first, self.first + len(self.group))
+
+    @property
+    def step_size(self) -> int:
+        return len(self.micro)
+
+    def is_last(self, m: int) -> bool:
+        """Whether micro-batch ``m`` is the step's last (DDP's sync runs in its backward only)."""
+        return m == len(self.micro) - 1
+
+
 forward_backward_layer_major = LayerMajorStep()  # params resident, inputs kept where they were made
 
 
 def step_schedule(model, inputs_in_host: bool, params_in_host: bool, grads_in_host: bool = False,
-                  asked_by: Optional[str] = None, forward_only: bool = False):
+                  asked_by: Optional[str] = None, forward_only: bool = False, group: Optional[int] = None):
     """A step's forward and backward (or forward only): megatron-core's schedule, or the layer-major step
     keeping layer inputs in host memory (``inputs_in_host``) and bringing in params that live there
     (``params_in_host``, and their grads with ``grads_in_host``; one step object per model, whose device slots
-    are made once)."""
+    are made once), in passes of ``group`` micro-batches."""
     if not params_in_host and (forward_only or not inputs_in_host):
         return get_forward_backward_func()
     step = _STEPS.get(id(model[0]))
@@ -310,7 +347,7 @@ def step_schedule(model, inputs_in_host: bool, params_in_host: bool, grads_in_ho
         device = getattr(model[0], "compute_device", None) or next(model[0].parameters()).device
         inputs = (lambda: HostKeptInputs(device)) if inputs_in_host else KeptInputs
         step = LayerMajorStep(HostParams.of_chunk(model[0], device, grads_in_host) if params_in_host else None,
-                              inputs)
+                              inputs, group)
         _STEPS[id(model[0])] = step
     return step
 
@@ -319,10 +356,13 @@ _STEPS: Dict[int, LayerMajorStep] = {}  # by model chunk (training keeps its mod
 
 
 def check_step_schedule(args, config, inputs_in_host: bool, params_in_host: bool, grads_in_host: bool,
-                        asked_by: Optional[str]) -> None:
+                        asked_by: Optional[str], group: Optional[int] = None) -> None:
     """A configuration the layer-major step cannot run, asked for by the flag ``asked_by`` (grads, params or
     inputs in host memory): one line naming it, before the model is built."""
     if not params_in_host and not inputs_in_host and not grads_in_host:
+        if group is not None:
+            raise UserError("--offload-microbatch-group: needs the layer-major step (--offload-activations host or "
+                            "--offload-params host)")
         return
     refusal = layer_major_refusal(config, args.virtual_pipeline_model_parallel_size or 1)
     if refusal is None and (params_in_host or grads_in_host):
@@ -332,10 +372,13 @@ def check_step_schedule(args, config, inputs_in_host: bool, params_in_host: bool
     if refusal is not None:
         raise UserError(f"{asked_by}: {refusal}")
     layers = config.num_layers // config.pipeline_model_parallel_size
-    micro = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+    steps = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+    micro = min(group or steps, steps)
     kept = kept_input_bytes(args.seq_length, args.micro_batch_size, config)
-    print_rank0(f"> layer-major step: each layer's input kept for its recompute for all {micro} micro-batches of a "
-                f"step, {layers * micro * kept / 2**30:.2f} GiB per rank in "
+    each = (f"for all {micro} micro-batches of a step" if micro == steps else
+            f"for {micro} micro-batches at a time (the step's {steps} in {-(-steps // micro)} passes)")
+    print_rank0(f"> layer-major step: each layer's input kept for its recompute {each}, "
+                f"{layers * micro * kept / 2**30:.2f} GiB per rank in "
                 f"{'host memory (--offload-activations host)' if inputs_in_host else 'GPU memory'} ({layers} layers x "
                 f"{micro} x {kept / 2**20:.1f} MiB)" + (", pipeline stages in turn" if config.pipeline_model_parallel_size > 1
                                                      else ""))

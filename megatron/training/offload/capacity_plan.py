@@ -251,8 +251,9 @@ def make_plan(args, cfg, machine: Machine, offload_config, measured: MeasuredRat
            "cuda_reserve": CUDA_RESERVE_BYTES}
     activations_in_host = 0
     if layer_major:  # every micro-batch of the step at once, layer by layer
-        gpu["activations"], activations_in_host = layer_major_activation_bytes(args, cfg, microbatches,
-                                                                               asked["inputs_in_host"])
+        # (in passes of a group of micro-batches, one group's at a time)
+        gpu["activations"], activations_in_host = layer_major_activation_bytes(
+            args, cfg, min(asked["group"] or microbatches, microbatches), asked["inputs_in_host"])
     engines: Dict[str, EnginePlan] = {}
     tiers_per_node: Dict[str, int] = {}
     host_per_node: Dict[str, int] = {}
@@ -323,7 +324,8 @@ def make_plan(args, cfg, machine: Machine, offload_config, measured: MeasuredRat
         # layer-major step runs its stages one after the other (GPipe's order without its overlap).
         bubble = pp if layer_major else 1 + (pp - 1) / (max(m, 1) * (vp or 1))
         seconds = flops_per_iteration(shape, global_batch) / machine.world / (machine.gpu_tflops * 1e12) * bubble
-        return streamed_compute_seconds(seconds, streamed, link) if streamed and link else seconds
+        passes = -(-m // min(asked["group"] or m, max(m, 1))) if layer_major else 1
+        return streamed_compute_seconds(seconds, streamed, link, passes) if streamed and link else seconds
 
     copies_s = 0.0
     if streamed is not None and link and engines:

@@ -210,6 +210,9 @@ OPTIONS: Tuple[Option, ...] = (
     Option("--offload-activations", "host: each step runs layer by layer over its micro-batches, each layer's "
            "inputs kept in host memory until its recompute. Default: {default}", choices=("none", "host"),
            default="none"),
+    Option("--offload-microbatch-group", "with the layer-major step: the step in passes of N micro-batches, each "
+           "layer run for N before the next (N's layer inputs kept at a time, the params brought in once a pass). "
+           "Default: one pass", type=positive_int, default=None, metavar="N"),
     Option("--offload-params", "host: the model's 16-bit params live in pinned host memory and reach the GPU "
            "a layer at a time in each step (with the layer-major step). Default: none", choices=("none", "host"),
            default="none", needs_tiers=True),
@@ -248,7 +251,8 @@ def layer_major_flags(args) -> dict:
     take these), and the flag that asked, for its refusals."""
     params, grads = params_in_host_memory(args), grads_in_host_memory(args)
     return {"inputs_in_host": activations_in_host_memory(args), "params_in_host": params, "grads_in_host": grads,
-            "asked_by": GRADS_IN_HOST if grads else PARAMS_IN_HOST if params else ACTIVATIONS_IN_HOST}
+            "asked_by": GRADS_IN_HOST if grads else PARAMS_IN_HOST if params else ACTIVATIONS_IN_HOST,
+            "group": getattr(args, "offload_microbatch_group", None)}
 
 
 def _flag_of(field: str) -> str:

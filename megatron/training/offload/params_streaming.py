@@ -54,13 +54,18 @@ def streamed_params(cfg, params_per_rank: int, param_bytes: int, grad_bytes: int
                           layer_grad_bytes=in_layers * grad_bytes // max(1, len(sizes)))
 
 
-def streamed_compute_seconds(compute_s: float, streamed: StreamedParams, link_bytes_per_s: float) -> float:
-    """The forward and backward with every layer brought in twice (``link_bytes_per_s``: one direction)."""
-    per_layer = compute_s / max(1, streamed.layers)
+def streamed_compute_seconds(compute_s: float, streamed: StreamedParams, link_bytes_per_s: float,
+                             passes: int = 1) -> float:
+    """The forward and backward with every layer brought in twice per pass over a group of micro-batches
+    (``link_bytes_per_s``: one direction); after the first pass each layer's grads in host memory come back in for
+    its backward to sum on, in series."""
+    per_layer = compute_s / max(1, streamed.layers) / passes
     copy = streamed.layer_bytes / link_bytes_per_s
-    backward_copies = copy + streamed.layer_grad_bytes / link_bytes_per_s  # one side stream: in, then out
+    grads_out = streamed.layer_grad_bytes / link_bytes_per_s
+    backward_copies = copy + grads_out  # one side stream: in, then out
     forward = per_layer * FORWARD_SHARE_FULL_RECOMPUTE
-    return streamed.layers * (max(forward, copy) + max(per_layer - forward, backward_copies))
+    one_pass = streamed.layers * (max(forward, copy) + max(per_layer - forward, backward_copies))
+    return passes * one_pass + (passes - 1) * streamed.layers * grads_out
 
 
 @dataclass(frozen=True)
