@@ -79,10 +79,13 @@ def test_training_with_activations_in_host_memory_repeats_the_run_without(tmp_pa
     assert len(schedule) == 3 and schedule[0]["loss"] != schedule[-1]["loss"]  # it trained
 
 
-def test_a_run_it_cannot_take_stops_in_one_line_before_the_model(tmp_path):
-    output = run_pretrain(tmp_path, ["--offload-activations", "host"], train_iters=1, expect_success=False)[0]["output"]
-    lines = [line for line in output.splitlines() if "error: --offload-activations host:" in line]
-    assert len(lines) == 1 and "--recompute-granularity full" in lines[0], output[-3000:]
+@pytest.mark.parametrize("flags, flag, words", [
+    (["--offload-activations", "host"], "--offload-activations host", "--recompute-granularity full"),
+    (["--offload-microbatch-group", "2"], "--offload-microbatch-group", "needs the layer-major step")])
+def test_a_run_it_cannot_take_stops_in_one_line_before_the_model(tmp_path, flags, flag, words):
+    output = run_pretrain(tmp_path, flags, train_iters=1, expect_success=False)[0]["output"]
+    lines = [line for line in output.splitlines() if f"error: {flag}:" in line]
+    assert len(lines) == 1 and words in lines[0], output[-3000:]
     assert "Traceback" not in output
 
 
