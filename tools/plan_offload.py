@@ -383,7 +383,7 @@ def layouts_to_try(opts, args, machine):
 def plan_for(opts, capacities, flags, measured, gpu_tflops=None, batch_sizes=None):
     """One plan. ``measured`` keeps the tiers' and the CPU's rates of a first call for the next ones
     (they do not change with the flags a recommendation varies); ``gpu_tflops`` replaces --gpu-tflops."""
-    from megatron.training.offload.capacity_plan import make_plan, suggested_host_cache_gb
+    from megatron.training.offload.capacity_plan import host_beside_state, make_plan, suggested_host_cache_gb
     from megatron.training.offload.plan_types import Machine
     from megatron.training.data.datasets import build_tokenizer, padded_vocab_size
     from megatron.training.offload.flags import config_from_args
@@ -396,13 +396,15 @@ def plan_for(opts, capacities, flags, measured, gpu_tflops=None, batch_sizes=Non
     args.padded_vocab_size = padded_vocab_size(args, build_tokenizer(args))
     cfg = transformer_config(args)
     config, rates, space, adam_rate, convert_rate, cache_gb = None, {}, {}, 0.0, 0.0, None
+    suggested = False
     if args.offload_tiers:
         unknown = sorted(set(capacities) - set(args.offload_tiers))
         if unknown:
             raise UserError(f"argument --offload-{unknown[0]}-capacity-gb: {unknown[0]!r} is not one of "
                             f"--offload-tiers {','.join(args.offload_tiers)}")
         cache_gb = args.offload_host_cache_gb
-        if cache_gb is None and HOST_TIER in args.offload_tiers and len(args.offload_tiers) > 1:
+        suggested = cache_gb is None and HOST_TIER in args.offload_tiers and len(args.offload_tiers) > 1
+        if suggested:
             cache_gb = suggested_host_cache_gb(machine, machine.gpus_per_node, args.offload_subgroup_size)
             args.offload_host_cache_gb = cache_gb
         config = config_from_args(args, rank=0)
@@ -415,6 +417,13 @@ def plan_for(opts, capacities, flags, measured, gpu_tflops=None, batch_sizes=Non
         machine.device_rates = device_rates(opts, *([config.stored_dtypes] if config is not None else []))
     plan = make_plan(args, cfg, machine, config, MeasuredRates(rates, adam_rate, convert_rate), space,
                      batch_sizes or table_batch_sizes(opts, args, machine))
+    beside = host_beside_state(plan)
+    if suggested and beside:  # the suggestion again, beside what else the plan put in host memory
+        cache_gb = suggested_host_cache_gb(machine, machine.gpus_per_node, args.offload_subgroup_size, beside)
+        args.offload_host_cache_gb = cache_gb
+        config = config_from_args(args, rank=0)
+        plan = make_plan(args, cfg, machine, config, MeasuredRates(rates, adam_rate, convert_rate), space,
+                         batch_sizes or table_batch_sizes(opts, args, machine))
     plan.host_cache_gb = cache_gb
     plan.tier_rates = rates
     plan.tflops_given = bool(gpu_tflops or opts.gpu_tflops)  # else the H200's figure for its attention

@@ -237,3 +237,15 @@ def test_70b_at_global_batch_64_in_passes_of_32_keeps_half_the_layer_inputs_and_
     assert halves["fits"], halves["problems"]
     assert halves["host_bytes_per_node"]["host_activations"] == kept_inputs // 2
     assert halves["predicted_compute_s"] > one_pass["predicted_compute_s"] * 0.999  # passes add copies, never less
+
+
+def test_without_a_host_budget_the_suggestion_leaves_room_for_the_model_in_host_memory(tool):
+    """No --offload-host-cache-gb with the params, grads and layer inputs in host memory: the suggested budget is
+    80% of what the node has left beside them (less the gradient scratch), not of the whole node, and it fits."""
+    flags = (f"{RUN_69B_ONE_GPU} --offload-params host --offload-grads host --offload-activations host"
+             .replace("--offload-host-cache-gb 75 ", ""))
+    _, got = run(tool, f"--gpu-tflops {H200_TFLOPS} {flags}")
+    host = got["host_bytes_per_node"]
+    model = host["host_params"] + host["host_grads"] + host["host_activations"]
+    expected = int(((503 * 2**30 - model) * 0.8 - 2 * 100_000_000 * 4) / 2**30)
+    assert got["offload_host_cache_gb"] == expected and got["fits"], got["problems"]

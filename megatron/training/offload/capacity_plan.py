@@ -74,11 +74,19 @@ def host_grad_itemsize(args) -> Optional[int]:
     return gradient_itemsize(args) if getattr(args, "device", None) == "cpu" else None
 
 
-def suggested_host_cache_gb(machine: Machine, ranks_per_node: int, subgroup_size: int) -> float:
-    """The largest per-rank host budget the node holds beside the gradient scratch, in whole GB."""
+def suggested_host_cache_gb(machine: Machine, ranks_per_node: int, subgroup_size: int, beside_bytes: int = 0) -> float:
+    """The largest per-rank host budget the node holds beside the gradient scratch, in whole GB: its share of
+    what the node has left beside ``beside_bytes`` (per node: the params, grads and layer inputs a plan put in host
+    memory)."""
     scratch = 2 * subgroup_size * FP32_BYTES
-    per_rank = machine.host_memory_bytes * HOST_SHARE / ranks_per_node - scratch
+    per_rank = max(0, machine.host_memory_bytes - beside_bytes) * HOST_SHARE / ranks_per_node - scratch
     return max(0.0, float(int(per_rank / GiB)))
+
+
+def host_beside_state(plan: "Plan") -> int:
+    """What a plan put of the model in a node's host memory: params, grads, layer inputs (the processes, data
+    workers and the OS are in the share the suggestion leaves)."""
+    return sum(v for k, v in plan.host_bytes_per_node.items() if k.startswith("host_"))
 
 
 @dataclass(frozen=True)
