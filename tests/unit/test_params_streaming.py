@@ -129,7 +129,7 @@ def test_the_recommendation_for_69b_on_one_gpu_keeps_params_grads_and_layer_inpu
     _, got = run(tool, flags)
     assert not got["fits"]
     chosen = got["recommendation"]["chosen"]
-    assert chosen["candidate"].endswith("params, grads and layer inputs in host memory"), chosen["candidate"]
+    assert "params, grads and layer inputs in host memory" in chosen["candidate"], chosen["candidate"]
     assert all(f in chosen["flags"] for f in ("--offload-params", "--offload-grads", "--offload-activations"))
     fitting = [r for r in got["recommendation"]["candidates"] if r["fits"]]
     assert fitting and all("grads and layer inputs in host memory" in r["candidate"] for r in fitting)

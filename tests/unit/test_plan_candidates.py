@@ -111,8 +111,11 @@ def test_layout_candidates_are_planned_as_their_own_flags(tool):
     code, got = run(tool, f"--recommend --layouts 4x1,2x2 {flags}")
     rows = got["recommendation"]["candidates"]
     # Data-parallel size 1 at both layouts: micro-batch 1 or 2, three recompute settings (full once per IN_HOST
-    # set), gpu tier auto or none.
-    assert len(rows) == 2 * 2 * (len(RECOMPUTE) - 1 + len(IN_HOST)) * 2
+    # set, and each layer-major set also in passes of one micro-batch where the step has two), gpu tier auto or none.
+    layer_major_sets = len(IN_HOST) - 1
+    per_tier = (len(RECOMPUTE) - 1 + len(IN_HOST) + layer_major_sets) + (len(RECOMPUTE) - 1 + len(IN_HOST))
+    assert len(rows) == 2 * 2 * per_tier
+    assert sum("in passes of 1 micro-batch" in r["candidate"] for r in rows) == 2 * 2 * layer_major_sets
     assert {r["candidate"].split(",")[0] for r in rows} == {"TP 4 x PP 1", "TP 2 x PP 2"}
     fitting = [r for r in rows if r["fits"]]
     assert got["recommendation"]["chosen"]["tokens_per_s"] == max(r["tokens_per_s"] for r in fitting)

@@ -1,7 +1,8 @@
 """The configurations the planner tries for one global batch size (``tools/plan_offload.py
 --recommend``): recompute granularity, micro-batch size, the gpu tier (auto or none), with full recompute
 on a GPU the params resident or in host memory (the layer-major step's: alone, with the layer inputs, with the
-grads and the layer inputs), and, with ``--layouts``, the tensor x
+grads and the layer inputs; in one pass over the step's micro-batches, or in halves or quarters), and, with
+``--layouts``, the tensor x
 pipeline parallel sizes, each as the user's flags with those few changed,
 and the compute time each would take at the TFLOP/s the user measured with their own recompute setting."""
 
@@ -23,7 +24,8 @@ _RECOMPUTE_FLAGS = {"--recompute-granularity": 1, "--recompute-method": 1, "--re
                     "--recompute-activations": 0}
 _GPU_TIER_FLAGS = {GPU_CACHE_FLAG: 1, "--offload-tiers": 1}
 _LAYOUT_FLAGS = {"--tensor-model-parallel-size": 1, "--pipeline-model-parallel-size": 1}
-_HOST_FLAGS = {flag.split()[0]: 1 for flag in (PARAMS_IN_HOST, GRADS_IN_HOST, ACTIVATIONS_IN_HOST)}
+GROUP_FLAG = "--offload-microbatch-group"
+_HOST_FLAGS = {**{flag.split()[0]: 1 for flag in (PARAMS_IN_HOST, GRADS_IN_HOST, ACTIVATIONS_IN_HOST)}, GROUP_FLAG: 1}
 # What the layer-major step can keep in host memory, as candidates try it: each set with the flags asking for it
 # (the layer inputs alone buy nothing over megatron-core's schedule, which keeps one micro-batch's).
 IN_HOST = {(): [], ("params",): PARAMS_IN_HOST.split(),
@@ -43,6 +45,7 @@ class Candidate:
     gpu_tier: str  # "auto", "none", or AS_GIVEN (no offload, or no tier below the gpu to fall back on)
     layout: Optional[Tuple[int, int]] = None  # (TP, PP); None: as given
     in_host: Tuple[str, ...] = ()  # a key of IN_HOST (full recompute only)
+    group: Optional[int] = None  # with a layer-major set: micro-batches per pass (None: the step's all)
 
     def describe(self) -> str:
         parts = [f"recompute {self.recompute}", f"micro-batch {self.micro_batch_size}"]
@@ -53,6 +56,8 @@ class Candidate:
         if self.in_host:
             parts.append(f"{', '.join(self.in_host[:-1]) + ' and ' if len(self.in_host) > 1 else ''}"
                          f"{self.in_host[-1]} in host memory")
+        if self.group:
+            parts.append(f"in passes of {self.group} micro-batch{'es' if self.group > 1 else ''}")
         return ", ".join(parts)
 
 
@@ -92,7 +97,15 @@ def candidates(micro_batches_per_dp: int, tiers: Optional[Sequence[str]], on_gpu
     below = [t for t in tiers or () if not kind_of(t).in_device_memory]
     tier_options = ["auto", "none"] if below and on_gpu else [AS_GIVEN]
     where = {r: list(IN_HOST) if r == "full" and tiers and on_gpu else [()] for r in RECOMPUTE}
-    return [Candidate(r, m, g, layout, host) for r in RECOMPUTE for m in sizes for g in tier_options for host in where[r]]
+    return [Candidate(r, m, g, layout, host, group) for r in RECOMPUTE for m in sizes for g in tier_options
+            for host in where[r] for group in pass_sizes(micro_batches_per_dp // m, host)]
+
+
+def pass_sizes(micro_batches: int, in_host: Tuple[str, ...]) -> List[Optional[int]]:
+    """The passes a layer-major candidate tries: the whole step, halves and quarters (where they divide it)."""
+    if not in_host:
+        return [None]
+    return [None] + [micro_batches // k for k in (2, 4) if micro_batches % k == 0 and micro_batches // k >= 1]
 
 
 def in_host_of(args) -> Tuple[str, ...]:
@@ -115,6 +128,8 @@ def own_flags(c: Candidate, tiers: Optional[Sequence[str]]) -> List[str]:
     if c.layout:
         out += ["--tensor-model-parallel-size", str(c.layout[0]), "--pipeline-model-parallel-size", str(c.layout[1])]
     out += IN_HOST[c.in_host]
+    if c.group:
+        out += [GROUP_FLAG, str(c.group)]
     if c.gpu_tier != AS_GIVEN:
         below = [t for t in tiers if not kind_of(t).in_device_memory]
         out += ["--offload-tiers", ",".join(([GPU_TIER] if c.gpu_tier == "auto" else []) + below)]
