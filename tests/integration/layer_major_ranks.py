@@ -87,7 +87,8 @@ def main(out: str, tp: int, micro_batches: int, precision: str, pp: int = 1) -> 
 
     from megatron.training.args.arguments import parse_args
     from megatron.training.model.configs import transformer_config
-    from megatron.training.model.layer_major import HostKeptInputs, LayerMajorStep, forward_backward_layer_major
+    from megatron.training.model.kept_inputs import HostKeptInputs
+    from megatron.training.model.layer_major import LayerMajorStep, forward_backward_layer_major
     from megatron.training.training import build_model
 
     args = parse_args([

@@ -6,7 +6,7 @@ where there is one, on the GPU (the side stream's copies out and prefetches back
 import pytest
 import torch
 
-from megatron.training.model.layer_major import HostKeptInputs, KeptInputs
+from megatron.training.model.kept_inputs import HostKeptInputs, KeptInputs
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

@@ -265,6 +265,14 @@ class HostParams:
         return torch.cuda.stream(self._stream)
 
 
+def buffer_bytes_in_host_memory(chunks) -> int:
+    """What DDP's param and grad buffers of ``chunks`` hold in host memory (--offload-params/--offload-grads host)."""
+    buffers = [b for chunk in chunks for b in list(getattr(chunk, "buffers", []))
+               + list(getattr(chunk, "expert_parallel_buffers", []))]
+    return sum(data.numel() * data.element_size() for b in buffers for data in (b.param_data, b.grad_data)
+               if data is not None and data.device.type == "cpu")
+
+
 def ddp_with_params_in_host_memory(chunks, ddp: Callable, device: torch.device, grads_in_host: bool):
     """Each chunk wrapped by ``ddp(chunk, index)`` with DDP's param buffer (and with ``grads_in_host`` its grad
     buffer) in host memory, the params the first data-parallel rank's (broadcast through the device); the rest

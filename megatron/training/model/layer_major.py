@@ -44,6 +44,7 @@ from megatron.training.errors import UserError
 from megatron.training.runtime.progress import print_rank0
 from megatron.training.model.host_grads import host_grads_refusal, tied_across_stages
 from megatron.training.model.host_params import HostParams, decoder_of, host_params_refusal
+from megatron.training.model.kept_inputs import HostKeptInputs, KeptInputs, NoKeptInputs
 from megatron.training.model.pipeline_stage import PipelineStage
 from megatron.training.model.sizes import kept_input_bytes
 
@@ -119,70 +120,6 @@ class ResidentLayers:
 
     def step_ended(self) -> None:
         pass
-
-
-class KeptInputs:
-    """Each layer's inputs for its recompute, left where the forward made them."""
-
-    def __init__(self):
-        self._kept: Dict[int, List[torch.Tensor]] = {}
-
-    def put(self, layer: int, tensors: List[torch.Tensor]) -> None:
-        self._kept[layer] = list(tensors)
-
-    def take(self, layer: int) -> List[torch.Tensor]:
-        return self._kept.pop(layer)
-
-
-class NoKeptInputs(KeptInputs):
-    """A forward-only step's: nothing is recomputed, so no layer's inputs are kept."""
-
-    def put(self, layer: int, tensors: List[torch.Tensor]) -> None:
-        pass
-
-
-class HostKeptInputs(KeptInputs):
-    """Each layer's inputs in host memory (pinned with CUDA): copied out on a side stream as the forward
-    makes them, copied back for the layer's backward, the next layer's while this one computes; so the
-    GPU holds at most two layers' inputs instead of every layer's. On a CPU run, copies all the same."""
-
-    def __init__(self, device: torch.device):
-        super().__init__()
-        self._device = device
-        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._coming: Dict[int, List[torch.Tensor]] = {}
-
-    def put(self, layer: int, tensors: List[torch.Tensor]) -> None:
-        with self._on_side_stream():
-            host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=self._stream is not None) for t in tensors]
-            for h, t in zip(host, tensors):
-                h.copy_(t, non_blocking=True)
-                if self._stream is not None:
-                    t.record_stream(self._stream)  # its memory is not reused before the copy has read it
-        super().put(layer, host)
-
-    def take(self, layer: int) -> List[torch.Tensor]:
-        self._fetch(layer)
-        tensors = self._coming.pop(layer)
-        if self._stream is not None:
-            current = torch.cuda.current_stream(self._device)
-            current.wait_stream(self._stream)
-            for t in tensors:
-                t.record_stream(current)
-        self._fetch(layer - 1)  # the next layer's, under this one's backward
-        return tensors
-
-    def _fetch(self, layer: int) -> None:
-        if layer < 0 or layer in self._coming:
-            return
-        with self._on_side_stream():
-            self._coming[layer] = [h.to(self._device, non_blocking=True) for h in super().take(layer)]
-
-    def _on_side_stream(self):
-        if self._stream is None:
-            return contextlib.nullcontext()
-        self._stream.wait_stream(torch.cuda.current_stream(self._device))  # what it copies is computed
-        return torch.cuda.stream(self._stream)
 
 
 class LayerMajorStep:

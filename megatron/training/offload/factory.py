@@ -16,6 +16,7 @@ from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.training.errors import UserError
 from megatron.training.offload.optimizer import OffloadDistributedOptimizer
 from megatron.training.offload.shard import ShardGroups
+from megatron.training.model.host_params import buffer_bytes_in_host_memory
 from megatron.training.offload.job_facts import PerNodeByRank0
 from megatron.training.offload.flags import config_from_args
 from megatron.training.offload.gpu_tier_start import starting_gpu_tier_bytes
@@ -48,13 +49,7 @@ def process_at_its_peak(model_chunks, device) -> int:
     peak beside them, which its first steps reach after this start-up (0 on a CPU run: measured is right)."""
     if device.type != "cuda":
         return 0
-    in_host = 0
-    for chunk in model_chunks:
-        for buffer in list(getattr(chunk, "buffers", [])) + list(getattr(chunk, "expert_parallel_buffers", [])):
-            for data in (buffer.param_data, buffer.grad_data):
-                if data is not None and data.device.type == "cpu":
-                    in_host += data.numel() * data.element_size()
-    return in_host + PROCESS_BYTES_GPU
+    return buffer_bytes_in_host_memory(model_chunks) + PROCESS_BYTES_GPU
 
 
 def _starting_gpu_tier(args, model_chunks, groups: List[ShardGroups], device) -> dict:
