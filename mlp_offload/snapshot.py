@@ -15,6 +15,8 @@ places:
   demand) that the writer takes instead; with no staging left, the update waits for the writer.
   The writer takes the memory ones first, in the next update's order, so it runs ahead of the
   update for as long as it can. The time ``before_update`` takes is the pause training has.
+  A writer paced over several steps (``checkpoint.pacing``) copies them aside itself first
+  (``stage_ahead``), between two updates, so the update neither copies nor waits.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import Dict, List, Optional
 
+from .config.offload_config import DEFAULT_SAVE_STAGING
 from .pipeline import StateViews
 from .subgroups.partition import Subgroup, slot_subgroup
 from .tiers.no_fork import aligned_empty
@@ -54,7 +57,7 @@ class SnapshotSources:
 
 class StateSnapshot:
     def __init__(self, subgroups: List[Subgroup], steps_done: int, sources: SnapshotSources,
-                 update_order: List[int], staging_bytes: int):
+                 update_order: List[int], staging_bytes: Optional[int]):
         self.subgroups = subgroups
         self.codecs = subgroups[0].codecs  # the stored formats (state_formats), every subgroup's
         self.numel = subgroups[-1].end
@@ -69,8 +72,12 @@ class StateSnapshot:
         self._progress = {i: PENDING for i in memory}
         self._staged: Dict[int, StateViews] = {}
         self._spare: List[StateViews] = []
+        if staging_bytes is None:  # none configured (OffloadConfig.save_staging_bytes)
+            staging_bytes = DEFAULT_SAVE_STAGING
         self._staging_free = staging_bytes // self.largest.state_bytes  # buffers still allowed
+        self._staging_made = 0
         self.paused_s = 0.0  # what before_update cost the update
+        self.writer_waits = 0  # times an update waited for the writer (not for a copy): none within the staging
         self.cancelled = threading.Event()
         self.released = threading.Event()
         self._writer_started = False
@@ -81,16 +88,25 @@ class StateSnapshot:
         if i not in self._progress or self.released.is_set():
             return
         started = time.perf_counter()
+        self._copy_aside(i, wait=True)
+        self.paused_s += time.perf_counter() - started
+
+    def _copy_aside(self, i: int, wait: bool) -> bool:
+        """Subgroup ``i`` into a staging buffer unless the writer has it or is done with it; where no
+        staging is left, wait for the writer (``wait``) or return False."""
         with self._cond:
             while self._progress[i] not in (DONE, STAGED):
                 if self._progress[i] == PENDING and (self._spare or self._staging_free > 0):
                     self._progress[i] = STAGING
                     stage = self._spare.pop() if self._spare else self._new_staging_buffer()
                     break
+                if self._progress[i] == PENDING and not wait:
+                    return False
+                if self._progress[i] != STAGING:  # held back by the writer itself, not by a copy under way
+                    self.writer_waits += 1
                 self._cond.wait()
             else:
-                self.paused_s += time.perf_counter() - started
-                return
+                return True
         sg = self.subgroups[i]
         for dst, src in zip(stage.narrow(sg), self.memory[i].narrow(sg)):
             dst.copy_(src)
@@ -98,11 +114,23 @@ class StateSnapshot:
             self._staged[i] = stage
             self._progress[i] = STAGED
             self._cond.notify_all()
-        self.paused_s += time.perf_counter() - started
+        return True
 
     def _new_staging_buffer(self) -> StateViews:
         self._staging_free -= 1
+        self._staging_made += 1
         return StateViews.over(aligned_empty(self.largest.state_bytes), self.largest)
+
+    @property
+    def staging_bytes(self) -> int:
+        """The staging buffers allowed in all (taken only as needed)."""
+        with self._cond:
+            return (self._staging_free + self._staging_made) * self.largest.state_bytes
+
+    def allow_staging(self, nbytes: int) -> None:
+        """Raise the staging allowed to ``nbytes`` in all (a paced writer takes several steps)."""
+        with self._cond:
+            self._staging_free = max(self._staging_free, nbytes // self.largest.state_bytes - self._staging_made)
 
     # -- the writer's side ----------------------------------------------------------------------
     def take(self, i: int) -> StateViews:
@@ -115,6 +143,22 @@ class StateSnapshot:
                 return self._staged[i]
             self._progress[i] = WRITING
             return self.memory[i]
+
+    def stage_ahead(self) -> int:
+        """The writer copies the subgroups held in memory aside now, in the update's order, while the
+        staging allows (a writer paced over several steps: the updates then find their copies made);
+        returns the bytes copied."""
+        copied = 0
+        for i in self.order:
+            if i not in self._progress:
+                continue  # read from a tier file: the updates never change it
+            self.check_cancelled()
+            with self._cond:
+                pending = self._progress[i] == PENDING
+            if not self._copy_aside(i, wait=False):
+                break
+            copied += self.subgroups[i].state_bytes if pending else 0
+        return copied
 
     def done_with(self, i: int) -> None:
         if i in self.on_tier:

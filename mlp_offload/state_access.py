@@ -88,7 +88,7 @@ class StateAccess:
             if views is self._scratch:  # host-resident or in a buffer: written later by the pipeline
                 self.pipeline.write_now(i, views)
 
-    def snapshot(self, steps_done: int, link_files: bool, staging_bytes: int) -> StateSnapshot:
+    def snapshot(self, steps_done: int, link_files: bool, staging_bytes: Optional[int]) -> StateSnapshot:
         """The state as it is now, for a writer (see snapshot). ``link_files``: the writer's copy of
         file-held subgroups survives the next updates (off for a save that nothing overtakes)."""
         self.pipeline.flush()

@@ -10,6 +10,8 @@
 #   P1  (only when RUNS names it) L1 with --offload-params host: the params in host memory, a layer at a time on the GPU
 #   P2  (only when RUNS names it) P1 with --offload-grads host: the grads in host memory too
 #   A1  (only when RUNS names it) --async-save at 2 and 4 of 6 iterations: each save's hold, the steps beside its writer
+#   A2, B2  (only when RUNS names them) --async-save at 4 and 8 of 8 iterations, and the same without saves: the
+#       iterations beside the paced writer against B2's (goal <= 1.25x), the pacing lines, the disk's scheduler
 #   bash benchmarks/run_gpu.sh determinism     (device tool, kind nvidia-h200, carry [".whl"])
 #   RUNS="D1 D2 DR" ... a subset; DRY_RUN=1 bash benchmarks/experiments/determinism.sh (tiny, CPU)
 set -u
@@ -53,7 +55,7 @@ run() {  # NAME [flags]
   timeout "${RUN_LIMIT:-170}" torchrun --nproc_per_node 1 --master_port "${PORT:-29561}" pretrain_gpt.py $COMMON "$@" \
     --loss-log "$OUT/$name.jsonl" > "$OUT/.run.log" 2>&1
   echo "$name exit $? at $(( SECONDS - T0 )) s"
-  grep -v -i warn "$OUT/.run.log" | grep -E "deterministic|attention:|checkpoint|resume|iteration +[0-9]+/|update split|rror|Killed|> params|offloaded state .*linked" \
+  grep -v -i warn "$OUT/.run.log" | grep -E "deterministic|attention:|checkpoint|resume|iteration +[0-9]+/|update split|rror|Killed|> params|offloaded state .*linked|paced" \
     | cut -c1-420 > "$OUT/determinism_$name.log"
   grep -v "iteration  " "$OUT/determinism_$name.log" | cut -c1-300
   source benchmarks/experiments/iteration_lines.sh; iteration_lines "$OUT/determinism_$name.log"
@@ -67,6 +69,9 @@ for name in ${RUNS:-D1 D2 DR N1 N2}; do
         run DR --deterministic-mode --load "$DISK/at2" ;;
     N1|N2) run "$name" ;;
     A1) run A1 --async-save --save "$DISK/async" --save-interval 2 --train-iters 6 ;;  # holds, steps beside the writer
+    A2) echo "scheduler of $DISK: $($PY -c "import sys; from megatron.training.runtime.io_priority import scheduler_of; print(scheduler_of(sys.argv[1]))" "$DISK")"
+        run A2 --async-save --save "$DISK/paced" --save-interval 4 --train-iters 8; rm -rf "$DISK/paced" ;;
+    B2) run B2 --train-iters 8 ;;  # A2 without saves
     S1) run S1 --deterministic-mode ;;  # layer_major.sh's pair
     L1) run L1 --deterministic-mode --offload-activations host ;;
     P1) run P1 --deterministic-mode --offload-activations host --offload-params host ;;
@@ -74,6 +79,9 @@ for name in ${RUNS:-D1 D2 DR N1 N2}; do
   esac
 done
 du -sh "$DISK/at2" 2>/dev/null | cat
+if [ -s "$OUT/determinism_A2.log" ] && [ -s "$OUT/determinism_B2.log" ]; then
+  $PY benchmarks/experiments/beside_writer.py "$OUT/determinism_A2.log" "$OUT/determinism_B2.log" | tee "$OUT/determinism_beside_writer.txt"
+fi
 $PY - "$OUT" <<'PY' | tee "$OUT/determinism_summary.txt"
 import json, os, sys
 out = sys.argv[1]

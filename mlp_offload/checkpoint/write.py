@@ -33,6 +33,7 @@ import torch
 from .file_blocks import snapshot_blocks
 from .digest import StateDigest
 from .file_format import MAGIC, TRAILER, CheckpointSaveError
+from .pacing import DiskPacer, pace_save
 from .parts import PartLinks
 from .state_file import human_bytes, state_file_bytes, subgroups_file_bytes
 from ..tiers.direct_io import DirectRegionWriter, pwrite_all
@@ -78,7 +79,9 @@ def start_background_save(engine: OffloadedAdamW, path: str, metadata: Optional[
         snapshot.cancel()
         log.warning("%s: the offloaded state is written synchronously", short)
         return BackgroundStateWrite.finished_now(engine, path, metadata, digest, link_tier_files)
-    return BackgroundStateWrite(snapshot, path, metadata, digest, link_tier_files)
+    write = BackgroundStateWrite(snapshot, path, metadata, digest, link_tier_files)
+    write.pacer = pace_save(engine, snapshot, path, link_tier_files)
+    return write
 
 
 def _snapshot(engine: OffloadedAdamW, link_files: bool) -> StateSnapshot:
@@ -115,6 +118,7 @@ class BackgroundStateWrite:
         self.link_tier_files = link_tier_files
         self.nbytes = subgroups_file_bytes(snapshot.subgroups) if snapshot else 0
         self.write_s = 0.0
+        self.pacer: Optional[DiskPacer] = None  # where a file tier shares the checkpoint's disk (pacing)
         self.failure: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._run, name="mlp-checkpoint-writer", daemon=True)
 
@@ -153,7 +157,10 @@ class BackgroundStateWrite:
         started = time.perf_counter()
         self.snapshot.writer_starts()
         try:
-            self.nbytes = write_snapshot(self.snapshot, self.path, self.metadata, self.digest, self.link_tier_files)
+            self.nbytes = write_snapshot(self.snapshot, self.path, self.metadata, self.digest, self.link_tier_files,
+                                         self.pacer)
+            if self.pacer is not None:
+                log.info("offloaded state %s paced: %s", self.path, self.pacer.report())
         except BaseException as err:  # reported by the finalize step, on every rank
             self.failure = err
         finally:
@@ -162,14 +169,16 @@ class BackgroundStateWrite:
 
 
 def write_snapshot(snapshot: StateSnapshot, path: str, metadata: Optional[dict],
-                   digest: Optional[StateDigest] = None, link_tier_files: bool = False) -> int:
+                   digest: Optional[StateDigest] = None, link_tier_files: bool = False,
+                   pacer: Optional[DiskPacer] = None) -> int:
     """Write ``snapshot`` into ``path`` (via ``path.tmp``, fsynced, renamed); returns its bytes.
     ``digest``: each subgroup's tensors are added to it as they are written. ``link_tier_files``:
-    tier files on ``path``'s file system become part files (linked, fsynced before the rename)."""
+    tier files on ``path``'s file system become part files (linked, fsynced before the rename).
+    ``pacer``: the state held in memory is copied aside first, then each chunk waits its turn (pacing)."""
     tmp = path + ".tmp"
     parts = PartLinks(path, snapshot.steps_done) if link_tier_files else None
     try:
-        size = _write(snapshot, tmp, metadata, digest, parts)
+        size = _write(snapshot, tmp, metadata, digest, parts, pacer)
         fault_point("save-offload-commit")  # parts linked and durable, the state file not yet renamed
         os.replace(tmp, path)
         fsync_path(os.path.dirname(os.path.abspath(path)))
@@ -204,8 +213,10 @@ def _link_parts(snapshot: StateSnapshot, parts: Optional[PartLinks]) -> Dict[int
 
 
 def _write(snapshot: StateSnapshot, tmp: str, metadata: Optional[dict], digest: Optional[StateDigest],
-           parts: Optional[PartLinks] = None) -> int:
+           parts: Optional[PartLinks] = None, pacer: Optional[DiskPacer] = None) -> int:
     linked = _link_parts(snapshot, parts)
+    if pacer is not None:
+        snapshot.stage_ahead()
     offsets, end = {}, 0
     for sg in snapshot.subgroups:  # element order: where each subgroup's bytes go (a part's: none here)
         offsets[sg.index] = end
@@ -213,10 +224,10 @@ def _write(snapshot: StateSnapshot, tmp: str, metadata: Optional[dict], digest: 
             end += state_file_bytes(sg.numel, sg.codecs, sg.blocks)
     crcs = {}  # subgroup -> a function giving its tensors' CRC32s once the writer has them
     # A linked subgroup is read only for the digest.
-    reads = _TierReads(snapshot, skip=() if digest is not None else linked)
+    reads = _TierReads(snapshot, skip=() if digest is not None else linked, pacer=pacer)
     with open(tmp, "wb") as f, ThreadPoolExecutor(1, thread_name_prefix="mlp-checkpoint-digest") as beside:
         fd = f.fileno()
-        writer = DirectRegionWriter(fd, tmp)
+        writer = DirectRegionWriter(fd, tmp, pace=pacer.wait_turn if pacer is not None else None)
         try:
             for i in snapshot.order:
                 snapshot.check_cancelled()
@@ -261,8 +272,9 @@ class _TierReads:
     """The file-held subgroups read through their tiers in the writer's order, the next one into
     the other of two buffers while this one is written."""
 
-    def __init__(self, snapshot: StateSnapshot, skip=()):
+    def __init__(self, snapshot: StateSnapshot, skip=(), pacer: Optional[DiskPacer] = None):
         self.snapshot = snapshot
+        self.pacer = pacer  # each read waits its turn on the disk as a chunk of the writer's does
         self.ids = [i for i in snapshot.order if i in snapshot.on_tier and i not in skip]
         self.buffers: List[StateViews] = []
         self.pending: Dict[int, object] = {}
@@ -284,8 +296,10 @@ class _TierReads:
         if len(self.buffers) <= k % 2:
             largest = self.snapshot.largest
             self.buffers.append(StateViews.over(aligned_empty(largest.state_bytes), largest))
-        copy = self.snapshot.on_tier[i]
-        self.pending[i] = (k, copy.tier.submit_read(copy.key, self.buffers[k % 2].extents(self.snapshot.subgroups[i])))
+        copy, sg = self.snapshot.on_tier[i], self.snapshot.subgroups[i]
+        if self.pacer is not None:
+            self.pacer.wait_turn(sg.state_bytes)
+        self.pending[i] = (k, copy.tier.submit_read(copy.key, self.buffers[k % 2].extents(sg), background=True))
 
 
 def _remove(path: str) -> None:

@@ -24,6 +24,7 @@ GPU_TIER = DEVICE_MEMORY.name  # the model's device memory (HBM; on a CPU run, t
 # Tier names that are memory (tiers.base.ResidentTier kinds), fastest first; every other name is a
 # file path. Placement fills them in this order.
 RESIDENT_TIERS = memory_kind_names()
+DEFAULT_SAVE_STAGING = 4 * GiB  # save_staging_bytes where none is given and the writer is not paced
 
 
 @dataclass
@@ -205,10 +206,12 @@ class OffloadConfig:
     Needs an fp32 master (``state_dtypes[0]``) and bf16 model params, which the engine reads from its
     ``param_high`` source and writes back through ``on_params_updated`` (bf16, rounded half away)."""
 
-    save_staging_bytes: int = 4 * GiB
+    save_staging_bytes: Optional[int] = None
     """Background checkpoint saves: host memory (outside the budget, taken only when needed) for
     copies of subgroups held in memory that the next update reaches before the writer has them;
-    beyond it the update waits for the writer (see ``snapshot``)."""
+    beyond it the update waits for the writer (see ``snapshot``). ``None``: ``DEFAULT_SAVE_STAGING``,
+    raised for a writer paced behind a file tier on the checkpoint's disk to the state held in memory,
+    as host memory allows (``checkpoint.pacing``)."""
 
     lock_dir: Optional[str] = None
     """Node-local directory for the lock files of the I/O tokens and of the bandwidth probe (one
@@ -280,7 +283,8 @@ class OffloadConfig:
                 f"I/O block size (io_block_bytes) must be a positive multiple of {ALIGN} bytes, "
                 f"got {self.io_block_bytes!r}"
             )
-        if not is_int(self.save_staging_bytes) or self.save_staging_bytes < 0:
+        if self.save_staging_bytes is not None and (not is_int(self.save_staging_bytes)
+                                                     or self.save_staging_bytes < 0):
             raise OffloadConfigError(f"save staging (save_staging_bytes) must be a whole number of bytes >= 0, "
                                      f"got {self.save_staging_bytes!r}")
         if self.adam_kernel not in ("fused", "foreach", "single"):

@@ -38,7 +38,10 @@ class StreamedTier(Protocol):
     device: object  # tiers on one storage device share its bandwidth and free space
 
     def submit_read(self, key: str, extents: Sequence[Extent], before: Optional[Callable] = None,
-                    after: Optional[Callable] = None) -> Future: ...
+                    after: Optional[Callable] = None, background: bool = False) -> Future:
+        """``background``: a checkpoint writer's read, which its ``activity`` does not count."""
+
+    activity: object  # tiers.activity.TierActivity: whether its own I/O is moving data now
 
     def submit_write(self, key: str, extents: Sequence[Extent], before: Optional[Callable] = None,
                      after: Optional[Callable] = None) -> Future: ...

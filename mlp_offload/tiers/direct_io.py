@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
@@ -33,6 +33,7 @@ from .no_fork import aligned_empty
 CHUNK = 8 << 20  # bytes of one read
 PIECE = 16 << 20  # bytes of file a staging buffer takes (a multiple of ALIGN)
 RING = 8  # staging buffers: up to this many pieces in flight
+PACED_RING = 2  # a paced writer's: a tier's operation that starts meanwhile waits behind at most these
 
 
 def open_direct(path: str, flags: int) -> Optional[int]:
@@ -102,13 +103,15 @@ class DirectRegionWriter:
     be reused when it returns) and gives a function that returns their CRC32s once computed;
     ``finish()`` waits for every write."""
 
-    def __init__(self, fd: int, path: str, threads: int = 8):
+    def __init__(self, fd: int, path: str, threads: int = 8, pace: Optional[Callable[[int], None]] = None):
         self.fd = fd
         self.direct = open_direct(path, os.O_WRONLY)  # None where the file system has no O_DIRECT: all through fd
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="ckpt-write")
         self.crc_thread = ThreadPoolExecutor(1, thread_name_prefix="ckpt-crc")  # in submission order
-        self.ring = [aligned_empty(PIECE + ALIGN) for _ in range(RING)]
-        self.busy: List[List[Future]] = [[] for _ in range(RING)]  # what still reads each buffer
+        self.pace = pace  # called with a piece's bytes before it is written (checkpoint.pacing)
+        ring = RING if pace is None else PACED_RING
+        self.ring = [aligned_empty(PIECE + ALIGN) for _ in range(ring)]
+        self.busy: List[List[Future]] = [[] for _ in range(ring)]  # what still reads each buffer
         self.next = 0
 
     def put(self, offset: int, tensors: Sequence[torch.Tensor]):
@@ -121,7 +124,7 @@ class DirectRegionWriter:
         lo = offset
         while lo < end:
             hi = min(align_down(lo) + PIECE, end)  # pieces end on PIECE boundaries of the file
-            k, self.next = self.next, (self.next + 1) % RING
+            k, self.next = self.next, (self.next + 1) % len(self.ring)
             _wait(self.busy[k])
             stage, lead = self.ring[k], lo % ALIGN  # stage[b] is file byte align_down(lo) + b
             for j, (a, b) in enumerate(bounds):
@@ -131,6 +134,8 @@ class DirectRegionWriter:
                     part.copy_(sources[j][s - a: e - a])  # from the device too
                     last = self.crc_thread.submit(_chain_crc, crcs, j, memoryview(part.numpy()))
                     self.busy[k].append(last)
+            if self.pace is not None:
+                self.pace(hi - lo)
             self.busy[k] += self._write(stage, lo, hi)
             lo = hi
         return lambda: _after(last, crcs)

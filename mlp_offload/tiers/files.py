@@ -15,13 +15,14 @@ import os
 import time
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
 from ..config.align import ALIGN
+from .activity import TierActivity
 from .housekeeping import claim, release
 from .tokens import TierTokens
 from ..config.units import GiB
@@ -105,6 +106,8 @@ class FileTier:
         self.io_threads = io.io_threads
         self.verify_checksums = io.verify_checksums
         self.tokens = tokens
+        # Its own operations moving data: what a background writer on this device waits out (checkpoint.pacing).
+        self.activity = TierActivity(elsewhere=tokens.held_elsewhere if isinstance(tokens, TierTokens) else None)
         self.lock_root = lock_root  # the node-local lock files' directory (None: tokens.default_lock_root)
         self.odirect = io.use_odirect and self._odirect_supported()
         if io.use_odirect and not self.odirect:
@@ -135,10 +138,11 @@ class FileTier:
         return self._ops.submit(self._run_op, "write", key, list(extents), before, after)
 
     def submit_read(self, key: str, extents: Sequence[Extent], before: Optional[Callable] = None,
-                    after: Optional[Callable[[OpResult], None]] = None) -> Future:
+                    after: Optional[Callable[[OpResult], None]] = None, background: bool = False) -> Future:
         """Read file ``key`` into ``extents``; ``before`` runs first (e.g. wait for the buffer),
-        ``after`` as for writes."""
-        return self._ops.submit(self._run_op, "read", key, list(extents), before, after)
+        ``after`` as for writes. ``background``: a checkpoint writer's read, not counted in ``activity``."""
+        return self._ops.submit(self._run_op, "background read" if background else "read", key, list(extents),
+                                before, after)
 
     def submit(self, fn: Callable, *args) -> Future:
         """Run ``fn`` on the operation pool (for work ordered with this tier's I/O)."""
@@ -225,17 +229,18 @@ class FileTier:
                 after: Optional[Callable[[OpResult], None]]) -> OpResult:
         if before is not None:
             before()
-        token_wait = self.tokens.acquire() if self.tokens else 0.0
-        try:
-            start = time.perf_counter()
-            if kind == "write":
-                nbytes = self._write(key, extents)
-            else:
-                nbytes = self._read(key, extents)
-            result = OpResult(nbytes, time.perf_counter() - start, token_wait, start)
-        finally:
-            if self.tokens:
-                self.tokens.release()
+        with self.activity.moving() if kind != "background read" else nullcontext():
+            token_wait = self.tokens.acquire() if self.tokens else 0.0
+            try:
+                start = time.perf_counter()
+                if kind == "write":
+                    nbytes = self._write(key, extents)
+                else:
+                    nbytes = self._read(key, extents)
+                result = OpResult(nbytes, time.perf_counter() - start, token_wait, start)
+            finally:
+                if self.tokens:
+                    self.tokens.release()
         if after is not None:
             after(result)
         return result

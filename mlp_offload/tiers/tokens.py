@@ -208,6 +208,20 @@ class TierTokens(_ProcessTokens):
     def _give(self, fd: int) -> None:
         fcntl.flock(fd, fcntl.LOCK_UN)
 
+    def held_elsewhere(self) -> bool:
+        """Whether another process of the node holds one of the tokens now (each tried without waiting
+        and given back at once). False while this process holds or takes one: its own I/O says busy."""
+        with self._cv:
+            if self._holders or self._acquiring:
+                return False
+            for fd in self._fds:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    return True
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            return False
+
     def close(self) -> None:
         for fd in self._fds:
             os.close(fd)

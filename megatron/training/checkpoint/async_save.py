@@ -8,6 +8,8 @@ child sees memory as it was at the fork); the persistent caller would spawn a wo
 tensors through shared memory, which our CPU/gloo runs do not need.
 
 The writer thread starts after the fork, so the forked process inherits no half-held lock of it.
+The forked process runs at the idle I/O priority (runtime.io_priority): megatron-core's writes cannot
+be paced from inside, as the offloaded state's are (mlp_offload.checkpoint.pacing).
 
 The finalize step is collective. ``poll()`` (after every iteration) finalizes only when every rank's
 writers (process and thread) have ended; ``finish()`` waits for them (before the next save, before
@@ -30,6 +32,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factor
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
 
 from megatron.training.errors import UserError
+from megatron.training.runtime.io_priority import at_idle_io_priority
 from mlp_offload.checkpoint import human_bytes
 
 # on_written(failure): failure is None when this rank's write succeeded, else a one-line reason.
@@ -63,7 +66,9 @@ class BackgroundSaves:
         if self.pending:
             raise RuntimeError("a background checkpoint write is still pending: finish() it first")
         finalize = _finalize_then(request.finalize_fns, on_written)
-        self._queue.schedule_async_request(request._replace(finalize_fns=[finalize]))
+        # The forked writer at the idle I/O priority: the file tiers' step I/O first where the scheduler serves classes.
+        write = at_idle_io_priority(request.async_fn) if request.async_fn is not None else None
+        self._queue.schedule_async_request(request._replace(async_fn=write, finalize_fns=[finalize]))
         self._thread = thread
         if thread is not None:
             thread.start()

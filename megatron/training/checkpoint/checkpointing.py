@@ -38,6 +38,7 @@ from megatron.training.checkpoint.state_dict import (all_data_parallel_rng_state
                                                      load_strategies, model_state, rng_sharded_object,
                                                      save_strategies, sharding_metadata)
 from megatron.training.errors import UserError
+from megatron.training.runtime import io_priority
 from megatron.training.runtime.optimizer_interface import OffloadedOptimizerCheckpoint
 from megatron.training.runtime.progress import gb_and_rate, model_device, print_rank0, slowest_rank
 from mlp_offload.checkpoint import CheckpointSaveError, human_bytes
@@ -166,7 +167,8 @@ def save_checkpoint(iteration: int, model, optimizer, scheduler, consumed_sample
     if offload_write is not None:
         what += f" and offloaded optimizer state ({human_bytes(offload_write.nbytes)} per rank)"
     print_rank0(f"> checkpoint at iteration {iteration}: training held {on_written.held_s:.2f} s{previous}; {what} "
-                 f"are being written in the background to {path} (--async-save)")
+                 f"are being written in the background to {path} (--async-save); torch_dist's writer process at "
+                 f"the idle I/O priority, {io_priority.describe(path)}")
     return path
 
 

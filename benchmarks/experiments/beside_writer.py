@@ -1,0 +1,76 @@
+"""The iterations that ran beside an --async-save writer against the same iterations of a run without saves
+(issue 49 item 4's goal: at most 1.25x), from two console logs, with the save's pacing lines.
+
+    python benchmarks/experiments/beside_writer.py ASYNC_LOG PLAIN_LOG
+
+An iteration ran beside the writer of checkpoint N when its line comes after N's save line ("> checkpoint at
+iteration N: training held") and the iteration before it ended before the writer did: the offloaded state's
+end ("offloaded state ... paced:", the first rank's line) or, where there is none, the save's finalize line.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from typing import Dict, List, Optional, Tuple
+
+GOAL = 1.25
+ITERATION = re.compile(r"iteration +(\d+)/.*elapsed time per iteration \(ms\): ([0-9.]+)")
+SAVE = re.compile(r"> checkpoint at iteration (\d+): training held ([0-9.]+) s")
+WRITER_END = re.compile(r"INFO offloaded state .*iter_0*(\d+)/.* paced: (.*)")
+FINALIZED = re.compile(r"> saved checkpoint at iteration (\d+) .*finalized in the background.*training paused ([^;]*)$")
+
+
+def iteration_times(lines: List[str]) -> Dict[int, float]:
+    return {int(m.group(1)): float(m.group(2)) / 1e3 for m in map(ITERATION.search, lines) if m}
+
+
+def beside(lines: List[str]) -> Dict[int, int]:
+    """Iteration -> the checkpoint whose writer ran during it."""
+    out, running, ended_before = {}, None, False
+    for line in lines:
+        save, end, fin, it = SAVE.search(line), WRITER_END.search(line), FINALIZED.search(line), ITERATION.search(line)
+        if save:
+            running, ended_before = int(save.group(1)), False
+        elif (end or fin) and running is not None and int((end or fin).group(1)) == running:
+            ended_before = True  # this iteration is the writer's last
+        elif it and running is not None:
+            out[int(it.group(1))] = running
+            if ended_before:
+                running = None
+    return out
+
+
+def report(async_lines: List[str], plain_lines: List[str]) -> Tuple[List[str], Optional[float]]:
+    times, plain, during = iteration_times(async_lines), iteration_times(plain_lines), beside(async_lines)
+    rows, worst = [], None
+    for it in sorted(during):
+        if it not in times or it not in plain:
+            continue
+        ratio = times[it] / plain[it]
+        worst = ratio if worst is None else max(worst, ratio)
+        rows.append(f"iteration {it}: {times[it]:.2f} s beside the writer of checkpoint {during[it]}, "
+                    f"{plain[it]:.2f} s without saves: {ratio:.2f}x")
+    quiet = [times[i] / plain[i] for i in sorted(times) if i not in during and i in plain and i > 1]
+    if quiet:
+        rows.append(f"the other iterations (2 on): {min(quiet):.2f}-{max(quiet):.2f}x the run without saves")
+    rows += [f"save at {m.group(1)}: held {m.group(2)} s" for m in map(SAVE.search, async_lines) if m]
+    rows += [line.strip()[:400] for line in async_lines if "async save: writer paced" in line or " paced: " in line]
+    rows += [f"checkpoint {m.group(1)}: training paused {m.group(2)}" for m in map(FINALIZED.search, async_lines) if m]
+    if worst is not None:
+        rows.append(f"worst iteration beside the writer: {worst:.2f}x the run without saves "
+                    f"({'met' if worst <= GOAL else 'NOT met'}: goal <= {GOAL}x)")
+    else:
+        rows.append("no iteration ran beside a writer in both logs")
+    return rows, worst
+
+
+def main(argv: List[str]) -> int:
+    with open(argv[1]) as a, open(argv[2]) as b:
+        rows, _ = report(a.read().splitlines(), b.read().splitlines())
+    print("\n".join(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

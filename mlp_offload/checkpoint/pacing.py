@@ -1,0 +1,138 @@
+"""A background checkpoint writer paced into its disk's idle time (``write.BackgroundStateWrite``).
+
+Where the checkpoint's directory is on the device of a file tier (same ``st_dev``), the writer and the
+tier's own step I/O share one disk, and an unpaced writer slows the steps beside it by its whole
+traffic (docs/benchmarks.md §25, §27: 2.4x). So the writer moves its bytes in bounded chunks (a piece of
+``direct_io``, a tier read for the digest), each of which waits while such a tier moves data
+(``tiers.activity``): the step's I/O goes first. A tier that is hardly ever quiet must not starve the
+writer, so chunks also pass while it is busy, at ``CAP_SHARE`` of the disk's write rate (the rates
+the steps showed, ``engine.file_tier_rates``): the step's I/O keeps at least ``1 / SLOWDOWN`` of the disk.
+A checkpoint on another device: no pacing. Since the writer then takes several steps, the staging
+budget (``snapshot``) is raised to the state held in memory while host memory allows, and the writer
+copies that state aside before its first chunk: the updates after the save neither copy nor wait.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Callable, List, Optional, Sequence
+
+from ..tiers.host import meminfo_bytes
+from .state_file import human_bytes, state_file_bytes
+
+log = logging.getLogger("mlp_offload")
+
+SLOWDOWN = 1.2  # the most a step's I/O may slow by the writer beside it while the tier is busy
+CAP_SHARE = 1 - 1 / SLOWDOWN  # of the disk's write rate: the step's I/O keeps 1 / SLOWDOWN of it
+POLL_S = 0.005  # how often a waiting chunk looks again
+HOST_SHARE = 0.5  # of the host memory available now, the most the staging may take
+MIN_CAP_BPS = 50e6  # where no rate is known: the writer still finishes beside a tier never quiet
+
+
+class DiskPacer:
+    """``wait_turn(nbytes)`` before each chunk: at once while every tier of ``tiers`` is quiet, else
+    once the tiers are quiet or ``cap_bps`` has accrued the chunk's bytes (at most one chunk banked)."""
+
+    def __init__(self, tiers: Sequence, cap_bps: float, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep):
+        self.tiers = list(tiers)
+        self.cap_bps = cap_bps
+        self._clock, self._sleep = clock, sleep
+        self._lock = threading.Lock()  # the writer's thread and its reads ask in turn
+        self._credit, self._credit_at = 0.0, None
+        self.idle_bytes = 0  # bytes that went while the tiers were quiet
+        self.capped_bytes = 0  # bytes that went beside the tiers' I/O, at the cap
+        self.waited_s = 0.0
+        self.waits = 0  # chunks that waited at all
+
+    def busy(self) -> bool:
+        return any(not tier.activity.quiet() for tier in self.tiers)
+
+    def wait_turn(self, nbytes: int) -> None:
+        with self._lock:
+            started = self._clock()
+            waited = False
+            while True:
+                self._accrue(nbytes)
+                if not self.busy():
+                    self.idle_bytes += nbytes
+                    break
+                if self._credit >= nbytes:
+                    self._credit -= nbytes
+                    self.capped_bytes += nbytes
+                    break
+                waited = True
+                self._sleep(POLL_S)
+            if waited:
+                self.waits += 1
+                self.waited_s += self._clock() - started
+
+    def _accrue(self, nbytes: int) -> None:
+        now = self._clock()
+        if self._credit_at is not None:
+            self._credit = min(self._credit + (now - self._credit_at) * self.cap_bps, max(nbytes, self._credit))
+        self._credit_at = now
+
+    def report(self) -> str:
+        return (f"{human_bytes(self.idle_bytes)} moved in the tiers' idle time, {human_bytes(self.capped_bytes)} beside "
+                f"their I/O at <= {self.cap_bps / 1e9:.2f} GB/s; {self.waits} chunks waited {self.waited_s:.1f} s")
+
+
+def same_device_tiers(engine, path: str) -> List:
+    """The engine's file tiers on the device of ``path``'s directory."""
+    device = os.stat(os.path.dirname(os.path.abspath(path))).st_dev
+    return [tier for tier in engine.file_tiers.values() if tier.device == device]
+
+
+def pace_save(engine, snapshot, path: str, link_tier_files: bool) -> Optional[DiskPacer]:
+    """The pacer of a background write of ``snapshot`` into ``path``, its staging raised, and the line
+    saying how the writer and the tiers share the disk; None where no file tier is on that device."""
+    tiers = same_device_tiers(engine, path)
+    if not tiers:
+        return None
+    ranks = engine.config.resolved_ranks_sharing_node()  # each rank's writer takes its share of the disk
+    disk_bps = min(disk_rate(engine, tier.name) for tier in tiers) / ranks
+    pacer = DiskPacer(tiers, max(CAP_SHARE * disk_bps, MIN_CAP_BPS))
+    memory_bytes = len(snapshot.memory) * snapshot.largest.state_bytes
+    if engine.config.save_staging_bytes is None:  # a size given is kept as given
+        snapshot.allow_staging(min(memory_bytes, staging_room(ranks)))
+    written = sum(state_file_bytes(sg.numel, sg.codecs, sg.blocks) for sg in snapshot.subgroups
+                  if sg.index in snapshot.memory or not link_tier_files)
+    busy = max(tier.activity.busy_share() for tier in tiers)
+    per_s = disk_bps * (1 - busy) + pacer.cap_bps * busy  # the writer's pace if the tiers keep their busy share
+    staged = min(snapshot.staging_bytes, memory_bytes)
+    log.info("async save: writer paced behind the %s tier on %s: %s to write, about %.1f s at the tier's %.0f%% "
+             "busy share so far (idle time at the disk's %.2f GB/s, <= %.2f GB/s beside its I/O); the state held "
+             "in memory copied aside before the first chunk (%s of %s%s)",
+             "/".join(t.name for t in tiers), device_name(tiers[0].device), human_bytes(written),
+             written / per_s if per_s > 0 else float("inf"), 100 * busy, disk_bps / 1e9, pacer.cap_bps / 1e9,
+             human_bytes(staged), human_bytes(memory_bytes),
+             "" if staged >= memory_bytes else "; beyond it the updates wait for the writer")
+    return pacer
+
+
+def disk_rate(engine, tier: str) -> float:
+    """Bytes/s the tier's device moves: as the last prediction priced it (at the rates the steps showed,
+    ``plan.disk_rates``), else the start-up's write rate."""
+    prediction = engine.prediction
+    seconds = prediction.tier_s.get(tier, 0.0) if prediction is not None else 0.0
+    if seconds > 0:
+        return (prediction.read_bytes.get(tier, 0) + prediction.write_bytes.get(tier, 0)) / seconds
+    rate = engine.rates.get(tier) if engine.rates else None
+    return rate.write_bps if rate is not None else 0.0
+
+
+def staging_room(ranks: int) -> int:
+    """Host memory a rank's snapshot may stage now: ``HOST_SHARE`` of what the OS has available."""
+    available = meminfo_bytes("MemAvailable")
+    return int(available * HOST_SHARE / ranks) if available else 0
+
+
+def device_name(st_dev: int) -> str:
+    """``/dev/<name>`` of a device number where sysfs knows it, else ``major:minor``."""
+    number = f"{os.major(st_dev)}:{os.minor(st_dev)}"
+    link = f"/sys/dev/block/{number}"
+    return f"/dev/{os.path.basename(os.path.realpath(link))}" if os.path.exists(link) else f"device {number}"

@@ -1,0 +1,60 @@
+"""Whether a file tier's own I/O is moving data now: the signal a background checkpoint writer on the
+same device paces behind (``checkpoint.pacing``).
+
+``FileTier`` wraps each operation's data movement (token wait included: a token held elsewhere means
+another rank of the node is on the device) in ``moving()``; a background reader's operations are not
+counted, so a writer never waits on its own reads. ``quiet()`` is true once nothing has moved for
+``quiet_s``: the short gaps between an update's back-to-back operations do not count as idle.
+Where the tier has node-wide tokens, one held by another process counts as busy too.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+from typing import Callable, Optional
+
+QUIET_S = 0.02  # nothing moved for this long: the step's I/O has paused, not merely between two operations
+
+
+class TierActivity:
+    def __init__(self, clock: Callable[[], float] = time.monotonic, elsewhere: Optional[Callable[[], bool]] = None):
+        self._clock = clock
+        self._elsewhere = elsewhere  # another process of the node holds one of the path's tokens
+        self._lock = threading.Lock()
+        self.in_flight = 0
+        self.operations = 0  # counted operations since start (tests and the writer's report)
+        self._last_end = float("-inf")
+        self._created = clock()
+        self._busy_from = 0.0
+        self._busy_s = 0.0  # time with at least one operation moving data
+
+    @contextmanager
+    def moving(self):
+        with self._lock:
+            if not self.in_flight:
+                self._busy_from = self._clock()
+            self.in_flight += 1
+            self.operations += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.in_flight -= 1
+                self._last_end = self._clock()
+                if not self.in_flight:
+                    self._busy_s += self._last_end - self._busy_from
+
+    def busy_share(self) -> float:
+        """Of the time since the tier was made, the share its own operations moved data."""
+        with self._lock:
+            now = self._clock()
+            busy = self._busy_s + (now - self._busy_from if self.in_flight else 0.0)
+            return busy / (now - self._created) if now > self._created else 0.0
+
+    def quiet(self, quiet_s: float = QUIET_S) -> bool:
+        with self._lock:
+            if self.in_flight or self._clock() - self._last_end < quiet_s:
+                return False
+        return not (self._elsewhere is not None and self._elsewhere())

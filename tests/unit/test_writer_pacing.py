@@ -1,0 +1,175 @@
+"""A background checkpoint writer paced behind a file tier on its disk (mlp_offload/checkpoint/pacing.py): each
+chunk waits while the tier moves data and goes once it is quiet, or at the cap beside a tier never quiet;
+a paced file is the synchronous save's byte for byte and loads to the same steps; the updates after the
+save never wait for a paced writer within the staging; a checkpoint on another device is not paced. Clocks
+are injected and waits counted: nothing here depends on how fast this machine is."""
+
+import threading
+
+import pytest
+import torch
+
+from mlp_offload.checkpoint import load_engine_state, pacing
+from mlp_offload.checkpoint.write import save_engine_state, start_background_save
+from mlp_offload.tiers.activity import QUIET_S, TierActivity
+from mlp_offload.tiers.direct_io import PIECE, DirectRegionWriter
+from mlp_offload.tiers.tokens import TierTokens
+
+from .helpers import engine_state
+from .test_background_save import NUMEL, engine_at_step_3, grads, run
+
+
+class Clock:
+    """A clock that moves only when the code under test sleeps."""
+
+    def __init__(self):
+        self.now = 100.0
+        self.sleeps = 0
+
+    def __call__(self):
+        return self.now
+
+    def sleep(self, seconds):
+        self.sleeps += 1
+        self.now += seconds
+
+
+class FakeTier:
+    def __init__(self, clock):
+        self.activity = TierActivity(clock=clock)
+
+
+def test_a_chunk_waits_while_the_tier_moves_data_and_goes_once_it_is_quiet():
+    clock = Clock()
+    tier = FakeTier(clock)
+    pacer = pacing.DiskPacer([tier], cap_bps=1.0, clock=clock, sleep=clock.sleep)  # the cap never suffices
+    pacer.wait_turn(PIECE)  # the tier idle since it was made: at once
+    assert (clock.sleeps, pacer.idle_bytes, pacer.waits) == (0, PIECE, 0)
+    operation = tier.activity.moving()
+    operation.__enter__()
+    ends_after = 7
+
+    def sleep(seconds):  # the tier's operation ends during the writer's 7th look
+        clock.sleep(seconds)
+        if clock.sleeps == ends_after:
+            operation.__exit__(None, None, None)
+
+    pacer = pacing.DiskPacer([tier], cap_bps=1.0, clock=clock, sleep=sleep)
+    pacer.wait_turn(PIECE)
+    assert pacer.waits == 1 and pacer.idle_bytes == PIECE and pacer.capped_bytes == 0
+    # it went only once the tier had been quiet for QUIET_S after its operation ended
+    assert clock.sleeps >= ends_after + QUIET_S / pacing.POLL_S
+    assert pacer.waited_s == pytest.approx(clock.sleeps * pacing.POLL_S)
+
+
+def test_a_tier_never_quiet_lets_the_writer_through_at_the_cap():
+    clock = Clock()
+    tier = FakeTier(clock)
+    busy = tier.activity.moving()  # held: busy for good
+    busy.__enter__()
+    chunk, chunks, cap = 10_000, 20, 1e6
+    pacer = pacing.DiskPacer([tier], cap_bps=cap, clock=clock, sleep=clock.sleep)
+    start = clock.now
+    for _ in range(chunks):
+        pacer.wait_turn(chunk)
+    assert pacer.capped_bytes == chunk * chunks and pacer.idle_bytes == 0  # it finished
+    elapsed = clock.now - start
+    assert (chunks - 1) * chunk / cap <= elapsed <= chunks * (chunk / cap + pacing.POLL_S)  # no faster than the cap
+
+
+def test_the_cap_leaves_the_step_its_share_of_the_disk():
+    assert 1 / (1 - pacing.CAP_SHARE) == pytest.approx(pacing.SLOWDOWN)
+
+
+def test_activity_counts_operations_and_their_busy_share():
+    clock = Clock()
+    activity = TierActivity(clock=clock)
+    clock.sleep(1.0)
+    with activity.moving():
+        with activity.moving():  # overlapping operations count once
+            clock.sleep(1.0)
+        assert not activity.quiet()
+    assert activity.operations == 2 and not activity.quiet()  # just ended
+    clock.sleep(1.5 * QUIET_S)
+    assert activity.quiet()
+    assert activity.busy_share() == pytest.approx(1.0 / (2.0 + 1.5 * QUIET_S))
+
+
+def test_a_token_held_by_another_process_counts_as_busy(tmp_path):
+    ours, theirs = (TierTokens(str(tmp_path), 1, lock_root=str(tmp_path / "locks")) for _ in range(2))
+    try:
+        assert not ours.held_elsewhere()
+        theirs.acquire()  # a separate open file: to flock, another process
+        assert ours.held_elsewhere() and not theirs.held_elsewhere()
+        theirs.release()
+        assert not ours.held_elsewhere()
+        ours.acquire()  # our own turn: our activity says busy, the probe leaves our lock alone
+        assert not ours.held_elsewhere() and theirs.held_elsewhere()
+        ours.release()
+    finally:
+        ours.close()
+        theirs.close()
+
+
+def test_a_paced_region_writer_writes_the_same_bytes(tmp_path):
+    data = torch.randint(0, 256, (2 * PIECE + 12345,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    files = {}
+    for name, pace in (("plain", None), ("paced", [])):
+        path = str(tmp_path / name)
+        with open(path, "wb") as f:
+            writer = DirectRegionWriter(f.fileno(), path, pace=pace.append if pace is not None else None)
+            crcs = writer.put(777, [data[:1000], data[1000:]])
+            writer.finish()
+            writer.close()
+        files[name] = (open(path, "rb").read(), crcs())
+        if pace is not None:
+            assert sum(pace) == data.numel() and max(pace) <= PIECE and len(pace) >= 3
+    assert files["plain"] == files["paced"]
+
+
+@pytest.fixture
+def quiet_tiers(monkeypatch):
+    """The tiers quiet only once the event is set; until then the cap lets nothing through."""
+    quiet = threading.Event()
+    monkeypatch.setattr(TierActivity, "quiet", lambda self, quiet_s=QUIET_S: quiet.is_set())
+    monkeypatch.setattr(pacing, "CAP_SHARE", 0.0)
+    monkeypatch.setattr(pacing, "MIN_CAP_BPS", 1e-9)
+    return quiet
+
+
+def test_a_paced_save_never_holds_the_updates_back_and_writes_the_synchronous_bytes(tmp_path, quiet_tiers, caplog):
+    later = grads(3, 2)
+    with engine_at_step_3(tmp_path / "ref") as reference:
+        run(reference, later)
+        expected = engine_state(reference)
+    with engine_at_step_3(tmp_path / "e") as engine:
+        save_engine_state(engine, str(tmp_path / "sync.ckpt"), metadata={"iteration": 3})
+        caplog.set_level("INFO", logger="mlp_offload")
+        write = start_background_save(engine, str(tmp_path / "paced.ckpt"), metadata={"iteration": 3})
+        assert write.pacer is not None and write.snapshot.memory and write.snapshot.on_tier
+        assert "async save: writer paced behind the nvme tier on " in caplog.text
+        write.start()
+        run(engine, later)  # every subgroup overwritten twice while the writer is held at its first chunk
+        assert not write.done() and write.pacer.idle_bytes == 0
+        assert write.snapshot.writer_waits == 0  # the updates found their copies made: none waited
+        quiet_tiers.set()
+        write.wait()
+        assert write.failure is None and write.pacer.waits >= 1
+        assert all(torch.equal(a, b) for a, b in zip(engine_state(engine), expected))
+    assert (tmp_path / "paced.ckpt").read_bytes() == (tmp_path / "sync.ckpt").read_bytes()
+    with engine_at_step_3(tmp_path / "r") as resumed:
+        assert load_engine_state(resumed, str(tmp_path / "paced.ckpt")) == {"iteration": 3}
+        run(resumed, later)
+        assert all(torch.equal(a, b) for a, b in zip(engine_state(resumed), expected))
+
+
+def test_a_checkpoint_on_another_device_is_not_paced(tmp_path, monkeypatch, caplog):
+    with engine_at_step_3(tmp_path / "e") as engine:
+        for tier in engine.file_tiers.values():
+            monkeypatch.setattr(tier, "device", tier.device + 1)
+        caplog.set_level("INFO", logger="mlp_offload")
+        write = start_background_save(engine, str(tmp_path / "x.ckpt"))
+        assert write.pacer is None and "paced" not in caplog.text
+        write.start()
+        write.wait()
+        assert write.failure is None
