@@ -29,6 +29,7 @@ from megatron.training.errors import UserError
 from megatron.training.model.host_params import gather_params, placed_in_host_memory
 from megatron.training.offload import tier_growth
 from megatron.training.offload.overlap_choice import OverlapChoice
+from megatron.training.offload.host_link import measured_link_bytes_per_s
 from megatron.training.offload.shard import OffloadShard, ShardGroups
 from megatron.training.offload.shard_budgets import check_host_split, config_for_kind
 from megatron.training.runtime.optimizer_interface import (HoldsResources, OffloadedOptimizerCheckpoint,
@@ -69,6 +70,12 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
         # The first (dense) shard's, as megatron-core's ChainedOptimizer answers with its first.
         self.layout, self.engine, self.grad_scaler, self.device = first.layout, first.engine, first.grad_scaler, first.device
         self._cuda = self.device.type == "cuda"
+        # The params' copies in the update, which the engines do not see, join their predictions at this rate.
+        self._link_bps = (measured_link_bytes_per_s(self.device) if any(s.params_on_host for s in self.shards)
+                          else None)
+        if self._link_bps:
+            log.info("host link: %.1f GB/s one way, measured; the update's copies of the params in host memory "
+                     "are predicted at it", self._link_bps / 1e9)
         # (peak, capacity) bytes of the device since the last call, for --offload-gpu-cache-gb auto: CUDA's
         # figures on a GPU; on a CPU run none unless a test sets a stand-in.
         self.device_memory_figures: Optional[Callable[[], Tuple[int, int]]] = (
@@ -141,6 +148,9 @@ class OffloadDistributedOptimizer(TrainingOptimizer, OffloadedOptimizerCheckpoin
         settles = self.overlap_forward and (self._deferred_steps < SETTLED_STEPS or not self._overlap_choice.overlap_on)
         records = [shard.engine.step(unscale=inv_scale, clip_coef=clip_coef, in_series=settles)
                    for shard, inv_scale in zip(self.shards, inv_scales)]
+        if self._link_bps:
+            for shard, record in zip(self.shards, records):
+                shard.price_update_copies(record, self._link_bps)
         self.last_record = records[0]
         if self.overlap_forward:
             self._after_deferred_step(records[0], settles)

@@ -89,6 +89,15 @@ def update_copies(streamed: StreamedParams, link_bytes_per_s: float, device_shar
                         beside=device_share * streamed.host_bytes / link_bytes_per_s)
 
 
+def update_with_copies_s(update_s: float, host_bytes: int, grad_host_bytes: int, link_bytes_per_s: float,
+                        device_share: float, reads_high: bool) -> float:
+    """An update predicted at ``update_s`` without the copies, with them: the rank's params (``host_bytes``) and
+    grads in host memory (``grad_host_bytes``) read in and written back across a link of ``link_bytes_per_s``."""
+    streamed = StreamedParams(device_bytes=0, host_bytes=host_bytes, layers=0, layer_bytes=0,
+                              grad_host_bytes=grad_host_bytes)
+    return update_s + update_copies(streamed, link_bytes_per_s, device_share, reads_high).added_to(update_s)
+
+
 def streamed_params_refusal(cfg, args, params_in_host: bool = True, grads_in_host: bool = False) -> Optional[str]:
     """What the training refuses in one line for this layout and these flags, before it builds the model."""
     return (layer_major_refusal(cfg, cfg.virtual_pipeline_model_parallel_size or 1)

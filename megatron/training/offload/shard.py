@@ -19,6 +19,7 @@ from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.transformer.module import param_is_not_shared
 
 from megatron.training.offload.copy_back import CopyBack
+from megatron.training.offload.params_streaming import update_with_copies_s
 from megatron.training.offload.device_gradients import DeviceGradients, EventFence
 from megatron.training.model.host_grads import DEVICE_GRAD_NORM
 from megatron.training.offload.param_high import ModelParamHigh, ModelParamHighInPlace
@@ -92,6 +93,19 @@ class OffloadShard:
                             param_high=(ModelParamHigh if self.params_on_host else ModelParamHighInPlace)(
                                 self.layout, self.copy_stream),
                             param_segments=self.layout.param_segments()))
+
+    def price_update_copies(self, record, link_bytes_per_s: float) -> None:
+        """With the params in host memory: ``record``'s predicted update with their copies across the link (and
+        the grads', where they are in host memory too), which the engine does not see."""
+        if not self.params_on_host:
+            return
+        buffer = self.layout.pieces[0].buffer
+        grad_itemsize = buffer.grad_data.element_size() if buffer.grad_data.device.type == "cpu" else 0
+        updated = record.cpu_updated + record.device_updated
+        record.predicted_update_s = update_with_copies_s(
+            record.predicted_update_s, self.layout.numel * buffer.param_data.element_size(),
+            self.layout.numel * grad_itemsize, link_bytes_per_s, record.device_updated / updated if updated else 0.0,
+            self.engine.config.param_remainders)
 
     def zero_grads_after_read(self) -> None:
         """The update zeroes each piece of the model's grads once it has read it (with the update under
