@@ -292,6 +292,11 @@ def part1_cases() -> List[Case]:
         # (remainders: a load then gathers the params set from the masters, through the device here)
         Case("params_grads_host", "gpu,host,nvme", rng.choice(list(UPDATES)), "remainders",
              f"{LAYER_MAJOR} --offload-params host --offload-grads host", must_log="of grads there too"),
+        # the same in passes of 1 or 2 of the step's 4 micro-batches: each pass's partial grad sums out to
+        # host memory and back in the next, each layer's params in once per pass
+        Case("params_grads_host_passes", "gpu,host,nvme", rng.choice(list(UPDATES)), rng.choice(list(MASTERS)),
+             f"{LAYER_MAJOR} --offload-params host --offload-grads host --offload-activations host"
+             f" --offload-microbatch-group {rng.choice([1, 2])}", must_log="micro-batches at a time"),
         # killed as the head's gradient of step 2's second micro-batch arrives, before any layer's backward
         Case("kill_params_host_in_backward", "gpu,host,nvme", rng.choice(list(UPDATES)), rng.choice(list(MASTERS)),
              f"{LAYER_MAJOR} --offload-params host", kind="kill", fault="backward#6", save_every=1),
