@@ -6,7 +6,7 @@
 # of the 139 GB on their own). Prints where every byte lives (start-up and auto lines), iteration
 # times, the prediction beside them, host and GPU peaks.
 #   ITERS=4 LIMIT_S=420 bash benchmarks/run_gpu.sh largest_model     (device tool, kind nvidia-h200)
-#   LAYERS=.. HIDDEN=.. FFN=.. HEADS=.. HOST_GB=.. PREC="..." override the shape and state
+#   LAYERS=.. HIDDEN=.. FFN=.. HEADS=.. HOST_GB=.. PREC="..." GB=.. override the shape, state and global batch (1)
 #   DRY_RUN=1 bash benchmarks/experiments/largest_model.sh          (tiny shape on the CPU)
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -31,7 +31,7 @@ source benchmarks/experiments/timestamps.sh  # since_launch: each line prefixed 
 timeout ${LIMIT_S:-420} torchrun --nproc_per_node 1 --master_port ${PORT:-29517} pretrain_gpt.py $SHAPE \
   --group-query-attention --swiglu --normalization RMSNorm --position-embedding-type rope \
   --untie-embeddings-and-output-weights --disable-bias-linear --hidden-dropout 0 --attention-dropout 0 \
-  --vocab-size 32000 --micro-batch-size 1 --global-batch-size 1 --train-iters ${ITERS:-4} --lr 3e-4 \
+  --vocab-size 32000 --micro-batch-size 1 --global-batch-size ${GB:-1} --train-iters ${ITERS:-4} --lr 3e-4 \
   --adam-beta2 0.95 --weight-decay 0.1 --clip-grad 1.0 --bf16 --grad-reduce-in-bf16 --mock-data --seed 1234 \
   --recompute-granularity full --recompute-method uniform --recompute-num-layers 1 $DEVICE --log-interval 1 \
   $PREC --offload-tiers $TIERS --offload-nvme-path "$DISK" --offload-subgroup-size $SUB --offload-io-threads 8 \
