@@ -239,3 +239,15 @@ def test_the_step_in_passes_of_a_group_of_micro_batches_repeats_megatron_core(tm
         assert [(r["loss"], r["grad_norm"]) for r in results[run]] == reference, run
     startup = (tmp_path / "grads" / "loss-0.out").read_text()
     assert f"for {group} micro-batches at a time" in startup, startup[-2000:]
+
+
+def test_an_uneven_pipeline_split_from_megatron_lms_flag_repeats_megatron_cores_schedule(tmp_path):
+    """--decoder-first-pipeline-num-layers 1 over two pipeline stages of 3 layers (1 and 2): megatron-core's 1F1B
+    schedule, and the layer-major step with the params and grads in host memory, bit for bit."""
+    flags = [*LAYER_MAJOR_RUN, *offload_args(tmp_path / "state", tiers=("host",)), "--pipeline-model-parallel-size",
+             "2", "--num-layers", "3", "--decoder-first-pipeline-num-layers", "1", "--global-batch-size", "6"]
+    runs = {"schedule": [], "grads": ["--offload-params", "host", "--offload-grads", "host"]}
+    results = {name: run_pretrain(tmp_path / name, [*flags, *extra], train_iters=3) for name, extra in runs.items()}
+    reference = [(r["loss"], r["grad_norm"]) for r in results["schedule"]]
+    assert len(reference) == 3 and reference[0][0] != reference[-1][0]  # it trained
+    assert [(r["loss"], r["grad_norm"]) for r in results["grads"]] == reference

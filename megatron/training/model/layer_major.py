@@ -45,6 +45,7 @@ from megatron.training.runtime.progress import print_rank0
 from megatron.training.model.host_grads import host_grads_refusal, tied_across_stages
 from megatron.training.model.host_params import HostParams, decoder_of, host_params_refusal
 from megatron.training.model.kept_inputs import HostKeptInputs, KeptInputs, NoKeptInputs
+from megatron.training.model.layer_params import stage_layer_counts
 from megatron.training.model.pipeline_stage import PipelineStage
 from megatron.training.model.sizes import kept_input_bytes
 
@@ -308,7 +309,7 @@ def check_step_schedule(args, config, inputs_in_host: bool, params_in_host: bool
         refusal = host_grads_refusal(params_in_host, config, tied_across_stages(args))
     if refusal is not None:
         raise UserError(f"{asked_by}: {refusal}")
-    layers = config.num_layers // config.pipeline_model_parallel_size
+    layers = max(stage_layer_counts(config))  # the stage with the most layers keeps the most inputs
     steps = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
     micro = min(group or steps, steps)
     kept = kept_input_bytes(args.seq_length, args.micro_batch_size, config)
