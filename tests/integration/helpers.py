@@ -1,5 +1,5 @@
 """Helpers the integration tests share: the offload flags of the shared runs, the mixture-of-experts
-model's flags, checkpoint copies, the offloaded optimizer state of a checkpoint as whole global
+model's flags, the layer-major step's, checkpoint copies, the offloaded optimizer state of a checkpoint as whole global
 tensors (the independent readout resharding tests compare), the half-away reference run, and the
 planner tool's JSON from this process."""
 
@@ -19,6 +19,11 @@ PLANNER = REPO / "tools" / "plan_offload.py"
 # A mixture-of-experts variant of the tiny model: 4 experts of SwiGLU, top-2, RoPE and RMSNorm.
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2", "--swiglu",
        "--disable-bias-linear", "--normalization", "RMSNorm", "--position-embedding-type", "rope"]
+
+# What the layer-major step needs (full recompute of single layers, no dropout), with the embedding untied from
+# the output layer (tied, the shared weight's grad rounds differently).
+LAYER_MAJOR_RUN = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+                   "--hidden-dropout", "0", "--attention-dropout", "0", "--untie-embeddings-and-output-weights"]
 
 
 def offload_args(tmp_path, tiers=("host", "nvme", "pfs"), budget_gb="0.0005", subgroup="6000", extra=(),

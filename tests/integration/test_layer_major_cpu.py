@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from helpers import copy_checkpoint, offload_args, run_variant
+from helpers import LAYER_MAJOR_RUN, copy_checkpoint, offload_args, run_variant
 from launch import PRETRAIN, REPO, launch_command, pretrain_env, run_and_clean_up, run_pretrain
 from tests.profiles import cases
 
@@ -61,11 +61,6 @@ def test_configurations_it_cannot_run_are_refused_in_one_line():
         line = layer_major_refusal(SimpleNamespace(**{**good, **change}), 1)
         assert words in line and "\n" not in line
     assert "one model chunk per pipeline stage (2" in layer_major_refusal(SimpleNamespace(**good), 2)
-
-
-LAYER_MAJOR_RUN = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
-                   "--hidden-dropout", "0", "--attention-dropout", "0",
-                   "--untie-embeddings-and-output-weights"]  # tied, the shared weight's grad rounds differently
 
 
 def test_training_with_activations_in_host_memory_repeats_the_run_without(tmp_path):
