@@ -1,5 +1,5 @@
 """Helpers the integration tests share: the offload flags of the shared runs, the mixture-of-experts
-model's flags, the layer-major step's, checkpoint copies, the offloaded optimizer state of a checkpoint as whole global
+model's flags, the layer-major step's, checkpoint copies, a resume checked against the run it left, the offloaded optimizer state of a checkpoint as whole global
 tensors (the independent readout resharding tests compare), the half-away reference run, and the
 planner tool's JSON from this process."""
 
@@ -11,7 +11,7 @@ import shutil
 
 import torch
 
-from launch import REPO, pretrain_command, pretrain_env, read_loss_log, run_and_clean_up
+from launch import REPO, pretrain_command, pretrain_env, read_loss_log, run_and_clean_up, run_pretrain
 
 HALF_AWAY = REPO / "tests" / "integration" / "half_away_megatron.py"
 PLANNER = REPO / "tools" / "plan_offload.py"
@@ -58,6 +58,17 @@ def copy_checkpoint(root, iterations, into):
         shutil.copytree(root / name, into / name)
     (into / "latest_checkpointed_iteration.txt").write_text(str(max(iterations)))
     return into
+
+
+def assert_resume_repeats_the_run(tmp_path, flags, saved_at=2, train_iters=4):
+    """A run of ``flags`` saving at ``saved_at`` and going on to ``train_iters``, and a resume from that save alone
+    (copied off, as a run that stopped there leaves it): the resumed iterations are the whole run's, bit for bit."""
+    whole = run_pretrain(tmp_path / "whole", [*flags, "--save", str(tmp_path / "ckpt"), "--save-interval",
+                                              str(saved_at)], train_iters=train_iters)
+    saved = copy_checkpoint(tmp_path / "ckpt", [saved_at], tmp_path / f"at{saved_at}")
+    resumed = run_pretrain(tmp_path / "resumed", [*flags, "--load", str(saved)], train_iters=train_iters)
+    assert [r["iteration"] for r in resumed] == list(range(saved_at + 1, train_iters + 1))
+    assert resumed == [r for r in whole if r["iteration"] > saved_at]
 
 
 def global_offload_state(iteration_dir):

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from helpers import LAYER_MAJOR_RUN, copy_checkpoint, offload_args, run_variant
+from helpers import LAYER_MAJOR_RUN, assert_resume_repeats_the_run, offload_args, run_variant
 from launch import PRETRAIN, REPO, launch_command, pretrain_env, run_and_clean_up, run_pretrain
 from tests.profiles import cases
 
@@ -152,12 +152,7 @@ def test_params_in_host_memory_save_and_resume_bit_for_bit(tmp_path, layout):
     device slots, of the params gathered through the device)."""
     flags = [*LAYER_MAJOR_RUN, *offload_args(tmp_path / "state", tiers=("host", "nvme")), "--offload-params", "host",
              "--offload-grads", "host", *layout]
-    whole = run_pretrain(tmp_path / "whole", [*flags, "--save", str(tmp_path / "ckpt"), "--save-interval", "2"],
-                         train_iters=4)
-    at2 = copy_checkpoint(tmp_path / "ckpt", [2], tmp_path / "at2")
-    resumed = run_pretrain(tmp_path / "resumed", [*flags, "--load", str(at2)], train_iters=4)
-    assert [r["iteration"] for r in resumed] == [3, 4]
-    assert resumed == [r for r in whole if r["iteration"] > 2]
+    assert_resume_repeats_the_run(tmp_path, flags)
 
 
 # Grads megatron-core's finalize sums over the tensor-parallel ranks: the norms' under --sequence-parallel (at DP1

@@ -1,19 +1,26 @@
-"""Mixture-of-experts models (megatron-core's MoE layers) on the layer-major step: layer inputs and params in host
-memory (--offload-activations host, --offload-params host) against megatron-core's own schedule with full
-recompute and its DDP: every iteration's loss, grad norm and aux losses bit for bit on the CPU. Over pipeline
-stages the stages without the loss set the aux losses' scale as megatron-core's forward_step does on every stage."""
+"""Mixture-of-experts models (megatron-core's MoE layers) on the layer-major step: layer inputs, params and grads in
+host memory (--offload-activations host, --offload-params host, --offload-grads host) against megatron-core's own
+schedule with full recompute and its DDP: every iteration's loss and grad norm bit for bit on the CPU.
+
+With the grads in host memory each layer's slot is reduced as DDP reduces its buckets: the dense params' over the
+data-parallel group, the experts' over the expert-data-parallel group with the experts' factor. At EP2 on two
+ranks the dense grads are summed over DP 2 and the experts' only scaled (expert-DP 1); at EP2 on four ranks the
+experts' are summed over expert-DP 2 too. The router's grads (and its aux losses' share in them) are the dense
+params'. Over pipeline stages the stages without the loss set the aux losses' scale as megatron-core's forward_step
+does on every stage."""
 
 import re
 
 import pytest
 
-from helpers import LAYER_MAJOR_RUN, MOE, offload_args
+from helpers import LAYER_MAJOR_RUN, MOE, assert_resume_repeats_the_run, offload_args
 from launch import run_pretrain
 from tests.profiles import cases
 
 EP2 = ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]
 ACTIVATIONS = ["--offload-activations", "host"]
 PARAMS = [*ACTIVATIONS, "--offload-params", "host"]
+GRADS = ["--offload-params", "host", "--offload-grads", "host"]
 
 # Routers and dispatchers the CPU runs, each at EP2 (two ranks: DP 2, expert-DP 1): (name, the model's flags, the
 # layer-major step's own). CI draws two a run.
@@ -52,10 +59,19 @@ def _against_megatron_core(tmp_path, flags, runs, nproc=2, train_iters=3):
 
 @pytest.mark.parametrize("name, router, layer_major", ROUTERS, ids=[name for name, _, _ in ROUTERS])
 def test_moe_layers_in_host_memory_repeat_megatron_core_at_ep2(tmp_path, name, router, layer_major):
-    """EP2 on two ranks: the layer inputs, then the params in host memory."""
+    """EP2 on two ranks: the layer inputs, then the params, then the params and grads in host memory."""
     flags = [*MOE, *EP2, *router, *LAYER_MAJOR_RUN, *offload_args(tmp_path / "state", tiers=("host",))]
     _against_megatron_core(tmp_path, flags, {"activations": [*ACTIVATIONS, *layer_major],
-                                             "params": [*PARAMS, *layer_major]})
+                                             "params": [*PARAMS, *layer_major], "grads": [*GRADS, *layer_major]})
+
+
+def test_experts_summed_over_two_expert_data_parallel_ranks(tmp_path):
+    """EP2 on four ranks (DP 4, expert-DP 2): the experts' grads summed over their expert-data-parallel pair, the
+    dense ones over all four ranks (the same bits as DDP's reduce-scatter on these ranks)."""
+    flags = [*MOE, *EP2, *LAYER_MAJOR_RUN, *offload_args(tmp_path / "state", tiers=("host",)),
+             "--global-batch-size", "16"]
+    _against_megatron_core(tmp_path, flags, {"grads": GRADS}, nproc=4)
+    assert "EP=2 ETP=1 expert-DP=2" in (tmp_path / "grads" / "loss-0.out").read_text()
 
 
 def test_moe_layers_over_two_pipeline_stages_repeat_megatron_core(tmp_path):
@@ -64,5 +80,11 @@ def test_moe_layers_over_two_pipeline_stages_repeat_megatron_core(tmp_path):
     the grad norm differs from the first iteration)."""
     flags = [*MOE, "--pipeline-model-parallel-size", "2", "--moe-layer-freq", "([0]+[1])*2", *LAYER_MAJOR_RUN,
              *offload_args(tmp_path / "state", tiers=("host",))]
-    _against_megatron_core(tmp_path, flags, {"activations": ACTIVATIONS, "params": PARAMS})
+    _against_megatron_core(tmp_path, flags, {"activations": ACTIVATIONS, "params": PARAMS, "grads": GRADS})
 
+
+def test_moe_params_and_grads_in_host_memory_save_and_resume_bit_for_bit(tmp_path):
+    """EP2, params and grads in host memory, state over host and disk: a run saving at 2 and going on to 4, and a
+    resume from its save at 2 alone, give iterations 3-4 bit for bit (dense and expert engines alike)."""
+    state = offload_args(tmp_path / "state", tiers=("host", "nvme"), budget_gb="0.001")  # (both engines' least)
+    assert_resume_repeats_the_run(tmp_path, [*MOE, *EP2, *LAYER_MAJOR_RUN, *state, *GRADS])
