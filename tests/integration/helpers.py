@@ -14,6 +14,7 @@ import torch
 from launch import REPO, pretrain_command, pretrain_env, read_loss_log, run_and_clean_up, run_pretrain
 
 HALF_AWAY = REPO / "tests" / "integration" / "half_away_megatron.py"
+SEQUENCE_PARALLEL = REPO / "tests" / "integration" / "sequence_parallel_pretrain.py"  # SP on the CPU
 PLANNER = REPO / "tools" / "plan_offload.py"
 
 # A mixture-of-experts variant of the tiny model: 4 experts of SwiGLU, top-2, RoPE and RMSNorm.

@@ -9,12 +9,11 @@ import json
 
 import pytest
 
-from helpers import LAYER_MAJOR_RUN, assert_resume_repeats_the_run, offload_args, run_variant
+from helpers import LAYER_MAJOR_RUN, SEQUENCE_PARALLEL, assert_resume_repeats_the_run, offload_args, run_variant
 from launch import PRETRAIN, REPO, launch_command, pretrain_env, run_and_clean_up, run_pretrain
 from tests.profiles import cases
 
 RANKS = REPO / "tests" / "integration" / "layer_major_ranks.py"
-SEQUENCE_PARALLEL = REPO / "tests" / "integration" / "sequence_parallel_pretrain.py"  # SP on the CPU
 
 
 # The configuration space: every layout of at most four ranks the tiny model takes (TP divides its 2 query

@@ -6,14 +6,15 @@ With the grads in host memory each layer's slot is reduced as DDP reduces its bu
 data-parallel group, the experts' over the expert-data-parallel group with the experts' factor. At EP2 on two
 ranks the dense grads are summed over DP 2 and the experts' only scaled (expert-DP 1); at EP2 on four ranks the
 experts' are summed over expert-DP 2 too. The router's grads (and its aux losses' share in them) are the dense
-params'. Over pipeline stages the stages without the loss set the aux losses' scale as megatron-core's forward_step
-does on every stage."""
+params' (at TP2 with sequence parallelism summed over the tensor-parallel ranks after). Over pipeline stages the
+stages without the loss set the aux losses' scale as megatron-core's forward_step does on every stage."""
 
 import re
 
 import pytest
 
-from helpers import LAYER_MAJOR_RUN, MOE, assert_resume_repeats_the_run, offload_args
+from helpers import (LAYER_MAJOR_RUN, MOE, SEQUENCE_PARALLEL, assert_resume_repeats_the_run, offload_args,
+                     run_variant)
 from launch import run_pretrain
 from tests.profiles import cases
 
@@ -72,6 +73,19 @@ def test_experts_summed_over_two_expert_data_parallel_ranks(tmp_path):
              "--global-batch-size", "16"]
     _against_megatron_core(tmp_path, flags, {"grads": GRADS}, nproc=4)
     assert "EP=2 ETP=1 expert-DP=2" in (tmp_path / "grads" / "loss-0.out").read_text()
+
+
+def test_router_summed_over_tensor_parallel_ranks_with_experts_over_expert_data_parallel_ranks(tmp_path):
+    """TP2 with sequence parallelism and EP2 (ETP 1) on four ranks (DP 2, expert-DP 2), through the test's variant of
+    pretrain_gpt.py that runs sequence parallelism on the CPU: the router's grads (each tensor-parallel rank's from
+    its part of the sequence) summed over the tensor-parallel pair after the data-parallel sum, the experts' over
+    their expert-data-parallel pair: every iteration bit for bit."""
+    flags = [*MOE, *EP2, "--expert-tensor-parallel-size", "1", "--tensor-model-parallel-size", "2",
+             "--sequence-parallel", *LAYER_MAJOR_RUN, *offload_args(tmp_path / "state", tiers=("host",))]
+    resident = run_variant(SEQUENCE_PARALLEL, tmp_path / "resident", flags, 3, 4)
+    grads = run_variant(SEQUENCE_PARALLEL, tmp_path / "grads", [*flags, *GRADS], 3, 4)
+    assert grads == resident and len(resident) == 3 and resident[0]["loss"] != resident[2]["loss"]
+    assert "EP=2 ETP=1 expert-DP=2" in (tmp_path / "grads" / "out.txt").read_text()
 
 
 def test_moe_layers_over_two_pipeline_stages_repeat_megatron_core(tmp_path):
