@@ -9,12 +9,11 @@ import json
 
 import pytest
 
-from helpers import copy_checkpoint, offload_args, run_variant
+from helpers import LAYER_MAJOR_RUN, SEQUENCE_PARALLEL, assert_resume_repeats_the_run, offload_args, run_variant
 from launch import PRETRAIN, REPO, launch_command, pretrain_env, run_and_clean_up, run_pretrain
 from tests.profiles import cases
 
 RANKS = REPO / "tests" / "integration" / "layer_major_ranks.py"
-SEQUENCE_PARALLEL = REPO / "tests" / "integration" / "sequence_parallel_pretrain.py"  # SP on the CPU
 
 
 # The configuration space: every layout of at most four ranks the tiny model takes (TP divides its 2 query
@@ -61,11 +60,6 @@ def test_configurations_it_cannot_run_are_refused_in_one_line():
         line = layer_major_refusal(SimpleNamespace(**{**good, **change}), 1)
         assert words in line and "\n" not in line
     assert "one model chunk per pipeline stage (2" in layer_major_refusal(SimpleNamespace(**good), 2)
-
-
-LAYER_MAJOR_RUN = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
-                   "--hidden-dropout", "0", "--attention-dropout", "0",
-                   "--untie-embeddings-and-output-weights"]  # tied, the shared weight's grad rounds differently
 
 
 def test_training_with_activations_in_host_memory_repeats_the_run_without(tmp_path):
@@ -157,12 +151,7 @@ def test_params_in_host_memory_save_and_resume_bit_for_bit(tmp_path, layout):
     device slots, of the params gathered through the device)."""
     flags = [*LAYER_MAJOR_RUN, *offload_args(tmp_path / "state", tiers=("host", "nvme")), "--offload-params", "host",
              "--offload-grads", "host", *layout]
-    whole = run_pretrain(tmp_path / "whole", [*flags, "--save", str(tmp_path / "ckpt"), "--save-interval", "2"],
-                         train_iters=4)
-    at2 = copy_checkpoint(tmp_path / "ckpt", [2], tmp_path / "at2")
-    resumed = run_pretrain(tmp_path / "resumed", [*flags, "--load", str(at2)], train_iters=4)
-    assert [r["iteration"] for r in resumed] == [3, 4]
-    assert resumed == [r for r in whole if r["iteration"] > 2]
+    assert_resume_repeats_the_run(tmp_path, flags)
 
 
 # Grads megatron-core's finalize sums over the tensor-parallel ranks: the norms' under --sequence-parallel (at DP1
