@@ -10,7 +10,7 @@ import json
 import pytest
 
 from helpers import LAYER_MAJOR_RUN, SEQUENCE_PARALLEL, assert_resume_repeats_the_run, offload_args, run_variant
-from launch import PRETRAIN, REPO, launch_command, pretrain_env, run_and_clean_up, run_pretrain
+from launch import PRETRAIN, REPO, launch_command, pretrain_env, ranks_output, run_and_clean_up, run_pretrain
 from tests.profiles import cases
 
 RANKS = REPO / "tests" / "integration" / "layer_major_ranks.py"
@@ -77,7 +77,8 @@ def test_training_with_activations_in_host_memory_repeats_the_run_without(tmp_pa
     (["--offload-activations", "host"], "--offload-activations host", "--recompute-granularity full"),
     (["--offload-microbatch-group", "2"], "--offload-microbatch-group", "needs the layer-major step")])
 def test_a_run_it_cannot_take_stops_in_one_line_before_the_model(tmp_path, flags, flag, words):
-    output = run_pretrain(tmp_path, flags, train_iters=1, expect_success=False)[0]["output"]
+    # under torchrun, without its own report of the failure
+    output = ranks_output(run_pretrain(tmp_path, flags, train_iters=1, expect_success=False)[0]["output"])
     lines = [line for line in output.splitlines() if f"error: {flag}:" in line]
     assert len(lines) == 1 and words in lines[0], output[-3000:]
     assert "Traceback" not in output
@@ -196,7 +197,7 @@ def test_params_in_host_memory_refuse_what_they_cannot_run_in_one_line(tmp_path,
         base.remove("--untie-embeddings-and-output-weights")
     if "--tensor-model-parallel-size" not in flags:
         base += ["--tensor-model-parallel-size", "2"]
-    output = run_pretrain(tmp_path, [*base, *flags], train_iters=1, expect_success=False)[0]["output"]
+    output = ranks_output(run_pretrain(tmp_path, [*base, *flags], train_iters=1, expect_success=False)[0]["output"])
     lines = [line for line in output.splitlines() if f"error: {flag}:" in line]
     assert len(lines) == 1 and words in lines[0], output[-3000:]
     assert "Traceback" not in output
