@@ -26,7 +26,7 @@ import torch
 from megatron.core import dist_checkpointing, parallel_state
 
 from megatron.training.checkpoint import integrity
-from megatron.training.checkpoint.async_save import reserve_host_copies
+from megatron.training.checkpoint.async_save import HostWeightsAside, check_nodes_hold, reserve_host_copies
 from megatron.training.checkpoint.integrity import checkpoint_dir
 from megatron.training.checkpoint.load_plan import plan_load, resume_position
 from megatron.training.checkpoint.offload_files import (offloaded_state_bytes, offloaded_state_writes,
@@ -38,6 +38,7 @@ from megatron.training.checkpoint.state_dict import (all_data_parallel_rng_state
                                                      load_strategies, model_state, rng_sharded_object,
                                                      save_strategies, sharding_metadata)
 from megatron.training.errors import UserError
+from megatron.training.model.host_params import host_param_buffers
 from megatron.training.runtime import io_priority
 from megatron.training.runtime.optimizer_interface import OffloadedOptimizerCheckpoint
 from megatron.training.runtime.progress import gb_and_rate, model_device, print_rank0, slowest_rank
@@ -84,6 +85,13 @@ def reserve_async_save_memory(model, args) -> None:
     if nbytes:
         print_rank0(f"> --async-save: {human_bytes(nbytes)} of pinned host memory (rank 0) kept for the saves' copies "
                     f"of the weights, pinned in {seconds:.1f} s")
+    aside = _host_weights_aside(model)
+    if aside is not None:  # the params in host memory: each save copies what it writes of them aside
+        size = parallel_state.get_data_parallel_world_size() if fully_parallel else 1
+        estimate = aside.bytes_written(model_state(model, sharding_metadata()), size)
+        check_nodes_hold(estimate, "each save copies about this much of the params aside while the writer reads them")
+        print_rank0(f"> --async-save: each save copies about {human_bytes(estimate)} (rank 0) of the params in host "
+                    f"memory aside for the background writer, in pageable host memory until it has written them")
 
 
 def save_checkpoint(iteration: int, model, optimizer, scheduler, consumed_samples: int, args, background=None) -> str:
@@ -112,6 +120,7 @@ def save_checkpoint(iteration: int, model, optimizer, scheduler, consumed_sample
     torch_dist_from = time.perf_counter()
     request, offload_bytes, offload_s, failure, offload_write = None, 0, 0.0, None, None
     torch_dist_to = torch_dist_from
+    aside = _host_weights_aside(model) if background is not None else None
     offloaded = save_optimizer and isinstance(optimizer, OffloadedOptimizerCheckpoint)  # a file per rank beside it
     concurrent = None
     try:
@@ -119,7 +128,7 @@ def save_checkpoint(iteration: int, model, optimizer, scheduler, consumed_sample
             writes = offloaded_state_writes(optimizer.shards, model, path, engine_digests)
             concurrent = _ConcurrentWrite(write_offloaded_state, writes)
         request = dist_checkpointing.save(state, path, async_sharded_save=background is not None,
-                                          **save_strategies(args))
+                                          **save_strategies(args, aside.wrapping if aside is not None else None))
         torch_dist_to = time.perf_counter()  # async: its plan and its copy to host memory
         if concurrent is not None:
             offload_bytes, offload_s = concurrent.result()
@@ -131,6 +140,8 @@ def save_checkpoint(iteration: int, model, optimizer, scheduler, consumed_sample
         if concurrent is not None:
             concurrent.wait_quietly()  # it may still be writing into the directory the failure removes
         failure = _save_failure(err, path)
+    except UserError as err:  # the host memory cannot hold the params' copies (every rank raised it)
+        failure = str(err)
     if failure is None and background is None:
         failure = _write_digests(digests, path)
     offload_to = time.perf_counter()
@@ -155,15 +166,21 @@ def save_checkpoint(iteration: int, model, optimizer, scheduler, consumed_sample
     fault_point("save-scheduled")
     done = time.perf_counter()
     # Where the hold went (consecutive parts: they add up to it), each on its slowest rank.
+    copy_s, copied = (aside.copy_s, aside.copied_bytes) if aside is not None else (0.0, 0)
     parts = {"for the previous save to finish": started - held_from, "marking it begun": state_from - started,
              "the state dict": torch_dist_from - state_from,
-             "torch_dist's plan and copy to host": torch_dist_to - torch_dist_from,
+             "copying the params in host memory aside": copy_s,
+             "torch_dist's plan and copy to host": torch_dist_to - torch_dist_from - copy_s,
              "the offloaded state's snapshot": offload_to - torch_dist_to, "starting the writers": done - offload_to}
-    held = slowest_rank([done - held_from, *parts.values()], model)
-    on_written.held_s = held[0]
-    previous = " (" + "; ".join(f"{sec:.2f} s of it {name}" for name, sec in zip(parts, held[1:])
+    held = slowest_rank([done - held_from, *parts.values(), copied], model)
+    copied = held.pop()
+    on_written.held_s, seconds = held[0], dict(zip(parts, held[1:]))
+    previous = " (" + "; ".join(f"{sec:.2f} s of it {name}" for name, sec in seconds.items()
                                 if sec >= 0.005 or name.startswith("for")) + ")"
     what = "its torch_dist files"
+    if aside is not None:
+        what += (f" (from {human_bytes(copied)} per rank of params in host memory copied aside in "
+                 f"{seconds['copying the params in host memory aside']:.2f} s)")
     if offload_write is not None:
         what += f" and offloaded optimizer state ({human_bytes(offload_write.nbytes)} per rank)"
     print_rank0(f"> checkpoint at iteration {iteration}: training held {on_written.held_s:.2f} s{previous}; {what} "
@@ -210,6 +227,12 @@ def _save_failure(err: BaseException, path: str) -> str:
     if isinstance(err, OSError) and err.errno in STORAGE_ERRNOS:
         return f"rank {rank}: {path}: {err.strerror or err}"
     raise err
+
+
+def _host_weights_aside(model) -> Optional[HostWeightsAside]:
+    """What copies the weights in host memory aside at an async save (--offload-params host), else None."""
+    buffers = host_param_buffers(model)
+    return HostWeightsAside(buffers) if buffers else None
 
 
 def _write_digests(digests: Optional[SaveDigests], path: str) -> Optional[str]:

@@ -273,6 +273,12 @@ def buffer_bytes_in_host_memory(chunks) -> int:
                if data is not None and data.device.type == "cpu")
 
 
+def host_param_buffers(chunks) -> List[torch.Tensor]:
+    """DDP's param buffers that ``ddp_with_params_in_host_memory`` put in host memory (none otherwise)."""
+    return [b.param_data for chunk in chunks if placed_in_host_memory(chunk)
+            for b in chunk.buffers + chunk.expert_parallel_buffers if b.param_data is not None]
+
+
 def ddp_with_params_in_host_memory(chunks, ddp: Callable, device: torch.device, grads_in_host: bool):
     """Each chunk wrapped by ``ddp(chunk, index)`` with DDP's param buffer (and with ``grads_in_host`` its grad
     buffer) in host memory, the params the first data-parallel rank's (broadcast through the device); the rest
