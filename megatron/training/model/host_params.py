@@ -25,9 +25,6 @@ from mlp_offload import GiB
 
 def host_params_refusal(args) -> Optional[str]:
     """Why a run with these flags cannot keep its params in host memory (one line), or None."""
-    if getattr(args, "async_save", False):
-        return ("not with --async-save yet: its writer takes the weights where they lie, and in host memory the "
-                "next updates change them under it (save without --async-save)")
     if getattr(args, "offload_overlap_forward", False):
         return ("not with --offload-overlap-forward: a layer's params are copied in before the update under "
                 "the forward has written them")
