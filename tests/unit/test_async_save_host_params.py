@@ -1,12 +1,14 @@
 """--async-save with the params in host memory: the weights a save writes out of DDP's host buffers are copied
-aside at the save (async_save.HostWeightsAside), so the writer, run here in this process after the buffers have
-changed in place (as the next updates change them), still writes the weights as they were at the save.
+aside at the save (async_save.HostWeightsAside), so the writer, run after the buffers have changed in place (as
+the next updates change them), still writes the weights as they were at the save.
 
-Run in-process, the writer sees the buffers as they are when it runs: a forked writer reading pinned host
-memory sees the same (pinned pages are not copied on write), so this is the test that fails if the writer
-read the live buffers. megatron-core's plan clones a CPU tensor that is a view of a larger storage, but not one
-that fills its storage: the second weight below is such a tensor, and without the copy aside its change reaches
-the checkpoint (checked too, so the test shows it can fail)."""
+The writer runs here in this process (it then sees the buffers as they are when it runs) or forked, as training
+runs it, from three kinds of buffer: the CPU twin's (ordinary memory: the fork keeps it as it was), a GPU run's
+without the pinning (memory left out of forked children, ``MADV_DONTFORK``: the child reads whatever its own
+memory holds at that address) and, with CUDA, a GPU run's as it is (pinned in place). megatron-core's plan
+clones a CPU tensor that is a view of a larger storage, but not one that fills its storage: the third weight
+below is such a tensor, and without the copy aside the checkpoint holds its change, or, forked from a GPU run's
+buffer, not its values at all (both checked, so the tests show they can fail)."""
 
 import re
 import time
@@ -22,6 +24,7 @@ from tests.unit.helpers import megatron_world_of_one
 from megatron.training.checkpoint import async_save
 from megatron.training.checkpoint.async_save import HostWeightsAside
 from megatron.training.errors import UserError
+from megatron.training.runtime.host_memory import host_zeros_to_pin, pin_in_place
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -37,12 +40,22 @@ def no_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: torch.device("cpu"))
 
 
-def _host_buffers(pinned: bool = False):
-    """Two of DDP's param buffers in host memory: one holding two weights, one holding exactly one (pinned, as
-    on a GPU run)."""
-    shared = torch.arange(96, dtype=torch.bfloat16)
-    alone = torch.arange(100, 132, dtype=torch.bfloat16)
-    return (shared.pin_memory(), alone.pin_memory()) if pinned else (shared, alone)
+BUFFERS = ["ordinary", "unforked"] + (["pinned"] if torch.cuda.is_available() else [])  # pinning needs CUDA
+
+
+def _host_buffers(kind: str = "ordinary"):
+    """Two of DDP's param buffers in host memory: one holding two weights, one holding exactly one. ``kind``:
+    ordinary memory (the CPU twin's), memory left out of forked children (a GPU run's, host_zeros_to_pin), or
+    that pinned in place as a GPU run pins it."""
+    values = torch.arange(96, dtype=torch.bfloat16), torch.arange(100, 132, dtype=torch.bfloat16)
+    if kind == "ordinary":
+        return values
+    buffers = tuple(host_zeros_to_pin(v.numel(), v.dtype) for v in values)
+    for buffer, value in zip(buffers, values):
+        buffer.copy_(value)
+        if kind == "pinned":
+            pin_in_place(buffer, "the test's host buffer")
+    return buffers
 
 
 def _state(shared, alone, outside):
@@ -55,11 +68,11 @@ def _state(shared, alone, outside):
             "e": ShardedTensor.from_rank_offsets("e", outside, replica_id=0)}
 
 
-def _save_then_change(tmp_path, copy_aside: bool, forked: bool = False, pinned: bool = False):
+def _save_then_change(tmp_path, copy_aside: bool, forked: bool = False, kind: str = "ordinary"):
     """An async save's request, the buffers changed in place, then the request's writer run (here, or
     ``forked`` as training runs it, the change made while the writer waits); returns the checkpoint's
     tensors and what the buffers held at the save."""
-    shared, alone = _host_buffers(pinned)
+    shared, alone = _host_buffers(kind)
     at_save = {"a": shared[:64].view(8, 8).clone(), "b": shared[64:].view(4, 8).clone(), "c": alone.view(4, 8).clone()}
     strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
     if copy_aside:
@@ -134,22 +147,16 @@ def test_host_memory_too_short_for_the_copies_stops_the_save_in_one_line(tmp_pat
                      r"host memory are available there; free host memory .* or save without --async-save$", line)
 
 
-PINNED = [False] + ([True] if torch.cuda.is_available() else [])  # pinned host memory needs CUDA
-
-
-@pytest.mark.parametrize("pinned", PINNED, ids=["pinned" if p else "pageable" for p in PINNED])
-def test_a_forked_writer_writes_the_weights_as_they_were_at_the_save(tmp_path, pinned):
+@pytest.mark.parametrize("kind", BUFFERS)
+def test_a_forked_writer_writes_the_weights_as_they_were_at_the_save(tmp_path, kind):
     """As training runs it: megatron-core's forked writer, the buffers changed in place while it waits."""
-    loaded, at_save = _save_then_change(tmp_path, copy_aside=True, forked=True, pinned=pinned)
+    loaded, at_save = _save_then_change(tmp_path, copy_aside=True, forked=True, kind=kind)
     for name, tensor in at_save.items():
         assert torch.equal(loaded[name], tensor), name
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host memory needs CUDA")
-def test_a_forked_writer_reads_pinned_host_memory_as_it_changes(tmp_path):
-    """Why the copy is needed on a GPU too: without it, the forked writer sees the pinned buffer's change made
-    after the fork (pinned pages are not copied on write); pageable memory is (checked beside it)."""
-    loaded, at_save = _save_then_change(tmp_path / "pinned", copy_aside=False, forked=True, pinned=True)
-    assert torch.equal(loaded["c"], at_save["c"] + 1000)
-    loaded, at_save = _save_then_change(tmp_path / "pageable", copy_aside=False, forked=True, pinned=False)
-    assert torch.equal(loaded["c"], at_save["c"])
+def test_without_the_copy_a_forked_writer_misses_a_gpu_runs_weight_filling_its_buffer(tmp_path):
+    """Why the copy on a GPU: the forked child has no such buffer, and writes what its memory holds there."""
+    loaded, at_save = _save_then_change(tmp_path, copy_aside=False, forked=True, kind="unforked")
+    assert torch.equal(loaded["a"], at_save["a"]) and torch.equal(loaded["b"], at_save["b"])  # cloned by its plan
+    assert not torch.equal(loaded["c"], at_save["c"])

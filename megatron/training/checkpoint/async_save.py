@@ -19,10 +19,11 @@ write into a message, and hands it to ``on_written``, which makes all ranks agre
 checkpoint (the proof, then the tracker). Until then the directory holds its in-progress marker, so
 a crash leaves the previous checkpoint as the one resumed.
 
-With the params in host memory (--offload-params host) the weights a save writes are in DDP's host buffers,
-which the next updates overwrite in place while the writer still reads them; a forked process sees pinned
-host memory as it changes (pinned pages are not copied on write), pageable memory as it was at the fork.
-``HostWeightsAside`` copies them aside at the save, whatever the memory, and the writer reads the copies.
+With the params in host memory (--offload-params host) the weights a save writes are in DDP's host buffers.
+On a GPU those are left out of forked children (``MADV_DONTFORK``, pinned in place: runtime.host_memory), so
+the forked writer would read whatever its own memory holds at their addresses; a writer in the rank's own
+process would see the next updates change them in place. ``HostWeightsAside`` copies them aside at the save
+(on a CPU run too, where the buffers are ordinary memory the fork would keep) and the writer reads the copies.
 """
 
 from __future__ import annotations
@@ -145,8 +146,8 @@ def copied_tensor_sizes(model_state: dict, fully_parallel: bool) -> List[Tuple[i
 
 class HostWeightsAside:
     """--async-save with the params in host memory: each weight the save writes from ``host_buffers`` (DDP's
-    param buffers in host memory) is copied into a tensor of its own before torch_dist plans the write, so
-    the forked writer reads the copy while the updates change the buffers. A tensor of its own (its storage
+    param buffers in host memory) is copied into a tensor of its own (ordinary memory, which a fork keeps)
+    before torch_dist plans the write, so the forked writer reads the copy. A tensor of its own (its storage
     exactly its size): megatron-core's plan clones a CPU view of a larger storage, but not that, so the
     weights are copied once. The copies go with the save's request, once the writer has ended."""
 
