@@ -78,8 +78,7 @@ def _save_then_change(tmp_path, copy_aside: bool, forked: bool = False, kind: st
     if copy_aside:
         strategy = HostWeightsAside([shared, alone]).wrapping(strategy)
     request = dist_checkpointing.save(_state(shared, alone, torch.ones(16)), str(tmp_path), sharded_strategy=strategy,
-                                      async_sharded_save=True,
-                                      validate_access_integrity=False)
+                                      async_sharded_save=True, validate_access_integrity=False)
     if forked:
         queue = AsyncCallsQueue(persistent=False)
         queue.schedule_async_request(request._replace(async_fn=_after_a_while(request.async_fn)))
@@ -96,6 +95,7 @@ def _save_then_change(tmp_path, copy_aside: bool, forked: bool = False, kind: st
 
 def _after_a_while(write):
     """The writer, started a moment late: the change in place comes first."""
+
     def later(*args, **kwargs):
         time.sleep(0.5)
         return write(*args, **kwargs)
@@ -139,8 +139,7 @@ def test_host_memory_too_short_for_the_copies_stops_the_save_in_one_line(tmp_pat
     strategy = HostWeightsAside([shared, alone]).wrapping(TorchDistSaveShardedStrategy("torch_dist", 1))
     with pytest.raises(UserError) as raised:
         dist_checkpointing.save(_state(shared, alone, torch.ones(16)), str(tmp_path), sharded_strategy=strategy,
-                                async_sharded_save=True,
-                                      validate_access_integrity=False)
+                                async_sharded_save=True, validate_access_integrity=False)
     line = str(raised.value)
     assert "\n" not in line and line.startswith("--async-save with --offload-params host: ")
     assert re.search(r"aside while the writer reads them, 0\.00 GiB on \S+ \(1 rank\(s\)\), but only 0\.00 GiB of "
