@@ -215,6 +215,12 @@ def _link_parts(snapshot: StateSnapshot, parts: Optional[PartLinks]) -> Dict[int
 def _write(snapshot: StateSnapshot, tmp: str, metadata: Optional[dict], digest: Optional[StateDigest],
            parts: Optional[PartLinks] = None, pacer: Optional[DiskPacer] = None) -> int:
     linked = _link_parts(snapshot, parts)
+    with snapshot.device_reads():  # the device-held state copied out beside the training's stream
+        return _write_state(snapshot, tmp, metadata, digest, linked, pacer)
+
+
+def _write_state(snapshot: StateSnapshot, tmp: str, metadata: Optional[dict], digest: Optional[StateDigest],
+                 linked: Dict[int, dict], pacer: Optional[DiskPacer]) -> int:
     if pacer is not None:
         snapshot.stage_ahead()
     offsets, end = {}, 0
@@ -240,7 +246,7 @@ def _write(snapshot: StateSnapshot, tmp: str, metadata: Optional[dict], digest: 
                 try:  # the state is copied out before put returns: the update may have it back at once
                     tensors = views.narrow(snapshot.subgroups[i])
                     if digest is not None:  # by a thread of its own, while put copies the same tensors out
-                        digesting = beside.submit(digest.add, snapshot.subgroups[i], tensors)
+                        digesting = beside.submit(_digest_beside, snapshot, digest, snapshot.subgroups[i], tensors)
                     if i not in linked:
                         crcs[i] = writer.put(offsets[i], tensors)
                 finally:
@@ -266,6 +272,11 @@ def _write(snapshot: StateSnapshot, tmp: str, metadata: Optional[dict], digest: 
         pwrite_all(fd, footer + TRAILER.pack(MAGIC, len(footer), zlib.crc32(footer)), end)
         os.fsync(fd)
         return end + len(footer) + TRAILER.size
+
+
+def _digest_beside(snapshot: StateSnapshot, digest: StateDigest, sg, tensors) -> None:
+    with snapshot.device_reads():  # its thread's device reads are done when it returns
+        digest.add(sg, tensors)
 
 
 class _TierReads:
