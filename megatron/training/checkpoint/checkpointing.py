@@ -155,7 +155,7 @@ def save_checkpoint(iteration: int, model, optimizer, scheduler, consumed_sample
 
 def _save_now(iteration: int, model, optimizer, scheduler, consumed_samples: int, args) -> str:
     """The synchronous save: torch_dist's files and each rank's offloaded state written at once; one
-    line with the bytes, seconds and GB/s of each part and of the whole (io_report)."""
+    line with the bytes, seconds and GB/s of each part and of the whole (runtime.checkpoint_lines)."""
     root = args.save
     path = checkpoint_dir(root, iteration)
     phases = Phases()
@@ -192,7 +192,7 @@ def _save_now(iteration: int, model, optimizer, scheduler, consumed_samples: int
     _complete(root, path, iteration)
     phases.mark("the proof")
     state_bytes = offloaded_state_bytes(optimizer.shards) if offloaded else 0
-    figures = dict(phases.spans, torch_dist=torch_dist_s, offloaded=offload_s)
+    figures = dict(phases.spans, torch_dist=torch_dist_s, offloaded=offload_s, whole=phases.total())
     figures["offloaded bytes"], figures["offloaded written"] = state_bytes, written
     names = list(figures)
     figures = dict(zip(names, slowest_rank([figures[name] for name in names], model)))
@@ -381,8 +381,8 @@ def load_checkpoint(root: str, model, optimizer, scheduler, args):
 
 
 def _report_load(path: str, model, optimizer, phases: Phases, torch_dist_s: float, offloaded) -> None:
-    """The load's line: each part's bytes and seconds, the slowest rank's (io_report)."""
-    figures = dict(phases.spans, torch_dist=torch_dist_s)
+    """The load's line: each part's bytes and seconds, the slowest rank's (runtime.checkpoint_lines)."""
+    figures = dict(phases.spans, torch_dist=torch_dist_s, whole=phases.total())
     figures["offloaded"] = offloaded.seconds if offloaded is not None else 0.0
     figures["offloaded bytes"] = offloaded.nbytes if offloaded is not None else 0
     names = list(figures)

@@ -78,11 +78,10 @@ AFTER_SAVE = ("the resume check's record", "agreeing", "the proof")
 
 
 def save_line(iteration: int, root: str, sizes: Dict[str, int], figures: Dict[str, float], rates) -> str:
-    """The synchronous save's line. ``figures``: the slowest rank's seconds of each phase (BEFORE_SAVE,
-    "writes", AFTER_SAVE), of "torch_dist" and "offloaded" within the writes, and the offloaded
-    state's bytes per rank ("offloaded bytes", "offloaded written")."""
-    total = sum(sizes.values())
-    seconds = sum(figures[name] for name in (*BEFORE_SAVE, "writes", *AFTER_SAVE))
+    """The synchronous save's line. ``figures``: the slowest rank's seconds of the "whole" save, of each
+    phase (BEFORE_SAVE, "writes", AFTER_SAVE), of "torch_dist" and "offloaded" within the writes, and
+    the offloaded state's bytes per rank ("offloaded bytes", "offloaded written")."""
+    total, seconds = sum(sizes.values()), figures["whole"]
     line = (f"> saved checkpoint at iteration {iteration} to {root}: {rate(total, seconds)}"
             f"{against_disk(total, seconds, rates, writing=True)}; torch_dist {rate(sizes['torch_dist'], figures['torch_dist'])}")
     if figures["offloaded bytes"] > 0:
