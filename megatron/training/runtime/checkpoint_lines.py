@@ -39,8 +39,8 @@ class Phases:
 
 
 def disk_rates(path: str, optimizer):
-    """The probed rates (``TierBandwidth``: read_bps, write_bps) of an offload file tier on ``path``'s
-    file system, or None where no engine's tier lies there."""
+    """(tier name, its probed ``TierBandwidth``) of an offload file tier on ``path``'s file system, or
+    None where no engine's tier lies there."""
     try:
         device = os.stat(path).st_dev
     except OSError:
@@ -54,7 +54,8 @@ def disk_rates(path: str, optimizer):
 
 
 def against_disk(nbytes: float, seconds: float, rates, writing: bool) -> str:
-    """"; 63% of the disk's write rate (2.05 GB/s, the nvme tier's probe)", or "" where it is not known."""
+    """The share of the disk's rate, as '; 63% of the disk's write rate (2.05 GB/s, the nvme tier's
+    probe)', or "" where the rate is not known."""
     if rates is None or seconds <= 0:
         return ""
     name, bandwidth = rates
@@ -68,7 +69,7 @@ def rate(nbytes: float, seconds: float) -> str:
 
 
 def spans(phases: Dict[str, float], names) -> str:
-    """ "(state dict 0.1, ...)" of the named spans that took a measurable time."""
+    """The named spans that took a measurable time, as ' (the state dict 0.1, ...)'."""
     shown = [f"{name} {phases[name]:.1f}" for name in names if phases.get(name, 0.0) >= 0.05]
     return f" ({', '.join(shown)})" if shown else ""
 
