@@ -26,7 +26,8 @@ megatron-core's losses: it has no such format without transformer-engine); the u
 time on the one GPU (each is small).
 Part 2 (two GPUs): data-parallel resharding with the gpu tier (DP2 saves, DP1 loads and saves at
 once, DP2 loads that and must continue as the uninterrupted DP2 run), MoE at EP2 saved and resumed, and params
-and grads in host memory at DP2 and over two pipeline stages (the layer-major step), saved and resumed.
+and grads in host memory at DP2, with MoE at EP2 and over two pipeline stages (the layer-major step), saved and
+resumed. CASES=a,b runs only those cases of either part (with the references they need).
 DRY_RUN=1: the same cases with tiny shapes on the CPU (the gpu tier's stand-in), two at a time.
 """
 
@@ -319,18 +320,28 @@ def resume_check_matched(line: str) -> bool:
     return "resume check" in line and " match" in line and "differ" not in line
 
 
+MOE = ("--num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2 --expert-model-parallel-size 2"
+       " --moe-token-dispatcher-type alltoall")
+# Part 2's references (megatron-core's own optimizer on two GPUs): name -> their flags beside COMMON.
+PART2_REFERENCES = {"fp32_dp2": "", "fp32_moe": MOE, "fp32_pp2": "--pipeline-model-parallel-size 2"}
+RESHARD = "dp2_dp1_dp2"
+
+
 def part2_cases() -> List[Case]:
-    moe = ("--num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2 --expert-model-parallel-size 2"
-           " --moe-token-dispatcher-type alltoall")
     streamed = f"{LAYER_MAJOR} --offload-params host --offload-grads host"
-    return [Case("moe_ep2", "gpu,host,nvme", "device-model-buffers", "fp32", moe, nproc=2, reference="fp32_moe"),
-            # params and grads in host memory at DP2: each layer's grad slot summed over the ranks on the GPUs
-            Case("params_grads_host_dp2", "gpu,host,nvme", "device-model-buffers", "fp32", streamed, nproc=2,
-                 reference="fp32_dp2", must_log="of grads there too"),
-            # the layer-major step over two pipeline stages, params and grads in host memory (reference: 1F1B)
-            Case("params_grads_host_pp2", "gpu,host,nvme", "split", "fp32",
-                 f"{streamed} --pipeline-model-parallel-size 2", nproc=2, reference="fp32_pp2",
-                 must_log="of grads there too")]
+    cases = [Case("moe_ep2", "gpu,host,nvme", "device-model-buffers", "fp32", MOE, nproc=2, reference="fp32_moe"),
+             # params and grads in host memory at DP2: each layer's grad slot summed over the ranks on the GPUs
+             Case("params_grads_host_dp2", "gpu,host,nvme", "device-model-buffers", "fp32", streamed, nproc=2,
+                  reference="fp32_dp2", must_log="of grads there too"),
+             # MoE at EP2 with params and grads in host memory: each layer's slot, dense params' grads summed over
+             # DP 2 and the experts' scaled for expert-DP 1, over NCCL (reference: megatron-core's MoE run)
+             Case("moe_params_grads_host_ep2", "gpu,host,nvme", "device-model-buffers", "fp32", f"{MOE} {streamed}",
+                  nproc=2, reference="fp32_moe", must_log="of grads there too"),
+             # the layer-major step over two pipeline stages, params and grads in host memory (reference: 1F1B)
+             Case("params_grads_host_pp2", "gpu,host,nvme", "split", "fp32",
+                  f"{streamed} --pipeline-model-parallel-size 2", nproc=2, reference="fp32_pp2",
+                  must_log="of grads there too")]
+    return [c for c in cases if c.name in ONLY] if ONLY else cases
 
 
 def unit_tests() -> dict:
@@ -338,7 +349,8 @@ def unit_tests() -> dict:
     runs = [["tests/unit/test_resume_state.py", "tests/unit/test_sdpa_attention.py", "tests/unit/test_determinism.py",
              "tests/unit/test_async_save_memory.py", "tests/unit/test_kept_inputs.py",
              "tests/unit/test_host_params.py", "tests/unit/test_copy_back.py", "tests/unit/test_pin_in_place.py",
-             "tests/unit/test_update_copies.py", "tests/unit/test_async_save_host_params.py"],
+             "tests/unit/test_update_copies.py", "tests/unit/test_background_save.py",
+             "tests/unit/test_async_save_host_params.py"],
             ["tests/unit/test_cpu_one_pass.py", "tests/unit/test_fused_update.py", "tests/unit/test_model_buffers.py",
              "-k", "cuda"],
             ["tests/unit/test_blockwise8.py", "tests/unit/test_eight_bit_engine.py",
@@ -367,7 +379,7 @@ def unit_tests() -> dict:
 def dp_reshard() -> Case:
     """DP2 trains 4 iterations saving at 2; DP1 loads the save and saves at once; DP2 loads that and must
     go on as the uninterrupted DP2 run did."""
-    case = Case("dp2_dp1_dp2", "gpu,host,nvme", "device-model-buffers", "fp32", nproc=2, reference="fp32_dp2")
+    case = Case(RESHARD, "gpu,host,nvme", "device-model-buffers", "fp32", nproc=2, reference="fp32_dp2")
     home = WORK / case.name
     shutil.rmtree(home, ignore_errors=True)
     home.mkdir(parents=True)
@@ -419,12 +431,14 @@ def main() -> int:
             unit = units.result()
         else:
             cases = part2_cases()
-            refs = {"fp32_dp2": pool.submit(reference, "fp32_dp2", 2),
-                    "fp32_moe": pool.submit(reference, "fp32_moe", 2, cases[0].extra),
-                    "fp32_pp2": pool.submit(reference, "fp32_pp2", 2, "--pipeline-model-parallel-size 2")}
-            reshard = pool.submit(dp_reshard)
+            resharding = not ONLY or RESHARD in ONLY
+            wanted = {c.reference for c in cases} | ({"fp32_dp2"} if resharding else set())
+            refs = {name: pool.submit(reference, name, 2, extra) for name, extra in PART2_REFERENCES.items()
+                    if name in wanted}
+            reshard = pool.submit(dp_reshard) if resharding else None
             list(pool.map(run_case, cases))
-            cases.append(reshard.result())
+            if reshard is not None:
+                cases.append(reshard.result())
             refs = {m: f.result() for m, f in refs.items()}
             unit = None
     for name, ref in refs.items():

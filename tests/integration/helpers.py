@@ -1,5 +1,5 @@
 """Helpers the integration tests share: the offload flags of the shared runs, the mixture-of-experts
-model's flags, checkpoint copies, the offloaded optimizer state of a checkpoint as whole global
+model's flags, the layer-major step's, checkpoint copies, a resume checked against the run it left, the offloaded optimizer state of a checkpoint as whole global
 tensors (the independent readout resharding tests compare), the half-away reference run, and the
 planner tool's JSON from this process."""
 
@@ -11,14 +11,20 @@ import shutil
 
 import torch
 
-from launch import REPO, pretrain_command, pretrain_env, read_loss_log, run_and_clean_up
+from launch import REPO, pretrain_command, pretrain_env, read_loss_log, run_and_clean_up, run_pretrain
 
 HALF_AWAY = REPO / "tests" / "integration" / "half_away_megatron.py"
+SEQUENCE_PARALLEL = REPO / "tests" / "integration" / "sequence_parallel_pretrain.py"  # SP on the CPU
 PLANNER = REPO / "tools" / "plan_offload.py"
 
 # A mixture-of-experts variant of the tiny model: 4 experts of SwiGLU, top-2, RoPE and RMSNorm.
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2", "--swiglu",
        "--disable-bias-linear", "--normalization", "RMSNorm", "--position-embedding-type", "rope"]
+
+# What the layer-major step needs (full recompute of single layers, no dropout), with the embedding untied from
+# the output layer (tied, the shared weight's grad rounds differently).
+LAYER_MAJOR_RUN = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+                   "--hidden-dropout", "0", "--attention-dropout", "0", "--untie-embeddings-and-output-weights"]
 
 
 def offload_args(tmp_path, tiers=("host", "nvme", "pfs"), budget_gb="0.0005", subgroup="6000", extra=(),
@@ -53,6 +59,17 @@ def copy_checkpoint(root, iterations, into):
         shutil.copytree(root / name, into / name)
     (into / "latest_checkpointed_iteration.txt").write_text(str(max(iterations)))
     return into
+
+
+def assert_resume_repeats_the_run(tmp_path, flags, saved_at=2, train_iters=4):
+    """A run of ``flags`` saving at ``saved_at`` and going on to ``train_iters``, and a resume from that save alone
+    (copied off, as a run that stopped there leaves it): the resumed iterations are the whole run's, bit for bit."""
+    whole = run_pretrain(tmp_path / "whole", [*flags, "--save", str(tmp_path / "ckpt"), "--save-interval",
+                                              str(saved_at)], train_iters=train_iters)
+    saved = copy_checkpoint(tmp_path / "ckpt", [saved_at], tmp_path / f"at{saved_at}")
+    resumed = run_pretrain(tmp_path / "resumed", [*flags, "--load", str(saved)], train_iters=train_iters)
+    assert [r["iteration"] for r in resumed] == list(range(saved_at + 1, train_iters + 1))
+    assert resumed == [r for r in whole if r["iteration"] > saved_at]
 
 
 def global_offload_state(iteration_dir):

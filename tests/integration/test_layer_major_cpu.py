@@ -9,12 +9,12 @@ import json
 
 import pytest
 
-from helpers import copy_checkpoint, offload_args, run_variant
-from launch import PRETRAIN, REPO, launch_command, pretrain_env, run_and_clean_up, run_pretrain
+from helpers import (LAYER_MAJOR_RUN, SEQUENCE_PARALLEL, assert_resume_repeats_the_run, copy_checkpoint, offload_args,
+                     run_variant)
+from launch import PRETRAIN, REPO, launch_command, pretrain_env, ranks_output, run_and_clean_up, run_pretrain
 from tests.profiles import cases
 
 RANKS = REPO / "tests" / "integration" / "layer_major_ranks.py"
-SEQUENCE_PARALLEL = REPO / "tests" / "integration" / "sequence_parallel_pretrain.py"  # SP on the CPU
 
 
 # The configuration space: every layout of at most four ranks the tiny model takes (TP divides its 2 query
@@ -63,11 +63,6 @@ def test_configurations_it_cannot_run_are_refused_in_one_line():
     assert "one model chunk per pipeline stage (2" in layer_major_refusal(SimpleNamespace(**good), 2)
 
 
-LAYER_MAJOR_RUN = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
-                   "--hidden-dropout", "0", "--attention-dropout", "0",
-                   "--untie-embeddings-and-output-weights"]  # tied, the shared weight's grad rounds differently
-
-
 def test_training_with_activations_in_host_memory_repeats_the_run_without(tmp_path):
     """pretrain_gpt.py with --offload-activations host (the layer-major step, layer inputs in host memory),
     DP2, two micro-batches per rank, the optimizer state offloaded: every iteration's loss and grad norm
@@ -83,7 +78,8 @@ def test_training_with_activations_in_host_memory_repeats_the_run_without(tmp_pa
     (["--offload-activations", "host"], "--offload-activations host", "--recompute-granularity full"),
     (["--offload-microbatch-group", "2"], "--offload-microbatch-group", "needs the layer-major step")])
 def test_a_run_it_cannot_take_stops_in_one_line_before_the_model(tmp_path, flags, flag, words):
-    output = run_pretrain(tmp_path, flags, train_iters=1, expect_success=False)[0]["output"]
+    # under torchrun, without its own report of the failure
+    output = ranks_output(run_pretrain(tmp_path, flags, train_iters=1, expect_success=False)[0]["output"])
     lines = [line for line in output.splitlines() if f"error: {flag}:" in line]
     assert len(lines) == 1 and words in lines[0], output[-3000:]
     assert "Traceback" not in output
@@ -157,12 +153,7 @@ def test_params_in_host_memory_save_and_resume_bit_for_bit(tmp_path, layout):
     device slots, of the params gathered through the device)."""
     flags = [*LAYER_MAJOR_RUN, *offload_args(tmp_path / "state", tiers=("host", "nvme")), "--offload-params", "host",
              "--offload-grads", "host", *layout]
-    whole = run_pretrain(tmp_path / "whole", [*flags, "--save", str(tmp_path / "ckpt"), "--save-interval", "2"],
-                         train_iters=4)
-    at2 = copy_checkpoint(tmp_path / "ckpt", [2], tmp_path / "at2")
-    resumed = run_pretrain(tmp_path / "resumed", [*flags, "--load", str(at2)], train_iters=4)
-    assert [r["iteration"] for r in resumed] == [3, 4]
-    assert resumed == [r for r in whole if r["iteration"] > 2]
+    assert_resume_repeats_the_run(tmp_path, flags)
 
 
 def _saved_tensors(iteration_dir) -> dict:
@@ -256,7 +247,7 @@ def test_params_in_host_memory_refuse_what_they_cannot_run_in_one_line(tmp_path,
         base.remove("--untie-embeddings-and-output-weights")
     if "--tensor-model-parallel-size" not in flags:
         base += ["--tensor-model-parallel-size", "2"]
-    output = run_pretrain(tmp_path, [*base, *flags], train_iters=1, expect_success=False)[0]["output"]
+    output = ranks_output(run_pretrain(tmp_path, [*base, *flags], train_iters=1, expect_success=False)[0]["output"])
     lines = [line for line in output.splitlines() if f"error: {flag}:" in line]
     assert len(lines) == 1 and words in lines[0], output[-3000:]
     assert "Traceback" not in output
@@ -288,3 +279,15 @@ def test_the_step_in_passes_of_a_group_of_micro_batches_repeats_megatron_core(tm
         assert [(r["loss"], r["grad_norm"]) for r in results[run]] == reference, run
     startup = (tmp_path / "grads" / "loss-0.out").read_text()
     assert f"for {group} micro-batches at a time" in startup, startup[-2000:]
+
+
+def test_an_uneven_pipeline_split_from_megatron_lms_flag_repeats_megatron_cores_schedule(tmp_path):
+    """--decoder-first-pipeline-num-layers 1 over two pipeline stages of 3 layers (1 and 2): megatron-core's 1F1B
+    schedule, and the layer-major step with the params and grads in host memory, bit for bit."""
+    flags = [*LAYER_MAJOR_RUN, *offload_args(tmp_path / "state", tiers=("host",)), "--pipeline-model-parallel-size",
+             "2", "--num-layers", "3", "--decoder-first-pipeline-num-layers", "1", "--global-batch-size", "6"]
+    runs = {"schedule": [], "grads": ["--offload-params", "host", "--offload-grads", "host"]}
+    results = {name: run_pretrain(tmp_path / name, [*flags, *extra], train_iters=3) for name, extra in runs.items()}
+    reference = [(r["loss"], r["grad_norm"]) for r in results["schedule"]]
+    assert len(reference) == 3 and reference[0][0] != reference[-1][0]  # it trained
+    assert [(r["loss"], r["grad_norm"]) for r in results["grads"]] == reference

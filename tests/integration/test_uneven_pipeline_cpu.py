@@ -1,7 +1,7 @@
 """The layer-major step (megatron/training/model/layer_major.py) over two pipeline stages of unequal layers, against
 megatron-core's 1F1B schedule with full recompute: the same losses and every gradient bit for bit, with the params
 resident, and away while released with the layer inputs in host memory. The split is megatron-core's
-TransformerConfig's (uneven_pipeline_ranks.py); our flags take none of it yet."""
+TransformerConfig's (uneven_pipeline_ranks.py); pretrain_gpt.py takes it from Megatron-LM's flags (test_layer_major_cpu.py)."""
 
 import json
 

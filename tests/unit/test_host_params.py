@@ -6,6 +6,7 @@ CPU, and on a GPU where there is one (the GPU suite's CUDA unit tests)."""
 import pytest
 import torch
 
+from megatron.training.model.device_slots import DeviceSlot, largest_sizes
 from megatron.training.model.host_grads import DEVICE_GRAD_NORM
 from megatron.training.model.host_params import HostParams
 
@@ -132,3 +133,23 @@ def test_the_finalize_leaves_out_what_the_slots_reduced():
         chunk.finish_grad_sync()
     with HostParams([list(layer.parameters()) for layer in layers], [], torch.device("cpu")).finalizing(chunk):
         assert layers[1].bias.main_grad is norm_grad  # grads resident: the finalize as it is
+
+
+def test_a_slot_is_cut_into_one_piece_per_run_of_params_reduced_over_one_group():
+    """``DeviceSlot.runs``: a layer's dense params, then its experts' (each kind summed over its own data-parallel
+    group), are one flat piece of the slot per dtype each, covering exactly their views."""
+    dense, expert = object(), object()
+    like = [torch.empty(3), torch.empty(2, dtype=torch.bfloat16), torch.empty(4), torch.empty(5), torch.empty(6)]
+    keys = [dense, dense, dense, expert, expert]
+    slot = DeviceSlot(largest_sizes([like]), torch.device("cpu"))
+    views = slot.views(like)
+    runs = slot.runs(like, keys)
+    assert [(key, flat.dtype, flat.numel()) for key, flat in runs] == [
+        (dense, torch.float32, 7), (dense, torch.bfloat16, 2), (expert, torch.float32, 11)]
+    for key, flat in runs:  # writing a piece writes exactly the views of its params
+        flat.fill_(1.0 if key is dense else 2.0)
+    assert [float(v.reshape(-1)[0]) for v in views] == [1.0, 1.0, 1.0, 2.0, 2.0]
+    assert sum(flat.numel() for _, flat in runs) == sum(t.numel() for t in like)
+    interleaved = slot.runs(like, [dense, dense, expert, dense, expert])  # unsorted: more pieces, still exact
+    assert [(key, flat.numel()) for key, flat in interleaved] == [(dense, 3), (dense, 2), (expert, 4), (dense, 5),
+                                                                  (expert, 6)]

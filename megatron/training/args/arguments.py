@@ -17,7 +17,7 @@ from megatron.training.args import (checkpoint as arguments_checkpoint, megatron
                                     moe as arguments_moe, offload as arguments_offload)
 from megatron.training.args import mla as arguments_mla
 from megatron.training.runtime import optional_packages
-from megatron.training.model import precision_aware
+from megatron.training.model import precision_aware, uneven_pipeline
 from megatron.training.checkpoint.saved_args import FILLED_IF_MISSING, MODEL_SHAPE_ARGS
 from megatron.training.errors import UserError, finite, non_negative_float, non_negative_int, positive_int
 
@@ -248,8 +248,7 @@ def _validate(parser, args) -> None:
         parser.error("argument --tensor-model-parallel-size: must divide --num-attention-heads")
     if args.num_query_groups is not None and args.num_query_groups % tp:
         parser.error("argument --tensor-model-parallel-size: must divide --num-query-groups")
-    if args.num_layers % pp:
-        parser.error("argument --pipeline-model-parallel-size: must divide --num-layers")
+    uneven_pipeline.validate(parser, args)  # --num-layers over the pipeline ranks, evenly or as the split flags say
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False  # meaningless without TP, as in Megatron-LM
     if args.max_position_embeddings is None:

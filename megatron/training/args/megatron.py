@@ -12,7 +12,7 @@ import argparse
 
 from megatron.training.args.moe import layer_pattern
 from megatron.training.data import lr_schedule
-from megatron.training.model import kernels as optional_kernels, virtual_pipeline
+from megatron.training.model import kernels as optional_kernels, uneven_pipeline, virtual_pipeline
 from megatron.training.errors import finite, fraction, non_negative_float, non_negative_int, positive_float, positive_int
 from megatron.training.model.sizes import default_ffn_hidden_size, default_kv_channels
 
@@ -191,6 +191,7 @@ def _add_parallelism(p) -> None:
                    help="ranks each sequence would be split over; only 1 runs here, larger values are refused. "
                         "Default: %(default)s")
     virtual_pipeline.add_flags(g)
+    uneven_pipeline.add_flags(g)
 
 
 def validate_model(parser, args) -> None:

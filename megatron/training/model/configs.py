@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
-from megatron.training.model import precision_aware
+from megatron.training.model import precision_aware, uneven_pipeline
 
 
 def params_dtype(args):
@@ -52,6 +52,7 @@ def transformer_config(args) -> TransformerConfig:
         overlap_p2p_comm=args.overlap_p2p_comm,
         batch_p2p_comm=not args.overlap_p2p_comm,
         microbatch_group_size_per_vp_stage=args.microbatch_group_size_per_vp_stage,
+        **uneven_pipeline.config_fields(args),
         sequence_parallel=args.sequence_parallel,
         bf16=args.bf16,
         fp16=args.fp16,

@@ -5,7 +5,7 @@ done when it returns)."""
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -39,9 +39,22 @@ class DeviceSlot:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.flat.values())
 
-    def filled(self, like: List[torch.Tensor]) -> List[torch.Tensor]:
-        """The part of each dtype's flat tensor that ``views(like)`` covers."""
-        return [self.flat[dtype][:numel] for dtype, numel in dtype_sizes(like).items()]
+    def runs(self, like: List[torch.Tensor], keys: List[object]) -> List[Tuple[object, torch.Tensor]]:
+        """The part of the slot ``views(like)`` covers, as flat pieces: one per run of consecutive tensors of a
+        dtype with the same key (``keys[i]`` is ``like[i]``'s), each with its key, in the order the runs start."""
+        ends: Dict[torch.dtype, int] = {}
+        last: Dict[torch.dtype, int] = {}  # each dtype's run still growing (its index in ``spans``)
+        spans: List[list] = []  # [key, dtype, start, end]
+        for t, key in zip(like, keys):
+            at = ends.get(t.dtype, 0)
+            ends[t.dtype] = at + t.numel()
+            open_run = last.get(t.dtype)
+            if open_run is not None and spans[open_run][0] is key:
+                spans[open_run][3] = ends[t.dtype]
+            else:
+                last[t.dtype] = len(spans)
+                spans.append([key, t.dtype, at, ends[t.dtype]])
+        return [(key, self.flat[dtype][start:end]) for key, dtype, start, end in spans]
 
     def views(self, like: List[torch.Tensor]) -> List[torch.Tensor]:
         """A view of the slot for each tensor of ``like`` (its shape and dtype), in order."""

@@ -6,12 +6,15 @@ hold), and ``main_grad`` points there again. The params outside the layers keep 
 step's start until its gradients are complete.
 
 Before it leaves, the slot goes through what DDP's gradient sync does to the buffer (``GradReduction``): scaled by
-the bucket's factor and summed (or averaged) over the data-parallel group, on the device (NCCL reduces no host
-memory). DDP reduce-scatters whole buckets; this all-reduces each layer's slot: the same sum of the same two
-values at data-parallel size 2, and above it the same up to the order of the sum. Each param's gradient norm over
-the elements this rank's shard updates is taken there too (``DEVICE_GRAD_NORM``, read by the optimizer's clip
-instead of the host copy: the same kernel on the same bits as with the grads resident). DDP's own sync is left
-out (its collective cannot take host memory), so the check for NaN it does runs here instead, on those norms.
+the bucket's factor and summed (or averaged) over the bucket's data-parallel group, on the device (NCCL reduces no
+host memory). MoE experts' params have buckets of their own, summed over the expert-data-parallel group with their
+own factor; a layer's slot holds its dense params first and its experts' after, so each kind is one piece of it
+and one collective over its group. DDP reduce-scatters whole buckets; this all-reduces each layer's slot: the same
+sum of the same two values at data-parallel size 2, and above it the same up to the order of the sum. Each
+param's gradient norm over the elements this rank's shard updates is taken there too (``DEVICE_GRAD_NORM``, read
+by the optimizer's clip instead of the host copy: the same kernel on the same bits as with the grads resident).
+DDP's own sync is left out (its collective cannot take host memory), so the check for NaN it does runs here
+instead, on those norms.
 
 After the data-parallel sum comes what megatron-core's finalize does next: the gradients of the norms under
 sequence parallelism (each tensor-parallel rank's covers its part of the sequence) and of the query and key norms
@@ -47,8 +50,6 @@ def host_grads_refusal(params_in_host: bool, config, tied_across_stages: bool = 
     if config.calculate_per_token_loss:
         return ("not with --calculate-per-token-loss: the grads are divided by the step's token count after they "
                 "have left the GPU, and their norms were taken before")
-    if config.num_moe_experts:
-        return "not with MoE layers yet"
     return None
 
 
@@ -68,13 +69,14 @@ def tied_across_stages(args) -> bool:
 @dataclass
 class GradReduction:
     """What DDP's gradient sync does to each param's gradient, for its device slot: scaled by its bucket's factor,
-    reduced with ``op`` over ``group`` (None: one rank), and the flattened elements [lo, hi) this rank's shard
-    updates (whose norm the clip takes); then, for the params in ``tensor_parallel``, the finalize's sum over
+    reduced with ``op`` over its bucket's group (``data_parallel_group``: the data-parallel group of a dense param,
+    the expert-data-parallel group of an expert's; None: one rank), and the flattened elements [lo, hi) this rank's
+    shard updates (whose norm the clip takes); then, for the params in ``tensor_parallel``, the finalize's sum over
     ``tensor_parallel_group``. Params it does not name: factor 1, whole, one rank (a test's)."""
 
     factor: Dict[int, float] = field(default_factory=dict)
     owned: Dict[int, Tuple[int, int]] = field(default_factory=dict)
-    group: Optional[object] = None
+    data_parallel_group: Dict[int, object] = field(default_factory=dict)
     op: object = None
     tensor_parallel: Set[int] = field(default_factory=set)
     tensor_parallel_group: Optional[object] = None
@@ -83,7 +85,6 @@ class GradReduction:
     def of_chunk(cls, chunk) -> "GradReduction":
         """From a DDP chunk's buffers and bucket groups (megatron-core's own factors, groups and shards)."""
         reduction = cls()
-        groups = set()
         sharded = chunk.ddp_config.use_distributed_optimizer
         if sharded and chunk.ddp_config.num_distributed_optimizer_instances > 1:
             raise ValueError("--offload-grads host: one distributed-optimizer instance only")
@@ -93,7 +94,6 @@ class GradReduction:
                 size, rank = bucket_group.intra_distributed_optimizer_instance_size, group.rank()
             else:  # all-reduced: every rank holds the whole
                 group, size, rank = bucket_group.data_parallel_group, 1, 0
-            groups.add(group if group.size() > 1 else None)
             for bucket in bucket_group.buckets:
                 shard = bucket.grad_data.numel() // size
                 lo, hi = bucket.offset + rank * shard, bucket.offset + (rank + 1) * shard
@@ -104,9 +104,7 @@ class GradReduction:
                     first, last = max(start, lo), min(end, hi)
                     reduction.owned[id(param)] = (first - start, last - start) if first < last else (0, 0)
                     reduction.factor[id(param)] = bucket.gradient_scaling_factor
-        if len(groups) > 1:  # expert params: another group (MoE is refused with the grads in host memory)
-            raise ValueError("--offload-grads host: params reduced over more than one data-parallel group")
-        reduction.group = groups.pop() if groups else None
+                    reduction.data_parallel_group[id(param)] = group if group.size() > 1 else None
         average = chunk.ddp_config.average_in_collective
         reduction.op = torch.distributed.ReduceOp.AVG if average else torch.distributed.ReduceOp.SUM
         tp_group = parallel_state.get_tensor_model_parallel_group()  # the finalize's, as training calls it
@@ -117,16 +115,20 @@ class GradReduction:
             reduction.tensor_parallel_group = tp_group
         return reduction
 
-    def reduce(self, params: List[torch.nn.Parameter], views: List[torch.Tensor], filled: List[torch.Tensor]) -> None:
-        """DDP's scaling of ``params``' gradients in ``views``, then their sum over the group, in one collective per
-        dtype over ``filled`` (the slot's part the views cover)."""
+    def groups_of(self, params: List[torch.nn.Parameter]) -> List[Optional[object]]:
+        """Each param's data-parallel group (None: one rank, nothing to sum)."""
+        return [self.data_parallel_group.get(id(param)) for param in params]
+
+    def reduce(self, params: List[torch.nn.Parameter], views: List[torch.Tensor], runs: List[tuple]) -> None:
+        """DDP's scaling of ``params``' gradients in ``views``, then their sum over their groups: one collective
+        per (group, flat piece of the slot) of ``runs`` (``DeviceSlot.runs`` keyed by ``groups_of``)."""
         for param, view in zip(params, views):
             factor = self.factor.get(id(param), 1.0)
             if factor != 1.0:
                 view.mul_(factor)
-        if self.group is not None:
-            for flat in filled:
-                torch.distributed.all_reduce(flat, op=self.op, group=self.group)
+        for group, flat in runs:
+            if group is not None:
+                torch.distributed.all_reduce(flat, op=self.op, group=group)
         summed = [view for param, view in zip(params, views) if id(param) in self.tensor_parallel]
         for dtype in {view.dtype for view in summed}:  # one collective per dtype, as the finalize coalesces
             same = [view for view in summed if view.dtype == dtype]
@@ -185,7 +187,8 @@ class HostGrads:
         self._copy_out(group, slot, views)
 
     def _reduced(self, group: int, slot, views: List[torch.Tensor]) -> None:
-        self.reduction.reduce(self.groups[group], views, slot.filled(self.host[group]))
+        params = self.groups[group]
+        self.reduction.reduce(params, views, slot.runs(self.host[group], self.reduction.groups_of(params)))
         for param, view in zip(self.groups[group], views):
             norm = torch.norm(self.reduction.owned_part(param, view).float()).reshape(1)
             setattr(param, DEVICE_GRAD_NORM, norm)

@@ -83,7 +83,7 @@ def broadcast_params_through(chunks, device: torch.device) -> None:
     host memory: each through the device."""
     for chunk in chunks:
         for param in chunk.module.parameters():
-            group = chunk.dp_cp_group if getattr(param, "allreduce", True) else chunk.expt_dp_group
+            group = chunk.expt_dp_group if is_expert_param(param) else chunk.dp_cp_group
             if group.size() == 1:
                 continue
             staged = param.data.to(device)
@@ -129,6 +129,11 @@ def decoder_of(chunk):
     return module.decoder
 
 
+def is_expert_param(param: torch.nn.Parameter) -> bool:
+    """Whether DDP reduces the param's gradient over the expert-data-parallel group (megatron-core marks them)."""
+    return not getattr(param, "allreduce", True)
+
+
 REST = -1  # the group of params outside the transformer layers (embedding, final norm, output layer)
 
 
@@ -164,7 +169,9 @@ class HostParams:
 
     @classmethod
     def of_chunk(cls, chunk, device: torch.device, grads_in_host: bool = False) -> "HostParams":
-        layers = [list(layer.parameters()) for layer in decoder_of(chunk).layers]
+        # A layer's dense params first, its experts' after: each kind's grads one piece of the slot, summed over
+        # its own data-parallel group (the experts' over expert-data-parallel ranks) in one collective
+        layers = [sorted(layer.parameters(), key=is_expert_param) for layer in decoder_of(chunk).layers]
         inside = {id(p) for params in layers for p in params}
         return cls(layers, [p for p in chunk.parameters() if id(p) not in inside], device, grads_in_host,
                    GradReduction.of_chunk(chunk) if grads_in_host else None)

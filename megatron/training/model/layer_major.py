@@ -38,6 +38,7 @@ from typing import Callable, ContextManager, Dict, List, Optional, Protocol
 
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func, schedules
+from megatron.core.transformer.moe.router import MoEAuxLossAutoScaler
 from megatron.core.utils import get_attr_wrapped_model, get_model_config, get_model_type
 
 from megatron.training.errors import UserError
@@ -45,6 +46,7 @@ from megatron.training.runtime.progress import print_rank0
 from megatron.training.model.host_grads import host_grads_refusal, tied_across_stages
 from megatron.training.model.host_params import HostParams, decoder_of, host_params_refusal
 from megatron.training.model.kept_inputs import HostKeptInputs, KeptInputs, NoKeptInputs
+from megatron.training.model.layer_params import stage_layer_counts
 from megatron.training.model.pipeline_stage import PipelineStage
 from megatron.training.model.sizes import kept_input_bytes
 
@@ -188,6 +190,7 @@ class LayerMajorStep:
         if not stage.last:
             for mb in micro:
                 mb.hidden = stage.receive_backward()
+        _scale_moe_aux_losses(config, run.step_size, micro[0].hidden.device)
         self._backward_layers(block, run, kept, config)
         for m, mb in zip(run.indices, micro):  # the embedding's backward, or the input's gradient to the stage before
             if stage.first:
@@ -308,7 +311,7 @@ def check_step_schedule(args, config, inputs_in_host: bool, params_in_host: bool
         refusal = host_grads_refusal(params_in_host, config, tied_across_stages(args))
     if refusal is not None:
         raise UserError(f"{asked_by}: {refusal}")
-    layers = config.num_layers // config.pipeline_model_parallel_size
+    layers = max(stage_layer_counts(config))  # the stage with the most layers keeps the most inputs
     steps = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
     micro = min(group or steps, steps)
     kept = kept_input_bytes(args.seq_length, args.micro_batch_size, config)
@@ -338,6 +341,17 @@ def _block_input(forward_step_func, chunk, block, batch):
                                                          "padding_mask")}
     layer_kwargs["inference_context"] = None
     return captured["hidden"], layer_kwargs
+
+
+def _scale_moe_aux_losses(config, step_size: int, device: torch.device) -> None:
+    """The scale of the MoE layers' aux-loss gradients that megatron-core's forward_step sets on every pipeline
+    stage (the main loss's: the grad scaler's, per micro-batch of the step): here on the stages the head runs
+    on, and no less on the others, which run no forward_step (left unset, their aux losses would count whole)."""
+    if config.num_moe_experts is None:
+        return
+    ones = torch.ones(1, device=device)
+    scale = config.grad_scale_func(ones) if config.grad_scale_func is not None else ones
+    MoEAuxLossAutoScaler.set_loss_scale(scale if config.calculate_per_token_loss else scale / step_size)
 
 
 def _set_input_tensor(chunk, tensor: Optional[torch.Tensor]) -> None:

@@ -15,21 +15,23 @@ from megatron.training.model.sizes import kept_input_bytes
 
 
 def activation_bytes(args, cfg, microbatches_in_flight: int) -> int:
-    """Activations one rank of the first pipeline stage keeps (the stage that holds the most
-    micro-batches under 1F1B), by Korthikanti et al.'s per-layer counts for 16-bit training,
+    """Activations one rank of the binding pipeline stage keeps (the first, which holds the most
+    micro-batches under 1F1B, where the split is even), by Korthikanti et al.'s per-layer counts for 16-bit training,
     plus the fp32 logits of the last stage when it is also the first."""
     s, b, h, a = args.seq_length, args.micro_batch_size, cfg.hidden_size, cfg.num_attention_heads
     t = cfg.tensor_model_parallel_size
-    layers = cfg.num_layers // cfg.pipeline_model_parallel_size
+    # Under 1F1B each later stage holds one micro-batch fewer than the one before: with an uneven split the stage
+    # with the most layers in flight binds (the first, where the split is even).
+    layer_microbatches = max(layers * max(1, microbatches_in_flight - stage)
+                             for stage, layers in enumerate(stage_layer_counts(cfg)))
     scores = 5 * a * s / h / t  # attention scores and softmax: gone with selective recompute
     if cfg.recompute_granularity == "full":  # each layer's input only, and one layer recomputed at a time
-        per_microbatch = layers * kept_input_bytes(s, b, cfg) + recomputed_layer_bytes(args, cfg)
+        total = (layer_microbatches * kept_input_bytes(s, b, cfg)
+                 + recomputed_layer_bytes(args, cfg) * microbatches_in_flight)
     else:
         if cfg.recompute_granularity == "selective":
             scores = 0.0
-        per_layer = s * b * h * (stored_per_token_layer(cfg) + scores)
-        per_microbatch = layers * per_layer
-    total = per_microbatch * microbatches_in_flight
+        total = layer_microbatches * s * b * h * (stored_per_token_layer(cfg) + scores)
     if cfg.pipeline_model_parallel_size == 1:
         total += s * b * args.padded_vocab_size / t * FP32_BYTES
     return int(total)
