@@ -222,8 +222,10 @@ def _write(snapshot: StateSnapshot, tmp: str, metadata: Optional[dict], digest: 
 
 def _write_state(snapshot: StateSnapshot, tmp: str, metadata: Optional[dict], digest: Optional[StateDigest],
                  linked: Dict[int, dict], pacer: Optional[DiskPacer]) -> int:
-    if pacer is not None:
-        snapshot.stage_ahead()
+    if pacer is not None:  # how long the copy aside takes is what it may cost the steps beside it
+        started = time.perf_counter()
+        pacer.staged_bytes = snapshot.stage_ahead()
+        pacer.staged_s = time.perf_counter() - started
     offsets, end = {}, 0
     for sg in snapshot.subgroups:  # element order: where each subgroup's bytes go (a part's: none here)
         offsets[sg.index] = end
