@@ -2,7 +2,7 @@
 
 Where the checkpoint's directory is on the device of a file tier (same ``st_dev``), the writer and the
 tier's own step I/O share one disk, and an unpaced writer slows the steps beside it by its whole
-traffic (docs/benchmarks.md §25, §27: 2.4x). So the writer moves its bytes in bounded chunks (a piece of
+traffic. So the writer moves its bytes in bounded chunks (a piece of
 ``direct_io``, a tier read for the digest), each of which waits while such a tier moves data
 (``tiers.activity``): the step's I/O goes first. A tier that is hardly ever quiet must not starve the
 writer, so chunks also pass while it is busy, at ``CAP_SHARE`` of the disk's write rate (the rates

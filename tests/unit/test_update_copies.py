@@ -5,7 +5,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from megatron.training.offload.host_link import measured_link_bytes_per_s
+from megatron.training.runtime.host_link import measured_link_bytes_per_s
 from megatron.training.offload.params_streaming import update_with_copies_s
 from tests.profiles import examples
 
