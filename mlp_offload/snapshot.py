@@ -17,14 +17,22 @@ places:
   update for as long as it can. The time ``before_update`` takes is the pause training has.
   A writer paced over several steps (``checkpoint.pacing``) copies them aside itself first
   (``stage_ahead``), between two updates, so the update neither copies nor waits.
+
+The writer's threads read device memory on a stream of their own (``device_reads``), which starts
+after the work the training's stream had queued when the snapshot was taken: on the training's
+stream, each of the writer's copies would wait for the kernels queued before it and hold back the
+ones queued after it.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, Iterator, List, Optional
+
+import torch
 
 from .config.offload_config import DEFAULT_SAVE_STAGING
 from .pipeline import StateViews
@@ -81,6 +89,7 @@ class StateSnapshot:
         self.cancelled = threading.Event()
         self.released = threading.Event()
         self._writer_started = False
+        self._device_ready = _queued_work_event(memory)  # what the writer's device reads start after
 
     # -- the update's side ----------------------------------------------------------------------
     def before_update(self, i: int) -> None:
@@ -133,6 +142,22 @@ class StateSnapshot:
             self._staging_free = max(self._staging_free, nbytes // self.largest.state_bytes - self._staging_made)
 
     # -- the writer's side ----------------------------------------------------------------------
+    @contextmanager
+    def device_reads(self) -> Iterator[None]:
+        """Where a writer's thread reads the device-held state: on a stream of its own that starts after
+        the snapshot's moment, synchronized on leaving (whoever changes the state next finds the reads
+        done). Without state on a GPU: nothing."""
+        if self._device_ready is None:
+            yield
+            return
+        stream = torch.cuda.Stream(self._device_ready.device)
+        stream.wait_event(self._device_ready.event)
+        with torch.cuda.stream(stream):
+            try:
+                yield
+            finally:
+                stream.synchronize()
+
     def take(self, i: int) -> StateViews:
         """Memory subgroup ``i``'s state for the writer: its staged copy, or the live buffer, which
         the update leaves alone until ``done_with(i)``."""
@@ -203,3 +228,19 @@ class StateSnapshot:
             self._spare.clear()
             self._cond.notify_all()
         self.released.set()
+
+
+@dataclass(frozen=True)
+class _DeviceMoment:
+    device: torch.device
+    event: "torch.cuda.Event"
+
+
+def _queued_work_event(memory: Dict[int, StateViews]) -> Optional[_DeviceMoment]:
+    """An event after the work the current stream has queued, where some of ``memory`` is on a GPU."""
+    device = next((v.buf.device for v in memory.values() if v.buf.is_cuda), None)
+    if device is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return _DeviceMoment(device, event)

@@ -18,11 +18,19 @@ GOAL = 1.25
 ITERATION = re.compile(r"iteration +(\d+)/.*elapsed time per iteration \(ms\): ([0-9.]+)")
 SAVE = re.compile(r"> checkpoint at iteration (\d+): training held ([0-9.]+) s")
 WRITER_END = re.compile(r"INFO offloaded state .*iter_0*(\d+)/.* paced: (.*)")
+UPDATE = re.compile(r"iteration +(\d+)/.*offload update time \(ms\): ([0-9.]+)")
 FINALIZED = re.compile(r"> saved checkpoint at iteration (\d+) .*finalized in the background.*training paused ([^;]*)$")
 
 
-def iteration_times(lines: List[str]) -> Dict[int, float]:
-    return {int(m.group(1)): float(m.group(2)) / 1e3 for m in map(ITERATION.search, lines) if m}
+def iteration_times(lines: List[str], pattern=ITERATION) -> Dict[int, float]:
+    return {int(m.group(1)): float(m.group(2)) / 1e3 for m in map(pattern.search, lines) if m}
+
+
+def split(it: int, times: Dict[int, float], updates: Dict[int, float]) -> str:
+    """The iteration's update and the rest of it (forward, backward, the save's hold)."""
+    if it not in updates:
+        return "?"
+    return f"update {updates[it]:.2f} + rest {times[it] - updates[it]:.2f}"
 
 
 def beside(lines: List[str]) -> Dict[int, int]:
@@ -43,14 +51,16 @@ def beside(lines: List[str]) -> Dict[int, int]:
 
 def report(async_lines: List[str], plain_lines: List[str]) -> Tuple[List[str], Optional[float]]:
     times, plain, during = iteration_times(async_lines), iteration_times(plain_lines), beside(async_lines)
+    updates, plain_updates = iteration_times(async_lines, UPDATE), iteration_times(plain_lines, UPDATE)
     rows, worst = [], None
     for it in sorted(during):
         if it not in times or it not in plain:
             continue
         ratio = times[it] / plain[it]
         worst = ratio if worst is None else max(worst, ratio)
-        rows.append(f"iteration {it}: {times[it]:.2f} s beside the writer of checkpoint {during[it]}, "
-                    f"{plain[it]:.2f} s without saves: {ratio:.2f}x")
+        rows.append(f"iteration {it}: {times[it]:.2f} s beside the writer of checkpoint {during[it]} "
+                    f"({split(it, times, updates)}), {plain[it]:.2f} s without saves ({split(it, plain, plain_updates)}): "
+                    f"{ratio:.2f}x")
     quiet = [times[i] / plain[i] for i in sorted(times) if i not in during and i in plain and i > 1]
     if quiet:
         rows.append(f"the other iterations (2 on): {min(quiet):.2f}-{max(quiet):.2f}x the run without saves")

@@ -3,6 +3,8 @@
 # 3.0 B Llama (28 layers, hidden 3072, FFN 8192, 24 heads, 8 groups, seq 2048, mb 1, gb 8), fp8 moments,
 # gpu 4 GiB / host 4 GiB / nvme, cosine LR, clip 1.0, mock data, seed 1234, 4 iterations (issue 49's table):
 #   D1  --deterministic-mode, a synchronous save at 2 (its rate beside the disk's floor measured first)
+#       (the save's line: each part's GB, s and GB/s; the summary: the save's and DR's load's GB/s against the
+#       floor's write and read rates of the same call, and whether each is >= 80% of it: save_rate.py)
 #   D2  --deterministic-mode again, no save: must equal D1 bit for bit
 #   DR  --deterministic-mode, resumed from D1's save at 2 (page cache dropped): iterations 3-4 must equal D1's
 #   N1, N2  without the mode, twice: the nondeterminism the mode removes, and the mode's cost at this size
@@ -56,8 +58,8 @@ run() {  # NAME [flags]
     --loss-log "$OUT/$name.jsonl" > "$OUT/.run.log" 2>&1
   echo "$name exit $? at $(( SECONDS - T0 )) s"
   grep -v -i warn "$OUT/.run.log" | grep -E "deterministic|attention:|checkpoint|resume|iteration +[0-9]+/|update split|rror|Killed|> params|offloaded state .*linked|paced" \
-    | cut -c1-420 > "$OUT/determinism_$name.log"
-  grep -v "iteration  " "$OUT/determinism_$name.log" | cut -c1-300
+    | cut -c1-900 > "$OUT/determinism_$name.log"
+  grep -v "iteration  " "$OUT/determinism_$name.log" | cut -c1-900
   source benchmarks/experiments/iteration_lines.sh; iteration_lines "$OUT/determinism_$name.log"
 }
 for name in ${RUNS:-D1 D2 DR N1 N2}; do
@@ -100,5 +102,7 @@ for a, b in (("D1", "D2"), ("D1", "DR"), ("N1", "N2"), ("D1", "N1"), ("S1", "L1"
     ok, its = same(a, b)
     print(f"{a} vs {b} over iterations {its}: {'bit-identical (loss, lr, grad norm)' if ok else 'DIFFER'}")
 PY
+$PY benchmarks/experiments/save_rate.py "$OUT/determinism_floor.txt" "$OUT/determinism_D1.log" "$OUT/determinism_DR.log" \
+  | tee "$OUT/determinism_save_rate.txt"
 rm -rf "$DISK"
 echo "all done at $(( SECONDS - T0 )) s"

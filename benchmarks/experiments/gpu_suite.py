@@ -19,7 +19,8 @@ buffers; device through copies; cpu; split} x master {remainders; fp32}, four ca
 every value appears (the seed is printed: SEED=N draws them again); --async-save;
 --offload-overlap-forward; --offload-read-ahead-gb; a rank SIGKILLed during the update and during an
 async save, then resumed from the last complete checkpoint; params in host memory (--offload-params host)
-saved and resumed, and killed in the backward and resumed; params and grads in host memory saved and resumed; the gpu tier's auto size (subgroups
+saved and resumed, and killed in the backward and resumed; params and grads in host memory saved and resumed (also by
+--async-save); the gpu tier's auto size (subgroups
 promoted after iteration 1) across a save; 8-bit moments (fp8) saved and resumed (not held to
 megatron-core's losses: it has no such format without transformer-engine); the unit tests that run on CUDA. Launches run PAR at a
 time on the one GPU (each is small).
@@ -293,6 +294,10 @@ def part1_cases() -> List[Case]:
         # (remainders: a load then gathers the params set from the masters, through the device here)
         Case("params_grads_host", "gpu,host,nvme", rng.choice(list(UPDATES)), "remainders",
              f"{LAYER_MAJOR} --offload-params host --offload-grads host", must_log="of grads there too"),
+        # saved by --async-save: the params it writes copied aside (the forked writer does not get the pinned buffers)
+        Case("params_grads_host_async", "gpu,host,nvme", rng.choice(list(UPDATES)), rng.choice(list(MASTERS)),
+             f"{LAYER_MAJOR} --offload-params host --offload-grads host --async-save",
+             must_log="of params in host memory copied aside in"),
         # the same in passes of 1 or 2 of the step's 4 micro-batches: each pass's partial grad sums out to
         # host memory and back in the next, each layer's params in once per pass
         Case("params_grads_host_passes", "gpu,host,nvme", rng.choice(list(UPDATES)), rng.choice(list(MASTERS)),
@@ -344,7 +349,8 @@ def unit_tests() -> dict:
     runs = [["tests/unit/test_resume_state.py", "tests/unit/test_sdpa_attention.py", "tests/unit/test_determinism.py",
              "tests/unit/test_async_save_memory.py", "tests/unit/test_kept_inputs.py",
              "tests/unit/test_host_params.py", "tests/unit/test_copy_back.py", "tests/unit/test_pin_in_place.py",
-             "tests/unit/test_update_copies.py"],
+             "tests/unit/test_update_copies.py", "tests/unit/test_background_save.py",
+             "tests/unit/test_async_save_host_params.py"],
             ["tests/unit/test_cpu_one_pass.py", "tests/unit/test_fused_update.py", "tests/unit/test_model_buffers.py",
              "-k", "cuda"],
             ["tests/unit/test_blockwise8.py", "tests/unit/test_eight_bit_engine.py",

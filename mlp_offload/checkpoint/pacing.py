@@ -47,6 +47,7 @@ class DiskPacer:
         self.capped_bytes = 0  # bytes that went beside the tiers' I/O, at the cap
         self.waited_s = 0.0
         self.waits = 0  # chunks that waited at all
+        self.staged_bytes, self.staged_s = 0, 0.0  # the memory-held state copied aside before the first chunk
 
     def busy(self) -> bool:
         return any(not tier.activity.quiet() for tier in self.tiers)
@@ -77,7 +78,8 @@ class DiskPacer:
         self._credit_at = now
 
     def report(self) -> str:
-        return (f"{human_bytes(self.idle_bytes)} moved in the tiers' idle time, {human_bytes(self.capped_bytes)} beside "
+        return (f"{human_bytes(self.staged_bytes)} copied aside first in {self.staged_s:.2f} s; "
+                f"{human_bytes(self.idle_bytes)} moved in the tiers' idle time, {human_bytes(self.capped_bytes)} beside "
                 f"their I/O at <= {self.cap_bps / 1e9:.2f} GB/s; {self.waits} chunks waited {self.waited_s:.1f} s")
 
 

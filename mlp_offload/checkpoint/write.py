@@ -13,7 +13,8 @@ read again).
 
 With ``link_tier_files``, a file-held subgroup on the checkpoint's file system is not copied: the
 checkpoint takes its tier file by hard link (``parts``), and only its footer entry is written. A
-digest then costs a read of the linked file (no write), through the tier, its block CRCs checked.
+digest then costs a read of the linked file (no write), through the tier, its block CRCs checked, by a thread
+of its own while the other subgroups are written.
 """
 
 from __future__ import annotations
@@ -215,42 +216,57 @@ def _link_parts(snapshot: StateSnapshot, parts: Optional[PartLinks]) -> Dict[int
 def _write(snapshot: StateSnapshot, tmp: str, metadata: Optional[dict], digest: Optional[StateDigest],
            parts: Optional[PartLinks] = None, pacer: Optional[DiskPacer] = None) -> int:
     linked = _link_parts(snapshot, parts)
-    if pacer is not None:
-        snapshot.stage_ahead()
+    with snapshot.device_reads():  # the device-held state copied out beside the training's stream
+        return _write_state(snapshot, tmp, metadata, digest, linked, pacer)
+
+
+def _write_state(snapshot: StateSnapshot, tmp: str, metadata: Optional[dict], digest: Optional[StateDigest],
+                 linked: Dict[int, dict], pacer: Optional[DiskPacer]) -> int:
+    if pacer is not None:  # how long the copy aside takes is what it may cost the steps beside it
+        started = time.perf_counter()
+        pacer.staged_bytes = snapshot.stage_ahead()
+        pacer.staged_s = time.perf_counter() - started
     offsets, end = {}, 0
     for sg in snapshot.subgroups:  # element order: where each subgroup's bytes go (a part's: none here)
         offsets[sg.index] = end
         if sg.index not in linked:
             end += state_file_bytes(sg.numel, sg.codecs, sg.blocks)
     crcs = {}  # subgroup -> a function giving its tensors' CRC32s once the writer has them
-    # A linked subgroup is read only for the digest.
-    reads = _TierReads(snapshot, skip=() if digest is not None else linked, pacer=pacer)
+    reads = _TierReads(snapshot, skip=linked, pacer=pacer)
+    adding = threading.Lock()  # a digest adds one subgroup at a time, from either thread
+    # A linked subgroup is read only for the digest: on a thread of its own, while the others are written.
+    linked_digests = _LinkedDigests(snapshot, linked, digest, adding, pacer) if digest is not None and linked else None
     with open(tmp, "wb") as f, ThreadPoolExecutor(1, thread_name_prefix="mlp-checkpoint-digest") as beside:
         fd = f.fileno()
         writer = DirectRegionWriter(fd, tmp, pace=pacer.wait_turn if pacer is not None else None)
         try:
             for i in snapshot.order:
                 snapshot.check_cancelled()
-                if i in linked and digest is None:
-                    snapshot.done_with(i)
-                    fault_point("save-offload")
-                    continue
+                if i in linked:
+                    continue  # its part file is the checkpoint's; done with once its digest is
                 views = snapshot.take(i) if i in snapshot.memory else reads.get(i)
                 digesting = None
                 try:  # the state is copied out before put returns: the update may have it back at once
                     tensors = views.narrow(snapshot.subgroups[i])
                     if digest is not None:  # by a thread of its own, while put copies the same tensors out
-                        digesting = beside.submit(digest.add, snapshot.subgroups[i], tensors)
-                    if i not in linked:
-                        crcs[i] = writer.put(offsets[i], tensors)
+                        digesting = beside.submit(_add_to_digest, snapshot, digest, adding, snapshot.subgroups[i],
+                                                  tensors)
+                    crcs[i] = writer.put(offsets[i], tensors)
                 finally:
                     if digesting is not None:
                         digesting.result()  # before the update or the next read may change the tensors
                     snapshot.done_with(i)
                 fault_point("save-offload")
             writer.finish()
+            if linked_digests is not None:
+                linked_digests.wait()
         finally:
             writer.close()
+            if linked_digests is not None:
+                linked_digests.stop()
+        for i in sorted(linked):
+            snapshot.done_with(i)
+            fault_point("save-offload")
         entries = [{"start": sg.start, "end": sg.end, "offset": offsets[sg.index], "part": linked[sg.index]}
                    if sg.index in linked else
                    {"start": sg.start, "end": sg.end, "offset": offsets[sg.index], "crc": crcs[sg.index]()}
@@ -266,6 +282,42 @@ def _write(snapshot: StateSnapshot, tmp: str, metadata: Optional[dict], digest: 
         pwrite_all(fd, footer + TRAILER.pack(MAGIC, len(footer), zlib.crc32(footer)), end)
         os.fsync(fd)
         return end + len(footer) + TRAILER.size
+
+
+def _add_to_digest(snapshot: StateSnapshot, digest: StateDigest, adding: threading.Lock, sg, tensors) -> None:
+    with adding, snapshot.device_reads():  # its thread's device reads are done when it returns
+        digest.add(sg, tensors)
+
+
+class _LinkedDigests:
+    """The digest of the subgroups the checkpoint takes by hard link (``linked``), read through their
+    tiers by a thread of its own while the writer writes the other subgroups, so those reads and the
+    writes share the disk at once rather than one after the other. ``adding``: the lock every
+    addition to ``digest`` takes."""
+
+    def __init__(self, snapshot: StateSnapshot, linked, digest: StateDigest, adding: threading.Lock,
+                 pacer: Optional[DiskPacer] = None):
+        self.snapshot, self.digest, self.adding = snapshot, digest, adding
+        self.reads = _TierReads(snapshot, skip=set(snapshot.on_tier) - set(linked), pacer=pacer)
+        self.stopped = threading.Event()
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="mlp-checkpoint-linked")
+        self._done = self._thread.submit(self._run)
+
+    def _run(self) -> None:
+        for i in self.reads.ids:
+            if self.stopped.is_set():
+                return
+            self.snapshot.check_cancelled()
+            sg = self.snapshot.subgroups[i]
+            _add_to_digest(self.snapshot, self.digest, self.adding, sg, self.reads.get(i).narrow(sg))
+
+    def wait(self) -> None:
+        self._done.result()  # its error (a failed read) is the save's
+
+    def stop(self) -> None:
+        """Whatever happened to the writer: the thread ends before the snapshot is released."""
+        self.stopped.set()
+        self._thread.shutdown(wait=True)
 
 
 class _TierReads:

@@ -9,7 +9,8 @@ import json
 
 import pytest
 
-from helpers import LAYER_MAJOR_RUN, SEQUENCE_PARALLEL, assert_resume_repeats_the_run, offload_args, run_variant
+from helpers import (LAYER_MAJOR_RUN, SEQUENCE_PARALLEL, assert_resume_repeats_the_run, copy_checkpoint, offload_args,
+                     run_variant)
 from launch import PRETRAIN, REPO, launch_command, pretrain_env, ranks_output, run_and_clean_up, run_pretrain
 from tests.profiles import cases
 
@@ -155,6 +156,56 @@ def test_params_in_host_memory_save_and_resume_bit_for_bit(tmp_path, layout):
     assert_resume_repeats_the_run(tmp_path, flags)
 
 
+def _saved_tensors(iteration_dir) -> dict:
+    """The tensors of a torch_dist checkpoint (the model's under their global keys), read back by torch's own
+    converter (no Megatron code)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    import torch
+
+    converted = iteration_dir.parent / f"{iteration_dir.name}.pt"
+    dcp_to_torch_save(str(iteration_dir), str(converted))
+    return {key: value for key, value in torch.load(converted, weights_only=False).items()
+            if isinstance(value, torch.Tensor)}
+
+
+# Params in host memory, params and grads there too, and the latter at DP2 (the updated shards gathered through
+# the device); CI draws one a run.
+ASYNC_LAYOUTS = cases([("params", ["--offload-params", "host"]),
+                       ("params-grads", ["--offload-params", "host", "--offload-grads", "host"]),
+                       ("params-grads-dp2", ["--offload-params", "host", "--offload-grads", "host",
+                                             "--tensor-model-parallel-size", "1", "--global-batch-size", "8"])],
+                      ci_keep=1)
+
+
+@pytest.mark.parametrize("name, extra", ASYNC_LAYOUTS, ids=[name for name, _ in ASYNC_LAYOUTS])
+def test_params_in_host_memory_async_save_and_resume_bit_for_bit(tmp_path, name, extra):
+    """--async-save with the params in host memory: the save at 2 copies the params it writes aside, and the
+    writer writes them while iterations 3-4 update the host buffers in place. The checkpoint holds the params of
+    iteration 2 as a synchronous save writes them (read back by torch's converter), the run trains as the one
+    saving synchronously, and a resume from the save at 2 alone gives iterations 3-4 bit for bit."""
+    flags = [*LAYER_MAJOR_RUN, *offload_args(tmp_path / "state", tiers=("host", "nvme")), *extra]
+    saving = ["--save-interval", "2"]
+    whole = run_pretrain(tmp_path / "whole", [*flags, "--save", str(tmp_path / "ckpt"), *saving, "--async-save"],
+                         train_iters=4)
+    sync = run_pretrain(tmp_path / "sync", [*flags, "--save", str(tmp_path / "sync_ckpt"), *saving], train_iters=4)
+    assert whole == sync and whole[0]["loss"] != whole[-1]["loss"]
+    at2 = copy_checkpoint(tmp_path / "ckpt", [2], tmp_path / "at2")
+    resumed = run_pretrain(tmp_path / "resumed", [*flags, "--load", str(at2)], train_iters=4)
+    assert [r["iteration"] for r in resumed] == [3, 4]
+    assert resumed == [r for r in whole if r["iteration"] > 2]
+    written, reference = (_saved_tensors(root / "iter_0000002") for root in (at2, tmp_path / "sync_ckpt"))
+    assert written.keys() == reference.keys() and any(key.startswith("decoder.layers.") for key in written)
+    assert all(torch_equal(written[key], reference[key]) for key in reference), name
+    output = (tmp_path / "whole" / "loss-0.out").read_text()
+    assert "each save copies about" in output and "of params in host memory copied aside in " in output
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return a.dtype == b.dtype and torch.equal(a, b)
+
+
 # Grads megatron-core's finalize sums over the tensor-parallel ranks: the norms' under --sequence-parallel (at DP1
 # and DP2) and the query and key norms'. CI draws one a run.
 TP_SUMMED = cases([("tp2-sp", 2, "--sequence-parallel"), ("tp2-sp-dp2", 4, "--sequence-parallel"),
@@ -184,7 +235,6 @@ def _validation_lines(run_dir) -> list:
 
 @pytest.mark.parametrize("flags, words, flag", [
     (["--offload-overlap-forward"], "--offload-overlap-forward", "--offload-params host"),
-    (["--async-save", "--save", "ckpt"], "--async-save", "--offload-params host"),
     (["--offload-grads", "host", "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2",
       "--num-layers", "4"], "--untie-embeddings-and-output-weights", "--offload-grads host"),  # tied (below)
     (["--offload-grads", "host", "--offload-params", "none"], "needs --offload-params host", "--offload-grads host"),

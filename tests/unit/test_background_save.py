@@ -117,3 +117,26 @@ def test_a_tier_without_room_for_both_copies_is_saved_synchronously(tmp_path, mo
         assert not list((tmp_path / "e" / "nvme").rglob("snapshot/*"))
         run(engine, grads(3, 1))
     assert (tmp_path / "x.ckpt").read_bytes() == (tmp_path / "sync.ckpt").read_bytes()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the training's stream is a CUDA stream")
+def test_on_cuda_the_writer_reads_the_gpu_tier_beside_the_training_stream(tmp_path):
+    """State in the gpu tier is read by the writer on a stream of its own: it does not wait for work the
+    training's stream queued after the snapshot (a long kernel here), and it writes the state as it was at the
+    snapshot, byte for byte what a synchronous save then gives."""
+    config = fast_config(tmp_path / "e", tiers=["gpu", "nvme"], device="cuda", gpu_budget_bytes=10**9,
+                         pin_memory=False, update_on="gpu", device_adam_elems_per_s=1e9,
+                         device_streamed_elems_per_s=1e9)
+    with OffloadedAdamW(torch.randn(NUMEL, generator=torch.Generator().manual_seed(1)), config) as engine:
+        run(engine, grads(2, 3))
+        assert engine.placement.subgroups_on("gpu")  # the case is about device-held state
+        save_engine_state(engine, str(tmp_path / "sync.ckpt"), metadata={"iteration": 3})
+        write = start_background_save(engine, str(tmp_path / "async.ckpt"), metadata={"iteration": 3})
+        assert any(v.buf.is_cuda for v in write.snapshot.memory.values())
+        torch.cuda._sleep(4_000_000_000)  # seconds of GPU time on the training's stream, queued after the snapshot
+        write.start()
+        write.wait()
+        assert write.failure is None
+        assert not torch.cuda.current_stream().query()  # the writer finished while the long kernel still ran
+        torch.cuda.synchronize()
+    assert (tmp_path / "async.ckpt").read_bytes() == (tmp_path / "sync.ckpt").read_bytes()

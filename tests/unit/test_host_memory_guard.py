@@ -102,6 +102,27 @@ def test_on_a_gpu_the_guard_counts_theprocess_at_its_peak_beside_the_model_in_ho
     chunk = SimpleNamespace(buffers=[SimpleNamespace(param_data=params, grad_data=grads)], expert_parallel_buffers=[])
     assert process_at_its_peak([chunk], torch.device("cuda")) == 2000 + 4000 + PROCESS_BYTES_GPU
     assert process_at_its_peak([chunk], torch.device("cpu")) == 0
+    assert process_at_its_peak([chunk], torch.device("cuda"), save_copies=700) == 2000 + 4000 + 700 + PROCESS_BYTES_GPU
     now = measured_beside_engine(0)["process"]
     assert measured_beside_engine(0, at_least=now + 10 * GiB)["process"] == now + 10 * GiB
     assert measured_beside_engine(0, at_least=1)["process"] > 10 * 2**20  # the measured figure, when larger
+
+
+@pytest.mark.parametrize("fully_parallel, dp_size, dp_rank, expected", [(True, 4, 3, 500), (False, 4, 0, 2000),
+                                                                        (False, 4, 1, 0), (True, 1, 0, 2000)])
+def test_async_save_counts_the_params_it_copies_aside_beside_the_engine(monkeypatch, fully_parallel, dp_size, dp_rank,
+                                                                        expected):
+    """--async-save with the params in host memory copies what a rank writes of them aside at each save: a share
+    under fully parallel saves, else all on the first data-parallel rank; nothing without --async-save."""
+    from types import SimpleNamespace
+
+    from megatron.training.offload import factory
+
+    params = torch.zeros(1000, dtype=torch.bfloat16)
+    chunk = SimpleNamespace(buffers=[SimpleNamespace(param_data=params)], expert_parallel_buffers=[],
+                            compute_device=torch.device("cpu"))  # placed in host memory (host_params)
+    monkeypatch.setattr(factory.parallel_state, "get_data_parallel_world_size", lambda: dp_size)
+    monkeypatch.setattr(factory.parallel_state, "get_data_parallel_rank", lambda: dp_rank)
+    args = SimpleNamespace(async_save=True, ckpt_fully_parallel_save=fully_parallel)
+    assert factory.async_save_copy_bytes(args, [chunk]) == expected
+    assert factory.async_save_copy_bytes(SimpleNamespace(async_save=False), [chunk]) == 0

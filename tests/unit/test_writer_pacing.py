@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from mlp_offload.checkpoint import load_engine_state, pacing
+from mlp_offload.checkpoint.state_file import human_bytes
 from mlp_offload.checkpoint.write import save_engine_state, start_background_save
 from mlp_offload.tiers.activity import QUIET_S, TierActivity
 from mlp_offload.tiers.direct_io import PIECE, DirectRegionWriter
@@ -155,6 +156,9 @@ def test_a_paced_save_never_holds_the_updates_back_and_writes_the_synchronous_by
         quiet_tiers.set()
         write.wait()
         assert write.failure is None and write.pacer.waits >= 1
+        memory_bytes = sum(engine.subgroups[i].state_bytes for i in write.snapshot.memory)
+        assert write.pacer.staged_bytes == memory_bytes > 0 and write.pacer.staged_s > 0  # all of it, timed
+        assert f"{human_bytes(memory_bytes)} copied aside first in" in write.pacer.report()
         assert all(torch.equal(a, b) for a, b in zip(engine_state(engine), expected))
     assert (tmp_path / "paced.ckpt").read_bytes() == (tmp_path / "sync.ckpt").read_bytes()
     with engine_at_step_3(tmp_path / "r") as resumed:

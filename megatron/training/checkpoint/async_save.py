@@ -18,10 +18,17 @@ megatron-core's own finalize functions (the global ``.metadata``, ``metadata.jso
 write into a message, and hands it to ``on_written``, which makes all ranks agree and completes the
 checkpoint (the proof, then the tracker). Until then the directory holds its in-progress marker, so
 a crash leaves the previous checkpoint as the one resumed.
+
+With the params in host memory (--offload-params host) the weights a save writes are in DDP's host buffers.
+On a GPU those are left out of forked children (``MADV_DONTFORK``, pinned in place: runtime.host_memory), so
+the forked writer would read whatever its own memory holds at their addresses; a writer in the rank's own
+process would see the next updates change them in place. ``HostWeightsAside`` copies them aside at the save
+(on a CPU run too, where the buffers are ordinary memory the fork would keep) and the writer reads the copies.
 """
 
 from __future__ import annotations
 
+import socket
 import time
 from typing import Callable, List, Optional, Protocol, Tuple
 
@@ -30,9 +37,11 @@ from torch.distributed.checkpoint import CheckpointException
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories, is_main_replica
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
+from megatron.core.dist_checkpointing.strategies.base import AsyncSaveShardedStrategy
 
 from megatron.training.errors import UserError
 from megatron.training.runtime.io_priority import at_idle_io_priority
+from mlp_offload import GiB, meminfo_bytes
 from mlp_offload.checkpoint import human_bytes
 
 # on_written(failure): failure is None when this rank's write succeeded, else a one-line reason.
@@ -133,6 +142,90 @@ def copied_tensor_sizes(model_state: dict, fully_parallel: bool) -> List[Tuple[i
     return [(value.data.numel(), value.data.dtype) for value in nested_values(model_state)
             if isinstance(value, ShardedTensor) and value.data is not None and value.data.is_cuda
             and (fully_parallel or is_main_replica(value.replica_id))]
+
+
+class HostWeightsAside:
+    """--async-save with the params in host memory: each weight the save writes from ``host_buffers`` (DDP's
+    param buffers in host memory) is copied into a tensor of its own (ordinary memory, which a fork keeps)
+    before torch_dist plans the write, so the forked writer reads the copy. A tensor of its own (its storage
+    exactly its size): megatron-core's plan clones a CPU view of a larger storage, but not that, so the
+    weights are copied once. The copies go with the save's request, once the writer has ended."""
+
+    def __init__(self, host_buffers: List[torch.Tensor]):
+        self.spans = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in host_buffers]
+        self.copied_bytes = 0  # of the last save, and the seconds its copies held training
+        self.copy_s = 0.0
+
+    def wrapping(self, strategy: AsyncSaveShardedStrategy) -> AsyncSaveShardedStrategy:
+        """``strategy`` copying the host weights aside first (put it under the fully parallel wrapper, which
+        picks each replicated tensor's writer: this rank copies only what it writes)."""
+        return _CopyingAsideFirst(strategy, self)
+
+    def in_host_buffers(self, tensor: torch.Tensor) -> bool:
+        start = tensor.data_ptr()
+        return tensor.device.type == "cpu" and any(lo <= start < hi for lo, hi in self.spans)
+
+    def bytes_written(self, sharded_state_dict: dict, data_parallel_size: int) -> int:
+        """About what a save copies on this rank, before the fully parallel wrapper picks the writers:
+        the main replicas, or with ``data_parallel_size`` > 1 a share of every host weight."""
+        apply_factories(sharded_state_dict)  # e.g. SwiGLU's fc1 is saved as its two halves
+        tensors = [v for v in nested_values(sharded_state_dict)
+                   if isinstance(v, ShardedTensor) and v.data is not None and self.in_host_buffers(v.data)]
+        if data_parallel_size > 1:
+            return sum(v.data.numel() * v.data.element_size() for v in tensors) // data_parallel_size
+        return sum(v.data.numel() * v.data.element_size() for v in tensors if is_main_replica(v.replica_id))
+
+    def copy_aside(self, sharded_state_dict: dict) -> None:
+        """The weights this rank writes out of the host buffers replaced by copies, once each node's ranks
+        agree its host memory holds them (or all stop in one line)."""
+        live = [value for value in nested_values(sharded_state_dict)
+                if isinstance(value, ShardedTensor) and value.data is not None
+                and is_main_replica(value.replica_id) and self.in_host_buffers(value.data)]
+        needed = sum(value.data.numel() * value.data.element_size() for value in live)
+        check_nodes_hold(needed, "a save copies the params it writes aside while the writer reads them")
+        started = time.perf_counter()
+        for value in live:
+            copy = torch.empty(value.data.shape, dtype=value.data.dtype)
+            copy.copy_(value.data)
+            value.data = copy
+        self.copied_bytes, self.copy_s = needed, time.perf_counter() - started
+
+
+class _CopyingAsideFirst(AsyncSaveShardedStrategy):
+    """A torch_dist save strategy whose async save copies the host weights aside first."""
+
+    def __init__(self, base: AsyncSaveShardedStrategy, aside: HostWeightsAside):
+        super().__init__(base.backend, base.version)
+        self.base, self.aside = base, aside
+
+    @property
+    def can_handle_sharded_objects(self):
+        return self.base.can_handle_sharded_objects
+
+    def async_save(self, sharded_state_dict, checkpoint_dir) -> AsyncRequest:
+        self.aside.copy_aside(sharded_state_dict)
+        return self.base.async_save(sharded_state_dict, checkpoint_dir)
+
+    def save(self, sharded_state_dict, checkpoint_dir):
+        return self.base.save(sharded_state_dict, checkpoint_dir)  # written before training goes on: no copy
+
+
+def check_nodes_hold(nbytes: int, why: str) -> None:
+    """Every rank learns whether each node's available host memory (MemAvailable) holds what its ranks are
+    about to copy (``nbytes`` this rank's, for ``why``); where one does not, all stop with one line."""
+    rows = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(rows, (socket.gethostname(), nbytes, meminfo_bytes("MemAvailable")))
+    nodes: dict = {}
+    for host, wanted, available in rows:
+        node = nodes.setdefault(host, {"wanted": 0, "ranks": 0, "available": available})
+        node["wanted"] += wanted
+        node["ranks"] += 1
+    for host, node in nodes.items():
+        if node["available"] is not None and node["wanted"] > node["available"]:
+            raise UserError(f"--async-save with --offload-params host: {why}, {node['wanted'] / GiB:.2f} GiB on "
+                            f"{host} ({node['ranks']} rank(s)), but only {node['available'] / GiB:.2f} GiB of host "
+                            f"memory are available there; free host memory (a smaller budget of the host tier) or save "
+                            f"without --async-save")
 
 
 def _finalize_then(finalize_fns, on_written: OnWritten):

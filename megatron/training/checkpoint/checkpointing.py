@@ -18,7 +18,6 @@ import errno
 import logging
 import os
 import shutil
-import threading
 import time
 from typing import Optional
 
@@ -26,19 +25,22 @@ import torch
 from megatron.core import dist_checkpointing, parallel_state
 
 from megatron.training.checkpoint import integrity
-from megatron.training.checkpoint.async_save import reserve_host_copies
-from megatron.training.checkpoint.integrity import checkpoint_dir
-from megatron.training.checkpoint.load_plan import plan_load, resume_position
+from megatron.training.checkpoint.async_save import HostWeightsAside, check_nodes_hold, reserve_host_copies
+from megatron.training.checkpoint.integrity import checkpoint_dir, part_bytes
+from megatron.training.checkpoint.load_plan import SAME_FORM, plan_load, resume_position
 from megatron.training.checkpoint.offload_files import (offloaded_state_bytes, offloaded_state_writes,
                                                         start_offloaded_save, write_offloaded_state)
-from megatron.training.checkpoint.optimizer_state import load_optimizer, optimizer_template
+from megatron.training.checkpoint.optimizer_state import OffloadedStateLoad, load_optimizer, optimizer_template
 from megatron.training.checkpoint.saved_args import args_to_save
 from megatron.training.checkpoint.resume_check import ResumeCheck, SaveDigests
 from megatron.training.checkpoint.state_dict import (all_data_parallel_rng_states, load_model, load_rng,
                                                      load_strategies, model_state, rng_sharded_object,
                                                      save_strategies, sharding_metadata)
 from megatron.training.errors import UserError
+from megatron.training.model.host_params import host_param_buffers
 from megatron.training.runtime import io_priority
+from megatron.training.runtime.checkpoint_lines import Phases, disk_rates, load_line, save_line
+from megatron.training.runtime.concurrent import ConcurrentCall
 from megatron.training.runtime.optimizer_interface import OffloadedOptimizerCheckpoint
 from megatron.training.runtime.progress import gb_and_rate, model_device, print_rank0, slowest_rank
 from mlp_offload.checkpoint import CheckpointSaveError, human_bytes
@@ -84,6 +86,13 @@ def reserve_async_save_memory(model, args) -> None:
     if nbytes:
         print_rank0(f"> --async-save: {human_bytes(nbytes)} of pinned host memory (rank 0) kept for the saves' copies "
                     f"of the weights, pinned in {seconds:.1f} s")
+    aside = _host_weights_aside(model)
+    if aside is not None:  # the params in host memory: each save copies what it writes of them aside
+        size = parallel_state.get_data_parallel_world_size() if fully_parallel else 1
+        estimate = aside.bytes_written(model_state(model, sharding_metadata()), size)
+        check_nodes_hold(estimate, "each save copies about this much of the params aside while the writer reads them")
+        print_rank0(f"> --async-save: each save copies about {human_bytes(estimate)} (rank 0) of the params in host "
+                    f"memory aside for the background writer, in pageable host memory until it has written them")
 
 
 def save_checkpoint(iteration: int, model, optimizer, scheduler, consumed_samples: int, args, background=None) -> str:
@@ -91,14 +100,17 @@ def save_checkpoint(iteration: int, model, optimizer, scheduler, consumed_sample
     latest; see checkpoint_integrity for the order that makes a crash at any point leave the previous
     checkpoint as the one to resume.
 
-    With ``background`` (async_save.BackgroundSaves, --async-save) the torch_dist files are written
-    by a background process and the offloaded optimizer state by a thread, from a snapshot taken
-    here (mlp_offload.snapshot); the checkpoint is completed in the finalize step."""
+    Synchronously, the torch_dist files and the offloaded optimizer state are written side by side
+    (the latter on a thread), so the disk never waits on one of them. With ``background``
+    (async_save.BackgroundSaves, --async-save) the torch_dist files are written by a background
+    process and the offloaded optimizer state by a thread, from a snapshot taken here
+    (mlp_offload.snapshot); the checkpoint is completed in the finalize step."""
+    if background is None:
+        return _save_now(iteration, model, optimizer, scheduler, consumed_samples, args)
     root = args.save
     path = checkpoint_dir(root, iteration)
     held_from = time.perf_counter()  # training waits from here, for the previous background save too
-    if background is not None:
-        background.finish()  # the previous background save is complete (or has failed) first
+    background.finish()  # the previous background save is complete (or has failed) first
     started = time.perf_counter()
     save_optimizer = not args.no_save_optim
     if not _begin_save(root, path, iteration, model, optimizer if save_optimizer else None):
@@ -110,29 +122,20 @@ def save_checkpoint(iteration: int, model, optimizer, scheduler, consumed_sample
         digests = SaveDigests(model, optimizer if save_optimizer else None, iteration)
     engine_digests = digests.engines if digests is not None else None
     torch_dist_from = time.perf_counter()
-    request, offload_bytes, offload_s, failure, offload_write = None, 0, 0.0, None, None
+    request, failure, offload_write = None, None, None
     torch_dist_to = torch_dist_from
+    aside = _host_weights_aside(model)  # --async-save only: the synchronous save (_save_now) copies nothing aside
     offloaded = save_optimizer and isinstance(optimizer, OffloadedOptimizerCheckpoint)  # a file per rank beside it
-    concurrent = None
     try:
-        if offloaded and background is None:  # written while torch_dist writes: the disk never waits on one
-            writes = offloaded_state_writes(optimizer.shards, model, path, engine_digests)
-            concurrent = _ConcurrentWrite(write_offloaded_state, writes)
-        request = dist_checkpointing.save(state, path, async_sharded_save=background is not None,
-                                          **save_strategies(args))
-        torch_dist_to = time.perf_counter()  # async: its plan and its copy to host memory
-        if concurrent is not None:
-            offload_bytes, offload_s = concurrent.result()
-        elif offloaded:  # --async-save: a snapshot, written once started
-            t0 = time.perf_counter()
+        request = dist_checkpointing.save(state, path, async_sharded_save=True,
+                                          **save_strategies(args, aside.wrapping if aside is not None else None))
+        torch_dist_to = time.perf_counter()  # its plan and its copy to host memory
+        if offloaded:  # a snapshot, written once started
             offload_write = start_offloaded_save(optimizer.shards, model, path, engine_digests)
-            offload_s = time.perf_counter() - t0
     except (CheckpointSaveError, OSError) as err:
-        if concurrent is not None:
-            concurrent.wait_quietly()  # it may still be writing into the directory the failure removes
         failure = _save_failure(err, path)
-    if failure is None and background is None:
-        failure = _write_digests(digests, path)
+    except UserError as err:  # the host memory cannot hold the params' copies (every rank raised it)
+        failure = str(err)
     offload_to = time.perf_counter()
     try:
         _fail_together(failure, root, path)  # before any background write starts: nothing to stop
@@ -140,30 +143,26 @@ def save_checkpoint(iteration: int, model, optimizer, scheduler, consumed_sample
         if offload_write is not None:
             offload_write.cancel()
         raise
-    if background is None:
-        offload_bytes, offload_s = slowest_rank([offload_bytes, offload_s], model)
-        total = _complete(root, path, iteration)
-        offload = ""
-        if offload_bytes > 0:
-            offload = (f"; offloaded optimizer state {human_bytes(offload_bytes)} per rank at "
-                       f"{offload_bytes / max(offload_s, 1e-9) / 1e9:.2f} GB/s")
-        print_rank0(f"> saved checkpoint at iteration {iteration} to {root}: "
-                     f"{gb_and_rate(total, time.perf_counter() - started)}{offload}")
-        return path
     on_written = _BackgroundCompletion(root, path, iteration, started, offload_write, model, digests)
     background.schedule(request, on_written, offload_write)
     fault_point("save-scheduled")
     done = time.perf_counter()
     # Where the hold went (consecutive parts: they add up to it), each on its slowest rank.
+    copy_s, copied = (aside.copy_s, aside.copied_bytes) if aside is not None else (0.0, 0)
     parts = {"for the previous save to finish": started - held_from, "marking it begun": state_from - started,
              "the state dict": torch_dist_from - state_from,
-             "torch_dist's plan and copy to host": torch_dist_to - torch_dist_from,
+             "copying the params in host memory aside": copy_s,
+             "torch_dist's plan and copy to host": torch_dist_to - torch_dist_from - copy_s,
              "the offloaded state's snapshot": offload_to - torch_dist_to, "starting the writers": done - offload_to}
-    held = slowest_rank([done - held_from, *parts.values()], model)
-    on_written.held_s = held[0]
-    previous = " (" + "; ".join(f"{sec:.2f} s of it {name}" for name, sec in zip(parts, held[1:])
+    held = slowest_rank([done - held_from, *parts.values(), copied], model)
+    copied = held.pop()
+    on_written.held_s, seconds = held[0], dict(zip(parts, held[1:]))
+    previous = " (" + "; ".join(f"{sec:.2f} s of it {name}" for name, sec in seconds.items()
                                 if sec >= 0.005 or name.startswith("for")) + ")"
     what = "its torch_dist files"
+    if aside is not None:
+        what += (f" (from {human_bytes(copied)} per rank of params in host memory copied aside in "
+                 f"{seconds['copying the params in host memory aside']:.2f} s)")
     if offload_write is not None:
         what += f" and offloaded optimizer state ({human_bytes(offload_write.nbytes)} per rank)"
     print_rank0(f"> checkpoint at iteration {iteration}: training held {on_written.held_s:.2f} s{previous}; {what} "
@@ -172,34 +171,52 @@ def save_checkpoint(iteration: int, model, optimizer, scheduler, consumed_sample
     return path
 
 
-class _ConcurrentWrite:
-    """``fn(*args)`` on a thread of its own, on the caller's GPU; ``result()``: what it returned and its
-    seconds, or what it raised."""
-
-    def __init__(self, fn, *args):
-        self._device = torch.cuda.current_device() if torch.cuda.is_available() else None
-        self._outcome: tuple = ()
-        self._thread = threading.Thread(target=self._run, args=(fn, args), name="mlp-offload-save", daemon=True)
-        self._thread.start()
-
-    def _run(self, fn, args) -> None:
-        started = time.perf_counter()
-        try:
-            if self._device is not None:
-                torch.cuda.set_device(self._device)
-            self._outcome = (fn(*args), time.perf_counter() - started, None)
-        except BaseException as err:  # noqa: BLE001 -- handed to the caller's thread, which decides
-            self._outcome = (None, 0.0, err)
-
-    def result(self):
-        self._thread.join()
-        value, seconds, err = self._outcome
-        if err is not None:
-            raise err
-        return value, seconds
-
-    def wait_quietly(self) -> None:
-        self._thread.join()
+def _save_now(iteration: int, model, optimizer, scheduler, consumed_samples: int, args) -> str:
+    """The synchronous save: torch_dist's files and each rank's offloaded state written at once; one
+    line with the bytes, seconds and GB/s of each part and of the whole (runtime.checkpoint_lines)."""
+    root = args.save
+    path = checkpoint_dir(root, iteration)
+    phases = Phases()
+    save_optimizer = not args.no_save_optim
+    if not _begin_save(root, path, iteration, model, optimizer if save_optimizer else None):
+        return path
+    phases.mark("marking it begun")
+    state = _state_to_save(args, model, optimizer, scheduler, iteration, consumed_samples)
+    phases.mark("the state dict")
+    digests = None  # the resume check's record (--no-resume-check: none)
+    if args.resume_check:
+        digests = SaveDigests(model, optimizer if save_optimizer else None, iteration)
+    phases.mark("the params' digests")
+    offloaded = save_optimizer and isinstance(optimizer, OffloadedOptimizerCheckpoint)  # a file per rank beside it
+    written, offload_s, torch_dist_s, failure, beside = 0, 0.0, 0.0, None, None
+    try:
+        if offloaded:  # written while torch_dist writes: the disk never waits on one
+            writes = offloaded_state_writes(optimizer.shards, model, path, digests.engines if digests else None)
+            beside = ConcurrentCall(write_offloaded_state, writes)
+        dist_checkpointing.save(state, path, **save_strategies(args))
+        torch_dist_s = time.perf_counter() - phases.last
+        if beside is not None:
+            written, offload_s = beside.result()
+    except (CheckpointSaveError, OSError) as err:
+        if beside is not None:
+            beside.wait_quietly()  # it may still be writing into the directory the failure removes
+        failure = _save_failure(err, path)
+    phases.mark("writes")
+    if failure is None:
+        failure = _write_digests(digests, path)
+    phases.mark("the resume check's record")
+    _fail_together(failure, root, path)
+    phases.mark("agreeing")
+    _complete(root, path, iteration)
+    phases.mark("the proof")
+    state_bytes = offloaded_state_bytes(optimizer.shards) if offloaded else 0
+    figures = dict(phases.spans, torch_dist=torch_dist_s, offloaded=offload_s, whole=phases.total())
+    figures["offloaded bytes"], figures["offloaded written"] = state_bytes, written
+    names = list(figures)
+    figures = dict(zip(names, slowest_rank([figures[name] for name in names], model)))
+    if torch.distributed.get_rank() == 0:
+        print(save_line(iteration, root, part_bytes(path), figures, disk_rates(path, optimizer)), flush=True)
+    return path
 
 
 def _save_failure(err: BaseException, path: str) -> str:
@@ -210,6 +227,12 @@ def _save_failure(err: BaseException, path: str) -> str:
     if isinstance(err, OSError) and err.errno in STORAGE_ERRNOS:
         return f"rank {rank}: {path}: {err.strerror or err}"
     raise err
+
+
+def _host_weights_aside(model) -> Optional[HostWeightsAside]:
+    """What copies the weights in host memory aside at an async save (--offload-params host), else None."""
+    buffers = host_param_buffers(model)
+    return HostWeightsAside(buffers) if buffers else None
 
 
 def _write_digests(digests: Optional[SaveDigests], path: str) -> Optional[str]:
@@ -345,6 +368,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler, args):
     then one collective read of the torch_dist files for every kind kept there (the model, the
     optimizer in its own form, the RNG states), then each kind in turn: the optimizer's is one call
     (optimizer_state), whichever form it is in."""
+    phases = Phases()
     plan = plan_load(root, optimizer, args)
     if plan is None:
         return 0, 0
@@ -354,13 +378,39 @@ def load_checkpoint(root: str, model, optimizer, scheduler, args):
     if plan.rng:
         template["rng_state"] = rng_sharded_object(None)
     check = ResumeCheck(plan.path, model, enabled=args.resume_check)
-    state = dist_checkpointing.load(template, plan.path, **load_strategies(args, plan.path))
-    load_model(model, state)
-    load_optimizer(plan, optimizer, model, state, args, check)
+    phases.mark("planning")
+    offloaded = None
+    if plan.optimizer == SAME_FORM and plan.run_offloaded:  # read beside torch_dist's files where it can
+        offloaded = OffloadedStateLoad(plan, optimizer, model, check)
+        offloaded.start()
+    try:
+        state = dist_checkpointing.load(template, plan.path, **load_strategies(args, plan.path))
+        torch_dist_s = time.perf_counter() - phases.last
+        load_model(model, state)
+    except BaseException:
+        if offloaded is not None:
+            offloaded.wait_quietly()  # no engine is touched again while its fill runs
+        raise
+    load_optimizer(plan, optimizer, model, state, args, check, offloaded)
+    phases.mark("reads")
     if plan.scheduler:
         scheduler.load_state_dict(plan.common["opt_param_scheduler"])
     if plan.rng:
         load_rng(state)
     check.finish(model, optimizer_loaded=plan.optimizer is not None)
     torch.distributed.barrier()
+    phases.mark("after")
+    _report_load(plan.path, model, optimizer, phases, torch_dist_s, offloaded)
     return resume_position(plan, args)
+
+
+def _report_load(path: str, model, optimizer, phases: Phases, torch_dist_s: float, offloaded) -> None:
+    """The load's line: each part's bytes and seconds, the slowest rank's (runtime.checkpoint_lines)."""
+    figures = dict(phases.spans, torch_dist=torch_dist_s, whole=phases.total())
+    figures["offloaded"] = offloaded.seconds if offloaded is not None else 0.0
+    figures["offloaded bytes"] = offloaded.nbytes if offloaded is not None else 0
+    names = list(figures)
+    figures = dict(zip(names, slowest_rank([figures[name] for name in names], model)))
+    if torch.distributed.get_rank() == 0:
+        beside = offloaded is not None and offloaded.beside
+        print(load_line(path, part_bytes(path), figures, disk_rates(path, optimizer), beside), flush=True)

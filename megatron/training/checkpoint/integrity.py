@@ -37,6 +37,7 @@ IN_PROGRESS = "SAVE_IN_PROGRESS"
 COMPLETE = "COMPLETE.json"
 CRC_LIMIT_BYTES = 64 << 20  # files up to this size (metadata, common state) get a CRC32 in the proof,
 # but for offloaded state files, which check themselves as they load: reading one for a CRC is one more open
+RECORD_DIR = "resume_check"  # each rank's record of the save for the resume check (resume_check)
 _ITER_DIR = re.compile(r"^iter_(\d{7})$")
 
 COMPLETE_STATE, INCOMPLETE, DAMAGED, UNPROVEN, MISSING = "complete", "incomplete", "damaged", "unproven", "missing"
@@ -79,6 +80,18 @@ def mark_complete(path: str, iteration: int) -> int:
     os.unlink(os.path.join(path, IN_PROGRESS))
     fsync_path(path)
     return sum(size for size, _ in files.values())
+
+
+def part_bytes(path: str) -> Dict[str, int]:
+    """The bytes on disk of ``path``'s parts, the proof and the in-progress marker left out: "offloaded"
+    (the offload files and their linked parts), "records" (the resume check's), "torch_dist" (the rest)."""
+    found = {"torch_dist": 0, "offloaded": 0, "records": 0}
+    for rel, size in _files(path):
+        if rel.endswith(STATE_FILE_SUFFIX) or is_part_path(rel):
+            found["offloaded"] += size
+        else:
+            found["records" if rel.startswith(RECORD_DIR + os.sep) else "torch_dist"] += size
+    return found
 
 
 def write_tracker(root: str, iteration: int) -> None:

@@ -13,7 +13,7 @@ goes the first way that fits:
   pieces that intersect it, one parameter's rows at a time, so memory is bounded by a parameter,
   not the model. Saved copies of one global piece (TP-replicated norms, the tied output layer) are
   read once, from the first position holding them.
-The offload engines (``optimizer_state.load_offloaded_state``, through the engine's face) and megatron-core's
+The offload engines (``optimizer_state.OffloadedStateLoad``, through the engine's face) and megatron-core's
 own optimizer (crossing) both fill themselves through ``read``; a position's files are an
 ``offload_files.PositionFiles``.
 """

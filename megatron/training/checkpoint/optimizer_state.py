@@ -1,8 +1,8 @@
 """The optimizer's part of a load, in whichever form the load plan found it:
 
 - its own form: megatron-core's optimizer from the torch_dist files (read with the rest), or the
-  offload engines from the offload files (``load_offloaded_state``, through ``offloaded_state``'s reader),
-  one call either way;
+  offload engines from the offload files (``OffloadedStateLoad``, through ``offloaded_state``'s reader,
+  beside the torch_dist read where it needs nothing of it), one call either way;
 - converted from the other form (crossing), in pieces of at most --ckpt-convert-memory-mb;
 - not at all (--no-load-optim, --finetune): the optimizer starts from the loaded weights.
 
@@ -14,16 +14,19 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Optional
 
 import torch
 from megatron.core.optimizer import ChainedOptimizer, MegatronOptimizer
 
 from megatron.training.checkpoint.crossing import fill_distributed_optimizer, load_into_engine, saved_small_objects
 from megatron.training.checkpoint.load_plan import FROM_DISTRIBUTED, FROM_OFFLOADED, SAME_FORM, LoadPlan
+from megatron.training.checkpoint.offload_files import offloaded_state_bytes
 from megatron.training.checkpoint.offloaded_state import SavedOffloadState
 from megatron.training.model.host_params import gather_params
+from megatron.training.runtime.concurrent import ConcurrentCall
 from megatron.training.runtime.progress import MemoryGrowth, print_rank0, slowest_rank
-from mlp_offload.checkpoint import Quantized, fill_engine, is_blockwise, moments_change
+from mlp_offload.checkpoint import Quantized, fill_engine, is_blockwise, moments_change, stored_codecs
 
 log = logging.getLogger("mlp_offload")
 
@@ -43,9 +46,11 @@ def optimizer_template(plan: LoadPlan, optimizer, model_template: dict, metadata
     return {"optimizer": optimizer.sharded_state_dict(model_template, is_loading=True, metadata=metadata)}
 
 
-def load_optimizer(plan: LoadPlan, optimizer, model, state: dict, args, check) -> None:
+def load_optimizer(plan: LoadPlan, optimizer, model, state: dict, args, check,
+                   offloaded: Optional["OffloadedStateLoad"] = None) -> None:
     """Do what the plan says for the optimizer, ``state`` being what the torch_dist read gave.
-    ``check``: the load's resume_check.ResumeCheck, which digests what the engines' fills write."""
+    ``check``: the load's resume_check.ResumeCheck, which digests what the engines' fills write.
+    ``offloaded``: the offload engines' fill, started beside the torch_dist read (else made here)."""
     if torch.cuda.is_available():
         # The model's weights were just copied in on the current stream; the offload engine reads and
         # writes them (the masters' high halves) on a stream of its own, which must see them landed.
@@ -57,8 +62,7 @@ def load_optimizer(plan: LoadPlan, optimizer, model, state: dict, args, check) -
         restore_adam_steps(optimizer, state["optimizer"])
         check.skip_optimizer("megatron-core's optimizer state is read by dist_checkpointing, not digested")
     elif plan.optimizer == SAME_FORM:
-        with SavedOffloadState(plan.path, plan.offload_meta.get("steps_done"), model) as saved:
-            load_offloaded_state(optimizer.shards, saved, state["optimizer"]["offload_meta"], model, check)
+        (offloaded or OffloadedStateLoad(plan, optimizer, model, check)).finish()
     elif plan.optimizer == FROM_OFFLOADED:
         check.skip_optimizer("it was converted from the offloaded form")
         prepare_fresh_optimizer_for_load(optimizer)  # the target's own state: allocated before the conversion
@@ -138,27 +142,75 @@ def restore_adam_steps(optimizer, loaded) -> None:
 
 
 # -- the offload engines, from a checkpoint -----------------------------------------------------------
-def load_offloaded_state(shards, saved: SavedOffloadState, offload_meta: dict, model, check) -> None:
-    """Each of the offload facade's shards (``kind``, ``engine``, ``layout``, ``dp_group``,
-    ``grad_scaler``) from ``saved``: its grad scaler from the common state's ``offload_meta``, its
-    engine from its own file as saved or each parameter slice from whichever old ranks held it.
-    ``check``: a resume_check.ResumeCheck, which observes the fills of engines loaded as saved."""
-    # A checkpoint saved with one shard (no experts' optimizer, or EP 1) has one scaler: the dense shard's.
-    for shard, scaler in zip(shards, offload_meta["grad_scalers"]):
-        if shard.grad_scaler is not None and scaler:
-            shard.grad_scaler.load_state_dict(scaler)
-    for shard in shards:
-        _load_engine(shard, saved, check, model)
-    gather_model_params(shards, model)
+class OffloadedStateLoad:
+    """The offload engines filled from the checkpoint's offload files, each of the facade's shards
+    (``kind``, ``engine``, ``layout``, ``dp_group``, ``grad_scaler``) from its own file as saved or each
+    parameter slice from whichever old ranks held it. ``start()`` runs the fill on a thread beside
+    megatron-core's read of the torch_dist files where it needs nothing of theirs (every shard from
+    its own file, its master stored as this engine keeps it: the model's params are neither read nor
+    set), so the disk serves both at once; ``finish()`` waits for it (or fills now), loads the grad
+    scalers and gathers the model's params where the masters set them. ``check``: a
+    resume_check.ResumeCheck, which observes the fills of engines loaded as saved."""
+
+    def __init__(self, plan: LoadPlan, optimizer, model, check):
+        self.shards, self.model, self.check, self.meta = optimizer.shards, model, check, plan.offload_meta
+        self.saved = SavedOffloadState(plan.path, plan.offload_meta.get("steps_done"), model)
+        self.nbytes = offloaded_state_bytes(self.shards)
+        self.seconds = 0.0
+        self.beside = False  # whether it ran beside the torch_dist read
+        self._thread: Optional[ConcurrentCall] = None
+
+    def start(self) -> bool:
+        """Begin the fill on a thread where it may go beside the torch_dist read; False where it may not."""
+        if not all(self._fills_without_model(shard) for shard in self.shards):
+            return False
+        observers = [self.check.observer(shard, self.model) for shard in self.shards]  # on this thread
+        self._thread = ConcurrentCall(self._fill, observers)
+        self.beside = True
+        return True
+
+    def finish(self) -> None:
+        try:
+            if self._thread is not None:
+                _, self.seconds = self._thread.result()
+            else:
+                started = time.perf_counter()
+                self._fill([self.check.observer(shard, self.model) for shard in self.shards])
+                self.seconds = time.perf_counter() - started
+        finally:
+            self.saved.close()
+        # A checkpoint saved with one shard (no experts' optimizer, or EP 1) has one scaler: the dense shard's.
+        for shard, scaler in zip(self.shards, self.meta["grad_scalers"]):
+            if shard.grad_scaler is not None and scaler:
+                shard.grad_scaler.load_state_dict(scaler)
+        gather_model_params(self.shards, self.model)
+
+    def wait_quietly(self) -> None:
+        """The load failed elsewhere: let the thread end before the engines are touched again."""
+        if self._thread is not None:
+            self._thread.wait_quietly()
+        self.saved.close()
+
+    def _fill(self, observers) -> None:
+        for shard, observe in zip(self.shards, observers):
+            _load_engine(shard, self.saved, observe)
+
+    def _fills_without_model(self, shard) -> bool:
+        own = self.saved.whole_file(shard.kind, shard.dp_group.size())
+        if own is None:
+            return False
+        return stored_codecs(own.footer)[0].needs_high == bool(shard.engine.config.param_remainders)
 
 
-def _load_engine(shard, saved: SavedOffloadState, check, model) -> None:
+def _load_engine(shard, saved: SavedOffloadState, observe) -> None:
+    """One engine from ``saved``: its own file as saved, or resharded by parameter; ``observe``: the
+    resume check's wrapper of its fill (None: not observed)."""
     dp_size = shard.dp_group.size()
     own = saved.whole_file(shard.kind, dp_size)
     first = torch.distributed.get_rank() == 0
     notice = moments_change(saved.saved_codecs(shard.kind), shard.engine.state_codecs)
     if own is not None:
-        fill_engine(shard.engine, own, notice=False, observe=check.observer(shard, model))
+        fill_engine(shard.engine, own, notice=False, observe=observe)
         if notice and first:
             log.warning("offloaded %sstate: %s", "expert " if shard.kind == "experts" else "", notice)
         return
@@ -176,7 +228,6 @@ def _load_engine(shard, saved: SavedOffloadState, check, model) -> None:
 
     eight_bit = is_blockwise(shard.engine.state_codecs)
     callback = _eight_bit_fill(shard, saved, mine) if eight_bit else fill
-    observe = check.observer(shard, model)
     shard.engine.load_state(callback if observe is None else observe(callback), steps_done=saved.steps_done)
     if first:
         log.info("offloaded %sstate resharded from %s%s", "expert " if shard.kind == "experts" else "",

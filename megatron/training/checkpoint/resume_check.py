@@ -28,6 +28,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from megatron.core import parallel_state
 
+from megatron.training.checkpoint.integrity import RECORD_DIR
 from megatron.training.checkpoint.offload_files import param_names, shard_pieces
 from megatron.training.checkpoint.state_dict import rank_coordinates
 from megatron.training.errors import UserError
@@ -36,7 +37,6 @@ from megatron.training.runtime.progress import model_device, print_rank0
 from mlp_offload.checkpoint import (MASK, TENSORS, StateDigest, add_pairs, as_pairs, find_mismatch, human_bytes,
                                     is_blockwise, tensor_digest)
 
-RECORD_DIR = "resume_check"
 FORMAT = 1
 SHOWN = 3  # differences the error names (the first ones by rank); the others are counted
 

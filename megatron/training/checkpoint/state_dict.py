@@ -34,10 +34,13 @@ def _data_parallel_group():
     return parallel_state.get_data_parallel_group(with_context_parallel=True)
 
 
-def save_strategies(args) -> dict:
+def save_strategies(args, wrap=None) -> dict:
     """torch_dist's writer with ``writer_processes()`` processes per rank; --ckpt-fully-parallel-save:
-    the data-parallel ranks share the writing of replicated shards."""
+    the data-parallel ranks share the writing of replicated shards. ``wrap``: a function wrapping torch_dist's
+    strategy, under the fully parallel wrapper (its async save then sees the writers picked)."""
     strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=writer_processes())
+    if wrap is not None:
+        strategy = wrap(strategy)
     if args.ckpt_fully_parallel_save and parallel_state.get_data_parallel_world_size() > 1:
         strategy = FullyParallelSaveStrategyWrapper(strategy, _data_parallel_group())
     return {"sharded_strategy": strategy}

@@ -25,9 +25,6 @@ from mlp_offload import GiB
 
 def host_params_refusal(args) -> Optional[str]:
     """Why a run with these flags cannot keep its params in host memory (one line), or None."""
-    if getattr(args, "async_save", False):
-        return ("not with --async-save yet: its writer takes the weights where they lie, and in host memory the "
-                "next updates change them under it (save without --async-save)")
     if getattr(args, "offload_overlap_forward", False):
         return ("not with --offload-overlap-forward: a layer's params are copied in before the update under "
                 "the forward has written them")
@@ -278,6 +275,12 @@ def buffer_bytes_in_host_memory(chunks) -> int:
                + list(getattr(chunk, "expert_parallel_buffers", []))]
     return sum(data.numel() * data.element_size() for b in buffers for data in (b.param_data, b.grad_data)
                if data is not None and data.device.type == "cpu")
+
+
+def host_param_buffers(chunks) -> List[torch.Tensor]:
+    """DDP's param buffers that ``ddp_with_params_in_host_memory`` put in host memory (none otherwise)."""
+    return [b.param_data for chunk in chunks if placed_in_host_memory(chunk)
+            for b in chunk.buffers + chunk.expert_parallel_buffers if b.param_data is not None]
 
 
 def ddp_with_params_in_host_memory(chunks, ddp: Callable, device: torch.device, grads_in_host: bool):

@@ -16,7 +16,7 @@ from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.training.errors import UserError
 from megatron.training.offload.optimizer import OffloadDistributedOptimizer
 from megatron.training.offload.shard import ShardGroups
-from megatron.training.model.host_params import buffer_bytes_in_host_memory
+from megatron.training.model.host_params import buffer_bytes_in_host_memory, host_param_buffers
 from megatron.training.offload.job_facts import PerNodeByRank0
 from megatron.training.offload.flags import config_from_args
 from megatron.training.offload.gpu_tier_start import starting_gpu_tier_bytes
@@ -38,18 +38,32 @@ def get_offload_optimizer(args, model_chunks, config: OptimizerConfig) -> Offloa
     device = model_device(model_chunks)  # home of the gpu tier and device updates (the CPU twin on CPU)
     offload_config = config_from_args(args, rank=_rank(), device=str(device),
                                       host_bytes_beside=measured_beside_engine(
-                                          args.num_workers, process_at_its_peak(model_chunks, device)),
+                                          args.num_workers, process_at_its_peak(
+                                              model_chunks, device, async_save_copy_bytes(args, model_chunks))),
                                       **_starting_gpu_tier(args, model_chunks, groups, device))
     return OffloadDistributedOptimizer(config, offload_config, model_chunks, groups,
                                        token_store=job_store(offload_config))
 
 
-def process_at_its_peak(model_chunks, device) -> int:
-    """On a GPU: the model's buffers in host memory (--offload-params/--offload-grads host) and the process's
-    peak beside them, which its first steps reach after this start-up (0 on a CPU run: measured is right)."""
+def process_at_its_peak(model_chunks, device, save_copies: int = 0) -> int:
+    """On a GPU: the model's buffers in host memory (--offload-params/--offload-grads host), what a save copies
+    aside of them (``save_copies``) and the process's peak beside them, which its first steps reach after this
+    start-up (0 on a CPU run: measured is right)."""
     if device.type != "cuda":
         return 0
-    return buffer_bytes_in_host_memory(model_chunks) + PROCESS_BYTES_GPU
+    return buffer_bytes_in_host_memory(model_chunks) + save_copies + PROCESS_BYTES_GPU
+
+
+def async_save_copy_bytes(args, model_chunks) -> int:
+    """About what an --async-save copies aside on this rank of the params in host memory (async_save's
+    HostWeightsAside): a share of them under fully parallel saves, else all on the first data-parallel rank."""
+    if not getattr(args, "async_save", False):
+        return 0
+    nbytes = sum(b.numel() * b.element_size() for b in host_param_buffers(model_chunks))
+    size = parallel_state.get_data_parallel_world_size()
+    if args.ckpt_fully_parallel_save and size > 1:
+        return nbytes // size
+    return nbytes if parallel_state.get_data_parallel_rank() == 0 else 0
 
 
 def _starting_gpu_tier(args, model_chunks, groups: List[ShardGroups], device) -> dict:
