@@ -38,6 +38,7 @@ from .config.offload_config import DEFAULT_SAVE_STAGING
 from .pipeline import StateViews
 from .subgroups.partition import Subgroup, slot_subgroup
 from .tiers.no_fork import aligned_empty
+from .tiers.to_host import copy_to_host
 from .tiers.base import StreamedTier
 
 # What the writer has done with a memory subgroup.
@@ -118,7 +119,7 @@ class StateSnapshot:
                 return True
         sg = self.subgroups[i]
         for dst, src in zip(stage.narrow(sg), self.memory[i].narrow(sg)):
-            dst.copy_(src)
+            copy_to_host(dst, src)
         with self._cond:
             self._staged[i] = stage
             self._progress[i] = STAGED

@@ -13,17 +13,21 @@ each one's slowdown of those steps and its own copy rate.
 from __future__ import annotations
 
 import argparse
+import mmap
 import os
-import sys
 import threading
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from mlp_offload.tiers.no_fork import aligned_empty  # noqa: E402  (the snapshot's staging buffers)
-
 CHUNK = 600 * 2 ** 20  # about one subgroup of 100 M elements of fp32 master and fp8 moments
+
+
+def aligned_empty(nbytes: int) -> torch.Tensor:
+    """Fresh anonymous pages left out of forked children, as the snapshot's staging buffers are."""
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.madvise(mmap.MADV_DONTFORK)
+    return torch.frombuffer(region, dtype=torch.uint8)
 
 
 def make_steps(device: str, width: int, layers: int, tokens: int):

@@ -29,6 +29,7 @@ import torch
 
 from ..config.align import ALIGN, align_down, align_up
 from .no_fork import aligned_empty
+from .to_host import copy_to_host
 
 CHUNK = 8 << 20  # bytes of one read
 PIECE = 16 << 20  # bytes of file a staging buffer takes (a multiple of ALIGN)
@@ -131,7 +132,7 @@ class DirectRegionWriter:
                 s, e = max(a, lo), min(b, hi)
                 if s < e:
                     part = stage[lead + s - lo: lead + e - lo]
-                    part.copy_(sources[j][s - a: e - a])  # from the device too
+                    copy_to_host(part, sources[j][s - a: e - a])  # from the device too
                     last = self.crc_thread.submit(_chain_crc, crcs, j, memoryview(part.numpy()))
                     self.busy[k].append(last)
             if self.pace is not None:

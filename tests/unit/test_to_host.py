@@ -1,0 +1,73 @@
+"""copy_to_host: device-to-host copies through two pinned buffers, piece by piece (tiers.to_host)."""
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from mlp_offload.tiers import to_host
+from mlp_offload.tiers.no_fork import aligned_empty
+from tests.profiles import examples
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def copy_through_two_buffers(src: torch.Tensor, piece: int):
+    """copy_in_pieces with CPU buffers standing in for the pinned pair; returns dst and the calls made."""
+    dst = torch.zeros_like(src)
+    buffers = [torch.full((piece,), 0xEE, dtype=torch.uint8) for _ in range(2)]
+    calls, in_buffer = [], [None, None]  # which part each buffer holds, not yet landed
+
+    def move(k, part):
+        assert in_buffer[k] is None, "a buffer was moved into before its last part landed"
+        buffers[k][:part.numel()].copy_(part)
+        in_buffer[k] = part.numel()
+        calls.append(("move", k, part.numel()))
+
+    def land(k, target):
+        assert in_buffer[k] == target.numel()
+        target.copy_(buffers[k][:target.numel()])
+        in_buffer[k] = None
+        calls.append(("land", k, target.numel()))
+    to_host.copy_in_pieces(dst, src, piece, move, land)
+    return dst, calls
+
+
+@settings(max_examples=examples(40), deadline=None, derandomize=True, print_blob=True)
+@given(numel=st.integers(0, 5000), piece=st.integers(1, 700))
+def test_pieces_through_two_buffers_land_every_byte_in_order(numel, piece):
+    src = torch.randint(0, 256, (numel,), dtype=torch.uint8)
+    dst, calls = copy_through_two_buffers(src, piece)
+    assert torch.equal(dst, src)
+    pieces = -(-numel // piece)
+    assert [c[0] for c in calls].count("move") == pieces == [c[0] for c in calls].count("land")
+    # one part lands while the next moves: after the first move, each move comes before the previous land
+    if pieces >= 2:
+        assert [c[0] for c in calls[:3]] == ["move", "move", "land"]
+    assert [c[1] for c in calls if c[0] == "move"] == [n % 2 for n in range(pieces)]
+
+
+def test_without_a_gpu_it_is_a_plain_copy():
+    src = torch.arange(1000, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    to_host.copy_to_host(dst, src)
+    assert torch.equal(dst, src)
+
+
+@needs_cuda
+@pytest.mark.parametrize("numel", [1, to_host.PIECE // 4 - 3, to_host.PIECE // 4, 3 * to_host.PIECE // 4 + 5])
+def test_on_cuda_device_to_pageable_host_through_pinned_pieces(numel):
+    src = torch.randn(numel, device="cuda")
+    dst = aligned_empty(numel * 4).view(torch.float32)  # pageable, never forked: a snapshot's staging buffer
+    assert not dst.is_pinned()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        to_host.copy_to_host(dst, src)
+    assert torch.equal(dst, src.cpu())
+
+
+@needs_cuda
+def test_on_cuda_other_pairs_copy_as_torch_does():
+    src = torch.randn(64, 3, device="cuda")
+    for dst in (torch.empty(3, 64).t(), torch.empty(64, 3, dtype=torch.float64), torch.empty(64, 3, device="cuda")):
+        to_host.copy_to_host(dst, src)  # not contiguous, another dtype, on the device: copy_ as given
+        assert torch.equal(dst.cpu().to(src.dtype), src.cpu())
