@@ -10,13 +10,19 @@ copies one piece into its destination while the next one moves.
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator, List
 
 import torch
 
 PIECE = 32 * 2 ** 20  # bytes a piece: what the training thread may wait behind at most
 
-_per_thread = threading.local()  # each copying thread's pinned pair (the writer's, the digest's, the update's)
+# Every pinned pair made stays referenced here, never only from a thread: a forked child (torch_dist's
+# writer) drops the other threads' state, and a pinned buffer or event freed there is a CUDA call in a
+# child, which aborts it. Pairs are reused, so there are as many as threads ever copied at once.
+_made: List["_Bounce"] = []
+_free: List["_Bounce"] = []
+_pairs = threading.Lock()
 
 
 def copy_to_host(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -27,7 +33,11 @@ def copy_to_host(dst: torch.Tensor, src: torch.Tensor) -> None:
     if not bytewise or src.numel() == 0:
         dst.copy_(src)
         return
-    bounce = _bounce_for(src.device)
+    with _bounce_for(src.device) as bounce:
+        _copy_through(bounce, dst, src)
+
+
+def _copy_through(bounce: "_Bounce", dst: torch.Tensor, src: torch.Tensor) -> None:
     stream = torch.cuda.current_stream(src.device)
 
     def move(k: int, piece: torch.Tensor) -> None:
@@ -64,9 +74,21 @@ class _Bounce:
         self.device = device
 
 
-def _bounce_for(device: torch.device) -> _Bounce:
-    bounce = getattr(_per_thread, "bounce", None)
-    if bounce is None or bounce.device != device:
+@contextmanager
+def _bounce_for(device: torch.device) -> Iterator[_Bounce]:
+    with _pairs:
+        bounce = next((b for b in _free if b.device == device), None)
+        if bounce is not None:
+            _free.remove(bounce)
+    if bounce is None:
         with torch.cuda.device(device):
-            bounce = _per_thread.bounce = _Bounce(device)
-    return bounce
+            bounce = _Bounce(device)
+        with _pairs:
+            _made.append(bounce)
+    try:
+        yield bounce
+    finally:
+        for event in bounce.events:  # a copy given up midway: no DMA may still land in a pair handed out again
+            event.synchronize()
+        with _pairs:
+            _free.append(bounce)

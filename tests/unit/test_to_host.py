@@ -71,3 +71,29 @@ def test_on_cuda_other_pairs_copy_as_torch_does():
     for dst in (torch.empty(3, 64).t(), torch.empty(64, 3, dtype=torch.float64), torch.empty(64, 3, device="cuda")):
         to_host.copy_to_host(dst, src)  # not contiguous, another dtype, on the device: copy_ as given
         assert torch.equal(dst.cpu().to(src.dtype), src.cpu())
+
+
+@needs_cuda
+def test_on_cuda_a_fork_beside_a_thread_that_copied_leaves_the_child_whole():
+    """torch_dist's writer forks while the checkpoint's threads live: a child that freed their pinned
+    buffers would make a CUDA call and abort."""
+    import os
+    import threading
+    copied, finish = threading.Event(), threading.Event()
+
+    def copier():
+        to_host.copy_to_host(aligned_empty(4096 * 4).view(torch.float32), torch.randn(4096, device="cuda"))
+        copied.set()
+        finish.wait()
+    thread = threading.Thread(target=copier)
+    thread.start()
+    try:
+        assert copied.wait(60)
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"the forked child ended with status {status}"
+    finally:
+        finish.set()
+        thread.join()
