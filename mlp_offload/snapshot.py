@@ -38,7 +38,7 @@ from .config.offload_config import DEFAULT_SAVE_STAGING
 from .pipeline import StateViews
 from .subgroups.partition import Subgroup, slot_subgroup
 from .tiers.no_fork import aligned_empty
-from .tiers.to_host import copy_to_host
+from .tiers.to_host import copy_to_host, reserve as reserve_pinned_pair
 from .tiers.base import StreamedTier
 
 # What the writer has done with a memory subgroup.
@@ -242,6 +242,7 @@ def _queued_work_event(memory: Dict[int, StateViews]) -> Optional[_DeviceMoment]
     device = next((v.buf.device for v in memory.values() if v.buf.is_cuda), None)
     if device is None:
         return None
+    reserve_pinned_pair(device)  # before the event: the writer's copies then find their pinned pair made
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(device))
     return _DeviceMoment(device, event)

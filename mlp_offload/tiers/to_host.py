@@ -67,6 +67,13 @@ def copy_in_pieces(dst: torch.Tensor, src: torch.Tensor, piece: int,
         land(*moving)
 
 
+def reserve(device: torch.device) -> None:
+    """Make one pair for ``device`` now, where none is free: a pinned allocation waits for the work queued on
+    the device, so a writer's first copy must not be the one to make it (the caller is the training thread)."""
+    with _bounce_for(device):
+        pass
+
+
 class _Bounce:
     def __init__(self, device: torch.device):
         self.buffers = [torch.empty(PIECE, dtype=torch.uint8, pin_memory=True) for _ in range(2)]

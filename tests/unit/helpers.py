@@ -16,7 +16,7 @@ def fast_config(tmp_path, tiers, **overrides) -> OffloadConfig:
     """A config whose file tiers live under ``tmp_path``, with rates given so nothing is probed."""
     paths = {}
     for name in tiers:
-        if name != "host":
+        if name not in ("host", "gpu"):  # memory tiers have no directory
             paths[name] = str(tmp_path / name)
             os.makedirs(paths[name], exist_ok=True)
     options = dict(

@@ -125,7 +125,7 @@ def test_on_cuda_the_writer_reads_the_gpu_tier_beside_the_training_stream(tmp_pa
     training's stream queued after the snapshot (a long kernel here), and it writes the state as it was at the
     snapshot, byte for byte what a synchronous save then gives."""
     config = fast_config(tmp_path / "e", tiers=["gpu", "nvme"], device="cuda", gpu_budget_bytes=10**9,
-                         pin_memory=False, update_on="gpu", device_adam_elems_per_s=1e9,
+                         pin_memory=False, update_on="device", device_adam_elems_per_s=1e9,
                          device_streamed_elems_per_s=1e9)
     with OffloadedAdamW(torch.randn(NUMEL, generator=torch.Generator().manual_seed(1)), config) as engine:
         run(engine, grads(2, 3))
