@@ -215,17 +215,17 @@ def _link_parts(snapshot: StateSnapshot, parts: Optional[PartLinks]) -> Dict[int
 
 def _write(snapshot: StateSnapshot, tmp: str, metadata: Optional[dict], digest: Optional[StateDigest],
            parts: Optional[PartLinks] = None, pacer: Optional[DiskPacer] = None) -> int:
-    linked = _link_parts(snapshot, parts)
     with snapshot.device_reads():  # the device-held state copied out beside the training's stream
+        if pacer is not None:  # first, before the links' fsyncs: the next update finds its copies made
+            started = time.perf_counter()
+            pacer.staged_bytes = snapshot.stage_ahead()
+            pacer.staged_s = time.perf_counter() - started  # what the copy aside may cost the steps beside it
+        linked = _link_parts(snapshot, parts)
         return _write_state(snapshot, tmp, metadata, digest, linked, pacer)
 
 
 def _write_state(snapshot: StateSnapshot, tmp: str, metadata: Optional[dict], digest: Optional[StateDigest],
                  linked: Dict[int, dict], pacer: Optional[DiskPacer]) -> int:
-    if pacer is not None:  # how long the copy aside takes is what it may cost the steps beside it
-        started = time.perf_counter()
-        pacer.staged_bytes = snapshot.stage_ahead()
-        pacer.staged_s = time.perf_counter() - started
     offsets, end = {}, 0
     for sg in snapshot.subgroups:  # element order: where each subgroup's bytes go (a part's: none here)
         offsets[sg.index] = end

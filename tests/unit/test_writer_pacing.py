@@ -177,3 +177,26 @@ def test_a_checkpoint_on_another_device_is_not_paced(tmp_path, monkeypatch, capl
         write.start()
         write.wait()
         assert write.failure is None
+
+
+def test_a_paced_writer_copies_the_memory_held_state_aside_before_it_links_the_tier_files(tmp_path, quiet_tiers,
+                                                                                           monkeypatch):
+    """The links' fsyncs may take a while beside other writes; the next update must find its copies made."""
+    from mlp_offload.checkpoint import write as write_module
+    seen = []
+
+    class RecordingLinks(write_module.PartLinks):
+        def link(self, *args, **kwargs):
+            seen.append(current.pacer.staged_bytes)
+            return super().link(*args, **kwargs)
+    monkeypatch.setattr(write_module, "PartLinks", RecordingLinks)
+    with engine_at_step_3(tmp_path / "e") as engine:
+        current = start_background_save(engine, str(tmp_path / "paced.ckpt"), metadata={"iteration": 3},
+                                        link_tier_files=True)
+        assert current.pacer is not None and current.snapshot.memory and current.snapshot.on_tier
+        quiet_tiers.set()
+        current.start()
+        current.wait()
+        assert current.failure is None
+    memory_bytes = sum(engine.subgroups[i].state_bytes for i in current.snapshot.memory)
+    assert seen and all(staged == memory_bytes for staged in seen)  # every link came after the whole copy aside
