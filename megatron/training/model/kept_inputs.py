@@ -4,7 +4,7 @@ left where the forward made them, nowhere (a forward-only step), or in host memo
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -34,10 +34,11 @@ class HostKeptInputs(KeptInputs):
     makes them, copied back for the layer's backward, the next layer's while this one computes; so the
     GPU holds at most two layers' inputs instead of every layer's. On a CPU run, copies all the same."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, stream: Optional["torch.cuda.Stream"] = None):
+        """``stream``: the side stream of the copies (one for a whole run's passes), else a new one."""
         super().__init__()
         self._device = device
-        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._stream = stream if stream is not None else side_stream(device)
         self._coming: Dict[int, List[torch.Tensor]] = {}
 
     def put(self, layer: int, tensors: List[torch.Tensor]) -> None:
@@ -71,3 +72,8 @@ class HostKeptInputs(KeptInputs):
             return contextlib.nullcontext()
         self._stream.wait_stream(torch.cuda.current_stream(self._device))  # what it copies is computed
         return torch.cuda.stream(self._stream)
+
+
+def side_stream(device: torch.device) -> Optional["torch.cuda.Stream"]:
+    """A stream for copies beside the compute on ``device``; None off a GPU."""
+    return torch.cuda.Stream(device) if device.type == "cuda" else None

@@ -45,7 +45,7 @@ from megatron.training.errors import UserError
 from megatron.training.runtime.progress import print_rank0
 from megatron.training.model.host_grads import host_grads_refusal, tied_across_stages
 from megatron.training.model.host_params import HostParams, decoder_of, host_params_refusal
-from megatron.training.model.kept_inputs import HostKeptInputs, KeptInputs, NoKeptInputs
+from megatron.training.model.kept_inputs import HostKeptInputs, KeptInputs, NoKeptInputs, side_stream
 from megatron.training.model.layer_params import stage_layer_counts
 from megatron.training.model.pipeline_stage import PipelineStage
 from megatron.training.model.sizes import kept_input_bytes
@@ -285,7 +285,8 @@ def step_schedule(model, inputs_in_host: bool, params_in_host: bool, grads_in_ho
     step = _STEPS.get(id(model[0]))
     if step is None:
         device = getattr(model[0], "compute_device", None) or next(model[0].parameters()).device
-        inputs = (lambda: HostKeptInputs(device)) if inputs_in_host else KeptInputs
+        stream = side_stream(device) if inputs_in_host else None  # one for every pass of the run
+        inputs = (lambda: HostKeptInputs(device, stream)) if inputs_in_host else KeptInputs
         step = LayerMajorStep(HostParams.of_chunk(model[0], device, grads_in_host) if params_in_host else None,
                               inputs, group)
         _STEPS[id(model[0])] = step
