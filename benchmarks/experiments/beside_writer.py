@@ -1,7 +1,11 @@
 """The iterations that ran beside an --async-save writer against the same iterations of a run without saves
 (issue 49 item 4's goal: at most 1.25x), from two console logs, with the save's pacing lines.
 
-    python benchmarks/experiments/beside_writer.py ASYNC_LOG PLAIN_LOG
+    python benchmarks/experiments/beside_writer.py ASYNC_LOG PLAIN_LOG [--disk ASYNC_DISK PLAIN_DISK]
+
+With ``--disk`` (disk_watch.py's samples of each run, its log lines stamped ``[epoch] ``), each iteration beside
+the writer also gets the bytes the disk read and wrote during it, beside the same iteration without saves, and
+the page cache's dirty bytes at its start and end (torch_dist's writer writes through the page cache).
 
 An iteration ran beside the writer of checkpoint N when its line comes after N's save line ("> checkpoint at
 iteration N: training held") and the iteration before it ended before the writer did: the offloaded state's
@@ -10,11 +14,13 @@ end ("offloaded state ... paced:", the first rank's line) or, where there is non
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from typing import Dict, List, Optional, Tuple
 
 GOAL = 1.25
+STAMP = re.compile(r"^\[(\d+\.\d+)\] ")
 ITERATION = re.compile(r"iteration +(\d+)/.*elapsed time per iteration \(ms\): ([0-9.]+)")
 SAVE = re.compile(r"> checkpoint at iteration (\d+): training held ([0-9.]+) s")
 WRITER_END = re.compile(r"INFO offloaded state .*iter_0*(\d+)/.* paced: (.*)")
@@ -49,7 +55,54 @@ def beside(lines: List[str]) -> Dict[int, int]:
     return out
 
 
-def report(async_lines: List[str], plain_lines: List[str]) -> Tuple[List[str], Optional[float]]:
+def iteration_ends(lines: List[str]) -> Dict[int, float]:
+    """Iteration -> the epoch its line was stamped at (lines stamped by the experiment)."""
+    ends = {}
+    for line in lines:
+        stamp, it = STAMP.search(line), ITERATION.search(line)
+        if stamp and it:
+            ends[int(it.group(1))] = float(stamp.group(1))
+    return ends
+
+
+def disk_samples(path: str) -> List[Tuple[float, int, int, int, int]]:
+    with open(path) as f:
+        return [tuple(float(x) if k == 0 else int(x) for k, x in enumerate(line.split())) for line in f if line.strip()]
+
+
+def at(samples, when: float):
+    """The last sample taken at or before ``when`` (the first where none was)."""
+    chosen = samples[0]
+    for sample in samples:
+        if sample[0] > when:
+            break
+        chosen = sample
+    return chosen
+
+
+def disk_during(it: int, ends: Dict[int, float], samples) -> Optional[Tuple[float, float, float, float]]:
+    """(GB read, GB written, GB dirty at the start, GB dirty at the end) of iteration ``it``."""
+    if it not in ends or it - 1 not in ends or not samples:
+        return None
+    first, last = at(samples, ends[it - 1]), at(samples, ends[it])
+    return ((last[1] - first[1]) / 1e9, (last[2] - first[2]) / 1e9, first[3] / 1e9, last[3] / 1e9)
+
+
+def disk_rows(during: Dict[int, int], async_lines: List[str], plain_lines: List[str], disks: List[str]) -> List[str]:
+    ends_a, ends_b = iteration_ends(async_lines), iteration_ends(plain_lines)
+    samples_a, samples_b = disk_samples(disks[0]), disk_samples(disks[1])
+    rows = []
+    for it in sorted(during):
+        a, b = disk_during(it, ends_a, samples_a), disk_during(it, ends_b, samples_b)
+        if a is None or b is None:
+            continue
+        rows.append(f"  iteration {it}'s disk: read {a[0]:.2f} GB, wrote {a[1]:.2f} GB (without saves: read {b[0]:.2f}, "
+                    f"wrote {b[1]:.2f}); page cache dirty {a[2]:.2f} GB at its start, {a[3]:.2f} GB at its end")
+    return rows
+
+
+def report(async_lines: List[str], plain_lines: List[str],
+           disks: Optional[List[str]] = None) -> Tuple[List[str], Optional[float]]:
     times, plain, during = iteration_times(async_lines), iteration_times(plain_lines), beside(async_lines)
     updates, plain_updates = iteration_times(async_lines, UPDATE), iteration_times(plain_lines, UPDATE)
     rows, worst = [], None
@@ -61,6 +114,8 @@ def report(async_lines: List[str], plain_lines: List[str]) -> Tuple[List[str], O
         rows.append(f"iteration {it}: {times[it]:.2f} s beside the writer of checkpoint {during[it]} "
                     f"({split(it, times, updates)}), {plain[it]:.2f} s without saves ({split(it, plain, plain_updates)}): "
                     f"{ratio:.2f}x")
+    if disks:
+        rows += disk_rows(during, async_lines, plain_lines, disks)
     quiet = [times[i] / plain[i] for i in sorted(times) if i not in during and i in plain and i > 1]
     if quiet:
         rows.append(f"the other iterations (2 on): {min(quiet):.2f}-{max(quiet):.2f}x the run without saves")
@@ -76,8 +131,11 @@ def report(async_lines: List[str], plain_lines: List[str]) -> Tuple[List[str], O
 
 
 def main(argv: List[str]) -> int:
+    disks = argv[argv.index("--disk") + 1:argv.index("--disk") + 3] if "--disk" in argv else None
+    if disks and not all(os.path.exists(d) for d in disks):
+        disks = None  # not sampled (an older log): the times alone
     with open(argv[1]) as a, open(argv[2]) as b:
-        rows, _ = report(a.read().splitlines(), b.read().splitlines())
+        rows, _ = report(a.read().splitlines(), b.read().splitlines(), disks)
     print("\n".join(rows))
     return 0
 

@@ -51,12 +51,20 @@ drop_page_cache() {
   [ "${DRY_RUN:-0}" = 1 ] && return
   sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null && echo "page cache dropped" || echo "page cache NOT dropped"
 }
+stamp_epoch() { $PY -u -c 'import sys, time
+for line in sys.stdin: sys.stdout.write(f"[{time.time():.3f}] {line}")'; }
 run() {  # NAME [flags]
   local name=$1; shift
+  local code watcher=""
+  case $name in  # A2 and B2: lines stamped and the disk sampled, for beside_writer.py --disk
+    A2|B2) $PY benchmarks/experiments/disk_watch.py "$DISK" "$OUT/disk_$name.txt" & watcher=$! ;;
+  esac
   # shellcheck disable=SC2086
   timeout "${RUN_LIMIT:-170}" torchrun --nproc_per_node 1 --master_port "${PORT:-29561}" pretrain_gpt.py $COMMON "$@" \
-    --loss-log "$OUT/$name.jsonl" > "$OUT/.run.log" 2>&1
-  echo "$name exit $? at $(( SECONDS - T0 )) s"
+    --loss-log "$OUT/$name.jsonl" 2>&1 | if [ -n "$watcher" ]; then stamp_epoch; else cat; fi > "$OUT/.run.log"
+  code=${PIPESTATUS[0]}
+  if [ -n "$watcher" ]; then kill "$watcher"; wait "$watcher" 2>/dev/null; fi
+  echo "$name exit $code at $(( SECONDS - T0 )) s"
   grep -v -i warn "$OUT/.run.log" | grep -E "deterministic|attention:|checkpoint|resume|iteration +[0-9]+/|update split|rror|Killed|> params|offloaded state .*linked|paced" \
     | cut -c1-900 > "$OUT/determinism_$name.log"
   grep -v "iteration  " "$OUT/determinism_$name.log" | cut -c1-900
@@ -82,7 +90,8 @@ for name in ${RUNS:-D1 D2 DR N1 N2}; do
 done
 du -sh "$DISK/at2" 2>/dev/null | cat
 if [ -s "$OUT/determinism_A2.log" ] && [ -s "$OUT/determinism_B2.log" ]; then
-  $PY benchmarks/experiments/beside_writer.py "$OUT/determinism_A2.log" "$OUT/determinism_B2.log" | tee "$OUT/determinism_beside_writer.txt"
+  $PY benchmarks/experiments/beside_writer.py "$OUT/determinism_A2.log" "$OUT/determinism_B2.log" \
+    --disk "$OUT/disk_A2.txt" "$OUT/disk_B2.txt" | tee "$OUT/determinism_beside_writer.txt"
 fi
 $PY - "$OUT" <<'PY' | tee "$OUT/determinism_summary.txt"
 import json, os, sys

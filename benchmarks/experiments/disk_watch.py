@@ -1,0 +1,59 @@
+"""Samples the disk under a path and the page cache's dirty bytes until stopped (SIGTERM), for attributing a
+run's disk traffic to its iterations (beside_writer.py --disk).
+
+    python benchmarks/experiments/disk_watch.py PATH OUT_FILE [INTERVAL_S]
+
+Each line: epoch seconds, bytes read and written by the device so far (its /sys/dev/block stat), and the page
+cache's Dirty and Writeback bytes (/proc/meminfo).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from typing import Tuple
+
+SECTOR = 512  # the block layer's stat counts 512-byte sectors whatever the device's
+
+
+def stat_path(path: str) -> str:
+    dev = os.stat(path).st_dev
+    return f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat"
+
+
+def device_bytes(stat_file: str) -> Tuple[int, int]:
+    with open(stat_file) as f:
+        fields = f.read().split()
+    return int(fields[2]) * SECTOR, int(fields[6]) * SECTOR
+
+
+def page_cache_bytes() -> Tuple[int, int]:
+    values = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            name, rest = line.split(":", 1)
+            if name in ("Dirty", "Writeback"):
+                values[name] = int(rest.split()[0]) * 1024
+    return values.get("Dirty", 0), values.get("Writeback", 0)
+
+
+def main(argv) -> int:
+    path, out = argv[1], argv[2]
+    interval = float(argv[3]) if len(argv) > 3 else 0.2
+    stat_file = stat_path(path)
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
+    with open(out, "w") as f:
+        while not stop:
+            read, written = device_bytes(stat_file)
+            dirty, writeback = page_cache_bytes()
+            f.write(f"{time.time():.3f} {read} {written} {dirty} {writeback}\n")
+            f.flush()
+            time.sleep(interval)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
