@@ -48,9 +48,9 @@ def test_each_node_picks_its_own_ranks_files_and_every_file_is_picked_by_one_rea
 class CountingReadAhead(FilesReadAhead):
     """Records each read (file, offset, bytes) and checks the bytes against the file's."""
 
-    def __init__(self, sizes, contents, delay=0.0, fail_at=None, **kwargs):
+    def __init__(self, sizes, contents, delay=0.0, fail_at=None, most=None, **kwargs):
         super().__init__(sizes, **kwargs)
-        self.contents, self.delay, self.fail_at = contents, delay, fail_at
+        self.contents, self.delay, self.fail_at, self.most = contents, delay, fail_at, most  # most: a short read's bytes
         self.reads, self.errors = [], []
         self.reads_lock = threading.Lock()
 
@@ -59,7 +59,7 @@ class CountingReadAhead(FilesReadAhead):
             if self.fail_at is not None and len(self.reads) == self.fail_at:
                 raise OSError(5, "Input/output error")
         time.sleep(self.delay)
-        n = super().read_piece(fd, buffer, offset)
+        n = super().read_piece(fd, buffer[:self.most], offset)
         path = os.readlink(f"/proc/self/fd/{fd}")
         if bytes(buffer[:n]) != self.contents[path][offset:offset + n]:
             self.errors.append((path, offset, n))
@@ -82,20 +82,26 @@ def make_files(root, sizes, seed=0):
     return made, contents
 
 
+def wait_for(reading, seconds=20.0):
+    """Until ``reading``'s threads end by themselves (every piece taken, or an error), or ``seconds`` passed."""
+    for thread in list(threading.enumerate()):
+        if thread.name.startswith("ckpt-read-ahead"):
+            thread.join(seconds)
+
+
 def no_reader_threads():
     return not any(t.name.startswith("ckpt-read-ahead") for t in threading.enumerate())
 
 
 @settings(max_examples=40, deadline=None)
 @given(sizes=st.lists(st.integers(0, 300), min_size=1, max_size=6), piece=st.integers(1, 64),
-       threads=st.integers(1, 4))
-def test_every_byte_of_the_given_files_is_read_once_and_nothing_else(tmp_path_factory, sizes, piece, threads):
+       threads=st.integers(1, 4), most=st.none() | st.integers(1, 64))
+def test_every_byte_of_the_given_files_is_read_once_and_nothing_else(tmp_path_factory, sizes, piece, threads, most):
     root = tmp_path_factory.mktemp("files")
     made, contents = make_files(root, sizes + [50])
     given_files, left_out = made[:-1], made[-1][0]  # a file beside them that is not given
-    reading = CountingReadAhead(given_files, contents, piece_bytes=piece, threads=threads).start()
-    while reading.bytes_read < reading.total and reading.failure is None:
-        time.sleep(0.001)
+    reading = CountingReadAhead(given_files, contents, piece_bytes=piece, threads=threads, most=most).start()
+    wait_for(reading)
     reading.stop()
     assert no_reader_threads()
     assert reading.failure is None and reading.errors == [] and reading.finished
@@ -104,7 +110,7 @@ def test_every_byte_of_the_given_files_is_read_once_and_nothing_else(tmp_path_fa
         ranges = sorted((offset, n) for p, offset, n in reading.reads if p == path)
         assert sum(n for _, n in ranges) == size  # every byte, none twice
         assert all(a + n == b for (a, n), (b, _) in zip(ranges, ranges[1:]))
-        assert all(n <= piece for _, n in ranges)
+        assert all(n <= min(piece, most or piece) for _, n in ranges)
     assert reading.bytes_read == reading.total == sum(sizes)
 
 
@@ -125,9 +131,7 @@ def test_stop_ends_the_reading_at_once_with_no_thread_left(tmp_path):
 def test_an_error_ends_the_reading_quietly_and_is_kept(tmp_path, caplog):
     made, contents = make_files(tmp_path, [500, 500])
     reading = CountingReadAhead(made, contents, fail_at=3, piece_bytes=10, threads=2).start()
-    for thread in list(threading.enumerate()):
-        if thread.name.startswith("ckpt-read-ahead"):
-            thread.join(5)
+    wait_for(reading)
     reading.stop()  # does not raise
     assert no_reader_threads()
     assert reading.failure == "OSError: [Errno 5] Input/output error" and not reading.finished
@@ -160,8 +164,8 @@ def test_at_a_load_the_node_reads_its_ranks_files_until_the_block_ends(tmp_path,
     (tmp_path / "common.pt").write_bytes(b"y" * 100)
     with TorchDistReadAhead(str(tmp_path), enabled=enabled) as load:
         reading = load.reading
-        while reading is not None and not reading.finished and reading.failure is None:
-            time.sleep(0.001)
+        if reading is not None:
+            wait_for(reading)
     assert no_reader_threads()
     if not enabled:
         assert reading is None and load.summary() == ""
