@@ -23,6 +23,7 @@ def test_a_resume_with_the_read_ahead_continues_bit_for_bit_and_says_so(tmp_path
     output = (tmp_path / "run" / "resumed.out").read_text()
     lines = re.findall(r"^> checkpoint read from .*$", output, re.M)
     assert len(lines) == 1, output[-3000:]
-    said = re.search(r"; torch_dist files read ahead on this node: (.+) in [0-9.]+ s on \d threads \(whole\)$", lines[0])
+    said = re.search(r"; torch_dist files read ahead on this node: (.+) in [0-9.]+ s on \d threads \(whole\)$",
+                     lines[0])
     assert said, lines[0]
     assert said.group(1) == human_bytes(sum(f.stat().st_size for f in files))

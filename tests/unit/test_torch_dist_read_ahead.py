@@ -50,7 +50,8 @@ class CountingReadAhead(FilesReadAhead):
 
     def __init__(self, sizes, contents, delay=0.0, fail_at=None, most=None, **kwargs):
         super().__init__(sizes, **kwargs)
-        self.contents, self.delay, self.fail_at, self.most = contents, delay, fail_at, most  # most: a short read's bytes
+        self.contents, self.delay, self.fail_at = contents, delay, fail_at
+        self.most = most  # the most bytes one read returns: short reads, as a file system may give
         self.reads, self.errors = [], []
         self.reads_lock = threading.Lock()
 
