@@ -37,6 +37,10 @@ def add_flags(g) -> None:
                    help="record no digests of each rank's params and offloaded optimizer state at a save, and "
                         "compare none at a load (the resume check, whose digests take CPU time beside the "
                         "checkpoint writer and the load)")
+    g.add_argument("--no-ckpt-read-ahead", dest="ckpt_read_ahead", action="store_false",
+                   help="at a load, read nothing ahead: by default a few threads of each node read its ranks' "
+                        "torch_dist files into the page cache in large pieces while megatron-core reads them item "
+                        "by item (skipped where they exceed half of the node's available memory)")
     g.add_argument("--ckpt-fully-parallel-save", dest="ckpt_fully_parallel_save", action="store_true",
                    default=True, help="spread the writing of replicated shards over data-parallel ranks (default)")
     g.add_argument("--no-ckpt-fully-parallel-save", dest="ckpt_fully_parallel_save", action="store_false",

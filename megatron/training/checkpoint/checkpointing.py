@@ -32,6 +32,7 @@ from megatron.training.checkpoint.offload_files import (offloaded_state_bytes, o
                                                         start_offloaded_save, write_offloaded_state)
 from megatron.training.checkpoint.optimizer_state import OffloadedStateLoad, load_optimizer, optimizer_template
 from megatron.training.checkpoint.saved_args import args_to_save
+from megatron.training.checkpoint.torch_dist_read_ahead import TorchDistReadAhead
 from megatron.training.checkpoint.resume_check import ResumeCheck, SaveDigests
 from megatron.training.checkpoint.state_dict import (all_data_parallel_rng_states, load_model, load_rng,
                                                      load_strategies, model_state, rng_sharded_object,
@@ -384,7 +385,8 @@ def load_checkpoint(root: str, model, optimizer, scheduler, args):
         offloaded = OffloadedStateLoad(plan, optimizer, model, check)
         offloaded.start()
     try:
-        state = dist_checkpointing.load(template, plan.path, **load_strategies(args, plan.path))
+        with TorchDistReadAhead(plan.path, enabled=args.ckpt_read_ahead) as read_ahead:  # ends with the read
+            state = dist_checkpointing.load(template, plan.path, **load_strategies(args, plan.path))
         torch_dist_s = time.perf_counter() - phases.last
         load_model(model, state)
     except BaseException:
@@ -400,12 +402,14 @@ def load_checkpoint(root: str, model, optimizer, scheduler, args):
     check.finish(model, optimizer_loaded=plan.optimizer is not None)
     torch.distributed.barrier()
     phases.mark("after")
-    _report_load(plan.path, model, optimizer, phases, torch_dist_s, offloaded)
+    _report_load(plan.path, model, optimizer, phases, torch_dist_s, offloaded, read_ahead)
     return resume_position(plan, args)
 
 
-def _report_load(path: str, model, optimizer, phases: Phases, torch_dist_s: float, offloaded) -> None:
-    """The load's line: each part's bytes and seconds, the slowest rank's (runtime.checkpoint_lines)."""
+def _report_load(path: str, model, optimizer, phases: Phases, torch_dist_s: float, offloaded,
+                 read_ahead: TorchDistReadAhead) -> None:
+    """The load's line: each part's bytes and seconds, the slowest rank's (runtime.checkpoint_lines), and
+    what rank 0's node read ahead of the torch_dist files."""
     figures = dict(phases.spans, torch_dist=torch_dist_s, whole=phases.total())
     figures["offloaded"] = offloaded.seconds if offloaded is not None else 0.0
     figures["offloaded bytes"] = offloaded.nbytes if offloaded is not None else 0
@@ -413,4 +417,5 @@ def _report_load(path: str, model, optimizer, phases: Phases, torch_dist_s: floa
     figures = dict(zip(names, slowest_rank([figures[name] for name in names], model)))
     if torch.distributed.get_rank() == 0:
         beside = offloaded is not None and offloaded.beside
-        print(load_line(path, part_bytes(path), figures, disk_rates(path, optimizer), beside), flush=True)
+        print(load_line(path, part_bytes(path), figures, disk_rates(path, optimizer), beside)
+              + read_ahead.summary(), flush=True)
