@@ -221,7 +221,11 @@ def test_installed_in_a_process_only_regular_files_are_paced(tmp_path):
             os.fsync(write_end)
         os.close(read_end)
         os.close(write_end)
-        assert not os.path.exists(report) or os.path.getsize(report) == 0
+        assert not os.path.exists(report) and not (tmp_path / "locks").exists()  # no pacer made, no token opened
+        fd = file_of(tmp_path / "f", 10)
+        os.fsync(fd)  # a regular file: paced
+        os.close(fd)
+        assert paced_flush.read_report(report).startswith("1 files flushed paced")
     finally:
         paced_flush.uninstall()
     assert os.fsync is original
