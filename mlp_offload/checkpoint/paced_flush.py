@@ -103,7 +103,9 @@ class TokenActivity:
         return self._clock() - self._seen_busy >= quiet_s
 
 
-class _SeenTier:
+class SeenTier:
+    """A tier as a ``DiskPacer`` asks about it (its ``activity``), seen from another process."""
+
     def __init__(self, activity):
         self.activity = activity
 
@@ -119,7 +121,7 @@ class FlushPacing:
     report_path: Optional[str] = None  # each process appends its FlushCounts here
 
     def pacer(self, clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep):
-        tiers = [_SeenTier(TokenActivity(TierTokens(root, count, self.lock_root), clock))
+        tiers = [SeenTier(TokenActivity(TierTokens(root, count, self.lock_root), clock))
                  for root, count in self.tier_tokens]
         return DiskPacer(tiers, self.cap_bps, clock=clock, sleep=sleep)
 

@@ -105,7 +105,7 @@ def test_pieces_wait_while_another_process_holds_a_tier_token(tmp_path):
         if offset == PIECE:  # while the second piece goes, the other process starts an operation
             theirs.acquire()
 
-    tier = paced_flush._SeenTier(paced_flush.TokenActivity(ours, clock))
+    tier = paced_flush.SeenTier(paced_flush.TokenActivity(ours, clock))
     pacer = DiskPacer([tier], cap_bps=1.0, clock=clock, sleep=sleep)  # the cap never lets a piece through
     fd = file_of(tmp_path / "f", 3 * PIECE)
     try:
