@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from megatron.training.checkpoint.async_save import forked_writer
+from megatron.training.runtime import io_priority
 from mlp_offload.checkpoint import paced_flush
 from mlp_offload.checkpoint.pacing import CAP_SHARE, MIN_CAP_BPS, POLL_S, DiskPacer, disk_rate
 from mlp_offload.tiers.activity import QUIET_S
@@ -196,9 +197,11 @@ def test_a_forked_writer_flushes_paced_and_the_ranks_fsync_stays_as_it_was(tmp_p
     assert os.fsync is original  # the rank's own
     assert paced_flush.read_report(report).startswith("1 files flushed paced (0.050 GB in 2 pieces")
     assert not os.path.exists(report)
-    # run in the process that made it (megatron-core's writer called in the rank itself): nothing replaced
+    # run in the process that made it (megatron-core's writer called in the rank itself): nothing changed
+    io_class = io_priority.io_priority_class()
     forked_writer(_write_and_fsync, _pacing(tmp_path, report))(str(tmp_path / "g"), queue)
     assert queue.get(timeout=10) == "fsync" and os.fsync is original
+    assert io_priority.io_priority_class() == io_class
 
 
 def test_without_pacing_the_forked_writer_keeps_the_plain_fsync(tmp_path):

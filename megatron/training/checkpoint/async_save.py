@@ -143,16 +143,19 @@ def _remove(path: str) -> None:
 def forked_writer(write: Callable, flush: Optional[FlushPacing]) -> Callable:
     """``write`` (megatron-core's, run in the process it forks) at the idle I/O priority, so the file tiers'
     step I/O goes first where the scheduler serves classes; with ``flush``, its fsyncs paced behind the tiers.
-    Both only where it runs in another process than the one that made it: never in the rank."""
+    Both only where it runs in another process than the one that made it: the rank's own stay as they are."""
     rank_pid = os.getpid()
+    idle = at_idle_io_priority(write)
 
     @functools.wraps(write)
     def run(*args, **kwargs):
-        if flush is not None and os.getpid() != rank_pid:
+        if os.getpid() == rank_pid:  # run in the rank itself: nothing of the rank's is changed
+            return write(*args, **kwargs)
+        if flush is not None:
             install_paced_fsync(flush)  # inherited by the workers it forks, one per file
-        return write(*args, **kwargs)
+        return idle(*args, **kwargs)
 
-    return at_idle_io_priority(run)
+    return run
 
 
 def reserve_host_copies(model_state: dict, fully_parallel: bool) -> Tuple[int, float]:
