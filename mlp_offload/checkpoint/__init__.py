@@ -1,7 +1,7 @@
 """checkpoint/: one engine's offloaded state in a single checkpoint file. The file's layout and its
 loading (``state_file``; its fixed parts and errors in ``file_format``, reading ranges of it in
 ``range_reader``), writing it from a snapshot, synchronously or by a thread (``write``); subgroups it takes by hard link
-from their tier files (``parts``).
+from their tier files (``parts``); megatron-core's forked writer's fsyncs paced behind the tiers (``paced_flush``).
 
 This package is a face of the engine: code outside it imports these names from here. May import the
 engine's other modules (the engine itself only for its type); none of them imports this package."""
@@ -14,6 +14,8 @@ from .digest import digest as tensor_digest  # the module keeps its name: ``dige
 from .file_blocks import FileBlocks, moments_change, note_moments_change, values_fill
 from .file_format import MAGIC, TRAILER, CheckpointDataError, CheckpointSaveError
 from .file_format import SUFFIX as STATE_FILE_SUFFIX
+from .paced_flush import FlushPacing, flush_pacing, read_report as read_flush_report
+from .paced_flush import install as install_paced_fsync
 from .parts import is_part_path
 from .range_reader import RangeReader
 from .state_file import (StateFile, fill_engine, human_bytes, load_engine_state, read_footer, state_file_bytes,
@@ -26,4 +28,4 @@ __all__ = ["MAGIC", "TRAILER", "STATE_FILE_SUFFIX", "CheckpointDataError", "Chec
            "BackgroundStateWrite", "save_engine_state", "start_background_save", "write_snapshot",
            "merge_remainders", "BlockLayout", "Quantized", "quantize", "describe_formats", "is_blockwise",
            "MASK", "TENSORS", "StateDigest", "add_pairs", "as_pairs", "tensor_digest", "find_mismatch",
-           "is_part_path"]
+           "is_part_path", "FlushPacing", "flush_pacing", "read_flush_report", "install_paced_fsync"]

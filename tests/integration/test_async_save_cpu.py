@@ -5,7 +5,8 @@ so that the next iterations overwrite the state, in host memory and in the tier 
 is still being written. A checkpoint is proven complete (COMPLETE.json) and named by the tracker
 only in the finalize step, once every rank's writes have ended; a rank killed in the middle of the
 background write leaves that checkpoint unfinished, and the restart resumes from the previous one
-exactly as a run that never stopped."""
+exactly as a run that never stopped. The nvme and pfs tiers are on the checkpoint's file system, so
+torch_dist's forked writer flushes its files paced behind them (mlp_offload.checkpoint.paced_flush)."""
 
 import re
 from pathlib import Path
@@ -98,6 +99,23 @@ def test_training_goes_on_while_the_offloaded_state_is_written(async_saved):
                         r"per rank written in the background; training paused ([0-9.]+) s", output)
     write_s, paused_s = float(figures.group(1)), float(figures.group(2))
     assert write_s >= 1.0 and paused_s < write_s / 2, figures.group(0)
+
+
+def test_torch_dists_forked_writer_flushes_its_files_paced(async_saved, chain):
+    """Its tiers on the checkpoint's disk: each save says torch_dist's writer is paced behind them, and once
+    finalized, that its processes wrote every file back in paced pieces (sync_file_range), none by a
+    plain fsync; the chain that resumed from such checkpoints goes on exactly (test below)."""
+    for output in (async_saved["output"], chain["resumed_output"]):
+        for n in (2, 4, 6):
+            if f"> checkpoint at iteration {n}: training held" not in output:
+                continue  # the resumed chain saves 4 and 6
+            assert re.search(rf"> checkpoint at iteration {n}: training held .*; its files flushed in 32 MiB pieces "
+                             r"paced behind the nvme/pfs tier", output), output[-3000:]
+            flushed = re.search(rf"> saved checkpoint at iteration {n} .*; torch_dist's writer: ([0-9]+) files flushed "
+                                r"paced \(([0-9.]+) GB in ([0-9]+) pieces, [0-9]+ waited [0-9.]+ s for the tiers\)$",
+                                output, re.MULTILINE)
+            assert flushed, [ln for ln in output.splitlines() if f"saved checkpoint at iteration {n}" in ln]
+            assert int(flushed.group(1)) >= 1 and int(flushed.group(3)) >= int(flushed.group(1))
 
 
 def test_a_kill_during_the_background_write_leaves_the_previous_checkpoint(chain):

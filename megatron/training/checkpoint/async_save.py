@@ -8,8 +8,10 @@ child sees memory as it was at the fork); the persistent caller would spawn a wo
 tensors through shared memory, which our CPU/gloo runs do not need.
 
 The writer thread starts after the fork, so the forked process inherits no half-held lock of it.
-The forked process runs at the idle I/O priority (runtime.io_priority): megatron-core's writes cannot
-be paced from inside, as the offloaded state's are (mlp_offload.checkpoint.pacing).
+The forked process runs at the idle I/O priority (runtime.io_priority), and where a file tier shares the
+checkpoint's disk its fsyncs become paced flushes (mlp_offload.checkpoint.paced_flush): megatron-core's
+writes into the page cache are left as they are, the disk writes they cause go behind the tiers' step I/O
+as the offloaded state's do (mlp_offload.checkpoint.pacing). Both are set inside the forked process only.
 
 The finalize step is collective. ``poll()`` (after every iteration) finalizes only when every rank's
 writers (process and thread) have ended; ``finish()`` waits for them (before the next save, before
@@ -28,7 +30,10 @@ process would see the next updates change them in place. ``HostWeightsAside`` co
 
 from __future__ import annotations
 
+import functools
+import os
 import socket
+import tempfile
 import time
 from typing import Callable, List, Optional, Protocol, Tuple
 
@@ -40,9 +45,10 @@ from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQu
 from megatron.core.dist_checkpointing.strategies.base import AsyncSaveShardedStrategy
 
 from megatron.training.errors import UserError
+from megatron.training.checkpoint.state_dict import writer_processes
 from megatron.training.runtime.io_priority import at_idle_io_priority
 from mlp_offload import GiB, meminfo_bytes
-from mlp_offload.checkpoint import human_bytes
+from mlp_offload.checkpoint import FlushPacing, flush_pacing, human_bytes, install_paced_fsync
 
 # on_written(failure): failure is None when this rank's write succeeded, else a one-line reason.
 OnWritten = Callable[[Optional[str]], None]
@@ -64,21 +70,22 @@ class BackgroundSaves:
         self._queue = AsyncCallsQueue(persistent=False)
         self._device = device  # of the all-reduce that asks whether every rank's thread has ended
         self._thread: Optional[WriterThread] = None
+        self._flush: Optional[FlushPacing] = None
 
     @property
     def pending(self) -> bool:
         return self._queue.get_num_unfinalized_calls() > 0
 
-    def schedule(self, request: AsyncRequest, on_written: OnWritten, thread: Optional[WriterThread] = None) -> None:
+    def schedule(self, request: AsyncRequest, on_written: OnWritten, thread: Optional[WriterThread] = None,
+                 flush: Optional[FlushPacing] = None) -> None:
         """Start writing (every rank calls this, all with a ``thread`` or none); ``on_written`` runs in
-        the finalize step, after the thread too has ended."""
+        the finalize step, after the thread too has ended. ``flush``: the forked writer's fsyncs paced so."""
         if self.pending:
             raise RuntimeError("a background checkpoint write is still pending: finish() it first")
         finalize = _finalize_then(request.finalize_fns, on_written)
-        # The forked writer at the idle I/O priority: the file tiers' step I/O first where the scheduler serves classes.
-        write = at_idle_io_priority(request.async_fn) if request.async_fn is not None else None
+        write = forked_writer(request.async_fn, flush) if request.async_fn is not None else None
         self._queue.schedule_async_request(request._replace(async_fn=write, finalize_fns=[finalize]))
-        self._thread = thread
+        self._thread, self._flush = thread, flush
         if thread is not None:
             thread.start()
 
@@ -110,6 +117,45 @@ class BackgroundSaves:
         for call in self._queue.async_calls:
             call.async_caller.close(abort=True)
         self._queue = AsyncCallsQueue(persistent=False)
+        if self._flush is not None and self._flush.report_path is not None:  # its report is read no more
+            _remove(self._flush.report_path)
+        self._flush = None
+
+
+def torch_dist_flush(shards, path: str) -> Optional[FlushPacing]:
+    """How the forked writer of a save into ``path`` paces its fsyncs, behind the file tiers of the offload
+    engines of ``shards`` on its disk (None: plain fsyncs); its processes report into a file of their own."""
+    handle, report = tempfile.mkstemp(prefix="mlp_offload_torch_dist_flushes-")
+    os.close(handle)
+    pacing = flush_pacing([shard.engine for shard in shards], path, writer_processes(), report)
+    if pacing is None:
+        _remove(report)
+    return pacing
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def forked_writer(write: Callable, flush: Optional[FlushPacing]) -> Callable:
+    """``write`` (megatron-core's, run in the process it forks) at the idle I/O priority, so the file tiers'
+    step I/O goes first where the scheduler serves classes; with ``flush``, its fsyncs paced behind the tiers.
+    Both only where it runs in another process than the one that made it: the rank's own stay as they are."""
+    rank_pid = os.getpid()
+    idle = at_idle_io_priority(write)
+
+    @functools.wraps(write)
+    def run(*args, **kwargs):
+        if os.getpid() == rank_pid:  # run in the rank itself: nothing of the rank's is changed
+            return write(*args, **kwargs)
+        if flush is not None:
+            install_paced_fsync(flush)  # inherited by the workers it forks, one per file
+        return idle(*args, **kwargs)
+
+    return run
 
 
 def reserve_host_copies(model_state: dict, fully_parallel: bool) -> Tuple[int, float]:

@@ -25,7 +25,8 @@ import torch
 from megatron.core import dist_checkpointing, parallel_state
 
 from megatron.training.checkpoint import integrity
-from megatron.training.checkpoint.async_save import HostWeightsAside, check_nodes_hold, reserve_host_copies
+from megatron.training.checkpoint.async_save import (HostWeightsAside, check_nodes_hold, reserve_host_copies,
+                                                      torch_dist_flush)
 from megatron.training.checkpoint.integrity import checkpoint_dir, part_bytes
 from megatron.training.checkpoint.load_plan import SAME_FORM, plan_load, resume_position
 from megatron.training.checkpoint.offload_files import (offloaded_state_bytes, offloaded_state_writes,
@@ -44,7 +45,7 @@ from megatron.training.runtime.checkpoint_lines import Phases, disk_rates, load_
 from megatron.training.runtime.concurrent import ConcurrentCall
 from megatron.training.runtime.optimizer_interface import OffloadedOptimizerCheckpoint
 from megatron.training.runtime.progress import gb_and_rate, model_device, print_rank0, slowest_rank
-from mlp_offload.checkpoint import CheckpointSaveError, human_bytes
+from mlp_offload.checkpoint import CheckpointSaveError, human_bytes, read_flush_report
 from mlp_offload import fault_point
 
 
@@ -145,7 +146,9 @@ def save_checkpoint(iteration: int, model, optimizer, scheduler, consumed_sample
             offload_write.cancel()
         raise
     on_written = _BackgroundCompletion(root, path, iteration, started, offload_write, model, digests)
-    background.schedule(request, on_written, offload_write)
+    shards = optimizer.shards if isinstance(optimizer, OffloadedOptimizerCheckpoint) else []
+    on_written.flush = torch_dist_flush(shards, path)  # None: its fsyncs as megatron-core makes them
+    background.schedule(request, on_written, offload_write, on_written.flush)
     fault_point("save-scheduled")
     done = time.perf_counter()
     # Where the hold went (consecutive parts: they add up to it), each on its slowest rank.
@@ -168,7 +171,8 @@ def save_checkpoint(iteration: int, model, optimizer, scheduler, consumed_sample
         what += f" and offloaded optimizer state ({human_bytes(offload_write.nbytes)} per rank)"
     print_rank0(f"> checkpoint at iteration {iteration}: training held {on_written.held_s:.2f} s{previous}; {what} "
                  f"are being written in the background to {path} (--async-save); torch_dist's writer process at "
-                 f"the idle I/O priority, {io_priority.describe(path)}")
+                 f"the idle I/O priority, {io_priority.describe(path)}; "
+                 f"{on_written.flush.describe() if on_written.flush else 'its fsyncs not paced (no file tier on its disk)'}")
     return path
 
 
@@ -287,8 +291,10 @@ class _BackgroundCompletion:
         self.model = model
         self.digests = digests
         self.held_s = 0.0  # the save's own hold, the slowest rank's (set once the save returns)
+        self.flush = None  # how torch_dist's writer paced its fsyncs (async_save.torch_dist_flush)
 
     def __call__(self, failure: Optional[str]) -> None:
+        flushed = read_flush_report(self.flush.report_path) if self.flush is not None else None
         write = self.offload_write
         if failure is None and write is not None and write.failure is not None:
             failure = _background_failure(write.failure, self.path)
@@ -303,6 +309,8 @@ class _BackgroundCompletion:
             line += (f"; offloaded optimizer state {gb_and_rate(nbytes, write_s)} per rank written in the background; "
                      f"training paused {self.held_s + paused_s:.2f} s ({self.held_s:.2f} s at the save, "
                      f"{paused_s:.2f} s in the updates after it)")
+        if flushed is not None:
+            line += f"; torch_dist's writer: {flushed}"
         print_rank0(line)
 
 

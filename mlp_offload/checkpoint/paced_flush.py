@@ -1,0 +1,218 @@
+"""A forked writer's files flushed to the disk paced behind the file tiers, like the offloaded state's writer.
+
+With --async-save, megatron-core's torch_dist writer is a process forked per save, which forks one worker per
+file; each worker writes its file through the page cache and ends it with ``os.fsync``. Left as is, the fsync
+sends the whole file to the disk at once, at the disk's full rate, and a file tier's step I/O on that disk
+queues behind it (the idle I/O class does not prevent it: see megatron/training/runtime/io_priority.py).
+``install`` (called in that forked process only, before it forks its workers, which inherit it) replaces
+``os.fsync`` there with ``paced_fsync``: the file written back in ``PIECE`` pieces by Linux
+``sync_file_range``, each piece after its turn on a ``pacing.DiskPacer`` (at once while the tiers are quiet,
+else at the cap), then one real ``fsync``, cheap once the pages are clean, for durability as before.
+
+Why at the fsync, not while writing: megatron-core's writer hands us nothing between its writes (the fsync is
+the one call of ours it makes per file), and it writes a file into the page cache in seconds, far within
+what the kernel leaves dirty before its flusher threads take it (an age of tens of seconds, a share of host
+memory). A flush that outlasts that age lets the flusher threads write the rest unpaced: pacing lost, never
+durability. Writing back while writing would need a hook into torch's stream transforms (experimental API).
+
+Seeing the tiers from another process: a tier's operations hold the node's tokens (``tiers.tokens``: flocks
+on files in a lock directory that every process of the node shares), so ``TokenActivity`` probes them through
+files it opens itself (a flock inherited through the fork is the rank's own, and would always be granted).
+Tiers whose tokens are job-wide (a key-value store) cannot be seen from here: no pacing behind them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import stat
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence, Tuple
+
+from ..tiers.activity import QUIET_S
+from ..tiers.tokens import TierTokens
+from .pacing import CAP_SHARE, MIN_CAP_BPS, DiskPacer, disk_rate, same_device_tiers
+
+PIECE = 32 << 20  # bytes written back per turn: a pause in the step's I/O of a few ms is enough for one
+SYNC_FILE_RANGE_WAIT_BEFORE, SYNC_FILE_RANGE_WRITE, SYNC_FILE_RANGE_WAIT_AFTER = 1, 2, 4
+WRITE_AND_WAIT = SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | SYNC_FILE_RANGE_WAIT_AFTER
+
+SyncRange = Callable[[int, int, int], None]  # (fd, offset, nbytes): that range on the disk, or OSError
+
+
+def sync_file_range() -> Optional[SyncRange]:
+    """libc's ``sync_file_range`` (write back a byte range and wait for it), None where there is none."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        function = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    function.restype = ctypes.c_int
+
+    def sync_range(fd: int, offset: int, nbytes: int) -> None:
+        if function(fd, offset, nbytes, WRITE_AND_WAIT) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+
+    return sync_range
+
+
+@dataclass
+class FlushCounts:
+    """What one process's paced flushes did (the forked writer's report)."""
+    files: int = 0
+    pieces: int = 0
+    nbytes: int = 0
+    unpaced: int = 0  # files whose ranges could not be written back (a plain fsync did it all)
+
+
+def paced_flush(fd: int, pacer: DiskPacer, sync_range: SyncRange, fsync: Callable[[int], None],
+                counts: FlushCounts, piece: int = PIECE) -> None:
+    """``fd``'s file written back piece by piece, in order, each after its turn on ``pacer``, then fsynced."""
+    size = os.fstat(fd).st_size
+    counts.files += 1
+    try:
+        for offset in range(0, size, piece):
+            nbytes = min(piece, size - offset)
+            pacer.wait_turn(nbytes)
+            sync_range(fd, offset, nbytes)
+            counts.pieces += 1
+            counts.nbytes += nbytes
+    except OSError:  # a file system that refuses it (EINVAL, ESPIPE): the fsync below does the rest
+        counts.unpaced += 1
+    fsync(fd)  # the metadata, and what a range write left (pages dirtied again): durable as a plain fsync
+
+
+class TokenActivity:
+    """A tier's activity as another process of the node sees it: busy while one of its tokens is held, and
+    for ``QUIET_S`` after the last time one was seen held (the gaps between a step's operations)."""
+
+    def __init__(self, tokens: TierTokens, clock: Callable[[], float] = time.monotonic):
+        self.tokens = tokens
+        self._clock = clock
+        self._seen_busy = float("-inf")
+
+    def quiet(self, quiet_s: float = QUIET_S) -> bool:
+        if self.tokens.held_elsewhere():
+            self._seen_busy = self._clock()
+            return False
+        return self._clock() - self._seen_busy >= quiet_s
+
+
+class SeenTier:
+    """A tier as a ``DiskPacer`` asks about it (its ``activity``), seen from another process."""
+
+    def __init__(self, activity):
+        self.activity = activity
+
+
+@dataclass(frozen=True)
+class FlushPacing:
+    """What a forked writer needs to pace its flushes: the tiers' token files and the cap. Made in the rank,
+    used in the forked processes (each opens its own token files)."""
+    tier_names: Tuple[str, ...]
+    tier_tokens: Tuple[Tuple[str, int], ...]  # (tier directory, tokens): where TierTokens finds its lock files
+    lock_root: Optional[str]
+    cap_bps: float  # of each writer process
+    report_path: Optional[str] = None  # each process appends its FlushCounts here
+
+    def pacer(self, clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep):
+        tiers = [SeenTier(TokenActivity(TierTokens(root, count, self.lock_root), clock))
+                 for root, count in self.tier_tokens]
+        return DiskPacer(tiers, self.cap_bps, clock=clock, sleep=sleep)
+
+    def describe(self) -> str:
+        return (f"its files flushed in {PIECE >> 20} MiB pieces paced behind the {'/'.join(self.tier_names)} tier "
+                f"(<= {self.cap_bps / 1e9:.2f} GB/s per writer process beside its I/O)")
+
+
+def flush_pacing(engines: Sequence, path: str, writer_processes: int,
+                 report_path: Optional[str] = None) -> Optional[FlushPacing]:
+    """The pacing of a forked writer's flushes into ``path`` (a checkpoint's directory), None where no file
+    tier with node-wide tokens shares its device or ``sync_file_range`` is missing (plain fsyncs then)."""
+    if sync_file_range() is None:
+        return None
+    tiers, seen = [], set()
+    for engine in engines:
+        for tier in same_device_tiers(engine, path):
+            if isinstance(tier.tokens, TierTokens) and tier.root not in seen:
+                seen.add(tier.root)
+                tiers.append((engine, tier))
+    if not tiers:
+        return None
+    ranks = max(engine.config.resolved_ranks_sharing_node() for engine, _ in tiers)
+    disk_bps = min(disk_rate(engine, tier.name) for engine, tier in tiers) / ranks
+    cap_bps = max(CAP_SHARE * disk_bps, MIN_CAP_BPS) / max(1, writer_processes)
+    return FlushPacing(tuple(dict.fromkeys(tier.name for _, tier in tiers)),
+                       tuple((tier.root, tier.tokens.lock_files) for _, tier in tiers),
+                       tiers[0][1].lock_root, cap_bps, report_path)
+
+
+_INSTALLED: List = []  # [(pacing, the real fsync)] in a process where install ran (a forked writer)
+
+
+def install(pacing: FlushPacing, sync_range: Optional[SyncRange] = None) -> bool:
+    """Replace ``os.fsync`` in this process (a forked writer: never the rank) by ``paced_fsync``; whether it did."""
+    sync_range = sync_range or sync_file_range()
+    if sync_range is None or _INSTALLED:
+        return False
+    real_fsync = os.fsync
+    state = {"pid": None, "pacer": None, "counts": None}
+
+    def paced_fsync(fd) -> None:
+        fd = fd if isinstance(fd, int) else fd.fileno()
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return real_fsync(fd)
+        if state["pid"] != os.getpid():  # a worker forked from the writer: pacer and token files of its own
+            try:
+                pacer = pacing.pacer()
+            except OSError:  # the lock directory unusable from here: unpaced, durable all the same
+                pacer = None
+            state.update(pid=os.getpid(), pacer=pacer, counts=FlushCounts())
+        if state["pacer"] is None:
+            return real_fsync(fd)
+        paced_flush(fd, state["pacer"], sync_range, real_fsync, state["counts"])
+        _append_report(pacing.report_path, state["counts"], state["pacer"])
+
+    _INSTALLED.append((pacing, real_fsync))
+    os.fsync = paced_fsync
+    return True
+
+
+def uninstall() -> None:
+    """``os.fsync`` back as it was (tests, which install in their own process)."""
+    if _INSTALLED:
+        os.fsync = _INSTALLED.pop()[1]
+
+
+def _append_report(report_path: Optional[str], counts: FlushCounts, pacer: DiskPacer) -> None:
+    """One line per file flushed, appended (one short write: whole even beside the other workers')."""
+    if report_path is None:
+        return
+    line = f"{os.getpid()} {counts.files} {counts.pieces} {counts.nbytes} {counts.unpaced} {pacer.waits} {pacer.waited_s:.3f}\n"
+    with open(report_path, "a") as report:
+        report.write(line)
+
+
+def read_report(report_path: str) -> str:
+    """The forked writer's flushes in one clause (each process's last line counts), the report file removed."""
+    try:
+        with open(report_path) as report:
+            lines = report.read().split("\n")
+        os.unlink(report_path)
+    except OSError:
+        return "its flushes reported nothing"
+    last = {}
+    for line in lines:
+        fields = line.split()
+        if len(fields) == 7:
+            last[fields[0]] = [float(x) for x in fields[1:]]
+    files, pieces, nbytes, unpaced, waits, waited_s = (sum(v[i] for v in last.values()) for i in range(6))
+    if not files:
+        return "no file flushed paced"
+    return (f"{int(files)} files flushed paced ({nbytes / 1e9:.3f} GB in {int(pieces)} pieces, {int(waits)} "
+            f"waited {waited_s:.1f} s for the tiers{f', {int(unpaced)} by a plain fsync' if unpaced else ''})")

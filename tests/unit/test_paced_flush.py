@@ -1,0 +1,234 @@
+"""megatron-core's forked torch_dist writer flushes its files paced behind the file tiers
+(mlp_offload/checkpoint/paced_flush.py, installed by megatron/training/checkpoint/async_save.forked_writer):
+each byte range of a file written back once, in order, each piece after its turn, then one real fsync;
+pieces wait while another process holds a tier's token; without sync_file_range or a tier on the disk,
+plain fsyncs; the rank's own ``os.fsync`` is never replaced. Clocks are injected, waits counted."""
+
+import multiprocessing
+import os
+import sys
+
+import pytest
+
+from megatron.training.checkpoint.async_save import forked_writer
+from megatron.training.runtime import io_priority
+from mlp_offload.checkpoint import paced_flush
+from mlp_offload.checkpoint.pacing import CAP_SHARE, MIN_CAP_BPS, POLL_S, DiskPacer, disk_rate
+from mlp_offload.tiers.activity import QUIET_S
+from mlp_offload.tiers.tokens import TierTokens
+
+from .test_background_save import engine_at_step_3
+from .test_writer_pacing import Clock
+
+PIECE = 1000
+
+
+def file_of(path, nbytes):
+    with open(path, "wb") as f:
+        f.write(os.urandom(nbytes))
+    return os.open(path, os.O_RDWR)
+
+
+class Recorder:
+    """The syscalls and the pacer of a paced flush, each call noted in one list (their order)."""
+
+    def __init__(self, clock=None):
+        self.calls = []
+        self.clock = clock
+
+    def sync_range(self, fd, offset, nbytes):
+        self.calls.append(("range", offset, nbytes) if self.clock is None else ("range", offset, self.clock.now))
+
+    def fsync(self, fd):
+        self.calls.append(("fsync",))
+
+    def wait_turn(self, nbytes):
+        self.calls.append(("turn", nbytes))
+
+
+def test_every_range_is_written_back_once_in_order_each_after_its_turn_then_fsynced(tmp_path):
+    fd = file_of(tmp_path / "f", 2 * PIECE + 345)
+    rec, counts = Recorder(), paced_flush.FlushCounts()
+    try:
+        paced_flush.paced_flush(fd, rec, rec.sync_range, rec.fsync, counts, piece=PIECE)
+    finally:
+        os.close(fd)
+    assert rec.calls == [("turn", PIECE), ("range", 0, PIECE), ("turn", PIECE), ("range", PIECE, PIECE),
+                         ("turn", 345), ("range", 2 * PIECE, 345), ("fsync",)]
+    assert (counts.files, counts.pieces, counts.nbytes, counts.unpaced) == (1, 3, 2 * PIECE + 345, 0)
+
+
+def test_the_real_sync_file_range_writes_a_file_back_and_a_refusal_falls_back_to_the_fsync(tmp_path):
+    sync_range = paced_flush.sync_file_range()
+    if sync_range is None:
+        pytest.skip("no sync_file_range here (Linux only)")
+    fd = file_of(tmp_path / "f", 3 * PIECE)
+    rec, counts = Recorder(), paced_flush.FlushCounts()
+    try:
+        paced_flush.paced_flush(fd, rec, sync_range, rec.fsync, counts, piece=PIECE)
+    finally:
+        os.close(fd)
+    assert counts.pieces == 3 and counts.unpaced == 0 and rec.calls[-1] == ("fsync",)
+    read_end, write_end = os.pipe()  # a pipe: the kernel refuses sync_file_range (ESPIPE)
+    try:
+        with pytest.raises(OSError):
+            sync_range(write_end, 0, PIECE)
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+    refused, counts = Recorder(), paced_flush.FlushCounts()
+
+    def refuse(fd, offset, nbytes):
+        raise OSError(22, "Invalid argument")
+
+    fd = file_of(tmp_path / "g", 3 * PIECE)
+    try:
+        paced_flush.paced_flush(fd, refused, refuse, refused.fsync, counts, piece=PIECE)
+    finally:
+        os.close(fd)
+    assert counts.unpaced == 1 and refused.calls[-1] == ("fsync",)  # durable all the same
+
+
+def test_pieces_wait_while_another_process_holds_a_tier_token(tmp_path):
+    clock = Clock()
+    locks = str(tmp_path / "locks")
+    ours, theirs = TierTokens(str(tmp_path), 1, lock_root=locks), TierTokens(str(tmp_path), 1, lock_root=locks)
+    rec = Recorder(clock)
+    events = {7: theirs.release, 30: theirs.release}  # at these looks, the other process's operation ends
+
+    def sleep(seconds):
+        clock.sleep(seconds)
+        if clock.sleeps in events:
+            events[clock.sleeps]()
+
+    def sync_range(fd, offset, nbytes):
+        rec.sync_range(fd, offset, nbytes)
+        if offset == PIECE:  # while the second piece goes, the other process starts an operation
+            theirs.acquire()
+
+    tier = paced_flush.SeenTier(paced_flush.TokenActivity(ours, clock))
+    pacer = DiskPacer([tier], cap_bps=1.0, clock=clock, sleep=sleep)  # the cap never lets a piece through
+    fd = file_of(tmp_path / "f", 3 * PIECE)
+    try:
+        theirs.acquire()
+        start = clock.now
+        paced_flush.paced_flush(fd, pacer, sync_range, rec.fsync, paced_flush.FlushCounts(), piece=PIECE)
+    finally:
+        os.close(fd)
+        ours.close()
+        theirs.close()
+    (_, o1, t1), (_, o2, t2), (_, o3, t3), last = rec.calls
+    assert (o1, o2, o3, last) == (0, PIECE, 2 * PIECE, ("fsync",))
+    assert t1 >= start + 7 * POLL_S  # held until the 7th look
+    assert t2 == t1  # the tier quiet: at once
+    assert t3 >= t2 + (30 - 7) * POLL_S - 1e-9  # held again until the 30th look
+    assert pacer.waits == 2 and pacer.idle_bytes == 3 * PIECE and pacer.capped_bytes == 0
+
+
+def test_a_token_seen_held_keeps_the_tier_busy_for_the_quiet_time(tmp_path):
+    clock = Clock()
+    locks = str(tmp_path / "locks")
+    ours, theirs = TierTokens(str(tmp_path), 1, lock_root=locks), TierTokens(str(tmp_path), 1, lock_root=locks)
+    try:
+        activity = paced_flush.TokenActivity(ours, clock)
+        assert activity.quiet()
+        theirs.acquire()
+        assert not activity.quiet()
+        theirs.release()
+        assert not activity.quiet()  # between two operations of a step
+        clock.sleep(0.5 * QUIET_S)
+        assert not activity.quiet()
+        clock.sleep(QUIET_S)
+        assert activity.quiet()
+    finally:
+        ours.close()
+        theirs.close()
+
+
+def test_the_pacing_sees_the_tiers_on_the_checkpoints_disk_only(tmp_path, monkeypatch):
+    with engine_at_step_3(tmp_path / "e") as engine:
+        (tmp_path / "ckpt").mkdir()
+        pacing = paced_flush.flush_pacing([engine], str(tmp_path / "ckpt" / "iter_0000002"), 4)
+        assert pacing is not None and pacing.tier_names == ("nvme",)
+        tier = engine.file_tiers["nvme"]
+        assert pacing.tier_tokens == ((tier.root, tier.tokens.lock_files),)
+        assert pacing.cap_bps == pytest.approx(max(CAP_SHARE * disk_rate(engine, "nvme"), MIN_CAP_BPS) / 4)
+        assert "paced behind the nvme tier" in pacing.describe()
+        monkeypatch.setattr(tier, "device", -1)  # the tier on another disk
+        assert paced_flush.flush_pacing([engine], str(tmp_path / "ckpt" / "iter_0000002"), 4) is None
+        monkeypatch.undo()
+        monkeypatch.setattr(paced_flush, "sync_file_range", lambda: None)  # no sync_file_range: plain fsyncs
+        assert paced_flush.flush_pacing([engine], str(tmp_path / "ckpt" / "iter_0000002"), 4) is None
+
+
+def test_no_sync_file_range_off_linux_and_nothing_installed_without_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "platform", "darwin")
+    assert paced_flush.sync_file_range() is None
+    original = os.fsync
+    assert not paced_flush.install(_pacing(tmp_path))
+    assert os.fsync is original
+
+
+def _pacing(tmp_path, report=None):
+    (tmp_path / "tier").mkdir(exist_ok=True)
+    return paced_flush.FlushPacing(("nvme",), ((str(tmp_path / "tier"), 1),), str(tmp_path / "locks"), 1e12, report)
+
+
+def _write_and_fsync(path, queue):
+    """What megatron-core's worker does at the end of a file; says which fsync it found."""
+    with open(path, "wb") as f:
+        f.write(os.urandom(3 * paced_flush.PIECE // 2))
+        f.flush()
+        os.fsync(f.fileno())
+    queue.put(os.fsync.__name__)
+
+
+@pytest.mark.skipif(paced_flush.sync_file_range() is None, reason="no sync_file_range here (Linux only)")
+def test_a_forked_writer_flushes_paced_and_the_ranks_fsync_stays_as_it_was(tmp_path):
+    original = os.fsync
+    report = str(tmp_path / "report")
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=forked_writer(_write_and_fsync, _pacing(tmp_path, report)),
+                            args=(str(tmp_path / "f"), queue))
+    child.start()
+    child.join()
+    assert child.exitcode == 0 and queue.get(timeout=10) == "paced_fsync"
+    assert os.fsync is original  # the rank's own
+    assert paced_flush.read_report(report).startswith("1 files flushed paced (0.050 GB in 2 pieces")
+    assert not os.path.exists(report)
+    # run in the process that made it (megatron-core's writer called in the rank itself): nothing changed
+    io_class = io_priority.io_priority_class()
+    forked_writer(_write_and_fsync, _pacing(tmp_path, report))(str(tmp_path / "g"), queue)
+    assert queue.get(timeout=10) == "fsync" and os.fsync is original
+    assert io_priority.io_priority_class() == io_class
+
+
+def test_without_pacing_the_forked_writer_keeps_the_plain_fsync(tmp_path):
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=forked_writer(_write_and_fsync, None), args=(str(tmp_path / "f"), queue))
+    child.start()
+    child.join()
+    assert child.exitcode == 0 and queue.get(timeout=10) == "fsync"
+
+
+def test_installed_in_a_process_only_regular_files_are_paced(tmp_path):
+    original = os.fsync
+    report = str(tmp_path / "report")
+    assert paced_flush.install(_pacing(tmp_path, report))
+    try:
+        assert os.fsync is not original and not paced_flush.install(_pacing(tmp_path))  # once per process
+        read_end, write_end = os.pipe()
+        with pytest.raises(OSError):  # a pipe: the real fsync's own answer (EINVAL), no pacing
+            os.fsync(write_end)
+        os.close(read_end)
+        os.close(write_end)
+        assert not os.path.exists(report) and not (tmp_path / "locks").exists()  # no pacer made, no token opened
+        fd = file_of(tmp_path / "f", 10)
+        os.fsync(fd)  # a regular file: paced
+        os.close(fd)
+        assert paced_flush.read_report(report).startswith("1 files flushed paced")
+    finally:
+        paced_flush.uninstall()
+    assert os.fsync is original
