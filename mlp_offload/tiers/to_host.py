@@ -1,8 +1,8 @@
 """Device-to-host copies made by a background thread without holding back the training thread.
 
 A copy from device memory into pageable host memory keeps the CUDA driver busy for its whole length, and
-the kernel launches of every other thread of the process wait behind it: a 4 GiB copy aside by a
-checkpoint writer slowed the training steps beside it twenty-fold. ``copy_to_host`` moves such a copy
+the kernel launches of every other thread of the process wait behind it: a checkpoint writer's copy aside
+holds the training steps back for as long as it runs. ``copy_to_host`` moves such a copy
 through two small pinned buffers instead: each piece's DMA only ever touches pinned memory, and the CPU
 copies one piece into its destination while the next one moves.
 """
