@@ -14,6 +14,7 @@
 #   A1  (only when RUNS names it) --async-save at 2 and 4 of 6 iterations: each save's hold, the steps beside its writer
 #   A2, B2  (only when RUNS names them) --async-save at 4 and 8 of 8 iterations, and the same without saves: the
 #       iterations beside the paced writer against B2's (goal <= 1.25x), the pacing lines, the disk's scheduler
+#   A3  (only when RUNS names it) A2 with --no-resume-check: what the digests' CPU work costs the steps beside the writer
 #   bash benchmarks/run_gpu.sh determinism     (device tool, kind nvidia-h200, carry [".whl"])
 #   RUNS="D1 D2 DR" ... a subset; DRY_RUN=1 bash benchmarks/experiments/determinism.sh (tiny, CPU)
 set -u
@@ -57,7 +58,7 @@ run() {  # NAME [flags]
   local name=$1; shift
   local code watcher=""
   case $name in  # A2 and B2: lines stamped and the disk sampled, for beside_writer.py --disk
-    A2|B2) $PY benchmarks/experiments/disk_watch.py "$DISK" "$OUT/disk_$name.txt" & watcher=$! ;;
+    A2|A3|B2) $PY benchmarks/experiments/disk_watch.py "$DISK" "$OUT/disk_$name.txt" & watcher=$! ;;
   esac
   # shellcheck disable=SC2086
   timeout "${RUN_LIMIT:-170}" torchrun --nproc_per_node 1 --master_port "${PORT:-29561}" pretrain_gpt.py $COMMON "$@" \
@@ -81,6 +82,8 @@ for name in ${RUNS:-D1 D2 DR N1 N2}; do
     A1) run A1 --async-save --save "$DISK/async" --save-interval 2 --train-iters 6 ;;  # holds, steps beside the writer
     A2) echo "scheduler of $DISK: $($PY -c "import sys; from megatron.training.runtime.io_priority import scheduler_of; print(scheduler_of(sys.argv[1]))" "$DISK")"
         run A2 --async-save --save "$DISK/paced" --save-interval 4 --train-iters 8; rm -rf "$DISK/paced" ;;
+    A3) run A3 --async-save --save "$DISK/paced" --save-interval 4 --train-iters 8 --no-resume-check
+        rm -rf "$DISK/paced" ;;  # A2 without the resume check's digests (their CPU work beside the steps)
     B2) run B2 --train-iters 8 ;;  # A2 without saves
     S1) run S1 --deterministic-mode ;;  # layer_major.sh's pair
     L1) run L1 --deterministic-mode --offload-activations host ;;
@@ -89,10 +92,13 @@ for name in ${RUNS:-D1 D2 DR N1 N2}; do
   esac
 done
 du -sh "$DISK/at2" 2>/dev/null | cat
-if [ -s "$OUT/determinism_A2.log" ] && [ -s "$OUT/determinism_B2.log" ]; then
-  $PY benchmarks/experiments/beside_writer.py "$OUT/determinism_A2.log" "$OUT/determinism_B2.log" \
-    --disk "$OUT/disk_A2.txt" "$OUT/disk_B2.txt" | tee "$OUT/determinism_beside_writer.txt"
-fi
+for async in A2 A3; do
+  if [ -s "$OUT/determinism_$async.log" ] && [ -s "$OUT/determinism_B2.log" ]; then
+    echo "$async against B2:"
+    $PY benchmarks/experiments/beside_writer.py "$OUT/determinism_$async.log" "$OUT/determinism_B2.log" \
+      --disk "$OUT/disk_$async.txt" "$OUT/disk_B2.txt" | tee "$OUT/determinism_beside_writer_$async.txt"
+  fi
+done
 $PY - "$OUT" <<'PY' | tee "$OUT/determinism_summary.txt"
 import json, os, sys
 out = sys.argv[1]
