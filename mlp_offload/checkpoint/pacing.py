@@ -5,8 +5,9 @@ tier's own step I/O share one disk, and an unpaced writer slows the steps beside
 traffic. So the writer moves its bytes in bounded chunks (a piece of
 ``direct_io``, a tier read for the digest), each of which waits while such a tier moves data
 (``tiers.activity``): the step's I/O goes first. A tier that is hardly ever quiet must not starve the
-writer, so chunks also pass while it is busy, at ``CAP_SHARE`` of the disk's write rate (the rates
-the steps showed, ``engine.file_tier_rates``): the step's I/O keeps at least ``1 / SLOWDOWN`` of the disk.
+writer, so chunks also pass while it is busy, at ``WRITER_SHARE`` of ``CAP_SHARE`` of the disk's write rate (the
+rates the steps showed, ``engine.file_tier_rates``; torch_dist's flushes take the other part): the step's I/O keeps
+at least ``1 / SLOWDOWN`` of the disk.
 A checkpoint on another device: no pacing. Since the writer then takes several steps, the staging
 budget (``snapshot``) is raised to the state held in memory while host memory allows, and the writer
 copies that state aside before its first chunk: the updates after the save neither copy nor wait.
@@ -25,8 +26,11 @@ from .state_file import human_bytes, state_file_bytes
 
 log = logging.getLogger("mlp_offload")
 
-SLOWDOWN = 1.2  # the most a step's I/O may slow by the writer beside it while the tier is busy
+SLOWDOWN = 1.2  # the most a step's I/O may slow by the writers beside it while the tier is busy
 CAP_SHARE = 1 - 1 / SLOWDOWN  # of the disk's write rate: the step's I/O keeps 1 / SLOWDOWN of it
+# The background writers of an --async-save on one disk: this writer and torch_dist's forked writer's paced
+# flushes (paced_flush). They share CAP_SHARE, each taking WRITER_SHARE of it beside a busy tier.
+WRITER_SHARE = 1 / 2
 POLL_S = 0.005  # how often a waiting chunk looks again
 HOST_SHARE = 0.5  # of the host memory available now, the most the staging may take
 MIN_CAP_BPS = 50e6  # where no rate is known: the writer still finishes beside a tier never quiet
@@ -97,7 +101,7 @@ def pace_save(engine, snapshot, path: str, link_tier_files: bool) -> Optional[Di
         return None
     ranks = engine.config.resolved_ranks_sharing_node()  # each rank's writer takes its share of the disk
     disk_bps = min(disk_rate(engine, tier.name) for tier in tiers) / ranks
-    pacer = DiskPacer(tiers, max(CAP_SHARE * disk_bps, MIN_CAP_BPS))
+    pacer = DiskPacer(tiers, writer_cap(disk_bps))
     memory_bytes = len(snapshot.memory) * snapshot.largest.state_bytes
     if engine.config.save_staging_bytes is None:  # a size given is kept as given
         snapshot.allow_staging(min(memory_bytes, staging_room(ranks)))
@@ -114,6 +118,11 @@ def pace_save(engine, snapshot, path: str, link_tier_files: bool) -> Optional[Di
              human_bytes(staged), human_bytes(memory_bytes),
              "" if staged >= memory_bytes else "; beyond it the updates wait for the writer")
     return pacer
+
+
+def writer_cap(disk_bps: float) -> float:
+    """Bytes/s one background writer may move beside a busy tier on a disk of ``disk_bps`` (a rank's share)."""
+    return max(CAP_SHARE * WRITER_SHARE * disk_bps, MIN_CAP_BPS)
 
 
 def disk_rate(engine, tier: str) -> float:

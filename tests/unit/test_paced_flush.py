@@ -13,7 +13,7 @@ import pytest
 from megatron.training.checkpoint.async_save import forked_writer
 from megatron.training.runtime import io_priority
 from mlp_offload.checkpoint import paced_flush
-from mlp_offload.checkpoint.pacing import CAP_SHARE, MIN_CAP_BPS, POLL_S, DiskPacer, disk_rate
+from mlp_offload.checkpoint.pacing import POLL_S, DiskPacer, disk_rate, writer_cap
 from mlp_offload.tiers.activity import QUIET_S
 from mlp_offload.tiers.tokens import TierTokens
 
@@ -152,7 +152,7 @@ def test_the_pacing_sees_the_tiers_on_the_checkpoints_disk_only(tmp_path, monkey
         assert pacing is not None and pacing.tier_names == ("nvme",)
         tier = engine.file_tiers["nvme"]
         assert pacing.tier_tokens == ((tier.root, tier.tokens.lock_files),)
-        assert pacing.cap_bps == pytest.approx(max(CAP_SHARE * disk_rate(engine, "nvme"), MIN_CAP_BPS) / 4)
+        assert pacing.cap_bps == pytest.approx(writer_cap(disk_rate(engine, "nvme")) / 4)
         assert "paced behind the nvme tier" in pacing.describe()
         monkeypatch.setattr(tier, "device", -1)  # the tier on another disk
         assert paced_flush.flush_pacing([engine], str(tmp_path / "ckpt" / "iter_0000002"), 4) is None
@@ -232,3 +232,24 @@ def test_installed_in_a_process_only_regular_files_are_paced(tmp_path):
     finally:
         paced_flush.uninstall()
     assert os.fsync is original
+
+
+def test_the_offload_writer_and_torch_dists_flushes_together_leave_the_step_its_share(tmp_path):
+    """Beside a busy tier, both background writers of an --async-save at their caps take at most CAP_SHARE of the
+    disk together, so the step's I/O keeps 1 / SLOWDOWN of it."""
+    from mlp_offload.checkpoint import pacing as disk_pacing
+    from mlp_offload.checkpoint.write import start_background_save
+    with engine_at_step_3(tmp_path / "e") as engine:
+        (tmp_path / "ckpt").mkdir()
+        processes = 3
+        flush = paced_flush.flush_pacing([engine], str(tmp_path / "ckpt" / "iter_0000002"), processes)
+        write = start_background_save(engine, str(tmp_path / "ckpt" / "state"), metadata={"iteration": 3})
+        try:
+            assert flush is not None and write.pacer is not None
+            rate = disk_rate(engine, "nvme")
+            assert rate * disk_pacing.CAP_SHARE > disk_pacing.MIN_CAP_BPS * 2  # the floor plays no part here
+            together = write.pacer.cap_bps + flush.cap_bps * processes
+            assert together <= disk_pacing.CAP_SHARE * rate * (1 + 1e-9)
+            assert 1 / (1 - together / rate) <= disk_pacing.SLOWDOWN + 1e-9
+        finally:
+            write.cancel()
