@@ -56,19 +56,24 @@ from mlp_offload import fault_point
 
 # ----------------------------------------------------------------------------- model and optimizer
 
-def build_model(args, config, model_provider: Callable, device) -> List[torch.nn.Module]:
-    """This rank's model chunks (one, or V with the interleaved pipeline), each cast to 16 bit and
-    wrapped in DDP. The provider is given ``vp_stage`` only with the interleaved pipeline, as upstream."""
-    ddp_config = DistributedDataParallelConfig(
+def ddp_config_of(args) -> DistributedDataParallelConfig:
+    """megatron-core DDP's settings from the flags."""
+    return DistributedDataParallelConfig(
         # as Megatron-LM: bf16 grads are accumulated/reduced in fp32 unless --grad-reduce-in-bf16
         grad_reduce_in_fp32=args.bf16 and not args.grad_reduce_in_bf16,
         overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer,
         # fp16 overflow (inf/NaN grads) is the grad scaler's job: it skips the step and backs off.
-        check_for_nan_in_grad=not args.fp16,
+        check_for_nan_in_grad=not args.fp16 and args.check_for_nan_in_loss_and_grad,
         bucket_size=None if not args.overlap_grad_reduce else 40_000_000,
     )
+
+
+def build_model(args, config, model_provider: Callable, device) -> List[torch.nn.Module]:
+    """This rank's model chunks (one, or V with the interleaved pipeline), each cast to 16 bit and
+    wrapped in DDP. The provider is given ``vp_stage`` only with the interleaved pipeline, as upstream."""
+    ddp_config = ddp_config_of(args)
     roles = chunk_roles(parallel_state.get_pipeline_model_parallel_rank(),
                         parallel_state.get_pipeline_model_parallel_world_size(),
                         args.virtual_pipeline_model_parallel_size)
@@ -311,7 +316,7 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
             consumed += args.current_global_batch_size
             hooks.after(iteration)
             nan = loss is not None and not math.isfinite(loss)
-            if nan and ok:
+            if nan and ok and args.check_for_nan_in_loss_and_grad:
                 raise RuntimeError(f"loss is {loss} at iteration {iteration}")
             moe_losses = moe_metrics.aux_losses(args)  # collective; clears megatron-core's tracker
             times = timers.take_iteration()

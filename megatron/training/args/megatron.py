@@ -132,6 +132,13 @@ def _add_training(p) -> None:
     g.add_argument("--eod-mask-loss", action="store_true", help="no loss on end-of-document tokens")
     g.add_argument("--grad-reduce-in-bf16", action="store_true",
                    help="with --bf16, reduce gradients in bf16 (default: accumulate and reduce in fp32)")
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
+                   help="accumulate and reduce gradients in fp32: what --bf16 does unless --grad-reduce-in-bf16, and "
+                        "fp32 training always; not with --fp16")
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
+                   action="store_false",
+                   help="go on past a NaN or infinite loss or gradient (default: stop, naming the iteration; "
+                        "with --fp16 the loss scaler skips such steps either way)")
     g.add_argument("--manual-gc", action="store_true",
                    help="disable Python's automatic GC; collect every --manual-gc-interval iterations")
     g.add_argument("--manual-gc-interval", type=non_negative_int, default=0,
@@ -242,6 +249,10 @@ def validate(parser, args) -> None:
                "not supported by this training layer yet (context-sharded batches)")
         parser.error(f"argument --context-parallel-size {args.context_parallel_size}: {why}; use 1")
     virtual_pipeline.validate(parser, args)
+    if args.accumulate_allreduce_grads_in_fp32 and (args.fp16 or args.grad_reduce_in_bf16):
+        parser.error("argument --accumulate-allreduce-grads-in-fp32: not allowed with "
+                     f"{'--fp16' if args.fp16 else '--grad-reduce-in-bf16'} (with --bf16 the gradients accumulate "
+                     "and reduce in fp32 by default)")
     if args.grad_reduce_in_bf16 and not args.bf16:
         args.grad_reduce_in_bf16 = False  # only meaningful with bf16, as in Megatron-LM
     if args.profile and args.profile_step_end <= args.profile_step_start:

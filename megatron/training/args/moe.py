@@ -110,6 +110,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-grouped-gemm", action="store_true",
                    help="one grouped GEMM for a rank's experts (grouped_gemm or transformer-engine); "
                         "without them megatron-core's sequential experts, same arithmetic")
+    g.add_argument("--moe-permute-fusion", action="store_true",
+                   help="transformer-engine's fused kernels for the tokens' permutation to their experts and back "
+                        "(refused where transformer-engine is not installed)")
     g.add_argument("--moe-per-layer-logging", action="store_true", help="also log each MoE layer's aux losses")
     g.add_argument("--moe-layer-recompute", action="store_true",
                    help="recompute the MoE layers in backward (megatron-core: selective; not with full recompute)")
@@ -133,6 +136,7 @@ def validate(parser, args) -> None:
     if args.num_experts is None:
         for flag, given in (("--expert-model-parallel-size", args.expert_model_parallel_size > 1),
                             ("--moe-grouped-gemm", args.moe_grouped_gemm),
+                            ("--moe-permute-fusion", args.moe_permute_fusion),
                             ("--moe-ffn-hidden-size", args.moe_ffn_hidden_size is not None),
                             ("--moe-shared-expert-intermediate-size",
                              args.moe_shared_expert_intermediate_size is not None)):
@@ -169,7 +173,16 @@ def validate(parser, args) -> None:
                      "layers need --sequence-parallel with tensor parallelism (and it, transformer-engine layers)")
     if (args.moe_router_num_groups is None) != (args.moe_router_group_topk is None):
         parser.error("argument --moe-router-group-topk: give it together with --moe-router-num-groups")
+    if args.moe_permute_fusion and not _installed("transformer_engine"):
+        parser.error("argument --moe-permute-fusion: needs transformer-engine's fused permute kernels, not installed "
+                     "here; without the flag megatron-core permutes the tokens unfused")
     args.moe_grouped_gemm_kernel = _grouped_gemm_kernel(args) if args.moe_grouped_gemm else None
+
+
+def _installed(module: str) -> bool:
+    from megatron.training.model.kernels import installed
+
+    return installed(module)
 
 
 def _check_loss_types(parser, args) -> None:
@@ -185,11 +198,9 @@ def _check_loss_types(parser, args) -> None:
 
 def _grouped_gemm_kernel(args) -> str:
     """Which grouped GEMM runs: 'te' (transformer-engine layers), 'grouped_gemm', or 'sequential'."""
-    from megatron.training.model.kernels import installed
-
     if args.transformer_impl == "transformer_engine":
         return "te"
-    if installed("grouped_gemm") and getattr(args, "device", "auto") != "cpu":
+    if _installed("grouped_gemm") and getattr(args, "device", "auto") != "cpu":
         return "grouped_gemm"
     return "sequential"
 

@@ -163,6 +163,7 @@ def moe_fields(args) -> dict:
         moe_token_drop_policy=args.moe_token_drop_policy,
         # Without its kernel, megatron-core's sequential experts (``args/moe.py``): the same arithmetic.
         moe_grouped_gemm=args.moe_grouped_gemm_kernel in ("te", "grouped_gemm"),
+        moe_permute_fusion=args.moe_permute_fusion,
         moe_per_layer_logging=args.moe_per_layer_logging,
         moe_layer_recompute=args.moe_layer_recompute,
         expert_model_parallel_size=args.expert_model_parallel_size,

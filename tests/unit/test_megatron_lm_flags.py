@@ -1,0 +1,63 @@
+"""Megatron-LM's flags as its scripts pass them: taken with Megatron-LM's meaning where this fork runs it, else
+refused in one line naming the flag (never an unrecognized argument, never ignored)."""
+
+import pytest
+
+from megatron.training.args.arguments import parse_args
+from megatron.training.errors import UserError
+from megatron.training.model import kernels
+from megatron.training.training import ddp_config_of
+
+BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--micro-batch-size", "1", "--train-iters", "10", "--lr", "1e-3", "--mock-data", "--device", "cpu"]
+MOE = ["--num-experts", "4", "--moe-router-topk", "2"]
+
+
+def refusal(argv) -> str:
+    with pytest.raises(UserError) as refused:
+        parse_args(argv)
+    message = str(refused.value)
+    assert message.count("\n") == 0
+    return message
+
+
+def test_adam_is_taken_and_is_the_default():
+    assert parse_args(BASE + ["--optimizer", "adam"]).optimizer == "adam"
+    assert parse_args(BASE).optimizer == "adam"
+
+
+@pytest.mark.parametrize("other", ["sgd", "muon", "dist_muon", "lion", "soap", "adaptive_muon"])
+def test_megatron_lms_other_optimizers_are_refused_in_one_line(other):
+    message = refusal(BASE + ["--optimizer", other])
+    assert "--optimizer" in message and repr(other) in message and "adam" in message
+
+
+@pytest.mark.parametrize("precision", [[], ["--bf16"]])
+def test_gradients_accumulated_in_fp32_as_asked(precision):
+    plain = ddp_config_of(parse_args(BASE + precision))
+    asked = ddp_config_of(parse_args(BASE + precision + ["--accumulate-allreduce-grads-in-fp32"]))
+    assert asked.grad_reduce_in_fp32 == plain.grad_reduce_in_fp32 == bool(precision)  # fp32 training: fp32 grads
+
+
+@pytest.mark.parametrize("other", [["--fp16"], ["--bf16", "--grad-reduce-in-bf16"]])
+def test_fp32_accumulation_refused_beside_what_contradicts_it(other):
+    message = refusal(BASE + other + ["--accumulate-allreduce-grads-in-fp32"])
+    assert "--accumulate-allreduce-grads-in-fp32" in message and other[-1] in message
+
+
+def test_the_nan_check_is_on_by_default_and_off_when_asked():
+    assert parse_args(BASE + ["--bf16"]).check_for_nan_in_loss_and_grad
+    assert ddp_config_of(parse_args(BASE + ["--bf16"])).check_for_nan_in_grad
+    off = parse_args(BASE + ["--bf16", "--no-check-for-nan-in-loss-and-grad"])
+    assert not off.check_for_nan_in_loss_and_grad and not ddp_config_of(off).check_for_nan_in_grad
+    assert not ddp_config_of(parse_args(BASE + ["--fp16"])).check_for_nan_in_grad  # the loss scaler's job
+
+
+def test_moe_permute_fusion_needs_experts_and_transformer_engine(monkeypatch):
+    assert "--moe-permute-fusion: requires --num-experts" in refusal(BASE + ["--moe-permute-fusion"])
+    monkeypatch.setattr(kernels, "installed", lambda module: module != "transformer_engine")
+    message = refusal(BASE + MOE + ["--moe-permute-fusion"])
+    assert "--moe-permute-fusion" in message and "transformer-engine" in message
+    monkeypatch.setattr(kernels, "installed", lambda module: True)
+    assert parse_args(BASE + MOE + ["--moe-permute-fusion"]).moe_permute_fusion
+    assert not parse_args(BASE + MOE).moe_permute_fusion
