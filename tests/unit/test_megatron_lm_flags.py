@@ -61,3 +61,16 @@ def test_moe_permute_fusion_needs_experts_and_transformer_engine(monkeypatch):
     monkeypatch.setattr(kernels, "installed", lambda module: True)
     assert parse_args(BASE + MOE + ["--moe-permute-fusion"]).moe_permute_fusion
     assert not parse_args(BASE + MOE).moe_permute_fusion
+
+
+def test_the_fp16_loss_scalers_knobs_reach_its_scaler(monkeypatch):
+    from megatron.training.model.configs import optimizer_config
+    from megatron.training.offload import shard
+    made = []
+    monkeypatch.setattr(shard, "DynamicGradScaler", lambda **kwargs: made.append(kwargs))  # its tensors need CUDA
+    shard.grad_scaler_for(optimizer_config(parse_args(BASE + ["--fp16"])))
+    shard.grad_scaler_for(optimizer_config(parse_args(
+        BASE + ["--fp16", "--min-loss-scale", "4", "--loss-scale-window", "50", "--hysteresis", "3"])))
+    knobs = [(m["min_scale"], m["growth_interval"], m["hysteresis"]) for m in made]
+    assert knobs == [(1.0, 1000, 2), (4.0, 50, 3)]  # Megatron-LM's defaults, then as asked
+    assert "--min-loss-scale: must be > 0" in refusal(BASE + ["--fp16", "--min-loss-scale", "0"])

@@ -110,6 +110,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--loss-scale", type=finite, default=None, help="fp16 static loss scale")
     g.add_argument("--initial-loss-scale", type=finite, default=2.0**32,
                    help="with --fp16 and no --loss-scale: the dynamic loss scale's first value. Default: 2^32")
+    g.add_argument("--min-loss-scale", type=finite, default=1.0,
+                   help="with --fp16 and no --loss-scale: the dynamic loss scale never backs off below this. "
+                        "Default: %(default)s")
+    g.add_argument("--loss-scale-window", type=positive_int, default=1000,
+                   help="with --fp16 and no --loss-scale: the scale doubles after this many steps without an "
+                        "overflow. Default: %(default)s")
+    g.add_argument("--hysteresis", type=positive_int, default=2,
+                   help="with --fp16 and no --loss-scale: overflowing steps tolerated before the scale halves. "
+                        "Default: %(default)s")
     g.add_argument("--tensor-model-parallel-size", type=positive_int, default=1,
                    help="ranks each layer's weights are split over (tensor parallelism). Default: %(default)s")
     g.add_argument("--pipeline-model-parallel-size", type=positive_int, default=1,
@@ -287,7 +296,8 @@ def _validate(parser, args) -> None:
         if not 0.0 <= value < 1.0:
             parser.error(f"argument {flag}: must be in [0, 1), got {value}")
     for flag, value in (("--adam-eps", args.adam_eps), ("--init-method-std", args.init_method_std),
-                        ("--loss-scale", args.loss_scale), ("--initial-loss-scale", args.initial_loss_scale)):
+                        ("--loss-scale", args.loss_scale), ("--initial-loss-scale", args.initial_loss_scale),
+                        ("--min-loss-scale", args.min_loss_scale)):
         if value is not None and not value > 0:
             parser.error(f"argument {flag}: must be > 0, got {value}")
     for flag, value in (("--hidden-dropout", args.hidden_dropout), ("--attention-dropout", args.attention_dropout)):
