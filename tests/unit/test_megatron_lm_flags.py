@@ -2,6 +2,7 @@
 refused in one line naming the flag (never an unrecognized argument, never ignored)."""
 
 import pytest
+import torch
 
 from megatron.training.args.arguments import parse_args
 from megatron.training.errors import UserError
@@ -74,3 +75,44 @@ def test_the_fp16_loss_scalers_knobs_reach_its_scaler(monkeypatch):
     knobs = [(m["min_scale"], m["growth_interval"], m["hysteresis"]) for m in made]
     assert knobs == [(1.0, 1000, 2), (4.0, 50, 3)]  # Megatron-LM's defaults, then as asked
     assert "--min-loss-scale: must be > 0" in refusal(BASE + ["--fp16", "--min-loss-scale", "0"])
+
+
+def test_the_data_flags_megatron_lm_scripts_pass():
+    assert parse_args(BASE + ["--dataloader-type", "single"]).dataloader_type == "single"
+    for other in ("cyclic", "external"):
+        message = refusal(BASE + ["--dataloader-type", other])
+        assert "--dataloader-type" in message and repr(other) in message
+    assert parse_args(BASE + ["--num-dataset-builder-threads", "4"]).num_dataset_builder_threads == 4
+    assert "--reset-attention-mask: not built" in refusal(BASE + ["--reset-attention-mask"])
+    assert "--reset-position-ids" in refusal(BASE + ["--reset-position-ids"])  # mock data: no documents
+
+
+def test_position_ids_restart_after_each_end_of_document(tmp_path):
+    import os
+
+    from megatron.training.data.datasets import build_gpt_datasets, build_tokenizer
+
+    data = os.path.join(os.path.dirname(__file__), "..", "data", "upstream_gpt")
+    flags = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128",
+             "--micro-batch-size", "1", "--train-iters", "4", "--lr", "1e-3", "--device", "cpu",
+             "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", f"{data}/vocab.json",
+             "--merge-file", f"{data}/merges.txt", "--data-path", f"{data}/corpus_text_document",
+             "--split", "100,0,0", "--data-cache-path", str(tmp_path)]
+    samples = {}
+    for reset in (False, True):
+        args = parse_args(flags + (["--reset-position-ids"] if reset else []))
+        tokenizer = build_tokenizer(args)
+        train, _ = build_gpt_datasets(args, tokenizer, 8, 0)
+        samples[reset] = [train[i] for i in range(8)]
+        eod = tokenizer.eod
+    restarted = 0
+    for plain, reset in zip(samples[False], samples[True]):
+        assert torch.equal(plain["tokens"], reset["tokens"])
+        assert torch.equal(plain["position_ids"], torch.arange(128))
+        expected, position = [], 0
+        for token in reset["tokens"].tolist():
+            expected.append(position)
+            position = 0 if token == eod else position + 1
+        assert reset["position_ids"].tolist() == expected
+        restarted += expected != list(range(128))
+    assert restarted > 0  # the corpus's documents end inside these samples

@@ -120,6 +120,14 @@ def _add_kernels(p) -> None:
                    help="with --fp8-format: keep the GEMM weights in FP8 and all-gather them in FP8")
 
 
+def single_only(text: str) -> str:
+    """--dataloader-type's value: Megatron-LM's single (its pretraining sampler), the one order built here."""
+    if text != "single":
+        raise argparse.ArgumentTypeError(f"{text!r} is not built here: only single (Megatron-LM's pretraining "
+                                         "sampler: in order, resumed from the consumed samples)")
+    return text
+
+
 def _add_training(p) -> None:
     g = p.add_argument_group("training (Megatron-LM)")
     g.add_argument("--train-samples", type=positive_int, default=None,
@@ -130,6 +138,15 @@ def _add_training(p) -> None:
                    metavar=("START", "INCREMENT", "SAMPLES"),
                    help="grow the global batch from START by INCREMENT over SAMPLES samples")
     g.add_argument("--eod-mask-loss", action="store_true", help="no loss on end-of-document tokens")
+    g.add_argument("--reset-position-ids", action="store_true",
+                   help="position ids restart after each end-of-document token (--data-path data)")
+    g.add_argument("--reset-attention-mask", action="store_true",
+                   help="not built: a mask per document, which the causal attention here does not take")
+    g.add_argument("--dataloader-type", type=single_only, default="single",
+                   help="single only: Megatron-LM's pretraining sampler, in order, resumed from the consumed "
+                        "samples (its cyclic and external are not built). Default: %(default)s")
+    g.add_argument("--num-dataset-builder-threads", type=positive_int, default=1,
+                   help="threads megatron-core's dataset builder builds the blend's indices on. Default: %(default)s")
     g.add_argument("--grad-reduce-in-bf16", action="store_true",
                    help="with --bf16, reduce gradients in bf16 (default: accumulate and reduce in fp32)")
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
@@ -249,6 +266,12 @@ def validate(parser, args) -> None:
                "not supported by this training layer yet (context-sharded batches)")
         parser.error(f"argument --context-parallel-size {args.context_parallel_size}: {why}; use 1")
     virtual_pipeline.validate(parser, args)
+    if args.reset_attention_mask:
+        parser.error("argument --reset-attention-mask: not built here: it needs an attention mask per document, "
+                     "and the attention here (megatron-core's local layers, torch's SDPA) runs causal masks only")
+    if args.reset_position_ids and args.mock_data:
+        parser.error("argument --reset-position-ids: the --mock-data samples have no end-of-document tokens to "
+                     "restart at; give --data-path")
     if args.accumulate_allreduce_grads_in_fp32 and (args.fp16 or args.grad_reduce_in_bf16):
         parser.error("argument --accumulate-allreduce-grads-in-fp32: not allowed with "
                      f"{'--fp16' if args.fp16 else '--grad-reduce-in-bf16'} (with --bf16 the gradients accumulate "

@@ -81,11 +81,12 @@ def build_gpt_datasets(args, tokenizer, train_samples: int, eval_samples: int):
         split=_split_string(args.split),
         path_to_cache=args.data_cache_path,
         tokenizer=tokenizer,
-        reset_position_ids=False,
+        reset_position_ids=args.reset_position_ids,
         reset_attention_mask=False,
         eod_mask_loss=args.eod_mask_loss,
         create_attention_mask=False,
         mmap_bin_files=getattr(args, "mmap_bin_files", True),  # --no-mmap-bin-files reads them instead
+        num_dataset_builder_threads=args.num_dataset_builder_threads,
     )
     check_token_ids(config.blend[0], vocab_size, tokenizer_name)
     _drop_unused_or_empty_splits(config, eval_samples)
