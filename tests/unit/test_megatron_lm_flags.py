@@ -116,3 +116,18 @@ def test_position_ids_restart_after_each_end_of_document(tmp_path):
         assert reset["position_ids"].tolist() == expected
         restarted += expected != list(range(128))
     assert restarted > 0  # the corpus's documents end inside these samples
+
+
+def test_xavier_uniform_initialisation_reaches_the_model():
+    from megatron.training.model.configs import transformer_config
+    plain = transformer_config(parse_args(BASE))
+    xavier = transformer_config(parse_args(BASE + ["--init-method-xavier-uniform"]))
+    assert xavier.init_method is torch.nn.init.xavier_uniform_
+    assert xavier.output_layer_init_method is torch.nn.init.xavier_uniform_
+    assert xavier.embedding_init_method is torch.nn.init.xavier_uniform_  # megatron-core follows init_method
+    bound = (6 / (256 + 64)) ** 0.5  # Xavier-uniform's for a 256 x 64 weight
+    weight = torch.empty(256, 64)
+    plain.init_method(weight)
+    assert weight.std().item() == pytest.approx(0.02, rel=0.1)  # --init-method-std's normal
+    xavier.init_method(weight)
+    assert weight.abs().max() <= bound and weight.std().item() == pytest.approx(bound / 3 ** 0.5, rel=0.1)

@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dropout probability on the attention weights. Default: %(default)s")
     g.add_argument("--init-method-std", type=finite, default=0.02,
                    help="standard deviation of the weights' normal initialisation. Default: %(default)s")
+    g.add_argument("--init-method-xavier-uniform", action="store_true",
+                   help="the weights, embedding included (as Megatron-LM), drawn Xavier-uniform instead of normal "
+                        "with --init-method-std")
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
                    help="recompute whole layers (full) or only the attention core (selective) in backward. "
                         "Default: none")

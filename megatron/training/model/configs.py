@@ -23,6 +23,13 @@ def _sends_run_behind(args) -> bool:
     return args.overlap_p2p_comm and getattr(args, "device_resolved", None) == "cpu"
 
 
+def xavier_init_fields(args) -> dict:
+    """--init-method-xavier-uniform: as Megatron-LM, the layers' and the output layers' weights Xavier-uniform."""
+    if not args.init_method_xavier_uniform:
+        return {}
+    return {"init_method": torch.nn.init.xavier_uniform_, "output_layer_init_method": torch.nn.init.xavier_uniform_}
+
+
 def transformer_config(args) -> TransformerConfig:
     """TransformerConfig from Megatron-LM style flags. The sizes (FFN, kv-channels, GQA) and the
     kernel choices (attention backend, fusions, FP8) were derived in parsing (``args/megatron.py``)."""
@@ -41,6 +48,7 @@ def transformer_config(args) -> TransformerConfig:
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std,
+        **xavier_init_fields(args),
         normalization=args.normalization,
         gated_linear_unit=args.swiglu,
         activation_func=F.silu if args.swiglu else F.gelu,
