@@ -131,3 +131,13 @@ def test_xavier_uniform_initialisation_reaches_the_model():
     assert weight.std().item() == pytest.approx(0.02, rel=0.1)  # --init-method-std's normal
     xavier.init_method(weight)
     assert weight.abs().max() <= bound and weight.std().item() == pytest.approx(bound / 3 ** 0.5, rel=0.1)
+
+
+@pytest.mark.parametrize("flag", [["--use-dist-ckpt"], ["--dist-ckpt-format", "torch_dist"]])
+def test_megatron_lms_deprecated_checkpoint_spellings_are_taken_and_said_to_do_nothing(flag, capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    assert parse_args(BASE + flag).ckpt_format == "torch_dist"
+    assert f"> {flag[0]} is deprecated (as in Megatron-LM) and has no effect" in capsys.readouterr().out
+    monkeypatch.setenv("RANK", "1")
+    parse_args(BASE + flag)
+    assert capsys.readouterr().out == ""  # said once, by the first rank

@@ -3,6 +3,8 @@ taken from a checkpoint's saved args with --use-checkpoint-args."""
 
 from __future__ import annotations
 
+import os
+
 from megatron.training.checkpoint.saved_args import (FILLED_IF_MISSING, MODEL_SHAPE_ARGS, apply_model_shape,
                                                      read_saved_args)
 from megatron.training.errors import positive_int
@@ -47,9 +49,19 @@ def add_flags(g) -> None:
                    help="write each replicated shard from one data-parallel rank (default: spread over the ranks)")
     g.add_argument("--ckpt-fully-parallel-load", action="store_true",
                    help="each data-parallel rank reads a part of the replicated shards and they exchange them")
+    # Megatron-LM's deprecated spellings, no-ops there too: its scripts still pass them.
+    g.add_argument("--use-dist-ckpt", dest="use_dist_ckpt_deprecated", action="store_true",
+                   help="deprecated in Megatron-LM, no effect: --ckpt-format chooses the format")
+    g.add_argument("--dist-ckpt-format", dest="dist_ckpt_format_deprecated", default=None,
+                   help="deprecated in Megatron-LM, no effect: --ckpt-format chooses the format")
 
 
 def validate(parser, args) -> None:
+    for flag, given in (("--use-dist-ckpt", args.use_dist_ckpt_deprecated),
+                        ("--dist-ckpt-format", args.dist_ckpt_format_deprecated)):
+        if given and os.environ.get("RANK", "0") == "0":
+            print(f"> {flag} is deprecated (as in Megatron-LM) and has no effect: --ckpt-format {args.ckpt_format} "
+                  "chooses the format", flush=True)
     if args.ckpt_format != "torch_dist":
         parser.error(f"argument --ckpt-format: {args.ckpt_format} is not supported here; use torch_dist "
                      f"(megatron-core dist_checkpointing, Megatron-LM's default)")
