@@ -141,3 +141,40 @@ def test_megatron_lms_deprecated_checkpoint_spellings_are_taken_and_said_to_do_n
     monkeypatch.setenv("RANK", "1")
     parse_args(BASE + flag)
     assert capsys.readouterr().out == ""  # said once, by the first rank
+
+
+def corpus_flags(tmp_path):
+    import os
+    data = os.path.join(os.path.dirname(__file__), "..", "data", "upstream_gpt")
+    return data, ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128",
+                  "--micro-batch-size", "1", "--train-iters", "4", "--lr", "1e-3", "--device", "cpu",
+                  "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", f"{data}/vocab.json",
+                  "--merge-file", f"{data}/merges.txt", "--data-cache-path", str(tmp_path)]
+
+
+def test_each_splits_data_by_its_own_flag(tmp_path):
+    from megatron.training.data.datasets import build_gpt_datasets, build_tokenizer
+
+    data, flags = corpus_flags(tmp_path)
+    corpus = f"{data}/corpus_text_document"
+    whole = parse_args(flags + ["--data-path", corpus, "--split", "100,0,0"])
+    per_split = parse_args(flags + ["--train-data-path", corpus, "--valid-data-path", corpus,
+                                    "--test-data-path", corpus])
+    tokenizer = build_tokenizer(whole)
+    train_whole, _ = build_gpt_datasets(whole, tokenizer, 8, 0)
+    train, valid = build_gpt_datasets(per_split, tokenizer, 8, 4)
+    for i in range(8):  # the whole corpus as the training split both ways: the same samples
+        assert torch.equal(train[i]["tokens"], train_whole[i]["tokens"])
+    assert valid is not None and len(valid) >= 4
+    assert build_gpt_datasets(per_split, tokenizer, 8, 0)[1] is None  # no validation asked: none built
+
+    assert "--valid-data-path: requires --train-data-path" in refusal(flags + ["--data-path", corpus,
+                                                                               "--valid-data-path", corpus])
+    assert "--train-data-path: not allowed with --data-path" in refusal(flags + ["--data-path", corpus,
+                                                                                 "--train-data-path", corpus])
+    assert "give exactly one of --mock-data, --data-path or --train-data-path" in refusal(
+        flags + ["--mock-data", "--train-data-path", corpus])
+    missing = parse_args(flags + ["--train-data-path", corpus, "--valid-data-path", f"{data}/nonexistent"])
+    with pytest.raises(UserError) as refused:
+        build_gpt_datasets(missing, tokenizer, 8, 4)
+    assert str(refused.value).startswith("--valid-data-path: ") and "nonexistent.bin does not exist" in str(refused.value)

@@ -240,6 +240,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--split", type=str, default="969,30,1",
                    help="train,valid,test weights over the --data-path documents (test is never read). "
                         "Default: %(default)s")
+    g.add_argument("--train-data-path", nargs="+", default=None,
+                   help="instead of --data-path and --split: the training data's own prefixes, [W1] P1 [W2] P2 ...")
+    g.add_argument("--valid-data-path", nargs="+", default=None,
+                   help="with --train-data-path: the validation data's own prefixes (none: no validation data)")
+    g.add_argument("--test-data-path", nargs="+", default=None,
+                   help="with --train-data-path: the test data's prefixes (taken as Megatron-LM does; never read)")
     from megatron.training.data.tokenizers import add_tokenizer_arguments
 
     add_tokenizer_arguments(g)  # --tokenizer-type, --vocab-size, --vocab-file, ... as Megatron-LM
@@ -280,8 +286,14 @@ def _validate(parser, args) -> None:
         parser.error("argument --seq-length: exceeds --max-position-embeddings")
     if args.min_lr > args.lr:
         parser.error("argument --min-lr: must be <= --lr")
-    if args.mock_data == bool(args.data_path):
-        parser.error("argument --data-path: give exactly one of --mock-data or --data-path")
+    for flag, given in (("--valid-data-path", args.valid_data_path), ("--test-data-path", args.test_data_path)):
+        if given and not args.train_data_path:
+            parser.error(f"argument {flag}: requires --train-data-path")
+    if args.train_data_path and args.data_path:
+        parser.error("argument --train-data-path: not allowed with --data-path (the data of each split is given "
+                     "by its own flag)")
+    if args.mock_data == bool(args.data_path or args.train_data_path):
+        parser.error("argument --data-path: give exactly one of --mock-data, --data-path or --train-data-path")
     if args.wandb_project and not args.wandb_exp_name:
         parser.error("argument --wandb-project: requires --wandb-exp-name NAME")
     if args.wandb_project and not (args.wandb_save_dir or args.save):

@@ -67,18 +67,24 @@ def build_gpt_datasets(args, tokenizer, train_samples: int, eval_samples: int):
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
     from megatron.core.datasets.utils import get_blend_from_list
 
-    for prefix in args.data_path:
-        if prefix.replace(".", "", 1).isdigit():
-            continue  # a weight
-        for ext in (".bin", ".idx"):
-            if not os.path.exists(prefix + ext):
-                raise UserError(f"--data-path: {prefix + ext} does not exist "
-                                 "(make it with tools/preprocess_data.py)")
+    per_split = [("--train-data-path", args.train_data_path), ("--valid-data-path", args.valid_data_path),
+                 ("--test-data-path", args.test_data_path)] if args.train_data_path else None
+    for flag, prefixes in per_split or [("--data-path", args.data_path)]:
+        for prefix in prefixes or ():
+            if prefix.replace(".", "", 1).isdigit():
+                continue  # a weight
+            for ext in (".bin", ".idx"):
+                if not os.path.exists(prefix + ext):
+                    raise UserError(f"{flag}: {prefix + ext} does not exist "
+                                     "(make it with tools/preprocess_data.py)")
     config = GPTDatasetConfig(
         random_seed=args.seed,
         sequence_length=args.seq_length,
-        blend=get_blend_from_list(args.data_path),
-        split=_split_string(args.split),
+        blend=None if per_split else get_blend_from_list(args.data_path),
+        # the test split is never read: none built
+        blend_per_split=[get_blend_from_list(prefixes) if k < 2 else None for k, (_, prefixes) in enumerate(per_split)]
+        if per_split else None,
+        split=None if per_split else _split_string(args.split),
         path_to_cache=args.data_cache_path,
         tokenizer=tokenizer,
         reset_position_ids=args.reset_position_ids,
@@ -88,8 +94,13 @@ def build_gpt_datasets(args, tokenizer, train_samples: int, eval_samples: int):
         mmap_bin_files=getattr(args, "mmap_bin_files", True),  # --no-mmap-bin-files reads them instead
         num_dataset_builder_threads=args.num_dataset_builder_threads,
     )
-    check_token_ids(config.blend[0], vocab_size, tokenizer_name)
-    _drop_unused_or_empty_splits(config, eval_samples)
+    if per_split:
+        check_token_ids(config.blend_per_split[0][0], vocab_size, tokenizer_name)
+        if eval_samples == 0:
+            config.blend_per_split[1] = None  # not read: not built
+    else:
+        check_token_ids(config.blend[0], vocab_size, tokenizer_name)
+        _drop_unused_or_empty_splits(config, eval_samples)
     train, valid, _test = BlendedMegatronDatasetBuilder(
         GPTDataset, [train_samples, eval_samples, 0], lambda: True, config).build()
     return tuple(None if ds is None else VocabCheckedDataset(ds, vocab_size, tokenizer_name)
