@@ -15,7 +15,7 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 from megatron.core import parallel_state
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.module import Float16Module
@@ -42,7 +42,7 @@ from mlp_offload import build_cpu_kernel_in_background, tree_bytes
 from megatron.training.runtime.iteration_hooks import IterationHooks
 from megatron.training.data.lr_schedule import build_param_scheduler
 from megatron.training.initialize import initialize
-from megatron.training.model.configs import optimizer_config, transformer_config
+from megatron.training.model.configs import ddp_config_of, optimizer_config, transformer_config
 from megatron.training.metrics.records import IterationRecord, ValidationRecord
 from megatron.training.metrics.run_metrics import build_metrics
 from megatron.training.model.sizes import counted_params, params_l2_norm
@@ -55,20 +55,6 @@ from mlp_offload import fault_point
 
 
 # ----------------------------------------------------------------------------- model and optimizer
-
-def ddp_config_of(args) -> DistributedDataParallelConfig:
-    """megatron-core DDP's settings from the flags."""
-    return DistributedDataParallelConfig(
-        # as Megatron-LM: bf16 grads are accumulated/reduced in fp32 unless --grad-reduce-in-bf16
-        grad_reduce_in_fp32=args.bf16 and not args.grad_reduce_in_bf16,
-        overlap_grad_reduce=args.overlap_grad_reduce,
-        overlap_param_gather=args.overlap_param_gather,
-        use_distributed_optimizer=args.use_distributed_optimizer,
-        # fp16 overflow (inf/NaN grads) is the grad scaler's job: it skips the step and backs off.
-        check_for_nan_in_grad=not args.fp16 and args.check_for_nan_in_loss_and_grad,
-        bucket_size=None if not args.overlap_grad_reduce else 40_000_000,
-    )
-
 
 def build_model(args, config, model_provider: Callable, device) -> List[torch.nn.Module]:
     """This rank's model chunks (one, or V with the interleaved pipeline), each cast to 16 bit and

@@ -7,7 +7,7 @@ import torch
 from megatron.training.args.arguments import parse_args
 from megatron.training.errors import UserError
 from megatron.training.model import kernels
-from megatron.training.training import ddp_config_of
+from megatron.training.model.configs import ddp_config_of
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--micro-batch-size", "1", "--train-iters", "10", "--lr", "1e-3", "--mock-data", "--device", "cpu"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
@@ -206,4 +207,18 @@ def optimizer_config(args) -> OptimizerConfig:
         overlap_cpu_optimizer_d2h_h2d=getattr(args, "overlap_cpu_optimizer_d2h_h2d", False),
         log_num_zeros_in_grad=getattr(args, "log_num_zeros_in_grad", False),
         **precision_aware.optimizer_config_fields(args),
+    )
+
+
+def ddp_config_of(args) -> DistributedDataParallelConfig:
+    """megatron-core DDP's settings from the flags."""
+    return DistributedDataParallelConfig(
+        # as Megatron-LM: bf16 grads are accumulated/reduced in fp32 unless --grad-reduce-in-bf16
+        grad_reduce_in_fp32=args.bf16 and not args.grad_reduce_in_bf16,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        # fp16 overflow (inf/NaN grads) is the grad scaler's job: it skips the step and backs off.
+        check_for_nan_in_grad=not args.fp16 and args.check_for_nan_in_loss_and_grad,
+        bucket_size=None if not args.overlap_grad_reduce else 40_000_000,
     )
