@@ -369,7 +369,8 @@ def unit_tests() -> dict:
         log += out
         code = code or rc
         summary = [ln for ln in out.splitlines() if " passed" in ln or " failed" in ln or "timed out" in ln]
-        summaries.append((summary or ["no summary"])[-1].strip("= "))
+        failed = [ln.split(" - ")[0] for ln in out.splitlines() if ln.startswith(("FAILED ", "ERROR "))]
+        summaries.append(" ".join([(summary or ["no summary"])[-1].strip("= ")] + failed))  # which, not only how many
     (WORK / "unit_tests.log").write_text(log)
     summaries = [f"{' '.join(a for a in r if a.endswith('.py') or a.startswith('cuda'))}: {m}" for r, m in zip(runs, summaries)]
     return {"files": [a for r in runs for a in r if a.endswith(".py")], "code": code,

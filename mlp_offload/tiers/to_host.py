@@ -26,9 +26,11 @@ _pairs = threading.Lock()
 
 
 def copy_to_host(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)``; where ``src`` is on a GPU and ``dst`` in pageable host memory, piece by piece
+    """``dst.copy_(src)``; where ``src`` is on a GPU and ``dst`` in host memory, piece by piece
     through pinned memory on the current stream (returns once ``dst`` holds the bytes)."""
-    bytewise = (src.is_cuda and not dst.is_cuda and not dst.is_pinned() and src.dtype == dst.dtype
+    # dst.is_pinned() is not asked: a range registered and freed unregistered still reads as pinned for a buffer
+    # mapped there later, and a direct copy's DMA then goes to the old pages, never to dst
+    bytewise = (src.is_cuda and not dst.is_cuda and src.dtype == dst.dtype
                 and src.numel() == dst.numel() and src.is_contiguous() and dst.is_contiguous())
     if not bytewise or src.numel() == 0:
         dst.copy_(src)

@@ -6,7 +6,7 @@ GPU suite's unit tests): the buffer pinned, and copies to the GPU from it."""
 import pytest
 import torch
 
-from megatron.training.runtime.host_memory import host_zeros_to_pin, pin_in_place
+from megatron.training.runtime.host_memory import host_zeros_to_pin, pin_in_place, unpin
 
 
 def _resident_bytes() -> int:
@@ -33,7 +33,11 @@ def test_pinned_in_place_it_copies_to_the_gpu_without_holding_the_host():
     buffer.copy_(torch.arange(1 << 24, dtype=torch.float32).to(torch.bfloat16))
     expected = buffer.clone()
     pin_in_place(buffer, "test")
-    assert buffer.is_pinned() and torch.equal(buffer, expected)  # the contents stay where they were
-    on_gpu = buffer.to("cuda", non_blocking=True)
-    torch.cuda.synchronize()
-    assert torch.equal(on_gpu.cpu(), expected)
+    try:
+        assert buffer.is_pinned() and torch.equal(buffer, expected)  # the contents stay where they were
+        on_gpu = buffer.to("cuda", non_blocking=True)
+        torch.cuda.synchronize()
+        assert torch.equal(on_gpu.cpu(), expected)
+    finally:
+        unpin(buffer)  # freed registered, its range would pass for pinned in the tests after this one
+    assert not buffer.is_pinned()

@@ -51,3 +51,10 @@ def pin_in_place(tensor: torch.Tensor, what: str) -> None:
     if code != 0 or not tensor.is_pinned():
         raise UserError(f"{what}: pinning {nbytes / GiB:.2f} GiB of host memory failed (CUDA error {code}); raise "
                         f"the locked-memory limit (ulimit -l) or free host memory")
+
+
+def unpin(tensor: torch.Tensor) -> None:
+    """Undo ``pin_in_place`` before ``tensor``'s memory is freed: a range left registered stays known to CUDA
+    as pinned, and a buffer mapped there later is then taken for pinned memory its copies never reach."""
+    torch.cuda.synchronize()  # no copy may still read or write it
+    torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
