@@ -24,7 +24,7 @@ from tests.unit.helpers import megatron_world_of_one
 from megatron.training.checkpoint import async_save
 from megatron.training.checkpoint.async_save import HostWeightsAside
 from megatron.training.errors import UserError
-from megatron.training.runtime.host_memory import host_zeros_to_pin, pin_in_place, unpin
+from megatron.training.runtime.host_memory import host_zeros_to_pin, pin_in_place
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -73,15 +73,6 @@ def _save_then_change(tmp_path, copy_aside: bool, forked: bool = False, kind: st
     ``forked`` as training runs it, the change made while the writer waits); returns the checkpoint's
     tensors and what the buffers held at the save."""
     shared, alone = _host_buffers(kind)
-    try:
-        return _saved_then_changed(tmp_path, copy_aside, forked, shared, alone)
-    finally:
-        if kind == "pinned":  # freed registered, their ranges would pass for pinned in the tests after this one
-            unpin(shared)
-            unpin(alone)
-
-
-def _saved_then_changed(tmp_path, copy_aside, forked, shared, alone):
     at_save = {"a": shared[:64].view(8, 8).clone(), "b": shared[64:].view(4, 8).clone(), "c": alone.view(4, 8).clone()}
     strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
     if copy_aside:
