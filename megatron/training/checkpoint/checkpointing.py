@@ -14,17 +14,13 @@ either kind of optimizer (optimizer_state, crossing).
 
 from __future__ import annotations
 
-import errno
 import logging
-import os
-import shutil
 import time
 from typing import Optional
 
 import torch
 from megatron.core import dist_checkpointing, parallel_state
 
-from megatron.training.checkpoint import integrity
 from megatron.training.checkpoint.async_save import (HostWeightsAside, check_nodes_hold, reserve_host_copies,
                                                       torch_dist_flush)
 from megatron.training.checkpoint.integrity import checkpoint_dir, part_bytes
@@ -32,6 +28,8 @@ from megatron.training.checkpoint.load_plan import SAME_FORM, plan_load, resume_
 from megatron.training.checkpoint.offload_files import (offloaded_state_bytes, offloaded_state_writes,
                                                         start_offloaded_save, write_offloaded_state)
 from megatron.training.checkpoint.optimizer_state import OffloadedStateLoad, load_optimizer, optimizer_template
+from megatron.training.checkpoint.save_agreement import (background_failure, begin_save, complete, fail_together,
+                                                          save_failure, write_digests)
 from megatron.training.checkpoint.saved_args import args_to_save
 from megatron.training.checkpoint.torch_dist_read_ahead import TorchDistReadAhead
 from megatron.training.checkpoint.resume_check import ResumeCheck, SaveDigests
@@ -44,7 +42,7 @@ from megatron.training.runtime import io_priority
 from megatron.training.runtime.checkpoint_lines import Phases, disk_rates, load_line, save_line
 from megatron.training.runtime.concurrent import ConcurrentCall
 from megatron.training.runtime.optimizer_interface import OffloadedOptimizerCheckpoint
-from megatron.training.runtime.progress import gb_and_rate, model_device, print_rank0, slowest_rank
+from megatron.training.runtime.progress import gb_and_rate, print_rank0, slowest_rank
 from mlp_offload.checkpoint import CheckpointSaveError, human_bytes, read_flush_report
 from mlp_offload import fault_point
 
@@ -62,8 +60,6 @@ logging.getLogger("megatron.core.dist_checkpointing.serialization").addFilter(_O
 
 
 CHECKPOINT_VERSION = 3.0  # Megatron-LM's, for torch_dist checkpoints
-# What a file system says when the user must act (space, quota, permissions, a vanished or failing disk).
-STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.EIO}
 
 
 def _state_to_save(args, model, optimizer, scheduler, iteration, consumed_samples) -> dict:
@@ -115,7 +111,7 @@ def save_checkpoint(iteration: int, model, optimizer, scheduler, consumed_sample
     background.finish()  # the previous background save is complete (or has failed) first
     started = time.perf_counter()
     save_optimizer = not args.no_save_optim
-    if not _begin_save(root, path, iteration, model, optimizer if save_optimizer else None):
+    if not begin_save(root, path, iteration, model, optimizer if save_optimizer else None):
         return path
     state_from = time.perf_counter()
     state = _state_to_save(args, model, optimizer, scheduler, iteration, consumed_samples)
@@ -135,12 +131,12 @@ def save_checkpoint(iteration: int, model, optimizer, scheduler, consumed_sample
         if offloaded:  # a snapshot, written once started
             offload_write = start_offloaded_save(optimizer.shards, model, path, engine_digests)
     except (CheckpointSaveError, OSError) as err:
-        failure = _save_failure(err, path)
+        failure = save_failure(err, path)
     except UserError as err:  # the host memory cannot hold the params' copies (every rank raised it)
         failure = str(err)
     offload_to = time.perf_counter()
     try:
-        _fail_together(failure, root, path)  # before any background write starts: nothing to stop
+        fail_together(failure, root, path)  # before any background write starts: nothing to stop
     except UserError:
         if offload_write is not None:
             offload_write.cancel()
@@ -183,7 +179,7 @@ def _save_now(iteration: int, model, optimizer, scheduler, consumed_samples: int
     path = checkpoint_dir(root, iteration)
     phases = Phases()
     save_optimizer = not args.no_save_optim
-    if not _begin_save(root, path, iteration, model, optimizer if save_optimizer else None):
+    if not begin_save(root, path, iteration, model, optimizer if save_optimizer else None):
         return path
     phases.mark("marking it begun")
     state = _state_to_save(args, model, optimizer, scheduler, iteration, consumed_samples)
@@ -205,14 +201,14 @@ def _save_now(iteration: int, model, optimizer, scheduler, consumed_samples: int
     except (CheckpointSaveError, OSError) as err:
         if beside is not None:
             beside.wait_quietly()  # it may still be writing into the directory the failure removes
-        failure = _save_failure(err, path)
+        failure = save_failure(err, path)
     phases.mark("writes")
     if failure is None:
-        failure = _write_digests(digests, path)
+        failure = write_digests(digests, path)
     phases.mark("the resume check's record")
-    _fail_together(failure, root, path)
+    fail_together(failure, root, path)
     phases.mark("agreeing")
-    _complete(root, path, iteration)
+    complete(root, path, iteration)
     phases.mark("the proof")
     state_bytes = offloaded_state_bytes(optimizer.shards) if offloaded else 0
     figures = dict(phases.spans, torch_dist=torch_dist_s, offloaded=offload_s, whole=phases.total())
@@ -224,60 +220,10 @@ def _save_now(iteration: int, model, optimizer, scheduler, consumed_samples: int
     return path
 
 
-def _save_failure(err: BaseException, path: str) -> str:
-    """A failed write of this rank as one line; anything but the file system's doing is a bug."""
-    rank = torch.distributed.get_rank()
-    if isinstance(err, CheckpointSaveError):
-        return f"rank {rank}: {err}"
-    if isinstance(err, OSError) and err.errno in STORAGE_ERRNOS:
-        return f"rank {rank}: {path}: {err.strerror or err}"
-    raise err
-
-
 def _host_weights_aside(model) -> Optional[HostWeightsAside]:
     """What copies the weights in host memory aside at an async save (--offload-params host), else None."""
     buffers = host_param_buffers(model)
     return HostWeightsAside(buffers) if buffers else None
-
-
-def _write_digests(digests: Optional[SaveDigests], path: str) -> Optional[str]:
-    """This rank's record of the save for the resume check, once its writers are done; a failure as one line."""
-    if digests is None:
-        return None
-    try:
-        digests.write(path)
-    except OSError as err:
-        return _save_failure(err, path)
-    return None
-
-
-def _begin_save(root: str, path: str, iteration: int, model, optimizer) -> bool:
-    """Mark ``path`` in progress and check the space; False where a complete one is there already."""
-    decision = [None]
-    if torch.distributed.get_rank() == 0:
-        os.makedirs(root, exist_ok=True)
-        needed, lines = integrity.clear_for_save(root, iteration)
-        for line in lines:
-            print(f"> {line}", flush=True)
-        if needed:
-            integrity.mark_in_progress(path)
-        decision = [needed]
-    torch.distributed.broadcast_object_list(decision, src=0)
-    if decision[0]:
-        _check_free_space(root, path, iteration, model, optimizer)
-    return decision[0]
-
-
-def _complete(root: str, path: str, iteration: int) -> int:
-    """After every rank's files: rank 0 writes the proof, then the tracker. Returns the bytes (rank 0)."""
-    fault_point("save-complete")
-    total = 0
-    if torch.distributed.get_rank() == 0:
-        total = integrity.mark_complete(path, iteration)
-    fault_point("save-tracker")
-    if torch.distributed.get_rank() == 0:
-        integrity.write_tracker(root, iteration)
-    return total
 
 
 class _BackgroundCompletion:
@@ -297,11 +243,11 @@ class _BackgroundCompletion:
         flushed = read_flush_report(self.flush.report_path) if self.flush is not None else None
         write = self.offload_write
         if failure is None and write is not None and write.failure is not None:
-            failure = _background_failure(write.failure, self.path)
+            failure = background_failure(write.failure, self.path)
         if failure is None:
-            failure = _write_digests(self.digests, self.path)
-        _fail_together(failure, self.root, self.path)
-        total = _complete(self.root, self.path, self.iteration)
+            failure = write_digests(self.digests, self.path)
+        fail_together(failure, self.root, self.path)
+        total = complete(self.root, self.path, self.iteration)
         line = (f"> saved checkpoint at iteration {self.iteration} to {self.root} (finalized in the background): "
                 f"{gb_and_rate(total, time.perf_counter() - self.started)} since the save began")
         if write is not None:
@@ -312,61 +258,6 @@ class _BackgroundCompletion:
         if flushed is not None:
             line += f"; torch_dist's writer: {flushed}"
         print_rank0(line)
-
-
-def _background_failure(err: BaseException, path: str) -> str:
-    """The writer thread's failure as one line: every rank stops with it (a bug too, not only the
-    file system, since the thread cannot raise into training)."""
-    try:
-        return _save_failure(err, path)
-    except BaseException:
-        return (f"rank {torch.distributed.get_rank()}: writing the offloaded optimizer state failed: "
-                f"{type(err).__name__}: {err}")
-
-
-def _check_free_space(root: str, path: str, iteration: int, model, optimizer) -> None:
-    """Refuse before writing anything when the file system cannot hold the checkpoint."""
-    needed = torch.tensor([_bytes_this_rank_saves(model, optimizer)], dtype=torch.float64, device=model_device(model))
-    torch.distributed.all_reduce(needed)  # on the model's device: NCCL reduces no CPU tensors
-    verdict = [None]
-    if torch.distributed.get_rank() == 0:
-        st = os.statvfs(root)
-        free = st.f_bavail * st.f_frsize
-        if needed.item() > free:
-            shutil.rmtree(path)  # holds only its in-progress marker
-            verdict = [f"--save {root}: the checkpoint of iteration {iteration} needs about "
-                       f"{human_bytes(needed.item())}, but only {human_bytes(free)} are free there; nothing was "
-                       f"written and the previous checkpoints are untouched: free space or use another --save"]
-    torch.distributed.broadcast_object_list(verdict, src=0)
-    if verdict[0]:
-        raise UserError(verdict[0])
-
-
-def _bytes_this_rank_saves(model, optimizer) -> int:
-    """Model weights once per data-parallel replica group; optimizer state once per shard."""
-    numel = sum(p.numel() for chunk in model for p in chunk.parameters())
-    weights = sum(p.numel() * p.element_size() for chunk in model for p in chunk.parameters())
-    first_replica = parallel_state.get_data_parallel_rank() == 0
-    if optimizer is None:  # --no-save-optim
-        return weights * first_replica
-    if isinstance(optimizer, OffloadedOptimizerCheckpoint):
-        return weights * first_replica + offloaded_state_bytes(optimizer.shards)
-    # megatron-core's distributed optimizer: fp32 master, exp_avg and exp_avg_sq of this rank's shard
-    return weights * first_replica + 12 * numel // parallel_state.get_data_parallel_world_size()
-
-
-def _fail_together(failure: Optional[str], root: str, path: str) -> None:
-    """Every rank learns whether any rank's part of the save failed; then all stop with its message."""
-    failures = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(failures, failure)
-    first = next((f for f in failures if f), None)
-    if first is None:
-        return
-    if torch.distributed.get_rank() == 0:
-        shutil.rmtree(path, ignore_errors=True)  # still marked in progress: provably incomplete
-    torch.distributed.barrier()
-    raise UserError(f"--save {root}: {first}; the unfinished {path} was removed and the previous checkpoints are "
-                    f"untouched")
 
 
 def load_checkpoint(root: str, model, optimizer, scheduler, args):

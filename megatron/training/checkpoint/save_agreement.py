@@ -1,0 +1,130 @@
+"""What every rank of a save agrees on, through collectives: that it begins (rank 0 marks it in progress, the file
+system has room for it), whether any rank's part failed (then all stop with one line and the unfinished directory
+goes), and that it is complete (rank 0's proof, then the tracker). ``checkpointing`` runs a save through these."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from typing import Optional
+
+import torch
+from megatron.core import parallel_state
+
+from megatron.training.checkpoint import integrity
+from megatron.training.checkpoint.offload_files import offloaded_state_bytes
+from megatron.training.checkpoint.resume_check import SaveDigests
+from megatron.training.errors import UserError
+from megatron.training.runtime.optimizer_interface import OffloadedOptimizerCheckpoint
+from megatron.training.runtime.progress import model_device
+from mlp_offload import fault_point
+from mlp_offload.checkpoint import CheckpointSaveError, human_bytes
+
+# What a file system says when the user must act (space, quota, permissions, a vanished or failing disk).
+STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.EIO}
+
+
+def save_failure(err: BaseException, path: str) -> str:
+    """A failed write of this rank as one line; anything but the file system's doing is a bug."""
+    rank = torch.distributed.get_rank()
+    if isinstance(err, CheckpointSaveError):
+        return f"rank {rank}: {err}"
+    if isinstance(err, OSError) and err.errno in STORAGE_ERRNOS:
+        return f"rank {rank}: {path}: {err.strerror or err}"
+    raise err
+
+
+def write_digests(digests: Optional[SaveDigests], path: str) -> Optional[str]:
+    """This rank's record of the save for the resume check, once its writers are done; a failure as one line."""
+    if digests is None:
+        return None
+    try:
+        digests.write(path)
+    except OSError as err:
+        return save_failure(err, path)
+    return None
+
+
+def begin_save(root: str, path: str, iteration: int, model, optimizer) -> bool:
+    """Mark ``path`` in progress and check the space; False where a complete one is there already."""
+    decision = [None]
+    if torch.distributed.get_rank() == 0:
+        os.makedirs(root, exist_ok=True)
+        needed, lines = integrity.clear_for_save(root, iteration)
+        for line in lines:
+            print(f"> {line}", flush=True)
+        if needed:
+            integrity.mark_in_progress(path)
+        decision = [needed]
+    torch.distributed.broadcast_object_list(decision, src=0)
+    if decision[0]:
+        _check_free_space(root, path, iteration, model, optimizer)
+    return decision[0]
+
+
+def complete(root: str, path: str, iteration: int) -> int:
+    """After every rank's files: rank 0 writes the proof, then the tracker. Returns the bytes (rank 0)."""
+    fault_point("save-complete")
+    total = 0
+    if torch.distributed.get_rank() == 0:
+        total = integrity.mark_complete(path, iteration)
+    fault_point("save-tracker")
+    if torch.distributed.get_rank() == 0:
+        integrity.write_tracker(root, iteration)
+    return total
+
+
+def background_failure(err: BaseException, path: str) -> str:
+    """The writer thread's failure as one line: every rank stops with it (a bug too, not only the
+    file system, since the thread cannot raise into training)."""
+    try:
+        return save_failure(err, path)
+    except BaseException:
+        return (f"rank {torch.distributed.get_rank()}: writing the offloaded optimizer state failed: "
+                f"{type(err).__name__}: {err}")
+
+
+def _check_free_space(root: str, path: str, iteration: int, model, optimizer) -> None:
+    """Refuse before writing anything when the file system cannot hold the checkpoint."""
+    needed = torch.tensor([_bytes_this_rank_saves(model, optimizer)], dtype=torch.float64, device=model_device(model))
+    torch.distributed.all_reduce(needed)  # on the model's device: NCCL reduces no CPU tensors
+    verdict = [None]
+    if torch.distributed.get_rank() == 0:
+        st = os.statvfs(root)
+        free = st.f_bavail * st.f_frsize
+        if needed.item() > free:
+            shutil.rmtree(path)  # holds only its in-progress marker
+            verdict = [f"--save {root}: the checkpoint of iteration {iteration} needs about "
+                       f"{human_bytes(needed.item())}, but only {human_bytes(free)} are free there; nothing was "
+                       f"written and the previous checkpoints are untouched: free space or use another --save"]
+    torch.distributed.broadcast_object_list(verdict, src=0)
+    if verdict[0]:
+        raise UserError(verdict[0])
+
+
+def _bytes_this_rank_saves(model, optimizer) -> int:
+    """Model weights once per data-parallel replica group; optimizer state once per shard."""
+    numel = sum(p.numel() for chunk in model for p in chunk.parameters())
+    weights = sum(p.numel() * p.element_size() for chunk in model for p in chunk.parameters())
+    first_replica = parallel_state.get_data_parallel_rank() == 0
+    if optimizer is None:  # --no-save-optim
+        return weights * first_replica
+    if isinstance(optimizer, OffloadedOptimizerCheckpoint):
+        return weights * first_replica + offloaded_state_bytes(optimizer.shards)
+    # megatron-core's distributed optimizer: fp32 master, exp_avg and exp_avg_sq of this rank's shard
+    return weights * first_replica + 12 * numel // parallel_state.get_data_parallel_world_size()
+
+
+def fail_together(failure: Optional[str], root: str, path: str) -> None:
+    """Every rank learns whether any rank's part of the save failed; then all stop with its message."""
+    failures = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(failures, failure)
+    first = next((f for f in failures if f), None)
+    if first is None:
+        return
+    if torch.distributed.get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)  # still marked in progress: provably incomplete
+    torch.distributed.barrier()
+    raise UserError(f"--save {root}: {first}; the unfinished {path} was removed and the previous checkpoints are "
+                    f"untouched")
