@@ -17,6 +17,7 @@ from .align import ALIGN
 from .bandwidth import TierBandwidth, probe_piece_bytes
 from .checks import OffloadConfigError, is_int, positive, positive_finite
 from .device_checks import check_device_fields
+from .tier_checks import TOKEN_SCOPES, check_tier_fields
 from .units import GiB, MiB
 
 HOST_TIER = HOST_MEMORY.name
@@ -233,40 +234,7 @@ class OffloadConfig:
                                      f"state dtype (state_dtypes[0]) is {self.state_dtypes[0]}")
         if isinstance(self.tiers, str):
             self.tiers = [t.strip() for t in self.tiers.split(",") if t.strip()]
-        if not self.tiers:
-            raise OffloadConfigError(f"offload tiers: the list is empty; name at least one tier, e.g. {HOST_TIER!r}")
-        if len(set(self.tiers)) != len(self.tiers):
-            raise OffloadConfigError(f"offload tiers: {self.tiers} names a tier twice")
-        for name in self.tiers:
-            if not name.replace("_", "").isalnum():
-                raise OffloadConfigError(f"offload tiers: tier name {name!r} must be alphanumeric")
-        for name in self.file_tiers:
-            if name not in self.paths or not self.paths[name]:
-                raise OffloadConfigError(
-                    f"offload tier {name!r} has no directory: give its path "
-                    f"(paths[{name!r}])"
-                )
-        extra = set(self.paths) - set(self.file_tiers)
-        if extra:
-            name = sorted(extra)[0]
-            raise OffloadConfigError(
-                f"paths[{name!r}] is given, but {name!r} is not a file tier of the offload tiers {self.tiers}"
-            )
-        if self.has_host and self.file_tiers and self.host_budget_bytes is None:
-            raise OffloadConfigError(
-                "offload tiers mix host memory with file tiers but no host budget is set: "
-                "give host_budget_bytes (the host memory this rank may use for optimizer state)"
-            )
-        budget = self.host_budget_bytes
-        if budget is not None and not is_int(budget):
-            raise OffloadConfigError(
-                f"host budget (host_budget_bytes) must be a whole number of bytes "
-                f"or None, got {budget!r}")
-        if not self.file_tiers and budget is not None and budget <= 0:
-            raise OffloadConfigError(
-                f"host-only offload needs a positive host budget (host_budget_bytes), or none at all; got {budget}")
-        if budget is not None and budget < 0:
-            raise OffloadConfigError(f"host budget (host_budget_bytes) must be >= 0 bytes, got {budget}")
+        check_tier_fields(self)
         check_device_fields(self)
         positive("subgroup_size", self.subgroup_size)
         positive("prefetch_depth", self.prefetch_depth)
@@ -291,20 +259,11 @@ class OffloadConfig:
             raise OffloadConfigError(
                 f"adam kernel (adam_kernel) must be 'fused', 'foreach' or 'single', got {self.adam_kernel!r}"
             )
-        for name, bw in list(self.bandwidths.items()):
-            if name not in self.file_tiers:
-                raise OffloadConfigError(f"bandwidths: {name!r} is not a file tier of the offload tiers {self.tiers}")
-            if isinstance(bw, (tuple, list)):
-                try:
-                    self.bandwidths[name] = TierBandwidth(*bw)
-                except OffloadConfigError as err:
-                    raise OffloadConfigError(f"bandwidths[{name!r}] = {bw!r}: {err}") from None
         if any(name not in self.bandwidths for name in self.file_tiers):
             probe_piece_bytes(self.probe_bytes, self.prefetch_depth)  # a tier will be probed
         rate = self.adam_elems_per_s
         if rate is not None and not positive_finite(rate):
             raise OffloadConfigError(f"Adam rate (adam_elems_per_s) must be a positive finite number, got {rate!r}")
-        _check_token_scope(self.token_scope, self.file_tiers)
         _check_node_fields(self.lock_dir, self.local_rank)
 
     @property
@@ -384,17 +343,6 @@ def _state_dtype_names(values) -> Tuple[str, str, str]:
                                  f"{names[2]}: fp8 moments are updated together in one kernel, so both are fp8 "
                                  f"or neither is")
     return tuple(names)
-
-
-TOKEN_SCOPES = ("node", "job")
-
-
-def _check_token_scope(scope: Dict[str, str], file_tiers: List[str]) -> None:
-    for name, value in scope.items():
-        if name not in file_tiers:
-            raise OffloadConfigError(f"token_scope[{name!r}] is given, but {name!r} is not a file tier")
-        if value not in TOKEN_SCOPES:
-            raise OffloadConfigError(f"token_scope[{name!r}] must be 'node' or 'job', got {value!r}")
 
 
 def _check_node_fields(lock_dir, local_rank) -> None:
