@@ -30,7 +30,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 
@@ -98,12 +98,13 @@ class StateSnapshot:
         if i not in self._progress or self.released.is_set():
             return
         started = time.perf_counter()
-        self._copy_aside(i, wait=True)
+        self._copy_aside(i, wait=True, copy=torch.Tensor.copy_)  # the training thread's own: nothing to stay out of
         self.paused_s += time.perf_counter() - started
 
-    def _copy_aside(self, i: int, wait: bool) -> bool:
+    def _copy_aside(self, i: int, wait: bool, copy: Callable[[torch.Tensor, torch.Tensor], None]) -> bool:
         """Subgroup ``i`` into a staging buffer unless the writer has it or is done with it; where no
-        staging is left, wait for the writer (``wait``) or return False."""
+        staging is left, wait for the writer (``wait``) or return False. ``copy(dst, src)``: the writer's thread
+        goes through ``copy_to_host``, which keeps its device reads from holding the training thread back."""
         with self._cond:
             while self._progress[i] not in (DONE, STAGED):
                 if self._progress[i] == PENDING and (self._spare or self._staging_free > 0):
@@ -119,7 +120,7 @@ class StateSnapshot:
                 return True
         sg = self.subgroups[i]
         for dst, src in zip(stage.narrow(sg), self.memory[i].narrow(sg)):
-            copy_to_host(dst, src)
+            copy(dst, src)
         with self._cond:
             self._staged[i] = stage
             self._progress[i] = STAGED
@@ -181,7 +182,7 @@ class StateSnapshot:
             self.check_cancelled()
             with self._cond:
                 pending = self._progress[i] == PENDING
-            if not self._copy_aside(i, wait=False):
+            if not self._copy_aside(i, wait=False, copy=copy_to_host):
                 break
             copied += self.subgroups[i].state_bytes if pending else 0
         return copied
