@@ -48,3 +48,14 @@ def fraction(text: str) -> float:
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
     return value
+
+
+def only(value: str, what: str):
+    """The type of a Megatron-LM flag of which one value is built here: ``value``; any other is refused
+    with ``what`` (what that one value is)."""
+    def the_one(text: str) -> str:
+        if text != value:
+            raise argparse.ArgumentTypeError(f"{text!r} is not built here: only {value} ({what})")
+        return text
+    the_one.__name__ = f"{value}_only"
+    return the_one

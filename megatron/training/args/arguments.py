@@ -20,6 +20,7 @@ from megatron.training.runtime import optional_packages
 from megatron.training.model import precision_aware, uneven_pipeline
 from megatron.training.checkpoint.saved_args import FILLED_IF_MISSING, MODEL_SHAPE_ARGS
 from megatron.training.errors import UserError, finite, non_negative_float, non_negative_int, positive_int
+from megatron.training.flag_types import only
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
@@ -28,14 +29,6 @@ class _Parser(argparse.ArgumentParser):
 
 # argparse lists a parser's options and groups only in private attributes: these are the one place that
 # reads them (tests/unit/test_private_reads.py names each).
-def adam_only(text: str) -> str:
-    """--optimizer's value: Megatron-LM's adam, the one optimizer the offload engine runs."""
-    if text != "adam":
-        raise argparse.ArgumentTypeError(f"{text!r} is not built here: only adam (AdamW with decoupled weight decay, "
-                                         "as Megatron-LM's adam), whose state the offload engine keeps")
-    return text
-
-
 def declared_actions(parser: argparse.ArgumentParser) -> list:
     """Every option and positional ``parser`` declares, argparse's own -h/--help included, in order."""
     return list(parser._actions)
@@ -144,7 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "Default: %(default)s")
 
     g = p.add_argument_group("optimizer")
-    g.add_argument("--optimizer", type=adam_only, default="adam",
+    g.add_argument("--optimizer", default="adam",
+                   type=only("adam", "AdamW with decoupled weight decay, as Megatron-LM's adam, whose state the "
+                                     "offload engine keeps"),
                    help="adam only: AdamW with decoupled weight decay, Megatron-LM's adam (its sgd, muon, lion and "
                         "soap are not built here). Default: %(default)s")
     g.add_argument("--lr", type=non_negative_float, required=True,

@@ -14,6 +14,7 @@ from megatron.training.args.moe import layer_pattern
 from megatron.training.data import lr_schedule
 from megatron.training.model import kernels as optional_kernels, uneven_pipeline, virtual_pipeline
 from megatron.training.errors import finite, fraction, non_negative_float, non_negative_int, positive_float, positive_int
+from megatron.training.flag_types import only
 from megatron.training.model.sizes import default_ffn_hidden_size, default_kv_channels
 
 
@@ -120,14 +121,6 @@ def _add_kernels(p) -> None:
                    help="with --fp8-format: keep the GEMM weights in FP8 and all-gather them in FP8")
 
 
-def single_only(text: str) -> str:
-    """--dataloader-type's value: Megatron-LM's single (its pretraining sampler), the one order built here."""
-    if text != "single":
-        raise argparse.ArgumentTypeError(f"{text!r} is not built here: only single (Megatron-LM's pretraining "
-                                         "sampler: in order, resumed from the consumed samples)")
-    return text
-
-
 def _add_training(p) -> None:
     g = p.add_argument_group("training (Megatron-LM)")
     g.add_argument("--train-samples", type=positive_int, default=None,
@@ -142,7 +135,8 @@ def _add_training(p) -> None:
                    help="position ids restart after each end-of-document token (--data-path data)")
     g.add_argument("--reset-attention-mask", action="store_true",
                    help="not built: a mask per document, which the causal attention here does not take")
-    g.add_argument("--dataloader-type", type=single_only, default="single",
+    g.add_argument("--dataloader-type", default="single",
+                   type=only("single", "Megatron-LM's pretraining sampler: in order, resumed from the consumed samples"),
                    help="single only: Megatron-LM's pretraining sampler, in order, resumed from the consumed "
                         "samples (its cyclic and external are not built). Default: %(default)s")
     g.add_argument("--num-dataset-builder-threads", type=positive_int, default=1,
