@@ -105,10 +105,12 @@ def test_torch_dists_forked_writer_flushes_its_files_paced(async_saved, chain):
     """Its tiers on the checkpoint's disk: each save says torch_dist's writer is paced behind them, and once
     finalized, that its processes wrote every file back in paced pieces (sync_file_range), none by a
     plain fsync; the chain that resumed from such checkpoints goes on exactly (test below)."""
-    for output in (async_saved["output"], chain["resumed_output"]):
-        for n in (2, 4, 6):
-            if f"> checkpoint at iteration {n}: training held" not in output:
-                continue  # the resumed chain saves 4 and 6
+    saves = list(range(SAVE_EVERY, ITERS + 1, SAVE_EVERY))
+    resumed_at = int(chain["after_crash"]["tracker"])
+    for output, iterations in ((async_saved["output"], saves), (chain["resumed_output"],
+                                                                [n for n in saves if n > resumed_at])):
+        assert iterations, (saves, resumed_at)
+        for n in iterations:
             assert re.search(rf"> checkpoint at iteration {n}: training held .*; its files flushed in 32 MiB pieces "
                              r"paced behind the nvme/pfs tier", output), output[-3000:]
             flushed = re.search(rf"> saved checkpoint at iteration {n} .*; torch_dist's writer: ([0-9]+) files flushed "

@@ -88,16 +88,10 @@ def test_the_data_flags_megatron_lm_scripts_pass():
 
 
 def test_position_ids_restart_after_each_end_of_document(tmp_path):
-    import os
-
     from megatron.training.data.datasets import build_gpt_datasets, build_tokenizer
 
-    data = os.path.join(os.path.dirname(__file__), "..", "data", "upstream_gpt")
-    flags = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128",
-             "--micro-batch-size", "1", "--train-iters", "4", "--lr", "1e-3", "--device", "cpu",
-             "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", f"{data}/vocab.json",
-             "--merge-file", f"{data}/merges.txt", "--data-path", f"{data}/corpus_text_document",
-             "--split", "100,0,0", "--data-cache-path", str(tmp_path)]
+    data, flags = corpus_flags(tmp_path)
+    flags += ["--data-path", f"{data}/corpus_text_document", "--split", "100,0,0"]
     samples = {}
     for reset in (False, True):
         args = parse_args(flags + (["--reset-position-ids"] if reset else []))
