@@ -152,13 +152,13 @@ def flush_pacing(engines: Sequence, path: str, writer_processes: int,
                        tiers[0][1].lock_root, cap_bps, report_path)
 
 
-_INSTALLED: List = []  # [(pacing, the real fsync)] in a process where install ran (a forked writer)
+_REAL_FSYNC: List = []  # [os.fsync as it was] in a process where install ran (a forked writer)
 
 
 def install(pacing: FlushPacing, sync_range: Optional[SyncRange] = None) -> bool:
     """Replace ``os.fsync`` in this process (a forked writer: never the rank) by ``paced_fsync``; whether it did."""
     sync_range = sync_range or sync_file_range()
-    if sync_range is None or _INSTALLED:
+    if sync_range is None or _REAL_FSYNC:
         return False
     real_fsync = os.fsync
     state = {"pid": None, "pacer": None, "counts": None}
@@ -178,15 +178,15 @@ def install(pacing: FlushPacing, sync_range: Optional[SyncRange] = None) -> bool
         paced_flush(fd, state["pacer"], sync_range, real_fsync, state["counts"])
         _append_report(pacing.report_path, state["counts"], state["pacer"])
 
-    _INSTALLED.append((pacing, real_fsync))
+    _REAL_FSYNC.append(real_fsync)
     os.fsync = paced_fsync
     return True
 
 
 def uninstall() -> None:
     """``os.fsync`` back as it was (tests, which install in their own process)."""
-    if _INSTALLED:
-        os.fsync = _INSTALLED.pop()[1]
+    if _REAL_FSYNC:
+        os.fsync = _REAL_FSYNC.pop()
 
 
 def _append_report(report_path: Optional[str], counts: FlushCounts, pacer: DiskPacer) -> None:
