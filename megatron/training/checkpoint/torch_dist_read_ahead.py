@@ -22,13 +22,13 @@ from __future__ import annotations
 import logging
 import os
 import re
-import socket
 import threading
 import time
 from typing import Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
+from megatron.training.runtime.slurm_env import node_key
 from mlp_offload.checkpoint import human_bytes
 from mlp_offload import meminfo_bytes
 
@@ -45,12 +45,6 @@ READ_AHEAD_MEMORY_SHARE = 0.5
 _DISTCP = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 
 Piece = Tuple[str, int, int]  # (path, byte offset, bytes)
-
-
-def node_key() -> Tuple[str, str]:
-    """What tells this rank's node apart: the launcher's node rank (torchrun's GROUP_RANK, srun's
-    SLURM_NODEID: two launches on one host are two nodes to it) and the host name."""
-    return os.environ.get("GROUP_RANK", os.environ.get("SLURM_NODEID", "")), socket.gethostname()
 
 
 def ranks_on_node(keys: Sequence, rank: int) -> List[int]:

@@ -10,13 +10,12 @@ placement line, on that rank's stderr, which a launcher keeps apart (torchrun --
 from __future__ import annotations
 
 import logging
-import os
-import socket
 from itertools import groupby
 from typing import Dict, List, Tuple
 
 import torch
 
+from megatron.training.runtime.slurm_env import node_key
 from mlp_offload import PER_NODE
 
 
@@ -41,10 +40,8 @@ def report(optimizer) -> None:
     from megatron.training.offload.optimizer import OffloadDistributedOptimizer
 
     engine = optimizer.engine if isinstance(optimizer, OffloadDistributedOptimizer) else None
-    # The launcher's node rank (torchrun's GROUP_RANK, srun's SLURM_NODEID) tells nodes apart even
-    # where two of them share a host name (a test's two launches on one machine).
-    node = os.environ.get("GROUP_RANK", os.environ.get("SLURM_NODEID", ""))
-    mine = {"host": socket.gethostname(), "node": node, "rank": torch.distributed.get_rank(),
+    node, host = node_key()  # two launches on one machine are two nodes (tests)
+    mine = {"host": host, "node": node, "rank": torch.distributed.get_rank(),
             "tiers": engine.describe_tiers() if engine is not None else "",
             "run_id": engine.config.resolved_run_id() if engine is not None else None}
     facts: List[Dict] = [None] * torch.distributed.get_world_size()

@@ -23,6 +23,12 @@ NODELIST_VARS = ("SLURM_STEP_NODELIST", "SLURM_NODELIST", "SLURM_JOB_NODELIST")
 PORT_BASE, PORT_JOBS, PORT_STEPS = 10000, 1250, 16
 
 
+def node_key() -> tuple:
+    """What tells this rank's node apart: the launcher's node rank (torchrun's GROUP_RANK, srun's
+    SLURM_NODEID: two launches on one host are two nodes to it) and the host name."""
+    return os.environ.get("GROUP_RANK", os.environ.get("SLURM_NODEID", "")), socket.gethostname()
+
+
 def first_host(nodelist: str) -> str:
     """The first host of a SLURM host list: ``gpu[007-009,012],login1`` -> ``gpu007``."""
     match = re.match(r"\s*([^,\[\s]+)(?:\[([^\]]+)\])?", nodelist)
