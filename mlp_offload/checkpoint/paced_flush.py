@@ -33,7 +33,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 from ..tiers.activity import QUIET_S
 from ..tiers.tokens import TierTokens
-from .pacing import DiskPacer, disk_rate, same_device_tiers, writer_cap
+from .pacing import DiskPacer, rank_disk_bps, same_device_tiers, writer_cap
 
 PIECE = 32 << 20  # bytes written back per turn: a pause in the step's I/O of a few ms is enough for one
 SYNC_FILE_RANGE_WAIT_BEFORE, SYNC_FILE_RANGE_WRITE, SYNC_FILE_RANGE_WAIT_AFTER = 1, 2, 4
@@ -144,9 +144,7 @@ def flush_pacing(engines: Sequence, path: str, writer_processes: int,
                 tiers.append((engine, tier))
     if not tiers:
         return None
-    ranks = max(engine.config.resolved_ranks_sharing_node() for engine, _ in tiers)
-    disk_bps = min(disk_rate(engine, tier.name) for engine, tier in tiers) / ranks
-    cap_bps = writer_cap(disk_bps) / max(1, writer_processes)  # the offload writer's share beside it
+    cap_bps = writer_cap(rank_disk_bps(tiers)) / max(1, writer_processes)  # the offload writer's share beside it
     return FlushPacing(tuple(dict.fromkeys(tier.name for _, tier in tiers)),
                        tuple((tier.root, tier.tokens.lock_files) for _, tier in tiers),
                        tiers[0][1].lock_root, cap_bps, report_path)

@@ -19,7 +19,7 @@ import logging
 import os
 import threading
 import time
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 from ..tiers.host import meminfo_bytes
 from .state_file import human_bytes, state_file_bytes
@@ -99,8 +99,8 @@ def pace_save(engine, snapshot, path: str, link_tier_files: bool) -> Optional[Di
     tiers = same_device_tiers(engine, path)
     if not tiers:
         return None
-    ranks = engine.config.resolved_ranks_sharing_node()  # each rank's writer takes its share of the disk
-    disk_bps = min(disk_rate(engine, tier.name) for tier in tiers) / ranks
+    ranks = engine.config.resolved_ranks_sharing_node()
+    disk_bps = rank_disk_bps([(engine, tier) for tier in tiers])
     pacer = DiskPacer(tiers, writer_cap(disk_bps))
     memory_bytes = len(snapshot.memory) * snapshot.largest.state_bytes
     if engine.config.save_staging_bytes is None:  # a size given is kept as given
@@ -118,6 +118,13 @@ def pace_save(engine, snapshot, path: str, link_tier_files: bool) -> Optional[Di
              human_bytes(staged), human_bytes(memory_bytes),
              "" if staged >= memory_bytes else "; beyond it the updates wait for the writer")
     return pacer
+
+
+def rank_disk_bps(engine_tiers: Sequence[Tuple[object, object]]) -> float:
+    """A rank's share of the disk its (engine, file tier) pairs share: the slowest tier's rate over the node's
+    ranks (each rank's writers take their part)."""
+    ranks = max(engine.config.resolved_ranks_sharing_node() for engine, _ in engine_tiers)
+    return min(disk_rate(engine, tier.name) for engine, tier in engine_tiers) / ranks
 
 
 def writer_cap(disk_bps: float) -> float:
