@@ -16,7 +16,7 @@ memory). A flush that outlasts that age lets the flusher threads write the rest 
 durability. Writing back while writing would need a hook into torch's stream transforms (experimental API).
 
 Seeing the tiers from another process: a tier's operations hold the node's tokens (``tiers.tokens``: flocks
-on files in a lock directory that every process of the node shares), so ``TokenActivity`` probes them through
+on files in a lock directory that every process of the node shares), so ``SeenTier`` probes them through
 files it opens itself (a flock inherited through the fork is the rank's own, and would always be granted).
 Tiers whose tokens are job-wide (a key-value store) cannot be seen from here: no pacing behind them.
 """
@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple
 
-from ..tiers.activity import QUIET_S
+from ..tiers.activity import TierActivity
 from ..tiers.tokens import TierTokens
 from .pacing import DiskPacer, rank_disk_bps, same_device_tiers, writer_cap
 
@@ -87,27 +87,12 @@ def paced_flush(fd: int, pacer: DiskPacer, sync_range: SyncRange, fsync: Callabl
     fsync(fd)  # the metadata, and what a range write left (pages dirtied again): durable as a plain fsync
 
 
-class TokenActivity:
-    """A tier's activity as another process of the node sees it: busy while one of its tokens is held, and
-    for ``QUIET_S`` after the last time one was seen held (the gaps between a step's operations)."""
+class SeenTier:
+    """A tier as a ``DiskPacer`` asks about it (its ``activity``), seen from another process: busy as its
+    node-wide tokens show (``TierActivity`` with no operations of its own)."""
 
     def __init__(self, tokens: TierTokens, clock: Callable[[], float] = time.monotonic):
-        self.tokens = tokens
-        self._clock = clock
-        self._seen_busy = float("-inf")
-
-    def quiet(self, quiet_s: float = QUIET_S) -> bool:
-        if self.tokens.held_elsewhere():
-            self._seen_busy = self._clock()
-            return False
-        return self._clock() - self._seen_busy >= quiet_s
-
-
-class SeenTier:
-    """A tier as a ``DiskPacer`` asks about it (its ``activity``), seen from another process."""
-
-    def __init__(self, activity):
-        self.activity = activity
+        self.activity = TierActivity(clock, elsewhere=tokens.held_elsewhere)
 
 
 @dataclass(frozen=True)
@@ -121,7 +106,7 @@ class FlushPacing:
     report_path: Optional[str] = None  # each process appends its FlushCounts here
 
     def pacer(self, clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep):
-        tiers = [SeenTier(TokenActivity(TierTokens(root, count, self.lock_root), clock))
+        tiers = [SeenTier(TierTokens(root, count, self.lock_root), clock)
                  for root, count in self.tier_tokens]
         return DiskPacer(tiers, self.cap_bps, clock=clock, sleep=sleep)
 

@@ -5,7 +5,9 @@ same device paces behind (``checkpoint.pacing``).
 another rank of the node is on the device) in ``moving()``; a background reader's operations are not
 counted, so a writer never waits on its own reads. ``quiet()`` is true once nothing has moved for
 ``quiet_s``: the short gaps between an update's back-to-back operations do not count as idle.
-Where the tier has node-wide tokens, one held by another process counts as busy too.
+Where the tier has node-wide tokens, one seen held by another process counts as busy too, and as after an
+operation of its own, for ``quiet_s`` after. From a process without the tier's operations (a forked checkpoint
+writer), that sighting is all it sees.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class TierActivity:
         self.in_flight = 0
         self.operations = 0  # counted operations since start (tests and the writer's report)
         self._last_end = float("-inf")
+        self._seen_elsewhere = float("-inf")  # the last time another process was seen holding a token
         self._created = clock()
         self._busy_from = 0.0
         self._busy_s = 0.0  # time with at least one operation moving data
@@ -57,4 +60,9 @@ class TierActivity:
         with self._lock:
             if self.in_flight or self._clock() - self._last_end < quiet_s:
                 return False
-        return not (self._elsewhere is not None and self._elsewhere())
+        if self._elsewhere is not None and self._elsewhere():
+            with self._lock:
+                self._seen_elsewhere = self._clock()  # busy for quiet_s after, as after an operation of its own
+            return False
+        with self._lock:
+            return self._clock() - self._seen_elsewhere >= quiet_s

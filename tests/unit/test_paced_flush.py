@@ -106,7 +106,7 @@ def test_pieces_wait_while_another_process_holds_a_tier_token(tmp_path):
         if offset == PIECE:  # while the second piece goes, the other process starts an operation
             theirs.acquire()
 
-    tier = paced_flush.SeenTier(paced_flush.TokenActivity(ours, clock))
+    tier = paced_flush.SeenTier(ours, clock)
     pacer = DiskPacer([tier], cap_bps=1.0, clock=clock, sleep=sleep)  # the cap never lets a piece through
     fd = file_of(tmp_path / "f", 3 * PIECE)
     try:
@@ -130,7 +130,7 @@ def test_a_token_seen_held_keeps_the_tier_busy_for_the_quiet_time(tmp_path):
     locks = str(tmp_path / "locks")
     ours, theirs = TierTokens(str(tmp_path), 1, lock_root=locks), TierTokens(str(tmp_path), 1, lock_root=locks)
     try:
-        activity = paced_flush.TokenActivity(ours, clock)
+        activity = paced_flush.SeenTier(ours, clock).activity
         assert activity.quiet()
         theirs.acquire()
         assert not activity.quiet()
