@@ -6,6 +6,7 @@ shown as fp32 (``RemainderMaster``) unless a loader asks for the stored form."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -30,6 +31,7 @@ class StateAccess:
         self._make_scratch = scratch  # allocated on first need, outside the host budget
         self._scratch = None
         self._device_stage = None  # host copy of a device-resident subgroup
+        self._adopted_buffer = None  # a load's reads of linked-in subgroups, for the digest, beside the others
 
     def iter_state(self) -> Iterator[Tuple[Subgroup, torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Each subgroup's (param, exp_avg, exp_avg_sq); valid until the next item is requested."""
@@ -47,23 +49,36 @@ class StateAccess:
         stored master, where it is kept as remainders): True where it has put that subgroup's state
         into file ``key`` of ``tier`` itself (a checkpoint's part linked in), which is then neither
         filled nor written. ``read_adopted``: such a subgroup is read back from its tier through
-        ``read_adopted(read)`` (a fill that digests what it is given), else it is not read at all."""
+        ``read_adopted(read)`` (a fill that digests what it is given), beside the other fills (see
+        ``_AdoptedReads``), else it is not read at all."""
         self.pipeline.flush()
         self.pipeline.forget_buffers()  # the in-memory copies are about to be stale
-        for i, sg, views in self._each(fill_missing=False):
-            if adopt is not None and (self.master is None or stored) and self._adopted(i, sg, adopt):
-                if read_adopted is not None:
-                    read_adopted(lambda *_: self.pipeline.fill_from_tier(i, views))(sg, *views.narrow(sg))
-                continue
-            param, exp_avg, exp_avg_sq = views.narrow(sg)
-            if self.master is None or stored:
-                fill(sg, param, exp_avg, exp_avg_sq)
-            else:
-                master = self.master.scratch(sg.numel)
-                fill(sg, master, exp_avg, exp_avg_sq)
-                self.master.store(sg.start, sg.end, master, param)
-            if i not in self.resident:
-                self.pipeline.write_now(i, views)
+        adopted = None
+        if read_adopted is not None:
+            if self._adopted_buffer is None:
+                self._adopted_buffer = self._make_scratch()
+            adopted = _AdoptedReads(self.pipeline, read_adopted, self._adopted_buffer)
+        try:
+            for i, sg, views in self._each(fill_missing=False):
+                if adopt is not None and (self.master is None or stored) and self._adopted(i, sg, adopt):
+                    if adopted is not None:
+                        adopted.read(i)
+                    continue
+                param, exp_avg, exp_avg_sq = views.narrow(sg)
+                if self.master is None or stored:
+                    fill(sg, param, exp_avg, exp_avg_sq)
+                else:
+                    master = self.master.scratch(sg.numel)
+                    fill(sg, master, exp_avg, exp_avg_sq)
+                    self.master.store(sg.start, sg.end, master, param)
+                if i not in self.resident:
+                    self.pipeline.write_now(i, views)
+        except BaseException:
+            if adopted is not None:
+                adopted.finish(abandon=True)
+            raise
+        if adopted is not None:
+            adopted.finish()
         self.pipeline.all_materialized()
 
     def _adopted(self, i: int, sg: Subgroup, adopt: AdoptFn) -> bool:
@@ -189,3 +204,36 @@ def _copy(src: StateViews, dst: StateViews, sg: Subgroup) -> None:
     """Subgroup ``sg``'s state tensors from ``src`` into ``dst`` (either may be on the device)."""
     for d, s in zip(dst.narrow(sg), src.narrow(sg)):
         d.copy_(s)
+
+
+class _AdoptedReads:
+    """A load's reads of the subgroups it linked in, for their digest (``read_adopted``), on a thread of their
+    own beside the fills of the others: the two then keep the disk busy together instead of one after the
+    other. Each goes into ``buffer``, a buffer of its own (the pipeline's are read into as soon as the load
+    returns, while the digests may still run), after the digest of what it held before (``read_adopted``
+    waits for that)."""
+
+    def __init__(self, pipeline: SlotPipeline, read_adopted: Callable[[StateFn], StateFn], buffer: StateViews):
+        self.pipeline = pipeline
+        self.read_adopted = read_adopted
+        self.buffer = buffer
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix="mlp-load-adopted")
+        self.pending: List[Future] = []
+
+    def read(self, i: int) -> None:
+        self.pending.append(self.worker.submit(self._read, i))
+
+    def _read(self, i: int) -> None:
+        sg = self.pipeline.subgroups[i]
+        self.read_adopted(lambda *_: self.pipeline.fill_from_tier(i, self.buffer))(sg, *self.buffer.narrow(sg))
+
+    def finish(self, abandon: bool = False) -> None:
+        """Wait for every read, raising the first failure; ``abandon`` (the load failed elsewhere): those
+        not begun are dropped, and the one under way is waited for, not raised."""
+        if abandon:
+            for future in self.pending:
+                future.cancel()
+        self.worker.shutdown(wait=True)
+        if not abandon:
+            for future in self.pending:
+                future.result()

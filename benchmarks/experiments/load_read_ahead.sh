@@ -2,6 +2,7 @@
 # A load with the page cache dropped, the torch_dist files read ahead (the default) and not (--no-ckpt-read-ahead),
 # ROUNDS times each, alternating; the load's line of each. A save at 2 first. One process, on the CPU:
 #   bash benchmarks/experiments/load_read_ahead.sh           (as root: drop_caches; about 4 minutes on 2 cores)
+#   BASELINE=/path/to/other/checkout bash ...                 its load (read-ahead on) in turn with this one's, instead
 # 0.31 B Llama: 4 layers, hidden 2048, FFN 5632, vocab 32000, fp8 moments, gpu,host,nvme tiers of 0.3 GiB.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -26,7 +27,9 @@ du -sh "$DISK/ckpt/iter_0000002" | cat
 for round in $(seq "${ROUNDS:-3}"); do
   for mode in off on; do
     sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null || echo "page cache NOT dropped"
-    if [ $mode = off ]; then run "off$round" --load "$DISK/ckpt" --no-ckpt-read-ahead; else run "on$round" --load "$DISK/ckpt"; fi
+    if [ -n "${BASELINE:-}" ] && [ $mode = off ]; then
+      (cd "$BASELINE" && PYTHONPATH=$BASELINE OUT=$OUT run "baseline$round" --load "$DISK/ckpt")
+    elif [ $mode = off ]; then run "off$round" --load "$DISK/ckpt" --no-ckpt-read-ahead; else run "on$round" --load "$DISK/ckpt"; fi
   done
 done
 rm -rf "$DISK"

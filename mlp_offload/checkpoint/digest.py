@@ -27,6 +27,7 @@ and, apart, their block scales indexed by each block's first element in the para
 from __future__ import annotations
 
 import bisect
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -138,6 +139,7 @@ class StateDigest:
         self._acc: Dict[Tuple[str, str], torch.Tensor] = {}
         self._beside: Optional[ThreadPoolExecutor] = None  # the load's digest thread (``observing``)
         self._pending: Dict[int, Future] = {}  # buffer (storage address) -> its digest in flight
+        self._lock = threading.Lock()
 
     @classmethod
     def of_engine(cls, engine, pieces: Sequence[Sequence]) -> "StateDigest":
@@ -149,13 +151,16 @@ class StateDigest:
         still being digested waits for it first, as ``result`` waits for all."""
         def fill_and_digest(sg, *tensors):
             buffers = {t.untyped_storage().data_ptr() for t in tensors}
-            for buffer in buffers & self._pending.keys():
-                self._pending.pop(buffer).result()
+            with self._lock:  # a load fills from two threads (the adopted subgroups' reads on their own)
+                waits = [self._pending.pop(buffer) for buffer in buffers & self._pending.keys()]
+            for digesting in waits:
+                digesting.result()
             fill(sg, *tensors)
-            if self._beside is None:
-                self._beside = ThreadPoolExecutor(1, thread_name_prefix="mlp-load-digest")
-            digesting = self._beside.submit(self.add, sg, tensors)
-            self._pending.update(dict.fromkeys(buffers, digesting))
+            with self._lock:
+                if self._beside is None:
+                    self._beside = ThreadPoolExecutor(1, thread_name_prefix="mlp-load-digest")
+                digesting = self._beside.submit(self.add, sg, tensors)
+                self._pending.update(dict.fromkeys(buffers, digesting))
 
         return fill_and_digest
 

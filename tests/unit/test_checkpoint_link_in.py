@@ -9,6 +9,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from mlp_offload.checkpoint import CheckpointDataError, StateFile, fill_engine, 
 from mlp_offload.checkpoint.digest import StateDigest
 from mlp_offload.checkpoint.parts import PartSources
 from mlp_offload.checkpoint.write import save_engine_state
+from mlp_offload.pipeline import SlotPipeline
 from tests.profiles import examples
 
 from .helpers import bf16_grads, engine_state, fast_config, run_steps
@@ -212,3 +214,40 @@ def test_linked_and_copied_loads_train_alike(tiers, moments, blocks, subgroups):
                 states.append(engine_state(eng))
         assert equal(*states)
         assert hashes(part_files(path)) == before
+
+
+def test_a_loads_reads_of_linked_subgroups_run_beside_its_other_fills(tmp_path, monkeypatch):
+    """With the resume check, the subgroups linked in are read for their digest on a thread of their own:
+    here the first such read waits until a subgroup after it has been filled from the checkpoint, which
+    a load that read them in turn with the others would never reach (it fails on the wait's timeout)."""
+    path = str(tmp_path / "x.offload")
+    expected = saved_engine(tmp_path / "a", path, steps=1)  # the step's last subgroups stay in its cache: copied
+    linked = [k for k, e in enumerate(read_footer(path)["subgroups"]) if "part" in e]
+    copied = [k for k, e in enumerate(read_footer(path)["subgroups"]) if "part" not in e]
+    assert linked and copied and min(linked) < max(copied)  # a fill comes after the first linked read
+    first, filled_after = min(linked), threading.Event()
+    fill_from_tier = SlotPipeline.fill_from_tier
+
+    def slow_first_read(pipeline, i, views):
+        if i == first:
+            assert filled_after.wait(timeout=20), "the linked subgroup's read held the other fills back"
+        fill_from_tier(pipeline, i, views)
+
+    with OffloadedAdamW(torch.zeros(NUMEL), config(tmp_path / "b")) as eng, StateFile(path) as saved:
+        observed = StateDigest.of_engine(eng, [("p", 0, NUMEL, 0)])
+
+        def observe(fill):
+            def filled(sg, *tensors):
+                observed.observing(fill)(sg, *tensors)
+                if sg.start > eng.subgroups[first].start:
+                    filled_after.set()
+            return filled
+
+        monkeypatch.setattr(SlotPipeline, "fill_from_tier", slow_first_read)
+        fill_engine(eng, saved, observe=observe)
+        monkeypatch.undo()
+        assert equal(engine_state(eng), expected)
+    with OffloadedAdamW(torch.zeros(NUMEL), config(tmp_path / "c")) as eng, StateFile(path) as saved:
+        read_in_turn = StateDigest.of_engine(eng, [("p", 0, NUMEL, 0)])
+        fill_engine(eng, saved, observe=read_in_turn.observing, link_parts=False)  # every subgroup read
+    assert observed.result() == read_in_turn.result()
