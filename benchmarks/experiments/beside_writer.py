@@ -5,7 +5,9 @@
 
 With ``--disk`` (disk_watch.py's samples of each run, its log lines stamped ``[epoch] ``), each iteration beside
 the writer also gets the bytes the disk read and wrote during it, beside the same iteration without saves, and
-the page cache's dirty bytes at its start and end (torch_dist's writer writes through the page cache).
+the page cache's dirty bytes at its start and end (torch_dist's writer writes through the page cache), and where
+the samples have them, the cores the node kept busy (at nice <= 0; at nice > 0, torch_dist's niced writer; in
+iowait) and its page faults (copy-on-write ones, while a forked writer lives, among them).
 
 An iteration ran beside the writer of checkpoint N when its line comes after N's save line ("> checkpoint at
 iteration N: training held") and the iteration before it ended before the writer did: the offloaded state's
@@ -65,9 +67,9 @@ def iteration_ends(lines: List[str]) -> Dict[int, float]:
     return ends
 
 
-def disk_samples(path: str) -> List[Tuple[float, int, int, int, int]]:
+def disk_samples(path: str) -> List[Tuple[float, ...]]:
     with open(path) as f:
-        return [tuple(float(x) if k == 0 else int(x) for k, x in enumerate(line.split())) for line in f if line.strip()]
+        return [tuple(float(x) for x in line.split()) for line in f if line.strip()]
 
 
 def at(samples, when: float):
@@ -88,6 +90,19 @@ def disk_during(it: int, ends: Dict[int, float], samples) -> Optional[Tuple[floa
     return ((last[1] - first[1]) / 1e9, (last[2] - first[2]) / 1e9, first[3] / 1e9, last[3] / 1e9)
 
 
+def cpu_during(it: int, ends: Dict[int, float], samples) -> Optional[Tuple[float, float, float, float]]:
+    """(cores busy at nice <= 0, cores busy niced, cores in iowait, millions of page faults) over iteration ``it``,
+    None where the samples have no CPU columns (an older disk_watch)."""
+    if it not in ends or it - 1 not in ends or not samples or len(samples[0]) < 9:
+        return None
+    first, last = at(samples, ends[it - 1]), at(samples, ends[it])
+    seconds = last[0] - first[0]
+    if seconds <= 0:
+        return None
+    busy, niced, iowait = ((last[k] - first[k]) / seconds for k in (5, 6, 7))
+    return busy, niced, iowait, (last[8] - first[8]) / 1e6
+
+
 def disk_rows(during: Dict[int, int], async_lines: List[str], plain_lines: List[str], disks: List[str]) -> List[str]:
     ends_a, ends_b = iteration_ends(async_lines), iteration_ends(plain_lines)
     samples_a, samples_b = disk_samples(disks[0]), disk_samples(disks[1])
@@ -98,6 +113,10 @@ def disk_rows(during: Dict[int, int], async_lines: List[str], plain_lines: List[
             continue
         rows.append(f"  iteration {it}'s disk: read {a[0]:.2f} GB, wrote {a[1]:.2f} GB (without saves: read {b[0]:.2f}, "
                     f"wrote {b[1]:.2f}); page cache dirty {a[2]:.2f} GB at its start, {a[3]:.2f} GB at its end")
+        c, d = cpu_during(it, ends_a, samples_a), cpu_during(it, ends_b, samples_b)
+        if c is not None and d is not None:
+            rows.append(f"  iteration {it}'s CPU: {c[0]:.1f} cores busy, {c[1]:.1f} niced, {c[2]:.1f} in iowait, "
+                        f"{c[3]:.2f} M page faults (without saves: {d[0]:.1f}, {d[1]:.1f}, {d[2]:.1f}, {d[3]:.2f} M)")
     return rows
 
 

@@ -1,10 +1,12 @@
-"""Samples the disk under a path and the page cache's dirty bytes until stopped (SIGTERM), for attributing a
-run's disk traffic to its iterations (beside_writer.py --disk).
+"""Samples the disk under a path, the page cache's dirty bytes and the node's CPU time and page faults until
+stopped (SIGTERM), for attributing a run's disk traffic and CPU use to its iterations (beside_writer.py --disk).
 
     python benchmarks/experiments/disk_watch.py PATH OUT_FILE [INTERVAL_S]
 
-Each line: epoch seconds, bytes read and written by the device so far (its /sys/dev/block stat), and the page
-cache's Dirty and Writeback bytes (/proc/meminfo).
+Each line: epoch seconds, bytes read and written by the device so far (its /sys/dev/block stat), the page
+cache's Dirty and Writeback bytes (/proc/meminfo), then the node's CPU seconds so far busy at nice <= 0, busy at
+nice > 0 (a niced writer's) and in iowait, summed over its cores (/proc/stat), and its page faults so far
+(/proc/vmstat pgfault: copy-on-write ones included).
 """
 
 from __future__ import annotations
@@ -39,6 +41,23 @@ def page_cache_bytes() -> Tuple[int, int]:
     return values.get("Dirty", 0), values.get("Writeback", 0)
 
 
+def cpu_seconds() -> Tuple[float, float, float]:
+    """(busy at nice <= 0, busy at nice > 0, iowait) seconds over all cores since boot."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:8]]
+    user, nice, system, _idle, iowait, irq, softirq = fields
+    tick = os.sysconf("SC_CLK_TCK")
+    return (user + system + irq + softirq) / tick, nice / tick, iowait / tick
+
+
+def page_faults() -> int:
+    with open("/proc/vmstat") as f:
+        for line in f:
+            if line.startswith("pgfault "):
+                return int(line.split()[1])
+    return 0
+
+
 def main(argv) -> int:
     path, out = argv[1], argv[2]
     interval = float(argv[3]) if len(argv) > 3 else 0.2
@@ -49,7 +68,9 @@ def main(argv) -> int:
         while not stop:
             read, written = device_bytes(stat_file)
             dirty, writeback = page_cache_bytes()
-            f.write(f"{time.time():.3f} {read} {written} {dirty} {writeback}\n")
+            busy, niced, iowait = cpu_seconds()
+            f.write(f"{time.time():.3f} {read} {written} {dirty} {writeback} {busy:.2f} {niced:.2f} {iowait:.2f} "
+                    f"{page_faults()}\n")
             f.flush()
             time.sleep(interval)
     return 0

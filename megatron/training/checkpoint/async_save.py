@@ -8,7 +8,7 @@ child sees memory as it was at the fork); the persistent caller would spawn a wo
 tensors through shared memory, which our CPU/gloo runs do not need.
 
 The writer thread starts after the fork, so the forked process inherits no half-held lock of it.
-The forked process runs at the idle I/O priority (runtime.io_priority), and where a file tier shares the
+The forked process runs at the idle I/O priority and nice 19 (runtime.io_priority), and where a file tier shares the
 checkpoint's disk its fsyncs become paced flushes (mlp_offload.checkpoint.paced_flush): megatron-core's
 writes into the page cache are left as they are, the disk writes they cause go behind the tiers' step I/O
 as the offloaded state's do (mlp_offload.checkpoint.pacing). Both are set inside the forked process only.
@@ -46,7 +46,7 @@ from megatron.core.dist_checkpointing.strategies.base import AsyncSaveShardedStr
 
 from megatron.training.errors import UserError
 from megatron.training.checkpoint.state_dict import writer_processes
-from megatron.training.runtime.io_priority import at_idle_io_priority
+from megatron.training.runtime.io_priority import at_idle_priority
 from mlp_offload import GiB, meminfo_bytes
 from mlp_offload.checkpoint import FlushPacing, flush_pacing, human_bytes, install_paced_fsync
 
@@ -141,11 +141,11 @@ def _remove(path: str) -> None:
 
 
 def forked_writer(write: Callable, flush: Optional[FlushPacing]) -> Callable:
-    """``write`` (megatron-core's, run in the process it forks) at the idle I/O priority, so the file tiers'
-    step I/O goes first where the scheduler serves classes; with ``flush``, its fsyncs paced behind the tiers.
+    """``write`` (megatron-core's, run in the process it forks) at the idle I/O priority and nice 19, so the file
+    tiers' step I/O and the rank's threads go first where the scheduler serves classes; with ``flush``, its fsyncs paced behind the tiers.
     Both only where it runs in another process than the one that made it: the rank's own stay as they are."""
     rank_pid = os.getpid()
-    idle = at_idle_io_priority(write)
+    idle = at_idle_priority(write)
 
     @functools.wraps(write)
     def run(*args, **kwargs):

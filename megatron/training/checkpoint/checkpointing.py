@@ -167,7 +167,7 @@ def save_checkpoint(iteration: int, model, optimizer, scheduler, consumed_sample
         what += f" and offloaded optimizer state ({human_bytes(offload_write.nbytes)} per rank)"
     print_rank0(f"> checkpoint at iteration {iteration}: training held {on_written.held_s:.2f} s{previous}; {what} "
                  f"are being written in the background to {path} (--async-save); torch_dist's writer process at "
-                 f"the idle I/O priority, {io_priority.describe(path)}; "
+                 f"nice 19 and the idle I/O priority, {io_priority.describe(path)}; "
                  f"{on_written.flush.describe() if on_written.flush else 'its fsyncs not paced (no file tier on its disk)'}")
     return path
 

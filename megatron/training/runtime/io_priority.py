@@ -1,10 +1,15 @@
-"""The idle I/O priority class (Linux ``ioprio_set``) for megatron-core's torch_dist writer process.
+"""The idle I/O priority class (Linux ``ioprio_set``) and the lowest CPU priority (nice 19) for megatron-core's
+torch_dist writer process.
 
 With --async-save, megatron-core forks a process per save that writes the torch_dist files; nothing of
 ours runs inside its writes, so it cannot be paced like the offloaded state's writer
 (mlp_offload.checkpoint.pacing). What can be done from our side is the function the fork runs: wrapped
-by ``at_idle_io_priority``, the child first puts itself in the idle class (inherited by the processes
-and threads it starts), so a scheduler that serves classes lets the file tiers' I/O go first.
+by ``at_idle_priority``, the child first puts itself in the idle class (inherited by the processes
+and threads it starts), so a scheduler that serves classes lets the file tiers' I/O go first. It also
+takes nice 19: the writer forks a worker per file (up to 8), each copying its file into the page cache at
+full speed, on the cores where the rank's update runs parallel regions that wait for their slowest thread;
+at nice 19 those workers take the cores the training leaves idle (the kernel's weight: about 1.5% of a
+core where a training thread wants it).
 
 Only some block schedulers honour it: ``bfq`` (fully) and ``mq-deadline`` (it orders by class); ``none``
 (the usual one of NVMe drives) and ``kyber`` ignore it. And writes that go through the page cache are
@@ -46,12 +51,25 @@ def io_priority_class() -> int:
     return value >> IOPRIO_CLASS_SHIFT if value >= 0 else -1
 
 
-def at_idle_io_priority(fn: Callable) -> Callable:
-    """``fn`` run in the idle I/O class (for a forked writer: the class is the child's, not the rank's).
-    A kernel that refuses it leaves the write as it was."""
+LOWEST_NICE = 19
+
+
+def set_lowest_cpu_priority() -> bool:
+    """Give the calling thread (and what it starts later) the lowest CPU priority; whether it took."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, LOWEST_NICE)  # Linux: the calling thread, inherited by what it starts
+    except (OSError, AttributeError):
+        return False
+    return True
+
+
+def at_idle_priority(fn: Callable) -> Callable:
+    """``fn`` run in the idle I/O class and at nice 19 (for a forked writer: the child's, not the rank's).
+    A kernel that refuses either leaves the write as it was."""
     @functools.wraps(fn)
     def run(*args, **kwargs):
         set_idle_io_priority()
+        set_lowest_cpu_priority()
         return fn(*args, **kwargs)
 
     return run
