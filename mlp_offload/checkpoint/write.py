@@ -61,12 +61,13 @@ def save_engine_state(engine: OffloadedAdamW, path: str, metadata: Optional[dict
 
 
 def start_background_save(engine: OffloadedAdamW, path: str, metadata: Optional[dict] = None,
-                          digest: Optional[StateDigest] = None,
-                          link_tier_files: bool = False) -> "BackgroundStateWrite":
+                          digest: Optional[StateDigest] = None, link_tier_files: bool = False,
+                          next_save_in_s: Optional[float] = None) -> "BackgroundStateWrite":
     """Snapshot the engine's state now (cheap: see snapshot) for a thread that writes it into
     ``path`` once ``start()``ed, while the engine goes on stepping. Where the tier's file system
     has no hard links the state is written now instead (the handle is then already done).
-    ``link_tier_files``: the snapshot's links of tier files go into the checkpoint (``parts``)."""
+    ``link_tier_files``: the snapshot's links of tier files go into the checkpoint (``parts``);
+    ``next_save_in_s``: when the next save comes, which a paced writer is to be done before (pacing)."""
     try:
         snapshot = _snapshot(engine, link_files=True)
     except OSError as err:
@@ -81,7 +82,7 @@ def start_background_save(engine: OffloadedAdamW, path: str, metadata: Optional[
         log.warning("%s: the offloaded state is written synchronously", short)
         return BackgroundStateWrite.finished_now(engine, path, metadata, digest, link_tier_files)
     write = BackgroundStateWrite(snapshot, path, metadata, digest, link_tier_files)
-    write.pacer = pace_save(engine, snapshot, path, link_tier_files)
+    write.pacer = pace_save(engine, snapshot, path, link_tier_files, digest is not None, next_save_in_s)
     return write
 
 
