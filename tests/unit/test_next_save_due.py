@@ -26,3 +26,19 @@ def test_the_iteration_time_is_the_shortest_recent_gap_between_polls(monkeypatch
         now[0] += gap
         saves.poll()  # nothing pending: no collective
     assert saves.iteration_s() == pytest.approx(3.5)  # of the last POLLS_KEPT polls' gaps (7.5, 3.5, 4.0)
+
+
+def test_a_save_with_no_tier_on_its_disk_leaves_no_report_file(tmp_path, monkeypatch):
+    """torch_dist's flushes are paced only behind a file tier on the checkpoint's disk; elsewhere no report file
+    is made for them (one was made and removed per save before)."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(async_save.tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    (tmp_path / "ckpt").mkdir()
+    made = []
+    real_mkstemp = async_save.tempfile.mkstemp
+    monkeypatch.setattr(async_save.tempfile, "mkstemp", lambda **kw: made.append(kw) or real_mkstemp(**kw))
+    shards = [SimpleNamespace(engine=SimpleNamespace(file_tiers={}))]  # no file tier at all
+    assert async_save.torch_dist_flush(shards, str(tmp_path / "ckpt" / "iter_0000002"), 10.0) is None
+    assert not made and not list((tmp_path / "tmp").iterdir())

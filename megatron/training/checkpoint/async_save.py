@@ -30,6 +30,7 @@ process would see the next updates change them in place. ``HostWeightsAside`` co
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import socket
@@ -148,12 +149,12 @@ def torch_dist_flush(shards, path: str, next_save_in_s: Optional[float] = None) 
     """How the forked writer of a save into ``path`` paces its fsyncs, behind the file tiers of the offload
     engines of ``shards`` on its disk (None: plain fsyncs), done before the next save (``next_save_in_s``, where
     known); its processes report into a file of their own."""
-    handle, report = tempfile.mkstemp(prefix="mlp_offload_torch_dist_flushes-")
-    os.close(handle)
-    pacing = flush_pacing([shard.engine for shard in shards], path, writer_processes(), report, next_save_in_s)
+    pacing = flush_pacing([shard.engine for shard in shards], path, writer_processes(), None, next_save_in_s)
     if pacing is None:
-        _remove(report)
-    return pacing
+        return None
+    handle, report = tempfile.mkstemp(prefix="mlp_offload_torch_dist_flushes-")  # only where there is one to read
+    os.close(handle)
+    return dataclasses.replace(pacing, report_path=report)
 
 
 def _remove(path: str) -> None:
