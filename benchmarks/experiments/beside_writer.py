@@ -22,6 +22,7 @@ import sys
 from typing import Dict, List, Optional, Tuple
 
 GOAL = 1.25
+HOLD_GOAL_S = 0.5  # issue 49 item 4: every --async-save holds training at most this, the first included
 STAMP = re.compile(r"^\[(\d+\.\d+)\] ")
 ITERATION = re.compile(r"iteration +(\d+)/.*elapsed time per iteration \(ms\): ([0-9.]+)")
 SAVE = re.compile(r"> checkpoint at iteration (\d+): training held ([0-9.]+) s")
@@ -138,9 +139,14 @@ def report(async_lines: List[str], plain_lines: List[str],
     quiet = [times[i] / plain[i] for i in sorted(times) if i not in during and i in plain and i > 1]
     if quiet:
         rows.append(f"the other iterations (2 on): {min(quiet):.2f}-{max(quiet):.2f}x the run without saves")
-    rows += [f"save at {m.group(1)}: held {m.group(2)} s" for m in map(SAVE.search, async_lines) if m]
+    holds = [(m.group(1), float(m.group(2))) for m in map(SAVE.search, async_lines) if m]
+    rows += [f"save at {n}: held {held:.2f} s" for n, held in holds]
     rows += [line.strip()[:400] for line in async_lines if "async save: writer paced" in line or " paced: " in line]
     rows += [f"checkpoint {m.group(1)}: training paused {m.group(2)}" for m in map(FINALIZED.search, async_lines) if m]
+    if holds:
+        longest = max(held for _, held in holds)
+        rows.append(f"longest hold of a save: {longest:.2f} s ({'met' if longest <= HOLD_GOAL_S else 'NOT met'}: goal "
+                    f"<= {HOLD_GOAL_S} s for every save)")
     if worst is not None:
         rows.append(f"worst iteration beside the writer: {worst:.2f}x the run without saves "
                     f"({'met' if worst <= GOAL else 'NOT met'}: goal <= {GOAL}x)")
