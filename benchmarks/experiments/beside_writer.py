@@ -2,12 +2,15 @@
 (issue 49 item 4's goal: at most 1.25x), from two console logs, with the save's pacing lines.
 
     python benchmarks/experiments/beside_writer.py ASYNC_LOG PLAIN_LOG [--disk ASYNC_DISK PLAIN_DISK]
+        [--trace ASYNC_TRACE PLAIN_TRACE]
 
 With ``--disk`` (disk_watch.py's samples of each run, its log lines stamped ``[epoch] ``), each iteration beside
 the writer also gets the bytes the disk read and wrote during it, beside the same iteration without saves, and
 the page cache's dirty bytes at its start and end (torch_dist's writer writes through the page cache), and where
 the samples have them, the cores the node kept busy (at nice <= 0; at nice > 0, torch_dist's niced writer; in
-iowait) and its page faults (copy-on-write ones, while a forked writer lives, among them).
+iowait) and its page faults (copy-on-write ones, while a forked writer lives, among them). With ``--trace`` (each
+run's --offload-trace), each iteration's tier operations and update phases summed (trace_iterations.py), beside the
+same iteration without saves: whether the disk or the CPU took the time.
 
 An iteration ran beside the writer of checkpoint N when its line comes after N's save line ("> checkpoint at
 iteration N: training held") and the iteration before it ended before the writer did: the offloaded state's
@@ -155,12 +158,29 @@ def report(async_lines: List[str], plain_lines: List[str],
     return rows, worst
 
 
+def trace_rows(during: Dict[int, int], async_lines: List[str], plain_lines: List[str], traces: List[str]) -> List[str]:
+    from trace_iterations import by_iteration, row  # it reads this module's iteration_ends
+
+    a, b = by_iteration(traces[0], iteration_ends(async_lines)), by_iteration(traces[1], iteration_ends(plain_lines))
+    return [f"  iteration {it}'s engine: {row(a[it])} (without saves: {row(b[it])})"
+            for it in sorted(during) if it in a and it in b]
+
+
+def pair_after(argv: List[str], flag: str) -> Optional[List[str]]:
+    """The two paths after ``flag``, None where it is missing or either file is (not sampled, an older run)."""
+    if flag not in argv:
+        return None
+    paths = argv[argv.index(flag) + 1:argv.index(flag) + 3]
+    return paths if len(paths) == 2 and all(os.path.exists(p) for p in paths) else None
+
+
 def main(argv: List[str]) -> int:
-    disks = argv[argv.index("--disk") + 1:argv.index("--disk") + 3] if "--disk" in argv else None
-    if disks and not all(os.path.exists(d) for d in disks):
-        disks = None  # not sampled (an older log): the times alone
+    disks, traces = pair_after(argv, "--disk"), pair_after(argv, "--trace")
     with open(argv[1]) as a, open(argv[2]) as b:
-        rows, _ = report(a.read().splitlines(), b.read().splitlines(), disks)
+        async_lines, plain_lines = a.read().splitlines(), b.read().splitlines()
+    rows, _ = report(async_lines, plain_lines, disks)
+    if traces:
+        rows += trace_rows(beside(async_lines), async_lines, plain_lines, traces)
     print("\n".join(rows))
     return 0
 

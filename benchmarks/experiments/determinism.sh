@@ -13,10 +13,13 @@
 #   P2  (only when RUNS names it) P1 with --offload-grads host: the grads in host memory too
 #   A1  (only when RUNS names it) --async-save at 2 and 4 of 6 iterations: each save's hold, the steps beside its writer
 #   A2, B2  (only when RUNS names them) --async-save at 4 and 8 of 8 iterations, and the same without saves: the
-#       iterations beside the paced writer against B2's (goal <= 1.25x), the pacing lines, the disk's scheduler
+#       iterations beside the paced writer against B2's (goal <= 1.25x), each save's hold (goal <= 0.5 s), the pacing
+#       lines, the disk's scheduler, and per iteration the disk's bytes, the node's CPU and the engine's trace summed
+#       (its tier operations against its update's phases: beside_writer.py)
 #   A3  (only when RUNS names it) A2 with --no-resume-check: what the digests' CPU work costs the steps beside the writer
 #   bash benchmarks/run_gpu.sh determinism     (device tool, kind nvidia-h200, carry [".whl"])
 #   RUNS="D1 D2 DR" ... a subset; DRY_RUN=1 bash benchmarks/experiments/determinism.sh (tiny, CPU)
+# Raw samples, traces, loss logs and the last run's whole log go into $OUT/raw.tgz.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore PYTHONPATH=${PYTHONPATH:-$PWD}
@@ -56,12 +59,13 @@ stamp_epoch() { $PY -u -c 'import sys, time
 for line in sys.stdin: sys.stdout.write(f"[{time.time():.3f}] {line}")'; }
 run() {  # NAME [flags]
   local name=$1; shift
-  local code watcher=""
-  case $name in  # A2 and B2: lines stamped and the disk sampled, for beside_writer.py --disk
-    A2|A3|B2) $PY benchmarks/experiments/disk_watch.py "$DISK" "$OUT/disk_$name.txt" & watcher=$! ;;
+  local code watcher="" trace=""
+  case $name in  # A2 and B2: lines stamped, the disk sampled and the engine traced, for beside_writer.py
+    A2|A3|B2) mkdir -p "$OUT/raw"; $PY benchmarks/experiments/disk_watch.py "$DISK" "$OUT/raw/disk_$name.txt" & watcher=$!
+              trace="--offload-trace $OUT/raw/trace_$name.json" ;;
   esac
   # shellcheck disable=SC2086
-  timeout "${RUN_LIMIT:-170}" torchrun --nproc_per_node 1 --master_port "${PORT:-29561}" pretrain_gpt.py $COMMON "$@" \
+  timeout "${RUN_LIMIT:-170}" torchrun --nproc_per_node 1 --master_port "${PORT:-29561}" pretrain_gpt.py $COMMON "$@" $trace \
     --loss-log "$OUT/$name.jsonl" 2>&1 | if [ -n "$watcher" ]; then stamp_epoch; else cat; fi > "$OUT/.run.log"
   code=${PIPESTATUS[0]}
   if [ -n "$watcher" ]; then kill "$watcher"; wait "$watcher" 2>/dev/null; fi
@@ -96,7 +100,8 @@ for async in A2 A3; do
   if [ -s "$OUT/determinism_$async.log" ] && [ -s "$OUT/determinism_B2.log" ]; then
     echo "$async against B2:"
     $PY benchmarks/experiments/beside_writer.py "$OUT/determinism_$async.log" "$OUT/determinism_B2.log" \
-      --disk "$OUT/disk_$async.txt" "$OUT/disk_B2.txt" | tee "$OUT/determinism_beside_writer_$async.txt"
+      --disk "$OUT/raw/disk_$async.txt" "$OUT/raw/disk_B2.txt" --trace "$OUT/raw/trace_$async.json" \
+      "$OUT/raw/trace_B2.json" | tee "$OUT/determinism_beside_writer_$async.txt"
   fi
 done
 $PY - "$OUT" <<'PY' | tee "$OUT/determinism_summary.txt"
@@ -120,4 +125,7 @@ PY
 $PY benchmarks/experiments/save_rate.py "$OUT/determinism_floor.txt" "$OUT/determinism_D1.log" "$OUT/determinism_DR.log" \
   | tee "$OUT/determinism_save_rate.txt"
 rm -rf "$DISK"
+# The raw samples, traces, loss logs and the last run's whole log in one file: the device returns 8 files at most.
+mkdir -p "$OUT/raw"; mv "$OUT"/*.jsonl "$OUT/raw/" 2>/dev/null; mv "$OUT/.run.log" "$OUT/raw/last_run.log" 2>/dev/null
+tar czf "$OUT/raw.tgz" -C "$OUT" raw && rm -rf "$OUT/raw"
 echo "all done at $(( SECONDS - T0 )) s"

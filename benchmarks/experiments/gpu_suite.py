@@ -303,6 +303,10 @@ def part1_cases() -> List[Case]:
         Case("params_grads_host_passes", "gpu,host,nvme", rng.choice(list(UPDATES)), rng.choice(list(MASTERS)),
              f"{LAYER_MAJOR} --offload-params host --offload-grads host --offload-activations host"
              f" --offload-microbatch-group {rng.choice([1, 2])}", must_log="micro-batches at a time"),
+        # with 8-bit moments: the streamed grads' update into codes and block scales in every tier, saved and resumed
+        Case("params_grads_host_fp8", "gpu,host,nvme", rng.choice(list(UPDATES)), rng.choice(list(MASTERS)),
+             f"{LAYER_MAJOR} --offload-params host --offload-grads host --use-precision-aware-optimizer "
+             f"--exp-avg-dtype fp8 --exp-avg-sq-dtype fp8", must_log="of grads there too"),
         # killed as the head's gradient of step 2's second micro-batch arrives, before any layer's backward
         Case("kill_params_host_in_backward", "gpu,host,nvme", rng.choice(list(UPDATES)), rng.choice(list(MASTERS)),
              f"{LAYER_MAJOR} --offload-params host", kind="kill", fault="backward#6", save_every=1),
