@@ -161,6 +161,12 @@ def pace_save(engine, snapshot, path: str, link_tier_files: bool, digest: bool,
              "" if next_save_in_s is None else
              f"; to be done within {FINISH_SHARE * next_save_in_s:.1f} s, before the next save (in about "
              f"{next_save_in_s:.1f} s), the cap beside the tier's I/O raised where that needs it")
+    whole_disk_s = (written + read) / disk_bps if disk_bps > 0 else 0.0
+    if next_save_in_s is not None and whole_disk_s > FINISH_SHARE * next_save_in_s:
+        log.warning("async save: its %s to move take %.1f s even at the disk's whole %.2f GB/s, more than the %.1f s "
+                    "before the next save: that save will hold training until this one is written (saves further "
+                    "apart, or a checkpoint directory on another disk, avoid it)", human_bytes(written + read),
+                    whole_disk_s, disk_bps / 1e9, FINISH_SHARE * next_save_in_s)
     return pacer
 
 

@@ -168,6 +168,26 @@ def test_a_paced_save_never_holds_the_updates_back_and_writes_the_synchronous_by
         assert all(torch.equal(a, b) for a, b in zip(engine_state(resumed), expected))
 
 
+def test_a_save_the_disk_cannot_finish_before_the_next_one_says_so_in_one_line(tmp_path, caplog):
+    """Its bytes at the disk's whole rate take longer than the time to the next save: one warning naming both
+    figures; with time enough, the pacing line names the due time and nothing warns."""
+    with engine_at_step_3(tmp_path / "e") as engine:
+        caplog.set_level("INFO", logger="mlp_offload")
+        for name, next_save_in_s in (("soon", 1e-6), ("later", 1e6)):
+            caplog.clear()
+            write = start_background_save(engine, str(tmp_path / f"{name}.ckpt"), next_save_in_s=next_save_in_s)
+            assert write.pacer is not None and write.pacer.due_at is not None
+            assert "before the next save (in about" in caplog.text
+            warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+            if name == "soon":
+                assert len(warned) == 1 and "that save will hold training until this one is written" in warned[0]
+            else:
+                assert not warned
+            write.start()
+            write.wait()
+            assert write.failure is None
+
+
 def test_a_checkpoint_on_another_device_is_not_paced(tmp_path, monkeypatch, caplog):
     with engine_at_step_3(tmp_path / "e") as engine:
         for tier in engine.file_tiers.values():
