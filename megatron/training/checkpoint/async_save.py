@@ -166,7 +166,8 @@ def _remove(path: str) -> None:
 
 def forked_writer(write: Callable, flush: Optional[FlushPacing]) -> Callable:
     """``write`` (megatron-core's, run in the process it forks) at the idle I/O priority and nice 19, so the file
-    tiers' step I/O and the rank's threads go first where the scheduler serves classes; with ``flush``, its fsyncs paced behind the tiers.
+    tiers' step I/O (where the scheduler serves classes) and the rank's threads go first; with ``flush``, its
+    fsyncs paced behind the tiers.
     Both only where it runs in another process than the one that made it: the rank's own stay as they are."""
     rank_pid = os.getpid()
     idle = at_idle_priority(write)
