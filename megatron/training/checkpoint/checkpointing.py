@@ -119,8 +119,8 @@ def save_checkpoint(iteration: int, model, optimizer, scheduler, consumed_sample
     if args.resume_check:
         digests = SaveDigests(model, optimizer if save_optimizer else None, iteration)
     engine_digests = digests.engines if digests is not None else None
-    torch_dist_from = time.perf_counter()
     next_save = next_save_in_s(iteration, args.save_interval, args.train_iters, background.iteration_s())
+    torch_dist_from = time.perf_counter()
     request, failure, offload_write = None, None, None
     torch_dist_to = torch_dist_from
     aside = _host_weights_aside(model)  # --async-save only: the synchronous save (_save_now) copies nothing aside
