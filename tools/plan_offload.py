@@ -6,8 +6,8 @@
       <pretrain_gpt.py's own model, parallelism and --offload-* flags>
 
 Prints whether the run fits, where every byte goes (GPU memory, host memory, each file tier),
-the predicted iteration time and its bottleneck, tokens/s at several global batch sizes and the
-flags to use; ``--json`` prints the same as one object. ``--hf-config DIR/config.json`` takes the
+the predicted iteration time and its bottleneck, tokens/s at several global batch sizes, what one
+checkpoint writes and the flags to use; ``--json`` prints the same as one object. ``--hf-config DIR/config.json`` takes the
 model's flags from a Hugging Face config (those tools/hf_checkpoint.py import writes to model_args.txt);
 flags given after it override them. ``--recommend`` also plans every recompute
 granularity x micro-batch size x gpu tier for the run's global batch size and names the fastest
@@ -521,6 +521,12 @@ def describe(plan, args, machine, flags, rates) -> str:
                                                   "a short run of yours is better")
     lines.append(f"predicted iteration {plan.iteration_s:.3f} s {joins} compute {plan.compute_s:.3f} s "
                  f"(at {machine.gpu_tflops:g} TFLOP/s per GPU{tflops_source}){update}; bottleneck: {plan.bottleneck}")
+    if plan.checkpoint_bytes:
+        saved = plan.checkpoint_bytes
+        lines.append(f"a checkpoint: about {sum(saved.values()) / 1e9:.1f} GB per save ("
+                     + ", ".join(f"{part} {nbytes / 1e9:.1f} GB" for part, nbytes in saved.items())
+                     + f"), {sum(saved.values()) / machine.nnodes / 1e9:.1f} GB per node; --save needs room for the "
+                     f"checkpoints kept and one more being written")
     lines.append("tokens/s by global batch size: "
                  + ", ".join(f"{gbs}: {tps:,.0f}" for gbs, tps in plan.tokens_per_s.items()))
     lines.append("flags: " + shlex.join(suggested_flags(plan, args, flags)))

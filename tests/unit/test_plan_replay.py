@@ -778,3 +778,22 @@ def test_a_slower_disk_never_plans_a_shorter_iteration(read, write, host_gb):
         return
     low, high = tool.DISK_RATE_FACTORS
     assert at[low] >= got["predicted_iteration_s"] >= at[high]
+
+
+def test_the_planned_checkpoint_is_what_the_recorded_save_wrote(tool):
+    """The 3.0 B run of benchmarks/experiments/determinism.sh (fp8 moments, gpu 4 GiB / host 4 GiB / nvme): its
+    synchronous save's line gives the checkpoint's bytes, torch_dist's and the offloaded state's; the plan of the
+    same flags says the same within 1%."""
+    line = next(ln for ln in (RESULTS / "device_2026-11-30" / "d1_dr" / "determinism_D1.log").read_text().splitlines()
+                if "> saved checkpoint at iteration 2 " in ln)
+    found = re.search(r": ([0-9.]+) GB in .* torch_dist ([0-9.]+) GB in .* offloaded optimizer state ([0-9.]+) GB in",
+                      line)
+    whole, weights, state = (float(found.group(k)) * 1e9 for k in (1, 2, 3))
+    shape = ("--num-layers 28 --hidden-size 3072 --ffn-hidden-size 8192 --num-attention-heads 24 --group-query-attention "
+             "--num-query-groups 8 --seq-length 2048 --max-position-embeddings 2048 --global-batch-size 8 "
+             "--offload-tiers gpu,host,nvme --offload-gpu-cache-gb 4 --offload-host-cache-gb 4 "
+             "--offload-nvme-path /nonexistent --offload-bandwidths nvme=1.71:1.56")
+    got = plan(tool, f"{ONE_H200} {LLAMA} {FP8_MOMENTS} {shape}")["checkpoint_bytes"]
+    assert got["weights"] == pytest.approx(weights, rel=0.01)
+    assert got["optimizer state"] == pytest.approx(state, rel=0.01)
+    assert sum(got.values()) == pytest.approx(whole, rel=0.01)

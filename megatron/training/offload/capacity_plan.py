@@ -361,6 +361,11 @@ def make_plan(args, cfg, machine: Machine, offload_config, measured: MeasuredRat
     tokens = {g: g * args.seq_length / iteration(g) for g in batch_sizes}
     expert_ranks = (cfg.expert_model_parallel_size or 1) * (cfg.expert_tensor_parallel_size or tp)
     total = model_params(stages, tp, expert_ranks)
+    # What a save writes: the weights once (torch_dist's files), each rank's optimizer state (its offload file, or
+    # megatron-core's fp32 master and moments in torch_dist's), as the largest stage's rank holds it.
+    state_per_rank = sum(e.state_bytes for e in engines.values()) if engines else gpu.get("optimizer_state", 0)
+    checkpoint = {"weights": total * param_bytes, "optimizer state": machine.world * state_per_rank}
     return Plan(not problems, problems, total, per_rank, shard, gpu, host_per_node, tiers_per_node, compute_s,
                 update_s, iteration_s, bottleneck, tokens, engines, params_active=active_params(cfg, total),
-                shard_numels=dict(ranks.shards), overlaps_forward=overlap, param_copies_s=copies_s)
+                shard_numels=dict(ranks.shards), overlaps_forward=overlap, param_copies_s=copies_s,
+                checkpoint_bytes=checkpoint)

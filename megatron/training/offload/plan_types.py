@@ -59,6 +59,7 @@ class Plan:
     tier_rates: Dict[str, TierBandwidth] = field(default_factory=dict)  # each file tier's, as planned with
     overlaps_forward: bool = False  # the iteration counts the update under the next forward
     param_copies_s: float = 0.0  # of update_s, what the copies of params (and grads) in host memory add to it
+    checkpoint_bytes: Dict[str, int] = field(default_factory=dict)  # what one save writes, per part, the job's
 
     def placement_counts(self, kind: Optional[str] = None) -> Dict[str, int]:
         """Subgroups per tier, as the engine logs them at start-up (host first, then the file tiers),
@@ -105,4 +106,5 @@ class Plan:
             "io_bytes_per_rank_per_step": io if engines else None,
             "engines": {k: self.engine_json(k) for k in self.engines} if engines else None,
             "offload_host_cache_gb": self.host_cache_gb,
+            "checkpoint_bytes": self.checkpoint_bytes,
         }
