@@ -362,9 +362,14 @@ def make_plan(args, cfg, machine: Machine, offload_config, measured: MeasuredRat
     expert_ranks = (cfg.expert_model_parallel_size or 1) * (cfg.expert_tensor_parallel_size or tp)
     total = model_params(stages, tp, expert_ranks)
     # What a save writes: the weights once (torch_dist's files), each rank's optimizer state (its offload file, or
-    # megatron-core's fp32 master and moments in torch_dist's), as the largest stage's rank holds it.
-    state_per_rank = sum(e.state_bytes for e in engines.values()) if engines else gpu.get("optimizer_state", 0)
-    checkpoint = {"weights": total * param_bytes, "optimizer state": machine.world * state_per_rank}
+    # megatron-core's fp32 master and moments in torch_dist's: once per data-parallel group where not sharded over
+    # it), as the largest stage's rank holds it.
+    if engines:
+        state_bytes = machine.world * sum(e.state_bytes for e in engines.values())
+    else:
+        holders = machine.world if args.use_distributed_optimizer else machine.world // dp
+        state_bytes = holders * gpu.get("optimizer_state", 0)
+    checkpoint = {"weights": total * param_bytes, "optimizer state": state_bytes}
     return Plan(not problems, problems, total, per_rank, shard, gpu, host_per_node, tiers_per_node, compute_s,
                 update_s, iteration_s, bottleneck, tokens, engines, params_active=active_params(cfg, total),
                 shard_numels=dict(ranks.shards), overlaps_forward=overlap, param_copies_s=copies_s,
