@@ -52,7 +52,7 @@ class DiskPacer:
         self.cap_bps = cap_bps
         self.due_at = due_at
         self.expected_bytes = 0  # what the writer says it will move through wait_turn (for due_at)
-        self.raised_bps = 0.0  # the highest rate due_at raised the cap to (the report)
+        self.raised_bps = 0.0  # the highest rate the chunks accrued at above the cap (the report)
         self._clock, self._sleep = clock, sleep
         self._lock = threading.Lock()  # the writer's thread and its reads ask in turn
         self._credit, self._credit_at = 0.0, None
@@ -77,10 +77,7 @@ class DiskPacer:
             return self.cap_bps
         time_left = self.due_at - self._clock()
         needed = left / time_left if time_left > 0 else float("inf")
-        if needed <= self.cap_bps:
-            return self.cap_bps
-        self.raised_bps = max(self.raised_bps, needed)
-        return needed
+        return max(needed, self.cap_bps)
 
     def wait_turn(self, nbytes: int) -> None:
         with self._lock:
@@ -105,6 +102,8 @@ class DiskPacer:
         now = self._clock()
         if self._credit_at is not None:
             rate = self.rate_now()
+            if rate > self.cap_bps:
+                self.raised_bps = max(self.raised_bps, rate)
             gained = (now - self._credit_at) * rate if rate != float("inf") else float(nbytes)
             self._credit = min(self._credit + gained, max(nbytes, self._credit))
         self._credit_at = now

@@ -214,6 +214,13 @@ def _link_parts(snapshot: StateSnapshot, parts: Optional[PartLinks]) -> Dict[int
     return linked
 
 
+def unlinked_bytes(snapshot: StateSnapshot, linked: Dict[int, dict], digest: bool) -> int:
+    """What the file-held subgroups a link refused add to a paced write planned with links: each is
+    written, and read (without a digest; with one, its read was planned already)."""
+    return sum(state_file_bytes(sg.numel, sg.codecs, sg.blocks) + (0 if digest else sg.state_bytes)
+               for sg in (snapshot.subgroups[i] for i in snapshot.on_tier if i not in linked))
+
+
 def _write(snapshot: StateSnapshot, tmp: str, metadata: Optional[dict], digest: Optional[StateDigest],
            parts: Optional[PartLinks] = None, pacer: Optional[DiskPacer] = None) -> int:
     with snapshot.device_reads():  # the device-held state copied out beside the training's stream
@@ -222,6 +229,8 @@ def _write(snapshot: StateSnapshot, tmp: str, metadata: Optional[dict], digest: 
             pacer.staged_bytes = snapshot.stage_ahead()
             pacer.staged_s = time.perf_counter() - started  # what the copy aside may cost the steps beside it
         linked = _link_parts(snapshot, parts)
+        if pacer is not None and parts is not None:
+            pacer.expect(unlinked_bytes(snapshot, linked, digest is not None))
         return _write_state(snapshot, tmp, metadata, digest, linked, pacer)
 
 

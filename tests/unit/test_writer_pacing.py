@@ -223,6 +223,28 @@ def test_a_paced_writer_copies_the_memory_held_state_aside_before_it_links_the_t
     assert seen and all(staged == memory_bytes for staged in seen)  # every link came after the whole copy aside
 
 
+@pytest.mark.parametrize("refuse", [False, True])
+def test_a_paced_writer_expects_every_byte_it_moves_even_where_a_link_is_refused(tmp_path, quiet_tiers,
+                                                                                 monkeypatch, refuse):
+    """The due time paces the bytes expected: a tier file a link refused is read and written instead, and
+    those bytes are expected too, or the writer would come late for the next save."""
+    from mlp_offload.checkpoint import write as write_module
+    if refuse:
+        monkeypatch.setattr(write_module.PartLinks, "link", lambda self, *args, **kwargs: None)
+    with engine_at_step_3(tmp_path / "e") as engine:
+        write = start_background_save(engine, str(tmp_path / "paced.ckpt"), link_tier_files=True,
+                                      next_save_in_s=1e6)
+        assert write.pacer is not None and write.snapshot.on_tier
+        planned = write.pacer.expected_bytes
+        quiet_tiers.set()
+        write.start()
+        write.wait()
+        assert write.failure is None
+        moved = write.pacer.idle_bytes + write.pacer.capped_bytes
+        assert write.pacer.expected_bytes == moved
+        assert (moved > planned) == refuse  # the refused links' bytes came on top of the plan
+
+
 def busy_pacer(cap, due_in, expected):
     """A pacer beside a tier that never goes quiet, due ``due_in`` s from now (None: no due time)."""
     clock = Clock()
