@@ -33,7 +33,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 from ..tiers.activity import TierActivity
 from ..tiers.tokens import TierTokens
-from .pacing import DiskPacer, rank_disk_bps, same_device_tiers, writer_cap
+from .pacing import DiskPacer, due_at, rank_disk_bps, same_device_tiers, writer_cap
 
 PIECE = 32 << 20  # bytes written back per turn: a pause in the step's I/O of a few ms is enough for one
 SYNC_FILE_RANGE_WAIT_BEFORE, SYNC_FILE_RANGE_WRITE, SYNC_FILE_RANGE_WAIT_AFTER = 1, 2, 4
@@ -75,6 +75,7 @@ def paced_flush(fd: int, pacer: DiskPacer, sync_range: SyncRange, fsync: Callabl
     """``fd``'s file written back piece by piece, in order, each after its turn on ``pacer``, then fsynced."""
     size = os.fstat(fd).st_size
     counts.files += 1
+    pacer.expect(size)
     try:
         for offset in range(0, size, piece):
             nbytes = min(piece, size - offset)
@@ -104,21 +105,26 @@ class FlushPacing:
     lock_root: Optional[str]
     cap_bps: float  # of each writer process
     report_path: Optional[str] = None  # each process appends its FlushCounts here
+    due_at: Optional[float] = None  # time.monotonic() (the machine's, in every process) to be done by: the next save
 
     def pacer(self, clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep):
         tiers = [SeenTier(TierTokens(root, count, self.lock_root), clock)
                  for root, count in self.tier_tokens]
-        return DiskPacer(tiers, self.cap_bps, clock=clock, sleep=sleep)
+        return DiskPacer(tiers, self.cap_bps, clock=clock, sleep=sleep, due_at=self.due_at)
 
     def describe(self) -> str:
+        due = ("" if self.due_at is None else
+               f", to be done in {max(0.0, self.due_at - time.monotonic()):.1f} s, before the next save (the cap "
+               f"raised where that needs it)")
         return (f"its files flushed in {PIECE >> 20} MiB pieces paced behind the {'/'.join(self.tier_names)} tier "
-                f"(<= {self.cap_bps / 1e9:.2f} GB/s per writer process beside its I/O)")
+                f"(<= {self.cap_bps / 1e9:.2f} GB/s per writer process beside its I/O{due})")
 
 
-def flush_pacing(engines: Sequence, path: str, writer_processes: int,
-                 report_path: Optional[str] = None) -> Optional[FlushPacing]:
+def flush_pacing(engines: Sequence, path: str, writer_processes: int, report_path: Optional[str] = None,
+                 next_save_in_s: Optional[float] = None) -> Optional[FlushPacing]:
     """The pacing of a forked writer's flushes into ``path`` (a checkpoint's directory), None where no file
-    tier with node-wide tokens shares its device or ``sync_file_range`` is missing (plain fsyncs then)."""
+    tier with node-wide tokens shares its device or ``sync_file_range`` is missing (plain fsyncs then);
+    ``next_save_in_s``: when the next save comes, which the flushes are to be done before (None: unknown)."""
     if sync_file_range() is None:
         return None
     tiers, seen = [], set()
@@ -132,7 +138,7 @@ def flush_pacing(engines: Sequence, path: str, writer_processes: int,
     cap_bps = writer_cap(rank_disk_bps(tiers)) / max(1, writer_processes)  # the offload writer's share beside it
     return FlushPacing(tuple(dict.fromkeys(tier.name for _, tier in tiers)),
                        tuple((tier.root, tier.tokens.lock_files) for _, tier in tiers),
-                       tiers[0][1].lock_root, cap_bps, report_path)
+                       tiers[0][1].lock_root, cap_bps, report_path, due_at(next_save_in_s))
 
 
 _REAL_FSYNC: List = []  # [os.fsync as it was] in a process where install ran (a forked writer)

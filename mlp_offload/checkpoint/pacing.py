@@ -8,6 +8,9 @@ traffic. So the writer moves its bytes in bounded chunks (a piece of
 writer, so chunks also pass while it is busy, at ``WRITER_SHARE`` of ``CAP_SHARE`` of the disk's write rate (the
 rates the steps showed, ``engine.file_tier_rates``; torch_dist's flushes take the other part): the step's I/O keeps
 at least ``1 / SLOWDOWN`` of the disk.
+The writer must be done before the next save, which otherwise holds training while it finishes: where the caller
+says when that is (``next_save_in_s``), the pacer aims to be done by ``FINISH_SHARE`` of it, and while the bytes
+left would not be at the cap, it raises the cap beside a busy tier to the rate that does (``DiskPacer.rate_now``).
 A checkpoint on another device: no pacing. Since the writer then takes several steps, the staging
 budget (``snapshot``) is raised to the state held in memory while host memory allows, and the writer
 copies that state aside before its first chunk: the updates after the save neither copy nor wait.
@@ -34,16 +37,22 @@ WRITER_SHARE = 1 / 2
 POLL_S = 0.005  # how often a waiting chunk looks again
 HOST_SHARE = 0.5  # of the host memory available now, the most the staging may take
 MIN_CAP_BPS = 50e6  # where no rate is known: the writer still finishes beside a tier never quiet
+FINISH_SHARE = 0.9  # of the time to the next save (at the steps' pace before it): when the writers aim to be done
 
 
 class DiskPacer:
     """``wait_turn(nbytes)`` before each chunk: at once while every tier of ``tiers`` is quiet, else
-    once the tiers are quiet or ``cap_bps`` has accrued the chunk's bytes (at most one chunk banked)."""
+    once the tiers are quiet or ``rate_now()`` has accrued the chunk's bytes (at most one chunk banked).
+    ``due_at`` (on ``clock``, which is the same in every process of the machine by default): when the bytes
+    ``expect``ed should be moved; until then the cap rises where the bytes left need it."""
 
     def __init__(self, tiers: Sequence, cap_bps: float, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep):
+                 sleep: Callable[[float], None] = time.sleep, due_at: Optional[float] = None):
         self.tiers = list(tiers)
         self.cap_bps = cap_bps
+        self.due_at = due_at
+        self.expected_bytes = 0  # what the writer says it will move through wait_turn (for due_at)
+        self.raised_bps = 0.0  # the highest rate the chunks accrued at above the cap (the report)
         self._clock, self._sleep = clock, sleep
         self._lock = threading.Lock()  # the writer's thread and its reads ask in turn
         self._credit, self._credit_at = 0.0, None
@@ -55,6 +64,20 @@ class DiskPacer:
 
     def busy(self) -> bool:
         return any(not tier.activity.quiet() for tier in self.tiers)
+
+    def expect(self, nbytes: int) -> None:
+        """``nbytes`` more will go through ``wait_turn`` before ``due_at``."""
+        self.expected_bytes += nbytes
+
+    def rate_now(self) -> float:
+        """Bytes/s a chunk may go at beside a busy tier now: ``cap_bps``, or more where the bytes expected
+        and not yet moved would not be done by ``due_at`` at it (past it: no limit)."""
+        left = self.expected_bytes - self.idle_bytes - self.capped_bytes - self._credit  # the credit will go too
+        if self.due_at is None or left <= 0:
+            return self.cap_bps
+        time_left = self.due_at - self._clock()
+        needed = left / time_left if time_left > 0 else float("inf")
+        return max(needed, self.cap_bps)
 
     def wait_turn(self, nbytes: int) -> None:
         with self._lock:
@@ -78,13 +101,25 @@ class DiskPacer:
     def _accrue(self, nbytes: int) -> None:
         now = self._clock()
         if self._credit_at is not None:
-            self._credit = min(self._credit + (now - self._credit_at) * self.cap_bps, max(nbytes, self._credit))
+            rate = self.rate_now()
+            if rate > self.cap_bps:
+                self.raised_bps = max(self.raised_bps, rate)
+            gained = (now - self._credit_at) * rate if rate != float("inf") else float(nbytes)
+            self._credit = min(self._credit + gained, max(nbytes, self._credit))
         self._credit_at = now
 
     def report(self) -> str:
+        raised = (f" (raised up to {min(self.raised_bps, 1e12) / 1e9:.2f} GB/s to be done before the next save)"
+                  if self.raised_bps else "")
         return (f"{human_bytes(self.staged_bytes)} copied aside first in {self.staged_s:.2f} s; "
                 f"{human_bytes(self.idle_bytes)} moved in the tiers' idle time, {human_bytes(self.capped_bytes)} beside "
-                f"their I/O at <= {self.cap_bps / 1e9:.2f} GB/s; {self.waits} chunks waited {self.waited_s:.1f} s")
+                f"their I/O at <= {self.cap_bps / 1e9:.2f} GB/s{raised}; {self.waits} chunks waited {self.waited_s:.1f} s")
+
+
+def due_at(next_save_in_s: Optional[float], clock: Callable[[], float] = time.monotonic) -> Optional[float]:
+    """When a background writer should be done, on ``clock``, for a next save ``next_save_in_s`` from now
+    (None: no next save known, no deadline)."""
+    return clock() + FINISH_SHARE * next_save_in_s if next_save_in_s is not None else None
 
 
 def same_device_tiers(engine, path: str) -> List:
@@ -93,30 +128,44 @@ def same_device_tiers(engine, path: str) -> List:
     return [tier for tier in engine.file_tiers.values() if tier.device == device]
 
 
-def pace_save(engine, snapshot, path: str, link_tier_files: bool) -> Optional[DiskPacer]:
+def pace_save(engine, snapshot, path: str, link_tier_files: bool, digest: bool,
+              next_save_in_s: Optional[float] = None) -> Optional[DiskPacer]:
     """The pacer of a background write of ``snapshot`` into ``path``, its staging raised, and the line
-    saying how the writer and the tiers share the disk; None where no file tier is on that device."""
+    saying how the writer and the tiers share the disk; None where no file tier is on that device.
+    ``digest``: the writer reads linked tier files for the resume check's digest; ``next_save_in_s``: when the
+    next save comes, which the writer is to be done before (None: unknown)."""
     tiers = same_device_tiers(engine, path)
     if not tiers:
         return None
     ranks = engine.config.resolved_ranks_sharing_node()
     disk_bps = rank_disk_bps([(engine, tier) for tier in tiers])
-    pacer = DiskPacer(tiers, writer_cap(disk_bps))
+    pacer = DiskPacer(tiers, writer_cap(disk_bps), due_at=due_at(next_save_in_s))
     memory_bytes = len(snapshot.memory) * snapshot.largest.state_bytes
     if engine.config.save_staging_bytes is None:  # a size given is kept as given
         snapshot.allow_staging(min(memory_bytes, staging_room(ranks)))
     written = sum(state_file_bytes(sg.numel, sg.codecs, sg.blocks) for sg in snapshot.subgroups
                   if sg.index in snapshot.memory or not link_tier_files)
+    read = sum(snapshot.subgroups[i].state_bytes for i in snapshot.on_tier) if digest or not link_tier_files else 0
+    pacer.expect(written + read)  # each piece written and each tier read waits its turn
     busy = max(tier.activity.busy_share() for tier in tiers)
     per_s = disk_bps * (1 - busy) + pacer.cap_bps * busy  # the writer's pace if the tiers keep their busy share
     staged = min(snapshot.staging_bytes, memory_bytes)
     log.info("async save: writer paced behind the %s tier on %s: %s to write, about %.1f s at the tier's %.0f%% "
              "busy share so far (idle time at the disk's %.2f GB/s, <= %.2f GB/s beside its I/O); the state held "
-             "in memory copied aside before the first chunk (%s of %s%s)",
+             "in memory copied aside before the first chunk (%s of %s%s)%s",
              "/".join(t.name for t in tiers), device_name(tiers[0].device), human_bytes(written),
              written / per_s if per_s > 0 else float("inf"), 100 * busy, disk_bps / 1e9, pacer.cap_bps / 1e9,
              human_bytes(staged), human_bytes(memory_bytes),
-             "" if staged >= memory_bytes else "; beyond it the updates wait for the writer")
+             "" if staged >= memory_bytes else "; beyond it the updates wait for the writer",
+             "" if next_save_in_s is None else
+             f"; to be done within {FINISH_SHARE * next_save_in_s:.1f} s, before the next save (in about "
+             f"{next_save_in_s:.1f} s), the cap beside the tier's I/O raised where that needs it")
+    whole_disk_s = (written + read) / disk_bps if disk_bps > 0 else 0.0
+    if next_save_in_s is not None and whole_disk_s > FINISH_SHARE * next_save_in_s:
+        log.warning("async save: its %s to move take %.1f s even at the disk's whole %.2f GB/s, more than the %.1f s "
+                    "before the next save: that save will hold training until this one is written (saves further "
+                    "apart, or a checkpoint directory on another disk, avoid it)", human_bytes(written + read),
+                    whole_disk_s, disk_bps / 1e9, FINISH_SHARE * next_save_in_s)
     return pacer
 
 

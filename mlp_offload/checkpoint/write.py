@@ -61,12 +61,13 @@ def save_engine_state(engine: OffloadedAdamW, path: str, metadata: Optional[dict
 
 
 def start_background_save(engine: OffloadedAdamW, path: str, metadata: Optional[dict] = None,
-                          digest: Optional[StateDigest] = None,
-                          link_tier_files: bool = False) -> "BackgroundStateWrite":
+                          digest: Optional[StateDigest] = None, link_tier_files: bool = False,
+                          next_save_in_s: Optional[float] = None) -> "BackgroundStateWrite":
     """Snapshot the engine's state now (cheap: see snapshot) for a thread that writes it into
     ``path`` once ``start()``ed, while the engine goes on stepping. Where the tier's file system
     has no hard links the state is written now instead (the handle is then already done).
-    ``link_tier_files``: the snapshot's links of tier files go into the checkpoint (``parts``)."""
+    ``link_tier_files``: the snapshot's links of tier files go into the checkpoint (``parts``);
+    ``next_save_in_s``: when the next save comes, which a paced writer is to be done before (pacing)."""
     try:
         snapshot = _snapshot(engine, link_files=True)
     except OSError as err:
@@ -81,7 +82,7 @@ def start_background_save(engine: OffloadedAdamW, path: str, metadata: Optional[
         log.warning("%s: the offloaded state is written synchronously", short)
         return BackgroundStateWrite.finished_now(engine, path, metadata, digest, link_tier_files)
     write = BackgroundStateWrite(snapshot, path, metadata, digest, link_tier_files)
-    write.pacer = pace_save(engine, snapshot, path, link_tier_files)
+    write.pacer = pace_save(engine, snapshot, path, link_tier_files, digest is not None, next_save_in_s)
     return write
 
 
@@ -213,6 +214,13 @@ def _link_parts(snapshot: StateSnapshot, parts: Optional[PartLinks]) -> Dict[int
     return linked
 
 
+def unlinked_bytes(snapshot: StateSnapshot, linked: Dict[int, dict], digest: bool) -> int:
+    """What the file-held subgroups a link refused add to a paced write planned with links: each is
+    written, and read (without a digest; with one, its read was planned already)."""
+    return sum(state_file_bytes(sg.numel, sg.codecs, sg.blocks) + (0 if digest else sg.state_bytes)
+               for sg in (snapshot.subgroups[i] for i in snapshot.on_tier if i not in linked))
+
+
 def _write(snapshot: StateSnapshot, tmp: str, metadata: Optional[dict], digest: Optional[StateDigest],
            parts: Optional[PartLinks] = None, pacer: Optional[DiskPacer] = None) -> int:
     with snapshot.device_reads():  # the device-held state copied out beside the training's stream
@@ -221,6 +229,8 @@ def _write(snapshot: StateSnapshot, tmp: str, metadata: Optional[dict], digest: 
             pacer.staged_bytes = snapshot.stage_ahead()
             pacer.staged_s = time.perf_counter() - started  # what the copy aside may cost the steps beside it
         linked = _link_parts(snapshot, parts)
+        if pacer is not None and parts is not None:
+            pacer.expect(unlinked_bytes(snapshot, linked, digest is not None))
         return _write_state(snapshot, tmp, metadata, digest, linked, pacer)
 
 

@@ -120,6 +120,21 @@ def test_torch_dists_forked_writer_flushes_its_files_paced(async_saved, chain):
             assert int(flushed.group(1)) >= 1 and int(flushed.group(3)) >= int(flushed.group(1))
 
 
+
+def test_each_saves_writers_are_due_before_the_next_save_and_the_last_ones_are_not(async_saved):
+    """A save with another after it gives torch_dist's flushes and the offloaded state's writer that save's
+    time (at the iterations' pace before it) to be done by; the end of training's save has none."""
+    output = async_saved["output"]
+    saves = list(range(SAVE_EVERY, ITERS + 1, SAVE_EVERY))
+    for n in saves:
+        line = next(ln for ln in output.splitlines() if f"> checkpoint at iteration {n}: training held" in ln)
+        assert ("before the next save" in line) == (n != ITERS), line
+    writer_lines = [ln for ln in output.splitlines() if "INFO async save: writer paced" in ln]
+    assert len(writer_lines) == 2 * len(saves)  # each save's line from each of the two ranks
+    due = [ln for ln in writer_lines if re.search(r"to be done within [0-9.]+ s, before the next save", ln)]
+    assert len(due) == 2 * (len(saves) - (ITERS in saves)), writer_lines
+
+
 def test_a_kill_during_the_background_write_leaves_the_previous_checkpoint(chain):
     assert chain["crashed"]["returncode"] != 0, chain["crashed"]["output"][-3000:]
     assert "> saved checkpoint at iteration 2 " in chain["crashed"]["output"]  # finalized before the kill

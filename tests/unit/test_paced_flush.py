@@ -45,6 +45,9 @@ class Recorder:
     def wait_turn(self, nbytes):
         self.calls.append(("turn", nbytes))
 
+    def expect(self, nbytes):
+        self.calls.append(("expect", nbytes))
+
 
 def test_every_range_is_written_back_once_in_order_each_after_its_turn_then_fsynced(tmp_path):
     fd = file_of(tmp_path / "f", 2 * PIECE + 345)
@@ -53,7 +56,8 @@ def test_every_range_is_written_back_once_in_order_each_after_its_turn_then_fsyn
         paced_flush.paced_flush(fd, rec, rec.sync_range, rec.fsync, counts, piece=PIECE)
     finally:
         os.close(fd)
-    assert rec.calls == [("turn", PIECE), ("range", 0, PIECE), ("turn", PIECE), ("range", PIECE, PIECE),
+    assert rec.calls == [("expect", 2 * PIECE + 345),  # the whole file announced for the pacer's due time
+                         ("turn", PIECE), ("range", 0, PIECE), ("turn", PIECE), ("range", PIECE, PIECE),
                          ("turn", 345), ("range", 2 * PIECE, 345), ("fsync",)]
     assert (counts.files, counts.pieces, counts.nbytes, counts.unpaced) == (1, 3, 2 * PIECE + 345, 0)
 

@@ -8,6 +8,7 @@ import threading
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from mlp_offload.checkpoint import load_engine_state, pacing
 from mlp_offload.checkpoint.state_file import human_bytes
@@ -167,6 +168,26 @@ def test_a_paced_save_never_holds_the_updates_back_and_writes_the_synchronous_by
         assert all(torch.equal(a, b) for a, b in zip(engine_state(resumed), expected))
 
 
+def test_a_save_the_disk_cannot_finish_before_the_next_one_says_so_in_one_line(tmp_path, caplog):
+    """Its bytes at the disk's whole rate take longer than the time to the next save: one warning naming both
+    figures; with time enough, the pacing line names the due time and nothing warns."""
+    with engine_at_step_3(tmp_path / "e") as engine:
+        caplog.set_level("INFO", logger="mlp_offload")
+        for name, next_save_in_s in (("soon", 1e-6), ("later", 1e6)):
+            caplog.clear()
+            write = start_background_save(engine, str(tmp_path / f"{name}.ckpt"), next_save_in_s=next_save_in_s)
+            assert write.pacer is not None and write.pacer.due_at is not None
+            assert "before the next save (in about" in caplog.text
+            warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+            if name == "soon":
+                assert len(warned) == 1 and "that save will hold training until this one is written" in warned[0]
+            else:
+                assert not warned
+            write.start()
+            write.wait()
+            assert write.failure is None
+
+
 def test_a_checkpoint_on_another_device_is_not_paced(tmp_path, monkeypatch, caplog):
     with engine_at_step_3(tmp_path / "e") as engine:
         for tier in engine.file_tiers.values():
@@ -200,3 +221,76 @@ def test_a_paced_writer_copies_the_memory_held_state_aside_before_it_links_the_t
         assert current.failure is None
     memory_bytes = sum(engine.subgroups[i].state_bytes for i in current.snapshot.memory)
     assert seen and all(staged == memory_bytes for staged in seen)  # every link came after the whole copy aside
+
+
+@pytest.mark.parametrize("refuse", [False, True])
+def test_a_paced_writer_expects_every_byte_it_moves_even_where_a_link_is_refused(tmp_path, quiet_tiers,
+                                                                                 monkeypatch, refuse):
+    """The due time paces the bytes expected: a tier file a link refused is read and written instead, and
+    those bytes are expected too, or the writer would come late for the next save."""
+    from mlp_offload.checkpoint import write as write_module
+    if refuse:
+        monkeypatch.setattr(write_module.PartLinks, "link", lambda self, *args, **kwargs: None)
+    with engine_at_step_3(tmp_path / "e") as engine:
+        write = start_background_save(engine, str(tmp_path / "paced.ckpt"), link_tier_files=True,
+                                      next_save_in_s=1e6)
+        assert write.pacer is not None and write.snapshot.on_tier
+        planned = write.pacer.expected_bytes
+        quiet_tiers.set()
+        write.start()
+        write.wait()
+        assert write.failure is None
+        moved = write.pacer.idle_bytes + write.pacer.capped_bytes
+        assert write.pacer.expected_bytes == moved
+        assert (moved > planned) == refuse  # the refused links' bytes came on top of the plan
+
+
+def busy_pacer(cap, due_in, expected):
+    """A pacer beside a tier that never goes quiet, due ``due_in`` s from now (None: no due time)."""
+    clock = Clock()
+    tier = FakeTier(clock)
+    tier.busy = tier.activity.moving()  # held (kept referenced): busy for good
+    tier.busy.__enter__()
+    due = clock.now + due_in if due_in is not None else None
+    pacer = pacing.DiskPacer([tier], cap_bps=cap, clock=clock, sleep=clock.sleep, due_at=due)
+    pacer.expect(expected)
+    return clock, pacer
+
+
+@settings(max_examples=60, deadline=None)
+@given(chunks=st.lists(st.integers(1_000, 64_000), min_size=1, max_size=30),
+       cap=st.floats(1e3, 1e6), due_in=st.floats(0.5, 60.0))
+def test_a_writer_due_before_the_next_save_is_done_by_then_and_no_faster_than_it_needs(chunks, cap, due_in):
+    """Beside a tier never quiet the cap alone would take total / cap; with a due time the cap rises to what
+    finishes by then, and only where the cap is short of it (never faster than the slower of the two needs)."""
+    total = sum(chunks)
+    clock, pacer = busy_pacer(cap, due_in, total)
+    start = clock.now
+    for chunk in chunks:
+        pacer.wait_turn(chunk)
+    elapsed = clock.now - start
+    assert pacer.capped_bytes == total and pacer.idle_bytes == 0
+    on_time = min(due_in, total / cap)  # the cap alone, where it is enough, else the due time
+    assert elapsed <= on_time + len(chunks) * pacing.POLL_S + 1e-9
+    assert elapsed >= on_time - max(chunks) / cap - 1e-9  # one chunk banked at most
+    if total / cap + len(chunks) * pacing.POLL_S < due_in * 0.999:  # each chunk's wait may overshoot one poll
+        assert not pacer.raised_bps  # the cap was enough
+    elif total / cap > due_in * 1.001:
+        assert pacer.raised_bps > cap
+    if pacer.raised_bps:
+        assert "to be done before the next save" in pacer.report()
+
+
+def test_without_a_due_time_the_cap_holds_and_past_it_the_rest_goes_at_once():
+    chunks, chunk, cap = 10, 10_000, 1e4  # the cap alone: 10 s
+    clock, pacer = busy_pacer(cap, None, chunks * chunk)
+    start = clock.now
+    for _ in range(chunks):
+        pacer.wait_turn(chunk)
+    assert clock.now - start >= (chunks - 1) * chunk / cap and not pacer.raised_bps
+    clock, pacer = busy_pacer(cap, 1.0, chunks * chunk)
+    clock.now += 5.0  # past due before the first chunk
+    start = clock.now
+    for _ in range(chunks):
+        pacer.wait_turn(chunk)
+    assert clock.now - start <= chunks * pacing.POLL_S + 1e-9

@@ -30,6 +30,7 @@ process would see the next updates change them in place. ``HostWeightsAside`` co
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import socket
@@ -52,6 +53,20 @@ from mlp_offload.checkpoint import FlushPacing, flush_pacing, human_bytes, insta
 
 # on_written(failure): failure is None when this rank's write succeeded, else a one-line reason.
 OnWritten = Callable[[Optional[str]], None]
+POLLS_KEPT = 4  # the iteration time is the shortest of the gaps between these
+
+
+def next_save_in_s(iteration: int, save_interval: Optional[int], train_iters: Optional[int],
+                   iteration_s: Optional[float]) -> Optional[float]:
+    """About how long until the save after the one at ``iteration``: the iterations to the next ``save_interval``
+    or to the end of training (``train_iters``), whichever comes first, at ``iteration_s`` each; None where no
+    later save is known."""
+    last = train_iters if train_iters else float("inf")  # no save after the end of training
+    later = [end for end in (iteration + save_interval if save_interval else None, train_iters)
+             if end is not None and iteration < end <= last]
+    if iteration_s is None or not later:
+        return None
+    return (min(later) - iteration) * iteration_s
 
 
 class WriterThread(Protocol):
@@ -71,6 +86,7 @@ class BackgroundSaves:
         self._device = device  # of the all-reduce that asks whether every rank's thread has ended
         self._thread: Optional[WriterThread] = None
         self._flush: Optional[FlushPacing] = None
+        self._polled: List[float] = []  # when the last polls ran: one after each iteration
 
     @property
     def pending(self) -> bool:
@@ -89,8 +105,15 @@ class BackgroundSaves:
         if thread is not None:
             thread.start()
 
+    def iteration_s(self) -> Optional[float]:
+        """The shortest of the last few iterations, as the polls after them saw it (None before two polls): a
+        save or an evaluation between two polls lengthens that gap only."""
+        gaps = [later - earlier for earlier, later in zip(self._polled, self._polled[1:])]
+        return min(gaps) if gaps else None
+
     def poll(self) -> None:
         """Finalize if every rank's writers have ended; otherwise return at once (one or two all-reduces)."""
+        self._polled = (self._polled + [time.perf_counter()])[-POLLS_KEPT:]
         if self.pending and self._all_threads_done():
             self._queue.maybe_finalize_async_calls(blocking=False)
 
@@ -122,15 +145,16 @@ class BackgroundSaves:
         self._flush = None
 
 
-def torch_dist_flush(shards, path: str) -> Optional[FlushPacing]:
+def torch_dist_flush(shards, path: str, next_save_in_s: Optional[float] = None) -> Optional[FlushPacing]:
     """How the forked writer of a save into ``path`` paces its fsyncs, behind the file tiers of the offload
-    engines of ``shards`` on its disk (None: plain fsyncs); its processes report into a file of their own."""
-    handle, report = tempfile.mkstemp(prefix="mlp_offload_torch_dist_flushes-")
-    os.close(handle)
-    pacing = flush_pacing([shard.engine for shard in shards], path, writer_processes(), report)
+    engines of ``shards`` on its disk (None: plain fsyncs), done before the next save (``next_save_in_s``, where
+    known); its processes report into a file of their own."""
+    pacing = flush_pacing([shard.engine for shard in shards], path, writer_processes(), None, next_save_in_s)
     if pacing is None:
-        _remove(report)
-    return pacing
+        return None
+    handle, report = tempfile.mkstemp(prefix="mlp_offload_torch_dist_flushes-")  # only where there is one to read
+    os.close(handle)
+    return dataclasses.replace(pacing, report_path=report)
 
 
 def _remove(path: str) -> None:
@@ -142,7 +166,8 @@ def _remove(path: str) -> None:
 
 def forked_writer(write: Callable, flush: Optional[FlushPacing]) -> Callable:
     """``write`` (megatron-core's, run in the process it forks) at the idle I/O priority and nice 19, so the file
-    tiers' step I/O and the rank's threads go first where the scheduler serves classes; with ``flush``, its fsyncs paced behind the tiers.
+    tiers' step I/O (where the scheduler serves classes) and the rank's threads go first; with ``flush``, its
+    fsyncs paced behind the tiers.
     Both only where it runs in another process than the one that made it: the rank's own stay as they are."""
     rank_pid = os.getpid()
     idle = at_idle_priority(write)

@@ -21,8 +21,8 @@ from typing import Optional
 import torch
 from megatron.core import dist_checkpointing, parallel_state
 
-from megatron.training.checkpoint.async_save import (HostWeightsAside, check_nodes_hold, reserve_host_copies,
-                                                      torch_dist_flush)
+from megatron.training.checkpoint.async_save import (HostWeightsAside, check_nodes_hold, next_save_in_s,
+                                                      reserve_host_copies, torch_dist_flush)
 from megatron.training.checkpoint.integrity import checkpoint_dir, part_bytes
 from megatron.training.checkpoint.load_plan import SAME_FORM, plan_load, resume_position
 from megatron.training.checkpoint.offload_files import (offloaded_state_bytes, offloaded_state_writes,
@@ -119,6 +119,7 @@ def save_checkpoint(iteration: int, model, optimizer, scheduler, consumed_sample
     if args.resume_check:
         digests = SaveDigests(model, optimizer if save_optimizer else None, iteration)
     engine_digests = digests.engines if digests is not None else None
+    next_save = next_save_in_s(iteration, args.save_interval, args.train_iters, background.iteration_s())
     torch_dist_from = time.perf_counter()
     request, failure, offload_write = None, None, None
     torch_dist_to = torch_dist_from
@@ -129,7 +130,7 @@ def save_checkpoint(iteration: int, model, optimizer, scheduler, consumed_sample
                                           **save_strategies(args, aside.wrapping if aside is not None else None))
         torch_dist_to = time.perf_counter()  # its plan and its copy to host memory
         if offloaded:  # a snapshot, written once started
-            offload_write = start_offloaded_save(optimizer.shards, model, path, engine_digests)
+            offload_write = start_offloaded_save(optimizer.shards, model, path, engine_digests, next_save)
     except (CheckpointSaveError, OSError) as err:
         failure = save_failure(err, path)
     except UserError as err:  # the host memory cannot hold the params' copies (every rank raised it)
@@ -143,7 +144,7 @@ def save_checkpoint(iteration: int, model, optimizer, scheduler, consumed_sample
         raise
     on_written = _BackgroundCompletion(root, path, iteration, started, offload_write, model, digests)
     shards = optimizer.shards if isinstance(optimizer, OffloadedOptimizerCheckpoint) else []
-    on_written.flush = torch_dist_flush(shards, path)  # None: its fsyncs as megatron-core makes them
+    on_written.flush = torch_dist_flush(shards, path, next_save)  # None: its fsyncs as megatron-core makes them
     background.schedule(request, on_written, offload_write, on_written.flush)
     fault_point("save-scheduled")
     done = time.perf_counter()

@@ -185,11 +185,14 @@ def write_offloaded_state(writes: list) -> int:
     return sum(save_engine_state(*write, link_tier_files=True) for write in writes)
 
 
-def start_offloaded_save(shards, model_chunks, checkpoint_dir: str, digests: Optional[dict] = None) -> "StateWrites":
-    """The same files, written by a thread from a snapshot taken now, once ``start()``ed (--async-save)."""
+def start_offloaded_save(shards, model_chunks, checkpoint_dir: str, digests: Optional[dict] = None,
+                         next_save_in_s: Optional[float] = None) -> "StateWrites":
+    """The same files, written by a thread from a snapshot taken now, once ``start()``ed (--async-save), done
+    before the next save where ``next_save_in_s`` says when it comes."""
     digests = digests or {}
     return StateWrites([start_background_save(shard.engine, *_file_and_metadata(shard, model_chunks, checkpoint_dir),
-                                              digests.get(shard.kind), link_tier_files=True) for shard in shards])
+                                              digests.get(shard.kind), link_tier_files=True,
+                                              next_save_in_s=next_save_in_s) for shard in shards])
 
 
 def offloaded_state_bytes(shards) -> int:
