@@ -9,9 +9,8 @@ writer, so chunks also pass while it is busy, at ``WRITER_SHARE`` of ``CAP_SHARE
 rates the steps showed, ``engine.file_tier_rates``; torch_dist's flushes take the other part): the step's I/O keeps
 at least ``1 / SLOWDOWN`` of the disk.
 The writer must be done before the next save, which otherwise holds training while it finishes: where the caller
-says when that is (``next_save_in_s``), the pacer aims to be done by ``FINISH_SHARE`` of it: while the bytes moved
-fall behind an even pace to then, it raises the cap beside a busy tier to the rate that moves the bytes left by
-then (``DiskPacer.rate_now``).
+says when that is (``next_save_in_s``), the pacer aims to be done by ``FINISH_SHARE`` of it, and while the bytes
+left would not be at the cap, it raises the cap beside a busy tier to the rate that does (``DiskPacer.rate_now``).
 A checkpoint on another device: no pacing. Since the writer then takes several steps, the staging
 budget (``snapshot``) is raised to the state held in memory while host memory allows, and the writer
 copies that state aside before its first chunk: the updates after the save neither copy nor wait.
@@ -45,8 +44,7 @@ class DiskPacer:
     """``wait_turn(nbytes)`` before each chunk: at once while every tier of ``tiers`` is quiet, else
     once the tiers are quiet or ``rate_now()`` has accrued the chunk's bytes (at most one chunk banked).
     ``due_at`` (on ``clock``, which is the same in every process of the machine by default): when the bytes
-    ``expect``ed should be moved; until then the cap rises where the bytes moved fall behind an even pace
-    to it."""
+    ``expect``ed should be moved; until then the cap rises where the bytes left need it."""
 
     def __init__(self, tiers: Sequence, cap_bps: float, clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep, due_at: Optional[float] = None):
@@ -56,7 +54,6 @@ class DiskPacer:
         self.expected_bytes = 0  # what the writer says it will move through wait_turn (for due_at)
         self.raised_bps = 0.0  # the highest rate the chunks accrued at above the cap (the report)
         self._clock, self._sleep = clock, sleep
-        self._made_at = clock()
         self._lock = threading.Lock()  # the writer's thread and its reads ask in turn
         self._credit, self._credit_at = 0.0, None
         self.idle_bytes = 0  # bytes that went while the tiers were quiet
@@ -73,22 +70,14 @@ class DiskPacer:
         self.expected_bytes += nbytes
 
     def rate_now(self) -> float:
-        """Bytes/s a chunk may go at beside a busy tier now: ``cap_bps`` while the bytes moved keep up with an
-        even pace from the pacer's making to ``due_at`` (the quiet spells carry the rest: raising early would
-        crowd the first steps after the save), else the rate that moves the bytes left by ``due_at`` (past
-        it: no limit)."""
-        moved = self.idle_bytes + self.capped_bytes + self._credit  # the credit will go too
-        left = self.expected_bytes - moved
+        """Bytes/s a chunk may go at beside a busy tier now: ``cap_bps``, or more where the bytes expected
+        and not yet moved would not be done by ``due_at`` at it (past it: no limit)."""
+        left = self.expected_bytes - self.idle_bytes - self.capped_bytes - self._credit  # the credit will go too
         if self.due_at is None or left <= 0:
             return self.cap_bps
-        now = self._clock()
-        time_left = self.due_at - now
-        if time_left <= 0:
-            return float("inf")
-        even_pace = self.expected_bytes * (now - self._made_at) / (self.due_at - self._made_at)
-        if moved >= even_pace:
-            return self.cap_bps
-        return max(left / time_left, self.cap_bps)
+        time_left = self.due_at - self._clock()
+        needed = left / time_left if time_left > 0 else float("inf")
+        return max(needed, self.cap_bps)
 
     def wait_turn(self, nbytes: int) -> None:
         with self._lock:

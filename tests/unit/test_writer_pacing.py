@@ -285,39 +285,6 @@ def test_a_writer_due_before_the_next_save_is_done_by_then_and_no_faster_than_it
         assert "to be done before the next save" in pacer.report()
 
 
-class BusyEachSecond:
-    """A tier that moves data for the first ``busy_s`` of every second of ``clock``."""
-
-    def __init__(self, clock, busy_s):
-        self.activity = self
-        self.clock, self.busy_s = clock, busy_s
-
-    def quiet(self):
-        return self.clock.now % 1.0 >= self.busy_s
-
-
-@settings(max_examples=40, deadline=None)
-@given(disk_bps=st.floats(1e4, 1e5), busy_s=st.floats(0.2, 0.8))  # the writes alone take <= half the time
-def test_a_due_writer_moves_in_the_quiet_spells_what_they_hold_and_raises_the_cap_only_for_the_rest(disk_bps,
-                                                                                                 busy_s):
-    """Beside a tier busy part of every second, writing each chunk at ``disk_bps``: done by the due time in
-    every case; where the quiet spells alone hold 1.5 times an even pace to the due time, the writer moves
-    at most 5% beside the tier's I/O (the cap raised from the start would have moved a share of the
-    bytes there, crowding the steps just after the save)."""
-    clock = Clock()
-    chunk, total, due_in, cap = 1_000, 100_000, 20.0, 100.0
-    pacer = pacing.DiskPacer([BusyEachSecond(clock, busy_s)], cap_bps=cap, clock=clock, sleep=clock.sleep,
-                             due_at=clock.now + due_in)
-    pacer.expect(total)
-    start = clock.now
-    for _ in range(total // chunk):
-        pacer.wait_turn(chunk)
-        clock.now += chunk / disk_bps  # the write itself
-    assert clock.now - start <= due_in + 2 * chunk / disk_bps + 2 * pacing.POLL_S
-    if (1 - busy_s) * disk_bps >= 1.5 * total / due_in:
-        assert pacer.capped_bytes <= 0.05 * total
-
-
 def test_without_a_due_time_the_cap_holds_and_past_it_the_rest_goes_at_once():
     chunks, chunk, cap = 10, 10_000, 1e4  # the cap alone: 10 s
     clock, pacer = busy_pacer(cap, None, chunks * chunk)
