@@ -256,7 +256,10 @@ def test_signal_saves_then_exits_and_the_run_continues_exactly(tmp_path, uninter
     assert f"exiting at iteration {saved} after receiving {how} (--exit-signal-handler)" in output
     if how == "SIGUSR1":
         assert proc.returncode == 0  # torchrun saw its workers finish
-        assert 'pretrain_gpt.py", line' in output.split("Current thread 0x", 1)[1], output[-3000:]
+        # a stack dumped from a signal handler is best effort (faulthandler's docs): in one CI run the main
+        # thread's dump, in faults.py's delay, had no pretrain_gpt.py frame; frames of the rank's code are the proof
+        dump = output[output.index("Current thread 0x"):]
+        assert re.search(r'File ".*(pretrain_gpt|megatron|mlp_offload).*\.py", line \d+ in ', dump), output[-3000:]
     assert (ckpt / f"iter_{saved:07d}" / "COMPLETE.json").exists()
     assert _dead_namespaces(tmp_path / "nvme") == [] and _dead_namespaces(tmp_path / "pfs") == []
     resumed = run_pretrain(tmp_path, args, train_iters=ITERS, loss_log=tmp_path / "resumed.jsonl")
