@@ -149,7 +149,7 @@ def torch_dist_flush(shards, path: str, next_save_in_s: Optional[float] = None) 
     """How the forked writer of a save into ``path`` paces its fsyncs, behind the file tiers of the offload
     engines of ``shards`` on its disk (None: plain fsyncs), done before the next save (``next_save_in_s``, where
     known); its processes report into a file of their own."""
-    pacing = flush_pacing([shard.engine for shard in shards], path, writer_processes(), None, next_save_in_s)
+    pacing = flush_pacing([shard.engine for shard in shards], path, writer_processes(), next_save_in_s)
     if pacing is None:
         return None
     handle, report = tempfile.mkstemp(prefix="mlp_offload_torch_dist_flushes-")  # only where there is one to read
