@@ -17,6 +17,7 @@
 #       lines, the disk's scheduler, and per iteration the disk's bytes, the node's CPU and the engine's trace summed
 #       (its tier operations against its update's phases: beside_writer.py)
 #   A3  (only when RUNS names it) A2 with --no-resume-check: what the digests' CPU work costs the steps beside the writer
+#   A8, B8  (only when RUNS names them) A2 and B2 with saves 8 iterations apart: --async-save at 8 and 16 of 16
 #   bash benchmarks/run_gpu.sh determinism     (device tool, kind nvidia-h200, carry [".whl"])
 #   RUNS="D1 D2 DR" ... a subset; DRY_RUN=1 bash benchmarks/experiments/determinism.sh (tiny, CPU)
 # Raw samples, traces, loss logs and the last run's whole log go into $OUT/raw.tgz.
@@ -61,7 +62,7 @@ run() {  # NAME [flags]
   local name=$1; shift
   local code watcher="" trace=""
   case $name in  # A2 and B2: lines stamped, the disk sampled and the engine traced, for beside_writer.py
-    A2|A3|B2) mkdir -p "$OUT/raw"; $PY benchmarks/experiments/disk_watch.py "$DISK" "$OUT/raw/disk_$name.txt" & watcher=$!
+    A2|A3|B2|A8|B8) mkdir -p "$OUT/raw"; $PY benchmarks/experiments/disk_watch.py "$DISK" "$OUT/raw/disk_$name.txt" & watcher=$!
               trace="--offload-trace $OUT/raw/trace_$name.json" ;;
   esac
   # shellcheck disable=SC2086
@@ -89,6 +90,8 @@ for name in ${RUNS:-D1 D2 DR N1 N2}; do
     A3) run A3 --async-save --save "$DISK/paced" --save-interval 4 --train-iters 8 --no-resume-check
         rm -rf "$DISK/paced" ;;  # A2 without the resume check's digests (their CPU work beside the steps)
     B2) run B2 --train-iters 8 ;;  # A2 without saves
+    A8) run A8 --async-save --save "$DISK/paced" --save-interval 8 --train-iters 16; rm -rf "$DISK/paced" ;;
+    B8) run B8 --train-iters 16 ;;  # A8 without saves
     S1) run S1 --deterministic-mode ;;  # layer_major.sh's pair
     L1) run L1 --deterministic-mode --offload-activations host ;;
     P1) run P1 --deterministic-mode --offload-activations host --offload-params host ;;
@@ -96,12 +99,13 @@ for name in ${RUNS:-D1 D2 DR N1 N2}; do
   esac
 done
 du -sh "$DISK/at2" 2>/dev/null | cat
-for async in A2 A3; do
-  if [ -s "$OUT/determinism_$async.log" ] && [ -s "$OUT/determinism_B2.log" ]; then
-    echo "$async against B2:"
-    $PY benchmarks/experiments/beside_writer.py "$OUT/determinism_$async.log" "$OUT/determinism_B2.log" \
-      --disk "$OUT/raw/disk_$async.txt" "$OUT/raw/disk_B2.txt" --trace "$OUT/raw/trace_$async.json" \
-      "$OUT/raw/trace_B2.json" | tee "$OUT/determinism_beside_writer_$async.txt"
+for pair in A2:B2 A3:B2 A8:B8; do
+  async=${pair%:*} base=${pair#*:}
+  if [ -s "$OUT/determinism_$async.log" ] && [ -s "$OUT/determinism_$base.log" ]; then
+    echo "$async against $base:"
+    $PY benchmarks/experiments/beside_writer.py "$OUT/determinism_$async.log" "$OUT/determinism_$base.log" \
+      --disk "$OUT/raw/disk_$async.txt" "$OUT/raw/disk_$base.txt" --trace "$OUT/raw/trace_$async.json" \
+      "$OUT/raw/trace_$base.json" | tee "$OUT/determinism_beside_writer_$async.txt"
   fi
 done
 $PY - "$OUT" <<'PY' | tee "$OUT/determinism_summary.txt"
