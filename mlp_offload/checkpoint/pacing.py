@@ -9,10 +9,8 @@ writer, so chunks also pass while it is busy, at ``WRITER_SHARE`` of ``CAP_SHARE
 rates the steps showed, ``engine.file_tier_rates``; torch_dist's flushes take the other part): the step's I/O keeps
 at least ``1 / SLOWDOWN`` of the disk.
 The writer must be done before the next save, which otherwise holds training while it finishes: where the caller
-says when that is (``next_save_in_s``), the pacer aims to be done by ``FINISH_SHARE`` of it. The tiers' quiet
-spells to come carry part of the bytes left (at the tiers' recent busy share, at the writer's share of the
-disk); where the rest would not be done at the cap beside the tiers' I/O, the cap rises to the rate that does
-it evenly over their busy time (``DiskPacer.rate_now``), rather than all in the first steps after the save.
+says when that is (``next_save_in_s``), the pacer aims to be done by ``FINISH_SHARE`` of it, and while the bytes
+left would not be at the cap, it raises the cap beside a busy tier to the rate that does (``DiskPacer.rate_now``).
 A checkpoint on another device: no pacing. Since the writer then takes several steps, the staging
 budget (``snapshot``) is raised to the state held in memory while host memory allows, and the writer
 copies that state aside before its first chunk: the updates after the save neither copy nor wait.
@@ -49,15 +47,10 @@ class DiskPacer:
     ``expect``ed should be moved; until then the cap rises where the bytes left need it."""
 
     def __init__(self, tiers: Sequence, cap_bps: float, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep, due_at: Optional[float] = None,
-                 quiet_spells: Tuple[float, float] = (1.0, 0.0)):
+                 sleep: Callable[[float], None] = time.sleep, due_at: Optional[float] = None):
         self.tiers = list(tiers)
         self.cap_bps = cap_bps
         self.due_at = due_at
-        # (the tiers' busy share, bytes/s this writer moves while they are quiet): what the quiet spells
-        # before due_at will carry; (1.0, 0.0): count on none
-        self.busy_share, self.idle_bps = min(1.0, max(0.0, quiet_spells[0])), quiet_spells[1]
-        self._quiet_seen_at = clock()
         self.expected_bytes = 0  # what the writer says it will move through wait_turn (for due_at)
         self.raised_bps = 0.0  # the highest rate the chunks accrued at above the cap (the report)
         self.past_due = False  # chunks went at once, past due_at
@@ -79,21 +72,13 @@ class DiskPacer:
 
     def rate_now(self) -> float:
         """Bytes/s a chunk may go at beside a busy tier now: ``cap_bps``, or more where the bytes expected
-        and not yet moved, less what the quiet spells before ``due_at`` carry, would not be done by then at it
-        in the tiers' busy time (past it: no limit)."""
+        and not yet moved would not be done by ``due_at`` at it (past it: no limit)."""
         left = self.expected_bytes - self.idle_bytes - self.capped_bytes - self._credit  # the credit will go too
         if self.due_at is None or left <= 0:
             return self.cap_bps
         time_left = self.due_at - self._clock()
-        if time_left <= 0:
-            return float("inf")
-        # the quiet time ahead, as of when the tiers were last seen quiet: a busy spell does not use it up
-        quiet_s = min(time_left, (1 - self.busy_share) * (self.due_at - self._quiet_seen_at))
-        beside = left - self.idle_bps * quiet_s
-        if beside <= 0:
-            return self.cap_bps
-        busy_s = time_left - quiet_s
-        return max(beside / busy_s, self.cap_bps) if busy_s > 0 else float("inf")
+        needed = left / time_left if time_left > 0 else float("inf")
+        return max(needed, self.cap_bps)
 
     def wait_turn(self, nbytes: int) -> None:
         with self._lock:
@@ -102,7 +87,6 @@ class DiskPacer:
             while True:
                 self._accrue(nbytes)
                 if not self.busy():
-                    self._quiet_seen_at = self._clock()
                     self.idle_bytes += nbytes
                     break
                 if self._credit >= nbytes:
@@ -121,11 +105,10 @@ class DiskPacer:
             rate = self.rate_now()
             if rate == float("inf"):
                 self.past_due = True
-            elif rate > self.cap_bps:
-                self.raised_bps = max(self.raised_bps, rate)
-            if rate == float("inf"):
                 self._credit = max(self._credit, float(nbytes))
             else:  # banked: one chunk, and what a poll's overshoot accrued beyond it (not lost to the polling)
+                if rate > self.cap_bps:
+                    self.raised_bps = max(self.raised_bps, rate)
                 self._credit = min(self._credit + (now - self._credit_at) * rate,
                                    max(nbytes + rate * POLL_S, self._credit))
         self._credit_at = now
@@ -163,8 +146,7 @@ def pace_save(engine, snapshot, path: str, link_tier_files: bool, digest: bool,
         return None
     ranks = engine.config.resolved_ranks_sharing_node()
     disk_bps = rank_disk_bps([(engine, tier) for tier in tiers])
-    pacer = DiskPacer(tiers, writer_cap(disk_bps), due_at=due_at(next_save_in_s),
-                      quiet_spells=(recent_busy_share(tiers, next_save_in_s), WRITER_SHARE * disk_bps))
+    pacer = DiskPacer(tiers, writer_cap(disk_bps), due_at=due_at(next_save_in_s))
     memory_bytes = len(snapshot.memory) * snapshot.largest.state_bytes
     if engine.config.save_staging_bytes is None:  # a size given is kept as given
         snapshot.allow_staging(min(memory_bytes, staging_room(ranks)))
@@ -172,22 +154,19 @@ def pace_save(engine, snapshot, path: str, link_tier_files: bool, digest: bool,
                   if sg.index in snapshot.memory or not link_tier_files)
     read = sum(snapshot.subgroups[i].state_bytes for i in snapshot.on_tier) if digest or not link_tier_files else 0
     pacer.expect(written + read)  # each piece written and each tier read waits its turn
-    busy = pacer.busy_share
+    busy = max(tier.activity.busy_share() for tier in tiers)
     per_s = disk_bps * (1 - busy) + pacer.cap_bps * busy  # the writer's pace if the tiers keep their busy share
     staged = min(snapshot.staging_bytes, memory_bytes)
     log.info("async save: writer paced behind the %s tier on %s: %s to write, about %.1f s at the tier's %.0f%% "
-             "busy share %s (idle time at the disk's %.2f GB/s, <= %.2f GB/s beside its I/O); the state held "
+             "busy share so far (idle time at the disk's %.2f GB/s, <= %.2f GB/s beside its I/O); the state held "
              "in memory copied aside before the first chunk (%s of %s%s)%s",
              "/".join(t.name for t in tiers), device_name(tiers[0].device), human_bytes(written),
-             written / per_s if per_s > 0 else float("inf"), 100 * busy,
-             "so far" if next_save_in_s is None else f"over the last {next_save_in_s:.0f} s", disk_bps / 1e9,
-             pacer.cap_bps / 1e9,
+             written / per_s if per_s > 0 else float("inf"), 100 * busy, disk_bps / 1e9, pacer.cap_bps / 1e9,
              human_bytes(staged), human_bytes(memory_bytes),
              "" if staged >= memory_bytes else "; beyond it the updates wait for the writer",
              "" if next_save_in_s is None else
              f"; to be done within {FINISH_SHARE * next_save_in_s:.1f} s, before the next save (in about "
-             f"{next_save_in_s:.1f} s), the cap beside the tier's I/O raised where its quiet spells to come "
-             f"leave more than the cap moves")
+             f"{next_save_in_s:.1f} s), the cap beside the tier's I/O raised where that needs it")
     whole_disk_s = (written + read) / disk_bps if disk_bps > 0 else 0.0
     if next_save_in_s is not None and whole_disk_s > FINISH_SHARE * next_save_in_s:
         log.warning("async save: its %s to move take %.1f s even at the disk's whole %.2f GB/s, more than the %.1f s "
@@ -195,12 +174,6 @@ def pace_save(engine, snapshot, path: str, link_tier_files: bool, digest: bool,
                     "apart, or a checkpoint directory on another disk, avoid it)", human_bytes(written + read),
                     whole_disk_s, disk_bps / 1e9, FINISH_SHARE * next_save_in_s)
     return pacer
-
-
-def recent_busy_share(tiers: Sequence, window_s: Optional[float]) -> float:
-    """The busiest of ``tiers``' busy shares over the last ``window_s`` (as long a stretch as the one before
-    the next save; None: since they were made)."""
-    return max(tier.activity.busy_share(window_s) for tier in tiers)
 
 
 def rank_disk_bps(engine_tiers: Sequence[Tuple[object, object]]) -> float:

@@ -12,15 +12,12 @@ writer), that sighting is all it sees.
 
 from __future__ import annotations
 
-import bisect
 import threading
 import time
-from collections import deque
 from contextlib import contextmanager
 from typing import Callable, Optional
 
 QUIET_S = 0.02  # nothing moved for this long: the step's I/O has paused, not merely between two operations
-SPELLS_KEPT = 4096  # busy spells remembered for a recent busy share: many steps' worth, a few hundred KB
 
 
 class TierActivity:
@@ -35,7 +32,6 @@ class TierActivity:
         self._created = clock()
         self._busy_from = 0.0
         self._busy_s = 0.0  # time with at least one operation moving data
-        self._spell_ends = deque(maxlen=SPELLS_KEPT)  # (when a busy spell ended, _busy_s then), oldest first
 
     @contextmanager
     def moving(self):
@@ -52,32 +48,13 @@ class TierActivity:
                 self._last_end = self._clock()
                 if not self.in_flight:
                     self._busy_s += self._last_end - self._busy_from
-                    self._spell_ends.append((self._last_end, self._busy_s))
 
-    def busy_share(self, window_s: Optional[float] = None) -> float:
-        """Of the time since the tier was made (``window_s``: of the last ``window_s`` seconds, or as far back
-        as the busy spells remembered reach), the share its own operations moved data."""
+    def busy_share(self) -> float:
+        """Of the time since the tier was made, the share its own operations moved data."""
         with self._lock:
             now = self._clock()
-            busy = self._busy_at(now)
-            since = self._created if window_s is None else max(self._created, now - window_s)
-            busy_then = self._busy_at(since)
-            if busy_then is None:  # spells forgotten: from the oldest one remembered
-                since, busy_then = self._spell_ends[0]
-            return (busy - busy_then) / (now - since) if now > since else 0.0
-
-    def _busy_at(self, t: float) -> Optional[float]:
-        """The busy time from the tier's making up to ``t`` (None: before the spells remembered). Lock held."""
-        k = bisect.bisect_right(self._spell_ends, (t, float("inf")))  # spells ended by t: the first k
-        if k == 0 and len(self._spell_ends) == self._spell_ends.maxlen and t > self._created:
-            return None
-        busy = self._spell_ends[k - 1][1] if k else 0.0
-        if k < len(self._spell_ends):  # the next spell may have begun by t
-            end, busy_at_end = self._spell_ends[k]
-            started = end - (busy_at_end - busy)
-        else:
-            started = self._busy_from if self.in_flight else float("inf")
-        return busy + max(0.0, t - started)
+            busy = self._busy_s + (now - self._busy_from if self.in_flight else 0.0)
+            return busy / (now - self._created) if now > self._created else 0.0
 
     def quiet(self, quiet_s: float = QUIET_S) -> bool:
         with self._lock:

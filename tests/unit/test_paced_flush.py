@@ -257,33 +257,3 @@ def test_the_offload_writer_and_torch_dists_flushes_together_leave_the_step_its_
             assert 1 / (1 - together / rate) <= disk_pacing.SLOWDOWN + 1e-9
         finally:
             write.cancel()
-
-
-def test_the_writers_count_on_the_tiers_quiet_spells_at_their_shares_of_the_disk(tmp_path):
-    """Due before the next save, the offload writer and torch_dist's flushing processes count on the tier's quiet
-    spells to come at the tier's busy share over as long a stretch as the one ahead, each at its part of the disk
-    (the offload writer WRITER_SHARE of it, the processes the rest between them); without a due time, at the cap."""
-    from mlp_offload.checkpoint import pacing as disk_pacing
-    from mlp_offload.checkpoint.write import start_background_save
-    with engine_at_step_3(tmp_path / "e") as engine:
-        (tmp_path / "ckpt").mkdir()
-        processes, ahead_s = 3, 30.0
-        tier = engine.file_tiers["nvme"]
-        flush = paced_flush.flush_pacing([engine], str(tmp_path / "ckpt" / "iter_0000002"), processes,
-                                         next_save_in_s=ahead_s)
-        write = start_background_save(engine, str(tmp_path / "ckpt" / "state"), metadata={"iteration": 3},
-                                      next_save_in_s=ahead_s)
-        try:
-            rate = disk_rate(engine, "nvme")
-            busy = flush.quiet_spells[0]
-            assert 0 < busy <= 1 and busy == pytest.approx(tier.activity.busy_share(ahead_s), abs=0.05)
-            assert flush.quiet_spells[1] == pytest.approx((1 - disk_pacing.WRITER_SHARE) * rate / processes)
-            assert (write.pacer.busy_share, write.pacer.idle_bps) == pytest.approx(
-                (busy, disk_pacing.WRITER_SHARE * rate), abs=0.05 * rate)
-            assert flush.pacer().idle_bps == flush.quiet_spells[1]
-            assert "quiet spells to come" in flush.describe()
-        finally:
-            write.cancel()
-        undue = paced_flush.flush_pacing([engine], str(tmp_path / "ckpt" / "iter_0000002"), processes).pacer()
-        undue.expect(10**12)
-        assert undue.due_at is None and undue.rate_now() == undue.cap_bps

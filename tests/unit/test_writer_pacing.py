@@ -285,7 +285,7 @@ def test_a_writer_due_before_the_next_save_is_done_by_then_and_no_faster_than_it
         assert "to be done before the next save" in pacer.report()
 
 
-def test_without_a_due_time_the_cap_holds_and_past_it_the_rest_goes_at_once():
+def test_without_a_due_time_the_cap_holds_and_past_it_the_rest_goes_at_once_and_the_report_says_so():
     chunks, chunk, cap = 10, 10_000, 1e4  # the cap alone: 10 s
     clock, pacer = busy_pacer(cap, None, chunks * chunk)
     start = clock.now
@@ -298,3 +298,5 @@ def test_without_a_due_time_the_cap_holds_and_past_it_the_rest_goes_at_once():
     for _ in range(chunks):
         pacer.wait_turn(chunk)
     assert clock.now - start <= chunks * pacing.POLL_S + 1e-9
+    assert pacer.past_due and "past the time it was due, the rest at once" in pacer.report()
+    assert "GB/s to be done" not in pacer.report()  # no finite raise before it (an infinite rate is no figure)
