@@ -15,7 +15,8 @@ of 8- and 16-bit elements cost what one of 32-bit ones does per byte. It runs on
 alike, in chunks of ``CHUNK`` words (bounded extra memory), each seen as rows of ``ROW`` words: with
 ``r[k]`` a chunk's row sums and ``c[j]`` its column sums,
 ``sum((a + k*ROW + j + 1) * w) = (a + 1) * sum(r) + ROW * sum(k * r[k]) + sum(j * c[j])``, two
-reductions that widen the words on the fly instead of a product per word.
+reductions that widen the words on the fly instead of a product per word (on the CPU one thread's: the
+digests run beside training).
 
 ``StateDigest`` keeps them per parameter piece and state tensor of one engine's shard, fed a subgroup
 at a time: by the checkpoint writer from the tensors it writes, and by a load from those its fill
@@ -31,6 +32,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+import numpy
 import torch
 
 from ..state_formats import is_blockwise
@@ -86,9 +88,7 @@ def _word_digest(w: torch.Tensor, first_word: int) -> torch.Tensor:
         part, at = w[a: a + chunk], first_word + a
         rows = part.numel() // ROW
         if rows:
-            block = part[: rows * ROW].view(rows, ROW)
-            r = torch.sum(block, dim=1, dtype=torch.int64)
-            c = torch.sum(block, dim=0, dtype=torch.int64)
+            r, c = _row_and_column_sums(part[: rows * ROW].view(rows, ROW))
             total = r.sum()
             acc[0] += total
             acc[1] += total * (at + 1) + (r * torch.arange(rows, device=w.device)).sum() * ROW \
@@ -97,6 +97,17 @@ def _word_digest(w: torch.Tensor, first_word: int) -> torch.Tensor:
         if tail.numel():
             acc += indexed_digest(tail, torch.arange(tail.numel(), device=w.device) + (at + rows * ROW))
     return acc
+
+
+def _row_and_column_sums(block: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``block``'s row and column sums, widened to int64. On the CPU by numpy, on the calling thread alone:
+    torch's reductions of a chunk this size would take every core of the rank's intra-op pool, in bursts
+    beside the training thread, for work one core does at several times a paced writer's rate."""
+    if block.is_cuda:
+        return torch.sum(block, dim=1, dtype=torch.int64), torch.sum(block, dim=0, dtype=torch.int64)
+    words = block.numpy()
+    return (torch.from_numpy(words.sum(axis=1, dtype=numpy.int64)),
+            torch.from_numpy(words.sum(axis=0, dtype=numpy.int64)))
 
 
 def _element_digest(x: torch.Tensor, first_index: int, lanes: int) -> torch.Tensor:

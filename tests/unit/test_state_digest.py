@@ -282,3 +282,25 @@ def test_a_master_bit_flipped_as_it_enters_each_tier_is_named(saved_with_remaind
     loaded = load_with_digests(str(root), case, path, params, edit=flip_in)
     owner = next(f"p{k}" for k, (a, _, n) in enumerate(case["segments"]) if a <= flipped_at[0] < a + n)
     assert find_mismatch(recorded, loaded)[:2] == (owner, "master")
+
+
+def test_a_cpu_digest_takes_no_intra_op_pool_for_its_chunks(monkeypatch):
+    """The CPU's row and column sums run on the calling thread alone (beside training, a digest's reductions
+    must not take every core of the rank's pool): no torch reduction of more than a chunk's row count, and
+    the pair still numpy's."""
+    values = torch.randint(-2**31, 2**31 - 1, (3 * digest_module.CHUNK + 77,), dtype=torch.int64).to(torch.int32)
+    expected = digest(values).tolist()
+    real_sum = torch.sum
+
+    def small_sums_only(t, *args, **kwargs):
+        assert t.numel() <= max(digest_module.CHUNK // digest_module.ROW, digest_module.ROW), \
+            f"a torch reduction over {t.numel()} elements"
+        return real_sum(t, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "sum", small_sums_only)
+    monkeypatch.setattr(torch.Tensor, "sum", lambda t, *a, **k: small_sums_only(t, *a, **k))
+    assert digest(values).tolist() == expected
+    words = values.numpy().astype(np.int64)
+    k = np.arange(1, words.size + 1, dtype=np.int64)
+    assert [v & ((1 << 64) - 1) for v in expected] == [int(words.sum(dtype=U64)) & ((1 << 64) - 1),
+                                                          int((words.astype(U64) * k.astype(U64)).sum(dtype=U64))]

@@ -1,5 +1,7 @@
 """copy_to_host: device-to-host copies through two pinned buffers, piece by piece (tiers.to_host)."""
 
+import sys
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -97,3 +99,22 @@ def test_on_cuda_a_fork_beside_a_thread_that_copied_leaves_the_child_whole():
     finally:
         finish.set()
         thread.join()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and /proc/self/smaps are Linux's")
+def test_a_staging_buffer_is_asked_for_huge_pages_and_left_out_of_children():
+    """A snapshot's staging buffer is filled beside training: its mapping carries MADV_HUGEPAGE ("hg": a fault per
+    2 MiB where the kernel grants it) and MADV_DONTFORK ("dc"), as /proc/self/smaps shows them."""
+    buf = aligned_empty(8 << 20)
+    at = buf.data_ptr()
+    flags, inside = None, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5 and all(c in "0123456789abcdef-" for c in fields[0]):
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                inside = lo <= at < hi
+            elif inside and line.startswith("VmFlags:"):
+                flags = fields[1:]
+                break
+    assert flags is not None and "hg" in flags and "dc" in flags, flags
