@@ -18,8 +18,11 @@
 #       (its tier operations against its update's phases: beside_writer.py)
 #   A3  (only when RUNS names it) A2 with --no-resume-check: what the digests' CPU work costs the steps beside the writer
 #   A8, B8  (only when RUNS names them) A2 and B2 with saves 8 iterations apart: --async-save at 8 and 16 of 16
+#   A2_<variant>, A3_<variant>, A8_<variant>  that run on a copy of this tree with benchmarks/variants/<variant>.patch
+#       applied (a rule of the product measured against main's in one call, on one machine), against B2 or B8
 #   bash benchmarks/run_gpu.sh determinism     (device tool, kind nvidia-h200, carry [".whl"])
 #   RUNS="D1 D2 DR" ... a subset; DRY_RUN=1 bash benchmarks/experiments/determinism.sh (tiny, CPU)
+#   FLOOR_GB=4 RUNS="B8 A8 A8_quiet_spells" RUN_LIMIT=230 ...  main's due rule and the quiet-spell one (§37) side by side
 # Raw samples, traces, loss logs and the last run's whole log go into $OUT/raw.tgz.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -61,7 +64,7 @@ for line in sys.stdin: sys.stdout.write(f"[{time.time():.3f}] {line}")'; }
 run() {  # NAME [flags]
   local name=$1; shift
   local code watcher="" trace=""
-  case $name in  # A2 and B2: lines stamped, the disk sampled and the engine traced, for beside_writer.py
+  case ${name%%_*} in  # A2 and B2: lines stamped, the disk sampled and the engine traced, for beside_writer.py
     A2|A3|B2|A8|B8) mkdir -p "$OUT/raw"; $PY benchmarks/experiments/disk_watch.py "$DISK" "$OUT/raw/disk_$name.txt" & watcher=$!
               trace="--offload-trace $OUT/raw/trace_$name.json" ;;
   esac
@@ -76,31 +79,49 @@ run() {  # NAME [flags]
   grep -v "iteration  " "$OUT/determinism_$name.log" | cut -c1-900
   source benchmarks/experiments/iteration_lines.sh; iteration_lines "$OUT/determinism_$name.log"
 }
-for name in ${RUNS:-D1 D2 DR N1 N2}; do
-  case $name in
-    D1) run D1 --deterministic-mode --save "$DISK/ckpt" --save-interval 2 ;;
-    D2) run D2 --deterministic-mode ;;
+variant_tree() {  # VARIANT: a copy of this tree with benchmarks/variants/VARIANT.patch applied; prints its path
+  local tree=/tmp/determinism_variant_$1 patch=$PWD/benchmarks/variants/$1.patch
+  [ -f "$patch" ] || { echo "no variant $1 ($patch)" >&2; return 1; }
+  rm -rf "$tree"; mkdir -p "$tree"
+  tar --exclude=./.git --exclude=./.whl --exclude=./.deb --exclude=./docs -cf - . | tar -xf - -C "$tree"
+  if command -v git >/dev/null; then (cd "$tree" && git apply "$patch") >&2
+  else patch -d "$tree" -p1 -s < "$patch" >&2; fi || { echo "variant $1: $patch does not apply to this tree" >&2; return 1; }
+  echo "$tree"
+}
+run_case() {  # NAME: the run of that name (A8_<variant>: A8's flags, its own name)
+  local name=$1
+  case ${name%%_*} in
+    D1) run "$name" --deterministic-mode --save "$DISK/ckpt" --save-interval 2 ;;
+    D2) run "$name" --deterministic-mode ;;
     DR) mkdir -p "$DISK/at2" && cp -al "$DISK/ckpt/iter_0000002" "$DISK/at2/" && echo 2 > "$DISK/at2/latest_checkpointed_iteration.txt"
         rm -rf "$DISK/ckpt/iter_0000004"; drop_page_cache
-        run DR --deterministic-mode --load "$DISK/at2" ;;
+        run "$name" --deterministic-mode --load "$DISK/at2" ;;
     N1|N2) run "$name" ;;
-    A1) run A1 --async-save --save "$DISK/async" --save-interval 2 --train-iters 6 ;;  # holds, steps beside the writer
+    A1) run "$name" --async-save --save "$DISK/async" --save-interval 2 --train-iters 6 ;;  # holds, steps beside the writer
     A2) echo "scheduler of $DISK: $($PY -c "import sys; from megatron.training.runtime.io_priority import scheduler_of; print(scheduler_of(sys.argv[1]))" "$DISK")"
-        run A2 --async-save --save "$DISK/paced" --save-interval 4 --train-iters 8; rm -rf "$DISK/paced" ;;
-    A3) run A3 --async-save --save "$DISK/paced" --save-interval 4 --train-iters 8 --no-resume-check
+        run "$name" --async-save --save "$DISK/paced" --save-interval 4 --train-iters 8; rm -rf "$DISK/paced" ;;
+    A3) run "$name" --async-save --save "$DISK/paced" --save-interval 4 --train-iters 8 --no-resume-check
         rm -rf "$DISK/paced" ;;  # A2 without the resume check's digests (their CPU work beside the steps)
-    B2) run B2 --train-iters 8 ;;  # A2 without saves
-    A8) run A8 --async-save --save "$DISK/paced" --save-interval 8 --train-iters 16; rm -rf "$DISK/paced" ;;
-    B8) run B8 --train-iters 16 ;;  # A8 without saves
-    S1) run S1 --deterministic-mode ;;  # layer_major.sh's pair
-    L1) run L1 --deterministic-mode --offload-activations host ;;
-    P1) run P1 --deterministic-mode --offload-activations host --offload-params host ;;
-    P2) run P2 --deterministic-mode --offload-activations host --offload-params host --offload-grads host ;;
+    B2) run "$name" --train-iters 8 ;;  # A2 without saves
+    A8) run "$name" --async-save --save "$DISK/paced" --save-interval 8 --train-iters 16; rm -rf "$DISK/paced" ;;
+    B8) run "$name" --train-iters 16 ;;  # A8 without saves
+    S1) run "$name" --deterministic-mode ;;  # layer_major.sh's pair
+    L1) run "$name" --deterministic-mode --offload-activations host ;;
+    P1) run "$name" --deterministic-mode --offload-activations host --offload-params host ;;
+    P2) run "$name" --deterministic-mode --offload-activations host --offload-params host --offload-grads host ;;
   esac
+}
+for name in ${RUNS:-D1 D2 DR N1 N2}; do
+  if [ "$name" = "${name%%_*}" ]; then run_case "$name"; continue; fi
+  tree=$(variant_tree "${name#*_}") || continue
+  echo "$name: A run of ${name%%_*} on $tree (benchmarks/variants/${name#*_}.patch applied)"
+  (cd "$tree" && export PYTHONPATH=${PYTHONPATH/$PWD/$tree} && run_case "$name")
+  rm -rf "$tree"
 done
 du -sh "$DISK/at2" 2>/dev/null | cat
-for pair in A2:B2 A3:B2 A8:B8; do
-  async=${pair%:*} base=${pair#*:}
+for log in "$OUT"/determinism_A[238]*.log; do
+  async=$(basename "$log" .log); async=${async#determinism_}
+  case ${async%%_*} in A8) base=B8 ;; *) base=B2 ;; esac
   if [ -s "$OUT/determinism_$async.log" ] && [ -s "$OUT/determinism_$base.log" ]; then
     echo "$async against $base:"
     $PY benchmarks/experiments/beside_writer.py "$OUT/determinism_$async.log" "$OUT/determinism_$base.log" \
@@ -126,8 +147,10 @@ for a, b in (("D1", "D2"), ("D1", "DR"), ("N1", "N2"), ("D1", "N1"), ("S1", "L1"
     ok, its = same(a, b)
     print(f"{a} vs {b} over iterations {its}: {'bit-identical (loss, lr, grad norm)' if ok else 'DIFFER'}")
 PY
-$PY benchmarks/experiments/save_rate.py "$OUT/determinism_floor.txt" "$OUT/determinism_D1.log" "$OUT/determinism_DR.log" \
-  | tee "$OUT/determinism_save_rate.txt"
+if [ -s "$OUT/determinism_D1.log" ]; then  # the device returns 8 files: none without a save to rate
+  $PY benchmarks/experiments/save_rate.py "$OUT/determinism_floor.txt" "$OUT/determinism_D1.log" "$OUT/determinism_DR.log" \
+    | tee "$OUT/determinism_save_rate.txt"
+fi
 rm -rf "$DISK"
 # The raw samples, traces, loss logs and the last run's whole log in one file: the device returns 8 files at most.
 mkdir -p "$OUT/raw"; mv "$OUT"/*.jsonl "$OUT/raw/" 2>/dev/null; mv "$OUT/.run.log" "$OUT/raw/last_run.log" 2>/dev/null

@@ -300,3 +300,15 @@ def test_without_a_due_time_the_cap_holds_and_past_it_the_rest_goes_at_once_and_
     assert clock.now - start <= chunks * pacing.POLL_S + 1e-9
     assert pacer.past_due and "past the time it was due, the rest at once" in pacer.report()
     assert "GB/s to be done" not in pacer.report()  # no finite raise before it (an infinite rate is no figure)
+
+
+def test_the_polls_overshoot_is_banked_so_the_cap_is_the_rate_the_chunks_get():
+    """A chunk that accrues in 1.6 polls waits 2; what the second poll accrued beyond it goes to the next chunk,
+    so 100 chunks take the cap's 0.8 s (give or take a poll and a chunk), not two polls each (1.0 s)."""
+    chunk = 1_000
+    cap = chunk / (1.6 * pacing.POLL_S)
+    clock, pacer = busy_pacer(cap, None, 100 * chunk)
+    start = clock.now
+    for _ in range(100):
+        pacer.wait_turn(chunk)
+    assert clock.now - start == pytest.approx(100 * chunk / cap, abs=pacing.POLL_S + chunk / cap)
