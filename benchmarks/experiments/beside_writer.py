@@ -8,7 +8,9 @@ With ``--disk`` (disk_watch.py's samples of each run, its log lines stamped ``[e
 the writer also gets the bytes the disk read and wrote during it, beside the same iteration without saves, and
 the page cache's dirty bytes at its start and end (torch_dist's writer writes through the page cache), and where
 the samples have them, the cores the node kept busy (at nice <= 0; at nice > 0, torch_dist's niced writer; in
-iowait) and its page faults (copy-on-write ones, while a forked writer lives, among them). With ``--trace`` (each
+iowait) and its page faults (copy-on-write ones, while a forked writer lives, among them), and the training
+thread's time on a core, time waiting for one and context switches (whether the writers' threads took its cores,
+or a lock its turns). With ``--trace`` (each
 run's --offload-trace), each iteration's tier operations and update phases summed (trace_iterations.py), beside the
 same iteration without saves: whether the disk or the CPU took the time.
 
@@ -19,6 +21,7 @@ end ("offloaded state ... paced:", the first rank's line) or, where there is non
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import sys
@@ -107,6 +110,16 @@ def cpu_during(it: int, ends: Dict[int, float], samples) -> Optional[Tuple[float
     return busy, niced, iowait, (last[8] - first[8]) / 1e6
 
 
+def thread_during(it: int, ends: Dict[int, float], samples) -> Optional[Tuple[float, float, float, float]]:
+    """(seconds on a core, seconds waiting for one, voluntary and involuntary switches) of the training thread over
+    iteration ``it``, None where the samples have no such columns or did not see the thread then."""
+    if it not in ends or it - 1 not in ends or not samples or len(samples[0]) < 13:
+        return None
+    first, last = at(samples, ends[it - 1]), at(samples, ends[it])
+    during = tuple(last[k] - first[k] for k in (9, 10, 11, 12))
+    return None if any(math.isnan(x) for x in during) else during
+
+
 def disk_rows(during: Dict[int, int], async_lines: List[str], plain_lines: List[str], disks: List[str]) -> List[str]:
     ends_a, ends_b = iteration_ends(async_lines), iteration_ends(plain_lines)
     samples_a, samples_b = disk_samples(disks[0]), disk_samples(disks[1])
@@ -121,6 +134,11 @@ def disk_rows(during: Dict[int, int], async_lines: List[str], plain_lines: List[
         if c is not None and d is not None:
             rows.append(f"  iteration {it}'s CPU: {c[0]:.1f} cores busy, {c[1]:.1f} niced, {c[2]:.1f} in iowait, "
                         f"{c[3]:.2f} M page faults (without saves: {d[0]:.1f}, {d[1]:.1f}, {d[2]:.1f}, {d[3]:.2f} M)")
+        e, f = thread_during(it, ends_a, samples_a), thread_during(it, ends_b, samples_b)
+        if e is not None and f is not None:
+            rows.append(f"  iteration {it}'s training thread: {e[0]:.2f} s on a core, {e[1]:.2f} s waiting for one, "
+                        f"{e[2]:.0f} voluntary and {e[3]:.0f} involuntary switches (without saves: {f[0]:.2f} s, "
+                        f"{f[1]:.2f} s, {f[2]:.0f}, {f[3]:.0f})")
     return rows
 
 

@@ -6,7 +6,11 @@ stopped (SIGTERM), for attributing a run's disk traffic and CPU use to its itera
 Each line: epoch seconds, bytes read and written by the device so far (its /sys/dev/block stat), the page
 cache's Dirty and Writeback bytes (/proc/meminfo), then the node's CPU seconds so far busy at nice <= 0, busy at
 nice > 0 (a niced writer's) and in iowait, summed over its cores (/proc/stat), and its page faults so far
-(/proc/vmstat pgfault: copy-on-write ones included).
+(/proc/vmstat pgfault: copy-on-write ones included). Then the training thread's (the rank's main thread: the
+process running pretrain_gpt.py whose parent is torchrun, the first seen) seconds on a core and seconds waiting
+for one (/proc/PID/task/PID/schedstat), and its voluntary and involuntary context switches (its status): a thread
+slowed by cores the writers take waits in the run queue; one slowed by a lock (the GIL) switches voluntarily
+more. nan until the rank is seen.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import os
 import signal
 import sys
 import time
-from typing import Tuple
+from typing import Optional, Tuple
 
 SECTOR = 512  # the block layer's stat counts 512-byte sectors whatever the device's
 
@@ -58,19 +62,62 @@ def page_faults() -> int:
     return 0
 
 
+def rank_pid(proc: str = "/proc") -> Optional[int]:
+    """The training rank's pid: a process running pretrain_gpt.py whose parent runs torchrun (its forked writers
+    and data workers have the rank as their parent), the lowest where several; None where none runs yet."""
+    cmdlines, parents = {}, {}
+    for entry in os.listdir(proc):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"{proc}/{entry}/cmdline", "rb") as f:
+                cmdlines[int(entry)] = f.read()
+            with open(f"{proc}/{entry}/stat") as f:
+                parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    ranks = [pid for pid, cmd in cmdlines.items() if b"pretrain_gpt.py" in cmd and b"torchrun" not in cmd
+             and b"torchrun" in cmdlines.get(parents.get(pid), b"")]
+    return min(ranks) if ranks else None
+
+
+def thread_schedule(pid: Optional[int], proc: str = "/proc") -> Tuple[float, float, float, float]:
+    """(seconds on a core, seconds waiting for one, voluntary switches, involuntary switches) of ``pid``'s main
+    thread; nan each where it cannot be read."""
+    nan = float("nan")
+    if pid is None:
+        return nan, nan, nan, nan
+    try:
+        with open(f"{proc}/{pid}/task/{pid}/schedstat") as f:
+            ran_ns, waited_ns = (int(x) for x in f.read().split()[:2])
+        switches = {}
+        with open(f"{proc}/{pid}/task/{pid}/status") as f:
+            for line in f:
+                name, _, value = line.partition(":")
+                if name in ("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches"):
+                    switches[name] = float(value)
+    except (OSError, ValueError):
+        return nan, nan, nan, nan
+    return (ran_ns / 1e9, waited_ns / 1e9, switches.get("voluntary_ctxt_switches", nan),
+            switches.get("nonvoluntary_ctxt_switches", nan))
+
+
 def main(argv) -> int:
     path, out = argv[1], argv[2]
     interval = float(argv[3]) if len(argv) > 3 else 0.2
     stat_file = stat_path(path)
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
+    rank = None
     with open(out, "w") as f:
         while not stop:
             read, written = device_bytes(stat_file)
             dirty, writeback = page_cache_bytes()
             busy, niced, iowait = cpu_seconds()
+            rank = rank or rank_pid()
+            ran, waited, voluntary, involuntary = thread_schedule(rank)
             f.write(f"{time.time():.3f} {read} {written} {dirty} {writeback} {busy:.2f} {niced:.2f} {iowait:.2f} "
-                    f"{page_faults()}\n")
+                    f"{page_faults()} {ran:.3f} {waited:.3f} {voluntary:.0f} {involuntary:.0f}\n")
             f.flush()
             time.sleep(interval)
     return 0

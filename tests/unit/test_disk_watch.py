@@ -1,0 +1,52 @@
+"""The determinism experiment's samplers (benchmarks/experiments/disk_watch.py, beside_writer.py): the training
+rank found among torchrun's processes, its main thread's time on a core, time waiting for one and context
+switches read as the kernel writes them, and those summed over an iteration, on a /proc made in the test."""
+
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "experiments")))
+
+import beside_writer  # noqa: E402
+import disk_watch  # noqa: E402
+
+
+def fake_process(proc, pid, ppid, cmdline, ran_ns=None, waited_ns=None, voluntary=0, involuntary=0):
+    root = proc / str(pid)
+    (root / "task" / str(pid)).mkdir(parents=True)
+    (root / "cmdline").write_bytes(b"\0".join(cmdline) + b"\0")
+    (root / "stat").write_text(f"{pid} (python3 (x)) S {ppid} 1 1 0 -1\n")  # a name with ") " in it, as comm may have
+    if ran_ns is not None:
+        (root / "task" / str(pid) / "schedstat").write_text(f"{ran_ns} {waited_ns} 77\n")
+        (root / "task" / str(pid) / "status").write_text(
+            f"Name:\tpython3\nvoluntary_ctxt_switches:\t{voluntary}\nnonvoluntary_ctxt_switches:\t{involuntary}\n")
+
+
+def test_the_rank_is_the_child_of_torchrun_not_torchrun_nor_the_ranks_own_children(tmp_path):
+    proc = tmp_path / "proc"
+    fake_process(proc, 10, 1, [b"/usr/bin/python3", b"/usr/bin/torchrun", b"--nproc_per_node", b"1", b"pretrain_gpt.py"])
+    fake_process(proc, 31, 10, [b"/usr/bin/python3", b"-u", b"pretrain_gpt.py", b"--bf16"], 1_500_000_000, 250_000_000,
+                 4000, 90)
+    fake_process(proc, 12, 31, [b"/usr/bin/python3", b"-u", b"pretrain_gpt.py", b"--bf16"])  # its forked writer
+    fake_process(proc, 13, 1, [b"/usr/bin/python3", b"disk_watch.py"])
+    (proc / "self").mkdir()
+    assert disk_watch.rank_pid(str(proc)) == 31
+    assert disk_watch.thread_schedule(31, str(proc)) == (1.5, 0.25, 4000.0, 90.0)
+    assert all(math.isnan(x) for x in disk_watch.thread_schedule(None, str(proc)))
+    assert all(math.isnan(x) for x in disk_watch.thread_schedule(12, str(proc)))  # nothing to read: nan, no error
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert disk_watch.rank_pid(str(empty)) is None
+
+
+def test_an_iterations_thread_time_is_the_difference_of_the_samples_around_it():
+    nan = float("nan")
+    base = [0.0] * 9
+    samples = [(100.0, *base[1:], nan, nan, nan, nan),
+               (101.0, *base[1:], 10.0, 1.0, 500.0, 20.0),
+               (103.0, *base[1:], 11.5, 1.75, 800.0, 26.0)]
+    ends = {4: 101.2, 5: 103.1, 3: 100.1}
+    assert beside_writer.thread_during(5, ends, samples) == (1.5, 0.75, 300.0, 6.0)
+    assert beside_writer.thread_during(4, ends, samples) is None  # its start sampled before the thread was seen
+    assert beside_writer.thread_during(5, ends, [s[:9] for s in samples]) is None  # an older disk_watch's samples
