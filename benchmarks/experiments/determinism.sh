@@ -24,6 +24,7 @@
 #   RUNS="D1 D2 DR" ... a subset; DRY_RUN=1 bash benchmarks/experiments/determinism.sh (tiny, CPU)
 #   FLOOR_GB=4 RUNS="B8 A8 A8_quiet_spells" RUN_LIMIT=230 ...  main's due rule and the quiet-spell one (§37) side by side
 #   FLOOR_GB=4 RUNS="B2 A2 A2_write_while_staging" RUN_LIMIT=200 ...  the writer writing each copy as it is made (§37)
+#   (A2_staging_4k_pages: the snapshot's staging in 4 KiB pages, as before fa8ee57)
 # Raw samples, traces, loss logs and the last run's whole log go into $OUT/raw.tgz.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
