@@ -1,12 +1,10 @@
 """What a background thread's copy of memory-held state costs the training steps beside it, copy by copy.
 
-A paced --async-save copies the state held in memory aside (``StateSnapshot.stage_ahead``): the gpu tier's
-subgroups into fresh host buffers (device to host), the host tier's into others (host to host). This times a
-stand-in for the forward and backward (a stack of bf16 linear layers, forward and backward, launched from the
-main thread) alone, then beside each way of making such a copy in a thread, and prints each one's slowdown of
-those steps and its own copy rate. The first case of each source is the product's own copy: its staging
-buffer (``tiers.no_fork.aligned_empty``: huge pages where granted) filled by ``tiers.to_host.copy_to_host``;
-the others are alternatives written here (4 KiB pages, pinned, bounce buffers).
+A paced --async-save copies the state held in memory aside before its first chunk (``StateSnapshot.stage_ahead``):
+the gpu tier's subgroups into fresh host buffers (device to host), the host tier's into others (host to host).
+This times a stand-in for the forward and backward (a stack of bf16 linear layers, forward and backward,
+launched from the main thread) alone, then beside each way of making such a copy in a thread, and prints
+each one's slowdown of those steps and its own copy rate.
 
     python benchmarks/experiments/copy_aside_interference.py [--gib 4] [--device cuda]
     (device tool: bash benchmarks/run_gpu.sh copy_aside_interference -- via its .sh; CPU dry run: --device cpu --gib 0.1)
@@ -26,7 +24,7 @@ CHUNK = 600 * 2 ** 20  # about one subgroup of 100 M elements of fp32 master and
 
 
 def aligned_empty(nbytes: int) -> torch.Tensor:
-    """Fresh anonymous 4 KiB pages left out of forked children (the snapshot's staging buffers before huge pages)."""
+    """Fresh anonymous pages left out of forked children, as the snapshot's staging buffers are."""
     region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     region.madvise(mmap.MADV_DONTFORK)
     return torch.frombuffer(region, dtype=torch.uint8)
@@ -47,17 +45,8 @@ def make_steps(device: str, width: int, layers: int, tokens: int):
     return step
 
 
-def copy_as_the_product(src: torch.Tensor) -> None:
-    """The snapshot's copy aside itself: a staging buffer per chunk from the product, filled by its copy."""
-    from mlp_offload.tiers.no_fork import aligned_empty as staging_buffer
-    from mlp_offload.tiers.to_host import copy_to_host
-    for start in range(0, src.numel(), CHUNK):
-        piece = src[start:start + CHUNK]
-        copy_to_host(staging_buffer(piece.numel()), piece)
-
-
 def copy_fresh(src: torch.Tensor, stream) -> None:
-    """A fresh never-forked host buffer of 4 KiB pages per chunk, copied into in place."""
+    """As the snapshot does today: a fresh never-forked host buffer per chunk, copied into in place."""
     for start in range(0, src.numel(), CHUNK):
         piece = src[start:start + CHUNK]
         dst = aligned_empty(piece.numel())
@@ -148,8 +137,7 @@ def main() -> None:
     def touched():
         return [aligned_empty(min(CHUNK, nbytes - k * CHUNK)).fill_(0) for k in range(chunks)]
 
-    cases = [("host to staging (the host tier's copy aside, the product's code)", lambda: copy_as_the_product(host_src)),
-             ("host to fresh host, 4 KiB pages", lambda: copy_fresh(host_src, None)),
+    cases = [("host to fresh host (the host tier's copy today)", lambda: copy_fresh(host_src, None)),
              ("fresh host buffers faulted in, no copy", lambda: touched())]
     pre_touched = touched()
     cases.append(("host to faulted-in host", lambda: copy_into(pre_touched, host_src, None)))
@@ -157,9 +145,7 @@ def main() -> None:
         dev_src = torch.ones(nbytes, dtype=torch.uint8, device="cuda")
         stream = torch.cuda.Stream()
         pinned = [torch.empty(d.numel(), dtype=torch.uint8, pin_memory=True) for d in pre_touched]
-        cases = [("device to staging (the gpu tier's copy aside, the product's code)",
-                  lambda: copy_as_the_product(dev_src)),
-                 ("device to fresh host, 4 KiB pages", lambda: copy_fresh(dev_src, stream)),
+        cases = [("device to fresh host (the gpu tier's copy today)", lambda: copy_fresh(dev_src, stream)),
                  ("device to faulted-in host", lambda: copy_into(pre_touched, dev_src, stream)),
                  ("device to pinned host", lambda: copy_into(pinned, dev_src, stream, non_blocking=True)),
                  ("device to fresh host through pinned bounce buffers", lambda: copy_bounced(dev_src, stream)),
