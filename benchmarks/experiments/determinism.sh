@@ -156,5 +156,8 @@ fi
 rm -rf "$DISK"
 # The raw samples, traces, loss logs and the last run's whole log in one file: the device returns 8 files at most.
 mkdir -p "$OUT/raw"; mv "$OUT"/*.jsonl "$OUT/raw/" 2>/dev/null; mv "$OUT/.run.log" "$OUT/raw/last_run.log" 2>/dev/null
+if [ "$(find "$OUT" -maxdepth 1 -type f | wc -l)" -gt 7 ]; then  # many runs: their logs go with the raw files too
+  mv "$OUT"/determinism_*.log "$OUT/raw/"
+fi
 tar czf "$OUT/raw.tgz" -C "$OUT" raw && rm -rf "$OUT/raw"
 echo "all done at $(( SECONDS - T0 )) s"
