@@ -22,8 +22,8 @@
 #       applied (a rule of the product measured against main's in one call, on one machine), against B2 or B8
 #   bash benchmarks/run_gpu.sh determinism     (device tool, kind nvidia-h200, carry [".whl"])
 #   RUNS="D1 D2 DR" ... a subset; DRY_RUN=1 bash benchmarks/experiments/determinism.sh (tiny, CPU)
-#   FLOOR_GB=4 RUNS="B8 A8 A8_quiet_spells" RUN_LIMIT=230 ...  main's due rule and the quiet-spell one (§37) side by side
-#   FLOOR_GB=4 RUNS="B2 A2 A2_write_while_staging" RUN_LIMIT=200 ...  the writer writing each copy as it is made (§37)
+#   FLOOR_GB=4 RUNS="B2 A2 A2_due_from_the_start" RUN_LIMIT=200 ...  main's calibrated raise and the rule before
+#       it (a raise from the save on, blind to the quiet spells: §36-37) side by side (§38)
 #   (A2_staging_4k_pages: the snapshot's staging in 4 KiB pages, as before fa8ee57)
 # Raw samples, traces, loss logs and the last run's whole log go into $OUT/raw.tgz.
 set -u

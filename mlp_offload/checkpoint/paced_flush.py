@@ -33,7 +33,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 from ..tiers.activity import TierActivity
 from ..tiers.tokens import TierTokens
-from .pacing import DiskPacer, due_at, rank_disk_bps, same_device_tiers, writer_cap
+from .pacing import CALIBRATE_SHARE, DiskPacer, due_at, rank_disk_bps, recent_busy_share, same_device_tiers, writer_cap
 
 PIECE = 32 << 20  # bytes written back per turn: a pause in the step's I/O of a few ms is enough for one
 SYNC_FILE_RANGE_WAIT_BEFORE, SYNC_FILE_RANGE_WRITE, SYNC_FILE_RANGE_WAIT_AFTER = 1, 2, 4
@@ -106,16 +106,18 @@ class FlushPacing:
     cap_bps: float  # of each writer process
     report_path: Optional[str] = None  # each process appends its FlushCounts here
     due_at: Optional[float] = None  # time.monotonic() (the machine's, in every process) to be done by: the next save
+    busy_share: float = 1.0  # the tiers' recent busy share, as the rank saw it (a raise spreads over their busy time)
 
     def pacer(self, clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep):
         tiers = [SeenTier(TierTokens(root, count, self.lock_root), clock)
                  for root, count in self.tier_tokens]
-        return DiskPacer(tiers, self.cap_bps, clock=clock, sleep=sleep, due_at=self.due_at)
+        return DiskPacer(tiers, self.cap_bps, clock=clock, sleep=sleep, due_at=self.due_at, busy_share=self.busy_share)
 
     def describe(self) -> str:
         due = ("" if self.due_at is None else
                f", to be done in {max(0.0, self.due_at - time.monotonic()):.1f} s, before the next save (the cap "
-               f"raised where that needs it)")
+               f"raised, after the first {100 * CALIBRATE_SHARE:.0f}% of that time, where the quiet spells leave more "
+               f"than it moves)")
         return (f"its files flushed in {PIECE >> 20} MiB pieces paced behind the {'/'.join(self.tier_names)} tier "
                 f"(<= {self.cap_bps / 1e9:.2f} GB/s per writer process beside its I/O{due})")
 
@@ -139,7 +141,8 @@ def flush_pacing(engines: Sequence, path: str, writer_processes: int,
     cap_bps = writer_cap(rank_disk_bps(tiers)) / max(1, writer_processes)  # the offload writer's share beside it
     return FlushPacing(tuple(dict.fromkeys(tier.name for _, tier in tiers)),
                        tuple((tier.root, tier.tokens.lock_files) for _, tier in tiers),
-                       tiers[0][1].lock_root, cap_bps, due_at=due_at(next_save_in_s))
+                       tiers[0][1].lock_root, cap_bps, due_at=due_at(next_save_in_s),
+                       busy_share=recent_busy_share([tier for _, tier in tiers], next_save_in_s))
 
 
 _REAL_FSYNC: List = []  # [os.fsync as it was] in a process where install ran (a forked writer)

@@ -9,8 +9,12 @@ writer, so chunks also pass while it is busy, at ``WRITER_SHARE`` of ``CAP_SHARE
 rates the steps showed, ``engine.file_tier_rates``; torch_dist's flushes take the other part): the step's I/O keeps
 at least ``1 / SLOWDOWN`` of the disk.
 The writer must be done before the next save, which otherwise holds training while it finishes: where the caller
-says when that is (``next_save_in_s``), the pacer aims to be done by ``FINISH_SHARE`` of it, and while the bytes
-left would not be at the cap, it raises the cap beside a busy tier to the rate that does (``DiskPacer.rate_now``).
+says when that is (``next_save_in_s``), the pacer aims to be done by ``FINISH_SHARE`` of it. For the first
+``CALIBRATE_SHARE`` of that time it keeps to the cap and measures what the tiers' quiet spells carry; then, where
+the bytes left, less what quiet spells at that rate will carry by then, would not be done at the cap in the tiers'
+busy time (their recent busy share), it raises the cap beside a busy tier to the rate that does
+(``DiskPacer.rate_now``). So the steps right after the save are not the ones that pay for it: a rate raised from
+the start, blind to the quiet spells ahead, made the first step the slowest (docs/benchmarks.md §36-38).
 A checkpoint on another device: no pacing. Since the writer then takes several steps, the staging
 budget (``snapshot``) is raised to the state held in memory while host memory allows, and the writer
 copies that state aside before its first chunk: the updates after the save neither copy nor wait.
@@ -38,19 +42,27 @@ POLL_S = 0.005  # how often a waiting chunk looks again
 HOST_SHARE = 0.5  # of the host memory available now, the most the staging may take
 MIN_CAP_BPS = 50e6  # where no rate is known: the writer still finishes beside a tier never quiet
 FINISH_SHARE = 0.9  # of the time to the next save (at the steps' pace before it): when the writers aim to be done
+CALIBRATE_SHARE = 0.25  # of the time to the due time: at the cap alone, the quiet spells' rate measured
+MIN_BUSY_SHARE = 0.05  # the least busy share a raise assumes (a tier seen nearly always quiet)
 
 
 class DiskPacer:
     """``wait_turn(nbytes)`` before each chunk: at once while every tier of ``tiers`` is quiet, else
     once the tiers are quiet or ``rate_now()`` has accrued the chunk's bytes (at most one chunk banked).
     ``due_at`` (on ``clock``, which is the same in every process of the machine by default): when the bytes
-    ``expect``ed should be moved; until then the cap rises where the bytes left need it."""
+    ``expect``ed should be moved; past ``CALIBRATE_SHARE`` of the time to it the cap rises where the bytes left
+    need it. ``busy_share``: of the time, the share the tiers are busy (their recent share; 1.0: never quiet)."""
 
     def __init__(self, tiers: Sequence, cap_bps: float, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep, due_at: Optional[float] = None):
+                 sleep: Callable[[float], None] = time.sleep, due_at: Optional[float] = None,
+                 busy_share: float = 1.0):
         self.tiers = list(tiers)
         self.cap_bps = cap_bps
         self.due_at = due_at
+        self.busy_share = min(1.0, max(MIN_BUSY_SHARE, busy_share))
+        self.started = clock()
+        # until then, the cap alone: the steps right after the save pay no raise, the quiet spells are measured
+        self.calibrated_at = self.started + CALIBRATE_SHARE * (due_at - self.started) if due_at is not None else None
         self.expected_bytes = 0  # what the writer says it will move through wait_turn (for due_at)
         self.raised_bps = 0.0  # the highest rate the chunks accrued at above the cap (the report)
         self.past_due = False  # chunks went at once, past due_at
@@ -58,6 +70,10 @@ class DiskPacer:
         self._lock = threading.Lock()  # the writer's thread and its reads ask in turn
         self._credit, self._credit_at = 0.0, None
         self.idle_bytes = 0  # bytes that went while the tiers were quiet
+        # (when the tiers last went quiet after a busy spell, idle_bytes then): the quiet spells' rate is taken
+        # over whole busy-and-quiet cycles from the save, not up to the end of a quiet spell (which overstates it)
+        self._cycles_end = None
+        self._was_busy = False
         self.capped_bytes = 0  # bytes that went beside the tiers' I/O, at the cap
         self.waited_s = 0.0
         self.waits = 0  # chunks that waited at all
@@ -71,14 +87,22 @@ class DiskPacer:
         self.expected_bytes += nbytes
 
     def rate_now(self) -> float:
-        """Bytes/s a chunk may go at beside a busy tier now: ``cap_bps``, or more where the bytes expected
-        and not yet moved would not be done by ``due_at`` at it (past it: no limit)."""
+        """Bytes/s a chunk may go at beside a busy tier now: ``cap_bps``; past the calibration, more where the
+        bytes expected and not yet moved, less what the quiet spells carry by ``due_at`` at the rate they have
+        carried since the start, would not be done by then at it in the tiers' busy time (past it: no limit)."""
         left = self.expected_bytes - self.idle_bytes - self.capped_bytes - self._credit  # the credit will go too
         if self.due_at is None or left <= 0:
             return self.cap_bps
-        time_left = self.due_at - self._clock()
-        needed = left / time_left if time_left > 0 else float("inf")
-        return max(needed, self.cap_bps)
+        now = self._clock()
+        time_left = self.due_at - now
+        if time_left <= 0:
+            return float("inf")
+        if now < self.calibrated_at:
+            return self.cap_bps
+        at, idle = self._cycles_end or (now, self.idle_bytes)
+        quiet_bps = idle / (at - self.started) if at > self.started else 0.0
+        beside = left - quiet_bps * time_left  # what the tiers' busy time must carry
+        return max(beside / (self.busy_share * time_left), self.cap_bps)
 
     def wait_turn(self, nbytes: int) -> None:
         with self._lock:
@@ -87,8 +111,11 @@ class DiskPacer:
             while True:
                 self._accrue(nbytes)
                 if not self.busy():
+                    if self._was_busy:
+                        self._cycles_end, self._was_busy = (self._clock(), self.idle_bytes), False
                     self.idle_bytes += nbytes
                     break
+                self._was_busy = True
                 if self._credit >= nbytes:
                     self._credit -= nbytes
                     self.capped_bytes += nbytes
@@ -146,7 +173,8 @@ def pace_save(engine, snapshot, path: str, link_tier_files: bool, digest: bool,
         return None
     ranks = engine.config.resolved_ranks_sharing_node()
     disk_bps = rank_disk_bps([(engine, tier) for tier in tiers])
-    pacer = DiskPacer(tiers, writer_cap(disk_bps), due_at=due_at(next_save_in_s))
+    busy = recent_busy_share(tiers, next_save_in_s)
+    pacer = DiskPacer(tiers, writer_cap(disk_bps), due_at=due_at(next_save_in_s), busy_share=busy)
     memory_bytes = len(snapshot.memory) * snapshot.largest.state_bytes
     if engine.config.save_staging_bytes is None:  # a size given is kept as given
         snapshot.allow_staging(min(memory_bytes, staging_room(ranks)))
@@ -154,19 +182,21 @@ def pace_save(engine, snapshot, path: str, link_tier_files: bool, digest: bool,
                   if sg.index in snapshot.memory or not link_tier_files)
     read = sum(snapshot.subgroups[i].state_bytes for i in snapshot.on_tier) if digest or not link_tier_files else 0
     pacer.expect(written + read)  # each piece written and each tier read waits its turn
-    busy = max(tier.activity.busy_share() for tier in tiers)
     per_s = disk_bps * (1 - busy) + pacer.cap_bps * busy  # the writer's pace if the tiers keep their busy share
     staged = min(snapshot.staging_bytes, memory_bytes)
     log.info("async save: writer paced behind the %s tier on %s: %s to write, about %.1f s at the tier's %.0f%% "
-             "busy share so far (idle time at the disk's %.2f GB/s, <= %.2f GB/s beside its I/O); the state held "
+             "busy share %s (idle time at the disk's %.2f GB/s, <= %.2f GB/s beside its I/O); the state held "
              "in memory copied aside before the first chunk (%s of %s%s)%s",
              "/".join(t.name for t in tiers), device_name(tiers[0].device), human_bytes(written),
-             written / per_s if per_s > 0 else float("inf"), 100 * busy, disk_bps / 1e9, pacer.cap_bps / 1e9,
-             human_bytes(staged), human_bytes(memory_bytes),
+             written / per_s if per_s > 0 else float("inf"), 100 * busy,
+             "so far" if next_save_in_s is None else f"over the last {next_save_in_s:.0f} s", disk_bps / 1e9,
+             pacer.cap_bps / 1e9, human_bytes(staged), human_bytes(memory_bytes),
              "" if staged >= memory_bytes else "; beyond it the updates wait for the writer",
              "" if next_save_in_s is None else
              f"; to be done within {FINISH_SHARE * next_save_in_s:.1f} s, before the next save (in about "
-             f"{next_save_in_s:.1f} s), the cap beside the tier's I/O raised where that needs it")
+             f"{next_save_in_s:.1f} s): at the cap alone for the first "
+             f"{CALIBRATE_SHARE * FINISH_SHARE * next_save_in_s:.1f} s, then raised where the bytes left, less what "
+             f"the quiet spells carry at the rate seen, need it")
     whole_disk_s = (written + read) / disk_bps if disk_bps > 0 else 0.0
     if next_save_in_s is not None and whole_disk_s > FINISH_SHARE * next_save_in_s:
         log.warning("async save: its %s to move take %.1f s even at the disk's whole %.2f GB/s, more than the %.1f s "
@@ -174,6 +204,12 @@ def pace_save(engine, snapshot, path: str, link_tier_files: bool, digest: bool,
                     "apart, or a checkpoint directory on another disk, avoid it)", human_bytes(written + read),
                     whole_disk_s, disk_bps / 1e9, FINISH_SHARE * next_save_in_s)
     return pacer
+
+
+def recent_busy_share(tiers: Sequence, window_s: Optional[float]) -> float:
+    """The busiest of ``tiers``' busy shares over about the last ``window_s`` (as long a stretch as the one to the
+    next save; None: since they were made)."""
+    return max(tier.activity.busy_share(window_s) for tier in tiers)
 
 
 def rank_disk_bps(engine_tiers: Sequence[Tuple[object, object]]) -> float:

@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from contextlib import contextmanager
 from typing import Callable, Optional
 
 QUIET_S = 0.02  # nothing moved for this long: the step's I/O has paused, not merely between two operations
+MARK_S = 0.5  # how often the busy time so far is marked, for a busy share over a recent window
+MARKS_KEPT = 512  # marks remembered: a window of minutes, a few KB
 
 
 class TierActivity:
@@ -32,6 +35,7 @@ class TierActivity:
         self._created = clock()
         self._busy_from = 0.0
         self._busy_s = 0.0  # time with at least one operation moving data
+        self._marks = deque([(self._created, 0.0)], maxlen=MARKS_KEPT)  # (time, busy time by then), oldest first
 
     @contextmanager
     def moving(self):
@@ -48,13 +52,22 @@ class TierActivity:
                 self._last_end = self._clock()
                 if not self.in_flight:
                     self._busy_s += self._last_end - self._busy_from
+                    if self._last_end - self._marks[-1][0] >= MARK_S:
+                        self._marks.append((self._last_end, self._busy_s))
 
-    def busy_share(self) -> float:
-        """Of the time since the tier was made, the share its own operations moved data."""
+    def busy_share(self, window_s: Optional[float] = None) -> float:
+        """Of the time since the tier was made (``window_s``: of about the last ``window_s`` seconds, from the
+        busy time marked then, or as far back as the marks reach), the share its own operations moved data."""
         with self._lock:
             now = self._clock()
             busy = self._busy_s + (now - self._busy_from if self.in_flight else 0.0)
-            return busy / (now - self._created) if now > self._created else 0.0
+            since, busy_then = self._marks[0]
+            if window_s is not None:
+                for at, busy_at in reversed(self._marks):  # the newest mark at least window_s back
+                    if now - at >= window_s:
+                        since, busy_then = at, busy_at
+                        break
+            return (busy - busy_then) / (now - since) if now > since else 0.0
 
     def quiet(self, quiet_s: float = QUIET_S) -> bool:
         with self._lock:

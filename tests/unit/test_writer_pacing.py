@@ -4,6 +4,7 @@ a paced file is the synchronous save's byte for byte and loads to the same steps
 save never wait for a paced writer within the staging; a checkpoint on another device is not paced. Clocks
 are injected and waits counted: nothing here depends on how fast this machine is."""
 
+import math
 import threading
 import time
 
@@ -312,3 +313,88 @@ def test_the_polls_overshoot_is_banked_so_the_cap_is_the_rate_the_chunks_get():
     for _ in range(100):
         pacer.wait_turn(chunk)
     assert clock.now - start == pytest.approx(100 * chunk / cap, abs=pacing.POLL_S + chunk / cap)
+
+
+def test_a_busy_share_over_a_recent_window_sees_the_steps_lately_not_since_the_start():
+    clock = Clock()
+    activity = TierActivity(clock=clock)
+    for busy, quiet in ((0.9, 0.1),) * 10 + ((0.1, 0.9),) * 10:  # 10 s busy 90% of the time, then 10 s at 10%
+        with activity.moving():
+            clock.sleep(busy)
+        clock.sleep(quiet)
+    assert activity.busy_share() == pytest.approx(0.5, abs=0.01)
+    assert activity.busy_share(5.0) == pytest.approx(0.1, abs=0.02)
+    assert activity.busy_share(15.0) == pytest.approx((5 * 0.9 + 10 * 0.1) / 15, abs=0.05)
+    assert activity.busy_share(1e6) == pytest.approx(0.5, abs=0.01)  # longer than it lived: since it was made
+
+
+class StepsTier:
+    """A tier whose I/O comes in steps of ``step_s``: quiet for the first ``1 - busy`` of each (the forward and
+    backward), then busy (the update); its state follows the clock each time the clock moves."""
+
+    def __init__(self, clock, step_s, busy):
+        self.clock, self.step_s, self.busy = clock, step_s, busy
+        self.activity = TierActivity(clock=clock)
+        self._op = None
+
+    def follow(self):
+        in_update = (self.clock.now % self.step_s) >= (1 - self.busy) * self.step_s
+        if in_update and self._op is None:
+            self._op = self.activity.moving()
+            self._op.__enter__()
+        elif not in_update and self._op is not None:
+            self._op.__exit__(None, None, None)
+            self._op = None
+
+
+def paced_write_beside_steps(total, chunk, disk_bps, busy, steps_to_due, step_s=1.0):
+    """A writer of ``total`` bytes in ``chunk``s (each taking the disk's time to write), beside a tier in steps,
+    due ``steps_to_due`` steps from the save: (seconds it took, bytes it moved beside the tier's I/O per step,
+    the pacer)."""
+    clock = Clock()
+    clock.now = 0.0  # the save at a step's start
+    tier = StepsTier(clock, step_s, busy)
+
+    def advance(seconds):
+        clock.sleep(seconds)
+        tier.follow()
+
+    cap = pacing.writer_cap(disk_bps)
+    pacer = pacing.DiskPacer([tier], cap_bps=cap, clock=clock, sleep=advance, due_at=steps_to_due * step_s,
+                             busy_share=busy)
+    pacer.expect(total)
+    beside = [0] * (4 * steps_to_due + 2)
+    for _ in range(total // chunk):
+        capped = pacer.capped_bytes
+        pacer.wait_turn(chunk)
+        beside[int(clock.now // step_s)] += pacer.capped_bytes - capped
+        advance(chunk / disk_bps)
+    return clock.now, beside, pacer
+
+
+@settings(max_examples=40, deadline=None)
+@given(busy=st.floats(0.5, 0.9), steps_to_due=st.integers(4, 10), load=st.floats(0.2, 2.0))
+def test_the_steps_right_after_a_save_pay_no_raise_and_the_writer_is_done_by_its_due_time(busy, steps_to_due, load):
+    """Beside a tier quiet for part of each step, with ``load`` times the bytes its quiet spells and the cap could
+    carry by the due time: the first step after the save moves no more beside the tier's I/O than the cap; the
+    writer is done by the due time (give or take two chunks' polls); where the quiet spells alone could carry the
+    whole of it with room to spare, the cap is never raised; a raise goes to the steps after the calibration,
+    none of them taking half as much again as their mean. The rule before (a rate raised from the start to
+    what the bytes left need by the due time, blind to the quiet spells) moved its largest share beside the
+    first step."""
+    disk_bps, chunk = 1e9, 10_000_000  # a chunk: 10 ms of the disk
+    cap = pacing.writer_cap(disk_bps)
+    quiet_capacity = (1 - busy) * steps_to_due * disk_bps
+    capacity = quiet_capacity + busy * steps_to_due * cap
+    total = int(min(load * capacity, 0.8 * steps_to_due * disk_bps)) // chunk * chunk
+    if total < chunk:
+        return
+    elapsed, beside, pacer = paced_write_beside_steps(total, chunk, disk_bps, busy, steps_to_due)
+    assert beside[0] <= cap * busy + chunk  # the first step: the cap alone
+    assert elapsed <= steps_to_due + 2 * (chunk / disk_bps + pacing.POLL_S)
+    if total <= 0.5 * quiet_capacity:
+        assert not pacer.raised_bps
+    if pacer.raised_bps:  # the raise went to the steps after the calibration, about evenly
+        after = beside[math.ceil(pacing.CALIBRATE_SHARE * steps_to_due):steps_to_due]
+        assert max(after) >= beside[0]
+        assert max(after) <= 1.5 * sum(after) / len(after) + 2 * chunk
