@@ -14,7 +14,7 @@ says when that is (``next_save_in_s``), the pacer aims to be done by ``FINISH_SH
 the bytes left, less what quiet spells at that rate will carry by then, would not be done at the cap in the tiers'
 busy time (their recent busy share), it raises the cap beside a busy tier to the rate that does
 (``DiskPacer.rate_now``). So the steps right after the save are not the ones that pay for it: a rate raised from
-the start, blind to the quiet spells ahead, made the first step the slowest (docs/benchmarks.md §36-38).
+the start, blind to the quiet spells ahead, made the first step the slowest.
 A checkpoint on another device: no pacing. Since the writer then takes several steps, the staging
 budget (``snapshot``) is raised to the state held in memory while host memory allows, and the writer
 copies that state aside before its first chunk: the updates after the save neither copy nor wait.
