@@ -3,8 +3,8 @@ written into the checkpoint, or, where the checkpoint links their files, for the
 
 In the writer's order, the next one into the other of two buffers while this one is used. A paced writer's
 (``pacing.DiskPacer``) go in pieces of at most ``direct_io.PIECE`` bytes, each after its turn on the pacer, two in
-flight, as the writer's own writes do: read whole, one subgroup (406 MB at 3.0 B) went as one burst at the disk's
-rate once its turn came, in front of the tier's next operations (docs/benchmarks.md §38).
+flight, as the writer's own writes do: read whole, a subgroup would go as one burst at the disk's rate once its
+turn came, in front of the tier's next operations.
 """
 
 from __future__ import annotations
