@@ -24,9 +24,6 @@
 #   RUNS="D1 D2 DR" ... a subset; DRY_RUN=1 bash benchmarks/experiments/determinism.sh (tiny, CPU)
 #   FLOOR_GB=4 RUNS="B2 A2 A2_due_from_the_start" RUN_LIMIT=200 ...  main's calibrated raise and the rule before
 #       it (a raise from the save on, blind to the quiet spells: §36-37) side by side (§38)
-#   FLOOR_GB=4 RUNS="B2 A2 A2_paced_digest_reads" RUN_LIMIT=200 ...  the digest's reads of linked tier files in
-#       pieces, each after its turn, against one turn a subgroup (§38; branch pending-paced-digest-reads; the
-#       patch carries its tests too, tests/unit/test_tier_reads.py: `git apply` it to merge the change whole)
 #   (A2_staging_4k_pages: the snapshot's staging in 4 KiB pages, as before fa8ee57)
 # Raw samples, traces, loss logs and the last run's whole log go into $OUT/raw.tgz.
 set -u

@@ -37,12 +37,11 @@ from .file_format import MAGIC, TRAILER, CheckpointSaveError
 from .pacing import DiskPacer, pace_save
 from .parts import PartLinks
 from .state_file import human_bytes, state_file_bytes, subgroups_file_bytes
+from .tier_reads import TierReads
 from ..tiers.direct_io import DirectRegionWriter, pwrite_all
 from ..engine import OffloadedAdamW
 from ..faults import fault_point
-from ..pipeline import StateViews
 from ..snapshot import StateSnapshot
-from ..tiers.no_fork import aligned_empty
 from ..tiers.files import fsync_path
 
 log = logging.getLogger("mlp_offload")
@@ -242,7 +241,7 @@ def _write_state(snapshot: StateSnapshot, tmp: str, metadata: Optional[dict], di
         if sg.index not in linked:
             end += state_file_bytes(sg.numel, sg.codecs, sg.blocks)
     crcs = {}  # subgroup -> a function giving its tensors' CRC32s once the writer has them
-    reads = _TierReads(snapshot, skip=linked, pacer=pacer)
+    reads = TierReads(snapshot, skip=linked, pacer=pacer)
     adding = threading.Lock()  # a digest adds one subgroup at a time, from either thread
     # A linked subgroup is read only for the digest: on a thread of its own, while the others are written.
     linked_digests = _LinkedDigests(snapshot, linked, digest, adding, pacer) if digest is not None and linked else None
@@ -272,6 +271,7 @@ def _write_state(snapshot: StateSnapshot, tmp: str, metadata: Optional[dict], di
                 linked_digests.wait()
         finally:
             writer.close()
+            reads.close()
             if linked_digests is not None:
                 linked_digests.stop()
         for i in sorted(linked):
@@ -308,7 +308,7 @@ class _LinkedDigests:
     def __init__(self, snapshot: StateSnapshot, linked, digest: StateDigest, adding: threading.Lock,
                  pacer: Optional[DiskPacer] = None):
         self.snapshot, self.digest, self.adding = snapshot, digest, adding
-        self.reads = _TierReads(snapshot, skip=set(snapshot.on_tier) - set(linked), pacer=pacer)
+        self.reads = TierReads(snapshot, skip=set(snapshot.on_tier) - set(linked), pacer=pacer)
         self.stopped = threading.Event()
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="mlp-checkpoint-linked")
         self._done = self._thread.submit(self._run)
@@ -327,41 +327,8 @@ class _LinkedDigests:
     def stop(self) -> None:
         """Whatever happened to the writer: the thread ends before the snapshot is released."""
         self.stopped.set()
+        self.reads.close()  # a read in pieces stops after its piece in flight
         self._thread.shutdown(wait=True)
-
-
-class _TierReads:
-    """The file-held subgroups read through their tiers in the writer's order, the next one into
-    the other of two buffers while this one is written."""
-
-    def __init__(self, snapshot: StateSnapshot, skip=(), pacer: Optional[DiskPacer] = None):
-        self.snapshot = snapshot
-        self.pacer = pacer  # each read waits its turn on the disk as a chunk of the writer's does
-        self.ids = [i for i in snapshot.order if i in snapshot.on_tier and i not in skip]
-        self.buffers: List[StateViews] = []
-        self.pending: Dict[int, object] = {}
-        self.next = 0
-
-    def get(self, i: int) -> StateViews:
-        if not self.pending:
-            self._issue()
-        k, future = self.pending.pop(i)
-        future.result()
-        self._issue()  # into the other buffer, which held the subgroup written last
-        return self.buffers[k % 2]
-
-    def _issue(self) -> None:
-        if self.next >= len(self.ids):
-            return
-        k, i = self.next, self.ids[self.next]
-        self.next += 1
-        if len(self.buffers) <= k % 2:
-            largest = self.snapshot.largest
-            self.buffers.append(StateViews.over(aligned_empty(largest.state_bytes), largest))
-        copy, sg = self.snapshot.on_tier[i], self.snapshot.subgroups[i]
-        if self.pacer is not None:
-            self.pacer.wait_turn(sg.state_bytes)
-        self.pending[i] = (k, copy.tier.submit_read(copy.key, self.buffers[k % 2].extents(sg), background=True))
 
 
 def _remove(path: str) -> None:

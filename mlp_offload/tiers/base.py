@@ -37,9 +37,12 @@ class StreamedTier(Protocol):
     name: str
     device: object  # tiers on one storage device share its bandwidth and free space
 
+    block_bytes: int  # a file's CRCs are per block of this many bytes of each extent written
+
     def submit_read(self, key: str, extents: Sequence[Extent], before: Optional[Callable] = None,
-                    after: Optional[Callable] = None, background: bool = False) -> Future:
-        """``background``: a checkpoint writer's read, which its ``activity`` does not count."""
+                    after: Optional[Callable] = None, background: bool = False, first_block: int = 0) -> Future:
+        """``background``: a checkpoint writer's read, which its ``activity`` does not count. ``first_block``:
+        the extents are part of the file's, from its block of that number (their CRCs checked against those)."""
 
     activity: object  # tiers.activity.TierActivity: whether its own I/O is moving data now
 

@@ -138,11 +138,14 @@ class FileTier:
         return self._ops.submit(self._run_op, "write", key, list(extents), before, after)
 
     def submit_read(self, key: str, extents: Sequence[Extent], before: Optional[Callable] = None,
-                    after: Optional[Callable[[OpResult], None]] = None, background: bool = False) -> Future:
+                    after: Optional[Callable[[OpResult], None]] = None, background: bool = False,
+                    first_block: int = 0) -> Future:
         """Read file ``key`` into ``extents``; ``before`` runs first (e.g. wait for the buffer),
-        ``after`` as for writes. ``background``: a checkpoint writer's read, not counted in ``activity``."""
+        ``after`` as for writes. ``background``: a checkpoint writer's read, not counted in ``activity``.
+        ``first_block``: the extents are a part of the file's, from its block of that number (a piece of a
+        read split up: their CRCs are checked against those blocks')."""
         return self._ops.submit(self._run_op, "background read" if background else "read", key, list(extents),
-                                before, after)
+                                before, after, first_block)
 
     def submit(self, fn: Callable, *args) -> Future:
         """Run ``fn`` on the operation pool (for work ordered with this tier's I/O)."""
@@ -226,7 +229,7 @@ class FileTier:
 
     # -- operations ------------------------------------------------------------------------
     def _run_op(self, kind: str, key: str, extents: List[Extent], before: Optional[Callable],
-                after: Optional[Callable[[OpResult], None]]) -> OpResult:
+                after: Optional[Callable[[OpResult], None]], first_block: int = 0) -> OpResult:
         if before is not None:
             before()
         with self.activity.moving() if kind != "background read" else nullcontext():
@@ -236,7 +239,7 @@ class FileTier:
                 if kind == "write":
                     nbytes = self._write(key, extents)
                 else:
-                    nbytes = self._read(key, extents)
+                    nbytes = self._read(key, extents, first_block)
                 result = OpResult(nbytes, time.perf_counter() - start, token_wait, start)
             finally:
                 if self.tokens:
@@ -279,7 +282,7 @@ class FileTier:
         self._sizes[key] = sum(len(mv) for _, mv in blocks)
         return self._sizes[key]
 
-    def _read(self, key: str, extents: List[Extent]) -> int:
+    def _read(self, key: str, extents: List[Extent], first_block: int = 0) -> int:
         path = self.path_of(key)
         if key not in self._sizes:
             raise TierDataError(f"tier {self.name}: {path} was never written by this run")
@@ -294,7 +297,7 @@ class FileTier:
         finally:
             os.close(fd)
         if self.verify_checksums:
-            expected = self._crcs[key]
+            expected = self._crcs[key][first_block:]
             for i, (got, want) in enumerate(zip(crcs, expected)):
                 if got != want:
                     off = blocks[i][0]
