@@ -17,6 +17,7 @@ from conftest import BASELINE_ITERS as ITERS
 from helpers import copy_checkpoint, offload_args
 from launch import REPO, free_port, parent_pid, pretrain_command, pretrain_env, read_loss_log, run_and_clean_up, run_pretrain
 from megatron.training.checkpoint import integrity
+from tests.profiles import cases
 from tests.small_file_system import small_file_system
 
 
@@ -221,7 +222,8 @@ def _children(pid):
     return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and parent_pid(int(p.name)) == pid]
 
 
-@pytest.mark.parametrize("how", ["SIGTERM", "SIGUSR1"])
+# one a CI run, drawn (the batch-shell SIGUSR1 of test_slurm_scripts runs every time); both under thorough
+@pytest.mark.parametrize("how", cases(["SIGTERM", "SIGUSR1"], ci_keep=1))
 def test_signal_saves_then_exits_and_the_run_continues_exactly(tmp_path, uninterrupted, how):
     """SIGTERM as SLURM's --signal sends it, to every process of the step (torchrun forwards it
     too); or --exit-signal SIGUSR1 sent to the ranks alone, as a batch script's trap would (torchrun
