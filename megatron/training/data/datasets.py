@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from typing import Dict
 
@@ -186,6 +187,14 @@ def loader_generator(seed: int, consumed_samples: int, dp_rank: int) -> torch.Ge
     return torch.Generator().manual_seed(mixed)
 
 
+def keep_inherited_objects_shared(worker_id: int) -> None:
+    """A forked data worker's first act: the objects it inherited from the rank go to gc's permanent generation
+    (moving them touches only the lists' ends), so its collections never write their headers, and the rank's
+    Python heap (about 0.1 GiB after torch's and megatron-core's imports) stays shared, not copied into each
+    worker."""
+    gc.freeze()
+
+
 def micro_batches(dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,
                   num_workers: int, seed: int = 0):
     if num_workers == 0:
@@ -193,5 +202,6 @@ def micro_batches(dataset, consumed_samples: int, micro_batch_size: int, dp_rank
     sampler = MegatronOrderSampler(len(dataset), consumed_samples, micro_batch_size, dp_rank, dp_size)
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
                                          collate_fn=torch.utils.data.default_collate,
+                                         worker_init_fn=keep_inherited_objects_shared,
                                          generator=loader_generator(seed, consumed_samples, dp_rank))
     return iter(loader)
