@@ -25,6 +25,9 @@
 #   FLOOR_GB=4 RUNS="B2 A2 A2_due_from_the_start" RUN_LIMIT=200 ...  main's calibrated raise and the rule before
 #       it (a raise from the save on, blind to the quiet spells: §36-37) side by side (§38)
 #   (A2_staging_4k_pages: the snapshot's staging in 4 KiB pages, as before fa8ee57)
+#   NAME-K (K a digit), e.g. RUNS="B8 A8 B8-2 A8-2": the K-th run of NAME, against the K-th of its base (A8-2 against
+#       B8-2, A8_<variant>-2 too): two runs of one command differ by about 0.2 a step on the device's disk (§39), so
+#       a pair run twice shows whether a difference is larger than that
 # Raw samples, traces, loss logs and the last run's whole log go into $OUT/raw.tgz.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -66,7 +69,7 @@ for line in sys.stdin: sys.stdout.write(f"[{time.time():.3f}] {line}")'; }
 run() {  # NAME [flags]
   local name=$1; shift
   local code watcher="" trace=""
-  case ${name%%_*} in  # A2 and B2: lines stamped, the disk sampled and the engine traced, for beside_writer.py
+  case ${name%%[_-]*} in  # A2 and B2: lines stamped, the disk sampled and the engine traced, for beside_writer.py
     A2|A3|B2|A8|B8) mkdir -p "$OUT/raw"; $PY benchmarks/experiments/disk_watch.py "$DISK" "$OUT/raw/disk_$name.txt" & watcher=$!
               trace="--offload-trace $OUT/raw/trace_$name.json" ;;
   esac
@@ -90,9 +93,9 @@ variant_tree() {  # VARIANT: a copy of this tree with benchmarks/variants/VARIAN
   else patch -d "$tree" -p1 -s < "$patch" >&2; fi || { echo "variant $1: $patch does not apply to this tree" >&2; return 1; }
   echo "$tree"
 }
-run_case() {  # NAME: the run of that name (A8_<variant>: A8's flags, its own name)
+run_case() {  # NAME: the run of that name (A8_<variant>, A8-2: A8's flags, its own name)
   local name=$1
-  case ${name%%_*} in
+  case ${name%%[_-]*} in
     D1) run "$name" --deterministic-mode --save "$DISK/ckpt" --save-interval 2 ;;
     D2) run "$name" --deterministic-mode ;;
     DR) mkdir -p "$DISK/at2" && cp -al "$DISK/ckpt/iter_0000002" "$DISK/at2/" && echo 2 > "$DISK/at2/latest_checkpointed_iteration.txt"
@@ -115,15 +118,17 @@ run_case() {  # NAME: the run of that name (A8_<variant>: A8's flags, its own na
 }
 for name in ${RUNS:-D1 D2 DR N1 N2}; do
   if [ "$name" = "${name%%_*}" ]; then run_case "$name"; continue; fi
-  tree=$(variant_tree "${name#*_}") || continue
-  echo "$name: A run of ${name%%_*} on $tree (benchmarks/variants/${name#*_}.patch applied)"
+  variant=${name#*_}; variant=${variant%-[0-9]*}  # A8_<variant>-2: the variant's second run
+  tree=$(variant_tree "$variant") || continue
+  echo "$name: A run of ${name%%[_-]*} on $tree (benchmarks/variants/$variant.patch applied)"
   (cd "$tree" && export PYTHONPATH=${PYTHONPATH/$PWD/$tree} && run_case "$name")
   rm -rf "$tree"
 done
 du -sh "$DISK/at2" 2>/dev/null | cat
 for log in "$OUT"/determinism_A[238]*.log; do
   async=$(basename "$log" .log); async=${async#determinism_}
-  case ${async%%_*} in A8) base=B8 ;; *) base=B2 ;; esac
+  case ${async%%[_-]*} in A8) base=B8 ;; *) base=B2 ;; esac
+  case $async in *-[0-9]*) base=$base-${async##*-} ;; esac  # a repeat against the repeat of its base
   if [ -s "$OUT/determinism_$async.log" ] && [ -s "$OUT/determinism_$base.log" ]; then
     echo "$async against $base:"
     $PY benchmarks/experiments/beside_writer.py "$OUT/determinism_$async.log" "$OUT/determinism_$base.log" \
