@@ -142,6 +142,18 @@ def disk_rows(during: Dict[int, int], async_lines: List[str], plain_lines: List[
     return rows
 
 
+def summed_rows(times: Dict[int, float], plain: Dict[int, float], first_save: int) -> List[str]:
+    """The iterations after the first save summed against the same without saves, and those before it (from 2 on,
+    no writer beside them): the two runs' own difference, against which the first is read."""
+    rows = []
+    for what, its in (("after the first save", [i for i in times if i > first_save and i in plain]),
+                      ("before the first save", [i for i in times if 1 < i <= first_save and i in plain])):
+        if its:
+            rows.append(f"iterations {min(its)}-{max(its)} ({what}) together: "
+                        f"{sum(times[i] for i in its) / sum(plain[i] for i in its):.2f}x the run without saves")
+    return rows
+
+
 def report(async_lines: List[str], plain_lines: List[str],
            disks: Optional[List[str]] = None) -> Tuple[List[str], Optional[float]]:
     times, plain, during = iteration_times(async_lines), iteration_times(plain_lines), beside(async_lines)
@@ -161,6 +173,8 @@ def report(async_lines: List[str], plain_lines: List[str],
     if quiet:
         rows.append(f"the other iterations (2 on): {min(quiet):.2f}-{max(quiet):.2f}x the run without saves")
     holds = [(m.group(1), float(m.group(2))) for m in map(SAVE.search, async_lines) if m]
+    if holds:
+        rows += summed_rows(times, plain, int(holds[0][0]))
     rows += [f"save at {n}: held {held:.2f} s" for n, held in holds]
     rows += [line.strip()[:400] for line in async_lines if "async save: writer paced" in line or " paced: " in line]
     rows += [f"checkpoint {m.group(1)}: training paused {m.group(2)}" for m in map(FINALIZED.search, async_lines) if m]

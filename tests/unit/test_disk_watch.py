@@ -50,3 +50,11 @@ def test_an_iterations_thread_time_is_the_difference_of_the_samples_around_it():
     assert beside_writer.thread_during(5, ends, samples) == (1.5, 0.75, 300.0, 6.0)
     assert beside_writer.thread_during(4, ends, samples) is None  # its start sampled before the thread was seen
     assert beside_writer.thread_during(5, ends, [s[:9] for s in samples]) is None  # an older disk_watch's samples
+
+
+def test_the_iterations_after_and_before_the_first_save_are_summed_against_the_run_without_saves():
+    times = {1: 9.0, 2: 6.0, 3: 5.0, 4: 7.0, 5: 8.0, 6: 6.0}
+    plain = {1: 1.0, 2: 5.0, 3: 5.0, 4: 5.0, 5: 5.0}  # its iteration 6 missing: left out of both sums
+    rows = beside_writer.summed_rows(times, plain, first_save=3)
+    assert rows == ["iterations 4-5 (after the first save) together: 1.50x the run without saves",  # 15 / 10
+                    "iterations 2-3 (before the first save) together: 1.10x the run without saves"]  # 11 / 10
