@@ -2,7 +2,7 @@
 (issue 49 item 4's goal: at most 1.25x), from two console logs, with the save's pacing lines.
 
     python benchmarks/experiments/beside_writer.py ASYNC_LOG PLAIN_LOG [--disk ASYNC_DISK PLAIN_DISK]
-        [--trace ASYNC_TRACE PLAIN_TRACE]
+        [--trace ASYNC_TRACE PLAIN_TRACE] [--waits ASYNC_WAITS PLAIN_WAITS]
 
 With ``--disk`` (disk_watch.py's samples of each run, its log lines stamped ``[epoch] ``), each iteration beside
 the writer also gets the bytes the disk read and wrote during it, beside the same iteration without saves, and
@@ -12,7 +12,9 @@ iowait) and its page faults (copy-on-write ones, while a forked writer lives, am
 thread's time on a core, time waiting for one and context switches (whether the writers' threads took its cores,
 or a lock its turns). With ``--trace`` (each
 run's --offload-trace), each iteration's tier operations and update phases summed (trace_iterations.py), beside the
-same iteration without saves: whether the disk or the CPU took the time.
+same iteration without saves: whether the disk or the CPU took the time. With ``--waits`` (thread_waits.py's
+samples of each run), where the training thread was in each forward and backward beside the writer: on a core,
+or which lock, device or page it waited on.
 
 An iteration ran beside the writer of checkpoint N when its line comes after N's save line ("> checkpoint at
 iteration N: training held") and the iteration before it ended before the writer did: the offloaded state's
@@ -25,6 +27,7 @@ import math
 import os
 import re
 import sys
+from collections import Counter
 from typing import Dict, List, Optional, Tuple
 
 GOAL = 1.25
@@ -120,8 +123,20 @@ def thread_during(it: int, ends: Dict[int, float], samples) -> Optional[Tuple[fl
     return None if any(math.isnan(x) for x in during) else during
 
 
+def thread_in_phases(it: int, ends: Dict[int, float], updates: Dict[int, float], samples) -> Optional[Tuple[float, ...]]:
+    """(voluntary switches, seconds on a core) of the training thread in iteration ``it``'s forward and backward (from
+    the iteration before's end to its update's start), then the same in its update (the iteration's last
+    ``updates[it]`` seconds), to the samples' interval; None where they lack it."""
+    if it not in ends or it - 1 not in ends or it not in updates or not samples or len(samples[0]) < 13:
+        return None
+    start, update_from, end = at(samples, ends[it - 1]), at(samples, ends[it] - updates[it]), at(samples, ends[it])
+    out = (update_from[11] - start[11], update_from[9] - start[9], end[11] - update_from[11], end[9] - update_from[9])
+    return None if any(math.isnan(x) for x in out) else out
+
+
 def disk_rows(during: Dict[int, int], async_lines: List[str], plain_lines: List[str], disks: List[str]) -> List[str]:
     ends_a, ends_b = iteration_ends(async_lines), iteration_ends(plain_lines)
+    updates_a, updates_b = iteration_times(async_lines, UPDATE), iteration_times(plain_lines, UPDATE)
     samples_a, samples_b = disk_samples(disks[0]), disk_samples(disks[1])
     rows = []
     for it in sorted(during):
@@ -139,6 +154,11 @@ def disk_rows(during: Dict[int, int], async_lines: List[str], plain_lines: List[
             rows.append(f"  iteration {it}'s training thread: {e[0]:.2f} s on a core, {e[1]:.2f} s waiting for one, "
                         f"{e[2]:.0f} voluntary and {e[3]:.0f} involuntary switches (without saves: {f[0]:.2f} s, "
                         f"{f[1]:.2f} s, {f[2]:.0f}, {f[3]:.0f})")
+        g, h = thread_in_phases(it, ends_a, updates_a, samples_a), thread_in_phases(it, ends_b, updates_b, samples_b)
+        if g is not None and h is not None:
+            rows.append(f"  iteration {it}'s training thread in its forward and backward: {g[0]:.0f} voluntary switches, "
+                        f"{g[1]:.2f} s on a core; in its update: {g[2]:.0f}, {g[3]:.2f} s (without saves: {h[0]:.0f}, "
+                        f"{h[1]:.2f} s; {h[2]:.0f}, {h[3]:.2f} s)")
     return rows
 
 
@@ -198,6 +218,47 @@ def trace_rows(during: Dict[int, int], async_lines: List[str], plain_lines: List
             for it in sorted(during) if it in a and it in b]
 
 
+def wait_windows(path: str) -> List[Tuple[float, Counter]]:
+    """thread_waits.py's lines: (the window's end, its samples' counts by where the thread was)."""
+    windows = []
+    with open(path) as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) >= 2:
+                counts = Counter({k: int(n) for k, _, n in (kv.rpartition("=") for kv in fields[2:])})
+                windows.append((float(fields[0]), counts))
+    return windows
+
+
+def waits_between(windows: List[Tuple[float, Counter]], start: float, end: float) -> Counter:
+    """The samples of the windows that ended in (start, end]."""
+    total = Counter()
+    for at_end, counts in windows:
+        if start < at_end <= end:
+            total += counts
+    return total
+
+
+def shares(counts: Counter, top: int = 4) -> str:
+    n = sum(counts.values())
+    return ", ".join(f"{key} {100 * c / n:.0f}%" for key, c in counts.most_common(top)) if n else "no samples"
+
+
+def wait_rows(during: Dict[int, int], async_lines: List[str], plain_lines: List[str], waits: List[str]) -> List[str]:
+    """Where the training thread was in each forward and backward beside the writer (from the iteration before's
+    end to its update's start), its most frequent places as shares of the samples, beside the same without saves."""
+    rows = []
+    runs = [(iteration_ends(lines), iteration_times(lines, UPDATE), wait_windows(path))
+            for lines, path in ((async_lines, waits[0]), (plain_lines, waits[1]))]
+    for it in sorted(during):
+        found = [waits_between(w, ends[it - 1], ends[it] - updates[it])
+                 for ends, updates, w in runs if it - 1 in ends and it in ends and it in updates]
+        if len(found) == 2:
+            rows.append(f"  iteration {it}'s training thread in its forward and backward: {shares(found[0])} "
+                        f"(without saves: {shares(found[1])})")
+    return rows
+
+
 def pair_after(argv: List[str], flag: str) -> Optional[List[str]]:
     """The two paths after ``flag``, None where it is missing or either file is (not sampled, an older run)."""
     if flag not in argv:
@@ -207,12 +268,14 @@ def pair_after(argv: List[str], flag: str) -> Optional[List[str]]:
 
 
 def main(argv: List[str]) -> int:
-    disks, traces = pair_after(argv, "--disk"), pair_after(argv, "--trace")
+    disks, traces, waits = pair_after(argv, "--disk"), pair_after(argv, "--trace"), pair_after(argv, "--waits")
     with open(argv[1]) as a, open(argv[2]) as b:
         async_lines, plain_lines = a.read().splitlines(), b.read().splitlines()
     rows, _ = report(async_lines, plain_lines, disks)
     if traces:
         rows += trace_rows(beside(async_lines), async_lines, plain_lines, traces)
+    if waits:
+        rows += wait_rows(beside(async_lines), async_lines, plain_lines, waits)
     print("\n".join(rows))
     return 0
 

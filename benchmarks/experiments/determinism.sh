@@ -15,7 +15,7 @@
 #   A2, B2  (only when RUNS names them) --async-save at 4 and 8 of 8 iterations, and the same without saves: the
 #       iterations beside the paced writer against B2's (goal <= 1.25x), each save's hold (goal <= 0.5 s), the pacing
 #       lines, the disk's scheduler, and per iteration the disk's bytes, the node's CPU and the engine's trace summed
-#       (its tier operations against its update's phases: beside_writer.py)
+#       (its tier operations against its update's phases, where its training thread waited: beside_writer.py)
 #   A3  (only when RUNS names it) A2 with --no-resume-check: what the digests' CPU work costs the steps beside the writer
 #   A8, B8  (only when RUNS names them) A2 and B2 with saves 8 iterations apart: --async-save at 8 and 16 of 16
 #   A2_<variant>, A3_<variant>, A8_<variant>  that run on a copy of this tree with benchmarks/variants/<variant>.patch
@@ -77,13 +77,15 @@ run() {  # NAME [flags]
   local code watcher="" trace=""
   case ${name%%[_-]*} in  # A2 and B2: lines stamped, the disk sampled and the engine traced, for beside_writer.py
     A2|A3|B2|A8|B8) mkdir -p "$OUT/raw"; $PY benchmarks/experiments/disk_watch.py "$DISK" "$OUT/raw/disk_$name.txt" & watcher=$!
+              $PY benchmarks/experiments/thread_waits.py "$OUT/raw/waits_$name.txt" & watcher="$watcher $!"
               trace="--offload-trace $OUT/raw/trace_$name.json" ;;
   esac
   # shellcheck disable=SC2086
   timeout "${RUN_LIMIT:-170}" torchrun --nproc_per_node 1 --master_port "${PORT:-29561}" pretrain_gpt.py $COMMON "$@" $trace \
     --loss-log "$OUT/$name.jsonl" 2>&1 | if [ -n "$watcher" ]; then stamp_epoch; else cat; fi > "$OUT/.run.log"
   code=${PIPESTATUS[0]}
-  if [ -n "$watcher" ]; then kill "$watcher"; wait "$watcher" 2>/dev/null; fi
+  # shellcheck disable=SC2086
+  if [ -n "$watcher" ]; then kill $watcher; wait $watcher 2>/dev/null; fi
   echo "$name exit $code at $(( SECONDS - T0 )) s"
   grep -v -i warn "$OUT/.run.log" | grep -E "deterministic|attention:|checkpoint|resume|iteration +[0-9]+/|update split|rror|Killed|> params|offloaded state .*linked|paced" \
     | cut -c1-900 > "$OUT/determinism_$name.log"
@@ -139,7 +141,7 @@ for log in "$OUT"/determinism_A[238]*.log; do
     echo "$async against $base:"
     $PY benchmarks/experiments/beside_writer.py "$OUT/determinism_$async.log" "$OUT/determinism_$base.log" \
       --disk "$OUT/raw/disk_$async.txt" "$OUT/raw/disk_$base.txt" --trace "$OUT/raw/trace_$async.json" \
-      "$OUT/raw/trace_$base.json" | tee "$OUT/determinism_beside_writer_$async.txt"
+      "$OUT/raw/trace_$base.json" --waits "$OUT/raw/waits_$async.txt" "$OUT/raw/waits_$base.txt" | tee "$OUT/determinism_beside_writer_$async.txt"
   fi
 done
 $PY - "$OUT" <<'PY' | tee "$OUT/determinism_summary.txt"

@@ -52,9 +52,50 @@ def test_an_iterations_thread_time_is_the_difference_of_the_samples_around_it():
     assert beside_writer.thread_during(5, ends, [s[:9] for s in samples]) is None  # an older disk_watch's samples
 
 
+def test_an_iterations_switches_are_split_at_its_updates_start():
+    nan = float("nan")
+    base = [0.0] * 9
+    samples = [(100.0, *base[1:], 10.0, 1.0, 500.0, 20.0),
+               (102.0, *base[1:], 11.0, 1.0, 900.0, 20.0),  # the forward and backward: 400 switches, 1 s on a core
+               (106.0, *base[1:], 11.5, 1.0, 950.0, 21.0)]  # the update: 50, 0.5 s
+    ends, updates = {4: 100.5, 5: 106.2}, {5: 4.0}  # iteration 5's update from 102.2 on
+    assert beside_writer.thread_in_phases(5, ends, updates, samples) == (400.0, 1.0, 50.0, 0.5)
+    assert beside_writer.thread_in_phases(5, ends, {}, samples) is None  # no update time logged
+    assert beside_writer.thread_in_phases(5, ends, updates, [(100.0, *base[1:], nan, nan, nan, nan)] + samples[1:]) \
+        is None  # its start sampled before the thread was seen
+
+
 def test_the_iterations_after_and_before_the_first_save_are_summed_against_the_run_without_saves():
     times = {1: 9.0, 2: 6.0, 3: 5.0, 4: 7.0, 5: 8.0, 6: 6.0}
     plain = {1: 1.0, 2: 5.0, 3: 5.0, 4: 5.0, 5: 5.0}  # its iteration 6 missing: left out of both sums
     rows = beside_writer.summed_rows(times, plain, first_save=3)
     assert rows == ["iterations 4-5 (after the first save) together: 1.50x the run without saves",  # 15 / 10
                     "iterations 2-3 (before the first save) together: 1.10x the run without saves"]  # 11 / 10
+
+
+def test_the_training_thread_is_placed_by_its_state_wait_channel_and_system_call(tmp_path):
+    import thread_waits  # noqa: E402
+
+    task = tmp_path / "proc" / "31" / "task" / "31"
+    task.mkdir(parents=True)
+    (task / "stat").write_text("31 (python3 (x)) S 10 1 1 0 -1\n")
+    (task / "wchan").write_text("futex_do_wait")
+    (task / "syscall").write_text("202 0x7f 0x80 0x0 0x0 0x0 0x0 0x7ffe 0x7f00\n")
+    assert thread_waits.wait_key(31, str(tmp_path / "proc")) == "S:futex_do_wait:202"
+    (task / "stat").write_text("31 (python3) R 10 1 1 0 -1\n")
+    assert thread_waits.wait_key(31, str(tmp_path / "proc")) == "R"
+    assert thread_waits.wait_key(32, str(tmp_path / "proc")) == "gone"
+
+
+def test_an_iterations_waits_are_the_windows_that_ended_in_its_forward_and_backward(tmp_path):
+    stamped = ["[100.0] iteration 4/ 9 | elapsed time per iteration (ms): 5000.0 | offload update time (ms): 2000.0",
+               "[106.0] iteration 5/ 9 | elapsed time per iteration (ms): 6000.0 | offload update time (ms): 3000.0"]
+    lines = ["[99.0] > checkpoint at iteration 4: training held 0.30 s"] + stamped
+    waits = tmp_path / "waits.txt"
+    waits.write_text("100.0 10 R=10\n"  # iteration 4's: left out
+                     "101.0 10 R=6 S:futex_do_wait:202=4\n"
+                     "103.0 10 R=2 S:futex_do_wait:202=8\n"  # the forward and backward ends at 106 - 3 = 103
+                     "104.0 10 S:-:16=10\n")  # the update's: left out
+    rows = beside_writer.wait_rows({5: 4}, lines, stamped, [str(waits), str(waits)])
+    assert rows == ["  iteration 5's training thread in its forward and backward: S:futex_do_wait:202 60%, R 40% "
+                    "(without saves: S:futex_do_wait:202 60%, R 40%)"]
