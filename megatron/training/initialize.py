@@ -14,7 +14,7 @@ from megatron.training.args import moe as arguments_moe
 from megatron.training.data import batch_schedule
 from megatron.training.runtime import child_processes, determinism, slurm_env
 from megatron.training.errors import UserError
-from megatron.training.runtime.signals import SigtermWatcher, dump_stacks_on_sigquit
+from megatron.training.runtime.signals import SigtermWatcher
 
 
 def select_device(requested: str) -> torch.device:
@@ -62,7 +62,6 @@ def initialize(args) -> torch.device:
     determinism.apply(args)  # before CUDA and NCCL read their environment
     device = select_device(args.device)
     args.device_resolved = device.type
-    dump_stacks_on_sigquit()
     args.sigterm_watcher = SigtermWatcher(save_on=signal.Signals[args.exit_signal] if args.exit_signal_handler else None)
     from megatron.training.runtime import cpu_compat
 

@@ -291,10 +291,11 @@ def parent_pid(pid: int) -> Optional[int]:
 
 
 def _stack_dumps(output: str) -> str:
-    """The faulthandler dumps in ``output``: from each "Thread 0x..." / "Current thread" header on."""
+    """The SIGQUIT dumps in ``output`` (megatron/training/runtime/signals.py's ``print_stacks``): from each
+    "[rank N] SIGQUIT..." or "Thread 0x..." header on."""
     lines, keep = [], False
     for line in output.splitlines():
-        if line.startswith((STACKS_OF, "Thread 0x", "Current thread 0x")):
+        if line.startswith((STACKS_OF, "Thread 0x")) or (line.startswith("[rank ") and "SIGQUIT" in line):
             keep = True
         elif keep and not line.startswith("  "):
             keep = False

@@ -18,6 +18,7 @@ TREES = ["mlp_offload", "megatron", "tools", "benchmarks", "tests", "pretrain_gp
 EXTERNAL = {
     "os._exit": "the standard library's exit without the interpreter's cleanup (a signal handler, a forked child)",
     "sys._base_executable": "the standard library's interpreter behind a virtual environment",
+    "sys._current_frames": "the standard library's documented frames of every thread (SIGQUIT's stacks)",
     "threading._shutdown": "the standard library: the warm-rank server runs an interpreter's exit by hand",
     "atexit._run_exitfuncs": "the standard library: the warm-rank server runs an interpreter's exit by hand",
     "parser._actions": "argparse keeps a parser's declared options there and has no public list of them",

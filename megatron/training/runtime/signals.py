@@ -16,13 +16,15 @@ watcher thread instead, whatever the main thread is doing.
   longer save needs ``--exit-signal SIGUSR1`` sent to the ranks alone (see examples/slurm).
 
 SIGQUIT (``kill -QUIT <rank pid>``) prints every thread's Python stack to stderr and training goes
-on: what a rank that seems stuck is doing. A forked checkpoint writer inherits it.
+on: what a rank that seems stuck is doing. The watcher prints them, holding the GIL, so no frame changes
+under it: faulthandler's C-level dump reads other threads' frames while they run, and a rank crashed
+with SIGSEGV in it. A thread blocked in a collective, a lock or I/O has let the GIL go; one holding it
+inside C code would hold the dump back. A forked checkpoint writer prints its own from its main thread.
 """
 
 from __future__ import annotations
 
 import contextlib
-import faulthandler
 import os
 import signal
 import socket
@@ -50,11 +52,11 @@ class SigtermWatcher:
         self._reader, writer = socket.socketpair()
         writer.setblocking(False)
         self._writer = writer  # kept open: the C handler writes the signal number into it
-        for signum in {signal.SIGTERM, save_on or signal.SIGTERM}:
+        for signum in {signal.SIGTERM, save_on or signal.SIGTERM, signal.SIGQUIT}:
             signal.signal(signum, lambda signum, frame: None)  # the watcher acts, not the main thread
         signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
         os.register_at_fork(after_in_child=_quiet_in_child)
-        threading.Thread(target=self._watch, name="sigterm-watcher", daemon=True).start()
+        threading.Thread(target=self._watch, name="signal-watcher", daemon=True).start()
 
     @contextlib.contextmanager
     def saving_checkpoint(self):
@@ -68,8 +70,18 @@ class SigtermWatcher:
         self.slowest_iteration_s = max(seconds, self.slowest_iteration_s or 0.0)
 
     def _watch(self) -> None:
-        while (signum := self._reader.recv(1)[0]) not in (signal.SIGTERM, self.save_on):
-            pass
+        """Reads the signals' wake-up bytes: SIGQUIT's stacks here, a stop on a thread of its own (this one
+        goes on printing stacks while a stop waits for the loop)."""
+        stopping = False
+        while True:
+            signum = self._reader.recv(1)[0]
+            if signum == signal.SIGQUIT:
+                print_stacks("SIGQUIT", leave_out=threading.get_ident())
+            elif signum in (signal.SIGTERM, self.save_on) and not stopping:
+                stopping = True
+                threading.Thread(target=self._stop, args=(signum,), name="signal-stop", daemon=True).start()
+
+    def _stop(self, signum: int) -> None:
         name = signal.Signals(signum).name
         if signum == self.save_on and self.slowest_iteration_s is not None:
             self.requested.set()
@@ -89,16 +101,28 @@ class SigtermWatcher:
         os._exit(EXIT_ON_SIGTERM)
 
 
-def dump_stacks_on_sigquit() -> None:
-    """SIGQUIT prints every thread's stack (C-level handler: it runs even while the main thread is
-    blocked in a collective or a lock) instead of ending the rank with a core dump."""
-    faulthandler.register(signal.SIGQUIT, all_threads=True, chain=False)
+def print_stacks(why: str, leave_out: Optional[int] = None) -> None:
+    """Every thread's Python stack but ``leave_out``'s (a thread ident), most recent call first, to stderr in
+    one write, each under a header as faulthandler's (``Thread 0x...``)."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    frames = {ident: frame for ident, frame in sys._current_frames().items() if ident != leave_out}
+    parts = [f"[rank {os.environ.get('RANK', '0')}] {why}: the stacks of this process's {len(frames)} "
+             f"thread(s){' besides the one printing them' if leave_out is not None else ''}, most recent call "
+             f"first; training goes on\n"]
+    for ident, frame in frames.items():
+        parts.append(f"Thread 0x{ident:016x} ({names.get(ident, '?')}; most recent call first):\n")
+        while frame is not None:  # no source lines read: a stuck file system must not hold the dump
+            parts.append(f'  File "{frame.f_code.co_filename}", line {frame.f_lineno} in {frame.f_code.co_name}\n')
+            frame = frame.f_back
+    os.write(sys.stderr.fileno(), "".join(parts).encode(errors="replace"))
 
 
 def _quiet_in_child() -> None:
     # A forked helper (a checkpoint writer) must not wake its parent's watcher through the shared
     # socket. Its SIGTERM disposition is child_processes' business (it outlives the group's SIGTERM).
+    # It has no watcher: its main thread prints its stacks.
     signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGQUIT, lambda signum, frame: print_stacks("SIGQUIT (a forked helper)"))
 
 
 def _say(message: str) -> None:
