@@ -14,6 +14,7 @@ import os
 import sys
 import threading
 import time
+from typing import Callable
 
 import torch
 
@@ -37,18 +38,23 @@ def voluntary_switches() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
 
 
-def small_calls(seconds: float):
-    """(torch calls a second, voluntary switches) of this thread making small calls for ``seconds``."""
+def small_calls(done: Callable[[], bool]):
+    """(torch calls a second, voluntary switches) of this thread making small calls until ``done()``."""
     x, calls, started, switched = torch.ones(64), 0, time.perf_counter(), voluntary_switches()
-    while time.perf_counter() - started < seconds:
+    while not done():
         for _ in range(100):
             x = x.add(1.0).mul_(0.5)
         calls += 200
     return calls / (time.perf_counter() - started), voluntary_switches() - switched
 
 
+def for_seconds(seconds: float) -> Callable[[], bool]:
+    deadline = time.perf_counter() + seconds
+    return lambda: time.perf_counter() >= deadline
+
+
 def beside_training(t: torch.Tensor, seconds: float) -> None:
-    alone = small_calls(seconds)
+    alone = small_calls(for_seconds(seconds))
     stop, digested = threading.Event(), [0]
 
     def digest_over_and_over():
@@ -60,7 +66,7 @@ def beside_training(t: torch.Tensor, seconds: float) -> None:
     thread.start()
     time.sleep(0.3)
     first, started = digested[0], time.perf_counter()
-    beside = small_calls(seconds)
+    beside = small_calls(for_seconds(seconds))
     gbps = (digested[0] - first) * t.numel() * t.element_size() / (time.perf_counter() - started) / 1e9
     stop.set()
     thread.join()
