@@ -41,10 +41,14 @@ def tree_pss_bytes(pid: Optional[int] = None) -> int:
 
 
 class PeakSampler:
-    """The highest ``tree_pss_bytes(pid)`` seen, sampled every ``interval_s`` in a thread."""
+    """The highest ``tree_pss_bytes(pid)`` seen, sampled every ``interval_s`` in a thread; ``at_peak()`` says
+    which processes held it (for a test's message: where a peak above the plan lives)."""
 
     def __init__(self, pid: int, interval_s: float = 0.2):
         self.pid, self.interval_s, self.peak = pid, interval_s, 0
+        self.peak_parts: List[tuple] = []  # (pid, its PSS) of each process of the tree at the peak
+        self.peak_after_s = 0.0
+        self._started = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -58,5 +62,19 @@ class PeakSampler:
 
     def _run(self):
         while not self._stop.is_set():
-            self.peak = max(self.peak, tree_pss_bytes(self.pid))
+            parts = [(p, pss_bytes(p)) for p in descendants(self.pid)]
+            total = sum(b for _, b in parts)
+            if total > self.peak:
+                self.peak, self.peak_parts, self.peak_after_s = total, parts, time.monotonic() - self._started
             time.sleep(self.interval_s)
+
+    def at_peak(self) -> str:
+        """The peak's processes: "pid (name) N MiB" each, and when it came."""
+        def name(pid: int) -> str:
+            try:
+                with open(f"/proc/{pid}/comm") as f:
+                    return f.read().strip()
+            except OSError:
+                return "gone"
+        return (f"at {self.peak_after_s:.2f} s: "
+                + ", ".join(f"{p} ({name(p)}) {b / 2**20:.1f} MiB" for p, b in self.peak_parts))
