@@ -8,7 +8,7 @@ memory map lock or a page (rwsem, folio waits), writeback throttling (balance_di
 The rank is disk_watch.rank_pid's. Each sample reads the thread's state (/proc/PID/task/PID/stat), its kernel
 wait channel (wchan) and its system call (syscall: the number it is blocked in, "running" on a core); a thread
 running counts as "R". Each WINDOW_S (default 0.2) one line: the epoch, the samples in the window, then
-"KEY=COUNT" for each KEY, "STATE:WCHAN:SYSCALL" (e.g. "S:futex_wait_queue:202"). Reading these files needs the
+"KEY=COUNT" for each KEY, "STATE:WCHAN:SYSCALL" (e.g. "S:futex_do_wait:202": a futex wait). Reading these files needs the
 rights over the rank a root shell has; without them the keys say "unreadable".
 """
 
