@@ -38,7 +38,9 @@ import torch
 from ..state_formats import is_blockwise
 
 MASK = (1 << 64) - 1
-CHUNK = 1 << 19  # words per chunk on the CPU: fewer calls beside the writer, its sums still in cache
+# Words per chunk on the CPU (16 MiB): each call that leaves the GIL (a numpy or torch call on many elements)
+# takes it back from the training thread, which leaves it at every torch call: few calls, on large chunks.
+CHUNK = 1 << 22
 CUDA_CHUNK = 1 << 24  # on the GPU: few kernel launches, and at most 128 MiB widened beside training
 ROW = 1 << 10
 _SIGNED = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -82,8 +84,10 @@ def _as_words(x: torch.Tensor) -> torch.Tensor:
 
 def _word_digest(w: torch.Tensor, first_word: int) -> torch.Tensor:
     """(sum w, sum (k + 1) w) over words ``w`` numbered from ``first_word``: row and column sums per chunk."""
+    if not w.is_cuda:
+        return torch.tensor([_signed(v) for v in _numpy_word_digest(w.numpy(), first_word)], dtype=torch.int64)
     acc = torch.zeros(2, dtype=torch.int64, device=w.device)
-    chunk = CUDA_CHUNK if w.is_cuda else CHUNK
+    chunk = CUDA_CHUNK
     for a in range(0, w.numel(), chunk):
         part, at = w[a: a + chunk], first_word + a
         rows = part.numel() // ROW
@@ -100,14 +104,36 @@ def _word_digest(w: torch.Tensor, first_word: int) -> torch.Tensor:
 
 
 def _row_and_column_sums(block: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``block``'s row and column sums, widened to int64. On the CPU by numpy, on the calling thread alone:
-    torch's reductions of a chunk this size would take every core of the rank's intra-op pool, in bursts
-    beside the training thread, for work one core does at several times a paced writer's rate."""
-    if block.is_cuda:
-        return torch.sum(block, dim=1, dtype=torch.int64), torch.sum(block, dim=0, dtype=torch.int64)
-    words = block.numpy()
-    return (torch.from_numpy(words.sum(axis=1, dtype=numpy.int64)),
-            torch.from_numpy(words.sum(axis=0, dtype=numpy.int64)))
+    """``block``'s (on a GPU) row and column sums, widened to int64."""
+    return torch.sum(block, dim=1, dtype=torch.int64), torch.sum(block, dim=0, dtype=torch.int64)
+
+
+def _numpy_word_digest(words: numpy.ndarray, first_word: int) -> Tuple[int, int]:
+    """``_word_digest`` of words in host memory (mod 2**64), by numpy on the calling thread alone: torch's
+    reductions of a chunk would take every core of the rank's intra-op pool, in bursts beside the training
+    thread, for work one core does at several times a paced writer's rate. Per chunk two large reductions
+    and a few small ones, the rest in Python integers (int64 products wrap, as the sums do mod 2**64)."""
+    s1 = s2 = 0
+    for a in range(0, words.size, CHUNK):
+        part, at = words[a: a + CHUNK], first_word + a
+        rows = part.size // ROW
+        if rows:
+            block = part[: rows * ROW].reshape(rows, ROW)
+            r, c = block.sum(axis=1, dtype=numpy.int64), block.sum(axis=0, dtype=numpy.int64)
+            total = int(r.sum())
+            s1 += total
+            s2 += total * (at + 1) + ROW * int(r @ numpy.arange(rows, dtype=numpy.int64)) \
+                + int(c @ numpy.arange(ROW, dtype=numpy.int64))
+        tail = part[rows * ROW:].astype(numpy.int64)
+        if tail.size:
+            s1 += int(tail.sum())
+            s2 += int(tail @ numpy.arange(at + rows * ROW + 1, at + part.size + 1, dtype=numpy.int64))
+    return s1 & MASK, s2 & MASK
+
+
+def _signed(v: int) -> int:
+    """An unsigned 64-bit integer as the int64 of its bits."""
+    return v - (1 << 64) if v >= 1 << 63 else v
 
 
 def _element_digest(x: torch.Tensor, first_index: int, lanes: int) -> torch.Tensor:
