@@ -28,9 +28,6 @@
 #   FLOOR_GB=4 RUNS="B8 A8 A8_even_spread" RUN_LIMIT=230 ...  (about 500 s; twice, or with B8-2 A8-2 ... in another
 #       call) the writers held to an even spread up to their due time, quiet spells included, against main's,
 #       which the quiet spells let run ahead (§39; branch pending-even-spread-phase, its tests in the patch)
-#   FLOOR_GB=4 RUNS="B8 A8 A8_digest_from_update_reads" RUN_LIMIT=230 ...  (about 500 s) the linked subgroups'
-#       digest taken from the next update's own reads, none read back (4.13 GB less read a save here), digests
-#       computed at once on their threads (branch pending-digest-from-update-reads; its tests in the patch)
 #   NAME-K (K a digit), e.g. RUNS="B8 A8 B8-2 A8-2": the K-th run of NAME, against the K-th of its base (A8-2 against
 #       B8-2, A8_<variant>-2 too): two runs of one command differ by about 0.2 a step on the device's disk (§39), so
 #       a pair run twice shows whether a difference is larger than that
