@@ -23,6 +23,7 @@ end ("offloaded state ... paced:", the first rank's line) or, where there is non
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import re
@@ -259,23 +260,36 @@ def wait_rows(during: Dict[int, int], async_lines: List[str], plain_lines: List[
     return rows
 
 
-def pair_after(argv: List[str], flag: str) -> Optional[List[str]]:
-    """The two paths after ``flag``, None where it is missing or either file is (not sampled, an older run)."""
-    if flag not in argv:
-        return None
-    paths = argv[argv.index(flag) + 1:argv.index(flag) + 3]
-    return paths if len(paths) == 2 and all(os.path.exists(p) for p in paths) else None
+def parse(argv: List[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=os.path.basename(argv[0]),
+                                     description="The iterations beside an --async-save writer against a run "
+                                                 "without saves, from the two console logs.")
+    parser.add_argument("async_log", help="the console log of the run with --async-save")
+    parser.add_argument("plain_log", help="the console log of the same run without saves")
+    for flag, what in (("--disk", "disk_watch.py's samples"), ("--trace", "--offload-trace files"),
+                       ("--waits", "thread_waits.py's samples")):
+        parser.add_argument(flag, nargs=2, metavar=("ASYNC", "PLAIN"),
+                            help=f"{what} of each run (left out where either file is missing: an older run)")
+    args = parser.parse_args(argv[1:])
+    for path in (args.async_log, args.plain_log):
+        if not os.path.isfile(path):
+            parser.error(f"{path}: no such log")
+    for flag in ("disk", "trace", "waits"):
+        pair = getattr(args, flag)
+        if pair is not None and not all(os.path.exists(p) for p in pair):
+            setattr(args, flag, None)
+    return args
 
 
 def main(argv: List[str]) -> int:
-    disks, traces, waits = pair_after(argv, "--disk"), pair_after(argv, "--trace"), pair_after(argv, "--waits")
-    with open(argv[1]) as a, open(argv[2]) as b:
+    args = parse(argv)
+    with open(args.async_log) as a, open(args.plain_log) as b:
         async_lines, plain_lines = a.read().splitlines(), b.read().splitlines()
-    rows, _ = report(async_lines, plain_lines, disks)
-    if traces:
-        rows += trace_rows(beside(async_lines), async_lines, plain_lines, traces)
-    if waits:
-        rows += wait_rows(beside(async_lines), async_lines, plain_lines, waits)
+    rows, _ = report(async_lines, plain_lines, args.disk)
+    if args.trace:
+        rows += trace_rows(beside(async_lines), async_lines, plain_lines, args.trace)
+    if args.waits:
+        rows += wait_rows(beside(async_lines), async_lines, plain_lines, args.waits)
     print("\n".join(rows))
     return 0
 

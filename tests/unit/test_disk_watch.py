@@ -6,6 +6,8 @@ import math
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "experiments")))
 
 import beside_writer  # noqa: E402
@@ -99,3 +101,12 @@ def test_an_iterations_waits_are_the_windows_that_ended_in_its_forward_and_backw
     rows = beside_writer.wait_rows({5: 4}, lines, stamped, [str(waits), str(waits)])
     assert rows == ["  iteration 5's training thread in its forward and backward: S:futex_do_wait:202 60%, R 40% "
                     "(without saves: S:futex_do_wait:202 60%, R 40%)"]
+
+
+def test_beside_writer_names_a_missing_log_in_one_line(tmp_path, capsys):
+    missing = str(tmp_path / "determinism_A8.log")
+    with pytest.raises(SystemExit) as exit_:
+        beside_writer.main(["beside_writer.py", missing, missing])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"beside_writer.py: error: {missing}: no such log" and "Traceback" not in "\n".join(err)
