@@ -28,6 +28,9 @@
 #   FLOOR_GB=4 RUNS="B8 A8 A8_even_spread" RUN_LIMIT=230 ...  (about 500 s; twice, or with B8-2 A8-2 ... in another
 #       call) the writers held to an even spread up to their due time, quiet spells included, against main's,
 #       which the quiet spells let run ahead (§39; branch pending-even-spread-phase, its tests in the patch)
+#   FLOOR_GB=4 RUNS="B8 A8 A8_device_digest" RUN_LIMIT=230 ...  (about 500 s) the linked subgroups' digest taken
+#       on the device from the next update's own copies in, queued before each update (4.13 GB less read a save
+#       here, nothing waits); their CPU digest paused the update 2.26 s (§41; branch pending-device-digest)
 #   NAME-K (K a digit), e.g. RUNS="B8 A8 B8-2 A8-2": the K-th run of NAME, against the K-th of its base (A8-2 against
 #       B8-2, A8_<variant>-2 too): two runs of one command differ by about 0.2 a step on the device's disk (§39), so
 #       a pair run twice shows whether a difference is larger than that
