@@ -356,7 +356,7 @@ def unit_tests() -> dict:
              "tests/unit/test_update_copies.py", "tests/unit/test_background_save.py",
              "tests/unit/test_async_save_host_params.py", "tests/unit/test_to_host.py"],
             ["tests/unit/test_cpu_one_pass.py", "tests/unit/test_fused_update.py", "tests/unit/test_model_buffers.py",
-             "-k", "cuda"],
+             "tests/unit/test_state_digest.py", "-k", "cuda"],
             ["tests/unit/test_blockwise8.py", "tests/unit/test_eight_bit_engine.py",
              "tests/unit/test_eight_bit_model_buffers.py", "-k", "cuda or device"]]  # 8-bit moments
     started, code, summaries, log = time.time(), 0, [], ""
