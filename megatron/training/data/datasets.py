@@ -204,4 +204,14 @@ def micro_batches(dataset, consumed_samples: int, micro_batch_size: int, dp_rank
                                          collate_fn=torch.utils.data.default_collate,
                                          worker_init_fn=keep_inherited_objects_shared,
                                          generator=loader_generator(seed, consumed_samples, dp_rank))
-    return iter(loader)
+    freeze_before_fork()
+    return iter(loader)  # forks the workers
+
+
+def freeze_before_fork() -> None:
+    """The rank's side of ``keep_inherited_objects_shared``, before it forks its workers: its own objects go to
+    gc's permanent generation too, so its later collections do not write the headers of objects its workers share
+    (each write copies the page, and the workers' old copy then costs memory of its own). Garbage cycles are
+    collected first: frozen, they would stay for the run."""
+    gc.collect()
+    gc.freeze()
