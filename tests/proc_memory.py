@@ -36,8 +36,13 @@ def pss_bytes(pid: int) -> int:
     return 0
 
 
+def tree_pss_parts(pid: int) -> List[tuple]:
+    """(pid, its PSS) of each process of ``pid``'s tree."""
+    return [(p, pss_bytes(p)) for p in descendants(pid)]
+
+
 def tree_pss_bytes(pid: Optional[int] = None) -> int:
-    return sum(pss_bytes(p) for p in descendants(os.getpid() if pid is None else pid))
+    return sum(b for _, b in tree_pss_parts(os.getpid() if pid is None else pid))
 
 
 class PeakSampler:
@@ -62,7 +67,7 @@ class PeakSampler:
 
     def _run(self):
         while not self._stop.is_set():
-            parts = [(p, pss_bytes(p)) for p in descendants(self.pid)]
+            parts = tree_pss_parts(self.pid)
             total = sum(b for _, b in parts)
             if total > self.peak:
                 self.peak, self.peak_parts, self.peak_after_s = total, parts, time.monotonic() - self._started
