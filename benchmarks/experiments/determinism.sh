@@ -22,12 +22,7 @@
 #       applied (a rule of the product measured against main's in one call, on one machine), against B2 or B8
 #   bash benchmarks/run_gpu.sh determinism     (device tool, kind nvidia-h200, carry [".whl"])
 #   RUNS="D1 D2 DR" ... a subset; DRY_RUN=1 bash benchmarks/experiments/determinism.sh (tiny, CPU)
-#   FLOOR_GB=4 RUNS="B2 A2 A2_due_from_the_start" RUN_LIMIT=200 ...  main's calibrated raise and the rule before
-#       it (a raise from the save on, blind to the quiet spells: §36-37) side by side (§38)
 #   (A2_staging_4k_pages: the snapshot's staging in 4 KiB pages, as before fa8ee57)
-#   FLOOR_GB=4 RUNS="B8 A8 A8_even_spread" RUN_LIMIT=230 ...  (about 500 s; twice, or with B8-2 A8-2 ... in another
-#       call) the writers held to an even spread up to their due time, quiet spells included, against main's,
-#       which the quiet spells let run ahead (§39; branch pending-even-spread-phase, its tests in the patch)
 #   FLOOR_GB=4 RUNS="B8 A8 A8_device_digest" RUN_LIMIT=230 ...  (about 500 s) the linked subgroups' digest taken
 #       on the device from the next update's own copies in, queued before each update (4.13 GB less read a save
 #       here, nothing waits); their CPU digest paused the update 2.26 s (§41; branch pending-device-digest)

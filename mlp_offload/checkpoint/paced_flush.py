@@ -33,7 +33,8 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 from ..tiers.activity import TierActivity
 from ..tiers.tokens import TierTokens
-from .pacing import CALIBRATE_SHARE, DiskPacer, due_at, rank_disk_bps, recent_busy_share, same_device_tiers, writer_cap
+from .pacing import (AHEAD, CALIBRATE_SHARE, DiskPacer, due_at, rank_disk_bps, recent_busy_share, same_device_tiers,
+                     writer_cap)
 
 PIECE = 32 << 20  # bytes written back per turn: a pause in the step's I/O of a few ms is enough for one
 SYNC_FILE_RANGE_WAIT_BEFORE, SYNC_FILE_RANGE_WRITE, SYNC_FILE_RANGE_WAIT_AFTER = 1, 2, 4
@@ -115,9 +116,9 @@ class FlushPacing:
 
     def describe(self) -> str:
         due = ("" if self.due_at is None else
-               f", to be done in {max(0.0, self.due_at - time.monotonic()):.1f} s, before the next save (the cap "
-               f"raised, after the first {100 * CALIBRATE_SHARE:.0f}% of that time, where the quiet spells leave more "
-               f"than it moves)")
+               f", to be done in {max(0.0, self.due_at - time.monotonic()):.1f} s, before the next save (spread "
+               f"evenly over the first {100 / AHEAD:.0f}% of that time; the cap raised, after the first "
+               f"{100 * CALIBRATE_SHARE:.0f}% of it, where the quiet spells leave more than it moves)")
         return (f"its files flushed in {PIECE >> 20} MiB pieces paced behind the {'/'.join(self.tier_names)} tier "
                 f"(<= {self.cap_bps / 1e9:.2f} GB/s per writer process beside its I/O{due})")
 

@@ -9,12 +9,18 @@ writer, so chunks also pass while it is busy, at ``WRITER_SHARE`` of ``CAP_SHARE
 rates the steps showed, ``engine.file_tier_rates``; torch_dist's flushes take the other part): the step's I/O keeps
 at least ``1 / SLOWDOWN`` of the disk.
 The writer must be done before the next save, which otherwise holds training while it finishes: where the caller
-says when that is (``next_save_in_s``), the pacer aims to be done by ``FINISH_SHARE`` of it. For the first
-``CALIBRATE_SHARE`` of that time it keeps to the cap and measures what the tiers' quiet spells carry; then, where
-the bytes left, less what quiet spells at that rate will carry by then, would not be done at the cap in the tiers'
-busy time (their recent busy share), it raises the cap beside a busy tier to the rate that does
-(``DiskPacer.rate_now``). So the steps right after the save are not the ones that pay for it: a rate raised from
-the start, blind to the quiet spells ahead, made the first step the slowest.
+says when that is (``next_save_in_s``), the pacer aims to be done by ``FINISH_SHARE`` of it. It spreads the bytes
+evenly over that time: no chunk, in a quiet spell or beside a busy tier, takes the writer past the bytes expected
+spread evenly over ``1 / AHEAD`` of it (one chunk of slack; ``DiskPacer.spread_bytes``), so the writer ends a
+little early rather than late. A chunk in a quiet spell still slows the step I/O that starts while it is under
+way, and quiet spells taken without limit put most of the bytes beside the steps right after the save.
+For the first ``CALIBRATE_SHARE`` of that time it keeps to the cap and measures what the tiers' quiet spells carry;
+then, where the bytes left, less what quiet spells at that rate will carry by then, would not be done at the cap
+in the tiers' busy time (their recent busy share), it raises the cap beside a busy tier to the rate that does
+(``DiskPacer.rate_now``). Quiet time in which the spread held the writer back shows only the spread's pace, so
+the quiet spells' rate is taken per second of quiet time not held back: counted in, it would raise the cap for
+bytes the quiet spells have room for. So the steps right after the save are not the ones that pay for it: a rate
+raised from the start, blind to the quiet spells ahead, made the first step the slowest.
 A checkpoint on another device: no pacing. Since the writer then takes several steps, the staging
 budget (``snapshot``) is raised to the state held in memory while host memory allows, and the writer
 copies that state aside before its first chunk: the updates after the save neither copy nor wait.
@@ -44,14 +50,19 @@ MIN_CAP_BPS = 50e6  # where no rate is known: the writer still finishes beside a
 FINISH_SHARE = 0.9  # of the time to the next save (at the steps' pace before it): when the writers aim to be done
 CALIBRATE_SHARE = 0.25  # of the time to the due time: at the cap alone, the quiet spells' rate measured
 MIN_BUSY_SHARE = 0.05  # the least busy share a raise assumes (a tier seen nearly always quiet)
+# The even spread's pace: the bytes expected over 1 / AHEAD of the time to the due time (1.25: done by 80% of it),
+# not over all of it, so a stretch where the tiers leave the writer less room (busier steps, a long one) is made up
+# before the due time.
+AHEAD = 1.25
 
 
 class DiskPacer:
     """``wait_turn(nbytes)`` before each chunk: at once while every tier of ``tiers`` is quiet, else
     once the tiers are quiet or ``rate_now()`` has accrued the chunk's bytes (at most one chunk banked).
     ``due_at`` (on ``clock``, which is the same in every process of the machine by default): when the bytes
-    ``expect``ed should be moved; past ``CALIBRATE_SHARE`` of the time to it the cap rises where the bytes left
-    need it. ``busy_share``: of the time, the share the tiers are busy (their recent share; 1.0: never quiet)."""
+    ``expect``ed should be moved; no chunk takes the writer past ``spread_bytes`` (the even spread), and past
+    ``CALIBRATE_SHARE`` of the time to it the cap rises where the bytes left need it. ``busy_share``: of the
+    time, the share the tiers are busy (their recent share; 1.0: never quiet)."""
 
     def __init__(self, tiers: Sequence, cap_bps: float, clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep, due_at: Optional[float] = None,
@@ -66,14 +77,21 @@ class DiskPacer:
         self.expected_bytes = 0  # what the writer says it will move through wait_turn (for due_at)
         self.raised_bps = 0.0  # the highest rate the chunks accrued at above the cap (the report)
         self.past_due = False  # chunks went at once, past due_at
+        self.spread_until = None  # seconds from the start to when the even spread last held a chunk back (the report)
+        self.spread = True  # off where updates wait for the writer (a staging short of the memory-held state)
         self._clock, self._sleep = clock, sleep
         self._lock = threading.Lock()  # the writer's thread and its reads ask in turn
         self._credit, self._credit_at = 0.0, None
         self.idle_bytes = 0  # bytes that went while the tiers were quiet
-        # (when the tiers last went quiet after a busy spell, idle_bytes then): the quiet spells' rate is taken
-        # over whole busy-and-quiet cycles from the save, not up to the end of a quiet spell (which overstates it)
+        self._was_busy = None  # the tiers at the last look (None: no look yet)
+        self._quiet_at = None  # when the quiet spell under way began
+        self._quiet_s = 0.0  # the quiet spells' seconds, up to the end of the last one
+        self._held_s = 0.0  # of the quiet time, the seconds chunks waited on the even spread
+        # (when the tiers last went quiet after a busy spell, idle_bytes, _quiet_s and _held_s then): the quiet
+        # spells' rate is taken over whole busy-and-quiet cycles from the save, not up to the end of a quiet spell
+        # (which overstates it)
         self._cycles_end = None
-        self._was_busy = False
+        self._busy_at, self._busy_s = None, 0.0  # when the busy spell under way began, how long the last one was
         self.capped_bytes = 0  # bytes that went beside the tiers' I/O, at the cap
         self.waited_s = 0.0
         self.waits = 0  # chunks that waited at all
@@ -89,7 +107,8 @@ class DiskPacer:
     def rate_now(self) -> float:
         """Bytes/s a chunk may go at beside a busy tier now: ``cap_bps``; past the calibration, more where the
         bytes expected and not yet moved, less what the quiet spells carry by ``due_at`` at the rate they have
-        carried since the start, would not be done by then at it in the tiers' busy time (past it: no limit)."""
+        carried since the start (the quiet time the even spread held the writer back not counted), would not be
+        done by then at it in the tiers' busy time (past it: no limit)."""
         left = self.expected_bytes - self.idle_bytes - self.capped_bytes - self._credit  # the credit will go too
         if self.due_at is None or left <= 0:
             return self.cap_bps
@@ -99,32 +118,68 @@ class DiskPacer:
             return float("inf")
         if now < self.calibrated_at:
             return self.cap_bps
-        at, idle = self._cycles_end or (now, self.idle_bytes)
-        quiet_bps = idle / (at - self.started) if at > self.started else 0.0
-        beside = left - quiet_bps * time_left  # what the tiers' busy time must carry
-        return max(beside / (self.busy_share * time_left), self.cap_bps)
+        quiet_now = self._quiet_s + (now - self._quiet_at if self._was_busy is False else 0.0)
+        at, idle, quiet_s, held_s = self._cycles_end or (now, self.idle_bytes, quiet_now, self._held_s)
+        # Quiet time in which the even spread held the writer back shows the spread's pace, not what the quiet
+        # spells can carry; counted in, it would raise the cap for bytes they have room for. So their rate is
+        # what they carried per second of quiet time not held back (over their share of the time).
+        if held_s and held_s >= quiet_s:  # held back all the quiet time seen: room to spare
+            return self.cap_bps
+        not_held = quiet_s / (quiet_s - held_s) if held_s else 1.0
+        quiet_bps = not_held * idle / (at - self.started) if at > self.started else 0.0
+        # in a busy spell, its rest (as long as the last one) carries no quiet bytes: counted as quiet time, it
+        # would leave the bytes it cannot carry to the last busy spell before due_at
+        rest = min(time_left, max(0.0, self._busy_s - (now - self._busy_at))) if self._was_busy else 0.0
+        beside = left - quiet_bps * (time_left - rest)  # what the tiers' busy time must carry
+        return max(beside / (rest + self.busy_share * (time_left - rest)), self.cap_bps)
+
+    def spread_bytes(self, now: float) -> float:
+        """The most bytes the even spread lets the writer have moved by ``now``, not counting the chunk that
+        asks: ``expected_bytes`` evenly over ``1 / AHEAD`` of the time from the start to ``due_at`` (inf without
+        a due time or bytes expected, and past it)."""
+        if not self.spread or self.due_at is None or self.expected_bytes <= 0 or now >= self.due_at:
+            return float("inf")
+        return self.expected_bytes * min(1.0, AHEAD * (now - self.started) / (self.due_at - self.started))
 
     def wait_turn(self, nbytes: int) -> None:
         with self._lock:
             started = self._clock()
             waited = False
             while True:
+                now, busy = self._clock(), self.busy()
+                moved = self.idle_bytes + self.capped_bytes
+                self._follow_cycles(now, busy)
                 self._accrue(nbytes)
-                if not self.busy():
-                    if self._was_busy:
-                        self._cycles_end, self._was_busy = (self._clock(), self.idle_bytes), False
+                ahead = moved > self.spread_bytes(now)  # of the even spread: the chunk waits, quiet or busy
+                if ahead:
+                    self.spread_until = now - self.started
+                elif not busy:
                     self.idle_bytes += nbytes
                     break
-                self._was_busy = True
-                if self._credit >= nbytes:
+                elif self._credit >= nbytes:
                     self._credit -= nbytes
                     self.capped_bytes += nbytes
                     break
                 waited = True
                 self._sleep(POLL_S)
+                if ahead and not busy:
+                    self._held_s += self._clock() - now
             if waited:
                 self.waits += 1
                 self.waited_s += self._clock() - started
+
+    def _follow_cycles(self, now: float, busy: bool) -> None:
+        """At each look: the quiet spells' seconds; where the tiers go quiet after a busy spell, a cycle's end."""
+        if busy and not self._was_busy:
+            self._busy_at = now
+            if self._was_busy is False:
+                self._quiet_s += now - self._quiet_at
+        elif not busy and self._was_busy is not False:
+            self._quiet_at = now
+            if self._was_busy:
+                self._busy_s = now - self._busy_at
+                self._cycles_end = (now, self.idle_bytes, self._quiet_s, self._held_s)
+        self._was_busy = busy
 
     def _accrue(self, nbytes: int) -> None:
         now = self._clock()
@@ -145,6 +200,9 @@ class DiskPacer:
                   if self.raised_bps else "")
         if self.past_due:
             raised += " (past the time it was due, the rest at once)"
+        if self.spread_until is not None:
+            raised += (f"; held to an even spread until {self.spread_until:.1f} s of the "
+                       f"{self.due_at - self.started:.1f} s to its due time")
         return (f"{human_bytes(self.staged_bytes)} copied aside first in {self.staged_s:.2f} s; "
                 f"{human_bytes(self.idle_bytes)} moved in the tiers' idle time, {human_bytes(self.capped_bytes)} beside "
                 f"their I/O at <= {self.cap_bps / 1e9:.2f} GB/s{raised}; {self.waits} chunks waited {self.waited_s:.1f} s")
@@ -184,6 +242,9 @@ def pace_save(engine, snapshot, path: str, link_tier_files: bool, digest: bool,
     pacer.expect(written + read)  # each piece written and each tier read waits its turn
     per_s = disk_bps * (1 - busy) + pacer.cap_bps * busy  # the writer's pace if the tiers keep their busy share
     staged = min(snapshot.staging_bytes, memory_bytes)
+    # Where the staging holds less than the memory-held state, the updates after the save wait for the writer to
+    # reach their subgroups: held to a spread, it would hold them longer.
+    pacer.spread = staged >= memory_bytes
     log.info("async save: writer paced behind the %s tier on %s: %s to write, about %.1f s at the tier's %.0f%% "
              "busy share %s (idle time at the disk's %.2f GB/s, <= %.2f GB/s beside its I/O); the state held "
              "in memory copied aside before the first chunk (%s of %s%s)%s",
@@ -194,7 +255,9 @@ def pace_save(engine, snapshot, path: str, link_tier_files: bool, digest: bool,
              "" if staged >= memory_bytes else "; beyond it the updates wait for the writer",
              "" if next_save_in_s is None else
              f"; to be done within {FINISH_SHARE * next_save_in_s:.1f} s, before the next save (in about "
-             f"{next_save_in_s:.1f} s): at the cap alone for the first "
+             f"{next_save_in_s:.1f} s): "
+             f"{f'spread evenly over its first {FINISH_SHARE * next_save_in_s / AHEAD:.1f} s, ' if pacer.spread else ''}"
+             f"at the cap alone for the first "
              f"{CALIBRATE_SHARE * FINISH_SHARE * next_save_in_s:.1f} s, then raised where the bytes left, less what "
              f"the quiet spells carry at the rate seen, need it")
     whole_disk_s = (written + read) / disk_bps if disk_bps > 0 else 0.0

@@ -176,10 +176,11 @@ def test_a_paced_save_never_holds_the_updates_back_and_writes_the_synchronous_by
 
 def test_a_save_the_disk_cannot_finish_before_the_next_one_says_so_in_one_line(tmp_path, caplog):
     """Its bytes at the disk's whole rate take longer than the time to the next save: one warning naming both
-    figures; with time enough, the pacing line names the due time and nothing warns."""
+    figures; with time enough, the pacing line names the due time and nothing warns (a short time: the writer
+    spreads its bytes over it)."""
     with engine_at_step_3(tmp_path / "e") as engine:
         caplog.set_level("INFO", logger="mlp_offload")
-        for name, next_save_in_s in (("soon", 1e-6), ("later", 1e6)):
+        for name, next_save_in_s in (("soon", 1e-6), ("later", 1.0)):
             caplog.clear()
             write = start_background_save(engine, str(tmp_path / f"{name}.ckpt"), next_save_in_s=next_save_in_s)
             assert write.pacer is not None and write.pacer.due_at is not None
@@ -192,6 +193,22 @@ def test_a_save_the_disk_cannot_finish_before_the_next_one_says_so_in_one_line(t
             write.start()
             write.wait()
             assert write.failure is None
+
+
+@pytest.mark.parametrize("staging_bytes", [None, 0], ids=["staged", "updates-wait"])
+def test_the_spread_holds_only_where_the_updates_do_not_wait_for_the_writer(tmp_path, caplog, staging_bytes):
+    """The memory-held state all copied aside: the writer is held to the even spread and its line says so. A
+    staging of none (--save-staging-gb 0): the updates after the save wait for the writer to reach their
+    subgroups, so no spread holds it back."""
+    with engine_at_step_3(tmp_path / "e", save_staging_bytes=staging_bytes) as engine:
+        caplog.set_level("INFO", logger="mlp_offload")
+        write = start_background_save(engine, str(tmp_path / "x.ckpt"), next_save_in_s=1.0)
+        assert write.pacer is not None and write.pacer.spread == (staging_bytes is None)
+        assert ("spread evenly over its first" in caplog.text) == (staging_bytes is None)
+        assert (write.pacer.spread_bytes(write.pacer.started) == float("inf")) == (staging_bytes == 0)
+        write.start()
+        write.wait()
+        assert write.failure is None
 
 
 def test_a_checkpoint_on_another_device_is_not_paced(tmp_path, monkeypatch, caplog):
@@ -239,7 +256,7 @@ def test_a_paced_writer_expects_every_byte_it_moves_even_where_a_link_is_refused
         monkeypatch.setattr(write_module.PartLinks, "link", lambda self, *args, **kwargs: None)
     with engine_at_step_3(tmp_path / "e") as engine:
         write = start_background_save(engine, str(tmp_path / "paced.ckpt"), link_tier_files=True,
-                                      next_save_in_s=1e6)
+                                      next_save_in_s=1.0)  # the writer spreads its bytes over the time to it
         assert write.pacer is not None and write.snapshot.on_tier
         planned = write.pacer.expected_bytes
         quiet_tiers.set()
@@ -267,8 +284,9 @@ def busy_pacer(cap, due_in, expected):
 @given(chunks=st.lists(st.integers(1_000, 64_000), min_size=1, max_size=30),
        cap=st.floats(1e3, 1e6), due_in=st.floats(0.5, 60.0))
 def test_a_writer_due_before_the_next_save_is_done_by_then_and_no_faster_than_it_needs(chunks, cap, due_in):
-    """Beside a tier never quiet the cap alone would take total / cap; with a due time the cap rises to what
-    finishes by then, and only where the cap is short of it (never faster than the slower of the two needs)."""
+    """Beside a tier never quiet the cap alone would take total / cap, and the even spread holds a faster one to
+    about ``1 / AHEAD`` of the time to the due time; the cap rises to what finishes by then, and only where the
+    cap is short of it (never faster than the slower of the two needs, give or take a chunk)."""
     total = sum(chunks)
     clock, pacer = busy_pacer(cap, due_in, total)
     start = clock.now
@@ -276,9 +294,10 @@ def test_a_writer_due_before_the_next_save_is_done_by_then_and_no_faster_than_it
         pacer.wait_turn(chunk)
     elapsed = clock.now - start
     assert pacer.capped_bytes == total and pacer.idle_bytes == 0
-    on_time = min(due_in, total / cap)  # the cap alone, where it is enough, else the due time
+    on_time = min(due_in, max(total / cap, due_in / pacing.AHEAD))  # the cap or the spread, else the due time
     assert elapsed <= on_time + len(chunks) * pacing.POLL_S + 1e-9
-    assert elapsed >= on_time - max(chunks) / cap - 1e-9  # one chunk banked at most
+    spread_bps = pacing.AHEAD * total / due_in
+    assert elapsed >= on_time - max(chunks) / min(cap, spread_bps) - 1e-9  # one chunk banked, or ahead, at most
     if total / cap + len(chunks) * pacing.POLL_S < due_in * 0.999:  # each chunk's wait may overshoot one poll
         assert not pacer.raised_bps  # the cap was enough
     elif total / cap > due_in * 1.001:
@@ -351,7 +370,7 @@ class StepsTier:
 def paced_write_beside_steps(total, chunk, disk_bps, busy, steps_to_due, step_s=1.0):
     """A writer of ``total`` bytes in ``chunk``s (each taking the disk's time to write), beside a tier in steps,
     due ``steps_to_due`` steps from the save: (seconds it took, bytes it moved beside the tier's I/O per step,
-    the pacer)."""
+    bytes it moved per step, the pacer)."""
     clock = Clock()
     clock.now = 0.0  # the save at a step's start
     tier = StepsTier(clock, step_s, busy)
@@ -364,13 +383,14 @@ def paced_write_beside_steps(total, chunk, disk_bps, busy, steps_to_due, step_s=
     pacer = pacing.DiskPacer([tier], cap_bps=cap, clock=clock, sleep=advance, due_at=steps_to_due * step_s,
                              busy_share=busy)
     pacer.expect(total)
-    beside = [0] * (4 * steps_to_due + 2)
+    beside, moved = [0] * (4 * steps_to_due + 2), [0] * (4 * steps_to_due + 2)
     for _ in range(total // chunk):
         capped = pacer.capped_bytes
         pacer.wait_turn(chunk)
         beside[int(clock.now // step_s)] += pacer.capped_bytes - capped
+        moved[int(clock.now // step_s)] += chunk
         advance(chunk / disk_bps)
-    return clock.now, beside, pacer
+    return clock.now, beside, moved, pacer
 
 
 @settings(max_examples=examples(120), deadline=None)
@@ -390,7 +410,7 @@ def test_the_steps_right_after_a_save_pay_no_raise_and_the_writer_is_done_by_its
     total = int(min(load * capacity, 0.8 * steps_to_due * disk_bps)) // chunk * chunk
     if total < chunk:
         return
-    elapsed, beside, pacer = paced_write_beside_steps(total, chunk, disk_bps, busy, steps_to_due)
+    elapsed, beside, _, pacer = paced_write_beside_steps(total, chunk, disk_bps, busy, steps_to_due)
     assert beside[0] <= cap * (busy + pacing.POLL_S) + chunk + 1  # the first step: the cap alone (a chunk banked)
     assert elapsed <= steps_to_due + 2 * (chunk / disk_bps + pacing.POLL_S)
     if total <= 0.5 * quiet_capacity:
@@ -399,3 +419,18 @@ def test_the_steps_right_after_a_save_pay_no_raise_and_the_writer_is_done_by_its
         after = beside[math.ceil(pacing.CALIBRATE_SHARE * steps_to_due):steps_to_due]
         assert max(after) >= beside[0]
         assert max(after) <= 1.5 * sum(after) / len(after) + 2 * chunk
+
+
+@settings(max_examples=examples(120), deadline=None)
+@given(busy=st.floats(0.5, 0.9), steps_to_due=st.integers(4, 10), share=st.floats(0.1, 0.5))
+def test_with_quiet_spells_to_spare_the_writer_spreads_its_bytes_evenly_up_to_its_due_time(busy, steps_to_due, share):
+    """Beside a tier quiet for part of each step, with ``share`` of what its quiet spells alone could carry by the
+    due time: no step after the save moves more than half as much again as the mean step up to the due time (give
+    or take a chunk), and the writer is done by then. Quiet spells taken without limit moved the whole of it in
+    the first steps, each at what a quiet spell carries."""
+    disk_bps, chunk = 1e9, 1_000_000  # a chunk: 1 ms of the disk
+    total = int(share * (1 - busy) * steps_to_due * disk_bps) // chunk * chunk
+    elapsed, _, moved, pacer = paced_write_beside_steps(total, chunk, disk_bps, busy, steps_to_due)
+    assert pacer.idle_bytes + pacer.capped_bytes == total
+    assert max(moved) <= 1.5 * total / steps_to_due + chunk
+    assert elapsed <= steps_to_due + 2 * (chunk / disk_bps + pacing.POLL_S)
