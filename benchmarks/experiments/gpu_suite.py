@@ -376,6 +376,8 @@ def unit_tests() -> dict:
         failed = [ln.split(" - ")[0] for ln in out.splitlines() if ln.startswith(("FAILED ", "ERROR "))]
         summaries.append(" ".join([(summary or ["no summary"])[-1].strip("= ")] + failed))  # which, not only how many
     (WORK / "unit_tests.log").write_text(log)
+    if code:  # the failures' tracebacks come back with the summary
+        (OUT / "failed_unit_tests.log").write_text(log)
     summaries = [f"{' '.join(a for a in r if a.endswith('.py') or a.startswith('cuda'))}: {m}" for r, m in zip(runs, summaries)]
     return {"files": [a for r in runs for a in r if a.endswith(".py")], "code": code,
             "summary": "; ".join(summaries), "seconds": time.time() - started}
