@@ -8,7 +8,8 @@ With ``--disk`` (disk_watch.py's samples of each run, its log lines stamped ``[e
 the writer also gets the bytes the disk read and wrote during it, beside the same iteration without saves, and
 the page cache's dirty bytes at its start and end (torch_dist's writer writes through the page cache), and where
 the samples have them, the cores the node kept busy (at nice <= 0; at nice > 0, torch_dist's niced writer; in
-iowait) and its page faults (copy-on-write ones, while a forked writer lives, among them), and the training
+iowait) and its page faults (copy-on-write ones, while a forked writer lives, among them; the rank's own and its
+descendants' apart), and the training
 thread's time on a core, time waiting for one and context switches (whether the writers' threads took its cores,
 or a lock its turns). With ``--trace`` (each
 run's --offload-trace), each iteration's tier operations and update phases summed (trace_iterations.py), beside the
@@ -124,6 +125,16 @@ def thread_during(it: int, ends: Dict[int, float], samples) -> Optional[Tuple[fl
     return None if any(math.isnan(x) for x in during) else during
 
 
+def faults_during(it: int, ends: Dict[int, float], samples) -> Optional[Tuple[float, float]]:
+    """(millions of page faults of the rank, of its writers and other descendants) over iteration ``it``, None where
+    the samples have no such columns or did not see the rank then."""
+    if it not in ends or it - 1 not in ends or not samples or len(samples[0]) < 15:
+        return None
+    first, last = at(samples, ends[it - 1]), at(samples, ends[it])
+    during = tuple((last[k] - first[k]) / 1e6 for k in (13, 14))
+    return None if any(math.isnan(x) for x in during) else during
+
+
 def thread_in_phases(it: int, ends: Dict[int, float], updates: Dict[int, float], samples) -> Optional[Tuple[float, ...]]:
     """(voluntary switches, seconds on a core) of the training thread in iteration ``it``'s forward and backward (from
     the iteration before's end to its update's start), then the same in its update (the iteration's last
@@ -148,8 +159,13 @@ def disk_rows(during: Dict[int, int], async_lines: List[str], plain_lines: List[
                     f"wrote {b[1]:.2f}); page cache dirty {a[2]:.2f} GB at its start, {a[3]:.2f} GB at its end")
         c, d = cpu_during(it, ends_a, samples_a), cpu_during(it, ends_b, samples_b)
         if c is not None and d is not None:
+            own, plain_own = faults_during(it, ends_a, samples_a), faults_during(it, ends_b, samples_b)
+            whose = ("" if own is None or plain_own is None else
+                     f"; of them the rank's {own[0]:.2f} M and its descendants' {own[1]:.2f} M (without saves: "
+                     f"{plain_own[0]:.2f}, {plain_own[1]:.2f} M)")
             rows.append(f"  iteration {it}'s CPU: {c[0]:.1f} cores busy, {c[1]:.1f} niced, {c[2]:.1f} in iowait, "
-                        f"{c[3]:.2f} M page faults (without saves: {d[0]:.1f}, {d[1]:.1f}, {d[2]:.1f}, {d[3]:.2f} M)")
+                        f"{c[3]:.2f} M page faults (without saves: {d[0]:.1f}, {d[1]:.1f}, {d[2]:.1f}, {d[3]:.2f} M)"
+                        f"{whose}")
         e, f = thread_during(it, ends_a, samples_a), thread_during(it, ends_b, samples_b)
         if e is not None and f is not None:
             rows.append(f"  iteration {it}'s training thread: {e[0]:.2f} s on a core, {e[1]:.2f} s waiting for one, "

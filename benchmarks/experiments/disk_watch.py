@@ -10,7 +10,10 @@ nice > 0 (a niced writer's) and in iowait, summed over its cores (/proc/stat), a
 process running pretrain_gpt.py whose parent is torchrun, the first seen) seconds on a core and seconds waiting
 for one (/proc/PID/task/PID/schedstat), and its voluntary and involuntary context switches (its status): a thread
 slowed by cores the writers take waits in the run queue; one slowed by a lock (the GIL) switches voluntarily
-more. nan until the rank is seen.
+more. Then the rank's page faults so far (all its threads: /proc/PID/stat minflt) and those of its descendants
+(the live ones' minflt, plus the rank's cminflt: the children it has reaped): which of the node's faults are
+training's own (copy-on-write of pages a forked writer shares, fresh memory) and which are its writers'.
+nan until the rank is seen.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import os
 import signal
 import sys
 import time
-from typing import Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 SECTOR = 512  # the block layer's stat counts 512-byte sectors whatever the device's
 
@@ -81,6 +84,41 @@ def rank_pid(proc: str = "/proc") -> Optional[int]:
     return min(ranks) if ranks else None
 
 
+def _stat_fields(pid: int, proc: str) -> List[str]:
+    """/proc/PID/stat's fields after the command's name (which may hold spaces and parentheses): [0] the state,
+    [1] the parent's pid, [7] minflt, [8] cminflt."""
+    with open(f"{proc}/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
+def page_faults_of(pid: Optional[int], proc: str = "/proc") -> Tuple[float, float]:
+    """(the page faults of ``pid``'s threads, those of its descendants: the live ones' and those it has reaped) so
+    far; nan each where ``pid`` cannot be read."""
+    nan = float("nan")
+    if pid is None:
+        return nan, nan
+    try:
+        own = _stat_fields(pid, proc)
+    except (OSError, IndexError):
+        return nan, nan
+    children: Dict[int, List[int]] = {}
+    faults: Dict[int, int] = {}
+    for entry in os.listdir(proc):
+        if entry.isdigit():
+            try:
+                fields = _stat_fields(int(entry), proc)
+                children.setdefault(int(fields[1]), []).append(int(entry))
+                faults[int(entry)] = int(fields[7])
+            except (OSError, ValueError, IndexError):
+                continue  # gone since the listing
+    descendants, todo = 0, list(children.get(pid, []))
+    while todo:
+        child = todo.pop()
+        descendants += faults.get(child, 0)
+        todo.extend(children.get(child, []))
+    return float(own[7]), float(int(own[8]) + descendants)
+
+
 def thread_schedule(pid: Optional[int], proc: str = "/proc") -> Tuple[float, float, float, float]:
     """(seconds on a core, seconds waiting for one, voluntary switches, involuntary switches) of ``pid``'s main
     thread; nan each where it cannot be read."""
@@ -116,8 +154,10 @@ def main(argv) -> int:
             busy, niced, iowait = cpu_seconds()
             rank = rank or rank_pid()
             ran, waited, voluntary, involuntary = thread_schedule(rank)
+            own, descendants = page_faults_of(rank)
             f.write(f"{time.time():.3f} {read} {written} {dirty} {writeback} {busy:.2f} {niced:.2f} {iowait:.2f} "
-                    f"{page_faults()} {ran:.3f} {waited:.3f} {voluntary:.0f} {involuntary:.0f}\n")
+                    f"{page_faults()} {ran:.3f} {waited:.3f} {voluntary:.0f} {involuntary:.0f} {own:.0f} "
+                    f"{descendants:.0f}\n")
             f.flush()
             time.sleep(interval)
     return 0

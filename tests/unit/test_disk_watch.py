@@ -4,6 +4,7 @@ switches read as the kernel writes them, and those summed over an iteration, on 
 
 import math
 import os
+import subprocess
 import sys
 
 import pytest
@@ -14,11 +15,13 @@ import beside_writer  # noqa: E402
 import disk_watch  # noqa: E402
 
 
-def fake_process(proc, pid, ppid, cmdline, ran_ns=None, waited_ns=None, voluntary=0, involuntary=0):
+def fake_process(proc, pid, ppid, cmdline, ran_ns=None, waited_ns=None, voluntary=0, involuntary=0, minflt=0,
+                 cminflt=0):
     root = proc / str(pid)
     (root / "task" / str(pid)).mkdir(parents=True)
     (root / "cmdline").write_bytes(b"\0".join(cmdline) + b"\0")
-    (root / "stat").write_text(f"{pid} (python3 (x)) S {ppid} 1 1 0 -1\n")  # a name with ") " in it, as comm may have
+    (root / "stat").write_text(f"{pid} (python3 (x)) S {ppid} 1 1 0 -1 4194560 {minflt} {cminflt} 0 0 7 3\n")  # a
+    # name with ") " in it, as comm may have
     if ran_ns is not None:
         (root / "task" / str(pid) / "schedstat").write_text(f"{ran_ns} {waited_ns} 77\n")
         (root / "task" / str(pid) / "status").write_text(
@@ -40,6 +43,46 @@ def test_the_rank_is_the_child_of_torchrun_not_torchrun_nor_the_ranks_own_childr
     empty = tmp_path / "empty"
     empty.mkdir()
     assert disk_watch.rank_pid(str(empty)) is None
+
+
+def test_the_ranks_page_faults_are_apart_from_its_descendants_reaped_or_live(tmp_path):
+    proc = tmp_path / "proc"
+    fake_process(proc, 10, 1, [b"torchrun"], minflt=9000)
+    fake_process(proc, 31, 10, [b"pretrain_gpt.py"], minflt=500, cminflt=40)  # 40: its writers already reaped
+    fake_process(proc, 12, 31, [b"pretrain_gpt.py"], minflt=70)  # a live writer
+    fake_process(proc, 14, 12, [b"pretrain_gpt.py"], minflt=5)  # the writer's own worker
+    fake_process(proc, 13, 1, [b"disk_watch.py"], minflt=1000)
+    (proc / "15").mkdir()  # gone between the listing and the read: skipped
+    assert disk_watch.page_faults_of(31, str(proc)) == (500.0, 115.0)
+    assert all(math.isnan(x) for x in disk_watch.page_faults_of(None, str(proc)))
+    assert all(math.isnan(x) for x in disk_watch.page_faults_of(99, str(proc)))
+
+
+def test_a_live_childs_page_faults_count_as_its_parents_descendants():
+    """On the real /proc: a child that writes 64 MiB of fresh memory faults at least a page per 4 KiB of it."""
+    before = disk_watch.page_faults_of(os.getpid())
+    child = subprocess.Popen([sys.executable, "-c", "import time; b = b'x' * (64 << 20); print('ok', flush=True); "
+                              "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ok"
+        after = disk_watch.page_faults_of(os.getpid())
+    finally:
+        child.kill()
+        child.wait()
+    assert after[1] - before[1] >= 0.9 * (64 << 20) / 4096
+    assert after[0] >= before[0]
+
+
+def test_an_iterations_page_faults_are_the_rank_and_its_descendants_apart():
+    nan = float("nan")
+    base = [0.0] * 13
+    samples = [(100.0, *base[1:], nan, nan),
+               (101.0, *base[1:], 1000.0, 50.0),
+               (103.0, *base[1:], 191000.0, 2050.0)]
+    ends = {3: 100.1, 4: 101.2, 5: 103.1}
+    assert beside_writer.faults_during(5, ends, samples) == (0.19, 0.002)
+    assert beside_writer.faults_during(4, ends, samples) is None  # its start sampled before the rank was seen
+    assert beside_writer.faults_during(5, ends, [s[:13] for s in samples]) is None  # an older disk_watch's samples
 
 
 def test_an_iterations_thread_time_is_the_difference_of_the_samples_around_it():
