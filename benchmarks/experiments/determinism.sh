@@ -28,7 +28,7 @@
 #       here, nothing waits); their CPU digest paused the update 2.26 s (§41; branch pending-device-digest)
 #   FLOOR_GB=4 RUNS="B8 A8 A8_freeze_at_save" RUN_LIMIT=230 ...  (about 500 s) the rank's objects frozen before
 #       torch_dist's writer is forked at a save: whether the first step after it loses its page faults and its
-#       extra 0.5 s on a core (§41; branch pending-freeze-at-save)
+#       extra 0.5 s on a core (§41; branch pending-freeze-at-save; once in §42: the faults stayed, 1.29x against 1.40x)
 #   NAME-K (K a digit), e.g. RUNS="B8 A8 B8-2 A8-2": the K-th run of NAME, against the K-th of its base (A8-2 against
 #       B8-2, A8_<variant>-2 too): two runs of one command differ by about 0.2 a step on the device's disk (§39), so
 #       a pair run twice shows whether a difference is larger than that
