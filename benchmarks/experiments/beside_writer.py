@@ -2,7 +2,7 @@
 (issue 49 item 4's goal: at most 1.25x), from two console logs, with the save's pacing lines.
 
     python benchmarks/experiments/beside_writer.py ASYNC_LOG PLAIN_LOG [--disk ASYNC_DISK PLAIN_DISK]
-        [--trace ASYNC_TRACE PLAIN_TRACE] [--waits ASYNC_WAITS PLAIN_WAITS]
+        [--trace ASYNC_TRACE PLAIN_TRACE] [--waits ASYNC_WAITS PLAIN_WAITS] [--maps ASYNC_MAPS PLAIN_MAPS]
 
 With ``--disk`` (disk_watch.py's samples of each run, its log lines stamped ``[epoch] ``), each iteration beside
 the writer also gets the bytes the disk read and wrote during it, beside the same iteration without saves, and
@@ -15,7 +15,9 @@ or a lock its turns). With ``--trace`` (each
 run's --offload-trace), each iteration's tier operations and update phases summed (trace_iterations.py), beside the
 same iteration without saves: whether the disk or the CPU took the time. With ``--waits`` (thread_waits.py's
 samples of each run), where the training thread was in each forward and backward beside the writer: on a core,
-or which lock, device or page it waited on.
+or which lock, device or page it waited on. With ``--maps`` (rank_maps.py's samples of each run), how each kind of
+the rank's memory changed over each iteration beside the writer, private and shared dirty bytes apart: which pages
+the forked writer's lifetime made it copy.
 
 An iteration ran beside the writer of checkpoint N when its line comes after N's save line ("> checkpoint at
 iteration N: training held") and the iteration before it ended before the writer did: the offloaded state's
@@ -276,6 +278,37 @@ def wait_rows(during: Dict[int, int], async_lines: List[str], plain_lines: List[
     return rows
 
 
+def maps_rows(during: Dict[int, int], async_lines: List[str], plain_lines: List[str], maps: List[str]) -> List[str]:
+    """The rank's memory over each iteration beside the writer (rank_maps.py's samples at or before its start and
+    end): the change of each kind's private and shared dirty bytes where it moved by 1 MB or more, beside the
+    same without saves. A copy-on-write moves bytes from shared to private; new memory adds private only."""
+    from rank_maps import KINDS, parse_line
+
+    def samples(path):
+        with open(path) as f:
+            return [s for s in map(parse_line, f) if s is not None]
+
+    def change(ends, found, it):
+        if it - 1 not in ends or it not in ends or not found:
+            return None
+        first, last = at(found, ends[it - 1])[1], at(found, ends[it])[1]
+        return {k: tuple((last.get(k, (0, 0, 0))[i] - first.get(k, (0, 0, 0))[i]) / 1024 for i in (1, 2))
+                for k in KINDS}
+
+    def moved(delta):
+        parts = [f"{k} {p:+.0f}/{q:+.0f}" for k, (p, q) in delta.items() if abs(p) >= 1 or abs(q) >= 1]
+        return ", ".join(parts) or "no kind moved 1 MB"
+
+    runs = [(iteration_ends(lines), samples(path)) for lines, path in ((async_lines, maps[0]), (plain_lines, maps[1]))]
+    rows = []
+    for it in sorted(during):
+        a, b = (change(ends, found, it) for ends, found in runs)
+        if a is not None and b is not None:
+            rows.append(f"  iteration {it}'s rank memory, MB private/shared dirty: {moved(a)} (without saves: "
+                        f"{moved(b)})")
+    return rows
+
+
 def parse(argv: List[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=os.path.basename(argv[0]),
                                      description="The iterations beside an --async-save writer against a run "
@@ -283,14 +316,14 @@ def parse(argv: List[str]) -> argparse.Namespace:
     parser.add_argument("async_log", help="the console log of the run with --async-save")
     parser.add_argument("plain_log", help="the console log of the same run without saves")
     for flag, what in (("--disk", "disk_watch.py's samples"), ("--trace", "--offload-trace files"),
-                       ("--waits", "thread_waits.py's samples")):
+                       ("--waits", "thread_waits.py's samples"), ("--maps", "rank_maps.py's samples")):
         parser.add_argument(flag, nargs=2, metavar=("ASYNC", "PLAIN"),
                             help=f"{what} of each run (left out where either file is missing: an older run)")
     args = parser.parse_args(argv[1:])
     for path in (args.async_log, args.plain_log):
         if not os.path.isfile(path):
             parser.error(f"{path}: no such log")
-    for flag in ("disk", "trace", "waits"):
+    for flag in ("disk", "trace", "waits", "maps"):
         pair = getattr(args, flag)
         if pair is not None and not all(os.path.exists(p) for p in pair):
             setattr(args, flag, None)
@@ -306,6 +339,8 @@ def main(argv: List[str]) -> int:
         rows += trace_rows(beside(async_lines), async_lines, plain_lines, args.trace)
     if args.waits:
         rows += wait_rows(beside(async_lines), async_lines, plain_lines, args.waits)
+    if args.maps:
+        rows += maps_rows(beside(async_lines), async_lines, plain_lines, args.maps)
     print("\n".join(rows))
     return 0
 

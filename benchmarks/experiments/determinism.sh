@@ -14,8 +14,10 @@
 #   A1  (only when RUNS names it) --async-save at 2 and 4 of 6 iterations: each save's hold, the steps beside its writer
 #   A2, B2  (only when RUNS names them) --async-save at 4 and 8 of 8 iterations, and the same without saves: the
 #       iterations beside the paced writer against B2's (goal <= 1.25x), each save's hold (goal <= 0.5 s), the pacing
-#       lines, the disk's scheduler, and per iteration the disk's bytes, the node's CPU and the engine's trace summed
-#       (its tier operations against its update's phases, where its training thread waited: beside_writer.py)
+#       lines, the disk's scheduler, and per iteration the disk's bytes, the node's CPU and page faults (the rank's
+#       and its descendants' apart), the rank's memory by kind (private and shared dirty: rank_maps.py) and the
+#       engine's trace summed (its tier operations against its update's phases, where its training thread waited:
+#       beside_writer.py)
 #   A3  (only when RUNS names it) A2 with --no-resume-check: what the digests' CPU work costs the steps beside the writer
 #   A8, B8  (only when RUNS names them) A2 and B2 with saves 8 iterations apart: --async-save at 8 and 16 of 16
 #   A2_<variant>, A3_<variant>, A8_<variant>  that run on a copy of this tree with benchmarks/variants/<variant>.patch
@@ -76,6 +78,7 @@ run() {  # NAME [flags]
   case ${name%%[_-]*} in  # A2 and B2: lines stamped, the disk sampled and the engine traced, for beside_writer.py
     A2|A3|B2|A8|B8) mkdir -p "$OUT/raw"; $PY benchmarks/experiments/disk_watch.py "$DISK" "$OUT/raw/disk_$name.txt" & watcher=$!
               $PY benchmarks/experiments/thread_waits.py "$OUT/raw/waits_$name.txt" & watcher="$watcher $!"
+              $PY benchmarks/experiments/rank_maps.py "$OUT/raw/maps_$name.txt" & watcher="$watcher $!"
               trace="--offload-trace $OUT/raw/trace_$name.json" ;;
   esac
   # shellcheck disable=SC2086
@@ -139,7 +142,8 @@ for log in "$OUT"/determinism_A[238]*.log; do
     echo "$async against $base:"
     $PY benchmarks/experiments/beside_writer.py "$OUT/determinism_$async.log" "$OUT/determinism_$base.log" \
       --disk "$OUT/raw/disk_$async.txt" "$OUT/raw/disk_$base.txt" --trace "$OUT/raw/trace_$async.json" \
-      "$OUT/raw/trace_$base.json" --waits "$OUT/raw/waits_$async.txt" "$OUT/raw/waits_$base.txt" | tee "$OUT/determinism_beside_writer_$async.txt"
+      "$OUT/raw/trace_$base.json" --waits "$OUT/raw/waits_$async.txt" "$OUT/raw/waits_$base.txt" \
+      --maps "$OUT/raw/maps_$async.txt" "$OUT/raw/maps_$base.txt" | tee "$OUT/determinism_beside_writer_$async.txt"
   fi
 done
 $PY - "$OUT" <<'PY' | tee "$OUT/determinism_summary.txt"

@@ -6,6 +6,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -153,3 +154,78 @@ def test_beside_writer_names_a_missing_log_in_one_line(tmp_path, capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == f"beside_writer.py: error: {missing}: no such log" and "Traceback" not in "\n".join(err)
+
+
+SMAPS = """55d0a000-55d0b000 rw-p 00000000 00:00 0                          [heap]
+Size:                  4 kB
+Rss:                 400 kB
+Private_Dirty:       300 kB
+Shared_Dirty:         60 kB
+VmFlags: rd wr mr mw me ac
+7f00-7f10 rw-p 00000000 00:00 0 
+Rss:                1000 kB
+Shared_Dirty:        900 kB
+Private_Dirty:       100 kB
+7f20-7f30 r--p 00001000 08:01 1234                       /usr/lib/x86_64-linux-gnu/libc.so.6
+Rss:                  80 kB
+Private_Dirty:         8 kB
+7f40-7f50 rw-s 00000000 00:05 99                         /dev/shm/torch_1_2 (deleted)
+Rss:                  16 kB
+Shared_Dirty:         16 kB
+7ffd-7ffe rw-p 00000000 00:00 0                          [stack]
+Rss:                  12 kB
+Private_Dirty:        12 kB
+ffff-10000 r-xp 00000000 00:00 0                          [vdso]
+Rss:                   4 kB
+"""
+
+
+def test_the_ranks_mappings_are_summed_by_kind_and_a_sample_line_reads_back():
+    import rank_maps  # noqa: E402
+
+    sums = rank_maps.by_kind(SMAPS)
+    assert sums == {"heap": [400, 300, 60], "anon": [1000, 100, 900], "file": [80, 8, 0], "shmem": [16, 0, 16],
+                    "stack": [12, 12, 0], "other": [4, 0, 0]}
+    when, back = rank_maps.parse_line(rank_maps.sample_line(12.5, sums))
+    assert when == 12.5 and back["anon"] == (1000, 100, 900) and set(back) == set(rank_maps.KINDS)
+    assert rank_maps.parse_line("  \n") is None
+
+
+def test_pages_written_while_a_forked_child_lives_turn_from_shared_to_private():
+    """On the real /proc: 64 MiB written before a fork are shared dirty while the child lives; written again by the
+    parent, they become its private copies (a copy-on-write fault a page)."""
+    import rank_maps  # noqa: E402
+
+    block = bytearray(b"x" * (64 << 20))  # anonymous memory: a block this large is mmap'ed on its own
+    child = os.fork()
+    if child == 0:
+        time.sleep(60)
+        os._exit(0)
+    try:
+        time.sleep(0.2)
+        shared = rank_maps.by_kind(rank_maps.read_smaps(os.getpid()))["anon"]
+        for i in range(0, len(block), 4096):
+            block[i] = 121
+        copied = rank_maps.by_kind(rank_maps.read_smaps(os.getpid()))["anon"]
+    finally:
+        os.kill(child, 9)
+        os.waitpid(child, 0)
+    mib = 1024
+    assert shared[2] >= 64 * mib and copied[2] <= shared[2] - 60 * mib  # KiB
+    assert copied[1] >= shared[1] + 60 * mib
+
+
+def test_an_iterations_rank_memory_change_is_read_from_the_samples_around_it(tmp_path):
+    import rank_maps  # noqa: E402
+
+    def line(when, heap_private, anon_private, anon_shared):
+        return rank_maps.sample_line(when, {"heap": [0, heap_private, 0], "anon": [0, anon_private, anon_shared]})
+
+    (tmp_path / "a.txt").write_text("\n".join([line(100.0, 1024, 0, 512000), line(101.0, 1024, 0, 512000),
+                                               line(103.0, 3072, 204800, 307200)]) + "\n")
+    (tmp_path / "b.txt").write_text("\n".join([line(100.0, 1024, 0, 0), line(103.0, 1024, 0, 0)]) + "\n")
+    lines = ["[101.10] iteration        4/      16 | elapsed time per iteration (ms): 1000.0",
+             "[103.10] iteration        5/      16 | elapsed time per iteration (ms): 2000.0"]
+    rows = beside_writer.maps_rows({5: 8}, lines, lines, [str(tmp_path / "a.txt"), str(tmp_path / "b.txt")])
+    assert rows == ["  iteration 5's rank memory, MB private/shared dirty: heap +2/+0, anon +200/-200 (without saves: "
+                    "no kind moved 1 MB)"]
