@@ -127,13 +127,13 @@ def thread_during(it: int, ends: Dict[int, float], samples) -> Optional[Tuple[fl
     return None if any(math.isnan(x) for x in during) else during
 
 
-def faults_during(it: int, ends: Dict[int, float], samples) -> Optional[Tuple[float, float]]:
-    """(millions of page faults of the rank, of its writers and other descendants) over iteration ``it``, None where
-    the samples have no such columns or did not see the rank then."""
+def faults_during(it: int, ends: Dict[int, float], samples) -> Optional[Tuple[float, ...]]:
+    """(millions of page faults of the rank, of its writers and other descendants[, of its training thread]) over
+    iteration ``it``, None where the samples have no such columns or did not see the rank then."""
     if it not in ends or it - 1 not in ends or not samples or len(samples[0]) < 15:
         return None
     first, last = at(samples, ends[it - 1]), at(samples, ends[it])
-    during = tuple((last[k] - first[k]) / 1e6 for k in (13, 14))
+    during = tuple((last[k] - first[k]) / 1e6 for k in range(13, min(len(first), 16)))
     return None if any(math.isnan(x) for x in during) else during
 
 
@@ -165,6 +165,8 @@ def disk_rows(during: Dict[int, int], async_lines: List[str], plain_lines: List[
             whose = ("" if own is None or plain_own is None else
                      f"; of them the rank's {own[0]:.2f} M and its descendants' {own[1]:.2f} M (without saves: "
                      f"{plain_own[0]:.2f}, {plain_own[1]:.2f} M)")
+            if own is not None and plain_own is not None and len(own) > 2 and len(plain_own) > 2:
+                whose += f"; its training thread's {own[2]:.2f} M (without saves: {plain_own[2]:.2f} M)"
             rows.append(f"  iteration {it}'s CPU: {c[0]:.1f} cores busy, {c[1]:.1f} niced, {c[2]:.1f} in iowait, "
                         f"{c[3]:.2f} M page faults (without saves: {d[0]:.1f}, {d[1]:.1f}, {d[2]:.1f}, {d[3]:.2f} M)"
                         f"{whose}")

@@ -11,8 +11,9 @@ process running pretrain_gpt.py whose parent is torchrun, the first seen) second
 for one (/proc/PID/task/PID/schedstat), and its voluntary and involuntary context switches (its status): a thread
 slowed by cores the writers take waits in the run queue; one slowed by a lock (the GIL) switches voluntarily
 more. Then the rank's page faults so far (all its threads: /proc/PID/stat minflt) and those of its descendants
-(the live ones' minflt, plus the rank's cminflt: the children it has reaped): which of the node's faults are
-training's own (copy-on-write of pages a forked writer shares, fresh memory) and which are its writers'.
+(the live ones' minflt, plus the rank's cminflt: the children it has reaped), then its training thread's own
+(/proc/PID/task/PID/stat minflt): which of the node's faults are training's own (copy-on-write of pages a forked
+writer shares, fresh memory), which the training thread takes itself, and which are its writers'.
 nan until the rank is seen.
 """
 
@@ -119,6 +120,16 @@ def page_faults_of(pid: Optional[int], proc: str = "/proc") -> Tuple[float, floa
     return float(own[7]), float(int(own[8]) + descendants)
 
 
+def thread_faults(pid: Optional[int], proc: str = "/proc") -> float:
+    """The page faults ``pid``'s main thread has taken so far; nan where it cannot be read."""
+    if pid is None:
+        return float("nan")
+    try:
+        return float(_stat_fields(pid, f"{proc}/{pid}/task")[7])
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+
+
 def thread_schedule(pid: Optional[int], proc: str = "/proc") -> Tuple[float, float, float, float]:
     """(seconds on a core, seconds waiting for one, voluntary switches, involuntary switches) of ``pid``'s main
     thread; nan each where it cannot be read."""
@@ -157,7 +168,7 @@ def main(argv) -> int:
             own, descendants = page_faults_of(rank)
             f.write(f"{time.time():.3f} {read} {written} {dirty} {writeback} {busy:.2f} {niced:.2f} {iowait:.2f} "
                     f"{page_faults()} {ran:.3f} {waited:.3f} {voluntary:.0f} {involuntary:.0f} {own:.0f} "
-                    f"{descendants:.0f}\n")
+                    f"{descendants:.0f} {thread_faults(rank):.0f}\n")
             f.flush()
             time.sleep(interval)
     return 0

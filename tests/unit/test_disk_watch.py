@@ -22,7 +22,8 @@ def fake_process(proc, pid, ppid, cmdline, ran_ns=None, waited_ns=None, voluntar
     (root / "task" / str(pid)).mkdir(parents=True)
     (root / "cmdline").write_bytes(b"\0".join(cmdline) + b"\0")
     (root / "stat").write_text(f"{pid} (python3 (x)) S {ppid} 1 1 0 -1 4194560 {minflt} {cminflt} 0 0 7 3\n")  # a
-    # name with ") " in it, as comm may have
+    # name with ") " in it, as comm may have; its main thread took a third of its faults
+    (root / "task" / str(pid) / "stat").write_text(f"{pid} (python3) S {ppid} 1 1 0 -1 4194560 {minflt // 3} 0 0 0\n")
     if ran_ns is not None:
         (root / "task" / str(pid) / "schedstat").write_text(f"{ran_ns} {waited_ns} 77\n")
         (root / "task" / str(pid) / "status").write_text(
@@ -55,6 +56,8 @@ def test_the_ranks_page_faults_are_apart_from_its_descendants_reaped_or_live(tmp
     fake_process(proc, 13, 1, [b"disk_watch.py"], minflt=1000)
     (proc / "15").mkdir()  # gone between the listing and the read: skipped
     assert disk_watch.page_faults_of(31, str(proc)) == (500.0, 115.0)
+    assert disk_watch.thread_faults(31, str(proc)) == 166.0
+    assert math.isnan(disk_watch.thread_faults(None, str(proc))) and math.isnan(disk_watch.thread_faults(99, str(proc)))
     assert all(math.isnan(x) for x in disk_watch.page_faults_of(None, str(proc)))
     assert all(math.isnan(x) for x in disk_watch.page_faults_of(99, str(proc)))
 
@@ -74,14 +77,23 @@ def test_a_live_childs_page_faults_count_as_its_parents_descendants():
     assert after[0] >= before[0]
 
 
+def test_the_main_threads_own_faults_count_what_it_touches_fresh():
+    """On the real /proc: 32 MiB the main thread writes fresh are at least a fault per 4 KiB of its own."""
+    before = disk_watch.thread_faults(os.getpid())
+    block = b"y" * (32 << 20)
+    after = disk_watch.thread_faults(os.getpid())
+    assert len(block) and after - before >= 0.9 * (32 << 20) / 4096
+
+
 def test_an_iterations_page_faults_are_the_rank_and_its_descendants_apart():
     nan = float("nan")
     base = [0.0] * 13
-    samples = [(100.0, *base[1:], nan, nan),
-               (101.0, *base[1:], 1000.0, 50.0),
-               (103.0, *base[1:], 191000.0, 2050.0)]
+    samples = [(100.0, *base[1:], nan, nan, nan),
+               (101.0, *base[1:], 1000.0, 50.0, 500.0),
+               (103.0, *base[1:], 191000.0, 2050.0, 150500.0)]
     ends = {3: 100.1, 4: 101.2, 5: 103.1}
-    assert beside_writer.faults_during(5, ends, samples) == (0.19, 0.002)
+    assert beside_writer.faults_during(5, ends, samples) == (0.19, 0.002, 0.15)
+    assert beside_writer.faults_during(5, ends, [s[:15] for s in samples]) == (0.19, 0.002)  # no thread column yet
     assert beside_writer.faults_during(4, ends, samples) is None  # its start sampled before the rank was seen
     assert beside_writer.faults_during(5, ends, [s[:13] for s in samples]) is None  # an older disk_watch's samples
 
