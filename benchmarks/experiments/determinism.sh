@@ -31,6 +31,10 @@
 #   FLOOR_GB=4 RUNS="B8 A8 A8_freeze_at_save" RUN_LIMIT=230 ...  (about 500 s) the rank's objects frozen before
 #       torch_dist's writer is forked at a save: whether the first step after it loses its page faults and its
 #       extra 0.5 s on a core (§41; branch pending-freeze-at-save; once in §42: the faults stayed, 1.29x against 1.40x)
+#   FLOOR_GB=4 RUNS="B8 A8 A8_writer_process" RUN_LIMIT=230 ...  (about 500 s) torch_dist's writer in a process
+#       spawned once at start-up, the save's tensors through shared host copies kept from save to save, against
+#       main's writer forked from the rank at each save: whether the first step after a save loses its page faults
+#       (§42; branch pending-writer-process, its tests in the patch)
 #   NAME-K (K a digit), e.g. RUNS="B8 A8 B8-2 A8-2": the K-th run of NAME, against the K-th of its base (A8-2 against
 #       B8-2, A8_<variant>-2 too): two runs of one command differ by about 0.2 a step on the device's disk (§39), so
 #       a pair run twice shows whether a difference is larger than that
@@ -49,6 +53,7 @@ else
     --seq-length 2048 --max-position-embeddings 2048 --device cuda"
   TIERS="--offload-gpu-cache-gb 4 --offload-host-cache-gb 4"; SUB=100000000; FLOOR_GB=${FLOOR_GB:-8}
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+  df -h /dev/shm | tail -1 | awk '{print "/dev/shm: " $2 " (" $4 " free): the room for A8_writer_process'"'"'s shared copies"}'
 fi
 COMMON="$SHAPE --group-query-attention --swiglu --normalization RMSNorm --position-embedding-type rope
   --untie-embeddings-and-output-weights --disable-bias-linear --hidden-dropout 0 --attention-dropout 0
