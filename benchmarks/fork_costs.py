@@ -1,13 +1,15 @@
 """What forking a process costs it, by the memory it holds: the fork itself (the kernel copies the page tables of
 every mapping a child gets), and each page the parent writes while the child lives (a copy-on-write fault: the
 page copied, one fault each). For a rank that forks a checkpoint writer at each save: the first cost lands in the
-save's hold, the second in the steps while the writer lives.
+save's hold, the second in the steps while the writer lives. Also what one read of the process's
+/proc/self/smaps takes (the kernel walks its page tables, under its memory map lock: what a sample of
+experiments/rank_maps.py costs the rank).
 
     python benchmarks/fork_costs.py [--gib N]
 
 Prints, for N GiB of touched anonymous memory in 4 KiB pages and in transparent huge pages (where the kernel grants
-them on request): the fork's time (least and most of 5), then the time to write a byte of each 4 KiB page again
-without and with a child alive, and the difference per page.
+them on request): the fork's time and a read of /proc/self/smaps (least and most of 5 each), then the time to
+write a byte of each 4 KiB page again without and with a child alive, and the difference per page.
 """
 
 from __future__ import annotations
@@ -59,6 +61,16 @@ def fork_seconds() -> list:
     return times
 
 
+def smaps_read_seconds() -> list:
+    times = []
+    for _ in range(FORKS):
+        started = time.perf_counter()
+        with open("/proc/self/smaps") as f:
+            f.read()
+        times.append(time.perf_counter() - started)
+    return times
+
+
 def copy_on_write_seconds(region: mmap.mmap) -> tuple:
     """(writing each page again, the same with a child alive that shares them)."""
     plain = write_each_page(region, 2)
@@ -84,11 +96,12 @@ def main(argv) -> int:
     for huge in (False, True):
         region = touched(nbytes, huge)
         huge_mib = huge_kib() >> 10  # before the copies: a huge page written while shared is split and copied
-        forks = fork_seconds()
+        forks, reads = fork_seconds(), smaps_read_seconds()
         plain, shared = copy_on_write_seconds(region)
         pages = nbytes // PAGE
         print(f"{args.gib:g} GiB in {'huge pages' if huge else '4 KiB pages'} ({huge_mib} MiB of them huge): "
-              f"fork {1e3 * min(forks):.1f}-{1e3 * max(forks):.1f} ms; each page written again {plain:.3f} s, with a "
+              f"fork {1e3 * min(forks):.1f}-{1e3 * max(forks):.1f} ms; smaps read {1e3 * min(reads):.1f}-"
+              f"{1e3 * max(reads):.1f} ms; each page written again {plain:.3f} s, with a "
               f"child sharing them {shared:.3f} s: {1e6 * (shared - plain) / pages:.2f} us a page", flush=True)
         region.close()
     return 0

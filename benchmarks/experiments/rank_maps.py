@@ -5,9 +5,8 @@ child shares it turns from shared to private, one copy-on-write fault each) and 
     python benchmarks/experiments/rank_maps.py OUT_FILE [INTERVAL_S]   (default 2)
 
 The rank is disk_watch.rank_pid's. Each sample reads its /proc/PID/smaps once (the kernel walks its page tables
-for it, under the rank's memory map lock taken for reading, which the rank's own mappings and unmappings wait for:
-24-40 ms for a process with 4 GiB touched in 4 KiB pages on the 2-core CI machine; hence a sample every 2 s by
-default) and writes one line: the epoch, then for each kind ``KIND=RSS,PRIVATE_DIRTY,SHARED_DIRTY`` in KiB. The kinds: "heap" (the C
+for it, under the rank's memory map lock taken for reading, which the rank's own mappings and unmappings wait for;
+benchmarks/fork_costs.py times such a read by the memory held: hence a sample every 2 s by default) and writes one line: the epoch, then for each kind ``KIND=RSS,PRIVATE_DIRTY,SHARED_DIRTY`` in KiB. The kinds: "heap" (the C
 heap, where Python's small objects and glibc's smaller blocks live), "anon" (anonymous mappings: larger blocks,
 torch's host tensors, the runtime's arenas), "stack", "file" (file-backed: libraries' data, mapped files),
 "shmem" (/dev/shm, memfd, SysV shared memory), "other" ([vvar], [vdso] and the like).

@@ -14,11 +14,11 @@ def test_it_measures_both_page_sizes_in_one_line_each():
     lines = done.stdout.strip().splitlines()
     assert [line.split(" (")[0] for line in lines] == ["0.05 GiB in 4 KiB pages", "0.05 GiB in huge pages"]
     for line in lines:
-        found = re.search(r"fork ([0-9.]+)-([0-9.]+) ms; each page written again ([0-9.]+) s, with a child sharing "
-                          r"them ([0-9.]+) s: (-?[0-9.]+) us a page$", line)
+        found = re.search(r"fork ([0-9.]+)-([0-9.]+) ms; smaps read ([0-9.]+)-([0-9.]+) ms; each page written again "
+                          r"([0-9.]+) s, with a child sharing them ([0-9.]+) s: (-?[0-9.]+) us a page$", line)
         assert found, line
-        least, most, again, shared, _ = map(float, found.groups())
-        assert 0 < least <= most and again > 0 and shared > 0
+        least, most, read_least, read_most, again, shared, _ = map(float, found.groups())
+        assert 0 < least <= most and 0 < read_least <= read_most and again > 0 and shared > 0
 
 
 def test_no_memory_to_hold_is_one_line_naming_the_flag():
