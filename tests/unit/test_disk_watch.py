@@ -131,6 +131,16 @@ def test_the_iterations_after_and_before_the_first_save_are_summed_against_the_r
                     "iterations 2-3 (before the first save) together: 1.10x the run without saves"]  # 11 / 10
 
 
+def test_the_steps_beside_a_writer_are_read_against_the_median_of_the_same_steps_without_saves():
+    plain = {8: 5.0, 9: 4.0, 10: 5.0, 11: 6.0, 12: 5.5}
+    times = {8: 5.0, 9: 6.0, 10: 5.0, 11: 6.3, 12: 5.0}
+    during = {9: 8, 10: 8, 11: 8}  # the median of 4.0, 5.0 and 6.0 is 5.0
+    row = beside_writer.against_median_row(times, plain, during)
+    assert row.startswith("iterations 9-11 beside the writer")
+    assert "(5.00 s; that run's own 0.80-1.20x of it): worst 1.26x, mean 1.15x" in row  # 6.0/5.0 and 6.3/5.0
+    assert beside_writer.against_median_row(times, plain, {13: 8}) is None
+
+
 def test_the_training_thread_is_placed_by_its_state_wait_channel_and_system_call(tmp_path):
     import thread_waits  # noqa: E402
 
