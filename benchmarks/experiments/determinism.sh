@@ -38,10 +38,10 @@
 #   FLOOR_GB=4 RUNS="B8 A8_wide_spread" RUN_LIMIT=230 ...  (about 300 s) the paced writers done by 95% of the time to
 #       the next save (not 90%), their even spread over 1/1.1 of that (not 1/1.25): fewer bytes beside each step after
 #       a save, less slack before the next (§43; branch pending-wide-spread)
-#   FLOOR_GB=4 RUNS="B8 A8 A8_keep_staging" RUN_LIMIT=230 ...  (about 450 s) the snapshot's staging buffers kept from one
-#       save to the next: whether the first step after a save, the worst in every variant of §41-43, loses its extra
-#       (8.4 GB of anonymous memory is mapped and faulted in at each save now, unmapped after the write) (§43;
-#       branch pending-keep-staging, its test in the patch)
+#   FLOOR_GB=4 RUNS="B8 A8 A8_keep_staging" RUN_LIMIT=230 ...  (about 450 s) the staging of the state held in memory made
+#       at start-up and kept from save to save: whether the first step after a save, the worst in every variant of
+#       §41-43, loses its extra (8.4 GB of anonymous memory is mapped and faulted in at each save now, unmapped
+#       after the write) (§43; branch pending-keep-staging, its tests in the patch)
 #   NAME-K (K a digit), e.g. RUNS="B8 A8 B8-2 A8-2": the K-th run of NAME, against the K-th of its base (A8-2 against
 #       B8-2, A8_<variant>-2 too): two runs of one command differ by about 0.2 a step on the device's disk (§39), so
 #       a pair run twice shows whether a difference is larger than that
