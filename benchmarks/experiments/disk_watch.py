@@ -157,9 +157,10 @@ def main(argv) -> int:
     stat_file = stat_path(path)
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
+    parent = os.getppid()  # an experiment killed before it stops this sampler: it stops itself, not write on
     rank = None
     with open(out, "w") as f:
-        while not stop:
+        while not stop and os.getppid() == parent:
             read, written = device_bytes(stat_file)
             dirty, writeback = page_cache_bytes()
             busy, niced, iowait = cpu_seconds()

@@ -14,6 +14,7 @@ torch's host tensors, the runtime's arenas), "stack", "file" (file-backed: libra
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
@@ -85,9 +86,10 @@ def main(argv) -> int:
     interval = float(argv[2]) if len(argv) > 2 else 2.0
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
+    parent = os.getppid()  # an experiment killed before it stops this sampler: it stops itself, not write on
     rank = None
     with open(out, "w") as f:
-        while not stop:
+        while not stop and os.getppid() == parent:
             rank = rank or rank_pid()
             text = read_smaps(rank) if rank is not None else None
             if text is not None:

@@ -14,6 +14,7 @@ rights over the rank a root shell has; without them the keys say "unreadable".
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
@@ -51,9 +52,10 @@ def main(argv) -> int:
     window = float(argv[3]) if len(argv) > 3 else 0.2
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
+    parent = os.getppid()  # an experiment killed before it stops this sampler: it stops itself, not write on
     rank, counts, window_end = None, Counter(), time.time() + window
     with open(out, "w") as f:
-        while not stop:
+        while not stop and os.getppid() == parent:
             rank = rank or rank_pid()
             if rank is not None:
                 counts[wait_key(rank)] += 1

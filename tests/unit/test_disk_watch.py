@@ -251,3 +251,32 @@ def test_an_iterations_rank_memory_change_is_read_from_the_samples_around_it(tmp
     rows = beside_writer.maps_rows({5: 8}, lines, lines, [str(tmp_path / "a.txt"), str(tmp_path / "b.txt")])
     assert rows == ["  iteration 5's rank memory, MB private/shared dirty: heap +2/+0, anon +200/-200 (without saves: "
                     "no kind moved 1 MB)"]
+
+
+@pytest.mark.parametrize("sampler, args", [("disk_watch.py", ["{tmp}", "{out}", "0.05"]),
+                                           ("thread_waits.py", ["{out}", "50"]),
+                                           ("rank_maps.py", ["{out}", "0.05"])])
+def test_a_sampler_whose_experiment_is_gone_stops_itself(tmp_path, sampler, args):
+    """A sampler outliving a killed experiment would go on writing into a file that the next run of the
+    experiment writes too: it ends once its parent has."""
+    script = os.path.join(os.path.dirname(beside_writer.__file__), sampler)
+    line = " ".join([sys.executable, script] + [a.format(tmp=tmp_path, out=tmp_path / "samples.txt") for a in args])
+    # the shell starts the sampler in the background and ends while it runs, as a killed experiment's shell would
+    started = subprocess.run(["bash", "-c", f"{line} >/dev/null 2>&1 & echo $!; sleep 3"], capture_output=True,
+                             text=True, check=True)
+    pid = int(started.stdout.strip())
+    deadline = time.time() + 20
+    while time.time() < deadline and _state_of(pid) not in ("gone", "Z"):
+        time.sleep(0.1)
+    state = _state_of(pid)
+    if state not in ("gone", "Z"):
+        os.kill(pid, 9)  # not left running after the test
+    assert state in ("gone", "Z"), f"{sampler} still runs after its parent ended"
+
+
+def _state_of(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
