@@ -149,6 +149,16 @@ def thread_in_phases(it: int, ends: Dict[int, float], updates: Dict[int, float],
     return None if any(math.isnan(x) for x in out) else out
 
 
+def disk_in_phases(it: int, ends: Dict[int, float], updates: Dict[int, float], samples) -> Optional[Tuple[float, ...]]:
+    """(GB read, GB written) in iteration ``it``'s forward and backward, then the same in its update, split as
+    ``thread_in_phases`` splits it; None where the samples or the update's time are missing."""
+    if it not in ends or it - 1 not in ends or it not in updates or not samples:
+        return None
+    start, update_from, end = at(samples, ends[it - 1]), at(samples, ends[it] - updates[it]), at(samples, ends[it])
+    return tuple((later[k] - earlier[k]) / 1e9 for earlier, later in ((start, update_from), (update_from, end))
+                 for k in (1, 2))
+
+
 def disk_rows(during: Dict[int, int], async_lines: List[str], plain_lines: List[str], disks: List[str]) -> List[str]:
     ends_a, ends_b = iteration_ends(async_lines), iteration_ends(plain_lines)
     updates_a, updates_b = iteration_times(async_lines, UPDATE), iteration_times(plain_lines, UPDATE)
@@ -160,6 +170,11 @@ def disk_rows(during: Dict[int, int], async_lines: List[str], plain_lines: List[
             continue
         rows.append(f"  iteration {it}'s disk: read {a[0]:.2f} GB, wrote {a[1]:.2f} GB (without saves: read {b[0]:.2f}, "
                     f"wrote {b[1]:.2f}); page cache dirty {a[2]:.2f} GB at its start, {a[3]:.2f} GB at its end")
+        g, h = disk_in_phases(it, ends_a, updates_a, samples_a), disk_in_phases(it, ends_b, updates_b, samples_b)
+        if g is not None and h is not None:
+            rows.append(f"  iteration {it}'s disk in its forward and backward: read {g[0]:.2f} GB, wrote {g[1]:.2f} GB; "
+                        f"in its update: read {g[2]:.2f}, wrote {g[3]:.2f} (without saves: {h[0]:.2f}, {h[1]:.2f}; "
+                        f"{h[2]:.2f}, {h[3]:.2f})")
         c, d = cpu_during(it, ends_a, samples_a), cpu_during(it, ends_b, samples_b)
         if c is not None and d is not None:
             own, plain_own = faults_during(it, ends_a, samples_a), faults_during(it, ends_b, samples_b)

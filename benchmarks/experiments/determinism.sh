@@ -42,6 +42,11 @@
 #       at start-up and kept from save to save: whether the first step after a save, the worst in every variant of
 #       §41-43, loses its extra (8.4 GB of anonymous memory is mapped and faulted in at each save now, unmapped
 #       after the write) (§43; branch pending-keep-staging, its tests in the patch)
+#   FLOOR_GB=4 RUNS="B8 A8 A8_update_window A8_update_window_cap" RUN_LIMIT=200 ...  (about 560 s) a step's update
+#       keeps its file tiers busy to the paced writers for its whole span (its gaps are not quiet spells), so they
+#       write in the forward and backward: in every A8 run of §43 the updates after a save wrote 1.0-2.1 GB more
+#       than without saves; _cap also caps them beside the busy tier to leave it 1/1.1 of the disk, not 1/1.2
+#       (§43; branches pending-update-window, pending-update-window-cap, their tests in the patches)
 #   NAME-K (K a digit), e.g. RUNS="B8 A8 B8-2 A8-2": the K-th run of NAME, against the K-th of its base (A8-2 against
 #       B8-2, A8_<variant>-2 too): two runs of one command differ by about 0.2 a step on the device's disk (§39), so
 #       a pair run twice shows whether a difference is larger than that

@@ -123,6 +123,14 @@ def test_an_iterations_switches_are_split_at_its_updates_start():
         is None  # its start sampled before the thread was seen
 
 
+def test_an_iterations_disk_bytes_are_split_at_its_updates_start():
+    samples = [(100.0, 1e9, 5e9), (102.0, 1.5e9, 6e9),  # the forward and backward: read 0.5 GB, wrote 1 GB
+               (106.0, 5.5e9, 10e9)]  # the update: read 4, wrote 4
+    ends, updates = {4: 100.5, 5: 106.2}, {5: 4.0}  # iteration 5's update from 102.2 on
+    assert beside_writer.disk_in_phases(5, ends, updates, samples) == pytest.approx((0.5, 1.0, 4.0, 4.0))
+    assert beside_writer.disk_in_phases(5, ends, {}, samples) is None  # no update time logged
+
+
 def test_the_iterations_after_and_before_the_first_save_are_summed_against_the_run_without_saves():
     times = {1: 9.0, 2: 6.0, 3: 5.0, 4: 7.0, 5: 8.0, 6: 6.0}
     plain = {1: 1.0, 2: 5.0, 3: 5.0, 4: 5.0, 5: 5.0}  # its iteration 6 missing: left out of both sums
