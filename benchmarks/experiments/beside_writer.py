@@ -138,23 +138,32 @@ def faults_during(it: int, ends: Dict[int, float], samples) -> Optional[Tuple[fl
     return None if any(math.isnan(x) for x in during) else during
 
 
-def thread_in_phases(it: int, ends: Dict[int, float], updates: Dict[int, float], samples) -> Optional[Tuple[float, ...]]:
-    """(voluntary switches, seconds on a core) of the training thread in iteration ``it``'s forward and backward (from
-    the iteration before's end to its update's start), then the same in its update (the iteration's last
-    ``updates[it]`` seconds), to the samples' interval; None where they lack it."""
-    if it not in ends or it - 1 not in ends or it not in updates or not samples or len(samples[0]) < 13:
+def phase_bounds(it: int, ends: Dict[int, float], updates: Dict[int, float], samples) -> Optional[tuple]:
+    """The samples at iteration ``it``'s start (the iteration before's end), its update's start (its last
+    ``updates[it]`` seconds) and its end; None where the samples or the update's time are missing."""
+    if it not in ends or it - 1 not in ends or it not in updates or not samples:
         return None
-    start, update_from, end = at(samples, ends[it - 1]), at(samples, ends[it] - updates[it]), at(samples, ends[it])
+    return at(samples, ends[it - 1]), at(samples, ends[it] - updates[it]), at(samples, ends[it])
+
+
+def thread_in_phases(it: int, ends: Dict[int, float], updates: Dict[int, float], samples) -> Optional[Tuple[float, ...]]:
+    """(voluntary switches, seconds on a core) of the training thread in iteration ``it``'s forward and backward,
+    then the same in its update (``phase_bounds``), to the samples' interval; None where they lack it."""
+    bounds = phase_bounds(it, ends, updates, samples)
+    if bounds is None or len(samples[0]) < 13:
+        return None
+    start, update_from, end = bounds
     out = (update_from[11] - start[11], update_from[9] - start[9], end[11] - update_from[11], end[9] - update_from[9])
     return None if any(math.isnan(x) for x in out) else out
 
 
 def disk_in_phases(it: int, ends: Dict[int, float], updates: Dict[int, float], samples) -> Optional[Tuple[float, ...]]:
-    """(GB read, GB written) in iteration ``it``'s forward and backward, then the same in its update, split as
-    ``thread_in_phases`` splits it; None where the samples or the update's time are missing."""
-    if it not in ends or it - 1 not in ends or it not in updates or not samples:
+    """(GB read, GB written) in iteration ``it``'s forward and backward, then the same in its update
+    (``phase_bounds``); None where the samples or the update's time are missing."""
+    bounds = phase_bounds(it, ends, updates, samples)
+    if bounds is None:
         return None
-    start, update_from, end = at(samples, ends[it - 1]), at(samples, ends[it] - updates[it]), at(samples, ends[it])
+    start, update_from, end = bounds
     return tuple((later[k] - earlier[k]) / 1e9 for earlier, later in ((start, update_from), (update_from, end))
                  for k in (1, 2))
 

@@ -23,7 +23,7 @@ import os
 import signal
 import sys
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 SECTOR = 512  # the block layer's stat counts 512-byte sectors whatever the device's
 
@@ -151,29 +151,42 @@ def thread_schedule(pid: Optional[int], proc: str = "/proc") -> Tuple[float, flo
             switches.get("nonvoluntary_ctxt_switches", nan))
 
 
+def sample_until_stopped(out: str, interval: float, sample: Callable[[], Optional[str]]) -> int:
+    """A sampler's loop (this one's and thread_waits.py's, rank_maps.py's): each line ``sample()`` gives (None:
+    nothing this time) written into ``out`` as it comes, every ``interval`` seconds, until SIGTERM, or until the
+    sampler's parent is gone: one outliving a killed experiment would write on into the next run's file."""
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
+    parent = os.getppid()
+    with open(out, "w") as f:
+        while not stop and os.getppid() == parent:
+            line = sample()
+            if line is not None:
+                f.write(line + "\n")
+                f.flush()
+            time.sleep(interval)
+    return 0
+
+
 def main(argv) -> int:
     path, out = argv[1], argv[2]
     interval = float(argv[3]) if len(argv) > 3 else 0.2
     stat_file = stat_path(path)
-    stop = []
-    signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
-    parent = os.getppid()  # an experiment killed before it stops this sampler: it stops itself, not write on
     rank = None
-    with open(out, "w") as f:
-        while not stop and os.getppid() == parent:
-            read, written = device_bytes(stat_file)
-            dirty, writeback = page_cache_bytes()
-            busy, niced, iowait = cpu_seconds()
-            rank = rank or rank_pid()
-            ran, waited, voluntary, involuntary = thread_schedule(rank)
-            own, descendants = page_faults_of(rank)
-            f.write(f"{time.time():.3f} {read} {written} {dirty} {writeback} {busy:.2f} {niced:.2f} {iowait:.2f} "
-                    f"{page_faults()} {ran:.3f} {waited:.3f} {voluntary:.0f} {involuntary:.0f} {own:.0f} "
-                    f"{descendants:.0f} {thread_faults(rank):.0f}\n")
-            f.flush()
-            time.sleep(interval)
-    return 0
 
+    def sample() -> str:
+        nonlocal rank
+        read, written = device_bytes(stat_file)
+        dirty, writeback = page_cache_bytes()
+        busy, niced, iowait = cpu_seconds()
+        rank = rank or rank_pid()
+        ran, waited, voluntary, involuntary = thread_schedule(rank)
+        own, descendants = page_faults_of(rank)
+        return (f"{time.time():.3f} {read} {written} {dirty} {writeback} {busy:.2f} {niced:.2f} {iowait:.2f} "
+                f"{page_faults()} {ran:.3f} {waited:.3f} {voluntary:.0f} {involuntary:.0f} {own:.0f} "
+                f"{descendants:.0f} {thread_faults(rank):.0f}")
+
+    return sample_until_stopped(out, interval, sample)
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv))

@@ -14,14 +14,12 @@ torch's host tensors, the runtime's arenas), "stack", "file" (file-backed: libra
 
 from __future__ import annotations
 
-import os
-import signal
 import sys
 import time
 from collections import defaultdict
 from typing import Dict, List, Optional
 
-from disk_watch import rank_pid
+from disk_watch import rank_pid, sample_until_stopped
 
 FIELDS = {"Rss": 0, "Private_Dirty": 1, "Shared_Dirty": 2}
 KINDS = ("heap", "anon", "stack", "file", "shmem", "other")
@@ -84,20 +82,15 @@ def read_smaps(pid: int, proc: str = "/proc") -> Optional[str]:
 def main(argv) -> int:
     out = argv[1]
     interval = float(argv[2]) if len(argv) > 2 else 2.0
-    stop = []
-    signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
-    parent = os.getppid()  # an experiment killed before it stops this sampler: it stops itself, not write on
     rank = None
-    with open(out, "w") as f:
-        while not stop and os.getppid() == parent:
-            rank = rank or rank_pid()
-            text = read_smaps(rank) if rank is not None else None
-            if text is not None:
-                f.write(sample_line(time.time(), by_kind(text)) + "\n")
-                f.flush()
-            time.sleep(interval)
-    return 0
 
+    def sample() -> Optional[str]:
+        nonlocal rank
+        rank = rank or rank_pid()
+        text = read_smaps(rank) if rank is not None else None
+        return sample_line(time.time(), by_kind(text)) if text is not None else None
+
+    return sample_until_stopped(out, interval, sample)
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv))

@@ -14,14 +14,12 @@ rights over the rank a root shell has; without them the keys say "unreadable".
 
 from __future__ import annotations
 
-import os
-import signal
 import sys
 import time
 from collections import Counter
 from typing import Optional
 
-from disk_watch import rank_pid
+from disk_watch import rank_pid, sample_until_stopped
 
 
 def read_first(path: str) -> Optional[str]:
@@ -50,24 +48,21 @@ def main(argv) -> int:
     out = argv[1]
     period = 1.0 / (float(argv[2]) if len(argv) > 2 else 500.0)
     window = float(argv[3]) if len(argv) > 3 else 0.2
-    stop = []
-    signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
-    parent = os.getppid()  # an experiment killed before it stops this sampler: it stops itself, not write on
     rank, counts, window_end = None, Counter(), time.time() + window
-    with open(out, "w") as f:
-        while not stop and os.getppid() == parent:
-            rank = rank or rank_pid()
-            if rank is not None:
-                counts[wait_key(rank)] += 1
-            now = time.time()
-            if now >= window_end:
-                keys = " ".join(f"{k}={n}" for k, n in counts.most_common())
-                f.write(f"{now:.3f} {sum(counts.values())} {keys}\n")
-                f.flush()
-                counts, window_end = Counter(), now + window
-            time.sleep(period)
-    return 0
 
+    def sample() -> Optional[str]:  # a line once per window
+        nonlocal rank, counts, window_end
+        rank = rank or rank_pid()
+        if rank is not None:
+            counts[wait_key(rank)] += 1
+        now = time.time()
+        if now < window_end:
+            return None
+        line = f"{now:.3f} {sum(counts.values())} " + " ".join(f"{k}={n}" for k, n in counts.most_common())
+        counts, window_end = Counter(), now + window
+        return line
+
+    return sample_until_stopped(out, period, sample)
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv))
