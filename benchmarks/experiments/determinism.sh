@@ -20,6 +20,8 @@
 #       beside_writer.py)
 #   A3  (only when RUNS names it) A2 with --no-resume-check: what the digests' CPU work costs the steps beside the writer
 #   A8, B8  (only when RUNS names them) A2 and B2 with saves 8 iterations apart: --async-save at 8 and 16 of 16
+#   A16, B16  (only when RUNS names them) A8 and B8 with saves 16 iterations apart: --async-save at 16 and 32 of 32;
+#       the paced writer spread over twice the steps (RUN_LIMIT=260)
 #   A2_<variant>, A3_<variant>, A8_<variant>  that run on a copy of this tree with benchmarks/variants/<variant>.patch
 #       applied (a rule of the product measured against main's in one call, on one machine), against B2 or B8
 #   bash benchmarks/run_gpu.sh determinism     (device tool, kind nvidia-h200, carry [".whl"])
@@ -93,7 +95,7 @@ run() {  # NAME [flags]
   local name=$1; shift
   local code watcher="" trace=""
   case ${name%%[_-]*} in  # A2 and B2: lines stamped, the disk sampled and the engine traced, for beside_writer.py
-    A2|A3|B2|A8|B8) mkdir -p "$OUT/raw"; $PY benchmarks/experiments/disk_watch.py "$DISK" "$OUT/raw/disk_$name.txt" & watcher=$!
+    A2|A3|B2|A8|B8|A16|B16) mkdir -p "$OUT/raw"; $PY benchmarks/experiments/disk_watch.py "$DISK" "$OUT/raw/disk_$name.txt" & watcher=$!
               $PY benchmarks/experiments/thread_waits.py "$OUT/raw/waits_$name.txt" & watcher="$watcher $!"
               $PY benchmarks/experiments/rank_maps.py "$OUT/raw/maps_$name.txt" & watcher="$watcher $!"
               trace="--offload-trace $OUT/raw/trace_$name.json" ;;
@@ -136,6 +138,8 @@ run_case() {  # NAME: the run of that name (A8_<variant>, A8-2: A8's flags, its 
     B2) run "$name" --train-iters 8 ;;  # A2 without saves
     A8) run "$name" --async-save --save "$DISK/paced" --save-interval 8 --train-iters 16; rm -rf "$DISK/paced" ;;
     B8) run "$name" --train-iters 16 ;;  # A8 without saves
+    A16) run "$name" --async-save --save "$DISK/paced" --save-interval 16 --train-iters 32; rm -rf "$DISK/paced" ;;
+    B16) run "$name" --train-iters 32 ;;  # A16 without saves
     S1) run "$name" --deterministic-mode ;;  # layer_major.sh's pair
     L1) run "$name" --deterministic-mode --offload-activations host ;;
     P1) run "$name" --deterministic-mode --offload-activations host --offload-params host ;;
@@ -151,9 +155,10 @@ for name in ${RUNS:-D1 D2 DR N1 N2}; do
   rm -rf "$tree"
 done
 du -sh "$DISK/at2" 2>/dev/null | cat
-for log in "$OUT"/determinism_A[238]*.log; do
+for log in "$OUT"/determinism_A[238]*.log "$OUT"/determinism_A16*.log; do
+  [ -e "$log" ] || continue  # an unmatched glob
   async=$(basename "$log" .log); async=${async#determinism_}
-  case ${async%%[_-]*} in A8) base=B8 ;; *) base=B2 ;; esac
+  case ${async%%[_-]*} in A8) base=B8 ;; A16) base=B16 ;; *) base=B2 ;; esac
   case $async in *-[0-9]*) base=$base-${async##*-} ;; esac  # a repeat against the repeat of its base
   if [ -s "$OUT/determinism_$async.log" ] && [ -s "$OUT/determinism_$base.log" ]; then
     echo "$async against $base:"
