@@ -3,6 +3,11 @@
 
     python benchmarks/experiments/beside_writer.py ASYNC_LOG PLAIN_LOG [--disk ASYNC_DISK PLAIN_DISK]
         [--trace ASYNC_TRACE PLAIN_TRACE] [--waits ASYNC_WAITS PLAIN_WAITS] [--maps ASYNC_MAPS PLAIN_MAPS]
+        [--repeat PLAIN_LOG_2]
+
+With ``--repeat`` (a second run of the command without saves, same call), its iterations beside the writer are
+read against the first's the same way: the worst and mean ratio two runs of one command give with no writer at all,
+the noise the writer's figures carry.
 
 With ``--disk`` (disk_watch.py's samples of each run, its log lines stamped ``[epoch] ``), each iteration beside
 the writer also gets the bytes the disk read and wrote during it, beside the same iteration without saves, and
@@ -235,6 +240,17 @@ def against_median_row(times: Dict[int, float], plain: Dict[int, float], during:
             f"mean {statistics.mean(ratios):.2f}x")
 
 
+def repeat_row(async_lines: List[str], plain_lines: List[str], repeat_lines: List[str]) -> Optional[str]:
+    """The steps beside the writer of a second run without saves against the first's: the statistic's own noise."""
+    plain, repeat, during = iteration_times(plain_lines), iteration_times(repeat_lines), beside(async_lines)
+    its = [i for i in sorted(during) if i in plain and i in repeat]
+    if not its:
+        return None
+    ratios = [repeat[i] / plain[i] for i in its]
+    return (f"iterations {its[0]}-{its[-1]} of a second run without saves against the first (no writer in either): "
+            f"worst {max(ratios):.2f}x, mean {statistics.mean(ratios):.2f}x")
+
+
 def report(async_lines: List[str], plain_lines: List[str],
            disks: Optional[List[str]] = None) -> Tuple[List[str], Optional[float]]:
     times, plain, during = iteration_times(async_lines), iteration_times(plain_lines), beside(async_lines)
@@ -362,8 +378,9 @@ def parse(argv: List[str]) -> argparse.Namespace:
                        ("--waits", "thread_waits.py's samples"), ("--maps", "rank_maps.py's samples")):
         parser.add_argument(flag, nargs=2, metavar=("ASYNC", "PLAIN"),
                             help=f"{what} of each run (left out where either file is missing: an older run)")
+    parser.add_argument("--repeat", metavar="PLAIN_2", help="the console log of a second run without saves")
     args = parser.parse_args(argv[1:])
-    for path in (args.async_log, args.plain_log):
+    for path in (args.async_log, args.plain_log) + ((args.repeat,) if args.repeat else ()):
         if not os.path.isfile(path):
             parser.error(f"{path}: no such log")
     for flag in ("disk", "trace", "waits", "maps"):
@@ -378,6 +395,10 @@ def main(argv: List[str]) -> int:
     with open(args.async_log) as a, open(args.plain_log) as b:
         async_lines, plain_lines = a.read().splitlines(), b.read().splitlines()
     rows, _ = report(async_lines, plain_lines, args.disk)
+    if args.repeat:
+        with open(args.repeat) as c:
+            rows.append(repeat_row(async_lines, plain_lines, c.read().splitlines()) or
+                        f"{args.repeat}: no iteration beside the writer in it")
     if args.trace:
         rows += trace_rows(beside(async_lines), async_lines, plain_lines, args.trace)
     if args.waits:

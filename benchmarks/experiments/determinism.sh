@@ -51,7 +51,9 @@
 #       (§43; branches pending-update-window, pending-update-window-cap, their tests in the patches)
 #   NAME-K (K a digit), e.g. RUNS="B8 A8 B8-2 A8-2": the K-th run of NAME, against the K-th of its base (A8-2 against
 #       B8-2, A8_<variant>-2 too): two runs of one command differ by about 0.2 a step on the device's disk (§39), so
-#       a pair run twice shows whether a difference is larger than that
+#       a pair run twice shows whether a difference is larger than that; with B8-2 run, A8 against B8 also reads
+#       B8-2 against B8 over the same steps (beside_writer.py --repeat): the noise of the statistic itself
+#   FLOOR_GB=4 RUNS="B8 A8 B8-2" RUN_LIMIT=200 ...  (about 420 s) main's A8 beside that noise
 # Raw samples, traces, loss logs and the last run's whole log go into $OUT/raw.tgz.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -160,12 +162,14 @@ for log in "$OUT"/determinism_A[238]*.log "$OUT"/determinism_A16*.log; do
   async=$(basename "$log" .log); async=${async#determinism_}
   case ${async%%[_-]*} in A8) base=B8 ;; A16) base=B16 ;; *) base=B2 ;; esac
   case $async in *-[0-9]*) base=$base-${async##*-} ;; esac  # a repeat against the repeat of its base
+  repeat=()  # B8-2 beside B8: two runs without saves, the noise of A8's figures
+  case $async in *-[0-9]*) ;; *) [ -s "$OUT/determinism_$base-2.log" ] && repeat=(--repeat "$OUT/determinism_$base-2.log") ;; esac
   if [ -s "$OUT/determinism_$async.log" ] && [ -s "$OUT/determinism_$base.log" ]; then
     echo "$async against $base:"
     $PY benchmarks/experiments/beside_writer.py "$OUT/determinism_$async.log" "$OUT/determinism_$base.log" \
       --disk "$OUT/raw/disk_$async.txt" "$OUT/raw/disk_$base.txt" --trace "$OUT/raw/trace_$async.json" \
       "$OUT/raw/trace_$base.json" --waits "$OUT/raw/waits_$async.txt" "$OUT/raw/waits_$base.txt" \
-      --maps "$OUT/raw/maps_$async.txt" "$OUT/raw/maps_$base.txt" | tee "$OUT/determinism_beside_writer_$async.txt"
+      --maps "$OUT/raw/maps_$async.txt" "$OUT/raw/maps_$base.txt" "${repeat[@]}" | tee "$OUT/determinism_beside_writer_$async.txt"
   fi
 done
 $PY - "$OUT" <<'PY' | tee "$OUT/determinism_summary.txt"

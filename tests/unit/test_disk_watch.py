@@ -149,6 +149,32 @@ def test_the_steps_beside_a_writer_are_read_against_the_median_of_the_same_steps
     assert beside_writer.against_median_row(times, plain, {13: 8}) is None
 
 
+def iteration_line(it, seconds):
+    return f" iteration {it:8d}/      16 | elapsed time per iteration (ms): {seconds * 1e3:.1f} | learning rate: 3E-04"
+
+
+def test_a_second_run_without_saves_is_read_against_the_first_over_the_steps_beside_the_writer(tmp_path):
+    async_log = [iteration_line(8, 5.0), "> checkpoint at iteration 8: training held 0.30 s (...)",
+                 iteration_line(9, 6.0), iteration_line(10, 6.0),
+                 "[offload rank 0] INFO offloaded state /x/iter_0000008/offload/a.offload paced: 8 GB",
+                 iteration_line(11, 6.0), iteration_line(12, 9.0)]  # 11 the writer's last; 12 not beside it
+    plain = [iteration_line(i, 5.0) for i in range(8, 13)]
+    repeat = [iteration_line(8, 9.0), iteration_line(9, 5.5), iteration_line(10, 4.5), iteration_line(11, 5.0),
+              iteration_line(12, 9.0)]
+    assert beside_writer.beside(async_log) == {9: 8, 10: 8, 11: 8}
+    assert beside_writer.repeat_row(async_log, plain, repeat) == (
+        "iterations 9-11 of a second run without saves against the first (no writer in either): worst 1.10x, "
+        "mean 1.00x")  # 5.5/5, 4.5/5, 5/5: iterations 8 and 12 are outside the writer's span
+    assert beside_writer.repeat_row(async_log, plain, plain[:1]) is None
+    paths = {}
+    for name, lines in (("a", async_log), ("b", plain), ("c", repeat)):
+        paths[name] = tmp_path / f"{name}.log"
+        paths[name].write_text("\n".join(lines) + "\n")
+    out = subprocess.run([sys.executable, beside_writer.__file__, str(paths["a"]), str(paths["b"]), "--repeat",
+                          str(paths["c"])], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out[-1].startswith("iterations 9-11 of a second run without saves") and out[0].endswith(": 1.20x")  # 6.0 / 5.0
+
+
 def test_the_training_thread_is_placed_by_its_state_wait_channel_and_system_call(tmp_path):
     import thread_waits  # noqa: E402
 
