@@ -173,6 +173,32 @@ def disk_in_phases(it: int, ends: Dict[int, float], updates: Dict[int, float], s
                  for k in (1, 2))
 
 
+def landed_row(during: Dict[int, int], async_lines: List[str], plain_lines: List[str],
+               disks: List[str]) -> Optional[str]:
+    """Over the iterations beside the writer: the disk bytes beyond the run without saves in their forwards and
+    backwards (the tiers' quiet spells) and in their updates (beside the tiers' I/O), and the seconds their
+    forwards and backwards and their updates took beyond it: where the writers' bytes landed, and what they cost."""
+    ends_a, ends_b = iteration_ends(async_lines), iteration_ends(plain_lines)
+    updates_a, updates_b = iteration_times(async_lines, UPDATE), iteration_times(plain_lines, UPDATE)
+    times_a, times_b = iteration_times(async_lines), iteration_times(plain_lines)
+    samples_a, samples_b = disk_samples(disks[0]), disk_samples(disks[1])
+    extra, its = [0.0] * 4, []  # GB beyond: in forward and backward, in update; s beyond: the same two
+    for it in sorted(during):
+        g, h = disk_in_phases(it, ends_a, updates_a, samples_a), disk_in_phases(it, ends_b, updates_b, samples_b)
+        if g is None or h is None or it not in times_b:
+            continue
+        its.append(it)
+        extra[0] += g[0] + g[1] - h[0] - h[1]
+        extra[1] += g[2] + g[3] - h[2] - h[3]
+        extra[2] += (times_a[it] - updates_a[it]) - (times_b[it] - updates_b[it])
+        extra[3] += updates_a[it] - updates_b[it]
+    if not its:
+        return None
+    return (f"iterations {its[0]}-{its[-1]}: the disk moved {extra[0]:.2f} GB more in their forwards and backwards "
+            f"and {extra[1]:.2f} GB more in their updates than without saves; they took {extra[2]:.2f} s and "
+            f"{extra[3]:.2f} s more")
+
+
 def disk_rows(during: Dict[int, int], async_lines: List[str], plain_lines: List[str], disks: List[str]) -> List[str]:
     ends_a, ends_b = iteration_ends(async_lines), iteration_ends(plain_lines)
     updates_a, updates_b = iteration_times(async_lines, UPDATE), iteration_times(plain_lines, UPDATE)
@@ -266,6 +292,7 @@ def report(async_lines: List[str], plain_lines: List[str],
                     f"{ratio:.2f}x")
     if disks:
         rows += disk_rows(during, async_lines, plain_lines, disks)
+        rows.append(landed_row(during, async_lines, plain_lines, disks) or "no iteration's update split in both runs")
     quiet = [times[i] / plain[i] for i in sorted(times) if i not in during and i in plain and i > 1]
     if quiet:
         rows.append(f"the other iterations (2 on): {min(quiet):.2f}-{max(quiet):.2f}x the run without saves")

@@ -131,6 +131,36 @@ def test_an_iterations_disk_bytes_are_split_at_its_updates_start():
     assert beside_writer.disk_in_phases(5, ends, {}, samples) is None  # no update time logged
 
 
+def test_where_the_writers_bytes_landed_is_summed_over_the_steps_beside_it(tmp_path):
+    def step(stamp, it, total_s, update_s):
+        return (f"[{stamp:.3f}] iteration {it:8d}/      16 | elapsed time per iteration (ms): {total_s * 1e3:.1f} "
+                f"| offload update time (ms): {update_s * 1e3:.1f}")
+    async_log = [step(100.0, 8, 5.0, 4.0), "[100.1] > checkpoint at iteration 8: training held 0.30 s (...)",
+                 step(106.0, 9, 6.0, 4.5),
+                 "[111.1] [offload rank 0] INFO offloaded state /x/iter_0000008/offload/a.offload paced: 8 GB",
+                 step(112.0, 10, 6.0, 4.2), step(117.0, 11, 5.0, 4.0)]  # 9 and 10 beside the writer: 10 its last
+    plain_log = [step(200.0, 8, 5.0, 4.0), step(205.0, 9, 5.0, 4.0), step(210.0, 10, 5.0, 4.0),
+                 step(215.0, 11, 5.0, 4.0)]
+    # (epoch, bytes read, bytes written, dirty) at each step's start, its update's start and its end
+    async_disk = [(100.0, 0, 0, 0), (101.5, 1e9, 2e9, 0), (106.0, 5e9, 9e9, 0),  # 9: 1+2 GB, then 4+7
+                  (107.8, 5.5e9, 10e9, 0), (112.0, 9.5e9, 15e9, 0)]  # 10: 0.5+1, then 4+5
+    plain_disk = [(200.0, 0, 0, 0), (201.0, 0.2e9, 0.3e9, 0), (205.0, 4.2e9, 4.3e9, 0),  # 9: 0.5, then 8
+                  (206.0, 4.4e9, 4.6e9, 0), (210.0, 8.4e9, 8.6e9, 0)]  # 10: 0.5, then 8
+    paths = []
+    for name, rows in (("a", async_disk), ("b", plain_disk)):
+        paths.append(str(tmp_path / f"disk_{name}.txt"))
+        with open(paths[-1], "w") as f:
+            f.write("".join(" ".join(str(x) for x in row) + "\n" for row in rows))
+    during = beside_writer.beside(async_log)
+    assert during == {9: 8, 10: 8}
+    row = beside_writer.landed_row(during, async_log, plain_log, paths)
+    # forward and backward: (3 - 0.5) + (1.5 - 0.5); updates: (11 - 8) + (9 - 8); seconds: (1.5 - 1) + (1.8 - 1),
+    # (4.5 - 4) + (4.2 - 4)
+    assert row == ("iterations 9-10: the disk moved 3.50 GB more in their forwards and backwards and 4.00 GB more "
+                   "in their updates than without saves; they took 1.30 s and 0.70 s more")
+    assert beside_writer.landed_row({12: 8}, async_log, plain_log, paths) is None
+
+
 def test_the_iterations_after_and_before_the_first_save_are_summed_against_the_run_without_saves():
     times = {1: 9.0, 2: 6.0, 3: 5.0, 4: 7.0, 5: 8.0, 6: 6.0}
     plain = {1: 1.0, 2: 5.0, 3: 5.0, 4: 5.0, 5: 5.0}  # its iteration 6 missing: left out of both sums
