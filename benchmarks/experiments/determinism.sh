@@ -49,6 +49,11 @@
 #       write in the forward and backward: in every A8 run of §43 the updates after a save wrote 1.0-2.1 GB more
 #       than without saves; _cap also caps them beside the busy tier to leave it 1/1.1 of the disk, not 1/1.2
 #       (§43; branches pending-update-window, pending-update-window-cap, their tests in the patches)
+#   FLOOR_GB=4 RUNS="B16 A16_fwd_bwd_first" RUN_LIMIT=260 ...  (about 450 s), and RUNS="B8 A8 A8_fwd_bwd_first":
+#       the paced writers take the forward and backward (the update window's quiet spells) as they come, and beside
+#       a busy tier only what those will not carry by the due time: main's even spread held them back in the quiet
+#       spells and put 45-83% of their extra bytes beside the updates (§44; branch pending-fwd-bwd-first, its
+#       tests in the patch, the update window's with them)
 #   NAME-K (K a digit), e.g. RUNS="B8 A8 B8-2 A8-2": the K-th run of NAME, against the K-th of its base (A8-2 against
 #       B8-2, A8_<variant>-2 too): two runs of one command differ by about 0.2 a step on the device's disk (§39), so
 #       a pair run twice shows whether a difference is larger than that; with B8-2 run, A8 against B8 also reads
