@@ -52,8 +52,8 @@
 #   FLOOR_GB=4 RUNS="B16 A16_fwd_bwd_first" RUN_LIMIT=260 ...  (about 450 s), and RUNS="B8 A8 A8_fwd_bwd_first":
 #       the paced writers take the forward and backward (the update window's quiet spells) as they come, and beside
 #       a busy tier only what those will not carry by the due time: main's even spread held them back in the quiet
-#       spells and put 45-83% of their extra bytes beside the updates (§44; branch pending-fwd-bwd-first, its
-#       tests in the patch, the update window's with them)
+#       spells and put 42-83% of their extra bytes beside the updates; torch_dist's paced flushes due before the
+#       kernel's dirty age (§44; branch pending-fwd-bwd-first, its tests in the patch, the update window's with them)
 #   NAME-K (K a digit), e.g. RUNS="B8 A8 B8-2 A8-2": the K-th run of NAME, against the K-th of its base (A8-2 against
 #       B8-2, A8_<variant>-2 too): two runs of one command differ by about 0.2 a step on the device's disk (§39), so
 #       a pair run twice shows whether a difference is larger than that; with B8-2 run, A8 against B8 also reads
@@ -74,6 +74,7 @@ else
     --seq-length 2048 --max-position-embeddings 2048 --device cuda"
   TIERS="--offload-gpu-cache-gb 4 --offload-host-cache-gb 4"; SUB=100000000; FLOOR_GB=${FLOOR_GB:-8}
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+  echo "dirty page age before the kernel writes them back: $(cat /proc/sys/vm/dirty_expire_centisecs) cs; its flusher wakes every $(cat /proc/sys/vm/dirty_writeback_centisecs) cs"
   df -h /dev/shm | tail -1 | awk '{print "/dev/shm: " $2 " (" $4 " free): the room for A8_writer_process'"'"'s shared copies"}'
 fi
 COMMON="$SHAPE --group-query-attention --swiglu --normalization RMSNorm --position-embedding-type rope
