@@ -1,8 +1,10 @@
-"""The determinism experiment's samplers (benchmarks/experiments/disk_watch.py, beside_writer.py): the training
-rank found among torchrun's processes, its main thread's time on a core, time waiting for one and context
-switches read as the kernel writes them, and those summed over an iteration, on a /proc made in the test."""
+"""The determinism experiment's samplers and readers (benchmarks/experiments/disk_watch.py, beside_writer.py,
+pacing_model.py): the training rank found among torchrun's processes, its main thread's time on a core, time waiting
+for one and context switches read as the kernel writes them, and those summed over an iteration, on a /proc made in
+the test; the pacing model's figures."""
 
 import math
+import re
 import os
 import subprocess
 import sys
@@ -14,6 +16,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 
 import beside_writer  # noqa: E402
 import disk_watch  # noqa: E402
+import pacing_model  # noqa: E402
 
 
 def fake_process(proc, pid, ppid, cmdline, ran_ns=None, waited_ns=None, voluntary=0, involuntary=0, minflt=0,
@@ -344,3 +347,16 @@ def _state_of(pid: int) -> str:
             return f.read().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "gone"
+
+
+def test_the_pacing_model_places_every_byte_in_a_quiet_spell_or_beside_an_update(capsys):
+    """The model's two figures add up to the bytes it was given (whole chunks), and each step's bytes beside its
+    update are at most the bytes it moved (where they go is the tree's rule: the pacing tests hold it)."""
+    assert pacing_model.main(["pacing_model.py", "--gb", "0.5", "--disk-gbps", "1.0", "--step-s", "1.0",
+                              "--busy", "0.5", "--steps-to-due", "4"]) == 0
+    first, per_step = capsys.readouterr().out.splitlines()
+    total = 0.5e9 // (32 << 20) * (32 << 20) / 1e9
+    quiet, beside = (float(x) for x in re.findall(r"([0-9.]+) GB (?:in the quiet spells|beside the updates)", first))
+    assert first.startswith(f"{total:.1f} GB in ") and quiet + beside == pytest.approx(total, abs=0.11)
+    for pair in re.findall(r"\d+: ([0-9.]+)/([0-9.]+)", per_step):
+        assert float(pair[0]) <= float(pair[1])
