@@ -49,7 +49,8 @@
 #       write in the forward and backward: in every A8 run of §43 the updates after a save wrote 1.0-2.1 GB more
 #       than without saves; _cap also caps them beside the busy tier to leave it 1/1.1 of the disk, not 1/1.2
 #       (§43; branches pending-update-window, pending-update-window-cap, their tests in the patches)
-#   FLOOR_GB=4 RUNS="B16 A16_fwd_bwd_first" RUN_LIMIT=260 ...  (about 450 s), and RUNS="B8 A8 A8_fwd_bwd_first":
+#   FLOOR_GB=4 RUNS="B16 A16_fwd_bwd_first A8_fwd_bwd_first" RUN_LIMIT=260 ...  (about 520 s; A8 runs against B16's
+#       first 16 iterations where B8 is not run), or RUNS="B8 A8 A8_fwd_bwd_first" RUN_LIMIT=200 (about 420 s):
 #       the paced writers take the forward and backward (the update window's quiet spells) as they come, and beside
 #       a busy tier only what those will not carry by the due time: main's even spread held them back in the quiet
 #       spells and put 42-83% of their extra bytes beside the updates; torch_dist's paced flushes due before the
@@ -168,6 +169,10 @@ for log in "$OUT"/determinism_A[238]*.log "$OUT"/determinism_A16*.log; do
   async=$(basename "$log" .log); async=${async#determinism_}
   case ${async%%[_-]*} in A8) base=B8 ;; A16) base=B16 ;; *) base=B2 ;; esac
   case $async in *-[0-9]*) base=$base-${async##*-} ;; esac  # a repeat against the repeat of its base
+  if [ ! -s "$OUT/determinism_$base.log" ] && [ "${base%%-*}" = B8 ] && [ -s "$OUT/determinism_B16${base#B8}.log" ]; then
+    base=B16${base#B8}  # B8 not run: B16's first 16 iterations, the same flags but --train-iters 32 (its LR differs)
+    echo "$async: B8 not run, so against ${base}'s first 16 iterations (the same flags but --train-iters 32)"
+  fi
   repeat=()  # B8-2 beside B8: two runs without saves, the noise of A8's figures
   case $async in *-[0-9]*) ;; *) [ -s "$OUT/determinism_$base-2.log" ] && repeat=(--repeat "$OUT/determinism_$base-2.log") ;; esac
   if [ -s "$OUT/determinism_$async.log" ] && [ -s "$OUT/determinism_$base.log" ]; then
