@@ -12,6 +12,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from mlp_offload import faults
 from mlp_offload.checkpoint import load_engine_state, pacing
 from tests.profiles import examples
 from mlp_offload.checkpoint.state_file import human_bytes
@@ -114,6 +115,69 @@ def test_a_token_held_by_another_process_counts_as_busy(tmp_path):
     finally:
         ours.close()
         theirs.close()
+
+
+def test_an_updates_window_is_busy_throughout_its_gaps_and_counts_no_operation():
+    clock = Clock()
+    activity = TierActivity(clock=clock)
+    with activity.window():
+        with activity.moving():
+            clock.sleep(0.5)
+        clock.sleep(10 * QUIET_S)  # a gap of the update's (its compute): not a quiet spell for a writer
+        assert not activity.quiet()
+    assert activity.operations == 1
+    clock.sleep(1.5 * QUIET_S)
+    assert activity.quiet()
+    assert activity.busy_share() == pytest.approx((0.5 + 10 * QUIET_S) / (0.5 + 11.5 * QUIET_S))
+
+
+def test_an_updates_window_in_another_process_counts_as_busy_and_several_share_it(tmp_path):
+    ours, theirs, third = (TierTokens(str(tmp_path), 1, lock_root=str(tmp_path / "locks")) for _ in range(3))
+    try:
+        theirs.hold_window()  # separate open files: to flock, other processes
+        third.hold_window()  # two ranks' updates at once: the window is shared, neither waits
+        assert ours.held_elsewhere() and not theirs.held_elsewhere()  # its own window: its activity says busy
+        theirs.release_window()
+        assert ours.held_elsewhere()  # the third's still open
+        third.release_window()
+        assert not ours.held_elsewhere()
+        ours.hold_window()
+        ours.hold_window()  # nested: held until both end
+        ours.release_window()
+        assert theirs.held_elsewhere()
+        ours.release_window()
+        assert not theirs.held_elsewhere()
+    finally:
+        for tokens in (ours, theirs, third):
+            tokens.close()
+
+
+def test_a_step_keeps_its_file_tiers_busy_between_its_operations(tmp_path, monkeypatch):
+    """Seen from a paced writer: each file tier stays busy from the update's start to its end, also where the
+    update computes between two of the tier's operations (here one pause of 0.2 s halfway through its subgroups)."""
+    with engine_at_step_3(tmp_path / "e") as engine:
+        tier = engine.file_tiers["nvme"]
+        seen, stepping = [], threading.Event()
+
+        def watch():
+            while stepping.is_set():
+                seen.append(tier.activity.quiet(quiet_s=0.01))
+                time.sleep(0.002)
+        monkeypatch.setattr(faults, "_delays", "update=0.2")
+        stepping.set()
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            engine.step()
+        finally:
+            stepping.clear()
+            watcher.join()
+        monkeypatch.setattr(faults, "_delays", None)
+        engine.flush()
+        time.sleep(0.02)
+        assert len(seen) > 60 and not any(seen[1:-1]), (len(seen), sum(seen))  # the watcher's first and last
+        # samples may fall just outside the step
+        assert tier.activity.quiet(quiet_s=0.01)  # the step over, its writes behind done: quiet again
 
 
 def test_a_paced_region_writer_writes_the_same_bytes(tmp_path):
