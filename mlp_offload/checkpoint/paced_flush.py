@@ -116,9 +116,9 @@ class FlushPacing:
 
     def describe(self) -> str:
         due = ("" if self.due_at is None else
-               f", to be done in {max(0.0, self.due_at - time.monotonic()):.1f} s, before the next save (spread "
-               f"evenly over the first {100 / AHEAD:.0f}% of that time; the cap raised, after the first "
-               f"{100 * CALIBRATE_SHARE:.0f}% of it, where the quiet spells leave more than it moves)")
+               f", to be done in {max(0.0, self.due_at - time.monotonic()):.1f} s, before the next save (the quiet "
+               f"spells taken as they come; beside the tiers' I/O, after the first {100 * CALIBRATE_SHARE:.0f}% of "
+               f"that time, what they leave, spread evenly over the first {100 / AHEAD:.0f}% of it)")
         return (f"its files flushed in {PIECE >> 20} MiB pieces paced behind the {'/'.join(self.tier_names)} tier "
                 f"(<= {self.cap_bps / 1e9:.2f} GB/s per writer process beside its I/O{due})")
 

@@ -487,14 +487,14 @@ def test_the_steps_right_after_a_save_pay_no_raise_and_the_writer_is_done_by_its
 
 @settings(max_examples=examples(120), deadline=None)
 @given(busy=st.floats(0.5, 0.9), steps_to_due=st.integers(4, 10), share=st.floats(0.1, 0.5))
-def test_with_quiet_spells_to_spare_the_writer_spreads_its_bytes_evenly_up_to_its_due_time(busy, steps_to_due, share):
-    """Beside a tier quiet for part of each step, with ``share`` of what its quiet spells alone could carry by the
-    due time: no step after the save moves more than half as much again as the mean step up to the due time (give
-    or take a chunk), and the writer is done by then. Quiet spells taken without limit moved the whole of it in
-    the first steps, each at what a quiet spell carries."""
+def test_with_quiet_spells_to_spare_the_writer_moves_nothing_beside_the_tiers_io(busy, steps_to_due, share):
+    """Beside a tier quiet for part of each step (the forward and backward), with ``share`` of what its quiet spells
+    alone could carry by the due time: every byte goes in a quiet spell, none beside the tier's I/O, taken as they
+    come (done within the steps its quiet spells need, and a step more) and by the due time. The rule before
+    spread the bytes evenly over every stretch, and moved most of them beside the updates."""
     disk_bps, chunk = 1e9, 1_000_000  # a chunk: 1 ms of the disk
     total = int(share * (1 - busy) * steps_to_due * disk_bps) // chunk * chunk
-    elapsed, _, moved, pacer = paced_write_beside_steps(total, chunk, disk_bps, busy, steps_to_due)
-    assert pacer.idle_bytes + pacer.capped_bytes == total
-    assert max(moved) <= 1.5 * total / steps_to_due + chunk
+    elapsed, beside, _, pacer = paced_write_beside_steps(total, chunk, disk_bps, busy, steps_to_due)
+    assert pacer.idle_bytes == total and pacer.capped_bytes == 0 and not any(beside)
+    assert elapsed <= math.ceil(total / ((1 - busy) * disk_bps)) + 1
     assert elapsed <= steps_to_due + 2 * (chunk / disk_bps + pacing.POLL_S)
