@@ -103,11 +103,14 @@ class DiskPacer:
         """Bytes/s a chunk may go at beside a busy tier now: without a due time, ``cap_bps``; up to the
         calibration's end, none; past it, the rate at which the tiers' busy time moves the bytes expected and not
         yet moved, less what the quiet spells carry by ``due_at`` at the rate they have carried since the start
-        (none where they carry it all; past ``due_at``: no limit). A tier almost never quiet: at least the cap."""
+        (none where they carry it all; past ``due_at``: no limit). A tier almost never quiet, or updates that wait for
+        the writer (``spread`` off): at least the cap."""
         left = self.expected_bytes - self.idle_bytes - self.capped_bytes - self._credit  # the credit will go too
         if self.due_at is None:
             return self.cap_bps  # no due time to measure the quiet spells against: the cap
-        floor = self.cap_bps if self.busy_share >= NEVER_QUIET else 0.0  # the quiet spells not waited for
+        # the quiet spells not waited for: a tier almost never quiet, or updates that wait for the writer (holding
+        # their tier busy meanwhile)
+        floor = self.cap_bps if self.busy_share >= NEVER_QUIET or not self.spread else 0.0
         if left <= 0:
             return floor
         now = self._clock()
@@ -242,7 +245,7 @@ def pace_save(engine, snapshot, path: str, link_tier_files: bool, digest: bool,
              f"; to be done within {FINISH_SHARE * next_save_in_s:.1f} s, before the next save (in about "
              f"{next_save_in_s:.1f} s): "
              f"the tiers' quiet spells (the forward and backward) taken as they come; beside their I/O "
-             f"{'at the cap' if busy >= NEVER_QUIET else 'nothing'} for the first "
+             f"{'at the cap' if busy >= NEVER_QUIET or not pacer.spread else 'nothing'} for the first "
              f"{CALIBRATE_SHARE * FINISH_SHARE * next_save_in_s:.1f} s, then what the quiet spells at the rate seen "
              f"leave{f', spread evenly over its first {FINISH_SHARE * next_save_in_s / AHEAD:.1f} s' if pacer.spread else ''}")
     whole_disk_s = (written + read) / disk_bps if disk_bps > 0 else 0.0

@@ -275,6 +275,32 @@ def test_the_spread_holds_only_where_the_updates_do_not_wait_for_the_writer(tmp_
         assert write.failure is None
 
 
+@pytest.mark.parametrize("spread", [False, True])
+def test_where_the_updates_wait_for_the_writer_it_keeps_the_cap_beside_a_busy_tier_from_the_start(spread):
+    """A staging short of the memory-held state (the spread off): an update waits for the writer to reach its
+    subgroups, holding its tier busy meanwhile, so a writer that moved nothing beside a busy tier until the
+    calibration's end would hold that update as long. It keeps the cap from the start. With the state copied aside
+    (the spread on), the same chunk waits for a quiet spell, or for the calibration's end beside a tier never
+    quiet."""
+    clock = Clock()
+    tier = FakeTier(clock)
+    update = tier.activity.moving()
+    update.__enter__()
+    chunk, cap, due_in = 10_000, 1e6, 100.0
+    pacer = pacing.DiskPacer([tier], cap_bps=cap, clock=clock, sleep=clock.sleep, due_at=clock.now + due_in,
+                             busy_share=0.7)
+    pacer.expect(10 * chunk)
+    pacer.spread = spread
+    start = clock.now
+    pacer.wait_turn(chunk)
+    if spread:
+        assert clock.now - start >= pacing.CALIBRATE_SHARE * due_in
+    else:
+        assert clock.now - start <= chunk / cap + 2 * pacing.POLL_S
+    assert pacer.capped_bytes == chunk
+    update.__exit__(None, None, None)
+
+
 def test_a_checkpoint_on_another_device_is_not_paced(tmp_path, monkeypatch, caplog):
     with engine_at_step_3(tmp_path / "e") as engine:
         for tier in engine.file_tiers.values():
