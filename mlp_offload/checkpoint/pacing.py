@@ -14,7 +14,7 @@ spells are the forward and backward passes (a step's update keeps its file tiers
 ``TierActivity.window``), so a chunk in one slows no step I/O, and the writer takes them as they come. Beside a
 busy tier it moves only what the quiet spells will not carry by the due time: for the first ``CALIBRATE_SHARE``
 of that time nothing (it measures what the quiet spells carry; a tier almost never quiet, ``busy_share`` at
-least ``NEVER_QUIET``, gets the cap from the start), then, where the bytes left, less what quiet spells at the
+least ``NEVER_QUIET``, and updates that wait for the writer, ``spread`` off, get the cap from the start), then, where the bytes left, less what quiet spells at the
 rate seen will carry by then, need it, at the rate that has them done in the tiers' busy time
 (``DiskPacer.rate_now``). Within that busy time no chunk takes the writer past the bytes expected spread evenly
 over ``1 / AHEAD`` of the time (``DiskPacer.spread_bytes``): what must go beside the steps goes beside each alike.
