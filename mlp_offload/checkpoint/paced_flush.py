@@ -12,8 +12,9 @@ else at the cap), then one real ``fsync``, cheap once the pages are clean, for d
 Why at the fsync, not while writing: megatron-core's writer hands us nothing between its writes (the fsync is
 the one call of ours it makes per file), and it writes a file into the page cache in seconds, far within
 what the kernel leaves dirty before its flusher threads take it (an age of tens of seconds, a share of host
-memory). A flush that outlasts that age lets the flusher threads write the rest unpaced: pacing lost, never
-durability. Writing back while writing would need a hook into torch's stream transforms (experimental API).
+memory). A flush that outlasts that age lets the flusher threads write the rest unpaced, all at once beside a
+step: pacing lost, never durability. So the flushes are due by ``EXPIRE_SHARE`` of that age from the save where
+that comes before the next save (``/proc/sys/vm/dirty_expire_centisecs``). Writing back while writing would need a hook into torch's stream transforms (experimental API).
 
 Seeing the tiers from another process: a tier's operations hold the node's tokens (``tiers.tokens``: flocks
 on files in a lock directory that every process of the node shares), so ``SeenTier`` probes them through
@@ -37,6 +38,8 @@ from .pacing import (AHEAD, CALIBRATE_SHARE, DiskPacer, due_at, rank_disk_bps, r
                      writer_cap)
 
 PIECE = 32 << 20  # bytes written back per turn: a pause in the step's I/O of a few ms is enough for one
+EXPIRE_SHARE = 0.8  # of the kernel's dirty age: when the flushes are due at the latest (its flusher's age, less slack)
+DIRTY_EXPIRE = "/proc/sys/vm/dirty_expire_centisecs"
 SYNC_FILE_RANGE_WAIT_BEFORE, SYNC_FILE_RANGE_WRITE, SYNC_FILE_RANGE_WAIT_AFTER = 1, 2, 4
 WRITE_AND_WAIT = SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | SYNC_FILE_RANGE_WAIT_AFTER
 
@@ -106,7 +109,8 @@ class FlushPacing:
     lock_root: Optional[str]
     cap_bps: float  # of each writer process
     report_path: Optional[str] = None  # each process appends its FlushCounts here
-    due_at: Optional[float] = None  # time.monotonic() (the machine's, in every process) to be done by: the next save
+    due_at: Optional[float] = None  # time.monotonic() (the machine's, in every process) to be done by
+    due_why: str = "before the next save"
     busy_share: float = 1.0  # the tiers' recent busy share, as the rank saw it (a raise spreads over their busy time)
 
     def pacer(self, clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep):
@@ -116,9 +120,9 @@ class FlushPacing:
 
     def describe(self) -> str:
         due = ("" if self.due_at is None else
-               f", to be done in {max(0.0, self.due_at - time.monotonic()):.1f} s, before the next save (spread "
-               f"evenly over the first {100 / AHEAD:.0f}% of that time; the cap raised, after the first "
-               f"{100 * CALIBRATE_SHARE:.0f}% of it, where the quiet spells leave more than it moves)")
+               f", to be done in {max(0.0, self.due_at - time.monotonic()):.1f} s, {self.due_why} (the quiet "
+               f"spells taken as they come; beside the tiers' I/O, after the first {100 * CALIBRATE_SHARE:.0f}% of "
+               f"that time, what they leave, spread evenly over the first {100 / AHEAD:.0f}% of it)")
         return (f"its files flushed in {PIECE >> 20} MiB pieces paced behind the {'/'.join(self.tier_names)} tier "
                 f"(<= {self.cap_bps / 1e9:.2f} GB/s per writer process beside its I/O{due})")
 
@@ -140,10 +144,25 @@ def flush_pacing(engines: Sequence, path: str, writer_processes: int,
     if not tiers:
         return None
     cap_bps = writer_cap(rank_disk_bps(tiers)) / max(1, writer_processes)  # the offload writer's share beside it
+    due, why = due_at(next_save_in_s), "before the next save"
+    expire_s = dirty_expire_s()
+    if expire_s is not None and (due is None or time.monotonic() + EXPIRE_SHARE * expire_s < due):
+        due = time.monotonic() + EXPIRE_SHARE * expire_s
+        why = f"before the kernel's flusher takes pages dirty for {expire_s:.0f} s"
     return FlushPacing(tuple(dict.fromkeys(tier.name for _, tier in tiers)),
                        tuple((tier.root, tier.tokens.lock_files) for _, tier in tiers),
-                       tiers[0][1].lock_root, cap_bps, due_at=due_at(next_save_in_s),
+                       tiers[0][1].lock_root, cap_bps, due_at=due, due_why=why,
                        busy_share=recent_busy_share([tier for _, tier in tiers], next_save_in_s))
+
+
+def dirty_expire_s() -> Optional[float]:
+    """The age at which the kernel's flusher threads write dirty pages back themselves, None where unknown or off."""
+    try:
+        with open(DIRTY_EXPIRE) as f:
+            centiseconds = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return centiseconds / 100 if centiseconds > 0 else None
 
 
 _REAL_FSYNC: List = []  # [os.fsync as it was] in a process where install ran (a forked writer)

@@ -9,18 +9,15 @@ writer, so chunks also pass while it is busy, at ``WRITER_SHARE`` of ``CAP_SHARE
 rates the steps showed, ``engine.file_tier_rates``; torch_dist's flushes take the other part): the step's I/O keeps
 at least ``1 / SLOWDOWN`` of the disk.
 The writer must be done before the next save, which otherwise holds training while it finishes: where the caller
-says when that is (``next_save_in_s``), the pacer aims to be done by ``FINISH_SHARE`` of it. It spreads the bytes
-evenly over that time: no chunk, in a quiet spell or beside a busy tier, takes the writer past the bytes expected
-spread evenly over ``1 / AHEAD`` of it (one chunk of slack; ``DiskPacer.spread_bytes``), so the writer ends a
-little early rather than late. A chunk in a quiet spell still slows the step I/O that starts while it is under
-way, and quiet spells taken without limit put most of the bytes beside the steps right after the save.
-For the first ``CALIBRATE_SHARE`` of that time it keeps to the cap and measures what the tiers' quiet spells carry;
-then, where the bytes left, less what quiet spells at that rate will carry by then, would not be done at the cap
-in the tiers' busy time (their recent busy share), it raises the cap beside a busy tier to the rate that does
-(``DiskPacer.rate_now``). Quiet time in which the spread held the writer back shows only the spread's pace, so
-the quiet spells' rate is taken per second of quiet time not held back: counted in, it would raise the cap for
-bytes the quiet spells have room for. So the steps right after the save are not the ones that pay for it: a rate
-raised from the start, blind to the quiet spells ahead, made the first step the slowest.
+says when that is (``next_save_in_s``), the pacer aims to be done by ``FINISH_SHARE`` of it. The tiers' quiet
+spells are the forward and backward passes (a step's update keeps its file tiers busy for its whole span:
+``TierActivity.window``), so a chunk in one slows no step I/O, and the writer takes them as they come. Beside a
+busy tier it moves only what the quiet spells will not carry by the due time: for the first ``CALIBRATE_SHARE``
+of that time nothing (it measures what the quiet spells carry; a tier almost never quiet, ``busy_share`` at
+least ``NEVER_QUIET``, and updates that wait for the writer, ``spread`` off, get the cap from the start), then, where the bytes left, less what quiet spells at the
+rate seen will carry by then, need it, at the rate that has them done in the tiers' busy time
+(``DiskPacer.rate_now``). Within that busy time no chunk takes the writer past the bytes expected spread evenly
+over ``1 / AHEAD`` of the time (``DiskPacer.spread_bytes``): what must go beside the steps goes beside each alike.
 A checkpoint on another device: no pacing. Since the writer then takes several steps, the staging
 budget (``snapshot``) is raised to the state held in memory while host memory allows, and the writer
 copies that state aside before its first chunk: the updates after the save neither copy nor wait.
@@ -48,8 +45,9 @@ POLL_S = 0.005  # how often a waiting chunk looks again
 HOST_SHARE = 0.5  # of the host memory available now, the most the staging may take
 MIN_CAP_BPS = 50e6  # where no rate is known: the writer still finishes beside a tier never quiet
 FINISH_SHARE = 0.9  # of the time to the next save (at the steps' pace before it): when the writers aim to be done
-CALIBRATE_SHARE = 0.25  # of the time to the due time: at the cap alone, the quiet spells' rate measured
+CALIBRATE_SHARE = 0.25  # of the time to the due time: nothing beside a busy tier, the quiet spells' rate measured
 MIN_BUSY_SHARE = 0.05  # the least busy share a raise assumes (a tier seen nearly always quiet)
+NEVER_QUIET = 0.95  # a busy share from which the quiet spells cannot be waited for: the cap from the start
 # The even spread's pace: the bytes expected over 1 / AHEAD of the time to the due time (1.25: done by 80% of it),
 # not over all of it, so a stretch where the tiers leave the writer less room (busier steps, a long one) is made up
 # before the due time.
@@ -84,10 +82,7 @@ class DiskPacer:
         self._credit, self._credit_at = 0.0, None
         self.idle_bytes = 0  # bytes that went while the tiers were quiet
         self._was_busy = None  # the tiers at the last look (None: no look yet)
-        self._quiet_at = None  # when the quiet spell under way began
-        self._quiet_s = 0.0  # the quiet spells' seconds, up to the end of the last one
-        self._held_s = 0.0  # of the quiet time, the seconds chunks waited on the even spread
-        # (when the tiers last went quiet after a busy spell, idle_bytes, _quiet_s and _held_s then): the quiet
+        # (when the tiers last went quiet after a busy spell, idle_bytes then): the quiet
         # spells' rate is taken over whole busy-and-quiet cycles from the save, not up to the end of a quiet spell
         # (which overstates it)
         self._cycles_end = None
@@ -105,33 +100,32 @@ class DiskPacer:
         self.expected_bytes += nbytes
 
     def rate_now(self) -> float:
-        """Bytes/s a chunk may go at beside a busy tier now: ``cap_bps``; past the calibration, more where the
-        bytes expected and not yet moved, less what the quiet spells carry by ``due_at`` at the rate they have
-        carried since the start (the quiet time the even spread held the writer back not counted), would not be
-        done by then at it in the tiers' busy time (past it: no limit)."""
+        """Bytes/s a chunk may go at beside a busy tier now: without a due time, ``cap_bps``; up to the
+        calibration's end, none; past it, the rate at which the tiers' busy time moves the bytes expected and not
+        yet moved, less what the quiet spells carry by ``due_at`` at the rate they have carried since the start
+        (none where they carry it all; past ``due_at``: no limit). A tier almost never quiet, or updates that wait for
+        the writer (``spread`` off): at least the cap."""
         left = self.expected_bytes - self.idle_bytes - self.capped_bytes - self._credit  # the credit will go too
-        if self.due_at is None or left <= 0:
-            return self.cap_bps
+        if self.due_at is None:
+            return self.cap_bps  # no due time to measure the quiet spells against: the cap
+        # the quiet spells not waited for: a tier almost never quiet, or updates that wait for the writer (holding
+        # their tier busy meanwhile)
+        floor = self.cap_bps if self.busy_share >= NEVER_QUIET or not self.spread else 0.0
+        if left <= 0:
+            return floor
         now = self._clock()
         time_left = self.due_at - now
         if time_left <= 0:
             return float("inf")
         if now < self.calibrated_at:
-            return self.cap_bps
-        quiet_now = self._quiet_s + (now - self._quiet_at if self._was_busy is False else 0.0)
-        at, idle, quiet_s, held_s = self._cycles_end or (now, self.idle_bytes, quiet_now, self._held_s)
-        # Quiet time in which the even spread held the writer back shows the spread's pace, not what the quiet
-        # spells can carry; counted in, it would raise the cap for bytes they have room for. So their rate is
-        # what they carried per second of quiet time not held back (over their share of the time).
-        if held_s and held_s >= quiet_s:  # held back all the quiet time seen: room to spare
-            return self.cap_bps
-        not_held = quiet_s / (quiet_s - held_s) if held_s else 1.0
-        quiet_bps = not_held * idle / (at - self.started) if at > self.started else 0.0
+            return floor
+        at, idle = self._cycles_end or (now, self.idle_bytes)
+        quiet_bps = idle / (at - self.started) if at > self.started else 0.0
         # in a busy spell, its rest (as long as the last one) carries no quiet bytes: counted as quiet time, it
         # would leave the bytes it cannot carry to the last busy spell before due_at
         rest = min(time_left, max(0.0, self._busy_s - (now - self._busy_at))) if self._was_busy else 0.0
         beside = left - quiet_bps * (time_left - rest)  # what the tiers' busy time must carry
-        return max(beside / (rest + self.busy_share * (time_left - rest)), self.cap_bps)
+        return max(floor, beside / (rest + self.busy_share * (time_left - rest)))
 
     def spread_bytes(self, now: float) -> float:
         """The most bytes the even spread lets the writer have moved by ``now``, not counting the chunk that
@@ -150,35 +144,29 @@ class DiskPacer:
                 moved = self.idle_bytes + self.capped_bytes
                 self._follow_cycles(now, busy)
                 self._accrue(nbytes)
-                ahead = moved > self.spread_bytes(now)  # of the even spread: the chunk waits, quiet or busy
-                if ahead:
-                    self.spread_until = now - self.started
-                elif not busy:
+                if not busy:
                     self.idle_bytes += nbytes
                     break
+                elif moved > self.spread_bytes(now):  # beside the steps, ahead of the even spread: it waits
+                    self.spread_until = now - self.started
                 elif self._credit >= nbytes:
                     self._credit -= nbytes
                     self.capped_bytes += nbytes
                     break
                 waited = True
                 self._sleep(POLL_S)
-                if ahead and not busy:
-                    self._held_s += self._clock() - now
             if waited:
                 self.waits += 1
                 self.waited_s += self._clock() - started
 
     def _follow_cycles(self, now: float, busy: bool) -> None:
-        """At each look: the quiet spells' seconds; where the tiers go quiet after a busy spell, a cycle's end."""
+        """At each look: where the tiers go busy, the busy spell's start; where they go quiet after one, its length
+        and a cycle's end."""
         if busy and not self._was_busy:
             self._busy_at = now
-            if self._was_busy is False:
-                self._quiet_s += now - self._quiet_at
-        elif not busy and self._was_busy is not False:
-            self._quiet_at = now
-            if self._was_busy:
-                self._busy_s = now - self._busy_at
-                self._cycles_end = (now, self.idle_bytes, self._quiet_s, self._held_s)
+        elif not busy and self._was_busy:
+            self._busy_s = now - self._busy_at
+            self._cycles_end = (now, self.idle_bytes)
         self._was_busy = busy
 
     def _accrue(self, nbytes: int) -> None:
@@ -256,10 +244,10 @@ def pace_save(engine, snapshot, path: str, link_tier_files: bool, digest: bool,
              "" if next_save_in_s is None else
              f"; to be done within {FINISH_SHARE * next_save_in_s:.1f} s, before the next save (in about "
              f"{next_save_in_s:.1f} s): "
-             f"{f'spread evenly over its first {FINISH_SHARE * next_save_in_s / AHEAD:.1f} s, ' if pacer.spread else ''}"
-             f"at the cap alone for the first "
-             f"{CALIBRATE_SHARE * FINISH_SHARE * next_save_in_s:.1f} s, then raised where the bytes left, less what "
-             f"the quiet spells carry at the rate seen, need it")
+             f"the tiers' quiet spells (the forward and backward) taken as they come; beside their I/O "
+             f"{'at the cap' if busy >= NEVER_QUIET or not pacer.spread else 'nothing'} for the first "
+             f"{CALIBRATE_SHARE * FINISH_SHARE * next_save_in_s:.1f} s, then what the quiet spells at the rate seen "
+             f"leave{f', spread evenly over its first {FINISH_SHARE * next_save_in_s / AHEAD:.1f} s' if pacer.spread else ''}")
     whole_disk_s = (written + read) / disk_bps if disk_bps > 0 else 0.0
     if next_save_in_s is not None and whole_disk_s > FINISH_SHARE * next_save_in_s:
         log.warning("async save: its %s to move take %.1f s even at the disk's whole %.2f GB/s, more than the %.1f s "

@@ -15,6 +15,7 @@ record's totals) stays in the engine.
 from __future__ import annotations
 
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -75,11 +76,14 @@ class StepLoop:
         ctx = self._context(step, unscale, clip_coef, groups, written, in_series)
         self._begin_sides(ctx, sched)
         try:
-            in_flight = self._update_held_first(ctx, sched)
-            self._update_in_order(ctx, sched, in_flight)
-            self._finish(in_flight, ctx.record, keep=0)  # streamed buffers back to the pipeline
-            for side in self.sides.values():
-                side.end()
+            with ExitStack() as windows:  # a paced checkpoint writer keeps out of the update's gaps
+                for tier in self.pipeline.tiers.values():
+                    windows.enter_context(tier.step_window())
+                in_flight = self._update_held_first(ctx, sched)
+                self._update_in_order(ctx, sched, in_flight)
+                self._finish(in_flight, ctx.record, keep=0)  # streamed buffers back to the pipeline
+                for side in self.sides.values():
+                    side.end()
         except BaseException as err:
             self.pipeline.failure = err
             raise

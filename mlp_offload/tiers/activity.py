@@ -4,7 +4,9 @@ same device paces behind (``checkpoint.pacing``).
 ``FileTier`` wraps each operation's data movement (token wait included: a token held elsewhere means
 another rank of the node is on the device) in ``moving()``; a background reader's operations are not
 counted, so a writer never waits on its own reads. ``quiet()`` is true once nothing has moved for
-``quiet_s``: the short gaps between an update's back-to-back operations do not count as idle.
+``quiet_s``: the short gaps between an update's back-to-back operations do not count as idle. An update
+marks its whole span busy besides (``window()``): its gaps where it computes are short and many, and a chunk
+written into one delays the operation after it; the long quiet spells are the forward and backward.
 Where the tier has node-wide tokens, one seen held by another process counts as busy too, and as after an
 operation of its own, for ``quiet_s`` after. From a process without the tier's operations (a forked checkpoint
 writer), that sighting is all it sees.
@@ -38,12 +40,13 @@ class TierActivity:
         self._marks = deque([(self._created, 0.0)], maxlen=MARKS_KEPT)  # (time, busy time by then), oldest first
 
     @contextmanager
-    def moving(self):
+    def moving(self, operation: bool = True):
+        """An operation moving data (``operation`` False: an update's span, ``window``)."""
         with self._lock:
             if not self.in_flight:
                 self._busy_from = self._clock()
             self.in_flight += 1
-            self.operations += 1
+            self.operations += operation
         try:
             yield
         finally:
@@ -54,6 +57,10 @@ class TierActivity:
                     self._busy_s += self._last_end - self._busy_from
                     if self._last_end - self._marks[-1][0] >= MARK_S:
                         self._marks.append((self._last_end, self._busy_s))
+
+    def window(self):
+        """An update's whole span: busy throughout, its gaps between operations included."""
+        return self.moving(operation=False)
 
     def busy_share(self, window_s: Optional[float] = None) -> float:
         """Of the time since the tier was made (``window_s``: of about the last ``window_s`` seconds, from the

@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import Callable, ClassVar, Optional, Protocol, Sequence, Tuple
+from typing import Callable, ClassVar, ContextManager, Optional, Protocol, Sequence, Tuple
 
 import torch
 
@@ -45,6 +45,9 @@ class StreamedTier(Protocol):
         the extents are part of the file's, from its block of that number (their CRCs checked against those)."""
 
     activity: object  # tiers.activity.TierActivity: whether its own I/O is moving data now
+
+    def step_window(self) -> ContextManager:
+        """Around an update: busy to a paced background writer for its whole span (``TierActivity.window``)."""
 
     def submit_write(self, key: str, extents: Sequence[Extent], before: Optional[Callable] = None,
                      after: Optional[Callable] = None) -> Future: ...

@@ -227,6 +227,20 @@ class FileTier:
         if remove_files:
             release(self.dir)
 
+    @contextmanager
+    def step_window(self):
+        """Around an update: the tier busy to a paced background writer for its whole span, in this process
+        (``activity``) and in the node's others (the tokens' window lock)."""
+        shared = isinstance(self.tokens, TierTokens)
+        if shared:
+            self.tokens.hold_window()
+        try:
+            with self.activity.window():
+                yield
+        finally:
+            if shared:
+                self.tokens.release_window()
+
     # -- operations ------------------------------------------------------------------------
     def _run_op(self, kind: str, key: str, extents: List[Extent], before: Optional[Callable],
                 after: Optional[Callable[[OpResult], None]], first_block: int = 0) -> OpResult:

@@ -183,6 +183,10 @@ class TierTokens(_ProcessTokens):
         self._dir = LockDir(tier_path, lock_root)
         self.lock_dir = self._dir.path
         self._fds: List[int] = [self._dir.open(f"token{i}.lock") for i in range(count)]
+        # Held shared while an update of this process moves data on the tier (hold_window): a paced writer in
+        # another process sees the update's whole span as busy, not only its operations.
+        self._window_fd = self._dir.open("window.lock")
+        self._windows = 0
 
     @property
     def lock_files(self) -> int:
@@ -208,13 +212,26 @@ class TierTokens(_ProcessTokens):
     def _give(self, fd: int) -> None:
         fcntl.flock(fd, fcntl.LOCK_UN)
 
-    def held_elsewhere(self) -> bool:
-        """Whether another process of the node holds one of the tokens now (each tried without waiting
-        and given back at once). False while this process holds or takes one: its own I/O says busy."""
+    def hold_window(self) -> None:
         with self._cv:
-            if self._holders or self._acquiring:
+            if not self._windows:
+                fcntl.flock(self._window_fd, fcntl.LOCK_SH)  # shared: the node's ranks update at once
+            self._windows += 1
+
+    def release_window(self) -> None:
+        with self._cv:
+            self._windows -= 1
+            if not self._windows:
+                fcntl.flock(self._window_fd, fcntl.LOCK_UN)
+
+    def held_elsewhere(self) -> bool:
+        """Whether another process of the node holds one of the tokens, or an update's window, now (each tried
+        without waiting and given back at once). False while this process holds or takes one: its own I/O says
+        busy."""
+        with self._cv:
+            if self._holders or self._acquiring or self._windows:
                 return False
-            for fd in self._fds:
+            for fd in self._fds + [self._window_fd]:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
@@ -223,9 +240,9 @@ class TierTokens(_ProcessTokens):
             return False
 
     def close(self) -> None:
-        for fd in self._fds:
+        for fd in self._fds + [self._window_fd]:
             os.close(fd)
-        self._fds = []
+        self._fds, self._window_fd = [], None
         self._dir.close()
 
 

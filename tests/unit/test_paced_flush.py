@@ -7,6 +7,7 @@ plain fsyncs; the rank's own ``os.fsync`` is never replaced. Clocks are injected
 import multiprocessing
 import os
 import sys
+import time
 
 import pytest
 
@@ -163,6 +164,29 @@ def test_the_pacing_sees_the_tiers_on_the_checkpoints_disk_only(tmp_path, monkey
         monkeypatch.undo()
         monkeypatch.setattr(paced_flush, "sync_file_range", lambda: None)  # no sync_file_range: plain fsyncs
         assert paced_flush.flush_pacing([engine], str(tmp_path / "ckpt" / "iter_0000002"), 4) is None
+
+
+@pytest.mark.parametrize("next_save_in_s, expire, due_in, why", [
+    (100.0, "3000\n", 24.0, "before the kernel's flusher takes pages dirty for 30 s"),  # the age first
+    (10.0, "3000\n", 9.0, "before the next save"),  # FINISH_SHARE of the time to the next save first
+    (None, "3000\n", 24.0, "before the kernel's flusher takes pages dirty for 30 s"),  # no next save known
+    (100.0, "0\n", 90.0, "before the next save"),  # the age off
+    (100.0, None, 90.0, "before the next save")])  # no such file
+def test_the_flushes_are_due_before_the_kernel_takes_their_dirty_pages(tmp_path, monkeypatch, next_save_in_s,
+                                                                           expire, due_in, why):
+    """The kernel's flusher threads write back pages dirty longer than its age limit themselves, at once: the
+    flushes are due by EXPIRE_SHARE of it where that comes before the next save."""
+    path = tmp_path / "dirty_expire_centisecs"
+    if expire is not None:
+        path.write_text(expire)
+    monkeypatch.setattr(paced_flush, "DIRTY_EXPIRE", str(path))
+    with engine_at_step_3(tmp_path / "e") as engine:
+        (tmp_path / "ckpt").mkdir()
+        before = time.monotonic()
+        flush = paced_flush.flush_pacing([engine], str(tmp_path / "ckpt" / "iter_0000002"), 4, next_save_in_s)
+        after = time.monotonic()
+    assert before + due_in - 1e-6 <= flush.due_at <= after + due_in + 1e-6
+    assert flush.due_why == why and why in flush.describe()
 
 
 def test_no_sync_file_range_off_linux_and_nothing_installed_without_it(tmp_path, monkeypatch):

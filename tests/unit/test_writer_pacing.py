@@ -12,6 +12,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from mlp_offload import faults
 from mlp_offload.checkpoint import load_engine_state, pacing
 from tests.profiles import examples
 from mlp_offload.checkpoint.state_file import human_bytes
@@ -116,6 +117,69 @@ def test_a_token_held_by_another_process_counts_as_busy(tmp_path):
         theirs.close()
 
 
+def test_an_updates_window_is_busy_throughout_its_gaps_and_counts_no_operation():
+    clock = Clock()
+    activity = TierActivity(clock=clock)
+    with activity.window():
+        with activity.moving():
+            clock.sleep(0.5)
+        clock.sleep(10 * QUIET_S)  # a gap of the update's (its compute): not a quiet spell for a writer
+        assert not activity.quiet()
+    assert activity.operations == 1
+    clock.sleep(1.5 * QUIET_S)
+    assert activity.quiet()
+    assert activity.busy_share() == pytest.approx((0.5 + 10 * QUIET_S) / (0.5 + 11.5 * QUIET_S))
+
+
+def test_an_updates_window_in_another_process_counts_as_busy_and_several_share_it(tmp_path):
+    ours, theirs, third = (TierTokens(str(tmp_path), 1, lock_root=str(tmp_path / "locks")) for _ in range(3))
+    try:
+        theirs.hold_window()  # separate open files: to flock, other processes
+        third.hold_window()  # two ranks' updates at once: the window is shared, neither waits
+        assert ours.held_elsewhere() and not theirs.held_elsewhere()  # its own window: its activity says busy
+        theirs.release_window()
+        assert ours.held_elsewhere()  # the third's still open
+        third.release_window()
+        assert not ours.held_elsewhere()
+        ours.hold_window()
+        ours.hold_window()  # nested: held until both end
+        ours.release_window()
+        assert theirs.held_elsewhere()
+        ours.release_window()
+        assert not theirs.held_elsewhere()
+    finally:
+        for tokens in (ours, theirs, third):
+            tokens.close()
+
+
+def test_a_step_keeps_its_file_tiers_busy_between_its_operations(tmp_path, monkeypatch):
+    """Seen from a paced writer: each file tier stays busy from the update's start to its end, also where the
+    update computes between two of the tier's operations (here one pause of 0.2 s halfway through its subgroups)."""
+    with engine_at_step_3(tmp_path / "e") as engine:
+        tier = engine.file_tiers["nvme"]
+        seen, stepping = [], threading.Event()
+
+        def watch():
+            while stepping.is_set():
+                seen.append(tier.activity.quiet(quiet_s=0.01))
+                time.sleep(0.002)
+        monkeypatch.setattr(faults, "_delays", "update=0.2")
+        stepping.set()
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            engine.step()
+        finally:
+            stepping.clear()
+            watcher.join()
+        monkeypatch.setattr(faults, "_delays", None)
+        engine.flush()
+        time.sleep(0.02)
+        assert len(seen) > 60 and not any(seen[1:-1]), (len(seen), sum(seen))  # the watcher's first and last
+        # samples may fall just outside the step
+        assert tier.activity.quiet(quiet_s=0.01)  # the step over, its writes behind done: quiet again
+
+
 def test_a_paced_region_writer_writes_the_same_bytes(tmp_path):
     data = torch.randint(0, 256, (2 * PIECE + 12345,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
     files = {}
@@ -209,6 +273,32 @@ def test_the_spread_holds_only_where_the_updates_do_not_wait_for_the_writer(tmp_
         write.start()
         write.wait()
         assert write.failure is None
+
+
+@pytest.mark.parametrize("spread", [False, True])
+def test_where_the_updates_wait_for_the_writer_it_keeps_the_cap_beside_a_busy_tier_from_the_start(spread):
+    """A staging short of the memory-held state (the spread off): an update waits for the writer to reach its
+    subgroups, holding its tier busy meanwhile, so a writer that moved nothing beside a busy tier until the
+    calibration's end would hold that update as long. It keeps the cap from the start. With the state copied aside
+    (the spread on), the same chunk waits for a quiet spell, or for the calibration's end beside a tier never
+    quiet."""
+    clock = Clock()
+    tier = FakeTier(clock)
+    update = tier.activity.moving()
+    update.__enter__()
+    chunk, cap, due_in = 10_000, 1e6, 100.0
+    pacer = pacing.DiskPacer([tier], cap_bps=cap, clock=clock, sleep=clock.sleep, due_at=clock.now + due_in,
+                             busy_share=0.7)
+    pacer.expect(10 * chunk)
+    pacer.spread = spread
+    start = clock.now
+    pacer.wait_turn(chunk)
+    if spread:
+        assert clock.now - start >= pacing.CALIBRATE_SHARE * due_in
+    else:
+        assert clock.now - start <= chunk / cap + 2 * pacing.POLL_S
+    assert pacer.capped_bytes == chunk
+    update.__exit__(None, None, None)
 
 
 def test_a_checkpoint_on_another_device_is_not_paced(tmp_path, monkeypatch, caplog):
@@ -423,14 +513,14 @@ def test_the_steps_right_after_a_save_pay_no_raise_and_the_writer_is_done_by_its
 
 @settings(max_examples=examples(120), deadline=None)
 @given(busy=st.floats(0.5, 0.9), steps_to_due=st.integers(4, 10), share=st.floats(0.1, 0.5))
-def test_with_quiet_spells_to_spare_the_writer_spreads_its_bytes_evenly_up_to_its_due_time(busy, steps_to_due, share):
-    """Beside a tier quiet for part of each step, with ``share`` of what its quiet spells alone could carry by the
-    due time: no step after the save moves more than half as much again as the mean step up to the due time (give
-    or take a chunk), and the writer is done by then. Quiet spells taken without limit moved the whole of it in
-    the first steps, each at what a quiet spell carries."""
+def test_with_quiet_spells_to_spare_the_writer_moves_nothing_beside_the_tiers_io(busy, steps_to_due, share):
+    """Beside a tier quiet for part of each step (the forward and backward), with ``share`` of what its quiet spells
+    alone could carry by the due time: every byte goes in a quiet spell, none beside the tier's I/O, taken as they
+    come (done within the steps its quiet spells need, and a step more) and by the due time. The rule before
+    spread the bytes evenly over every stretch, and moved most of them beside the updates."""
     disk_bps, chunk = 1e9, 1_000_000  # a chunk: 1 ms of the disk
     total = int(share * (1 - busy) * steps_to_due * disk_bps) // chunk * chunk
-    elapsed, _, moved, pacer = paced_write_beside_steps(total, chunk, disk_bps, busy, steps_to_due)
-    assert pacer.idle_bytes + pacer.capped_bytes == total
-    assert max(moved) <= 1.5 * total / steps_to_due + chunk
+    elapsed, beside, _, pacer = paced_write_beside_steps(total, chunk, disk_bps, busy, steps_to_due)
+    assert pacer.idle_bytes == total and pacer.capped_bytes == 0 and not any(beside)
+    assert elapsed <= math.ceil(total / ((1 - busy) * disk_bps)) + 1
     assert elapsed <= steps_to_due + 2 * (chunk / disk_bps + pacing.POLL_S)
