@@ -37,24 +37,10 @@
 #       spawned once at start-up, the save's tensors through shared host copies kept from save to save, against
 #       main's writer forked from the rank at each save: whether the first step after a save loses its page faults
 #       (§42; branch pending-writer-process, its tests in the patch)
-#   FLOOR_GB=4 RUNS="B8 A8_wide_spread" RUN_LIMIT=230 ...  (about 300 s) the paced writers done by 95% of the time to
-#       the next save (not 90%), their even spread over 1/1.1 of that (not 1/1.25): fewer bytes beside each step after
-#       a save, less slack before the next (§43; branch pending-wide-spread)
 #   FLOOR_GB=4 RUNS="B8 A8 A8_keep_staging" RUN_LIMIT=230 ...  (about 450 s) the staging of the state held in memory made
 #       at start-up and kept from save to save: whether the first step after a save, the worst in every variant of
 #       §41-43, loses its extra (8.4 GB of anonymous memory is mapped and faulted in at each save now, unmapped
 #       after the write) (§43; branch pending-keep-staging, its tests in the patch)
-#   FLOOR_GB=4 RUNS="B8 A8 A8_update_window A8_update_window_cap" RUN_LIMIT=200 ...  (about 560 s) a step's update
-#       keeps its file tiers busy to the paced writers for its whole span (its gaps are not quiet spells), so they
-#       write in the forward and backward: in every A8 run of §43 the updates after a save wrote 1.0-2.1 GB more
-#       than without saves; _cap also caps them beside the busy tier to leave it 1/1.1 of the disk, not 1/1.2
-#       (§43; branches pending-update-window, pending-update-window-cap, their tests in the patches)
-#   FLOOR_GB=4 RUNS="B16 A16_fwd_bwd_first A8_fwd_bwd_first" RUN_LIMIT=260 ...  (about 520 s; A8 runs against B16's
-#       first 16 iterations where B8 is not run), or RUNS="B8 A8 A8_fwd_bwd_first" RUN_LIMIT=200 (about 420 s):
-#       the paced writers take the forward and backward (the update window's quiet spells) as they come, and beside
-#       a busy tier only what those will not carry by the due time: main's even spread held them back in the quiet
-#       spells and put 42-83% of their extra bytes beside the updates; torch_dist's paced flushes due before the
-#       kernel's dirty age (§44; branch pending-fwd-bwd-first, its tests in the patch, the update window's with them)
 #   NAME-K (K a digit), e.g. RUNS="B8 A8 B8-2 A8-2": the K-th run of NAME, against the K-th of its base (A8-2 against
 #       B8-2, A8_<variant>-2 too): two runs of one command differ by about 0.2 a step on the device's disk (§39), so
 #       a pair run twice shows whether a difference is larger than that; with B8-2 run, A8 against B8 also reads
