@@ -173,27 +173,23 @@ def disk_in_phases(it: int, ends: Dict[int, float], updates: Dict[int, float], s
                  for k in (1, 2))
 
 
-def landed_row(during: Dict[int, int], async_lines: List[str], plain_lines: List[str],
-               disks: List[str]) -> Optional[str]:
-    """Over the iterations beside the writer: the disk bytes beyond the run without saves in their forwards and
-    backwards (the tiers' quiet spells) and in their updates (beside the tiers' I/O), and the seconds their
-    forwards and backwards and their updates took beyond it: where the writers' bytes landed, and what they cost."""
-    ends_a, ends_b = iteration_ends(async_lines), iteration_ends(plain_lines)
-    updates_a, updates_b = iteration_times(async_lines, UPDATE), iteration_times(plain_lines, UPDATE)
-    times_a, times_b = iteration_times(async_lines), iteration_times(plain_lines)
-    samples_a, samples_b = disk_samples(disks[0]), disk_samples(disks[1])
-    extra, its = [0.0] * 4, []  # GB beyond: in forward and backward, in update; s beyond: the same two
-    for it in sorted(during):
-        g, h = disk_in_phases(it, ends_a, updates_a, samples_a), disk_in_phases(it, ends_b, updates_b, samples_b)
-        if g is None or h is None or it not in times_b:
-            continue
-        its.append(it)
+def landed_row(phases: Dict[int, Tuple[tuple, tuple]], times: Tuple[Dict[int, float], Dict[int, float]],
+               updates: Tuple[Dict[int, float], Dict[int, float]]) -> Optional[str]:
+    """Over the iterations beside the writer (``phases``: iteration -> its ``disk_in_phases`` with saves and
+    without): the disk bytes beyond the run without saves in their forwards and backwards (the tiers' quiet spells)
+    and in their updates (beside the tiers' I/O), and the seconds each phase took beyond it (``times``,
+    ``updates``: with saves, without): where the writers' bytes landed, and what they cost."""
+    (times_a, times_b), (updates_a, updates_b) = times, updates
+    its = [it for it in sorted(phases) if it in times_a and it in times_b]
+    if not its:
+        return None
+    extra = [0.0] * 4  # GB beyond: in forward and backward, in update; s beyond: the same two
+    for it in its:
+        g, h = phases[it]
         extra[0] += g[0] + g[1] - h[0] - h[1]
         extra[1] += g[2] + g[3] - h[2] - h[3]
         extra[2] += (times_a[it] - updates_a[it]) - (times_b[it] - updates_b[it])
         extra[3] += updates_a[it] - updates_b[it]
-    if not its:
-        return None
     return (f"iterations {its[0]}-{its[-1]}: the disk moved {extra[0]:.2f} GB more in their forwards and backwards "
             f"and {extra[1]:.2f} GB more in their updates than without saves; they took {extra[2]:.2f} s and "
             f"{extra[3]:.2f} s more")
@@ -203,7 +199,7 @@ def disk_rows(during: Dict[int, int], async_lines: List[str], plain_lines: List[
     ends_a, ends_b = iteration_ends(async_lines), iteration_ends(plain_lines)
     updates_a, updates_b = iteration_times(async_lines, UPDATE), iteration_times(plain_lines, UPDATE)
     samples_a, samples_b = disk_samples(disks[0]), disk_samples(disks[1])
-    rows = []
+    rows, phases = [], {}
     for it in sorted(during):
         a, b = disk_during(it, ends_a, samples_a), disk_during(it, ends_b, samples_b)
         if a is None or b is None:
@@ -212,6 +208,7 @@ def disk_rows(during: Dict[int, int], async_lines: List[str], plain_lines: List[
                     f"wrote {b[1]:.2f}); page cache dirty {a[2]:.2f} GB at its start, {a[3]:.2f} GB at its end")
         g, h = disk_in_phases(it, ends_a, updates_a, samples_a), disk_in_phases(it, ends_b, updates_b, samples_b)
         if g is not None and h is not None:
+            phases[it] = (g, h)
             rows.append(f"  iteration {it}'s disk in its forward and backward: read {g[0]:.2f} GB, wrote {g[1]:.2f} GB; "
                         f"in its update: read {g[2]:.2f}, wrote {g[3]:.2f} (without saves: {h[0]:.2f}, {h[1]:.2f}; "
                         f"{h[2]:.2f}, {h[3]:.2f})")
@@ -236,6 +233,8 @@ def disk_rows(during: Dict[int, int], async_lines: List[str], plain_lines: List[
             rows.append(f"  iteration {it}'s training thread in its forward and backward: {g[0]:.0f} voluntary switches, "
                         f"{g[1]:.2f} s on a core; in its update: {g[2]:.0f}, {g[3]:.2f} s (without saves: {h[0]:.0f}, "
                         f"{h[1]:.2f} s; {h[2]:.0f}, {h[3]:.2f} s)")
+    times = (iteration_times(async_lines), iteration_times(plain_lines))
+    rows.append(landed_row(phases, times, (updates_a, updates_b)) or "no iteration's update split in both runs")
     return rows
 
 
@@ -292,7 +291,6 @@ def report(async_lines: List[str], plain_lines: List[str],
                     f"{ratio:.2f}x")
     if disks:
         rows += disk_rows(during, async_lines, plain_lines, disks)
-        rows.append(landed_row(during, async_lines, plain_lines, disks) or "no iteration's update split in both runs")
     quiet = [times[i] / plain[i] for i in sorted(times) if i not in during and i in plain and i > 1]
     if quiet:
         rows.append(f"the other iterations (2 on): {min(quiet):.2f}-{max(quiet):.2f}x the run without saves")

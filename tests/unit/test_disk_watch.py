@@ -156,12 +156,13 @@ def test_where_the_writers_bytes_landed_is_summed_over_the_steps_beside_it(tmp_p
             f.write("".join(" ".join(str(x) for x in row) + "\n" for row in rows))
     during = beside_writer.beside(async_log)
     assert during == {9: 8, 10: 8}
-    row = beside_writer.landed_row(during, async_log, plain_log, paths)
+    row = beside_writer.disk_rows(during, async_log, plain_log, paths)[-1]
     # forward and backward: (3 - 0.5) + (1.5 - 0.5); updates: (11 - 8) + (9 - 8); seconds: (1.5 - 1) + (1.8 - 1),
     # (4.5 - 4) + (4.2 - 4)
     assert row == ("iterations 9-10: the disk moved 3.50 GB more in their forwards and backwards and 4.00 GB more "
                    "in their updates than without saves; they took 1.30 s and 0.70 s more")
-    assert beside_writer.landed_row({12: 8}, async_log, plain_log, paths) is None
+    assert beside_writer.disk_rows({12: 8}, async_log, plain_log, paths) == [
+        "no iteration's update split in both runs"]  # iteration 12 is in neither log
 
 
 def test_the_iterations_after_and_before_the_first_save_are_summed_against_the_run_without_saves():
