@@ -22,8 +22,9 @@
 #   A8, B8  (only when RUNS names them) A2 and B2 with saves 8 iterations apart: --async-save at 8 and 16 of 16
 #   A16, B16  (only when RUNS names them) A8 and B8 with saves 16 iterations apart: --async-save at 16 and 32 of 32;
 #       the paced writer spread over twice the steps (RUN_LIMIT=260)
-#   A2_<variant>, A3_<variant>, A8_<variant>  that run on a copy of this tree with benchmarks/variants/<variant>.patch
-#       applied (a rule of the product measured against main's in one call, on one machine), against B2 or B8
+#   A2_<variant>, A3_<variant>, A8_<variant>, A16_<variant>  that run on a copy of this tree with
+#       benchmarks/variants/<variant>.patch applied (a rule of the product measured against main's in one call, on
+#       one machine), against B2, B8 or B16
 #   bash benchmarks/run_gpu.sh determinism     (device tool, kind nvidia-h200, carry [".whl"])
 #   RUNS="D1 D2 DR" ... a subset; DRY_RUN=1 bash benchmarks/experiments/determinism.sh (tiny, CPU)
 #   (A2_staging_4k_pages: the snapshot's staging in 4 KiB pages, as before fa8ee57)
@@ -40,10 +41,12 @@
 #   FLOOR_GB=4 RUNS="B8 A8 A8_keep_staging" RUN_LIMIT=230 ...  (about 450 s) the staging of the state held in memory made
 #       at start-up and kept from save to save: whether the first step after a save, the worst in every variant of
 #       §41-43, loses its extra (8.4 GB of anonymous memory is mapped and faulted in at each save now, unmapped
-#       after the write) (§43; branch pending-keep-staging, its tests in the patch)
+#       after the write) (§43; branch pending-keep-staging, its tests in the patch); or RUNS="B16 A16_keep_staging"
+#       RUN_LIMIT=260 (about 420 s): at saves 16 apart the first save's copy aside took 2.21 and 5.07 s (§44, §45)
 #   NAME-K (K a digit), e.g. RUNS="B8 A8 B8-2 A8-2": the K-th run of NAME, against the K-th of its base (A8-2 against
-#       B8-2, A8_<variant>-2 too): two runs of one command differ by about 0.2 a step on the device's disk (§39), so
-#       a pair run twice shows whether a difference is larger than that; with B8-2 run, A8 against B8 also reads
+#       B8-2, A8_<variant>-2 too; where B8-2 is not run, against B8, so RUNS="B8 A8 A8-2" reads one code twice
+#       against one base): two runs of one command differ by about 0.2 a step on the device's disk (§39), so a
+#       pair run twice shows whether a difference is larger than that; with B8-2 run, A8 against B8 also reads
 #       B8-2 against B8 over the same steps (beside_writer.py --repeat): the noise of the statistic itself
 #   FLOOR_GB=4 RUNS="B8 A8 B8-2" RUN_LIMIT=200 ...  (about 420 s) main's A8 beside that noise
 # Raw samples, traces, loss logs and the last run's whole log go into $OUT/raw.tgz.
@@ -155,6 +158,10 @@ for log in "$OUT"/determinism_A[238]*.log "$OUT"/determinism_A16*.log; do
   async=$(basename "$log" .log); async=${async#determinism_}
   case ${async%%[_-]*} in A8) base=B8 ;; A16) base=B16 ;; *) base=B2 ;; esac
   case $async in *-[0-9]*) base=$base-${async##*-} ;; esac  # a repeat against the repeat of its base
+  if [ ! -s "$OUT/determinism_$base.log" ] && [ "$base" != "${base%-[0-9]*}" ] && [ -s "$OUT/determinism_${base%-[0-9]*}.log" ]; then
+    echo "$async: ${base} not run, so against ${base%-[0-9]*}"  # RUNS="B8 A8 A8-2": both repeats against one B8
+    base=${base%-[0-9]*}
+  fi
   if [ ! -s "$OUT/determinism_$base.log" ] && [ "${base%%-*}" = B8 ] && [ -s "$OUT/determinism_B16${base#B8}.log" ]; then
     base=B16${base#B8}  # B8 not run: B16's first 16 iterations, the same flags but --train-iters 32 (its LR differs)
     echo "$async: B8 not run, so against ${base}'s first 16 iterations (the same flags but --train-iters 32)"

@@ -1,7 +1,7 @@
 """The determinism experiment's samplers and readers (benchmarks/experiments/disk_watch.py, beside_writer.py,
-pacing_model.py): the training rank found among torchrun's processes, its main thread's time on a core, time waiting
+pacing_model.py, first_step_copy.py): the training rank found among torchrun's processes, its main thread's time on a core, time waiting
 for one and context switches read as the kernel writes them, and those summed over an iteration, on a /proc made in
-the test; the pacing model's figures."""
+the test; the pacing model's figures; the first step after a save read against its copy aside."""
 
 import math
 import re
@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 
 import beside_writer  # noqa: E402
 import disk_watch  # noqa: E402
+import first_step_copy  # noqa: E402
 import pacing_model  # noqa: E402
 
 
@@ -361,3 +362,24 @@ def test_the_pacing_model_places_every_byte_in_a_quiet_spell_or_beside_an_update
     assert first.startswith(f"{total:.1f} GB in ") and quiet + beside == pytest.approx(total, abs=0.11)
     for pair in re.findall(r"\d+: ([0-9.]+)/([0-9.]+)", per_step):
         assert float(pair[0]) <= float(pair[1])
+
+
+def test_the_first_step_and_its_copy_aside_are_read_from_a_readings_text():
+    text = ("iteration 9: 7.08 s beside the writer of checkpoint 8 (update 4.76 + rest 2.32), 5.31 s without saves "
+            "(update 3.85 + rest 1.46): 1.33x\niteration 10: 6.01 s beside ...: 1.16x\n"
+            "[1796089829.503] [offload rank 0] INFO offloaded state /x paced: 8.13 GB copied aside first in 0.99 s; "
+            "11.74 GB moved\n[1796089853.6] INFO offloaded state /y paced: 8.13 GB copied aside first in 0.74 s\n")
+    assert first_step_copy.reading(text) == (8.13, 0.99, 1.33, 9)  # the first save's copy, the first step
+    assert first_step_copy.reading("iteration 9: 1.0x\n") is None
+
+
+def test_the_rank_correlation_shares_ties_and_is_one_for_any_rising_pair():
+    assert list(first_step_copy.ranks(first_step_copy.np.array([3.0, 1.0, 3.0, 2.0]))) == [2.5, 0.0, 2.5, 1.0]
+    seconds = first_step_copy.np.array([0.5, 0.8, 1.0, 2.0, 5.0])
+    ratios = first_step_copy.np.exp(seconds)  # rising but not a line: Spearman 1, Pearson below it
+    c = first_step_copy.correlations(seconds, ratios)
+    assert c["spearman"] == pytest.approx(1.0) and c["pearson"] < 0.99
+    mean_s, mean_r = seconds[:4].mean(), ratios[:4].mean()  # without the slowest, by the formula
+    r = (((seconds[:4] - mean_s) * (ratios[:4] - mean_r)).sum()
+         / math.sqrt(((seconds[:4] - mean_s) ** 2).sum() * ((ratios[:4] - mean_r) ** 2).sum()))
+    assert c["pearson_without_slowest"] == pytest.approx(r)
