@@ -38,11 +38,11 @@
 #       spawned once at start-up, the save's tensors through shared host copies kept from save to save, against
 #       main's writer forked from the rank at each save: whether the first step after a save loses its page faults
 #       (§42; branch pending-writer-process, its tests in the patch)
-#   FLOOR_GB=4 RUNS="B8 A8 A8_keep_staging" RUN_LIMIT=230 ...  (about 450 s) the staging of the state held in memory made
-#       at start-up and kept from save to save: whether the first step after a save, the worst in every variant of
-#       §41-43, loses its extra (8.4 GB of anonymous memory is mapped and faulted in at each save now, unmapped
-#       after the write) (§43; branch pending-keep-staging, its tests in the patch); or RUNS="B16 A16_keep_staging"
-#       RUN_LIMIT=260 (about 420 s): at saves 16 apart the first save's copy aside took 2.21 and 5.07 s (§44, §45)
+#   FLOOR_GB=4 RUNS="B16 A16_keep_staging" RUN_LIMIT=260 ...  (about 420 s) the staging of the state held in memory
+#       made and faulted in at start-up and kept from save to save: whether the first step after a save, the worst
+#       in every run of §45, loses its extra (8.4 GB of anonymous memory is mapped and faulted in at each save now,
+#       unmapped after the write; the first save's copy aside took 2.21 and 5.07 s at saves 16 apart, §44-45); or
+#       RUNS="B8 A8 A8_keep_staging" RUN_LIMIT=200 (about 420 s). Its merge: branch merge-keep-staging (§45)
 #   NAME-K (K a digit), e.g. RUNS="B8 A8 B8-2 A8-2": the K-th run of NAME, against the K-th of its base (A8-2 against
 #       B8-2, A8_<variant>-2 too; where B8-2 is not run, against B8, so RUNS="B8 A8 A8-2" reads one code twice
 #       against one base): two runs of one command differ by about 0.2 a step on the device's disk (§39), so a
