@@ -64,6 +64,7 @@ else
     --seq-length 2048 --max-position-embeddings 2048 --device cuda"
   TIERS="--offload-gpu-cache-gb 4 --offload-host-cache-gb 4"; SUB=100000000; FLOOR_GB=${FLOOR_GB:-8}
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+  echo "transparent huge pages: $(cat /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null), defrag $(cat /sys/kernel/mm/transparent_hugepage/defrag 2>/dev/null)"
   echo "dirty page age before the kernel writes them back: $(cat /proc/sys/vm/dirty_expire_centisecs) cs; its flusher wakes every $(cat /proc/sys/vm/dirty_writeback_centisecs) cs"
   df -h /dev/shm | tail -1 | awk '{print "/dev/shm: " $2 " (" $4 " free): the room for A8_writer_process'"'"'s shared copies"}'
 fi
@@ -87,11 +88,19 @@ drop_page_cache() {
   [ "${DRY_RUN:-0}" = 1 ] && return
   sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null && echo "page cache dropped" || echo "page cache NOT dropped"
 }
+vm_counts() {  # the kernel's memory compaction and transparent huge page counts so far, "name value ..."
+  grep -E "^(compact_stall|compact_fail|compact_success|thp_fault_alloc|thp_fault_fallback) " /proc/vmstat 2>/dev/null | tr '\n' ' '
+}
+vm_delta() {  # BEFORE AFTER: each count's growth between two vm_counts
+  awk -v a="$1" -v b="$2" 'BEGIN { n = split(a, x, " "); split(b, y, " ")
+    for (i = 1; i < n; i += 2) printf "%s +%d%s", x[i], y[i + 1] - x[i + 1], (i + 2 < n ? ", " : "\n") }'
+}
 stamp_epoch() { $PY -u -c 'import sys, time
 for line in sys.stdin: sys.stdout.write(f"[{time.time():.3f}] {line}")'; }
 run() {  # NAME [flags]
   local name=$1; shift
-  local code watcher="" trace=""
+  local code watcher="" trace="" vm_before
+  vm_before=$(vm_counts)
   case ${name%%[_-]*} in  # A2 and B2: lines stamped, the disk sampled and the engine traced, for beside_writer.py
     A2|A3|B2|A8|B8|A16|B16) mkdir -p "$OUT/raw"; $PY benchmarks/experiments/disk_watch.py "$DISK" "$OUT/raw/disk_$name.txt" & watcher=$!
               $PY benchmarks/experiments/thread_waits.py "$OUT/raw/waits_$name.txt" & watcher="$watcher $!"
@@ -107,6 +116,9 @@ run() {  # NAME [flags]
   echo "$name exit $code at $(( SECONDS - T0 )) s"
   grep -v -i warn "$OUT/.run.log" | grep -E "deterministic|attention:|checkpoint|resume|iteration +[0-9]+/|update split|rror|Killed|> params|offloaded state .*linked|paced" \
     | cut -c1-900 > "$OUT/determinism_$name.log"
+  # a first save's copy aside slowed by compaction for huge pages would show here (§45)
+  [ -n "$vm_before" ] && echo "$name: memory compaction and huge pages over the run: $(vm_delta "$vm_before" "$(vm_counts)")" \
+    >> "$OUT/determinism_$name.log"
   grep -v "iteration  " "$OUT/determinism_$name.log" | cut -c1-900
   source benchmarks/experiments/iteration_lines.sh; iteration_lines "$OUT/determinism_$name.log"
 }
