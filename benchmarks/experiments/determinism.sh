@@ -114,7 +114,7 @@ run() {  # NAME [flags]
   # shellcheck disable=SC2086
   if [ -n "$watcher" ]; then kill $watcher; wait $watcher 2>/dev/null; fi
   echo "$name exit $code at $(( SECONDS - T0 )) s"
-  grep -v -i warn "$OUT/.run.log" | grep -E "deterministic|attention:|checkpoint|resume|iteration +[0-9]+/|update split|rror|Killed|> params|offloaded state .*linked|paced" \
+  grep -v -i warn "$OUT/.run.log" | grep -E "deterministic|attention:|checkpoint|resume|iteration +[0-9]+/|update split|rror|Killed|> params|offloaded state .*linked|paced|--async-save: " \
     | cut -c1-900 > "$OUT/determinism_$name.log"
   # a first save's copy aside slowed by compaction for huge pages would show here (§45)
   [ -n "$vm_before" ] && echo "$name: memory compaction and huge pages over the run: $(vm_delta "$vm_before" "$(vm_counts)")" \
