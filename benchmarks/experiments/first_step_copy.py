@@ -1,11 +1,17 @@
 """The first step after a save against the copy aside that runs beside it, over many readings of beside_writer.py.
 
     python benchmarks/experiments/first_step_copy.py docs/results/*/*/determinism_beside_writer_*.txt
+    python benchmarks/experiments/first_step_copy.py --own [--save N] docs/results/*/*/determinism_A8*.log
 
 For each reading: the first save's "copied aside first in S s" (the state held in memory copied into the
 snapshot's staging before the writer's first chunk) and the first step beside the writer's ratio to the run without
 saves. Then how the two go together over the readings: Pearson's r, with and without the slowest copy, and
 Spearman's rank correlation (ties ranked by their mean), so that one outlier does not make the whole finding.
+
+``--own``: where a run has no run without saves beside it, each run's steps after its first save (at N, default 8)
+against the median of its own steps 3 to N-1 (after the first two's warm-up): the first step's ratio, and the most
+and the mean over the six steps after the save. A run without saves read the same way shows the drift this reading
+has without any writer.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
+ITERATION_TIME = re.compile(r"iteration +(\d+)/.*elapsed time per iteration \(ms\): ([0-9.]+)")
 COPY = re.compile(r"([0-9.]+) GB copied aside first in ([0-9.]+) s")
 FIRST_STEP = re.compile(r"^iteration (\d+): .*: ([0-9.]+)x$", re.M)
 
@@ -26,6 +33,31 @@ def reading(text: str) -> Optional[Tuple[float, float, float, int]]:
     if copy is None or step is None:
         return None
     return float(copy.group(1)), float(copy.group(2)), float(step.group(2)), int(step.group(1))
+
+
+def own_reading(text: str, save_at: int = 8, after: int = 6) -> Optional[Tuple[float, float, float, float]]:
+    """(median s of steps 3..save_at-1, the first step after the save's ratio to it, the most and the mean ratio of
+    the ``after`` steps after the save) from a run's iteration lines, or None where a step is missing."""
+    seconds = {int(m.group(1)): float(m.group(2)) / 1000 for m in ITERATION_TIME.finditer(text)}
+    before, later = range(3, save_at), range(save_at + 1, save_at + 1 + after)
+    if any(i not in seconds for i in (*before, *later)):
+        return None
+    base = float(np.median([seconds[i] for i in before]))
+    ratios = [seconds[i] / base for i in later]
+    return base, ratios[0], max(ratios), sum(ratios) / len(ratios)
+
+
+def main_own(paths: List[str], save_at: int) -> int:
+    for path in paths:
+        with open(path) as f:
+            found = own_reading(f.read(), save_at)
+        if found is None:
+            print(f"{path}: steps 3-{save_at + 6} not all in it, skipped")
+            continue
+        base, first, most, mean = found
+        print(f"{path}: steps 3-{save_at - 1} median {base:.2f} s; step {save_at + 1} {first:.2f}x; "
+              f"steps {save_at + 1}-{save_at + 6} at most {most:.2f}x, mean {mean:.2f}x")
+    return 0
 
 
 def ranks(values: np.ndarray) -> np.ndarray:
@@ -73,4 +105,10 @@ def main(paths: List[str]) -> int:
 if __name__ == "__main__":
     if len(sys.argv) < 2:
         sys.exit(__doc__)
+    if sys.argv[1] == "--own":
+        args = sys.argv[2:]
+        save = 8
+        if args[:1] == ["--save"]:
+            save, args = int(args[1]), args[2:]
+        sys.exit(main_own(args, save))
     sys.exit(main(sys.argv[1:]))

@@ -392,3 +392,14 @@ def test_the_rank_correlation_shares_ties_and_is_one_for_any_rising_pair():
     r = (((seconds[:4] - mean_s) * (ratios[:4] - mean_r)).sum()
          / math.sqrt(((seconds[:4] - mean_s) ** 2).sum() * ((ratios[:4] - mean_r) ** 2).sum()))
     assert c["pearson_without_slowest"] == pytest.approx(r)
+
+
+def test_a_run_read_against_its_own_steps_before_the_save():
+    lines = "".join(f" iteration {i:8d}/      16 | elapsed time per iteration (ms): {ms:.1f} | loss 1.0\n"
+                    for i, ms in enumerate([9000, 5100, 5000, 4000, 5200, 4800, 6000, 5000, 7500, 5000, 5000, 5000,
+                                            5000, 5250, 5000, 5000], start=1))
+    base, first, most, mean = first_step_copy.own_reading(lines, save_at=8)
+    assert base == 5.0  # median of steps 3-7 (5.0, 4.0, 5.2, 4.8, 6.0): warm-up steps 1-2 and the save's step out
+    assert first == 1.5 and most == 1.5  # step 9
+    assert mean == pytest.approx((7.5 + 5 + 5 + 5 + 5 + 5.25) / 5.0 / 6)
+    assert first_step_copy.own_reading(lines, save_at=12) is None  # steps 13-18: the run ends at 16
