@@ -16,6 +16,13 @@ memory). A flush that outlasts that age lets the flusher threads write the rest 
 step: pacing lost, never durability. So the flushes are due by ``EXPIRE_SHARE`` of that age from the save where
 that comes before the next save (``/proc/sys/vm/dirty_expire_centisecs``). Writing back while writing would need a hook into torch's stream transforms (experimental API).
 
+Flushes first: torch_dist's flushes are due before the offloaded state's writer (the kernel's dirty age), and
+where both take the tiers' quiet spells each gets half of them, so the flushes' pacer, seeing its rate halved, puts
+bytes beside the steps' I/O. So the rank holds a shared lock on ``RUNNING`` (in the first tier's lock directory)
+across the fork of the writer (``FlushPacing.held_across_fork``): the forked writer inherits it, the rank closes its copy, and
+the lock is held exactly as long as the writer and the workers it forks live. The offloaded state's writer waits
+while ``FlushPacing.writer_running`` sees it (``pacing.DiskPacer.yield_to_first``).
+
 Seeing the tiers from another process: a tier's operations hold the node's tokens (``tiers.tokens``: flocks
 on files in a lock directory that every process of the node shares), so ``SeenTier`` probes them through
 files it opens itself (a flock inherited through the fork is the rank's own, and would always be granted).
@@ -25,12 +32,14 @@ Tiers whose tokens are job-wide (a key-value store) cannot be seen from here: no
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import os
 import stat
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 from ..tiers.activity import TierActivity
 from ..tiers.tokens import TierTokens
@@ -40,6 +49,7 @@ from .pacing import (AHEAD, CALIBRATE_SHARE, DiskPacer, due_at, rank_disk_bps, r
 PIECE = 32 << 20  # bytes written back per turn: a pause in the step's I/O of a few ms is enough for one
 EXPIRE_SHARE = 0.8  # of the kernel's dirty age: when the flushes are due at the latest (its flusher's age, less slack)
 DIRTY_EXPIRE = "/proc/sys/vm/dirty_expire_centisecs"
+RUNNING = "forked_writer.lock"  # held shared for a forked writer's life: its flushes are due first
 SYNC_FILE_RANGE_WAIT_BEFORE, SYNC_FILE_RANGE_WRITE, SYNC_FILE_RANGE_WAIT_AFTER = 1, 2, 4
 WRITE_AND_WAIT = SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | SYNC_FILE_RANGE_WAIT_AFTER
 
@@ -112,11 +122,42 @@ class FlushPacing:
     due_at: Optional[float] = None  # time.monotonic() (the machine's, in every process) to be done by
     due_why: str = "before the next save"
     busy_share: float = 1.0  # the tiers' recent busy share, as the rank saw it (a raise spreads over their busy time)
+    running_path: Optional[str] = None  # RUNNING's file: held while the forked writer lives
 
     def pacer(self, clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep):
         tiers = [SeenTier(TierTokens(root, count, self.lock_root), clock)
                  for root, count in self.tier_tokens]
         return DiskPacer(tiers, self.cap_bps, clock=clock, sleep=sleep, due_at=self.due_at, busy_share=self.busy_share)
+
+    @contextmanager
+    def held_across_fork(self) -> Iterator[None]:
+        """Around the fork of the writer: a shared lock on ``running_path`` taken before it, so the writer and the
+        workers it forks inherit it, and this process's copy closed after, so the lock lives as long as they do."""
+        if self.running_path is None:
+            yield
+            return
+        fd = os.open(self.running_path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            yield
+        finally:
+            os.close(fd)  # the forked writer's copy keeps the lock
+
+    def writer_running(self) -> bool:
+        """Whether the forked writer (``held_across_fork``) still lives: its lock tried without waiting."""
+        if self.running_path is None:
+            return False
+        try:
+            fd = os.open(self.running_path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError:
+            return False  # the lock directory gone: its users have left
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)  # gives back a lock it got
+        return False
 
     def describe(self) -> str:
         due = ("" if self.due_at is None else
@@ -152,7 +193,9 @@ def flush_pacing(engines: Sequence, path: str, writer_processes: int,
     return FlushPacing(tuple(dict.fromkeys(tier.name for _, tier in tiers)),
                        tuple((tier.root, tier.tokens.lock_files) for _, tier in tiers),
                        tiers[0][1].lock_root, cap_bps, due_at=due, due_why=why,
-                       busy_share=recent_busy_share([tier for _, tier in tiers], next_save_in_s))
+                       busy_share=recent_busy_share([tier for _, tier in tiers], next_save_in_s),
+                       running_path=os.path.join(tiers[0][1].tokens.lock_dir, RUNNING))
+
 
 
 def dirty_expire_s() -> Optional[float]:

@@ -18,6 +18,8 @@ least ``NEVER_QUIET``, and updates that wait for the writer, ``spread`` off, get
 rate seen will carry by then, need it, at the rate that has them done in the tiers' busy time
 (``DiskPacer.rate_now``). Within that busy time no chunk takes the writer past the bytes expected spread evenly
 over ``1 / AHEAD`` of the time (``DiskPacer.spread_bytes``): what must go beside the steps goes beside each alike.
+A writer due earlier on the same disk (torch_dist's paced flushes: ``paced_flush``) goes first: the writer waits
+while it runs (``DiskPacer.yield_to_first``), then starts its pacing anew.
 A checkpoint on another device: no pacing. Since the writer then takes several steps, the staging
 budget (``snapshot``) is raised to the state held in memory while host memory allows, and the writer
 copies that state aside before its first chunk: the updates after the save neither copy nor wait.
@@ -52,6 +54,8 @@ NEVER_QUIET = 0.95  # a busy share from which the quiet spells cannot be waited 
 # not over all of it, so a stretch where the tiers leave the writer less room (busier steps, a long one) is made up
 # before the due time.
 AHEAD = 1.25
+FIRST_POLL_S = 0.05  # how often a writer waiting for one due first looks again
+FIRST_SHARE = 0.5  # of the time to the due time: the most a writer waits for one due first
 
 
 class DiskPacer:
@@ -91,6 +95,34 @@ class DiskPacer:
         self.waited_s = 0.0
         self.waits = 0  # chunks that waited at all
         self.staged_bytes, self.staged_s = 0, 0.0  # the memory-held state copied aside before the first chunk
+        # a writer due earlier on this disk: whether it still runs, and when it is due (yield_to_first)
+        self.first: Optional[Callable[[], bool]] = None
+        self.first_until: Optional[float] = None
+        self.yielded_s = 0.0
+
+    def yield_to_first(self, check: Callable[[], None] = lambda: None) -> None:
+        """Before the first chunk: nothing moves while the writer due first runs (``first``), up to its due time
+        (``first_until``) and ``FIRST_SHARE`` of the time to ``due_at``; ``check`` at each look (a cancel raises).
+        Where it waited, the pacing starts anew from its end: the calibration then measures the quiet spells
+        this writer has to itself."""
+        if self.first is None or not self.spread:  # updates that wait for this writer: it must not wait itself
+            return
+        begun = self._clock()
+        limits = [self.first_until] if self.first_until is not None else []
+        if self.due_at is not None:
+            limits.append(begun + FIRST_SHARE * (self.due_at - begun))
+        until = min(limits) if limits else float("inf")
+        while self._clock() < until and self.first():
+            check()
+            self._sleep(FIRST_POLL_S)
+        now = self._clock()
+        self.yielded_s = now - begun
+        if self.yielded_s <= 0:
+            return
+        self.started = now
+        if self.due_at is not None:
+            self.calibrated_at = now + CALIBRATE_SHARE * max(0.0, self.due_at - now)
+        self._credit, self._credit_at, self._was_busy, self._cycles_end = 0.0, None, None, None
 
     def busy(self) -> bool:
         return any(not tier.activity.quiet() for tier in self.tiers)
@@ -191,7 +223,9 @@ class DiskPacer:
         if self.spread_until is not None:
             raised += (f"; held to an even spread until {self.spread_until:.1f} s of the "
                        f"{self.due_at - self.started:.1f} s to its due time")
-        return (f"{human_bytes(self.staged_bytes)} copied aside first in {self.staged_s:.2f} s; "
+        first = (f"began {self.yielded_s:.1f} s later, after the forked writer due first; "
+                 if self.yielded_s >= FIRST_POLL_S else "")
+        return (f"{human_bytes(self.staged_bytes)} copied aside first in {self.staged_s:.2f} s; {first}"
                 f"{human_bytes(self.idle_bytes)} moved in the tiers' idle time, {human_bytes(self.capped_bytes)} beside "
                 f"their I/O at <= {self.cap_bps / 1e9:.2f} GB/s{raised}; {self.waits} chunks waited {self.waited_s:.1f} s")
 

@@ -227,6 +227,7 @@ def _write(snapshot: StateSnapshot, tmp: str, metadata: Optional[dict], digest: 
             started = time.perf_counter()
             pacer.staged_bytes = snapshot.stage_ahead()
             pacer.staged_s = time.perf_counter() - started  # what the copy aside may cost the steps beside it
+            pacer.yield_to_first(snapshot.check_cancelled)  # the flushes due first have the quiet spells
         linked = _link_parts(snapshot, parts)
         if pacer is not None and parts is not None:
             pacer.expect(unlinked_bytes(snapshot, linked, digest is not None))

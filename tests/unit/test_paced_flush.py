@@ -157,6 +157,7 @@ def test_the_pacing_sees_the_tiers_on_the_checkpoints_disk_only(tmp_path, monkey
         assert pacing is not None and pacing.tier_names == ("nvme",)
         tier = engine.file_tiers["nvme"]
         assert pacing.tier_tokens == ((tier.root, tier.tokens.lock_files),)
+        assert pacing.running_path == os.path.join(tier.tokens.lock_dir, paced_flush.RUNNING)  # node-wide
         assert pacing.cap_bps == pytest.approx(writer_cap(disk_rate(engine, "nvme")) / 4)
         assert "paced behind the nvme tier" in pacing.describe()
         monkeypatch.setattr(tier, "device", -1)  # the tier on another disk
@@ -281,3 +282,27 @@ def test_the_offload_writer_and_torch_dists_flushes_together_leave_the_step_its_
             assert 1 / (1 - together / rate) <= disk_pacing.SLOWDOWN + 1e-9
         finally:
             write.cancel()
+
+
+def _hold_then_exit(seconds):
+    time.sleep(seconds)
+
+
+def test_a_lock_taken_across_a_fork_lives_as_long_as_the_forked_process(tmp_path):
+    """The rank's shared lock, taken before the fork and its copy closed after, is held by the forked writer alone:
+    seen while it runs, gone once it exits; without a path nothing is held."""
+    pacing = paced_flush.FlushPacing(("nvme",), (), None, 1e8, running_path=str(tmp_path / paced_flush.RUNNING))
+    assert not pacing.writer_running()
+    with pacing.held_across_fork():
+        child = multiprocessing.get_context("fork").Process(target=_hold_then_exit, args=(1.0,))
+        child.start()
+    assert pacing.writer_running()  # the rank closed its copy: the child's keeps it
+    child.join()
+    assert child.exitcode == 0
+    assert not pacing.writer_running()
+    with pacing.held_across_fork():
+        assert pacing.writer_running()  # held by this process: another copy of the file is refused
+    assert not pacing.writer_running()
+    unnamed = paced_flush.FlushPacing(("nvme",), (), None, 1e8)
+    with unnamed.held_across_fork():
+        assert not unnamed.writer_running()

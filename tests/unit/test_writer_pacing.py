@@ -524,3 +524,52 @@ def test_with_quiet_spells_to_spare_the_writer_moves_nothing_beside_the_tiers_io
     assert pacer.idle_bytes == total and pacer.capped_bytes == 0 and not any(beside)
     assert elapsed <= math.ceil(total / ((1 - busy) * disk_bps)) + 1
     assert elapsed <= steps_to_due + 2 * (chunk / disk_bps + pacing.POLL_S)
+
+
+@settings(max_examples=40, deadline=None)
+@given(runs_s=st.floats(0.0, 30.0), first_due_in=st.one_of(st.none(), st.floats(1.0, 40.0)),
+       due_in=st.one_of(st.none(), st.floats(2.0, 60.0)), spread=st.booleans())
+def test_a_writer_waits_for_the_one_due_first_then_paces_anew(runs_s, first_due_in, due_in, spread):
+    """While the writer due first runs, none of this one's chunks go: it waits until that one ends, or until that
+    one's due time or half the time to its own, whichever comes first; its pacing (the calibration included) then
+    starts from there. Where the updates wait for it (spread off) it never waits."""
+    clock = Clock()
+    tier = FakeTier(clock)  # quiet throughout
+    start = clock.now
+    due = start + due_in if due_in is not None else None
+    pacer = pacing.DiskPacer([tier], cap_bps=1e6, clock=clock, sleep=clock.sleep, due_at=due)
+    pacer.spread = spread
+    pacer.first = lambda: clock.now < start + runs_s
+    pacer.first_until = start + first_due_in if first_due_in is not None else None
+    checks = []
+    pacer.yield_to_first(lambda: checks.append(clock.now))
+    ends = [start + runs_s] + [start + t for t in (first_due_in, None if due_in is None else
+                                                   pacing.FIRST_SHARE * due_in) if t is not None]
+    limits = [end - start for end in ends]  # as the clock's floats have them
+    waited = clock.now - start
+    if not spread:
+        assert waited == 0 and pacer.started == start
+        return
+    assert min(limits) - 1e-9 <= waited < min(limits) + pacing.FIRST_POLL_S + 1e-9
+    assert len(checks) == clock.sleeps  # a cancel is seen at every look
+    if waited > 0:
+        assert pacer.started == clock.now
+        if due is not None:
+            assert pacer.calibrated_at == pytest.approx(clock.now + pacing.CALIBRATE_SHARE * (due - clock.now))
+    pacer.expect(10)
+    pacer.wait_turn(10)  # the tier is quiet: the chunk goes at once
+    assert pacer.idle_bytes == 10
+    assert ("after the forked writer due first" in pacer.report()) == (waited >= pacing.FIRST_POLL_S)
+
+
+def test_a_cancel_while_waiting_for_the_writer_due_first_ends_the_wait():
+    clock = Clock()
+    pacer = pacing.DiskPacer([FakeTier(clock)], cap_bps=1e6, clock=clock, sleep=clock.sleep)
+    pacer.first = lambda: True  # never ends, no due time: only the cancel stops it
+
+    def cancel_after_a_second():
+        if clock.now >= 101.0:
+            raise RuntimeError("cancelled")
+
+    with pytest.raises(RuntimeError, match="cancelled"):
+        pacer.yield_to_first(cancel_after_a_second)

@@ -31,6 +31,7 @@ process would see the next updates change them in place. ``HostWeightsAside`` co
 from __future__ import annotations
 
 import dataclasses
+import contextlib
 import functools
 import os
 import socket
@@ -76,6 +77,7 @@ class WriterThread(Protocol):
     def done(self) -> bool: ...
     def wait(self) -> None: ...
     def cancel(self) -> None: ...
+    def yield_to(self, running: Callable[[], bool], until: Optional[float]) -> None: ...
 
 
 class BackgroundSaves:
@@ -100,7 +102,11 @@ class BackgroundSaves:
             raise RuntimeError("a background checkpoint write is still pending: finish() it first")
         finalize = _finalize_then(request.finalize_fns, on_written)
         write = forked_writer(request.async_fn, flush) if request.async_fn is not None else None
-        self._queue.schedule_async_request(request._replace(async_fn=write, finalize_fns=[finalize]))
+        first = flush if flush is not None and flush.running_path is not None and write is not None else None
+        with first.held_across_fork() if first is not None else contextlib.nullcontext():
+            self._queue.schedule_async_request(request._replace(async_fn=write, finalize_fns=[finalize]))
+        if thread is not None and first is not None:  # its flushes are due first: the thread waits for them
+            thread.yield_to(first.writer_running, first.due_at)
         self._thread, self._flush = thread, flush
         if thread is not None:
             thread.start()

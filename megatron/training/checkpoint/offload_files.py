@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from megatron.core import parallel_state
@@ -245,6 +245,12 @@ class StateWrites:
     def cancel(self) -> None:
         for w in self.writes:
             w.cancel()
+
+    def yield_to(self, running: Callable[[], bool], until: Optional[float]) -> None:
+        """Each paced write waits while ``running`` (a writer due first, by ``until``) before its first chunk."""
+        for w in self.writes:
+            if w.pacer is not None:
+                w.pacer.first, w.pacer.first_until = running, until
 
 
 class PositionFiles:
