@@ -403,3 +403,25 @@ def test_a_run_read_against_its_own_steps_before_the_save():
     assert first == 1.5 and most == 1.5  # step 9
     assert mean == pytest.approx((7.5 + 5 + 5 + 5 + 5 + 5.25) / 5.0 / 6)
     assert first_step_copy.own_reading(lines, save_at=12) is None  # steps 13-18: the run ends at 16
+
+
+def test_a_saves_hold_counts_the_updates_after_it_that_waited_for_its_copies():
+    """The goal's check takes the finalize line's whole pause (at the save and in the updates after it) where
+    the hold at the save alone would pass: 0.30 s at the save, 2.31 s more in the update that overtook the copy."""
+    async_log = [iteration_line(8, 5.0), "> checkpoint at iteration 8: training held 0.30 s (0.00 s of it ...)",
+                 iteration_line(9, 9.0),
+                 "[offload rank 0] INFO offloaded state /x/iter_0000008/offload/a.offload paced: 8 GB",
+                 iteration_line(10, 5.0),
+                 "> saved checkpoint at iteration 8 to /x (finalized in the background): 18.281 GB in 51.8 s; "
+                 "training paused 2.61 s (0.30 s at the save, 2.31 s in the updates after it); torch_dist's writer: "
+                 "8 files flushed paced (6.031 GB in 184 pieces)"]
+    plain = [iteration_line(i, 5.0) for i in range(8, 11)]
+    rows, _ = beside_writer.report(async_log, plain)
+    assert "checkpoint 8: training paused 2.61 s (0.30 s at the save, 2.31 s in the updates after it)" in rows
+    assert ("longest hold of a save, the updates' pauses after it included: 2.61 s (NOT met: goal <= 0.5 s for "
+            "every save)") in rows
+    no_pause = [line.replace("2.61 s (0.30 s at the save, 2.31 s", "0.30 s (0.30 s at the save, 0.00 s")
+                for line in async_log]
+    rows, _ = beside_writer.report(no_pause, plain)
+    assert any(row.startswith("longest hold of a save, the updates' pauses after it included: 0.30 s (met")
+               for row in rows)
