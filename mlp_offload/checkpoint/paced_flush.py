@@ -16,11 +16,11 @@ memory). A flush that outlasts that age lets the flusher threads write the rest 
 step: pacing lost, never durability. So the flushes are due by ``EXPIRE_SHARE`` of that age from the save where
 that comes before the next save (``/proc/sys/vm/dirty_expire_centisecs``). Writing back while writing would need a hook into torch's stream transforms (experimental API).
 
-Flushes first: torch_dist's flushes are due before the offloaded state's writer (the kernel's dirty age), and
-where both take the tiers' quiet spells each gets half of them, so the flushes' pacer, seeing its rate halved, puts
-bytes beside the steps' I/O. So the rank holds a shared lock on ``RUNNING`` (in the first tier's lock directory)
-across the fork of the writer (``FlushPacing.held_across_fork``): the forked writer inherits it, the rank closes its copy, and
-the lock is held exactly as long as the writer and the workers it forks live. The offloaded state's writer waits
+Flushes first: torch_dist's flushes are due before the offloaded state's writer (the kernel's dirty age), and where
+both take the tiers' quiet spells each gets half of them, so the flushes' pacer, seeing its rate halved, puts bytes
+beside the steps' I/O. So the rank holds a shared lock on ``RUNNING`` (in the first tier's lock directory) across
+the fork of the writer (``FlushPacing.held_across_fork``): the forked writer inherits it, the rank closes its copy,
+and the lock is held exactly as long as the writer and the workers it forks live. The offloaded state's writer waits
 while ``FlushPacing.writer_running`` sees it (``pacing.DiskPacer.yield_to_first``).
 
 Seeing the tiers from another process: a tier's operations hold the node's tokens (``tiers.tokens``: flocks
