@@ -40,7 +40,7 @@
 #       (§42; branch pending-writer-process, its tests in the patch)
 #   FLOOR_GB=4 RUNS="B16 A16_keep_staging" RUN_LIMIT=260 ...  (about 460 s) the staging of the state held in memory
 #       made and faulted in at start-up and kept from save to save: whether the first step after a save, the worst
-#       in every run of §45, loses its extra (8.4 GB of anonymous memory is mapped and faulted in at each save now,
+#       in §45's two runs over 1.25x, loses its extra (8.4 GB of anonymous memory is mapped and faulted in at each save now,
 #       unmapped after the write; the first save's copy aside took 2.21 and 5.07 s at saves 16 apart, §44-45); or
 #       RUNS="B8 A8 A8_keep_staging" RUN_LIMIT=200 (about 420 s). Its merge: branch merge-keep-staging (§45)
 #   FLOOR_GB=4 RUNS="B16 A16_flush_first" RUN_LIMIT=260 ...  (about 460 s) the offloaded state's writer waits while
