@@ -22,7 +22,7 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
-ITERATION_TIME = re.compile(r"iteration +(\d+)/.*elapsed time per iteration \(ms\): ([0-9.]+)")
+from beside_writer import iteration_times  # this script's directory, as when run beside it
 COPY = re.compile(r"([0-9.]+) GB copied aside first in ([0-9.]+) s")
 FIRST_STEP = re.compile(r"^iteration (\d+): .*: ([0-9.]+)x$", re.M)
 
@@ -38,7 +38,7 @@ def reading(text: str) -> Optional[Tuple[float, float, float, int]]:
 def own_reading(text: str, save_at: int = 8, after: int = 6) -> Optional[Tuple[float, float, float, float]]:
     """(median s of steps 3..save_at-1, the first step after the save's ratio to it, the most and the mean ratio of
     the ``after`` steps after the save) from a run's iteration lines, or None where a step is missing."""
-    seconds = {int(m.group(1)): float(m.group(2)) / 1000 for m in ITERATION_TIME.finditer(text)}
+    seconds = iteration_times(text.splitlines())
     before, later = range(3, save_at), range(save_at + 1, save_at + 1 + after)
     if any(i not in seconds for i in (*before, *later)):
         return None
