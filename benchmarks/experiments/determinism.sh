@@ -28,26 +28,12 @@
 #   bash benchmarks/run_gpu.sh determinism     (device tool, kind nvidia-h200, carry [".whl"])
 #   RUNS="D1 D2 DR" ... a subset; DRY_RUN=1 bash benchmarks/experiments/determinism.sh (tiny, CPU)
 #   (A2_staging_4k_pages: the snapshot's staging in 4 KiB pages, as before fa8ee57)
-#   FLOOR_GB=4 RUNS="B8 A8 A8_device_digest" RUN_LIMIT=230 ...  (about 500 s) the linked subgroups' digest taken
-#       on the device from the next update's own copies in, queued before each update (4.13 GB less read a save
-#       here, nothing waits); their CPU digest paused the update 2.26 s (§41; branch pending-device-digest)
-#   FLOOR_GB=4 RUNS="B8 A8 A8_freeze_at_save" RUN_LIMIT=230 ...  (about 500 s) the rank's objects frozen before
-#       torch_dist's writer is forked at a save: whether the first step after it loses its page faults and its
-#       extra 0.5 s on a core (§41; branch pending-freeze-at-save; once in §42: the faults stayed, 1.29x against 1.40x)
-#   FLOOR_GB=4 RUNS="B8 A8 A8_writer_process" RUN_LIMIT=230 ...  (about 500 s) torch_dist's writer in a process
-#       spawned once at start-up, the save's tensors through shared host copies kept from save to save, against
-#       main's writer forked from the rank at each save: whether the first step after a save loses its page faults
-#       (§42; branch pending-writer-process, its tests in the patch)
+#   (retired variants, measured in §41-46: device_digest, freeze_at_save, writer_process; flush_first is merged, §46)
 #   FLOOR_GB=4 RUNS="B16 A16_keep_staging" RUN_LIMIT=260 ...  (about 460 s) the staging of the state held in memory
 #       made and faulted in at start-up and kept from save to save: whether the first step after a save, the worst
 #       in §45's two runs over 1.25x, loses its extra (8.4 GB of anonymous memory is mapped and faulted in at each save now,
 #       unmapped after the write; the first save's copy aside took 2.21 and 5.07 s at saves 16 apart, §44-45); or
 #       RUNS="B8 A8 A8_keep_staging" RUN_LIMIT=200 (about 420 s). Its merge: branch merge-keep-staging (§45)
-#   FLOOR_GB=4 RUNS="B16 A16_flush_first" RUN_LIMIT=260 ...  (about 460 s) the offloaded state's writer waits while
-#       torch_dist's forked writer lives, so its flushes, due by 0.8 of the kernel's dirty age, have the quiet
-#       spells to themselves: whether the updates of the steps after the first lose the flushes' bytes (2.35 and
-#       1.70 GB in §45's A16); or RUNS="B8 A8 A8_keep_staging A8_flush_first" RUN_LIMIT=200 (about 500 s)
-#       (branch pending-flush-first, its tests in the patch)
 #   NAME-K (K a digit), e.g. RUNS="B8 A8 B8-2 A8-2": the K-th run of NAME, against the K-th of its base (A8-2 against
 #       B8-2, A8_<variant>-2 too; where B8-2 is not run, against B8, so RUNS="B8 A8 A8-2" reads one code twice
 #       against one base): two runs of one command differ by about 0.2 a step on the device's disk (§39), so a

@@ -14,7 +14,8 @@ the one call of ours it makes per file), and it writes a file into the page cach
 what the kernel leaves dirty before its flusher threads take it (an age of tens of seconds, a share of host
 memory). A flush that outlasts that age lets the flusher threads write the rest unpaced, all at once beside a
 step: pacing lost, never durability. So the flushes are due by ``EXPIRE_SHARE`` of that age from the save where
-that comes before the next save (``/proc/sys/vm/dirty_expire_centisecs``). Writing back while writing would need a hook into torch's stream transforms (experimental API).
+that comes before the next save (``/proc/sys/vm/dirty_expire_centisecs``). Writing back while writing would need
+a hook into torch's stream transforms (experimental API).
 
 Flushes first: torch_dist's flushes are due before the offloaded state's writer (the kernel's dirty age), and where
 both take the tiers' quiet spells each gets half of them, so the flushes' pacer, seeing its rate halved, puts bytes
@@ -249,7 +250,8 @@ def _append_report(report_path: Optional[str], counts: FlushCounts, pacer: DiskP
     """One line per file flushed, appended (one short write: whole even beside the other workers')."""
     if report_path is None:
         return
-    line = f"{os.getpid()} {counts.files} {counts.pieces} {counts.nbytes} {counts.unpaced} {pacer.waits} {pacer.waited_s:.3f}\n"
+    line = (f"{os.getpid()} {counts.files} {counts.pieces} {counts.nbytes} {counts.unpaced} "
+            f"{pacer.waits} {pacer.waited_s:.3f}\n")
     with open(report_path, "a") as report:
         report.write(line)
 

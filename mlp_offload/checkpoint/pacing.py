@@ -14,10 +14,11 @@ spells are the forward and backward passes (a step's update keeps its file tiers
 ``TierActivity.window``), so a chunk in one slows no step I/O, and the writer takes them as they come. Beside a
 busy tier it moves only what the quiet spells will not carry by the due time: for the first ``CALIBRATE_SHARE``
 of that time nothing (it measures what the quiet spells carry; a tier almost never quiet, ``busy_share`` at
-least ``NEVER_QUIET``, and updates that wait for the writer, ``spread`` off, get the cap from the start), then, where the bytes left, less what quiet spells at the
-rate seen will carry by then, need it, at the rate that has them done in the tiers' busy time
-(``DiskPacer.rate_now``). Within that busy time no chunk takes the writer past the bytes expected spread evenly
-over ``1 / AHEAD`` of the time (``DiskPacer.spread_bytes``): what must go beside the steps goes beside each alike.
+least ``NEVER_QUIET``, and updates that wait for the writer, ``spread`` off, get the cap from the start), then,
+where the bytes left, less what quiet spells at the rate seen will carry by then, need it, at the rate that has
+them done in the tiers' busy time (``DiskPacer.rate_now``). Within that busy time no chunk takes the writer past
+the bytes expected spread evenly over ``1 / AHEAD`` of the time (``DiskPacer.spread_bytes``): what must go beside
+the steps goes beside each alike.
 A writer due earlier on the same disk (torch_dist's paced flushes: ``paced_flush``) goes first: the writer waits
 while it runs (``DiskPacer.yield_to_first``), then starts its pacing anew.
 A checkpoint on another device: no pacing. Since the writer then takes several steps, the staging
@@ -226,8 +227,9 @@ class DiskPacer:
         first = (f"began {self.yielded_s:.1f} s later, after the forked writer due first; "
                  if self.yielded_s >= FIRST_POLL_S else "")
         return (f"{human_bytes(self.staged_bytes)} copied aside first in {self.staged_s:.2f} s; {first}"
-                f"{human_bytes(self.idle_bytes)} moved in the tiers' idle time, {human_bytes(self.capped_bytes)} beside "
-                f"their I/O at <= {self.cap_bps / 1e9:.2f} GB/s{raised}; {self.waits} chunks waited {self.waited_s:.1f} s")
+                f"{human_bytes(self.idle_bytes)} moved in the tiers' idle time, "
+                f"{human_bytes(self.capped_bytes)} beside their I/O at <= {self.cap_bps / 1e9:.2f} GB/s{raised}; "
+                f"{self.waits} chunks waited {self.waited_s:.1f} s")
 
 
 def due_at(next_save_in_s: Optional[float], clock: Callable[[], float] = time.monotonic) -> Optional[float]:
@@ -267,6 +269,8 @@ def pace_save(engine, snapshot, path: str, link_tier_files: bool, digest: bool,
     # Where the staging holds less than the memory-held state, the updates after the save wait for the writer to
     # reach their subgroups: held to a spread, it would hold them longer.
     pacer.spread = staged >= memory_bytes
+    spread = ("" if next_save_in_s is None or not pacer.spread
+              else f", spread evenly over its first {FINISH_SHARE * next_save_in_s / AHEAD:.1f} s")
     log.info("async save: writer paced behind the %s tier on %s: %s to write, about %.1f s at the tier's %.0f%% "
              "busy share %s (idle time at the disk's %.2f GB/s, <= %.2f GB/s beside its I/O); the state held "
              "in memory copied aside before the first chunk (%s of %s%s)%s",
@@ -281,7 +285,7 @@ def pace_save(engine, snapshot, path: str, link_tier_files: bool, digest: bool,
              f"the tiers' quiet spells (the forward and backward) taken as they come; beside their I/O "
              f"{'at the cap' if busy >= NEVER_QUIET or not pacer.spread else 'nothing'} for the first "
              f"{CALIBRATE_SHARE * FINISH_SHARE * next_save_in_s:.1f} s, then what the quiet spells at the rate seen "
-             f"leave{f', spread evenly over its first {FINISH_SHARE * next_save_in_s / AHEAD:.1f} s' if pacer.spread else ''}")
+             f"leave{spread}")
     whole_disk_s = (written + read) / disk_bps if disk_bps > 0 else 0.0
     if next_save_in_s is not None and whole_disk_s > FINISH_SHARE * next_save_in_s:
         log.warning("async save: its %s to move take %.1f s even at the disk's whole %.2f GB/s, more than the %.1f s "
