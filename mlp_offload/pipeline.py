@@ -80,7 +80,8 @@ def file_key(i: int) -> str:
 class ModelParamsAsMaster:
     """An initial-params fill function saying the masters start as the model's own bf16 params (as
     megatron-core starts its fp32 master). Stored as remainders, those are zeros by construction:
-    no fp32 master is made and split (at 20.7 B params that took most of a minute of start-up)."""
+    no fp32 master is made and split (on a large model that cost much of the start-up:
+    docs/benchmarks.md §12)."""
 
     def __init__(self, fill: Callable[[int, int, torch.Tensor], None]):
         self.fill = fill

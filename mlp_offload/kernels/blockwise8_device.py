@@ -3,11 +3,11 @@ of a tile, several a program, mirroring ``blockwise8.adamw_step`` operation by o
 tests run): every fp32 operation rounded once (``enable_fp_fusion=False``: no contraction into
 fused multiply-adds; ``div_rn``, ``sqrt_rn``), the block's absmax a max over its elements.
 
-Its first form (one program per block; 14 G elements/s on an H200) gave the torch path's bits for
-every scheme of the tests on one H200 (2026-11-27; ``tests/unit/test_blockwise8.py``, in the GPU
-suite). The engine compares it with the torch path on a sample at start-up (``step.eight_bit``) and
-runs the torch path where they differ; what decides the bits: Triton's fp32 -> float8 cast (``cvt.rn.satfinite`` on sm_90: nearest even, as c10's;
-the quotient is clamped first, so saturation never decides) and subnormal scales (no flush to zero).
+It gives the torch path's bits for every scheme of the tests (``tests/unit/test_blockwise8.py``, in
+the GPU suite; docs/design.md, "Adam moments in 8 bits"). The engine compares it with the torch path
+on a sample at start-up (``step.eight_bit``) and runs the torch path where they differ; what decides
+the bits: Triton's fp32 -> float8 cast (``cvt.rn.satfinite`` on sm_90: nearest even, as c10's; the
+quotient is clamped first, so saturation never decides) and subnormal scales (no flush to zero).
 """
 
 from __future__ import annotations
@@ -68,8 +68,8 @@ if triton is not None:
                      M_INT: tl.constexpr, V_INT: tl.constexpr, PARAM_OUT: tl.constexpr, REMAINDERS: tl.constexpr,
                      UNSCALE: tl.constexpr, CLIP: tl.constexpr, ZERO_GRAD: tl.constexpr, B: tl.constexpr,
                      ROWS: tl.constexpr):
-        """ROWS blocks per program, a row of a [ROWS, B] tile each (one block a program ran 14 G
-        elements/s on an H200 on state in HBM). No ``other`` for the codes' loads (Triton casts no
+        """ROWS blocks per program, a row of a [ROWS, B] tile each (one block a program ran far slower
+        on state in HBM: docs/benchmarks.md §17). No ``other`` for the codes' loads (Triton casts no
         integer to float8): masked lanes are never stored nor counted in a row's absmax. On the
         model's buffers (``adamw_step_model``): the grads in their training dtype, widened and
         multiplied as ``update.convert_grads`` does, zeroed after the read (ZERO_GRAD); a remainders

@@ -136,7 +136,8 @@ _background: Optional[threading.Thread] = None
 
 def build_in_background() -> None:
     """Start building (or importing) the extension on a thread of its own: on a node that has not
-    built it yet the compile takes about 20 s, which then runs while the caller builds its model."""
+    built it yet the compile takes tens of seconds (docs/benchmarks.md §12), which then run while
+    the caller builds its model."""
     global _background
     if _background is None:
         _background = threading.Thread(target=_extension, name="mlp_offload cpu kernel build", daemon=True)

@@ -94,7 +94,7 @@ def fused_vector_width() -> int:
     The smallest chunk length whose chunk-by-chunk calls give exactly what one call over the
     whole tensor gives (shorter chunks fall to the scalar tail); 2 also where scalar and vector
     code agree (aligning to it is then harmless); 0 if no chunk up to 64 agrees (then slices are
-    not aligned). About 0.3 s, once per process.
+    not aligned). Measured once per process (its cost: docs/design.md, "Adam on slices, bit for bit").
     """
     n = 1 << 14
     gen = torch.Generator().manual_seed(0)

@@ -1,10 +1,9 @@
 """The file tiers' rates as the steps show them, for the prediction printed beside each step.
 
-Start-up probes each file tier once, with about a gigabyte, and a shared disk's speed drifts: on one H200
-(2026-11-28, docs/benchmarks.md §20) the probe measured 1.51 GB/s with reads and writes at once and the
-steps then moved 1.64-1.81 GB/s, so the prediction of that disk-bound update was 11-28% over (8.90 s for
-6.98-7.98 s); on 2026-11-24 another run's was 7% under. Where a step's update was bound by file I/O in the
-prediction, the step's own time says how fast the tiers went: the median over the last ``STEPS`` such
+Start-up probes each file tier once, with about a gigabyte, and a shared disk's speed drifts: the steps of
+one run moved their bytes faster than its probe had measured, so the prediction of that disk-bound update
+was over; another run's was under (docs/benchmarks.md §20). Where a step's update was bound by file I/O in
+the prediction, the step's own time says how fast the tiers went: the median over the last ``STEPS`` such
 steps scales every file tier's probed rates, and later predictions are priced at those.
 
 Only the prediction follows: where subgroups live and which side updates them stay as chosen. One scale
@@ -24,8 +23,8 @@ from ..config import TierBandwidth
 STEPS = 3  # steps whose median sets the scale: one odd step moves the prediction no further than its neighbours
 IO_BOUND = 0.9  # a step is read where the prediction's file I/O is at least this share of its update
 MOVE = 0.05  # the scale changes only where the steps' median differs from it by more than this
-# Shorter steps are read as the step's fixed costs, not the disk's: a small run's 30 ms step of a few megabytes
-# would otherwise price its disk at a tenth of the probe's rate.
+# Shorter steps are read as the step's fixed costs, not the disk's: a small run's short steps of a few megabytes
+# would otherwise price its disk far below the probe's rate (docs/design.md, "Rates, tokens and the prediction").
 MIN_STEP_S = 0.5
 
 

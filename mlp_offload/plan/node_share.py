@@ -3,10 +3,9 @@ stored state host -> device and back, so its rate is bounded by the rank's own l
 of the node's host memory bandwidth, which the node's ranks use at once (data, tensor and pipeline
 parallel ranks all update in the same phase).
 
-Measured on H200 machines (docs/results/gpu_2026-11-26/): one GPU alone streamed 8.37, 5.00 and
-4.2 G elements/s with 6, 10 and 12 stored bytes per element, each ~100 GB/s both ways (its PCIe
-link); four GPUs of one node streaming at once got 1.94 G elements/s each with 12 bytes, ~186 GB/s
-for the node (call8_x4_tp2pp2.log), where each alone had probed 4.1-5.5."""
+One GPU alone streams at its link's rate in bytes, whatever the stored bytes per element; the GPUs of
+one node streaming at once each got well under what each had probed alone: the node's host memory
+bandwidth bound them (docs/design.md, "Rates, tokens and the prediction")."""
 
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 prices it): the CPU's rate beside the streaming device as the steps show it, and the forward's length.
 
 The start-up's rate of the CPU beside the device comes from a probe that updates 2 M elements at a time,
-each piece's gradient and param copies queued behind the device's streamed copies: on an H200 it read
-0.20 G elem/s where the CPU's one pass runs 3.7 alone, and priced that way the CPU gets nothing. A
+each piece's gradient and param copies queued behind the device's streamed copies: it reads far below
+the CPU's one pass alone, and priced that way the CPU gets nothing (docs/design.md, "Placement"). A
 deferred step's CPU share shows its own rate: its Adam, gradient and params time over its elements,
 while the device streams its share beside it. So where nothing has measured it yet and the start-up's
 rates give the CPU no share, one step runs with a small one (``PROBE_SUBGROUPS``; at the probe's rate

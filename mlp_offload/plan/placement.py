@@ -54,7 +54,7 @@ class UpdateRates:
     device_streamed: Optional[float] = None  # host state copied to the device and back, overlapped
     # The same two measured while both run at once, as a split step runs them: they share host
     # memory bandwidth and PCIe (the CPU's grads come down and its params go up over it). Timed
-    # alone, the streamed rate was 4.5 G/s on an H200 machine where split steps streamed at 2.5.
+    # alone, the streamed rate was well above what split steps streamed (docs/design.md, "Placement").
     cpu_shared: Optional[float] = None
     streamed_shared: Optional[float] = None
 

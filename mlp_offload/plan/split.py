@@ -1,12 +1,12 @@
 """The update split re-measured from the steps themselves: how many of the host-held subgroups the
 CPU updates while the device streams the rest (``update_on`` "auto").
 
-The start-up split comes from rates probed once (``UpdateRates``). Real steps can differ: on a
-20.68 B model on one H200 the CPU ran at 0.22 G elem/s beside the streaming GPU, far below its
-probe, and its 5 subgroups made the update ~0.7 s slower than the GPU alone. Here each step's
-record gives the rate each side achieved; the split is then re-chosen to minimise the predicted
-update, max(CPU share, device share), over every count, and never kept or chosen slower than the
-better single side (all host-held subgroups on the device, or all on the CPU).
+The start-up split comes from rates probed once (``UpdateRates``). Real steps can differ: beside the
+streaming GPU the CPU can run far below its probe, and its few subgroups then make the update slower
+than the GPU alone (docs/design.md, "Placement"). Here each step's record gives the rate each side
+achieved; the split is then re-chosen to minimise the predicted update, max(CPU share, device share),
+over every count, and never kept or chosen slower than the better single side (all host-held
+subgroups on the device, or all on the CPU).
 
 How a record is read: the CPU's share is its own time (adam + conversion + params out). The
 device's busy time is not in the record: beside the CPU it is taken as the whole step less the
@@ -42,7 +42,8 @@ from .placement import CPU, DEVICE, UpdateRates, spread
 
 GAIN = 0.03  # a move must be predicted to shorten the update by more than this fraction
 # The relative standard deviation of a step's update assumed until steps at one count show their own (it weighs as
-# one degree of freedom against theirs): a first step 15% slower than the better single side leaves at once.
+# one degree of freedom against theirs): a first step slower than the better single side by NOISE_Z times this
+# (15%) leaves at once.
 NOISE_PRIOR = 0.05
 # A step's timing jitter whatever its length (the host's scheduling, the device's synchronisation): the noise of
 # a short step (the quickstart's update takes milliseconds) is at least this.
@@ -50,10 +51,9 @@ JITTER_S = 0.5e-3
 NOISE_Z = 3.0  # a move must be predicted to gain more than this many of the steps' standard deviations
 SAMPLES = 8  # the recent steps kept per count: their median prices it, their spread is the noise
 # The device's rate beside the CPU rises above what it knew only from a step where the CPU worked at least this
-# share of it: beside a short CPU share the device streams mostly alone (20.68 B and 25.36 B with fp8 moments on an
-# H200, 2026-11-28: 8.4-11 G elem/s "beside" one CPU subgroup, then 4.2-7.6 beside 11-17 of them, which the split
-# had moved to on the first figure and moved back from a step later, that step 30-40% slower). A lower figure
-# counts from any step: the CPU's share only slows it.
+# share of it: beside a short CPU share the device streams mostly alone, and a rate read there once moved the split
+# to a large CPU share that it left a step later, that step slower (docs/benchmarks.md §19; docs/design.md,
+# "Placement"). A lower figure counts from any step: the CPU's share only slows it.
 BESIDE_SHARE = 0.5
 
 

@@ -4,18 +4,18 @@ cache).
 
 Reading (``DirectReads``): the block-aligned span around a range is read by a pool of threads into an
 aligned buffer of its own, and the range handed out as a view of it. Through the page cache one thread
-read a checkpoint at 0.28-0.30 GB/s on the CI machine, whose disk gives 1.3-1.9 GB/s by O_DIRECT with 8
-threads. Where there is no O_DIRECT, ``read`` answers None.
+read a checkpoint at a fraction of what the disk gives by O_DIRECT with 8 threads (docs/design.md,
+"Checkpoint file I/O"). Where there is no O_DIRECT, ``read`` answers None.
 
 Writing (``DirectRegionWriter``): a region is cut into pieces on block boundaries of the file, each piece
 copied into one of a ring of aligned staging buffers and written by a pool of threads while the next
 pieces are copied; the few bytes at a region's unaligned ends go through the page cache. The CRC32 of
 each tensor is chained piece by piece on a thread of its own. A checkpoint file keeps its subgroups back
 to back (the format needs no padding), so a region rarely starts or ends on a block. Through the page
-cache alone one thread wrote 0.33-0.40 GB/s on the CI machine, whose disk takes 1.7-2.2 GB/s by O_DIRECT
-with 8 threads (an independent 13 B save on four H200s saw 0.38 GB/s per rank): not the disk's pace. The
-staging ring is small (8 x 16 MiB): a save must not need host memory the size of a subgroup beside a
-full host tier. The file is fsynced by the caller.
+cache alone one thread wrote at a fraction of what the disk takes by O_DIRECT with 8 threads, and so did
+each rank of an independent save on four GPUs: not the disk's pace (docs/design.md, "Checkpoint file
+I/O"). The staging ring is small (8 x 16 MiB): a save must not need host memory the size of a subgroup
+beside a full host tier. The file is fsynced by the caller.
 """
 
 from __future__ import annotations

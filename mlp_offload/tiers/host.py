@@ -58,9 +58,9 @@ class HostMemory:
             # otherwise cost a copy of what the update rewrites, or of all of it once pinned.
             raw = unforked_zeros(nbytes + ALIGN, huge_pages=self.pin)
             if self.pin:
-                # Faulted in by torch's threads first: cudaHostRegister faulting them itself ran at
-                # 2.2 GB/s on an H200 machine, this at 12 GB/s, and 20 with huge pages
-                # (benchmarks/experiments/pinning.py, docs/benchmarks.md §11).
+                # Faulted in by torch's threads first: cudaHostRegister faulting them itself was several
+                # times slower, and huge pages on top are faster still (benchmarks/experiments/pinning.py,
+                # docs/benchmarks.md §11).
                 raw.zero_()
                 self._register(raw)
         except (RuntimeError, OSError) as err:  # OSError: the mapping was refused
@@ -124,8 +124,8 @@ def _cgroup_limit_bytes() -> Optional[int]:
     return None
 
 
-# Some machines grow their memory on demand and report a fraction of it at start-up (8x seen):
-# beyond this multiple of MemTotal a budget is a typo on any machine.
+# Some machines grow their memory on demand and report a fraction of it at start-up (docs/design.md, the
+# ``tiers/host.py`` row): beyond this multiple of MemTotal a budget is a typo on any machine.
 IMPLAUSIBLE_OVER_MEMTOTAL = 64
 
 

@@ -190,8 +190,8 @@ def loader_generator(seed: int, consumed_samples: int, dp_rank: int) -> torch.Ge
 def keep_inherited_objects_shared(worker_id: int) -> None:
     """A forked data worker's first act: the objects it inherited from the rank go to gc's permanent generation
     (moving them touches only the lists' ends), so its collections never write their headers, and the rank's
-    Python heap (about 0.1 GiB after torch's and megatron-core's imports) stays shared, not copied into each
-    worker."""
+    Python heap (large after torch's and megatron-core's imports: docs/design.md, the ``data/datasets.py`` row)
+    stays shared, not copied into each worker."""
     gc.freeze()
 
 

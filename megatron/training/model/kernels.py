@@ -135,7 +135,8 @@ def _resolve_fusions(args, kernels: Kernels) -> None:
     te, cuda = args.transformer_impl == "transformer_engine", kernels.cuda
     bias_act = args.bias_swiglu_fusion if args.swiglu else args.bias_gelu_fusion
     # megatron-core builds its fused bias and cross-entropy kernels with torch.compile (megatron.core.jit):
-    # meant for CUDA; on a CPU run inductor spends most of a minute on them. Without a bias nothing is fused.
+    # meant for CUDA; on a CPU run inductor spends long on them (docs/design.md, "CPU as a device").
+    # Without a bias nothing is fused.
     args.bias_activation_fusion = bool(bias_act and cuda and not args.disable_bias_linear)
     args.bias_dropout_fusion = bool(args.bias_dropout_fusion and cuda)
     args.cross_entropy_loss_fusion = bool(args.cross_entropy_loss_fusion and cuda)

@@ -6,8 +6,9 @@ A rank's checkpoint saves start processes (megatron-core 0.16.1, ``dist_checkpoi
   starts it lazily on the first save (``filesystem_async._get_write_results_queue``) and it lives
   as long as the rank. Started here instead, without importing the rank's ``__main__``
   (``die_with_parent.main_module_left_out``), and serving a queue whose results stay pickled
-  (``results_queue``): 20 MB and 0.1 s of CPU rather than 220 MB and 2 s at start-up
-  (pretrain_gpt.py imports torch) and 3 s more at the first save (unpickling the results imports it);
+  (``results_queue``): it never imports torch, neither at start-up (pretrain_gpt.py imports it) nor at
+  the first save (unpickling the results imports it), so it costs a fraction of the memory and CPU time
+  (docs/design.md, "Signals and errors");
 - with it, the stdlib resource tracker (spawned with the first spawn-started child); it exits by
   itself once every holder of its pipe (the rank and all its children) is gone;
 - per save, one forked writer per file (``write_preloaded_data_multiproc``, fork context).

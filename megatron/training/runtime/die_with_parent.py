@@ -34,8 +34,8 @@ def die_with_parent(*_unused) -> None:
 def main_module_left_out():
     """While a process is spawned: a spawned child imports its parent's ``__main__`` first
     (``pretrain_gpt.py``, and torch with it) only to run a function that needs none of it: seconds
-    of CPU and about 220 MB per rank for a queue server. Without a ``__main__`` file it imports
-    just what the function's pickle names."""
+    of CPU and hundreds of MB per rank for a queue server (docs/design.md, "Signals and errors").
+    Without a ``__main__`` file it imports just what the function's pickle names."""
     main = sys.modules["__main__"]
     sys.modules["__main__"] = types.ModuleType("__main__")
     try:

@@ -3,8 +3,9 @@
 
 Data workers are forked from the rank; the engine's buffers are left out of them (MADV_DONTFORK,
 ``mlp_offload.tiers.no_fork``), so a worker costs its own prefetched batches and the pages of the
-rank it rewrites (Python's reference counts): about 13 MiB each measured on CPU with mock data
-(tests/unit/test_planned_host_memory.py), counted at 32 MiB for larger batches and datasets.
+rank it rewrites (Python's reference counts): counted at 32 MiB each, above what one measured on CPU with
+mock data (tests/unit/test_planned_host_memory.py), for larger batches and datasets (docs/design.md, the
+``runtime/host_memory.py`` row).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ DATA_WORKER_BYTES = 32 * MiB
 # (torch, the CUDA context's host side, NCCL buffers, the kernels' first use): the largest measured, with the
 # node's own use (docs/benchmarks.md, section 28). The start-up guard counts the process as at least this.
 PROCESS_BYTES_GPU = 9 * GiB
-PROCESS_BYTES_CPU = GiB // 2  # a CPU rank after its imports (about 0.33 GiB measured), model aside
+PROCESS_BYTES_CPU = GiB // 2  # a CPU rank after its imports, above what one measured (docs/design.md), model aside
 
 
 def beside_engine(num_workers: int, process_bytes: int) -> Dict[str, int]:

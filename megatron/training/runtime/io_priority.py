@@ -8,8 +8,8 @@ by ``at_idle_priority``, the child first puts itself in the idle class (inherite
 and threads it starts), so a scheduler that serves classes lets the file tiers' I/O go first. It also
 takes nice 19: the writer forks a worker per file (up to 8), each copying its file into the page cache at
 full speed, on the cores where the rank's update runs parallel regions that wait for their slowest thread;
-at nice 19 those workers take the cores the training leaves idle (the kernel's weight: about 1.5% of a
-core where a training thread wants it).
+at nice 19 those workers take the cores the training leaves idle (the kernel's weights, 15 for nice 19
+against 1024 for nice 0, leave them about 1.5% of a core where a training thread wants it).
 
 Only some block schedulers honour it: ``bfq`` (fully) and ``mq-deadline`` (it orders by class); ``none``
 (the usual one of NVMe drives) and ``kyber`` ignore it. And writes that go through the page cache are

@@ -2,14 +2,14 @@
 megatron-core is imported (so ``pretrain_gpt.py`` calls ``avoid_unused_imports`` first).
 
 - megatron-core imports wandb wherever it is installed (its timers and inference contexts try it
-  at import time), 2-3 s of CPU per process. It is imported on first use instead (as
+  at import time), seconds of CPU per process. It is imported on first use instead (as
   ``--wandb-project`` uses it); megatron-core only keeps the name at import.
 - On a CPU device megatron-core's fused kernels are off (``model.kernels``), yet its ``jit_fuser``
   decorator is ``torch.compile``, which imports TorchDynamo and Inductor as each fused function is
-  defined: 4-5 s of CPU per process for nothing. There its ``megatron.core.jit`` is replaced by
+  defined: seconds of CPU per process for nothing. There its ``megatron.core.jit`` is replaced by
   one whose ``jit_fuser`` leaves functions as they are (its own ``disable_jit_fuser`` state).
-On a 2-core machine this is about a third of a small CPU run's start-up (each test launch starts
-two or more such processes).
+On a machine of few cores this is a large part of a small CPU run's start-up (each test launch starts
+two or more such processes; docs/design.md, "The Megatron adapter").
 """
 
 from __future__ import annotations

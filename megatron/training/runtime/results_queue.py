@@ -3,9 +3,9 @@
 megatron-core's writers put their results (torch.distributed.checkpoint ``WriteResult``s) into a
 multiprocessing Manager's queue, so that a forked async-save caller can hand them to the rank. A
 plain Manager queue unpickles each result in its server, which then imports torch on the first
-save: about 3 s of CPU and 250 MB of memory per rank, for a queue. This queue's proxy pickles on
-the caller's side and the server holds bytes. Standard library only: the spawned server imports
-this module to find the queue's class.
+save: seconds of CPU and hundreds of MB of memory per rank, for a queue (docs/design.md, "Signals
+and errors"). This queue's proxy pickles on the caller's side and the server holds bytes. Standard
+library only: the spawned server imports this module to find the queue's class.
 """
 
 from __future__ import annotations
