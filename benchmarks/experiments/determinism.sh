@@ -198,6 +198,12 @@ for a, b in (("D1", "D2"), ("D1", "DR"), ("N1", "N2"), ("D1", "N1"), ("S1", "L1"
     ok, its = same(a, b)
     print(f"{a} vs {b} over iterations {its}: {'bit-identical (loss, lr, grad norm)' if ok else 'DIFFER'}")
 PY
+for report in "$OUT"/determinism_beside_writer_*.txt; do  # each run with saves: its goal lines, one place
+  [ -s "$report" ] || continue
+  name=${report##*/determinism_beside_writer_}; echo "${name%.txt}:"
+  grep -E "^(longest hold|worst iteration|iterations [0-9-]+ beside the writer against the median|iterations [0-9-]+ \(after the first save\) together)" "$report" | sed 's/^/  /'
+done | tee -a "$OUT/determinism_summary.txt"
+[ -s "$OUT/determinism_summary.txt" ] || rm -f "$OUT/determinism_summary.txt"
 if [ -s "$OUT/determinism_D1.log" ]; then  # the device returns 8 files: none without a save to rate
   $PY benchmarks/experiments/save_rate.py "$OUT/determinism_floor.txt" "$OUT/determinism_D1.log" "$OUT/determinism_DR.log" \
     | tee "$OUT/determinism_save_rate.txt"
