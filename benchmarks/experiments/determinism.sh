@@ -41,6 +41,9 @@
 #       pair run twice shows whether a difference is larger than that; with B8-2 run, A8 against B8 also reads
 #       B8-2 against B8 over the same steps (beside_writer.py --repeat): the noise of the statistic itself
 #   FLOOR_GB=4 RUNS="B8 A8 B8-2" RUN_LIMIT=200 ...  (about 420 s) main's A8 beside that noise
+#   FLOOR_GB=4 RUNS="B8 A8 A8-2" RUN_LIMIT=200 ...  (about 430 s) and RUNS="B16 A16" RUN_LIMIT=260 (about 460 s):
+#       main since d42158d (torch_dist's flushes first) read again, where §46 has one run of each
+#   CALL_BUDGET_S (default 550): a run is not begun where the time used and the longest run so far pass it
 # Raw samples, traces, loss logs and the last run's whole log go into $OUT/raw.tgz.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -148,13 +151,26 @@ run_case() {  # NAME: the run of that name (A8_<variant>, A8-2: A8's flags, its 
     P2) run "$name" --deterministic-mode --offload-activations host --offload-params host --offload-grads host ;;
   esac
 }
+# A run that would pass the call's time is not begun, so the runs done are still read (a device call stops at 600 s,
+# this script's set-up before T0 included)
+longest=0
 for name in ${RUNS:-D1 D2 DR N1 N2}; do
-  if [ "$name" = "${name%%_*}" ]; then run_case "$name"; continue; fi
-  variant=${name#*_}; variant=${variant%-[0-9]*}  # A8_<variant>-2: the variant's second run
-  tree=$(variant_tree "$variant") || continue
-  echo "$name: A run of ${name%%[_-]*} on $tree (benchmarks/variants/$variant.patch applied)"
-  (cd "$tree" && export PYTHONPATH=${PYTHONPATH/$PWD/$tree} && run_case "$name")
-  rm -rf "$tree"
+  used=$(( SECONDS - T0 ))
+  if [ "$longest" -gt 0 ] && [ $(( used + longest )) -gt "${CALL_BUDGET_S:-550}" ]; then
+    echo "$name: not run: $used s used and the longest run so far took $longest s, past CALL_BUDGET_S=${CALL_BUDGET_S:-550}"
+    continue
+  fi
+  begun=$SECONDS
+  if [ "$name" = "${name%%_*}" ]; then run_case "$name"
+  else
+    variant=${name#*_}; variant=${variant%-[0-9]*}  # A8_<variant>-2: the variant's second run
+    if tree=$(variant_tree "$variant"); then
+      echo "$name: A run of ${name%%[_-]*} on $tree (benchmarks/variants/$variant.patch applied)"
+      (cd "$tree" && export PYTHONPATH=${PYTHONPATH/$PWD/$tree} && run_case "$name")
+      rm -rf "$tree"
+    fi
+  fi
+  [ $(( SECONDS - begun )) -gt "$longest" ] && longest=$(( SECONDS - begun ))
 done
 du -sh "$DISK/at2" 2>/dev/null | cat
 for log in "$OUT"/determinism_A[238]*.log "$OUT"/determinism_A16*.log; do
