@@ -35,6 +35,11 @@
 #       unmapped after the write; the first save's copy aside took 2.21 and 5.07 s at saves 16 apart, §44-45); or
 #       RUNS="B8 A8 A8_keep_staging" RUN_LIMIT=200 (about 420 s). §46: 1.43x in a run slow before its
 #       first save too, so not told apart (branch pending-keep-staging)
+#   FLOOR_GB=4 RUNS="B8 A8 A8_paced_pieces" RUN_LIMIT=200 ...  (about 430 s) the paced writer's pieces and its tier
+#       reads' 64 MiB, not 16: whether the forward and backward beside the writer lose their extra voluntary
+#       switches and time (in §40-46's steps after the first beside the writer, the extra time outside the update
+#       rose with them: 0.06 s in the quarter with fewest, 0.35 s in the quarter with most; rest_vs_thread.py;
+#       branch pending-paced-pieces, its test in the patch)
 #   NAME-K (K a digit), e.g. RUNS="B8 A8 B8-2 A8-2": the K-th run of NAME, against the K-th of its base (A8-2 against
 #       B8-2, A8_<variant>-2 too; where B8-2 is not run, against B8, so RUNS="B8 A8 A8-2" reads one code twice
 #       against one base): two runs of one command differ by about 0.2 a step on the device's disk (§39), so a
