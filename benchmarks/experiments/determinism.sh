@@ -35,12 +35,20 @@
 #       unmapped after the write; the first save's copy aside took 2.21 and 5.07 s at saves 16 apart, §44-45); or
 #       RUNS="B8 A8 A8_keep_staging" RUN_LIMIT=200 (about 420 s). §46: 1.43x in a run slow before its
 #       first save too, so not told apart (branch pending-keep-staging)
+#   FLOOR_GB=4 RUNS="B8 A8 A8_paced_pieces" RUN_LIMIT=200 ...  (about 430 s) the paced writer's pieces and its tier
+#       reads' 64 MiB, not 16: whether the forward and backward beside the writer lose their extra voluntary
+#       switches and time (in §40-46's steps after the first beside the writer, the extra time outside the update
+#       rose with them: 0.06 s in the quarter with fewest, 0.35 s in the quarter with most; rest_vs_thread.py;
+#       branch pending-paced-pieces, its test in the patch)
 #   NAME-K (K a digit), e.g. RUNS="B8 A8 B8-2 A8-2": the K-th run of NAME, against the K-th of its base (A8-2 against
 #       B8-2, A8_<variant>-2 too; where B8-2 is not run, against B8, so RUNS="B8 A8 A8-2" reads one code twice
 #       against one base): two runs of one command differ by about 0.2 a step on the device's disk (§39), so a
 #       pair run twice shows whether a difference is larger than that; with B8-2 run, A8 against B8 also reads
 #       B8-2 against B8 over the same steps (beside_writer.py --repeat): the noise of the statistic itself
 #   FLOOR_GB=4 RUNS="B8 A8 B8-2" RUN_LIMIT=200 ...  (about 420 s) main's A8 beside that noise
+#   FLOOR_GB=4 RUNS="B8 A8 A8-2" RUN_LIMIT=200 ...  (about 430 s) and RUNS="B16 A16" RUN_LIMIT=260 (about 460 s):
+#       main since d42158d (torch_dist's flushes first) read again, where §46 has one run of each
+#   CALL_BUDGET_S (default 550): a run is not begun where the time used and the longest run so far pass it
 # Raw samples, traces, loss logs and the last run's whole log go into $OUT/raw.tgz.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -148,13 +156,26 @@ run_case() {  # NAME: the run of that name (A8_<variant>, A8-2: A8's flags, its 
     P2) run "$name" --deterministic-mode --offload-activations host --offload-params host --offload-grads host ;;
   esac
 }
+# A run that would pass the call's time is not begun, so the runs done are still read (a device call stops at 600 s,
+# this script's set-up before T0 included)
+longest=0
 for name in ${RUNS:-D1 D2 DR N1 N2}; do
-  if [ "$name" = "${name%%_*}" ]; then run_case "$name"; continue; fi
-  variant=${name#*_}; variant=${variant%-[0-9]*}  # A8_<variant>-2: the variant's second run
-  tree=$(variant_tree "$variant") || continue
-  echo "$name: A run of ${name%%[_-]*} on $tree (benchmarks/variants/$variant.patch applied)"
-  (cd "$tree" && export PYTHONPATH=${PYTHONPATH/$PWD/$tree} && run_case "$name")
-  rm -rf "$tree"
+  used=$(( SECONDS - T0 ))
+  if [ "$longest" -gt 0 ] && [ $(( used + longest )) -gt "${CALL_BUDGET_S:-550}" ]; then
+    echo "$name: not run: $used s used and the longest run so far took $longest s, past CALL_BUDGET_S=${CALL_BUDGET_S:-550}"
+    continue
+  fi
+  begun=$SECONDS
+  if [ "$name" = "${name%%_*}" ]; then run_case "$name"
+  else
+    variant=${name#*_}; variant=${variant%-[0-9]*}  # A8_<variant>-2: the variant's second run
+    if tree=$(variant_tree "$variant"); then
+      echo "$name: A run of ${name%%[_-]*} on $tree (benchmarks/variants/$variant.patch applied)"
+      (cd "$tree" && export PYTHONPATH=${PYTHONPATH/$PWD/$tree} && run_case "$name")
+      rm -rf "$tree"
+    fi
+  fi
+  [ $(( SECONDS - begun )) -gt "$longest" ] && longest=$(( SECONDS - begun ))
 done
 du -sh "$DISK/at2" 2>/dev/null | cat
 for log in "$OUT"/determinism_A[238]*.log "$OUT"/determinism_A16*.log; do
@@ -198,6 +219,12 @@ for a, b in (("D1", "D2"), ("D1", "DR"), ("N1", "N2"), ("D1", "N1"), ("S1", "L1"
     ok, its = same(a, b)
     print(f"{a} vs {b} over iterations {its}: {'bit-identical (loss, lr, grad norm)' if ok else 'DIFFER'}")
 PY
+for report in "$OUT"/determinism_beside_writer_*.txt; do  # each run with saves: its goal lines, one place
+  [ -s "$report" ] || continue
+  name=${report##*/determinism_beside_writer_}; echo "${name%.txt}:"
+  grep -E "^(longest hold|worst iteration|iterations [0-9-]+ beside the writer against the median|iterations [0-9-]+ \(after the first save\) together)" "$report" | sed 's/^/  /'
+done | tee -a "$OUT/determinism_summary.txt"
+[ -s "$OUT/determinism_summary.txt" ] || rm -f "$OUT/determinism_summary.txt"
 if [ -s "$OUT/determinism_D1.log" ]; then  # the device returns 8 files: none without a save to rate
   $PY benchmarks/experiments/save_rate.py "$OUT/determinism_floor.txt" "$OUT/determinism_D1.log" "$OUT/determinism_DR.log" \
     | tee "$OUT/determinism_save_rate.txt"

@@ -1,8 +1,8 @@
 """The determinism experiment's samplers and readers (benchmarks/experiments/disk_watch.py, beside_writer.py,
-pacing_model.py, first_step_copy.py): the training rank found among torchrun's processes, its main thread's time on
-a core, time waiting for one and context switches read as the kernel writes them, and those summed over an
-iteration, on a /proc made in the test; the pacing model's figures; the first step after a save read against its
-copy aside."""
+pacing_model.py, first_step_copy.py, rest_vs_thread.py): the training rank found among torchrun's processes, its
+main thread's time on a core, time waiting for one and context switches read as the kernel writes them, and those
+summed over an iteration, on a /proc made in the test; the pacing model's figures; the first step after a save read
+against its copy aside; the time outside the update read against the training thread's switches."""
 
 import math
 import mmap
@@ -20,6 +20,7 @@ import beside_writer  # noqa: E402
 import disk_watch  # noqa: E402
 import first_step_copy  # noqa: E402
 import pacing_model  # noqa: E402
+import rest_vs_thread  # noqa: E402
 
 
 def fake_process(proc, pid, ppid, cmdline, ran_ns=None, waited_ns=None, voluntary=0, involuntary=0, minflt=0,
@@ -425,3 +426,35 @@ def test_a_saves_hold_counts_the_updates_after_it_that_waited_for_its_copies():
     rows, _ = beside_writer.report(no_pause, plain)
     assert any(row.startswith("longest hold of a save, the updates' pauses after it included: 0.30 s (met")
                for row in rows)
+
+
+def test_the_extra_time_outside_the_update_is_read_beside_the_training_threads_own_extra():
+    def step(it, rest, plain_rest, switches, core):
+        return (f"iteration {it}: 6.00 s beside the writer of checkpoint 8 (update 4.00 + rest {rest:.2f}), 5.00 s "
+                f"without saves (update 3.80 + rest {plain_rest:.2f}): 1.20x\n"
+                f"  iteration {it}'s training thread in its forward and backward: {switches} voluntary switches, "
+                f"{core:.2f} s on a core; in its update: 40, 0.12 s (without saves: 200, 0.45 s; 30, 0.11 s)\n")
+    text = step(9, 2.00, 1.20, 400, 1.10) + step(10, 1.60, 1.20, 1700, 0.60) + step(11, 1.25, 1.20, 250, 0.47)
+    rows = rest_vs_thread.readings(text)
+    assert [r[0] for r in rows] == [200, 1500, 50]  # switches over the run without saves'
+    assert [round(r[1], 2) for r in rows] == [0.65, 0.15, 0.02] and [round(r[2], 2) for r in rows] == [0.8, 0.4, 0.05]
+    assert [r[3] for r in rows] == [True, False, False]  # the first step after the save, apart
+    assert rest_vs_thread.readings(step(9, 2.0, 1.2, 400, 1.1).splitlines()[0]) == []  # no thread line: no reading
+
+
+def test_the_rest_reading_needs_four_steps_and_prints_both_readings(tmp_path, capsys):
+    path = tmp_path / "r.txt"
+    lines = []
+    for it, (rest, switches) in enumerate([(1.3, 300), (1.5, 900), (1.7, 1500), (1.9, 2100), (2.1, 2700)], start=9):
+        lines.append(f"iteration {it}: 6.00 s beside the writer of checkpoint 8 (update 4.00 + rest {rest:.2f}), "
+                     f"5.00 s without saves (update 3.80 + rest 1.20): 1.20x")
+        lines.append(f"  iteration {it}'s training thread in its forward and backward: {switches} voluntary switches, "
+                     f"0.50 s on a core; in its update: 40, 0.12 s (without saves: 200, 0.45 s; 30, 0.11 s)")
+    path.write_text("\n".join(lines) + "\n")
+    assert rest_vs_thread.main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "every step: 5 steps" in out and "without the first step after each save: 4 steps" in out
+    assert "extra voluntary switches against the extra rest: Pearson r 1.00, Spearman 1.00" in out  # a line
+    path.write_text("\n".join(lines[:6]) + "\n")
+    assert rest_vs_thread.main([str(path)]) == 1  # three steps: too few
+
