@@ -1,9 +1,8 @@
 """The determinism experiment's samplers and readers (benchmarks/experiments/disk_watch.py, beside_writer.py,
-pacing_model.py, first_step_copy.py, rest_vs_thread.py, gil_pieces.py): the training rank found among torchrun's
-processes, its main thread's time on a core, time waiting for one and context switches read as the kernel writes
-them, and those summed over an iteration, on a /proc made in the test; the pacing model's figures; the first step
-after a save read against its copy aside; the time outside the update read against the training thread's
-switches; a Python-bound thread beside a writer by piece size."""
+pacing_model.py, first_step_copy.py, rest_vs_thread.py): the training rank found among torchrun's processes, its
+main thread's time on a core, time waiting for one and context switches read as the kernel writes them, and those
+summed over an iteration, on a /proc made in the test; the pacing model's figures; the first step after a save read
+against its copy aside; the time outside the update read against the training thread's switches."""
 
 import math
 import mmap
@@ -20,7 +19,6 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 import beside_writer  # noqa: E402
 import disk_watch  # noqa: E402
 import first_step_copy  # noqa: E402
-import gil_pieces  # noqa: E402
 import pacing_model  # noqa: E402
 import rest_vs_thread  # noqa: E402
 
@@ -460,13 +458,3 @@ def test_the_rest_reading_needs_four_steps_and_prints_both_readings(tmp_path, ca
     path.write_text("\n".join(lines[:6]) + "\n")
     assert rest_vs_thread.main([str(path)]) == 1  # three steps: too few
 
-
-def test_the_piece_size_experiment_runs_each_setting_and_leaves_no_file(tmp_path, capsys):
-    assert gil_pieces.main([str(tmp_path), "--rate", "0.05", "--seconds", "0.2", "--repeats", "1", "--pieces", "1",
-                            "2", "--source-mib", "8"]) == 0
-    out = capsys.readouterr().out
-    for label in ("alone", "1 MiB pieces", "2 MiB pieces"):
-        assert re.search(rf"^{label}: median \d+ ops/s \([0-9.]+ of alone\), \d+ voluntary switches", out, re.M)
-    assert re.search(r"^0 1 MiB pieces: .*writer 0\.0[0-9] GB/s$", out, re.M)  # held to its rate, about 0.05
-    assert list(tmp_path.iterdir()) == []  # its file removed
-    assert gil_pieces.direct_io.PIECE == 16 << 20  # the module's piece size given back
