@@ -132,3 +132,21 @@ def test_the_flag_is_checked_in_one_line(tmp_path, flags, message):
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
         "--max-position-embeddings", "64", "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "2",
         "--lr", "1e-4"]
+
+
+def test_a_retirement_while_the_last_one_still_removes_leaves_its_directories_to_it(tmp_path, monkeypatch):
+    import threading
+    release = threading.Event()
+    real = integrity.remove_tree
+    monkeypatch.setattr(integrity, "remove_tree", lambda path, failed: (release.wait(5), real(path, failed)))
+    for it in (2, 4, 6, 8):
+        make(tmp_path, it)
+    first, second = [], []
+    slow = integrity.retire(str(tmp_path), 4, 4, say=first.append)  # 2, still being removed
+    monkeypatch.setattr(integrity, "remove_tree", real)
+    integrity.retire(str(tmp_path), 8, 4, say=second.append).join()  # 6; 2's hidden name is not a leftover
+    release.set()
+    slow.join()
+    assert first[0].startswith("> retired the checkpoints at iterations 2 (") and len(first) == 1
+    assert second[0].startswith("> retired the checkpoints at iterations 6 (") and len(second) == 1
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000004", "iter_0000008"]

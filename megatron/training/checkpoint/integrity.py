@@ -227,7 +227,8 @@ def clear_for_save(root: str, iteration: int) -> Tuple[bool, List[str]]:
 # -- retiring complete ones (--save-retain-interval; rank 0) -------------------------------------------
 RETIRING = ".retiring_"  # the prefix of a retired checkpoint's hidden name, until it is removed
 
-_removals: List[threading.Thread] = []  # started by this process and maybe not yet done (finish())
+_removals: List[threading.Thread] = []  # started by this process and maybe not yet done (finish_retiring())
+_in_hand: set = set()  # hidden directories this process's removals are removing: not swept as leftovers
 
 
 def to_retire(root: str, iteration: int, retain_interval: int) -> List[Tuple[int, str]]:
@@ -257,9 +258,10 @@ def retire(root: str, iteration: int, retain_interval: Optional[int], say=None) 
     for problem in failed:
         say(f"> --save-retain-interval: could not retire {problem}; it stays")
     left = [os.path.join(root, name) for name in _listdir(root)
-            if name.startswith(RETIRING) and os.path.join(root, name) not in {t for _, t in hidden}]
+            if name.startswith(RETIRING) and os.path.join(root, name) not in _in_hand | {t for _, t in hidden}]
     if not hidden and not left:
         return None
+    _in_hand.update([t for _, t in hidden] + left)
     thread = threading.Thread(target=_remove, args=(root, iteration, retain_interval, hidden, left, say),
                               name="checkpoint-retention", daemon=True)
     thread.start()
@@ -283,7 +285,8 @@ def _remove(root: str, iteration: int, retain_interval: int, hidden: List[Tuple[
     started, freed, errors = time.perf_counter(), 0, []
     for path in [p for _, p in hidden] + left:
         freed += _tree_bytes(path)
-        remove_tree(path, lambda p, err: errors.append(f"{p}: {err}"))
+        remove_tree(path, lambda p, err: None if isinstance(err, FileNotFoundError) else errors.append(f"{p}: {err}"))
+        _in_hand.discard(path)
     if hidden:
         iterations = ", ".join(str(it) for it, _ in hidden)
         also = f" and {len(left)} left by an earlier run" if left else ""
