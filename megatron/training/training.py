@@ -26,7 +26,7 @@ from megatron.training.offload import job_facts
 from megatron.training.metrics import moe as moe_metrics
 from megatron.training.checkpoint.async_save import BackgroundSaves
 from megatron.training.args.arguments import parse_args
-from megatron.training.checkpoint.integrity import checkpoint_dir
+from megatron.training.checkpoint.integrity import checkpoint_dir, finish_retiring
 from megatron.training.data.datasets import build_tokenizer, micro_batches, padded_vocab_size
 from megatron.training.errors import reported_once
 from megatron.training.model.flops import GptShape, flops_per_iteration
@@ -339,6 +339,8 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
             _save(args, iteration, model, optimizer, scheduler, consumed, background)
         if background is not None:
             background.finish()  # exit only once the last background write is complete
+        if torch.distributed.get_rank() == 0:
+            finish_retiring()  # and once the checkpoints it retired are gone
     except BaseException:
         if background is not None:
             background.abandon()  # its directory stays marked in progress: never resumed from

@@ -180,6 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="checkpoint directory to resume from, at its latest complete checkpoint. Default: none")
     g.add_argument("--save-interval", type=positive_int, default=None,
                    help="with --save: also save every N iterations. Default: none, at the end only")
+    g.add_argument("--save-retain-interval", type=positive_int, default=None,
+                   help="keep the checkpoints at multiples of N iterations and the newest: once a checkpoint is "
+                        "complete, the earlier ones in --save at other iterations are removed in the background "
+                        "(a multiple of --save-interval; Megatron-LM's flag). Default: none, every checkpoint kept")
     g.add_argument("--exit-interval", type=positive_int, default=None,
                    help="stop (after saving, with --save) when the iteration is a multiple of this")
     g.add_argument("--exit-signal-handler", action="store_true",
@@ -295,6 +299,12 @@ def _validate(parser, args) -> None:
         parser.error("argument --wandb-project: requires --wandb-save-dir DIR (or --save DIR, whose wandb/ it uses)")
     if (args.save_interval is not None) and not args.save:
         parser.error("argument --save-interval: requires --save DIR")
+    if args.save_retain_interval is not None:
+        if not args.save_interval:
+            parser.error("argument --save-retain-interval: requires --save DIR and --save-interval N")
+        if args.save_retain_interval % args.save_interval:
+            parser.error(f"argument --save-retain-interval: {args.save_retain_interval} is not a multiple of "
+                         f"--save-interval {args.save_interval}")
     arguments_checkpoint.validate(parser, args)
     if args.recompute_method is not None and args.recompute_granularity != "full":
         parser.error("argument --recompute-method: requires --recompute-granularity full")

@@ -23,7 +23,7 @@ from megatron.core import dist_checkpointing, parallel_state
 
 from megatron.training.checkpoint.async_save import (HostWeightsAside, check_nodes_hold, next_save_in_s,
                                                       reserve_host_copies, torch_dist_flush)
-from megatron.training.checkpoint.integrity import checkpoint_dir, part_bytes
+from megatron.training.checkpoint.integrity import checkpoint_dir, part_bytes, retire
 from megatron.training.checkpoint.load_plan import SAME_FORM, plan_load, resume_position
 from megatron.training.checkpoint.offload_files import (offloaded_state_bytes, offloaded_state_writes,
                                                         start_offloaded_save, write_offloaded_state)
@@ -143,6 +143,7 @@ def save_checkpoint(iteration: int, model, optimizer, scheduler, consumed_sample
             offload_write.cancel()
         raise
     on_written = _BackgroundCompletion(root, path, iteration, started, offload_write, model, digests)
+    on_written.retain_interval = getattr(args, "save_retain_interval", None)
     shards = optimizer.shards if isinstance(optimizer, OffloadedOptimizerCheckpoint) else []
     on_written.flush = torch_dist_flush(shards, path, next_save)  # None: its fsyncs as megatron-core makes them
     background.schedule(request, on_written, offload_write, on_written.flush)
@@ -211,6 +212,8 @@ def _save_now(iteration: int, model, optimizer, scheduler, consumed_samples: int
     phases.mark("agreeing")
     complete(root, path, iteration)
     phases.mark("the proof")
+    if torch.distributed.get_rank() == 0:  # the tracker's writer: once it names this one
+        retire(root, iteration, getattr(args, "save_retain_interval", None))
     state_bytes = offloaded_state_bytes(optimizer.shards) if offloaded else 0
     figures = dict(phases.spans, torch_dist=torch_dist_s, offloaded=offload_s, whole=phases.total())
     figures["offloaded bytes"], figures["offloaded written"] = state_bytes, written
@@ -239,6 +242,7 @@ class _BackgroundCompletion:
         self.digests = digests
         self.held_s = 0.0  # the save's own hold, the slowest rank's (set once the save returns)
         self.flush = None  # how torch_dist's writer paced its fsyncs (async_save.torch_dist_flush)
+        self.retain_interval: Optional[int] = None  # --save-retain-interval: integrity.retire once complete
 
     def __call__(self, failure: Optional[str]) -> None:
         flushed = read_flush_report(self.flush.report_path) if self.flush is not None else None
@@ -259,6 +263,8 @@ class _BackgroundCompletion:
         if flushed is not None:
             line += f"; torch_dist's writer: {flushed}"
         print_rank0(line)
+        if torch.distributed.get_rank() == 0:  # the tracker's writer: once it names this one
+            retire(self.root, self.iteration, self.retain_interval)
 
 
 def load_checkpoint(root: str, model, optimizer, scheduler, args):

@@ -14,6 +14,14 @@ and only then updates the tracker. A directory is therefore
   where the tracker names it (the tracker was always written last), never removed, set aside
   (renamed) if a save needs its name.
 
+Complete ones are removed only where the run asks (--save-retain-interval, Megatron-LM's flag: those at multiples
+of it and the newest stay). Once a checkpoint is complete and named by the tracker, rank 0 retires the earlier
+complete ones at other iterations. Each is first renamed to a hidden name beside it (one atomic step: from then on
+no listing sees it, so no load resumes from a half-removed directory), then removed by a thread of its own, so
+training does not wait on a parallel file system's deletes. A run that stops while removing leaves the hidden
+names, and the next retirement removes them too. Checkpoints after the one just saved (a run resumed from an
+earlier one) and symbolic links (someone's pointer to a checkpoint kept elsewhere) are never touched.
+
 The tracker is a hint, not the proof: when it is missing, unreadable or older than the newest
 complete checkpoint, the newest complete one is used and the loader says so.
 """
@@ -24,13 +32,15 @@ import json
 import os
 import re
 import shutil
+import sys
+import threading
 import time
 import zlib
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from mlp_offload import fsync_path
-from mlp_offload.checkpoint import STATE_FILE_SUFFIX, is_part_path
+from mlp_offload.checkpoint import STATE_FILE_SUFFIX, human_bytes, is_part_path
 
 TRACKER = "latest_checkpointed_iteration.txt"
 IN_PROGRESS = "SAVE_IN_PROGRESS"
@@ -212,6 +222,108 @@ def clear_for_save(root: str, iteration: int) -> Tuple[bool, List[str]]:
         os.rename(path, aside)
         return True, [f"moved {path} ({st.state}: {st.detail}) to {aside} to save iteration {iteration} there"]
     return True, []
+
+
+# -- retiring complete ones (--save-retain-interval; rank 0) -------------------------------------------
+RETIRING = ".retiring_"  # the prefix of a retired checkpoint's hidden name, until it is removed
+
+_removals: List[threading.Thread] = []  # started by this process and maybe not yet done (finish_retiring())
+_in_hand: set = set()  # hidden directories this process's removals are removing: not swept as leftovers
+
+
+def to_retire(root: str, iteration: int, retain_interval: int) -> List[Tuple[int, str]]:
+    """(iteration, directory) of the checkpoints in ``root`` that the one at ``iteration`` retires: complete (by
+    their markers; others stay as the module's docstring says), earlier, not at a multiple of ``retain_interval``,
+    and not a symbolic link."""
+    return sorted((it, path) for it, path in iteration_dirs(root).items()
+                  if it < iteration and it % retain_interval != 0 and not os.path.islink(path)
+                  and _markers(path).state == COMPLETE_STATE)
+
+
+def retire(root: str, iteration: int, retain_interval: Optional[int], say=None) -> Optional[threading.Thread]:
+    """On the rank that writes the tracker, once the checkpoint at ``iteration`` is complete: the checkpoints it
+    retires renamed out of sight now, then removed with any left from an earlier run by a thread (returned; None
+    where there was nothing to remove). ``say`` gets one line when they are gone, or one per failure."""
+    if retain_interval is None:
+        return None
+    say = say or _say
+    hidden, failed = [], []
+    for it, path in to_retire(root, iteration, retain_interval):
+        target = os.path.join(root, f"{RETIRING}{os.path.basename(path)}_{os.getpid()}")
+        try:
+            os.rename(path, target)
+            hidden.append((it, target))
+        except OSError as err:
+            failed.append(f"{path}: {err.strerror or err}")
+    for problem in failed:
+        say(f"> --save-retain-interval: could not retire {problem}; it stays")
+    left = [os.path.join(root, name) for name in _listdir(root)
+            if name.startswith(RETIRING) and os.path.join(root, name) not in _in_hand | {t for _, t in hidden}]
+    if not hidden and not left:
+        return None
+    _in_hand.update([t for _, t in hidden] + left)
+    thread = threading.Thread(target=_remove, args=(root, iteration, retain_interval, hidden, left, say),
+                              name="checkpoint-retention", daemon=True)
+    thread.start()
+    _removals.append(thread)
+    return thread
+
+
+def finish_retiring(say=None) -> None:
+    """Wait for this process's removals (the run's end: no hidden directory left behind by its exit)."""
+    say = say or _say
+    pending = [t for t in _removals if t.is_alive()]
+    if pending:
+        say("> waiting for the retired checkpoints' removal to end (--save-retain-interval)")
+    for thread in pending:
+        thread.join()
+    _removals.clear()
+
+
+def _remove(root: str, iteration: int, retain_interval: int, hidden: List[Tuple[int, str]], left: List[str],
+            say) -> None:
+    started, freed, errors = time.perf_counter(), 0, []
+    for path in [p for _, p in hidden] + left:
+        freed += _tree_bytes(path)
+        remove_tree(path, lambda p, err: None if isinstance(err, FileNotFoundError) else errors.append(f"{p}: {err}"))
+        _in_hand.discard(path)
+    if hidden:
+        iterations = ", ".join(str(it) for it, _ in hidden)
+        also = f" and {len(left)} left by an earlier run" if left else ""
+        say(f"> retired the checkpoints at iterations {iterations}{also} (not multiples of --save-retain-interval "
+            f"{retain_interval}; the one at {iteration} is complete): {human_bytes(freed)} removed from {root} in "
+            f"{time.perf_counter() - started:.1f} s")
+    elif left:
+        say(f"> removed {len(left)} checkpoint(s) an earlier run had begun to retire: {human_bytes(freed)} from {root}")
+    for problem in errors[:1]:  # one line: a file system that refuses one file refuses the rest alike
+        say(f"> --save-retain-interval: {len(errors)} file(s) could not be removed, e.g. {problem}")
+
+
+def remove_tree(path: str, failed) -> None:
+    """shutil.rmtree, each failure to ``failed(path, exception)`` (its keyword changed in Python 3.12)."""
+    if sys.version_info >= (3, 12):
+        shutil.rmtree(path, onexc=lambda _f, p, err: failed(p, err))
+    else:
+        shutil.rmtree(path, onerror=lambda _f, p, info: failed(p, info[1]))
+
+
+def _tree_bytes(path: str) -> int:
+    """The bytes of the files under ``path`` that this removal frees (a hard link's data stays with its other
+    names, so only files with one link count)."""
+    total = 0
+    for folder, _, files in os.walk(path):
+        for name in files:
+            try:
+                st = os.lstat(os.path.join(folder, name))
+            except OSError:
+                continue
+            if st.st_nlink == 1:
+                total += st.st_size
+    return total
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
 
 
 # -- helpers -----------------------------------------------------------------------------------------
