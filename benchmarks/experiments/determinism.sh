@@ -28,18 +28,14 @@
 #   bash benchmarks/run_gpu.sh determinism     (device tool, kind nvidia-h200, carry [".whl"])
 #   RUNS="D1 D2 DR" ... a subset; DRY_RUN=1 bash benchmarks/experiments/determinism.sh (tiny, CPU)
 #   (A2_staging_4k_pages: the snapshot's staging in 4 KiB pages, as before fa8ee57)
-#   (retired variants, measured in §41-46: device_digest, freeze_at_save, writer_process; flush_first is merged, §46)
+#   (retired variants, measured in §41-47: device_digest, freeze_at_save, writer_process, paced_pieces (§47: the
+#   forward and backward beside the writer kept their extra switches); flush_first is merged, §46)
 #   FLOOR_GB=4 RUNS="B16 A16_keep_staging" RUN_LIMIT=260 ...  (about 460 s) the staging of the state held in memory
 #       made and faulted in at start-up and kept from save to save: whether the first step after a save, the worst
 #       in §45's two runs over 1.25x, loses its extra (8.4 GB of anonymous memory is mapped and faulted in at each save now,
 #       unmapped after the write; the first save's copy aside took 2.21 and 5.07 s at saves 16 apart, §44-45); or
 #       RUNS="B8 A8 A8_keep_staging" RUN_LIMIT=200 (about 420 s). §46: 1.43x in a run slow before its
 #       first save too, so not told apart (branch pending-keep-staging)
-#   FLOOR_GB=4 RUNS="B8 A8 A8_paced_pieces" RUN_LIMIT=200 ...  (about 430 s) the paced writer's pieces and its tier
-#       reads' 64 MiB, not 16: whether the forward and backward beside the writer lose their extra voluntary
-#       switches and time (in §40-46's steps after the first beside the writer, the extra time outside the update
-#       rose with them: 0.06 s in the quarter with fewest, 0.35 s in the quarter with most; rest_vs_thread.py;
-#       branch pending-paced-pieces, its test in the patch)
 #   NAME-K (K a digit), e.g. RUNS="B8 A8 B8-2 A8-2": the K-th run of NAME, against the K-th of its base (A8-2 against
 #       B8-2, A8_<variant>-2 too; where B8-2 is not run, against B8, so RUNS="B8 A8 A8-2" reads one code twice
 #       against one base): two runs of one command differ by about 0.2 a step on the device's disk (§39), so a
