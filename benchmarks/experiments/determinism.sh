@@ -35,7 +35,8 @@
 #       in §45's two runs over 1.25x, loses its extra (8.4 GB of anonymous memory is mapped and faulted in at each save now,
 #       unmapped after the write; the first save's copy aside took 2.21 and 5.07 s at saves 16 apart, §44-45); or
 #       RUNS="B8 A8 A8_keep_staging" RUN_LIMIT=200 (about 420 s). §46: 1.43x in a run slow before its
-#       first save too, so not told apart (branch pending-keep-staging)
+#       first save too, so not told apart (branch pending-keep-staging); next (§47): twice beside main,
+#       FLOOR_GB=4 RUNS="B8 A8 A8_keep_staging A8_keep_staging-2" RUN_LIMIT=200 CALL_BUDGET_S=560 (about 520-560 s)
 #   NAME-K (K a digit), e.g. RUNS="B8 A8 B8-2 A8-2": the K-th run of NAME, against the K-th of its base (A8-2 against
 #       B8-2, A8_<variant>-2 too; where B8-2 is not run, against B8, so RUNS="B8 A8 A8-2" reads one code twice
 #       against one base): two runs of one command differ by about 0.2 a step on the device's disk (§39), so a
