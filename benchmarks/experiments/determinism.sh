@@ -46,6 +46,12 @@
 #   FLOOR_GB=4 RUNS="B8 A8 A8-2" RUN_LIMIT=200 ...  (about 430 s) and RUNS="B16 A16" RUN_LIMIT=260 (about 460 s):
 #       main since d42158d (torch_dist's flushes first) read again, where §46 has one run of each
 #   CALL_BUDGET_S (default 550): a run is not begun where the time used and the longest run so far pass it
+#   PROFILE_STEP=N: the A and B runs profile iteration N (--profile --profile-dir: torch.profiler, CPU and CUDA
+#       events), and profile_diff.py reads each A run's threads against its base's in that iteration
+#       (determinism_profile_<run>.txt): what the training thread does more in, e.g., the first step after a save
+#       (N=9 at saves 8 apart). Iteration N's times then carry the profiler's cost in both runs.
+#   FLOOR_GB=4 PROFILE_STEP=9 RUNS="B8 A8 A8-2" RUN_LIMIT=200 ...  (about 450 s) the first step after the save,
+#       the worst in three of §47's five main runs, its training thread 0.37-0.89 s longer on a core
 # Raw samples, traces, loss logs and the last run's whole log go into $OUT/raw.tgz.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -102,7 +108,9 @@ run() {  # NAME [flags]
     A2|A3|B2|A8|B8|A16|B16) mkdir -p "$OUT/raw"; $PY benchmarks/experiments/disk_watch.py "$DISK" "$OUT/raw/disk_$name.txt" & watcher=$!
               $PY benchmarks/experiments/thread_waits.py "$OUT/raw/waits_$name.txt" & watcher="$watcher $!"
               $PY benchmarks/experiments/rank_maps.py "$OUT/raw/maps_$name.txt" & watcher="$watcher $!"
-              trace="--offload-trace $OUT/raw/trace_$name.json" ;;
+              trace="--offload-trace $OUT/raw/trace_$name.json"
+              [ -n "${PROFILE_STEP:-}" ] && trace="$trace --profile --profile-step-start $(( PROFILE_STEP - 1 ))
+                --profile-step-end $PROFILE_STEP --profile-dir $OUT/raw/profile_$name" ;;
   esac
   # shellcheck disable=SC2086
   timeout "${RUN_LIMIT:-170}" torchrun --nproc_per_node 1 --master_port "${PORT:-29561}" pretrain_gpt.py $COMMON "$@" $trace \
@@ -197,6 +205,11 @@ for log in "$OUT"/determinism_A[238]*.log "$OUT"/determinism_A16*.log; do
       "$OUT/raw/trace_$base.json" --waits "$OUT/raw/waits_$async.txt" "$OUT/raw/waits_$base.txt" \
       --maps "$OUT/raw/maps_$async.txt" "$OUT/raw/maps_$base.txt" "${repeat[@]}" | tee "$OUT/determinism_beside_writer_$async.txt"
   fi
+  if [ -s "$OUT/raw/profile_$async/profile_rank0.json" ] && [ -s "$OUT/raw/profile_$base/profile_rank0.json" ]; then
+    echo "$async against $base, iteration $PROFILE_STEP under torch.profiler:"
+    $PY benchmarks/experiments/profile_diff.py "$OUT/raw/profile_$async/profile_rank0.json" \
+      "$OUT/raw/profile_$base/profile_rank0.json" | tee "$OUT/determinism_profile_$async.txt"
+  fi
 done
 $PY - "$OUT" <<'PY' | tee "$OUT/determinism_summary.txt"
 import json, os, sys
@@ -228,6 +241,7 @@ if [ -s "$OUT/determinism_D1.log" ]; then  # the device returns 8 files: none wi
 fi
 rm -rf "$DISK"
 # The raw samples, traces, loss logs and the last run's whole log in one file: the device returns 8 files at most.
+rm -rf "$OUT"/raw/profile_*  # tens of MB each with CUDA's events; determinism_profile_*.txt keeps their reading
 mkdir -p "$OUT/raw"; mv "$OUT"/*.jsonl "$OUT/raw/" 2>/dev/null; mv "$OUT/.run.log" "$OUT/raw/last_run.log" 2>/dev/null
 if [ "$(find "$OUT" -maxdepth 1 -type f | wc -l)" -gt 7 ]; then  # many runs: their logs go with the raw files too
   mv "$OUT"/determinism_*.log "$OUT/raw/"

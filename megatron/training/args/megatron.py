@@ -170,6 +170,10 @@ def _add_training(p) -> None:
                    help="with --profile: the last iteration profiled. Default: %(default)s")
     g.add_argument("--profile-ranks", nargs="+", type=non_negative_int, default=[0],
                    help="with --profile: the global ranks that profile. Default: rank 0")
+    g.add_argument("--profile-dir", default=None,
+                   help="with --profile: write each profiling rank's trace (Chrome's trace format, every thread's "
+                        "operators) to DIR/profile_rank<R>.json. Default: --tensorboard-dir; without either, "
+                        "print the ten busiest operators")
 
 
 def _add_scheduler(p) -> None:
@@ -272,6 +276,8 @@ def validate(parser, args) -> None:
                      "and reduce in fp32 by default)")
     if args.grad_reduce_in_bf16 and not args.bf16:
         args.grad_reduce_in_bf16 = False  # only meaningful with bf16, as in Megatron-LM
+    if args.profile_dir and not args.profile:
+        parser.error("argument --profile-dir: only with --profile")
     if args.profile and args.profile_step_end <= args.profile_step_start:
         parser.error(f"argument --profile-step-end: {args.profile_step_end} must be above "
                      f"--profile-step-start {args.profile_step_start}")

@@ -13,6 +13,7 @@ import torch
 class IterationHooks:
     def __init__(self, args, rank: int, device: torch.device):
         self.args = args
+        self.rank = rank
         self.cuda = device.type == "cuda"
         self.profiler: Optional[torch.profiler.profile] = None
         self.profiling = args.profile and rank in args.profile_ranks
@@ -44,19 +45,19 @@ class IterationHooks:
             self.stop()
 
     def stop(self) -> None:
-        """Write the trace under --tensorboard-dir (as Megatron-LM's torch profiler does); without one,
-        print the busiest operators."""
+        """Write the trace under --profile-dir or --tensorboard-dir (as Megatron-LM's torch profiler does);
+        without either, print the busiest operators."""
         if self.profiler is None:
             return
         self.profiler.stop()
         window = f"iterations {self.args.profile_step_start + 1}..{self.args.profile_step_end}"
-        directory = getattr(self.args, "tensorboard_dir", None)
+        directory = getattr(self.args, "profile_dir", None) or getattr(self.args, "tensorboard_dir", None)
         if directory:
             os.makedirs(directory, exist_ok=True)
-            path = os.path.join(directory, f"profile_rank{torch.distributed.get_rank()}.json")
+            path = os.path.join(directory, f"profile_rank{self.rank}.json")
             self.profiler.export_chrome_trace(path)
             print(f"> profile of {window} written to {path}", flush=True)
         else:
             table = self.profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=10)
-            print(f"> profile of {window} (rank {torch.distributed.get_rank()}):\n{table}", flush=True)
+            print(f"> profile of {window} (rank {self.rank}):\n{table}", flush=True)
         self.profiler = None
