@@ -6,6 +6,8 @@ Each thread with events is read over its span, from its first event to its last:
 union of their intervals), the time between them (Python, the interpreter's lock, anything not recorded), and each
 event name's own time (its duration less its children's on the same thread). The threads of the two traces are
 paired by their number of events, busiest first, and for each pair the names whose own time grew most are listed.
+The GPU's streams (kernels, copies, memsets), paired by busy time, say how long each was busy over its span: where
+the training thread's span grew and the busiest stream's busy time did not, the GPU waited for the CPU.
 
     python benchmarks/experiments/profile_diff.py A_TRACE B_TRACE [--top N] [--threads K]
 """
@@ -18,15 +20,26 @@ from collections import Counter, defaultdict
 from typing import Dict, List, Tuple
 
 CPU_CATEGORIES = {"cpu_op", "cuda_runtime", "cuda_driver", "user_annotation", "python_function"}
+GPU_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
+
+
+def events_by(trace: dict, categories: set, key) -> Dict[object, List[Tuple[float, float, str]]]:
+    """Per ``key(event)``: (start us, duration us, name) of the complete events of those categories."""
+    groups: Dict[object, List[Tuple[float, float, str]]] = defaultdict(list)
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") == "X" and e.get("cat") in categories and "dur" in e:
+            groups[key(e)].append((float(e["ts"]), float(e["dur"]), e["name"]))
+    return groups
 
 
 def cpu_events(trace: dict) -> Dict[int, List[Tuple[float, float, str]]]:
-    """Per thread id: (start us, duration us, name) of its complete CPU-side events."""
-    threads: Dict[int, List[Tuple[float, float, str]]] = defaultdict(list)
-    for e in trace.get("traceEvents", []):
-        if e.get("ph") == "X" and e.get("cat") in CPU_CATEGORIES and "dur" in e:
-            threads[int(e["tid"])].append((float(e["ts"]), float(e["dur"]), e["name"]))
-    return threads
+    """Per thread id: its CPU-side events."""
+    return events_by(trace, CPU_CATEGORIES, lambda e: int(e["tid"]))
+
+
+def gpu_streams(trace: dict) -> Dict[str, List[Tuple[float, float, str]]]:
+    """Per GPU stream ("device D stream S"): its kernels, copies and memsets."""
+    return events_by(trace, GPU_CATEGORIES, lambda e: f"device {e.get('pid')} stream {e.get('tid')}")
 
 
 def own_times(events: List[Tuple[float, float, str]]) -> Tuple[Counter, Counter, float]:
@@ -65,7 +78,13 @@ def read(path: str) -> dict:
         own, count, inside = own_times(events)
         span = max(s + d for s, d, _ in events) - min(s for s, _, _ in events)
         readings.append({"tid": tid, "span_us": span, "inside_us": inside, "own": own, "count": count})
-    return {"path": path, "threads": readings}
+    streams = []
+    for name, events in gpu_streams(trace).items():
+        own, count, busy = own_times(events)
+        streams.append({"stream": name, "busy_us": busy, "events": sum(count.values()),
+                        "span_us": max(s + d for s, d, _ in events) - min(s for s, _, _ in events)})
+    streams.sort(key=lambda r: r["busy_us"], reverse=True)
+    return {"path": path, "threads": readings, "streams": streams}
 
 
 def compare(a: dict, b: dict, top: int) -> List[str]:
@@ -97,6 +116,13 @@ def report(a: dict, b: dict, top: int = 12, threads: int = 3) -> List[str]:
     for k, (ta, tb) in enumerate(zip(a["threads"][:threads], b["threads"][:threads]), 1):
         lines.append(f"thread {k} by events (ids {ta['tid']} / {tb['tid']}):")
         lines += compare(ta, tb, top)
+    ms = 1e-3
+    for k, (sa, sb) in enumerate(zip(a["streams"][:threads], b["streams"][:threads]), 1):
+        # a stream idle for much of the training thread's span: the GPU waited for the CPU
+        lines.append(f"GPU stream {k} by busy time ({sa['stream']} / {sb['stream']}): busy {sa['busy_us'] * ms:.1f} / "
+                     f"{sb['busy_us'] * ms:.1f} ms ({(sa['busy_us'] - sb['busy_us']) * ms:+.1f}) over "
+                     f"{sa['span_us'] * ms:.1f} / {sb['span_us'] * ms:.1f} ms from its first to its last; "
+                     f"{sa['events']} / {sb['events']} kernels and copies")
     return lines
 
 

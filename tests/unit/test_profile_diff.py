@@ -38,6 +38,17 @@ def test_a_hand_made_trace_reads_as_summed_here(tmp_path):
     assert overlapping["inside_us"] == 20 and dict(overlapping["own"]) == {"a": 5, "b": 15}
 
 
+def test_gpu_streams_read_apart_from_the_threads(tmp_path):
+    gpu = [dict(event(7, 0, 30, "gemm"), cat="kernel", pid=0), dict(event(7, 20, 30, "gemm"), cat="kernel", pid=0),
+           dict(event(9, 0, 5, "Memcpy DtoH"), cat="gpu_memcpy", pid=0)]
+    r = profile_diff.read(write(tmp_path, "a.json", HAND[:5] + gpu))
+    assert [t["tid"] for t in r["threads"]] == [1, 2]  # streams are no CPU threads
+    assert r["streams"] == [{"stream": "device 0 stream 7", "busy_us": 50, "events": 2, "span_us": 50},
+                            {"stream": "device 0 stream 9", "busy_us": 5, "events": 1, "span_us": 5}]
+    line = profile_diff.report(r, r)[-2]
+    assert line.startswith("GPU stream 1 by busy time (device 0 stream 7 / device 0 stream 7): busy 0.1 / 0.1 ms")
+
+
 def test_the_grown_name_leads_and_the_change_is_its_own(tmp_path):
     slow = [dict(e) for e in HAND]
     slow[3]["dur"] = 80  # relu 20 -> 80 us
