@@ -44,7 +44,8 @@
 #       B8-2 against B8 over the same steps (beside_writer.py --repeat): the noise of the statistic itself
 #   FLOOR_GB=4 RUNS="B8 A8 B8-2" RUN_LIMIT=200 ...  (about 420 s) main's A8 beside that noise
 #   FLOOR_GB=4 RUNS="B8 A8 A8-2" RUN_LIMIT=200 ...  (about 430 s) and RUNS="B16 A16" RUN_LIMIT=260 (about 460 s):
-#       main since d42158d (torch_dist's flushes first) read again, where §46 has one run of each
+#       main since d42158d (torch_dist's flushes first) read again: §47 read A8 in three more calls (five runs
+#       with §46's; goal_readings.py gathers them), A16 has §46's one run
 #   CALL_BUDGET_S (default 550): a run is not begun where the time used and the longest run so far pass it
 #   PROFILE_STEP=N: the A and B runs profile iteration N (--profile --profile-dir: torch.profiler, CPU and CUDA
 #       events), and profile_diff.py reads each A run's threads against its base's in that iteration
