@@ -7,6 +7,7 @@ setup(
     version="0.1.0",
     description="Megatron-style training with multi-level, multi-path optimizer-state offload",
     packages=find_namespace_packages(include=["megatron.training*", "mlp_offload*"]),
+    package_data={"megatron.training.args": ["megatron_lm_flags.txt"]},  # unknown flags told apart from typos
     python_requires=">=3.10",
     install_requires=["torch", "numpy"],
     extras_require={

@@ -22,7 +22,8 @@ REGENERATE = "python tools/gen_flag_reference.py"
 
 # Flags this stack adds that are neither an offload flag nor Megatron-LM's. A name here that the
 # parser no longer has stops the generator, so the list cannot silently go stale.
-ADDED_FLAGS = ("--device", "--loss-log", "--timing-log", "--ckpt-convert-memory-mb")
+ADDED_FLAGS = ("--device", "--loss-log", "--timing-log", "--ckpt-convert-memory-mb", "--no-use-distributed-optimizer",
+               "--no-store-param-remainders", "--no-resume-check", "--no-ckpt-read-ahead", "--profile-dir")
 
 _VALUE_TYPES = {  # megatron/training/errors.py's value types, as a reader would say them
     "positive_int": "int > 0", "non_negative_int": "int >= 0", "positive_float": "number > 0",

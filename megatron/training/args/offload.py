@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from typing import List, Tuple
 
+from megatron.training.args.unknown_flags import unknown_arguments_line
 from megatron.training.errors import fraction
 from megatron.training.offload.options import GPU_CACHE_FLAG, GPU_START_FLAG
 from megatron.training.offload import options
@@ -58,10 +59,12 @@ def take_named_flags(rest: List[str], pattern, what: str, error) -> Tuple[dict, 
 
 
 def parse_offload_paths(parser, rest: List[str]) -> dict:
-    """Take ``--offload-XXX-path DIR`` (or ``=DIR``) pairs out of the unknown arguments."""
+    """Take ``--offload-XXX-path DIR`` (or ``=DIR``) pairs out of the unknown arguments; any other stops in one
+    line (with what each unknown flag most likely is)."""
     paths, leftover = take_named_flags(rest, _PATH_FLAG, "a directory", parser.error)
     if leftover:
-        parser.error(f"unrecognized arguments: {' '.join(leftover)}")
+        known = [s for action in parser._actions for s in action.option_strings]
+        parser.error(unknown_arguments_line(leftover, known))
     return paths
 
 
