@@ -6,6 +6,7 @@
       <pretrain_gpt.py's own model, parallelism and --offload-* flags>
 
 Prints whether the run fits, where every byte goes (GPU memory, host memory, each file tier),
+what a node writes to each file tier in a day (against its drives' rated endurance),
 the predicted iteration time and its bottleneck, tokens/s at several global batch sizes, what one
 checkpoint writes and the flags to use; ``--json`` prints the same as one object. ``--hf-config DIR/config.json`` takes the
 model's flags from a Hugging Face config (those tools/hf_checkpoint.py import writes to model_args.txt);
@@ -101,6 +102,14 @@ class _BothHelps(argparse.Action):
               f"parallelism, --offload-*; data, training-length and learning-rate flags it fills in if absent):"
               f"\n\n{training}")
         parser.exit()
+
+
+def _daily_writes(per_node_step: float, iteration_s) -> str:
+    """What a node writes to a tier in a day of steps at the predicted pace: the figure a drive's endurance (its
+    rated drive writes per day, or total TB written) is read against."""
+    if not per_node_step or not iteration_s:
+        return ""
+    return f"; {per_node_step * 86400 / iteration_s / 1e12:.1f} TB written a day per node at the predicted iteration"
 
 
 def machine_parser() -> argparse.ArgumentParser:
@@ -506,7 +515,7 @@ def describe(plan, args, machine, flags, rates) -> str:
             tokens = next(iter(engines)).tokens_per_tier[tier]
             lines.append(f"{tier} per node: {g(nbytes)} stored; per rank and step {read / 1e9:.2f} GB read, "
                          f"{written / 1e9:.2f} GB written at r {r.read_bps / 1e9:.2f} w {r.write_bps / 1e9:.2f} GB/s, "
-                         f"{tokens} I/O token(s)")
+                         f"{tokens} I/O token(s)" + _daily_writes(written * machine.gpus_per_node, plan.iteration_s))
         for kind, e in plan.engines.items():
             lines.append(e.prediction.describe() + ("" if len(plan.engines) == 1 else f" [{kind}]"))
         if getattr(plan, "cpu_rates_line", ""):

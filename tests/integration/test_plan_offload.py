@@ -330,3 +330,21 @@ def test_the_text_names_the_machine_sizes_it_assumed():
     (line,) = text("--gpu-memory-gb", "141")
     assert "GPU memory" not in line and "--host-memory-gb" in line
     assert text("--gpu-memory-gb", "141", "--host-memory-gb", "128") == []
+
+
+def test_a_file_tier_line_says_what_a_node_writes_to_it_in_a_day():
+    """The endurance figure: a rank's bytes written a step, times the node's ranks, over a day of predicted steps
+    (worked out here from the JSON of the same flags)."""
+    flags = ["--gpus-per-node", "2", "--gpu-memory-gb", "1", "--host-memory-gb", "8", "--gpu-tflops", "100",
+             "--offload-nvme-capacity-gb", "100", "--offload-bandwidths", "nvme=2.0:1.0", "--adam-gelems", "0.1",
+             *TINY_MODEL, "--offload-tiers", "host,nvme", "--offload-nvme-path", "/nonexistent/nvme",
+             "--offload-host-cache-gb", "0.0005", "--offload-subgroup-size", "6000"]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = planner().main(flags)
+    got = plan_json(*flags, expect=code)
+    written = got["io_bytes_per_rank_per_step"]["nvme"]["write"]
+    assert written > 0
+    expected = written * 2 * 86400 / got["predicted_iteration_s"] / 1e12
+    (line,) = [l for l in out.getvalue().splitlines() if l.startswith("nvme per node:")]
+    assert line.endswith(f"; {expected:.1f} TB written a day per node at the predicted iteration")
