@@ -1,4 +1,4 @@
-"""What a profiled iteration's threads did on the CPU, one run against another: two Chrome traces written by
+"""What a profiled iteration's threads and GPU streams did, one run against another: two Chrome traces written by
 --profile --profile-dir (torch.profiler, every thread's operators and CUDA runtime calls) over the same iteration,
 e.g. the first after an --async-save and the same iteration of a run without saves.
 
