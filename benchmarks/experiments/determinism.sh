@@ -50,7 +50,8 @@
 #   PROFILE_STEP=N: the A and B runs profile iteration N (--profile --profile-dir: torch.profiler, CPU and CUDA
 #       events), and profile_diff.py reads each A run's threads against its base's in that iteration
 #       (determinism_profile_<run>.txt): what the training thread does more in, e.g., the first step after a save
-#       (N=9 at saves 8 apart). Iteration N's times then carry the profiler's cost in both runs.
+#       (N=9 at saves 8 apart). Iteration N's times then carry the profiler's cost in both runs, and the trace's
+#       export pauses the loop after it while the background writers go on (the steps after N read a little fast)
 #   FLOOR_GB=4 PROFILE_STEP=9 RUNS="B8 A8 A8-2" RUN_LIMIT=200 ...  (about 450 s) the first step after the save,
 #       the worst in three of §47's five main runs, its training thread 0.37-0.89 s longer on a core
 # Raw samples, traces, loss logs and the last run's whole log go into $OUT/raw.tgz.
