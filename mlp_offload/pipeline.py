@@ -80,8 +80,7 @@ def file_key(i: int) -> str:
 class ModelParamsAsMaster:
     """An initial-params fill function saying the masters start as the model's own bf16 params (as
     megatron-core starts its fp32 master). Stored as remainders, those are zeros by construction:
-    no fp32 master is made and split (on a large model that cost much of the start-up:
-    docs/benchmarks.md §12)."""
+    no fp32 master is made and split (on a large model that cost much of the start-up)."""
 
     def __init__(self, fill: Callable[[int, int, torch.Tensor], None]):
         self.fill = fill

@@ -11,7 +11,7 @@ lets docs/flags.md's test check that what it files under Megatron-LM's flags is 
       --source "core_v0.15.3 megatron/training/arguments.py" /tmp/core_v0.15.3.py \
       --source "core_v0.16.1 megatron/training/arguments.py" /tmp/core_v0.16.1.py \
       --source "core_v0.16.1 megatron/post_training/arguments.py" /tmp/post.py \
-      --source "main at d98e8a64dd (2026-08-22) megatron/training/arguments.py" /tmp/d98e8a64dd.py
+      --source "main at d98e8a64dd megatron/training/arguments.py" /tmp/d98e8a64dd.py
 
 From 0.16 on, Megatron-LM also derives flags from config dataclasses (``ArgumentGroupFactory``); those are not in
 the list unless a literal ``add_argument`` names them too.

@@ -69,7 +69,7 @@ if triton is not None:
                      UNSCALE: tl.constexpr, CLIP: tl.constexpr, ZERO_GRAD: tl.constexpr, B: tl.constexpr,
                      ROWS: tl.constexpr):
         """ROWS blocks per program, a row of a [ROWS, B] tile each (one block a program ran far slower
-        on state in HBM: docs/benchmarks.md §17). No ``other`` for the codes' loads (Triton casts no
+        on state in HBM). No ``other`` for the codes' loads (Triton casts no
         integer to float8): masked lanes are never stored nor counted in a row's absmax. On the
         model's buffers (``adamw_step_model``): the grads in their training dtype, widened and
         multiplied as ``update.convert_grads`` does, zeroed after the read (ZERO_GRAD); a remainders

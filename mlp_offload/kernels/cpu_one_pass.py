@@ -136,7 +136,7 @@ _background: Optional[threading.Thread] = None
 
 def build_in_background() -> None:
     """Start building (or importing) the extension on a thread of its own: on a node that has not
-    built it yet the compile takes tens of seconds (docs/benchmarks.md §12), which then run while
+    built it yet the compile takes tens of seconds, which then run while
     the caller builds its model."""
     global _background
     if _background is None:

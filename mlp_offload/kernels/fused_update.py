@@ -141,8 +141,7 @@ if triton is not None:
         tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
         tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
         if ZERO_GRAD:  # the training loop leaves zeroing the grads to the update that reads them (a store
-            # before the other loads made it much slower: they could no longer be issued ahead of it;
-            # docs/benchmarks.md §14)
+            # before the other loads made it much slower: they could no longer be issued ahead of it)
             tl.store(g_ptr + offs, tl.zeros_like(g).to(g_ptr.dtype.element_ty), mask=mask)
 
 

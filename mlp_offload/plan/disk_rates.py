@@ -2,7 +2,7 @@
 
 Start-up probes each file tier once, with about a gigabyte, and a shared disk's speed drifts: the steps of
 one run moved their bytes faster than its probe had measured, so the prediction of that disk-bound update
-was over; another run's was under (docs/benchmarks.md §20). Where a step's update was bound by file I/O in
+was over; another run's was under. Where a step's update was bound by file I/O in
 the prediction, the step's own time says how fast the tiers went: the median over the last ``STEPS`` such
 steps scales every file tier's probed rates, and later predictions are priced at those.
 

@@ -72,7 +72,7 @@ def predict_update(subgroups: Sequence[Subgroup], placement: Placement, measured
     """Predicted steady-state update time: compute and each device's I/O overlap, the slowest wins.
 
     Tiers on one device add up (they share it); reads and writes of a device are counted one
-    after the other, which matched a single disk closely (docs/benchmarks.md §1). The node's
+    after the other, which matched a single disk closely. The node's
     ``sharing.ranks`` ranks move equal shards through the same paths in the same phase, so each
     device's time is multiplied by that count (data parallelism makes every rank wait for the
     node's slowest): at one rank's rate where they take turns (fewer ``sharing.tokens`` than ranks), at
@@ -186,11 +186,11 @@ def predict_iteration(compute_s: float, update_s: float, deferred_s: float = 0.0
     so only the first micro-batch's forward up to it (``first_forward_s``) hides the update, and the
     rest of the compute follows. (Nothing of the update runs under a backward.) Of the deferred work,
     ``in_hbm_s`` updates state held in device memory: bound by the same HBM and SMs as the forward, it
-    lengthens the forward by its own time (docs/benchmarks.md §12); only the streamed rest, bound by
+    lengthens the forward by its own time; only the streamed rest, bound by
     PCIe, hides.
 
     A read-ahead (``read_ahead``) is not credited: it moved the copies in under the backward but not
-    the iteration, which the copies out of the whole streamed state bound (docs/benchmarks.md §13)."""
+    the iteration, which the copies out of the whole streamed state bound."""
     if not deferred_s:
         return compute_s + update_s
     return serial_s + compute_s + in_hbm_s + max(0.0, deferred_s - in_hbm_s - first_forward_s)

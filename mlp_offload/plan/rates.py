@@ -118,7 +118,7 @@ def measure_adam_rate(adam_step, numel: int = 1 << 24, repeats: int = 3, one_pas
     ``one_pass`` (``cpu_one_pass.CpuOnePass``) instead where that replaces it.
 
     Measured at the subgroup size (capped), as the update runs it: small tensors would sit in the
-    CPU caches and overstate the rate (docs/benchmarks.md §1).
+    CPU caches and overstate the rate.
     """
     params, grads, exp_avg, exp_avg_sq = (torch.empty(numel).fill_(v) for v in (0.5, 1e-3, 1e-4, 1e-6))
     if one_pass is not None:
@@ -135,8 +135,8 @@ def measure_adam_rate(adam_step, numel: int = 1 << 24, repeats: int = 3, one_pas
 
 def measure_cpu_update_rate(adam_step, codecs, numel: int = 1 << 24, repeats: int = 3, one_pass=None) -> float:
     """Elements per second of the CPU Adam on state stored in ``codecs``: with the widening to fp32
-    and the rounding back that narrow state costs (bf16 moments made it much slower than fp32 state:
-    docs/benchmarks.md §8); or of ``one_pass`` (``cpu_one_pass.CpuOnePass``), the kernel
+    and the rounding back that narrow state costs (bf16 moments made it much slower than fp32 state);
+    or of ``one_pass`` (``cpu_one_pass.CpuOnePass``), the kernel
     doing all three in one pass, where the update runs that."""
     if all(c.is_fp32 for c in codecs):
         return measure_adam_rate(adam_step, numel, repeats, one_pass)

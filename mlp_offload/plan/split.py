@@ -52,7 +52,7 @@ NOISE_Z = 3.0  # a move must be predicted to gain more than this many of the ste
 SAMPLES = 8  # the recent steps kept per count: their median prices it, their spread is the noise
 # The device's rate beside the CPU rises above what it knew only from a step where the CPU worked at least this
 # share of it: beside a short CPU share the device streams mostly alone, and a rate read there once moved the split
-# to a large CPU share that it left a step later, that step slower (docs/benchmarks.md §19; docs/design.md,
+# to a large CPU share that it left a step later, that step slower (docs/design.md,
 # "Placement"). A lower figure counts from any step: the CPU's share only slows it.
 BESIDE_SHARE = 0.5
 

@@ -20,7 +20,7 @@ class DeferredWork:
     Queued lazily: a step queues ``ahead`` subgroups, and each ``need(i)`` (the forward reaching
     subgroup i's params) queues up to ``ahead`` past i. Queued all at once, a step's few thousand
     kernel launches overflowed CUDA's launch queue, and the host sat in the update until the device
-    had drained it, for most of the device's update (docs/benchmarks.md §11)."""
+    had drained it, for most of the device's update."""
 
     def __init__(self, streams: Streams, ahead: int = 4):
         self.streams = streams

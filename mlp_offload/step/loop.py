@@ -208,8 +208,8 @@ def interleaved(order: Sequence[int], in_device_memory: Callable[[int], bool]) -
     """``order`` with the subgroups in device memory spread evenly between the streamed ones (host
     state copied through the device), a streamed one first. The device's compute stream runs its
     work in the order queued: a run of in-HBM updates held the copies of the next streamed subgroup
-    back behind them (two buffers), so the step took the sum of the in-HBM updates and the host link
-    (docs/benchmarks.md §18, §19); spread, the link keeps copying while the compute stream works
+    back behind them (two buffers), so the step took the sum of the in-HBM updates and the host link;
+    spread, the link keeps copying while the compute stream works
     between two streamed subgroups."""
     streamed = [i for i in order if not in_device_memory(i)]
     resident = [i for i in order if in_device_memory(i)]

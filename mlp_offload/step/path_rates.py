@@ -98,7 +98,7 @@ def measure_device_rates(updater, adam_step, codecs, numel: int, repeats: int = 
     # What a step does around each subgroup's Adam on the device: its grads cast from the model's
     # bf16 grad buffer, its bf16 high halves read from the model's params, its updated params
     # written back there (fills instead of these copies made the resident rate read well above what
-    # the steps ran: docs/benchmarks.md §10).
+    # the steps ran).
     grads16 = torch.full((numel,), 1e-3, dtype=torch.bfloat16, device=updater.device)
     params16 = torch.full((numel,), 0.5, dtype=torch.bfloat16, device=updater.device)
     remainders = codecs[0].needs_high
@@ -125,7 +125,7 @@ def measure_device_rates(updater, adam_step, codecs, numel: int, repeats: int = 
 
     # Subgroups back to back, as a step issues them, and the steady rate from two run lengths: a
     # run's first copy-in and last copy-out overlap nothing, which three in a row counted a third
-    # of (the streamed rate then read below what the steps streamed: docs/benchmarks.md §10).
+    # of (the streamed rate then read below what the steps streamed).
     def run(stored, resident):
         short, long = run_k(stored, resident, 1), run_k(stored, resident, 4)
         return 3 * numel / max(long - short, 1e-9) if long > short else 4 * numel / long

@@ -59,8 +59,7 @@ class HostMemory:
             raw = unforked_zeros(nbytes + ALIGN, huge_pages=self.pin)
             if self.pin:
                 # Faulted in by torch's threads first: cudaHostRegister faulting them itself was several
-                # times slower, and huge pages on top are faster still (benchmarks/experiments/pinning.py,
-                # docs/benchmarks.md §11).
+                # times slower, and huge pages on top are faster still (benchmarks/experiments/pinning.py).
                 raw.zero_()
                 self._register(raw)
         except (RuntimeError, OSError) as err:  # OSError: the mapping was refused

@@ -54,7 +54,7 @@ class LoopTimers:
     def without_device_sync(self) -> None:
         """'forward-backward' and 'optimizer' on the host clock only: with the update under the next
         forward, their device synchronisation at start and stop made the host wait for the whole
-        update before launching the forward, and the overlap gained nothing (docs/benchmarks.md §10)."""
+        update before launching the forward, and the overlap gained nothing."""
         for name in STEP_TIMERS:
             install_timer(self.core, name, HostTimer(name), 1)
 

@@ -14,7 +14,7 @@ from mlp_offload import GiB
 def stage_params_on_host(chunks, ddp_config) -> Optional[str]:
     """DDP copies the params into a device buffer of its own and allocates the grad buffer beside it before
     the params' own memory goes: the device holds the params about three times over, which ran a large
-    model out of memory (docs/benchmarks.md §12). Where that would not fit, the params wait in
+    model out of memory. Where that would not fit, the params wait in
     host memory meanwhile (a copy each way, seconds); the values are the same bits. Returns the line that
     says so where it staged them, else None."""
     params = [p for chunk in chunks for p in chunk.parameters()]
