@@ -215,16 +215,14 @@ class OffloadedAdamW:
 
     # -- the device tier's size (auto) ---------------------------------------------------------
     def observe_device_memory(self, peak_bytes: int, capacity_bytes: int) -> Optional[str]:
-        """With ``gpu_budget_auto``: the device's real peak since the last call and the most this
-        process could hold (free plus its own reserve). Promotes subgroups into the spare memory
-        beyond the margin, or hands some back to lower tiers where it fell under it; returns what
-        it did (also logged), None if nothing changed. Between steps only."""
+        """With ``gpu_budget_auto``: the device's real peak since the last call and the most this process could
+        hold (free plus its own reserve). Promotes subgroups into the spare memory beyond the margin, or hands
+        some back to lower tiers where it fell under it; what it did (also logged), None if nothing. Between steps."""
         if not self.config.gpu_budget_auto:
             return None
         self._check_usable()
         self.wait_for_snapshot()
-        # No settle() here: it would make a deferred step's caller wait for the whole update after
-        # every step; the relocation settles only where it moves something.
+        # No settle() here: a deferred step's caller would wait for the whole update after every step.
         room = TierRoom.of(self.memory, self._tiers, self.config.has_host)
         return self._apply(self._relocation.fit_device(peak_bytes, capacity_bytes, self.placement, room))
 
@@ -269,9 +267,8 @@ class OffloadedAdamW:
 
     # -- whole-state access (checkpoints, tests) ------------------------------------------------
     def iter_state(self) -> Iterator[Tuple[Subgroup, torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Each subgroup's (param, exp_avg, exp_avg_sq), streamed one at a time from its tier. The tensors
-        are valid until the next item is requested; nothing gathers the whole state. They are in their
-        stored dtypes; a master stored as remainders is given as fp32 (merged with the model's params)."""
+        """Each subgroup's (param, exp_avg, exp_avg_sq), one at a time from its tier, valid until the next is
+        requested (nothing gathers the whole state), in their stored dtypes; a remainders master as fp32 (merged)."""
         self._check_usable()
         self.settle()
         yield from self._state.iter_state()
@@ -288,8 +285,7 @@ class OffloadedAdamW:
         self._pipeline.begin(self._schedule_for(steps_done))
 
     def modify_state(self, edit: Callable[[Subgroup, torch.Tensor, torch.Tensor, torch.Tensor], None]) -> None:
-        """Stream each subgroup's (param, exp_avg, exp_avg_sq) through ``edit``, which changes
-        them in place; the result goes back where the subgroup lives."""
+        """Each subgroup's (param, exp_avg, exp_avg_sq) through ``edit``, in place, back where it lives."""
         self._quiesce()
         self._state.modify_state(edit)
 
@@ -301,15 +297,19 @@ class OffloadedAdamW:
         self._drop_read_ahead()
 
     def snapshot(self, link_files: bool = True, staging_bytes: Optional[int] = None) -> StateSnapshot:
-        """The state as it is now, for a checkpoint writer (see ``snapshot``): cheap, and unchanged by
-        later steps where ``link_files``; steps wait in ``before_update`` only for what the writer
-        still needs from memory. One at a time; the writer must ``release()`` it."""
+        """The state as it is now, for a checkpoint writer (see ``snapshot``): cheap, and unchanged by later steps
+        where ``link_files``; steps wait in ``before_update`` only for what the writer still needs from memory.
+        One at a time; the writer must ``release()`` it."""
         self._check_usable()
         self.settle()
         self.wait_for_snapshot()
         staging = self.config.save_staging_bytes if staging_bytes is None else staging_bytes
         self._snapshot = self._state.snapshot(self.steps_done, link_files, staging)
         return self._snapshot
+
+    def reserve_save_staging(self, room: int) -> int:
+        """The snapshots' staging for the memory-held state (``room`` bytes at most) made now and kept; its bytes."""
+        return self._state.reserve_staging(min(self._state.memory_held_bytes, room))
 
     def wait_for_snapshot(self) -> None:
         """Until the last snapshot's writer has released it."""

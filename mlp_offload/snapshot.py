@@ -16,7 +16,9 @@ places:
   The writer takes the memory ones first, in the next update's order, so it runs ahead of the
   update for as long as it can. The time ``before_update`` takes is the pause training has.
   A writer paced over several steps (``checkpoint.pacing``) copies them aside itself first
-  (``stage_ahead``), between two updates, so the update neither copies nor waits.
+  (``stage_ahead``), between two updates, so the update neither copies nor waits. The staging buffers
+  outlive the snapshot (``KeptStaging``): the next save copies into memory already faulted in, not into
+  memory mapped, faulted in and unmapped again at every save beside the steps after it.
 
 The writer's threads read device memory on a stream of their own (``device_reads``), which starts
 after the work the training's stream had queued when the snapshot was taken: on the training's
@@ -30,7 +32,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -64,9 +66,36 @@ class SnapshotSources:
     on_tier: Dict[int, TierCopy]
 
 
+class KeptStaging:
+    """Staging buffers kept from one save's snapshot to the next (of one size: the largest subgroup's state)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._buffers: List[torch.Tensor] = []
+
+    def take(self, nbytes: int) -> Tuple[torch.Tensor, bool]:
+        """A buffer of ``nbytes``, and whether it is new (none of that size kept)."""
+        with self._lock:
+            if self._buffers and self._buffers[-1].numel() == nbytes:
+                return self._buffers.pop(), False
+        return aligned_empty(nbytes), True
+
+    def keep(self, buffers: List[torch.Tensor]) -> None:
+        if not buffers:
+            return
+        with self._lock:
+            # another size (a new partition) replaces what was kept: the old ones would never be taken again
+            self._buffers = [b for b in self._buffers if b.numel() == buffers[0].numel()] + buffers
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(b.numel() for b in self._buffers)
+
+
 class StateSnapshot:
     def __init__(self, subgroups: List[Subgroup], steps_done: int, sources: SnapshotSources,
-                 update_order: List[int], staging_bytes: Optional[int]):
+                 update_order: List[int], staging_bytes: Optional[int], kept: Optional[KeptStaging] = None):
         self.subgroups = subgroups
         self.codecs = subgroups[0].codecs  # the stored formats (state_formats), every subgroup's
         self.numel = subgroups[-1].end
@@ -85,6 +114,10 @@ class StateSnapshot:
             staging_bytes = DEFAULT_SAVE_STAGING
         self._staging_free = staging_bytes // self.largest.state_bytes  # buffers still allowed
         self._staging_made = 0
+        self._kept = kept if kept is not None else KeptStaging()
+        self._made: List[torch.Tensor] = []  # every staging buffer taken, kept again at the release
+        self.staging_new = 0  # staging buffers made for this snapshot (not kept from the last)
+        self.kept_bytes = self._kept.nbytes  # the staging kept for it (made at an earlier save or at start-up)
         self.paused_s = 0.0  # what before_update cost the update
         self.writer_waits = 0  # times an update waited for the writer (not for a copy): none within the staging
         self.cancelled = threading.Event()
@@ -130,7 +163,10 @@ class StateSnapshot:
     def _new_staging_buffer(self) -> StateViews:
         self._staging_free -= 1
         self._staging_made += 1
-        return StateViews.over(aligned_empty(self.largest.state_bytes), self.largest)
+        buffer, new = self._kept.take(self.largest.state_bytes)
+        self.staging_new += new
+        self._made.append(buffer)
+        return StateViews.over(buffer, self.largest)
 
     @property
     def staging_bytes(self) -> int:
@@ -228,7 +264,9 @@ class StateSnapshot:
             self._progress = {i: DONE for i in self._progress}
             self._staged.clear()
             self._spare.clear()
+            made, self._made = self._made, []
             self._cond.notify_all()
+        self._kept.keep(made)
         self.released.set()
 
 

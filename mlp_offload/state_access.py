@@ -14,8 +14,9 @@ import torch
 from .tiers.kinds import kind_of
 from .pipeline import SlotPipeline, StateViews, file_key
 from .kernels.remainders import RemainderMaster
-from .snapshot import SnapshotSources, StateSnapshot, TierCopy
-from .subgroups.partition import Subgroup
+from .snapshot import KeptStaging, SnapshotSources, StateSnapshot, TierCopy
+from .subgroups.partition import Subgroup, slot_subgroup
+from .tiers.no_fork import aligned_empty
 
 StateFn = Callable[[Subgroup, torch.Tensor, torch.Tensor, torch.Tensor], None]
 AdoptFn = Callable[[int, Subgroup, object, str], bool]  # (index, subgroup, file tier, key) -> taken
@@ -32,6 +33,7 @@ class StateAccess:
         self._scratch = None
         self._device_stage = None  # host copy of a device-resident subgroup
         self._adopted_buffer = None  # a load's reads of linked-in subgroups, for the digest, beside the others
+        self._kept_staging = KeptStaging()  # the snapshots' staging, from one save to the next
 
     def iter_state(self) -> Iterator[Tuple[Subgroup, torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Each subgroup's (param, exp_avg, exp_avg_sq); valid until the next item is requested."""
@@ -103,6 +105,23 @@ class StateAccess:
             if views is self._scratch:  # host-resident or in a buffer: written later by the pipeline
                 self.pipeline.write_now(i, views)
 
+    @property
+    def memory_held_bytes(self) -> int:
+        """The most state a snapshot finds in memory (the resident subgroups and the pipeline's buffers), in staging
+        buffers' bytes."""
+        return (len(self.resident) + len(self.pipeline.slots)) * slot_subgroup(self.subgroups).state_bytes
+
+    def reserve_staging(self, nbytes: int) -> int:
+        """Staging buffers for the snapshots, ``nbytes`` of them at most, made now, faulted in and kept; returns their
+        bytes. Faulted in now: the first save's copies then find their pages, where huge pages taken at a save may
+        first have to be compacted out of a page cache that the run's I/O has filled."""
+        size = slot_subgroup(self.subgroups).state_bytes
+        buffers = [aligned_empty(size) for _ in range(nbytes // size)]
+        for buffer in buffers:
+            buffer.zero_()
+        self._kept_staging.keep(buffers)
+        return self._kept_staging.nbytes
+
     def snapshot(self, steps_done: int, link_files: bool, staging_bytes: Optional[int]) -> StateSnapshot:
         """The state as it is now, for a writer (see snapshot). ``link_files``: the writer's copy of
         file-held subgroups survives the next updates (off for a save that nothing overtakes)."""
@@ -131,7 +150,7 @@ class StateAccess:
                     copy.tier.forget(copy.key)
             raise
         return StateSnapshot(self.subgroups, steps_done, SnapshotSources(memory, on_tier),
-                             self.pipeline.schedule.order, staging_bytes)
+                             self.pipeline.schedule.order, staging_bytes, self._kept_staging)
 
     def _each(self, fill_missing: bool, write_back: bool = True) -> Iterator[Tuple[int, Subgroup, StateViews]]:
         """(index, subgroup, views): its resident or buffered copy, else the scratch buffer (filled

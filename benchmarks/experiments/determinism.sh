@@ -29,14 +29,10 @@
 #   RUNS="D1 D2 DR" ... a subset; DRY_RUN=1 bash benchmarks/experiments/determinism.sh (tiny, CPU)
 #   (A2_staging_4k_pages: the snapshot's staging in 4 KiB pages, as before fa8ee57)
 #   (retired variants, measured in §41-47: device_digest, freeze_at_save, writer_process, paced_pieces (§47: the
-#   forward and backward beside the writer kept their extra switches); flush_first is merged, §46)
-#   FLOOR_GB=4 RUNS="B16 A16_keep_staging" RUN_LIMIT=260 ...  (about 460 s) the staging of the state held in memory
-#       made and faulted in at start-up and kept from save to save: whether the first step after a save, the worst
-#       in §45's two runs over 1.25x, loses its extra (8.4 GB of anonymous memory is mapped and faulted in at each save now,
-#       unmapped after the write; the first save's copy aside took 2.21 and 5.07 s at saves 16 apart, §44-45); or
-#       RUNS="B8 A8 A8_keep_staging" RUN_LIMIT=200 (about 420 s). §46: 1.43x in a run slow before its
-#       first save too, so not told apart (branch pending-keep-staging); next (§47): twice beside main,
-#       FLOOR_GB=4 RUNS="B8 A8 A8_keep_staging A8_keep_staging-2" RUN_LIMIT=200 CALL_BUDGET_S=560 (about 520-560 s)
+#   forward and backward beside the writer kept their extra switches); merged: flush_first (§46), keep_staging (§48:
+#   the staging of the state held in memory made and faulted in at start-up, kept from save to save))
+#   (each A run is read against its B run of the same call; "iterations 2-8 together" below 1 says that B run was
+#       slower before the first save too, which flatters the ratios after it)
 #   NAME-K (K a digit), e.g. RUNS="B8 A8 B8-2 A8-2": the K-th run of NAME, against the K-th of its base (A8-2 against
 #       B8-2, A8_<variant>-2 too; where B8-2 is not run, against B8, so RUNS="B8 A8 A8-2" reads one code twice
 #       against one base): two runs of one command differ by about 0.2 a step on the device's disk (§39), so a
@@ -44,8 +40,8 @@
 #       B8-2 against B8 over the same steps (beside_writer.py --repeat): the noise of the statistic itself
 #   FLOOR_GB=4 RUNS="B8 A8 B8-2" RUN_LIMIT=200 ...  (about 420 s) main's A8 beside that noise
 #   FLOOR_GB=4 RUNS="B8 A8 A8-2" RUN_LIMIT=200 ...  (about 430 s) and RUNS="B16 A16" RUN_LIMIT=260 (about 460 s):
-#       main since d42158d (torch_dist's flushes first) read again: §47 read A8 in three more calls (five runs
-#       with §46's; goal_readings.py gathers them), A16 has §46's one run
+#       main read again (goal_readings.py gathers the runs); since the kept staging (§48) main's own A8 has two
+#       runs, both of §48's call 3, in a call whose B8 was slow before the first save
 #   CALL_BUDGET_S (default 550): a run is not begun where the time used and the longest run so far pass it
 #   PROFILE_STEP=N: the A and B runs profile iteration N (--profile --profile-dir: torch.profiler, CPU and CUDA
 #       events), and profile_diff.py reads each A run's threads against its base's in that iteration

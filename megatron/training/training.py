@@ -288,7 +288,7 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
     stop = StopCheck(args.sigterm_watcher, args.exit_duration_in_mins, started)
     background = BackgroundSaves(device) if args.async_save else None
     if background is not None:
-        checkpointing.reserve_async_save_memory(model, args)
+        checkpointing.reserve_async_save_memory(model, optimizer, args)
     try:
         while iteration < args.train_iters:
             batch_schedule.advance(args, consumed)

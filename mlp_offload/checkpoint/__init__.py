@@ -16,6 +16,7 @@ from .file_format import MAGIC, TRAILER, CheckpointDataError, CheckpointSaveErro
 from .file_format import SUFFIX as STATE_FILE_SUFFIX
 from .paced_flush import FlushPacing, flush_pacing, read_report as read_flush_report
 from .paced_flush import install as install_paced_fsync
+from .pacing import reserve_paced_staging
 from .parts import is_part_path
 from .range_reader import RangeReader
 from .state_file import (StateFile, fill_engine, human_bytes, load_engine_state, read_footer, state_file_bytes,
@@ -28,4 +29,5 @@ __all__ = ["MAGIC", "TRAILER", "STATE_FILE_SUFFIX", "CheckpointDataError", "Chec
            "BackgroundStateWrite", "save_engine_state", "start_background_save", "write_snapshot",
            "merge_remainders", "BlockLayout", "Quantized", "quantize", "describe_formats", "is_blockwise",
            "MASK", "TENSORS", "StateDigest", "add_pairs", "as_pairs", "tensor_digest", "find_mismatch",
-           "is_part_path", "FlushPacing", "flush_pacing", "read_flush_report", "install_paced_fsync"]
+           "is_part_path", "FlushPacing", "flush_pacing", "read_flush_report", "install_paced_fsync",
+           "reserve_paced_staging"]

@@ -259,7 +259,7 @@ def pace_save(engine, snapshot, path: str, link_tier_files: bool, digest: bool,
     pacer = DiskPacer(tiers, writer_cap(disk_bps), due_at=due_at(next_save_in_s), busy_share=busy)
     memory_bytes = len(snapshot.memory) * snapshot.largest.state_bytes
     if engine.config.save_staging_bytes is None:  # a size given is kept as given
-        snapshot.allow_staging(min(memory_bytes, staging_room(ranks)))
+        snapshot.allow_staging(min(memory_bytes, staging_room(ranks) + snapshot.kept_bytes))
     written = sum(state_file_bytes(sg.numel, sg.codecs, sg.blocks) for sg in snapshot.subgroups
                   if sg.index in snapshot.memory or not link_tier_files)
     read = sum(snapshot.subgroups[i].state_bytes for i in snapshot.on_tier) if digest or not link_tier_files else 0
@@ -322,6 +322,18 @@ def disk_rate(engine, tier: str) -> float:
         return (prediction.read_bytes.get(tier, 0) + prediction.write_bytes.get(tier, 0)) / seconds
     rate = engine.rates.get(tier) if engine.rates else None
     return rate.write_bps if rate is not None else 0.0
+
+
+def reserve_paced_staging(engine, save_dir: str) -> int:
+    """Where background saves into ``save_dir`` would be paced (a file tier on its disk) and no staging size is
+    configured: the staging ``pace_save`` would allow for the state held in memory, made now and kept from save
+    to save; returns its bytes (0: none made)."""
+    existing = os.path.abspath(save_dir)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if engine.config.save_staging_bytes is not None or not same_device_tiers(engine, os.path.join(existing, "x")):
+        return 0
+    return engine.reserve_save_staging(staging_room(engine.config.resolved_ranks_sharing_node()))
 
 
 def staging_room(ranks: int) -> int:

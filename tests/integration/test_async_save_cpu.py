@@ -204,3 +204,16 @@ def test_a_save_that_finds_the_last_one_unfinished_waits_and_says_how_long(async
     assert all(s <= held_s + 0.01 for s in seconds) and sum(seconds) >= held_s - 0.08, parts
     # and it waited for the previous save's end: checkpoint 2 was finalized before checkpoint 4 began writing
     assert output.index("> saved checkpoint at iteration 2 ") < line.start()
+
+
+def test_the_paced_writers_staging_is_made_at_start_up_and_said_once(async_saved, chain):
+    """Its tiers on the checkpoint's disk and no staging size given: the staging for the state held in memory is
+    made before the first iteration (one line, rank 0's size); with --offload-save-staging-gb given, none is."""
+    output = async_saved["output"]
+    lines = [ln for ln in output.splitlines() if "kept for the saves' copies aside of the offloaded state" in ln]
+    assert len(lines) == 1, lines
+    size = re.search(r"--async-save: ([0-9.,]+) ([MG]B) of host memory", lines[0])
+    assert size and float(size.group(1).replace(",", "")) > 0, lines[0]
+    first_iteration = next(i for i, ln in enumerate(output.splitlines()) if re.search(r"iteration\s+1/", ln))
+    assert output.splitlines().index(lines[0]) < first_iteration
+    assert "copies aside of the offloaded state" not in chain["resumed_output"]

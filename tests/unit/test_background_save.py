@@ -3,6 +3,7 @@ steps on is byte for byte the one a synchronous save at that moment gives, wheth
 stages what it overtakes or waits for the writer; a cancelled or failed write leaves nothing."""
 
 import os
+import sys
 
 import pytest
 import torch
@@ -140,3 +141,64 @@ def test_on_cuda_the_writer_reads_the_gpu_tier_beside_the_training_stream(tmp_pa
         assert not torch.cuda.current_stream().query()  # the writer finished while the long kernel still ran
         torch.cuda.synchronize()
     assert (tmp_path / "async.ckpt").read_bytes() == (tmp_path / "sync.ckpt").read_bytes()
+
+
+def test_a_second_background_save_stages_into_the_buffers_of_the_first(tmp_path, monkeypatch):
+    """The staging outlives a snapshot: the next save's copies aside go into the same memory, and what it
+    writes is still the synchronous save's file at its moment."""
+    with engine_at_step_3(tmp_path / "e", save_staging_bytes=1 << 30) as engine:
+        made = []
+        for k in range(2):
+            save_engine_state(engine, str(tmp_path / f"sync{k}.ckpt"), metadata={"iteration": 3 + 2 * k})
+            monkeypatch.setattr(faults, "_delays", SLOW_WRITER)
+            write = start_background_save(engine, str(tmp_path / f"async{k}.ckpt"),
+                                          metadata={"iteration": 3 + 2 * k})
+            write.start()
+            run(engine, grads(3 + k, 2))  # the updates stage what they overtake
+            write.wait()
+            monkeypatch.setattr(faults, "_delays", None)
+            assert write.failure is None
+            made.append(write.snapshot.staging_new)
+            assert (tmp_path / f"async{k}.ckpt").read_bytes() == (tmp_path / f"sync{k}.ckpt").read_bytes()
+    assert made[0] > 0 and made[1] == 0, made
+
+
+def first_paced_save_staging(path, reserve: bool):
+    """(staging buffers kept at start-up, buffers the first paced background save made)."""
+    from mlp_offload.checkpoint import reserve_paced_staging
+    from mlp_offload.subgroups.partition import slot_subgroup
+    with engine_at_step_3(path / "e") as engine:
+        buffer = slot_subgroup(engine.subgroups).state_bytes
+        kept = reserve_paced_staging(engine, str(path / "ckpt" / "iter_3")) if reserve else 0
+        write = start_background_save(engine, str(path / "e" / "async.ckpt"), metadata={"iteration": 3},
+                                      next_save_in_s=5.0)
+        assert write.pacer is not None  # the checkpoint shares the nvme tier's disk: paced, its staging raised
+        write.start()
+        write.wait()
+        assert write.failure is None
+        return kept // buffer, write.snapshot.staging_new
+
+
+def test_staging_made_at_start_up_serves_the_first_paced_save(tmp_path):
+    """The staging made at start-up for the state held in memory (resident, and in the pipeline's buffers) is what
+    the first paced save copies it into: that save makes no buffer of its own."""
+    kept, made_with = first_paced_save_staging(tmp_path / "with", reserve=True)
+    _, made_without = first_paced_save_staging(tmp_path / "without", reserve=False)
+    assert made_without > 0  # MIXED keeps subgroups resident in host memory: without, the save makes their staging
+    assert kept >= made_without and made_with == 0, (made_with, made_without, kept)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
+def test_staging_made_at_start_up_is_in_memory_before_any_save(tmp_path):
+    """Reserved staging is faulted in at once (the process's resident set grows by it), not at the first save."""
+    from mlp_offload.checkpoint import reserve_paced_staging
+
+    def resident_bytes():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    with engine_at_step_3(tmp_path / "e") as engine:
+        before = resident_bytes()
+        kept = reserve_paced_staging(engine, str(tmp_path / "ckpt"))
+        grown = resident_bytes() - before
+    assert kept > 0 and grown >= 0.9 * kept, (kept, grown)

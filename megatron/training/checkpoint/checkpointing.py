@@ -43,7 +43,7 @@ from megatron.training.runtime.checkpoint_lines import Phases, disk_rates, load_
 from megatron.training.runtime.concurrent import ConcurrentCall
 from megatron.training.runtime.optimizer_interface import OffloadedOptimizerCheckpoint
 from megatron.training.runtime.progress import gb_and_rate, print_rank0, slowest_rank
-from mlp_offload.checkpoint import CheckpointSaveError, human_bytes, read_flush_report
+from mlp_offload.checkpoint import CheckpointSaveError, human_bytes, read_flush_report, reserve_paced_staging
 from mlp_offload import fault_point
 
 
@@ -76,14 +76,22 @@ def _state_to_save(args, model, optimizer, scheduler, iteration, consumed_sample
     return state
 
 
-def reserve_async_save_memory(model, args) -> None:
+def reserve_async_save_memory(model, optimizer, args) -> None:
     """--async-save: pin the host memory its copies of the weights take now, at start-up, not while the
-    first background save holds training (async_save.reserve_host_copies); one line says how much."""
+    first background save holds training (async_save.reserve_host_copies), and make the staging of the
+    offloaded state's copies aside (mlp_offload.checkpoint.reserve_paced_staging), not beside the steps after the
+    first save; a line says how much of each."""
     fully_parallel = args.ckpt_fully_parallel_save and parallel_state.get_data_parallel_world_size() > 1
     nbytes, seconds = reserve_host_copies(model_state(model, sharding_metadata()), fully_parallel)
     if nbytes:
         print_rank0(f"> --async-save: {human_bytes(nbytes)} of pinned host memory (rank 0) kept for the saves' copies "
                     f"of the weights, pinned in {seconds:.1f} s")
+    shards = optimizer.shards if isinstance(optimizer, OffloadedOptimizerCheckpoint) and args.save else []
+    started = time.perf_counter()
+    staged = sum(reserve_paced_staging(shard.engine, args.save) for shard in shards)
+    if staged:
+        print_rank0(f"> --async-save: {human_bytes(staged)} of host memory (rank 0) kept for the saves' copies aside "
+                    f"of the offloaded state held in memory, made in {time.perf_counter() - started:.1f} s")
     aside = _host_weights_aside(model)
     if aside is not None:  # the params in host memory: each save copies what it writes of them aside
         size = parallel_state.get_data_parallel_world_size() if fully_parallel else 1
