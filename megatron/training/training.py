@@ -26,7 +26,9 @@ from megatron.training.offload import job_facts
 from megatron.training.metrics import moe as moe_metrics
 from megatron.training.checkpoint.async_save import BackgroundSaves
 from megatron.training.args.arguments import parse_args
+from megatron.training.checkpoint import integrity
 from megatron.training.checkpoint.integrity import checkpoint_dir, finish_retiring
+from megatron.training.checkpoint.load_plan import resume_root
 from megatron.training.data.datasets import build_tokenizer, micro_batches, padded_vocab_size
 from megatron.training.errors import reported_once
 from megatron.training.model.flops import GptShape, flops_per_iteration
@@ -257,12 +259,14 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
         _print_rank0("> --moe-grouped-gemm: no grouped GEMM kernel here (the grouped_gemm package, or "
                      "transformer-engine on CUDA): megatron-core's sequential experts run, the same arithmetic")
     iteration, consumed = 0, 0
-    fresh_auto_resume = args.load and args.load == args.save and not _is_dir_on_rank0(args.load)
+    non_persistent = integrity.non_persistent_root(args, args.load)
+    fresh_auto_resume = (args.load and args.load == args.save and not _is_dir_on_rank0(args.load)
+                         and not (non_persistent and _is_dir_on_rank0(non_persistent)))
     if fresh_auto_resume:  # --save X --load X in a batch script: the first job starts fresh
         _print_rank0(f"> no checkpoint in {args.load} yet: starting from scratch")
     elif args.load:
-        iteration, consumed = _load(args, model, optimizer, scheduler)
-        _print_rank0(f"> loaded checkpoint from {args.load} at iteration {iteration}" if iteration else
+        iteration, consumed, root = _load(args, model, optimizer, scheduler)
+        _print_rank0(f"> loaded checkpoint from {root} at iteration {iteration}" if iteration else
                      f"> no complete checkpoint in {args.load}: starting from scratch")
 
     phases.done("checkpoint")
@@ -328,6 +332,10 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
             if args.save and args.save_interval and iteration % args.save_interval == 0:
                 with args.sigterm_watcher.saving_checkpoint():
                     _save(args, iteration, model, optimizer, scheduler, consumed, background)
+            elif (args.save and args.non_persistent_save_interval and iteration % args.non_persistent_save_interval == 0
+                  and iteration < args.train_iters):  # the last iteration's save, right after the loop, is persistent
+                with args.sigterm_watcher.saving_checkpoint():
+                    _save(args, iteration, model, optimizer, scheduler, consumed, background, non_persistent=True)
             reason = stop.after_iteration(time.perf_counter() - start, device)  # eval and save included
             if reason:  # the checkpoint is saved below, as at the end of training
                 _print_rank0(f"> exiting at iteration {iteration} after {reason}")
@@ -354,13 +362,13 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
     torch.distributed.destroy_process_group()
 
 
-def _save(args, iteration, model, optimizer, scheduler, consumed, background) -> None:
-    if background is not None:  # save_checkpoint says what it wrote now and, later, when it is complete
-        checkpointing.save_checkpoint(iteration, model, optimizer, scheduler, consumed, args, background)
-        return
-    # The start line only: save_checkpoint's own line at the end gives the bytes and rates.
-    _print_rank0(f"> saving checkpoint at iteration {iteration} to {args.save} ...")
-    checkpointing.save_checkpoint(iteration, model, optimizer, scheduler, consumed, args)
+def _save(args, iteration, model, optimizer, scheduler, consumed, background, non_persistent=False) -> None:
+    if background is None:  # the start line only: save_checkpoint's own line at the end gives the bytes and rates
+        where = integrity.non_persistent_root(args, args.save) if non_persistent else args.save
+        _print_rank0(f"> saving {'non-persistent ' if non_persistent else ''}checkpoint at iteration {iteration} to "
+                     f"{where} ...")
+    # With background saves, save_checkpoint says what it wrote now and, later, when it is complete.
+    checkpointing.save_checkpoint(iteration, model, optimizer, scheduler, consumed, args, background, non_persistent)
 
 
 def _is_dir_on_rank0(path: str) -> bool:
@@ -373,11 +381,12 @@ def _is_dir_on_rank0(path: str) -> bool:
 
 
 def _load(args, model, optimizer, scheduler):
-    with reported_step(f"> loading checkpoint from {args.load}", _print_rank0) as step:
-        iteration, consumed = checkpointing.load_checkpoint(args.load, model, optimizer, scheduler, args)
+    root = resume_root(args)  # --load, or the non-persistent directory where it holds a later checkpoint
+    with reported_step(f"> loading checkpoint from {root}", _print_rank0) as step:
+        iteration, consumed = checkpointing.load_checkpoint(root, model, optimizer, scheduler, args)
         if iteration and torch.distributed.get_rank() == 0:
-            step.nbytes = tree_bytes(checkpoint_dir(args.load, iteration))
-    return iteration, consumed
+            step.nbytes = tree_bytes(checkpoint_dir(root, iteration))
+    return iteration, consumed, root
 
 
 def _run_eval(args, forward_step_func, model, valid_ds, progress: Tuple[int, int], metrics):

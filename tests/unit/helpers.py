@@ -1,11 +1,13 @@
 """Shared set-up for engine tests: small, fast configurations, whole-state readout, and the
-reference they are checked against (torch.optim.AdamW over the same ranges and hyperparameters)."""
+reference they are checked against (torch.optim.AdamW over the same ranges and hyperparameters); checkpoint
+directories made by hand and the parser's one-line errors, for the checkpoint flags' tests."""
 
 import dataclasses
 import os
 
 import torch
 
+from megatron.training.checkpoint import integrity
 from mlp_offload import OffloadConfig
 from mlp_offload.kernels.remainders import HostParamHigh
 
@@ -111,3 +113,32 @@ def megatron_world_of_one():
     yield
     parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()
+
+
+# -- checkpoint directories and the parser's one-line errors (retention, non-persistent checkpoints) --------------
+def make_checkpoint_dir(root, iteration, nbytes=10, marker=integrity.COMPLETE):
+    """A checkpoint directory with one file of ``nbytes`` and ``marker`` (None: neither, as upstream's)."""
+    path = integrity.checkpoint_dir(str(root), iteration)
+    os.makedirs(os.path.join(path, "offload"))
+    with open(os.path.join(path, "offload", "state.offload"), "wb") as f:
+        f.write(b"x" * nbytes)
+    if marker is not None:
+        open(os.path.join(path, marker), "w").close()  # the markers alone decide whether it may retire
+    return path
+
+
+MARKERS = [integrity.COMPLETE, integrity.IN_PROGRESS, None]
+
+TINY_ARGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+             "--max-position-embeddings", "64", "--micro-batch-size", "1", "--global-batch-size", "1",
+             "--train-iters", "2", "--lr", "1e-4"]
+
+
+def parse_error(flags) -> str:
+    """The one line the parser refuses ``flags`` with (mock data and a tiny model added)."""
+    import pytest
+    from megatron.training.args.arguments import parse_args
+    from megatron.training.errors import UserError
+    with pytest.raises(UserError) as raised:
+        parse_args(["--mock-data", *flags, *TINY_ARGS])
+    return str(raised.value)

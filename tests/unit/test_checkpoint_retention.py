@@ -9,20 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from megatron.training.checkpoint import integrity
-
-
-def make(root, iteration, nbytes=10, marker=integrity.COMPLETE):
-    """A checkpoint directory with one file of ``nbytes`` and ``marker`` (None: neither, as upstream's)."""
-    path = integrity.checkpoint_dir(str(root), iteration)
-    os.makedirs(os.path.join(path, "offload"))
-    with open(os.path.join(path, "offload", "state.offload"), "wb") as f:
-        f.write(b"x" * nbytes)
-    if marker is not None:
-        open(os.path.join(path, marker), "w").close()  # the markers alone decide whether it may retire
-    return path
-
-
-MARKERS = [integrity.COMPLETE, integrity.IN_PROGRESS, None]
+from .helpers import MARKERS, make_checkpoint_dir as make, parse_error
 
 
 @settings(max_examples=60, deadline=None)
@@ -122,16 +109,7 @@ def test_the_runs_end_waits_for_its_removals(tmp_path, monkeypatch):
     (["--save-retain-interval", "8"], "argument --save-retain-interval: requires --save DIR and --save-interval N"),
 ])
 def test_the_flag_is_checked_in_one_line(tmp_path, flags, message):
-    from megatron.training.args.arguments import parse_args
-    from megatron.training.errors import UserError
-    with pytest.raises(UserError) as raised:
-        parse_args(["--mock-data", "--save", str(tmp_path), *flags] + TINY)
-    assert str(raised.value) == message
-
-
-TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-        "--max-position-embeddings", "64", "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "2",
-        "--lr", "1e-4"]
+    assert parse_error(["--save", str(tmp_path), *flags]) == message
 
 
 def test_a_retirement_while_the_last_one_still_removes_leaves_its_directories_to_it(tmp_path, monkeypatch):

@@ -10,6 +10,7 @@ from megatron.training.checkpoint.saved_args import (FILLED_IF_MISSING, MODEL_SH
 from megatron.training.errors import positive_int
 
 CKPT_FORMATS = ("torch_dist", "torch", "torch_dcp", "fsdp_dtensor")
+NON_PERSISTENT_TYPES = ("global", "local", "in_memory")  # Megatron-LM's choices; global is built here
 
 
 def add_flags(g) -> None:
@@ -49,6 +50,17 @@ def add_flags(g) -> None:
                    help="write each replicated shard from one data-parallel rank (default: spread over the ranks)")
     g.add_argument("--ckpt-fully-parallel-load", action="store_true",
                    help="each data-parallel rank reads a part of the replicated shards and they exchange them")
+    g.add_argument("--non-persistent-save-interval", type=positive_int, default=None,
+                   help="with --non-persistent-ckpt-type global: also save every N iterations into a directory that "
+                        "keeps only its newest complete checkpoint (--non-persistent-global-ckpt-dir); a resume "
+                        "takes the newer of it and --load's. Default: none")
+    g.add_argument("--non-persistent-ckpt-type", choices=NON_PERSISTENT_TYPES, default=None,
+                   help="global: the non-persistent checkpoints are ordinary ones (torch_dist and the offloaded "
+                        "state) in their own directory, the only kind built here (Megatron-LM's local and "
+                        "in_memory are not). Default: none")
+    g.add_argument("--non-persistent-global-ckpt-dir", type=str, default=None,
+                   help="where --non-persistent-ckpt-type global saves and looks for its checkpoints. Default: "
+                        "non_persistent/ in --save (and in --load, for a resume)")
     # Megatron-LM's deprecated spellings, no-ops there too: its scripts still pass them.
     g.add_argument("--use-dist-ckpt", dest="use_dist_ckpt_deprecated", action="store_true",
                    help="deprecated in Megatron-LM, no effect: --ckpt-format chooses the format")
@@ -72,6 +84,20 @@ def validate(parser, args) -> None:
             parser.error(f"argument {flag}: requires --load DIR")
     if args.async_save and not args.save:
         parser.error("argument --async-save: requires --save DIR")
+    if args.non_persistent_ckpt_type in ("local", "in_memory"):
+        parser.error(f"argument --non-persistent-ckpt-type: {args.non_persistent_ckpt_type} is Megatron-LM's, not "
+                     "built here; global (ordinary checkpoints in --non-persistent-global-ckpt-dir) is")
+    if args.non_persistent_save_interval is not None:
+        if not args.save:
+            parser.error("argument --non-persistent-save-interval: requires --save DIR")
+        if args.non_persistent_ckpt_type != "global":
+            parser.error("argument --non-persistent-save-interval: requires --non-persistent-ckpt-type global")
+    if args.non_persistent_global_ckpt_dir and args.non_persistent_ckpt_type != "global":
+        parser.error("argument --non-persistent-global-ckpt-dir: requires --non-persistent-ckpt-type global")
+    if args.non_persistent_global_ckpt_dir and args.save and (
+            os.path.abspath(args.non_persistent_global_ckpt_dir) == os.path.abspath(args.save)):
+        parser.error(f"argument --non-persistent-global-ckpt-dir: {args.non_persistent_global_ckpt_dir} is --save "
+                     "itself; it keeps only its newest checkpoint, so it needs a directory of its own")
 
 
 def take_model_shape_from_checkpoint(parser, args) -> None:

@@ -37,7 +37,7 @@ import os
 import socket
 import tempfile
 import time
-from typing import Callable, List, Optional, Protocol, Tuple
+from typing import Callable, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 from torch.distributed.checkpoint import CheckpointException
@@ -57,14 +57,14 @@ OnWritten = Callable[[Optional[str]], None]
 POLLS_KEPT = 4  # the iteration time is the shortest of the gaps between these
 
 
-def next_save_in_s(iteration: int, save_interval: Optional[int], train_iters: Optional[int],
+def next_save_in_s(iteration: int, save_intervals: Sequence[Optional[int]], train_iters: Optional[int],
                    iteration_s: Optional[float]) -> Optional[float]:
-    """About how long until the save after the one at ``iteration``: the iterations to the next ``save_interval``
-    or to the end of training (``train_iters``), whichever comes first, at ``iteration_s`` each; None where no
-    later save is known."""
+    """About how long until the save after the one at ``iteration``: the iterations to the next multiple of any of
+    ``save_intervals`` (None: not set) or to the end of training (``train_iters``), whichever comes first, at
+    ``iteration_s`` each; None where no later save is known."""
     last = train_iters if train_iters else float("inf")  # no save after the end of training
-    later = [end for end in (iteration + save_interval if save_interval else None, train_iters)
-             if end is not None and iteration < end <= last]
+    ends = [(iteration // n + 1) * n for n in save_intervals if n] + [train_iters]
+    later = [end for end in ends if end is not None and iteration < end <= last]
     if iteration_s is None or not later:
         return None
     return (min(later) - iteration) * iteration_s

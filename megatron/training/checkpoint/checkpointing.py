@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from megatron.core import dist_checkpointing, parallel_state
 
 from megatron.training.checkpoint.async_save import (HostWeightsAside, check_nodes_hold, next_save_in_s,
                                                       reserve_host_copies, torch_dist_flush)
-from megatron.training.checkpoint.integrity import checkpoint_dir, part_bytes, retire
+from megatron.training.checkpoint.integrity import NEWEST_ONLY, checkpoint_dir, non_persistent_root, part_bytes, retire
 from megatron.training.checkpoint.load_plan import SAME_FORM, plan_load, resume_position
 from megatron.training.checkpoint.offload_files import (offloaded_state_bytes, offloaded_state_writes,
                                                         start_offloaded_save, write_offloaded_state)
@@ -101,19 +101,21 @@ def reserve_async_save_memory(model, optimizer, args) -> None:
                     f"memory aside for the background writer, in pageable host memory until it has written them")
 
 
-def save_checkpoint(iteration: int, model, optimizer, scheduler, consumed_samples: int, args, background=None) -> str:
-    """Save everything into ``root/iter_N`` (root: ``args.save``, as Megatron-LM's) and record it as the
-    latest; see checkpoint_integrity for the order that makes a crash at any point leave the previous
-    checkpoint as the one to resume.
+def save_checkpoint(iteration: int, model, optimizer, scheduler, consumed_samples: int, args, background=None,
+                    non_persistent: bool = False) -> str:
+    """Save everything into ``root/iter_N`` (root: ``args.save``, as Megatron-LM's, or with ``non_persistent`` the
+    directory of --non-persistent-ckpt-type global, which keeps its newest) and record it as the latest; see
+    checkpoint_integrity for the order that makes a crash at any point leave the previous checkpoint as the one to
+    resume.
 
     Synchronously, the torch_dist files and the offloaded optimizer state are written side by side
     (the latter on a thread), so the disk never waits on one of them. With ``background``
     (async_save.BackgroundSaves, --async-save) the torch_dist files are written by a background
     process and the offloaded optimizer state by a thread, from a snapshot taken here
     (mlp_offload.snapshot); the checkpoint is completed in the finalize step."""
+    root, retain_interval = _save_root(args, non_persistent)
     if background is None:
-        return _save_now(iteration, model, optimizer, scheduler, consumed_samples, args)
-    root = args.save
+        return _save_now(iteration, model, optimizer, scheduler, consumed_samples, args, root, retain_interval)
     path = checkpoint_dir(root, iteration)
     held_from = time.perf_counter()  # training waits from here, for the previous background save too
     background.finish()  # the previous background save is complete (or has failed) first
@@ -127,7 +129,7 @@ def save_checkpoint(iteration: int, model, optimizer, scheduler, consumed_sample
     if args.resume_check:
         digests = SaveDigests(model, optimizer if save_optimizer else None, iteration)
     engine_digests = digests.engines if digests is not None else None
-    next_save = next_save_in_s(iteration, args.save_interval, args.train_iters, background.iteration_s())
+    next_save = next_save_in_s(iteration, save_intervals(args), args.train_iters, background.iteration_s())
     torch_dist_from = time.perf_counter()
     request, failure, offload_write = None, None, None
     torch_dist_to = torch_dist_from
@@ -151,7 +153,7 @@ def save_checkpoint(iteration: int, model, optimizer, scheduler, consumed_sample
             offload_write.cancel()
         raise
     on_written = _BackgroundCompletion(root, path, iteration, started, offload_write, model, digests)
-    on_written.retain_interval = getattr(args, "save_retain_interval", None)
+    on_written.retain_interval = retain_interval
     shards = optimizer.shards if isinstance(optimizer, OffloadedOptimizerCheckpoint) else []
     on_written.flush = torch_dist_flush(shards, path, next_save)  # None: its fsyncs as megatron-core makes them
     background.schedule(request, on_written, offload_write, on_written.flush)
@@ -182,10 +184,22 @@ def save_checkpoint(iteration: int, model, optimizer, scheduler, consumed_sample
     return path
 
 
-def _save_now(iteration: int, model, optimizer, scheduler, consumed_samples: int, args) -> str:
+def save_intervals(args) -> Tuple[Optional[int], Optional[int]]:
+    """The intervals saves come at: --save-interval's and --non-persistent-save-interval's."""
+    return args.save_interval, getattr(args, "non_persistent_save_interval", None)
+
+
+def _save_root(args, non_persistent: bool) -> Tuple[str, Optional[int]]:
+    """(the directory a save goes into, the retain interval its retirement uses: None keeps every one)."""
+    if non_persistent:
+        return non_persistent_root(args, args.save), NEWEST_ONLY
+    return args.save, getattr(args, "save_retain_interval", None)
+
+
+def _save_now(iteration: int, model, optimizer, scheduler, consumed_samples: int, args, root: str,
+              retain_interval: Optional[int]) -> str:
     """The synchronous save: torch_dist's files and each rank's offloaded state written at once; one
     line with the bytes, seconds and GB/s of each part and of the whole (runtime.checkpoint_lines)."""
-    root = args.save
     path = checkpoint_dir(root, iteration)
     phases = Phases()
     save_optimizer = not args.no_save_optim
@@ -221,7 +235,7 @@ def _save_now(iteration: int, model, optimizer, scheduler, consumed_samples: int
     complete(root, path, iteration)
     phases.mark("the proof")
     if torch.distributed.get_rank() == 0:  # the tracker's writer: once it names this one
-        retire(root, iteration, getattr(args, "save_retain_interval", None))
+        retire(root, iteration, retain_interval)
     state_bytes = offloaded_state_bytes(optimizer.shards) if offloaded else 0
     figures = dict(phases.spans, torch_dist=torch_dist_s, offloaded=offload_s, whole=phases.total())
     figures["offloaded bytes"], figures["offloaded written"] = state_bytes, written

@@ -15,7 +15,7 @@ and only then updates the tracker. A directory is therefore
   (renamed) if a save needs its name.
 
 Complete ones are removed only where the run asks (--save-retain-interval, Megatron-LM's flag: those at multiples
-of it and the newest stay). Once a checkpoint is complete and named by the tracker, rank 0 retires the earlier
+of it and the newest stay; in the directory of --non-persistent-ckpt-type global, only the newest stays). Once a checkpoint is complete and named by the tracker, rank 0 retires the earlier
 complete ones at other iterations. Each is first renamed to a hidden name beside it (one atomic step: from then on
 no listing sees it, so no load resumes from a half-removed directory), then removed by a thread of its own, so
 training does not wait on a parallel file system's deletes. A run that stops while removing leaves the hidden
@@ -49,6 +49,8 @@ CRC_LIMIT_BYTES = 64 << 20  # files up to this size (metadata, common state) get
 # but for offloaded state files, which check themselves as they load: reading one for a CRC is one more open
 RECORD_DIR = "resume_check"  # each rank's record of the save for the resume check (resume_check)
 _ITER_DIR = re.compile(r"^iter_(\d{7})$")
+NON_PERSISTENT_SUBDIR = "non_persistent"  # Megatron-LM's directory for them inside --save (and --load)
+NEWEST_ONLY = 0  # the retain interval of the non-persistent directory: every earlier complete checkpoint retires
 
 COMPLETE_STATE, INCOMPLETE, DAMAGED, UNPROVEN, MISSING = "complete", "incomplete", "damaged", "unproven", "missing"
 
@@ -231,13 +233,27 @@ _removals: List[threading.Thread] = []  # started by this process and maybe not 
 _in_hand: set = set()  # hidden directories this process's removals are removing: not swept as leftovers
 
 
+def non_persistent_root(args, base: Optional[str]) -> Optional[str]:
+    """Where --non-persistent-ckpt-type global's checkpoints go: --non-persistent-global-ckpt-dir, else
+    non_persistent/ inside ``base`` (--save for a save, --load for a resume); None where that type is off."""
+    if getattr(args, "non_persistent_ckpt_type", None) != "global":
+        return None
+    if args.non_persistent_global_ckpt_dir:
+        return args.non_persistent_global_ckpt_dir
+    return os.path.join(base, NON_PERSISTENT_SUBDIR) if base else None
+
+
 def to_retire(root: str, iteration: int, retain_interval: int) -> List[Tuple[int, str]]:
     """(iteration, directory) of the checkpoints in ``root`` that the one at ``iteration`` retires: complete (by
-    their markers; others stay as the module's docstring says), earlier, not at a multiple of ``retain_interval``,
-    and not a symbolic link."""
+    their markers; others stay as the module's docstring says), earlier, not at a multiple of ``retain_interval``
+    (any, with ``NEWEST_ONLY``), and not a symbolic link."""
     return sorted((it, path) for it, path in iteration_dirs(root).items()
-                  if it < iteration and it % retain_interval != 0 and not os.path.islink(path)
-                  and _markers(path).state == COMPLETE_STATE)
+                  if it < iteration and (retain_interval == NEWEST_ONLY or it % retain_interval != 0)
+                  and not os.path.islink(path) and _markers(path).state == COMPLETE_STATE)
+
+
+def _retention_flag(retain_interval: int) -> str:
+    return "--non-persistent-save-interval" if retain_interval == NEWEST_ONLY else "--save-retain-interval"
 
 
 def retire(root: str, iteration: int, retain_interval: Optional[int], say=None) -> Optional[threading.Thread]:
@@ -256,7 +272,7 @@ def retire(root: str, iteration: int, retain_interval: Optional[int], say=None) 
         except OSError as err:
             failed.append(f"{path}: {err.strerror or err}")
     for problem in failed:
-        say(f"> --save-retain-interval: could not retire {problem}; it stays")
+        say(f"> {_retention_flag(retain_interval)}: could not retire {problem}; it stays")
     left = [os.path.join(root, name) for name in _listdir(root)
             if name.startswith(RETIRING) and os.path.join(root, name) not in _in_hand | {t for _, t in hidden}]
     if not hidden and not left:
@@ -290,13 +306,14 @@ def _remove(root: str, iteration: int, retain_interval: int, hidden: List[Tuple[
     if hidden:
         iterations = ", ".join(str(it) for it, _ in hidden)
         also = f" and {len(left)} left by an earlier run" if left else ""
-        say(f"> retired the checkpoints at iterations {iterations}{also} (not multiples of --save-retain-interval "
-            f"{retain_interval}; the one at {iteration} is complete): {human_bytes(freed)} removed from {root} in "
-            f"{time.perf_counter() - started:.1f} s")
+        why = ("the non-persistent directory keeps its newest" if retain_interval == NEWEST_ONLY else
+               f"not multiples of --save-retain-interval {retain_interval}")
+        say(f"> retired the checkpoints at iterations {iterations}{also} ({why}; the one at {iteration} is complete): "
+            f"{human_bytes(freed)} removed from {root} in {time.perf_counter() - started:.1f} s")
     elif left:
         say(f"> removed {len(left)} checkpoint(s) an earlier run had begun to retire: {human_bytes(freed)} from {root}")
     for problem in errors[:1]:  # one line: a file system that refuses one file refuses the rest alike
-        say(f"> --save-retain-interval: {len(errors)} file(s) could not be removed, e.g. {problem}")
+        say(f"> {_retention_flag(retain_interval)}: {len(errors)} file(s) could not be removed, e.g. {problem}")
 
 
 def remove_tree(path: str, failed) -> None:

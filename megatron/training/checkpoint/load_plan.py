@@ -98,6 +98,41 @@ def plan_load(root: str, optimizer, args) -> Optional[LoadPlan]:
     return plan
 
 
+def resume_root(args) -> str:
+    """The directory a resume reads: --load, or the directory of --non-persistent-ckpt-type global's checkpoints
+    where it holds a later complete one (rank 0 decides for all and says which)."""
+    non_persistent = integrity.non_persistent_root(args, args.load)
+    if non_persistent is None:
+        return args.load
+    choice = [None]
+    if torch.distributed.get_rank() == 0:
+        choice = [newer_checkpoint_root(args.load, non_persistent)]
+    torch.distributed.broadcast_object_list(choice, src=0)
+    root, note = choice[0]
+    if note:
+        print_rank0(f"> {note}")
+    return root
+
+
+def newer_checkpoint_root(load: str, non_persistent: str):
+    """(root, the line saying why or None): ``non_persistent`` where its newest complete checkpoint is later than
+    ``load``'s, else ``load`` (also on a tie: the persistent one). A problem in the non-persistent directory is
+    said and passed over; one in ``load`` is left for its load to report."""
+    try:
+        later, _ = integrity.choose_checkpoint(non_persistent)
+    except ValueError as err:
+        return load, f"--non-persistent-ckpt-type global: {non_persistent} not used: {err}"
+    try:
+        persistent, _ = integrity.choose_checkpoint(load) if os.path.isdir(load) else (None, [])
+        older = f"--load's newest is at {persistent}" if persistent is not None else f"--load {load} holds none"
+    except ValueError:
+        persistent, older = None, f"--load {load} holds none usable"
+    if later is None or (persistent is not None and persistent >= later):
+        return load, None
+    return non_persistent, (f"resuming from the non-persistent checkpoint at iteration {later} in {non_persistent} "
+                            f"({older})")
+
+
 def resume_position(plan: LoadPlan, args):
     """(iteration, consumed samples): where the loop and the data iterator start; the count of
     floating-point operations goes on from the saved one too (not with --finetune)."""

@@ -203,8 +203,8 @@ OPTIONS: Tuple[Option, ...] = (
     Option("--offload-cpu-threads", "torch's CPU threads per rank, for the CPU Adam. Default: on a GPU node its "
            "cores shared by its ranks; else torch's", type=positive_int, default=None, metavar="N"),
     Option("--offload-save-staging-gb", "with --async-save: host memory per rank for state copied before the next "
-           "update. Default: 4; the state held in memory where the writer is paced (a file tier on its disk), "
-           "made at start-up and kept from save to save",
+           "update. Default: 4; where the writer is paced (a file tier on its disk), the state held in memory, made "
+           "at start-up",
            field="save_staging_bytes", type=non_negative_float, default=None, metavar="GB", unit=GiB),
     Option("--offload-probe-mb", "size of the start-up bandwidth probe per file tier (its result is cached per "
            "path). Default: {default}", field="probe_bytes", type=positive_int, metavar="MB", unit=MiB),
