@@ -331,11 +331,11 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
                 background.poll()  # completes the last background save once every rank's write has ended
             if args.save and args.save_interval and iteration % args.save_interval == 0:
                 with args.sigterm_watcher.saving_checkpoint():
-                    _save(args, iteration, model, optimizer, scheduler, consumed, background)
+                    _save(args, iteration, trained, consumed, background)
             elif (args.save and args.non_persistent_save_interval and iteration % args.non_persistent_save_interval == 0
                   and iteration < args.train_iters):  # the last iteration's save, right after the loop, is persistent
                 with args.sigterm_watcher.saving_checkpoint():
-                    _save(args, iteration, model, optimizer, scheduler, consumed, background, non_persistent=True)
+                    _save(args, iteration, trained, consumed, background, non_persistent=True)
             reason = stop.after_iteration(time.perf_counter() - start, device)  # eval and save included
             if reason:  # the checkpoint is saved below, as at the end of training
                 _print_rank0(f"> exiting at iteration {iteration} after {reason}")
@@ -344,7 +344,7 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
                 _print_rank0(f"> exiting at iteration {iteration} (--exit-interval)")
                 break
         if args.save and not (args.save_interval and iteration % args.save_interval == 0):
-            _save(args, iteration, model, optimizer, scheduler, consumed, background)
+            _save(args, iteration, trained, consumed, background)
         if background is not None:
             background.finish()  # exit only once the last background write is complete
         if torch.distributed.get_rank() == 0:
@@ -362,13 +362,13 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
     torch.distributed.destroy_process_group()
 
 
-def _save(args, iteration, model, optimizer, scheduler, consumed, background, non_persistent=False) -> None:
+def _save(args, iteration, trained: Trained, consumed, background, non_persistent=False) -> None:
     if background is None:  # the start line only: save_checkpoint's own line at the end gives the bytes and rates
         where = integrity.non_persistent_root(args, args.save) if non_persistent else args.save
         _print_rank0(f"> saving {'non-persistent ' if non_persistent else ''}checkpoint at iteration {iteration} to "
                      f"{where} ...")
     # With background saves, save_checkpoint says what it wrote now and, later, when it is complete.
-    checkpointing.save_checkpoint(iteration, model, optimizer, scheduler, consumed, args, background, non_persistent)
+    checkpointing.save_checkpoint(iteration, trained, consumed, args, background, non_persistent)
 
 
 def _is_dir_on_rank0(path: str) -> bool:

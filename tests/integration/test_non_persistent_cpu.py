@@ -1,7 +1,7 @@
 """--non-persistent-save-interval with --non-persistent-ckpt-type global (2 CPU processes, offload on): checkpoints
-every 2 iterations into non_persistent/ inside --save, which keeps only its newest, beside the persistent ones
-every 3. A run killed once its non-persistent save at 4 is complete (the persistent newest at 3) resumes from 4, the later one,
-and goes on exactly as the uninterrupted run; with background saves too."""
+every 2 iterations into non_persistent/ inside --save, which keeps only its newest, beside the persistent ones every
+3. A run killed once its non-persistent save at 4 is complete (the persistent newest at 3) resumes from 4, the later
+one, and goes on exactly as the uninterrupted run; with background saves too."""
 
 import pytest
 

@@ -101,12 +101,12 @@ def reserve_async_save_memory(model, optimizer, args) -> None:
                     f"memory aside for the background writer, in pageable host memory until it has written them")
 
 
-def save_checkpoint(iteration: int, model, optimizer, scheduler, consumed_samples: int, args, background=None,
+def save_checkpoint(iteration: int, trained, consumed_samples: int, args, background=None,
                     non_persistent: bool = False) -> str:
     """Save everything into ``root/iter_N`` (root: ``args.save``, as Megatron-LM's, or with ``non_persistent`` the
     directory of --non-persistent-ckpt-type global, which keeps its newest) and record it as the latest; see
     checkpoint_integrity for the order that makes a crash at any point leave the previous checkpoint as the one to
-    resume.
+    resume. ``trained``: what training changes, its ``model`` (chunks), ``optimizer`` and ``scheduler``.
 
     Synchronously, the torch_dist files and the offloaded optimizer state are written side by side
     (the latter on a thread), so the disk never waits on one of them. With ``background``
@@ -115,7 +115,8 @@ def save_checkpoint(iteration: int, model, optimizer, scheduler, consumed_sample
     (mlp_offload.snapshot); the checkpoint is completed in the finalize step."""
     root, retain_interval = _save_root(args, non_persistent)
     if background is None:
-        return _save_now(iteration, model, optimizer, scheduler, consumed_samples, args, root, retain_interval)
+        return _save_now(iteration, trained, consumed_samples, args, root, retain_interval)
+    model, optimizer, scheduler = trained.model, trained.optimizer, trained.scheduler
     path = checkpoint_dir(root, iteration)
     held_from = time.perf_counter()  # training waits from here, for the previous background save too
     background.finish()  # the previous background save is complete (or has failed) first
@@ -196,10 +197,10 @@ def _save_root(args, non_persistent: bool) -> Tuple[str, Optional[int]]:
     return args.save, getattr(args, "save_retain_interval", None)
 
 
-def _save_now(iteration: int, model, optimizer, scheduler, consumed_samples: int, args, root: str,
-              retain_interval: Optional[int]) -> str:
+def _save_now(iteration: int, trained, consumed_samples: int, args, root: str, retain_interval: Optional[int]) -> str:
     """The synchronous save: torch_dist's files and each rank's offloaded state written at once; one
     line with the bytes, seconds and GB/s of each part and of the whole (runtime.checkpoint_lines)."""
+    model, optimizer, scheduler = trained.model, trained.optimizer, trained.scheduler
     path = checkpoint_dir(root, iteration)
     phases = Phases()
     save_optimizer = not args.no_save_optim

@@ -14,13 +14,14 @@ and only then updates the tracker. A directory is therefore
   where the tracker names it (the tracker was always written last), never removed, set aside
   (renamed) if a save needs its name.
 
-Complete ones are removed only where the run asks (--save-retain-interval, Megatron-LM's flag: those at multiples
-of it and the newest stay; in the directory of --non-persistent-ckpt-type global, only the newest stays). Once a checkpoint is complete and named by the tracker, rank 0 retires the earlier
-complete ones at other iterations. Each is first renamed to a hidden name beside it (one atomic step: from then on
-no listing sees it, so no load resumes from a half-removed directory), then removed by a thread of its own, so
-training does not wait on a parallel file system's deletes. A run that stops while removing leaves the hidden
-names, and the next retirement removes them too. Checkpoints after the one just saved (a run resumed from an
-earlier one) and symbolic links (someone's pointer to a checkpoint kept elsewhere) are never touched.
+Complete ones are removed only where the run asks (--save-retain-interval, Megatron-LM's flag: those at multiples of
+it and the newest stay; in the directory of --non-persistent-ckpt-type global, only the newest stays). Once a
+checkpoint is complete and named by the tracker, rank 0 retires the earlier complete ones at other iterations. Each
+is first renamed to a hidden name beside it (one atomic step: from then on no listing sees it, so no load resumes
+from a half-removed directory), then removed by a thread of its own, so training does not wait on a parallel file
+system's deletes. A run that stops while removing leaves the hidden names, and the next retirement removes them too.
+Checkpoints after the one just saved (a run resumed from an earlier one) and symbolic links (someone's pointer to a
+checkpoint kept elsewhere) are never touched.
 
 The tracker is a hint, not the proof: when it is missing, unreadable or older than the newest
 complete checkpoint, the newest complete one is used and the loader says so.
