@@ -20,7 +20,8 @@ every value appears (the seed is printed: SEED=N draws them again); --async-save
 --offload-overlap-forward; --offload-read-ahead-gb; a rank SIGKILLed during the update and during an
 async save, then resumed from the last complete checkpoint; params in host memory (--offload-params host)
 saved and resumed, and killed in the backward and resumed; params and grads in host memory saved and resumed (also by
---async-save); the gpu tier's auto size (subgroups
+--async-save); killed after a non-persistent checkpoint later than the persistent one, resumed from it; the gpu
+tier's auto size (subgroups
 promoted after iteration 1) across a save; 8-bit moments (fp8) saved and resumed (not held to
 megatron-core's losses: it has no such format without transformer-engine); the unit tests that run on CUDA. Launches run PAR at a
 time on the one GPU (each is small).
@@ -104,6 +105,8 @@ class Case:
     must_log: str = ""  # on the device, the saving run's log must show this (what the case is about happened)
     deterministic: bool = True  # run under --deterministic-mode
     resume_only_checked: bool = False  # no determinism: passes on the resume check's match, not bit identity
+    resume_from: int = 0  # where set, the iteration the resume must start after (which checkpoint it chose)
+    saving_extra: str = ""  # flags of the killed run and its resume only (they need --save)
     result: str = "FAIL"
     detail: str = ""
     launches: List[str] = field(default_factory=list)
@@ -184,7 +187,8 @@ def run_case(case: Case) -> None:
     else:
         whole = launch(f"{case.name}_whole", flags, case.nproc)
         env = {"MLP_OFFLOAD_FAULT": case.fault, **({"MLP_OFFLOAD_DELAY": case.delay} if case.delay else {})}
-        saving = [*flags, "--save", str(ckpt), "--load", str(ckpt), "--save-interval", str(case.save_every)]
+        saving = [*flags, "--save", str(ckpt), "--load", str(ckpt), "--save-interval", str(case.save_every),
+                  *case.saving_extra.split()]
         killed = launch(f"{case.name}_killed", saving, case.nproc, env)
         runs = [whole, killed]
         if killed["code"] == 0:
@@ -234,6 +238,8 @@ def judge(case: Case, ref: List[dict]) -> None:
     its = [r["iteration"] for r in case.resumed]
     if its != list(range(resumed_at + 1, ITERS + 1)) or resumed_at < 1:
         diffs.append(f"resumed iterations {its}")
+    if case.resume_from and resumed_at != case.resume_from:
+        diffs.append(f"resumed after iteration {resumed_at}, not {case.resume_from}")
     if case.resume_only_checked:  # no determinism: the resume check must have compared and matched
         if not resume_check_matched(getattr(case, "resume_line", "")):
             diffs.append(f"the resumed run's log shows no matching resume check: {case.resume_line!r}")
@@ -311,6 +317,11 @@ def part1_cases() -> List[Case]:
         Case("kill_params_host_in_backward", "gpu,host,nvme", rng.choice(list(UPDATES)), rng.choice(list(MASTERS)),
              f"{LAYER_MAJOR} --offload-params host", kind="kill", fault="backward#6", save_every=1),
     ]
+    # Non-persistent checkpoints (persistent at 2, non-persistent at 3), killed in iteration 4's first forward
+    # (4 micro-batches a step): the resume must take the later, non-persistent one.
+    cases.append(Case("non_persistent", "gpu,host,nvme", rng.choice(list(UPDATES)), rng.choice(list(MASTERS)),
+                      kind="kill", fault="forward#13", save_every=2, resume_from=3,
+                      saving_extra="--non-persistent-save-interval 3 --non-persistent-ckpt-type global"))
     # After TIERS' fixed size (the later flag wins); a small start, so that the peak measured after
     # iteration 1 promotes subgroups (this model's state would all fit the default start at once).
     gpu_auto = next(c for c in cases if c.name == "gpu_auto")
@@ -454,7 +465,8 @@ def main() -> int:
     lines = [header]
     for case in cases:
         judge(case, refs[case.reference or case.master]["records"])
-        what = f"tiers {case.tiers}, update {case.update}, master {case.master}" + (f", {case.extra}" if case.extra else "")
+        what = f"tiers {case.tiers}, update {case.update}, master {case.master}" + "".join(
+            f", {flags}" for flags in (case.extra, case.saving_extra) if flags)
         if case.fault:
             what += f", fault {case.fault}"
         lines.append(f"{case.result} {case.name} ({what}): {case.detail}")
