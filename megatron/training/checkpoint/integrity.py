@@ -291,7 +291,7 @@ def finish_retiring(say=None) -> None:
     say = say or _say
     pending = [t for t in _removals if t.is_alive()]
     if pending:
-        say("> waiting for the retired checkpoints' removal to end (--save-retain-interval)")
+        say("> waiting for the retired checkpoints' removal to end")
     for thread in pending:
         thread.join()
     _removals.clear()
