@@ -26,9 +26,7 @@ from megatron.training.offload import job_facts
 from megatron.training.metrics import moe as moe_metrics
 from megatron.training.checkpoint.async_save import BackgroundSaves
 from megatron.training.args.arguments import parse_args
-from megatron.training.checkpoint import integrity
-from megatron.training.checkpoint.integrity import checkpoint_dir, finish_retiring
-from megatron.training.checkpoint.load_plan import resume_root
+from megatron.training.checkpoint.integrity import finish_retiring
 from megatron.training.data.datasets import build_tokenizer, micro_batches, padded_vocab_size
 from megatron.training.errors import reported_once
 from megatron.training.model.flops import GptShape, flops_per_iteration
@@ -40,7 +38,7 @@ from megatron.training.model.layer_major import check_step_schedule, step_schedu
 from megatron.training.model.sdpa_attention import admitted_cuda_kernels
 from megatron.training.runtime import determinism, fault_injection
 from megatron.training.runtime.core_private import reset_grad_accumulation
-from mlp_offload import build_cpu_kernel_in_background, tree_bytes
+from mlp_offload import build_cpu_kernel_in_background
 from megatron.training.runtime.iteration_hooks import IterationHooks
 from megatron.training.data.lr_schedule import build_param_scheduler
 from megatron.training.initialize import initialize
@@ -49,7 +47,7 @@ from megatron.training.metrics.records import IterationRecord, ValidationRecord
 from megatron.training.metrics.run_metrics import build_metrics
 from megatron.training.model.sizes import counted_params, params_l2_norm
 from megatron.training.runtime.optimizer_interface import HoldsResources, ReportsIteration, TrainingOptimizer
-from megatron.training.runtime.progress import StartUpPhases, reported_step
+from megatron.training.runtime.progress import StartUpPhases
 from megatron.training.runtime.signals import StopCheck
 from megatron.training.metrics.timers import LoopTimers
 from megatron.training.model.virtual_pipeline import chunk_roles, per_chunk
@@ -258,16 +256,8 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
     if getattr(args, "moe_grouped_gemm_kernel", None) == "sequential":
         _print_rank0("> --moe-grouped-gemm: no grouped GEMM kernel here (the grouped_gemm package, or "
                      "transformer-engine on CUDA): megatron-core's sequential experts run, the same arithmetic")
-    iteration, consumed = 0, 0
-    non_persistent = integrity.non_persistent_root(args, args.load)
-    fresh_auto_resume = (args.load and args.load == args.save and not _is_dir_on_rank0(args.load)
-                         and not (non_persistent and _is_dir_on_rank0(non_persistent)))
-    if fresh_auto_resume:  # --save X --load X in a batch script: the first job starts fresh
-        _print_rank0(f"> no checkpoint in {args.load} yet: starting from scratch")
-    elif args.load:
-        iteration, consumed, root = _load(args, model, optimizer, scheduler)
-        _print_rank0(f"> loaded checkpoint from {root} at iteration {iteration}" if iteration else
-                     f"> no complete checkpoint in {args.load}: starting from scratch")
+    trained = Trained(model, optimizer, scheduler)
+    iteration, consumed = checkpointing.resume(args, trained)
 
     phases.done("checkpoint")
     eval_runs = 0 if not args.eval_interval else (args.train_iters // args.eval_interval + 1)
@@ -288,7 +278,6 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
     shape = GptShape.from_config(config, args.seq_length, args.padded_vocab_size)
     offload_state_bytes = optimizer.state_bytes_per_tier() if isinstance(optimizer, ReportsIteration) else {}
     first_of_run = True
-    trained = Trained(model, optimizer, scheduler)
     stop = StopCheck(args.sigterm_watcher, args.exit_duration_in_mins, started)
     background = BackgroundSaves(device) if args.async_save else None
     if background is not None:
@@ -331,11 +320,11 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
                 background.poll()  # completes the last background save once every rank's write has ended
             if args.save and args.save_interval and iteration % args.save_interval == 0:
                 with args.sigterm_watcher.saving_checkpoint():
-                    _save(args, iteration, trained, consumed, background)
+                    checkpointing.save_checkpoint(iteration, trained, consumed, args, background)
             elif (args.save and args.non_persistent_save_interval and iteration % args.non_persistent_save_interval == 0
                   and iteration < args.train_iters):  # the last iteration's save, right after the loop, is persistent
                 with args.sigterm_watcher.saving_checkpoint():
-                    _save(args, iteration, trained, consumed, background, non_persistent=True)
+                    checkpointing.save_checkpoint(iteration, trained, consumed, args, background, non_persistent=True)
             reason = stop.after_iteration(time.perf_counter() - start, device)  # eval and save included
             if reason:  # the checkpoint is saved below, as at the end of training
                 _print_rank0(f"> exiting at iteration {iteration} after {reason}")
@@ -344,7 +333,7 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
                 _print_rank0(f"> exiting at iteration {iteration} (--exit-interval)")
                 break
         if args.save and not (args.save_interval and iteration % args.save_interval == 0):
-            _save(args, iteration, trained, consumed, background)
+            checkpointing.save_checkpoint(iteration, trained, consumed, args, background)
         if background is not None:
             background.finish()  # exit only once the last background write is complete
         if torch.distributed.get_rank() == 0:
@@ -360,33 +349,6 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
             optimizer.close()
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
-
-
-def _save(args, iteration, trained: Trained, consumed, background, non_persistent=False) -> None:
-    if background is None:  # the start line only: save_checkpoint's own line at the end gives the bytes and rates
-        where = integrity.non_persistent_root(args, args.save) if non_persistent else args.save
-        _print_rank0(f"> saving {'non-persistent ' if non_persistent else ''}checkpoint at iteration {iteration} to "
-                     f"{where} ...")
-    # With background saves, save_checkpoint says what it wrote now and, later, when it is complete.
-    checkpointing.save_checkpoint(iteration, trained, consumed, args, background, non_persistent)
-
-
-def _is_dir_on_rank0(path: str) -> bool:
-    """Whether ``path`` is a directory, as rank 0 saw it, on every rank: another rank may be creating
-    it (a --tensorboard-dir inside --load), and a rank that decided otherwise would skip the load's
-    collectives and hang the job."""
-    seen = [os.path.isdir(path) if torch.distributed.get_rank() == 0 else None]
-    torch.distributed.broadcast_object_list(seen, src=0)
-    return bool(seen[0])
-
-
-def _load(args, model, optimizer, scheduler):
-    root = resume_root(args)  # --load, or the non-persistent directory where it holds a later checkpoint
-    with reported_step(f"> loading checkpoint from {root}", _print_rank0) as step:
-        iteration, consumed = checkpointing.load_checkpoint(root, model, optimizer, scheduler, args)
-        if iteration and torch.distributed.get_rank() == 0:
-            step.nbytes = tree_bytes(checkpoint_dir(root, iteration))
-    return iteration, consumed, root
 
 
 def _run_eval(args, forward_step_func, model, valid_ds, progress: Tuple[int, int], metrics):

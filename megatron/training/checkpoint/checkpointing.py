@@ -24,7 +24,7 @@ from megatron.core import dist_checkpointing, parallel_state
 from megatron.training.checkpoint.async_save import (HostWeightsAside, check_nodes_hold, next_save_in_s,
                                                       reserve_host_copies, torch_dist_flush)
 from megatron.training.checkpoint.integrity import NEWEST_ONLY, checkpoint_dir, non_persistent_root, part_bytes, retire
-from megatron.training.checkpoint.load_plan import SAME_FORM, plan_load, resume_position
+from megatron.training.checkpoint.load_plan import SAME_FORM, plan_load, resume_position, resume_root
 from megatron.training.checkpoint.offload_files import (offloaded_state_bytes, offloaded_state_writes,
                                                         start_offloaded_save, write_offloaded_state)
 from megatron.training.checkpoint.optimizer_state import OffloadedStateLoad, load_optimizer, optimizer_template
@@ -42,9 +42,9 @@ from megatron.training.runtime import io_priority
 from megatron.training.runtime.checkpoint_lines import Phases, disk_rates, load_line, save_line
 from megatron.training.runtime.concurrent import ConcurrentCall
 from megatron.training.runtime.optimizer_interface import OffloadedOptimizerCheckpoint
-from megatron.training.runtime.progress import gb_and_rate, print_rank0, slowest_rank
+from megatron.training.runtime.progress import gb_and_rate, print_rank0, reported_step, slowest_rank
 from mlp_offload.checkpoint import CheckpointSaveError, human_bytes, read_flush_report, reserve_paced_staging
-from mlp_offload import fault_point
+from mlp_offload import fault_point, tree_bytes
 
 
 class _OurMarkerIsNotACorruptCheckpoint(logging.Filter):
@@ -114,7 +114,9 @@ def save_checkpoint(iteration: int, trained, consumed_samples: int, args, backgr
     process and the offloaded optimizer state by a thread, from a snapshot taken here
     (mlp_offload.snapshot); the checkpoint is completed in the finalize step."""
     root, retain_interval = _save_root(args, non_persistent)
-    if background is None:
+    if background is None:  # the start line only: _save_now's own line at the end gives the bytes and rates
+        print_rank0(f"> saving {'non-persistent ' if non_persistent else ''}checkpoint at iteration {iteration} to "
+                    f"{root} ...")
         return _save_now(iteration, trained, consumed_samples, args, root, retain_interval)
     model, optimizer, scheduler = trained.model, trained.optimizer, trained.scheduler
     path = checkpoint_dir(root, iteration)
@@ -288,6 +290,23 @@ class _BackgroundCompletion:
         print_rank0(line)
         if torch.distributed.get_rank() == 0:  # the tracker's writer: once it names this one
             retire(self.root, self.iteration, self.retain_interval)
+
+
+def resume(args, trained) -> Tuple[int, int]:
+    """(iteration, consumed samples) the run starts at: (0, 0) without --load or with no checkpoint there yet, else
+    those of the checkpoint loaded into ``trained`` (load_plan.resume_root says which); a line says which."""
+    root = resume_root(args) if args.load else None
+    if root is None:
+        if args.load:
+            print_rank0(f"> no checkpoint in {args.load} yet: starting from scratch")
+        return 0, 0
+    with reported_step(f"> loading checkpoint from {root}", print_rank0) as step:
+        iteration, consumed = load_checkpoint(root, trained.model, trained.optimizer, trained.scheduler, args)
+        if iteration and torch.distributed.get_rank() == 0:
+            step.nbytes = tree_bytes(checkpoint_dir(root, iteration))
+    print_rank0(f"> loaded checkpoint from {root} at iteration {iteration}" if iteration else
+                f"> no complete checkpoint in {root}: starting from scratch")
+    return iteration, consumed
 
 
 def load_checkpoint(root: str, model, optimizer, scheduler, args):

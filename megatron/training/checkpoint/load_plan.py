@@ -98,10 +98,14 @@ def plan_load(root: str, optimizer, args) -> Optional[LoadPlan]:
     return plan
 
 
-def resume_root(args) -> str:
+def resume_root(args) -> Optional[str]:
     """The directory a resume reads: --load, or the directory of --non-persistent-ckpt-type global's checkpoints
-    where it holds a later complete one (rank 0 decides for all and says which)."""
+    where it holds a later complete one (rank 0 decides for all and says which); None where the run starts fresh:
+    ``--save X --load X`` with neither X nor its non-persistent directory made yet (a batch chain's first job)."""
     non_persistent = integrity.non_persistent_root(args, args.load)
+    if (args.load == args.save and not _is_dir_on_rank0(args.load)
+            and not (non_persistent and _is_dir_on_rank0(non_persistent))):
+        return None
     if non_persistent is None:
         return args.load
     choice = [None]
@@ -112,6 +116,15 @@ def resume_root(args) -> str:
     if note:
         print_rank0(f"> {note}")
     return root
+
+
+def _is_dir_on_rank0(path: str) -> bool:
+    """Whether ``path`` is a directory, as rank 0 saw it, on every rank: another rank may be creating
+    it (a --tensorboard-dir inside --load), and a rank that decided otherwise would skip the load's
+    collectives and hang the job."""
+    seen = [os.path.isdir(path) if torch.distributed.get_rank() == 0 else None]
+    torch.distributed.broadcast_object_list(seen, src=0)
+    return bool(seen[0])
 
 
 def newer_checkpoint_root(load: str, non_persistent: str):
