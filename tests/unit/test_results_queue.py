@@ -4,7 +4,10 @@ server never loads torch, whatever the results hold (a plain Manager queue's ser
 to unpickle them: ~250 MB and 3 s of CPU per rank at the first save)."""
 
 import multiprocessing
+import os
 import queue
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -53,3 +56,32 @@ def test_a_forked_writer_reaches_the_rank_through_it(manager):
     child.start()
     child.join(30)
     assert child.exitcode == 0 and results_queue.get_nowait() == {"written": 3}
+
+
+
+START_AND_USE = """
+import multiprocessing
+from megatron.training.runtime.die_with_parent import main_module_left_out
+from megatron.training.runtime.results_queue import ResultsManager
+manager = ResultsManager(ctx=multiprocessing.get_context("spawn"))
+with main_module_left_out():
+    manager.start()
+results_queue = manager.PickledQueue()
+results_queue.put({"written": 1})
+print(results_queue.get_nowait())
+manager.shutdown()
+"""
+
+
+def test_a_temporary_directory_too_long_for_a_socket_path_does_not_stop_it(tmp_path):
+    """A job whose TMPDIR is long (a node-local scratch nested deep): a socket file under it would pass the
+    107 bytes Linux allows an AF_UNIX path, and the server would die at start-up (the rank saw only an
+    EOFError). The server listens where no file is needed. In a fresh process, as a rank's start-up: one that
+    has made its temporary directory already hands it to the server."""
+    long_dir = tmp_path / ("d" * 60) / ("e" * 60)
+    long_dir.mkdir(parents=True)
+    assert len(str(long_dir)) > 108  # no socket file fits under it
+    done = subprocess.run([sys.executable, "-c", START_AND_USE], env={**os.environ, "TMPDIR": str(long_dir)},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "{'written': 1}"

@@ -6,11 +6,18 @@ plain Manager queue unpickles each result in its server, which then imports torc
 save: seconds of CPU and hundreds of MB of memory per rank, for a queue (docs/design.md, "Signals
 and errors"). This queue's proxy pickles on the caller's side and the server holds bytes. Standard
 library only: the spawned server imports this module to find the queue's class.
+
+On Linux the server listens on an abstract socket (a name, no file): a Manager's default socket file goes under
+``$TMPDIR``, and where that path is long (a node-local scratch nested deep) it passes the 107 bytes an AF_UNIX
+path may take and the server dies at start-up. Its authentication key guards it as before.
 """
 
 from __future__ import annotations
 
+import os
 import queue
+import secrets
+import sys
 from multiprocessing.managers import BaseProxy, SyncManager
 from multiprocessing.reduction import ForkingPickler
 
@@ -41,7 +48,13 @@ class PickledQueueProxy(BaseProxy):
 
 
 class ResultsManager(SyncManager):
-    """A SyncManager that also serves ``PickledQueue()``."""
+    """A SyncManager that also serves ``PickledQueue()``; on Linux, at an abstract socket address unless one is
+    given."""
+
+    def __init__(self, address=None, **kwargs):
+        if address is None and sys.platform.startswith("linux"):
+            address = f"\0mlp-offload-results-{os.getpid()}-{secrets.token_hex(8)}"
+        super().__init__(address, **kwargs)
 
     @property
     def server_pid(self) -> int:
