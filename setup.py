@@ -18,7 +18,8 @@ setup(
         # tools/hf_checkpoint.py reads and writes safetensors itself; these are for loading its output
         # (and what its tests compare against).
         "hf": ["transformers==5.23.0", "safetensors==0.8.0"],
-        "test": ["pytest", "megatron-core==0.16.1", "psutil", "matplotlib==3.10.3", "hypothesis==6.155.2",
+        "test": ["pytest", "pytest-xdist==3.8.0", "megatron-core==0.16.1", "psutil", "matplotlib==3.10.3",
+                 "hypothesis==6.155.2",
                  "tensorboard==2.21.0", "wandb==0.31.0", "tokenizers==0.23.3", "sentencepiece==0.2.3",
                  "tiktoken==0.14.0", "transformers==5.23.0", "safetensors==0.8.0"],
     },

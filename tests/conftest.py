@@ -28,13 +28,22 @@ def pytest_runtest_makereport(item, call):
                                 f"drawn by seed {CASE_SEED} under profile {PROFILE}: rerun with {RERUN_CASES}"))
 
 
+def _is_worker(config) -> bool:
+    """A pytest-xdist worker: it inherits the controller's launch log (and case seed) through its environment."""
+    return hasattr(config, "workerinput")
+
+
 def pytest_configure(config):
+    if _is_worker(config):
+        return
     fd, path = tempfile.mkstemp(prefix="mlp_offload_launches_", suffix=".tsv")
     os.close(fd)
     os.environ[LAUNCH_LOG] = path
 
 
 def pytest_unconfigure(config):
+    if _is_worker(config):
+        return
     path = os.environ.pop(LAUNCH_LOG, None)
     if path and os.path.exists(path):
         os.unlink(path)

@@ -10,6 +10,12 @@ export MLP_OFFLOAD_TEST_PROFILE="${MLP_OFFLOAD_TEST_PROFILE:-ci}"
 if [[ "$MLP_OFFLOAD_TEST_PROFILE" == thorough ]]; then
     export MLP_OFFLOAD_TEST_LAUNCHER="${MLP_OFFLOAD_TEST_LAUNCHER:-torchrun}"  # every launch as users launch
 fi
+# Test files spread over MLP_OFFLOAD_TEST_WORKERS processes (pytest-xdist; default 2, each file on one, so its
+# module-wide runs start once); 1, or no pytest-xdist, runs them in this process.
+workers=(-p no:xdist)
+if [[ "${MLP_OFFLOAD_TEST_WORKERS:-2}" -gt 1 ]] && python -c "import xdist" 2>/dev/null; then
+    workers=(-n "${MLP_OFFLOAD_TEST_WORKERS:-2}" --dist loadfile)
+fi
 paths=(tests/unit tests/integration)
 for arg in "$@"; do
     if [[ "$arg" != -* && -e "${arg%%::*}" ]]; then
@@ -17,4 +23,4 @@ for arg in "$@"; do
         break
     fi
 done
-python -m pytest -q -p no:cacheprovider --durations=20 "${paths[@]}" "$@"
+python -m pytest -q -p no:cacheprovider --durations=20 "${workers[@]}" "${paths[@]}" "$@"

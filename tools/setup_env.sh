@@ -67,14 +67,16 @@ if [ -n "$missing" ]; then
     return 1 2>/dev/null || exit 1
 fi
 # Optional, each on its own where it can be had (pip installs nothing at all when one package of a
-# call is missing, so one absent wheel must not cost the others): hypothesis for the tests;
+# call is missing, so one absent wheel must not cost the others): hypothesis and pytest-xdist (with execnet;
+# tests/run.sh spreads the files over two processes) for the tests;
 # matplotlib draws --offload-trace files; tensorboard and wandb (offline) receive the metrics;
 # tokenizers, sentencepiece, tiktoken and transformers (GPT-2 and HuggingFace files, read offline)
 # are what megatron.core.tokenizers reads users' tokenizer files with. transformers 5.23 goes with
 # tokenizers 0.23 (the 4.x releases want tokenizers<=0.23.0 and huggingface-hub<1) and needs no
 # torch. A flag that needs a missing one says so in one line (megatron/training/runtime/optional_packages.py).
 # MLP_OFFLOAD_OPTIONAL replaces the list (e.g. empty: none).
-optional="${MLP_OFFLOAD_OPTIONAL-hypothesis==6.155.2:hypothesis matplotlib==3.10.3:matplotlib \
+optional="${MLP_OFFLOAD_OPTIONAL-hypothesis==6.155.2:hypothesis pytest-xdist==3.8.0:xdist \
+    matplotlib==3.10.3:matplotlib \
     tensorboard==2.21.0:tensorboard wandb==0.31.0:wandb tokenizers==0.23.3:tokenizers \
     sentencepiece==0.2.3:sentencepiece tiktoken==0.14.0:tiktoken transformers==5.23.0:transformers}"
 for spec in $optional; do
