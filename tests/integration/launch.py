@@ -17,6 +17,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import random
 import re
 import resource
 import signal
@@ -71,10 +72,39 @@ class PretrainFailed(AssertionError):
     pass
 
 
+# Test launches' rendezvous ports: above the job ports of megatron/training/runtime/slurm_env.py (10000-29999),
+# below the kernel's ephemeral range, which every outgoing connection (gloo's among them) draws from: a port found
+# free here is not taken by another process before the launch binds it. Each pytest-xdist worker has its own share.
+TEST_PORTS = (30000, 32768)
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    lo, hi = _port_share()
+    if lo < hi:
+        for port in random.Random().sample(range(lo, hi), min(200, hi - lo)):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                    return port
+                except OSError:
+                    continue
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # no share outside the ephemeral range
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _port_share() -> Tuple[int, int]:
+    """This worker's part of TEST_PORTS, cut where the kernel's ephemeral range begins."""
+    lo, hi = TEST_PORTS
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            hi = min(hi, int(f.read().split()[0]))
+    except (OSError, ValueError, IndexError):
+        return 0, 0
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
+    size = max(0, hi - lo) // max(1, workers)
+    return lo + index * size, lo + (index + 1) * size
 
 
 def read_loss_log(path: os.PathLike) -> List[Dict]:
