@@ -12,6 +12,10 @@ if [[ "$MLP_OFFLOAD_TEST_PROFILE" == thorough ]]; then
 fi
 # Test files spread over MLP_OFFLOAD_TEST_WORKERS processes (pytest-xdist; default 2, each file on one, so its
 # module-wide runs start once); 1, or no pytest-xdist, runs them in this process.
+if [[ ! "${MLP_OFFLOAD_TEST_WORKERS:-2}" =~ ^[1-9][0-9]*$ ]]; then
+    echo "error: MLP_OFFLOAD_TEST_WORKERS=${MLP_OFFLOAD_TEST_WORKERS}: expected a positive integer" >&2
+    exit 2
+fi
 workers=(-p no:xdist)
 if [[ "${MLP_OFFLOAD_TEST_WORKERS:-2}" -gt 1 ]] && python -c "import xdist" 2>/dev/null; then
     workers=(-n "${MLP_OFFLOAD_TEST_WORKERS:-2}" --dist loadfile)
