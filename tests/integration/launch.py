@@ -72,16 +72,17 @@ class PretrainFailed(AssertionError):
     pass
 
 
-# Test launches' rendezvous ports: above the job ports of megatron/training/runtime/slurm_env.py (10000-29999),
-# below the kernel's ephemeral range, which every outgoing connection (gloo's among them) draws from: a port found
-# free here is not taken by another process before the launch binds it. Each pytest-xdist worker has its own share.
+# Test launches' rendezvous ports: above the job ports megatron/training/runtime/slurm_env.job_port gives (not
+# imported: it loads torch; test_srun_without_torchrun checks the bound), below the kernel's ephemeral range, which
+# every outgoing connection (gloo's among them) draws from: a port found free here is not taken by another process
+# before the launch binds it. Each pytest-xdist worker has its own share.
 TEST_PORTS = (30000, 32768)
 
 
 def free_port() -> int:
     lo, hi = _port_share()
     if lo < hi:
-        for port in random.Random().sample(range(lo, hi), min(200, hi - lo)):
+        for port in random.sample(range(lo, hi), min(200, hi - lo)):
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
                 try:
                     s.bind(("127.0.0.1", port))

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from conftest import BASELINE_ITERS
-from launch import PRETRAIN, TINY_MODEL, losses, pretrain_env, read_loss_log, run_group
+from launch import PRETRAIN, TEST_PORTS, TINY_MODEL, losses, pretrain_env, read_loss_log, run_group
 from megatron.training.runtime import slurm_env
 from megatron.training.errors import UserError
 from helpers import offload_args
@@ -58,6 +58,12 @@ def test_incomplete_or_bad_slurm_variables_name_the_variable(change, named):
     env = {k: v for k, v in {**SRUN_TASK, **change}.items() if v is not None}
     with pytest.raises(UserError, match=named.replace("[", r"\[")):
         slurm_env.torch_env_from_slurm(env)
+
+
+def test_the_test_launches_ports_are_above_every_job_port():
+    highest = max(slurm_env.job_port(job, step) for job in range(slurm_env.PORT_JOBS)
+                  for step in range(slurm_env.PORT_STEPS))
+    assert highest < TEST_PORTS[0]
 
 
 def _job_id_with_free_port() -> int:

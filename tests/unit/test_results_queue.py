@@ -58,7 +58,6 @@ def test_a_forked_writer_reaches_the_rank_through_it(manager):
     assert child.exitcode == 0 and results_queue.get_nowait() == {"written": 3}
 
 
-
 START_AND_USE = """
 import multiprocessing
 from megatron.training.runtime.die_with_parent import main_module_left_out
@@ -76,8 +75,8 @@ manager.shutdown()
 def test_a_temporary_directory_too_long_for_a_socket_path_does_not_stop_it(tmp_path):
     """A job whose TMPDIR is long (a node-local scratch nested deep): a socket file under it would pass the
     107 bytes Linux allows an AF_UNIX path, and the server would die at start-up (the rank saw only an
-    EOFError). The server listens where no file is needed. In a fresh process, as a rank's start-up: one that
-    has made its temporary directory already hands it to the server."""
+    EOFError). The server listens where no file is needed. Run in a fresh process, as at a rank's start-up: a
+    process that has made its multiprocessing temporary directory already hands that one to the server."""
     long_dir = tmp_path / ("d" * 60) / ("e" * 60)
     long_dir.mkdir(parents=True)
     assert len(str(long_dir)) > 108  # no socket file fits under it
