@@ -49,6 +49,7 @@ HOST_SHARE = 0.5  # of the host memory available now, the most the staging may t
 MIN_CAP_BPS = 50e6  # where no rate is known: the writer still finishes beside a tier never quiet
 FINISH_SHARE = 0.9  # of the time to the next save (at the steps' pace before it): when the writers aim to be done
 CALIBRATE_SHARE = 0.25  # of the time to the due time: nothing beside a busy tier, the quiet spells' rate measured
+CYCLES_SHARE = 0.5  # of the time to the due time: past it, tiers not yet seen quiet are taken never to be
 MIN_BUSY_SHARE = 0.05  # the least busy share a raise assumes (a tier seen nearly always quiet)
 NEVER_QUIET = 0.95  # a busy share from which the quiet spells cannot be waited for: the cap from the start
 # The even spread's pace: the bytes expected over 1 / AHEAD of the time to the due time (1.25: done by 80% of it),
@@ -77,6 +78,7 @@ class DiskPacer:
         self.started = clock()
         # until then, the cap alone: the steps right after the save pay no raise, the quiet spells are measured
         self.calibrated_at = self.started + CALIBRATE_SHARE * (due_at - self.started) if due_at is not None else None
+        self.cycles_by = self._cycles_by()
         self.expected_bytes = 0  # what the writer says it will move through wait_turn (for due_at)
         self.raised_bps = 0.0  # the highest rate the chunks accrued at above the cap (the report)
         self.past_due = False  # chunks went at once, past due_at
@@ -87,10 +89,11 @@ class DiskPacer:
         self._credit, self._credit_at = 0.0, None
         self.idle_bytes = 0  # bytes that went while the tiers were quiet
         self._was_busy = None  # the tiers at the last look (None: no look yet)
-        # (when the tiers last went quiet after a busy spell, idle_bytes then): the quiet
-        # spells' rate is taken over whole busy-and-quiet cycles from the save, not up to the end of a quiet spell
-        # (which overstates it)
-        self._cycles_end = None
+        # (when the tiers first and last went quiet after a busy spell, idle_bytes then): the quiet spells' rate is
+        # taken over the whole busy-and-quiet cycles between, not from the writer's start (a start in a busy spell,
+        # or late in a quiet one, understates it) nor up to the end of a quiet spell (which overstates it)
+        self._cycles_first, self._cycles_end = None, None
+        self._quiet_s, self._quiet_at = 0.0, None  # the quiet time seen, and when the quiet spell under way began
         self._busy_at, self._busy_s = None, 0.0  # when the busy spell under way began, how long the last one was
         self.capped_bytes = 0  # bytes that went beside the tiers' I/O, at the cap
         self.waited_s = 0.0
@@ -123,7 +126,14 @@ class DiskPacer:
         self.started = now
         if self.due_at is not None:
             self.calibrated_at = now + CALIBRATE_SHARE * max(0.0, self.due_at - now)
-        self._credit, self._credit_at, self._was_busy, self._cycles_end = 0.0, None, None, None
+        self.cycles_by = self._cycles_by()
+        self._credit, self._credit_at, self._was_busy = 0.0, None, None
+        self._cycles_first, self._cycles_end = None, None
+        self._quiet_s, self._quiet_at = 0.0, None
+
+    def _cycles_by(self) -> Optional[float]:
+        """When the quiet spells are taken to carry nothing where none has been seen by then."""
+        return None if self.due_at is None else self.started + CYCLES_SHARE * max(0.0, self.due_at - self.started)
 
     def busy(self) -> bool:
         return any(not tier.activity.quiet() for tier in self.tiers)
@@ -135,9 +145,10 @@ class DiskPacer:
     def rate_now(self) -> float:
         """Bytes/s a chunk may go at beside a busy tier now: without a due time, ``cap_bps``; up to the
         calibration's end, none; past it, the rate at which the tiers' busy time moves the bytes expected and not
-        yet moved, less what the quiet spells carry by ``due_at`` at the rate they have carried since the start
-        (none where they carry it all; past ``due_at``: no limit). A tier almost never quiet, or updates that wait for
-        the writer (``spread`` off): at least the cap."""
+        yet moved, less what the quiet spells carry by ``due_at`` at the rate they carried over the whole cycles
+        seen (none where they carry it all; past ``due_at``: no limit; none while no whole cycle has been seen, up to
+        ``CYCLES_SHARE`` of the time, then the rate since the start). A tier almost never quiet, or updates that
+        wait for the writer (``spread`` off): at least the cap."""
         left = self.expected_bytes - self.idle_bytes - self.capped_bytes - self._credit  # the credit will go too
         if self.due_at is None:
             return self.cap_bps  # no due time to measure the quiet spells against: the cap
@@ -152,13 +163,26 @@ class DiskPacer:
             return float("inf")
         if now < self.calibrated_at:
             return floor
-        at, idle = self._cycles_end or (now, self.idle_bytes)
-        quiet_bps = idle / (at - self.started) if at > self.started else 0.0
+        quiet_bps = self._quiet_bps(now)
+        if quiet_bps is None:
+            return floor
         # in a busy spell, its rest (as long as the last one) carries no quiet bytes: counted as quiet time, it
         # would leave the bytes it cannot carry to the last busy spell before due_at
         rest = min(time_left, max(0.0, self._busy_s - (now - self._busy_at))) if self._was_busy else 0.0
         beside = left - quiet_bps * (time_left - rest)  # what the tiers' busy time must carry
         return max(floor, beside / (rest + self.busy_share * (time_left - rest)))
+
+    def _quiet_bps(self, now: float) -> Optional[float]:
+        """Bytes/s the quiet spells carry, over all time: over the whole cycles seen; before one is, the rate the
+        writer has moved at within the quiet time seen, times the tiers' quiet share (``busy_share``, from before
+        the writer); None where no quiet time has been seen yet, until ``cycles_by`` (then none is carried)."""
+        first, last = self._cycles_first, self._cycles_end
+        if first is not None and last[0] > first[0]:
+            return (last[1] - first[1]) / (last[0] - first[0])
+        quiet_s = self._quiet_s + (now - self._quiet_at if self._was_busy is False else 0.0)
+        if quiet_s > 0:
+            return self.idle_bytes / quiet_s * (1 - self.busy_share)
+        return None if now < self.cycles_by else 0.0
 
     def spread_bytes(self, now: float) -> float:
         """The most bytes the even spread lets the writer have moved by ``now``, not counting the chunk that
@@ -195,11 +219,16 @@ class DiskPacer:
     def _follow_cycles(self, now: float, busy: bool) -> None:
         """At each look: where the tiers go busy, the busy spell's start; where they go quiet after one, its length
         and a cycle's end."""
+        if not busy and self._was_busy is not False:  # a quiet spell begins (or the first look finds one)
+            self._quiet_at = now
+        elif busy and self._was_busy is False:
+            self._quiet_s += now - self._quiet_at
         if busy and not self._was_busy:
             self._busy_at = now
         elif not busy and self._was_busy:
             self._busy_s = now - self._busy_at
             self._cycles_end = (now, self.idle_bytes)
+            self._cycles_first = self._cycles_first or self._cycles_end
         self._was_busy = busy
 
     def _accrue(self, nbytes: int) -> None:

@@ -457,39 +457,44 @@ class StepsTier:
             self._op = None
 
 
-def paced_write_beside_steps(total, chunk, disk_bps, busy, steps_to_due, step_s=1.0):
+def paced_write_beside_steps(total, chunk, disk_bps, busy, steps_to_due, step_s=1.0, phase=0.0):
     """A writer of ``total`` bytes in ``chunk``s (each taking the disk's time to write), beside a tier in steps,
-    due ``steps_to_due`` steps from the save: (seconds it took, bytes it moved beside the tier's I/O per step,
-    bytes it moved per step, the pacer)."""
+    due ``steps_to_due`` steps from when it starts, ``phase`` of a step into one (0: at a step's start, as a save
+    comes; later where it waited for a writer due first): (seconds it took, bytes it moved beside the tier's I/O
+    per step, bytes it moved per step, the pacer), the steps counted from its start."""
     clock = Clock()
-    clock.now = 0.0  # the save at a step's start
+    clock.now = phase * step_s
     tier = StepsTier(clock, step_s, busy)
+    tier.follow()
 
     def advance(seconds):
         clock.sleep(seconds)
         tier.follow()
 
     cap = pacing.writer_cap(disk_bps)
-    pacer = pacing.DiskPacer([tier], cap_bps=cap, clock=clock, sleep=advance, due_at=steps_to_due * step_s,
+    start = clock.now
+    pacer = pacing.DiskPacer([tier], cap_bps=cap, clock=clock, sleep=advance, due_at=start + steps_to_due * step_s,
                              busy_share=busy)
     pacer.expect(total)
     beside, moved = [0] * (4 * steps_to_due + 2), [0] * (4 * steps_to_due + 2)
     for _ in range(total // chunk):
         capped = pacer.capped_bytes
         pacer.wait_turn(chunk)
-        beside[int(clock.now // step_s)] += pacer.capped_bytes - capped
-        moved[int(clock.now // step_s)] += chunk
+        beside[int((clock.now - start) // step_s)] += pacer.capped_bytes - capped
+        moved[int((clock.now - start) // step_s)] += chunk
         advance(chunk / disk_bps)
-    return clock.now, beside, moved, pacer
+    return clock.now - start, beside, moved, pacer
 
 
 @settings(max_examples=examples(120), deadline=None)
-@given(busy=st.floats(0.5, 0.9), steps_to_due=st.integers(4, 10), load=st.floats(0.2, 2.0))
-def test_the_steps_right_after_a_save_pay_no_raise_and_the_writer_is_done_by_its_due_time(busy, steps_to_due, load):
+@given(busy=st.floats(0.5, 0.9), steps_to_due=st.integers(4, 10), load=st.floats(0.2, 2.0),
+       phase=st.floats(0.0, 0.999))
+def test_the_steps_right_after_a_save_pay_no_raise_and_the_writer_is_done_by_its_due_time(busy, steps_to_due, load,
+                                                                                         phase):
     """Beside a tier quiet for part of each step, with ``load`` times the bytes its quiet spells and the cap could
     carry by the due time: the first step after the save moves no more beside the tier's I/O than the cap; the
-    writer is done by the due time (give or take two chunks' polls); where the quiet spells alone could carry the
-    whole of it with room to spare, the cap is never raised; a raise goes to the steps after the calibration,
+    writer, starting anywhere in a step, is done by the due time (give or take two chunks' polls); where the quiet
+    spells alone could carry the whole of it with room to spare, the cap is never raised; a raise goes to the steps after the calibration,
     none of them taking half as much again as their mean. The rule before (a rate raised from the start to
     what the bytes left need by the due time, blind to the quiet spells) moved its largest share beside the
     first step."""
@@ -500,7 +505,7 @@ def test_the_steps_right_after_a_save_pay_no_raise_and_the_writer_is_done_by_its
     total = int(min(load * capacity, 0.8 * steps_to_due * disk_bps)) // chunk * chunk
     if total < chunk:
         return
-    elapsed, beside, _, pacer = paced_write_beside_steps(total, chunk, disk_bps, busy, steps_to_due)
+    elapsed, beside, _, pacer = paced_write_beside_steps(total, chunk, disk_bps, busy, steps_to_due, phase=phase)
     assert beside[0] <= cap * (busy + pacing.POLL_S) + chunk + 1  # the first step: the cap alone (a chunk banked)
     assert elapsed <= steps_to_due + 2 * (chunk / disk_bps + pacing.POLL_S)
     if total <= 0.5 * quiet_capacity:
@@ -512,15 +517,18 @@ def test_the_steps_right_after_a_save_pay_no_raise_and_the_writer_is_done_by_its
 
 
 @settings(max_examples=examples(120), deadline=None)
-@given(busy=st.floats(0.5, 0.9), steps_to_due=st.integers(4, 10), share=st.floats(0.1, 0.5))
-def test_with_quiet_spells_to_spare_the_writer_moves_nothing_beside_the_tiers_io(busy, steps_to_due, share):
+@given(busy=st.floats(0.5, 0.9), steps_to_due=st.integers(4, 10), share=st.floats(0.1, 0.5),
+       phase=st.floats(0.0, 0.999))
+def test_with_quiet_spells_to_spare_the_writer_moves_nothing_beside_the_tiers_io(busy, steps_to_due, share, phase):
     """Beside a tier quiet for part of each step (the forward and backward), with ``share`` of what its quiet spells
-    alone could carry by the due time: every byte goes in a quiet spell, none beside the tier's I/O, taken as they
-    come (done within the steps its quiet spells need, and a step more) and by the due time. The rule before
-    spread the bytes evenly over every stretch, and moved most of them beside the updates."""
+    alone could carry by the due time, the writer starting anywhere in a step: every byte goes in a quiet spell,
+    none beside the tier's I/O, taken as they come (done within the steps its quiet spells need, and a step more)
+    and by the due time. The rule before spread the bytes evenly over every stretch, and moved most of them beside
+    the updates; the one before this one measured the quiet spells from the writer's start, so a writer that began
+    in a busy spell or late in a quiet one saw them carry less than they do, and raised its rate beside the updates."""
     disk_bps, chunk = 1e9, 1_000_000  # a chunk: 1 ms of the disk
     total = int(share * (1 - busy) * steps_to_due * disk_bps) // chunk * chunk
-    elapsed, beside, _, pacer = paced_write_beside_steps(total, chunk, disk_bps, busy, steps_to_due)
+    elapsed, beside, _, pacer = paced_write_beside_steps(total, chunk, disk_bps, busy, steps_to_due, phase=phase)
     assert pacer.idle_bytes == total and pacer.capped_bytes == 0 and not any(beside)
     assert elapsed <= math.ceil(total / ((1 - busy) * disk_bps)) + 1
     assert elapsed <= steps_to_due + 2 * (chunk / disk_bps + pacing.POLL_S)
