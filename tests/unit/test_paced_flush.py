@@ -4,19 +4,26 @@ each byte range of a file written back once, in order, each piece after its turn
 pieces wait while another process holds a tier's token; without sync_file_range or a tier on the disk,
 plain fsyncs; the rank's own ``os.fsync`` is never replaced. Clocks are injected, waits counted."""
 
+import contextlib
 import multiprocessing
 import os
 import sys
 import time
 
 import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from unittest import mock
 
-from megatron.training.checkpoint.async_save import forked_writer
+from megatron.training.checkpoint.async_save import bucket_bytes, forked_writer
 from megatron.training.runtime import io_priority
 from mlp_offload.checkpoint import paced_flush
+from mlp_offload.config.align import ALIGN, align_down
 from mlp_offload.checkpoint.pacing import POLL_S, DiskPacer, disk_rate, writer_cap
 from mlp_offload.tiers.activity import QUIET_S
 from mlp_offload.tiers.tokens import TierTokens
+
+from tests.profiles import examples
 
 from .test_background_save import engine_at_step_3
 from .test_writer_pacing import Clock
@@ -306,3 +313,124 @@ def test_a_lock_taken_across_a_fork_lives_as_long_as_the_forked_process(tmp_path
     unnamed = paced_flush.FlushPacing(("nvme",), (), None, 1e8)
     with unnamed.held_across_fork():
         assert not unnamed.writer_running()
+
+
+# PacedFile: a forked writer's file on the disk as it is written (megatron-core's ``open(path, "wb")`` replaced).
+
+class Turns:
+    """A pacer that notes each turn and each announcement."""
+
+    def __init__(self):
+        self.turns, self.expected = [], 0
+
+    def wait_turn(self, nbytes):
+        self.turns.append(nbytes)
+
+    def expect(self, nbytes):
+        self.expected += nbytes
+
+
+def _paced(tmp_path, sync_range, pacer):
+    return paced_flush.ProcessPacing(_pacing(tmp_path, str(tmp_path / "report")), sync_range, make_pacer=lambda: pacer)
+
+
+@settings(max_examples=examples(60), deadline=None)
+@given(chunks=st.lists(st.integers(0, 5 * ALIGN), max_size=12), pieces=st.integers(1, 3),
+       expected_share=st.sampled_from([0.0, 0.5, 1.0]), direct=st.booleans())
+def test_a_paced_file_holds_what_was_written_each_piece_after_its_turn(tmp_path_factory, chunks, pieces,
+                                                                      expected_share, direct):
+    """Any chunks written give the same file as a plain write; each piece of the file waits its turn once, in
+    order, and the pacer is told every byte (up front where the size is known, the rest as it comes); what does not
+    go by O_DIRECT is written back by the range."""
+    tmp_path = tmp_path_factory.mktemp("paced_file")
+    data = os.urandom(sum(chunks))
+    pacer, ranges = Turns(), []
+    paced = _paced(tmp_path, lambda fd, offset, nbytes: ranges.append((offset, nbytes)), pacer)
+    expected = int(expected_share * len(data))
+    no_direct = mock.patch.object(paced_flush, "open_direct", lambda path, flags: None)
+    with contextlib.nullcontext() if direct else no_direct:
+        f = paced_flush.PacedFile(str(tmp_path / "f"), paced, expected, piece=pieces * ALIGN)
+    with f:
+        at = 0
+        for n in chunks:
+            assert f.write(memoryview(data)[at: at + n]) == n and f.tell() == at + n
+            at += n
+        f.flush()
+        os.fsync(f.fileno())  # the real one: nothing installed here
+    assert (tmp_path / "f").read_bytes() == data
+    piece = pieces * ALIGN
+    assert pacer.turns == [min(piece, len(data) - lo) for lo in range(0, len(data), piece)]
+    assert pacer.expected == len(data) or (not data and pacer.expected == 0)
+    assert paced.counts.files == 1 and paced.counts.pieces == len(pacer.turns) and paced.counts.nbytes == len(data)
+    if f.direct is None and not direct:  # through the page cache: every byte written back at once
+        assert ranges == [(lo, min(piece, len(data) - lo)) for lo in range(0, len(data), piece)]
+    elif direct and paced_flush.open_direct(str(tmp_path / "f"), os.O_WRONLY) is not None:
+        assert ranges == ([(align_down(len(data)), len(data) % ALIGN)] if len(data) % ALIGN else [])
+
+
+def test_a_paced_file_whose_range_write_back_is_refused_leaves_it_to_the_fsync(tmp_path):
+    pacer = Turns()
+
+    def refuse(fd, offset, nbytes):
+        raise OSError(22, "Invalid argument")
+
+    paced = _paced(tmp_path, refuse, pacer)
+    with mock.patch.object(paced_flush, "open_direct", lambda path, flags: None):
+        with paced_flush.PacedFile(str(tmp_path / "f"), paced, 0, piece=ALIGN) as f:
+            f.write(b"x" * (3 * ALIGN))
+    assert (tmp_path / "f").read_bytes() == b"x" * (3 * ALIGN)
+    assert paced.counts.unpaced == 1 and paced.sync_range is None and pacer.turns == [ALIGN] * 3
+
+
+@pytest.mark.skipif(paced_flush.sync_file_range() is None, reason="no sync_file_range here (Linux only)")
+def test_the_fsync_of_a_paced_file_writes_its_end_first_and_reports_it(tmp_path):
+    """megatron-core fsyncs its file before closing it: the installed fsync writes the file's unfilled piece, then
+    the real fsync; the report counts the file."""
+    report = str(tmp_path / "report")
+    paced_open = paced_flush.install(_pacing(tmp_path, report))
+    try:
+        assert paced_open is not None
+        data = os.urandom(paced_flush.PIECE + 3 * ALIGN + 5)
+        with paced_open(str(tmp_path / "f"), len(data)) as f:
+            f.write(data)
+            assert os.path.getsize(tmp_path / "f") == paced_flush.PIECE  # one piece on the disk, the end not yet
+            os.fsync(f.fileno())
+            assert os.path.getsize(tmp_path / "f") == len(data)
+        assert (tmp_path / "f").read_bytes() == data and not paced_flush.PacedFile.OPEN
+        assert paced_flush.read_report(report).startswith(f"1 files flushed paced ({len(data) / 1e9:.3f} GB in 2 pieces")
+    finally:
+        paced_flush.uninstall()
+
+
+def test_the_write_buckets_sizes_are_what_each_file_will_hold():
+    import io
+    tensor = torch.arange(10, dtype=torch.float32)
+    buckets = [("/ckpt/__0_0.distcp", "__0_0.distcp", ([(None, io.BytesIO(b"abc"))], [(None, tensor)])),
+               ("/ckpt/__0_1.distcp", "__0_1.distcp", ([], [(None, tensor[2:4].clone()), (None, tensor)]))]
+    assert bucket_bytes([0, buckets, None]) == {"/ckpt/__0_0.distcp": 43, "/ckpt/__0_1.distcp": 48}
+    assert bucket_bytes([0, [], None, "x"]) == {}
+
+
+def _megatron_core_worker_writes(path, queue):
+    """What megatron-core's worker does with a file: its module's ``open``, a write, the fsync."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    with filesystem_async.open(path, "wb") as f:
+        f.write(os.urandom(3 * paced_flush.PIECE // 2))
+        os.fsync(f.fileno())
+        queue.put(type(f).__name__)
+
+
+@pytest.mark.skipif(paced_flush.sync_file_range() is None, reason="no sync_file_range here (Linux only)")
+def test_in_a_forked_writer_megatron_cores_files_are_paced_files_and_the_ranks_open_stays(tmp_path):
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    report = str(tmp_path / "report")
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=forked_writer(_megatron_core_worker_writes, _pacing(tmp_path, report)),
+                            args=(str(tmp_path / "f"), queue))
+    child.start()
+    child.join()
+    assert child.exitcode == 0 and queue.get(timeout=10) == "PacedFile"
+    assert os.path.getsize(tmp_path / "f") == 3 * paced_flush.PIECE // 2
+    assert paced_flush.read_report(report).startswith("1 files flushed paced (0.050 GB in 2 pieces")
+    assert "open" not in vars(filesystem_async)  # the rank's module still has the builtin

@@ -30,8 +30,9 @@ process would see the next updates change them in place. ``HostWeightsAside`` co
 
 from __future__ import annotations
 
-import dataclasses
+import builtins
 import contextlib
+import dataclasses
 import functools
 import os
 import socket
@@ -183,10 +184,41 @@ def forked_writer(write: Callable, flush: Optional[FlushPacing]) -> Callable:
         if os.getpid() == rank_pid:  # run in the rank itself: nothing of the rank's is changed
             return write(*args, **kwargs)
         if flush is not None:
-            install_paced_fsync(flush)  # inherited by the workers it forks, one per file
+            paced_open = install_paced_fsync(flush)  # inherited by the workers it forks, one per file
+            if paced_open is not None:
+                _files_written_paced(paced_open, bucket_bytes(args))
         return idle(*args, **kwargs)
 
     return run
+
+
+def bucket_bytes(args: Sequence) -> dict:
+    """File path -> the bytes megatron-core's writer will put in it, from its write buckets among ``args`` (each
+    ``(path, storage key, (bytes items, tensor items))``); empty where there are none."""
+    sizes = {}
+    for arg in args:
+        if not isinstance(arg, list):
+            continue
+        for bucket in arg:
+            if not (isinstance(bucket, tuple) and len(bucket) == 3 and isinstance(bucket[0], str)):
+                continue
+            _, _, (bytes_items, tensor_items) = bucket
+            sizes[bucket[0]] = (sum(data.getbuffer().nbytes for _, data in bytes_items)
+                                + sum(tensor.untyped_storage().nbytes() for _, tensor in tensor_items))
+    return sizes
+
+
+def _files_written_paced(paced_open: Callable, sizes: dict) -> None:
+    """megatron-core's writer workers (in this forked process and those it forks) open their files through
+    ``paced_open``: each file goes to the disk as it is written, paced (mlp_offload.checkpoint.paced_flush)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    def open_for_writing(file, mode="r", *args, **kwargs):
+        if mode == "wb" and not args and not kwargs:
+            return paced_open(os.fspath(file), sizes.get(os.fspath(file), 0))
+        return builtins.open(file, mode, *args, **kwargs)
+
+    filesystem_async.open = open_for_writing  # the module's name for the builtin, in this process only
 
 
 def reserve_host_copies(model_state: dict, fully_parallel: bool) -> Tuple[int, float]:
