@@ -28,11 +28,9 @@
 #   bash benchmarks/run_gpu.sh determinism     (device tool, kind nvidia-h200, carry [".whl"])
 #   RUNS="D1 D2 DR" ... a subset; DRY_RUN=1 bash benchmarks/experiments/determinism.sh (tiny, CPU)
 #   (A2_staging_4k_pages: the snapshot's staging in 4 KiB pages, as before fa8ee57)
-#   (A8_direct_writes: torch_dist's forked writer puts its files on the disk as it writes them, paced, by O_DIRECT,
-#   instead of into the page cache for paced flushes at their fsyncs; against main in one call:
-#   FLOOR_GB=4 RUNS="B8 A8 A8_direct_writes" RUN_LIMIT=200 CALL_BUDGET_S=560 ...  (about 560 s))
 #   (retired variants, measured in §41-47: device_digest, freeze_at_save, writer_process, paced_pieces (§47: the
-#   forward and backward beside the writer kept their extra switches); merged: flush_first (§46), keep_staging (§48:
+#   forward and backward beside the writer kept their extra switches); merged: flush_first (§46), direct_writes (§50: torch_dist's files on the disk as
+#   they are written, paced, by O_DIRECT), keep_staging (§48:
 #   the staging of the state held in memory made and faulted in at start-up, kept from save to save))
 #   (each A run is read against its B run of the same call; "iterations 2-8 together" below 1 says that B run was
 #       slower before the first save too, which flatters the ratios after it)

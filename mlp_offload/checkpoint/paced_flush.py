@@ -1,25 +1,27 @@
-"""A forked writer's files flushed to the disk paced behind the file tiers, like the offloaded state's writer.
+"""A forked writer's files put on the disk paced behind the file tiers, like the offloaded state's writer.
 
 With --async-save, megatron-core's torch_dist writer is a process forked per save, which forks one worker per
-file; each worker writes its file through the page cache and ends it with ``os.fsync``. Left as is, the fsync
-sends the whole file to the disk at once, at the disk's full rate, and a file tier's step I/O on that disk
-queues behind it (the idle I/O class does not prevent it: see megatron/training/runtime/io_priority.py).
-``install`` (called in that forked process only, before it forks its workers, which inherit it) replaces
-``os.fsync`` there with ``paced_fsync``: the file written back in ``PIECE`` pieces by Linux
-``sync_file_range``, each piece after its turn on a ``pacing.DiskPacer`` (at once while the tiers are quiet,
-else at the cap), then one real ``fsync``, cheap once the pages are clean, for durability as before.
+file; each worker writes its file (``open(path, "wb")``) and ends it with ``os.fsync``. Left as is, the file fills
+the page cache at memory speed and the fsync sends it to the disk at once, at the disk's full rate: a file tier's
+step I/O on that disk queues behind it (the idle I/O class does not prevent it: see
+megatron/training/runtime/io_priority.py), and the rank's steps share the node's memory with gigabytes of dirty
+pages. ``install`` (called in that forked process only, before it forks its workers, which inherit it) replaces
+``os.fsync`` there with ``paced_fsync`` and gives the opener of ``PacedFile``s, which the Megatron side makes
+megatron-core's workers open their files with: each file goes to the disk as it is written, in ``PIECE`` pieces,
+each after its turn on a ``pacing.DiskPacer`` (at once while the tiers are quiet, else at the cap), by O_DIRECT
+where the file system has it, else through the page cache and written back at once (Linux ``sync_file_range``);
+the fsync then writes the file's last piece and makes it durable as before.
 
-Why at the fsync, not while writing: megatron-core's writer hands us nothing between its writes (the fsync is
-the one call of ours it makes per file), and it writes a file into the page cache in seconds, far within
-what the kernel leaves dirty before its flusher threads take it (an age of tens of seconds, a share of host
-memory). A flush that outlasts that age lets the flusher threads write the rest unpaced, all at once beside a
-step: pacing lost, never durability. So the flushes are due by ``EXPIRE_SHARE`` of that age from the save where
-that comes before the next save (``/proc/sys/vm/dirty_expire_centisecs``). Writing back while writing would need
-a hook into torch's stream transforms (experimental API).
+A file not opened through ``PacedFile`` (a writer that opens its files otherwise) is written back at its fsync
+instead: in pieces by ``sync_file_range``, each after its turn, then one real ``fsync``. Such a flush must end
+before the kernel's flusher threads take the pages (an age of tens of seconds, a share of host memory), which would
+write the rest unpaced, all at once beside a step: pacing lost, never durability. So the forked writer's bytes are
+due by ``EXPIRE_SHARE`` of that age from the save where that comes before the next save
+(``/proc/sys/vm/dirty_expire_centisecs``).
 
-Flushes first: torch_dist's flushes are due before the offloaded state's writer (the kernel's dirty age), and where
-both take the tiers' quiet spells each gets half of them, so the flushes' pacer, seeing its rate halved, puts bytes
-beside the steps' I/O. So the rank holds a shared lock on ``RUNNING`` (in the first tier's lock directory) across
+Flushes first: torch_dist's files are due before the offloaded state's writer (the kernel's dirty age), and where
+both take the tiers' quiet spells each gets half of them, so the forked writer's pacer, seeing its rate halved, puts
+bytes beside the steps' I/O. So the rank holds a shared lock on ``RUNNING`` (in the first tier's lock directory) across
 the fork of the writer (``FlushPacing.held_across_fork``): the forked writer inherits it, the rank closes its copy,
 and the lock is held exactly as long as the writer and the workers it forks live. The offloaded state's writer waits
 while ``FlushPacing.writer_running`` sees it (``pacing.DiskPacer.yield_to_first``).
@@ -169,7 +171,8 @@ class FlushPacing:
                f", to be done in {max(0.0, self.due_at - time.monotonic()):.1f} s, {self.due_why} (the quiet "
                f"spells taken as they come; beside the tiers' I/O, after the first {100 * CALIBRATE_SHARE:.0f}% of "
                f"that time, what they leave, spread evenly over the first {100 / AHEAD:.0f}% of it)")
-        return (f"its files flushed in {PIECE >> 20} MiB pieces paced behind the {'/'.join(self.tier_names)} tier "
+        return (f"its files put on the disk as written, in {PIECE >> 20} MiB pieces paced behind the "
+                f"{'/'.join(self.tier_names)} tier "
                 f"(<= {self.cap_bps / 1e9:.2f} GB/s per writer process beside its I/O{due})")
 
 

@@ -6,7 +6,7 @@ is still being written. A checkpoint is proven complete (COMPLETE.json) and name
 only in the finalize step, once every rank's writes have ended; a rank killed in the middle of the
 background write leaves that checkpoint unfinished, and the restart resumes from the previous one
 exactly as a run that never stopped. The nvme and pfs tiers are on the checkpoint's file system, so
-torch_dist's forked writer flushes its files paced behind them (mlp_offload.checkpoint.paced_flush)."""
+torch_dist's forked writer puts its files on the disk paced behind them (mlp_offload.checkpoint.paced_flush)."""
 
 import re
 from pathlib import Path
@@ -103,16 +103,15 @@ def test_training_goes_on_while_the_offloaded_state_is_written(async_saved):
 
 def test_torch_dists_forked_writer_flushes_its_files_paced(async_saved, chain):
     """Its tiers on the checkpoint's disk: each save says torch_dist's writer is paced behind them, and once
-    finalized, that its processes wrote every file back in paced pieces (sync_file_range), none by a
-    plain fsync; the chain that resumed from such checkpoints goes on exactly (test below)."""
+    finalized, that its processes put every file on the disk in paced pieces, none by a plain fsync; the chain that resumed from such checkpoints goes on exactly (test below)."""
     saves = list(range(SAVE_EVERY, ITERS + 1, SAVE_EVERY))
     resumed_at = int(chain["after_crash"]["tracker"])
     for output, iterations in ((async_saved["output"], saves), (chain["resumed_output"],
                                                                 [n for n in saves if n > resumed_at])):
         assert iterations, (saves, resumed_at)
         for n in iterations:
-            assert re.search(rf"> checkpoint at iteration {n}: training held .*; its files flushed in 32 MiB pieces "
-                             r"paced behind the nvme/pfs tier", output), output[-3000:]
+            assert re.search(rf"> checkpoint at iteration {n}: training held .*; its files put on the disk as "
+                             r"written, in 32 MiB pieces paced behind the nvme/pfs tier", output), output[-3000:]
             flushed = re.search(rf"> saved checkpoint at iteration {n} .*; torch_dist's writer: ([0-9]+) files flushed "
                                 r"paced \(([0-9.]+) GB in ([0-9]+) pieces, [0-9]+ waited [0-9.]+ s for the tiers\)$",
                                 output, re.MULTILINE)

@@ -9,9 +9,10 @@ tensors through shared memory, which our CPU/gloo runs do not need.
 
 The writer thread starts after the fork, so the forked process inherits no half-held lock of it.
 The forked process runs at the idle I/O priority and nice 19 (runtime.io_priority), and where a file tier shares the
-checkpoint's disk its fsyncs become paced flushes (mlp_offload.checkpoint.paced_flush): megatron-core's
-writes into the page cache are left as they are, the disk writes they cause go behind the tiers' step I/O
-as the offloaded state's do (mlp_offload.checkpoint.pacing). Both are set inside the forked process only.
+checkpoint's disk megatron-core's workers open their files as paced files (mlp_offload.checkpoint.paced_flush):
+each goes to the disk as it is written, behind the tiers' step I/O as the offloaded state's writes do
+(mlp_offload.checkpoint.pacing), by O_DIRECT where it can, and its fsync is paced too. All of it is set inside
+the forked process only.
 
 The finalize step is collective. ``poll()`` (after every iteration) finalizes only when every rank's
 writers (process and thread) have ended; ``finish()`` waits for them (before the next save, before
