@@ -145,10 +145,9 @@ class DiskPacer:
     def rate_now(self) -> float:
         """Bytes/s a chunk may go at beside a busy tier now: without a due time, ``cap_bps``; up to the
         calibration's end, none; past it, the rate at which the tiers' busy time moves the bytes expected and not
-        yet moved, less what the quiet spells carry by ``due_at`` at the rate they carried over the whole cycles
-        seen (none where they carry it all; past ``due_at``: no limit; none while no whole cycle has been seen, up to
-        ``CYCLES_SHARE`` of the time, then the rate since the start). A tier almost never quiet, or updates that
-        wait for the writer (``spread`` off): at least the cap."""
+        yet moved, less what the quiet spells carry by ``due_at`` at the rate ``_quiet_bps`` gives (none where they
+        carry it all; past ``due_at``: no limit; none while no quiet time has been seen, up to ``cycles_by``). A tier
+        almost never quiet, or updates that wait for the writer (``spread`` off): at least the cap."""
         left = self.expected_bytes - self.idle_bytes - self.capped_bytes - self._credit  # the credit will go too
         if self.due_at is None:
             return self.cap_bps  # no due time to measure the quiet spells against: the cap
