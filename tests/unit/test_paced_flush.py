@@ -219,17 +219,23 @@ def _write_and_fsync(path, queue):
     queue.put(os.fsync.__name__)
 
 
+def _in_a_forked_writer(write, pacing, path):
+    """``write(path, queue)`` run as megatron-core's forked writer runs it, with ``pacing``: what it queued."""
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=forked_writer(write, pacing), args=(path, queue))
+    child.start()
+    child.join()
+    assert child.exitcode == 0
+    return queue.get(timeout=10)
+
+
 @pytest.mark.skipif(paced_flush.sync_file_range() is None, reason="no sync_file_range here (Linux only)")
 def test_a_forked_writer_flushes_paced_and_the_ranks_fsync_stays_as_it_was(tmp_path):
     original = os.fsync
     report = str(tmp_path / "report")
-    context = multiprocessing.get_context("fork")
-    queue = context.Queue()
-    child = context.Process(target=forked_writer(_write_and_fsync, _pacing(tmp_path, report)),
-                            args=(str(tmp_path / "f"), queue))
-    child.start()
-    child.join()
-    assert child.exitcode == 0 and queue.get(timeout=10) == "paced_fsync"
+    queue = multiprocessing.get_context("fork").Queue()
+    assert _in_a_forked_writer(_write_and_fsync, _pacing(tmp_path, report), str(tmp_path / "f")) == "paced_fsync"
     assert os.fsync is original  # the rank's own
     assert paced_flush.read_report(report).startswith("1 files flushed paced (0.050 GB in 2 pieces")
     assert not os.path.exists(report)
@@ -241,12 +247,7 @@ def test_a_forked_writer_flushes_paced_and_the_ranks_fsync_stays_as_it_was(tmp_p
 
 
 def test_without_pacing_the_forked_writer_keeps_the_plain_fsync(tmp_path):
-    context = multiprocessing.get_context("fork")
-    queue = context.Queue()
-    child = context.Process(target=forked_writer(_write_and_fsync, None), args=(str(tmp_path / "f"), queue))
-    child.start()
-    child.join()
-    assert child.exitcode == 0 and queue.get(timeout=10) == "fsync"
+    assert _in_a_forked_writer(_write_and_fsync, None, str(tmp_path / "f")) == "fsync"
 
 
 def test_installed_in_a_process_only_regular_files_are_paced(tmp_path):
@@ -397,7 +398,8 @@ def test_the_fsync_of_a_paced_file_writes_its_end_first_and_reports_it(tmp_path)
             os.fsync(f.fileno())
             assert os.path.getsize(tmp_path / "f") == len(data)
         assert (tmp_path / "f").read_bytes() == data and not paced_flush.PacedFile.OPEN
-        assert paced_flush.read_report(report).startswith(f"1 files flushed paced ({len(data) / 1e9:.3f} GB in 2 pieces")
+        expected = f"1 files flushed paced ({len(data) / 1e9:.3f} GB in 2 pieces"
+        assert paced_flush.read_report(report).startswith(expected)
     finally:
         paced_flush.uninstall()
 
@@ -424,13 +426,8 @@ def _megatron_core_worker_writes(path, queue):
 def test_in_a_forked_writer_megatron_cores_files_are_paced_files_and_the_ranks_open_stays(tmp_path):
     from megatron.core.dist_checkpointing.strategies import filesystem_async
     report = str(tmp_path / "report")
-    context = multiprocessing.get_context("fork")
-    queue = context.Queue()
-    child = context.Process(target=forked_writer(_megatron_core_worker_writes, _pacing(tmp_path, report)),
-                            args=(str(tmp_path / "f"), queue))
-    child.start()
-    child.join()
-    assert child.exitcode == 0 and queue.get(timeout=10) == "PacedFile"
+    written = _in_a_forked_writer(_megatron_core_worker_writes, _pacing(tmp_path, report), str(tmp_path / "f"))
+    assert written == "PacedFile"
     assert os.path.getsize(tmp_path / "f") == 3 * paced_flush.PIECE // 2
     assert paced_flush.read_report(report).startswith("1 files flushed paced (0.050 GB in 2 pieces")
     assert "open" not in vars(filesystem_async)  # the rank's module still has the builtin
