@@ -1,7 +1,8 @@
 """checkpoint/: one engine's offloaded state in a single checkpoint file. The file's layout and its
 loading (``state_file``; its fixed parts and errors in ``file_format``, reading ranges of it in
 ``range_reader``), writing it from a snapshot, synchronously or by a thread (``write``); subgroups it takes by hard link
-from their tier files (``parts``); megatron-core's forked writer's fsyncs paced behind the tiers (``paced_flush``).
+from their tier files (``parts``); megatron-core's forked writer's files paced behind the tiers (``paced_flush``: the
+fsyncs and the pacing's plan; ``paced_file``: each file written as it comes).
 
 This package is a face of the engine: code outside it imports these names from here. May import the
 engine's other modules (the engine itself only for its type); none of them imports this package."""
@@ -14,7 +15,8 @@ from .digest import digest as tensor_digest  # the module keeps its name: ``dige
 from .file_blocks import FileBlocks, moments_change, note_moments_change, values_fill
 from .file_format import MAGIC, TRAILER, CheckpointDataError, CheckpointSaveError
 from .file_format import SUFFIX as STATE_FILE_SUFFIX
-from .paced_flush import FlushPacing, flush_pacing, read_report as read_flush_report
+from .paced_file import read_report as read_flush_report
+from .paced_flush import FlushPacing, flush_pacing
 from .paced_flush import install as install_paced_fsync
 from .pacing import reserve_paced_staging
 from .parts import is_part_path

@@ -6,8 +6,8 @@ the page cache at memory speed and the fsync sends it to the disk at once, at th
 step I/O on that disk queues behind it (the idle I/O class does not prevent it: see
 megatron/training/runtime/io_priority.py), and the rank's steps share the node's memory with gigabytes of dirty
 pages. ``install`` (called in that forked process only, before it forks its workers, which inherit it) replaces
-``os.fsync`` there with ``paced_fsync`` and gives the opener of ``PacedFile``s, which the Megatron side makes
-megatron-core's workers open their files with: each file goes to the disk as it is written, in ``PIECE`` pieces,
+``os.fsync`` there with ``paced_fsync`` and gives the opener of ``paced_file.PacedFile``s, which the Megatron side
+makes megatron-core's workers open their files with: each file goes to the disk as it is written, in ``PIECE`` pieces,
 each after its turn on a ``pacing.DiskPacer`` (at once while the tiers are quiet, else at the cap), by O_DIRECT
 where the file system has it, else through the page cache and written back at once (Linux ``sync_file_range``);
 the fsync then writes the file's last piece and makes it durable as before.
@@ -35,32 +35,26 @@ Tiers whose tokens are job-wide (a key-value store) cannot be seen from here: no
 from __future__ import annotations
 
 import ctypes
-import errno
 import fcntl
-import mmap
 import os
 import stat
 import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
-from ..config.align import align_down
 from ..tiers.activity import TierActivity
-from ..tiers.direct_io import open_direct, pwrite_all
 from ..tiers.tokens import TierTokens
+from .paced_file import PIECE, FlushCounts, PacedFile, ProcessPacing, SyncRange
 from .pacing import (AHEAD, CALIBRATE_SHARE, DiskPacer, due_at, rank_disk_bps, recent_busy_share, same_device_tiers,
                      writer_cap)
 
-PIECE = 32 << 20  # bytes written back per turn: a pause in the step's I/O of a few ms is enough for one
 EXPIRE_SHARE = 0.8  # of the kernel's dirty age: when the flushes are due at the latest (its flusher's age, less slack)
 DIRTY_EXPIRE = "/proc/sys/vm/dirty_expire_centisecs"
 RUNNING = "forked_writer.lock"  # held shared for a forked writer's life: its flushes are due first
 SYNC_FILE_RANGE_WAIT_BEFORE, SYNC_FILE_RANGE_WRITE, SYNC_FILE_RANGE_WAIT_AFTER = 1, 2, 4
 WRITE_AND_WAIT = SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | SYNC_FILE_RANGE_WAIT_AFTER
-
-SyncRange = Callable[[int, int, int], None]  # (fd, offset, nbytes): that range on the disk, or OSError
 
 
 def sync_file_range() -> Optional[SyncRange]:
@@ -80,15 +74,6 @@ def sync_file_range() -> Optional[SyncRange]:
             raise OSError(err, os.strerror(err))
 
     return sync_range
-
-
-@dataclass
-class FlushCounts:
-    """What one process's paced flushes did (the forked writer's report)."""
-    files: int = 0
-    pieces: int = 0
-    nbytes: int = 0
-    unpaced: int = 0  # files whose ranges could not be written back (a plain fsync did it all)
 
 
 def paced_flush(fd: int, pacer: DiskPacer, sync_range: SyncRange, fsync: Callable[[int], None],
@@ -205,7 +190,6 @@ def flush_pacing(engines: Sequence, path: str, writer_processes: int,
                        running_path=os.path.join(tiers[0][1].tokens.lock_dir, RUNNING))
 
 
-
 def dirty_expire_s() -> Optional[float]:
     """The age at which the kernel's flusher threads write dirty pages back themselves, None where unknown or off."""
     try:
@@ -219,139 +203,6 @@ def dirty_expire_s() -> Optional[float]:
 _REAL_FSYNC: List = []  # [os.fsync as it was] in a process where install ran (a forked writer)
 
 
-class ProcessPacing:
-    """A forked process's pacer and counts, made in the process that first asks (each worker the writer forks
-    makes its own, with token files of its own); ``pacer`` None where the lock directory is unusable from
-    there (unpaced, durable all the same)."""
-
-    def __init__(self, pacing: FlushPacing, sync_range: Optional[SyncRange],
-                 make_pacer: Optional[Callable[[], DiskPacer]] = None):
-        self.pacing, self.sync_range = pacing, sync_range
-        self.make_pacer = make_pacer or pacing.pacer
-        self.pid, self._pacer, self.counts = None, None, FlushCounts()
-
-    @property
-    def pacer(self) -> Optional[DiskPacer]:
-        if self.pid != os.getpid():
-            try:
-                self._pacer = self.make_pacer()
-            except OSError:
-                self._pacer = None
-            self.pid, self.counts = os.getpid(), FlushCounts()
-        return self._pacer
-
-    def report(self) -> None:
-        _append_report(self.pacing.report_path, self.counts, self._pacer)
-
-
-class PacedFile:
-    """A file a forked writer writes (``open(path, "wb")``), put on the disk as it is written: its bytes gathered
-    into ``piece``-byte pieces of a page-aligned buffer, each written after its turn on the process's pacer, by
-    O_DIRECT where the file system has it (the page cache never holds the file), else through the page cache
-    and written back at once (``sync_range``): no dirty pages left for a flush at the fsync, nor for the kernel's
-    flusher. ``finish`` (at the file's fsync, or its close) writes the rest; ``expected_bytes``: what the file
-    will hold (the pacer plans with it; bytes past it are announced as they come)."""
-
-    OPEN: Dict[int, "PacedFile"] = {}  # descriptor -> the file, for the fsync (os.fsync(f.fileno()))
-
-    def __init__(self, path: str, paced: ProcessPacing, expected_bytes: int = 0, piece: int = PIECE):
-        self.paced, self.piece = paced, piece
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        self.direct = open_direct(path, os.O_WRONLY)
-        self._buffer = mmap.mmap(-1, piece)  # page-aligned, as O_DIRECT needs
-        self._view = memoryview(self._buffer)
-        self.offset, self.filled, self.finished = 0, 0, False  # offset: the file offset of the buffer's first byte
-        self.expected = expected_bytes
-        pacer = paced.pacer  # first: this process's pacer and counts made where it has none yet
-        paced.counts.files += 1
-        if pacer is not None and expected_bytes:
-            pacer.expect(expected_bytes)
-        PacedFile.OPEN[self.fd] = self
-
-    def write(self, data) -> int:
-        source = memoryview(data).cast("B")
-        n, done = len(source), 0
-        while done < n:
-            take = min(self.piece - self.filled, n - done)
-            self._view[self.filled: self.filled + take] = source[done: done + take]
-            self.filled, done = self.filled + take, done + take
-            if self.filled == self.piece:
-                self._put()
-        return n
-
-    def tell(self) -> int:
-        return self.offset + self.filled
-
-    def flush(self) -> None:
-        """Nothing: the bytes are the disk's once their piece fills, or at ``finish``."""
-
-    def fileno(self) -> int:
-        return self.fd
-
-    def finish(self) -> None:
-        if not self.finished:
-            self.finished = True
-            if self.filled:
-                self._put()
-
-    def close(self) -> None:
-        if self.fd < 0:
-            return
-        try:
-            self.finish()
-        finally:
-            PacedFile.OPEN.pop(self.fd, None)
-            for fd in (self.fd, self.direct):
-                if fd is not None:
-                    os.close(fd)
-            self.fd, self.direct = -1, None
-            self._view.release()
-            self._buffer.close()
-
-    def __enter__(self) -> "PacedFile":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def _put(self) -> None:
-        """The buffer's ``filled`` bytes onto the disk at ``offset``, after their turn: the aligned part by
-        O_DIRECT, the rest (a file's unaligned end) through the page cache, written back at once."""
-        nbytes, paced = self.filled, self.paced
-        pacer, counts = paced.pacer, paced.counts
-        if pacer is not None:
-            beyond = self.offset + nbytes - max(self.expected, self.offset)
-            if beyond > 0:  # past what the file was expected to hold: announced as it comes
-                pacer.expect(beyond)
-                self.expected += beyond
-            pacer.wait_turn(nbytes)
-        direct = align_down(nbytes) if self.direct is not None else 0
-        if direct:
-            try:
-                pwrite_all(self.direct, self._view[:direct], self.offset)
-            except OSError as err:
-                if err.errno != errno.EINVAL:
-                    raise
-                direct = 0  # a file system that takes O_DIRECT opens but not these writes: the page cache
-                os.close(self.direct)
-                self.direct = None
-        if direct < nbytes:
-            pwrite_all(self.fd, self._view[direct:nbytes], self.offset + direct)
-            self._write_back(self.offset + direct, nbytes - direct)
-        counts.pieces += 1
-        counts.nbytes += nbytes
-        self.offset, self.filled = self.offset + nbytes, 0
-
-    def _write_back(self, offset: int, nbytes: int) -> None:
-        if self.paced.sync_range is None:
-            return
-        try:
-            self.paced.sync_range(self.fd, offset, nbytes)
-        except OSError:  # refused here (EINVAL, ESPIPE): the fsync writes it back
-            self.paced.counts.unpaced += 1
-            self.paced.sync_range = None
-
-
 def install(pacing: FlushPacing, sync_range: Optional[SyncRange] = None) -> Optional[Callable[..., PacedFile]]:
     """In this process (a forked writer: never the rank), and the workers it forks: ``os.fsync`` replaced by
     ``paced_fsync``. Returns the opener of ``PacedFile``s, ``paced_open(path, expected_bytes)``, that its files are
@@ -360,7 +211,7 @@ def install(pacing: FlushPacing, sync_range: Optional[SyncRange] = None) -> Opti
     if sync_range is None or _REAL_FSYNC:
         return None
     real_fsync = os.fsync
-    paced = ProcessPacing(pacing, sync_range)
+    paced = ProcessPacing(pacing.pacer, sync_range, pacing.report_path)
 
     def paced_fsync(fd) -> None:
         fd = fd if isinstance(fd, int) else fd.fileno()
@@ -388,33 +239,3 @@ def uninstall() -> None:
     """``os.fsync`` back as it was (tests, which install in their own process)."""
     if _REAL_FSYNC:
         os.fsync = _REAL_FSYNC.pop()
-
-
-def _append_report(report_path: Optional[str], counts: FlushCounts, pacer: Optional[DiskPacer]) -> None:
-    """One line per file flushed, appended (one short write: whole even beside the other workers')."""
-    if report_path is None or pacer is None:
-        return
-    line = (f"{os.getpid()} {counts.files} {counts.pieces} {counts.nbytes} {counts.unpaced} "
-            f"{pacer.waits} {pacer.waited_s:.3f}\n")
-    with open(report_path, "a") as report:
-        report.write(line)
-
-
-def read_report(report_path: str) -> str:
-    """The forked writer's flushes in one clause (each process's last line counts), the report file removed."""
-    try:
-        with open(report_path) as report:
-            lines = report.read().split("\n")
-        os.unlink(report_path)
-    except OSError:
-        return "its flushes reported nothing"
-    last = {}
-    for line in lines:
-        fields = line.split()
-        if len(fields) == 7:
-            last[fields[0]] = [float(x) for x in fields[1:]]
-    files, pieces, nbytes, unpaced, waits, waited_s = (sum(v[i] for v in last.values()) for i in range(6))
-    if not files:
-        return "no file flushed paced"
-    return (f"{int(files)} files flushed paced ({nbytes / 1e9:.3f} GB in {int(pieces)} pieces, {int(waits)} "
-            f"waited {waited_s:.1f} s for the tiers{f', {int(unpaced)} by a plain fsync' if unpaced else ''})")

@@ -1,5 +1,6 @@
 """megatron-core's forked torch_dist writer flushes its files paced behind the file tiers
-(mlp_offload/checkpoint/paced_flush.py, installed by megatron/training/checkpoint/async_save.forked_writer):
+(mlp_offload/checkpoint/paced_flush.py, installed by megatron/training/checkpoint/async_save.forked_writer; the
+files it opens, mlp_offload/checkpoint/paced_file.py):
 each byte range of a file written back once, in order, each piece after its turn, then one real fsync;
 pieces wait while another process holds a tier's token; without sync_file_range or a tier on the disk,
 plain fsyncs; the rank's own ``os.fsync`` is never replaced. Clocks are injected, waits counted."""
@@ -17,7 +18,7 @@ from unittest import mock
 
 from megatron.training.checkpoint.async_save import bucket_bytes, forked_writer
 from megatron.training.runtime import io_priority
-from mlp_offload.checkpoint import paced_flush
+from mlp_offload.checkpoint import paced_file, paced_flush
 from mlp_offload.config.align import ALIGN, align_down
 from mlp_offload.checkpoint.pacing import POLL_S, DiskPacer, disk_rate, writer_cap
 from mlp_offload.tiers.activity import QUIET_S
@@ -59,7 +60,7 @@ class Recorder:
 
 def test_every_range_is_written_back_once_in_order_each_after_its_turn_then_fsynced(tmp_path):
     fd = file_of(tmp_path / "f", 2 * PIECE + 345)
-    rec, counts = Recorder(), paced_flush.FlushCounts()
+    rec, counts = Recorder(), paced_file.FlushCounts()
     try:
         paced_flush.paced_flush(fd, rec, rec.sync_range, rec.fsync, counts, piece=PIECE)
     finally:
@@ -75,7 +76,7 @@ def test_the_real_sync_file_range_writes_a_file_back_and_a_refusal_falls_back_to
     if sync_range is None:
         pytest.skip("no sync_file_range here (Linux only)")
     fd = file_of(tmp_path / "f", 3 * PIECE)
-    rec, counts = Recorder(), paced_flush.FlushCounts()
+    rec, counts = Recorder(), paced_file.FlushCounts()
     try:
         paced_flush.paced_flush(fd, rec, sync_range, rec.fsync, counts, piece=PIECE)
     finally:
@@ -88,7 +89,7 @@ def test_the_real_sync_file_range_writes_a_file_back_and_a_refusal_falls_back_to
     finally:
         os.close(read_end)
         os.close(write_end)
-    refused, counts = Recorder(), paced_flush.FlushCounts()
+    refused, counts = Recorder(), paced_file.FlushCounts()
 
     def refuse(fd, offset, nbytes):
         raise OSError(22, "Invalid argument")
@@ -124,7 +125,7 @@ def test_pieces_wait_while_another_process_holds_a_tier_token(tmp_path):
     try:
         theirs.acquire()
         start = clock.now
-        paced_flush.paced_flush(fd, pacer, sync_range, rec.fsync, paced_flush.FlushCounts(), piece=PIECE)
+        paced_flush.paced_flush(fd, pacer, sync_range, rec.fsync, paced_file.FlushCounts(), piece=PIECE)
     finally:
         os.close(fd)
         ours.close()
@@ -213,7 +214,7 @@ def _pacing(tmp_path, report=None):
 def _write_and_fsync(path, queue):
     """What megatron-core's worker does at the end of a file; says which fsync it found."""
     with open(path, "wb") as f:
-        f.write(os.urandom(3 * paced_flush.PIECE // 2))
+        f.write(os.urandom(3 * paced_file.PIECE // 2))
         f.flush()
         os.fsync(f.fileno())
     queue.put(os.fsync.__name__)
@@ -237,7 +238,7 @@ def test_a_forked_writer_flushes_paced_and_the_ranks_fsync_stays_as_it_was(tmp_p
     queue = multiprocessing.get_context("fork").Queue()
     assert _in_a_forked_writer(_write_and_fsync, _pacing(tmp_path, report), str(tmp_path / "f")) == "paced_fsync"
     assert os.fsync is original  # the rank's own
-    assert paced_flush.read_report(report).startswith("1 files flushed paced (0.050 GB in 2 pieces")
+    assert paced_file.read_report(report).startswith("1 files flushed paced (0.050 GB in 2 pieces")
     assert not os.path.exists(report)
     # run in the process that made it (megatron-core's writer called in the rank itself): nothing changed
     io_class = io_priority.io_priority_class()
@@ -265,7 +266,7 @@ def test_installed_in_a_process_only_regular_files_are_paced(tmp_path):
         fd = file_of(tmp_path / "f", 10)
         os.fsync(fd)  # a regular file: paced
         os.close(fd)
-        assert paced_flush.read_report(report).startswith("1 files flushed paced")
+        assert paced_file.read_report(report).startswith("1 files flushed paced")
     finally:
         paced_flush.uninstall()
     assert os.fsync is original
@@ -332,7 +333,7 @@ class Turns:
 
 
 def _paced(tmp_path, sync_range, pacer):
-    return paced_flush.ProcessPacing(_pacing(tmp_path, str(tmp_path / "report")), sync_range, make_pacer=lambda: pacer)
+    return paced_file.ProcessPacing(lambda: pacer, sync_range, str(tmp_path / "report"))
 
 
 @settings(max_examples=examples(60), deadline=None)
@@ -348,9 +349,9 @@ def test_a_paced_file_holds_what_was_written_each_piece_after_its_turn(tmp_path_
     pacer, ranges = Turns(), []
     paced = _paced(tmp_path, lambda fd, offset, nbytes: ranges.append((offset, nbytes)), pacer)
     expected = int(expected_share * len(data))
-    no_direct = mock.patch.object(paced_flush, "open_direct", lambda path, flags: None)
+    no_direct = mock.patch.object(paced_file, "open_direct", lambda path, flags: None)
     with contextlib.nullcontext() if direct else no_direct:
-        f = paced_flush.PacedFile(str(tmp_path / "f"), paced, expected, piece=pieces * ALIGN)
+        f = paced_file.PacedFile(str(tmp_path / "f"), paced, expected, piece=pieces * ALIGN)
     with f:
         at = 0
         for n in chunks:
@@ -365,7 +366,7 @@ def test_a_paced_file_holds_what_was_written_each_piece_after_its_turn(tmp_path_
     assert paced.counts.files == 1 and paced.counts.pieces == len(pacer.turns) and paced.counts.nbytes == len(data)
     if f.direct is None and not direct:  # through the page cache: every byte written back at once
         assert ranges == [(lo, min(piece, len(data) - lo)) for lo in range(0, len(data), piece)]
-    elif direct and paced_flush.open_direct(str(tmp_path / "f"), os.O_WRONLY) is not None:
+    elif direct and paced_file.open_direct(str(tmp_path / "f"), os.O_WRONLY) is not None:
         assert ranges == ([(align_down(len(data)), len(data) % ALIGN)] if len(data) % ALIGN else [])
 
 
@@ -376,8 +377,8 @@ def test_a_paced_file_whose_range_write_back_is_refused_leaves_it_to_the_fsync(t
         raise OSError(22, "Invalid argument")
 
     paced = _paced(tmp_path, refuse, pacer)
-    with mock.patch.object(paced_flush, "open_direct", lambda path, flags: None):
-        with paced_flush.PacedFile(str(tmp_path / "f"), paced, 0, piece=ALIGN) as f:
+    with mock.patch.object(paced_file, "open_direct", lambda path, flags: None):
+        with paced_file.PacedFile(str(tmp_path / "f"), paced, 0, piece=ALIGN) as f:
             f.write(b"x" * (3 * ALIGN))
     assert (tmp_path / "f").read_bytes() == b"x" * (3 * ALIGN)
     assert paced.counts.unpaced == 1 and paced.sync_range is None and pacer.turns == [ALIGN] * 3
@@ -391,15 +392,15 @@ def test_the_fsync_of_a_paced_file_writes_its_end_first_and_reports_it(tmp_path)
     paced_open = paced_flush.install(_pacing(tmp_path, report))
     try:
         assert paced_open is not None
-        data = os.urandom(paced_flush.PIECE + 3 * ALIGN + 5)
+        data = os.urandom(paced_file.PIECE + 3 * ALIGN + 5)
         with paced_open(str(tmp_path / "f"), len(data)) as f:
             f.write(data)
-            assert os.path.getsize(tmp_path / "f") == paced_flush.PIECE  # one piece on the disk, the end not yet
+            assert os.path.getsize(tmp_path / "f") == paced_file.PIECE  # one piece on the disk, the end not yet
             os.fsync(f.fileno())
             assert os.path.getsize(tmp_path / "f") == len(data)
-        assert (tmp_path / "f").read_bytes() == data and not paced_flush.PacedFile.OPEN
+        assert (tmp_path / "f").read_bytes() == data and not paced_file.PacedFile.OPEN
         expected = f"1 files flushed paced ({len(data) / 1e9:.3f} GB in 2 pieces"
-        assert paced_flush.read_report(report).startswith(expected)
+        assert paced_file.read_report(report).startswith(expected)
     finally:
         paced_flush.uninstall()
 
@@ -417,7 +418,7 @@ def _megatron_core_worker_writes(path, queue):
     """What megatron-core's worker does with a file: its module's ``open``, a write, the fsync."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
     with filesystem_async.open(path, "wb") as f:
-        f.write(os.urandom(3 * paced_flush.PIECE // 2))
+        f.write(os.urandom(3 * paced_file.PIECE // 2))
         os.fsync(f.fileno())
         queue.put(type(f).__name__)
 
@@ -428,6 +429,6 @@ def test_in_a_forked_writer_megatron_cores_files_are_paced_files_and_the_ranks_o
     report = str(tmp_path / "report")
     written = _in_a_forked_writer(_megatron_core_worker_writes, _pacing(tmp_path, report), str(tmp_path / "f"))
     assert written == "PacedFile"
-    assert os.path.getsize(tmp_path / "f") == 3 * paced_flush.PIECE // 2
-    assert paced_flush.read_report(report).startswith("1 files flushed paced (0.050 GB in 2 pieces")
+    assert os.path.getsize(tmp_path / "f") == 3 * paced_file.PIECE // 2
+    assert paced_file.read_report(report).startswith("1 files flushed paced (0.050 GB in 2 pieces")
     assert "open" not in vars(filesystem_async)  # the rank's module still has the builtin
