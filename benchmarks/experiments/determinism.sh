@@ -24,7 +24,8 @@
 #       the paced writer spread over twice the steps (RUN_LIMIT=260)
 #   A2_<variant>, A3_<variant>, A8_<variant>, A16_<variant>  that run on a copy of this tree with
 #       benchmarks/variants/<variant>.patch applied (a rule of the product measured against main's in one call, on
-#       one machine), against B2, B8 or B16
+#       one machine), against B2, B8 or B16; where benchmarks/variants/<variant>.flags is there instead, that run on
+#       this tree with the file's flags added (a flag's cost measured in one call: A8_no_resume_check)
 #   bash benchmarks/run_gpu.sh determinism     (device tool, kind nvidia-h200, carry [".whl"])
 #   RUNS="D1 D2 DR" ... a subset; DRY_RUN=1 bash benchmarks/experiments/determinism.sh (tiny, CPU)
 #   (A2_staging_4k_pages: the snapshot's staging in 4 KiB pages, as before fa8ee57)
@@ -112,7 +113,7 @@ run() {  # NAME [flags]
                 --profile-step-end $PROFILE_STEP --profile-dir $OUT/raw/profile_$name" ;;
   esac
   # shellcheck disable=SC2086
-  timeout "${RUN_LIMIT:-170}" torchrun --nproc_per_node 1 --master_port "${PORT:-29561}" pretrain_gpt.py $COMMON "$@" $trace \
+  timeout "${RUN_LIMIT:-170}" torchrun --nproc_per_node 1 --master_port "${PORT:-29561}" pretrain_gpt.py $COMMON "$@" ${RUN_FLAGS:-} $trace \
     --loss-log "$OUT/$name.jsonl" 2>&1 | if [ -n "$watcher" ]; then stamp_epoch; else cat; fi > "$OUT/.run.log"
   code=${PIPESTATUS[0]}
   # shellcheck disable=SC2086
@@ -170,9 +171,12 @@ for name in ${RUNS:-D1 D2 DR N1 N2}; do
     continue
   fi
   begun=$SECONDS
+  variant=${name#*_}; variant=${variant%-[0-9]*}  # A8_<variant>-2: the variant's second run
   if [ "$name" = "${name%%_*}" ]; then run_case "$name"
+  elif [ -f "benchmarks/variants/$variant.flags" ]; then  # a flags variant: this tree, those flags added
+    echo "$name: A run of ${name%%[_-]*} with $(cat "benchmarks/variants/$variant.flags")"
+    RUN_FLAGS=$(cat "benchmarks/variants/$variant.flags") run_case "$name"
   else
-    variant=${name#*_}; variant=${variant%-[0-9]*}  # A8_<variant>-2: the variant's second run
     if tree=$(variant_tree "$variant"); then
       echo "$name: A run of ${name%%[_-]*} on $tree (benchmarks/variants/$variant.patch applied)"
       (cd "$tree" && export PYTHONPATH=${PYTHONPATH/$PWD/$tree} && run_case "$name")

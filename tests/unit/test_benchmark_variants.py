@@ -1,6 +1,7 @@
 """The product variants the determinism experiment measures beside main's code in one call
-(benchmarks/variants/*.patch, runs named like A8_<variant>) still apply to this tree: a stale one would fail on the
-GPU machine, after its start-up, instead of here."""
+(benchmarks/variants/*.patch, runs named like A8_<variant>) still apply to this tree, and its flags variants
+(benchmarks/variants/*.flags) name flags the parser knows: a stale one would fail on the GPU machine, after its
+start-up, instead of here."""
 
 import pathlib
 import shutil
@@ -10,6 +11,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PATCHES = sorted((ROOT / "benchmarks" / "variants").glob("*.patch"))
+FLAGS = sorted((ROOT / "benchmarks" / "variants").glob("*.flags"))
 
 
 @pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(), reason="needs git and a checkout")
@@ -21,3 +23,11 @@ def test_a_variant_applies_to_this_tree(patch):
 
 def test_there_is_a_variant_to_check():
     assert PATCHES, "benchmarks/variants/ holds no patch"
+
+
+@pytest.mark.parametrize("flags", FLAGS, ids=[f.stem for f in FLAGS])
+def test_a_flags_variant_names_flags_the_parser_knows(flags):
+    from megatron.training.args.arguments import build_parser
+    known = {option for action in build_parser()._actions for option in action.option_strings}
+    named = [word for word in flags.read_text().split() if word.startswith("--")]
+    assert named and set(named) <= known, f"{flags.name}: {sorted(set(named) - known)} not flags of pretrain_gpt.py"
