@@ -9,14 +9,17 @@ wait: for the interpreter's lock handed between threads, a device sync, a page) 
 Then Pearson's r and Spearman's rank correlation of each with the extra rest, and the mean extra rest by quarter of
 the switches: whether the writer's threads in the rank's process cost the forward and backward through those
 hand-overs, or the training thread's own extra work does. Read twice: over every step, and without the first step
-after a save (the fork of torch_dist's writer and the copy aside are in that one alone).
+after a save (the fork of torch_dist's writer and the copy aside are in that one alone). Last, where the outputs
+hold the disk's bytes per phase: the extra rest of the steps whose forward and backward took at least
+``WRITTEN_GB`` of the writers' bytes, the first step after each save (torch_dist's forked writer, a process of its
+own, writes in it) apart from the later ones (the offloaded state's writer, threads of the rank's process).
 """
 
 from __future__ import annotations
 
 import re
 import sys
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -24,24 +27,42 @@ from first_step_copy import correlations  # this script's directory, as when run
 
 REST = re.compile(r"^iteration (\d+): [0-9.]+ s beside .*?rest ([0-9.]+)\), [0-9.]+ s without saves "
                   r"\(update [0-9.]+ \+ rest ([0-9.]+)\)", re.M)
+DISK = re.compile(r"iteration (\d+)'s disk in its forward and backward: read [0-9.]+ GB, wrote ([0-9.]+) GB; .*?"
+                  r"\(without saves: [0-9.]+, ([0-9.]+);")
+WRITTEN_GB = (1.0, 2.0)  # the least extra GB written in a forward and backward for the last reading
 THREAD = re.compile(r"iteration (\d+)'s training thread in its forward and backward: (\d+) voluntary switches, "
                     r"([0-9.]+) s on a core; in its update: \d+, [0-9.]+ s \(without saves: (\d+), ([0-9.]+) s")
 
 
-def readings(text: str) -> List[Tuple[int, float, float, bool]]:
-    """(extra switches, extra s on a core, extra rest s, whether it is the first step after the save) of each step
-    of one beside_writer.py output with all three."""
+def readings(text: str) -> List[Tuple[int, float, float, int, Optional[float]]]:
+    """(extra switches, extra s on a core, extra rest s, its place after the save (1: the first step), extra GB
+    written in its forward and backward or None) of each step of one beside_writer.py output with the first three."""
     rest: Dict[int, float] = {int(m[0]): float(m[1]) - float(m[2]) for m in REST.findall(text)}
+    written: Dict[int, float] = {int(m[0]): float(m[1]) - float(m[2]) for m in DISK.findall(text)}
     first = min(rest, default=None)
     rows = []
     for it, switches, core, plain_switches, plain_core in THREAD.findall(text):
         if int(it) in rest:
             rows.append((int(switches) - int(plain_switches), float(core) - float(plain_core), rest[int(it)],
-                         int(it) == first))
+                         int(it) - first + 1, written.get(int(it))))
     return rows
 
 
-def summary(rows: List[Tuple[int, float, float, bool]], what: str) -> None:
+def by_writer(rows: List[Tuple[int, float, float, int, Optional[float]]]) -> None:
+    """The extra rest of the steps that took at least each of ``WRITTEN_GB`` into their forward and backward, by
+    their place after the save: the first (torch_dist's forked writer), the second (it, then the offloaded state's
+    writer), the later ones (the offloaded state's writer alone)."""
+    places = ((lambda k: k == 1, "the first step after the save (torch_dist's forked writer, a process of its own)"),
+              (lambda k: k == 2, "the second (that writer, then the offloaded state's)"),
+              (lambda k: k >= 3, "later steps (the offloaded state's writer, threads of the rank)"))
+    for least in WRITTEN_GB:
+        for place, who in places:
+            rest = [row[2] for row in rows if place(row[3]) and row[4] is not None and row[4] >= least]
+            mean = f": extra rest {np.mean(rest):.2f} s on average ({', '.join(f'{r:.2f}' for r in rest)})" if rest else ""
+            print(f"  >= {least:.1f} GB written in the forward and backward, {who}: {len(rest)} steps{mean}")
+
+
+def summary(rows: List[Tuple[int, float, float, int, Optional[float]]], what: str) -> None:
     switches, core, rest = (np.array(c, dtype=float) for c in list(zip(*rows))[:3])
     print(f"{what}: {len(rows)} steps")
     for name, values in (("extra voluntary switches", switches), ("extra s on a core", core)):
@@ -63,9 +84,12 @@ def main(paths: List[str]) -> int:
         return 1
     print(f"steps beside the writer, from {len(paths)} files")
     summary(rows, "every step")
-    later = [row for row in rows if not row[3]]
+    later = [row for row in rows if row[3] > 1]
     if len(later) >= 4:
         summary(later, "without the first step after each save")
+    if any(row[4] is not None for row in rows):
+        print("by the writer in the forward and backward")
+        by_writer(rows)
     return 0
 
 

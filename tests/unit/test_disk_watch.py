@@ -438,8 +438,31 @@ def test_the_extra_time_outside_the_update_is_read_beside_the_training_threads_o
     rows = rest_vs_thread.readings(text)
     assert [r[0] for r in rows] == [200, 1500, 50]  # switches over the run without saves'
     assert [round(r[1], 2) for r in rows] == [0.65, 0.15, 0.02] and [round(r[2], 2) for r in rows] == [0.8, 0.4, 0.05]
-    assert [r[3] for r in rows] == [True, False, False]  # the first step after the save, apart
+    assert [r[3] for r in rows] == [1, 2, 3]  # each step's place after the save
+    assert [r[4] for r in rows] == [None] * 3  # no disk lines: no bytes read
     assert rest_vs_thread.readings(step(9, 2.0, 1.2, 400, 1.1).splitlines()[0]) == []  # no thread line: no reading
+
+
+def test_the_extra_time_outside_the_update_is_read_by_the_writer_that_filled_the_forward_and_backward(capsys):
+    """Each step's extra GB written in its forward and backward, as beside_writer.py prints it, over the run
+    without saves'; the steps that took at least each threshold grouped by their place after the save."""
+    def step(it, rest, wrote, plain_wrote):
+        return (f"iteration {it}: 6.00 s beside the writer of checkpoint 8 (update 4.00 + rest {rest:.2f}), 5.00 s "
+                f"without saves (update 3.80 + rest 1.20): 1.20x\n"
+                f"  iteration {it}'s disk in its forward and backward: read 0.10 GB, wrote {wrote:.2f} GB; in its "
+                f"update: read 4.10, wrote 4.90 (without saves: 0.05, {plain_wrote:.2f}; 4.06, 4.48)\n"
+                f"  iteration {it}'s training thread in its forward and backward: 900 voluntary switches, 0.60 s on a "
+                f"core; in its update: 40, 0.12 s (without saves: 200, 0.45 s; 30, 0.11 s)\n")
+    text = step(9, 1.30, 3.20, 0.10) + step(10, 1.25, 1.50, 0.00) + step(11, 2.00, 3.00, 0.40) + step(12, 1.60, 0.50, 0.0)
+    rows = rest_vs_thread.readings(text)
+    assert [round(r[4], 2) for r in rows] == [3.1, 1.5, 2.6, 0.5] and [r[3] for r in rows] == [1, 2, 3, 4]
+    rest_vs_thread.by_writer(rows)
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 3 * len(rest_vs_thread.WRITTEN_GB)
+    assert out[0].startswith(">= 1.0 GB written", 2) and out[0].endswith("1 steps: extra rest 0.10 s on average (0.10)")
+    assert out[1].endswith("1 steps: extra rest 0.05 s on average (0.05)")
+    assert out[2].endswith("1 steps: extra rest 0.80 s on average (0.80)")  # 12 wrote 0.5 GB: not counted
+    assert out[4].endswith("0 steps")  # 10 wrote 1.5 GB, under 2
 
 
 def test_the_rest_reading_needs_four_steps_and_prints_both_readings(tmp_path, capsys):
