@@ -27,7 +27,7 @@ def test_there_is_a_variant_to_check():
 
 @pytest.mark.parametrize("flags", FLAGS, ids=[f.stem for f in FLAGS])
 def test_a_flags_variant_names_flags_the_parser_knows(flags):
-    from megatron.training.args.arguments import build_parser
-    known = {option for action in build_parser()._actions for option in action.option_strings}
+    from megatron.training.args.arguments import build_parser, declared_actions
+    known = {option for action in declared_actions(build_parser()) for option in action.option_strings}
     named = [word for word in flags.read_text().split() if word.startswith("--")]
     assert named and set(named) <= known, f"{flags.name}: {sorted(set(named) - known)} not flags of pretrain_gpt.py"
