@@ -11,8 +11,9 @@ the switches: whether the writer's threads in the rank's process cost the forwar
 hand-overs, or the training thread's own extra work does. Read twice: over every step, and without the first step
 after a save (the fork of torch_dist's writer and the copy aside are in that one alone). Last, where the outputs
 hold the disk's bytes per phase: the extra rest of the steps whose forward and backward took at least
-``WRITTEN_GB`` of the writers' bytes, the first step after each save (torch_dist's forked writer, a process of its
-own, writes in it) apart from the later ones (the offloaded state's writer, threads of the rank's process).
+``WRITTEN_GB`` of the writers' bytes, by their place after the save: the first (torch_dist's forked writer, a
+process of its own, writes in it), the second (it ends, the offloaded state's writer begins) and the later ones
+(the offloaded state's writer alone, threads of the rank's process).
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def by_writer(rows: List[Tuple[int, float, float, int, Optional[float]]]) -> Non
     for least in WRITTEN_GB:
         for place, who in places:
             rest = [row[2] for row in rows if place(row[3]) and row[4] is not None and row[4] >= least]
-            mean = f": extra rest {np.mean(rest):.2f} s on average ({', '.join(f'{r:.2f}' for r in rest)})" if rest else ""
+            listed = ", ".join(f"{r:.2f}" for r in rest)
+            mean = f": extra rest {np.mean(rest):.2f} s on average ({listed})" if rest else ""
             print(f"  >= {least:.1f} GB written in the forward and backward, {who}: {len(rest)} steps{mean}")
 
 

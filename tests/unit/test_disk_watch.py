@@ -453,7 +453,8 @@ def test_the_extra_time_outside_the_update_is_read_by_the_writer_that_filled_the
                 f"update: read 4.10, wrote 4.90 (without saves: 0.05, {plain_wrote:.2f}; 4.06, 4.48)\n"
                 f"  iteration {it}'s training thread in its forward and backward: 900 voluntary switches, 0.60 s on a "
                 f"core; in its update: 40, 0.12 s (without saves: 200, 0.45 s; 30, 0.11 s)\n")
-    text = step(9, 1.30, 3.20, 0.10) + step(10, 1.25, 1.50, 0.00) + step(11, 2.00, 3.00, 0.40) + step(12, 1.60, 0.50, 0.0)
+    text = (step(9, 1.30, 3.20, 0.10) + step(10, 1.25, 1.50, 0.00) + step(11, 2.00, 3.00, 0.40)
+            + step(12, 1.60, 0.50, 0.0))
     rows = rest_vs_thread.readings(text)
     assert [round(r[4], 2) for r in rows] == [3.1, 1.5, 2.6, 0.5] and [r[3] for r in rows] == [1, 2, 3, 4]
     rest_vs_thread.by_writer(rows)
