@@ -185,7 +185,9 @@ class StateDigest:
     def observing(self, fill: Callable) -> Callable:
         """``fill`` (an ``engine.load_state`` callback) that digests what it wrote, by a thread, beside what
         the engine does next (the subgroup's write to its tier, the next fills); a fill into a buffer
-        still being digested waits for it first, as ``result`` waits for all."""
+        still being digested waits for it first, as ``result`` waits for all. The last digests may still
+        run when the load returns: take ``result`` before the engine is used again (streaming its state
+        or stepping reads into the same scratch buffer, unaware of the digest)."""
         def fill_and_digest(sg, *tensors):
             buffers = {t.untyped_storage().data_ptr() for t in tensors}
             with self._lock:  # a load fills from two threads (the adopted subgroups' reads on their own)

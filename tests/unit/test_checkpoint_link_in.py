@@ -246,8 +246,11 @@ def test_a_loads_reads_of_linked_subgroups_run_beside_its_other_fills(tmp_path, 
         monkeypatch.setattr(SlotPipeline, "fill_from_tier", slow_first_read)
         fill_engine(eng, saved, observe=observe)
         monkeypatch.undo()
+        # before the engine's buffers are used again (as the resume check takes it): its digest thread may still
+        # be reading them, and engine_state streams the state through the same scratch buffer
+        beside = observed.result()
         assert equal(engine_state(eng), expected)
     with OffloadedAdamW(torch.zeros(NUMEL), config(tmp_path / "c")) as eng, StateFile(path) as saved:
         read_in_turn = StateDigest.of_engine(eng, [("p", 0, NUMEL, 0)])
         fill_engine(eng, saved, observe=read_in_turn.observing, link_parts=False)  # every subgroup read
-    assert observed.result() == read_in_turn.result()
+        assert beside == read_in_turn.result()

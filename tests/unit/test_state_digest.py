@@ -204,7 +204,7 @@ def load_with_digests(root, case, path, params, edit=None):
     observed = StateDigest.of_engine(eng, _pieces(case["segments"]))
     with eng, StateFile(path) as saved:
         fill_engine(eng, saved, observe=lambda fill: observed.observing(edit(eng, fill) if edit else fill))
-    return observed.result()
+        return observed.result()  # before the engine is closed, as the resume check takes it
 
 
 @settings(max_examples=examples(25), deadline=None, derandomize=True, print_blob=True)
