@@ -35,15 +35,24 @@ def reading(text: str) -> Optional[Tuple[float, float, float, int]]:
     return float(copy.group(1)), float(copy.group(2)), float(step.group(2)), int(step.group(1))
 
 
-def own_reading(text: str, save_at: int = 8, after: int = 6) -> Optional[Tuple[float, float, float, float]]:
-    """(median s of steps 3..save_at-1, the first step after the save's ratio to it, the most and the mean ratio of
-    the ``after`` steps after the save) from a run's iteration lines, or None where a step is missing."""
+def own_base_and_ratios(text: str, save_at: int = 8, after: int = 6) -> Optional[Tuple[float, List[float]]]:
+    """(median s of steps 3..save_at-1, each of the ``after`` steps after the save as a ratio to it) from a run's
+    iteration lines, or None where a step is missing."""
     seconds = iteration_times(text.splitlines())
     before, later = range(3, save_at), range(save_at + 1, save_at + 1 + after)
     if any(i not in seconds for i in (*before, *later)):
         return None
     base = float(np.median([seconds[i] for i in before]))
-    ratios = [seconds[i] / base for i in later]
+    return base, [seconds[i] / base for i in later]
+
+
+def own_reading(text: str, save_at: int = 8, after: int = 6) -> Optional[Tuple[float, float, float, float]]:
+    """(median s of steps 3..save_at-1, the first step after the save's ratio to it, the most and the mean ratio of
+    the ``after`` steps after the save) from a run's iteration lines, or None where a step is missing."""
+    found = own_base_and_ratios(text, save_at, after)
+    if found is None:
+        return None
+    base, ratios = found
     return base, ratios[0], max(ratios), sum(ratios) / len(ratios)
 
 

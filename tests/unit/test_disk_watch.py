@@ -20,6 +20,7 @@ import beside_writer  # noqa: E402
 import disk_watch  # noqa: E402
 import first_step_copy  # noqa: E402
 import pacing_model  # noqa: E402
+import pooled_own_steps  # noqa: E402
 import rest_vs_thread  # noqa: E402
 
 
@@ -404,6 +405,48 @@ def test_a_run_read_against_its_own_steps_before_the_save():
     assert first == 1.5 and most == 1.5  # step 9
     assert mean == pytest.approx((7.5 + 5 + 5 + 5 + 5 + 5.25) / 5.0 / 6)
     assert first_step_copy.own_reading(lines, save_at=12) is None  # steps 13-18: the run ends at 16
+
+
+def run_log(tmp_path, name, step_ms):
+    path = tmp_path / name
+    path.write_text("".join(f" iteration {i:8d}/      16 | elapsed time per iteration (ms): {ms:.1f} | loss 1.0\n"
+                            for i, ms in enumerate(step_ms, start=1)))
+    return str(path)
+
+
+def test_runs_with_and_without_the_writer_are_pooled_against_their_own_steps_before_the_save(tmp_path, capsys):
+    before = [9000, 6000, 5000, 5000, 5000, 5000, 5000, 5000]  # steps 3-7: median 5.0 s
+    slow = run_log(tmp_path, "a1.log", before + [6500, 6000, 5500, 5500, 5000, 5000, 5000, 5000])
+    slower = run_log(tmp_path, "a2.log", before + [7000, 5500, 5500, 5500, 5500, 5500, 5000, 5000])
+    flat = run_log(tmp_path, "b1.log", before + [5000, 5000, 5000, 5000, 5000, 5500, 5000, 5000])
+    short = run_log(tmp_path, "b2.log", before + [5000, 5000])  # steps 11-14 missing
+    with_writer, skipped = pooled_own_steps.group_ratios([slow, slower], save_at=8)
+    assert skipped == [] and with_writer[0] == pytest.approx([1.3, 1.2, 1.1, 1.1, 1.0, 1.0])
+    without, skipped = pooled_own_steps.group_ratios([flat, short], save_at=8)
+    assert skipped == [short] and without == [pytest.approx([1.0] * 5 + [1.1])]
+    assert "2 runs, 12 steps" in pooled_own_steps.describe(with_writer)
+    assert "most 1.40x; 2 of 12 over 1.25x" in pooled_own_steps.describe(with_writer)  # 6.5 and 7.0 s / 5.0 s
+    diff, low, high = pooled_own_steps.mean_difference(with_writer, without)
+    expected = (sum(with_writer[0]) + sum(with_writer[1])) / 12 - (5 * 1.0 + 1.1) / 6
+    assert diff == pytest.approx(expected) and low <= diff <= high
+    assert pooled_own_steps.main(["--with", slow, "--without", short]) == 2  # no run left without saves
+    assert "b2.log: steps 3-14 not all in it, left out" in capsys.readouterr().out
+
+
+def test_the_disk_sustain_phases_are_read_against_the_first_phases_median(tmp_path, capsys):
+    import disk_sustain
+
+    rows = [("idle", 0, s, 0) for s in (3.0, 3.2, 3.4)] + [("full", 1, s, 10) for s in (3.2, 4.25)]
+    lines = disk_sustain.summary(rows)
+    assert lines[0].startswith("phase 0 (idle): busy spells 3.00-3.40 s, median 3.20 s: 1.00x, worst 1.06x")
+    assert "phase 1 (full): busy spells 3.20-4.25 s" in lines[1] and "worst 1.33x" in lines[1]
+    assert disk_sustain.main([str(tmp_path), "--phases", "idle,bogus"]) == 2
+    assert "--phases: unknown bogus" in capsys.readouterr().err
+    assert disk_sustain.main([str(tmp_path / "d"), "--read-gb", "0.04", "--write-gb", "0.04", "--quiet-s", "0.05",
+                              "--cycles", "1", "--phases", "idle,half"]) == 0
+    out = capsys.readouterr().out
+    assert "phase 1 (half) cycle 0: busy" in out and "phase 1 (half): busy spells" in out
+    assert os.listdir(tmp_path / "d") == []  # its files are removed
 
 
 def test_a_saves_hold_counts_the_updates_after_it_that_waited_for_its_copies():
