@@ -4,8 +4,8 @@ without: how far the writer moves the steps beyond the drift a run shows with no
     python benchmarks/experiments/pooled_own_steps.py --with A8_LOGS... --without B8_LOGS... [--save N]
 
 Each run's steps N+1..N+6 (default N = 8) are read against the median of its own steps 3..N-1
-(``first_step_copy.own_base_and_ratios``): a run with --async-save has the writer beside those steps, a run without saves
-has nothing beside them, and its ratios are the reading's own drift. Both groups' ratios are pooled: their mean,
+(``first_step_copy.own_base_and_ratios``): a run with --async-save has the writer beside those steps, a run
+without saves has nothing beside them, and its ratios are the reading's own drift. Both groups' ratios are pooled: their mean,
 median, 90th percentile and most, and how many are over the goal (1.25x). Then the difference of the two means
 with a bootstrap interval (runs resampled, not steps: a run's steps share its machine's state).
 """
@@ -55,7 +55,8 @@ def mean_difference(with_writer: List[List[float]], without: List[List[float]],
 
     diffs = [pooled_mean(with_writer, rng.integers(0, len(with_writer), len(with_writer)))
              - pooled_mean(without, rng.integers(0, len(without), len(without))) for _ in range(RESAMPLES)]
-    return pooled_mean(with_writer) - pooled_mean(without), float(np.percentile(diffs, 5)), float(np.percentile(diffs, 95))
+    low, high = np.percentile(diffs, [5, 95])
+    return pooled_mean(with_writer) - pooled_mean(without), float(low), float(high)
 
 
 def main(argv: List[str]) -> int:

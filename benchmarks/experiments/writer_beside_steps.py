@@ -8,11 +8,12 @@ process than from a process of its own, with the same work: a model's steps time
 A step is ``--micro`` forwards and backwards of a stack of pre-norm transformer blocks in bf16 (each block
 recomputed in the backward, as --recompute-granularity full does), then a device synchronize: no optimizer and no
 disk I/O of its own, so every step is a quiet spell for the writer. The writer streams ``--gb`` of host memory into
-a file in ``DIR`` the way the offloaded state's checkpoint writer does, through ``DirectRegionWriter`` (each 16 MiB
-piece copied into an aligned ring, its CRC32 on a thread, written by O_DIRECT threads), round after round until its
-phase ends. Phases: ``none`` (no writer), ``thread`` (the writer in this process, started at the phase's start),
-``process`` (the same writer in a child forked at the phase's start, which touches no device). Each phase's steps
-against the first ``none`` phase's median, and what the writer moved.
+a file in ``DIR`` with the work the offloaded state's checkpoint writer does per piece (its ``DirectRegionWriter``,
+an inside of the engine this script does not import): each 16 MiB piece copied into a page-aligned ring of 8, its
+CRC32 on a thread of its own, written by one of 8 threads by O_DIRECT where the file system has it; round after
+round until its phase ends. Phases: ``none`` (no writer), ``thread`` (the writer in this process, started at the
+phase's start), ``process`` (the same writer in a child forked at the phase's start, which touches no device).
+Each phase's steps against the first ``none`` phase's median, and what the writer moved.
 """
 
 from __future__ import annotations
@@ -24,16 +25,20 @@ import statistics
 import sys
 import threading
 import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from mlp_offload.tiers.direct_io import DirectRegionWriter
+from disk_sustain import open_file  # this script's directory, as when run beside it
 
 PHASES = ("none", "thread", "process")
-PIECE_SOURCE = 256 << 20  # bytes of the source handed to the writer at a time
+PIECE = 16 << 20  # the checkpoint writer's piece
+RING = 8  # its staging buffers in flight
+WRITE_THREADS = 8
 
 
 class Block(torch.nn.Module):
@@ -67,28 +72,35 @@ def step(blocks: List[Block], inputs: torch.Tensor, micro: int, device: torch.de
 
 
 class Writer:
-    """Rounds of ``source`` written into ``path`` by a DirectRegionWriter until ``stop`` is set."""
+    """Rounds of ``source`` written into ``path`` until ``stop`` is set (a piece at least)."""
 
     def __init__(self, source: torch.Tensor, path: str):
         self.source, self.path = source, path
 
     def run(self, stop: threading.Event, moved: Optional[List[int]] = None) -> int:
-        fd = os.open(self.path, os.O_CREAT | os.O_WRONLY, 0o600)
-        writer = DirectRegionWriter(fd, self.path)
-        done = 0
+        fd, _ = open_file(self.path, self.source.numel())
+        ring = [mmap.mmap(-1, PIECE) for _ in range(RING)]  # page-aligned: fit for O_DIRECT
+        staged = [torch.frombuffer(buffer, dtype=torch.uint8) for buffer in ring]
+        in_flight: List[list] = [[] for _ in ring]
+        done, k = 0, 0
         try:
-            while not stop.is_set():
-                for lo in range(0, self.source.numel(), PIECE_SOURCE):
-                    if stop.is_set():
-                        break
-                    part = self.source[lo: lo + PIECE_SOURCE]
-                    writer.put(lo, [part])()  # its CRCs: the writer's whole work per piece
-                    done += part.numel()
-                    if moved is not None:
-                        moved[0] = done
-            writer.finish()
+            with ThreadPoolExecutor(WRITE_THREADS) as writes, ThreadPoolExecutor(1) as crc:
+                while done == 0 or not stop.is_set():
+                    for lo in range(0, self.source.numel(), PIECE):
+                        k = (k + 1) % RING
+                        for future in in_flight[k]:
+                            future.result()  # the buffer is free once its CRC and its write have read it
+                        staged[k].copy_(self.source[lo: lo + PIECE])
+                        in_flight[k] = [crc.submit(zlib.crc32, ring[k]), writes.submit(os.pwrite, fd, ring[k], lo)]
+                        done += PIECE
+                        if moved is not None:
+                            moved[0] = done
+                        if stop.is_set():
+                            break
+                for futures in in_flight:
+                    for future in futures:
+                        future.result()
         finally:
-            writer.close()
             os.close(fd)
         return done
 
@@ -180,7 +192,7 @@ def main(argv: List[str]) -> int:
     device = torch.device(args.device)
     dtype = torch.bfloat16
     os.makedirs(args.dir, exist_ok=True)
-    source = shared_source(int(args.gb * 1e9) // PIECE_SOURCE * PIECE_SOURCE or PIECE_SOURCE)
+    source = shared_source(max(PIECE, int(args.gb * 1e9) // PIECE * PIECE))
     writer = Writer(source, os.path.join(args.dir, f".writer_beside_steps.{os.getpid()}"))
     blocks = [Block(args.hidden, args.ffn, args.heads).to(device, dtype) for _ in range(args.layers)]
     inputs = torch.randn(1, args.seq, args.hidden, device=device, dtype=dtype)

@@ -449,6 +449,24 @@ def test_the_disk_sustain_phases_are_read_against_the_first_phases_median(tmp_pa
     assert os.listdir(tmp_path / "d") == []  # its files are removed
 
 
+def test_a_models_steps_are_timed_beside_the_writer_in_a_thread_and_in_a_forked_process(tmp_path, capsys):
+    import writer_beside_steps
+
+    rows = [(0, "none", s, 0, 1.0) for s in (1.0, 1.2)] + [(1, "process", s, 2e9, 2.0) for s in (1.1, 1.5)]
+    lines = writer_beside_steps.summary(rows)
+    assert lines[0].startswith("phase 0 (none): steps 1.000-1.200 s, median 1.100 s: 1.000x, worst 1.091x")
+    assert lines[1].endswith("the writer moved 2.00 GB at 1.00 GB/s") and "worst 1.364x" in lines[1]
+    assert writer_beside_steps.main([str(tmp_path), "--phases", "none,fork"]) == 2
+    assert "--phases: unknown fork" in capsys.readouterr().err
+    tiny = ["--gb", "0.3", "--steps", "1", "--layers", "1", "--hidden", "64", "--ffn", "128", "--heads", "2",
+            "--seq", "32", "--micro", "1", "--device", "cpu"]
+    assert writer_beside_steps.main([str(tmp_path / "w"), "--phases", "none,thread,process", *tiny]) == 0
+    out = capsys.readouterr().out
+    moved = [float(m) for m in re.findall(r"the writer moved ([0-9.]+) GB", out)]
+    assert len(moved) == 2 and all(m >= 0.016 for m in moved)  # each writer wrote one 16 MiB piece at least
+    assert os.listdir(tmp_path / "w") == []  # the file it wrote is removed
+
+
 def test_a_saves_hold_counts_the_updates_after_it_that_waited_for_its_copies():
     """The goal's check takes the finalize line's whole pause (at the save and in the updates after it) where
     the hold at the save alone would pass: 0.30 s at the save, 2.31 s more in the update that overtook the copy."""
