@@ -2,7 +2,7 @@
 process than from a process of its own, with the same work: a model's steps timed in phases.
 
     python benchmarks/experiments/writer_beside_steps.py DIR [--gb 8] [--steps 6]
-        [--phases none,thread,process,none,process,thread] [--layers 28 --hidden 3072 --ffn 8192 --seq 2048]
+        [--phases none,thread,process,thread_nocopy,thread_dma,none,process,thread] [--layers 28 --hidden 3072 --ffn 8192 --seq 2048]
         [--micro 8] [--device cuda]
 
 A step is ``--micro`` forwards and backwards of a stack of pre-norm transformer blocks in bf16 (each block
@@ -12,8 +12,11 @@ a file in ``DIR`` with the work the offloaded state's checkpoint writer does per
 an inside of the engine this script does not import): each 16 MiB piece copied into a page-aligned ring of 8, its
 CRC32 on a thread of its own, written by one of 8 threads by O_DIRECT where the file system has it; round after
 round until its phase ends. Phases: ``none`` (no writer), ``thread`` (the writer in this process, started at the
-phase's start), ``process`` (the same writer in a child forked at the phase's start, which touches no device).
-Each phase's steps against the first ``none`` phase's median, and what the writer moved.
+phase's start), ``process`` (the same writer in a child forked at the phase's start, which touches no device); and, in a thread,
+``thread_nocopy`` (no ring: each piece's CRC taken and its write made from the source itself) and ``thread_dma``
+(the writes alone, from the source). Each phase's steps against the first ``none`` phase's median, and what the
+writer moved: a writer that slows the steps as much from its process as from a thread does so through what the
+two share (cores, caches, memory), not through the interpreter's lock; the last two say which of its work does.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from torch.utils.checkpoint import checkpoint
 
 from disk_sustain import open_file  # this script's directory, as when run beside it
 
-PHASES = ("none", "thread", "process")
+PHASES = ("none", "thread", "process", "thread_nocopy", "thread_dma")
 PIECE = 16 << 20  # the checkpoint writer's piece
 RING = 8  # its staging buffers in flight
 WRITE_THREADS = 8
@@ -72,26 +75,33 @@ def step(blocks: List[Block], inputs: torch.Tensor, micro: int, device: torch.de
 
 
 class Writer:
-    """Rounds of ``source`` written into ``path`` until ``stop`` is set (a piece at least)."""
+    """Rounds of ``source`` written into ``path`` until ``stop`` is set (a piece at least). ``copy``: each piece
+    copied into the ring first, as the checkpoint writer does (else written from the source itself, which is
+    page-aligned); ``crc``: its CRC32 taken."""
 
     def __init__(self, source: torch.Tensor, path: str):
         self.source, self.path = source, path
 
-    def run(self, stop: threading.Event, moved: Optional[List[int]] = None) -> int:
+    def run(self, stop: threading.Event, moved: Optional[List[int]] = None, copy: bool = True,
+            crc: bool = True) -> int:
         fd, _ = open_file(self.path, self.source.numel())
-        ring = [mmap.mmap(-1, PIECE) for _ in range(RING)]  # page-aligned: fit for O_DIRECT
+        ring = [mmap.mmap(-1, PIECE) for _ in range(RING)] if copy else []  # page-aligned: fit for O_DIRECT
         staged = [torch.frombuffer(buffer, dtype=torch.uint8) for buffer in ring]
-        in_flight: List[list] = [[] for _ in ring]
+        whole = memoryview(self.source.numpy())
+        in_flight: List[list] = [[] for _ in range(RING)]
         done, k = 0, 0
         try:
-            with ThreadPoolExecutor(WRITE_THREADS) as writes, ThreadPoolExecutor(1) as crc:
+            with ThreadPoolExecutor(WRITE_THREADS) as writes, ThreadPoolExecutor(1) as crcs:
                 while done == 0 or not stop.is_set():
                     for lo in range(0, self.source.numel(), PIECE):
                         k = (k + 1) % RING
                         for future in in_flight[k]:
                             future.result()  # the buffer is free once its CRC and its write have read it
-                        staged[k].copy_(self.source[lo: lo + PIECE])
-                        in_flight[k] = [crc.submit(zlib.crc32, ring[k]), writes.submit(os.pwrite, fd, ring[k], lo)]
+                        if copy:
+                            staged[k].copy_(self.source[lo: lo + PIECE])
+                        piece = ring[k] if copy else whole[lo: lo + PIECE]
+                        in_flight[k] = ([crcs.submit(zlib.crc32, piece)] if crc else []) + [
+                            writes.submit(os.pwrite, fd, piece, lo)]
                         done += PIECE
                         if moved is not None:
                             moved[0] = done
@@ -108,9 +118,10 @@ class Writer:
 def start_writer(kind: str, writer: Writer):
     """Start the phase's writer; returns a function that stops it and gives the bytes it moved."""
     stop = threading.Event()
-    if kind == "thread":
+    if kind != "process":
         moved = [0]
-        thread = threading.Thread(target=writer.run, args=(stop, moved), name="writer-beside-steps")
+        thread = threading.Thread(target=writer.run, args=(stop, moved, kind == "thread", kind != "thread_dma"),
+                                  name="writer-beside-steps")
         thread.start()
 
         def end_thread() -> int:
@@ -174,7 +185,7 @@ def main(argv: List[str]) -> int:
     parser.add_argument("dir")
     parser.add_argument("--gb", type=float, default=8.0)
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--phases", default="none,thread,process,none,process,thread")
+    parser.add_argument("--phases", default="none,thread,process,thread_nocopy,thread_dma,none,process,thread")
     parser.add_argument("--layers", type=int, default=28)
     parser.add_argument("--hidden", type=int, default=3072)
     parser.add_argument("--ffn", type=int, default=8192)

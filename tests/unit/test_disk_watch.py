@@ -460,10 +460,11 @@ def test_a_models_steps_are_timed_beside_the_writer_in_a_thread_and_in_a_forked_
     assert "--phases: unknown fork" in capsys.readouterr().err
     tiny = ["--gb", "0.3", "--steps", "1", "--layers", "1", "--hidden", "64", "--ffn", "128", "--heads", "2",
             "--seq", "32", "--micro", "1", "--device", "cpu"]
-    assert writer_beside_steps.main([str(tmp_path / "w"), "--phases", "none,thread,process", *tiny]) == 0
+    phases = "none,thread,process,thread_nocopy,thread_dma"
+    assert writer_beside_steps.main([str(tmp_path / "w"), "--phases", phases, *tiny]) == 0
     out = capsys.readouterr().out
     moved = [float(m) for m in re.findall(r"the writer moved ([0-9.]+) GB", out)]
-    assert len(moved) == 2 and all(m >= 0.016 for m in moved)  # each writer wrote one 16 MiB piece at least
+    assert len(moved) == 4 and all(m >= 0.016 for m in moved)  # each writer wrote one 16 MiB piece at least
     assert os.listdir(tmp_path / "w") == []  # the file it wrote is removed
 
 
