@@ -2,8 +2,8 @@
 process than from a process of its own, with the same work: a model's steps timed in phases.
 
     python benchmarks/experiments/writer_beside_steps.py DIR [--gb 8] [--steps 6]
-        [--phases none,thread,process,thread_nocopy,thread_dma,none,process,thread] [--layers 28 --hidden 3072 --ffn 8192 --seq 2048]
-        [--micro 8] [--device cuda]
+        [--phases none,thread,process,thread_nocopy,thread_dma,none,process,thread]
+        [--layers 28 --hidden 3072 --ffn 8192 --seq 2048] [--micro 8] [--device cuda]
 
 A step is ``--micro`` forwards and backwards of a stack of pre-norm transformer blocks in bf16 (each block
 recomputed in the backward, as --recompute-granularity full does), then a device synchronize: no optimizer and no
@@ -12,9 +12,9 @@ a file in ``DIR`` with the work the offloaded state's checkpoint writer does per
 an inside of the engine this script does not import): each 16 MiB piece copied into a page-aligned ring of 8, its
 CRC32 on a thread of its own, written by one of 8 threads by O_DIRECT where the file system has it; round after
 round until its phase ends. Phases: ``none`` (no writer), ``thread`` (the writer in this process, started at the
-phase's start), ``process`` (the same writer in a child forked at the phase's start, which touches no device); and, in a thread,
-``thread_nocopy`` (no ring: each piece's CRC taken and its write made from the source itself) and ``thread_dma``
-(the writes alone, from the source). Each phase's steps against the first ``none`` phase's median, and what the
+phase's start), ``process`` (the same writer in a child forked at the phase's start, which touches no device);
+and, in a thread, ``thread_nocopy`` (no ring: each piece's CRC taken and its write made from the source itself) and
+``thread_dma`` (the writes alone, from the source). Each phase's steps against the first ``none`` phase's median, and what the
 writer moved: a writer that slows the steps as much from its process as from a thread does so through what the
 two share (cores, caches, memory), not through the interpreter's lock; the last two say which of its work does.
 """
