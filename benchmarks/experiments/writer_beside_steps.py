@@ -14,9 +14,10 @@ CRC32 on a thread of its own, written by one of 8 threads by O_DIRECT where the 
 round until its phase ends. Phases: ``none`` (no writer), ``thread`` (the writer in this process, started at the
 phase's start), ``process`` (the same writer in a child forked at the phase's start, which touches no device);
 and, in a thread, ``thread_nocopy`` (no ring: each piece's CRC taken and its write made from the source itself) and
-``thread_dma`` (the writes alone, from the source). Each phase's steps against the first ``none`` phase's median, and what the
-writer moved: a writer that slows the steps as much from its process as from a thread does so through what the
-two share (cores, caches, memory), not through the interpreter's lock; the last two say which of its work does.
+``thread_dma`` (the writes alone, from the source). Each phase's steps against the first ``none`` phase's median,
+and what the writer moved: a writer that slows the steps as much from its process as from a thread does so through
+what the two share (cores, caches, memory), not through the interpreter's lock; the last two say which of its work
+does.
 """
 
 from __future__ import annotations
