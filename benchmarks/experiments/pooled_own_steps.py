@@ -5,14 +5,15 @@ without: how far the writer moves the steps beyond the drift a run shows with no
 
 Each run's steps N+1..N+6 (default N = 8) are read against the median of its own steps 3..N-1
 (``first_step_copy.own_base_and_ratios``): a run with --async-save has the writer beside those steps, a run
-without saves has nothing beside them, and its ratios are the reading's own drift. Both groups' ratios are pooled: their mean,
-median, 90th percentile and most, and how many are over the goal (1.25x). Then the difference of the two means
-with a bootstrap interval (runs resampled, not steps: a run's steps share its machine's state).
+without saves has nothing beside them, and its ratios are the reading's own drift. Both groups' ratios are pooled:
+their mean, median, 90th percentile and most, and how many are over the goal (1.25x). Then the difference of the
+two means with a bootstrap interval (runs resampled, not steps: a run's steps share its machine's state).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import List, Optional, Sequence, Tuple
 
@@ -66,6 +67,9 @@ def main(argv: List[str]) -> int:
     parser.add_argument("--without", nargs="+", required=True, metavar="LOG", help="console logs of runs without saves")
     parser.add_argument("--save", type=int, default=8, help="the first save's iteration (default 8)")
     args = parser.parse_args(argv)
+    missing = [path for path in args.with_writer + args.without if not os.path.isfile(path)]
+    if missing:
+        parser.error(f"no such log: {', '.join(missing)}")
     with_writer, skipped = group_ratios(args.with_writer, args.save)
     without, skipped_too = group_ratios(args.without, args.save)
     for path in skipped + skipped_too:

@@ -206,7 +206,8 @@ def main(argv: List[str]) -> int:
     os.makedirs(args.dir, exist_ok=True)
     source = shared_source(max(PIECE, int(args.gb * 1e9) // PIECE * PIECE))
     writer = Writer(source, os.path.join(args.dir, f".writer_beside_steps.{os.getpid()}"))
-    blocks = [Block(args.hidden, args.ffn, args.heads).to(device, dtype) for _ in range(args.layers)]
+    with device:  # made where they run: 3 B parameters initialised on the host would take longer than the phases
+        blocks = [Block(args.hidden, args.ffn, args.heads).to(dtype) for _ in range(args.layers)]
     inputs = torch.randn(1, args.seq, args.hidden, device=device, dtype=dtype)
     params = sum(p.numel() for b in blocks for p in b.parameters())
     print(f"writer_beside_steps: {args.layers} blocks, {params / 1e9:.2f} B params, {args.micro} x {args.seq} tokens "

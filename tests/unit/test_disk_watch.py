@@ -431,6 +431,9 @@ def test_runs_with_and_without_the_writer_are_pooled_against_their_own_steps_bef
     assert diff == pytest.approx(expected) and low <= diff <= high
     assert pooled_own_steps.main(["--with", slow, "--without", short]) == 2  # no run left without saves
     assert "b2.log: steps 3-14 not all in it, left out" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exited:
+        pooled_own_steps.main(["--with", slow, "--without", str(tmp_path / "none.log")])
+    assert exited.value.code == 2 and "no such log: " in capsys.readouterr().err
 
 
 def test_the_disk_sustain_phases_are_read_against_the_first_phases_median(tmp_path, capsys):
