@@ -22,6 +22,8 @@
 #   A8, B8  (only when RUNS names them) A2 and B2 with saves 8 iterations apart: --async-save at 8 and 16 of 16
 #   A16, B16  (only when RUNS names them) A8 and B8 with saves 16 iterations apart: --async-save at 16 and 32 of 32;
 #       the paced writer spread over twice the steps (RUN_LIMIT=260)
+#   the summary also reads every A8 and B8 run's steps 9-14 against its own steps 3-7 (first_step_copy.py --own;
+#       pooled over many calls: pooled_own_steps.py)
 #   A2_<variant>, A3_<variant>, A8_<variant>, A16_<variant>  that run on a copy of this tree with
 #       benchmarks/variants/<variant>.patch applied (a rule of the product measured against main's in one call, on
 #       one machine), against B2, B8 or B16; where benchmarks/variants/<variant>.flags is there instead, that run on
@@ -29,6 +31,7 @@
 #   bash benchmarks/run_gpu.sh determinism     (device tool, kind nvidia-h200, carry [".whl"])
 #   RUNS="D1 D2 DR" ... a subset; DRY_RUN=1 bash benchmarks/experiments/determinism.sh (tiny, CPU)
 #   (A2_staging_4k_pages: the snapshot's staging in 4 KiB pages, as before fa8ee57)
+#   (A8_writer_cpu_only, §52: the offloaded state's writer copies and CRCs its pieces but does not write them)
 #   (retired variants, measured in §41-47: device_digest, freeze_at_save, writer_process, paced_pieces (§47: the
 #   forward and backward beside the writer kept their extra switches); merged: flush_first (§46), direct_writes (§50: torch_dist's files on the disk as
 #   they are written, paced, by O_DIRECT), keep_staging (§48:
@@ -237,6 +240,11 @@ for report in "$OUT"/determinism_beside_writer_*.txt; do  # each run with saves:
   name=${report##*/determinism_beside_writer_}; echo "${name%.txt}:"
   grep -E "^(longest hold|worst iteration|iterations [0-9-]+ beside the writer against the median|iterations [0-9-]+ \(after the first save\) together)" "$report" | sed 's/^/  /'
 done | tee -a "$OUT/determinism_summary.txt"
+own=("$OUT"/determinism_[AB]8*.log)  # saves at 8: each run's steps after it against its own steps before it
+if [ -e "${own[0]}" ]; then
+  echo "each run's steps 9-14 against its own steps 3-7 (a run without saves: the drift with no writer at all):"
+  $PY benchmarks/experiments/first_step_copy.py --own "${own[@]}" | sed "s|$OUT/||; s/^/  /"
+fi | tee -a "$OUT/determinism_summary.txt"
 [ -s "$OUT/determinism_summary.txt" ] || rm -f "$OUT/determinism_summary.txt"
 if [ -s "$OUT/determinism_D1.log" ]; then  # the device returns 8 files: none without a save to rate
   $PY benchmarks/experiments/save_rate.py "$OUT/determinism_floor.txt" "$OUT/determinism_D1.log" "$OUT/determinism_DR.log" \
