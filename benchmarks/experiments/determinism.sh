@@ -22,6 +22,8 @@
 #   A8, B8  (only when RUNS names them) A2 and B2 with saves 8 iterations apart: --async-save at 8 and 16 of 16
 #   A16, B16  (only when RUNS names them) A8 and B8 with saves 16 iterations apart: --async-save at 16 and 32 of 32;
 #       the paced writer spread over twice the steps (RUN_LIMIT=260)
+#   A8L  (only when RUNS names it) A8 run for 32 iterations, against B16: three writers' spans (after the saves at 8,
+#       16 and 24) in one run, where A8 has one or two (RUNS="B16 A8L" RUN_LIMIT=260, about 480 s)
 #   the summary also reads every A8 and B8 run's steps 9-14 against its own steps 3-7 (first_step_copy.py --own;
 #       pooled over many calls: pooled_own_steps.py)
 #   A2_<variant>, A3_<variant>, A8_<variant>, A16_<variant>  that run on a copy of this tree with
@@ -157,7 +159,8 @@ run_case() {  # NAME: the run of that name (A8_<variant>, A8-2: A8's flags, its 
     A8) run "$name" --async-save --save "$DISK/paced" --save-interval 8 --train-iters 16; rm -rf "$DISK/paced" ;;
     B8) run "$name" --train-iters 16 ;;  # A8 without saves
     A16) run "$name" --async-save --save "$DISK/paced" --save-interval 16 --train-iters 32; rm -rf "$DISK/paced" ;;
-    B16) run "$name" --train-iters 32 ;;  # A16 without saves
+    B16) run "$name" --train-iters 32 ;;  # A16 and A8L without saves
+    A8L) run "$name" --async-save --save "$DISK/paced" --save-interval 8 --train-iters 32; rm -rf "$DISK/paced" ;;
     S1) run "$name" --deterministic-mode ;;  # layer_major.sh's pair
     L1) run "$name" --deterministic-mode --offload-activations host ;;
     P1) run "$name" --deterministic-mode --offload-activations host --offload-params host ;;
@@ -192,7 +195,7 @@ du -sh "$DISK/at2" 2>/dev/null | cat
 for log in "$OUT"/determinism_A[238]*.log "$OUT"/determinism_A16*.log; do
   [ -e "$log" ] || continue  # an unmatched glob
   async=$(basename "$log" .log); async=${async#determinism_}
-  case ${async%%[_-]*} in A8) base=B8 ;; A16) base=B16 ;; *) base=B2 ;; esac
+  case ${async%%[_-]*} in A8) base=B8 ;; A16|A8L) base=B16 ;; *) base=B2 ;; esac
   case $async in *-[0-9]*) base=$base-${async##*-} ;; esac  # a repeat against the repeat of its base
   if [ ! -s "$OUT/determinism_$base.log" ] && [ "$base" != "${base%-[0-9]*}" ] && [ -s "$OUT/determinism_${base%-[0-9]*}.log" ]; then
     echo "$async: ${base} not run, so against ${base%-[0-9]*}"  # RUNS="B8 A8 A8-2": both repeats against one B8
@@ -240,8 +243,9 @@ for report in "$OUT"/determinism_beside_writer_*.txt; do  # each run with saves:
   name=${report##*/determinism_beside_writer_}; echo "${name%.txt}:"
   grep -E "^(longest hold|worst iteration|iterations [0-9-]+ beside the writer against the median|iterations [0-9-]+ \(after the first save\) together)" "$report" | sed 's/^/  /'
 done | tee -a "$OUT/determinism_summary.txt"
-own=("$OUT"/determinism_[AB]8*.log)  # saves at 8: each run's steps after it against its own steps before it
-if [ -e "${own[0]}" ]; then
+own=()  # first save at 8 (or none, B16 beside A8L): each run's steps after it against its own steps before it
+for log in "$OUT"/determinism_[AB]8*.log "$OUT"/determinism_B16*.log; do [ -e "$log" ] && own+=("$log"); done
+if [ ${#own[@]} -gt 0 ]; then
   echo "each run's steps 9-14 against its own steps 3-7 (a run without saves: the drift with no writer at all):"
   $PY benchmarks/experiments/first_step_copy.py --own "${own[@]}" | sed "s|$OUT/||; s/^/  /"
 fi | tee -a "$OUT/determinism_summary.txt"
