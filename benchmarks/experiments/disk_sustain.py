@@ -123,22 +123,25 @@ def block_device_facts(directory: str) -> str:
     return ", ".join(facts) or "no sysfs facts"
 
 
-def summary(rows: List[Tuple[str, int, float, int]]) -> List[str]:
-    """Each phase's busy spells against the first idle phase's median."""
-    base = statistics.median(s for _, index, s, _ in rows if index == 0) if rows else 0.0
-    lines, order = [], []
-    by_phase: Dict[Tuple[int, str], List[float]] = {}
-    for phase, index, seconds, _ in rows:
-        key = (index, phase)
-        if key not in by_phase:
-            order.append(key)
-        by_phase.setdefault(key, []).append(seconds)
-    for index, phase in order:
-        seconds = by_phase[(index, phase)]
-        lines.append(f"phase {index} ({phase}): busy spells {min(seconds):.2f}-{max(seconds):.2f} s, median "
-                     f"{statistics.median(seconds):.2f} s: {statistics.median(seconds) / base:.2f}x, worst "
-                     f"{max(seconds) / base:.2f}x the first phase's median ({base:.2f} s)")
+def phase_summary(rows: List[Tuple[int, str, float]], what: str, digits: int = 2) -> List[str]:
+    """One line per phase (rows: the phase's index, its name, one reading's seconds): its ``what`` against the first
+    phase's median."""
+    base = statistics.median(s for index, _, s in rows if index == 0)
+    phases: Dict[Tuple[int, str], List[float]] = {}
+    for index, name, seconds in rows:
+        phases.setdefault((index, name), []).append(seconds)
+    lines = []
+    for (index, name), seconds in phases.items():  # in the order the phases ran
+        middle, most = statistics.median(seconds), max(seconds)
+        lines.append(f"phase {index} ({name}): {what} {min(seconds):.{digits}f}-{most:.{digits}f} s, median "
+                     f"{middle:.{digits}f} s: {middle / base:.{digits}f}x, worst {most / base:.{digits}f}x the first "
+                     f"phase's median ({base:.{digits}f} s)")
     return lines
+
+
+def summary(rows: List[Tuple[str, int, float, int]]) -> List[str]:
+    """Each phase's busy spells (rows: phase, its index, seconds, bytes written after) against the first phase's."""
+    return phase_summary([(index, phase, seconds) for phase, index, seconds, _ in rows], "busy spells")
 
 
 def main(argv: List[str]) -> int:

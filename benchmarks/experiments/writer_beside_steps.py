@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import mmap
 import os
-import statistics
 import sys
 import threading
 import time
@@ -37,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from disk_sustain import open_file  # this script's directory, as when run beside it
+from disk_sustain import open_file, phase_summary  # this script's directory, as when run beside it
 
 PHASES = ("none", "thread", "process", "thread_nocopy", "thread_dma")
 PIECE = 16 << 20  # the checkpoint writer's piece
@@ -166,19 +165,12 @@ def shared_source(nbytes: int) -> torch.Tensor:
 
 
 def summary(rows: List[tuple]) -> List[str]:
-    """Each phase's steps against the median of the first phase's (rows: phase index, kind, seconds, bytes, s)."""
-    base = statistics.median(s for index, _, s, _, _ in rows if index == 0)
-    lines, seen = [], []
-    for index, kind, _, moved, span in rows:
-        if (index, kind) in seen:
-            continue
-        seen.append((index, kind))
-        steps = [s for i, _, s, _, _ in rows if i == index]
-        rate = f"; the writer moved {moved / 1e9:.2f} GB at {moved / span / 1e9:.2f} GB/s" if moved else ""
-        lines.append(f"phase {index} ({kind}): steps {min(steps):.3f}-{max(steps):.3f} s, median "
-                     f"{statistics.median(steps):.3f} s: {statistics.median(steps) / base:.3f}x, worst "
-                     f"{max(steps) / base:.3f}x the first phase's median ({base:.3f} s){rate}")
-    return lines
+    """Each phase's steps against the median of the first phase's (rows: phase index, kind, seconds, bytes, s), with
+    what its writer moved."""
+    lines = phase_summary([(index, kind, seconds) for index, kind, seconds, _, _ in rows], "steps", digits=3)
+    moved = {index: (nbytes, span) for index, _, _, nbytes, span in rows}
+    return [line + (f"; the writer moved {moved[i][0] / 1e9:.2f} GB at {moved[i][0] / moved[i][1] / 1e9:.2f} GB/s"
+                    if moved[i][0] else "") for i, line in zip(sorted(moved), lines)]
 
 
 def main(argv: List[str]) -> int:
