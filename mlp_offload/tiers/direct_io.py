@@ -10,7 +10,9 @@ read a checkpoint at a fraction of what the disk gives by O_DIRECT with 8 thread
 Writing (``DirectRegionWriter``): a region is cut into pieces on block boundaries of the file, each piece
 copied into one of a ring of aligned staging buffers and written by a pool of threads while the next
 pieces are copied; the few bytes at a region's unaligned ends go through the page cache. The CRC32 of
-each tensor is chained piece by piece on a thread of its own. A checkpoint file keeps its subgroups back
+each tensor is chained piece by piece on a thread of its own. The CRCs and the writes are made by a helper
+process from a ring it shares with the rank (``write_helper``), where one can be started; by threads of
+the rank otherwise. A checkpoint file keeps its subgroups back
 to back (the format needs no padding), so a region rarely starts or ends on a block. Through the page
 cache alone one thread wrote at a fraction of what the disk takes by O_DIRECT with 8 threads, and so did
 each rank of an independent save on four GPUs: not the disk's pace (docs/design.md, "Checkpoint file
@@ -20,21 +22,27 @@ beside a full host tier. The file is fsynced by the caller.
 
 from __future__ import annotations
 
+import logging
 import os
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..config.align import ALIGN, align_down, align_up
 from .no_fork import aligned_empty
 from .to_host import copy_to_host
+from .write_helper import WriteHelper, pwrite_all, shared_ring
+
+log = logging.getLogger("mlp_offload")
 
 CHUNK = 8 << 20  # bytes of one read
 PIECE = 16 << 20  # bytes of file a staging buffer takes (a multiple of ALIGN)
 RING = 8  # staging buffers: up to this many pieces in flight
+STAGE = PIECE + ALIGN  # bytes of one staging buffer (a piece may start anywhere in its first block)
 PACED_RING = 2  # a paced writer's: a tier's operation that starts meanwhile waits behind at most these
+IN_HELPER = True  # the CRCs and writes by a helper process (write_helper), not by threads of the rank
 
 
 def open_direct(path: str, flags: int) -> Optional[int]:
@@ -102,18 +110,29 @@ def pread_into(fd: int, view, offset: int) -> int:
 class DirectRegionWriter:
     """``put(offset, tensors)`` writes the tensors' bytes back to back from ``offset`` (the source may
     be reused when it returns) and gives a function that returns their CRC32s once computed;
-    ``finish()`` waits for every write."""
+    ``finish()`` waits for every write. With ``IN_HELPER`` (and where a memfd and a child process can be
+    had) the CRCs and the writes are made by a helper process (``write_helper``) from a ring shared with
+    it; else by threads of this process."""
 
     def __init__(self, fd: int, path: str, threads: int = 8, pace: Optional[Callable[[int], None]] = None):
         self.fd = fd
         self.direct = open_direct(path, os.O_WRONLY)  # None where the file system has no O_DIRECT: all through fd
-        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="ckpt-write")
-        self.crc_thread = ThreadPoolExecutor(1, thread_name_prefix="ckpt-crc")  # in submission order
         self.pace = pace  # called with a piece's bytes before it is written (checkpoint.pacing)
         ring = RING if pace is None else PACED_RING
-        self.ring = [aligned_empty(PIECE + ALIGN) for _ in range(ring)]
-        self.busy: List[List[Future]] = [[] for _ in range(ring)]  # what still reads each buffer
-        self.next = 0
+        self.helper = _start_helper(fd, self.direct, ring, threads) if IN_HELPER else None
+        if self.helper is not None:
+            self.helper, region = self.helper
+            whole = torch.frombuffer(region, dtype=torch.uint8)
+            self.ring = [whole[k * STAGE: k * STAGE + STAGE] for k in range(ring)]
+        else:
+            self.pool = ThreadPoolExecutor(threads, thread_name_prefix="ckpt-write")
+            self.crc_thread = ThreadPoolExecutor(1, thread_name_prefix="ckpt-crc")  # in submission order
+            self.ring = [aligned_empty(STAGE) for _ in range(ring)]
+        self.busy: List[List[Future]] = [[] for _ in range(ring)]  # threads: what still reads each buffer
+        self.in_helper: List[bool] = [False] * ring  # helper: whether it may still read each buffer
+        self.slots = 0  # helper: CRC chains handed out
+        self.crc_values: Dict[int, int] = {}  # helper: the chains' CRCs, once asked for
+        self.next = 0  # the ring's buffer the next piece takes
 
     def put(self, offset: int, tensors: Sequence[torch.Tensor]):
         sources = [t.reshape(-1).view(torch.uint8) for t in tensors]
@@ -122,45 +141,99 @@ class DirectRegionWriter:
             bounds.append((pos, pos + src.numel()))
             pos += src.numel()
         end, crcs, last = pos, [0] * len(sources), None
+        slots = list(range(self.slots, self.slots + len(sources)))
+        self.slots += len(sources)
         lo = offset
         while lo < end:
             hi = min(align_down(lo) + PIECE, end)  # pieces end on PIECE boundaries of the file
             k, self.next = self.next, (self.next + 1) % len(self.ring)
-            _wait(self.busy[k])
+            self._free(k)
             stage, lead = self.ring[k], lo % ALIGN  # stage[b] is file byte align_down(lo) + b
+            crc_ranges = []
             for j, (a, b) in enumerate(bounds):
                 s, e = max(a, lo), min(b, hi)
                 if s < e:
                     part = stage[lead + s - lo: lead + e - lo]
                     copy_to_host(part, sources[j][s - a: e - a])  # from the device too
-                    last = self.crc_thread.submit(_chain_crc, crcs, j, memoryview(part.numpy()))
-                    self.busy[k].append(last)
+                    if self.helper is not None:
+                        crc_ranges.append((slots[j], k * STAGE + lead + s - lo, k * STAGE + lead + e - lo))
+                    else:
+                        last = self.crc_thread.submit(_chain_crc, crcs, j, memoryview(part.numpy()))
+                        self.busy[k].append(last)
             if self.pace is not None:
                 self.pace(hi - lo)
-            self.busy[k] += self._write(stage, lo, hi)
+            writes = self._writes(lo, hi)
+            if self.helper is not None:
+                base = k * STAGE - align_down(lo)  # ring offset of file byte 0 for this piece
+                self.helper.piece(k, crc_ranges, [(which, base + a, base + b, a) for which, a, b in writes])
+                self.in_helper[k] = True
+            else:
+                view, base, fds = memoryview(stage.numpy()), align_down(lo), (self.fd, self.direct)
+                self.busy[k] += [self.pool.submit(pwrite_all, fds[which], view[a - base: b - base], a)
+                                 for which, a, b in writes]
             lo = hi
+        if self.helper is not None:
+            return lambda: self._helper_crcs(slots)
         return lambda: _after(last, crcs)
 
-    def _write(self, stage: torch.Tensor, lo: int, hi: int) -> List[Future]:
-        """File bytes [lo, hi) from ``stage`` (its byte 0 is file byte align_down(lo))."""
-        base = align_down(lo)
+    def _helper_crcs(self, slots: List[int]) -> List[int]:
+        missing = [slot for slot in slots if slot not in self.crc_values]
+        if missing:
+            self.crc_values.update(zip(missing, self.helper.crcs(missing)))
+        return [self.crc_values[slot] for slot in slots]
+
+    def _free(self, k: int) -> None:
+        """Wait until nothing reads buffer ``k`` any more (a write's failure is raised here)."""
+        if self.in_helper[k]:
+            self.helper.wait_done(k)
+            self.in_helper[k] = False
+        _wait(self.busy[k])
+
+    def _writes(self, lo: int, hi: int) -> List[Tuple[int, int, int]]:
+        """File bytes [lo, hi) as writes (which, a, b): which 1 by O_DIRECT (whole blocks), 0 through the
+        page cache (the ends off block boundaries, or all of it where the file system has no O_DIRECT)."""
         inner_lo, inner_hi = align_up(lo), align_down(hi)
         if self.direct is None or inner_lo >= inner_hi:
             inner_lo = inner_hi = hi  # nothing direct: all through the page cache
-        view = memoryview(stage.numpy())
-        writes = [(self.fd, lo, inner_lo), (self.direct, inner_lo, inner_hi), (self.fd, inner_hi, hi)]
-        return [self.pool.submit(pwrite_all, fd, view[a - base: b - base], a) for fd, a, b in writes if a < b]
+        return [(which, a, b) for which, a, b in ((0, lo, inner_lo), (1, inner_lo, inner_hi), (0, inner_hi, hi))
+                if a < b]
 
     def finish(self) -> None:
-        for busy in self.busy:
-            _wait(busy)
+        for k in range(len(self.ring)):
+            self._free(k)
+        if self.helper is not None:  # every CRC now, while the helper runs: they may be asked for after close
+            self._helper_crcs(list(range(self.slots)))
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True)
-        self.crc_thread.shutdown(wait=True)
+        if self.helper is not None:
+            self.helper.close()
+        else:
+            self.pool.shutdown(wait=True)
+            self.crc_thread.shutdown(wait=True)
         if self.direct is not None:
             os.close(self.direct)
             self.direct = None
+
+
+def _start_helper(fd: int, direct: Optional[int], ring: int, threads: int):
+    """(the helper, the ring's mapping), or None where the platform has no memfd or the helper cannot be
+    started (said once in the log: the writes then run in threads of this process)."""
+    global _helper_refused
+    if _helper_refused or not hasattr(os, "memfd_create"):
+        return None
+    try:
+        ring_fd, region = shared_ring(ring * STAGE)
+        try:
+            return WriteHelper.start(ring_fd, ring * STAGE, fd, direct, threads), region
+        finally:
+            os.close(ring_fd)
+    except OSError as err:
+        _helper_refused = True
+        log.warning("checkpoint writes run in threads of the training process: no write helper (%s)", err)
+        return None
+
+
+_helper_refused = False
 
 
 def _after(last: Optional[Future], crcs: List[int]) -> List[int]:
@@ -178,10 +251,3 @@ def _wait(futures: List[Future]) -> None:
     for f in futures:
         f.result()  # an I/O error (a full disk) is raised here, in the writer's thread
     futures.clear()
-
-
-def pwrite_all(fd: int, data, offset: int) -> None:
-    data = memoryview(data)
-    while len(data):
-        n = os.pwrite(fd, data, offset)
-        data, offset = data[n:], offset + n

@@ -1,12 +1,19 @@
 """The checkpoint files' direct I/O. The writer's regions (DirectRegionWriter): written in any order at any byte offset, cut into
 pieces across a small ring of staging buffers, with O_DIRECT for whole blocks and the page cache for
 the ends (or for all of it where the file system has no O_DIRECT): the file holds exactly the bytes,
-and each tensor's CRC32 is zlib's over its bytes. The reader's ranges (DirectReads): the file's
-bytes, short where the file ends."""
+and each tensor's CRC32 is zlib's over its bytes, whether a helper process or threads of this one
+make the writes. A write's failure reaches the writer as its OSError, a helper's death as one clear
+error. The reader's ranges (DirectReads): the file's bytes, short where the file ends."""
 
+import logging
 import os
 import random
+import signal
+import subprocess
+import sys
+import time
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,8 +21,10 @@ from hypothesis import given, settings, strategies as st
 
 from mlp_offload.tiers import direct_io
 from mlp_offload.tiers.direct_io import DirectReads, DirectRegionWriter
+from mlp_offload.tiers.write_helper import HelperFailed, WriteHelper
 from tests.profiles import examples
 
+ROOT = Path(__file__).resolve().parents[2]
 DTYPES = [torch.float32, torch.bfloat16, torch.int16, torch.uint8]
 
 
@@ -57,6 +66,7 @@ def _write_and_check(path, start, end, order):
 @pytest.fixture
 def small_pieces(monkeypatch):
     monkeypatch.setattr(direct_io, "PIECE", 3 * 4096)
+    monkeypatch.setattr(direct_io, "STAGE", 4 * 4096)
     monkeypatch.setattr(direct_io, "RING", 3)
 
 
@@ -64,17 +74,23 @@ def small_pieces(monkeypatch):
 def small_ring():
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(direct_io, "PIECE", 3 * 4096)
+        patch.setattr(direct_io, "STAGE", 4 * 4096)
         patch.setattr(direct_io, "RING", 3)
         yield
 
 
+@pytest.mark.parametrize("in_helper", [True, False], ids=["helper", "threads"])
 @settings(max_examples=examples(60), deadline=None, derandomize=True, print_blob=True)
 @given(case=regions())
-def test_regions_land_byte_for_byte_with_their_crcs(tmp_path_factory, small_ring, case):
-    _write_and_check(tmp_path_factory.mktemp("dw") / "f", *case)
+def test_regions_land_byte_for_byte_with_their_crcs(tmp_path_factory, small_ring, in_helper, case):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(direct_io, "IN_HELPER", in_helper)
+        _write_and_check(tmp_path_factory.mktemp("dw") / "f", *case)
 
 
-def test_without_o_direct_everything_goes_through_the_page_cache(tmp_path, small_pieces, monkeypatch):
+@pytest.mark.parametrize("in_helper", [True, False], ids=["helper", "threads"])
+def test_without_o_direct_everything_goes_through_the_page_cache(tmp_path, small_pieces, monkeypatch, in_helper):
+    monkeypatch.setattr(direct_io, "IN_HELPER", in_helper)
     monkeypatch.setattr(direct_io, "open_direct", lambda path, flags: None)
     gen = random.Random(1)
     tensors = [torch.randn(gen.randint(1, 20_000)) for _ in range(3)]
@@ -85,6 +101,7 @@ def test_a_failed_write_is_raised_to_the_writer(tmp_path, small_pieces, monkeypa
     def full(fd, data, offset):
         raise OSError(28, os.strerror(28))
 
+    monkeypatch.setattr(direct_io, "IN_HELPER", False)
     monkeypatch.setattr(direct_io, "pwrite_all", full)
     with open(tmp_path / "f", "wb") as f:
         writer = DirectRegionWriter(f.fileno(), str(tmp_path / "f"), threads=2)
@@ -95,6 +112,53 @@ def test_a_failed_write_is_raised_to_the_writer(tmp_path, small_pieces, monkeypa
                 writer.finish()
         finally:
             writer.close()
+
+
+def test_a_full_disk_under_the_helper_is_raised_as_no_space_and_the_helper_exits(small_pieces):
+    fd = os.open("/dev/full", os.O_WRONLY)  # every write: ENOSPC
+    writer = DirectRegionWriter(fd, "/dev/full", threads=2)
+    try:
+        assert writer.helper is not None
+        with pytest.raises(OSError) as raised:
+            for k in range(8):
+                writer.put(k * 40_000, [torch.randn(10_000)])
+            writer.finish()
+        assert raised.value.errno == 28
+    finally:
+        writer.close()
+        os.close(fd)
+    assert writer.helper.process.returncode == 0
+
+
+def test_a_helper_killed_mid_save_is_one_clear_error(tmp_path, small_pieces):
+    with open(tmp_path / "f", "wb") as f:
+        writer = DirectRegionWriter(f.fileno(), str(tmp_path / "f"), threads=2)
+        try:
+            writer.put(0, [torch.randn(10_000)])
+            writer.helper.process.send_signal(signal.SIGKILL)
+            writer.helper.process.wait()
+            with pytest.raises(HelperFailed, match=r"write helper \(pid \d+\) ended with exit code -9 before"):
+                for k in range(1, 8):
+                    writer.put(k * 40_000, [torch.randn(10_000)])
+                writer.finish()
+        finally:
+            writer.close()
+
+
+def test_where_no_helper_starts_the_writes_run_in_threads_and_the_log_says_so_once(tmp_path, small_pieces,
+                                                                                    monkeypatch, caplog):
+    def refused(*args, **kwargs):
+        raise OSError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(direct_io, "_helper_refused", False)
+    monkeypatch.setattr(WriteHelper, "start", refused)
+    tensors = [torch.randn(20_000)]
+    with caplog.at_level(logging.WARNING, logger="mlp_offload"):
+        for name in ("a", "b"):
+            _write_and_check(tmp_path / name, 0, 80_000, [(0, tensors)])
+    warnings = [r.getMessage() for r in caplog.records if "write helper" in r.getMessage()]
+    assert warnings == ["checkpoint writes run in threads of the training process: no write helper "
+                        "([Errno 11] Resource temporarily unavailable)"]
 
 
 @settings(max_examples=examples(40), deadline=None, derandomize=True, print_blob=True)
@@ -120,3 +184,35 @@ def small_chunks():
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(direct_io, "CHUNK", 2 * 4096)  # several reads per range, in parallel
         yield
+
+
+KILLED_RANK = """
+import os, signal, sys, torch
+from mlp_offload.tiers.direct_io import DirectRegionWriter
+f = open(sys.argv[1], "wb")
+writer = DirectRegionWriter(f.fileno(), sys.argv[1], threads=2)
+writer.put(0, [torch.randn(1 << 20)])
+print(writer.helper.process.pid, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
+def test_a_killed_ranks_write_helper_exits(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
+    rank = subprocess.run([sys.executable, "-c", KILLED_RANK, str(tmp_path / "f")], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert rank.returncode == -9, rank.stderr[-2000:]
+    helper = int(rank.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while _alive(helper) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(helper), f"the write helper {helper} outlived its killed rank by 10 s"
