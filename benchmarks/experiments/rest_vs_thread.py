@@ -13,7 +13,8 @@ after a save (the fork of torch_dist's writer and the copy aside are in that one
 hold the disk's bytes per phase: the extra rest of the steps whose forward and backward took at least
 ``WRITTEN_GB`` of the writers' bytes, by their place after the save: the first (torch_dist's forked writer, a
 process of its own, writes in it), the second (it ends, the offloaded state's writer begins) and the later ones
-(the offloaded state's writer alone, threads of the rank's process).
+(the offloaded state's writer alone: threads of the rank's process until 0ffaf9c, then its CRCs and writes by a
+helper process, the copies into its ring still by the rank).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def by_writer(rows: List[Tuple[int, float, float, int, Optional[float]]]) -> Non
     writer), the later ones (the offloaded state's writer alone)."""
     places = ((lambda k: k == 1, "the first step after the save (torch_dist's forked writer, a process of its own)"),
               (lambda k: k == 2, "the second (that writer, then the offloaded state's)"),
-              (lambda k: k >= 3, "later steps (the offloaded state's writer, threads of the rank)"))
+              (lambda k: k >= 3, "later steps (the offloaded state's writer alone)"))
     for least in WRITTEN_GB:
         for place, who in places:
             rest = [row[2] for row in rows if place(row[3]) and row[4] is not None and row[4] >= least]
