@@ -10,11 +10,13 @@ read its own memory and the device's.
 The helper is this file run by the interpreter in isolated mode (``python -I -S``): the standard library
 only, no torch, started in tens of milliseconds for each file written. It talks over a socket pair, in
 length-prefixed pickled tuples; the descriptors (the ring, the file, the file opened with O_DIRECT) are
-passed over the socket (SCM_RIGHTS). Once the rank closes its end (its writer is closed, or the rank died) the
-helper finishes the writes it was given and exits.
+passed over the socket (SCM_RIGHTS). Once the rank says so, or its end of the socket closes (the rank died), the
+helper finishes the writes it was given and exits: the word, not the socket's end, because a child the rank forks
+meanwhile holds a copy of that end.
 
     rank -> helper: ("piece", k, [(slot, lo, hi)], [(which, lo, hi, file_offset)])   CRC ranges, writes
                     ("crcs", request, [slot, ...])                                    the chained CRCs
+                    ("end",)                                                          the writes given, then exit
     helper -> rank: ("done", k)                       piece k's CRCs and writes are done: its buffer is free
                     ("crcs", request, [crc, ...])     after every CRC range sent before the request
                     ("failed", errno, message)        a write or a CRC failed (errno 0: not an OSError)
@@ -131,8 +133,10 @@ class _Helper:
 
 
 def serve(sock: socket.socket) -> None:
-    """The helper's loop: the descriptors first, then commands until the rank's end closes."""
+    """The helper's loop: the descriptors first, then commands until ("end",) or the rank's end closes."""
     message, fds, _, _ = socket.recv_fds(sock, 4096, 3)
+    if not message or len(fds) != 3:  # the rank failed or died before it could send them
+        return
     ring_bytes, threads, has_direct = pickle.loads(message)
     region = mmap.mmap(fds[0], ring_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
     os.close(fds[0])
@@ -140,7 +144,7 @@ def serve(sock: socket.socket) -> None:
     try:
         while True:
             command = receive_frame(sock)
-            if command is None:  # the writer is closed (or the rank is gone)
+            if command is None or command[0] == "end":  # the writer is closed, or the rank is gone
                 return
             if command[0] == "piece":
                 helper.piece(*command[1:])
@@ -210,6 +214,10 @@ class WriteHelper:
         if self.closed:
             return
         self.closed = True
+        try:
+            send_frame(self.sock, ("end",))
+        except OSError:  # it is gone already
+            pass
         self.sock.close()
         try:
             self.process.wait(END_WAIT_S)

@@ -216,3 +216,32 @@ def test_a_killed_ranks_write_helper_exits(tmp_path):
     while _alive(helper) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(helper), f"the write helper {helper} outlived its killed rank by 10 s"
+
+
+def test_closing_ends_the_helper_while_a_forked_child_holds_the_ranks_socket(tmp_path, small_pieces):
+    import multiprocessing
+    with open(tmp_path / "f", "wb") as f:
+        writer = DirectRegionWriter(f.fileno(), str(tmp_path / "f"), threads=2)
+        child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,))
+        child.start()  # a copy of every descriptor of this process, the helper's socket included
+        try:
+            crcs = writer.put(0, [torch.arange(30_000, dtype=torch.int32)])
+            writer.finish()
+            started = time.monotonic()
+            writer.close()
+            assert time.monotonic() - started < 5 and writer.helper.process.returncode == 0
+            assert crcs() == [zlib.crc32(torch.arange(30_000, dtype=torch.int32).numpy().tobytes())]
+        finally:
+            child.kill()
+            child.join()
+
+
+def test_a_helper_whose_rank_is_gone_before_its_descriptors_exits_quietly():
+    import socket
+    from mlp_offload.tiers import write_helper
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    helper = subprocess.Popen([sys.executable, "-I", "-S", write_helper.__file__, str(theirs.fileno())],
+                              pass_fds=[theirs.fileno()], stderr=subprocess.PIPE)
+    theirs.close()
+    ours.close()
+    assert helper.wait(30) == 0 and helper.stderr.read() == b""  # no traceback in the rank's log
