@@ -17,7 +17,8 @@ meanwhile holds a copy of that end.
     rank -> helper: ("piece", k, [(slot, lo, hi)], [(which, lo, hi, file_offset)])   CRC ranges, writes
                     ("crcs", request, [slot, ...])                                    the chained CRCs
                     ("end",)                                                          the writes given, then exit
-    helper -> rank: ("done", k)                       piece k's CRCs and writes are done: its buffer is free
+    helper -> rank: ("ready",)                        it has the descriptors and the ring
+                    ("done", k)                       piece k's CRCs and writes are done: its buffer is free
                     ("crcs", request, [crc, ...])     after every CRC range sent before the request
                     ("failed", errno, message)        a write or a CRC failed (errno 0: not an OSError)
 
@@ -42,6 +43,7 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 LENGTH = struct.Struct("<I")
 END_WAIT_S = 120.0  # a helper draining its last pieces to a slow disk; past this it is killed
+START_WAIT_S = 60.0  # an interpreter starting on a node whose cores and file system are busy
 
 
 def send_frame(sock: socket.socket, message: tuple) -> None:
@@ -141,6 +143,7 @@ def serve(sock: socket.socket) -> None:
     region = mmap.mmap(fds[0], ring_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
     os.close(fds[0])
     helper = _Helper(sock, memoryview(region), [fds[1], fds[2] if has_direct else fds[1]], threads)
+    helper.send(("ready",))
     try:
         while True:
             command = receive_frame(sock)
@@ -187,10 +190,25 @@ class WriteHelper:
         try:
             fds = [ring_fd, fd, direct if direct is not None else fd]
             socket.send_fds(ours, [pickle.dumps((ring_bytes, threads, direct is not None))], fds)
+            ours.settimeout(START_WAIT_S)
+            ready = receive_frame(ours)
+            ours.settimeout(None)
+        except (OSError, EOFError) as err:  # a timeout is an OSError
+            raise helper._not_started(err) from err
         except BaseException:
             helper.close()
             raise
+        if ready != ("ready",):
+            raise helper._not_started(None)
         return helper
+
+    def _not_started(self, err: Optional[BaseException]) -> OSError:
+        """The error of a helper that did not start, ended: its exit code where it exited, else ``err``."""
+        if isinstance(err, TimeoutError):
+            self.process.kill()  # still starting: nothing of ours to finish
+        self.close()
+        code = self.process.returncode
+        return OSError(f"it did not start: {f'exit code {code}' if code or err is None else err}")
 
     def piece(self, k: int, crc_ranges: List[Tuple[int, int, int]], writes: List[Tuple[int, int, int, int]]) -> None:
         self._send(("piece", k, crc_ranges, writes))

@@ -245,3 +245,14 @@ def test_a_helper_whose_rank_is_gone_before_its_descriptors_exits_quietly():
     theirs.close()
     ours.close()
     assert helper.wait(30) == 0 and helper.stderr.read() == b""  # no traceback in the rank's log
+
+
+def test_a_helper_that_cannot_start_leaves_the_writes_to_threads_and_says_so(tmp_path, small_pieces, monkeypatch,
+                                                                                caplog):
+    from mlp_offload.tiers import write_helper
+    monkeypatch.setattr(direct_io, "_helper_refused", False)
+    monkeypatch.setattr(write_helper, "__file__", str(tmp_path / "no_such_helper.py"))  # the interpreter exits 2
+    with caplog.at_level(logging.WARNING, logger="mlp_offload"):
+        _write_and_check(tmp_path / "f", 0, 80_000, [(0, [torch.randn(20_000)])])
+    assert [r.getMessage() for r in caplog.records if "write helper" in r.getMessage()] == [
+        "checkpoint writes run in threads of the training process: no write helper (it did not start: exit code 2)"]
