@@ -194,21 +194,14 @@ class WriteHelper:
             ready = receive_frame(ours)
             ours.settimeout(None)
         except (OSError, EOFError) as err:  # a timeout is an OSError
-            raise helper._not_started(err) from err
+            raise _not_started(helper, err) from err
         except BaseException:
             helper.close()
             raise
         if ready != ("ready",):
-            raise helper._not_started(None)
+            raise _not_started(helper, None)
         return helper
 
-    def _not_started(self, err: Optional[BaseException]) -> OSError:
-        """The error of a helper that did not start, ended: its exit code where it exited, else ``err``."""
-        if isinstance(err, TimeoutError):
-            self.process.kill()  # still starting: nothing of ours to finish
-        self.close()
-        code = self.process.returncode
-        return OSError(f"it did not start: {f'exit code {code}' if code or err is None else err}")
 
     def piece(self, k: int, crc_ranges: List[Tuple[int, int, int]], writes: List[Tuple[int, int, int, int]]) -> None:
         self._send(("piece", k, crc_ranges, writes))
@@ -270,6 +263,15 @@ class WriteHelper:
         return HelperFailed(f"the checkpoint write helper (pid {self.process.pid}) ended "
                             f"{'with exit code ' + str(code) if code is not None else 'its connection'} "
                             "before its writes were done")
+
+
+def _not_started(helper: WriteHelper, err: Optional[BaseException]) -> OSError:
+    """The error of a helper that did not start, ended: its exit code where it exited, else ``err``."""
+    if isinstance(err, TimeoutError):
+        helper.process.kill()  # still starting: nothing of ours to finish
+    helper.close()
+    code = helper.process.returncode
+    return OSError(f"it did not start: {f'exit code {code}' if code or err is None else err}")
 
 
 def shared_ring(nbytes: int) -> Tuple[int, mmap.mmap]:
