@@ -202,7 +202,6 @@ class WriteHelper:
             raise _not_started(helper, None)
         return helper
 
-
     def piece(self, k: int, crc_ranges: List[Tuple[int, int, int]], writes: List[Tuple[int, int, int, int]]) -> None:
         self._send(("piece", k, crc_ranges, writes))
 
