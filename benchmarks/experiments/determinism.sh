@@ -34,6 +34,8 @@
 #   RUNS="D1 D2 DR" ... a subset; DRY_RUN=1 bash benchmarks/experiments/determinism.sh (tiny, CPU)
 #   (A2_staging_4k_pages: the snapshot's staging in 4 KiB pages, as before fa8ee57)
 #   (A8_writer_cpu_only, §52: the offloaded state's writer copies and CRCs its pieces but does not write them)
+#   (A8_writer_in_threads, §53: the offloaded state's CRCs and writes by threads of the rank, as before 0ffaf9c, where
+#   main's are made by a helper process)
 #   (retired variants, measured in §41-47: device_digest, freeze_at_save, writer_process, paced_pieces (§47: the
 #   forward and backward beside the writer kept their extra switches); merged: flush_first (§46), direct_writes (§50: torch_dist's files on the disk as
 #   they are written, paced, by O_DIRECT), keep_staging (§48:
