@@ -6,7 +6,8 @@ way: each subgroup at its own offset (byte offsets follow from the element range
 may go in the order the next update needs and still lay the file out in element order), the
 footer, the trailer, fsync, rename. Subgroups held in files are read through their tier (their
 block CRCs checked), two at a time, so the next read overlaps this write; each subgroup is written by
-``tiers.direct_io`` (O_DIRECT from a staging buffer, threads), at disk speed rather than the page cache's.
+``tiers.direct_io`` (O_DIRECT from a staging buffer, threads), at disk speed rather than the page cache's;
+in a background save its CRCs and writes are made by a helper process, off the training process.
 Given a ``digest.StateDigest``, a thread beside the writer adds each subgroup's tensors to it while the
 writer copies them out (the resume check's record of the save, from what is written and nothing
 read again).
@@ -159,7 +160,7 @@ class BackgroundStateWrite:
         self.snapshot.writer_starts()
         try:
             self.nbytes = write_snapshot(self.snapshot, self.path, self.metadata, self.digest, self.link_tier_files,
-                                         self.pacer)
+                                         self.pacer, beside_training=True)
             if self.pacer is not None:
                 log.info("offloaded state %s paced: %s", self.path, self.pacer.report())
         except BaseException as err:  # reported by the finalize step, on every rank
@@ -171,15 +172,17 @@ class BackgroundStateWrite:
 
 def write_snapshot(snapshot: StateSnapshot, path: str, metadata: Optional[dict],
                    digest: Optional[StateDigest] = None, link_tier_files: bool = False,
-                   pacer: Optional[DiskPacer] = None) -> int:
+                   pacer: Optional[DiskPacer] = None, beside_training: bool = False) -> int:
     """Write ``snapshot`` into ``path`` (via ``path.tmp``, fsynced, renamed); returns its bytes.
     ``digest``: each subgroup's tensors are added to it as they are written. ``link_tier_files``:
     tier files on ``path``'s file system become part files (linked, fsynced before the rename).
-    ``pacer``: the state held in memory is copied aside first, then each chunk waits its turn (pacing)."""
+    ``pacer``: the state held in memory is copied aside first, then each chunk waits its turn (pacing).
+    ``beside_training``: training steps while this writes, so the CRCs and writes go to a helper process
+    (``tiers.write_helper``), away from the training thread."""
     tmp = path + ".tmp"
     parts = PartLinks(path, snapshot.steps_done) if link_tier_files else None
     try:
-        size = _write(snapshot, tmp, metadata, digest, parts, pacer)
+        size = _write(snapshot, tmp, metadata, digest, parts, pacer, beside_training)
         fault_point("save-offload-commit")  # parts linked and durable, the state file not yet renamed
         os.replace(tmp, path)
         fsync_path(os.path.dirname(os.path.abspath(path)))
@@ -221,7 +224,7 @@ def unlinked_bytes(snapshot: StateSnapshot, linked: Dict[int, dict], digest: boo
 
 
 def _write(snapshot: StateSnapshot, tmp: str, metadata: Optional[dict], digest: Optional[StateDigest],
-           parts: Optional[PartLinks] = None, pacer: Optional[DiskPacer] = None) -> int:
+           parts: Optional[PartLinks] = None, pacer: Optional[DiskPacer] = None, beside_training: bool = False) -> int:
     with snapshot.device_reads():  # the device-held state copied out beside the training's stream
         if pacer is not None:  # first, before the links' fsyncs: the next update finds its copies made
             started = time.perf_counter()
@@ -231,11 +234,11 @@ def _write(snapshot: StateSnapshot, tmp: str, metadata: Optional[dict], digest: 
         linked = _link_parts(snapshot, parts)
         if pacer is not None and parts is not None:
             pacer.expect(unlinked_bytes(snapshot, linked, digest is not None))
-        return _write_state(snapshot, tmp, metadata, digest, linked, pacer)
+        return _write_state(snapshot, tmp, metadata, digest, linked, pacer, beside_training)
 
 
 def _write_state(snapshot: StateSnapshot, tmp: str, metadata: Optional[dict], digest: Optional[StateDigest],
-                 linked: Dict[int, dict], pacer: Optional[DiskPacer]) -> int:
+                 linked: Dict[int, dict], pacer: Optional[DiskPacer], beside_training: bool) -> int:
     offsets, end = {}, 0
     for sg in snapshot.subgroups:  # element order: where each subgroup's bytes go (a part's: none here)
         offsets[sg.index] = end
@@ -248,7 +251,8 @@ def _write_state(snapshot: StateSnapshot, tmp: str, metadata: Optional[dict], di
     linked_digests = _LinkedDigests(snapshot, linked, digest, adding, pacer) if digest is not None and linked else None
     with open(tmp, "wb") as f, ThreadPoolExecutor(1, thread_name_prefix="mlp-checkpoint-digest") as beside:
         fd = f.fileno()
-        writer = DirectRegionWriter(fd, tmp, pace=pacer.wait_turn if pacer is not None else None)
+        writer = DirectRegionWriter(fd, tmp, pace=pacer.wait_turn if pacer is not None else None,
+                                    helper=beside_training)
         try:
             for i in snapshot.order:
                 snapshot.check_cancelled()

@@ -10,9 +10,9 @@ read a checkpoint at a fraction of what the disk gives by O_DIRECT with 8 thread
 Writing (``DirectRegionWriter``): a region is cut into pieces on block boundaries of the file, each piece
 copied into one of a ring of aligned staging buffers and written by a pool of threads while the next
 pieces are copied; the few bytes at a region's unaligned ends go through the page cache. The CRC32 of
-each tensor is chained piece by piece on a thread of its own. The CRCs and the writes are made by a helper
-process from a ring it shares with the rank (``write_helper``), where one can be started; by threads of
-the rank otherwise. A checkpoint file keeps its subgroups back
+each tensor is chained piece by piece on a thread of its own. Beside training, the CRCs and the writes are
+made by a helper process from a ring it shares with the rank (``write_helper``), where one can be started;
+by threads of the rank otherwise. A checkpoint file keeps its subgroups back
 to back (the format needs no padding), so a region rarely starts or ends on a block. Through the page
 cache alone one thread wrote at a fraction of what the disk takes by O_DIRECT with 8 threads, and so did
 each rank of an independent save on four GPUs: not the disk's pace (docs/design.md, "Checkpoint file
@@ -42,7 +42,6 @@ PIECE = 16 << 20  # bytes of file a staging buffer takes (a multiple of ALIGN)
 RING = 8  # staging buffers: up to this many pieces in flight
 STAGE = PIECE + ALIGN  # bytes of one staging buffer (a piece may start anywhere in its first block)
 PACED_RING = 2  # a paced writer's: a tier's operation that starts meanwhile waits behind at most these
-IN_HELPER = True  # the CRCs and writes by a helper process (write_helper), not by threads of the rank
 
 
 def open_direct(path: str, flags: int) -> Optional[int]:
@@ -110,16 +109,19 @@ def pread_into(fd: int, view, offset: int) -> int:
 class DirectRegionWriter:
     """``put(offset, tensors)`` writes the tensors' bytes back to back from ``offset`` (the source may
     be reused when it returns) and gives a function that returns their CRC32s once computed;
-    ``finish()`` waits for every write. With ``IN_HELPER`` (and where a memfd and a child process can be
-    had) the CRCs and the writes are made by a helper process (``write_helper``) from a ring shared with
-    it; else by threads of this process."""
+    ``finish()`` waits for every write. ``helper``: the CRCs and the writes are made by a helper process
+    (``write_helper``) from a ring shared with it, where a memfd and a child process can be had (else by
+    threads of this process): for a write beside training, whose steps the same work slows less from
+    another process. Without it, by threads of this process from a ring in huge pages, the faster way
+    when nothing runs beside the write (the memfd's ring has the kernel's small pages)."""
 
-    def __init__(self, fd: int, path: str, threads: int = 8, pace: Optional[Callable[[int], None]] = None):
+    def __init__(self, fd: int, path: str, threads: int = 8, pace: Optional[Callable[[int], None]] = None,
+                 helper: bool = False):
         self.fd = fd
         self.direct = open_direct(path, os.O_WRONLY)  # None where the file system has no O_DIRECT: all through fd
         self.pace = pace  # called with a piece's bytes before it is written (checkpoint.pacing)
         ring = RING if pace is None else PACED_RING
-        self.helper = _start_helper(fd, self.direct, ring, threads) if IN_HELPER else None
+        self.helper = _start_helper(fd, self.direct, ring, threads) if helper else None
         if self.helper is not None:
             self.helper, region = self.helper
             whole = torch.frombuffer(region, dtype=torch.uint8)

@@ -202,3 +202,18 @@ def test_staging_made_at_start_up_is_in_memory_before_any_save(tmp_path):
         kept = reserve_paced_staging(engine, str(tmp_path / "ckpt"))
         grown = resident_bytes() - before
     assert kept > 0 and grown >= 0.9 * kept, (kept, grown)
+
+
+def test_a_background_save_writes_by_a_helper_process_and_a_synchronous_one_by_threads(tmp_path, monkeypatch):
+    from mlp_offload.tiers.write_helper import WriteHelper
+    started, start = [], WriteHelper.start
+    monkeypatch.setattr(WriteHelper, "start", staticmethod(lambda *args: started.append(start(*args)) or started[-1]))
+    with engine_at_step_3(tmp_path / "e") as engine:
+        save_engine_state(engine, str(tmp_path / "sync.ckpt"), metadata={"iteration": 3})
+        assert started == []  # training waits for it: threads, from a ring in huge pages
+        write = start_background_save(engine, str(tmp_path / "async.ckpt"), metadata={"iteration": 3})
+        write.start()
+        write.wait()
+        assert write.failure is None
+    assert len(started) == 1 and started[0].process.returncode == 0  # one file, one helper, ended
+    assert (tmp_path / "async.ckpt").read_bytes() == (tmp_path / "sync.ckpt").read_bytes()

@@ -42,11 +42,11 @@ def regions(draw):
     return start, pos, [out[k] for k in order]
 
 
-def _write_and_check(path, start, end, order):
+def _write_and_check(path, start, end, order, helper=True):
     with open(path, "wb") as f:
         f.write(b"\xab" * start)  # bytes before the regions stay as they were
         f.flush()
-        writer = DirectRegionWriter(f.fileno(), str(path), threads=3)
+        writer = DirectRegionWriter(f.fileno(), str(path), threads=3, helper=helper)
         try:
             crcs = [(tensors, writer.put(offset, tensors)) for offset, tensors in order]
             writer.finish()
@@ -83,25 +83,22 @@ def small_ring():
 @settings(max_examples=examples(60), deadline=None, derandomize=True, print_blob=True)
 @given(case=regions())
 def test_regions_land_byte_for_byte_with_their_crcs(tmp_path_factory, small_ring, in_helper, case):
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(direct_io, "IN_HELPER", in_helper)
-        _write_and_check(tmp_path_factory.mktemp("dw") / "f", *case)
+    _write_and_check(tmp_path_factory.mktemp("dw") / "f", *case, helper=in_helper)
 
 
 @pytest.mark.parametrize("in_helper", [True, False], ids=["helper", "threads"])
 def test_without_o_direct_everything_goes_through_the_page_cache(tmp_path, small_pieces, monkeypatch, in_helper):
-    monkeypatch.setattr(direct_io, "IN_HELPER", in_helper)
     monkeypatch.setattr(direct_io, "open_direct", lambda path, flags: None)
     gen = random.Random(1)
     tensors = [torch.randn(gen.randint(1, 20_000)) for _ in range(3)]
-    _write_and_check(tmp_path / "f", 100, 100 + sum(t.numel() * 4 for t in tensors), [(100, tensors)])
+    _write_and_check(tmp_path / "f", 100, 100 + sum(t.numel() * 4 for t in tensors), [(100, tensors)],
+                     helper=in_helper)
 
 
 def test_a_failed_write_is_raised_to_the_writer(tmp_path, small_pieces, monkeypatch):
     def full(fd, data, offset):
         raise OSError(28, os.strerror(28))
 
-    monkeypatch.setattr(direct_io, "IN_HELPER", False)
     monkeypatch.setattr(direct_io, "pwrite_all", full)
     with open(tmp_path / "f", "wb") as f:
         writer = DirectRegionWriter(f.fileno(), str(tmp_path / "f"), threads=2)
@@ -116,7 +113,7 @@ def test_a_failed_write_is_raised_to_the_writer(tmp_path, small_pieces, monkeypa
 
 def test_a_full_disk_under_the_helper_is_raised_as_no_space_and_the_helper_exits(small_pieces):
     fd = os.open("/dev/full", os.O_WRONLY)  # every write: ENOSPC
-    writer = DirectRegionWriter(fd, "/dev/full", threads=2)
+    writer = DirectRegionWriter(fd, "/dev/full", threads=2, helper=True)
     try:
         assert writer.helper is not None
         with pytest.raises(OSError) as raised:
@@ -132,7 +129,7 @@ def test_a_full_disk_under_the_helper_is_raised_as_no_space_and_the_helper_exits
 
 def test_a_helper_killed_mid_save_is_one_clear_error(tmp_path, small_pieces):
     with open(tmp_path / "f", "wb") as f:
-        writer = DirectRegionWriter(f.fileno(), str(tmp_path / "f"), threads=2)
+        writer = DirectRegionWriter(f.fileno(), str(tmp_path / "f"), threads=2, helper=True)
         try:
             writer.put(0, [torch.randn(10_000)])
             writer.helper.process.send_signal(signal.SIGKILL)
@@ -190,7 +187,7 @@ KILLED_RANK = """
 import os, signal, sys, torch
 from mlp_offload.tiers.direct_io import DirectRegionWriter
 f = open(sys.argv[1], "wb")
-writer = DirectRegionWriter(f.fileno(), sys.argv[1], threads=2)
+writer = DirectRegionWriter(f.fileno(), sys.argv[1], threads=2, helper=True)
 writer.put(0, [torch.randn(1 << 20)])
 print(writer.helper.process.pid, flush=True)
 os.kill(os.getpid(), signal.SIGKILL)
@@ -221,7 +218,7 @@ def test_a_killed_ranks_write_helper_exits(tmp_path):
 def test_closing_ends_the_helper_while_a_forked_child_holds_the_ranks_socket(tmp_path, small_pieces):
     import multiprocessing
     with open(tmp_path / "f", "wb") as f:
-        writer = DirectRegionWriter(f.fileno(), str(tmp_path / "f"), threads=2)
+        writer = DirectRegionWriter(f.fileno(), str(tmp_path / "f"), threads=2, helper=True)
         child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,))
         child.start()  # a copy of every descriptor of this process, the helper's socket included
         try:
