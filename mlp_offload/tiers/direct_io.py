@@ -121,10 +121,10 @@ class DirectRegionWriter:
         self.direct = open_direct(path, os.O_WRONLY)  # None where the file system has no O_DIRECT: all through fd
         self.pace = pace  # called with a piece's bytes before it is written (checkpoint.pacing)
         ring = RING if pace is None else PACED_RING
-        self.helper = _start_helper(fd, self.direct, ring, threads) if helper else None
-        if self.helper is not None:
-            self.helper, region = self.helper
-            whole = torch.frombuffer(region, dtype=torch.uint8)
+        started = _start_helper(fd, self.direct, ring, threads) if helper else None
+        self.helper: Optional[WriteHelper] = started[0] if started is not None else None
+        if started is not None:
+            whole = torch.frombuffer(started[1], dtype=torch.uint8)  # the shared ring's mapping
             self.ring = [whole[k * STAGE: k * STAGE + STAGE] for k in range(ring)]
         else:
             self.pool = ThreadPoolExecutor(threads, thread_name_prefix="ckpt-write")
