@@ -217,10 +217,13 @@ def test_a_paced_save_never_holds_the_updates_back_and_writes_the_synchronous_by
         write = start_background_save(engine, str(tmp_path / "paced.ckpt"), metadata={"iteration": 3})
         assert write.pacer is not None and write.snapshot.memory and write.snapshot.on_tier
         assert "async save: writer paced behind the nvme tier on " in caplog.text
+        first_turn, wait_turn = threading.Event(), write.pacer.wait_turn
+        write.pacer.wait_turn = lambda nbytes: (first_turn.set(), wait_turn(nbytes))[1]
         write.start()
         deadline = time.monotonic() + 60
         while not write.pacer.staged_s and time.monotonic() < deadline:  # the copy aside done (else the update
             time.sleep(0.01)  # would copy a subgroup itself, and the writer would count fewer bytes staged)
+        assert first_turn.wait(60)  # the writer at its first chunk (a write helper may take a while to start)
         run(engine, later)  # every subgroup overwritten twice while the writer is held at its first chunk
         assert not write.done() and write.pacer.idle_bytes == 0
         assert write.snapshot.writer_waits == 0  # the updates found their copies made: none waited
