@@ -88,6 +88,7 @@ class _Helper:
         self.writes = ThreadPoolExecutor(threads)
         self.crcs: Dict[int, int] = {}
         self.sending = threading.Lock()
+        self.failing = threading.Lock()
         self.failed = False
 
     def send(self, message: tuple) -> None:
@@ -125,8 +126,9 @@ class _Helper:
         self.crc_thread.submit(answer)
 
     def fail(self, err: BaseException) -> None:
-        if not self.failed:  # the first failure is the one the rank raises
-            self.failed = True
+        with self.failing:  # pieces end on several threads: the first failure alone is the one the rank raises
+            first, self.failed = not self.failed, True
+        if first:
             self.send(("failed", getattr(err, "errno", 0) or 0, str(err)))
 
     def drain(self) -> None:
