@@ -198,8 +198,7 @@ class RangeReader:
             part = e["part"]
             buf = self._parts.read(e, k, 0, part["spans"][k][1])
             return memoryview(buf)[: self._region_bytes(e, k)], block_crcs(buf, part["block"])
-        buf = self._raw(e, k, 0, self._region_bytes(e, k))
-        return buf, zlib.crc32(buf)  # zlib lets go of the GIL for a buffer this size
+        return self._raw_and_crc(e, k, 0, self._region_bytes(e, k))
 
     def _read_ahead(self, key: Tuple[int, int]) -> None:
         nxt = self._successor.get(key)
@@ -226,7 +225,7 @@ class RangeReader:
         step = max(self.codecs[k].bytes_per_element, self.cache_bytes // 6)
         step -= step % self.codecs[k].bytes_per_element
         for at in range(0, size, step):
-            crc = zlib.crc32(self._raw(e, k, at, min(size, at + step) - at), crc)
+            crc = self._raw_and_crc(e, k, at, min(size, at + step) - at, crc)[1]
         self._check(crc, e, k)
         self._verified.add((e["start"], k))
 
@@ -239,17 +238,25 @@ class RangeReader:
         """Bytes ``[at, at + nbytes)`` of stored tensor ``k``'s region in subgroup entry ``e``."""
         if "part" in e:
             return self._parts.read(e, k, at, nbytes)
+        return self._raw_and_crc(e, k, at, nbytes, crc=None)[0]
+
+    def _raw_and_crc(self, e, k: int, at: int, nbytes: int, crc: Optional[int] = 0):
+        """``_raw``'s bytes of this file (not a part's) and their CRC32 chained onto ``crc`` (None: no CRC,
+        0 given back). With O_DIRECT the CRC is taken as the read's chunks land, beside the later reads."""
         n = e["end"] - e["start"]
         offset = e["offset"] + state_bytes(self.codecs[:k], n, e.get("blocks")) + at
-        buf = self._direct.read(offset, nbytes)  # None without O_DIRECT: through the page cache
-        if buf is None:  # pread: the read ahead may run beside a read of the caller's thread
+        direct = self._direct.read_with_crc(offset, nbytes, crc)  # None without O_DIRECT: through the page cache
+        if direct is None:  # pread: the read ahead may run beside a read of the caller's thread
             buf = bytearray(nbytes)
             got = pread_into(self.f.fileno(), memoryview(buf), offset)
+            if crc is not None:
+                crc = zlib.crc32(buf, crc)  # zlib lets go of the GIL for a buffer this size
         else:
+            buf, crc = direct
             got = len(buf)
         if got != nbytes:
             raise CheckpointDataError(f"{self.path}: truncated in {NAMES[k]} of elements {e['start']}..{e['end']}")
-        return buf
+        return buf, (crc or 0)
 
     def _check(self, crc, e, k: int) -> None:
         if "part" in e:

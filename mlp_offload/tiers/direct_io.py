@@ -3,9 +3,10 @@ it (``open_direct``; tmpfs and some network file systems do not: the caller then
 cache).
 
 Reading (``DirectReads``): the block-aligned span around a range is read by a pool of threads into an
-aligned buffer of its own, and the range handed out as a view of it. Through the page cache one thread
-read a checkpoint at a fraction of what the disk gives by O_DIRECT with 8 threads (docs/design.md,
-"Checkpoint file I/O"). Where there is no O_DIRECT, ``read`` answers None.
+aligned buffer of its own, and the range handed out as a view of it (``read_with_crc``: with its CRC32,
+taken chunk by chunk as the reads land). Through the page cache one thread read a checkpoint at a fraction
+of what the disk gives by O_DIRECT with 8 threads (docs/design.md, "Checkpoint file I/O"). Where there is no
+O_DIRECT, ``read`` answers None.
 
 Writing (``DirectRegionWriter``): a region is cut into pieces on block boundaries of the file, each piece
 copied into one of a ring of aligned staging buffers and written by a pool of threads while the next
@@ -65,6 +66,13 @@ class DirectReads:
     def read(self, offset: int, nbytes: int) -> Optional[memoryview]:
         """File bytes [offset, offset + nbytes), or None where O_DIRECT is not had; short at the end of
         the file where it is shorter."""
+        got = self.read_with_crc(offset, nbytes, crc=None)
+        return None if got is None else got[0]
+
+    def read_with_crc(self, offset: int, nbytes: int, crc: Optional[int] = 0) -> Optional[Tuple[memoryview, int]]:
+        """``read``'s bytes and their CRC32 chained onto ``crc``, taken chunk by chunk as the chunks land,
+        in file order, while the later ones are still being read (zlib lets go of the GIL): a check that
+        follows the reads rather than one after them. ``crc=None``: no CRC (0 given back)."""
         if not self.tried:
             self.tried = True
             self.fd = open_direct(self.path, os.O_RDONLY)
@@ -78,13 +86,17 @@ class DirectReads:
         view = memoryview(aligned_empty(hi - lo).numpy())
         reads = [self.pool.submit(pread_into, self.fd, view[a - lo: min(a + CHUNK, hi) - lo], a)
                  for a in range(lo, hi, CHUNK)]
-        got = lo
+        got, wanted_end = lo, offset + nbytes
         for a, r in zip(range(lo, hi, CHUNK), reads):
             n = r.result()
-            if got == a:  # contiguous from the start: how far the file reaches
-                got = a + n
-        end = min(offset + nbytes, got)
-        return view[offset - lo: max(offset, end) - lo]
+            if got != a:  # the file ended in an earlier chunk
+                continue
+            got = a + n
+            first, last = max(a, offset), min(got, wanted_end)
+            if crc is not None and last > first:
+                crc = zlib.crc32(view[first - lo: last - lo], crc)
+        end = min(wanted_end, got)
+        return view[offset - lo: max(offset, end) - lo], (crc or 0)
 
     def close(self) -> None:
         if self.pool is not None:

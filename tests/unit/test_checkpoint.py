@@ -7,11 +7,15 @@ import zlib
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from mlp_offload import OffloadedAdamW, faults
 from mlp_offload.checkpoint import (MAGIC, TRAILER, CheckpointDataError, CheckpointSaveError, RangeReader,
                                     load_engine_state, read_footer)
 from mlp_offload.checkpoint.write import save_engine_state
+from mlp_offload.tiers import direct_io
+
+from tests.profiles import examples
 
 from .helpers import bf16_grads, engine_state, fast_config, run_steps
 
@@ -66,6 +70,25 @@ def test_truncated_checkpoint(tmp_path):
     os.truncate(path, os.path.getsize(path) // 2)
     with pytest.raises(CheckpointDataError, match="not a complete offload checkpoint"):
         read_footer(path)
+
+
+@settings(max_examples=examples(12), deadline=None, derandomize=True, print_blob=True)
+@given(at=st.integers(0, 4 * 10_000 - 1))
+def test_damage_anywhere_in_a_tensor_read_in_many_chunks_is_caught(tmp_path_factory, at):
+    """A stored tensor read by O_DIRECT in several chunks, its CRC taken as they land: a byte changed in
+    any chunk is caught."""
+    root = tmp_path_factory.mktemp("chunks")
+    path = _saved(root)
+    with open(path, "r+b") as f:
+        f.seek(2 * 12 * 10_000 + 4 * 10_000 + at)  # exp_avg of the third stored subgroup
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x5A]))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(direct_io, "CHUNK", 2 * 4096)  # exp_avg's 40 kB in five reads
+        with OffloadedAdamW(torch.zeros(NUMEL), fast_config(root / "b", tiers=["host"])) as eng:
+            with pytest.raises(CheckpointDataError, match="checksum mismatch in exp_avg of elements 20000..30000"):
+                load_engine_state(eng, path)
 
 
 def test_corrupt_checkpoint_is_not_loaded(tmp_path):
