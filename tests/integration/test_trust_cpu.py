@@ -39,12 +39,13 @@ def error_lines(output):
     return lines, bool(re.search(r"^\[rank\d+\]:\s*Traceback", output, re.M))
 
 
-def failed_run(tmp_path, args, name, **kw):
+def failed_run(tmp_path, args, name, with_output=False, **kw):
+    """The one error line of a run that must fail (and, ``with_output``, all it printed)."""
     result = run_pretrain(tmp_path, args, loss_log=tmp_path / f"{name}.jsonl", expect_success=False, **kw)[0]
     assert result["returncode"] != 0, result["output"][-3000:]
     lines, traceback = error_lines(result["output"])
     assert len(lines) == 1 and not traceback, result["output"][-4000:]
-    return lines[0]
+    return (lines[0], result["output"]) if with_output else lines[0]
 
 
 @pytest.fixture(scope="module")
@@ -140,14 +141,18 @@ def test_disk_full_in_the_middle_of_a_save(tmp_path, uninterrupted, saved):
 
 
 def test_save_refused_up_front_when_the_file_system_is_too_small(tmp_path):
-    """A real 5 MB file system holds one checkpoint (3.4 MB), not two: the second save is refused
-    before any byte is written, naming --save and the numbers; the first stays as it was. Needs root
-    to mount it (CI runs it as root)."""
+    """A real 5 MB file system holds one checkpoint (3.4 MB), not two: the first save warns, once, that
+    the second will not fit; the second is refused before any byte is written, naming --save and the
+    numbers; the first stays as it was. Needs root to mount it (CI runs it as root)."""
     with small_file_system(tmp_path / "small", "5m") as mount:
         ckpt = mount / "ckpt"
-        line = failed_run(tmp_path, chain_args(tmp_path, ckpt), "small", train_iters=ITERS)
+        line, output = failed_run(tmp_path, chain_args(tmp_path, ckpt), "small", with_output=True, train_iters=ITERS)
         assert re.search(rf"--save {ckpt}: the checkpoint of iteration 4 needs about 3\.\d+ MB, but only "
                          r"[\d.]+ MB are free there; nothing was written", line), line
+        warnings = [ln for ln in output.splitlines() if "will be refused for space" in ln]
+        assert len(warnings) == 1 and re.search(
+            rf"warning: --save {ckpt}: the save at iteration 4 will be refused for space: about 3\.\d+ MB a "
+            r"checkpoint \(every one kept\) and [\d.]+ MB free before the one at 2", warnings[0]), warnings
         assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
 
 

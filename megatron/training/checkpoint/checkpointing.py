@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 from megatron.core import dist_checkpointing, parallel_state
 
 from megatron.training.checkpoint.async_save import (HostWeightsAside, check_nodes_hold, next_save_in_s,
                                                       reserve_host_copies, torch_dist_flush)
-from megatron.training.checkpoint.integrity import NEWEST_ONLY, checkpoint_dir, non_persistent_root, part_bytes, retire
+from megatron.training.checkpoint.integrity import (NEWEST_ONLY, checkpoint_dir, non_persistent_root, part_bytes,
+                                                    planned_saves, retire)
 from megatron.training.checkpoint.load_plan import SAME_FORM, plan_load, resume_position, resume_root
 from megatron.training.checkpoint.offload_files import (offloaded_state_bytes, offloaded_state_writes,
                                                         start_offloaded_save, write_offloaded_state)
@@ -114,17 +115,19 @@ def save_checkpoint(iteration: int, trained, consumed_samples: int, args, backgr
     process and the offloaded optimizer state by a thread, from a snapshot taken here
     (mlp_offload.snapshot); the checkpoint is completed in the finalize step."""
     root, retain_interval = _save_root(args, non_persistent)
+    interval = getattr(args, "non_persistent_save_interval", None) if non_persistent else args.save_interval
+    later = planned_saves(iteration, interval, args.train_iters)  # for the space check's forecast
     if background is None:  # the start line only: _save_now's own line at the end gives the bytes and rates
         print_rank0(f"> saving {'non-persistent ' if non_persistent else ''}checkpoint at iteration {iteration} to "
                     f"{root} ...")
-        return _save_now(iteration, trained, consumed_samples, args, root, retain_interval)
+        return _save_now(iteration, trained, consumed_samples, args, root, retain_interval, later)
     model, optimizer, scheduler = trained.model, trained.optimizer, trained.scheduler
     path = checkpoint_dir(root, iteration)
     held_from = time.perf_counter()  # training waits from here, for the previous background save too
     background.finish()  # the previous background save is complete (or has failed) first
     started = time.perf_counter()
     save_optimizer = not args.no_save_optim
-    if not begin_save(root, path, iteration, model, optimizer if save_optimizer else None):
+    if not begin_save(root, path, iteration, model, optimizer if save_optimizer else None, later, retain_interval):
         return path
     state_from = time.perf_counter()
     state = _state_to_save(args, model, optimizer, scheduler, iteration, consumed_samples)
@@ -199,14 +202,15 @@ def _save_root(args, non_persistent: bool) -> Tuple[str, Optional[int]]:
     return args.save, getattr(args, "save_retain_interval", None)
 
 
-def _save_now(iteration: int, trained, consumed_samples: int, args, root: str, retain_interval: Optional[int]) -> str:
+def _save_now(iteration: int, trained, consumed_samples: int, args, root: str, retain_interval: Optional[int],
+              later: Sequence[int]) -> str:
     """The synchronous save: torch_dist's files and each rank's offloaded state written at once; one
     line with the bytes, seconds and GB/s of each part and of the whole (runtime.checkpoint_lines)."""
     model, optimizer, scheduler = trained.model, trained.optimizer, trained.scheduler
     path = checkpoint_dir(root, iteration)
     phases = Phases()
     save_optimizer = not args.no_save_optim
-    if not begin_save(root, path, iteration, model, optimizer if save_optimizer else None):
+    if not begin_save(root, path, iteration, model, optimizer if save_optimizer else None, later, retain_interval):
         return path
     phases.mark("marking it begun")
     state = _state_to_save(args, model, optimizer, scheduler, iteration, consumed_samples)

@@ -38,7 +38,7 @@ import threading
 import time
 import zlib
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from mlp_offload import fsync_path
 from mlp_offload.checkpoint import STATE_FILE_SUFFIX, human_bytes, is_part_path
@@ -249,8 +249,37 @@ def to_retire(root: str, iteration: int, retain_interval: int) -> List[Tuple[int
     their markers; others stay as the module's docstring says), earlier, not at a multiple of ``retain_interval``
     (any, with ``NEWEST_ONLY``), and not a symbolic link."""
     return sorted((it, path) for it, path in iteration_dirs(root).items()
-                  if it < iteration and (retain_interval == NEWEST_ONLY or it % retain_interval != 0)
+                  if it < iteration and not _retained(it, retain_interval)
                   and not os.path.islink(path) and _markers(path).state == COMPLETE_STATE)
+
+
+def planned_saves(iteration: int, interval: Optional[int], train_iters: Optional[int]) -> List[int]:
+    """The iterations of a run's saves into one directory after ``iteration``: every multiple of ``interval``
+    up to ``train_iters`` and the end of training's own (none where either is not set)."""
+    if not interval or not train_iters:
+        return []
+    later = list(range((iteration // interval + 1) * interval, train_iters + 1, interval))
+    return later + [train_iters] if train_iters > iteration and train_iters % interval else later
+
+
+def first_refused_save(iteration: int, later: Sequence[int], retain_interval: Optional[int], checkpoint_bytes: float,
+                       free_bytes: float) -> Optional[int]:
+    """The first of ``later`` (ascending) whose checkpoint the space check will refuse, where ``free_bytes`` are
+    free before the save at ``iteration``, every checkpoint of the run takes ``checkpoint_bytes`` and nothing
+    else writes there: this run's own kept as ``retain_interval`` keeps them (None: all of them), the earlier
+    ones retiring once a newer one is complete. Earlier runs' checkpoints are outside ``free_bytes`` already
+    (their retiring only adds room). None where every one fits."""
+    kept: List[int] = []  # this run's checkpoints on the disk when the next save begins
+    for it in [iteration, *later]:
+        if checkpoint_bytes * (len(kept) + 1) > free_bytes:
+            return None if it == iteration else it  # the one at ``iteration`` is the space check's own to refuse
+        kept = [k for k in kept if _retained(k, retain_interval)] + [it]
+    return None
+
+
+def _retained(iteration: int, retain_interval: Optional[int]) -> bool:
+    """Whether a complete checkpoint stays once a newer one is complete (``to_retire``'s rule, for one)."""
+    return retain_interval is None or (retain_interval != NEWEST_ONLY and iteration % retain_interval == 0)
 
 
 def _retention_flag(retain_interval: int) -> str:

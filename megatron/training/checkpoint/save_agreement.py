@@ -7,7 +7,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-from typing import Optional
+from typing import Dict, Optional, Sequence
 
 import torch
 from megatron.core import parallel_state
@@ -46,8 +46,11 @@ def write_digests(digests: Optional[SaveDigests], path: str) -> Optional[str]:
     return None
 
 
-def begin_save(root: str, path: str, iteration: int, model, optimizer) -> bool:
-    """Mark ``path`` in progress and check the space; False where a complete one is there already."""
+def begin_save(root: str, path: str, iteration: int, model, optimizer, later: Sequence[int] = (),
+               retain_interval: Optional[int] = None) -> bool:
+    """Mark ``path`` in progress and check the space; False where a complete one is there already. ``later``:
+    the run's saves into ``root`` after this one, kept as ``retain_interval`` keeps them (``integrity.retire``):
+    where one of them will not fit, a warning says which, once."""
     decision = [None]
     if torch.distributed.get_rank() == 0:
         os.makedirs(root, exist_ok=True)
@@ -59,7 +62,7 @@ def begin_save(root: str, path: str, iteration: int, model, optimizer) -> bool:
         decision = [needed]
     torch.distributed.broadcast_object_list(decision, src=0)
     if decision[0]:
-        _check_free_space(root, path, iteration, model, optimizer)
+        _check_free_space(root, path, iteration, model, optimizer, later, retain_interval)
     return decision[0]
 
 
@@ -85,8 +88,10 @@ def background_failure(err: BaseException, path: str) -> str:
                 f"{type(err).__name__}: {err}")
 
 
-def _check_free_space(root: str, path: str, iteration: int, model, optimizer) -> None:
-    """Refuse before writing anything when the file system cannot hold the checkpoint."""
+def _check_free_space(root: str, path: str, iteration: int, model, optimizer, later: Sequence[int],
+                      retain_interval: Optional[int]) -> None:
+    """Refuse before writing anything when the file system cannot hold the checkpoint; warn (once per
+    forecast) where a later save of the run will not fit."""
     needed = torch.tensor([_bytes_this_rank_saves(model, optimizer)], dtype=torch.float64, device=model_device(model))
     torch.distributed.all_reduce(needed)  # on the model's device: NCCL reduces no CPU tensors
     verdict = [None]
@@ -98,9 +103,33 @@ def _check_free_space(root: str, path: str, iteration: int, model, optimizer) ->
             verdict = [f"--save {root}: the checkpoint of iteration {iteration} needs about "
                        f"{human_bytes(needed.item())}, but only {human_bytes(free)} are free there; nothing was "
                        f"written and the previous checkpoints are untouched: free space or use another --save"]
+        else:
+            _forecast(root, iteration, later, retain_interval, needed.item(), free)
     torch.distributed.broadcast_object_list(verdict, src=0)
     if verdict[0]:
         raise UserError(verdict[0])
+
+
+_forecasts_said: Dict[str, int] = {}  # per directory, the refused save last warned of
+
+
+def _forecast(root: str, iteration: int, later: Sequence[int], retain_interval: Optional[int],
+              checkpoint_bytes: float, free: int) -> None:
+    """One warning line where a later save of the run into ``root`` will be refused for space (rank 0)."""
+    refused = integrity.first_refused_save(iteration, later, retain_interval, checkpoint_bytes, free)
+    if refused is None or _forecasts_said.get(root) == refused:
+        return
+    _forecasts_said[root] = refused
+    if retain_interval is None:
+        kept, advice = "every one kept", "; --save-retain-interval N keeps only those at multiples of N and the newest"
+    elif retain_interval == integrity.NEWEST_ONLY:
+        kept, advice = "the newest kept", ""
+    else:
+        kept, advice = f"those at multiples of --save-retain-interval {retain_interval} and the newest kept", ""
+    print(f"> warning: --save {root}: the save at iteration {refused} will be refused for space: about "
+          f"{human_bytes(checkpoint_bytes)} a checkpoint ({kept}) and {human_bytes(free)} free before the one at "
+          f"{iteration}, if nothing else writes there; free space or use another --save before then{advice}",
+          flush=True)
 
 
 def _bytes_this_rank_saves(model, optimizer) -> int:
