@@ -50,7 +50,8 @@
 #       pair run twice shows whether a difference is larger than that; with B8-2 run, A8 against B8 also reads
 #       B8-2 against B8 over the same steps (beside_writer.py --repeat): the noise of the statistic itself
 #   FLOOR_GB=4 RUNS="B8 A8 B8-2" RUN_LIMIT=200 ...  (about 420 s) main's A8 beside that noise
-#   FLOOR_GB=4 RUNS="B8 A8 A8-2" RUN_LIMIT=200 ...  (about 430 s) and RUNS="B16 A16" RUN_LIMIT=260 (about 460 s):
+#   FLOOR_GB=4 RUNS="B8 A8 A8-2" RUN_LIMIT=200 CALL_BUDGET_S=540 ...  (about 510 s: the floor, B8 and A8 took 336 s
+#       on 2026-12-02, and CALL_BUDGET_S=500 left A8-2 out) and RUNS="B16 A16" RUN_LIMIT=260 (about 460 s):
 #       main read again (goal_readings.py gathers the runs); since the kept staging (§48) main's own A8 has two
 #       runs, both of §48's call 3, in a call whose B8 was slow before the first save
 #   CALL_BUDGET_S (default 550): a run is not begun where the time used and the longest run so far pass it
