@@ -22,7 +22,6 @@ import logging
 import os
 import secrets
 import shutil
-import zlib
 from typing import Dict, List, Optional
 
 from ..tiers.direct_io import DirectReads, pread_into
@@ -184,8 +183,9 @@ class PartSources:
     def path_of(self, e) -> str:
         return os.path.join(self.base, e["part"]["file"])
 
-    def read(self, e, k: int, at: int, nbytes: int):
-        """Bytes ``[at, at + nbytes)`` of tensor ``k``'s span in entry ``e``'s part file."""
+    def read(self, e, k: int, at: int, nbytes: int, feed=None):
+        """Bytes ``[at, at + nbytes)`` of tensor ``k``'s span in entry ``e``'s part file; ``feed`` given them
+        piece by piece as they land (``DirectReads.read``)."""
         path = self.path_of(e)
         if path not in self._open:
             try:
@@ -195,10 +195,12 @@ class PartSources:
             self._open[path] = (f, DirectReads(path))
         f, direct = self._open[path]
         offset = e["part"]["spans"][k][0] + at
-        buf = direct.read(offset, nbytes)
+        buf = direct.read(offset, nbytes, feed)
         if buf is None:
             buf = bytearray(nbytes)
             got = pread_into(f.fileno(), memoryview(buf), offset)
+            if feed is not None:
+                feed(memoryview(buf)[:got])
         else:
             got = len(buf)
         if got != nbytes:
@@ -210,12 +212,6 @@ class PartSources:
             direct.close()
             f.close()
         self._open = {}
-
-
-def block_crcs(buf, block: int) -> List[int]:
-    """CRC32 of each ``block`` bytes of ``buf`` (a tier's blocks)."""
-    view = memoryview(buf)
-    return [zlib.crc32(view[a: a + block]) for a in range(0, len(view), block)]
 
 
 def part_mismatch(e, k: int, got: List[int]) -> Optional[int]:

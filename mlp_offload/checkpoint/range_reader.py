@@ -15,7 +15,8 @@ from ..kernels.blockwise8 import Quantized, dequantize
 from ..state_formats import FP32_STATE, REMAINDERS16, codecs_for, is_blockwise, state_bytes
 from .file_blocks import FileBlocks
 from .file_format import NAMES, CheckpointDataError
-from .parts import PartSources, block_crcs, part_mismatch
+from .crcs import BlockCrcs, ChainedCrc
+from .parts import PartSources, part_mismatch
 
 
 class RangeReader:
@@ -196,8 +197,9 @@ class RangeReader:
         """The stored tensor's bytes and their check: the CRC32 of the tensor, or a part's block CRCs."""
         if "part" in e:
             part = e["part"]
-            buf = self._parts.read(e, k, 0, part["spans"][k][1])
-            return memoryview(buf)[: self._region_bytes(e, k)], block_crcs(buf, part["block"])
+            blocks = BlockCrcs(part["block"])
+            buf = self._parts.read(e, k, 0, part["spans"][k][1], blocks.feed)
+            return memoryview(buf)[: self._region_bytes(e, k)], blocks.values
         return self._raw_and_crc(e, k, 0, self._region_bytes(e, k))
 
     def _read_ahead(self, key: Tuple[int, int]) -> None:
@@ -242,21 +244,21 @@ class RangeReader:
 
     def _raw_and_crc(self, e, k: int, at: int, nbytes: int, crc: Optional[int] = 0):
         """``_raw``'s bytes of this file (not a part's) and their CRC32 chained onto ``crc`` (None: no CRC,
-        0 given back). With O_DIRECT the CRC is taken as the read's chunks land, beside the later reads."""
+        0 given back), taken as the reads land (``DirectReads.read``)."""
         n = e["end"] - e["start"]
         offset = e["offset"] + state_bytes(self.codecs[:k], n, e.get("blocks")) + at
-        direct = self._direct.read_with_crc(offset, nbytes, crc)  # None without O_DIRECT: through the page cache
-        if direct is None:  # pread: the read ahead may run beside a read of the caller's thread
+        chained = None if crc is None else ChainedCrc(crc)
+        buf = self._direct.read(offset, nbytes, None if chained is None else chained.feed)  # None: no O_DIRECT
+        if buf is None:  # pread: the read ahead may run beside a read of the caller's thread
             buf = bytearray(nbytes)
             got = pread_into(self.f.fileno(), memoryview(buf), offset)
-            if crc is not None:
-                crc = zlib.crc32(buf, crc)  # zlib lets go of the GIL for a buffer this size
+            if chained is not None:
+                chained.feed(buf)  # zlib lets go of the GIL for a buffer this size
         else:
-            buf, crc = direct
             got = len(buf)
         if got != nbytes:
             raise CheckpointDataError(f"{self.path}: truncated in {NAMES[k]} of elements {e['start']}..{e['end']}")
-        return buf, (crc or 0)
+        return buf, (0 if chained is None else chained.value)
 
     def _check(self, crc, e, k: int) -> None:
         if "part" in e:

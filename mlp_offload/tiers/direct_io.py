@@ -3,8 +3,8 @@ it (``open_direct``; tmpfs and some network file systems do not: the caller then
 cache).
 
 Reading (``DirectReads``): the block-aligned span around a range is read by a pool of threads into an
-aligned buffer of its own, and the range handed out as a view of it (``read_with_crc``: with its CRC32,
-taken chunk by chunk as the reads land). Through the page cache one thread read a checkpoint at a fraction
+aligned buffer of its own, and the range handed out as a view of it (its CRC32 taken chunk by chunk as
+the reads land, where the caller feeds one). Through the page cache one thread read a checkpoint at a fraction
 of what the disk gives by O_DIRECT with 8 threads (docs/design.md, "Checkpoint file I/O"). Where there is no
 O_DIRECT, ``read`` answers None.
 
@@ -63,16 +63,12 @@ class DirectReads:
         self.tried = False  # opened at the first read: many readers are made and never read
         self.pool: Optional[ThreadPoolExecutor] = None
 
-    def read(self, offset: int, nbytes: int) -> Optional[memoryview]:
+    def read(self, offset: int, nbytes: int, feed: Optional[Callable[[memoryview], None]] = None
+             ) -> Optional[memoryview]:
         """File bytes [offset, offset + nbytes), or None where O_DIRECT is not had; short at the end of
-        the file where it is shorter."""
-        got = self.read_with_crc(offset, nbytes, crc=None)
-        return None if got is None else got[0]
-
-    def read_with_crc(self, offset: int, nbytes: int, crc: Optional[int] = 0) -> Optional[Tuple[memoryview, int]]:
-        """``read``'s bytes and their CRC32 chained onto ``crc``, taken chunk by chunk as the chunks land,
-        in file order, while the later ones are still being read (zlib lets go of the GIL): a check that
-        follows the reads rather than one after them. ``crc=None``: no CRC (0 given back)."""
+        the file where it is shorter. ``feed`` is given those bytes piece by piece, in file order, as each
+        chunk's read lands, while the later chunks are still being read: a check (a CRC: zlib lets go of
+        the GIL) that follows the reads rather than one after them."""
         if not self.tried:
             self.tried = True
             self.fd = open_direct(self.path, os.O_RDONLY)
@@ -93,10 +89,10 @@ class DirectReads:
                 continue
             got = a + n
             first, last = max(a, offset), min(got, wanted_end)
-            if crc is not None and last > first:
-                crc = zlib.crc32(view[first - lo: last - lo], crc)
+            if feed is not None and last > first:
+                feed(view[first - lo: last - lo])
         end = min(wanted_end, got)
-        return view[offset - lo: max(offset, end) - lo], (crc or 0)
+        return view[offset - lo: max(offset, end) - lo]
 
     def close(self) -> None:
         if self.pool is not None:

@@ -17,6 +17,7 @@ from mlp_offload import OffloadedAdamW, faults
 from mlp_offload.checkpoint import CheckpointDataError, RangeReader, load_engine_state, read_footer
 from mlp_offload.checkpoint.parts import is_part_path, parts_dir
 from mlp_offload.checkpoint.write import save_engine_state, start_background_save
+from mlp_offload.tiers import direct_io
 from tests.profiles import examples
 
 from .helpers import bf16_grads, engine_state, fast_config, run_steps
@@ -142,6 +143,31 @@ def test_a_damaged_part_file_is_refused_naming_it(tmp_path):
     os.unlink(part)
     with pytest.raises(CheckpointDataError, match=f"{part}: a part of the offloaded optimizer state is missing"):
         _loaded(path, tmp_path / "c")
+
+
+@settings(max_examples=examples(12), deadline=None, derandomize=True, print_blob=True)
+@given(at=st.floats(0, 1, exclude_max=True))
+def test_damage_anywhere_in_a_part_read_in_many_chunks_is_caught(tmp_path_factory, at):
+    """A part's span of five tier blocks read by O_DIRECT in ten chunks, its block CRCs taken as they land:
+    the part loads as saved, and a byte changed anywhere in it is caught, naming the part file."""
+    root = tmp_path_factory.mktemp("chunks")
+    path = str(root / "x.offload")
+    with _engine(root / "a", io_block_bytes=8192) as eng:
+        run_steps(eng, bf16_grads(0, 1, NUMEL))
+        save_engine_state(eng, path, link_tier_files=True)
+        saved = engine_state(eng)
+    e, part = _parts(path)[2]
+    assert len(e["part"]["crcs"][1]) == 5
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(direct_io, "CHUNK", 4096)  # the span in many reads
+        assert _equal(_loaded(path, root / "b"), saved)
+        with open(part, "r+b") as f:
+            f.seek(e["part"]["spans"][1][0] + int(at * 4 * (e["end"] - e["start"])))  # inside its exp_avg
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0x10]))
+        with pytest.raises(CheckpointDataError, match=f"{part}: checksum mismatch in exp_avg"):
+            _loaded(path, root / "c")
 
 
 def test_ranges_read_from_parts_equal_those_of_a_copied_checkpoint(tmp_path):
