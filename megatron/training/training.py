@@ -258,6 +258,7 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
                      "transformer-engine on CUDA): megatron-core's sequential experts run, the same arithmetic")
     trained = Trained(model, optimizer, scheduler)
     iteration, consumed = checkpointing.resume(args, trained)
+    checkpointing.forecast_space(args, trained, iteration)  # a save that will not fit, said before any step
 
     phases.done("checkpoint")
     eval_runs = 0 if not args.eval_interval else (args.train_iters // args.eval_interval + 1)

@@ -141,18 +141,21 @@ def test_disk_full_in_the_middle_of_a_save(tmp_path, uninterrupted, saved):
 
 
 def test_save_refused_up_front_when_the_file_system_is_too_small(tmp_path):
-    """A real 5 MB file system holds one checkpoint (3.4 MB), not two: the first save warns, once, that
-    the second will not fit; the second is refused before any byte is written, naming --save and the
-    numbers; the first stays as it was. Needs root to mount it (CI runs it as root)."""
+    """A real 5 MB file system holds one checkpoint (3.4 MB), not two: a warning at start-up, once, says the
+    second will not fit; the second is refused before any byte is written, naming --save and the numbers; the
+    first stays as it was. Needs root to mount it (CI runs it as root)."""
     with small_file_system(tmp_path / "small", "5m") as mount:
         ckpt = mount / "ckpt"
         line, output = failed_run(tmp_path, chain_args(tmp_path, ckpt), "small", with_output=True, train_iters=ITERS)
         assert re.search(rf"--save {ckpt}: the checkpoint of iteration 4 needs about 3\.\d+ MB, but only "
                          r"[\d.]+ MB are free there; nothing was written", line), line
-        warnings = [ln for ln in output.splitlines() if "will be refused for space" in ln]
+        lines = output.splitlines()
+        warnings = [n for n, ln in enumerate(lines) if "will be refused for space" in ln]
         assert len(warnings) == 1 and re.search(
             rf"warning: --save {ckpt}: the save at iteration 4 will be refused for space: about 3\.\d+ MB a "
-            r"checkpoint \(every one kept\) and [\d.]+ MB free before the one at 2", warnings[0]), warnings
+            r"checkpoint \(every one kept\) and [\d.]+ MB free at start-up", lines[warnings[0]]), warnings
+        first_step = next(n for n, ln in enumerate(lines) if re.search(r"iteration +1/", ln))
+        assert warnings[0] < first_step  # before any work
         assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
 
 

@@ -131,23 +131,23 @@ def test_a_retirement_while_the_last_one_still_removes_leaves_its_directories_to
 
 
 @settings(max_examples=80, deadline=None)
-@given(st.integers(0, 60), st.one_of(st.none(), st.integers(1, 12)), st.one_of(st.none(), st.integers(1, 80)))
-def test_the_planned_saves_are_every_interval_and_the_end_of_training(iteration, interval, train_iters):
-    later = integrity.planned_saves(iteration, interval, train_iters)
-    if interval is None or train_iters is None:
+@given(st.integers(0, 60), st.one_of(st.none(), st.integers(1, 12)), st.one_of(st.none(), st.integers(1, 80)),
+       st.booleans())
+def test_the_planned_saves_are_every_interval_and_the_end_of_training(iteration, interval, train_iters, at_end):
+    later = integrity.planned_saves(iteration, interval, train_iters, at_end)
+    if train_iters is None:
         assert later == []
-    else:  # the loop's rule, written out: a multiple of the interval, or the last iteration
-        assert later == [i for i in range(iteration + 1, train_iters + 1) if i % interval == 0 or i == train_iters]
+    else:  # the loop's rule, written out: a multiple of the interval, or (at_end) the last iteration
+        assert later == [i for i in range(iteration + 1, train_iters + 1)
+                         if (interval and i % interval == 0) or (at_end and i == train_iters)]
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.integers(1, 40), st.integers(1, 8), st.integers(0, 60), st.sampled_from(["all", "newest", "multiples"]),
        st.integers(1, 4), st.integers(1, 9), st.integers(0, 30))
 def test_the_forecast_names_the_first_save_that_will_not_fit(first, interval, more, kept, retain_factor, size, free):
-    iteration = first * interval
-    later = integrity.planned_saves(iteration, interval, iteration + more)
+    saves = integrity.planned_saves(first * interval - 1, interval, first * interval + more)
     retain = {"all": None, "newest": integrity.NEWEST_ONLY, "multiples": retain_factor * interval}[kept]
-    saves = [iteration, *later]
 
     def on_disk_while_writing(j):  # the run's checkpoints there while saves[j] is written, counted directly
         if j == 0:
@@ -157,6 +157,5 @@ def test_the_forecast_names_the_first_save_that_will_not_fit(first, interval, mo
         earlier_kept = [s for s in saves[:j - 1] if retain != integrity.NEWEST_ONLY and s % retain == 0]
         return len(earlier_kept) + 1  # those the retention keeps, and the newest (retired only once this one is done)
 
-    refused = next((saves[j] for j in range(len(saves)) if size * (on_disk_while_writing(j) + 1) > free), None)
-    expected = None if refused == iteration else refused
-    assert integrity.first_refused_save(iteration, later, retain, size, free) == expected
+    expected = next((saves[j] for j in range(len(saves)) if size * (on_disk_while_writing(j) + 1) > free), None)
+    assert integrity.first_refused_save(saves, retain, size, free) == expected

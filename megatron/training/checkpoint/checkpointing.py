@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from megatron.core import dist_checkpointing, parallel_state
@@ -30,7 +30,7 @@ from megatron.training.checkpoint.offload_files import (offloaded_state_bytes, o
                                                         start_offloaded_save, write_offloaded_state)
 from megatron.training.checkpoint.optimizer_state import OffloadedStateLoad, load_optimizer, optimizer_template
 from megatron.training.checkpoint.save_agreement import (background_failure, begin_save, complete, fail_together,
-                                                          save_failure, write_digests)
+                                                          forecast_saves, save_failure, write_digests)
 from megatron.training.checkpoint.saved_args import args_to_save
 from megatron.training.checkpoint.torch_dist_read_ahead import TorchDistReadAhead
 from megatron.training.checkpoint.resume_check import ResumeCheck, SaveDigests
@@ -115,8 +115,7 @@ def save_checkpoint(iteration: int, trained, consumed_samples: int, args, backgr
     process and the offloaded optimizer state by a thread, from a snapshot taken here
     (mlp_offload.snapshot); the checkpoint is completed in the finalize step."""
     root, retain_interval = _save_root(args, non_persistent)
-    interval = getattr(args, "non_persistent_save_interval", None) if non_persistent else args.save_interval
-    later = planned_saves(iteration, interval, args.train_iters)  # for the space check's forecast
+    later = _planned_saves(args, iteration, non_persistent)  # for the space check's forecast
     if background is None:  # the start line only: _save_now's own line at the end gives the bytes and rates
         print_rank0(f"> saving {'non-persistent ' if non_persistent else ''}checkpoint at iteration {iteration} to "
                     f"{root} ...")
@@ -193,6 +192,28 @@ def save_checkpoint(iteration: int, trained, consumed_samples: int, args, backgr
 def save_intervals(args) -> Tuple[Optional[int], Optional[int]]:
     """The intervals saves come at: --save-interval's and --non-persistent-save-interval's."""
     return args.save_interval, getattr(args, "non_persistent_save_interval", None)
+
+
+def forecast_space(args, trained, iteration: int) -> None:
+    """At start-up (every rank): one warning line where a save this run will make into --save (or the
+    non-persistent directory) will not fit, before the first save (save_agreement.forecast_saves)."""
+    if not args.save:
+        return
+    optimizer = None if args.no_save_optim else trained.optimizer
+    for non_persistent in (False, True):
+        root, retain_interval = _save_root(args, non_persistent)
+        saves = _planned_saves(args, iteration, non_persistent)
+        if root and saves:
+            forecast_saves(root, saves, retain_interval, trained.model, optimizer)
+
+
+def _planned_saves(args, iteration: int, non_persistent: bool) -> List[int]:
+    """The run's saves into that directory after ``iteration`` (the training loop's rule: the non-persistent
+    ones at their interval, the persistent ones at theirs and at the end of training)."""
+    if non_persistent:
+        interval = getattr(args, "non_persistent_save_interval", None)
+        return planned_saves(iteration, interval, args.train_iters, at_end=False) if interval else []
+    return planned_saves(iteration, args.save_interval, args.train_iters)
 
 
 def _save_root(args, non_persistent: bool) -> Tuple[str, Optional[int]]:

@@ -253,26 +253,28 @@ def to_retire(root: str, iteration: int, retain_interval: int) -> List[Tuple[int
                   and not os.path.islink(path) and _markers(path).state == COMPLETE_STATE)
 
 
-def planned_saves(iteration: int, interval: Optional[int], train_iters: Optional[int]) -> List[int]:
+def planned_saves(iteration: int, interval: Optional[int], train_iters: Optional[int],
+                  at_end: bool = True) -> List[int]:
     """The iterations of a run's saves into one directory after ``iteration``: every multiple of ``interval``
-    up to ``train_iters`` and the end of training's own (none where either is not set)."""
-    if not interval or not train_iters:
+    (where set) up to ``train_iters``, and with ``at_end`` the end of training's own (the training loop's rule)."""
+    if not train_iters:
         return []
-    later = list(range((iteration // interval + 1) * interval, train_iters + 1, interval))
-    return later + [train_iters] if train_iters > iteration and train_iters % interval else later
+    later = list(range((iteration // interval + 1) * interval, train_iters + 1, interval)) if interval else []
+    ends = at_end and train_iters > iteration and not (interval and train_iters % interval == 0)
+    return later + [train_iters] if ends else later
 
 
-def first_refused_save(iteration: int, later: Sequence[int], retain_interval: Optional[int], checkpoint_bytes: float,
+def first_refused_save(saves: Sequence[int], retain_interval: Optional[int], checkpoint_bytes: float,
                        free_bytes: float) -> Optional[int]:
-    """The first of ``later`` (ascending) whose checkpoint the space check will refuse, where ``free_bytes`` are
-    free before the save at ``iteration``, every checkpoint of the run takes ``checkpoint_bytes`` and nothing
-    else writes there: this run's own kept as ``retain_interval`` keeps them (None: all of them), the earlier
-    ones retiring once a newer one is complete. Earlier runs' checkpoints are outside ``free_bytes`` already
-    (their retiring only adds room). None where every one fits."""
+    """The first of ``saves`` (a run's next saves into one directory, ascending) whose checkpoint the space
+    check will refuse, where ``free_bytes`` are free before the first, each checkpoint takes
+    ``checkpoint_bytes`` and nothing else writes there: the run's own kept as ``retain_interval`` keeps them
+    (None: all of them), the earlier ones retiring once a newer one is complete. Earlier runs' checkpoints are
+    outside ``free_bytes`` already (their retiring only adds room). None where every one fits."""
     kept: List[int] = []  # this run's checkpoints on the disk when the next save begins
-    for it in [iteration, *later]:
+    for it in saves:
         if checkpoint_bytes * (len(kept) + 1) > free_bytes:
-            return None if it == iteration else it  # the one at ``iteration`` is the space check's own to refuse
+            return it
         kept = [k for k in kept if _retained(k, retain_interval)] + [it]
     return None
 

@@ -92,31 +92,53 @@ def _check_free_space(root: str, path: str, iteration: int, model, optimizer, la
                       retain_interval: Optional[int]) -> None:
     """Refuse before writing anything when the file system cannot hold the checkpoint; warn (once per
     forecast) where a later save of the run will not fit."""
-    needed = torch.tensor([_bytes_this_rank_saves(model, optimizer)], dtype=torch.float64, device=model_device(model))
-    torch.distributed.all_reduce(needed)  # on the model's device: NCCL reduces no CPU tensors
+    needed = _checkpoint_bytes(model, optimizer)
     verdict = [None]
     if torch.distributed.get_rank() == 0:
-        st = os.statvfs(root)
-        free = st.f_bavail * st.f_frsize
-        if needed.item() > free:
+        free = _free_bytes(root)
+        if needed > free:
             shutil.rmtree(path)  # holds only its in-progress marker
             verdict = [f"--save {root}: the checkpoint of iteration {iteration} needs about "
-                       f"{human_bytes(needed.item())}, but only {human_bytes(free)} are free there; nothing was "
+                       f"{human_bytes(needed)}, but only {human_bytes(free)} are free there; nothing was "
                        f"written and the previous checkpoints are untouched: free space or use another --save"]
         else:
-            _forecast(root, iteration, later, retain_interval, needed.item(), free)
+            _forecast(root, [iteration, *later], retain_interval, needed, free, f"before the save at {iteration}")
     torch.distributed.broadcast_object_list(verdict, src=0)
     if verdict[0]:
         raise UserError(verdict[0])
 
 
+def forecast_saves(root: str, saves: Sequence[int], retain_interval: Optional[int], model, optimizer) -> None:
+    """At start-up (every rank calls it): the warning a save gives where a later one will not fit, before the
+    first save, from the checkpoint's size and the space free now."""
+    needed = _checkpoint_bytes(model, optimizer)
+    if torch.distributed.get_rank() == 0:
+        _forecast(root, saves, retain_interval, needed, _free_bytes(root), "at start-up")
+
+
+def _checkpoint_bytes(model, optimizer) -> float:
+    """The bytes a checkpoint takes, all ranks' together (a collective)."""
+    needed = torch.tensor([_bytes_this_rank_saves(model, optimizer)], dtype=torch.float64, device=model_device(model))
+    torch.distributed.all_reduce(needed)  # on the model's device: NCCL reduces no CPU tensors
+    return needed.item()
+
+
+def _free_bytes(root: str) -> int:
+    """Bytes free to this user on ``root``'s file system (its nearest existing directory's, before it is made)."""
+    path = os.path.abspath(root)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
 _forecasts_said: Dict[str, int] = {}  # per directory, the refused save last warned of
 
 
-def _forecast(root: str, iteration: int, later: Sequence[int], retain_interval: Optional[int],
-              checkpoint_bytes: float, free: int) -> None:
-    """One warning line where a later save of the run into ``root`` will be refused for space (rank 0)."""
-    refused = integrity.first_refused_save(iteration, later, retain_interval, checkpoint_bytes, free)
+def _forecast(root: str, saves: Sequence[int], retain_interval: Optional[int], checkpoint_bytes: float, free: int,
+              when: str) -> None:
+    """One warning line where one of ``saves`` into ``root`` will be refused for space (rank 0)."""
+    refused = integrity.first_refused_save(saves, retain_interval, checkpoint_bytes, free)
     if refused is None or _forecasts_said.get(root) == refused:
         return
     _forecasts_said[root] = refused
@@ -127,9 +149,8 @@ def _forecast(root: str, iteration: int, later: Sequence[int], retain_interval: 
     else:
         kept, advice = f"those at multiples of --save-retain-interval {retain_interval} and the newest kept", ""
     print(f"> warning: --save {root}: the save at iteration {refused} will be refused for space: about "
-          f"{human_bytes(checkpoint_bytes)} a checkpoint ({kept}) and {human_bytes(free)} free before the one at "
-          f"{iteration}, if nothing else writes there; free space or use another --save before then{advice}",
-          flush=True)
+          f"{human_bytes(checkpoint_bytes)} a checkpoint ({kept}) and {human_bytes(free)} free {when}, if nothing "
+          f"else writes there; free space or use another --save before then{advice}", flush=True)
 
 
 def _bytes_this_rank_saves(model, optimizer) -> int:
