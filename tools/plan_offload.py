@@ -8,7 +8,8 @@
 Prints whether the run fits, where every byte goes (GPU memory, host memory, each file tier),
 what a node writes to each file tier in a day (against its drives' rated endurance),
 the predicted iteration time and its bottleneck, tokens/s at several global batch sizes, what one
-checkpoint writes and the flags to use; ``--json`` prints the same as one object. ``--hf-config DIR/config.json`` takes the
+checkpoint writes and how many are on --save at once, and the flags to use; ``--json`` prints the same as one
+object. ``--hf-config DIR/config.json`` takes the
 model's flags from a Hugging Face config (those tools/hf_checkpoint.py import writes to model_args.txt);
 flags given after it override them. ``--recommend`` also plans every recompute
 granularity x micro-batch size x gpu tier for the run's global batch size and names the fastest
@@ -32,6 +33,7 @@ import warnings
 warnings.simplefilter("ignore")  # megatron-core warns at import about optional packages
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron.training.checkpoint.integrity import checkpoints_on_disk, planned_saves  # noqa: E402
 from megatron.training.errors import UserError, reported_once  # noqa: E402
 from megatron.training.offload.options import HOST_CACHE_FLAG  # noqa: E402
 from mlp_offload import GPU_TIER, HOST_TIER, GiB, MeasuredRates, codecs_for, kind_of  # noqa: E402
@@ -535,11 +537,29 @@ def describe(plan, args, machine, flags, rates) -> str:
         lines.append(f"a checkpoint: about {sum(saved.values()) / 1e9:.1f} GB per save ("
                      + ", ".join(f"{part} {nbytes / 1e9:.1f} GB" for part, nbytes in saved.items())
                      + f"), {sum(saved.values()) / machine.nnodes / 1e9:.1f} GB per node; --save needs room for the "
-                     f"checkpoints kept and one more being written")
+                     f"checkpoints kept and one more being written{describe_checkpoints_at_once(args, saved)}")
     lines.append("tokens/s by global batch size: "
                  + ", ".join(f"{gbs}: {tps:,.0f}" for gbs, tps in plan.tokens_per_s.items()))
     lines.append("flags: " + shlex.join(suggested_flags(plan, args, flags)))
     return "\n".join(lines)
+
+
+def checkpoints_at_once(args) -> int:
+    """The most of a fresh run's checkpoints on --save at once, one being written included (its saves every
+    --save-interval to --train-iters and at the end, kept as --save-retain-interval keeps them); 0 without
+    --save-interval."""
+    saves = planned_saves(0, args.save_interval, args.train_iters) if args.save_interval else []
+    return max(checkpoints_on_disk(saves, getattr(args, "save_retain_interval", None)), default=0)
+
+
+def describe_checkpoints_at_once(args, saved) -> str:
+    at_once = checkpoints_at_once(args)
+    if not at_once:
+        return ""
+    retention = (f"those at multiples of --save-retain-interval {args.save_retain_interval} and the newest kept"
+                 if getattr(args, "save_retain_interval", None) else "every one kept")
+    return (f": with --save-interval {args.save_interval} to --train-iters {args.train_iters} ({retention}), up to "
+            f"{at_once} at once, about {at_once * sum(saved.values()) / 1e9:.1f} GB")
 
 
 def recommend(opts, capacities, flags, args, machine, measured):
@@ -689,6 +709,7 @@ def main(argv=None) -> int:
         if opts.json:
             extra = {"recommendation": advice} if advice else {}
             extra["iteration_s_at_disk_rates"] = {f"{f:g}": v for f, v in disk_range.items()}
+            extra["checkpoints_at_once"] = checkpoints_at_once(args)
             print(json.dumps({**plan.as_json(), "gpu_tflops": machine.gpu_tflops, "flags": suggested_flags(plan, args, flags),
                               **extra}, indent=1))
         else:

@@ -348,3 +348,17 @@ def test_a_file_tier_line_says_what_a_node_writes_to_it_in_a_day():
     expected = written * 2 * 86400 / got["predicted_iteration_s"] / 1e12
     (line,) = [l for l in out.getvalue().splitlines() if l.startswith("nvme per node:")]
     assert line.endswith(f"; {expected:.1f} TB written a day per node at the predicted iteration")
+
+
+@pytest.mark.parametrize("flags,at_once", [
+    (["--train-iters", "10", "--save-interval", "2"], 5),                                 # every one kept
+    (["--train-iters", "9", "--save-interval", "2"], 5),                                  # and the one at the end
+    (["--train-iters", "10", "--save-interval", "2", "--save-retain-interval", "4"], 3),  # 4, 8 (newest), 10
+    (["--train-iters", "10"], 0),                                                         # no --save-interval
+])
+def test_the_plan_says_how_many_checkpoints_are_on_save_at_once(flags, at_once):
+    """Worked out by hand: the saves at every --save-interval and at the end, those --save-retain-interval keeps
+    and the newest on the disk while the next is written."""
+    got = plan_json("--gpus-per-node", "1", "--gpu-memory-gb", "80", "--gpu-tflops", "100", *TINY_MODEL,
+                    "--save", "/nonexistent/ckpt", *flags)  # the planner touches no path
+    assert got["checkpoints_at_once"] == at_once

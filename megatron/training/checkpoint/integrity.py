@@ -264,19 +264,25 @@ def planned_saves(iteration: int, interval: Optional[int], train_iters: Optional
     return later + [train_iters] if ends else later
 
 
+def checkpoints_on_disk(saves: Sequence[int], retain_interval: Optional[int]) -> List[int]:
+    """For each of ``saves`` (a run's saves into one directory, ascending), how many of the run's checkpoints
+    are there while it is written, itself included: those ``retain_interval`` keeps (None: all of them) and
+    the newest before it, which retires only once it is complete."""
+    counts, kept = [], []  # kept: this run's checkpoints on the disk when the next save begins
+    for it in saves:
+        counts.append(len(kept) + 1)
+        kept = [k for k in kept if _retained(k, retain_interval)] + [it]
+    return counts
+
+
 def first_refused_save(saves: Sequence[int], retain_interval: Optional[int], checkpoint_bytes: float,
                        free_bytes: float) -> Optional[int]:
-    """The first of ``saves`` (a run's next saves into one directory, ascending) whose checkpoint the space
-    check will refuse, where ``free_bytes`` are free before the first, each checkpoint takes
-    ``checkpoint_bytes`` and nothing else writes there: the run's own kept as ``retain_interval`` keeps them
-    (None: all of them), the earlier ones retiring once a newer one is complete. Earlier runs' checkpoints are
-    outside ``free_bytes`` already (their retiring only adds room). None where every one fits."""
-    kept: List[int] = []  # this run's checkpoints on the disk when the next save begins
-    for it in saves:
-        if checkpoint_bytes * (len(kept) + 1) > free_bytes:
-            return it
-        kept = [k for k in kept if _retained(k, retain_interval)] + [it]
-    return None
+    """The first of ``saves`` whose checkpoint the space check will refuse, where ``free_bytes`` are free
+    before the first, each checkpoint takes ``checkpoint_bytes`` and nothing else writes there
+    (``checkpoints_on_disk``). Earlier runs' checkpoints are outside ``free_bytes`` already (their retiring
+    only adds room). None where every one fits."""
+    counts = checkpoints_on_disk(saves, retain_interval)
+    return next((it for it, n in zip(saves, counts) if checkpoint_bytes * n > free_bytes), None)
 
 
 def _retained(iteration: int, retain_interval: Optional[int]) -> bool:
