@@ -1,5 +1,6 @@
 """Save and load of one engine's offloaded state against the disk's O_DIRECT floor, measured in one
-process, twice each, page cache dropped before every one. Usage: python3 benchmarks/experiments/ckpt_io.py
+process, twice each, page cache dropped before every one; the second save goes to a file of its own beside
+the first, as a run's checkpoints do (until 2026-12-02 it replaced the first, which measured slower). Usage: python3 benchmarks/experiments/ckpt_io.py
 [DIR] [GB of state] (default /var/tmp/ckpt_io, 6); prints one line per measurement and writes them to
 $OUT/ckpt_io.txt. (At 50addb4 it also timed the writer and reader with O_DIRECT refused, by patching the
 engine's insides; benchmarks use the engine's face only, so that mode is gone: docs/benchmarks.md §15 keeps
@@ -43,10 +44,10 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     cfg = OffloadConfig(tiers=["host"], subgroup_size=100_000_000, adam_elems_per_s=1e9, run_id="ckpt_io",
                         pin_memory=cuda, device="cuda" if cuda else "cpu")
-    path = str(root / "state.offload")
+    paths = [str(root / f"state{k}.offload") for k in range(2)]
     with OffloadedAdamW(torch.randn(numel), cfg) as eng:
         eng.modify_state(lambda sg, p, m, v: (m.normal_(), v.uniform_()))  # every page written, no zeros
-        for _ in range(2):
+        for path in paths:  # the second beside the first, as a run's next checkpoint beside its last
             drop_cache()
             t = time.perf_counter()
             nbytes = save_engine_state(eng, path)
@@ -58,7 +59,8 @@ def main() -> None:
             say(f"save {nbytes / 1e9:.2f} GB in {save_s:.2f} s = {nbytes / save_s / 1e9:.2f} GB/s "
                 f"({nbytes / save_s / 1e9 / floor['write_gbps']:.0%} of the floor); load {load_s:.2f} s = "
                 f"{nbytes / load_s / 1e9:.2f} GB/s ({nbytes / load_s / 1e9 / floor['read_gbps']:.0%})")
-    os.unlink(path)
+    for path in paths:
+        os.unlink(path)
     out = Path(os.environ.get("OUT", "/tmp/out"))
     out.mkdir(parents=True, exist_ok=True)
     (out / "ckpt_io.txt").write_text("\n".join(lines) + "\n")
