@@ -113,6 +113,7 @@ def forecast_saves(root: str, saves: Sequence[int], retain_interval: Optional[in
     first save, from the checkpoint's size and the space free now."""
     needed = _checkpoint_bytes(model, optimizer)
     if torch.distributed.get_rank() == 0:
+        _forecasts_said.pop(root, None)  # a run of its own: an earlier run of this process said nothing for it
         _forecast(root, saves, retain_interval, needed, _free_bytes(root), "at start-up")
 
 
