@@ -33,7 +33,7 @@ import warnings
 warnings.simplefilter("ignore")  # megatron-core warns at import about optional packages
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.training.checkpoint.integrity import checkpoints_on_disk, planned_saves  # noqa: E402
+from megatron.training.checkpoint.save_agreement import checkpoints_on_disk, planned_saves  # noqa: E402
 from megatron.training.errors import UserError, reported_once  # noqa: E402
 from megatron.training.offload.options import HOST_CACHE_FLAG  # noqa: E402
 from mlp_offload import GPU_TIER, HOST_TIER, GiB, MeasuredRates, codecs_for, kind_of  # noqa: E402

@@ -23,12 +23,12 @@ from .parts import is_part_path
 from .range_reader import RangeReader
 from .state_file import (StateFile, fill_engine, human_bytes, load_engine_state, read_footer, state_file_bytes,
                          stored_codecs, subgroups_file_bytes)
-from .write import BackgroundStateWrite, save_engine_state, start_background_save, write_snapshot
+from .write import BackgroundStateWrite, free_bytes, save_engine_state, start_background_save, write_snapshot
 
 __all__ = ["MAGIC", "TRAILER", "STATE_FILE_SUFFIX", "CheckpointDataError", "CheckpointSaveError", "RangeReader", "StateFile",
            "fill_engine", "human_bytes", "load_engine_state", "read_footer", "state_file_bytes", "stored_codecs",
            "subgroups_file_bytes", "FileBlocks", "moments_change", "note_moments_change", "values_fill",
-           "BackgroundStateWrite", "save_engine_state", "start_background_save", "write_snapshot",
+           "BackgroundStateWrite", "free_bytes", "save_engine_state", "start_background_save", "write_snapshot",
            "merge_remainders", "BlockLayout", "Quantized", "quantize", "describe_formats", "is_blockwise",
            "MASK", "TENSORS", "StateDigest", "add_pairs", "as_pairs", "tensor_digest", "find_mismatch",
            "is_part_path", "FlushPacing", "flush_pacing", "read_flush_report", "install_paced_fsync",

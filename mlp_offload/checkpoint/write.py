@@ -196,7 +196,7 @@ def write_snapshot(snapshot: StateSnapshot, path: str, metadata: Optional[dict],
             raise CheckpointSaveError(
                 f"{path}: {err.strerror or err} while saving the offloaded optimizer state: "
                 f"{human_bytes(subgroups_file_bytes(snapshot.subgroups))} needed for this file, "
-                f"{human_bytes(_free_bytes(path))} free; the partial file was removed") from err
+                f"{human_bytes(free_bytes(path))} free; the partial file was removed") from err
         raise
     linked = parts.linked_bytes if parts is not None else 0
     log.info("offloaded state %s: %s linked from the tiers' files, %s written", path, human_bytes(linked),
@@ -343,6 +343,11 @@ def _remove(path: str) -> None:
         pass
 
 
-def _free_bytes(path: str) -> int:
-    st = os.statvfs(os.path.dirname(os.path.abspath(path)))
+def free_bytes(path: str) -> int:
+    """Bytes free to this user on the file system that holds ``path`` (its nearest existing directory's, where
+    it is not made yet)."""
+    at = os.path.abspath(path)
+    while not os.path.exists(at) and os.path.dirname(at) != at:
+        at = os.path.dirname(at)
+    st = os.statvfs(at)
     return st.f_bavail * st.f_frsize

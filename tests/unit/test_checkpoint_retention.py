@@ -8,7 +8,7 @@ import os
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from megatron.training.checkpoint import integrity
+from megatron.training.checkpoint import integrity, save_agreement
 from .helpers import MARKERS, make_checkpoint_dir as make, parse_error
 
 
@@ -134,7 +134,7 @@ def test_a_retirement_while_the_last_one_still_removes_leaves_its_directories_to
 @given(st.integers(0, 60), st.one_of(st.none(), st.integers(1, 12)), st.one_of(st.none(), st.integers(1, 80)),
        st.booleans())
 def test_the_planned_saves_are_every_interval_and_the_end_of_training(iteration, interval, train_iters, at_end):
-    later = integrity.planned_saves(iteration, interval, train_iters, at_end)
+    later = save_agreement.planned_saves(iteration, interval, train_iters, at_end)
     if train_iters is None:
         assert later == []
     else:  # the loop's rule, written out: a multiple of the interval, or (at_end) the last iteration
@@ -146,7 +146,7 @@ def test_the_planned_saves_are_every_interval_and_the_end_of_training(iteration,
 @given(st.integers(1, 40), st.integers(1, 8), st.integers(0, 60), st.sampled_from(["all", "newest", "multiples"]),
        st.integers(1, 4), st.integers(1, 9), st.integers(0, 30))
 def test_the_forecast_names_the_first_save_that_will_not_fit(first, interval, more, kept, retain_factor, size, free):
-    saves = integrity.planned_saves(first * interval - 1, interval, first * interval + more)
+    saves = save_agreement.planned_saves(first * interval - 1, interval, first * interval + more)
     retain = {"all": None, "newest": integrity.NEWEST_ONLY, "multiples": retain_factor * interval}[kept]
 
     def on_disk_while_writing(j):  # the run's checkpoints there while saves[j] is written, counted directly
@@ -158,4 +158,4 @@ def test_the_forecast_names_the_first_save_that_will_not_fit(first, interval, mo
         return len(earlier_kept) + 1  # those the retention keeps, and the newest (retired only once this one is done)
 
     expected = next((saves[j] for j in range(len(saves)) if size * (on_disk_while_writing(j) + 1) > free), None)
-    assert integrity.first_refused_save(saves, retain, size, free) == expected
+    assert save_agreement.first_refused_save(saves, retain, size, free) == expected

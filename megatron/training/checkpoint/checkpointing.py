@@ -23,14 +23,13 @@ from megatron.core import dist_checkpointing, parallel_state
 
 from megatron.training.checkpoint.async_save import (HostWeightsAside, check_nodes_hold, next_save_in_s,
                                                       reserve_host_copies, torch_dist_flush)
-from megatron.training.checkpoint.integrity import (NEWEST_ONLY, checkpoint_dir, non_persistent_root, part_bytes,
-                                                    planned_saves, retire)
+from megatron.training.checkpoint.integrity import NEWEST_ONLY, checkpoint_dir, non_persistent_root, part_bytes, retire
 from megatron.training.checkpoint.load_plan import SAME_FORM, plan_load, resume_position, resume_root
 from megatron.training.checkpoint.offload_files import (offloaded_state_bytes, offloaded_state_writes,
                                                         start_offloaded_save, write_offloaded_state)
 from megatron.training.checkpoint.optimizer_state import OffloadedStateLoad, load_optimizer, optimizer_template
 from megatron.training.checkpoint.save_agreement import (background_failure, begin_save, complete, fail_together,
-                                                          forecast_saves, save_failure, write_digests)
+                                                          forecast_saves, planned_saves, save_failure, write_digests)
 from megatron.training.checkpoint.saved_args import args_to_save
 from megatron.training.checkpoint.torch_dist_read_ahead import TorchDistReadAhead
 from megatron.training.checkpoint.resume_check import ResumeCheck, SaveDigests

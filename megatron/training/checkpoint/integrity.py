@@ -38,7 +38,7 @@ import threading
 import time
 import zlib
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from mlp_offload import fsync_path
 from mlp_offload.checkpoint import STATE_FILE_SUFFIX, human_bytes, is_part_path
@@ -249,43 +249,11 @@ def to_retire(root: str, iteration: int, retain_interval: int) -> List[Tuple[int
     their markers; others stay as the module's docstring says), earlier, not at a multiple of ``retain_interval``
     (any, with ``NEWEST_ONLY``), and not a symbolic link."""
     return sorted((it, path) for it, path in iteration_dirs(root).items()
-                  if it < iteration and not _retained(it, retain_interval)
+                  if it < iteration and not retained(it, retain_interval)
                   and not os.path.islink(path) and _markers(path).state == COMPLETE_STATE)
 
 
-def planned_saves(iteration: int, interval: Optional[int], train_iters: Optional[int],
-                  at_end: bool = True) -> List[int]:
-    """The iterations of a run's saves into one directory after ``iteration``: every multiple of ``interval``
-    (where set) up to ``train_iters``, and with ``at_end`` the end of training's own (the training loop's rule)."""
-    if not train_iters:
-        return []
-    later = list(range((iteration // interval + 1) * interval, train_iters + 1, interval)) if interval else []
-    ends = at_end and train_iters > iteration and not (interval and train_iters % interval == 0)
-    return later + [train_iters] if ends else later
-
-
-def checkpoints_on_disk(saves: Sequence[int], retain_interval: Optional[int]) -> List[int]:
-    """For each of ``saves`` (a run's saves into one directory, ascending), how many of the run's checkpoints
-    are there while it is written, itself included: those ``retain_interval`` keeps (None: all of them) and
-    the newest before it, which retires only once it is complete."""
-    counts, kept = [], []  # kept: this run's checkpoints on the disk when the next save begins
-    for it in saves:
-        counts.append(len(kept) + 1)
-        kept = [k for k in kept if _retained(k, retain_interval)] + [it]
-    return counts
-
-
-def first_refused_save(saves: Sequence[int], retain_interval: Optional[int], checkpoint_bytes: float,
-                       free_bytes: float) -> Optional[int]:
-    """The first of ``saves`` whose checkpoint the space check will refuse, where ``free_bytes`` are free
-    before the first, each checkpoint takes ``checkpoint_bytes`` and nothing else writes there
-    (``checkpoints_on_disk``). Earlier runs' checkpoints are outside ``free_bytes`` already (their retiring
-    only adds room). None where every one fits."""
-    counts = checkpoints_on_disk(saves, retain_interval)
-    return next((it for it, n in zip(saves, counts) if checkpoint_bytes * n > free_bytes), None)
-
-
-def _retained(iteration: int, retain_interval: Optional[int]) -> bool:
+def retained(iteration: int, retain_interval: Optional[int]) -> bool:
     """Whether a complete checkpoint stays once a newer one is complete (``to_retire``'s rule, for one)."""
     return retain_interval is None or (retain_interval != NEWEST_ONLY and iteration % retain_interval == 0)
 

@@ -1,13 +1,16 @@
 """What every rank of a save agrees on, through collectives: that it begins (rank 0 marks it in progress, the file
 system has room for it), whether any rank's part failed (then all stop with one line and the unfinished directory
-goes), and that it is complete (rank 0's proof, then the tracker). ``checkpointing`` runs a save through these."""
+goes), and that it is complete (rank 0's proof, then the tracker). ``checkpointing`` runs a save through these.
+The space check also forecasts: where a later save of the run will not fit (its saves by the training loop's
+rule, its checkpoints on the disk at once as ``--save-retain-interval`` retires them), one warning line says
+which, at start-up and at a save where it changes; the planner (tools/plan_offload.py) counts with it too."""
 
 from __future__ import annotations
 
 import errno
 import os
 import shutil
-from typing import Dict, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 from megatron.core import parallel_state
@@ -19,7 +22,7 @@ from megatron.training.errors import UserError
 from megatron.training.runtime.optimizer_interface import OffloadedOptimizerCheckpoint
 from megatron.training.runtime.progress import model_device
 from mlp_offload import fault_point
-from mlp_offload.checkpoint import CheckpointSaveError, human_bytes
+from mlp_offload.checkpoint import CheckpointSaveError, free_bytes, human_bytes
 
 # What a file system says when the user must act (space, quota, permissions, a vanished or failing disk).
 STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.EIO}
@@ -95,14 +98,14 @@ def _check_free_space(root: str, path: str, iteration: int, model, optimizer, la
     needed = _checkpoint_bytes(model, optimizer)
     verdict = [None]
     if torch.distributed.get_rank() == 0:
-        free = _free_bytes(root)
+        free = free_bytes(root)
         if needed > free:
             shutil.rmtree(path)  # holds only its in-progress marker
             verdict = [f"--save {root}: the checkpoint of iteration {iteration} needs about "
                        f"{human_bytes(needed)}, but only {human_bytes(free)} are free there; nothing was "
                        f"written and the previous checkpoints are untouched: free space or use another --save"]
         else:
-            _forecast(root, [iteration, *later], retain_interval, needed, free, f"before the save at {iteration}")
+            warn_of_refusal(root, [iteration, *later], retain_interval, needed, free, f"before the save at {iteration}")
     torch.distributed.broadcast_object_list(verdict, src=0)
     if verdict[0]:
         raise UserError(verdict[0])
@@ -113,8 +116,7 @@ def forecast_saves(root: str, saves: Sequence[int], retain_interval: Optional[in
     first save, from the checkpoint's size and the space free now."""
     needed = _checkpoint_bytes(model, optimizer)
     if torch.distributed.get_rank() == 0:
-        _forecasts_said.pop(root, None)  # a run of its own: an earlier run of this process said nothing for it
-        _forecast(root, saves, retain_interval, needed, _free_bytes(root), "at start-up")
+        warn_of_refusal(root, saves, retain_interval, needed, free_bytes(root), "at start-up", afresh=True)
 
 
 def _checkpoint_bytes(model, optimizer) -> float:
@@ -122,36 +124,6 @@ def _checkpoint_bytes(model, optimizer) -> float:
     needed = torch.tensor([_bytes_this_rank_saves(model, optimizer)], dtype=torch.float64, device=model_device(model))
     torch.distributed.all_reduce(needed)  # on the model's device: NCCL reduces no CPU tensors
     return needed.item()
-
-
-def _free_bytes(root: str) -> int:
-    """Bytes free to this user on ``root``'s file system (its nearest existing directory's, before it is made)."""
-    path = os.path.abspath(root)
-    while not os.path.exists(path) and os.path.dirname(path) != path:
-        path = os.path.dirname(path)
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
-
-
-_forecasts_said: Dict[str, int] = {}  # per directory, the refused save last warned of
-
-
-def _forecast(root: str, saves: Sequence[int], retain_interval: Optional[int], checkpoint_bytes: float, free: int,
-              when: str) -> None:
-    """One warning line where one of ``saves`` into ``root`` will be refused for space (rank 0)."""
-    refused = integrity.first_refused_save(saves, retain_interval, checkpoint_bytes, free)
-    if refused is None or _forecasts_said.get(root) == refused:
-        return
-    _forecasts_said[root] = refused
-    if retain_interval is None:
-        kept, advice = "every one kept", "; --save-retain-interval N keeps only those at multiples of N and the newest"
-    elif retain_interval == integrity.NEWEST_ONLY:
-        kept, advice = "the newest kept", ""
-    else:
-        kept, advice = f"those at multiples of --save-retain-interval {retain_interval} and the newest kept", ""
-    print(f"> warning: --save {root}: the save at iteration {refused} will be refused for space: about "
-          f"{human_bytes(checkpoint_bytes)} a checkpoint ({kept}) and {human_bytes(free)} free {when}, if nothing "
-          f"else writes there; free space or use another --save before then{advice}", flush=True)
 
 
 def _bytes_this_rank_saves(model, optimizer) -> int:
@@ -179,3 +151,60 @@ def fail_together(failure: Optional[str], root: str, path: str) -> None:
     torch.distributed.barrier()
     raise UserError(f"--save {root}: {first}; the unfinished {path} was removed and the previous checkpoints are "
                     f"untouched")
+
+
+# -- the forecast: the space a run's saves will need (said at start-up and at each save; the planner counts with it)
+def planned_saves(iteration: int, interval: Optional[int], train_iters: Optional[int],
+                  at_end: bool = True) -> List[int]:
+    """The iterations of a run's saves into one directory after ``iteration``: every multiple of ``interval``
+    (where set) up to ``train_iters``, and with ``at_end`` the end of training's own (the training loop's rule)."""
+    if not train_iters:
+        return []
+    later = list(range((iteration // interval + 1) * interval, train_iters + 1, interval)) if interval else []
+    ends = at_end and train_iters > iteration and not (interval and train_iters % interval == 0)
+    return later + [train_iters] if ends else later
+
+
+def checkpoints_on_disk(saves: Sequence[int], retain_interval: Optional[int]) -> List[int]:
+    """For each of ``saves`` (a run's saves into one directory, ascending), how many of the run's checkpoints
+    are there while it is written, itself included: those ``retain_interval`` keeps (None: all of them) and
+    the newest before it, which retires only once it is complete."""
+    counts, kept = [], []  # kept: this run's checkpoints on the disk when the next save begins
+    for it in saves:
+        counts.append(len(kept) + 1)
+        kept = [k for k in kept if integrity.retained(k, retain_interval)] + [it]
+    return counts
+
+
+def first_refused_save(saves: Sequence[int], retain_interval: Optional[int], checkpoint_bytes: float,
+                       free_bytes: float) -> Optional[int]:
+    """The first of ``saves`` whose checkpoint the space check will refuse, where ``free_bytes`` are free
+    before the first, each checkpoint takes ``checkpoint_bytes`` and nothing else writes there
+    (``checkpoints_on_disk``). Earlier runs' checkpoints are outside ``free_bytes`` already (their retiring
+    only adds room). None where every one fits."""
+    counts = checkpoints_on_disk(saves, retain_interval)
+    return next((it for it, n in zip(saves, counts) if checkpoint_bytes * n > free_bytes), None)
+
+
+_forecasts_said: Dict[str, int] = {}  # per directory, the refused save last warned of
+
+
+def warn_of_refusal(root: str, saves: Sequence[int], retain_interval: Optional[int], checkpoint_bytes: float,
+                    free: int, when: str, afresh: bool = False) -> None:
+    """One warning line (rank 0) where one of ``saves`` into ``root`` will be refused for space, unless the same
+    was said for ``root`` already (``afresh``: a run's start-up, whatever an earlier run of the process said)."""
+    if afresh:
+        _forecasts_said.pop(root, None)
+    refused = first_refused_save(saves, retain_interval, checkpoint_bytes, free)
+    if refused is None or _forecasts_said.get(root) == refused:
+        return
+    _forecasts_said[root] = refused
+    if retain_interval is None:
+        kept, advice = "every one kept", "; --save-retain-interval N keeps only those at multiples of N and the newest"
+    elif retain_interval == integrity.NEWEST_ONLY:
+        kept, advice = "the newest kept", ""
+    else:
+        kept, advice = f"those at multiples of --save-retain-interval {retain_interval} and the newest kept", ""
+    print(f"> warning: --save {root}: the save at iteration {refused} will be refused for space: about "
+          f"{human_bytes(checkpoint_bytes)} a checkpoint ({kept}) and {human_bytes(free)} free {when}, if nothing "
+          f"else writes there; free space or use another --save before then{advice}", flush=True)
