@@ -34,6 +34,9 @@
 #       this tree with the file's flags added (a flag's cost measured in one call: A8_no_resume_check)
 #   bash benchmarks/run_gpu.sh determinism     (device tool, kind nvidia-h200, carry [".whl"])
 #   RUNS="D1 D2 DR" ... a subset; DRY_RUN=1 bash benchmarks/experiments/determinism.sh (tiny, CPU)
+#   A8_persistent_worker: A8 with --use-persistent-ckpt-worker (torch_dist's files written by a worker forked at
+#       start-up, not a fork per save: the first steps after a save without the fork's copy-on-write faults);
+#       RUNS="B8 A8 A8_persistent_worker" RUN_LIMIT=200 CALL_BUDGET_S=540 (about 510 s)
 #   (A2_staging_4k_pages: the snapshot's staging in 4 KiB pages, as before fa8ee57)
 #   (A8_writer_cpu_only, §52: the offloaded state's writer copies and CRCs its pieces but does not write them)
 #   (A8_writer_in_threads, §53: the offloaded state's CRCs and writes by threads of the rank, as before 0ffaf9c, where

@@ -13,6 +13,7 @@ import torch
 from megatron.training.args import moe as arguments_moe
 from megatron.training.data import batch_schedule
 from megatron.training.runtime import child_processes, determinism, slurm_env
+from megatron.training.runtime.checkpoint_worker import StandingWorker
 from megatron.training.errors import UserError
 from megatron.training.runtime.signals import SigtermWatcher
 
@@ -69,6 +70,8 @@ def initialize(args) -> torch.device:
     if device.type == "cpu":
         cpu_compat.apply()
     child_processes.die_with_rank(start_results_queue=bool(args.save))
+    # Forked before the process group's threads and the model: a fork shares only start-up's pages.
+    args.checkpoint_worker = StandingWorker.start(pin=device.type == "cuda") if args.use_persistent_ckpt_worker else None
     _init_process_group(device, args.distributed_timeout_minutes)
 
     from megatron.core import parallel_state

@@ -280,7 +280,7 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
     offload_state_bytes = optimizer.state_bytes_per_tier() if isinstance(optimizer, ReportsIteration) else {}
     first_of_run = True
     stop = StopCheck(args.sigterm_watcher, args.exit_duration_in_mins, started)
-    background = BackgroundSaves(device) if args.async_save else None
+    background = BackgroundSaves(device, args.checkpoint_worker) if args.async_save else None
     if background is not None:
         checkpointing.reserve_async_save_memory(model, optimizer, args)
     try:
@@ -337,6 +337,7 @@ def _pretrain(model_provider, datasets_provider, forward_step_func, argv) -> Non
             checkpointing.save_checkpoint(iteration, trained, consumed, args, background)
         if background is not None:
             background.finish()  # exit only once the last background write is complete
+            background.close()
         if torch.distributed.get_rank() == 0:
             finish_retiring()  # and once the checkpoints it retired are gone
     except BaseException:

@@ -18,6 +18,7 @@ from .file_format import SUFFIX as STATE_FILE_SUFFIX
 from .paced_file import read_report as read_flush_report
 from .paced_flush import FlushPacing, flush_pacing
 from .paced_flush import install as install_paced_fsync
+from .paced_flush import uninstall as uninstall_paced_fsync
 from .pacing import reserve_paced_staging
 from .parts import is_part_path
 from .range_reader import RangeReader
@@ -32,4 +33,4 @@ __all__ = ["MAGIC", "TRAILER", "STATE_FILE_SUFFIX", "CheckpointDataError", "Chec
            "merge_remainders", "BlockLayout", "Quantized", "quantize", "describe_formats", "is_blockwise",
            "MASK", "TENSORS", "StateDigest", "add_pairs", "as_pairs", "tensor_digest", "find_mismatch",
            "is_part_path", "FlushPacing", "flush_pacing", "read_flush_report", "install_paced_fsync",
-           "reserve_paced_staging"]
+           "uninstall_paced_fsync", "reserve_paced_staging"]

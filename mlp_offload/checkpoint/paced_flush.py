@@ -121,19 +121,25 @@ class FlushPacing:
                  for root, count in self.tier_tokens]
         return DiskPacer(tiers, self.cap_bps, clock=clock, sleep=sleep, due_at=self.due_at, busy_share=self.busy_share)
 
+    def running_lock(self) -> Optional[int]:
+        """A descriptor holding a shared lock on ``running_path`` (None without one): the writer that holds a copy
+        of it, and the workers it forks, are ``writer_running`` until every copy is closed."""
+        if self.running_path is None:
+            return None
+        fd = os.open(self.running_path, os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        return fd
+
     @contextmanager
     def held_across_fork(self) -> Iterator[None]:
-        """Around the fork of the writer: a shared lock on ``running_path`` taken before it, so the writer and the
-        workers it forks inherit it, and this process's copy closed after, so the lock lives as long as they do."""
-        if self.running_path is None:
-            yield
-            return
-        fd = os.open(self.running_path, os.O_RDWR | os.O_CREAT, 0o600)
+        """Around the fork of the writer: ``running_lock`` taken before it, so the writer and the workers it forks
+        inherit it, and this process's copy closed after, so the lock lives as long as they do."""
+        fd = self.running_lock()
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH)
             yield
         finally:
-            os.close(fd)  # the forked writer's copy keeps the lock
+            if fd is not None:
+                os.close(fd)  # the forked writer's copy keeps the lock
 
     def writer_running(self) -> bool:
         """Whether the forked writer (``held_across_fork``) still lives: its lock tried without waiting."""
@@ -236,6 +242,6 @@ def install(pacing: FlushPacing, sync_range: Optional[SyncRange] = None) -> Opti
 
 
 def uninstall() -> None:
-    """``os.fsync`` back as it was (tests, which install in their own process)."""
+    """``os.fsync`` back as it was (a process that runs one write after another; tests)."""
     if _REAL_FSYNC:
         os.fsync = _REAL_FSYNC.pop()

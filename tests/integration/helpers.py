@@ -1,7 +1,8 @@
 """Helpers the integration tests share: the offload flags of the shared runs, the mixture-of-experts
-model's flags, the layer-major step's, checkpoint copies, a resume checked against the run it left, the offloaded optimizer state of a checkpoint as whole global
-tensors (the independent readout resharding tests compare), the half-away reference run, and the
-planner tool's JSON from this process."""
+model's flags, the layer-major step's, checkpoint copies, a resume checked against the run it left, the
+offloaded optimizer state of a checkpoint as whole global tensors (the independent readout resharding tests
+compare), a torch_dist checkpoint's weights as whole tensors, the half-away reference run, and the planner
+tool's JSON from this process."""
 
 import contextlib
 import importlib.util
@@ -142,3 +143,16 @@ def plan_json(*flags, expect=0):
         code = planner().main(["--json", *flags])
     assert code == expect, out.getvalue()
     return json.loads(out.getvalue())
+
+
+def global_weights(iteration_dir):
+    """key -> the whole tensor, from a torch_dist checkpoint's files (its layout is global)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(str(iteration_dir))
+    tensors = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
+               for key, meta in reader.read_metadata().state_dict_metadata.items()
+               if isinstance(meta, TensorStorageMetadata)}
+    dcp.load(tensors, storage_reader=reader, no_dist=True)
+    return tensors

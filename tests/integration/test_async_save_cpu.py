@@ -12,13 +12,14 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import BASELINE_ITERS as ITERS
 from conftest import SAVE_EVERY
 from launch import run_pretrain
 from megatron.training.checkpoint import integrity
 from mlp_offload.checkpoint import StateFile, read_footer
-from helpers import offload_args
+from helpers import global_weights, offload_args
 
 SAVES = ["--save-interval", str(SAVE_EVERY)]
 SLOW_WRITER = {"MLP_OFFLOAD_DELAY": "save-offload=0.1"}  # per subgroup: about 2 s per checkpoint
@@ -49,6 +50,17 @@ def async_saved(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("async")
     ckpt = tmp / "ckpt"
     losses = run_pretrain(tmp, [*offload_args(tmp), "--save", str(ckpt), *SAVES, "--async-save"],
+                          train_iters=ITERS, env=SLOW_WRITER, loss_log=tmp / "run.jsonl")
+    return {"ckpt": ckpt, "losses": losses, "output": (tmp / "run.out").read_text()}
+
+
+@pytest.fixture(scope="module")
+def worker_saved(tmp_path_factory):
+    """The async run with torch_dist's files written by the worker each rank made at start-up."""
+    tmp = tmp_path_factory.mktemp("worker")
+    ckpt = tmp / "ckpt"
+    losses = run_pretrain(tmp, [*offload_args(tmp), "--save", str(ckpt), *SAVES, "--async-save",
+                                "--use-persistent-ckpt-worker"],
                           train_iters=ITERS, env=SLOW_WRITER, loss_log=tmp / "run.jsonl")
     return {"ckpt": ckpt, "losses": losses, "output": (tmp / "run.out").read_text()}
 
@@ -216,3 +228,35 @@ def test_the_paced_writers_staging_is_made_at_start_up_and_said_once(async_saved
     first_iteration = next(i for i, ln in enumerate(output.splitlines()) if re.search(r"iteration\s+1/", ln))
     assert output.splitlines().index(lines[0]) < first_iteration
     assert "copies aside of the offloaded state" not in chain["resumed_output"]
+
+
+def test_the_standing_workers_checkpoints_equal_the_synchronous_ones(sync_saved, worker_saved):
+    """With --use-persistent-ckpt-worker the torch_dist files are written by the process each rank forked at
+    start-up, from the staging the save copied them into: the weights and the offloaded state are the
+    synchronous save's, every save is complete, and training is unchanged."""
+    assert worker_saved["losses"] == sync_saved["losses"]
+    for iteration in (2, 4, 6):
+        written = global_weights(integrity.checkpoint_dir(worker_saved["ckpt"], iteration))
+        reference = global_weights(integrity.checkpoint_dir(sync_saved["ckpt"], iteration))
+        assert written.keys() == reference.keys() and written, iteration
+        for key, tensor in reference.items():
+            assert torch.equal(written[key], tensor), (iteration, key)
+        for dp in (0, 1):
+            assert saved_contents(offload_file(worker_saved["ckpt"], iteration, dp)) == \
+                saved_contents(offload_file(sync_saved["ckpt"], iteration, dp)), (iteration, dp)
+    states = {n: integrity.status(p).state for n, p in integrity.iteration_dirs(str(worker_saved["ckpt"])).items()}
+    assert states == {n: integrity.COMPLETE_STATE for n in (2, 4, 6)}
+
+
+def test_the_standing_worker_is_made_before_the_first_iteration_and_flushes_paced(worker_saved):
+    """One start-up line names the worker and its staging; each save's files are flushed paced behind the tiers,
+    as the forked writer's are."""
+    output = worker_saved["output"]
+    lines = [ln for ln in output.splitlines() if "kept as the staging of the checkpoint worker made at start-up" in ln]
+    assert len(lines) == 1, output[-3000:]
+    assert re.search(r"--async-save: [0-9.,]+ [kMG]B of host memory \(rank 0\) .* \(pid [0-9]+\)", lines[0]), lines[0]
+    first_iteration = next(i for i, ln in enumerate(output.splitlines()) if re.search(r"iteration\s+1/", ln))
+    assert output.splitlines().index(lines[0]) < first_iteration
+    for n in range(SAVE_EVERY, ITERS + 1, SAVE_EVERY):
+        assert re.search(rf"> saved checkpoint at iteration {n} .*; torch_dist's writer: [1-9][0-9]* files flushed "
+                         r"paced", output), [ln for ln in output.splitlines() if f"iteration {n} " in ln]

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from launch import run_pretrain
-from helpers import assert_same_state, copy_checkpoint, global_offload_state, offload_args
+from helpers import assert_same_state, copy_checkpoint, global_offload_state, global_weights, offload_args
 
 ITERS, SAVED_AT = 4, 2
 PP2 = ["--pipeline-model-parallel-size", "2", "--eval-interval", "2", "--eval-iters", "1"]
@@ -29,19 +29,6 @@ def at_saved(tmp, form: str):
     """A root holding only the ``form`` run's checkpoint of iteration SAVED_AT."""
     into = tmp / f"{form}-at{SAVED_AT}"
     return into if into.exists() else copy_checkpoint(tmp / f"{form}-ckpt", [SAVED_AT], into)
-
-
-def global_weights(iteration_dir):
-    """key -> the whole tensor, from a torch_dist checkpoint's files (its layout is global)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    reader = dcp.FileSystemReader(str(iteration_dir))
-    tensors = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
-               for key, meta in reader.read_metadata().state_dict_metadata.items()
-               if isinstance(meta, TensorStorageMetadata)}
-    dcp.load(tensors, storage_reader=reader, no_dist=True)
-    return tensors
 
 
 @pytest.fixture(scope="module")

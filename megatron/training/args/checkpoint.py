@@ -33,6 +33,11 @@ def add_flags(g) -> None:
                         "(training pauses only where an update overtakes the writer beyond "
                         "--offload-save-staging-gb); a checkpoint is completed (proof, tracker) once every "
                         "rank's writes have ended")
+    g.add_argument("--use-persistent-ckpt-worker", action="store_true",
+                   help="with --async-save: the torch_dist files of every save are written by one worker process "
+                        "made at start-up, the tensors handed over through host memory both map, instead of by "
+                        "a process forked at each save (whose pages shared with the rank are copied as the "
+                        "training thread writes them, in the steps after the save)")
     g.add_argument("--ckpt-convert-memory-mb", type=positive_int, default=512,
                    help="host memory the optimizer state may take at once while it is converted between the "
                         "offloaded form and megatron-core's own (at load time, or tools/convert_offload_checkpoint.py)")
@@ -84,6 +89,9 @@ def validate(parser, args) -> None:
             parser.error(f"argument {flag}: requires --load DIR")
     if args.async_save and not args.save:
         parser.error("argument --async-save: requires --save DIR")
+    if args.use_persistent_ckpt_worker and not args.async_save:
+        parser.error("argument --use-persistent-ckpt-worker: requires --async-save (a synchronous save writes from "
+                     "the rank itself)")
     if args.non_persistent_ckpt_type in ("local", "in_memory"):
         parser.error(f"argument --non-persistent-ckpt-type: {args.non_persistent_ckpt_type} is Megatron-LM's, not "
                      "built here; global (ordinary checkpoints in --non-persistent-global-ckpt-dir) is")

@@ -34,7 +34,6 @@ from __future__ import annotations
 import builtins
 import contextlib
 import dataclasses
-import functools
 import os
 import socket
 import tempfile
@@ -49,10 +48,11 @@ from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQu
 from megatron.core.dist_checkpointing.strategies.base import AsyncSaveShardedStrategy
 
 from megatron.training.errors import UserError
+from megatron.training.runtime.checkpoint_worker import StandingQueue, StandingWorker, staged_bytes
 from megatron.training.checkpoint.state_dict import writer_processes
 from megatron.training.runtime.io_priority import at_idle_priority
 from mlp_offload import GiB, meminfo_bytes
-from mlp_offload.checkpoint import FlushPacing, flush_pacing, human_bytes, install_paced_fsync
+from mlp_offload.checkpoint import FlushPacing, flush_pacing, human_bytes, install_paced_fsync, uninstall_paced_fsync
 
 # on_written(failure): failure is None when this rank's write succeeded, else a one-line reason.
 OnWritten = Callable[[Optional[str]], None]
@@ -85,8 +85,9 @@ class WriterThread(Protocol):
 class BackgroundSaves:
     """At most one checkpoint being written in the background (a new save finishes the last first)."""
 
-    def __init__(self, device: torch.device):
-        self._queue = AsyncCallsQueue(persistent=False)
+    def __init__(self, device: torch.device, worker: Optional[StandingWorker] = None):
+        self._worker = worker  # --use-persistent-ckpt-worker: it writes torch_dist's files, no fork at a save
+        self._queue = self._new_queue()
         self._device = device  # of the all-reduce that asks whether every rank's thread has ended
         self._thread: Optional[WriterThread] = None
         self._flush: Optional[FlushPacing] = None
@@ -102,16 +103,23 @@ class BackgroundSaves:
         the finalize step, after the thread too has ended. ``flush``: the forked writer's fsyncs paced so."""
         if self.pending:
             raise RuntimeError("a background checkpoint write is still pending: finish() it first")
-        finalize = _finalize_then(request.finalize_fns, on_written)
+        callers = []  # this call's, once scheduled: a standing worker's says how its write failed
+        finalize = _finalize_then(request.finalize_fns, on_written,
+                                  lambda: getattr(callers[0], "failure", None) if callers else None)
         write = forked_writer(request.async_fn, flush) if request.async_fn is not None else None
         first = flush if flush is not None and flush.running_path is not None and write is not None else None
-        with first.held_across_fork() if first is not None else contextlib.nullcontext():
+        forking = first is not None and self._worker is None  # the standing worker takes the lock with the write
+        with first.held_across_fork() if forking else contextlib.nullcontext():
             self._queue.schedule_async_request(request._replace(async_fn=write, finalize_fns=[finalize]))
+        callers.append(self._queue.async_calls[-1].async_caller)
         if thread is not None and first is not None:  # its flushes are due first: the thread waits for them
             thread.yield_to(first.writer_running, first.due_at)
         self._thread, self._flush = thread, flush
         if thread is not None:
             thread.start()
+
+    def _new_queue(self) -> AsyncCallsQueue:
+        return StandingQueue(self._worker) if self._worker is not None else AsyncCallsQueue(persistent=False)
 
     def iteration_s(self) -> Optional[float]:
         """The shortest of the last few iterations, as the polls after them saw it (None before two polls): a
@@ -132,6 +140,12 @@ class BackgroundSaves:
                 self._thread.wait()
             self._queue.maybe_finalize_async_calls(blocking=True)
 
+    def close(self) -> None:
+        """After ``finish``: the standing worker, where there is one, ends."""
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+
     def _all_threads_done(self) -> bool:
         if self._thread is None:
             return True
@@ -144,10 +158,11 @@ class BackgroundSaves:
         if self._thread is not None:
             self._thread.cancel()  # its partial file goes; the engine is no longer held back
             self._thread = None
-        # The queue's own close(abort=True) kills only a persistent worker, so each forked writer here.
+        # The queue's own close(abort=True) kills only megatron-core's persistent worker, so each writer here.
         for call in self._queue.async_calls:
             call.async_caller.close(abort=True)
-        self._queue = AsyncCallsQueue(persistent=False)
+        self._worker = None  # killed, where there was one: later saves (none, the run failing) would fork
+        self._queue = self._new_queue()
         if self._flush is not None and self._flush.report_path is not None:  # its report is read no more
             _remove(self._flush.report_path)
         self._flush = None
@@ -172,25 +187,34 @@ def _remove(path: str) -> None:
         pass
 
 
-def forked_writer(write: Callable, flush: Optional[FlushPacing]) -> Callable:
-    """``write`` (megatron-core's, run in the process it forks) at the idle I/O priority and nice 19, so the file
-    tiers' step I/O (where the scheduler serves classes) and the rank's threads go first; with ``flush``, its
-    fsyncs paced behind the tiers.
-    Both only where it runs in another process than the one that made it: the rank's own stay as they are."""
-    rank_pid = os.getpid()
-    idle = at_idle_priority(write)
+@dataclasses.dataclass(frozen=True)
+class BackgroundWrite:
+    """``write`` (megatron-core's) at the idle I/O priority and nice 19, so the file tiers' step I/O (where the
+    scheduler serves classes) and the rank's threads go first; with ``flush``, its fsyncs paced behind the tiers.
+    Both only where it runs in another process than the rank (``rank_pid``): the rank's own stay as they are. A
+    value, not a closure: the standing worker (runtime.checkpoint_worker) gets it over a socket."""
+    write: Callable
+    flush: Optional[FlushPacing]
+    rank_pid: int
 
-    @functools.wraps(write)
-    def run(*args, **kwargs):
-        if os.getpid() == rank_pid:  # run in the rank itself: nothing of the rank's is changed
-            return write(*args, **kwargs)
-        if flush is not None:
-            paced_open = install_paced_fsync(flush)  # inherited by the workers it forks, one per file
-            if paced_open is not None:
-                _files_written_paced(paced_open, bucket_bytes(args))
-        return idle(*args, **kwargs)
+    def __call__(self, *args, **kwargs):
+        if os.getpid() == self.rank_pid:  # run in the rank itself: nothing of the rank's is changed
+            return self.write(*args, **kwargs)
+        # inherited by the workers it forks, one per file
+        paced_open = install_paced_fsync(self.flush) if self.flush is not None else None
+        if paced_open is not None:
+            _files_written_paced(paced_open, bucket_bytes(args))
+        try:
+            return at_idle_priority(self.write)(*args, **kwargs)
+        finally:
+            if paced_open is not None:  # a standing worker's next write is paced by its own save's plan
+                _files_written_plainly()
+                uninstall_paced_fsync()
 
-    return run
+
+def forked_writer(write: Callable, flush: Optional[FlushPacing]) -> BackgroundWrite:
+    """``write`` as the background writer of this rank runs it (BackgroundWrite)."""
+    return BackgroundWrite(write, flush, os.getpid())
 
 
 def bucket_bytes(args: Sequence) -> dict:
@@ -222,6 +246,12 @@ def _files_written_paced(paced_open: Callable, sizes: dict) -> None:
     filesystem_async.open = open_for_writing  # the module's name for the builtin, in this process only
 
 
+def _files_written_plainly() -> None:
+    """``_files_written_paced`` undone: the module's ``open`` the builtin again."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    filesystem_async.__dict__.pop("open", None)
+
+
 def reserve_host_copies(model_state: dict, fully_parallel: bool) -> Tuple[int, float]:
     """Pin, then free, host memory for each GPU tensor of ``model_state`` (the model's sharded state
     dict, as a save builds it) that a save copies to host: torch keeps freed pinned blocks cached by
@@ -246,11 +276,22 @@ def reserve_host_copies(model_state: dict, fully_parallel: bool) -> Tuple[int, f
     return nbytes, time.perf_counter() - started
 
 
-def copied_tensor_sizes(model_state: dict, fully_parallel: bool) -> List[Tuple[int, torch.dtype]]:
-    """(numel, dtype) of each GPU tensor a save of ``model_state`` copies to host on this rank."""
+def reserve_worker_staging(worker: StandingWorker, model_state: dict, fully_parallel: bool) -> str:
+    """--use-persistent-ckpt-worker: the staging its saves copy the weights into, made now (a save that writes more,
+    an optimizer state in torch_dist's files, makes it again, larger); the line that says so."""
+    started = time.perf_counter()
+    worker.reserve(staged_bytes(copied_tensor_sizes(model_state, fully_parallel, gpu_only=False)))
+    return (f"> --async-save: {human_bytes(worker.staging.size)} of host memory (rank 0) kept as the staging of the "
+            f"checkpoint worker made at start-up (pid {worker.pid}), made in {time.perf_counter() - started:.1f} s")
+
+
+def copied_tensor_sizes(model_state: dict, fully_parallel: bool,
+                        gpu_only: bool = True) -> List[Tuple[int, torch.dtype]]:
+    """(numel, dtype) of each GPU tensor (``gpu_only``; else each tensor) a save of ``model_state`` copies to host
+    on this rank."""
     apply_factories(model_state)  # e.g. SwiGLU's fc1 is saved as its two halves
     return [(value.data.numel(), value.data.dtype) for value in nested_values(model_state)
-            if isinstance(value, ShardedTensor) and value.data is not None and value.data.is_cuda
+            if isinstance(value, ShardedTensor) and value.data is not None and (value.data.is_cuda or not gpu_only)
             and (fully_parallel or is_main_replica(value.replica_id))]
 
 
@@ -338,14 +379,17 @@ def check_nodes_hold(nbytes: int, why: str) -> None:
                             f"without --async-save")
 
 
-def _finalize_then(finalize_fns, on_written: OnWritten):
+def _finalize_then(finalize_fns, on_written: OnWritten, worker_failure: Callable[[], Optional[str]]):
+    """The finalize step: megatron-core's own (collective: every rank runs them, failed or not), then
+    ``on_written``; a failure in one line, the worker's own words where it told them (``worker_failure``)."""
     def finalize() -> None:
         failure = None
         try:
             for fn in finalize_fns:
                 fn()
         except CheckpointException as err:  # raised on every rank (megatron-core broadcasts it)
-            failure = f"rank {torch.distributed.get_rank()}: the background write failed: {_one_line(err)}"
+            failure = (f"rank {torch.distributed.get_rank()}: the background write failed: "
+                       f"{worker_failure() or _one_line(err)}")
         on_written(failure)
 
     return finalize

@@ -22,7 +22,7 @@ import torch
 from megatron.core import dist_checkpointing, parallel_state
 
 from megatron.training.checkpoint.async_save import (HostWeightsAside, check_nodes_hold, next_save_in_s,
-                                                      reserve_host_copies, torch_dist_flush)
+                                                      reserve_host_copies, reserve_worker_staging, torch_dist_flush)
 from megatron.training.checkpoint.integrity import NEWEST_ONLY, checkpoint_dir, non_persistent_root, part_bytes, retire
 from megatron.training.checkpoint.load_plan import SAME_FORM, plan_load, resume_position, resume_root
 from megatron.training.checkpoint.offload_files import (offloaded_state_bytes, offloaded_state_writes,
@@ -82,7 +82,11 @@ def reserve_async_save_memory(model, optimizer, args) -> None:
     offloaded state's copies aside (mlp_offload.checkpoint.reserve_paced_staging), not beside the steps after the
     first save; a line says how much of each."""
     fully_parallel = args.ckpt_fully_parallel_save and parallel_state.get_data_parallel_world_size() > 1
-    nbytes, seconds = reserve_host_copies(model_state(model, sharding_metadata()), fully_parallel)
+    if args.checkpoint_worker is not None:
+        print_rank0(reserve_worker_staging(args.checkpoint_worker, model_state(model, sharding_metadata()), fully_parallel))
+        nbytes = 0  # the worker's staging is what the saves copy the weights into
+    else:
+        nbytes, seconds = reserve_host_copies(model_state(model, sharding_metadata()), fully_parallel)
     if nbytes:
         print_rank0(f"> --async-save: {human_bytes(nbytes)} of pinned host memory (rank 0) kept for the saves' copies "
                     f"of the weights, pinned in {seconds:.1f} s")

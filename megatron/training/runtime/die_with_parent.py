@@ -15,14 +15,15 @@ import types
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
-def die_with_parent(*_unused) -> None:
+def die_with_parent(*_unused, parent_pid: int = 0) -> None:
     """Run first in a multiprocessing child (Manager initializer; after-fork hook, which passes
-    one argument): the kernel SIGKILLs it when the thread that started it ends."""
+    one argument), or in a plain fork given ``parent_pid``: the kernel SIGKILLs it when the thread
+    that started it ends."""
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL)) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     # The parent may have died before prctl ran; then no signal will come.
-    if os.getppid() != multiprocessing.parent_process().pid:
+    if os.getppid() != (parent_pid or multiprocessing.parent_process().pid):
         os.kill(os.getpid(), signal.SIGKILL)
     # torchrun stops a worker by SIGTERM to its whole process group, these children included; with
     # --exit-signal-handler the rank still saves after that, through them. They end with the rank
