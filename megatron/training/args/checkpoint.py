@@ -35,9 +35,9 @@ def add_flags(g) -> None:
                         "rank's writes have ended")
     g.add_argument("--use-persistent-ckpt-worker", action="store_true",
                    help="with --async-save: the torch_dist files of every save are written by one worker process "
-                        "made at start-up, the tensors handed over through host memory both map, instead of by "
-                        "a process forked at each save (whose pages shared with the rank are copied as the "
-                        "training thread writes them, in the steps after the save)")
+                        "made at start-up, instead of by a process forked at each save; each save copies the "
+                        "tensors into host memory both map (a staging the size of the rank's torch_dist "
+                        "tensors, made at start-up and kept)")
     g.add_argument("--ckpt-convert-memory-mb", type=positive_int, default=512,
                    help="host memory the optimizer state may take at once while it is converted between the "
                         "offloaded form and megatron-core's own (at load time, or tools/convert_offload_checkpoint.py)")
