@@ -71,7 +71,8 @@ def initialize(args) -> torch.device:
         cpu_compat.apply()
     child_processes.die_with_rank(start_results_queue=bool(args.save))
     # Forked before the process group's threads and the model: a fork shares only start-up's pages.
-    args.checkpoint_worker = StandingWorker.start(pin=device.type == "cuda") if args.use_persistent_ckpt_worker else None
+    args.checkpoint_worker = (StandingWorker.start(pin=device.type == "cuda") if args.use_persistent_ckpt_worker
+                              else None)
     _init_process_group(device, args.distributed_timeout_minutes)
 
     from megatron.core import parallel_state

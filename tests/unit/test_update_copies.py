@@ -1,11 +1,12 @@
 """The update's copies of params in host memory, as the adapter adds them to the engine's predicted update
-(``params_streaming.update_with_copies_s`` at the link rate ``host_link`` measures on a GPU)."""
+(``params_streaming.update_with_copies_s`` at the link rate ``host_memory.measured_link_bytes_per_s`` measures on
+a GPU)."""
 
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from megatron.training.runtime.host_link import measured_link_bytes_per_s
+from megatron.training.runtime.host_memory import measured_link_bytes_per_s
 from megatron.training.offload.params_streaming import update_with_copies_s
 from tests.profiles import examples
 

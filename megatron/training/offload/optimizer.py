@@ -29,7 +29,7 @@ from megatron.training.errors import UserError
 from megatron.training.model.host_params import gather_params, placed_in_host_memory
 from megatron.training.offload import tier_growth
 from megatron.training.offload.overlap_choice import OverlapChoice
-from megatron.training.runtime.host_link import measured_link_bytes_per_s
+from megatron.training.runtime.host_memory import measured_link_bytes_per_s
 from megatron.training.offload.shard import OffloadShard, ShardGroups
 from megatron.training.offload.shard_budgets import check_host_split, config_for_kind
 from megatron.training.runtime.optimizer_interface import (HoldsResources, OffloadedOptimizerCheckpoint,

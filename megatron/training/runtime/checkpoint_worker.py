@@ -338,7 +338,3 @@ class StandingQueue(AsyncCallsQueue):
 
     def _get_async_caller(self):
         return StandingCaller(self.worker)
-
-    def failure_of_oldest(self) -> Optional[str]:
-        """The oldest pending call's failure, as its worker told it (None: written or still running)."""
-        return self.async_calls[0].async_caller.failure if self.async_calls else None

@@ -1,16 +1,19 @@
-"""What a rank holds in host memory beside the offload engine's buffers, for the start-up guard
-(``mlp_offload.tiers.host.check_host_memory``, which adds up the node's ranks) and the planner.
+"""The host beside the GPU. What a rank holds in host memory beside the offload engine's buffers, for the
+start-up guard (``mlp_offload.tiers.host.check_host_memory``, which adds up the node's ranks) and the planner.
 
 Data workers are forked from the rank; the engine's buffers are left out of them (MADV_DONTFORK,
 ``mlp_offload.tiers.no_fork``), so a worker costs its own prefetched batches and the pages of the
 rank it rewrites (Python's reference counts): counted at 32 MiB each, above what one measured on CPU with
 mock data (tests/unit/test_planned_host_memory.py), for larger batches and datasets (docs/design.md, the
 ``runtime/host_memory.py`` row).
+
+The GPU's host link, measured once at start-up where the params live in host memory: the update's copies of them
+(``params_streaming.update_copies``) join the engine's predicted update at this rate.
 """
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 
@@ -59,3 +62,25 @@ def unpin(tensor: torch.Tensor) -> None:
     as pinned, and a buffer mapped there later is then taken for pinned memory its copies never reach."""
     torch.cuda.synchronize()  # no copy may still read or write it
     torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
+
+
+PROBE_BYTES = 256 * MiB
+
+
+def measured_link_bytes_per_s(device: torch.device, nbytes: int = PROBE_BYTES) -> Optional[float]:
+    """One direction of ``device``'s host link (the slower of a pinned buffer's copy in and out), None off a GPU."""
+    if device.type != "cuda":
+        return None
+    host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    on_device = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    on_device.copy_(host)  # the first copies set up what later ones reuse: not timed
+    host.copy_(on_device)
+    rates = []
+    for source, target in ((host, on_device), (on_device, host)):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        target.copy_(source, non_blocking=True)
+        end.record()
+        end.synchronize()
+        rates.append(nbytes / (start.elapsed_time(end) / 1000.0))
+    return min(rates)
