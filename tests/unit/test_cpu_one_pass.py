@@ -5,7 +5,11 @@ engine with the one-pass path against the engine without it (remainders too, par
 and subgroup cuts drawn) and against torch.optim.AdamW; a failed build keeps the multi-pass path."""
 
 import dataclasses
+import functools
+import itertools
 import logging
+import os
+import platform
 import tempfile
 from fractions import Fraction
 
@@ -93,6 +97,57 @@ def _store(x: np.ndarray, like: torch.Tensor, high=None) -> None:
         like.copy_(torch.from_numpy(x))
 
 
+def torch_sqrt_by_block(v: np.ndarray) -> np.ndarray:
+    """torch's CPU sqrt called as the kernel calls it: block by block, one thread, 64-byte-aligned
+    memory (torch's allocator), so neither a split across threads nor numpy's alignment enters."""
+    out = np.empty_like(v)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        for lo in range(0, v.size, cop.BLOCK):
+            out[lo:lo + cop.BLOCK] = torch.from_numpy(v[lo:lo + cop.BLOCK]).clone().sqrt().numpy()
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def torch_sqrt_placement_dependence() -> str:
+    """'' where torch's CPU sqrt gives a value the same bits wherever it lies (the input's and the
+    output's alignment, a split across threads); otherwise what changed them. Where the bits depend
+    on placement, "torch's sqrt" has no one value for a reference to hold the kernel to."""
+    gen = torch.Generator().manual_seed(7)
+    n = 2 * cop.BLOCK + 77
+    x = torch.rand(n, generator=gen) * torch.exp2(torch.randint(-40, 4, (n,), generator=gen).float())
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = x.sqrt()
+        for into, out_at in itertools.product(range(16), (0, 1, 3, 8)):
+            moved = torch.empty(n + 16)[into:into + n].copy_(x)
+            got = torch.empty(n + 16)[out_at:out_at + n]
+            torch.sqrt(moved, out=got)
+            if not torch.equal(got, want):
+                return (f"input {into} and output {out_at} floats off 64-byte alignment: "
+                        f"{int((got != want).sum())} differ")
+        for k in (1, 13, 77, cop.BLOCK, cop.BLOCK + 5):
+            if not torch.equal(torch.cat([x[:k].sqrt(), x[k:].sqrt()]), want):
+                return f"a split at element {k} changes them"
+        for count in (2, 4):
+            torch.set_num_threads(count)
+            if not torch.equal(x.sqrt(), want):
+                return f"{count} threads change them"
+    finally:
+        torch.set_num_threads(threads)
+    return ""
+
+
+def cpu_model() -> str:
+    lines = [line for line in open("/proc/cpuinfo") if line.startswith("model name")] if os.path.exists(
+        "/proc/cpuinfo") else []
+    return lines[0].split(":", 1)[1].strip() if lines else platform.processor() or platform.machine()
+
+
 def reference_step(variant: cop.CpuVariant, stored, grad, high, h: AdamHyper, step: int) -> None:
     """The variant's AdamW step, one float32 operation at a time (numpy rounds each once)."""
     a = variant.arith
@@ -112,7 +167,7 @@ def reference_step(variant: cop.CpuVariant, stored, grad, high, h: AdamHyper, st
         v = fma(w2 * g, g, v) if a.fma_addcmul else v + (w2 * g) * g
     else:
         v = fma(w2, g * g, v) if a.fma_addcmul else v + w2 * (g * g)
-    root = torch.from_numpy(v).sqrt().numpy() if variant.torch_sqrt else np.sqrt(v)
+    root = torch_sqrt_by_block(v) if variant.torch_sqrt else np.sqrt(v)
     root = root * F32(1 / F32(bc2_sqrt)) if a.reciprocal_div else root / F32(bc2_sqrt)
     denom = root + eps
     if variant.torch_order:
@@ -130,6 +185,9 @@ def _bits(t):
 @pytest.mark.parametrize("variant", cop.cpu_variants(), ids=lambda v: v.describe().replace(" ", "_"))
 @pytest.mark.parametrize("name", list(SETS))
 def test_kernel_equals_the_float32_reference(variant, name):
+    if variant.torch_sqrt and torch_sqrt_placement_dependence():
+        pytest.skip(f"torch's CPU sqrt on this CPU ({cpu_model()}) depends on where a value lies "
+                    f"({torch_sqrt_placement_dependence()}); the IEEE-sqrt variants check the rest")
     dtypes = SETS[name]
     kernel = cop.CpuOnePass(variant, dtypes)
     numel = 2 * cop.BLOCK + 77  # blocks and a short one
@@ -140,7 +198,9 @@ def test_kernel_equals_the_float32_reference(variant, name):
             kernel(ours, grad, high, hyper, step)
             reference_step(variant, ref, grad, high_ref, hyper, step)
         for got, want in zip(ours, ref):
-            assert torch.equal(_bits(got), _bits(want)), (hyper, int((_bits(got) != _bits(want)).sum()))
+            differ = int((got.view(torch.int16 if got.element_size() == 2 else torch.int32)
+                          != want.view(torch.int16 if want.element_size() == 2 else torch.int32)).sum())
+            assert differ == 0, (hyper, f"{differ} of {numel} elements differ on {cpu_model()}")
         assert torch.equal(_bits(high), _bits(high_ref))
 
 
