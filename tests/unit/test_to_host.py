@@ -55,9 +55,21 @@ def test_without_a_gpu_it_is_a_plain_copy():
     assert torch.equal(dst, src)
 
 
+@pytest.fixture
+def piece_counts(monkeypatch):
+    """The pieces each copy through the pinned pair was cut into (one entry a copy; none for a plain copy_)."""
+    counts, real = [], to_host.copy_in_pieces
+
+    def counted(dst, src, piece, move, land):
+        counts.append(-(-src.numel() // piece))
+        real(dst, src, piece, move, land)
+    monkeypatch.setattr(to_host, "copy_in_pieces", counted)
+    return counts
+
+
 @needs_cuda
 @pytest.mark.parametrize("numel", [1, to_host.PIECE // 4 - 3, to_host.PIECE // 4, 3 * to_host.PIECE // 4 + 5])
-def test_on_cuda_device_to_pageable_host_through_pinned_pieces(numel):
+def test_on_cuda_device_to_pageable_host_through_pinned_pieces(numel, piece_counts):
     src = torch.randn(numel, device="cuda")
     dst = aligned_empty(numel * 4).view(torch.float32)  # pageable, never forked: a snapshot's staging buffer
     assert not dst.is_pinned()
@@ -65,14 +77,16 @@ def test_on_cuda_device_to_pageable_host_through_pinned_pieces(numel):
     with torch.cuda.stream(stream):
         to_host.copy_to_host(dst, src)
     assert torch.equal(dst, src.cpu())
+    assert piece_counts == [-(-numel * 4 // to_host.PIECE)]  # the pinned pair carried it, not a plain copy_
 
 
 @needs_cuda
-def test_on_cuda_other_pairs_copy_as_torch_does():
+def test_on_cuda_other_pairs_copy_as_torch_does(piece_counts):
     src = torch.randn(64, 3, device="cuda")
     for dst in (torch.empty(3, 64).t(), torch.empty(64, 3, dtype=torch.float64), torch.empty(64, 3, device="cuda")):
         to_host.copy_to_host(dst, src)  # not contiguous, another dtype, on the device: copy_ as given
         assert torch.equal(dst.cpu().to(src.dtype), src.cpu())
+    assert piece_counts == []
 
 
 @needs_cuda
