@@ -218,7 +218,9 @@ def test_variants_differ_from_each_other_on_a_sample():
 @pytest.mark.parametrize("name", list(SETS))
 def test_threads_and_cuts_do_not_change_the_bits(name):
     dtypes = SETS[name]
-    kernel = cop.CpuOnePass(cop.cpu_variants()[0], dtypes)
+    # torch's sqrt where it gives each value one result wherever it lies (it is then what the cuts test)
+    variant = next(v for v in cop.cpu_variants() if not (v.torch_sqrt and torch_sqrt_placement_dependence()))
+    kernel = cop.CpuOnePass(variant, dtypes)
     whole, grad, high = sample_state(dtypes, 3 * cop.BLOCK + 5, "cpu", 1)
     pieces, high_p = [t.clone() for t in whole], high.clone()
     threads = torch.get_num_threads()
@@ -236,6 +238,9 @@ def test_threads_and_cuts_do_not_change_the_bits(name):
 @pytest.mark.parametrize("kind", ["single", "foreach"])
 @pytest.mark.parametrize("name", list(SETS))
 def test_start_up_check_finds_torchs_cpu_variant(kind, name):
+    if torch_sqrt_placement_dependence():
+        pytest.skip(f"torch's CPU sqrt on this CPU ({cpu_model()}) depends on where a value lies: the multi-pass "
+                    f"path's bits are its placement's ({torch_sqrt_placement_dependence()})")
     kernel, how = cop.verified_cpu_one_pass(SETS[name], AdamKernel(kind))
     assert kernel is not None, how
     assert "one pass" in how and kernel.variant.torch_order
