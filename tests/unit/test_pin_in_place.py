@@ -6,7 +6,15 @@ GPU suite's unit tests): the buffer pinned, and copies to the GPU from it."""
 import pytest
 import torch
 
-from megatron.training.runtime.host_memory import host_zeros_to_pin, pin_in_place, unpin
+from megatron.training.runtime.host_memory import host_zeros_to_pin, pin_in_place
+
+
+def unpin(tensor: torch.Tensor) -> None:
+    """Undo ``pin_in_place`` before the test frees ``tensor`` (the product's buffers live as long as their
+    process): a range freed registered stays known to CUDA as pinned, and a buffer mapped there later is then
+    taken for pinned memory its copies never reach."""
+    torch.cuda.synchronize()  # no copy may still read or write it
+    torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
 
 
 def _resident_bytes() -> int:

@@ -57,13 +57,6 @@ def pin_in_place(tensor: torch.Tensor, what: str) -> None:
                         f"the locked-memory limit (ulimit -l) or free host memory")
 
 
-def unpin(tensor: torch.Tensor) -> None:
-    """Undo ``pin_in_place`` before ``tensor``'s memory is freed: a range left registered stays known to CUDA
-    as pinned, and a buffer mapped there later is then taken for pinned memory its copies never reach."""
-    torch.cuda.synchronize()  # no copy may still read or write it
-    torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
-
-
 PROBE_BYTES = 256 * MiB
 
 
