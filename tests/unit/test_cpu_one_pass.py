@@ -148,6 +148,12 @@ def cpu_model() -> str:
     return lines[0].split(":", 1)[1].strip() if lines else platform.processor() or platform.machine()
 
 
+def skip_where_torch_sqrt_moves(consequence: str) -> None:
+    if torch_sqrt_placement_dependence():
+        pytest.skip(f"torch's CPU sqrt on this CPU ({cpu_model()}) depends on where a value lies "
+                    f"({torch_sqrt_placement_dependence()}): {consequence}")
+
+
 def reference_step(variant: cop.CpuVariant, stored, grad, high, h: AdamHyper, step: int) -> None:
     """The variant's AdamW step, one float32 operation at a time (numpy rounds each once)."""
     a = variant.arith
@@ -185,9 +191,8 @@ def _bits(t):
 @pytest.mark.parametrize("variant", cop.cpu_variants(), ids=lambda v: v.describe().replace(" ", "_"))
 @pytest.mark.parametrize("name", list(SETS))
 def test_kernel_equals_the_float32_reference(variant, name):
-    if variant.torch_sqrt and torch_sqrt_placement_dependence():
-        pytest.skip(f"torch's CPU sqrt on this CPU ({cpu_model()}) depends on where a value lies "
-                    f"({torch_sqrt_placement_dependence()}); the IEEE-sqrt variants check the rest")
+    if variant.torch_sqrt:
+        skip_where_torch_sqrt_moves("the IEEE-sqrt variants check the rest")
     dtypes = SETS[name]
     kernel = cop.CpuOnePass(variant, dtypes)
     numel = 2 * cop.BLOCK + 77  # blocks and a short one
@@ -238,9 +243,7 @@ def test_threads_and_cuts_do_not_change_the_bits(name):
 @pytest.mark.parametrize("kind", ["single", "foreach"])
 @pytest.mark.parametrize("name", list(SETS))
 def test_start_up_check_finds_torchs_cpu_variant(kind, name):
-    if torch_sqrt_placement_dependence():
-        pytest.skip(f"torch's CPU sqrt on this CPU ({cpu_model()}) depends on where a value lies: the multi-pass "
-                    f"path's bits are its placement's ({torch_sqrt_placement_dependence()})")
+    skip_where_torch_sqrt_moves("the multi-pass path's bits are its placement's")
     kernel, how = cop.verified_cpu_one_pass(SETS[name], AdamKernel(kind))
     assert kernel is not None, how
     assert "one pass" in how and kernel.variant.torch_order
